@@ -1,0 +1,834 @@
+//! The DMA space: the client's DMA windows as the device sees them.
+//!
+//! Every `DMA_MAP` the client sends becomes one [`Mapping`] keyed by IOVA. A map that carries a
+//! file descriptor is mmapped once (through `vm-memory`, so accesses are volatile and no Rust
+//! reference ever points into guest memory) and gets an [`AtomicBitmap`] that records every write
+//! the device makes, ready for DMA dirty logging. A map without a descriptor is reachable only
+//! through messages: the server installs a [`RemoteDma`] that turns accesses into `DMA_READ` /
+//! `DMA_WRITE` commands to the client.
+//!
+//! Accesses are checked against the window's permissions and bounds before anything is touched:
+//! an access that is not fully covered by mappings with the right permission fails with
+//! [`DmaError`] and writes nothing, so a bad address a guest driver programs can never become a
+//! wild write.
+//!
+//! Concurrency: engines access the space under a read lock held for one access; map and unmap
+//! take the write lock, so an unmap returns only once no access into the old window is in flight
+//! (the spec requires the server to drop every reference before replying to `DMA_UNMAP`).
+
+use std::fmt;
+use std::fs::File;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use vm_memory::bitmap::{AtomicBitmap, BitmapSlice};
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
+
+/// Page size the dirty bitmaps are kept at.
+pub const DIRTY_PAGE_SIZE: usize = 4096;
+
+/// A volatile view of mmapped DMA memory; writes through it mark pages dirty.
+pub type DmaSlice<'a> = VolatileSlice<'a, vm_memory::bitmap::BS<'a, AtomicBitmap>>;
+
+/// One contiguous piece of a DMA access, handed to access callbacks in address order.
+#[derive(Debug)]
+pub enum Piece<'a> {
+    /// Directly mapped guest memory.
+    Mem(DmaSlice<'a>),
+    /// A bounce buffer for a message-only window: filled from the client before a read
+    /// callback, sent to the client after a write callback.
+    Bounce(&'a mut [u8]),
+}
+
+impl Piece<'_> {
+    /// Length of the piece in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Piece::Mem(s) => s.len(),
+            Piece::Bounce(b) => b.len(),
+        }
+    }
+
+    /// Whether the piece is empty (never, for pieces handed out by [`DmaSpace`]).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies the piece into `dst` (which must be at least as long).
+    pub fn copy_to(&self, dst: &mut [u8]) {
+        match self {
+            Piece::Mem(s) => {
+                s.copy_to(dst);
+            }
+            Piece::Bounce(b) => {
+                let n = b.len().min(dst.len());
+                if let (Some(d), Some(s)) = (dst.get_mut(..n), b.get(..n)) {
+                    d.copy_from_slice(s);
+                }
+            }
+        }
+    }
+
+    /// Fills the piece from `src`.
+    pub fn copy_from(&mut self, src: &[u8]) {
+        match self {
+            Piece::Mem(s) => s.copy_from(src),
+            Piece::Bounce(b) => {
+                let n = b.len().min(src.len());
+                if let (Some(d), Some(s)) = (b.get_mut(..n), src.get(..n)) {
+                    d.copy_from_slice(s);
+                }
+            }
+        }
+    }
+
+    /// Copies the piece into device memory.
+    pub fn copy_to_volatile<S: BitmapSlice>(&self, dst: VolatileSlice<'_, S>) {
+        match self {
+            Piece::Mem(s) => s.copy_to_volatile_slice(dst),
+            Piece::Bounce(b) => dst.copy_from(b),
+        }
+    }
+
+    /// Fills the piece from device memory.
+    pub fn copy_from_volatile<S: BitmapSlice>(&mut self, src: VolatileSlice<'_, S>) {
+        match self {
+            Piece::Mem(s) => src.copy_to_volatile_slice(*s),
+            Piece::Bounce(b) => {
+                src.copy_to(b);
+            }
+        }
+    }
+}
+
+/// Errors of DMA space operations.
+#[derive(Debug, thiserror::Error)]
+pub enum DmaError {
+    /// The requested window overlaps an existing one.
+    #[error("DMA window {iova:#x}+{size:#x} overlaps an existing mapping")]
+    Overlap {
+        /// Start of the requested window.
+        iova: u64,
+        /// Size of the requested window.
+        size: u64,
+    },
+    /// The window is empty or wraps around the address space.
+    #[error("DMA window {iova:#x}+{size:#x} is empty or wraps")]
+    BadWindow {
+        /// Start of the requested window.
+        iova: u64,
+        /// Size of the requested window.
+        size: u64,
+    },
+    /// No mapping matches the unmap request exactly.
+    #[error("no DMA mapping at {iova:#x}+{size:#x}")]
+    NoSuchMapping {
+        /// Start of the requested window.
+        iova: u64,
+        /// Size of the requested window.
+        size: u64,
+    },
+    /// Too many simultaneous mappings.
+    #[error("too many DMA mappings (limit {limit})")]
+    TooManyMappings {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// Mapping the client's file descriptor failed.
+    #[error("cannot mmap the DMA window at {iova:#x}")]
+    Mmap {
+        /// Start of the window.
+        iova: u64,
+        /// The underlying error.
+        #[source]
+        source: vm_memory::mmap::MmapRegionError,
+    },
+    /// An access touched an address outside every mapping.
+    #[error("DMA access at {iova:#x} is outside every mapping")]
+    Unmapped {
+        /// First address that is not mapped.
+        iova: u64,
+    },
+    /// An access needed a permission the mapping does not grant.
+    #[error("DMA {access} at {iova:#x} is not permitted by its mapping")]
+    Permission {
+        /// First address that lacks the permission.
+        iova: u64,
+        /// `"read"` or `"write"`.
+        access: &'static str,
+    },
+    /// The address range of an access wraps around.
+    #[error("DMA access at {iova:#x} of {len:#x} bytes wraps")]
+    Overflow {
+        /// Start of the access.
+        iova: u64,
+        /// Length of the access.
+        len: u64,
+    },
+    /// A message-based access through the client failed.
+    #[error("DMA through the client at {iova:#x} failed with errno {errno}")]
+    Remote {
+        /// Start of the failing chunk.
+        iova: u64,
+        /// The errno the transport reported.
+        errno: i32,
+    },
+    /// Dirty logging was asked for with an unusable page size.
+    #[error("dirty page size {0:#x} is not a power of two multiple of 4 KiB")]
+    BadPageSize(u64),
+}
+
+impl DmaError {
+    /// The errno that best describes this error on the wire.
+    pub fn errno(&self) -> i32 {
+        match self {
+            DmaError::Overlap { .. } => libc::EEXIST,
+            DmaError::BadWindow { .. } | DmaError::BadPageSize(_) => libc::EINVAL,
+            DmaError::NoSuchMapping { .. } => libc::ENOENT,
+            DmaError::TooManyMappings { .. } => libc::ENOSPC,
+            DmaError::Mmap { .. } => libc::ENOMEM,
+            DmaError::Unmapped { .. } | DmaError::Overflow { .. } => libc::EFAULT,
+            DmaError::Permission { .. } => libc::EPERM,
+            DmaError::Remote { errno, .. } => *errno,
+        }
+    }
+}
+
+/// Result type of DMA operations.
+pub type Result<T> = std::result::Result<T, DmaError>;
+
+/// Access permissions of a DMA window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmaProt {
+    /// The device may read the window.
+    pub read: bool,
+    /// The device may write the window.
+    pub write: bool,
+}
+
+impl DmaProt {
+    /// Read and write.
+    pub const READ_WRITE: DmaProt = DmaProt {
+        read: true,
+        write: true,
+    };
+    /// Read only.
+    pub const READ_ONLY: DmaProt = DmaProt {
+        read: true,
+        write: false,
+    };
+}
+
+/// Message-based access to windows the client mapped without a file descriptor.
+///
+/// The server implements this by sending `DMA_READ` / `DMA_WRITE` to the client. It is called
+/// without any lock of the DMA space held, so the server's connection thread can keep serving
+/// (and answering) while an engine waits.
+pub trait RemoteDma: Send + Sync {
+    /// Reads `buf.len()` bytes at `iova` from the client. Errors are errnos.
+    fn read(&self, iova: u64, buf: &mut [u8]) -> std::result::Result<(), i32>;
+    /// Writes `data` at `iova` in the client. Errors are errnos.
+    fn write(&self, iova: u64, data: &[u8]) -> std::result::Result<(), i32>;
+}
+
+enum Backing {
+    Mmap(Arc<MmapRegion<AtomicBitmap>>),
+    Message,
+}
+
+/// One DMA window.
+struct Mapping {
+    iova: u64,
+    size: u64,
+    prot: DmaProt,
+    backing: Backing,
+}
+
+impl Mapping {
+    fn end(&self) -> u64 {
+        // Cannot overflow: checked when the mapping was created.
+        self.iova + self.size
+    }
+}
+
+/// A summary of one window, for logs, tests and later migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MappingInfo {
+    /// Start IOVA.
+    pub iova: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permissions.
+    pub prot: DmaProt,
+    /// Whether the window is mmapped (fd-backed) or message-only.
+    pub mmapped: bool,
+}
+
+#[derive(Default)]
+struct Table {
+    /// Sorted by IOVA, non-overlapping.
+    maps: Vec<Mapping>,
+}
+
+impl Table {
+    /// Index of the mapping containing `iova`, if any.
+    fn find(&self, iova: u64) -> Option<&Mapping> {
+        let idx = self.maps.partition_point(|m| m.iova <= iova);
+        let m = self.maps.get(idx.checked_sub(1)?)?;
+        (iova < m.end()).then_some(m)
+    }
+}
+
+/// The client's DMA windows, shared between the server (which maps and unmaps) and the device's
+/// engines (which access them).
+pub struct DmaSpace {
+    table: RwLock<Table>,
+    remote: RwLock<Option<Arc<dyn RemoteDma>>>,
+    max_maps: usize,
+}
+
+impl fmt::Debug for DmaSpace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DmaSpace")
+            .field("mappings", &self.mappings())
+            .field("max_maps", &self.max_maps)
+            .finish()
+    }
+}
+
+impl Default for DmaSpace {
+    fn default() -> Self {
+        Self::new(65535)
+    }
+}
+
+/// What an access wants to do with the memory.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Dir {
+    Read,
+    Write,
+}
+
+impl DmaSpace {
+    /// Creates an empty space allowing at most `max_maps` simultaneous windows.
+    pub fn new(max_maps: usize) -> Self {
+        Self {
+            table: RwLock::new(Table::default()),
+            remote: RwLock::new(None),
+            max_maps,
+        }
+    }
+
+    fn read_table(&self) -> RwLockReadGuard<'_, Table> {
+        self.table.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_table(&self) -> RwLockWriteGuard<'_, Table> {
+        self.table.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Installs (or removes) the message-based transport for fd-less windows.
+    pub fn set_remote(&self, remote: Option<Arc<dyn RemoteDma>>) {
+        *self.remote.write().unwrap_or_else(|p| p.into_inner()) = remote;
+    }
+
+    /// Adds a window. With `backing = Some((file, offset))` the window is mmapped from that file;
+    /// without, it is message-only.
+    pub fn map(
+        &self,
+        iova: u64,
+        size: u64,
+        prot: DmaProt,
+        backing: Option<(File, u64)>,
+    ) -> Result<()> {
+        let end = iova.checked_add(size).filter(|_| size > 0);
+        let Some(end) = end else {
+            return Err(DmaError::BadWindow { iova, size });
+        };
+        // Build the mapping before taking the lock: mmap can be slow.
+        let backing = match backing {
+            None => Backing::Message,
+            Some((file, offset)) => {
+                let len = usize::try_from(size).map_err(|_| DmaError::BadWindow { iova, size })?;
+                let mut mprot = 0;
+                if prot.read {
+                    mprot |= libc::PROT_READ;
+                }
+                if prot.write {
+                    mprot |= libc::PROT_WRITE;
+                }
+                let page = NonZeroUsize::new(DIRTY_PAGE_SIZE).ok_or(DmaError::BadPageSize(0))?;
+                let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
+                    .with_file_offset(FileOffset::new(file, offset))
+                    .with_mmap_prot(mprot)
+                    .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+                    .build()
+                    .map_err(|source| DmaError::Mmap { iova, source })?;
+                Backing::Mmap(Arc::new(region))
+            }
+        };
+        let mut table = self.write_table();
+        if table.maps.len() >= self.max_maps {
+            return Err(DmaError::TooManyMappings {
+                limit: self.max_maps,
+            });
+        }
+        let idx = table.maps.partition_point(|m| m.iova < iova);
+        let overlaps_prev = idx
+            .checked_sub(1)
+            .and_then(|i| table.maps.get(i))
+            .is_some_and(|prev| prev.end() > iova);
+        let overlaps_next = table.maps.get(idx).is_some_and(|next| next.iova < end);
+        if overlaps_prev || overlaps_next {
+            return Err(DmaError::Overlap { iova, size });
+        }
+        table.maps.insert(
+            idx,
+            Mapping {
+                iova,
+                size,
+                prot,
+                backing,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes the window that exactly matches `iova`/`size`.
+    pub fn unmap(&self, iova: u64, size: u64) -> Result<()> {
+        let removed = {
+            let mut table = self.write_table();
+            let idx = table
+                .maps
+                .iter()
+                .position(|m| m.iova == iova && m.size == size)
+                .ok_or(DmaError::NoSuchMapping { iova, size })?;
+            table.maps.remove(idx)
+        };
+        // The mmap goes away here, outside the lock.
+        drop(removed);
+        Ok(())
+    }
+
+    /// Removes every window (client `DMA_UNMAP` with the ALL flag, or client disconnect).
+    pub fn unmap_all(&self) {
+        let removed = std::mem::take(&mut self.write_table().maps);
+        drop(removed);
+    }
+
+    /// The current windows, in IOVA order.
+    pub fn mappings(&self) -> Vec<MappingInfo> {
+        self.read_table()
+            .maps
+            .iter()
+            .map(|m| MappingInfo {
+                iova: m.iova,
+                size: m.size,
+                prot: m.prot,
+                mmapped: matches!(m.backing, Backing::Mmap(_)),
+            })
+            .collect()
+    }
+
+    /// Checks that `[iova, iova+len)` is fully mapped with the permission needed, without
+    /// touching memory.
+    fn check(&self, table: &Table, iova: u64, len: u64, dir: Dir) -> Result<()> {
+        let end = iova
+            .checked_add(len)
+            .ok_or(DmaError::Overflow { iova, len })?;
+        let mut cur = iova;
+        while cur < end {
+            let m = table.find(cur).ok_or(DmaError::Unmapped { iova: cur })?;
+            let allowed = match dir {
+                Dir::Read => m.prot.read,
+                Dir::Write => m.prot.write,
+            };
+            if !allowed {
+                let access = if dir == Dir::Read { "read" } else { "write" };
+                return Err(DmaError::Permission { iova: cur, access });
+            }
+            cur = m.end();
+        }
+        Ok(())
+    }
+
+    /// Validates that `[iova, iova+len)` is mapped for reading (`write = false`) or writing.
+    pub fn validate(&self, iova: u64, len: u64, write: bool) -> Result<()> {
+        let dir = if write { Dir::Write } else { Dir::Read };
+        self.check(&self.read_table(), iova, len, dir)
+    }
+
+    /// Runs `f` over the memory of `[iova, iova+len)` in order, one volatile slice per
+    /// contiguous piece, after checking the whole range first. `f` receives the offset of the
+    /// piece within the access. Message-only windows are bounced through a buffer and the
+    /// [`RemoteDma`] transport.
+    fn access<F>(&self, iova: u64, len: usize, dir: Dir, mut f: F) -> Result<()>
+    where
+        F: FnMut(usize, Piece<'_>),
+    {
+        let len64 = len as u64;
+        let end = iova
+            .checked_add(len64)
+            .ok_or(DmaError::Overflow { iova, len: len64 })?;
+        {
+            let table = self.read_table();
+            self.check(&table, iova, len64, dir)?;
+        }
+        let mut cur = iova;
+        while cur < end {
+            let table = self.read_table();
+            // Re-check this piece: the table may have changed since the check above.
+            let m = table.find(cur).ok_or(DmaError::Unmapped { iova: cur })?;
+            let piece_end = m.end().min(end);
+            // Both fit in usize: piece is within `len`.
+            let piece = (piece_end - cur) as usize;
+            let done = (cur - iova) as usize;
+            match &m.backing {
+                Backing::Mmap(region) => {
+                    let off = (cur - m.iova) as usize;
+                    let slice = region
+                        .get_slice(off, piece)
+                        .map_err(|_| DmaError::Unmapped { iova: cur })?;
+                    f(done, Piece::Mem(slice));
+                }
+                Backing::Message => {
+                    drop(table);
+                    let remote = self
+                        .remote
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone();
+                    let Some(remote) = remote else {
+                        return Err(DmaError::Remote {
+                            iova: cur,
+                            errno: libc::ENOTCONN,
+                        });
+                    };
+                    let mut bounce = vec![0u8; piece];
+                    if dir == Dir::Read {
+                        remote
+                            .read(cur, &mut bounce)
+                            .map_err(|errno| DmaError::Remote { iova: cur, errno })?;
+                        f(done, Piece::Bounce(&mut bounce));
+                    } else {
+                        f(done, Piece::Bounce(&mut bounce));
+                        remote
+                            .write(cur, &bounce)
+                            .map_err(|errno| DmaError::Remote { iova: cur, errno })?;
+                    }
+                }
+            }
+            cur = piece_end;
+        }
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes at `iova`.
+    pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<()> {
+        self.access(iova, buf.len(), Dir::Read, |off, p| {
+            if let Some(dst) = buf.get_mut(off..off + p.len()) {
+                p.copy_to(dst);
+            }
+        })
+    }
+
+    /// Writes `data` at `iova`; the written pages are marked dirty.
+    pub fn write(&self, iova: u64, data: &[u8]) -> Result<()> {
+        self.access(iova, data.len(), Dir::Write, |off, mut p| {
+            if let Some(src) = data.get(off..off + p.len()) {
+                p.copy_from(src);
+            }
+        })
+    }
+
+    /// Reads a host-endian `u64` at `iova`.
+    pub fn read_u64(&self, iova: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read(iova, &mut b)?;
+        Ok(u64::from_ne_bytes(b))
+    }
+
+    /// Writes a host-endian `u64` at `iova`.
+    pub fn write_u64(&self, iova: u64, v: u64) -> Result<()> {
+        self.write(iova, &v.to_ne_bytes())
+    }
+
+    /// Copies `len` bytes from DMA memory at `iova` into `dst` (device memory, e.g. VRAM).
+    pub fn copy_to_slice<S: BitmapSlice>(
+        &self,
+        iova: u64,
+        dst: &VolatileSlice<'_, S>,
+    ) -> Result<()> {
+        self.access(iova, dst.len(), Dir::Read, |off, p| {
+            if let Ok(d) = dst.subslice(off, p.len()) {
+                p.copy_to_volatile(d);
+            }
+        })
+    }
+
+    /// Copies `src` (device memory, e.g. VRAM) into DMA memory at `iova`; marks pages dirty.
+    pub fn copy_from_slice<S: BitmapSlice>(
+        &self,
+        iova: u64,
+        src: &VolatileSlice<'_, S>,
+    ) -> Result<()> {
+        self.access(iova, src.len(), Dir::Write, |off, mut p| {
+            if let Ok(from) = src.subslice(off, p.len()) {
+                p.copy_from_volatile(from);
+            }
+        })
+    }
+
+    /// Runs `f` on every piece of `[iova, iova+len)` for reading. For engines that stream.
+    pub fn for_each_read<F: FnMut(usize, Piece<'_>)>(
+        &self,
+        iova: u64,
+        len: usize,
+        f: F,
+    ) -> Result<()> {
+        self.access(iova, len, Dir::Read, f)
+    }
+
+    /// Runs `f` on every piece of `[iova, iova+len)` for writing. Pages are marked dirty.
+    pub fn for_each_write<F: FnMut(usize, Piece<'_>)>(
+        &self,
+        iova: u64,
+        len: usize,
+        f: F,
+    ) -> Result<()> {
+        self.access(iova, len, Dir::Write, f)
+    }
+
+    /// Clears every dirty bit (start of a dirty-logging session).
+    pub fn clear_dirty(&self) {
+        for m in &self.read_table().maps {
+            if let Backing::Mmap(region) = &m.backing {
+                region.bitmap().reset();
+            }
+        }
+    }
+
+    /// Reads and clears the dirty bits of `[iova, iova+len)` at `page_size` granularity into
+    /// `out` (bit k = page `iova + k*page_size`, word k/64, bit k%64). Pages of message-only
+    /// windows and unmapped pages read as clean. `out` must hold `len / page_size` bits.
+    pub fn take_dirty(&self, iova: u64, len: u64, page_size: u64, out: &mut [u64]) -> Result<()> {
+        if !page_size.is_power_of_two() || page_size < DIRTY_PAGE_SIZE as u64 {
+            return Err(DmaError::BadPageSize(page_size));
+        }
+        let end = iova
+            .checked_add(len)
+            .ok_or(DmaError::Overflow { iova, len })?;
+        out.fill(0);
+        let table = self.read_table();
+        for m in &table.maps {
+            let Backing::Mmap(region) = &m.backing else {
+                continue;
+            };
+            let lo = m.iova.max(iova);
+            let hi = m.end().min(end);
+            let mut a = lo;
+            while a < hi {
+                let off = (a - m.iova) as usize;
+                if region.bitmap().is_addr_set(off) {
+                    let k = (a - iova) / page_size;
+                    if let Some(w) = out.get_mut((k / 64) as usize) {
+                        *w |= 1 << (k % 64);
+                    }
+                }
+                a += DIRTY_PAGE_SIZE as u64;
+            }
+            if hi > lo {
+                region
+                    .bitmap()
+                    .reset_addr_range((lo - m.iova) as usize, (hi - lo) as usize);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn memfd(size: usize) -> File {
+        let mfd = memfd::MemfdOptions::default()
+            .create("dma-test")
+            .expect("memfd");
+        let f = mfd.into_file();
+        f.set_len(size as u64).expect("set_len");
+        f
+    }
+
+    #[test]
+    fn map_rejects_overlap_and_empty() {
+        let dma = DmaSpace::new(8);
+        dma.map(
+            0x1000,
+            0x2000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x2000), 0)),
+        )
+        .expect("map");
+        for (iova, size) in [
+            (0x0, 0x1001),
+            (0x2fff, 0x10),
+            (0x1800, 0x10),
+            (0x0, 0x10000),
+        ] {
+            let e = dma
+                .map(iova, size, DmaProt::READ_WRITE, None)
+                .expect_err("overlap");
+            assert_eq!(e.errno(), libc::EEXIST, "{iova:#x}+{size:#x}");
+        }
+        assert_eq!(
+            dma.map(0x5000, 0, DmaProt::READ_WRITE, None)
+                .expect_err("empty")
+                .errno(),
+            libc::EINVAL
+        );
+        assert_eq!(
+            dma.map(u64::MAX - 10, 0x100, DmaProt::READ_WRITE, None)
+                .expect_err("wrap")
+                .errno(),
+            libc::EINVAL
+        );
+        // Adjacent windows are fine.
+        dma.map(0x0, 0x1000, DmaProt::READ_WRITE, None)
+            .expect("adjacent below");
+        dma.map(0x3000, 0x1000, DmaProt::READ_WRITE, None)
+            .expect("adjacent above");
+        assert_eq!(dma.mappings().len(), 3);
+    }
+
+    #[test]
+    fn unmap_needs_exact_match() {
+        let dma = DmaSpace::new(8);
+        dma.map(0x1000, 0x2000, DmaProt::READ_WRITE, None)
+            .expect("map");
+        assert_eq!(
+            dma.unmap(0x1000, 0x1000).expect_err("partial").errno(),
+            libc::ENOENT
+        );
+        assert_eq!(
+            dma.unmap(0x9000, 0x1000).expect_err("never mapped").errno(),
+            libc::ENOENT
+        );
+        dma.unmap(0x1000, 0x2000).expect("exact");
+        assert!(dma.mappings().is_empty());
+    }
+
+    #[test]
+    fn access_spans_windows_and_lands_in_the_file() {
+        let f1 = memfd(0x1000);
+        let f2 = memfd(0x1000);
+        let mut f1c = f1.try_clone().expect("clone");
+        let dma = DmaSpace::new(8);
+        dma.map(0x10000, 0x1000, DmaProt::READ_WRITE, Some((f1, 0)))
+            .expect("map1");
+        dma.map(0x11000, 0x1000, DmaProt::READ_WRITE, Some((f2, 0)))
+            .expect("map2");
+        let data: Vec<u8> = (0..0x200u32).map(|i| i as u8).collect();
+        dma.write(0x10f00, &data).expect("write across the seam");
+        let mut back = vec![0u8; 0x200];
+        dma.read(0x10f00, &mut back).expect("read back");
+        assert_eq!(back, data);
+        // The bytes really are in the client's file.
+        use std::os::unix::fs::FileExt;
+        let mut head = [0u8; 4];
+        f1c.read_exact_at(&mut head, 0xf00).expect("pread");
+        assert_eq!(head, [0, 1, 2, 3]);
+        f1c.flush().expect("flush");
+    }
+
+    #[test]
+    fn bad_accesses_fail_before_writing_anything() {
+        let f = memfd(0x1000);
+        let fc = f.try_clone().expect("clone");
+        let dma = DmaSpace::new(8);
+        dma.map(0x1000, 0x1000, DmaProt::READ_WRITE, Some((f, 0)))
+            .expect("map");
+        dma.map(0x3000, 0x1000, DmaProt::READ_ONLY, None)
+            .expect("ro map");
+        // Runs off the end of the window into a hole.
+        let e = dma.write(0x1ff0, &[0xaa; 0x20]).expect_err("hole");
+        assert_eq!(e.errno(), libc::EFAULT);
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 0x10];
+        fc.read_exact_at(&mut b, 0xff0).expect("pread");
+        assert_eq!(
+            b, [0u8; 0x10],
+            "nothing may be written when the access is invalid"
+        );
+        assert_eq!(
+            dma.write(0x3000, &[1]).expect_err("ro").errno(),
+            libc::EPERM
+        );
+        assert_eq!(
+            dma.read(u64::MAX - 1, &mut [0; 4])
+                .expect_err("wrap")
+                .errno(),
+            libc::EFAULT
+        );
+    }
+
+    #[test]
+    fn message_windows_go_through_the_remote() {
+        struct Echo(std::sync::Mutex<Vec<u8>>);
+        impl RemoteDma for Echo {
+            fn read(&self, iova: u64, buf: &mut [u8]) -> std::result::Result<(), i32> {
+                let mem = self.0.lock().map_err(|_| libc::EIO)?;
+                let off = iova as usize - 0x8000;
+                buf.copy_from_slice(mem.get(off..off + buf.len()).ok_or(libc::EFAULT)?);
+                Ok(())
+            }
+            fn write(&self, iova: u64, data: &[u8]) -> std::result::Result<(), i32> {
+                let mut mem = self.0.lock().map_err(|_| libc::EIO)?;
+                let off = iova as usize - 0x8000;
+                mem.get_mut(off..off + data.len())
+                    .ok_or(libc::EFAULT)?
+                    .copy_from_slice(data);
+                Ok(())
+            }
+        }
+        let dma = DmaSpace::new(8);
+        dma.map(0x8000, 0x1000, DmaProt::READ_WRITE, None)
+            .expect("map");
+        assert_eq!(
+            dma.write_u64(0x8000, 7).expect_err("no remote").errno(),
+            libc::ENOTCONN
+        );
+        dma.set_remote(Some(Arc::new(Echo(std::sync::Mutex::new(vec![0; 0x1000])))));
+        dma.write_u64(0x8010, 0xdead_beef).expect("remote write");
+        assert_eq!(dma.read_u64(0x8010).expect("remote read"), 0xdead_beef);
+    }
+
+    #[test]
+    fn device_writes_are_logged_dirty() {
+        let dma = DmaSpace::new(8);
+        dma.map(
+            0x100000,
+            0x10000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x10000), 0)),
+        )
+        .expect("map");
+        dma.clear_dirty();
+        dma.write(0x100000 + 0x3000 + 5, &[1, 2, 3])
+            .expect("write page 3");
+        dma.write_u64(0x100000 + 0xfff8, 9).expect("write page 15");
+        let mut bits = [0u64; 1];
+        dma.take_dirty(0x100000, 0x10000, 4096, &mut bits)
+            .expect("report");
+        assert_eq!(bits[0], (1 << 3) | (1 << 15));
+        dma.take_dirty(0x100000, 0x10000, 4096, &mut bits)
+            .expect("report again");
+        assert_eq!(bits[0], 0, "report is read-and-clear");
+        dma.write(0x100000 + 0x9000, &[1]).expect("write page 9");
+        dma.take_dirty(0x100000, 0x10000, 0x8000, &mut bits)
+            .expect("coarse report");
+        assert_eq!(bits[0], 0b10, "page 9 of 4K is in the second 32K page");
+    }
+}

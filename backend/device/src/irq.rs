@@ -1,0 +1,314 @@
+//! Interrupt routing: the eventfds the client passed with `SET_IRQS`, held by the server on
+//! behalf of the device so they can be re-pointed (swap, failover) without the client noticing.
+
+use std::sync::RwLock;
+
+use vmm_sys_util::eventfd::EventFd;
+
+/// VFIO PCI interrupt indexes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum IrqIndex {
+    /// Legacy INTx.
+    Intx = 0,
+    /// MSI.
+    Msi = 1,
+    /// MSI-X.
+    Msix = 2,
+    /// Error notification.
+    Err = 3,
+    /// Device request (asks the VMM to release the device).
+    Req = 4,
+}
+
+impl IrqIndex {
+    /// All indexes in numeric order.
+    pub const ALL: [IrqIndex; 5] = [
+        IrqIndex::Intx,
+        IrqIndex::Msi,
+        IrqIndex::Msix,
+        IrqIndex::Err,
+        IrqIndex::Req,
+    ];
+
+    /// The index for a raw VFIO value.
+    pub fn from_raw(v: u32) -> Option<Self> {
+        Self::ALL.get(v as usize).copied()
+    }
+}
+
+/// Errors of interrupt configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum IrqError {
+    /// The index does not exist on this device.
+    #[error("interrupt index {0} does not exist")]
+    NoSuchIndex(u32),
+    /// `start`/`count` fall outside the vectors of the index.
+    #[error("interrupt vectors {start}+{count} exceed the {available} of index {index}")]
+    OutOfRange {
+        /// The index.
+        index: u32,
+        /// First vector.
+        start: u32,
+        /// Number of vectors.
+        count: u32,
+        /// Vectors the index has.
+        available: u32,
+    },
+    /// The number of fds or bools does not match `count`.
+    #[error("expected {expected} values for the interrupt vectors, got {got}")]
+    CountMismatch {
+        /// Expected.
+        expected: u32,
+        /// Received.
+        got: usize,
+    },
+    /// Signalling an eventfd failed.
+    #[error("cannot signal the interrupt eventfd")]
+    Signal(#[source] std::io::Error),
+}
+
+impl IrqError {
+    /// The errno for the wire.
+    pub fn errno(&self) -> i32 {
+        match self {
+            IrqError::Signal(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Vector {
+    trigger: Option<EventFd>,
+    masked: bool,
+    pending: bool,
+}
+
+#[derive(Debug)]
+struct IndexState {
+    vectors: Vec<Vector>,
+}
+
+/// The interrupt state of one device: per index, per vector, the client's eventfd and the
+/// client-controlled mask (`SET_IRQS` MASK/UNMASK).
+#[derive(Debug)]
+pub struct Interrupts {
+    indexes: RwLock<Vec<IndexState>>,
+}
+
+impl Interrupts {
+    /// Creates the routing table with `counts[i]` vectors for index `i`.
+    pub fn new(counts: &[u32]) -> Self {
+        let indexes = counts
+            .iter()
+            .map(|&n| IndexState {
+                vectors: (0..n).map(|_| Vector::default()).collect(),
+            })
+            .collect();
+        Self {
+            indexes: RwLock::new(indexes),
+        }
+    }
+
+    /// Number of vectors of `index`.
+    pub fn count(&self, index: u32) -> u32 {
+        let idx = self.indexes.read().unwrap_or_else(|p| p.into_inner());
+        idx.get(index as usize)
+            .map_or(0, |s| s.vectors.len() as u32)
+    }
+
+    fn with_range<R>(
+        &self,
+        index: u32,
+        start: u32,
+        count: u32,
+        f: impl FnOnce(&mut [Vector]) -> Result<R, IrqError>,
+    ) -> Result<R, IrqError> {
+        let mut idx = self.indexes.write().unwrap_or_else(|p| p.into_inner());
+        let state = idx
+            .get_mut(index as usize)
+            .ok_or(IrqError::NoSuchIndex(index))?;
+        let available = state.vectors.len() as u32;
+        let range = start
+            .checked_add(count)
+            .filter(|&end| end <= available)
+            .map(|end| start as usize..end as usize)
+            .ok_or(IrqError::OutOfRange {
+                index,
+                start,
+                count,
+                available,
+            })?;
+        let slice = state.vectors.get_mut(range).ok_or(IrqError::OutOfRange {
+            index,
+            start,
+            count,
+            available,
+        })?;
+        f(slice)
+    }
+
+    /// Assigns (`Some`) or de-assigns (`None`) trigger eventfds for `start..start+fds.len()`.
+    pub fn set_triggers(
+        &self,
+        index: u32,
+        start: u32,
+        fds: Vec<Option<EventFd>>,
+    ) -> Result<(), IrqError> {
+        let count = u32::try_from(fds.len()).map_err(|_| IrqError::CountMismatch {
+            expected: u32::MAX,
+            got: fds.len(),
+        })?;
+        self.with_range(index, start, count, |vectors| {
+            for (v, fd) in vectors.iter_mut().zip(fds) {
+                v.trigger = fd;
+            }
+            Ok(())
+        })
+    }
+
+    /// Disables every vector of `index` (drops the eventfds, clears masks).
+    pub fn disable(&self, index: u32) -> Result<(), IrqError> {
+        let n = self.count(index);
+        self.with_range(index, 0, n, |vectors| {
+            vectors.iter_mut().for_each(|v| *v = Vector::default());
+            Ok(())
+        })
+    }
+
+    /// Drops every eventfd of every index (client disconnect).
+    pub fn clear(&self) {
+        let mut idx = self.indexes.write().unwrap_or_else(|p| p.into_inner());
+        for state in idx.iter_mut() {
+            state
+                .vectors
+                .iter_mut()
+                .for_each(|v| *v = Vector::default());
+        }
+    }
+
+    /// Masks or unmasks vectors; `which` selects per vector (`None` = all in range). Unmasking a
+    /// vector with a pending interrupt delivers it.
+    pub fn set_masked(
+        &self,
+        index: u32,
+        start: u32,
+        count: u32,
+        masked: bool,
+        which: Option<&[u8]>,
+    ) -> Result<(), IrqError> {
+        if let Some(w) = which {
+            if w.len() != count as usize {
+                return Err(IrqError::CountMismatch {
+                    expected: count,
+                    got: w.len(),
+                });
+            }
+        }
+        self.with_range(index, start, count, |vectors| {
+            for (i, v) in vectors.iter_mut().enumerate() {
+                if which.is_some_and(|w| w.get(i).copied().unwrap_or(0) == 0) {
+                    continue;
+                }
+                v.masked = masked;
+                if !masked && v.pending {
+                    v.pending = false;
+                    if let Some(fd) = &v.trigger {
+                        fd.write(1).map_err(IrqError::Signal)?;
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Signals vector `vector` of `index`. Returns `Ok(true)` if an eventfd was signalled,
+    /// `Ok(false)` if the vector is masked (then it is left pending) or has no eventfd.
+    pub fn trigger(&self, index: IrqIndex, vector: u32) -> Result<bool, IrqError> {
+        // Fast path: read lock only, unless the vector is masked.
+        {
+            let idx = self.indexes.read().unwrap_or_else(|p| p.into_inner());
+            let v = idx
+                .get(index as usize)
+                .and_then(|s| s.vectors.get(vector as usize))
+                .ok_or(IrqError::NoSuchIndex(index as u32))?;
+            if !v.masked {
+                return match &v.trigger {
+                    Some(fd) => fd.write(1).map(|()| true).map_err(IrqError::Signal),
+                    None => Ok(false),
+                };
+            }
+        }
+        self.with_range(index as u32, vector, 1, |v| {
+            if let Some(v) = v.first_mut() {
+                v.pending = true;
+            }
+            Ok(false)
+        })
+    }
+
+    /// Whether a trigger eventfd is installed for the vector.
+    pub fn has_trigger(&self, index: IrqIndex, vector: u32) -> bool {
+        let idx = self.indexes.read().unwrap_or_else(|p| p.into_inner());
+        idx.get(index as usize)
+            .and_then(|s| s.vectors.get(vector as usize))
+            .is_some_and(|v| v.trigger.is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    fn efd() -> EventFd {
+        EventFd::new(EFD_NONBLOCK).expect("eventfd")
+    }
+
+    #[test]
+    fn trigger_signals_the_assigned_eventfd() {
+        let irqs = Interrupts::new(&[0, 0, 8, 0, 1]);
+        let fd = efd();
+        irqs.set_triggers(2, 3, vec![Some(fd.try_clone().expect("clone"))])
+            .expect("assign");
+        assert!(irqs.trigger(IrqIndex::Msix, 3).expect("trigger"));
+        assert_eq!(fd.read().expect("read"), 1);
+        assert!(!irqs.trigger(IrqIndex::Msix, 4).expect("no fd"));
+        assert!(
+            irqs.trigger(IrqIndex::Msix, 8).is_err(),
+            "vector out of range"
+        );
+    }
+
+    #[test]
+    fn ranges_are_checked() {
+        let irqs = Interrupts::new(&[0, 0, 8]);
+        assert!(irqs.set_triggers(2, 7, vec![None, None]).is_err());
+        assert!(irqs.set_triggers(2, u32::MAX, vec![None]).is_err());
+        assert!(irqs.set_triggers(4, 0, vec![None]).is_err());
+        assert!(irqs.set_masked(2, 0, 2, true, Some(&[1])).is_err());
+    }
+
+    #[test]
+    fn masked_vectors_stay_pending_until_unmasked() {
+        let irqs = Interrupts::new(&[0, 0, 2]);
+        let fd = efd();
+        irqs.set_triggers(2, 0, vec![Some(fd.try_clone().expect("clone"))])
+            .expect("assign");
+        irqs.set_masked(2, 0, 1, true, None).expect("mask");
+        assert!(!irqs.trigger(IrqIndex::Msix, 0).expect("trigger"));
+        assert!(fd.read().is_err(), "nothing delivered while masked");
+        irqs.set_masked(2, 0, 1, false, None).expect("unmask");
+        assert_eq!(fd.read().expect("pending delivered"), 1);
+    }
+
+    #[test]
+    fn clear_drops_fds() {
+        let irqs = Interrupts::new(&[0, 0, 1]);
+        irqs.set_triggers(2, 0, vec![Some(efd())]).expect("assign");
+        assert!(irqs.has_trigger(IrqIndex::Msix, 0));
+        irqs.clear();
+        assert!(!irqs.has_trigger(IrqIndex::Msix, 0));
+    }
+}

@@ -1,0 +1,228 @@
+//! Device-side building blocks of Switchyard.
+//!
+//! A device model implements [`PciDevice`]: it describes its regions and interrupts once
+//! ([`DeviceDescription`]) and then serves region accesses, resets and state save/restore. It
+//! never touches sockets. Everything a device uses to reach the outside world — the client's DMA
+//! windows ([`dma::DmaSpace`]) and interrupt eventfds ([`irq::Interrupts`]) — is owned by the
+//! server and lent to the device through a [`DeviceContext`], so the server can later re-point
+//! both at another backing device without the client noticing.
+//!
+//! Helpers for models: [`config::ConfigSpace`] (type 0 header, BAR sizing, capability chain),
+//! [`msix::MsixState`] (table + PBA).
+
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod dma;
+pub mod irq;
+pub mod msix;
+
+use std::fs::File;
+use std::sync::Arc;
+
+pub use dma::{DmaError, DmaProt, DmaSpace, RemoteDma};
+pub use irq::{Interrupts, IrqError, IrqIndex};
+
+/// VFIO region index of the PCI configuration space.
+pub const CONFIG_REGION_INDEX: u32 = 7;
+/// Number of standard VFIO PCI regions (BAR0–5, ROM, config, VGA).
+pub const NUM_PCI_REGIONS: u32 = 9;
+
+/// Errors a device model reports. Each maps to an errno for the wire.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The region index does not exist or is empty.
+    #[error("region {0} does not exist")]
+    NoSuchRegion(u32),
+    /// The access falls outside the region.
+    #[error("access of {len} bytes at {offset:#x} is outside region {region}")]
+    OutOfRange {
+        /// Region index.
+        region: u32,
+        /// Offset of the access.
+        offset: u64,
+        /// Length of the access.
+        len: usize,
+    },
+    /// The region does not support this kind of access (e.g. a width it cannot do).
+    #[error("region {region} does not support a {len}-byte access at {offset:#x}")]
+    BadAccess {
+        /// Region index.
+        region: u32,
+        /// Offset of the access.
+        offset: u64,
+        /// Length of the access.
+        len: usize,
+    },
+    /// The operation is not supported by this device.
+    #[error("operation not supported by this device")]
+    Unsupported,
+    /// Saved device state could not be decoded or does not fit this device.
+    #[error("invalid device state")]
+    BadState(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A DMA access failed.
+    #[error("DMA access failed")]
+    Dma(#[from] DmaError),
+    /// An interrupt operation failed.
+    #[error("interrupt operation failed")]
+    Irq(#[from] IrqError),
+    /// An I/O error (creating backing memory, threads, ...).
+    #[error("device I/O failed")]
+    Io(#[from] std::io::Error),
+}
+
+impl DeviceError {
+    /// The errno that represents this error on the wire.
+    pub fn errno(&self) -> i32 {
+        match self {
+            DeviceError::NoSuchRegion(_)
+            | DeviceError::OutOfRange { .. }
+            | DeviceError::BadAccess { .. }
+            | DeviceError::BadState(_) => libc::EINVAL,
+            DeviceError::Unsupported => libc::ENOTSUP,
+            DeviceError::Dma(e) => e.errno(),
+            DeviceError::Irq(e) => e.errno(),
+            DeviceError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+}
+
+/// Result type of device operations.
+pub type Result<T> = std::result::Result<T, DeviceError>;
+
+/// A sparse mmappable area of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseArea {
+    /// Offset within the region.
+    pub offset: u64,
+    /// Size of the area.
+    pub size: u64,
+}
+
+/// How (part of) a region can be mmapped by the client.
+#[derive(Debug, Clone)]
+pub struct RegionMmap {
+    /// The file backing the region; sent to the client with the region info.
+    pub file: Arc<File>,
+    /// Offset of the region's start in `file`.
+    pub file_offset: u64,
+    /// Mappable areas; if empty the whole region is mappable.
+    pub areas: Vec<SparseArea>,
+}
+
+/// One VFIO region as offered to the client.
+#[derive(Debug, Clone)]
+pub struct RegionDesc {
+    /// Size in bytes (0 = region not implemented).
+    pub size: u64,
+    /// Readable through `REGION_READ`.
+    pub read: bool,
+    /// Writable through `REGION_WRITE`.
+    pub write: bool,
+    /// Mmap information, if the client may map it.
+    pub mmap: Option<RegionMmap>,
+}
+
+impl RegionDesc {
+    /// A region that does not exist.
+    pub fn absent() -> Self {
+        Self {
+            size: 0,
+            read: false,
+            write: false,
+            mmap: None,
+        }
+    }
+
+    /// A trapped read/write region.
+    pub fn trapped(size: u64) -> Self {
+        Self {
+            size,
+            read: true,
+            write: true,
+            mmap: None,
+        }
+    }
+}
+
+/// One interrupt index as offered to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IrqDesc {
+    /// Number of vectors.
+    pub count: u32,
+    /// Supports eventfd signalling.
+    pub eventfd: bool,
+    /// Supports MASK/UNMASK.
+    pub maskable: bool,
+    /// Automatically masked after triggering (INTx).
+    pub automasked: bool,
+    /// Vector count cannot be resized (MSI-X: false).
+    pub noresize: bool,
+}
+
+/// The static description of a device.
+#[derive(Debug, Clone)]
+pub struct DeviceDescription {
+    /// Short model name for logs.
+    pub name: &'static str,
+    /// Regions, indexed by VFIO region index; at least [`NUM_PCI_REGIONS`] entries.
+    pub regions: Vec<RegionDesc>,
+    /// Interrupt indexes, indexed by VFIO IRQ index.
+    pub irqs: Vec<IrqDesc>,
+    /// The device supports `DEVICE_RESET`.
+    pub resettable: bool,
+}
+
+impl DeviceDescription {
+    /// The vector counts per index, for [`Interrupts::new`].
+    pub fn irq_counts(&self) -> Vec<u32> {
+        self.irqs.iter().map(|i| i.count).collect()
+    }
+}
+
+/// What the server lends a device: the client's DMA windows and interrupt routing.
+#[derive(Debug, Clone)]
+pub struct DeviceContext {
+    /// The client's DMA windows.
+    pub dma: Arc<DmaSpace>,
+    /// The client's interrupt eventfds.
+    pub irqs: Arc<Interrupts>,
+}
+
+/// A PCI device model served over vfio-user.
+///
+/// Accesses come from the server's connection thread; a model that runs work elsewhere (engine
+/// threads) synchronises internally. Accesses are already bounds-checked against the region
+/// size by the server, but models must not rely on it for memory safety.
+pub trait PciDevice: Send {
+    /// The static description (regions, interrupts, reset support).
+    fn description(&self) -> &DeviceDescription;
+
+    /// Serves a `REGION_READ`.
+    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<()>;
+
+    /// Serves a `REGION_WRITE`.
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<()>;
+
+    /// Returns the device to its power-on state (`DEVICE_RESET`, also used for FLR).
+    fn reset(&mut self) -> Result<()>;
+
+    /// Called after `SET_IRQS` changed the routing of `index`.
+    fn irqs_changed(&mut self, _index: u32) {}
+
+    /// Called when the client is gone: its DMA windows and eventfds have been dropped by the
+    /// server. The device keeps its state (spec rule) but must stop touching DMA memory.
+    fn client_disconnected(&mut self) {}
+
+    /// Saves the device state (registers, queue positions, device memory by reference) as one
+    /// serialized blob. Engines are quiesced for the duration.
+    fn save_state(&mut self) -> Result<Vec<u8>> {
+        Err(DeviceError::Unsupported)
+    }
+
+    /// Restores a blob produced by [`PciDevice::save_state`].
+    fn restore_state(&mut self, _state: &[u8]) -> Result<()> {
+        Err(DeviceError::Unsupported)
+    }
+}
