@@ -1,9 +1,9 @@
 //! Interrupt routing: the eventfds the client passed with `SET_IRQS`, held by the server on
 //! behalf of the device so they can be re-pointed (swap, failover) without the client noticing.
 
+use std::fs::File;
+use std::io::Write;
 use std::sync::RwLock;
-
-use vmm_sys_util::eventfd::EventFd;
 
 /// VFIO PCI interrupt indexes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -80,7 +80,7 @@ impl IrqError {
 
 #[derive(Debug, Default)]
 struct Vector {
-    trigger: Option<EventFd>,
+    trigger: Option<File>,
     masked: bool,
     pending: bool,
 }
@@ -90,8 +90,35 @@ struct IndexState {
     vectors: Vec<Vector>,
 }
 
+/// Creates a non-blocking, close-on-exec eventfd as a plain file (for tests and clients).
+pub fn new_eventfd() -> std::io::Result<File> {
+    let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC)?;
+    Ok(File::from(fd))
+}
+
+/// Reads and resets an eventfd's counter; `None` if it was not signalled (non-blocking fd).
+pub fn take_eventfd(fd: &File) -> Option<u64> {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    match (&*fd).read(&mut b) {
+        Ok(8) => Some(u64::from_ne_bytes(b)),
+        _ => None,
+    }
+}
+
+/// Signals an eventfd. A full counter (`EAGAIN` on a non-blocking eventfd) means the interrupt
+/// is already pending, which is what signalling wants.
+fn signal(fd: &File) -> Result<(), IrqError> {
+    match (&*fd).write(&1u64.to_ne_bytes()) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
+        Err(e) => Err(IrqError::Signal(e)),
+    }
+}
+
 /// The interrupt state of one device: per index, per vector, the client's eventfd and the
-/// client-controlled mask (`SET_IRQS` MASK/UNMASK).
+/// client-controlled mask (`SET_IRQS` MASK/UNMASK). Eventfds are held as plain files (the server
+/// sets them non-blocking when it receives them) and signalled by writing a count of one.
 #[derive(Debug)]
 pub struct Interrupts {
     indexes: RwLock<Vec<IndexState>>,
@@ -109,6 +136,15 @@ impl Interrupts {
         Self {
             indexes: RwLock::new(indexes),
         }
+    }
+
+    /// Re-sizes the table to `counts` vectors per index, dropping every eventfd.
+    pub fn reconfigure(&self, counts: &[u32]) {
+        let mut idx = self.indexes.write().unwrap_or_else(|p| p.into_inner());
+        *idx = counts
+            .iter()
+            .map(|&n| IndexState { vectors: (0..n).map(|_| Vector::default()).collect() })
+            .collect();
     }
 
     /// Number of vectors of `index`.
@@ -154,7 +190,7 @@ impl Interrupts {
         &self,
         index: u32,
         start: u32,
-        fds: Vec<Option<EventFd>>,
+        fds: Vec<Option<File>>,
     ) -> Result<(), IrqError> {
         let count = u32::try_from(fds.len()).map_err(|_| IrqError::CountMismatch {
             expected: u32::MAX,
@@ -215,7 +251,7 @@ impl Interrupts {
                 if !masked && v.pending {
                     v.pending = false;
                     if let Some(fd) = &v.trigger {
-                        fd.write(1).map_err(IrqError::Signal)?;
+                        signal(fd)?;
                     }
                 }
             }
@@ -235,7 +271,7 @@ impl Interrupts {
                 .ok_or(IrqError::NoSuchIndex(index as u32))?;
             if !v.masked {
                 return match &v.trigger {
-                    Some(fd) => fd.write(1).map(|()| true).map_err(IrqError::Signal),
+                    Some(fd) => signal(fd).map(|()| true),
                     None => Ok(false),
                 };
             }
@@ -260,20 +296,23 @@ impl Interrupts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmm_sys_util::eventfd::EFD_NONBLOCK;
 
-    fn efd() -> EventFd {
-        EventFd::new(EFD_NONBLOCK).expect("eventfd")
+    fn efd() -> File {
+        new_eventfd().expect("eventfd")
+    }
+
+    fn file(e: &File) -> File {
+        e.try_clone().expect("clone")
     }
 
     #[test]
     fn trigger_signals_the_assigned_eventfd() {
         let irqs = Interrupts::new(&[0, 0, 8, 0, 1]);
         let fd = efd();
-        irqs.set_triggers(2, 3, vec![Some(fd.try_clone().expect("clone"))])
+        irqs.set_triggers(2, 3, vec![Some(file(&fd))])
             .expect("assign");
         assert!(irqs.trigger(IrqIndex::Msix, 3).expect("trigger"));
-        assert_eq!(fd.read().expect("read"), 1);
+        assert_eq!(take_eventfd(&fd), Some(1));
         assert!(!irqs.trigger(IrqIndex::Msix, 4).expect("no fd"));
         assert!(
             irqs.trigger(IrqIndex::Msix, 8).is_err(),
@@ -294,19 +333,19 @@ mod tests {
     fn masked_vectors_stay_pending_until_unmasked() {
         let irqs = Interrupts::new(&[0, 0, 2]);
         let fd = efd();
-        irqs.set_triggers(2, 0, vec![Some(fd.try_clone().expect("clone"))])
+        irqs.set_triggers(2, 0, vec![Some(file(&fd))])
             .expect("assign");
         irqs.set_masked(2, 0, 1, true, None).expect("mask");
         assert!(!irqs.trigger(IrqIndex::Msix, 0).expect("trigger"));
-        assert!(fd.read().is_err(), "nothing delivered while masked");
+        assert_eq!(take_eventfd(&fd), None, "nothing delivered while masked");
         irqs.set_masked(2, 0, 1, false, None).expect("unmask");
-        assert_eq!(fd.read().expect("pending delivered"), 1);
+        assert_eq!(take_eventfd(&fd), Some(1), "pending delivered");
     }
 
     #[test]
     fn clear_drops_fds() {
         let irqs = Interrupts::new(&[0, 0, 1]);
-        irqs.set_triggers(2, 0, vec![Some(efd())]).expect("assign");
+        irqs.set_triggers(2, 0, vec![Some(file(&efd()))]).expect("assign");
         assert!(irqs.has_trigger(IrqIndex::Msix, 0));
         irqs.clear();
         assert!(!irqs.has_trigger(IrqIndex::Msix, 0));
