@@ -1,0 +1,153 @@
+//! Server→client DMA: accesses to windows the client mapped without a file descriptor become
+//! `DMA_READ` / `DMA_WRITE` commands on the connection socket. The engine thread that needs the
+//! data sends the command (serialised with the connection thread's replies by a send lock) and
+//! waits; the connection thread, which keeps reading the socket, routes the client's reply back
+//! by message id.
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use switchyard_device::RemoteDma;
+use switchyard_proto::{Command, ProtoError, Reply, Request};
+
+use crate::transport::send_all;
+
+/// The outcome of one server→client request: the reply body or an errno.
+type Outcome = Result<Vec<u8>, i32>;
+
+#[derive(Default)]
+struct Waiters {
+    done: HashMap<u16, Outcome>,
+    waiting: HashMap<u16, ()>,
+}
+
+/// Sends DMA requests to the client and matches replies.
+pub(crate) struct ClientDma {
+    stream: UnixStream,
+    send_lock: Arc<Mutex<()>>,
+    next_id: AtomicU16,
+    waiters: Mutex<Waiters>,
+    cond: Condvar,
+    closed: AtomicBool,
+    max_xfer: usize,
+    timeout: Duration,
+}
+
+impl ClientDma {
+    pub(crate) fn new(
+        stream: UnixStream,
+        send_lock: Arc<Mutex<()>>,
+        max_xfer: usize,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            stream,
+            send_lock,
+            next_id: AtomicU16::new(0x8000),
+            waiters: Mutex::new(Waiters::default()),
+            cond: Condvar::new(),
+            closed: AtomicBool::new(false),
+            max_xfer: max_xfer.max(1),
+            timeout,
+        }
+    }
+
+    /// Hands a reply received by the connection thread to the waiting engine. Returns `false`
+    /// if nobody waits for that id (an unsolicited reply).
+    pub(crate) fn complete(&self, msg_id: u16, outcome: Outcome) -> bool {
+        let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
+        if w.waiting.remove(&msg_id).is_none() {
+            return false;
+        }
+        w.done.insert(msg_id, outcome);
+        self.cond.notify_all();
+        true
+    }
+
+    /// Fails every waiter (client gone).
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
+        let ids: Vec<u16> = w.waiting.drain().map(|(k, ())| k).collect();
+        for id in ids {
+            w.done.insert(id, Err(libc::ENOTCONN));
+        }
+        self.cond.notify_all();
+    }
+
+    fn transact(&self, req: &Request<'_>) -> Outcome {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(libc::ENOTCONN);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) | 0x8000;
+        let mut buf = Vec::new();
+        req.encode(id, false, &mut buf).map_err(|e| e.errno())?;
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner()).waiting.insert(id, ());
+        {
+            let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = send_all(&self.stream, &buf, &[]) {
+                self.waiters.lock().unwrap_or_else(|p| p.into_inner()).waiting.remove(&id);
+                return Err(e.raw_os_error().unwrap_or(libc::EIO));
+            }
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(outcome) = w.done.remove(&id) {
+                return outcome;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                w.waiting.remove(&id);
+                return Err(libc::ETIMEDOUT);
+            }
+            w = self
+                .cond
+                .wait_timeout(w, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+}
+
+impl RemoteDma for ClientDma {
+    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), i32> {
+        for (i, chunk) in buf.chunks_mut(self.max_xfer).enumerate() {
+            let address = iova
+                .checked_add((i * self.max_xfer) as u64)
+                .ok_or(libc::EFAULT)?;
+            let body = self.transact(&Request::DmaRead { address, count: chunk.len() as u64 })?;
+            match decode_dma_reply(Command::DmaRead, &body) {
+                Ok(Reply::DmaRead { address: a, data }) if a == address && data.len() == chunk.len() => {
+                    chunk.copy_from_slice(data);
+                }
+                _ => return Err(libc::EIO),
+            }
+        }
+        Ok(())
+    }
+
+    fn write(&self, iova: u64, data: &[u8]) -> Result<(), i32> {
+        for (i, chunk) in data.chunks(self.max_xfer).enumerate() {
+            let address = iova
+                .checked_add((i * self.max_xfer) as u64)
+                .ok_or(libc::EFAULT)?;
+            let body = self.transact(&Request::DmaWrite { address, data: chunk })?;
+            match decode_dma_reply(Command::DmaWrite, &body) {
+                Ok(Reply::DmaWrite { count, .. }) if count == chunk.len() as u64 => {}
+                _ => return Err(libc::EIO),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decodes the body of a DMA_READ/DMA_WRITE reply that the connection thread stored.
+fn decode_dma_reply(cmd: Command, body: &[u8]) -> Result<Reply<'_>, ProtoError> {
+    let len = body.len();
+    let hdr = switchyard_proto::Header::reply(0, cmd.as_u16(), len)?;
+    switchyard_proto::decode_reply(&hdr, body, 0)
+}

@@ -1,0 +1,158 @@
+//! `switchyard`: serve a device to a VMM over vfio-user.
+//!
+//! ```text
+//! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2]]
+//! ```
+//!
+//! Logs go to stderr (`RUST_LOG` honoured, default `info`). SIGTERM / SIGINT finish the message
+//! in progress, remove the socket and exit 0. Bad arguments print a one-line error and exit 2.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use switchyard_server::{Server, ServerConfig};
+use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
+
+/// Switchyard: a vfio-user backend that serves PCI devices (the software GPU today) to VMs
+/// over a UNIX socket. Point QEMU at the socket with
+/// `-device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":"PATH"}}'` (guest RAM
+/// must be a shared memory backend, e.g. `memory-backend-memfd,share=on`), or cloud-hypervisor
+/// with `--user-device socket=PATH` and `--memory ...,shared=on`.
+#[derive(Debug, Parser)]
+#[command(name = "switchyard", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve one device on a socket in the foreground until SIGTERM/SIGINT.
+    ///
+    /// The socket is listening before anything else happens, so a VMM can be started as soon
+    /// as the socket file exists. One client at a time: a second concurrent client is closed
+    /// right away. When a client disconnects its DMA mappings and interrupt eventfds are
+    /// dropped, the device keeps its state and the next client is served.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Path of the vfio-user socket to create (a stale socket file is replaced).
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+
+    /// Device to serve: `softgpu[,vram=SIZE][,queues=N]`. SIZE is a power of two with an
+    /// optional K/M/G suffix (default 64M); N is 1..=8 command queues (default 2).
+    #[arg(long, value_name = "SPEC", default_value = "softgpu", value_parser = parse_device)]
+    device: DeviceSpec,
+
+    /// Permissions of the socket file, in octal.
+    #[arg(long, value_name = "MODE", default_value = "600", value_parser = parse_mode)]
+    socket_mode: u32,
+
+    /// Adaptive polling: spin on the socket for up to this many microseconds before blocking,
+    /// trading CPU for lower round-trip latency. 0 disables it.
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = 0)]
+    poll_spin_us: u64,
+}
+
+/// A parsed `--device` value.
+#[derive(Debug, Clone)]
+enum DeviceSpec {
+    SoftGpu(SoftGpuConfig),
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    let (model, options) = s.split_once(',').unwrap_or((s, ""));
+    match model.trim() {
+        "softgpu" => SoftGpuConfig::parse_options(options)
+            .map(DeviceSpec::SoftGpu)
+            .map_err(|e| e.to_string()),
+        other => Err(format!("unknown device model `{other}`; available models: softgpu")),
+    }
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let mode = u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .map_err(|_| format!("`{s}` is not an octal file mode"))?;
+    if mode > 0o777 {
+        return Err(format!("`{s}` is not a file mode (0..=777)"));
+    }
+    Ok(mode)
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // One line: the error itself, without clap's usage block.
+            let text = e.to_string();
+            let line: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.starts_with("Usage:"))
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .collect();
+            eprintln!("{} (see `switchyard --help`)", line.join(" "));
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = ServerConfig::new(&args.socket);
+    config.socket_mode = args.socket_mode;
+    config.poll_spin = Duration::from_micros(args.poll_spin_us);
+    let DeviceSpec::SoftGpu(gpu) = args.device;
+    let span = tracing::info_span!("device", model = "softgpu", socket = %args.socket.display());
+    let _g = span.enter();
+    tracing::info!(vram = gpu.vram_size, queues = gpu.queues, "starting softgpu");
+    let mut server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
+        .with_context(|| format!("cannot serve on {}", args.socket.display()))?;
+    let stop = server.stop_handle();
+    let mut signals = Signals::new([SIGTERM, SIGINT]).context("cannot install signal handlers")?;
+    let handle = signals.handle();
+    let watcher = std::thread::Builder::new()
+        .name("sy-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!(signal = sig, "shutting down");
+                stop.stop();
+            }
+        })
+        .context("cannot start the signal thread")?;
+    let result = server.run().context("server failed");
+    handle.close();
+    let _ = watcher.join();
+    drop(server);
+    result
+}
