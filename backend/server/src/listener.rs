@@ -36,15 +36,24 @@ impl DeviceSocket {
             }
             fs::remove_file(path).map_err(|e| ServerError::Bind(path.to_owned(), e))?;
         }
-        // Create the socket without group/other access from the start, then set the exact mode.
+        // Bind and listen under a temporary name, then rename into place: the socket file
+        // appears only once it accepts connections, so a VMM started as soon as the file
+        // exists never sees ECONNREFUSED. The socket is created without group/other access
+        // (umask) and then given its exact mode.
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+        let _ = fs::remove_file(&tmp);
         let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
-        let bound = UnixListener::bind(path);
+        let bound = UnixListener::bind(&tmp);
         rustix::process::umask(old);
         let listener = bound.map_err(|e| ServerError::Bind(path.to_owned(), e))?;
-        let sock = Self { listener, path: path.to_owned() };
-        fs::set_permissions(path, fs::Permissions::from_mode(mode))
-            .map_err(|e| ServerError::Bind(path.to_owned(), e))?;
-        Ok(sock)
+        let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))
+            .and_then(|()| fs::rename(&tmp, path));
+        if let Err(e) = placed {
+            let _ = fs::remove_file(&tmp);
+            return Err(ServerError::Bind(path.to_owned(), e));
+        }
+        Ok(Self { listener, path: path.to_owned() })
     }
 
     /// The socket path.
@@ -96,6 +105,18 @@ impl StopHandle {
     /// Whether shutdown was requested.
     pub fn is_stopping(&self) -> bool {
         self.inner.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Whether the client being served is going away (hung up, or already detached): a new
+    /// client arriving now is its successor, not a second concurrent client.
+    fn active_is_ending(&self) -> bool {
+        let slot = self.inner.active.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(s) = slot.as_ref() else { return true };
+        let mut fds = [PollFd::new(s, PollFlags::RDHUP)];
+        match rustix::event::poll(&mut fds, Some(&rustix::event::Timespec::default())) {
+            Ok(_) => fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
+            Err(_) => false,
+        }
     }
 
     pub(crate) fn set_active(&self, s: Option<UnixStream>) {
@@ -184,6 +205,14 @@ fn accept_loop(
         }
         match listener.accept() {
             Ok((stream, _)) => {
+                if busy.load(Ordering::SeqCst) && stop.active_is_ending() {
+                    // The previous client hung up and is being torn down: let this one wait
+                    // for it (bounded) instead of refusing a legitimate reconnect.
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                    while busy.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                }
                 if busy.swap(true, Ordering::SeqCst) {
                     tracing::warn!("refusing a second client: the device already has one");
                     let _ = stream.shutdown(std::net::Shutdown::Both);

@@ -272,7 +272,7 @@ mod tests {
 
     fn msg(id: u16, body: &[u8]) -> Vec<u8> {
         let h = Header::command(id, Command::DeviceGetInfo, false, body.len()).expect("header");
-        let mut v = h.to_bytes().to_vec();
+        let mut v = zerocopy::IntoBytes::as_bytes(&h).to_vec();
         v.extend_from_slice(body);
         v
     }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod driver;
+pub mod raw;
 pub mod workload;
 
 use std::fs::File;
