@@ -1,0 +1,302 @@
+//! The 16-byte message header and the command numbers.
+
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+use crate::consts::*;
+use crate::error::ProtoError;
+
+/// vfio-user command numbers (spec §1.2).
+///
+/// `DirtyPages` (14, legacy migration v1) and `GetPrecopyInfo` (19, in-flight
+/// QEMU work) are known but not supported: decoding them fails with `ENOTSUP`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum Command {
+    /// `VFIO_USER_VERSION` (1).
+    Version = VFIO_USER_VERSION,
+    /// `VFIO_USER_DMA_MAP` (2).
+    DmaMap = VFIO_USER_DMA_MAP,
+    /// `VFIO_USER_DMA_UNMAP` (3).
+    DmaUnmap = VFIO_USER_DMA_UNMAP,
+    /// `VFIO_USER_DEVICE_GET_INFO` (4).
+    DeviceGetInfo = VFIO_USER_DEVICE_GET_INFO,
+    /// `VFIO_USER_DEVICE_GET_REGION_INFO` (5).
+    DeviceGetRegionInfo = VFIO_USER_DEVICE_GET_REGION_INFO,
+    /// `VFIO_USER_DEVICE_GET_REGION_IO_FDS` (6).
+    DeviceGetRegionIoFds = VFIO_USER_DEVICE_GET_REGION_IO_FDS,
+    /// `VFIO_USER_DEVICE_GET_IRQ_INFO` (7).
+    DeviceGetIrqInfo = VFIO_USER_DEVICE_GET_IRQ_INFO,
+    /// `VFIO_USER_DEVICE_SET_IRQS` (8).
+    DeviceSetIrqs = VFIO_USER_DEVICE_SET_IRQS,
+    /// `VFIO_USER_REGION_READ` (9).
+    RegionRead = VFIO_USER_REGION_READ,
+    /// `VFIO_USER_REGION_WRITE` (10).
+    RegionWrite = VFIO_USER_REGION_WRITE,
+    /// `VFIO_USER_DMA_READ` (11, server to client).
+    DmaRead = VFIO_USER_DMA_READ,
+    /// `VFIO_USER_DMA_WRITE` (12, server to client).
+    DmaWrite = VFIO_USER_DMA_WRITE,
+    /// `VFIO_USER_DEVICE_RESET` (13).
+    DeviceReset = VFIO_USER_DEVICE_RESET,
+    /// `VFIO_USER_DIRTY_PAGES` (14, legacy; unsupported).
+    DirtyPages = VFIO_USER_DIRTY_PAGES,
+    /// `VFIO_USER_REGION_WRITE_MULTI` (15).
+    RegionWriteMulti = VFIO_USER_REGION_WRITE_MULTI,
+    /// `VFIO_USER_DEVICE_FEATURE` (16).
+    DeviceFeature = VFIO_USER_DEVICE_FEATURE,
+    /// `VFIO_USER_MIG_DATA_READ` (17).
+    MigDataRead = VFIO_USER_MIG_DATA_READ,
+    /// `VFIO_USER_MIG_DATA_WRITE` (18).
+    MigDataWrite = VFIO_USER_MIG_DATA_WRITE,
+    /// `VFIO_USER_GET_PRECOPY_INFO` (19, in-flight; unsupported).
+    GetPrecopyInfo = VFIO_USER_GET_PRECOPY_INFO,
+}
+
+/// Who sends a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Client (VMM) to server (device): every command except DMA_READ/WRITE.
+    ClientToServer,
+    /// Server to client: DMA_READ and DMA_WRITE.
+    ServerToClient,
+}
+
+impl Command {
+    /// All commands, in numeric order.
+    pub const ALL: [Command; 19] = [
+        Command::Version,
+        Command::DmaMap,
+        Command::DmaUnmap,
+        Command::DeviceGetInfo,
+        Command::DeviceGetRegionInfo,
+        Command::DeviceGetRegionIoFds,
+        Command::DeviceGetIrqInfo,
+        Command::DeviceSetIrqs,
+        Command::RegionRead,
+        Command::RegionWrite,
+        Command::DmaRead,
+        Command::DmaWrite,
+        Command::DeviceReset,
+        Command::DirtyPages,
+        Command::RegionWriteMulti,
+        Command::DeviceFeature,
+        Command::MigDataRead,
+        Command::MigDataWrite,
+        Command::GetPrecopyInfo,
+    ];
+
+    /// The wire value.
+    pub const fn as_u16(self) -> u16 {
+        self as u16
+    }
+
+    /// Who sends this command.
+    pub const fn direction(self) -> Direction {
+        match self {
+            Command::DmaRead | Command::DmaWrite => Direction::ServerToClient,
+            _ => Direction::ClientToServer,
+        }
+    }
+
+    /// Whether this codec decodes the command (all but 14 and 19).
+    pub const fn is_supported(self) -> bool {
+        !matches!(self, Command::DirtyPages | Command::GetPrecopyInfo)
+    }
+}
+
+impl TryFrom<u16> for Command {
+    type Error = ProtoError;
+
+    fn try_from(v: u16) -> Result<Self, ProtoError> {
+        let idx = usize::from(v)
+            .checked_sub(1)
+            .ok_or(ProtoError::UnknownCommand(v))?;
+        Command::ALL
+            .get(idx)
+            .copied()
+            .ok_or(ProtoError::UnknownCommand(v))
+    }
+}
+
+impl From<Command> for u16 {
+    fn from(c: Command) -> u16 {
+        c as u16
+    }
+}
+
+/// The message type encoded in the low header flag bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MessageType {
+    /// A command (request).
+    Command,
+    /// A reply.
+    Reply,
+}
+
+/// The 16-byte header that precedes every message (spec §1.3), host endian.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, FromBytes, IntoBytes, KnownLayout, Immutable,
+)]
+#[repr(C)]
+pub struct Header {
+    /// Message ID chosen by the sender of a command, echoed in the reply.
+    pub msg_id: u16,
+    /// Command number.
+    pub cmd: u16,
+    /// Whole message size including this header.
+    pub msg_size: u32,
+    /// Type bits, `No_reply`, `Error`.
+    pub flags: u32,
+    /// errno of an error reply; reserved (0) in commands.
+    pub error_no: u32,
+}
+
+impl Header {
+    /// Size of the header on the wire.
+    pub const SIZE: usize = HEADER_SIZE;
+
+    /// Reads a header from the first 16 bytes of `bytes` (no validation
+    /// besides length; use [`Header::body_len`] and the decoders).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Header, ProtoError> {
+        Header::read_from_prefix(bytes)
+            .map(|(h, _)| h)
+            .map_err(|_| ProtoError::truncated("header", HEADER_SIZE, bytes.len()))
+    }
+
+    /// The 16 wire bytes (host endian).
+    pub fn to_bytes(&self) -> [u8; HEADER_SIZE] {
+        let mut b = [0u8; HEADER_SIZE];
+        b.copy_from_slice(self.as_bytes());
+        b
+    }
+
+    /// Builds a command header for a body of `body_len` bytes.
+    pub fn command(
+        msg_id: u16,
+        cmd: Command,
+        no_reply: bool,
+        body_len: usize,
+    ) -> Result<Header, ProtoError> {
+        Ok(Header {
+            msg_id,
+            cmd: cmd.as_u16(),
+            msg_size: msg_size_for(body_len)?,
+            flags: VFIO_USER_F_TYPE_COMMAND | if no_reply { VFIO_USER_F_NO_REPLY } else { 0 },
+            error_no: 0,
+        })
+    }
+
+    /// Builds a (successful) reply header for a body of `body_len` bytes.
+    pub fn reply(msg_id: u16, cmd: u16, body_len: usize) -> Result<Header, ProtoError> {
+        Ok(Header {
+            msg_id,
+            cmd,
+            msg_size: msg_size_for(body_len)?,
+            flags: VFIO_USER_F_TYPE_REPLY,
+            error_no: 0,
+        })
+    }
+
+    /// Builds an error reply header (no body). Negative errnos are negated.
+    pub fn error_reply(msg_id: u16, cmd: u16, errno: i32) -> Header {
+        Header {
+            msg_id,
+            cmd,
+            msg_size: HEADER_SIZE as u32,
+            flags: VFIO_USER_F_TYPE_REPLY | VFIO_USER_F_ERROR,
+            error_no: errno.unsigned_abs(),
+        }
+    }
+
+    /// Length of the body that follows the header, validating
+    /// `16 <= msg_size <= MAX_MSG_SIZE`.
+    pub fn body_len(&self) -> Result<usize, ProtoError> {
+        self.body_len_within(MAX_MSG_SIZE)
+    }
+
+    /// Like [`Header::body_len`] with a caller-chosen maximum message size.
+    pub fn body_len_within(&self, max_msg_size: u32) -> Result<usize, ProtoError> {
+        if self.msg_size > max_msg_size {
+            return Err(ProtoError::BadMsgSize {
+                msg_size: self.msg_size,
+                max: max_msg_size,
+            });
+        }
+        let body = self
+            .msg_size
+            .checked_sub(HEADER_SIZE as u32)
+            .ok_or(ProtoError::BadMsgSize {
+                msg_size: self.msg_size,
+                max: max_msg_size,
+            })?;
+        usize::try_from(body).map_err(|_| ProtoError::overflow("message size"))
+    }
+
+    /// The command, if known.
+    pub fn command_kind(&self) -> Result<Command, ProtoError> {
+        Command::try_from(self.cmd)
+    }
+
+    /// The message type (command or reply); other type values are an error.
+    pub fn message_type(&self) -> Result<MessageType, ProtoError> {
+        match self.flags & VFIO_USER_F_TYPE_MASK {
+            VFIO_USER_F_TYPE_COMMAND => Ok(MessageType::Command),
+            VFIO_USER_F_TYPE_REPLY => Ok(MessageType::Reply),
+            _ => Err(ProtoError::BadMessageType { flags: self.flags }),
+        }
+    }
+
+    /// Whether the type bits say reply.
+    pub fn is_reply(&self) -> bool {
+        self.flags & VFIO_USER_F_TYPE_MASK == VFIO_USER_F_TYPE_REPLY
+    }
+
+    /// Whether the type bits say command.
+    pub fn is_command(&self) -> bool {
+        self.flags & VFIO_USER_F_TYPE_MASK == VFIO_USER_F_TYPE_COMMAND
+    }
+
+    /// Whether `No_reply` is set.
+    pub fn no_reply(&self) -> bool {
+        self.flags & VFIO_USER_F_NO_REPLY != 0
+    }
+
+    /// Whether `Error` is set.
+    pub fn is_error(&self) -> bool {
+        self.flags & VFIO_USER_F_ERROR != 0
+    }
+
+    /// Validates the header of a command: known type bits, no `Error` flag,
+    /// no undefined flags. Does not look at `msg_size` or `cmd`.
+    pub fn validate_command_flags(&self) -> Result<(), ProtoError> {
+        if self.flags & !VFIO_USER_F_ALL != 0 || self.is_error() {
+            return Err(ProtoError::BadHeaderFlags { flags: self.flags });
+        }
+        if !self.is_command() {
+            return Err(ProtoError::BadMessageType { flags: self.flags });
+        }
+        Ok(())
+    }
+
+    /// Validates the header of a reply: reply type bits, no `No_reply`,
+    /// no undefined flags.
+    pub fn validate_reply_flags(&self) -> Result<(), ProtoError> {
+        if self.flags & !VFIO_USER_F_ALL != 0 || self.no_reply() {
+            return Err(ProtoError::BadHeaderFlags { flags: self.flags });
+        }
+        if !self.is_reply() {
+            return Err(ProtoError::BadMessageType { flags: self.flags });
+        }
+        Ok(())
+    }
+}
+
+/// `msg_size` for a body length, checking the u32 range.
+pub(crate) fn msg_size_for(body_len: usize) -> Result<u32, ProtoError> {
+    body_len
+        .checked_add(HEADER_SIZE)
+        .and_then(|n| u32::try_from(n).ok())
+        .ok_or(ProtoError::MessageTooLarge {
+            size: body_len.saturating_add(HEADER_SIZE),
+        })
+}
