@@ -14,6 +14,7 @@
 //! * A receive timeout (default 10 s) keeps tests from hanging.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod dma;
 pub mod scm;
