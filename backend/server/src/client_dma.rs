@@ -85,11 +85,19 @@ impl ClientDma {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) | 0x8000;
         let mut buf = Vec::new();
         req.encode(id, false, &mut buf).map_err(|e| e.errno())?;
-        self.waiters.lock().unwrap_or_else(|p| p.into_inner()).waiting.insert(id, ());
+        self.waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .waiting
+            .insert(id, ());
         {
             let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = send_all(&self.stream, &buf, &[]) {
-                self.waiters.lock().unwrap_or_else(|p| p.into_inner()).waiting.remove(&id);
+                self.waiters
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .waiting
+                    .remove(&id);
                 return Err(e.raw_os_error().unwrap_or(libc::EIO));
             }
         }
@@ -119,9 +127,14 @@ impl RemoteDma for ClientDma {
             let address = iova
                 .checked_add((i * self.max_xfer) as u64)
                 .ok_or(libc::EFAULT)?;
-            let body = self.transact(&Request::DmaRead { address, count: chunk.len() as u64 })?;
+            let body = self.transact(&Request::DmaRead {
+                address,
+                count: chunk.len() as u64,
+            })?;
             match decode_dma_reply(Command::DmaRead, &body) {
-                Ok(Reply::DmaRead { address: a, data }) if a == address && data.len() == chunk.len() => {
+                Ok(Reply::DmaRead { address: a, data })
+                    if a == address && data.len() == chunk.len() =>
+                {
                     chunk.copy_from_slice(data);
                 }
                 _ => return Err(libc::EIO),
@@ -135,7 +148,10 @@ impl RemoteDma for ClientDma {
             let address = iova
                 .checked_add((i * self.max_xfer) as u64)
                 .ok_or(libc::EFAULT)?;
-            let body = self.transact(&Request::DmaWrite { address, data: chunk })?;
+            let body = self.transact(&Request::DmaWrite {
+                address,
+                data: chunk,
+            })?;
             match decode_dma_reply(Command::DmaWrite, &body) {
                 Ok(Reply::DmaWrite { count, .. }) if count == chunk.len() as u64 => {}
                 _ => return Err(libc::EIO),

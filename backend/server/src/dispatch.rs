@@ -4,8 +4,8 @@
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use switchyard_device::{DeviceError, DmaError, DmaProt, IrqIndex, PciDevice, RegionDesc};
 use switchyard_proto::consts::*;
@@ -44,7 +44,10 @@ impl RequestError {
 }
 
 fn invalid(what: &'static str) -> RequestError {
-    RequestError::Invalid { what, errno: libc::EINVAL }
+    RequestError::Invalid {
+        what,
+        errno: libc::EINVAL,
+    }
 }
 
 /// Per-connection state.
@@ -144,14 +147,25 @@ pub(crate) fn serve_connection<D: PciDevice>(
 /// A reply from the client: only answers to our DMA_READ/DMA_WRITE are expected.
 fn route_reply(s: &Session, msg: &Message<'_>) {
     let h = &msg.header;
-    let outcome = if h.is_error() { Err(h.error_no as i32) } else { Ok(msg.body.to_vec()) };
-    let routed = s.client_dma.as_ref().is_some_and(|cd| cd.complete(h.msg_id, outcome));
+    let outcome = if h.is_error() {
+        Err(h.error_no as i32)
+    } else {
+        Ok(msg.body.to_vec())
+    };
+    let routed = s
+        .client_dma
+        .as_ref()
+        .is_some_and(|cd| cd.complete(h.msg_id, outcome));
     if !routed {
-        tracing::warn!(msg_id = h.msg_id, cmd = h.cmd, "dropping an unsolicited reply");
+        tracing::warn!(
+            msg_id = h.msg_id,
+            cmd = h.cmd,
+            "dropping an unsolicited reply"
+        );
     }
 }
 
-fn region<'d, D: PciDevice>(dev: &'d D, index: u32) -> Result<&'d RegionDesc, RequestError> {
+fn region<D: PciDevice>(dev: &D, index: u32) -> Result<&RegionDesc, RequestError> {
     dev.description()
         .regions
         .get(index as usize)
@@ -162,7 +176,12 @@ fn region<'d, D: PciDevice>(dev: &'d D, index: u32) -> Result<&'d RegionDesc, Re
 fn check_range(r: &RegionDesc, index: u32, offset: u64, len: usize) -> Result<(), RequestError> {
     let end = offset.checked_add(len as u64);
     if end.is_none_or(|e| e > r.size) {
-        return Err(DeviceError::OutOfRange { region: index, offset, len }.into());
+        return Err(DeviceError::OutOfRange {
+            region: index,
+            offset,
+            len,
+        }
+        .into());
     }
     Ok(())
 }
@@ -175,12 +194,19 @@ fn handle<D: PciDevice>(
     let h = msg.header;
     let req = switchyard_proto::decode_request_with(&h, msg.body, msg.fds.len(), &s.limits)?;
     if s.negotiated.is_none() && !matches!(req, Request::Version(_)) {
-        return Err(RequestError::Invalid { what: "version not negotiated yet", errno: libc::EINVAL });
+        return Err(RequestError::Invalid {
+            what: "version not negotiated yet",
+            errno: libc::EINVAL,
+        });
     }
     let id = h.msg_id;
     let dev = &mut server.device;
     match req {
-        Request::RegionRead { offset, region: index, count } => {
+        Request::RegionRead {
+            offset,
+            region: index,
+            count,
+        } => {
             let r = region(dev, index)?;
             if !r.read {
                 return Err(invalid("region is not readable"));
@@ -190,7 +216,11 @@ fn handle<D: PciDevice>(
             let buf = region_read_reply_buffer(&mut s.out, id, offset, index, count)?;
             dev.region_read(index, offset, buf)?;
         }
-        Request::RegionWrite { offset, region: index, data } => {
+        Request::RegionWrite {
+            offset,
+            region: index,
+            data,
+        } => {
             let r = region(dev, index)?;
             if !r.write {
                 return Err(invalid("region is not writable"));
@@ -248,28 +278,57 @@ fn handle<D: PciDevice>(
             };
             let mmapped = backing.is_some();
             server.ctx.dma.map(m.address, m.size, prot, backing)?;
-            tracing::debug!(iova = m.address, size = m.size, flags = m.flags, mmapped, "DMA map");
+            tracing::debug!(
+                iova = m.address,
+                size = m.size,
+                flags = m.flags,
+                mmapped,
+                "DMA map"
+            );
             reply_empty(&mut s.out, id, Reply::DmaMap)?;
         }
         Request::DmaUnmap { unmap, bitmap } => {
             if unmap.flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
                 server.ctx.dma.unmap_all();
                 tracing::debug!("DMA unmap all");
-                Reply::DmaUnmap { unmap, bitmap: None }.encode(id, &mut s.out)?;
+                Reply::DmaUnmap {
+                    unmap,
+                    bitmap: None,
+                }
+                .encode(id, &mut s.out)?;
             } else if let Some(bh) = bitmap {
-                let buf = switchyard_proto::dma_unmap_bitmap_reply_buffer(&mut s.out, id, &unmap, bh.pgsize)?;
+                let buf = switchyard_proto::dma_unmap_bitmap_reply_buffer(
+                    &mut s.out, id, &unmap, bh.pgsize,
+                )?;
                 let mut words = vec![0u64; buf.len().div_ceil(8)];
-                server.ctx.dma.take_dirty(unmap.address, unmap.size, bh.pgsize, &mut words)?;
+                server
+                    .ctx
+                    .dma
+                    .take_dirty(unmap.address, unmap.size, bh.pgsize, &mut words)?;
                 for (chunk, w) in buf.chunks_mut(8).zip(&words) {
                     let b = w.to_ne_bytes();
                     chunk.copy_from_slice(b.get(..chunk.len()).unwrap_or(&[]));
                 }
                 let n = server.ctx.dma.unmap(unmap.address, unmap.size)?;
-                tracing::debug!(iova = unmap.address, size = unmap.size, windows = n, "DMA unmap with dirty bitmap");
+                tracing::debug!(
+                    iova = unmap.address,
+                    size = unmap.size,
+                    windows = n,
+                    "DMA unmap with dirty bitmap"
+                );
             } else {
                 let n = server.ctx.dma.unmap(unmap.address, unmap.size)?;
-                tracing::debug!(iova = unmap.address, size = unmap.size, windows = n, "DMA unmap");
-                Reply::DmaUnmap { unmap, bitmap: None }.encode(id, &mut s.out)?;
+                tracing::debug!(
+                    iova = unmap.address,
+                    size = unmap.size,
+                    windows = n,
+                    "DMA unmap"
+                );
+                Reply::DmaUnmap {
+                    unmap,
+                    bitmap: None,
+                }
+                .encode(id, &mut s.out)?;
             }
         }
         Request::DeviceGetInfo { .. } => {
@@ -288,7 +347,10 @@ fn handle<D: PciDevice>(
         }
         Request::DeviceGetRegionInfo { argsz, index } => {
             let d = dev.description();
-            let r = d.regions.get(index as usize).ok_or(invalid("no such region"))?;
+            let r = d
+                .regions
+                .get(index as usize)
+                .ok_or(invalid("no such region"))?;
             let mut info = RegionInfo {
                 argsz: REGION_INFO_SIZE as u32,
                 flags: 0,
@@ -312,7 +374,10 @@ fn handle<D: PciDevice>(
                     let areas: Vec<SparseMmapArea> = mm
                         .areas
                         .iter()
-                        .map(|a| SparseMmapArea { offset: a.offset, size: a.size })
+                        .map(|a| SparseMmapArea {
+                            offset: a.offset,
+                            size: a.size,
+                        })
                         .collect();
                     builder.sparse_mmap(&areas)?;
                 }
@@ -326,7 +391,8 @@ fn handle<D: PciDevice>(
             let caps: &[u8] = if fits { &s.caps } else { &[] };
             Reply::DeviceGetRegionInfo { info, caps }.encode(id, &mut s.out)?;
             if let Some(f) = send_fd {
-                s.out_fds.push(f.as_fd().try_clone_to_owned().map_err(DeviceError::Io)?);
+                s.out_fds
+                    .push(f.as_fd().try_clone_to_owned().map_err(DeviceError::Io)?);
             }
         }
         Request::DeviceGetRegionIoFds { index, .. } => {
@@ -342,7 +408,10 @@ fn handle<D: PciDevice>(
         }
         Request::DeviceGetIrqInfo { index, .. } => {
             let d = dev.description();
-            let irq = d.irqs.get(index as usize).ok_or(invalid("no such interrupt index"))?;
+            let irq = d
+                .irqs
+                .get(index as usize)
+                .ok_or(invalid("no such interrupt index"))?;
             let mut flags = 0;
             if irq.eventfd {
                 flags |= VFIO_IRQ_INFO_EVENTFD;
@@ -356,7 +425,12 @@ fn handle<D: PciDevice>(
             if irq.noresize {
                 flags |= VFIO_IRQ_INFO_NORESIZE;
             }
-            let info = IrqInfo { argsz: IrqInfo::SIZE as u32, flags, index, count: irq.count };
+            let info = IrqInfo {
+                argsz: IrqInfo::SIZE as u32,
+                flags,
+                index,
+                count: irq.count,
+            };
             Reply::DeviceGetIrqInfo(info).encode(id, &mut s.out)?;
         }
         Request::DeviceSetIrqs(set) => {
@@ -373,7 +447,10 @@ fn handle<D: PciDevice>(
             let mut done = 0u64;
             for e in entries.iter() {
                 let r = region(dev, e.region)?;
-                let data = e.data.get(..e.count as usize).ok_or(invalid("write-multi count"))?;
+                let data = e
+                    .data
+                    .get(..e.count as usize)
+                    .ok_or(invalid("write-multi count"))?;
                 check_range(r, e.region, e.offset, data.len())?;
                 dev.region_write(e.region, e.offset, data)?;
                 done += 1;
@@ -410,9 +487,15 @@ fn set_irqs<D: PciDevice>(
     fds: Vec<OwnedFd>,
 ) -> Result<(), RequestError> {
     let d = server.device.description();
-    let irq = d.irqs.get(set.index as usize).ok_or(invalid("no such interrupt index"))?;
+    let irq = d
+        .irqs
+        .get(set.index as usize)
+        .ok_or(invalid("no such interrupt index"))?;
     let irqs = &server.ctx.irqs;
-    let in_range = set.start.checked_add(set.count).is_some_and(|e| e <= irq.count);
+    let in_range = set
+        .start
+        .checked_add(set.count)
+        .is_some_and(|e| e <= irq.count);
     if set.count == 0 {
         // Only "disable everything" is meaningful with no vectors.
         if matches!((set.action, set.data), (IrqAction::Trigger, IrqData::None)) && set.start == 0 {
@@ -420,7 +503,9 @@ fn set_irqs<D: PciDevice>(
             tracing::debug!(index = set.index, "interrupts disabled");
             return Ok(());
         }
-        return Err(invalid("zero-count SET_IRQS must be TRIGGER|DATA_NONE at start 0"));
+        return Err(invalid(
+            "zero-count SET_IRQS must be TRIGGER|DATA_NONE at start 0",
+        ));
     }
     if !in_range {
         return Err(invalid("interrupt vectors out of range"));
@@ -443,8 +528,14 @@ fn set_irqs<D: PciDevice>(
                 }
                 v
             };
-            irqs.set_triggers(set.index, set.start, files).map_err(DeviceError::from)?;
-            tracing::debug!(index = set.index, start = set.start, count = set.count, "eventfds set");
+            irqs.set_triggers(set.index, set.start, files)
+                .map_err(DeviceError::from)?;
+            tracing::debug!(
+                index = set.index,
+                start = set.start,
+                count = set.count,
+                "eventfds set"
+            );
         }
         (IrqAction::Trigger, IrqData::None) => {
             let index = IrqIndex::from_raw(set.index).ok_or(invalid("no such interrupt index"))?;
@@ -462,7 +553,8 @@ fn set_irqs<D: PciDevice>(
         }
         (IrqAction::Mask | IrqAction::Unmask, IrqData::None) => {
             let masked = set.action == IrqAction::Mask;
-            irqs.set_masked(set.index, set.start, set.count, masked, None).map_err(DeviceError::from)?;
+            irqs.set_masked(set.index, set.start, set.count, masked, None)
+                .map_err(DeviceError::from)?;
         }
         (IrqAction::Mask | IrqAction::Unmask, IrqData::Bool(bools)) => {
             let masked = set.action == IrqAction::Mask;

@@ -74,7 +74,10 @@ impl ServerConfig {
         Self {
             socket: socket.into(),
             socket_mode: 0o600,
-            limits: ServerLimits { max_msg_fds: 16, ..ServerLimits::default() },
+            limits: ServerLimits {
+                max_msg_fds: 16,
+                ..ServerLimits::default()
+            },
             poll_spin: Duration::ZERO,
             client_dma_timeout: Duration::from_secs(5),
         }
@@ -135,7 +138,14 @@ impl<D: PciDevice> Server<D> {
             device = device.description().name,
             "listening"
         );
-        Ok(Self { config, socket, device, ctx, stop, stats: Arc::default() })
+        Ok(Self {
+            config,
+            socket,
+            device,
+            ctx,
+            stop,
+            stats: Arc::default(),
+        })
     }
 
     /// A handle that stops [`Server::run`] from another thread.

@@ -40,7 +40,10 @@ impl DeviceSocket {
         // appears only once it accepts connections, so a VMM started as soon as the file
         // exists never sees ECONNREFUSED. The socket is created without group/other access
         // (umask) and then given its exact mode.
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
         let _ = fs::remove_file(&tmp);
         let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
@@ -53,7 +56,10 @@ impl DeviceSocket {
             let _ = fs::remove_file(&tmp);
             return Err(ServerError::Bind(path.to_owned(), e));
         }
-        Ok(Self { listener, path: path.to_owned() })
+        Ok(Self {
+            listener,
+            path: path.to_owned(),
+        })
     }
 
     /// The socket path.
@@ -97,7 +103,13 @@ impl StopHandle {
     pub fn stop(&self) {
         self.inner.stopping.store(true, Ordering::SeqCst);
         let _ = std::io::Write::write(&mut &self.inner.wake, &1u64.to_ne_bytes());
-        if let Some(s) = self.inner.active.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        if let Some(s) = self
+            .inner
+            .active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
             let _ = s.shutdown(std::net::Shutdown::Read);
         }
     }
@@ -114,7 +126,9 @@ impl StopHandle {
         let Some(s) = slot.as_ref() else { return true };
         let mut fds = [PollFd::new(s, PollFlags::RDHUP)];
         match rustix::event::poll(&mut fds, Some(&rustix::event::Timespec::default())) {
-            Ok(_) => fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
+            Ok(_) => fds[0]
+                .revents()
+                .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
             Err(_) => false,
         }
     }
@@ -153,7 +167,11 @@ impl Acceptor {
                 accept_loop(listener, tx, busy2, stop);
             })
             .map_err(ServerError::Accept)?;
-        Ok(Self { rx, busy, thread: Some(thread) })
+        Ok(Self {
+            rx,
+            busy,
+            thread: Some(thread),
+        })
     }
 
     /// Waits for the next client; `None` once the server is stopping.

@@ -105,7 +105,10 @@ impl Connection {
         loop {
             let avail = self.end - self.start;
             if avail >= HEADER_SIZE {
-                let hbytes = self.buf.get(self.start..self.start + HEADER_SIZE).unwrap_or(&[]);
+                let hbytes = self
+                    .buf
+                    .get(self.start..self.start + HEADER_SIZE)
+                    .unwrap_or(&[]);
                 let header =
                     Header::from_bytes(hbytes).map_err(|e| TransportError::BadHeader(None, e))?;
                 let body_len = header
@@ -117,7 +120,10 @@ impl Connection {
                     let msg_end = msg_start + total;
                     self.start = msg_end;
                     let fds = self.take_fds(msg_start, msg_end);
-                    let body = self.buf.get(msg_start + HEADER_SIZE..msg_end).unwrap_or(&[]);
+                    let body = self
+                        .buf
+                        .get(msg_start + HEADER_SIZE..msg_end)
+                        .unwrap_or(&[]);
                     return Ok(Message { header, body, fds });
                 }
                 // Incomplete: make room for the rest.
@@ -147,7 +153,10 @@ impl Connection {
         if msg_start >= self.fds_to {
             // Should not happen: a message after the read that carried them. Drop them rather
             // than hand them to the wrong message.
-            tracing::warn!(count = self.pending_fds.len(), "dropping unattributable descriptors");
+            tracing::warn!(
+                count = self.pending_fds.len(),
+                "dropping unattributable descriptors"
+            );
             self.pending_fds.clear();
         }
         Vec::new()
@@ -194,7 +203,8 @@ impl Connection {
     }
 
     fn recv_once(&mut self) -> io::Result<usize> {
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
+        let mut space =
+            [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let read_from = self.end;
         let dst = self.buf.get_mut(read_from..).unwrap_or(&mut []);
@@ -212,7 +222,10 @@ impl Connection {
         for m in control.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
                 if !got_fds && !self.pending_fds.is_empty() {
-                    tracing::warn!(count = self.pending_fds.len(), "dropping unclaimed descriptors");
+                    tracing::warn!(
+                        count = self.pending_fds.len(),
+                        "dropping unclaimed descriptors"
+                    );
                     self.pending_fds.clear();
                 }
                 got_fds = true;
@@ -230,7 +243,11 @@ impl Connection {
 
 /// Sends `bytes` (one or more whole messages) with optional descriptors in a single `sendmsg`,
 /// retrying on short writes (descriptors go with the first part only).
-pub fn send_all(stream: &UnixStream, bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) -> io::Result<()> {
+pub fn send_all(
+    stream: &UnixStream,
+    bytes: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> io::Result<()> {
     let mut sent = 0;
     let mut first = true;
     while sent < bytes.len() || (first && !fds.is_empty()) {
@@ -253,7 +270,10 @@ pub fn send_all(stream: &UnixStream, bytes: &[u8], fds: &[std::os::fd::BorrowedF
             Err(e) if e == rustix::io::Errno::INTR => continue,
             Err(e) if e == rustix::io::Errno::AGAIN => {
                 // The socket may be in non-blocking (spinning) mode: wait for room.
-                let mut pfd = [rustix::event::PollFd::new(stream, rustix::event::PollFlags::OUT)];
+                let mut pfd = [rustix::event::PollFd::new(
+                    stream,
+                    rustix::event::PollFlags::OUT,
+                )];
                 rustix::event::poll(&mut pfd, None)?;
                 continue;
             }
@@ -281,7 +301,10 @@ mod tests {
     fn pipelined_messages_are_split_and_fds_attributed() {
         let (a, b) = UnixStream::pair().expect("pair");
         let mut conn = Connection::new(b, 4096, Duration::ZERO);
-        let f = memfd::MemfdOptions::default().create("t").expect("memfd").into_file();
+        let f = memfd::MemfdOptions::default()
+            .create("t")
+            .expect("memfd")
+            .into_file();
         // Message 1 without fds, then message 2 with one fd, then message 3 without.
         send_all(&a, &msg(1, &[0; 16]), &[]).expect("send 1");
         send_all(&a, &msg(2, &[1; 16]), &[f.as_fd()]).expect("send 2");
@@ -320,6 +343,9 @@ mod tests {
         let (a, b) = UnixStream::pair().expect("pair");
         let mut conn = Connection::new(b, 64, Duration::ZERO);
         send_all(&a, &msg(1, &[0; 100]), &[]).expect("send");
-        assert!(matches!(conn.recv(), Err(TransportError::BadHeader(Some(_), _))));
+        assert!(matches!(
+            conn.recv(),
+            Err(TransportError::BadHeader(Some(_), _))
+        ));
     }
 }

@@ -74,7 +74,9 @@ fn parse_device(s: &str) -> Result<DeviceSpec, String> {
         "softgpu" => SoftGpuConfig::parse_options(options)
             .map(DeviceSpec::SoftGpu)
             .map_err(|e| e.to_string()),
-        other => Err(format!("unknown device model `{other}`; available models: softgpu")),
+        other => Err(format!(
+            "unknown device model `{other}`; available models: softgpu"
+        )),
     }
 }
 
@@ -135,7 +137,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let DeviceSpec::SoftGpu(gpu) = args.device;
     let span = tracing::info_span!("device", model = "softgpu", socket = %args.socket.display());
     let _g = span.enter();
-    tracing::info!(vram = gpu.vram_size, queues = gpu.queues, "starting softgpu");
+    tracing::info!(
+        vram = gpu.vram_size,
+        queues = gpu.queues,
+        "starting softgpu"
+    );
     let mut server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
         .with_context(|| format!("cannot serve on {}", args.socket.display()))?;
     let stop = server.stop_handle();

@@ -21,14 +21,20 @@ struct Ours(Client);
 
 impl Transport for Ours {
     fn region_read(&mut self, region: u32, offset: u64, buf: &mut [u8]) {
-        self.0.region_read(region, offset, buf).expect("region_read");
+        self.0
+            .region_read(region, offset, buf)
+            .expect("region_read");
     }
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) {
-        self.0.region_write(region, offset, data).expect("region_write");
+        self.0
+            .region_write(region, offset, data)
+            .expect("region_write");
     }
     fn dma_map(&mut self, iova: u64, size: u64, file: &File, offset: u64) {
         let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
-        self.0.dma_map(iova, size, flags, Some((file.as_fd(), offset))).expect("dma_map");
+        self.0
+            .dma_map(iova, size, flags, Some((file.as_fd(), offset)))
+            .expect("dma_map");
     }
     fn set_msix_eventfds(&mut self, start: u32, fds: &[&File]) {
         let b: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
@@ -63,9 +69,16 @@ fn negotiation_and_device_description() {
     assert_eq!(vram.info.size, 32 << 20);
     assert_ne!(vram.info.flags & VFIO_REGION_INFO_FLAG_MMAP, 0);
     let areas = vram.sparse_areas.expect("sparse mmap capability");
-    assert_eq!((areas.len(), areas[0].offset, areas[0].size), (1, 0, 32 << 20));
+    assert_eq!(
+        (areas.len(), areas[0].offset, areas[0].size),
+        (1, 0, 32 << 20)
+    );
     let fd = vram.fd.expect("VRAM fd");
-    assert_eq!(fd.metadata().expect("stat").len(), 32 << 20, "the fd is the VRAM memfd");
+    assert_eq!(
+        fd.metadata().expect("stat").len(),
+        32 << 20,
+        "the fd is the VRAM memfd"
+    );
     // Too small an argsz: no caps and no fd, argsz says what is needed.
     let (small, _caps, fds) = c.region_info_raw(2, 32).expect("small argsz");
     assert!(small.argsz > 32 && small.cap_offset == 0 && fds.is_empty());
@@ -80,7 +93,10 @@ fn negotiation_and_device_description() {
     assert_eq!(u32::from_le_bytes(q), 4);
     assert_eq!(c.irq_info(VFIO_PCI_MSIX_IRQ_INDEX).expect("msix").count, 16);
     let e = c.feature_probe(VFIO_DEVICE_FEATURE_MIGRATION, true, false);
-    assert_eq!(e.expect_err("no migration yet").remote_errno(), Some(libc::ENOTTY));
+    assert_eq!(
+        e.expect_err("no migration yet").remote_errno(),
+        Some(libc::ENOTTY)
+    );
 }
 
 #[test]
@@ -98,18 +114,32 @@ fn posted_and_multi_writes() {
     let server = ServerProcess::start("softgpu");
     let mut c = connect(&server);
     for v in 0..100u32 {
-        c.region_write_posted(0, SCRATCH, &v.to_le_bytes()).expect("posted");
+        c.region_write_posted(0, SCRATCH, &v.to_le_bytes())
+            .expect("posted");
     }
     let mut b = [0u8; 4];
     c.region_read(0, SCRATCH, &mut b).expect("read");
-    assert_eq!(u32::from_le_bytes(b), 99, "posted writes applied in order before the read");
+    assert_eq!(
+        u32::from_le_bytes(b),
+        99,
+        "posted writes applied in order before the read"
+    );
     let entry = |off: u64, v: u32| {
         let mut data = [0u8; 8];
         data[..4].copy_from_slice(&v.to_le_bytes());
-        WriteMultiEntry { offset: off, region: 0, count: 4, data }
+        WriteMultiEntry {
+            offset: off,
+            region: 0,
+            count: 4,
+            data,
+        }
     };
     let n = c
-        .region_write_multi(&[entry(SCRATCH, 1), entry(INT_MASK, 0xf), entry(SCRATCH, 0x1234)])
+        .region_write_multi(&[
+            entry(SCRATCH, 1),
+            entry(INT_MASK, 0xf),
+            entry(SCRATCH, 0x1234),
+        ])
         .expect("multi");
     assert_eq!(n, 3);
     c.region_read(0, SCRATCH, &mut b).expect("read");
@@ -117,8 +147,18 @@ fn posted_and_multi_writes() {
     c.region_read(0, INT_MASK, &mut b).expect("read");
     assert_eq!(u32::from_le_bytes(b), 0xf);
     // A bad entry fails the request with an errno.
-    let bad = WriteMultiEntry { offset: 0, region: 6, count: 4, data: [0; 8] };
-    assert_eq!(c.region_write_multi(&[bad]).expect_err("bad region").remote_errno(), Some(libc::EINVAL));
+    let bad = WriteMultiEntry {
+        offset: 0,
+        region: 6,
+        count: 4,
+        data: [0; 8],
+    };
+    assert_eq!(
+        c.region_write_multi(&[bad])
+            .expect_err("bad region")
+            .remote_errno(),
+        Some(libc::EINVAL)
+    );
 }
 
 #[test]
@@ -131,19 +171,31 @@ fn message_based_dma_for_windows_without_fd() {
     // A window the client maps without an fd: the device must reach it through DMA_READ /
     // DMA_WRITE messages to the client.
     d.t.0
-        .dma_map(0x4000_0000, 1 << 20, VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE, None)
+        .dma_map(
+            0x4000_0000,
+            1 << 20,
+            VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE,
+            None,
+        )
         .expect("fd-less map");
     flat.lock().expect("lock").mem[0x100..0x100 + 64].copy_from_slice(&[0x42; 64]);
     d.setup_queue(0);
-    d.run(0, &[
-        Command::copy(Operand::Guest(0x4000_0100), guest(0x2000), 64),
-        Command::fill(Operand::Guest(0x4000_8000), 3 << 20 >> 4, 0x0badcafe),
-    ]);
+    d.run(
+        0,
+        &[
+            Command::copy(Operand::Guest(0x4000_0100), guest(0x2000), 64),
+            Command::fill(Operand::Guest(0x4000_8000), 3 << 20 >> 4, 0x0badcafe),
+        ],
+    );
     let mut b = [0u8; 64];
     d.mem.read(0x2000, &mut b);
     assert_eq!(b, [0x42; 64], "read from the client through DMA_READ");
     let fl = flat.lock().expect("lock");
-    assert!(fl.mem[0x8000..0x8000 + (3 << 20 >> 4)].chunks(4).all(|c| c == [0xfe, 0xca, 0xad, 0x0b]));
+    assert!(
+        fl.mem[0x8000..0x8000 + (3 << 20 >> 4)]
+            .chunks(4)
+            .all(|c| c == [0xfe, 0xca, 0xad, 0x0b])
+    );
     drop(fl);
     assert!(d.t.0.dma_requests_served() > 0);
 }
@@ -154,12 +206,33 @@ fn dirty_bitmap_on_unmap_reports_device_writes() {
     let mut d = Driver::new(Ours(connect(&server)));
     d.setup_queue(0);
     // Clear whatever setup dirtied: read-and-clear through an unmap+remap of window 0.
-    let _ = d.t.0.dma_unmap_dirty(GUEST_IOVA, common::driver::WINDOW_SIZE, 4096).expect("unmap");
+    let _ =
+        d.t.0
+            .dma_unmap_dirty(GUEST_IOVA, common::driver::WINDOW_SIZE, 4096)
+            .expect("unmap");
     let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
-    d.t.0.dma_map(GUEST_IOVA, common::driver::WINDOW_SIZE, flags, Some((d.mem.file.as_fd(), 0))).expect("remap");
-    d.run(0, &[Command::fill(guest(0x30_0000 + 5), 10, 1), Command::fill(guest(0x31_0000), 4096 * 2, 2)]);
-    let bitmap = d.t.0.dma_unmap_dirty(GUEST_IOVA, common::driver::WINDOW_SIZE, 4096).expect("unmap dirty");
-    let dirty: Vec<usize> = (0..bitmap.len() * 8).filter(|&i| bitmap[i / 8] & (1 << (i % 8)) != 0).collect();
+    d.t.0
+        .dma_map(
+            GUEST_IOVA,
+            common::driver::WINDOW_SIZE,
+            flags,
+            Some((d.mem.file.as_fd(), 0)),
+        )
+        .expect("remap");
+    d.run(
+        0,
+        &[
+            Command::fill(guest(0x30_0000 + 5), 10, 1),
+            Command::fill(guest(0x31_0000), 4096 * 2, 2),
+        ],
+    );
+    let bitmap =
+        d.t.0
+            .dma_unmap_dirty(GUEST_IOVA, common::driver::WINDOW_SIZE, 4096)
+            .expect("unmap dirty");
+    let dirty: Vec<usize> = (0..bitmap.len() * 8)
+        .filter(|&i| bitmap[i / 8] & (1 << (i % 8)) != 0)
+        .collect();
     // Ring page (engine reads only) is not dirty; the fill targets are.
     assert_eq!(dirty, vec![0x300, 0x310, 0x311], "dirty pages {dirty:x?}");
 }
@@ -170,20 +243,47 @@ fn interrupt_masking_through_set_irqs() {
     let mut d = Driver::new(Ours(connect(&server)));
     d.setup_queue(0);
     d.t.0
-        .set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_MASK, 3, 1, &[])
+        .set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_MASK,
+            3,
+            1,
+            &[],
+        )
         .expect("mask");
     d.run(0, &[Command::fence(guest(0x100), 1, Some(3))]);
-    assert!(switchyard_device::irq::take_eventfd(&d.completion[3]).is_none(), "masked");
+    assert!(
+        switchyard_device::irq::take_eventfd(&d.completion[3]).is_none(),
+        "masked"
+    );
     d.t.0
-        .set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_UNMASK, 3, 1, &[])
+        .set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_UNMASK,
+            3,
+            1,
+            &[],
+        )
         .expect("unmask");
-    assert!(wait_eventfd(&d.completion[3], Duration::from_secs(5)).is_some(), "pending delivered on unmask");
+    assert!(
+        wait_eventfd(&d.completion[3], Duration::from_secs(5)).is_some(),
+        "pending delivered on unmask"
+    );
     // De-assign: no more signals.
     d.t.0
-        .set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER, 0, 0, &[])
+        .set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+            0,
+            0,
+            &[],
+        )
         .expect("disable all");
     d.run(0, &[Command::fence(guest(0x100), 2, Some(3))]);
-    assert!(switchyard_device::irq::take_eventfd(&d.completion[3]).is_none(), "disabled");
+    assert!(
+        switchyard_device::irq::take_eventfd(&d.completion[3]).is_none(),
+        "disabled"
+    );
 }
 
 #[test]
@@ -192,7 +292,11 @@ fn config_space_bar_sizing_and_flr() {
     let mut d = Driver::new(Ours(connect(&server)));
     let rd = |d: &mut Driver<Ours>, off: u64| d.cfg32(off);
     d.t.region_write(CONFIG, 0x10, &u32::MAX.to_le_bytes());
-    assert_eq!(rd(&mut d, 0x10), !(64u32 * 1024 - 1) & !0xf, "BAR0: 64 KiB, 32-bit MMIO");
+    assert_eq!(
+        rd(&mut d, 0x10),
+        !(64u32 * 1024 - 1) & !0xf,
+        "BAR0: 64 KiB, 32-bit MMIO"
+    );
     d.t.region_write(CONFIG, 0x18, &u32::MAX.to_le_bytes());
     d.t.region_write(CONFIG, 0x1c, &u32::MAX.to_le_bytes());
     let lo = rd(&mut d, 0x18);
@@ -210,5 +314,9 @@ fn config_space_bar_sizing_and_flr() {
     let ctl = d.cfg16(exp + 8) | 0x8000;
     d.t.region_write(CONFIG, exp + 8, &ctl.to_le_bytes());
     assert_eq!(d.r32(SCRATCH), 0, "FLR reset the registers");
-    assert_eq!(d.cfg16(0x04) & 0x6, 0, "FLR cleared memory/bus-master enable");
+    assert_eq!(
+        d.cfg16(0x04) & 0x6,
+        0,
+        "FLR cleared memory/bus-master enable"
+    );
 }

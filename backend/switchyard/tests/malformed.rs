@@ -115,41 +115,89 @@ fn bad_sizes_commands_offsets_and_fds_get_errnos() {
     // count mismatch, vectors out of range.
     let mem = common::GuestMemory::new(1 << 20);
     let mem2 = common::GuestMemory::new(1 << 20);
-    r.expect_errno(2, &dma_map(3, 0, 0x10000, 1 << 20), &[mem.file.as_fd(), mem2.file.as_fd()], libc::EINVAL);
-    r.expect_errno(9, &region_access(0, 0, 4), &[mem.file.as_fd()], libc::EINVAL);
+    r.expect_errno(
+        2,
+        &dma_map(3, 0, 0x10000, 1 << 20),
+        &[mem.file.as_fd(), mem2.file.as_fd()],
+        libc::EINVAL,
+    );
+    r.expect_errno(
+        9,
+        &region_access(0, 0, 4),
+        &[mem.file.as_fd()],
+        libc::EINVAL,
+    );
     let e1 = switchyard_device::irq::new_eventfd().expect("eventfd");
     r.expect_errno(8, &set_irqs(4 | 32, 2, 0, 2), &[e1.as_fd()], libc::EINVAL);
-    r.expect_errno(8, &set_irqs(4 | 32, 2, 15, 2), &[e1.as_fd(), e1.as_fd()], libc::EINVAL);
+    r.expect_errno(
+        8,
+        &set_irqs(4 | 32, 2, 15, 2),
+        &[e1.as_fd(), e1.as_fd()],
+        libc::EINVAL,
+    );
     r.expect_errno(8, &set_irqs(4 | 32, 9, 0, 1), &[e1.as_fd()], libc::EINVAL);
     // Two actions at once.
     r.expect_errno(8, &set_irqs(1 | 8 | 32, 2, 0, 1), &[], libc::EINVAL);
 
     // DMA: overlapping maps, unmaps of ranges never mapped, bad flags, unmap-all.
-    let (h, _) = r.call(2, 0, &dma_map(3, 0, 0x10_0000, 1 << 20), &[mem.file.as_fd()]);
+    let (h, _) = r.call(
+        2,
+        0,
+        &dma_map(3, 0, 0x10_0000, 1 << 20),
+        &[mem.file.as_fd()],
+    );
     assert!(!h.is_error(), "first map");
-    r.expect_errno(2, &dma_map(3, 0, 0x18_0000, 1 << 20), &[mem2.file.as_fd()], libc::EEXIST);
+    r.expect_errno(
+        2,
+        &dma_map(3, 0, 0x18_0000, 1 << 20),
+        &[mem2.file.as_fd()],
+        libc::EEXIST,
+    );
     r.expect_errno(3, &dma_unmap(0, 0x80_0000, 0x1000), &[], libc::ENOENT);
     r.expect_errno(3, &dma_unmap(0, 0x10_0000, 0x1000), &[], libc::EINVAL);
     r.expect_errno(3, &dma_unmap(2, 0x10_0000, 0x1000), &[], libc::EINVAL);
-    r.expect_errno(2, &dma_map(3 | 0x100, 0, 0x40_0000, 1 << 20), &[], libc::EINVAL);
+    r.expect_errno(
+        2,
+        &dma_map(3 | 0x100, 0, 0x40_0000, 1 << 20),
+        &[],
+        libc::EINVAL,
+    );
     let (h, _) = r.call(3, 0, &dma_unmap(2, 0, 0), &[]);
     assert!(!h.is_error(), "unmap all");
-    let (h, _) = r.call(2, 0, &dma_map(3, 0, 0x18_0000, 1 << 20), &[mem2.file.as_fd()]);
+    let (h, _) = r.call(
+        2,
+        0,
+        &dma_map(3, 0, 0x18_0000, 1 << 20),
+        &[mem2.file.as_fd()],
+    );
     assert!(!h.is_error(), "the range is free again after unmap-all");
     // A file that cannot be mmapped.
     let (rd, _wr) = rustix::pipe::pipe().expect("pipe");
     let (h, _) = r.call(2, 0, &dma_map(3, 0, 0x100_0000, 1 << 20), &[rd.as_fd()]);
-    assert!(h.is_error() && h.error_no != 0, "mmap of a pipe fails with an errno");
+    assert!(
+        h.is_error() && h.error_no != 0,
+        "mmap of a pipe fails with an errno"
+    );
 
     // Posted write (No_reply): no reply comes back; the next request is answered normally.
     let mut pw = region_access(0x2c, 0, 4);
     pw.extend_from_slice(&0x77u32.to_le_bytes());
-    let hdr = switchyard_proto::Header { msg_id: 500, cmd: 10, msg_size: 16 + pw.len() as u32, flags: 0x10, error_no: 0 };
+    let hdr = switchyard_proto::Header {
+        msg_id: 500,
+        cmd: 10,
+        msg_size: 16 + pw.len() as u32,
+        flags: 0x10,
+        error_no: 0,
+    };
     let mut m = zerocopy::IntoBytes::as_bytes(&hdr).to_vec();
     m.extend_from_slice(&pw);
     r.send(&m, &[]);
     assert_eq!(r.read_reg(0x2c), 0x77);
-    assert_eq!(r.read_reg(MAGIC), MAGIC_VALUE, "still serving on the same connection");
+    assert_eq!(
+        r.read_reg(MAGIC),
+        MAGIC_VALUE,
+        "still serving on the same connection"
+    );
 }
 
 #[test]
@@ -163,7 +211,13 @@ fn unframeable_and_truncated_messages_do_not_kill_the_server() {
     // A size field larger than what follows, then EOF.
     {
         let mut r = Raw::negotiated(&server.socket);
-        let hdr = switchyard_proto::Header { msg_id: 1, cmd: 9, msg_size: 16 + 64, flags: 0, error_no: 0 };
+        let hdr = switchyard_proto::Header {
+            msg_id: 1,
+            cmd: 9,
+            msg_size: 16 + 64,
+            flags: 0,
+            error_no: 0,
+        };
         let mut m = zerocopy::IntoBytes::as_bytes(&hdr).to_vec();
         m.extend_from_slice(&[0; 10]);
         r.send(&m, &[]);
@@ -171,7 +225,13 @@ fn unframeable_and_truncated_messages_do_not_kill_the_server() {
     // msg_size smaller than a header: error reply, then the connection is closed.
     {
         let mut r = Raw::negotiated(&server.socket);
-        let hdr = switchyard_proto::Header { msg_id: 7, cmd: 9, msg_size: 8, flags: 0, error_no: 0 };
+        let hdr = switchyard_proto::Header {
+            msg_id: 7,
+            cmd: 9,
+            msg_size: 8,
+            flags: 0,
+            error_no: 0,
+        };
         r.send(zerocopy::IntoBytes::as_bytes(&hdr), &[]);
         let (h, _) = r.recv().expect("error reply before close");
         assert!(h.is_error() && h.error_no as i32 == libc::EINVAL);
@@ -181,7 +241,13 @@ fn unframeable_and_truncated_messages_do_not_kill_the_server() {
     // An absurd size: error reply, connection closed.
     {
         let mut r = Raw::negotiated(&server.socket);
-        let hdr = switchyard_proto::Header { msg_id: 8, cmd: 10, msg_size: u32::MAX, flags: 0, error_no: 0 };
+        let hdr = switchyard_proto::Header {
+            msg_id: 8,
+            cmd: 10,
+            msg_size: u32::MAX,
+            flags: 0,
+            error_no: 0,
+        };
         r.send(zerocopy::IntoBytes::as_bytes(&hdr), &[]);
         let (h, _) = r.recv().expect("error reply before close");
         assert!(h.is_error() && h.error_no != 0);
@@ -190,7 +256,9 @@ fn unframeable_and_truncated_messages_do_not_kill_the_server() {
     // Random garbage.
     {
         let mut r = Raw::negotiated(&server.socket);
-        let junk: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let junk: Vec<u8> = (0..4096u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
         let _ = std::io::Write::write_all(&mut r.s, &junk);
         while r.recv().is_some() {}
     }

@@ -51,8 +51,19 @@ impl<T: Transport> Driver<T> {
     pub fn new(mut t: T) -> Self {
         let mem = GuestMemory::new(GUEST_SIZE);
         t.dma_map(GUEST_IOVA, WINDOW_SIZE, &mem.file, 0);
-        t.dma_map(GUEST_IOVA + WINDOW_SIZE, WINDOW_SIZE, &mem.file, WINDOW_SIZE);
-        let mut d = Driver { t, mem, tails: vec![0; 8], completion: vec![], error: vec![] };
+        t.dma_map(
+            GUEST_IOVA + WINDOW_SIZE,
+            WINDOW_SIZE,
+            &mem.file,
+            WINDOW_SIZE,
+        );
+        let mut d = Driver {
+            t,
+            mem,
+            tails: vec![0; 8],
+            completion: vec![],
+            error: vec![],
+        };
         d.wire_interrupts();
         d.enable_device();
         d
@@ -174,7 +185,8 @@ impl<T: Transport> Driver<T> {
         let r = wait_for(Duration::from_secs(60), || {
             let head = self.r32(queue_reg(q, Q_HEAD));
             let status = self.r32(queue_reg(q, Q_STATUS));
-            (status == Q_STATUS_ERROR || (head == tail && status == Q_STATUS_IDLE)).then_some(status)
+            (status == Q_STATUS_ERROR || (head == tail && status == Q_STATUS_IDLE))
+                .then_some(status)
         });
         r.expect("queue did not finish")
     }
@@ -183,7 +195,12 @@ impl<T: Transport> Driver<T> {
     pub fn run(&mut self, q: u32, cmds: &[Command]) {
         self.submit(q, cmds);
         let st = self.wait_queue(q);
-        assert_eq!(st, Q_STATUS_IDLE, "queue {q} error code {}", self.r32(queue_reg(q, Q_ERROR_CODE)));
+        assert_eq!(
+            st,
+            Q_STATUS_IDLE,
+            "queue {q} error code {}",
+            self.r32(queue_reg(q, Q_ERROR_CODE))
+        );
     }
 
     pub fn vram_read(&mut self, off: u64, buf: &mut [u8]) {
@@ -206,7 +223,9 @@ impl<T: Transport> Driver<T> {
     pub fn read_f32s(&self, off: u64, n: usize) -> Vec<f32> {
         let mut b = vec![0u8; n * 4];
         self.mem.read(off, &mut b);
-        b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        b.chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     }
 }
 
@@ -230,7 +249,13 @@ pub fn data(seed: u32, n: usize) -> Vec<f32> {
 
 /// Host reference: y = a*x + y, product rounded then sum rounded.
 pub fn saxpy_ref(a: f32, x: &[f32], y: &[f32]) -> Vec<f32> {
-    x.iter().zip(y).map(|(&x, &y)| { let p = a * x; p + y }).collect()
+    x.iter()
+        .zip(y)
+        .map(|(&x, &y)| {
+            let p = a * x;
+            p + y
+        })
+        .collect()
 }
 
 /// Host reference GEMM in the documented order.
@@ -241,7 +266,7 @@ pub fn gemm_ref(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> 
             let mut acc = 0f32;
             for kk in 0..k {
                 let p = a[i * k + kk] * b[kk * n + j];
-                acc = acc + p;
+                acc += p;
             }
             c[i * n + j] = acc;
         }
@@ -252,7 +277,7 @@ pub fn gemm_ref(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> 
 pub fn reduce_ref(x: &[f32]) -> f32 {
     let mut acc = 0f32;
     for &v in x {
-        acc = acc + v;
+        acc += v;
     }
     acc
 }

@@ -43,7 +43,12 @@ impl ServerProcess {
             .stderr(File::create(&log).expect("log file"))
             .spawn()
             .expect("spawn switchyard");
-        let mut p = ServerProcess { child: Some(child), socket, _dir: dir, log };
+        let mut p = ServerProcess {
+            child: Some(child),
+            socket,
+            _dir: dir,
+            log,
+        };
         p.wait_listening();
         p
     }
@@ -54,10 +59,18 @@ impl ServerProcess {
             if std::fs::symlink_metadata(&self.socket).is_ok_and(|m| m.file_type().is_socket()) {
                 return;
             }
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 panic!("server exited early ({status}):\n{}", self.log_text());
             }
-            assert!(Instant::now() < deadline, "server did not listen:\n{}", self.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "server did not listen:\n{}",
+                self.log_text()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -90,7 +103,9 @@ impl ServerProcess {
 
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
     }
 }
 

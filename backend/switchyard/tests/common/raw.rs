@@ -22,7 +22,8 @@ pub struct Raw {
 impl Raw {
     pub fn connect(path: &Path) -> Raw {
         let s = UnixStream::connect(path).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
         Raw { s, next: 1 }
     }
 
@@ -69,9 +70,21 @@ impl Raw {
     }
 
     /// Sends a command built from a header and body and returns the reply.
-    pub fn call(&mut self, cmd: u16, flags: u32, body: &[u8], fds: &[BorrowedFd<'_>]) -> (Header, Vec<u8>) {
+    pub fn call(
+        &mut self,
+        cmd: u16,
+        flags: u32,
+        body: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> (Header, Vec<u8>) {
         let id = self.id();
-        let h = Header { msg_id: id, cmd, msg_size: 16 + body.len() as u32, flags, error_no: 0 };
+        let h = Header {
+            msg_id: id,
+            cmd,
+            msg_size: 16 + body.len() as u32,
+            flags,
+            error_no: 0,
+        };
         let mut m = h.as_bytes().to_vec();
         m.extend_from_slice(body);
         self.send(&m, fds);
@@ -84,7 +97,10 @@ impl Raw {
     /// Expects an error reply with `errno`.
     pub fn expect_errno(&mut self, cmd: u16, body: &[u8], fds: &[BorrowedFd<'_>], errno: i32) {
         let (h, b) = self.call(cmd, 0, body, fds);
-        assert!(h.is_error(), "cmd {cmd}: expected errno {errno}, got success {h:?}");
+        assert!(
+            h.is_error(),
+            "cmd {cmd}: expected errno {errno}, got success {h:?}"
+        );
         assert_eq!(h.error_no as i32, errno, "cmd {cmd}");
         assert!(b.is_empty(), "error replies carry only the header");
     }

@@ -31,28 +31,46 @@ pub fn copy_fill_compute<T: Transport>(d: &mut Driver<T>) {
     let pattern: Vec<u8> = (0..len as usize).map(|i| (i * 7 + i / 251) as u8).collect();
     d.mem.write(src, &pattern);
     let back = 20 << 20;
-    d.run(0, &[
-        Command::copy(guest(src), Operand::Vram(0x1000), len),
-        Command::copy(Operand::Vram(0x1000), guest(back), len),
-    ]);
+    d.run(
+        0,
+        &[
+            Command::copy(guest(src), Operand::Vram(0x1000), len),
+            Command::copy(Operand::Vram(0x1000), guest(back), len),
+        ],
+    );
     let mut out = vec![0u8; len as usize];
     d.mem.read(back, &mut out);
     assert!(out == pattern, "guest -> VRAM -> guest copy differs");
     let mut vram = vec![0u8; 4096];
     d.vram_read(0x1000 + 12345, &mut vram);
-    assert_eq!(&vram[..], &pattern[12345..12345 + 4096], "VRAM seen through the BAR");
+    assert_eq!(
+        &vram[..],
+        &pattern[12345..12345 + 4096],
+        "VRAM seen through the BAR"
+    );
 
     // FILL in VRAM and in guest memory.
-    d.run(1, &[
-        Command::fill(Operand::Vram(0x20_0000), 4096 + 3, 0xa1b2c3d4),
-        Command::fill(guest(0x30_0000), 10, 0x01020304),
-    ]);
+    d.run(
+        1,
+        &[
+            Command::fill(Operand::Vram(0x20_0000), 4096 + 3, 0xa1b2c3d4),
+            Command::fill(guest(0x30_0000), 10, 0x01020304),
+        ],
+    );
     let mut f = vec![0u8; 4099];
     d.vram_read(0x20_0000, &mut f);
-    assert!(f.chunks(4).all(|c| c == &[0xd4, 0xc3, 0xb2, 0xa1][..c.len()]), "VRAM fill");
+    assert!(
+        f.chunks(4)
+            .all(|c| c == &[0xd4, 0xc3, 0xb2, 0xa1][..c.len()]),
+        "VRAM fill"
+    );
     let mut g = [0u8; 12];
     d.mem.read(0x30_0000, &mut g);
-    assert_eq!(g, [4, 3, 2, 1, 4, 3, 2, 1, 4, 3, 0, 0], "guest fill stops at the length");
+    assert_eq!(
+        g,
+        [4, 3, 2, 1, 4, 3, 2, 1, 4, 3, 0, 0],
+        "guest fill stops at the length"
+    );
 
     // SAXPY on queue 0 and GEMM on queue 1 at the same time.
     let n = 4096;
@@ -64,34 +82,90 @@ pub fn copy_fill_compute<T: Transport>(d: &mut Driver<T>) {
     let (ga, gb) = (data(3, m * k), data(4, k * nn));
     d.write_f32s(0x50_0000, &ga);
     d.write_f32s(0x51_0000, &gb);
-    d.submit(0, &[Command::saxpy(n as u64, a, guest(0x40_0000), guest(0x41_0000))]);
-    d.submit(1, &[Command::gemm(
-        m as u64,
-        nn as u64,
-        k as u64,
-        guest(0x50_0000),
-        guest(0x51_0000),
-        guest(0x52_0000),
-    )]);
+    d.submit(
+        0,
+        &[Command::saxpy(
+            n as u64,
+            a,
+            guest(0x40_0000),
+            guest(0x41_0000),
+        )],
+    );
+    d.submit(
+        1,
+        &[Command::gemm(
+            m as u64,
+            nn as u64,
+            k as u64,
+            guest(0x50_0000),
+            guest(0x51_0000),
+            guest(0x52_0000),
+        )],
+    );
     assert_eq!(d.wait_queue(0), Q_STATUS_IDLE);
     assert_eq!(d.wait_queue(1), Q_STATUS_IDLE);
-    assert_eq!(bits(&d.read_f32s(0x41_0000, n)), bits(&saxpy_ref(a, &x, &y)), "SAXPY");
-    assert_eq!(bits(&d.read_f32s(0x52_0000, m * nn)), bits(&gemm_ref(m, nn, k, &ga, &gb)), "GEMM");
+    assert_eq!(
+        bits(&d.read_f32s(0x41_0000, n)),
+        bits(&saxpy_ref(a, &x, &y)),
+        "SAXPY"
+    );
+    assert_eq!(
+        bits(&d.read_f32s(0x52_0000, m * nn)),
+        bits(&gemm_ref(m, nn, k, &ga, &gb)),
+        "GEMM"
+    );
 
     // GEMM with operands in VRAM, result copied back.
-    d.run(1, &[
-        Command::copy(guest(0x50_0000), Operand::Vram(0x100_0000), (m * k * 4) as u64),
-        Command::copy(guest(0x51_0000), Operand::Vram(0x110_0000), (k * nn * 4) as u64),
-        Command::gemm(m as u64, nn as u64, k as u64, Operand::Vram(0x100_0000), Operand::Vram(0x110_0000), Operand::Vram(0x120_0000)),
-        Command::copy(Operand::Vram(0x120_0000), guest(0x53_0000), (m * nn * 4) as u64),
-    ]);
-    assert_eq!(bits(&d.read_f32s(0x53_0000, m * nn)), bits(&gemm_ref(m, nn, k, &ga, &gb)), "VRAM GEMM");
+    d.run(
+        1,
+        &[
+            Command::copy(
+                guest(0x50_0000),
+                Operand::Vram(0x100_0000),
+                (m * k * 4) as u64,
+            ),
+            Command::copy(
+                guest(0x51_0000),
+                Operand::Vram(0x110_0000),
+                (k * nn * 4) as u64,
+            ),
+            Command::gemm(
+                m as u64,
+                nn as u64,
+                k as u64,
+                Operand::Vram(0x100_0000),
+                Operand::Vram(0x110_0000),
+                Operand::Vram(0x120_0000),
+            ),
+            Command::copy(
+                Operand::Vram(0x120_0000),
+                guest(0x53_0000),
+                (m * nn * 4) as u64,
+            ),
+        ],
+    );
+    assert_eq!(
+        bits(&d.read_f32s(0x53_0000, m * nn)),
+        bits(&gemm_ref(m, nn, k, &ga, &gb)),
+        "VRAM GEMM"
+    );
 
     // REDUCE.
     let r = data(5, 10_000);
     d.write_f32s(0x60_0000, &r);
-    d.run(0, &[Command::reduce(r.len() as u64, guest(0x60_0000), guest(0x61_0000))]);
-    assert_eq!(d.read_f32s(0x61_0000, 1)[0].to_bits(), reduce_ref(&r).to_bits(), "REDUCE");
+    d.run(
+        0,
+        &[Command::reduce(
+            r.len() as u64,
+            guest(0x60_0000),
+            guest(0x61_0000),
+        )],
+    );
+    assert_eq!(
+        d.read_f32s(0x61_0000, 1)[0].to_bits(),
+        reduce_ref(&r).to_bits(),
+        "REDUCE"
+    );
 }
 
 pub fn fences_interrupt<T: Transport>(d: &mut Driver<T>) {
@@ -102,17 +176,43 @@ pub fn fences_interrupt<T: Transport>(d: &mut Driver<T>) {
     for f in d.completion.iter().chain(d.error.iter()) {
         switchyard_device::irq::take_eventfd(f);
     }
-    d.submit(0, &[Command::nop(), Command::fence(guest(0x70_0000), 0x1122_3344_5566_7788, Some(3))]);
-    assert!(wait_eventfd(&d.completion[3], Duration::from_secs(30)).is_some(), "fence MSI-X vector 3");
-    assert_eq!(d.mem.read_u64(0x70_0000), 0x1122_3344_5566_7788, "fence value in guest memory");
+    d.submit(
+        0,
+        &[
+            Command::nop(),
+            Command::fence(guest(0x70_0000), 0x1122_3344_5566_7788, Some(3)),
+        ],
+    );
+    assert!(
+        wait_eventfd(&d.completion[3], Duration::from_secs(30)).is_some(),
+        "fence MSI-X vector 3"
+    );
+    assert_eq!(
+        d.mem.read_u64(0x70_0000),
+        0x1122_3344_5566_7788,
+        "fence value in guest memory"
+    );
     // A FENCE's interrupt goes to its own vector; other commands use the queue's completion
     // vector (power-on: vector q).
-    d.submit(1, &[Command::fence(guest(0x70_0008), 7, None), Command::nop().with_irq()]);
-    assert!(wait_eventfd(&d.completion[1], Duration::from_secs(30)).is_some(), "queue 1 completion vector");
+    d.submit(
+        1,
+        &[
+            Command::fence(guest(0x70_0008), 7, None),
+            Command::nop().with_irq(),
+        ],
+    );
+    assert!(
+        wait_eventfd(&d.completion[1], Duration::from_secs(30)).is_some(),
+        "queue 1 completion vector"
+    );
     assert_eq!(d.mem.read_u64(0x70_0008), 7);
     assert_eq!(d.r64(FENCE_COUNT_LO), before + 2);
     let st = d.r32(INT_STATUS);
-    assert_ne!(st & (int_completion(0) | int_completion(1)), 0, "INT_STATUS latched");
+    assert_ne!(
+        st & (int_completion(0) | int_completion(1)),
+        0,
+        "INT_STATUS latched"
+    );
     d.w32(INT_ACK, st);
     assert_eq!(d.r32(INT_STATUS) & st, 0, "INT_ACK clears");
 }
@@ -125,15 +225,24 @@ pub fn bad_dma_then_recover<T: Transport>(d: &mut Driver<T>) {
     // Guard bytes around where a wild write would land if the address were truncated.
     d.mem.write(0x80_0000, &[0x5a; 64]);
     let bad = 0x7_0000_0000u64;
-    d.submit(0, &[Command::copy(guest(0x80_0000), Operand::Guest(bad), 64)]);
+    d.submit(
+        0,
+        &[Command::copy(guest(0x80_0000), Operand::Guest(bad), 64)],
+    );
     assert_eq!(d.wait_queue(0), Q_STATUS_ERROR);
     assert_eq!(d.r32(queue_reg(0, Q_ERROR_CODE)), ERR_DMA_UNMAPPED);
     assert_eq!(d.r64(queue_reg(0, Q_ERROR_ADDR_LO)), bad);
     assert_ne!(d.r32(INT_STATUS) & int_error(0), 0);
-    assert!(wait_eventfd(&d.error[0], Duration::from_secs(30)).is_some(), "error MSI-X vector 8");
+    assert!(
+        wait_eventfd(&d.error[0], Duration::from_secs(30)).is_some(),
+        "error MSI-X vector 8"
+    );
     // Recover: ack, skip the bad command, and the queue works again.
     d.w32(INT_ACK, int_error(0));
-    d.w32(queue_reg(0, Q_CONTROL), Q_CONTROL_RECOVER | Q_CONTROL_ENABLE);
+    d.w32(
+        queue_reg(0, Q_CONTROL),
+        Q_CONTROL_RECOVER | Q_CONTROL_ENABLE,
+    );
     d.run(0, &[Command::fill(guest(0x81_0000), 8, 0xfeedface)]);
     assert_eq!(d.mem.read_u64(0x81_0000), 0xfeedface_feedface);
 }

@@ -1,0 +1,583 @@
+//! Register state shared between the connection thread (region accesses) and the engines.
+//!
+//! Locking: one mutex guards every register, the config space and the MSI-X state. Engines
+//! hold it only at command boundaries (to pick the next command and to record its outcome);
+//! commands execute without it. Each engine sleeps on its own condvar; whoever needs the
+//! engines at a command boundary (device reset, save/restore, disconnect) pauses them and
+//! waits on the `idle` condvar until none is busy.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use switchyard_device::config::ConfigSpace;
+use switchyard_device::{DmaSpace, Interrupts, IrqIndex};
+
+use crate::SoftGpuConfig;
+use crate::cmd::COMMAND_SIZE;
+use crate::exec::{Done, ExecError, Executor, Irq, Outcome, Scratch};
+use crate::regs::*;
+use crate::state::SoftGpuState;
+use crate::vram::Vram;
+
+/// Engine bookkeeping that is not device state.
+#[derive(Debug, Default, Clone, Copy)]
+struct Runtime {
+    /// The engine is executing a command (outside the lock).
+    busy: bool,
+    /// Someone waits for this engine to stay at a command boundary.
+    paused: bool,
+    /// Bumped by every queue or device reset and restore; results of a command started in an
+    /// older epoch are discarded.
+    epoch: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Regs {
+    pub(crate) st: SoftGpuState,
+    rt: Vec<Runtime>,
+    /// The client disconnected: engines are parked.
+    halted: bool,
+    /// Stopped by the owner (e.g. a migration STOP state): engines are parked.
+    stopped: bool,
+    shutdown: bool,
+}
+
+pub(crate) type Guard<'a> = MutexGuard<'a, Regs>;
+
+/// A command an engine picked from its ring.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    index: u32,
+    slot: u64,
+    epoch: u64,
+}
+
+impl Regs {
+    fn queue_status(&self, q: usize) -> u32 {
+        let (Some(qs), Some(rt)) = (self.st.queues.get(q), self.rt.get(q)) else {
+            return Q_STATUS_STOPPED;
+        };
+        if qs.error_code != ERR_NONE {
+            Q_STATUS_ERROR
+        } else if rt.busy {
+            Q_STATUS_RUNNING
+        } else if !qs.enabled {
+            Q_STATUS_STOPPED
+        } else if qs.head == qs.tail {
+            Q_STATUS_IDLE
+        } else if !self.st.config_space.bus_master() || self.halted || self.stopped {
+            Q_STATUS_PAUSED
+        } else {
+            Q_STATUS_RUNNING
+        }
+    }
+
+    fn next_job(&self, q: usize) -> Option<Job> {
+        let qs = self.st.queues.get(q)?;
+        let rt = self.rt.get(q)?;
+        if rt.paused
+            || self.halted
+            || self.stopped
+            || !self.st.config_space.bus_master()
+            || !qs.enabled
+            || qs.error_code != ERR_NONE
+            || qs.head == qs.tail
+        {
+            return None;
+        }
+        let mask = qs.ring_size.checked_sub(1)?;
+        let slot = u64::from(qs.head & mask) * COMMAND_SIZE as u64;
+        Some(Job {
+            index: qs.head,
+            slot: qs.ring_base.wrapping_add(slot),
+            epoch: rt.epoch,
+        })
+    }
+
+    /// Sends MSI-X `vector` if MSI-X is enabled.
+    ///
+    /// Clients like QEMU and Cloud Hypervisor emulate the MSI-X table themselves and never
+    /// write it to the device: they mask by re-routing the eventfd. Until a client writes the
+    /// table through BAR4 (`msix_table_direct`), only the config-space enable bit gates
+    /// delivery; afterwards the table's per-vector masks and the function mask apply too, with
+    /// masked vectors left pending in the PBA.
+    fn fire_msix(&mut self, irqs: &Interrupts, vector: u32) {
+        let cs = &self.st.config_space;
+        if !cs.msix_enabled() || vector >= MSIX_VECTORS {
+            return;
+        }
+        if self.st.msix_table_direct {
+            let fm = cs.msix_function_masked();
+            self.st.msix.fire(vector as usize, fm, irqs);
+        } else if let Err(e) = irqs.trigger(IrqIndex::Msix, vector) {
+            tracing::warn!(vector, error = %e, "cannot signal MSI-X vector");
+        }
+    }
+
+    fn raise(&mut self, irqs: &Interrupts, bit: u32, vector: u32) {
+        self.st.int_status |= bit;
+        if self.st.int_mask & bit == 0 {
+            self.fire_msix(irqs, vector);
+        }
+    }
+
+    fn set_error(&mut self, irqs: &Interrupts, q: usize, code: u32, addr: u64, opcode: u32) {
+        let Some(qs) = self.st.queues.get_mut(q) else {
+            return;
+        };
+        tracing::debug!(
+            queue = q,
+            code,
+            addr,
+            opcode,
+            index = qs.head,
+            "queue error"
+        );
+        qs.error_code = code;
+        qs.error_index = qs.head;
+        qs.error_addr = addr;
+        qs.error_opcode = opcode;
+        let vector = qs.error_vector;
+        self.raise(irqs, int_error(q as u32), vector);
+    }
+
+    fn finish(&mut self, irqs: &Interrupts, q: usize, job: Job, outcome: Outcome) {
+        let Some(rt) = self.rt.get_mut(q) else {
+            return;
+        };
+        rt.busy = false;
+        if rt.epoch != job.epoch {
+            return;
+        }
+        let Some(qs) = self.st.queues.get_mut(q) else {
+            return;
+        };
+        match outcome.result {
+            Err(ExecError::Aborted) => {}
+            Ok(Done { irq, fence }) => {
+                qs.head = job.index.wrapping_add(1);
+                qs.completed = qs.completed.wrapping_add(1);
+                let completion_vector = qs.completion_vector;
+                if fence {
+                    self.st.fence_count = self.st.fence_count.wrapping_add(1);
+                }
+                match irq {
+                    Irq::None => {}
+                    Irq::Queue => self.raise(irqs, int_completion(q as u32), completion_vector),
+                    Irq::Vector(v) => self.raise(irqs, int_completion(q as u32), v),
+                }
+            }
+            Err(ExecError::Fault { code, addr }) => {
+                let dma = matches!(code, ERR_DMA_UNMAPPED | ERR_DMA_PERMISSION | ERR_RING_FETCH);
+                if self.halted && dma {
+                    // The client's windows went away under the command: not the driver's
+                    // fault. The command runs again when the engines resume.
+                    return;
+                }
+                self.set_error(irqs, q, code, addr, outcome.opcode);
+            }
+        }
+    }
+
+    /// A tail/doorbell write.
+    fn doorbell(&mut self, irqs: &Interrupts, q: usize, tail: u32) {
+        let Some(qs) = self.st.queues.get_mut(q) else {
+            return;
+        };
+        if tail.wrapping_sub(qs.head) > qs.ring_size {
+            if qs.error_code == ERR_NONE {
+                self.set_error(irqs, q, ERR_BAD_DOORBELL, u64::from(tail), 0);
+            }
+            return;
+        }
+        qs.tail = tail;
+    }
+
+    fn dev_status(&self) -> u32 {
+        let mut s = 0;
+        if self.st.config_space.bus_master() {
+            s |= DEV_STATUS_BUS_MASTER;
+        }
+        if self.halted {
+            s |= DEV_STATUS_HALTED;
+        }
+        if self.st.queues.iter().any(|q| q.error_code != ERR_NONE) {
+            s |= DEV_STATUS_ERROR;
+        }
+        if self.stopped {
+            s |= DEV_STATUS_STOPPED;
+        }
+        s
+    }
+
+    /// Reads the 32-bit BAR0 register at `off` (4-byte aligned). Undefined offsets read 0.
+    pub(crate) fn read32(&self, off: u64) -> u32 {
+        let st = &self.st;
+        match off {
+            MAGIC => MAGIC_VALUE,
+            VERSION => VERSION_VALUE,
+            FEATURES => FEATURES_VALUE,
+            NUM_QUEUES => st.config.queues,
+            VRAM_SIZE_LO => st.config.vram_size as u32,
+            VRAM_SIZE_HI => (st.config.vram_size >> 32) as u32,
+            FENCE_COUNT_LO => st.fence_count as u32,
+            FENCE_COUNT_HI => (st.fence_count >> 32) as u32,
+            INT_STATUS => st.int_status,
+            INT_MASK => st.int_mask,
+            SCRATCH => st.scratch,
+            DEV_STATUS => self.dev_status(),
+            MSIX_VECTOR_COUNT => MSIX_VECTORS,
+            RING_ENTRY_SIZE => COMMAND_SIZE as u32,
+            MAX_RING_ENTRIES => MAX_RING_ENTRIES_VALUE,
+            MAX_XFER_BYTES => MAX_XFER_BYTES_VALUE as u32,
+            MAX_ELEMENTS => MAX_ELEMENTS_VALUE as u32,
+            MAX_GEMM_DIM => MAX_GEMM_DIM_VALUE as u32,
+            MAX_GEMM_WORK_LO => MAX_GEMM_WORK_VALUE as u32,
+            MAX_GEMM_WORK_HI => (MAX_GEMM_WORK_VALUE >> 32) as u32,
+            o if o >= QUEUE_BASE => {
+                let q = (o - QUEUE_BASE) / QUEUE_STRIDE;
+                let r = (o - QUEUE_BASE) % QUEUE_STRIDE;
+                usize::try_from(q).map_or(0, |q| self.queue_read32(q, r))
+            }
+            _ => 0,
+        }
+    }
+
+    fn queue_read32(&self, q: usize, r: u64) -> u32 {
+        let Some(qs) = self.st.queues.get(q) else {
+            return 0;
+        };
+        match r {
+            Q_RING_BASE_LO => qs.ring_base as u32,
+            Q_RING_BASE_HI => (qs.ring_base >> 32) as u32,
+            Q_RING_SIZE => qs.ring_size,
+            Q_HEAD => qs.head,
+            Q_TAIL | Q_DOORBELL => qs.tail,
+            Q_CONTROL => u32::from(qs.enabled) * Q_CONTROL_ENABLE,
+            Q_STATUS => self.queue_status(q),
+            Q_ERROR_CODE => qs.error_code,
+            Q_ERROR_INDEX => qs.error_index,
+            Q_ERROR_ADDR_LO => qs.error_addr as u32,
+            Q_ERROR_ADDR_HI => (qs.error_addr >> 32) as u32,
+            Q_COMPLETION_VECTOR => qs.completion_vector,
+            Q_ERROR_VECTOR => qs.error_vector,
+            Q_COMPLETED_LO => qs.completed as u32,
+            Q_COMPLETED_HI => (qs.completed >> 32) as u32,
+            Q_ERROR_OPCODE => qs.error_opcode,
+            _ => 0,
+        }
+    }
+}
+
+/// Everything the device and its engines share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: SoftGpuConfig,
+    pub(crate) dma: Arc<DmaSpace>,
+    pub(crate) irqs: Arc<Interrupts>,
+    pub(crate) vram: Vram,
+    /// The power-on config space (sealed), also the source of write masks after a restore.
+    pub(crate) config_def: ConfigSpace,
+    regs: Mutex<Regs>,
+    wake: Vec<Condvar>,
+    idle: Condvar,
+    abort: Vec<AtomicBool>,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        config: SoftGpuConfig,
+        dma: Arc<DmaSpace>,
+        irqs: Arc<Interrupts>,
+        vram: Vram,
+        config_def: ConfigSpace,
+    ) -> Self {
+        let n = config.queues as usize;
+        let st = SoftGpuState::power_on(config, vram.identity(), &config_def);
+        Self {
+            config,
+            dma,
+            irqs,
+            vram,
+            config_def,
+            regs: Mutex::new(Regs {
+                st,
+                rt: vec![Runtime::default(); n],
+                halted: false,
+                stopped: false,
+                shutdown: false,
+            }),
+            wake: (0..n).map(|_| Condvar::new()).collect(),
+            idle: Condvar::new(),
+            abort: (0..n).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> Guard<'_> {
+        self.regs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn all_queues(&self) -> u32 {
+        (1u32 << self.config.queues) - 1
+    }
+
+    fn queues_in(&self, mask: u32) -> impl Iterator<Item = usize> + use<> {
+        let n = self.config.queues as usize;
+        (0..n).filter(move |q| mask & (1 << q) != 0)
+    }
+
+    /// Pauses the engines of `mask` and waits until each is at a command boundary. With
+    /// `abort`, a running command is abandoned at its next abort point (its results are not
+    /// recorded and it runs again when the engine resumes, unless its epoch changed).
+    fn quiesce<'a>(&'a self, mut g: Guard<'a>, mask: u32, abort: bool) -> Guard<'a> {
+        for q in self.queues_in(mask) {
+            if let Some(rt) = g.rt.get_mut(q) {
+                rt.paused = true;
+            }
+            if abort {
+                if let Some(a) = self.abort.get(q) {
+                    a.store(true, Ordering::SeqCst);
+                }
+            }
+        }
+        while self
+            .queues_in(mask)
+            .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
+        {
+            g = self.idle.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        g
+    }
+
+    /// Undoes [`Shared::quiesce`].
+    fn resume(&self, g: &mut Regs, mask: u32) {
+        for q in self.queues_in(mask) {
+            if let Some(rt) = g.rt.get_mut(q) {
+                rt.paused = false;
+            }
+            if let Some(a) = self.abort.get(q) {
+                a.store(false, Ordering::SeqCst);
+            }
+            if let Some(cv) = self.wake.get(q) {
+                cv.notify_one();
+            }
+        }
+    }
+
+    fn wake_all(&self) {
+        self.wake.iter().for_each(Condvar::notify_one);
+    }
+
+    /// Quiesces the engines and runs `f` on the registers.
+    pub(crate) fn with_quiesced<R>(&self, abort: bool, f: impl FnOnce(&mut Regs) -> R) -> R {
+        let g = self.lock();
+        let mut g = self.quiesce(g, self.all_queues(), abort);
+        let r = f(&mut g);
+        self.resume(&mut g, self.all_queues());
+        r
+    }
+
+    /// Replaces the whole state (restore); in-flight results are discarded.
+    pub(crate) fn load(&self, st: SoftGpuState) {
+        self.with_quiesced(true, |g| {
+            g.st = st;
+            g.halted = false;
+            for rt in &mut g.rt {
+                rt.epoch = rt.epoch.wrapping_add(1);
+            }
+        });
+    }
+
+    /// Back to power-on: registers, queues, interrupt state, VRAM zeroed; with `pci` also the
+    /// config space and MSI-X table (FLR, `DEVICE_RESET`), without (DEV_CONTROL.RESET) they are
+    /// kept.
+    pub(crate) fn reset<'a>(&'a self, g: Guard<'a>, pci: bool) -> Guard<'a> {
+        let mut g = self.quiesce(g, self.all_queues(), true);
+        let mut fresh = SoftGpuState::power_on(self.config, self.vram.identity(), &self.config_def);
+        if !pci {
+            std::mem::swap(&mut fresh.config_space, &mut g.st.config_space);
+            std::mem::swap(&mut fresh.msix, &mut g.st.msix);
+            fresh.msix_table_direct = g.st.msix_table_direct;
+        }
+        g.st = fresh;
+        g.halted = false;
+        for rt in &mut g.rt {
+            rt.epoch = rt.epoch.wrapping_add(1);
+        }
+        self.vram.zero();
+        self.resume(&mut g, self.all_queues());
+        g
+    }
+
+    /// The client is gone: park the engines and stop touching DMA memory.
+    pub(crate) fn halt(&self) {
+        self.with_quiesced(true, |g| g.halted = true);
+    }
+
+    /// Parks the engines after their current command (`false`) or lets them run (`true`).
+    pub(crate) fn set_running(&self, running: bool) {
+        self.with_quiesced(false, |g| g.stopped = !running);
+    }
+
+    /// Stops the engines for good.
+    pub(crate) fn shutdown(&self) {
+        let mut g = self.lock();
+        g.shutdown = true;
+        for a in &self.abort {
+            a.store(true, Ordering::SeqCst);
+        }
+        drop(g);
+        self.wake.iter().for_each(Condvar::notify_all);
+    }
+
+    /// A config-space write changed the command register or the MSI-X control.
+    pub(crate) fn config_changed(&self, g: &mut Regs, command: bool, msix_control: bool) {
+        if msix_control && g.st.msix_table_direct {
+            let fm = g.st.config_space.msix_function_masked();
+            g.st.msix.deliver_pending(fm, &self.irqs);
+        }
+        if command {
+            self.wake_all();
+        }
+    }
+
+    /// Writes the 32-bit BAR0 register at `off` (4-byte aligned).
+    pub(crate) fn write32<'a>(&'a self, mut g: Guard<'a>, off: u64, v: u32) -> Guard<'a> {
+        if std::mem::replace(&mut g.halted, false) {
+            // A driver is talking to the device again.
+            self.wake_all();
+        }
+        match off {
+            INT_MASK => {
+                g.st.int_mask = v;
+            }
+            INT_ACK => g.st.int_status &= !v,
+            SCRATCH => g.st.scratch = v,
+            DEV_CONTROL if v & DEV_CONTROL_RESET != 0 => {
+                g = self.reset(g, false);
+            }
+            o if o >= QUEUE_BASE => {
+                let q = (o - QUEUE_BASE) / QUEUE_STRIDE;
+                let r = (o - QUEUE_BASE) % QUEUE_STRIDE;
+                if q < u64::from(self.config.queues) {
+                    self.queue_write32(&mut g, q as usize, r, v);
+                }
+            }
+            _ => {}
+        }
+        g
+    }
+
+    fn queue_write32(&self, g: &mut Regs, q: usize, r: u64, v: u32) {
+        let Some(qs) = g.st.queues.get_mut(q) else {
+            return;
+        };
+        match r {
+            Q_RING_BASE_LO if !qs.enabled => {
+                qs.ring_base = (qs.ring_base & !0xffff_ffff) | u64::from(v);
+            }
+            Q_RING_BASE_HI if !qs.enabled => {
+                qs.ring_base = (qs.ring_base & 0xffff_ffff) | (u64::from(v) << 32);
+            }
+            Q_RING_SIZE if !qs.enabled => qs.ring_size = v,
+            Q_TAIL | Q_DOORBELL => {
+                g.doorbell(&self.irqs, q, v);
+                if let Some(cv) = self.wake.get(q) {
+                    cv.notify_one();
+                }
+            }
+            Q_CONTROL => self.queue_control(g, q, v),
+            Q_COMPLETION_VECTOR => qs.completion_vector = v,
+            Q_ERROR_VECTOR => qs.error_vector = v,
+            _ => {}
+        }
+    }
+
+    fn queue_control(&self, g: &mut Regs, q: usize, v: u32) {
+        if v & Q_CONTROL_RESET != 0 {
+            // Any running command is abandoned and its results discarded (new epoch); STATUS
+            // reads RUNNING until the engine has let go of it.
+            if let (Some(qs), Some(rt)) = (g.st.queues.get_mut(q), g.rt.get_mut(q)) {
+                let keep = *qs;
+                *qs = crate::state::QueueState {
+                    ring_base: keep.ring_base,
+                    ring_size: keep.ring_size,
+                    completion_vector: keep.completion_vector,
+                    error_vector: keep.error_vector,
+                    ..Default::default()
+                };
+                rt.epoch = rt.epoch.wrapping_add(1);
+                if rt.busy {
+                    // Cleared by the engine once it has let go of the command.
+                    if let Some(a) = self.abort.get(q) {
+                        a.store(true, Ordering::SeqCst);
+                    }
+                }
+            }
+        }
+        let Some(qs) = g.st.queues.get_mut(q) else {
+            return;
+        };
+        if v & Q_CONTROL_RECOVER != 0 && qs.error_code != ERR_NONE {
+            if !matches!(qs.error_code, ERR_BAD_DOORBELL | ERR_BAD_RING) {
+                qs.head = qs.error_index.wrapping_add(1);
+            }
+            qs.error_code = ERR_NONE;
+        }
+        let enable = v & Q_CONTROL_ENABLE != 0;
+        if enable && !qs.enabled && qs.error_code == ERR_NONE {
+            if !qs.ring_valid() {
+                let base = qs.ring_base;
+                g.set_error(&self.irqs, q, ERR_BAD_RING, base, 0);
+            } else if qs.pending() > qs.ring_size {
+                let tail = qs.tail;
+                qs.tail = qs.head;
+                g.set_error(&self.irqs, q, ERR_BAD_DOORBELL, u64::from(tail), 0);
+            } else {
+                qs.enabled = true;
+            }
+        } else if !enable {
+            // Takes effect at the next command boundary; STATUS reads RUNNING until then.
+            qs.enabled = false;
+        }
+        if let Some(cv) = self.wake.get(q) {
+            cv.notify_one();
+        }
+    }
+
+    /// The body of engine thread `q`.
+    pub(crate) fn engine(&self, q: usize) {
+        let (Some(abort), Some(wake)) = (self.abort.get(q), self.wake.get(q)) else {
+            return;
+        };
+        let exec = Executor {
+            dma: &self.dma,
+            vram: &self.vram,
+            abort,
+        };
+        let mut scratch = Scratch::default();
+        let mut g = self.lock();
+        loop {
+            if g.shutdown {
+                return;
+            }
+            let Some(job) = g.next_job(q) else {
+                g = wake.wait(g).unwrap_or_else(|p| p.into_inner());
+                continue;
+            };
+            if let Some(rt) = g.rt.get_mut(q) {
+                rt.busy = true;
+            }
+            drop(g);
+            let outcome = exec.run(job.slot, &mut scratch);
+            scratch.trim();
+            g = self.lock();
+            g.finish(&self.irqs, q, job, outcome);
+            if !g.shutdown && g.rt.get(q).is_some_and(|rt| !rt.paused) {
+                // A queue reset's abort request has been served.
+                abort.store(false, Ordering::SeqCst);
+            }
+            self.idle.notify_all();
+        }
+    }
+}

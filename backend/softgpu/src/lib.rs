@@ -1,0 +1,668 @@
+//! SoftGpu: Switchyard's software GPU, a PCI device a guest driver can really use.
+//!
+//! It is modelled on how real GPUs are driven: memory-mapped registers in BAR0, device memory
+//! (VRAM) in a prefetchable 64-bit BAR2, MSI-X in BAR4, and command rings in guest memory that
+//! engine threads (one per queue) fetch and execute after a doorbell write. Everything a
+//! driver needs is in the tables below.
+//!
+//! # PCI identity
+//!
+//! | field | value |
+//! |---|---|
+//! | vendor:device | `1234:5347` |
+//! | subsystem | `1234:0001` |
+//! | revision | 1 |
+//! | class | `0x030200` (display controller, 3D controller) |
+//! | interrupt pin | 0 (no INTx; MSI-X only) |
+//! | capabilities | power management, PCI Express endpoint (FLR capable), MSI-X (16 vectors, table BAR4+0x0, PBA BAR4+0x800) |
+//!
+//! Vendor `0x1234` is the de-facto test vendor QEMU uses for its own devices (e.g. `edu` is
+//! `1234:11e8`); the only in-tree Linux driver on that vendor is bochs-drm for `1234:1111`, so
+//! no host or guest driver binds `1234:5347` by accident.
+//!
+//! # Regions
+//!
+//! | index | what | size | access |
+//! |---|---|---|---|
+//! | 0 (BAR0) | registers, 32-bit non-prefetchable | 64 KiB | trapped; 4-byte aligned 4-byte accesses and 8-byte aligned 8-byte accesses (low half first) |
+//! | 2 (BAR2) | VRAM, 64-bit prefetchable | `vram_size` | mmap (one sparse area covering the BAR, backed by a memfd) and trapped reads/writes of any size and alignment |
+//! | 4 (BAR4) | MSI-X table at 0x0, PBA at 0x800, 32-bit non-prefetchable | 4 KiB | trapped; 4- or 8-byte aligned |
+//! | 7 | PCI config space | 4 KiB | trapped, any size |
+//!
+//! Other regions are absent. Interrupts: INTx 0, MSI 0, MSI-X 16 (eventfd), ERR 0, REQ 1.
+//!
+//! The driver must set **Memory Space** and **Bus Master** in the PCI command register:
+//! engines execute commands only while bus mastering is enabled (clearing it pauses them at
+//! the next command boundary; queues with pending work then read `PAUSED`).
+//!
+//! # BAR0 registers
+//!
+//! All registers are 32 bits, little-endian. "64" marks a 64-bit pair (LO at the given
+//! offset, HI at +4). Reads of undefined offsets (and of queues beyond `NUM_QUEUES`) return 0;
+//! writes to them and to read-only registers are ignored.
+//!
+//! | offset | name | access | description |
+//! |---|---|---|---|
+//! | 0x000 | `MAGIC` | RO | `0x50475953` (bytes `"SYGP"`) |
+//! | 0x004 | `VERSION` | RO | `0x00010000` (major 1, minor 0) |
+//! | 0x008 | `FEATURES` | RO | `0xff`: bit 0 COPY, 1 FILL, 2 SAXPY, 3 GEMM, 4 REDUCE, 5 FENCE, 6 VRAM operands, 7 queue recovery |
+//! | 0x00c | `NUM_QUEUES` | RO | number of queues (1–8) |
+//! | 0x010 | `VRAM_SIZE` | RO 64 | VRAM size in bytes |
+//! | 0x018 | `FENCE_COUNT` | RO 64 | incremented by every completed FENCE (all queues) |
+//! | 0x020 | `INT_STATUS` | RO | bit q: queue q completed a command with `FLAG_IRQ`; bit 16+q: queue q stopped on an error |
+//! | 0x024 | `INT_MASK` | RW | same bits; a set bit suppresses that source's MSI-X message (status still latches). Power-on 0 |
+//! | 0x028 | `INT_ACK` | WO | write 1s to clear `INT_STATUS` bits; reads 0 |
+//! | 0x02c | `SCRATCH` | RW | no side effects |
+//! | 0x030 | `DEV_CONTROL` | WO | bit 0 RESET: registers, queues, interrupt state, fence counter to power-on, VRAM zeroed; config space and MSI-X table kept. Reads 0 |
+//! | 0x034 | `DEV_STATUS` | RO | bit 0 bus master enabled, bit 1 halted (client disconnected; cleared by the next register write), bit 2 some queue in error, bit 3 stopped by the host ([`SoftGpu::set_running`]) |
+//! | 0x038 | `MSIX_VECTOR_COUNT` | RO | 16 |
+//! | 0x03c | `RING_ENTRY_SIZE` | RO | 64 |
+//! | 0x040 | `MAX_RING_ENTRIES` | RO | 65536 |
+//! | 0x044 | `MAX_XFER_BYTES` | RO | 2^28: largest COPY/FILL length |
+//! | 0x048 | `MAX_ELEMENTS` | RO | 2^26: largest SAXPY/REDUCE `n` |
+//! | 0x04c | `MAX_GEMM_DIM` | RO | 4096: largest M, N and K |
+//! | 0x050 | `MAX_GEMM_WORK` | RO 64 | 2^30: largest `M*N*K` |
+//!
+//! Queue `q` (0 ≤ q < `NUM_QUEUES`) has its block at `0x1000 + q * 0x100`:
+//!
+//! | offset | name | access | description |
+//! |---|---|---|---|
+//! | 0x00 | `RING_BASE` | RW 64 | ring IOVA, 64-byte aligned; writes ignored while enabled |
+//! | 0x08 | `RING_SIZE` | RW | entries, power of two 1–65536; writes ignored while enabled |
+//! | 0x0c | `HEAD` | RO | free-running index of the next command to execute; slot = `index & (RING_SIZE-1)` |
+//! | 0x10 | `TAIL` | RW | free-running index one past the last submitted command; a write is a doorbell |
+//! | 0x14 | `DOORBELL` | RW | write: new tail, wakes the engine; read: tail |
+//! | 0x18 | `CONTROL` | RW | bit 0 ENABLE, bit 1 RESET (W1, reads 0), bit 2 RECOVER (W1, reads 0); see below |
+//! | 0x1c | `STATUS` | RO | 0 STOPPED, 1 IDLE, 2 RUNNING, 3 ERROR, 4 PAUSED (work pending, but bus mastering off or device halted/stopped) |
+//! | 0x20 | `ERROR_CODE` | RO | `ERR_*` below; 0 when not in error |
+//! | 0x24 | `ERROR_INDEX` | RO | free-running index of the faulting command (HEAD at the time of a ring error) |
+//! | 0x28 | `ERROR_ADDR` | RO 64 | faulting address (see error codes) |
+//! | 0x30 | `COMPLETION_VECTOR` | RW | MSI-X vector of completion interrupts; power-on `q` |
+//! | 0x34 | `ERROR_VECTOR` | RW | MSI-X vector of error interrupts; power-on `8 + q` |
+//! | 0x38 | `COMPLETED` | RO 64 | commands completed |
+//! | 0x40 | `ERROR_OPCODE` | RO | opcode of the faulting command |
+//!
+//! Vectors ≥ 16 never send a message.
+//!
+//! **Doorbells.** `TAIL`/`DOORBELL` accept a value only if `tail - HEAD ≤ RING_SIZE`
+//! (wrapping u32 arithmetic); otherwise the write is refused and the queue enters ERROR with
+//! `ERR_BAD_DOORBELL`. Doorbells are accepted while the queue is disabled or in error (the
+//! commands run once it is enabled / recovered).
+//!
+//! **`CONTROL` writes** are processed in this order: RESET (if set) abandons the running
+//! command (results discarded), sets head = tail = 0, clears the error state and `COMPLETED`,
+//! disables the queue, and keeps ring base, ring size and vectors; RECOVER (if set and the
+//! queue is in error) clears the error and, for command errors, moves HEAD to
+//! `ERROR_INDEX + 1` (the bad command is skipped; for `ERR_BAD_DOORBELL`/`ERR_BAD_RING` HEAD
+//! is unchanged); finally bit 0 sets the enable state. So recovering a running queue is a
+//! write of `RECOVER | ENABLE` (`0x5`); a write without bit 0 disables the queue. Enabling
+//! is ignored while the queue is in error; it checks the ring (`ERR_BAD_RING`, the queue stays
+//! disabled) and that `TAIL - HEAD ≤ RING_SIZE` (else `ERR_BAD_DOORBELL` and TAIL is reset to
+//! HEAD). Disabling and RESET take effect at the next command boundary (RESET also abandons
+//! a long command at its next internal checkpoint): STATUS reads RUNNING until the engine has
+//! let go of its command, and the driver must wait for STOPPED before reusing the ring or
+//! operand memory.
+//!
+//! **Errors** stop the queue: STATUS = ERROR, `ERROR_CODE`/`ERROR_INDEX`/`ERROR_ADDR`/
+//! `ERROR_OPCODE` are set, `INT_STATUS` bit 16+q latches and the error vector fires. Every
+//! operand range is validated before anything is written, so a faulting command writes
+//! nothing. The driver acks the interrupt (`INT_ACK`) and writes `RECOVER | ENABLE`.
+//!
+//! | code | name | `ERROR_ADDR` |
+//! |---|---|---|
+//! | 1 | `BAD_OPCODE` | IOVA of the ring slot |
+//! | 2 | `BAD_COMMAND`: reserved bits/space bits set, misaligned operand, FENCE vector ≥ 16, guest range wraps past 2^64 | the misaligned or wrapping operand's address, else the ring slot IOVA |
+//! | 3 | `DMA_UNMAPPED`: guest range not fully mapped (or a message-based DMA transfer failed) | first unmapped IOVA |
+//! | 4 | `DMA_PERMISSION`: e.g. a write into a read-only window | first IOVA lacking the permission |
+//! | 5 | `VRAM_RANGE`: VRAM range beyond the VRAM size | the operand's VRAM offset |
+//! | 6 | `LIMIT`: length/dimension above the `MAX_*` registers | IOVA of the ring slot |
+//! | 7 | `RING_FETCH`: the command itself could not be read | faulting IOVA in the ring |
+//! | 8 | `BAD_DOORBELL`: tail beyond head + ring size | the refused tail value |
+//! | 9 | `BAD_RING`: enable with an invalid ring size/base | ring base |
+//!
+//! # Commands
+//!
+//! A ring entry is 64 bytes, little-endian (see [`cmd`] for the encoder):
+//!
+//! | offset | size | field | meaning |
+//! |---|---|---|---|
+//! | 0x00 | 1 | opcode | below |
+//! | 0x01 | 1 | flags | bit 0 IRQ: raise the completion interrupt when done; others must be 0 |
+//! | 0x02 | 1 | space | bit i: operand `addr[i]` is a VRAM offset (else a guest IOVA); bits of unused operands must be 0 |
+//! | 0x03 | 1 | reserved | must be 0 |
+//! | 0x04 | 4 | imm32 | FILL pattern, SAXPY `a` (f32 bits), FENCE vector |
+//! | 0x08 | 8×3 | addr0, addr1, addr2 | operand addresses |
+//! | 0x20 | 8×3 | arg0, arg1, arg2 | sizes |
+//! | 0x38 | 8 | imm64 | FENCE value |
+//!
+//! | opcode | command | operands | semantics |
+//! |---|---|---|---|
+//! | 0x00 | NOP | — | completes |
+//! | 0x01 | COPY | src=addr0, dst=addr1, len=arg0 (bytes, ≤ 2^28) | any space to any space, any length/alignment; overlapping VRAM→VRAM copies behave like `memmove`; overlapping guest→guest copies are unspecified |
+//! | 0x02 | FILL | dst=addr0, len=arg0 (≤ 2^28), pattern=imm32 | byte i of the range = byte `i % 4` of the little-endian pattern |
+//! | 0x03 | SAXPY | x=addr0, y=addr1, n=arg0 (≤ 2^26), a=imm32 | `y[i] = a*x[i] + y[i]` in f32 (multiply rounded, then add rounded; no FMA). x, y 4-byte aligned; identical or disjoint |
+//! | 0x04 | GEMM | A=addr0, B=addr1, C=addr2, M=arg0, N=arg1, K=arg2 | `C[M×N] = A[M×K]·B[K×N]`, dense row-major f32. For each `C[i][j]`: `acc = 0.0f32; for k in 0..K ascending: acc = acc + A[i][k]*B[k][j]` (product rounded, then sum rounded; no FMA). Dims ≤ 4096, `M*N*K` ≤ 2^30; 4-byte aligned; C must not overlap A or B |
+//! | 0x05 | REDUCE | x=addr0, out=addr1, n=arg0 (≤ 2^26) | `acc = 0.0f32; for i in 0..n ascending: acc = acc + x[i]`; writes `acc` as one f32 (4 bytes) at out. 4-byte aligned |
+//! | 0x06 | FENCE | dst=addr0, value=imm64, vector=imm32 | after all earlier commands of the queue: writes the u64 value at dst (8-byte aligned, guest or VRAM), then increments `FENCE_COUNT`; with flag IRQ latches `INT_STATUS` bit q and (unless masked in `INT_MASK`) fires MSI-X `vector` (must be < 16; ignored without IRQ) instead of the queue's completion vector |
+//!
+//! Zero lengths are valid no-ops (GEMM with K = 0 writes zeros to C); their operands are still
+//! checked (alignment, a VRAM offset ≤ VRAM size). Commands execute in ring order, one at a
+//! time per queue; queues run concurrently and independently, each on its own engine thread.
+//! A driver that needs ordering between queues uses FENCE values or interrupts.
+//!
+//! # MSI-X delivery
+//!
+//! A vector fires only while MSI-X is enabled in the config space. Clients that emulate the
+//! MSI-X table themselves (QEMU, Cloud Hypervisor) mask vectors by re-routing eventfds; for
+//! them the device ignores its own table. Once a client writes the table through BAR4, the
+//! table's per-vector masks and the function mask apply and masked vectors go pending in the
+//! PBA.
+//!
+//! # Resets
+//!
+//! FLR (PCI Express Device Control bit 15) and `DEVICE_RESET` ([`PciDevice::reset`]) return
+//! everything to power-on: registers, queues, MSI-X table, config space, and VRAM (zeroed by
+//! punching a hole into the memfd). Both wait for the engines to drop their current command.
+//!
+//! # State
+//!
+//! [`SoftGpuState`] is the whole device state except VRAM contents, which stay in the memfd
+//! ([`SoftGpu::vram_file`]) and are referenced by identity ([`VramRef`]). Save quiesces the
+//! engines at a command boundary; restore rejects states of another configuration.
+
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod cmd;
+mod config;
+mod device;
+mod exec;
+pub mod regs;
+mod state;
+mod vram;
+
+#[cfg(test)]
+mod tests;
+
+use std::fs::File;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
+use switchyard_device::{
+    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex,
+    NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap, SparseArea,
+};
+
+pub use config::{ConfigError, SoftGpuConfig};
+pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
+pub use vram::VramRef;
+
+use device::Shared;
+
+/// Region index of the registers.
+pub const BAR_REGS: u32 = 0;
+/// Region index of VRAM.
+pub const BAR_VRAM: u32 = 2;
+/// Region index of the MSI-X table and PBA.
+pub const BAR_MSIX: u32 = 4;
+
+/// Errors creating a [`SoftGpu`].
+#[derive(Debug, thiserror::Error)]
+pub enum SoftGpuError {
+    /// The configuration is invalid.
+    #[error("Invalid softgpu configuration")]
+    Config(#[from] ConfigError),
+    /// The VRAM memfd could not be created or inspected.
+    #[error("Cannot create the VRAM backing")]
+    Vram(#[source] std::io::Error),
+    /// The VRAM could not be mapped.
+    #[error("Cannot map the VRAM")]
+    VramMap(#[source] vm_memory::mmap::MmapRegionError),
+    /// An adopted VRAM file has the wrong size.
+    #[error("VRAM backing file has {actual} bytes, expected {expected}")]
+    VramSize {
+        /// Configured size.
+        expected: u64,
+        /// Size of the file.
+        actual: u64,
+    },
+    /// The interrupt table lent by the server has too few vectors.
+    #[error("Interrupt index {index} has {got} vectors, the softgpu needs {needed}")]
+    IrqCount {
+        /// VFIO IRQ index.
+        index: u32,
+        /// Vectors needed.
+        needed: u32,
+        /// Vectors available.
+        got: u32,
+    },
+    /// An engine thread could not be started.
+    #[error("Cannot start an engine thread")]
+    Thread(#[source] std::io::Error),
+}
+
+/// The software GPU. See the crate documentation for the programming model.
+#[derive(Debug)]
+pub struct SoftGpu {
+    config: SoftGpuConfig,
+    desc: DeviceDescription,
+    shared: Arc<Shared>,
+    engines: Vec<JoinHandle<()>>,
+}
+
+fn pci_ids() -> PciIds {
+    PciIds {
+        vendor: regs::PCI_VENDOR_ID,
+        device: regs::PCI_DEVICE_ID,
+        subsystem_vendor: regs::PCI_SUBSYSTEM_VENDOR_ID,
+        subsystem: regs::PCI_SUBSYSTEM_ID,
+        revision: regs::PCI_REVISION,
+        class: regs::PCI_CLASS,
+    }
+}
+
+fn build_config_space(vram_size: u64) -> ConfigSpace {
+    let mut cs = ConfigSpace::new(pci_ids());
+    cs.add_bar(
+        0,
+        Bar {
+            size: regs::BAR0_SIZE,
+            kind: BarKind::Mem32 {
+                prefetchable: false,
+            },
+        },
+    );
+    cs.add_bar(
+        2,
+        Bar {
+            size: vram_size,
+            kind: BarKind::Mem64 { prefetchable: true },
+        },
+    );
+    cs.add_bar(
+        4,
+        Bar {
+            size: regs::BAR4_SIZE,
+            kind: BarKind::Mem32 {
+                prefetchable: false,
+            },
+        },
+    );
+    cs.add_pm_cap();
+    cs.add_pcie_cap();
+    cs.add_msix_cap(MsixLayout {
+        vectors: regs::MSIX_VECTORS as u16,
+        table_bar: BAR_MSIX as u8,
+        table_offset: regs::MSIX_TABLE_OFFSET as u32,
+        pba_bar: BAR_MSIX as u8,
+        pba_offset: regs::MSIX_PBA_OFFSET as u32,
+    });
+    cs.seal();
+    cs
+}
+
+impl SoftGpu {
+    /// Vectors per VFIO IRQ index (INTx, MSI, MSI-X, ERR, REQ), for the server's
+    /// [`Interrupts`](switchyard_device::Interrupts) table.
+    pub const IRQ_COUNTS: [u32; 5] = [0, 0, regs::MSIX_VECTORS, 0, 1];
+
+    /// Creates a device with fresh, zeroed VRAM (a sealed memfd) and starts its engines.
+    pub fn new(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
+        config.validate()?;
+        let vram = vram::Vram::create(config.vram_size)?;
+        Self::start(config, ctx, vram)
+    }
+
+    /// Creates a device on an existing VRAM backing file of exactly `config.vram_size` bytes,
+    /// e.g. the [`SoftGpu::vram_file`] of a device this one replaces (the client keeps its
+    /// mapping of that file). The contents are kept.
+    pub fn with_vram(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        vram: Arc<File>,
+    ) -> Result<SoftGpu, SoftGpuError> {
+        config.validate()?;
+        let vram = vram::Vram::adopt(vram, config.vram_size)?;
+        Self::start(config, ctx, vram)
+    }
+
+    fn start(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        vram: vram::Vram,
+    ) -> Result<SoftGpu, SoftGpuError> {
+        let msix = IrqIndex::Msix as u32;
+        let got = ctx.irqs.count(msix);
+        if got < regs::MSIX_VECTORS {
+            return Err(SoftGpuError::IrqCount {
+                index: msix,
+                needed: regs::MSIX_VECTORS,
+                got,
+            });
+        }
+        let mut regions: Vec<RegionDesc> =
+            (0..NUM_PCI_REGIONS).map(|_| RegionDesc::absent()).collect();
+        regions[BAR_REGS as usize] = RegionDesc::trapped(regs::BAR0_SIZE);
+        regions[BAR_VRAM as usize] = RegionDesc {
+            size: config.vram_size,
+            read: true,
+            write: true,
+            mmap: Some(RegionMmap {
+                file: vram.file().clone(),
+                file_offset: 0,
+                areas: vec![SparseArea {
+                    offset: 0,
+                    size: config.vram_size,
+                }],
+            }),
+        };
+        regions[BAR_MSIX as usize] = RegionDesc::trapped(regs::BAR4_SIZE);
+        regions[CONFIG_REGION_INDEX as usize] =
+            RegionDesc::trapped(switchyard_device::config::CONFIG_SIZE as u64);
+        let none = IrqDesc {
+            count: 0,
+            eventfd: false,
+            maskable: false,
+            automasked: false,
+            noresize: true,
+        };
+        let irqs = vec![
+            none,
+            none,
+            IrqDesc {
+                count: regs::MSIX_VECTORS,
+                eventfd: true,
+                maskable: false,
+                automasked: false,
+                noresize: false,
+            },
+            none,
+            IrqDesc {
+                count: 1,
+                eventfd: true,
+                maskable: false,
+                automasked: false,
+                noresize: true,
+            },
+        ];
+        let desc = DeviceDescription {
+            name: "softgpu",
+            regions,
+            irqs,
+            resettable: true,
+        };
+        let shared = Arc::new(Shared::new(
+            config,
+            ctx.dma,
+            ctx.irqs,
+            vram,
+            build_config_space(config.vram_size),
+        ));
+        let mut gpu = SoftGpu {
+            config,
+            desc,
+            shared,
+            engines: Vec::new(),
+        };
+        for q in 0..config.queues as usize {
+            let shared = gpu.shared.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("softgpu-q{q}"))
+                .spawn(move || shared.engine(q))
+                .map_err(SoftGpuError::Thread)?;
+            gpu.engines.push(handle);
+        }
+        Ok(gpu)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> SoftGpuConfig {
+        self.config
+    }
+
+    /// The VRAM backing file (a memfd unless adopted), e.g. to copy VRAM for migration.
+    pub fn vram_file(&self) -> &Arc<File> {
+        self.shared.vram.file()
+    }
+
+    /// Identity of the VRAM backing.
+    pub fn vram_identity(&self) -> VramRef {
+        self.shared.vram.identity()
+    }
+
+    /// Parks the engines at a command boundary (`false`; waits for the running commands to
+    /// complete) or lets them run again (`true`). For owners that need the device to stop
+    /// touching memory without a reset, e.g. the STOP state of a migration. Not part of the
+    /// saved state; a new device runs.
+    pub fn set_running(&self, running: bool) {
+        self.shared.set_running(running);
+    }
+
+    /// A snapshot of the device state, taken with the engines quiesced at a command boundary.
+    pub fn snapshot(&self) -> SoftGpuState {
+        self.shared.with_quiesced(false, |g| g.st.clone())
+    }
+
+    /// Validates and loads a state. Commands that were running are abandoned (their results
+    /// are discarded) and the engines continue from the loaded heads. VRAM contents are not
+    /// touched: if `state.vram` names another backing, the caller must have copied the VRAM.
+    pub fn load(&self, mut state: SoftGpuState) -> Result<(), StateError> {
+        state.validate(
+            self.config,
+            self.shared.vram.size(),
+            &self.shared.config_def,
+        )?;
+        if state.vram != self.shared.vram.identity() {
+            tracing::debug!(
+                saved = ?state.vram,
+                ours = ?self.shared.vram.identity(),
+                "restoring a state saved with another VRAM backing"
+            );
+        }
+        state.vram = self.shared.vram.identity();
+        state
+            .config_space
+            .restore_masks_from(&self.shared.config_def);
+        self.shared.load(state);
+        Ok(())
+    }
+
+    fn bar0_access_ok(offset: u64, len: usize) -> Result<(), DeviceError> {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > regs::BAR0_SIZE)
+        {
+            return Err(DeviceError::OutOfRange {
+                region: BAR_REGS,
+                offset,
+                len,
+            });
+        }
+        if !matches!(len, 4 | 8) || offset % len as u64 != 0 {
+            return Err(DeviceError::BadAccess {
+                region: BAR_REGS,
+                offset,
+                len,
+            });
+        }
+        Ok(())
+    }
+
+    fn msix_access_ok(offset: u64, len: usize) -> Result<(), DeviceError> {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > regs::BAR4_SIZE)
+        {
+            return Err(DeviceError::OutOfRange {
+                region: BAR_MSIX,
+                offset,
+                len,
+            });
+        }
+        if !matches!(len, 4 | 8) || offset % len as u64 != 0 {
+            return Err(DeviceError::BadAccess {
+                region: BAR_MSIX,
+                offset,
+                len,
+            });
+        }
+        Ok(())
+    }
+
+    fn vram_slice(
+        &self,
+        offset: u64,
+        len: usize,
+    ) -> Result<vm_memory::VolatileSlice<'_, ()>, DeviceError> {
+        self.shared
+            .vram
+            .slice(offset, len as u64)
+            .ok_or(DeviceError::OutOfRange {
+                region: BAR_VRAM,
+                offset,
+                len,
+            })
+    }
+
+    fn config_out_of_range(offset: u64, len: usize) -> DeviceError {
+        DeviceError::OutOfRange {
+            region: CONFIG_REGION_INDEX,
+            offset,
+            len,
+        }
+    }
+}
+
+impl PciDevice for SoftGpu {
+    fn description(&self) -> &DeviceDescription {
+        &self.desc
+    }
+
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        match region {
+            BAR_REGS => {
+                Self::bar0_access_ok(offset, data.len())?;
+                let g = self.shared.lock();
+                for (i, chunk) in data.chunks_exact_mut(4).enumerate() {
+                    chunk.copy_from_slice(&g.read32(offset + 4 * i as u64).to_le_bytes());
+                }
+                Ok(())
+            }
+            BAR_VRAM => {
+                self.vram_slice(offset, data.len())?.copy_to(data);
+                Ok(())
+            }
+            BAR_MSIX => {
+                Self::msix_access_ok(offset, data.len())?;
+                let g = self.shared.lock();
+                if offset < regs::MSIX_PBA_OFFSET {
+                    g.st.msix.table_read(offset - regs::MSIX_TABLE_OFFSET, data);
+                } else {
+                    g.st.msix.pba_read(offset - regs::MSIX_PBA_OFFSET, data);
+                }
+                Ok(())
+            }
+            CONFIG_REGION_INDEX => {
+                let g = self.shared.lock();
+                if g.st.config_space.read(offset, data) {
+                    Ok(())
+                } else {
+                    Err(Self::config_out_of_range(offset, data.len()))
+                }
+            }
+            _ => Err(DeviceError::NoSuchRegion(region)),
+        }
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        match region {
+            BAR_REGS => {
+                Self::bar0_access_ok(offset, data.len())?;
+                let mut g = self.shared.lock();
+                for (i, chunk) in data.chunks_exact(4).enumerate() {
+                    let v = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+                    g = self.shared.write32(g, offset + 4 * i as u64, v);
+                }
+                Ok(())
+            }
+            BAR_VRAM => {
+                self.vram_slice(offset, data.len())?.copy_from(data);
+                Ok(())
+            }
+            BAR_MSIX => {
+                Self::msix_access_ok(offset, data.len())?;
+                let mut g = self.shared.lock();
+                if offset < regs::MSIX_PBA_OFFSET {
+                    let st = &mut g.st;
+                    if offset < st.msix.table_size() {
+                        st.msix_table_direct = true;
+                    }
+                    let fm = st.config_space.msix_function_masked();
+                    st.msix.table_write(
+                        offset - regs::MSIX_TABLE_OFFSET,
+                        data,
+                        fm,
+                        &self.shared.irqs,
+                    );
+                }
+                // PBA writes are ignored.
+                Ok(())
+            }
+            CONFIG_REGION_INDEX => {
+                let mut g = self.shared.lock();
+                let fx =
+                    g.st.config_space
+                        .write(offset, data)
+                        .ok_or_else(|| Self::config_out_of_range(offset, data.len()))?;
+                if fx.flr {
+                    tracing::debug!("function level reset");
+                    drop(self.shared.reset(g, true));
+                } else {
+                    self.shared
+                        .config_changed(&mut g, fx.command, fx.msix_control);
+                }
+                Ok(())
+            }
+            _ => Err(DeviceError::NoSuchRegion(region)),
+        }
+    }
+
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        let g = self.shared.lock();
+        drop(self.shared.reset(g, true));
+        Ok(())
+    }
+
+    fn client_disconnected(&mut self) {
+        self.shared.halt();
+    }
+
+    fn save_state(&mut self) -> Result<Vec<u8>, DeviceError> {
+        self.snapshot()
+            .to_bytes()
+            .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+
+    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
+        let st = SoftGpuState::from_bytes(state).map_err(|e| DeviceError::BadState(Box::new(e)))?;
+        self.load(st)
+            .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+}
+
+impl Drop for SoftGpu {
+    fn drop(&mut self) {
+        self.shared.shutdown();
+        for h in self.engines.drain(..) {
+            if h.join().is_err() {
+                tracing::error!("a softgpu engine thread panicked");
+            }
+        }
+    }
+}

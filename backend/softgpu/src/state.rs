@@ -1,0 +1,207 @@
+//! The serializable device state.
+
+use serde::{Deserialize, Serialize};
+use switchyard_device::config::ConfigSpace;
+use switchyard_device::msix::MsixState;
+
+use crate::SoftGpuConfig;
+use crate::regs;
+use crate::vram::VramRef;
+
+/// Version of the [`SoftGpuState`] format.
+pub const STATE_FORMAT: u32 = 1;
+
+/// Why a saved state was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The blob is not a valid encoding.
+    #[error("Cannot decode the softgpu state")]
+    Decode(#[source] serde_json::Error),
+    /// The blob is of another format version.
+    #[error("Softgpu state format {0} is not supported (expected {STATE_FORMAT})")]
+    Format(u32),
+    /// The state was saved by a device with another configuration.
+    #[error(
+        "State was saved with {saved_queues} queues and {saved_vram} bytes of VRAM, this device has {queues} and {vram}"
+    )]
+    ConfigMismatch {
+        /// Queues in the state.
+        saved_queues: u32,
+        /// VRAM size in the state.
+        saved_vram: u64,
+        /// Queues of this device.
+        queues: u32,
+        /// VRAM size of this device.
+        vram: u64,
+    },
+    /// Some part of the state contradicts another or the device.
+    #[error("Inconsistent softgpu state: {0}")]
+    Inconsistent(&'static str),
+    /// Queue `index` has an invalid ring while enabled.
+    #[error("Queue {0} is enabled with an invalid ring")]
+    BadRing(usize),
+}
+
+/// Per-queue registers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueState {
+    /// Ring base IOVA.
+    pub ring_base: u64,
+    /// Ring size in entries.
+    pub ring_size: u32,
+    /// Free-running head index.
+    pub head: u32,
+    /// Free-running tail index.
+    pub tail: u32,
+    /// Queue enabled.
+    pub enabled: bool,
+    /// `ERR_*` code; non-zero means the queue is in the error state.
+    pub error_code: u32,
+    /// Index of the faulting command.
+    pub error_index: u32,
+    /// Faulting address.
+    pub error_addr: u64,
+    /// Opcode of the faulting command.
+    pub error_opcode: u32,
+    /// MSI-X vector for completions.
+    pub completion_vector: u32,
+    /// MSI-X vector for errors.
+    pub error_vector: u32,
+    /// Commands completed.
+    pub completed: u64,
+}
+
+impl QueueState {
+    /// Power-on state of queue `q`.
+    pub fn power_on(q: u32) -> Self {
+        Self {
+            completion_vector: q,
+            error_vector: 8 + q,
+            ..Self::default()
+        }
+    }
+
+    /// Whether the ring configuration can be enabled.
+    pub fn ring_valid(&self) -> bool {
+        let size = self.ring_size;
+        size.is_power_of_two()
+            && size <= regs::MAX_RING_ENTRIES_VALUE
+            && self.ring_base % regs::RING_ALIGN == 0
+            && self
+                .ring_base
+                .checked_add(u64::from(size) * crate::cmd::COMMAND_SIZE as u64)
+                .is_some()
+    }
+
+    /// Number of submitted, not yet executed commands.
+    pub fn pending(&self) -> u32 {
+        self.tail.wrapping_sub(self.head)
+    }
+}
+
+/// Everything that makes up a running SoftGpu except VRAM contents, which stay in the VRAM
+/// memfd and are referenced by identity ([`VramRef`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SoftGpuState {
+    /// [`STATE_FORMAT`].
+    pub format: u32,
+    /// Configuration of the device that saved it.
+    pub config: SoftGpuConfig,
+    /// The VRAM backing by reference.
+    pub vram: VramRef,
+    /// `SCRATCH`.
+    pub scratch: u32,
+    /// `INT_STATUS`.
+    pub int_status: u32,
+    /// `INT_MASK`.
+    pub int_mask: u32,
+    /// Global fence counter.
+    pub fence_count: u64,
+    /// Per-queue registers.
+    pub queues: Vec<QueueState>,
+    /// MSI-X table and PBA.
+    pub msix: MsixState,
+    /// Whether the client accesses the MSI-X table through BAR4 (so its per-vector masks
+    /// apply), as opposed to emulating the table itself (QEMU, Cloud Hypervisor).
+    pub msix_table_direct: bool,
+    /// PCI configuration space.
+    pub config_space: ConfigSpace,
+}
+
+impl SoftGpuState {
+    /// The power-on state of a device.
+    pub(crate) fn power_on(config: SoftGpuConfig, vram: VramRef, cs: &ConfigSpace) -> Self {
+        Self {
+            format: STATE_FORMAT,
+            config,
+            vram,
+            scratch: 0,
+            int_status: 0,
+            int_mask: 0,
+            fence_count: 0,
+            queues: (0..config.queues).map(QueueState::power_on).collect(),
+            msix: MsixState::new(regs::MSIX_VECTORS as u16),
+            msix_table_direct: false,
+            config_space: cs.clone(),
+        }
+    }
+
+    /// Encodes the state (JSON).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, StateError> {
+        serde_json::to_vec(self).map_err(StateError::Decode)
+    }
+
+    /// Decodes a state produced by [`SoftGpuState::to_bytes`] (not yet validated).
+    pub fn from_bytes(b: &[u8]) -> Result<Self, StateError> {
+        serde_json::from_slice(b).map_err(StateError::Decode)
+    }
+
+    /// Checks that the state fits a device with `config` and VRAM of `vram_size` bytes.
+    pub(crate) fn validate(
+        &self,
+        config: SoftGpuConfig,
+        vram_size: u64,
+        def: &ConfigSpace,
+    ) -> Result<(), StateError> {
+        if self.format != STATE_FORMAT {
+            return Err(StateError::Format(self.format));
+        }
+        if self.config != config || self.vram.size != vram_size {
+            return Err(StateError::ConfigMismatch {
+                saved_queues: self.config.queues,
+                saved_vram: self.vram.size,
+                queues: config.queues,
+                vram: vram_size,
+            });
+        }
+        if self.queues.len() != config.queues as usize {
+            return Err(StateError::Inconsistent(
+                "number of queue states does not match",
+            ));
+        }
+        if self.msix.vectors() != regs::MSIX_VECTORS as usize {
+            return Err(StateError::Inconsistent(
+                "MSI-X vector count does not match",
+            ));
+        }
+        let cs = &self.config_space;
+        // The layout fields must be ours before any register of the saved bytes is read.
+        if cs.msix_offset() != def.msix_offset()
+            || cs.pcie_offset() != def.pcie_offset()
+            || (0..6).any(|i| cs.bar(i) != def.bar(i))
+        {
+            return Err(StateError::Inconsistent(
+                "config space layout does not match",
+            ));
+        }
+        if cs.u16(0) != regs::PCI_VENDOR_ID || cs.u16(2) != regs::PCI_DEVICE_ID {
+            return Err(StateError::Inconsistent("config space is not a softgpu's"));
+        }
+        for (i, q) in self.queues.iter().enumerate() {
+            if q.enabled && (!q.ring_valid() || q.pending() > q.ring_size) {
+                return Err(StateError::BadRing(i));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,147 @@
+//! VRAM: a memfd mapped once into the server, shared with the client through BAR2's mmap area.
+//!
+//! The device only touches VRAM through `vm-memory` volatile slices; no Rust reference ever
+//! points into it (the client writes it concurrently through its own mapping).
+
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
+
+use crate::SoftGpuError;
+
+/// Identity of the VRAM backing: saved with the device state instead of the contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VramRef {
+    /// Size in bytes.
+    pub size: u64,
+    /// Device number of the backing file (`st_dev`).
+    pub dev: u64,
+    /// Inode number of the backing file (`st_ino`).
+    pub ino: u64,
+}
+
+/// A slice of VRAM.
+pub(crate) type VramSlice<'a> = VolatileSlice<'a, ()>;
+
+pub(crate) struct Vram {
+    file: Arc<File>,
+    region: MmapRegion<()>,
+    size: u64,
+    identity: VramRef,
+}
+
+impl std::fmt::Debug for Vram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vram")
+            .field("identity", &self.identity)
+            .finish()
+    }
+}
+
+impl Vram {
+    /// Creates a zero-filled sealed memfd of `size` bytes (it can be neither shrunk nor grown,
+    /// so a client cannot make our mapping fault by truncating it).
+    pub(crate) fn create(size: u64) -> Result<Vram, SoftGpuError> {
+        let mfd = memfd::MemfdOptions::default()
+            .allow_sealing(true)
+            .close_on_exec(true)
+            .create("switchyard-softgpu-vram")
+            .map_err(|e| SoftGpuError::Vram(std::io::Error::other(e)))?;
+        mfd.as_file().set_len(size).map_err(SoftGpuError::Vram)?;
+        mfd.add_seals(&[
+            memfd::FileSeal::SealShrink,
+            memfd::FileSeal::SealGrow,
+            memfd::FileSeal::SealSeal,
+        ])
+        .map_err(|e| SoftGpuError::Vram(std::io::Error::other(e)))?;
+        Self::adopt(Arc::new(mfd.into_file()), size)
+    }
+
+    /// Maps an existing backing file (for a device that replaces another one and must keep the
+    /// memory object the client has mmapped).
+    pub(crate) fn adopt(file: Arc<File>, size: u64) -> Result<Vram, SoftGpuError> {
+        let meta = file.metadata().map_err(SoftGpuError::Vram)?;
+        if meta.len() != size {
+            return Err(SoftGpuError::VramSize {
+                expected: size,
+                actual: meta.len(),
+            });
+        }
+        let len = usize::try_from(size).map_err(|_| SoftGpuError::VramSize {
+            expected: size,
+            actual: meta.len(),
+        })?;
+        let region = MmapRegionBuilder::<()>::new(len)
+            .with_file_offset(FileOffset::from_arc(file.clone(), 0))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+            .build()
+            .map_err(SoftGpuError::VramMap)?;
+        Ok(Vram {
+            file,
+            region,
+            size,
+            identity: VramRef {
+                size,
+                dev: meta.dev(),
+                ino: meta.ino(),
+            },
+        })
+    }
+
+    pub(crate) fn file(&self) -> &Arc<File> {
+        &self.file
+    }
+
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub(crate) fn identity(&self) -> VramRef {
+        self.identity
+    }
+
+    /// Whether `[offset, offset+len)` lies inside VRAM.
+    pub(crate) fn contains(&self, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.size)
+    }
+
+    /// The slice `[offset, offset+len)`, or `None` if it is out of range.
+    pub(crate) fn slice(&self, offset: u64, len: u64) -> Option<VramSlice<'_>> {
+        if !self.contains(offset, len) {
+            return None;
+        }
+        let off = usize::try_from(offset).ok()?;
+        let len = usize::try_from(len).ok()?;
+        self.region.get_slice(off, len).ok()
+    }
+
+    /// Zeroes all of VRAM: punches a hole (releasing the memory), or writes zeros if the
+    /// backing file does not support that.
+    pub(crate) fn zero(&self) {
+        let punched = vmm_sys_util::fallocate::fallocate(
+            &*self.file,
+            vmm_sys_util::fallocate::FallocateMode::PunchHole,
+            true,
+            0,
+            self.size,
+        );
+        if let Err(e) = punched {
+            tracing::debug!(error = %e, "cannot punch a hole into VRAM; writing zeros");
+            const CHUNK: u64 = 1 << 20;
+            let zeros = vec![0u8; CHUNK as usize];
+            let mut off = 0;
+            while off < self.size {
+                let n = CHUNK.min(self.size - off);
+                if let Some(s) = self.slice(off, n) {
+                    s.copy_from(&zeros[..n as usize]);
+                }
+                off += n;
+            }
+        }
+    }
+}
