@@ -192,9 +192,9 @@ impl DmaError {
     pub fn errno(&self) -> i32 {
         match self {
             DmaError::Overlap { .. } => libc::EEXIST,
-            DmaError::BadWindow { .. } | DmaError::BadPageSize(_) | DmaError::PartialUnmap { .. } => {
-                libc::EINVAL
-            }
+            DmaError::BadWindow { .. }
+            | DmaError::BadPageSize(_)
+            | DmaError::PartialUnmap { .. } => libc::EINVAL,
             DmaError::NoSuchMapping { .. } => libc::ENOENT,
             DmaError::TooManyMappings { .. } => libc::ENOSPC,
             DmaError::Mmap { .. } => libc::ENOMEM,
@@ -727,14 +727,22 @@ mod tests {
     #[test]
     fn unmap_removes_whole_windows_only() {
         let dma = DmaSpace::new(8);
-        dma.map(0x1000, 0x2000, DmaProt::READ_WRITE, None).expect("map");
-        assert_eq!(dma.unmap(0x1000, 0x1000).expect_err("partial").errno(), libc::EINVAL);
-        assert_eq!(dma.unmap(0x9000, 0x1000).expect_err("never mapped").errno(), libc::ENOENT);
+        dma.map(0x1000, 0x2000, DmaProt::READ_WRITE, None)
+            .expect("map");
+        assert_eq!(
+            dma.unmap(0x1000, 0x1000).expect_err("partial").errno(),
+            libc::EINVAL
+        );
+        assert_eq!(
+            dma.unmap(0x9000, 0x1000).expect_err("never mapped").errno(),
+            libc::ENOENT
+        );
         assert_eq!(dma.unmap(0x1000, 0x2000).expect("exact"), 1);
         assert!(dma.mappings().is_empty());
         // One large range removes every window inside it (vIOMMU invalidation).
         for i in 0..4u64 {
-            dma.map(0x10000 * (i + 1), 0x1000, DmaProt::READ_WRITE, None).expect("map");
+            dma.map(0x10000 * (i + 1), 0x1000, DmaProt::READ_WRITE, None)
+                .expect("map");
         }
         assert_eq!(dma.unmap(0, 1 << 39).expect("range"), 4);
         assert!(dma.mappings().is_empty());

@@ -92,7 +92,10 @@ struct IndexState {
 
 /// Creates a non-blocking, close-on-exec eventfd as a plain file (for tests and clients).
 pub fn new_eventfd() -> std::io::Result<File> {
-    let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC)?;
+    let fd = rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+    )?;
     Ok(File::from(fd))
 }
 
@@ -143,7 +146,9 @@ impl Interrupts {
         let mut idx = self.indexes.write().unwrap_or_else(|p| p.into_inner());
         *idx = counts
             .iter()
-            .map(|&n| IndexState { vectors: (0..n).map(|_| Vector::default()).collect() })
+            .map(|&n| IndexState {
+                vectors: (0..n).map(|_| Vector::default()).collect(),
+            })
             .collect();
     }
 
@@ -345,7 +350,8 @@ mod tests {
     #[test]
     fn clear_drops_fds() {
         let irqs = Interrupts::new(&[0, 0, 1]);
-        irqs.set_triggers(2, 0, vec![Some(file(&efd()))]).expect("assign");
+        irqs.set_triggers(2, 0, vec![Some(file(&efd()))])
+            .expect("assign");
         assert!(irqs.has_trigger(IrqIndex::Msix, 0));
         irqs.clear();
         assert!(!irqs.has_trigger(IrqIndex::Msix, 0));

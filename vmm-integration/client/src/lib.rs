@@ -894,7 +894,11 @@ impl Client {
 
     // -------------------------------------------------------------- internals
 
-    fn request(&mut self, req: &Request<'_>, fds: &[BorrowedFd<'_>]) -> Result<(Reply<'_>, Vec<File>)> {
+    fn request(
+        &mut self,
+        req: &Request<'_>,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(Reply<'_>, Vec<File>)> {
         let (hdr, files) = self.call(req, fds)?;
         let reply = self.decode(&hdr, files.len())?;
         Ok((reply, files))
@@ -932,7 +936,12 @@ impl Client {
     /// Sends `self.out` and waits for the matching reply (id, command, type),
     /// serving interleaved server requests. Error replies become
     /// [`ClientError::Remote`]. The reply body is left in `self.rx`.
-    fn transact(&mut self, id: u16, cmd: Command, fds: &[BorrowedFd<'_>]) -> Result<(Header, Vec<File>)> {
+    fn transact(
+        &mut self,
+        id: u16,
+        cmd: Command,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(Header, Vec<File>)> {
         self.send_out(fds)?;
         loop {
             let (hdr, files) = self.recv_message()?;

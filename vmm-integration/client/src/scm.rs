@@ -18,7 +18,11 @@ pub const MAX_RECV_FDS: usize = 64;
 
 /// Receives into `buf`, appending any passed fds (as owned close-on-exec `File`s) to `fds`.
 /// Returns the number of bytes read (0 = EOF).
-pub fn recv_with_files(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<File>) -> io::Result<usize> {
+pub fn recv_with_files(
+    sock: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<File>,
+) -> io::Result<usize> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_RECV_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let mut iov = [io::IoSliceMut::new(buf)];
@@ -33,7 +37,11 @@ pub fn recv_with_files(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<File>) -
 
 /// Sends `bytes` with `fds` attached (one `sendmsg`, then `write_all` for any remainder of a
 /// partial send).
-pub fn send_with_borrowed(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+pub fn send_with_borrowed(
+    sock: &UnixStream,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<()> {
     let n = if fds.is_empty() {
         rustix::net::send(sock.as_fd(), bytes, SendFlags::NOSIGNAL)?
     } else {
@@ -54,7 +62,11 @@ pub fn send_with_borrowed(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>
 }
 
 /// Fills `buf` completely, appending received fds; EOF is `UnexpectedEof`.
-pub fn recv_exact_with_files(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<File>) -> io::Result<()> {
+pub fn recv_exact_with_files(
+    sock: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<File>,
+) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         let part = buf.get_mut(got..).unwrap_or_default();
