@@ -705,11 +705,15 @@ impl<'b> RegionCapsBuilder<'b> {
         let needed = u32::try_from(self.out.len().saturating_add(REGION_INFO_SIZE))
             .map_err(|_| ProtoError::overflow("region info argsz"))?;
         info.argsz = needed;
-        info.flags |= VFIO_REGION_INFO_FLAG_CAPS;
         if client_argsz >= needed {
+            info.flags |= VFIO_REGION_INFO_FLAG_CAPS;
             info.cap_offset = REGION_INFO_SIZE as u32;
             Ok(true)
         } else {
+            // Unlike the kernel, the CAPS flag must not be set without capabilities: QEMU's
+            // vfio-user client rejects CAPS with a cap_offset below 32. The client learns
+            // from argsz alone that it must ask again with a bigger buffer.
+            info.flags &= !VFIO_REGION_INFO_FLAG_CAPS;
             info.cap_offset = 0;
             Ok(false)
         }

@@ -348,13 +348,10 @@ impl Client {
     }
 
     /// DEVICE_GET_REGION_INFO, retrying with a larger argsz when the server
-    /// says the capabilities need more room.
+    /// says (through `argsz`, like QEMU reads it) that the capabilities need more room.
     pub fn region_info(&mut self, index: u32) -> Result<RegionDescription> {
         let (mut info, mut caps, mut fds) = self.region_info_raw(index, REGION_INFO_SIZE as u32)?;
-        if info.flags & VFIO_REGION_INFO_FLAG_CAPS != 0
-            && caps.is_empty()
-            && info.argsz as usize > REGION_INFO_SIZE
-        {
+        if caps.is_empty() && info.argsz as usize > REGION_INFO_SIZE {
             (info, caps, fds) = self.region_info_raw(index, info.argsz)?;
         }
         let mut sparse_areas = None;
