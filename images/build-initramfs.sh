@@ -1,0 +1,93 @@
+#!/bin/bash
+# images/build-initramfs.sh — build the guest initramfs from the setup cache (see images/README.md).
+#
+# Usage: images/build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME]
+#   --add FILE[:DEST]  put FILE into the image at DEST (default /usr/bin/<basename of FILE>);
+#                      a DEST ending in / is a directory. Repeatable. Use static binaries.
+#   --init-test NAME   default test when the kernel command line has no sy.test=
+# Environment:
+#   SWITCHYARD_CACHE   cache filled by scripts/setup.sh (default <repo>/.cache/vmtools)
+#   SOURCE_DATE_EPOCH  mtime of every file in the archive (default 0)
+#
+# The output is reproducible: same inputs -> byte-identical OUT (sorted entries, fixed mtimes,
+# owner 0:0, renumbered inodes, gzip without name/timestamp).
+set -euo pipefail
+
+die() { echo "build-initramfs.sh: error: $*" >&2; exit 1; }
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+CACHE=${SWITCHYARD_CACHE:-$REPO/.cache/vmtools}
+EPOCH=${SOURCE_DATE_EPOCH:-0}
+
+OUT=""
+ADDS=()
+INIT_TEST=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --add) [ $# -ge 2 ] || die "--add needs FILE[:DEST]"; ADDS+=("$2"); shift 2 ;;
+    --add=*) ADDS+=("${1#--add=}"); shift ;;
+    --init-test) [ $# -ge 2 ] || die "--init-test needs NAME"; INIT_TEST=$2; shift 2 ;;
+    --init-test=*) INIT_TEST=${1#--init-test=}; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option '$1'" ;;
+    *) [ -z "$OUT" ] || die "more than one output file given ('$OUT', '$1')"; OUT=$1; shift ;;
+  esac
+done
+[ -n "$OUT" ] || die "usage: build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME]"
+case $INIT_TEST in *[!A-Za-z0-9._-]*) die "--init-test '$INIT_TEST': use letters, digits, . _ -" ;; esac
+for f in busybox modules/load-order; do
+  [ -e "$CACHE/$f" ] || die "$CACHE/$f missing: run scripts/setup.sh first"
+done
+command -v cpio >/dev/null || die "cpio not installed: run scripts/setup.sh first"
+
+umask 022
+S=$(mktemp -d "${TMPDIR:-/tmp}/sy-initramfs.XXXXXX")
+trap 'rm -rf "$S"' EXIT
+R=$S/root
+mkdir -p "$R"/{bin,sbin,usr/bin,usr/sbin,lib/modules,tests,proc,sys,dev,tmp,run,etc,root}
+chmod 1777 "$R/tmp"
+
+# busybox + one symlink per applet: the build-time equivalent of `busybox --install -s`.
+install -m 755 "$CACHE/busybox" "$R/bin/busybox"
+"$CACHE/busybox" --list-full | while read -r p; do
+  [ "$p" = bin/busybox ] || [ -L "$R/$p" ] || ln -s /bin/busybox "$R/$p"
+done
+[ -L "$R/bin/sh" ] || die "busybox has no sh applet"
+
+# Kernel modules (already decompressed by setup.sh) and their load order.
+while read -r m; do
+  install -m 644 "$CACHE/modules/$m.ko" "$R/lib/modules/$m.ko"
+done < "$CACHE/modules/load-order"
+install -m 644 "$CACHE/modules/load-order" "$R/lib/modules/load-order"
+
+# Guest helpers and built-in tests shipped with the image.
+install -m 755 "$HERE/guest/sy-lspci" "$R/usr/bin/sy-lspci"
+for t in "$HERE"/tests/*.sh; do
+  [ -e "$t" ] && install -m 755 "$t" "$R/tests/$(basename "$t")"
+done
+
+# The /init (contract: images/README.md).
+install -m 755 "$HERE/guest/init" "$R/init"
+[ -z "$INIT_TEST" ] || echo "$INIT_TEST" > "$R/etc/sy-default-test"
+
+# Extra files.
+for a in "${ADDS[@]}"; do
+  src=${a%%:*}
+  if [ "$src" = "$a" ]; then dest=/usr/bin/; else dest=${a#*:}; fi
+  [ -f "$src" ] || die "--add $a: no such file '$src'"
+  case $dest in /*) ;; *) die "--add $a: DEST must be an absolute path" ;; esac
+  case $dest in */) dest=$dest$(basename "$src") ;; esac
+  mkdir -p "$R$(dirname "$dest")"
+  if [ -x "$src" ]; then mode=755; else mode=644; fi
+  install -m $mode "$src" "$R$dest"
+done
+
+# Reproducible archive.
+find "$R" -type d -exec chmod 755 {} + ; chmod 1777 "$R/tmp"
+find "$R" -exec touch -h -d "@$EPOCH" {} +
+mkdir -p "$(dirname "$OUT")"
+(cd "$R" && find . -mindepth 1 -print0 | LC_ALL=C sort -z |
+  cpio -o -H newc -0 --reproducible -R 0:0 --quiet | gzip -n -6) > "$OUT.tmp"
+mv "$OUT.tmp" "$OUT"
+echo "build-initramfs.sh: $OUT ($(du -h "$OUT" | cut -f1), $(tr '\n' ' ' < "$CACHE/modules/load-order" | wc -w) modules, sha256 $(sha256sum "$OUT" | cut -c1-16))"
