@@ -1,6 +1,6 @@
 //! Typed builder for a QEMU (`qemu-system-x86_64`) command line.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsString;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,8 +13,6 @@ use crate::error::{QemuError, Result};
 pub const MEMORY_BACKEND_ID: &str = "mem0";
 /// Chardev id used for the serial port when it is backed by a file or a socket.
 pub const SERIAL_CHARDEV_ID: &str = "serial0";
-/// Chardev id used for the QMP monitor.
-pub const QMP_CHARDEV_ID: &str = "qmp0";
 
 /// Where the guest's first serial port (`ttyS0`) goes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -262,8 +260,12 @@ impl QemuCommand {
         self
     }
 
-    /// Serves QMP on a unix socket that QEMU creates (`server=on,wait=off`):
-    /// `-chardev socket,id=qmp0,path=PATH,server=on,wait=off -mon chardev=qmp0,mode=control`.
+    /// Serves QMP on a unix socket that QEMU creates:
+    /// `-qmp unix:PATH,server=on,wait=off`.
+    ///
+    /// (Not `-chardev socket,… -mon chardev=…,mode=control`: QEMU 11.1 warns
+    /// that `-mon` is deprecated in favour of `-object monitor-qmp`, which in
+    /// turn does not exist in older QEMUs. `-qmp` works with both.)
     #[must_use]
     pub fn qmp_socket(mut self, path: impl Into<PathBuf>) -> Self {
         self.qmp_socket = Some(path.into());
@@ -370,14 +372,8 @@ impl QemuCommand {
         }
 
         if let Some(qmp) = &self.qmp_socket {
-            a.push("-chardev".into());
-            a.push(opts_with_path(
-                &format!("socket,id={QMP_CHARDEV_ID},path="),
-                qmp,
-                ",server=on,wait=off",
-            ));
-            a.push("-mon".into());
-            a.push(format!("chardev={QMP_CHARDEV_ID},mode=control").into());
+            a.push("-qmp".into());
+            a.push(opts_with_path("unix:", qmp, ",server=on,wait=off"));
         }
 
         a.extend(self.extra_args.iter().cloned());
@@ -408,6 +404,8 @@ fn opts_with_path(prefix: &str, path: &Path, suffix: &str) -> OsString {
 
 #[cfg(test)]
 mod tests {
+    use std::ffi::OsStr;
+
     use super::*;
 
     fn strs(args: &[OsString]) -> Vec<&str> {
@@ -494,10 +492,8 @@ mod tests {
                 r#"{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/gpu0.sock"},"id":"gpu0","bus":"rp1"}"#,
                 "-device",
                 r#"{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/gpu1.sock"},"id":"gpu1"}"#,
-                "-chardev",
-                "socket,id=qmp0,path=/tmp/qmp.sock,server=on,wait=off",
-                "-mon",
-                "chardev=qmp0,mode=control",
+                "-qmp",
+                "unix:/tmp/qmp.sock,server=on,wait=off",
                 "-trace",
                 "vfio_user*",
             ]
@@ -506,7 +502,10 @@ mod tests {
         let command = cmd.command().expect("command");
         assert_eq!(command.get_program(), OsStr::new("/cache/vmtools/qemu"));
         assert_eq!(
-            command.get_args().map(OsStr::to_os_string).collect::<Vec<_>>(),
+            command
+                .get_args()
+                .map(OsStr::to_os_string)
+                .collect::<Vec<_>>(),
             args
         );
     }
@@ -542,7 +541,7 @@ mod tests {
             .expect("args");
         let s = strs(&args);
         assert!(s.contains(&"file,id=serial0,path=/tmp/a,,b.log"));
-        assert!(s.contains(&"socket,id=qmp0,path=/tmp/q,,mp.sock,server=on,wait=off"));
+        assert!(s.contains(&"unix:/tmp/q,,mp.sock,server=on,wait=off"));
     }
 
     #[test]
