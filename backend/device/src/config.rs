@@ -1,5 +1,5 @@
 //! PCI configuration space: a type 0 header, BAR sizing, a capability chain (power management,
-//! PCI Express endpoint, MSI-X) and per-byte write semantics (read-only, read/write, RW1C).
+//! PCI Express endpoint, MSI, MSI-X) and per-byte write semantics (read-only, read/write, RW1C).
 //!
 //! The space is plain data (`serde`), so it is part of the device state that can be saved,
 //! restored and moved to another backing device.
@@ -52,6 +52,8 @@ pub mod regs {
 pub mod cap_id {
     /// Power management.
     pub const PM: u8 = 0x01;
+    /// MSI.
+    pub const MSI: u8 = 0x05;
     /// PCI Express.
     pub const EXP: u8 = 0x10;
     /// MSI-X.
@@ -76,6 +78,33 @@ pub mod exp {
     pub const DEVCTL_BCR_FLR: u16 = 1 << 15;
     /// Length of the version 2 endpoint capability.
     pub const SIZEOF_V2: usize = 0x3c;
+}
+
+/// Offsets and bits inside the MSI capability (the 64-bit layout without per-vector masking
+/// that [`ConfigSpace::add_msi_cap`] builds).
+pub mod msi {
+    /// Message Control.
+    pub const CONTROL: usize = 0x02;
+    /// Message Address, low 32 bits (bits 1:0 read as zero).
+    pub const ADDRESS_LO: usize = 0x04;
+    /// Message Address, high 32 bits.
+    pub const ADDRESS_HI: usize = 0x08;
+    /// Message Data (16 bits).
+    pub const DATA: usize = 0x0c;
+    /// Length of the capability (64-bit address, no per-vector masking).
+    pub const SIZEOF_64: usize = 0x0e;
+    /// Message Control: MSI enable.
+    pub const CTL_ENABLE: u16 = 1 << 0;
+    /// Message Control: Multiple Message Capable, log2 of the vectors requested (RO).
+    pub const CTL_MMC_MASK: u16 = 0x7 << 1;
+    /// Shift of [`CTL_MMC_MASK`].
+    pub const CTL_MMC_SHIFT: u32 = 1;
+    /// Message Control: Multiple Message Enable, log2 of the vectors allocated (RW).
+    pub const CTL_MME_MASK: u16 = 0x7 << 4;
+    /// Shift of [`CTL_MME_MASK`].
+    pub const CTL_MME_SHIFT: u32 = 4;
+    /// Message Control: 64-bit address capable (RO).
+    pub const CTL_64BIT: u16 = 1 << 7;
 }
 
 /// What kind of BAR.
@@ -135,6 +164,8 @@ pub struct WriteEffects {
     pub flr: bool,
     /// The MSI-X message control register changed (enable / function mask).
     pub msix_control: bool,
+    /// The MSI message control register changed (enable / multiple message enable).
+    pub msi_control: bool,
     /// The command register changed.
     pub command: bool,
 }
@@ -172,6 +203,9 @@ pub struct ConfigSpace {
     next_free: usize,
     exp_offset: Option<usize>,
     msix_offset: Option<usize>,
+    /// Absent in states saved before MSI support; those have no MSI capability.
+    #[serde(default)]
+    msi_offset: Option<usize>,
     /// Power-on image, restored by reset.
     #[serde(skip)]
     power_on: Option<Box<ConfigSpace>>,
@@ -207,6 +241,7 @@ impl ConfigSpace {
             next_free: 0x40,
             exp_offset: None,
             msix_offset: None,
+            msi_offset: None,
             power_on: None,
         };
         c.set_u16(regs::VENDOR_ID, ids.vendor);
@@ -339,6 +374,34 @@ impl ConfigSpace {
         off
     }
 
+    /// Adds an MSI capability with a 64-bit message address and no per-vector masking,
+    /// requesting `1 << multiple_message_capable_log2` vectors.
+    ///
+    /// Message Control: enable (bit 0) and Multiple Message Enable (bits 6:4) are writable,
+    /// Multiple Message Capable (bits 3:1) reads `multiple_message_capable_log2`, bit 7 (64-bit
+    /// capable) reads 1. Message Address bits 63:2 and the 16-bit Message Data are writable.
+    /// All of it is zero at power-on (MSI disabled, one vector allocated).
+    ///
+    /// # Panics
+    /// On a device-definition bug: `multiple_message_capable_log2` above 5 (32 vectors) or a
+    /// second MSI capability.
+    pub fn add_msi_cap(&mut self, multiple_message_capable_log2: u8) -> usize {
+        assert!(
+            multiple_message_capable_log2 <= 5,
+            "MSI supports at most 32 vectors"
+        );
+        assert!(self.msi_offset.is_none(), "MSI capability already present");
+        let off = self.add_cap(cap_id::MSI, msi::SIZEOF_64);
+        let mmc = u16::from(multiple_message_capable_log2) << msi::CTL_MMC_SHIFT;
+        self.set_u16(off + msi::CONTROL, msi::CTL_64BIT | mmc);
+        self.set_wmask_u16(off + msi::CONTROL, msi::CTL_ENABLE | msi::CTL_MME_MASK);
+        self.set_wmask_u32(off + msi::ADDRESS_LO, 0xffff_fffc);
+        self.set_wmask_u32(off + msi::ADDRESS_HI, 0xffff_ffff);
+        self.set_wmask_u16(off + msi::DATA, 0xffff);
+        self.msi_offset = Some(off);
+        off
+    }
+
     /// Freezes the current contents as the power-on state restored by [`ConfigSpace::reset`].
     pub fn seal(&mut self) {
         let mut snapshot = self.clone();
@@ -375,6 +438,29 @@ impl ConfigSpace {
             .is_some_and(|o| self.u16(o + 2) & 0x4000 != 0)
     }
 
+    /// Offset of the MSI capability.
+    pub fn msi_offset(&self) -> Option<usize> {
+        self.msi_offset
+    }
+
+    /// MSI enable bit (`false` without an MSI capability).
+    pub fn msi_enabled(&self) -> bool {
+        self.msi_control().is_some_and(|c| c & msi::CTL_ENABLE != 0)
+    }
+
+    /// Number of MSI vectors software allocated: `1 << Multiple Message Enable` (1 at
+    /// power-on), whether or not MSI is enabled; 0 without an MSI capability. Software must not
+    /// allocate more than the capability requests (Multiple Message Capable); the value is
+    /// reported as written.
+    pub fn msi_vectors_enabled(&self) -> u32 {
+        self.msi_control()
+            .map_or(0, |c| 1 << ((c & msi::CTL_MME_MASK) >> msi::CTL_MME_SHIFT))
+    }
+
+    fn msi_control(&self) -> Option<u16> {
+        self.msi_offset.map(|o| self.u16(o + msi::CONTROL))
+    }
+
     /// Bus master enable.
     pub fn bus_master(&self) -> bool {
         self.u16(regs::COMMAND) & regs::CMD_BUS_MASTER != 0
@@ -398,6 +484,7 @@ impl ConfigSpace {
         }
         let before_cmd = self.u16(regs::COMMAND);
         let msix_ctl = self.msix_offset.map(|o| self.u16(o + 2));
+        let msi_ctl = self.msi_control();
         let mut effects = WriteEffects::default();
         for (i, &v) in r.clone().zip(data) {
             let (wm, w1c) = (self.wmask[i], self.w1c[i]);
@@ -419,6 +506,7 @@ impl ConfigSpace {
         }
         effects.command = before_cmd != self.u16(regs::COMMAND);
         effects.msix_control = msix_ctl != self.msix_offset.map(|o| self.u16(o + 2));
+        effects.msi_control = msi_ctl != self.msi_control();
         Some(effects)
     }
 
@@ -602,6 +690,166 @@ mod tests {
         assert!(c.bus_master());
         c.reset();
         assert!(!c.msix_enabled() && !c.bus_master());
+    }
+
+    /// PM, PCI Express and an MSI capability requesting 4 vectors, no MSI-X.
+    fn sample_msi() -> ConfigSpace {
+        let mut c = ConfigSpace::new(PciIds {
+            vendor: 0x1234,
+            device: 0x5678,
+            subsystem_vendor: 0x1234,
+            subsystem: 1,
+            revision: 2,
+            class: 0x030200,
+        });
+        c.add_pm_cap();
+        c.add_pcie_cap();
+        c.add_msi_cap(2);
+        c.seal();
+        c
+    }
+
+    fn cap_ids(c: &ConfigSpace) -> Vec<(u8, usize)> {
+        let mut caps = vec![];
+        let mut p = c.bytes[regs::CAP_PTR] as usize;
+        while p != 0 {
+            assert_eq!(p % 4, 0, "capabilities are dword aligned");
+            assert!(p >= 0x40);
+            caps.push((c.bytes[p], p));
+            p = c.bytes[p + 1] as usize;
+            assert!(caps.len() < 16, "capability loop");
+        }
+        caps
+    }
+
+    #[test]
+    fn msi_capability_is_chained() {
+        let c = sample_msi();
+        let caps = cap_ids(&c);
+        let ids: Vec<u8> = caps.iter().map(|c| c.0).collect();
+        assert_eq!(ids, vec![cap_id::PM, cap_id::EXP, cap_id::MSI]);
+        let m = c.msi_offset().expect("msi");
+        assert_eq!(caps[2].1, m);
+        assert_eq!(c.msix_offset(), None);
+        assert!(!c.msix_enabled());
+        // Power-on: disabled, one vector allocated, 64-bit capable, MMC = log2(4).
+        assert_eq!(c.u16(m + msi::CONTROL), msi::CTL_64BIT | (2 << 1));
+        assert!(!c.msi_enabled());
+        assert_eq!(c.msi_vectors_enabled(), 1);
+        for reg in [msi::ADDRESS_LO, msi::ADDRESS_HI] {
+            assert_eq!(c.u32(m + reg), 0);
+        }
+        assert_eq!(c.u16(m + msi::DATA), 0);
+        // A capability added after it is chained behind the 14 bytes, dword aligned.
+        let mut more = sample_msi();
+        let next = more.add_msix_cap(MsixLayout {
+            vectors: 1,
+            table_bar: 0,
+            table_offset: 0,
+            pba_bar: 0,
+            pba_offset: 0x800,
+        });
+        assert_eq!(next, m + 0x10);
+        assert_eq!(more.bytes[m + 1] as usize, next);
+    }
+
+    #[test]
+    fn msi_read_only_and_writable_bits() {
+        let mut c = sample_msi();
+        let m = c.msi_offset().expect("msi");
+        // Message Control: only enable and MME take a write; MMC and the 64-bit bit stay.
+        let e = c
+            .write((m + msi::CONTROL) as u64, &0xffffu16.to_le_bytes())
+            .expect("write");
+        assert!(e.msi_control && !e.msix_control && !e.flr && !e.command);
+        assert_eq!(
+            c.u16(m + msi::CONTROL),
+            msi::CTL_64BIT | (2 << 1) | msi::CTL_MME_MASK | msi::CTL_ENABLE
+        );
+        // Writing MMC alone changes nothing.
+        let e = c
+            .write((m + msi::CONTROL) as u64, &0x0071u16.to_le_bytes())
+            .expect("write");
+        assert!(!e.msi_control, "same value");
+        // The capability header is read-only.
+        wr32(&mut c, m as u64, 0xffff_0000);
+        assert_eq!(c.bytes[m], cap_id::MSI);
+        assert_eq!(c.bytes[m + 1], 0, "last capability");
+        // Address: bits 1:0 read zero; the high half is fully writable.
+        wr32(&mut c, (m + msi::ADDRESS_LO) as u64, 0xffff_ffff);
+        assert_eq!(rd32(&c, (m + msi::ADDRESS_LO) as u64), 0xffff_fffc);
+        wr32(&mut c, (m + msi::ADDRESS_HI) as u64, 0xffff_ffff);
+        assert_eq!(rd32(&c, (m + msi::ADDRESS_HI) as u64), 0xffff_ffff);
+        // Data: 16 bits; the two bytes above it (extended message data) stay zero.
+        let e = wr32(&mut c, (m + msi::DATA) as u64, 0xffff_ffff);
+        assert!(!e.msi_control);
+        assert_eq!(rd32(&c, (m + msi::DATA) as u64), 0x0000_ffff);
+    }
+
+    #[test]
+    fn msi_enable_and_vector_allocation() {
+        let mut c = sample_msi();
+        let ctl = (c.msi_offset().expect("msi") + msi::CONTROL) as u64;
+        // Allocate 4 vectors (MME = 2) without enabling.
+        let e = c.write(ctl, &0x0020u16.to_le_bytes()).expect("write");
+        assert!(e.msi_control);
+        assert!(!c.msi_enabled());
+        assert_eq!(c.msi_vectors_enabled(), 4);
+        let e = c.write(ctl, &0x0021u16.to_le_bytes()).expect("write");
+        assert!(e.msi_control);
+        assert!(c.msi_enabled());
+        assert_eq!(c.msi_vectors_enabled(), 4);
+        // A byte write to the low half reaches the enable bit.
+        let e = c.write(ctl, &[0x00]).expect("write");
+        assert!(e.msi_control && !c.msi_enabled());
+        assert_eq!(c.msi_vectors_enabled(), 1);
+        // A device without the capability.
+        let plain = sample();
+        assert_eq!(plain.msi_offset(), None);
+        assert!(!plain.msi_enabled());
+        assert_eq!(plain.msi_vectors_enabled(), 0);
+    }
+
+    #[test]
+    fn msi_reset_returns_to_power_on() {
+        let mut c = sample_msi();
+        let m = c.msi_offset().expect("msi");
+        let power_on = c.bytes.clone();
+        wr32(&mut c, (m + msi::ADDRESS_LO) as u64, 0xfee0_1000);
+        wr32(&mut c, (m + msi::ADDRESS_HI) as u64, 0x1);
+        wr32(&mut c, (m + msi::DATA) as u64, 0x4041);
+        c.write((m + msi::CONTROL) as u64, &0x0011u16.to_le_bytes())
+            .expect("write");
+        assert!(c.msi_enabled());
+        assert_eq!(c.msi_vectors_enabled(), 2);
+        c.reset();
+        assert_eq!(c.bytes, power_on);
+        assert!(!c.msi_enabled());
+        assert_eq!(c.msi_vectors_enabled(), 1);
+        assert_eq!(c.u32(m + msi::ADDRESS_LO), 0);
+        // The masks survive the reset.
+        c.write((m + msi::CONTROL) as u64, &0x0001u16.to_le_bytes())
+            .expect("write");
+        assert!(c.msi_enabled());
+    }
+
+    #[test]
+    #[should_panic(expected = "at most 32 vectors")]
+    fn msi_rejects_more_than_32_vectors() {
+        sample_msi_with(6);
+    }
+
+    fn sample_msi_with(log2: u8) -> ConfigSpace {
+        let mut c = ConfigSpace::new(PciIds {
+            vendor: 0x1234,
+            device: 0x5678,
+            subsystem_vendor: 0,
+            subsystem: 0,
+            revision: 0,
+            class: 0,
+        });
+        c.add_msi_cap(log2);
+        c
     }
 
     #[test]

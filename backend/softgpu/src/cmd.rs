@@ -241,7 +241,7 @@ impl Command {
     }
 
     /// `FENCE`: write `value` to `dst`, bump the fence counter; with `irq_vector` raise that
-    /// MSI-X vector.
+    /// MSI-X vector (in MSI mode the single MSI vector; `irq_vector` must still be < 16).
     pub fn fence(dst: Operand, value: u64, irq_vector: Option<u16>) -> Command {
         let mut c = Command::with_ops(OP_FENCE, &[dst]);
         c.imm64 = value;

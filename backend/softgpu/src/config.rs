@@ -1,5 +1,6 @@
-//! Device configuration and its option-string parser (`vram=64M,queues=2`).
+//! Device configuration and its option-string parser (`vram=64M,queues=2,irq=msix`).
 
+use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
@@ -8,7 +9,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
     /// An option name the device does not know.
-    #[error("Unknown softgpu option `{0}`; the options are `vram` and `queues`")]
+    #[error("Unknown softgpu option `{0}`; the options are `vram`, `queues` and `irq`")]
     UnknownOption(String),
     /// An option without `=value`.
     #[error("Option `{0}` needs a value, e.g. `{0}=...`")]
@@ -24,6 +25,9 @@ pub enum ConfigError {
     /// A queue count that is not a number.
     #[error("Invalid queue count `{0}`; expected a number")]
     BadNumber(String),
+    /// An interrupt mode other than `msix` or `msi`.
+    #[error("Invalid interrupt mode `{0}`; expected `msix` or `msi`")]
+    BadIrqMode(String),
     /// VRAM size not a power of two.
     #[error("VRAM size {0} is not a power of two")]
     VramNotPowerOfTwo(u64),
@@ -38,6 +42,68 @@ pub enum ConfigError {
     QueuesOutOfRange(u32),
 }
 
+/// How the device signals interrupts (the `irq=` option). See the crate documentation,
+/// "Interrupt modes".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IrqMode {
+    /// MSI-X: 16 vectors, table and PBA in BAR4, per-queue vector routing (`irq=msix`, the
+    /// default, like real GPUs).
+    #[default]
+    Msix,
+    /// MSI with a single vector that every interrupt source shares; no MSI-X capability and no
+    /// BAR4 (`irq=msi`). For VMMs that cannot hot-unplug MSI-X vfio-user devices (QEMU 11.1's
+    /// `vfio-user-pci` aborts when removing one).
+    Msi,
+}
+
+impl IrqMode {
+    /// The option value: `msix` or `msi`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IrqMode::Msix => "msix",
+            IrqMode::Msi => "msi",
+        }
+    }
+
+    /// MSI-X vectors of the device in this mode (16, or 0 for MSI).
+    pub fn msix_vectors(self) -> u32 {
+        match self {
+            IrqMode::Msix => crate::regs::MSIX_VECTORS,
+            IrqMode::Msi => 0,
+        }
+    }
+
+    /// MSI vectors of the device in this mode (0, or 1 for MSI).
+    pub fn msi_vectors(self) -> u32 {
+        match self {
+            IrqMode::Msix => 0,
+            IrqMode::Msi => 1,
+        }
+    }
+}
+
+impl fmt::Display for IrqMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for IrqMode {
+    type Err = ConfigError;
+
+    /// `msix` or `msi`, ASCII case insensitive.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.eq_ignore_ascii_case("msix") {
+            Ok(IrqMode::Msix)
+        } else if s.eq_ignore_ascii_case("msi") {
+            Ok(IrqMode::Msi)
+        } else {
+            Err(ConfigError::BadIrqMode(s.to_owned()))
+        }
+    }
+}
+
 /// Configuration of a [`SoftGpu`](crate::SoftGpu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SoftGpuConfig {
@@ -45,6 +111,10 @@ pub struct SoftGpuConfig {
     pub vram_size: u64,
     /// Number of command queues (and engine threads), `1..=MAX_QUEUES`.
     pub queues: u32,
+    /// Interrupt mode. Part of the device's identity: a saved state only restores into a
+    /// device of the same mode. (States saved before the option existed are MSI-X.)
+    #[serde(default)]
+    pub irq: IrqMode,
 }
 
 impl Default for SoftGpuConfig {
@@ -52,6 +122,7 @@ impl Default for SoftGpuConfig {
         Self {
             vram_size: Self::DEFAULT_VRAM,
             queues: Self::DEFAULT_QUEUES,
+            irq: IrqMode::default(),
         }
     }
 }
@@ -86,12 +157,21 @@ impl SoftGpuConfig {
         Ok(())
     }
 
+    /// Vectors per VFIO IRQ index (INTx, MSI, MSI-X, ERR, REQ) of a device with this
+    /// configuration, e.g. to size an [`Interrupts`](switchyard_device::Interrupts) table:
+    /// `[0, 0, 16, 0, 1]` for MSI-X, `[0, 1, 0, 0, 1]` for MSI. The device reports the same
+    /// through its description (`irq_counts()`).
+    pub fn irq_counts(&self) -> [u32; 5] {
+        [0, self.irq.msi_vectors(), self.irq.msix_vectors(), 0, 1]
+    }
+
     /// Parses a comma-separated option list: `vram=<n>[K|M|G]` (binary multiples, suffix case
-    /// insensitive) and `queues=<n>`. Omitted options keep their defaults; an empty string is
-    /// the default configuration; a leading `softgpu` device name is accepted and skipped.
+    /// insensitive), `queues=<n>` and `irq=msix|msi` (case insensitive). Omitted options keep
+    /// their defaults; an empty string is the default configuration; a leading `softgpu`
+    /// device name is accepted and skipped.
     pub fn parse_options(s: &str) -> Result<Self, ConfigError> {
         let mut cfg = Self::default();
-        let (mut seen_vram, mut seen_queues) = (false, false);
+        let (mut seen_vram, mut seen_queues, mut seen_irq) = (false, false, false);
         for (i, item) in s.split(',').map(str::trim).enumerate() {
             if item.is_empty() || (i == 0 && item == "softgpu") {
                 continue;
@@ -103,6 +183,7 @@ impl SoftGpuConfig {
             let seen = match key {
                 "vram" => &mut seen_vram,
                 "queues" => &mut seen_queues,
+                "irq" => &mut seen_irq,
                 _ => return Err(ConfigError::UnknownOption(key.to_owned())),
             };
             if value.is_empty() {
@@ -111,12 +192,14 @@ impl SoftGpuConfig {
             if std::mem::replace(seen, true) {
                 return Err(ConfigError::DuplicateOption(key.to_owned()));
             }
-            if key == "vram" {
-                cfg.vram_size = parse_size(value)?;
-            } else {
-                cfg.queues = value
-                    .parse()
-                    .map_err(|_| ConfigError::BadNumber(value.to_owned()))?;
+            match key {
+                "vram" => cfg.vram_size = parse_size(value)?,
+                "irq" => cfg.irq = value.parse()?,
+                _ => {
+                    cfg.queues = value
+                        .parse()
+                        .map_err(|_| ConfigError::BadNumber(value.to_owned()))?;
+                }
             }
         }
         cfg.validate()?;
@@ -172,6 +255,34 @@ mod tests {
         assert_eq!(c.vram_size, 2 << 20);
         let c = SoftGpuConfig::parse_options("vram=1048576,").expect("bytes");
         assert_eq!(c.vram_size, 1 << 20);
+        assert_eq!(c.irq, IrqMode::Msix, "MSI-X by default");
+    }
+
+    #[test]
+    fn parses_the_interrupt_mode() {
+        let c = SoftGpuConfig::parse_options("softgpu,irq=msi").expect("msi");
+        assert_eq!(
+            c,
+            SoftGpuConfig {
+                irq: IrqMode::Msi,
+                ..SoftGpuConfig::default()
+            }
+        );
+        assert_eq!(c.irq_counts(), [0, 1, 0, 0, 1]);
+        let c = SoftGpuConfig::parse_options("irq=msix,vram=8M").expect("msix");
+        assert_eq!((c.irq, c.vram_size), (IrqMode::Msix, 8 << 20));
+        assert_eq!(c.irq_counts(), [0, 0, 16, 0, 1]);
+        let c = SoftGpuConfig::parse_options("queues=1, irq = MSI ").expect("case, spaces");
+        assert_eq!((c.irq, c.queues), (IrqMode::Msi, 1));
+        for mode in [IrqMode::Msix, IrqMode::Msi] {
+            assert_eq!(mode.to_string().parse::<IrqMode>(), Ok(mode));
+            let json = serde_json::to_string(&mode).expect("encode");
+            assert_eq!(json, format!("\"{mode}\""));
+        }
+        // A configuration serialized before the option existed is MSI-X.
+        let old: SoftGpuConfig =
+            serde_json::from_str(r#"{"vram_size":1048576,"queues":1}"#).expect("decode");
+        assert_eq!(old.irq, IrqMode::Msix);
     }
 
     #[test]
@@ -192,6 +303,14 @@ mod tests {
                 ConfigError::BadSize("99999999999G".into()),
             ),
             ("queues=two", ConfigError::BadNumber("two".into())),
+            ("irq", ConfigError::MissingValue("irq".into())),
+            ("irq=", ConfigError::MissingValue("irq".into())),
+            ("irq=intx", ConfigError::BadIrqMode("intx".into())),
+            ("irq=msi-x", ConfigError::BadIrqMode("msi-x".into())),
+            (
+                "irq=msi,irq=msix",
+                ConfigError::DuplicateOption("irq".into()),
+            ),
             ("vram=3M", ConfigError::VramNotPowerOfTwo(3 << 20)),
             ("vram=512K", ConfigError::VramTooSmall(512 << 10)),
             ("vram=128G", ConfigError::VramTooLarge(128 << 30)),
@@ -213,7 +332,11 @@ mod tests {
         }
         assert_eq!(
             ConfigError::UnknownOption("x".into()).to_string(),
-            "Unknown softgpu option `x`; the options are `vram` and `queues`"
+            "Unknown softgpu option `x`; the options are `vram`, `queues` and `irq`"
+        );
+        assert_eq!(
+            ConfigError::BadIrqMode("intx".into()).to_string(),
+            "Invalid interrupt mode `intx`; expected `msix` or `msi`"
         );
     }
 }

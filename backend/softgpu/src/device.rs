@@ -12,12 +12,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use switchyard_device::config::ConfigSpace;
 use switchyard_device::{DmaSpace, Interrupts, IrqIndex};
 
-use crate::SoftGpuConfig;
 use crate::cmd::COMMAND_SIZE;
 use crate::exec::{Done, ExecError, Executor, Irq, Outcome, Scratch};
 use crate::regs::*;
 use crate::state::SoftGpuState;
 use crate::vram::Vram;
+use crate::{IrqMode, SoftGpuConfig};
 
 /// Engine bookkeeping that is not device state.
 #[derive(Debug, Default, Clone, Copy)]
@@ -94,6 +94,26 @@ impl Regs {
         })
     }
 
+    /// Signals interrupt `vector` (a queue's completion or error vector, or a FENCE vector).
+    ///
+    /// MSI mode has a single vector: every source sends MSI vector 0 while MSI is enabled in
+    /// the config space, whatever `vector` says (the driver tells the sources apart through
+    /// `INT_STATUS`). MSI has no per-vector masking here; the client masks by re-routing the
+    /// eventfd (`SET_IRQS`), which [`Interrupts`] models.
+    fn fire(&mut self, irqs: &Interrupts, vector: u32) {
+        match self.st.config.irq {
+            IrqMode::Msix => self.fire_msix(irqs, vector),
+            IrqMode::Msi => {
+                if !self.st.config_space.msi_enabled() {
+                    return;
+                }
+                if let Err(e) = irqs.trigger(IrqIndex::Msi, 0) {
+                    tracing::warn!(error = %e, "cannot signal the MSI vector");
+                }
+            }
+        }
+    }
+
     /// Sends MSI-X `vector` if MSI-X is enabled.
     ///
     /// Clients like QEMU and Cloud Hypervisor emulate the MSI-X table themselves and never
@@ -117,7 +137,7 @@ impl Regs {
     fn raise(&mut self, irqs: &Interrupts, bit: u32, vector: u32) {
         self.st.int_status |= bit;
         if self.st.int_mask & bit == 0 {
-            self.fire_msix(irqs, vector);
+            self.fire(irqs, vector);
         }
     }
 
@@ -226,7 +246,7 @@ impl Regs {
             INT_MASK => st.int_mask,
             SCRATCH => st.scratch,
             DEV_STATUS => self.dev_status(),
-            MSIX_VECTOR_COUNT => MSIX_VECTORS,
+            MSIX_VECTOR_COUNT => st.config.irq.msix_vectors(),
             RING_ENTRY_SIZE => COMMAND_SIZE as u32,
             MAX_RING_ENTRIES => MAX_RING_ENTRIES_VALUE,
             MAX_XFER_BYTES => MAX_XFER_BYTES_VALUE as u32,
@@ -430,7 +450,10 @@ impl Shared {
         self.wake.iter().for_each(Condvar::notify_all);
     }
 
-    /// A config-space write changed the command register or the MSI-X control.
+    /// A config-space write changed the command register or the MSI-X control. (MSI needs
+    /// nothing: without per-vector masking it has no pending messages to deliver, and
+    /// interrupts raised while it was disabled stay latched in `INT_STATUS` only, as with
+    /// MSI-X.)
     pub(crate) fn config_changed(&self, g: &mut Regs, command: bool, msix_control: bool) {
         if msix_control && g.st.msix_table_direct {
             let fm = g.st.config_space.msix_function_masked();

@@ -3,7 +3,8 @@
 //! It is modelled on how real GPUs are driven: memory-mapped registers in BAR0, device memory
 //! (VRAM) in a prefetchable 64-bit BAR2, MSI-X in BAR4, and command rings in guest memory that
 //! engine threads (one per queue) fetch and execute after a doorbell write. Everything a
-//! driver needs is in the tables below.
+//! driver needs is in the tables below. An MSI mode (`irq=msi`, [`IrqMode::Msi`]) replaces
+//! MSI-X with a single MSI vector; see [Interrupt modes](#interrupt-modes).
 //!
 //! # PCI identity
 //!
@@ -13,8 +14,8 @@
 //! | subsystem | `1234:0001` |
 //! | revision | 1 |
 //! | class | `0x030200` (display controller, 3D controller) |
-//! | interrupt pin | 0 (no INTx; MSI-X only) |
-//! | capabilities | power management, PCI Express endpoint (FLR capable), MSI-X (16 vectors, table BAR4+0x0, PBA BAR4+0x800) |
+//! | interrupt pin | 0 (no INTx; MSI-X, or MSI in MSI mode) |
+//! | capabilities | power management, PCI Express endpoint (FLR capable), then MSI-X (16 vectors, table BAR4+0x0, PBA BAR4+0x800) or, in MSI mode, MSI (1 vector, 64-bit address, no per-vector masking) |
 //!
 //! Vendor `0x1234` is the de-facto test vendor QEMU uses for its own devices (e.g. `edu` is
 //! `1234:11e8`); the only in-tree Linux driver on that vendor is bochs-drm for `1234:1111`, so
@@ -26,10 +27,12 @@
 //! |---|---|---|---|
 //! | 0 (BAR0) | registers, 32-bit non-prefetchable | 64 KiB | trapped; 4-byte aligned 4-byte accesses and 8-byte aligned 8-byte accesses (low half first) |
 //! | 2 (BAR2) | VRAM, 64-bit prefetchable | `vram_size` | mmap (one sparse area covering the BAR, backed by a memfd) and trapped reads/writes of any size and alignment |
-//! | 4 (BAR4) | MSI-X table at 0x0, PBA at 0x800, 32-bit non-prefetchable | 4 KiB | trapped; 4- or 8-byte aligned |
+//! | 4 (BAR4) | MSI-X table at 0x0, PBA at 0x800, 32-bit non-prefetchable; absent (and BAR4 unimplemented) in MSI mode | 4 KiB | trapped; 4- or 8-byte aligned |
 //! | 7 | PCI config space | 4 KiB | trapped, any size |
 //!
-//! Other regions are absent. Interrupts: INTx 0, MSI 0, MSI-X 16 (eventfd), ERR 0, REQ 1.
+//! Other regions are absent. Interrupts ([`SoftGpuConfig::irq_counts`]): INTx 0, MSI 0,
+//! MSI-X 16 (eventfd), ERR 0, REQ 1; in MSI mode INTx 0, MSI 1 (eventfd), MSI-X 0, ERR 0,
+//! REQ 1.
 //!
 //! The driver must set **Memory Space** and **Bus Master** in the PCI command register:
 //! engines execute commands only while bus mastering is enabled (clearing it pauses them at
@@ -50,12 +53,12 @@
 //! | 0x010 | `VRAM_SIZE` | RO 64 | VRAM size in bytes |
 //! | 0x018 | `FENCE_COUNT` | RO 64 | incremented by every completed FENCE (all queues) |
 //! | 0x020 | `INT_STATUS` | RO | bit q: queue q completed a command with `FLAG_IRQ`; bit 16+q: queue q stopped on an error |
-//! | 0x024 | `INT_MASK` | RW | same bits; a set bit suppresses that source's MSI-X message (status still latches). Power-on 0 |
+//! | 0x024 | `INT_MASK` | RW | same bits; a set bit suppresses that source's MSI-X (or MSI) message (status still latches). Power-on 0 |
 //! | 0x028 | `INT_ACK` | WO | write 1s to clear `INT_STATUS` bits; reads 0 |
 //! | 0x02c | `SCRATCH` | RW | no side effects |
 //! | 0x030 | `DEV_CONTROL` | WO | bit 0 RESET: registers, queues, interrupt state, fence counter to power-on, VRAM zeroed; config space and MSI-X table kept. Reads 0 |
 //! | 0x034 | `DEV_STATUS` | RO | bit 0 bus master enabled, bit 1 halted (client disconnected; cleared by the next register write), bit 2 some queue in error, bit 3 stopped by the host ([`SoftGpu::set_running`]) |
-//! | 0x038 | `MSIX_VECTOR_COUNT` | RO | 16 |
+//! | 0x038 | `MSIX_VECTOR_COUNT` | RO | number of MSI-X vectors: 16; 0 in MSI mode (a driver can tell the modes apart by it) |
 //! | 0x03c | `RING_ENTRY_SIZE` | RO | 64 |
 //! | 0x040 | `MAX_RING_ENTRIES` | RO | 65536 |
 //! | 0x044 | `MAX_XFER_BYTES` | RO | 2^28: largest COPY/FILL length |
@@ -77,12 +80,13 @@
 //! | 0x20 | `ERROR_CODE` | RO | `ERR_*` below; 0 when not in error |
 //! | 0x24 | `ERROR_INDEX` | RO | free-running index of the faulting command (HEAD at the time of a ring error) |
 //! | 0x28 | `ERROR_ADDR` | RO 64 | faulting address (see error codes) |
-//! | 0x30 | `COMPLETION_VECTOR` | RW | MSI-X vector of completion interrupts; power-on `q` |
-//! | 0x34 | `ERROR_VECTOR` | RW | MSI-X vector of error interrupts; power-on `8 + q` |
+//! | 0x30 | `COMPLETION_VECTOR` | RW | MSI-X vector of completion interrupts; power-on `q`. In MSI mode stored and read back but unused |
+//! | 0x34 | `ERROR_VECTOR` | RW | MSI-X vector of error interrupts; power-on `8 + q`. In MSI mode stored and read back but unused |
 //! | 0x38 | `COMPLETED` | RO 64 | commands completed |
 //! | 0x40 | `ERROR_OPCODE` | RO | opcode of the faulting command |
 //!
-//! Vectors ≥ 16 never send a message.
+//! In MSI-X mode, vectors ≥ 16 never send a message. In MSI mode every message goes to the
+//! single MSI vector whatever these registers hold (see [Interrupt modes](#interrupt-modes)).
 //!
 //! **Doorbells.** `TAIL`/`DOORBELL` accept a value only if `tail - HEAD ≤ RING_SIZE`
 //! (wrapping u32 arithmetic); otherwise the write is refused and the queue enters ERROR with
@@ -104,9 +108,10 @@
 //! operand memory.
 //!
 //! **Errors** stop the queue: STATUS = ERROR, `ERROR_CODE`/`ERROR_INDEX`/`ERROR_ADDR`/
-//! `ERROR_OPCODE` are set, `INT_STATUS` bit 16+q latches and the error vector fires. Every
-//! operand range is validated before anything is written, so a faulting command writes
-//! nothing. The driver acks the interrupt (`INT_ACK`) and writes `RECOVER | ENABLE`.
+//! `ERROR_OPCODE` are set, `INT_STATUS` bit 16+q latches and the error vector (MSI mode: the
+//! MSI vector) fires. Every operand range is validated before anything is written, so a
+//! faulting command writes nothing. The driver acks the interrupt (`INT_ACK`) and writes
+//! `RECOVER | ENABLE`.
 //!
 //! | code | name | `ERROR_ADDR` |
 //! |---|---|---|
@@ -143,26 +148,49 @@
 //! | 0x03 | SAXPY | x=addr0, y=addr1, n=arg0 (≤ 2^26), a=imm32 | `y[i] = a*x[i] + y[i]` in f32 (multiply rounded, then add rounded; no FMA). x, y 4-byte aligned; identical or disjoint |
 //! | 0x04 | GEMM | A=addr0, B=addr1, C=addr2, M=arg0, N=arg1, K=arg2 | `C[M×N] = A[M×K]·B[K×N]`, dense row-major f32. For each `C[i][j]`: `acc = 0.0f32; for k in 0..K ascending: acc = acc + A[i][k]*B[k][j]` (product rounded, then sum rounded; no FMA). Dims ≤ 4096, `M*N*K` ≤ 2^30; 4-byte aligned; C must not overlap A or B |
 //! | 0x05 | REDUCE | x=addr0, out=addr1, n=arg0 (≤ 2^26) | `acc = 0.0f32; for i in 0..n ascending: acc = acc + x[i]`; writes `acc` as one f32 (4 bytes) at out. 4-byte aligned |
-//! | 0x06 | FENCE | dst=addr0, value=imm64, vector=imm32 | after all earlier commands of the queue: writes the u64 value at dst (8-byte aligned, guest or VRAM), then increments `FENCE_COUNT`; with flag IRQ latches `INT_STATUS` bit q and (unless masked in `INT_MASK`) fires MSI-X `vector` (must be < 16; ignored without IRQ) instead of the queue's completion vector |
+//! | 0x06 | FENCE | dst=addr0, value=imm64, vector=imm32 | after all earlier commands of the queue: writes the u64 value at dst (8-byte aligned, guest or VRAM), then increments `FENCE_COUNT`; with flag IRQ latches `INT_STATUS` bit q and (unless masked in `INT_MASK`) fires MSI-X `vector` (must be < 16 in both modes; ignored without IRQ) instead of the queue's completion vector; in MSI mode the MSI vector |
 //!
 //! Zero lengths are valid no-ops (GEMM with K = 0 writes zeros to C); their operands are still
 //! checked (alignment, a VRAM offset ≤ VRAM size). Commands execute in ring order, one at a
 //! time per queue; queues run concurrently and independently, each on its own engine thread.
 //! A driver that needs ordering between queues uses FENCE values or interrupts.
 //!
-//! # MSI-X delivery
+//! # Interrupt modes
 //!
-//! A vector fires only while MSI-X is enabled in the config space. Clients that emulate the
-//! MSI-X table themselves (QEMU, Cloud Hypervisor) mask vectors by re-routing eventfds; for
-//! them the device ignores its own table. Once a client writes the table through BAR4, the
-//! table's per-vector masks and the function mask apply and masked vectors go pending in the
-//! PBA.
+//! The `irq` option ([`SoftGpuConfig::irq`]) selects how interrupts are signalled. Everything
+//! else (registers, commands, `INT_STATUS`/`INT_MASK`/`INT_ACK`) is the same in both modes.
+//!
+//! **MSI-X** (`irq=msix`, the default, like real GPUs): 16 vectors; each queue routes its
+//! completion and error interrupts to its `COMPLETION_VECTOR`/`ERROR_VECTOR`, a FENCE with
+//! IRQ to its own vector.
+//!
+//! **MSI** (`irq=msi`): one MSI vector and neither an MSI-X capability nor BAR4. Every
+//! interrupt source (completions, FENCE vectors, errors) sends MSI vector 0; the driver tells
+//! them apart through `INT_STATUS` (and acks them through `INT_ACK` as usual). The per-queue
+//! vector registers and the FENCE vector keep their formats and checks (a FENCE vector ≥ 16
+//! is still `ERR_BAD_COMMAND`) but do not route anything; `MSIX_VECTOR_COUNT` reads 0. Use
+//! this mode where MSI-X is a problem, e.g. PCIe hot-unplug under QEMU 11.1, whose
+//! `vfio-user-pci` aborts when removing a device with MSI-X.
+//!
+//! The mode is part of the configuration: a saved state restores only into a device of the
+//! same mode.
+//!
+//! # MSI-X and MSI delivery
+//!
+//! A vector fires only while MSI-X (MSI) is enabled in the config space; a source raised
+//! while it is disabled only latches its `INT_STATUS` bit, and no message is sent later when
+//! it is enabled. Clients that emulate the MSI-X table themselves (QEMU, Cloud Hypervisor)
+//! mask vectors by re-routing eventfds; for them the device ignores its own table. Once a
+//! client writes the table through BAR4, the table's per-vector masks and the function mask
+//! apply and masked vectors go pending in the PBA. MSI has no per-vector masking; clients mask
+//! it through `SET_IRQS` on the MSI index.
 //!
 //! # Resets
 //!
 //! FLR (PCI Express Device Control bit 15) and `DEVICE_RESET` ([`PciDevice::reset`]) return
-//! everything to power-on: registers, queues, MSI-X table, config space, and VRAM (zeroed by
-//! punching a hole into the memfd). Both wait for the engines to drop their current command.
+//! everything to power-on: registers, queues, MSI-X table, config space (MSI-X or MSI
+//! disabled), and VRAM (zeroed by punching a hole into the memfd). Both wait for the engines
+//! to drop their current command.
 //!
 //! # State
 //!
@@ -194,7 +222,7 @@ use switchyard_device::{
     NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap, SparseArea,
 };
 
-pub use config::{ConfigError, SoftGpuConfig};
+pub use config::{ConfigError, IrqMode, SoftGpuConfig};
 pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
 pub use vram::VramRef;
 
@@ -204,7 +232,7 @@ use device::Shared;
 pub const BAR_REGS: u32 = 0;
 /// Region index of VRAM.
 pub const BAR_VRAM: u32 = 2;
-/// Region index of the MSI-X table and PBA.
+/// Region index of the MSI-X table and PBA (absent in [`IrqMode::Msi`]).
 pub const BAR_MSIX: u32 = 4;
 
 /// Errors creating a [`SoftGpu`].
@@ -262,7 +290,7 @@ fn pci_ids() -> PciIds {
     }
 }
 
-fn build_config_space(vram_size: u64) -> ConfigSpace {
+fn build_config_space(config: &SoftGpuConfig) -> ConfigSpace {
     let mut cs = ConfigSpace::new(pci_ids());
     cs.add_bar(
         0,
@@ -276,37 +304,43 @@ fn build_config_space(vram_size: u64) -> ConfigSpace {
     cs.add_bar(
         2,
         Bar {
-            size: vram_size,
+            size: config.vram_size,
             kind: BarKind::Mem64 { prefetchable: true },
         },
     );
-    cs.add_bar(
-        4,
-        Bar {
-            size: regs::BAR4_SIZE,
-            kind: BarKind::Mem32 {
-                prefetchable: false,
+    if config.irq == IrqMode::Msix {
+        cs.add_bar(
+            4,
+            Bar {
+                size: regs::BAR4_SIZE,
+                kind: BarKind::Mem32 {
+                    prefetchable: false,
+                },
             },
-        },
-    );
+        );
+    }
     cs.add_pm_cap();
     cs.add_pcie_cap();
-    cs.add_msix_cap(MsixLayout {
-        vectors: regs::MSIX_VECTORS as u16,
-        table_bar: BAR_MSIX as u8,
-        table_offset: regs::MSIX_TABLE_OFFSET as u32,
-        pba_bar: BAR_MSIX as u8,
-        pba_offset: regs::MSIX_PBA_OFFSET as u32,
-    });
+    match config.irq {
+        IrqMode::Msix => {
+            cs.add_msix_cap(MsixLayout {
+                vectors: regs::MSIX_VECTORS as u16,
+                table_bar: BAR_MSIX as u8,
+                table_offset: regs::MSIX_TABLE_OFFSET as u32,
+                pba_bar: BAR_MSIX as u8,
+                pba_offset: regs::MSIX_PBA_OFFSET as u32,
+            });
+        }
+        // One vector: Multiple Message Capable = log2(1).
+        IrqMode::Msi => {
+            cs.add_msi_cap(0);
+        }
+    }
     cs.seal();
     cs
 }
 
 impl SoftGpu {
-    /// Vectors per VFIO IRQ index (INTx, MSI, MSI-X, ERR, REQ), for the server's
-    /// [`Interrupts`](switchyard_device::Interrupts) table.
-    pub const IRQ_COUNTS: [u32; 5] = [0, 0, regs::MSIX_VECTORS, 0, 1];
-
     /// Creates a device with fresh, zeroed VRAM (a sealed memfd) and starts its engines.
     pub fn new(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
@@ -332,14 +366,12 @@ impl SoftGpu {
         ctx: DeviceContext,
         vram: vram::Vram,
     ) -> Result<SoftGpu, SoftGpuError> {
-        let msix = IrqIndex::Msix as u32;
-        let got = ctx.irqs.count(msix);
-        if got < regs::MSIX_VECTORS {
-            return Err(SoftGpuError::IrqCount {
-                index: msix,
-                needed: regs::MSIX_VECTORS,
-                got,
-            });
+        let counts = config.irq_counts();
+        for (index, &needed) in (0u32..).zip(&counts) {
+            let got = ctx.irqs.count(index);
+            if got < needed {
+                return Err(SoftGpuError::IrqCount { index, needed, got });
+            }
         }
         let mut regions: Vec<RegionDesc> =
             (0..NUM_PCI_REGIONS).map(|_| RegionDesc::absent()).collect();
@@ -357,7 +389,9 @@ impl SoftGpu {
                 }],
             }),
         };
-        regions[BAR_MSIX as usize] = RegionDesc::trapped(regs::BAR4_SIZE);
+        if config.irq == IrqMode::Msix {
+            regions[BAR_MSIX as usize] = RegionDesc::trapped(regs::BAR4_SIZE);
+        }
         regions[CONFIG_REGION_INDEX as usize] =
             RegionDesc::trapped(switchyard_device::config::CONFIG_SIZE as u64);
         let none = IrqDesc {
@@ -367,24 +401,26 @@ impl SoftGpu {
             automasked: false,
             noresize: true,
         };
+        let vectors = |count: u32, noresize: bool| {
+            if count == 0 {
+                none
+            } else {
+                IrqDesc {
+                    count,
+                    eventfd: true,
+                    maskable: false,
+                    automasked: false,
+                    noresize,
+                }
+            }
+        };
+        // Like vfio-pci: MSI-X may be resized (vectors added while enabled), MSI may not.
         let irqs = vec![
             none,
+            vectors(counts[IrqIndex::Msi as usize], true),
+            vectors(counts[IrqIndex::Msix as usize], false),
             none,
-            IrqDesc {
-                count: regs::MSIX_VECTORS,
-                eventfd: true,
-                maskable: false,
-                automasked: false,
-                noresize: false,
-            },
-            none,
-            IrqDesc {
-                count: 1,
-                eventfd: true,
-                maskable: false,
-                automasked: false,
-                noresize: true,
-            },
+            vectors(counts[IrqIndex::Req as usize], true),
         ];
         let desc = DeviceDescription {
             name: "softgpu",
@@ -397,7 +433,7 @@ impl SoftGpu {
             ctx.dma,
             ctx.irqs,
             vram,
-            build_config_space(config.vram_size),
+            build_config_space(&config),
         ));
         let mut gpu = SoftGpu {
             config,
@@ -558,7 +594,7 @@ impl PciDevice for SoftGpu {
                 self.vram_slice(offset, data.len())?.copy_to(data);
                 Ok(())
             }
-            BAR_MSIX => {
+            BAR_MSIX if self.config.irq == IrqMode::Msix => {
                 Self::msix_access_ok(offset, data.len())?;
                 let g = self.shared.lock();
                 if offset < regs::MSIX_PBA_OFFSET {
@@ -595,7 +631,7 @@ impl PciDevice for SoftGpu {
                 self.vram_slice(offset, data.len())?.copy_from(data);
                 Ok(())
             }
-            BAR_MSIX => {
+            BAR_MSIX if self.config.irq == IrqMode::Msix => {
                 Self::msix_access_ok(offset, data.len())?;
                 let mut g = self.shared.lock();
                 if offset < regs::MSIX_PBA_OFFSET {

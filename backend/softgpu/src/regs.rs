@@ -7,13 +7,13 @@
 
 /// Size of BAR0 (registers).
 pub const BAR0_SIZE: u64 = 64 << 10;
-/// Size of BAR4 (MSI-X table and PBA).
+/// Size of BAR4 (MSI-X table and PBA; BAR4 is absent in MSI mode).
 pub const BAR4_SIZE: u64 = 4 << 10;
 /// Offset of the MSI-X table in BAR4.
 pub const MSIX_TABLE_OFFSET: u64 = 0x0;
 /// Offset of the MSI-X pending-bit array in BAR4.
 pub const MSIX_PBA_OFFSET: u64 = 0x800;
-/// Number of MSI-X vectors.
+/// Number of MSI-X vectors (in MSI-X mode; MSI mode has none and one MSI vector instead).
 pub const MSIX_VECTORS: u32 = 16;
 
 /// PCI vendor ID (the de-facto test vendor; no Linux driver binds 1234:5347).
@@ -52,8 +52,8 @@ pub const FENCE_COUNT_LO: u64 = 0x018;
 pub const FENCE_COUNT_HI: u64 = 0x01c;
 /// Interrupt status, `INT_*` bits (RO; clear through [`INT_ACK`]).
 pub const INT_STATUS: u64 = 0x020;
-/// Interrupt mask (RW): a set bit keeps that source from sending its MSI-X message; the
-/// status bit is still latched.
+/// Interrupt mask (RW): a set bit keeps that source from sending its MSI-X (or MSI) message;
+/// the status bit is still latched.
 pub const INT_MASK: u64 = 0x024;
 /// Interrupt acknowledge (WO, write 1 to clear the bit in [`INT_STATUS`]; reads 0).
 pub const INT_ACK: u64 = 0x028;
@@ -63,7 +63,8 @@ pub const SCRATCH: u64 = 0x02c;
 pub const DEV_CONTROL: u64 = 0x030;
 /// Device status (`DEV_STATUS_*` bits, RO).
 pub const DEV_STATUS: u64 = 0x034;
-/// Number of MSI-X vectors (RO).
+/// Number of MSI-X vectors (RO): [`MSIX_VECTORS`], or 0 in MSI mode (no MSI-X; every source
+/// uses the single MSI vector).
 pub const MSIX_VECTOR_COUNT: u64 = 0x038;
 /// Size of one ring entry in bytes (RO, 64).
 pub const RING_ENTRY_SIZE: u64 = 0x03c;
@@ -156,9 +157,11 @@ pub const Q_ERROR_INDEX: u64 = 0x24;
 pub const Q_ERROR_ADDR_LO: u64 = 0x28;
 /// Faulting address, high half (RO).
 pub const Q_ERROR_ADDR_HI: u64 = 0x2c;
-/// MSI-X vector for completion interrupts (RW; power-on value `q`).
+/// MSI-X vector for completion interrupts (RW; power-on value `q`). Stored but unused in MSI
+/// mode, where every source sends MSI vector 0.
 pub const Q_COMPLETION_VECTOR: u64 = 0x30;
-/// MSI-X vector for error interrupts (RW; power-on value `8 + q`).
+/// MSI-X vector for error interrupts (RW; power-on value `8 + q`). Stored but unused in MSI
+/// mode, where every source sends MSI vector 0.
 pub const Q_ERROR_VECTOR: u64 = 0x34;
 /// Number of commands completed, low half (RO).
 pub const Q_COMPLETED_LO: u64 = 0x38;

@@ -4,9 +4,9 @@ use serde::{Deserialize, Serialize};
 use switchyard_device::config::ConfigSpace;
 use switchyard_device::msix::MsixState;
 
-use crate::SoftGpuConfig;
 use crate::regs;
 use crate::vram::VramRef;
+use crate::{IrqMode, SoftGpuConfig};
 
 /// Version of the [`SoftGpuState`] format.
 pub const STATE_FORMAT: u32 = 1;
@@ -20,6 +20,14 @@ pub enum StateError {
     /// The blob is of another format version.
     #[error("Softgpu state format {0} is not supported (expected {STATE_FORMAT})")]
     Format(u32),
+    /// The state was saved by a device with another interrupt mode.
+    #[error("State was saved in interrupt mode `{saved}`, this device uses `{ours}`")]
+    IrqModeMismatch {
+        /// Mode in the state.
+        saved: IrqMode,
+        /// Mode of this device.
+        ours: IrqMode,
+    },
     /// The state was saved by a device with another configuration.
     #[error(
         "State was saved with {saved_queues} queues and {saved_vram} bytes of VRAM, this device has {queues} and {vram}"
@@ -63,9 +71,9 @@ pub struct QueueState {
     pub error_addr: u64,
     /// Opcode of the faulting command.
     pub error_opcode: u32,
-    /// MSI-X vector for completions.
+    /// MSI-X vector for completions (stored but unused in [`IrqMode::Msi`]).
     pub completion_vector: u32,
-    /// MSI-X vector for errors.
+    /// MSI-X vector for errors (stored but unused in [`IrqMode::Msi`]).
     pub error_vector: u32,
     /// Commands completed.
     pub completed: u64,
@@ -119,7 +127,7 @@ pub struct SoftGpuState {
     pub fence_count: u64,
     /// Per-queue registers.
     pub queues: Vec<QueueState>,
-    /// MSI-X table and PBA.
+    /// MSI-X table and PBA (no vectors in [`IrqMode::Msi`]).
     pub msix: MsixState,
     /// Whether the client accesses the MSI-X table through BAR4 (so its per-vector masks
     /// apply), as opposed to emulating the table itself (QEMU, Cloud Hypervisor).
@@ -140,7 +148,7 @@ impl SoftGpuState {
             int_mask: 0,
             fence_count: 0,
             queues: (0..config.queues).map(QueueState::power_on).collect(),
-            msix: MsixState::new(regs::MSIX_VECTORS as u16),
+            msix: MsixState::new(config.irq.msix_vectors() as u16),
             msix_table_direct: false,
             config_space: cs.clone(),
         }
@@ -166,6 +174,12 @@ impl SoftGpuState {
         if self.format != STATE_FORMAT {
             return Err(StateError::Format(self.format));
         }
+        if self.config.irq != config.irq {
+            return Err(StateError::IrqModeMismatch {
+                saved: self.config.irq,
+                ours: config.irq,
+            });
+        }
         if self.config != config || self.vram.size != vram_size {
             return Err(StateError::ConfigMismatch {
                 saved_queues: self.config.queues,
@@ -179,14 +193,20 @@ impl SoftGpuState {
                 "number of queue states does not match",
             ));
         }
-        if self.msix.vectors() != regs::MSIX_VECTORS as usize {
+        if self.msix.vectors() != config.irq.msix_vectors() as usize {
             return Err(StateError::Inconsistent(
                 "MSI-X vector count does not match",
+            ));
+        }
+        if config.irq == IrqMode::Msi && self.msix_table_direct {
+            return Err(StateError::Inconsistent(
+                "MSI-X table accessed by a device without MSI-X",
             ));
         }
         let cs = &self.config_space;
         // The layout fields must be ours before any register of the saved bytes is read.
         if cs.msix_offset() != def.msix_offset()
+            || cs.msi_offset() != def.msi_offset()
             || cs.pcie_offset() != def.pcie_offset()
             || (0..6).any(|i| cs.bar(i) != def.bar(i))
         {

@@ -47,8 +47,10 @@ struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
 
-    /// Device to serve: `softgpu[,vram=SIZE][,queues=N]`. SIZE is a power of two with an
-    /// optional K/M/G suffix (default 64M); N is 1..=8 command queues (default 2).
+    /// Device to serve: `softgpu[,vram=SIZE][,queues=N][,irq=msix|msi]`. SIZE is a power of
+    /// two with an optional K/M/G suffix (default 64M); N is 1..=8 command queues (default 2).
+    /// irq=msi (default msix): one MSI vector, no MSI-X; use it for PCIe hot-unplug under QEMU
+    /// 11.1, whose vfio-user-pci aborts when removing a device with MSI-X.
     #[arg(long, value_name = "SPEC", default_value = "softgpu", value_parser = parse_device)]
     device: DeviceSpec,
 

@@ -83,7 +83,11 @@ fn negotiation_and_device_description() {
     let (small, _caps, fds) = c.region_info_raw(2, 32).expect("small argsz");
     assert!(small.argsz > 32 && small.cap_offset == 0 && fds.is_empty());
     // QEMU rejects the CAPS flag without a capability offset: the retry is driven by argsz.
-    assert_eq!(small.flags & VFIO_REGION_INFO_FLAG_CAPS, 0, "no CAPS flag without caps");
+    assert_eq!(
+        small.flags & VFIO_REGION_INFO_FLAG_CAPS,
+        0,
+        "no CAPS flag without caps"
+    );
     let cfg = c.region_info(7).expect("config");
     assert_eq!(cfg.info.size, 4096);
     assert!(cfg.fd.is_none() && cfg.info.flags & VFIO_REGION_INFO_FLAG_MMAP == 0);

@@ -1,10 +1,11 @@
 //! Device tests. A [`Harness`] plays both sides a real deployment has: guest RAM in memfd DMA
-//! windows and MSI-X eventfds (what the server lends the device), and a driver that programs
-//! the device only through region reads and writes.
+//! windows and MSI-X (or MSI) eventfds (what the server lends the device), and a driver that
+//! programs the device only through region reads and writes.
 
 mod commands;
 mod errors;
 mod identity;
+mod msi;
 mod msix;
 mod props;
 mod resets;
@@ -17,11 +18,11 @@ use std::time::{Duration, Instant};
 
 use switchyard_device::config::regs as pci;
 use switchyard_device::irq::{new_eventfd, take_eventfd};
-use switchyard_device::{DeviceContext, DmaProt, DmaSpace, Interrupts, PciDevice};
+use switchyard_device::{DeviceContext, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice};
 
 use crate::cmd::{COMMAND_SIZE, Command};
 use crate::regs::*;
-use crate::{BAR_MSIX, BAR_REGS, BAR_VRAM, SoftGpu, SoftGpuConfig};
+use crate::{BAR_MSIX, BAR_REGS, BAR_VRAM, IrqMode, SoftGpu, SoftGpuConfig};
 
 /// First guest RAM window.
 pub(crate) const RAM0: u64 = 0x10_0000;
@@ -42,6 +43,7 @@ pub(crate) const DATA: u64 = RAM0 + 0x1_0000;
 /// Config space offset of the PCI Express capability's device control register is found by
 /// walking the capability chain; these are the capability IDs.
 pub(crate) const CAP_PM: u8 = 0x01;
+pub(crate) const CAP_MSI: u8 = 0x05;
 pub(crate) const CAP_EXP: u8 = 0x10;
 pub(crate) const CAP_MSIX: u8 = 0x11;
 
@@ -101,7 +103,10 @@ pub(crate) struct Harness {
     pub config: SoftGpuConfig,
     pub dma: Arc<DmaSpace>,
     pub irqs: Arc<Interrupts>,
+    /// One eventfd per MSI-X vector (none in MSI mode).
     pub msix: Vec<File>,
+    /// The MSI vector's eventfd (none in MSI-X mode).
+    pub msi: Vec<File>,
     pub windows: Vec<Window>,
     pub tails: Vec<u32>,
 }
@@ -112,6 +117,16 @@ impl Harness {
         Self::with_config(SoftGpuConfig {
             vram_size: 4 << 20,
             queues: 2,
+            irq: IrqMode::Msix,
+        })
+    }
+
+    /// Like [`Harness::new`], in MSI mode.
+    pub fn msi() -> Self {
+        Self::with_config(SoftGpuConfig {
+            vram_size: 4 << 20,
+            queues: 2,
+            irq: IrqMode::Msi,
         })
     }
 
@@ -133,18 +148,24 @@ impl Harness {
                 file: f,
             });
         }
-        let irqs = Arc::new(Interrupts::new(&SoftGpu::IRQ_COUNTS));
-        let msix: Vec<File> = (0..MSIX_VECTORS)
-            .map(|_| new_eventfd().expect("eventfd"))
-            .collect();
-        irqs.set_triggers(
-            2,
-            0,
-            msix.iter()
-                .map(|e| Some(e.try_clone().expect("clone")))
-                .collect(),
-        )
-        .expect("set triggers");
+        let counts = config.irq_counts();
+        let irqs = Arc::new(Interrupts::new(&counts));
+        let eventfds = |index: IrqIndex| -> Vec<File> {
+            let fds: Vec<File> = (0..counts[index as usize])
+                .map(|_| new_eventfd().expect("eventfd"))
+                .collect();
+            irqs.set_triggers(
+                index as u32,
+                0,
+                fds.iter()
+                    .map(|e| Some(e.try_clone().expect("clone")))
+                    .collect(),
+            )
+            .expect("set triggers");
+            fds
+        };
+        let msix = eventfds(IrqIndex::Msix);
+        let msi = eventfds(IrqIndex::Msi);
         let ctx = DeviceContext {
             dma: dma.clone(),
             irqs: irqs.clone(),
@@ -156,8 +177,39 @@ impl Harness {
             dma,
             irqs,
             msix,
+            msi,
             windows,
             tails: vec![0; config.queues as usize],
+        }
+    }
+
+    /// A second device of the same configuration on this one's VRAM memfd, DMA space,
+    /// interrupt table and eventfds (what a server swapping the backing device does).
+    pub fn successor(&self) -> Self {
+        let clone = |files: &[File]| -> Vec<File> {
+            files
+                .iter()
+                .map(|e| e.try_clone().expect("clone"))
+                .collect()
+        };
+        let vram = self.gpu.vram_file().clone();
+        Self {
+            gpu: SoftGpu::with_vram(self.config, self.ctx(), vram).expect("second device"),
+            config: self.config,
+            dma: self.dma.clone(),
+            irqs: self.irqs.clone(),
+            msix: clone(&self.msix),
+            msi: clone(&self.msi),
+            windows: self
+                .windows
+                .iter()
+                .map(|w| Window {
+                    iova: w.iova,
+                    size: w.size,
+                    file: w.file.try_clone().expect("clone"),
+                })
+                .collect(),
+            tails: self.tails.clone(),
         }
     }
 
@@ -302,6 +354,23 @@ impl Harness {
         self.cfg_write(m + 2, 0x8000, 2);
     }
 
+    /// Programs the MSI message (as a guest OS does) and sets the MSI enable bit.
+    pub fn enable_msi(&mut self) {
+        let m = self.cap(CAP_MSI);
+        self.cfg_write(m + 4, 0xfee0_0000, 4);
+        self.cfg_write(m + 8, 0, 4);
+        self.cfg_write(m + 12, 0x4041, 2);
+        self.cfg_write(m + 2, 0x0001, 2);
+    }
+
+    /// Enables the device's interrupt mechanism: MSI-X or MSI.
+    pub fn enable_irqs(&mut self) {
+        match self.config.irq {
+            IrqMode::Msix => self.enable_msix(),
+            IrqMode::Msi => self.enable_msi(),
+        }
+    }
+
     pub fn msix_entry_write(&mut self, vector: u32, word: u64, v: u32) {
         self.gpu
             .region_write(
@@ -325,10 +394,10 @@ impl Harness {
         self.tails[q as usize] = self.qr(q, Q_TAIL);
     }
 
-    /// Bus master, MSI-X enable, every queue set up.
+    /// Bus master, MSI-X (or MSI) enable, every queue set up.
     pub fn init(&mut self) {
         self.enable_bus_master();
-        self.enable_msix();
+        self.enable_irqs();
         for q in 0..self.config.queues {
             self.setup_queue(q);
         }
@@ -409,8 +478,24 @@ impl Harness {
         take_eventfd(&self.msix[vector as usize]).unwrap_or(0)
     }
 
+    /// Waits for the MSI vector (MSI mode); returns the eventfd count.
+    pub fn wait_msi(&self) -> u64 {
+        let fd = self.msi.first().expect("MSI mode");
+        let mut n = 0;
+        wait_until("MSI eventfd", || {
+            n = take_eventfd(fd).unwrap_or(0);
+            n > 0
+        });
+        n
+    }
+
+    /// Takes the MSI eventfd's count (MSI mode).
+    pub fn msi_count(&self) -> u64 {
+        take_eventfd(self.msi.first().expect("MSI mode")).unwrap_or(0)
+    }
+
     pub fn drain_irqs(&self) {
-        for fd in &self.msix {
+        for fd in self.msix.iter().chain(&self.msi) {
             let _ = take_eventfd(fd);
         }
     }

@@ -48,30 +48,8 @@ fn save_and_restore_into_a_second_device() {
     assert_eq!(register_dump(&mut a), regs, "saving changes nothing");
 
     // The replacement device shares the VRAM memfd, the DMA space and the eventfds.
-    let vram = a.gpu.vram_file().clone();
     let identity = a.gpu.vram_identity();
-    let ctx = a.ctx();
-    let mut b = Harness {
-        gpu: SoftGpu::with_vram(a.config, ctx, vram).expect("second device"),
-        config: a.config,
-        dma: a.dma.clone(),
-        irqs: a.irqs.clone(),
-        msix: a
-            .msix
-            .iter()
-            .map(|e| e.try_clone().expect("clone"))
-            .collect(),
-        windows: a
-            .windows
-            .iter()
-            .map(|w| Window {
-                iova: w.iova,
-                size: w.size,
-                file: w.file.try_clone().expect("clone"),
-            })
-            .collect(),
-        tails: a.tails.clone(),
-    };
+    let mut b = a.successor();
     drop(a);
     assert_eq!(b.gpu.vram_identity(), identity);
     b.gpu.restore_state(&blob).expect("restore");
@@ -139,6 +117,7 @@ fn restore_rejects_mismatched_or_broken_states() {
     let mut other = Harness::with_config(SoftGpuConfig {
         vram_size: 4 << 20,
         queues: 3,
+        irq: IrqMode::Msix,
     });
     other.init();
     let three = other.gpu.save_state().expect("save");
@@ -146,6 +125,7 @@ fn restore_rejects_mismatched_or_broken_states() {
     let mut bigger = Harness::with_config(SoftGpuConfig {
         vram_size: 8 << 20,
         queues: 2,
+        irq: IrqMode::Msix,
     });
     let big = bigger.gpu.save_state().expect("save");
     assert!(refused(&mut h, &big).contains("8388608"));
