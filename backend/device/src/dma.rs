@@ -411,22 +411,23 @@ impl DmaSpace {
     /// ranges at once. A window that straddles the range boundary is an error (nothing is
     /// removed), and so is a range that covers no window.
     pub fn unmap(&self, iova: u64, size: u64) -> Result<usize> {
-        let end = iova.checked_add(size).filter(|_| size > 0);
-        let Some(end) = end else {
+        // Inclusive last byte: a range may end exactly at 2^64 (QEMU invalidates up to the top).
+        let last = size.checked_sub(1).and_then(|s| iova.checked_add(s));
+        let Some(last) = last else {
             return Err(DmaError::BadWindow { iova, size });
         };
         let removed: Vec<Mapping> = {
             let mut table = self.write_table();
             let first = table.maps.partition_point(|m| m.end() <= iova);
-            let last = table.maps.partition_point(|m| m.iova < end);
-            let hit = table.maps.get(first..last).unwrap_or(&[]);
-            if hit.iter().any(|m| m.iova < iova || m.end() > end) {
+            let stop = table.maps.partition_point(|m| m.iova <= last);
+            let hit = table.maps.get(first..stop).unwrap_or(&[]);
+            if hit.iter().any(|m| m.iova < iova || m.end() - 1 > last) {
                 return Err(DmaError::PartialUnmap { iova, size });
             }
             if hit.is_empty() {
                 return Err(DmaError::NoSuchMapping { iova, size });
             }
-            table.maps.drain(first..last).collect()
+            table.maps.drain(first..stop).collect()
         };
         // The mmaps go away here, outside the lock.
         Ok(removed.len())
@@ -746,6 +747,18 @@ mod tests {
         }
         assert_eq!(dma.unmap(0, 1 << 39).expect("range"), 4);
         assert!(dma.mappings().is_empty());
+        // A range that ends exactly at 2^64 is valid.
+        dma.map(0xfff0_0000, 0x1000, DmaProt::READ_WRITE, None)
+            .expect("map");
+        assert_eq!(
+            dma.unmap(0xfef0_0000, 0u64.wrapping_sub(0xfef0_0000))
+                .expect("to the top"),
+            1
+        );
+        assert_eq!(
+            dma.unmap(0, u64::MAX).expect_err("nothing left").errno(),
+            libc::ENOENT
+        );
     }
 
     #[test]

@@ -279,8 +279,9 @@ pub fn decode_request_with<'a>(
             if m.size == 0 {
                 return Err(ProtoError::invalid("DMA_MAP size", "zero"));
             }
+            // A window may end exactly at 2^64: check the last byte, not one past it.
             m.address
-                .checked_add(m.size)
+                .checked_add(m.size - 1)
                 .ok_or(ProtoError::overflow("DMA_MAP address + size"))?;
             if nfds > 0 {
                 m.offset
@@ -316,8 +317,9 @@ pub fn decode_request_with<'a>(
             if u.size == 0 {
                 return Err(ProtoError::invalid("DMA_UNMAP size", "zero"));
             }
+            // QEMU invalidates up to the top of the IOVA space: [a, 2^64) is a valid range.
             u.address
-                .checked_add(u.size)
+                .checked_add(u.size - 1)
                 .ok_or(ProtoError::overflow("DMA_UNMAP address + size"))?;
             if u.flags & VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP == 0 {
                 exact_body("DMA_UNMAP", rest, 0)?;
