@@ -13,6 +13,11 @@ use crate::error::{QemuError, Result};
 pub const MEMORY_BACKEND_ID: &str = "mem0";
 /// Chardev id used for the serial port when it is backed by a file or a socket.
 pub const SERIAL_CHARDEV_ID: &str = "serial0";
+/// Prefetchable 64-bit window the firmware reserves behind each root port
+/// (`pref64-reserve=`). SeaBIOS gives an empty hot-plug port only 2 MiB, so a
+/// hot-added GPU's VRAM BAR (64 MiB and up) would get no address in the guest.
+/// (1G is not honoured by SeaBIOS with a small guest; 256M is.)
+pub const ROOT_PORT_PREF64_RESERVE: &str = "256M";
 
 /// Where the guest's first serial port (`ttyS0`) goes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -245,7 +250,7 @@ impl QemuCommand {
     }
 
     /// Adds `count` PCIe root ports `rp1`…`rpN`
-    /// (`-device pcie-root-port,id=rpN,chassis=N,slot=N`). Devices must sit on
+    /// (`-device pcie-root-port,id=rpN,chassis=N,slot=N,pref64-reserve=256M`). Devices must sit on
     /// a root port to be hot-pluggable/unpluggable; see [`root_port_id`].
     #[must_use]
     pub fn root_ports(mut self, count: u32) -> Self {
@@ -364,7 +369,13 @@ impl QemuCommand {
         }
         for n in 1..=self.root_ports {
             a.push("-device".into());
-            a.push(format!("pcie-root-port,id={},chassis={n},slot={n}", root_port_id(n)).into());
+            a.push(
+                format!(
+                    "pcie-root-port,id={},chassis={n},slot={n},pref64-reserve={ROOT_PORT_PREF64_RESERVE}",
+                    root_port_id(n)
+                )
+                .into(),
+            );
         }
         for dev in &self.vfio_user_devices {
             a.push("-device".into());
@@ -485,9 +496,9 @@ mod tests {
                 "-device",
                 "intel-iommu,caching-mode=on",
                 "-device",
-                "pcie-root-port,id=rp1,chassis=1,slot=1",
+                "pcie-root-port,id=rp1,chassis=1,slot=1,pref64-reserve=256M",
                 "-device",
-                "pcie-root-port,id=rp2,chassis=2,slot=2",
+                "pcie-root-port,id=rp2,chassis=2,slot=2,pref64-reserve=256M",
                 "-device",
                 r#"{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/gpu0.sock"},"id":"gpu0","bus":"rp1"}"#,
                 "-device",

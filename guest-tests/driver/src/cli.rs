@@ -1,0 +1,131 @@
+//! Command line: `sygpu-driver [--quick] [--bdf BDF] [--timeout SECONDS]` or
+//! `sygpu-driver --probe [--bdf BDF]`.
+
+use std::time::Duration;
+
+use crate::sysfs::is_bdf;
+
+/// Usage text.
+pub const USAGE: &str = "\
+usage: sygpu-driver [--quick] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+       sygpu-driver --probe [--bdf DDDD:BB:DD.F]
+
+Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
+
+  (default)   full run through VFIO (type1 IOMMU): bind to vfio-pci, mmap BAR0/BAR2,
+              MSI-X eventfds, DMA through the IOMMU, COPY/FILL/SAXPY/GEMM 256^3/REDUCE on
+              all queues, VRAM mmap coherence, a bad DMA address and recovery
+  --quick     the same with smaller sizes (GEMM 64^3) for slow TCG guests
+  --probe     no VFIO: check the device through sysfs (config space, capabilities,
+              resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
+  --bdf B     use the device at B (default: the first 1234:5347)
+  --timeout S bound of every wait for an interrupt, seconds (default 60)
+
+Progress lines start with 'SYGPU:'; the last line is 'SYGPU-SUMMARY {json}'
+('SYGPU-PROBE {json}' for --probe). Exit code 0 only on pass, 1 on fail, 2 on usage errors.";
+
+/// What to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The VFIO workload.
+    Run,
+    /// The sysfs probe.
+    Probe,
+    /// Print usage.
+    Help,
+}
+
+/// Parsed options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// What to do.
+    pub mode: Mode,
+    /// Smaller sizes.
+    pub quick: bool,
+    /// Device address.
+    pub bdf: Option<String>,
+    /// Wait bound.
+    pub timeout: Duration,
+}
+
+/// Parses the arguments (without the program name).
+pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
+    let mut o = Options {
+        mode: Mode::Run,
+        quick: false,
+        bdf: None,
+        timeout: Duration::from_secs(60),
+    };
+    let mut it = args.iter().map(AsRef::as_ref);
+    while let Some(a) = it.next() {
+        let (key, inline) = match a.split_once('=') {
+            Some((k, v)) if k.starts_with("--") => (k, Some(v)),
+            _ => (a, None),
+        };
+        let mut value = |name: &str| -> Result<String, String> {
+            match inline {
+                Some(v) => Ok(v.to_string()),
+                None => it
+                    .next()
+                    .map(str::to_string)
+                    .ok_or_else(|| format!("{name} needs a value")),
+            }
+        };
+        match key {
+            "--quick" | "-q" => o.quick = true,
+            "--probe" => o.mode = Mode::Probe,
+            "--help" | "-h" => o.mode = Mode::Help,
+            "--bdf" => {
+                let b = value("--bdf")?;
+                // Accept the short form bb:dd.f for domain 0.
+                let b = if b.len() == 7 { format!("0000:{b}") } else { b };
+                if !is_bdf(&b) {
+                    return Err(format!("--bdf '{b}' is not a PCI address (DDDD:BB:DD.F)"));
+                }
+                o.bdf = Some(b.to_ascii_lowercase());
+            }
+            "--timeout" => {
+                let v = value("--timeout")?;
+                let s: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|&s| (1..=3600).contains(&s))
+                    .ok_or_else(|| format!("--timeout '{v}': want 1..3600 seconds"))?;
+                o.timeout = Duration::from_secs(s);
+            }
+            _ => return Err(format!("unknown argument '{a}'")),
+        }
+    }
+    if o.mode == Mode::Probe && o.quick {
+        return Err("--quick applies to the VFIO run, not to --probe".into());
+    }
+    Ok(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses() {
+        let none: [&str; 0] = [];
+        let o = parse(&none).expect("ok");
+        assert_eq!(o.mode, Mode::Run);
+        assert!(!o.quick);
+        assert_eq!(o.bdf, None);
+        assert_eq!(o.timeout, Duration::from_secs(60));
+        let o = parse(&["--quick", "--bdf", "0000:00:04.0"]).expect("ok");
+        assert!(o.quick);
+        assert_eq!(o.bdf.as_deref(), Some("0000:00:04.0"));
+        let o = parse(&["--bdf=00:05.0", "--timeout=5"]).expect("ok");
+        assert_eq!(o.bdf.as_deref(), Some("0000:00:05.0"));
+        assert_eq!(o.timeout, Duration::from_secs(5));
+        assert_eq!(parse(&["--probe"]).map(|o| o.mode), Ok(Mode::Probe));
+        assert_eq!(parse(&["-h"]).map(|o| o.mode), Ok(Mode::Help));
+        assert!(parse(&["--bdf"]).is_err());
+        assert!(parse(&["--bdf", "nonsense"]).is_err());
+        assert!(parse(&["--timeout", "0"]).is_err());
+        assert!(parse(&["--frobnicate"]).is_err());
+        assert!(parse(&["--probe", "--quick"]).is_err());
+    }
+}

@@ -1,0 +1,648 @@
+//! The softgpu driver proper: device bring-up over VFIO, rings, submission, and completion by
+//! interrupt (fence values in DMA memory, checked when the interrupt arrives: an MSI-X vector's
+//! eventfd, or in MSI mode the single MSI eventfd demultiplexed through `INT_STATUS`).
+
+use std::sync::atomic::{Ordering, fence};
+use std::time::{Duration, Instant};
+
+use crate::cmd::{Addr, Cmd};
+use crate::dma::DmaArena;
+use crate::irq::{Event, InterruptSource, IrqMode, WaitError};
+use crate::mmio::BarMap;
+use crate::pci;
+use crate::regs::*;
+use crate::say;
+use crate::vfio::Vfio;
+
+/// Ring entries per queue.
+pub const RING_ENTRIES: u32 = 256;
+/// First IOVA of the DMA arena (above 4 GiB, clear of the x86 MSI window).
+pub const DMA_BASE_IOVA: u64 = 0x1_0000_0000;
+
+/// Counters for the summary.
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    /// Data jobs (COPY, FILL, SAXPY, GEMM, REDUCE) submitted.
+    pub jobs_run: u64,
+    /// Jobs whose results were checked bit-for-bit.
+    pub jobs_verified: u64,
+    /// Bytes the engines moved for submitted jobs ([`Cmd::bytes_moved`]).
+    pub bytes_moved: u64,
+    /// FENCE commands submitted.
+    pub fences: u64,
+    /// Union of the `INT_STATUS` bits seen by the interrupt handler.
+    pub int_status_seen: u32,
+    /// Fence waits that ended with their interrupt and the fence value.
+    pub fence_irq_waits: u64,
+    /// FENCEs submitted without an interrupt.
+    pub silent_fences: u64,
+}
+
+/// A queue that stopped on an error, as its registers describe it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueFault {
+    /// Queue.
+    pub queue: u32,
+    /// `Q_STATUS`.
+    pub status: u32,
+    /// `Q_ERROR_CODE`.
+    pub code: u32,
+    /// `Q_ERROR_INDEX`.
+    pub index: u32,
+    /// `Q_ERROR_ADDR`.
+    pub addr: u64,
+    /// `Q_ERROR_OPCODE`.
+    pub opcode: u32,
+    /// The vector that reported it: the queue's MSI-X error vector, or the MSI vector (0).
+    pub vector: u32,
+    /// The interrupt mode.
+    pub mode: IrqMode,
+}
+
+impl std::fmt::Display for QueueFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "queue {} {} code={} ({}) index={} addr={:#x} opcode={:#x} ({})",
+            self.queue,
+            status_name(self.status),
+            self.code,
+            error_name(self.code),
+            self.index,
+            self.addr,
+            self.opcode,
+            match self.mode {
+                IrqMode::Msix => format!("error vector {}", self.vector),
+                IrqMode::Msi => format!(
+                    "MSI vector {}, INT_STATUS bit {}",
+                    self.vector,
+                    16 + self.queue
+                ),
+            }
+        )
+    }
+}
+
+/// How a wait for a fence ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Completion {
+    /// The fence value arrived.
+    Fence,
+    /// The queue reported an error (its error interrupt) first.
+    Fault(QueueFault),
+}
+
+#[derive(Debug)]
+struct Queue {
+    ring: u64,
+    tail: u32,
+    /// Tail index after the last fence known complete (lower bound of HEAD).
+    done_upto: u32,
+    seq: u64,
+    /// (fence value, tail after it) of fences not yet seen complete.
+    outstanding: Vec<(u64, u32)>,
+}
+
+/// Options for [`Gpu::open`].
+#[derive(Debug, Clone)]
+pub struct GpuOptions {
+    /// Bytes per DMA window.
+    pub dma_window: u64,
+    /// Number of DMA windows (adjacent IOVA ranges, separate mappings).
+    pub dma_windows: usize,
+    /// Upper bound of every wait.
+    pub timeout: Duration,
+}
+
+/// The device, brought up and ready for commands.
+pub struct Gpu {
+    /// BAR0 (registers).
+    pub bar0: BarMap,
+    /// BAR2 (VRAM).
+    pub vram: BarMap,
+    /// DMA memory.
+    pub dma: DmaArena,
+    /// The interrupts (MSI-X or MSI eventfds).
+    pub irqs: InterruptSource,
+    /// The VFIO device.
+    pub vfio: Vfio,
+    /// Queues the device has.
+    pub nq: u32,
+    /// VRAM bytes.
+    pub vram_size: u64,
+    /// Counters.
+    pub stats: Stats,
+    /// Upper bound of every wait.
+    pub timeout: Duration,
+    /// Config space (first 256 bytes) as read at bring-up.
+    pub config: Vec<u8>,
+    fence_slots: u64,
+    queues: Vec<Queue>,
+    dma_mapped: bool,
+    irqs_enabled: bool,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("nq", &self.nq)
+            .field("vram_size", &self.vram_size)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ms(d: Duration) -> u128 {
+    d.as_millis()
+}
+
+/// The interrupt mode of the device behind `vfio`, from the capability list in its config
+/// space: MSI-X if it has an MSI-X capability, else MSI if it has an MSI capability.
+pub fn detect_irq_mode(vfio: &Vfio) -> Result<IrqMode, String> {
+    let mut config = vec![0u8; 256];
+    vfio.cfg_read(0, &mut config)?;
+    let ids: Vec<u8> = pci::capabilities(&config)?.iter().map(|c| c.0).collect();
+    IrqMode::detect(&ids)
+}
+
+impl Gpu {
+    /// Brings the device up: config checks, memory + bus master, BAR mmaps, device reset,
+    /// interrupts (MSI-X: an eventfd per vector; MSI: one eventfd), DMA windows through the
+    /// IOMMU, and all rings.
+    pub fn open(vfio: Vfio, opt: &GpuOptions) -> Result<Gpu, String> {
+        let mut config = vec![0u8; 256];
+        vfio.cfg_read(0, &mut config)?;
+        let (ven, dev, class) = pci::identity(&config);
+        if (ven, dev, class) != (PCI_VENDOR, PCI_DEVICE, PCI_CLASS) {
+            return Err(format!(
+                "config space says {ven:04x}:{dev:04x} class {class:06x}, not the softgpu"
+            ));
+        }
+        let caps = pci::capabilities(&config)?;
+        let ids: Vec<u8> = caps.iter().map(|c| c.0).collect();
+        say!("config: {ven:04x}:{dev:04x} class {class:06x} capabilities {ids:02x?}");
+        for (want, name) in [(CAP_PM, "PM"), (CAP_PCIE, "PCI Express")] {
+            if !ids.contains(&want) {
+                return Err(format!(
+                    "capability {name} ({want:#04x}) missing: {ids:02x?}"
+                ));
+            }
+        }
+        let mode = IrqMode::detect(&ids)?;
+        say!(
+            "interrupt mode: {} (capability {:#04x}{})",
+            mode.label(),
+            mode.capability(),
+            match mode {
+                IrqMode::Msix => "",
+                IrqMode::Msi =>
+                    "; no MSI-X: every source on one vector, demultiplexed through INT_STATUS",
+            }
+        );
+        for i in [BAR_REGS, BAR_VRAM] {
+            say!("region {i}: {}", vfio.region(i).describe());
+        }
+
+        // Memory space + bus master before touching the BARs (vfio-pci refuses BAR mmap faults
+        // while memory decoding is off).
+        let cmd = pci::le16(&config, pci::PCI_COMMAND)
+            | pci::PCI_COMMAND_MEMORY
+            | pci::PCI_COMMAND_MASTER;
+        vfio.cfg_write(pci::PCI_COMMAND as u64, &cmd.to_le_bytes())?;
+        let mut b = [0u8; 2];
+        vfio.cfg_read(pci::PCI_COMMAND as u64, &mut b)?;
+        let got = u16::from_le_bytes(b);
+        if got & (pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER)
+            != pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER
+        {
+            return Err(format!(
+                "command register reads {got:#06x} after writing {cmd:#06x}"
+            ));
+        }
+        say!("command register {got:#06x} (memory space, bus master)");
+
+        let bar0 = vfio
+            .map_region(BAR_REGS)
+            .map_err(|e| vfio.explain_absent_bar(BAR_REGS, e))?;
+        let vram = vfio
+            .map_region(BAR_VRAM)
+            .map_err(|e| vfio.explain_absent_bar(BAR_VRAM, e))?;
+        if bar0.mapped_len() < BAR0_SIZE {
+            return Err(format!("BAR0 mapping is {} bytes", bar0.mapped_len()));
+        }
+        let magic = bar0.r32(MAGIC);
+        if magic != MAGIC_VALUE {
+            return Err(format!(
+                "MAGIC reads {magic:#010x} through the BAR0 mapping"
+            ));
+        }
+        bar0.w32(DEV_CONTROL, DEV_CONTROL_RESET);
+        let nq = bar0.r32(NUM_QUEUES);
+        let vram_size = bar0.r64(VRAM_SIZE);
+        if !(1..=8).contains(&nq) {
+            return Err(format!("NUM_QUEUES reads {nq}"));
+        }
+        say!(
+            "mmap: BAR0 {} KiB, BAR2 {} MiB in {} piece(s); MAGIC ok, device reset; {nq} queue(s), VRAM {} MiB",
+            bar0.mapped_len() >> 10,
+            vram.mapped_len() >> 20,
+            vram.pieces(),
+            vram_size >> 20
+        );
+        if vram.mapped_len() < vram_size {
+            return Err(format!(
+                "VRAM mapping covers {} of {vram_size} bytes",
+                vram.mapped_len()
+            ));
+        }
+
+        let irqs = Self::enable_interrupts(&vfio, mode, &bar0)?;
+        let t = Instant::now();
+        let dma = DmaArena::new(DMA_BASE_IOVA, opt.dma_window, opt.dma_windows)?;
+        let mut gpu = Gpu {
+            bar0,
+            vram,
+            dma,
+            irqs,
+            vfio,
+            nq,
+            vram_size,
+            stats: Stats::default(),
+            timeout: opt.timeout,
+            config,
+            fence_slots: 0,
+            queues: Vec::new(),
+            dma_mapped: false,
+            irqs_enabled: true,
+        };
+        for w in gpu.dma.windows() {
+            // SAFETY: the window is an anonymous mapping owned by `gpu.dma`, which outlives the
+            // DMA mapping: `Gpu::shutdown` (also run by `Drop`) unmaps every window before the
+            // arena is dropped. The CPU only touches it with volatile copies.
+            unsafe {
+                gpu.vfio
+                    .dma_map(w.iova, w.region.size(), w.region.as_ptr())?;
+            }
+        }
+        gpu.dma_mapped = true;
+        say!(
+            "DMA: {} windows of {} MiB mapped at IOVA {:#x}..{:#x} through the IOMMU in {} ms",
+            gpu.dma.windows().len(),
+            opt.dma_window >> 20,
+            gpu.dma.base(),
+            gpu.dma.end(),
+            ms(t.elapsed())
+        );
+
+        gpu.fence_slots = gpu.dma.alloc(4096, 4096)?;
+        for q in 0..nq {
+            let ring = gpu.dma.alloc(u64::from(RING_ENTRIES) * 64, 4096)?;
+            gpu.queues.push(Queue {
+                ring,
+                tail: 0,
+                done_upto: 0,
+                seq: 0,
+                outstanding: Vec::new(),
+            });
+            gpu.bar0.w64(queue_reg(q, Q_RING_BASE), ring);
+            gpu.bar0.w32(queue_reg(q, Q_RING_SIZE), RING_ENTRIES);
+            gpu.bar0.w32(queue_reg(q, Q_COMPLETION_VECTOR), q);
+            gpu.bar0.w32(queue_reg(q, Q_ERROR_VECTOR), 8 + q);
+            gpu.bar0.w32(queue_reg(q, Q_CONTROL), Q_CONTROL_ENABLE);
+            let base = gpu.bar0.r64(queue_reg(q, Q_RING_BASE));
+            let status = gpu.bar0.r32(queue_reg(q, Q_STATUS));
+            let tail = gpu.bar0.r32(queue_reg(q, Q_TAIL));
+            if base != ring || status != Q_STATUS_IDLE || tail != 0 {
+                return Err(format!(
+                    "queue {q} setup: RING_BASE {base:#x} (wrote {ring:#x}), STATUS {}, TAIL {tail}",
+                    status_name(status)
+                ));
+            }
+        }
+        say!(
+            "rings: {nq} x {RING_ENTRIES} entries at IOVA {:#x}.., completion vectors 0..{}, error vectors 8..{}{}",
+            gpu.queues[0].ring,
+            nq - 1,
+            8 + nq - 1,
+            match mode {
+                IrqMode::Msix => "",
+                IrqMode::Msi => " (stored, unused in MSI mode)",
+            }
+        );
+        Ok(gpu)
+    }
+
+    /// Routes the device's vectors to eventfds (`VFIO_DEVICE_SET_IRQS`) and checks that the
+    /// function has MSI-X (MSI) enabled afterwards.
+    fn enable_interrupts(
+        vfio: &Vfio,
+        mode: IrqMode,
+        bar0: &BarMap,
+    ) -> Result<InterruptSource, String> {
+        let nvec = vfio.vectors(mode);
+        let want = mode.vectors();
+        let reg = bar0.r32(MSIX_VECTOR_COUNT);
+        if reg != mode.msix_vector_count() {
+            return Err(format!(
+                "MSIX_VECTOR_COUNT reads {reg} but the capability list says {} (expected {})",
+                mode.label(),
+                mode.msix_vector_count()
+            ));
+        }
+        if nvec < want || (mode == IrqMode::Msix && nvec != want) {
+            return Err(format!(
+                "VFIO offers {nvec} {} vector(s), expected {want}",
+                mode.label()
+            ));
+        }
+        let irqs = InterruptSource::new(mode).map_err(|e| format!("eventfds: {e}"))?;
+        vfio.enable_irqs(mode, irqs.fds())?;
+        let mut cfg = vec![0u8; 256];
+        vfio.cfg_read(0, &mut cfg)?;
+        let cap = usize::from(pci::find_capability(&cfg, mode.capability()).unwrap_or(0));
+        match mode {
+            IrqMode::Msix => {
+                let ctl = pci::le16(&cfg, cap + MSIX_FLAGS);
+                say!(
+                    "MSI-X: {nvec} vectors -> eventfds (VFIO_DEVICE_SET_IRQS); message control {ctl:#06x}"
+                );
+                if ctl & MSIX_FLAGS_ENABLE == 0 {
+                    return Err(format!(
+                        "MSI-X enable bit clear after SET_IRQS ({ctl:#06x})"
+                    ));
+                }
+            }
+            IrqMode::Msi => {
+                // vfio-pci virtualizes MSI Message Control: its view shows the enable bit only
+                // after a user write, so the device's own state comes from sysfs.
+                let virt = pci::le16(&cfg, cap + MSI_FLAGS);
+                let mut b = [0u8; 2];
+                vfio.sysfs_cfg_read((cap + MSI_FLAGS) as u64, &mut b)?;
+                let ctl = u16::from_le_bytes(b);
+                say!(
+                    "MSI: 1 vector -> eventfd (VFIO_DEVICE_SET_IRQS, {nvec} offered); message control {ctl:#06x} (capability at {cap:#04x}; VFIO's virtual view {virt:#06x})"
+                );
+                if ctl & MSI_FLAGS_ENABLE == 0 {
+                    return Err(format!("MSI enable bit clear after SET_IRQS ({ctl:#06x})"));
+                }
+            }
+        }
+        Ok(irqs)
+    }
+
+    /// The interrupt mode.
+    pub fn irq_mode(&self) -> IrqMode {
+        self.irqs.mode()
+    }
+
+    /// IOVA of queue `q`'s fence slot.
+    pub fn fence_slot(&self, q: u32) -> u64 {
+        self.fence_slots + 64 * u64::from(q)
+    }
+
+    /// Queue register read.
+    pub fn qr32(&self, q: u32, reg: u64) -> u32 {
+        self.bar0.r32(queue_reg(q, reg))
+    }
+
+    /// Queue register write.
+    pub fn qw32(&self, q: u32, reg: u64, v: u32) {
+        self.bar0.w32(queue_reg(q, reg), v)
+    }
+
+    /// Writes `cmds` into queue `q`'s ring and rings the doorbell once; returns the ring index
+    /// of the first command.
+    pub fn submit(&mut self, q: u32, cmds: &[Cmd]) -> Result<u32, String> {
+        let qs = &self.queues[q as usize];
+        let (ring, first) = (qs.ring, qs.tail);
+        let n = u32::try_from(cmds.len()).map_err(|e| e.to_string())?;
+        if qs.tail.wrapping_sub(qs.done_upto).wrapping_add(n) > RING_ENTRIES {
+            // Not enough known-free slots: look at the real head before giving up.
+            let head = self.qr32(q, Q_HEAD);
+            if qs.tail.wrapping_sub(head).wrapping_add(n) > RING_ENTRIES {
+                return Err(format!(
+                    "queue {q} ring full (head {head}, tail {})",
+                    qs.tail
+                ));
+            }
+        }
+        let mut tail = first;
+        for c in cmds {
+            let slot = u64::from(tail & (RING_ENTRIES - 1));
+            self.dma.write(ring + slot * 64, &c.encode())?;
+            tail = tail.wrapping_add(1);
+            if c.is_job() {
+                self.stats.jobs_run += 1;
+                self.stats.bytes_moved += c.bytes_moved();
+            }
+            if c.opcode == crate::cmd::OP_FENCE {
+                self.stats.fences += 1;
+            }
+        }
+        self.queues[q as usize].tail = tail;
+        // The ring entries must be visible before the doorbell.
+        fence(Ordering::SeqCst);
+        self.qw32(q, Q_DOORBELL, tail);
+        Ok(first)
+    }
+
+    /// Appends a FENCE that raises `vector` and returns its value.
+    pub fn submit_fence(&mut self, q: u32, vector: u32) -> Result<u64, String> {
+        self.push_fence(q, Some(vector))
+    }
+
+    /// Appends a FENCE without an interrupt and returns its value.
+    pub fn submit_fence_silent(&mut self, q: u32) -> Result<u64, String> {
+        self.push_fence(q, None)
+    }
+
+    fn push_fence(&mut self, q: u32, vector: Option<u32>) -> Result<u64, String> {
+        let seq = self.queues[q as usize].seq + 1;
+        self.queues[q as usize].seq = seq;
+        if vector.is_none() {
+            self.stats.silent_fences += 1;
+        }
+        let slot = self.fence_slot(q);
+        self.submit(q, &[Cmd::fence(Addr::Iova(slot), seq, vector)])?;
+        let tail = self.queues[q as usize].tail;
+        self.queues[q as usize].outstanding.push((seq, tail));
+        Ok(seq)
+    }
+
+    /// Submits `cmds` followed by a FENCE on the queue's completion vector; returns its value.
+    pub fn submit_batch(&mut self, q: u32, cmds: &[Cmd]) -> Result<u64, String> {
+        self.submit(q, cmds)?;
+        self.submit_fence(q, q)
+    }
+
+    /// Blocks until one of `events` arrives (see [`InterruptSource::wait_any`]), recording the
+    /// `INT_STATUS` bits the interrupt handler acknowledged on the way.
+    pub fn wait_event(&mut self, events: &[Event], deadline: Instant) -> Result<Event, WaitError> {
+        let (ev, st) = self.irqs.wait_any(&self.bar0, events, deadline)?;
+        self.stats.int_status_seen |= st;
+        Ok(ev)
+    }
+
+    /// Runs the interrupt handler for whatever is signalled already (no blocking).
+    pub fn collect_interrupts(&mut self) -> Result<(), String> {
+        let st = self.irqs.collect(&self.bar0).map_err(|e| e.to_string())?;
+        self.stats.int_status_seen |= st;
+        Ok(())
+    }
+
+    fn fence_done(&mut self, q: u32, seq: u64) -> Result<bool, String> {
+        fence(Ordering::SeqCst);
+        let v = self.dma.read_u64(self.fence_slot(q))?;
+        let qs = &mut self.queues[q as usize];
+        if let Some(&(_, tail)) = qs.outstanding.iter().rev().find(|(s, _)| *s <= v) {
+            qs.done_upto = tail;
+        }
+        qs.outstanding.retain(|(s, _)| *s > v);
+        Ok(v >= seq)
+    }
+
+    fn fault(&self, q: u32, ev: Event) -> QueueFault {
+        QueueFault {
+            queue: q,
+            status: self.qr32(q, Q_STATUS),
+            code: self.qr32(q, Q_ERROR_CODE),
+            index: self.qr32(q, Q_ERROR_INDEX),
+            addr: self.bar0.r64(queue_reg(q, Q_ERROR_ADDR)),
+            opcode: self.qr32(q, Q_ERROR_OPCODE),
+            vector: self.irqs.vector_of(ev),
+            mode: self.irqs.mode(),
+        }
+    }
+
+    /// Whether fence `seq` of queue `q` is already in memory (no waiting; for fences without
+    /// an interrupt whose completion is known by other means).
+    pub fn fence_landed(&mut self, q: u32, seq: u64) -> Result<bool, String> {
+        self.fence_done(q, seq)
+    }
+
+    /// Waits for fence `seq` of queue `q`, which raises MSI-X `vector`, by sleeping until its
+    /// completion interrupt or the queue's error interrupt arrives: in MSI-X mode the eventfds
+    /// of `vector` and of the queue's error vector, in MSI mode the MSI eventfd with
+    /// `INT_STATUS` bit q or 16+q. The wait ends when the interrupt has arrived *and* the fence
+    /// value is in DMA memory (the handler has acknowledged `INT_STATUS` before the fence slot
+    /// is read, so a completion is never acknowledged unseen): every interrupting fence must
+    /// deliver its interrupt (the workload keeps at most one such fence outstanding per vector
+    /// and queue, so coalescing cannot merge two). Device registers are read only in the
+    /// interrupt handler (`INT_STATUS`/`INT_ACK`) and when the error interrupt fires.
+    pub fn wait_fence_on(&mut self, q: u32, seq: u64, vector: u32) -> Result<Completion, String> {
+        let deadline = Instant::now() + self.timeout;
+        let done = Event::Completion { queue: q, vector };
+        let err = Event::Error {
+            queue: q,
+            vector: 8 + q,
+        };
+        let mut interrupted = false;
+        loop {
+            if interrupted && self.fence_done(q, seq)? {
+                self.stats.fence_irq_waits += 1;
+                return Ok(Completion::Fence);
+            }
+            match self.wait_event(&[done, err], deadline) {
+                Ok(ev) if ev == err => {
+                    let f = self.fault(q, ev);
+                    if f.status == Q_STATUS_ERROR {
+                        return Ok(Completion::Fault(f));
+                    }
+                }
+                Ok(_) => interrupted = true,
+                Err(WaitError::Timeout) => {
+                    return Err(format!(
+                        "timeout after {} s waiting for fence {seq} on queue {q} ({} vector {}, interrupt {}): fence slot {}, STATUS {}, HEAD {}, TAIL {}, INT_STATUS {:#x}",
+                        self.timeout.as_secs(),
+                        self.irqs.mode().label(),
+                        self.irqs.vector_of(done),
+                        if interrupted {
+                            "received"
+                        } else {
+                            "not received"
+                        },
+                        self.dma.read_u64(self.fence_slot(q)).unwrap_or(u64::MAX),
+                        status_name(self.qr32(q, Q_STATUS)),
+                        self.qr32(q, Q_HEAD),
+                        self.qr32(q, Q_TAIL),
+                        self.bar0.r32(INT_STATUS)
+                    ));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// [`Gpu::wait_fence_on`] the queue's completion vector; a fault is an error.
+    pub fn wait_fence(&mut self, q: u32, seq: u64) -> Result<(), String> {
+        match self.wait_fence_on(q, seq, q)? {
+            Completion::Fence => Ok(()),
+            Completion::Fault(f) => Err(f.to_string()),
+        }
+    }
+
+    /// Submits a batch and waits for its fence.
+    pub fn run(&mut self, q: u32, cmds: &[Cmd]) -> Result<(), String> {
+        let seq = self.submit_batch(q, cmds)?;
+        self.wait_fence(q, seq)
+    }
+
+    /// Leaves the error state: acknowledge, `RECOVER | ENABLE` (skips the faulting command).
+    pub fn recover(&mut self, q: u32) {
+        self.bar0.w32(INT_ACK, int_error(q));
+        self.qw32(q, Q_CONTROL, Q_CONTROL_RECOVER | Q_CONTROL_ENABLE);
+    }
+
+    /// Stops every queue, waits (bounded) for the engines to let go, turns bus mastering and
+    /// MSI-X (MSI) off and removes the DMA mappings. Idempotent; errors are reported, not fatal.
+    pub fn shutdown(&mut self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.dma_mapped && !self.irqs_enabled {
+            return problems;
+        }
+        for q in 0..self.nq {
+            self.qw32(q, Q_CONTROL, Q_CONTROL_RESET);
+        }
+        // Teardown only: bounded wait for the engines to drop their commands before the DMA
+        // memory goes away.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for q in 0..self.nq {
+            while self.qr32(q, Q_STATUS) != Q_STATUS_STOPPED {
+                if Instant::now() >= deadline {
+                    problems.push(format!("queue {q} did not stop"));
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        let cmd = pci::le16(&self.config, pci::PCI_COMMAND) | pci::PCI_COMMAND_MEMORY;
+        if let Err(e) = self.vfio.cfg_write(
+            pci::PCI_COMMAND as u64,
+            &(cmd & !pci::PCI_COMMAND_MASTER).to_le_bytes(),
+        ) {
+            problems.push(e);
+        }
+        if self.irqs_enabled {
+            if let Err(e) = self.vfio.disable_irqs(self.irqs.mode()) {
+                problems.push(e);
+            }
+            self.irqs_enabled = false;
+        }
+        if self.dma_mapped {
+            for w in self.dma.windows() {
+                if let Err(e) = self.vfio.dma_unmap(w.iova, w.region.size()) {
+                    problems.push(e);
+                }
+            }
+            self.dma_mapped = false;
+        }
+        problems
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        for p in self.shutdown() {
+            say!("shutdown: {p}");
+        }
+    }
+}

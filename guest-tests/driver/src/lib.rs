@@ -1,0 +1,294 @@
+//! `sygpu-driver`: a user-space driver for the Switchyard softgpu (PCI `1234:5347`) that runs
+//! inside a Linux guest, the way a GPU runtime would, over real PCI through Linux VFIO.
+//!
+//! ```text
+//! sygpu-driver [--quick] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver --probe [--bdf 0000:00:04.0]
+//! ```
+//!
+//! The default mode finds the device in sysfs, binds it to `vfio-pci`, opens it through the
+//! type1v2 container API (the guest needs a vIOMMU: QEMU `-device intel-iommu,caching-mode=on`
+//! and `intel_iommu=on`), mmaps BAR0 and the VRAM BAR, enables memory space and bus mastering,
+//! routes the interrupts to eventfds (all 16 MSI-X vectors, or in the device's MSI mode
+//! (`irq=msi`, no MSI-X capability) its one MSI vector, demultiplexed through `INT_STATUS`; see
+//! [`irq`]), maps DMA memory through the guest IOMMU, sets up every queue's ring and runs the workload in [`workload`]: COPY/FILL/SAXPY/GEMM/REDUCE on all
+//! queues at once, each result checked bit-for-bit, fences waited for by interrupt only, VRAM
+//! coherence between the CPU mapping and the engines, and a bad DMA address with recovery.
+//! `--probe` is the no-IOMMU check: sysfs and `resource0` only, no VFIO.
+//!
+//! Output: progress lines `SYGPU: ...`, then exactly one last line `SYGPU-SUMMARY {json}`
+//! ([`summary::Summary`]) or `SYGPU-PROBE {json}` ([`summary::ProbeSummary`]). Exit code 0 only
+//! on `"result":"pass"`.
+//!
+//! # Build (static, for a busybox initramfs)
+//!
+//! ```text
+//! RUSTFLAGS="-C target-feature=+crt-static" \
+//!     cargo build --release -p sygpu-driver --target x86_64-unknown-linux-gnu
+//! # -> target/x86_64-unknown-linux-gnu/release/sygpu-driver
+//! ```
+
+pub mod cli;
+pub mod cmd;
+pub mod dma;
+pub mod gpu;
+pub mod irq;
+pub mod mmio;
+pub mod pci;
+pub mod probe;
+pub mod reference;
+pub mod regs;
+pub mod summary;
+pub mod sysfs;
+pub mod vfio;
+pub mod workload;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use summary::{Interrupts, Step, Summary};
+
+/// The whole run is bounded by this many `--timeout`s (default 60 s -> 10 minutes).
+pub const WATCHDOG_TIMEOUTS: u32 = 10;
+
+/// Prints one progress line `SYGPU: ...` (flushed, newlines folded).
+pub fn emit(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "SYGPU: {}", line.replace('\n', " "));
+    let _ = out.flush();
+}
+
+/// `say!("fmt", args)`: a progress line.
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {
+        $crate::emit(&::std::format!($($t)*))
+    };
+}
+
+static FINAL_LINE_PRINTED: AtomicBool = AtomicBool::new(false);
+
+/// Prints the final `SYGPU-SUMMARY`/`SYGPU-PROBE` line unless one was printed already (by the
+/// watchdog or the main thread); returns whether this call printed it.
+fn print_final(line: &str) -> bool {
+    if FINAL_LINE_PRINTED
+        .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return false;
+    }
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+    true
+}
+
+/// If the run has not finished after `limit` (a hang outside the bounded waits, e.g. in a
+/// syscall), prints a failing final line with `make_line` and exits 1.
+fn start_watchdog(limit: Duration, make_line: impl FnOnce(String) -> String + Send + 'static) {
+    let spawned = std::thread::Builder::new()
+        .name("watchdog".into())
+        .spawn(move || {
+            std::thread::sleep(limit);
+            let reason = format!("watchdog: no result after {} s", limit.as_secs());
+            emit(&format!("FAIL: {reason}"));
+            if print_final(&make_line(reason)) {
+                std::process::exit(1);
+            }
+        });
+    if let Err(e) = spawned {
+        emit(&format!("cannot start the watchdog thread: {e}"));
+    }
+}
+
+/// Runs the program with `args` (without the program name); returns the exit code.
+pub fn main_with(args: &[String]) -> i32 {
+    let opts = match cli::parse(args) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("sygpu-driver: {e}\n\n{}", cli::USAGE);
+            return 2;
+        }
+    };
+    match opts.mode {
+        cli::Mode::Help => {
+            println!("{}", cli::USAGE);
+            0
+        }
+        cli::Mode::Probe => {
+            start_watchdog(opts.timeout * 2, |reason| {
+                summary::ProbeSummary {
+                    result: "fail",
+                    reason: Some(reason),
+                    ..summary::ProbeSummary::default()
+                }
+                .line()
+            });
+            let s = probe::probe(opts.bdf.as_deref());
+            if print_final(&s.line()) && s.result == "pass" {
+                0
+            } else {
+                1
+            }
+        }
+        cli::Mode::Run => {
+            let mode = if opts.quick { "quick" } else { "full" };
+            let start = Instant::now();
+            start_watchdog(opts.timeout * WATCHDOG_TIMEOUTS, move |reason| {
+                let mut s = Summary::new(mode);
+                s.duration_ms = start.elapsed().as_millis() as u64;
+                s.conclude(Some(reason));
+                s.line()
+            });
+            let s = run_vfio(&opts);
+            if print_final(&s.line()) && s.passed() {
+                0
+            } else {
+                1
+            }
+        }
+    }
+}
+
+/// The message of a caught panic.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+/// The VFIO workload; never panics (a panic becomes a failed summary).
+pub fn run_vfio(opts: &cli::Options) -> Summary {
+    let start = Instant::now();
+    let sizes = if opts.quick {
+        workload::Sizes::quick()
+    } else {
+        workload::Sizes::full()
+    };
+    let mut sum = Summary::new(sizes.mode);
+    say!(
+        "start: sygpu-driver {} mode={} timeout={}s",
+        env!("CARGO_PKG_VERSION"),
+        sizes.mode,
+        opts.timeout.as_secs()
+    );
+    let failure = match catch_unwind(AssertUnwindSafe(|| drive(opts, sizes, &mut sum))) {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(p) => Some(format!("panic: {}", panic_message(p.as_ref()))),
+    };
+    sum.duration_ms = start.elapsed().as_millis() as u64;
+    sum.conclude(failure);
+    say!(
+        "done: {} in {} ms{}",
+        sum.result,
+        sum.duration_ms,
+        sum.reason
+            .as_deref()
+            .map(|r| format!(" ({r})"))
+            .unwrap_or_default()
+    );
+    sum
+}
+
+fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> Result<(), String> {
+    let sys = sysfs::Sysfs::system();
+    let dev = sys.find_softgpu(opts.bdf.as_deref())?;
+    sum.bdf = Some(dev.bdf.clone());
+    say!(
+        "device {} {:04x}:{:04x} class {:06x} driver={} iommu_group={}",
+        dev.bdf,
+        dev.vendor,
+        dev.device,
+        dev.class,
+        dev.driver.as_deref().unwrap_or("none"),
+        dev.iommu_group
+            .map_or_else(|| "none".to_string(), |g| g.to_string())
+    );
+    if dev.class != regs::PCI_CLASS {
+        return Err(format!(
+            "class {:06x}, expected {:06x}",
+            dev.class,
+            regs::PCI_CLASS
+        ));
+    }
+    let group = dev.iommu_group.ok_or_else(|| {
+        format!(
+            "{} has no IOMMU group: boot with a vIOMMU (QEMU -device intel-iommu,caching-mode=on) and intel_iommu=on (the kernel has no VFIO no-IOMMU mode)",
+            dev.bdf
+        )
+    })?;
+    sum.iommu_group = Some(group);
+    let (_, how) = sys.bind_vfio_pci(&dev.bdf)?;
+    say!("vfio-pci: {how:?}, IOMMU group {group}");
+    let vfio = vfio::Vfio::open(&sys.device_dir(&dev.bdf), group, Duration::from_secs(5))?;
+    say!(
+        "VFIO: container /dev/vfio/vfio (type1v2), group /dev/vfio/{}, device fd; {} MSI-X vectors, {} MSI vector(s)",
+        vfio.group(),
+        vfio.msix_count(),
+        vfio.msi_count()
+    );
+    let mode = gpu::detect_irq_mode(&vfio)?;
+    sum.irq_mode = Some(mode.name());
+    sum.interrupts.per_vector = vec![0; mode.vectors() as usize];
+    let mut gpu = gpu::Gpu::open(
+        vfio,
+        &gpu::GpuOptions {
+            dma_window: sizes.dma_window,
+            dma_windows: sizes.dma_windows,
+            timeout: opts.timeout,
+        },
+    )?;
+    sum.queues = gpu.nq;
+    sum.vram_bytes = gpu.vram_size;
+    sizes.fit_vram(gpu.vram_size);
+    let irq_mode = gpu.irq_mode();
+    sum.irq_mode = Some(irq_mode.name());
+    let out = workload::run(&mut gpu, &sizes);
+    let _ = gpu.collect_interrupts();
+    sum.jobs_run = gpu.stats.jobs_run;
+    sum.jobs_verified = gpu.stats.jobs_verified;
+    sum.bytes_moved = gpu.stats.bytes_moved;
+    sum.fences = gpu.stats.fences;
+    sum.fence_irq_waits = gpu.stats.fence_irq_waits;
+    sum.interrupts = Interrupts {
+        per_vector: gpu.irqs.counts().to_vec(),
+        total: gpu.irqs.total(),
+    };
+    sum.error_test_ok = out.error_test_ok;
+    sum.vram_mmap_ok = out.vram_mmap_ok;
+    sum.steps = out
+        .steps
+        .iter()
+        .map(|s| Step {
+            name: s.name.to_string(),
+            ok: s.ok,
+            ms: s.ms,
+        })
+        .collect();
+    say!(
+        "interrupts per vector {:?} (total {})",
+        sum.interrupts.per_vector,
+        sum.interrupts.total
+    );
+    let problems = gpu.shutdown();
+    drop(gpu);
+    if let Some(e) = out.failure {
+        return Err(e);
+    }
+    if !problems.is_empty() {
+        return Err(format!("shutdown: {}", problems.join("; ")));
+    }
+    say!(
+        "shutdown: queues reset, bus master off, {} off, DMA unmapped",
+        irq_mode.label()
+    );
+    Ok(())
+}

@@ -1,0 +1,6 @@
+//! `sygpu-driver`: see the library documentation (`src/lib.rs`) and `README.md`.
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    std::process::exit(sygpu_driver::main_with(&args));
+}

@@ -1,0 +1,316 @@
+//! The machine-readable last lines: `SYGPU-SUMMARY {json}` and `SYGPU-PROBE {json}`.
+
+use serde::Serialize;
+
+/// Interrupts received.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Interrupts {
+    /// Eventfd signals per vector (index = vector): 16 MSI-X vectors, or the one MSI vector.
+    pub per_vector: Vec<u64>,
+    /// Sum over all vectors.
+    pub total: u64,
+}
+
+/// One step of the workload.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Step {
+    /// Name.
+    pub name: String,
+    /// Passed.
+    pub ok: bool,
+    /// Wall time in milliseconds.
+    pub ms: u64,
+}
+
+/// The result of a full/quick run (`SYGPU-SUMMARY`). Field order is the JSON key order.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Summary {
+    /// `"pass"` or `"fail"`.
+    pub result: &'static str,
+    /// Why it failed (`null` on pass).
+    pub reason: Option<String>,
+    /// `"full"` or `"quick"`.
+    pub mode: &'static str,
+    /// PCI address used.
+    pub bdf: Option<String>,
+    /// IOMMU group.
+    pub iommu_group: Option<u32>,
+    /// Queues the device has (all were used).
+    pub queues: u32,
+    /// VRAM size.
+    pub vram_bytes: u64,
+    /// Interrupt mode: `"msix"` or `"msi"` (`null` if the run failed before it was known).
+    pub irq_mode: Option<&'static str>,
+    /// Data jobs submitted (COPY, FILL, SAXPY, GEMM, REDUCE).
+    pub jobs_run: u64,
+    /// Jobs whose results (or expected fault) were verified.
+    pub jobs_verified: u64,
+    /// Bytes the engines read plus wrote for the jobs.
+    pub bytes_moved: u64,
+    /// FENCEs submitted.
+    pub fences: u64,
+    /// Fence waits that ended with their interrupt (and the fence value in memory).
+    pub fence_irq_waits: u64,
+    /// Interrupts per vector.
+    pub interrupts: Interrupts,
+    /// Bad-DMA error test passed.
+    pub error_test_ok: bool,
+    /// VRAM mmap coherence test passed.
+    pub vram_mmap_ok: bool,
+    /// Steps run, in order.
+    pub steps: Vec<Step>,
+    /// Wall time of the whole run.
+    pub duration_ms: u64,
+}
+
+impl Summary {
+    /// An empty (failing until proven otherwise) summary.
+    pub fn new(mode: &'static str) -> Summary {
+        Summary {
+            result: "fail",
+            reason: None,
+            mode,
+            bdf: None,
+            iommu_group: None,
+            queues: 0,
+            vram_bytes: 0,
+            irq_mode: None,
+            jobs_run: 0,
+            jobs_verified: 0,
+            bytes_moved: 0,
+            fences: 0,
+            fence_irq_waits: 0,
+            interrupts: Interrupts {
+                per_vector: vec![0; 16],
+                total: 0,
+            },
+            error_test_ok: false,
+            vram_mmap_ok: false,
+            steps: Vec::new(),
+            duration_ms: 0,
+        }
+    }
+
+    /// Decides pass/fail: `failure` (the first error, if any) or any unmet criterion fails.
+    pub fn conclude(&mut self, failure: Option<String>) {
+        let reason = failure.or_else(|| {
+            if self.steps.is_empty() || self.steps.iter().any(|s| !s.ok) {
+                Some("not every step passed".into())
+            } else if self.jobs_run == 0 || self.jobs_verified != self.jobs_run {
+                Some(format!(
+                    "{} of {} jobs verified",
+                    self.jobs_verified, self.jobs_run
+                ))
+            } else if !self.error_test_ok {
+                Some("error test did not pass".into())
+            } else if !self.vram_mmap_ok {
+                Some("VRAM mmap test did not pass".into())
+            } else {
+                None
+            }
+        });
+        self.result = if reason.is_none() { "pass" } else { "fail" };
+        self.reason = reason;
+    }
+
+    /// Whether the run passed.
+    pub fn passed(&self) -> bool {
+        self.result == "pass"
+    }
+
+    /// The `SYGPU-SUMMARY {json}` line.
+    pub fn line(&self) -> String {
+        json_line("SYGPU-SUMMARY", self)
+    }
+}
+
+/// The result of `--probe` (`SYGPU-PROBE`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, Default)]
+pub struct ProbeSummary {
+    /// `"pass"` or `"fail"`.
+    pub result: &'static str,
+    /// Why it failed (`null` on pass).
+    pub reason: Option<String>,
+    /// PCI address.
+    pub bdf: Option<String>,
+    /// Vendor ID (config space).
+    pub vendor: u16,
+    /// Device ID (config space).
+    pub device: u16,
+    /// Class code (config space).
+    pub class: u32,
+    /// Capability IDs in list order.
+    pub capabilities: Vec<u8>,
+    /// D-state from PMCSR before any MMIO (0 = D0).
+    pub power_state: u8,
+    /// Runtime PM was set to `on` for the probe (a driver was bound; restored afterwards).
+    pub runtime_pm_forced_on: bool,
+    /// Memory space decoding was already enabled.
+    pub memory_was_enabled: bool,
+    /// Clearing and setting Memory Space through the sysfs `config` file read back correctly.
+    pub config_write_ok: bool,
+    /// BAR0 size from sysfs `resource`.
+    pub bar0_bytes: u64,
+    /// `MAGIC` as text (`"SYGP"`).
+    pub magic: String,
+    /// `VERSION`.
+    pub version: u32,
+    /// `FEATURES`.
+    pub features: u32,
+    /// `NUM_QUEUES`.
+    pub num_queues: u32,
+    /// `VRAM_SIZE`.
+    pub vram_bytes: u64,
+    /// SCRATCH write/read-back worked.
+    pub scratch_ok: bool,
+    /// Wall time.
+    pub duration_ms: u64,
+}
+
+impl ProbeSummary {
+    /// The `SYGPU-PROBE {json}` line.
+    pub fn line(&self) -> String {
+        json_line("SYGPU-PROBE", self)
+    }
+}
+
+fn json_line<T: Serialize>(tag: &str, v: &T) -> String {
+    match serde_json::to_string(v) {
+        Ok(j) => format!("{tag} {j}"),
+        Err(e) => format!(
+            "{tag} {{\"result\":\"fail\",\"reason\":{}}}",
+            serde_json::Value::String(format!("cannot serialize summary: {e}"))
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn passing() -> Summary {
+        let mut s = Summary::new("quick");
+        s.bdf = Some("0000:00:04.0".into());
+        s.iommu_group = Some(3);
+        s.queues = 2;
+        s.vram_bytes = 64 << 20;
+        s.irq_mode = Some("msix");
+        s.jobs_run = 5;
+        s.jobs_verified = 5;
+        s.bytes_moved = 1234;
+        s.fences = 9;
+        s.fence_irq_waits = 8;
+        s.interrupts = Interrupts {
+            per_vector: vec![1; 16],
+            total: 16,
+        };
+        s.error_test_ok = true;
+        s.vram_mmap_ok = true;
+        s.steps = vec![Step {
+            name: "identity".into(),
+            ok: true,
+            ms: 3,
+        }];
+        s.duration_ms = 42;
+        s
+    }
+
+    #[test]
+    fn pass_line_format() {
+        let mut s = passing();
+        s.conclude(None);
+        assert!(s.passed());
+        let line = s.line();
+        assert_eq!(
+            line,
+            "SYGPU-SUMMARY {\"result\":\"pass\",\"reason\":null,\"mode\":\"quick\",\
+             \"bdf\":\"0000:00:04.0\",\"iommu_group\":3,\"queues\":2,\"vram_bytes\":67108864,\
+             \"irq_mode\":\"msix\",\"jobs_run\":5,\"jobs_verified\":5,\"bytes_moved\":1234,\"fences\":9,\"fence_irq_waits\":8,\
+             \"interrupts\":{\"per_vector\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],\"total\":16},\
+             \"error_test_ok\":true,\"vram_mmap_ok\":true,\
+             \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"duration_ms\":42}"
+        );
+        assert!(!line.contains('\n'));
+        let v: serde_json::Value =
+            serde_json::from_str(line.strip_prefix("SYGPU-SUMMARY ").expect("tag")).expect("json");
+        assert_eq!(v["interrupts"]["total"], 16);
+        // MSI mode: one vector.
+        let mut s = passing();
+        s.irq_mode = Some("msi");
+        s.interrupts = Interrupts {
+            per_vector: vec![57],
+            total: 57,
+        };
+        s.conclude(None);
+        assert!(s.passed());
+        assert!(s.line().contains("\"irq_mode\":\"msi\",\"jobs_run\":5,"));
+        assert!(
+            s.line()
+                .contains("\"interrupts\":{\"per_vector\":[57],\"total\":57}")
+        );
+        // Unknown before the device was opened.
+        assert!(Summary::new("full").line().contains("\"irq_mode\":null"));
+    }
+
+    #[test]
+    fn fail_reasons() {
+        let mut s = passing();
+        s.conclude(Some("step copy: byte 7 differs".into()));
+        assert!(!s.passed());
+        assert!(
+            s.line()
+                .contains("\"result\":\"fail\",\"reason\":\"step copy: byte 7 differs\"")
+        );
+        let mut s = passing();
+        s.jobs_verified = 4;
+        s.conclude(None);
+        assert_eq!(s.reason.as_deref(), Some("4 of 5 jobs verified"));
+        let mut s = passing();
+        s.error_test_ok = false;
+        s.conclude(None);
+        assert_eq!(s.reason.as_deref(), Some("error test did not pass"));
+        let mut s = passing();
+        s.vram_mmap_ok = false;
+        s.conclude(None);
+        assert!(!s.passed());
+        let mut s = Summary::new("full");
+        s.conclude(None);
+        assert!(!s.passed(), "nothing ran");
+        // Quotes and newlines in a reason stay inside one JSON line.
+        let mut s = passing();
+        s.conclude(Some("bad \"thing\"\nhere".into()));
+        assert!(!s.line().contains('\n'));
+        assert!(s.line().contains("bad \\\"thing\\\"\\nhere"));
+    }
+
+    #[test]
+    fn probe_line_format() {
+        let p = ProbeSummary {
+            result: "pass",
+            bdf: Some("0000:00:04.0".into()),
+            vendor: 0x1234,
+            device: 0x5347,
+            class: 0x030200,
+            capabilities: vec![1, 16, 17],
+            bar0_bytes: 65536,
+            magic: "SYGP".into(),
+            version: 0x10000,
+            features: 0xff,
+            num_queues: 2,
+            vram_bytes: 64 << 20,
+            scratch_ok: true,
+            config_write_ok: true,
+            duration_ms: 5,
+            ..ProbeSummary::default()
+        };
+        assert_eq!(
+            p.line(),
+            "SYGPU-PROBE {\"result\":\"pass\",\"reason\":null,\"bdf\":\"0000:00:04.0\",\
+             \"vendor\":4660,\"device\":21319,\"class\":197120,\"capabilities\":[1,16,17],\
+             \"power_state\":0,\"runtime_pm_forced_on\":false,\"memory_was_enabled\":false,\
+             \"config_write_ok\":true,\"bar0_bytes\":65536,\"magic\":\"SYGP\",\
+             \"version\":65536,\"features\":255,\"num_queues\":2,\"vram_bytes\":67108864,\
+             \"scratch_ok\":true,\"duration_ms\":5}"
+        );
+    }
+}

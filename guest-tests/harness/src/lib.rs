@@ -1,0 +1,512 @@
+//! A harness for tests that boot real guests.
+//!
+//! It starts `switchyard serve` on a fresh socket and waits until it listens, boots QEMU under
+//! TCG (never KVM: `/dev/kvm` on our machines is PVM and cannot boot a stock kernel) with guest
+//! RAM as a shared memfd, reads the guest's serial console from a file, enforces timeouts,
+//! kills only the processes it started, and keeps the guest, server and QEMU logs of a failed
+//! test under `target/guest-logs/<test>/`.
+//!
+//! Guest tests are real tests: when QEMU, the kernel or the in-guest driver are missing they
+//! fail with a message saying how to set them up (`scripts/setup.sh`), unless
+//! `SWITCHYARD_SKIP_GUEST_TESTS=1` is set — which CI never does.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use switchyard_qemu::{QemuCommand, Serial, VfioUserDevice};
+
+/// Errors of the harness.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// A required file is missing.
+    #[error("{what} not found at {path}: {hint}")]
+    Missing {
+        /// What is missing.
+        what: &'static str,
+        /// Where it was looked for.
+        path: PathBuf,
+        /// How to get it.
+        hint: &'static str,
+    },
+    /// Starting or talking to a process failed.
+    #[error("{0}")]
+    Io(String, #[source] std::io::Error),
+    /// A step did not happen in time.
+    #[error("timed out after {0:?} waiting for {1}")]
+    Timeout(Duration, String),
+    /// A process exited unexpectedly.
+    #[error("{0} exited early: {1}")]
+    Exited(&'static str, ExitStatus),
+    /// Building the QEMU command line failed.
+    #[error("cannot build the QEMU command line")]
+    Qemu(#[source] switchyard_qemu::QemuError),
+    /// Building the initramfs failed.
+    #[error("building the initramfs failed: {0}")]
+    Initramfs(String),
+}
+
+/// Result alias.
+pub type Result<T> = std::result::Result<T, HarnessError>;
+
+/// Where everything a guest test needs lives.
+#[derive(Debug, Clone)]
+pub struct GuestEnv {
+    /// Repository root.
+    pub repo: PathBuf,
+    /// The setup cache (`SWITCHYARD_CACHE` or `.cache/vmtools`).
+    pub cache: PathBuf,
+    /// The QEMU wrapper.
+    pub qemu: PathBuf,
+    /// The PVH guest kernel.
+    pub vmlinux: PathBuf,
+    /// The `switchyard` binary (`SWITCHYARD_BIN`, else `target/{release,debug}/switchyard`).
+    pub switchyard: PathBuf,
+    /// The static in-guest driver (`SYGPU_DRIVER`, else the static release build).
+    pub driver: PathBuf,
+    /// Scratch and logs (`target/guest-tests`).
+    pub work: PathBuf,
+}
+
+const SETUP_HINT: &str = "run scripts/setup.sh (or scripts/test.sh, which sets everything up); \
+set SWITCHYARD_SKIP_GUEST_TESTS=1 to skip guest tests explicitly";
+
+fn must_exist(what: &'static str, path: PathBuf, hint: &'static str) -> Result<PathBuf> {
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(HarnessError::Missing { what, path, hint })
+    }
+}
+
+impl GuestEnv {
+    /// Finds QEMU, the kernel, the server and the driver.
+    pub fn discover() -> Result<GuestEnv> {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let repo = repo.canonicalize().unwrap_or(repo);
+        let cache = std::env::var_os("SWITCHYARD_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| repo.join(".cache/vmtools"));
+        let qemu = must_exist("QEMU", cache.join("qemu"), SETUP_HINT)?;
+        let vmlinux = must_exist("guest kernel", cache.join("vmlinux"), SETUP_HINT)?;
+        let target = repo.join("target");
+        let switchyard = match std::env::var_os("SWITCHYARD_BIN") {
+            Some(p) => PathBuf::from(p),
+            None => [
+                target.join("release/switchyard"),
+                target.join("debug/switchyard"),
+            ]
+            .into_iter()
+            .filter(|p| p.exists())
+            .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
+            .unwrap_or_else(|| target.join("debug/switchyard")),
+        };
+        let switchyard = must_exist(
+            "switchyard binary",
+            switchyard,
+            "build it with `cargo build -p switchyard` or set SWITCHYARD_BIN",
+        )?;
+        let driver = std::env::var_os("SYGPU_DRIVER")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| target.join("x86_64-unknown-linux-gnu/release/sygpu-driver"));
+        let driver = must_exist(
+            "static in-guest driver",
+            driver,
+            "build it with `RUSTFLAGS=\"-C target-feature=+crt-static\" cargo build --release \
+             -p sygpu-driver --target x86_64-unknown-linux-gnu` or set SYGPU_DRIVER",
+        )?;
+        let work = target.join("guest-tests");
+        fs::create_dir_all(&work)
+            .map_err(|e| HarnessError::Io(format!("mkdir {}", work.display()), e))?;
+        Ok(GuestEnv {
+            repo,
+            cache,
+            qemu,
+            vmlinux,
+            switchyard,
+            driver,
+            work,
+        })
+    }
+
+    /// The environment for a test, or `None` if guest tests are explicitly skipped. Any other
+    /// problem fails the test.
+    pub fn for_test() -> Option<GuestEnv> {
+        if std::env::var("SWITCHYARD_SKIP_GUEST_TESTS").is_ok_and(|v| v == "1") {
+            eprintln!("SKIPPED: SWITCHYARD_SKIP_GUEST_TESTS=1");
+            return None;
+        }
+        match GuestEnv::discover() {
+            Ok(e) => Some(e),
+            Err(e) => panic!("guest test environment incomplete: {e}"),
+        }
+    }
+
+    /// The test initramfs: the base image plus the driver (built once per test process).
+    pub fn initramfs(&self) -> Result<PathBuf> {
+        static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+        BUILT
+            .get_or_init(|| {
+                let out = self
+                    .work
+                    .join(format!("initramfs-{}.cpio.gz", std::process::id()));
+                let status = Command::new(self.repo.join("images/build-initramfs.sh"))
+                    .arg(&out)
+                    .arg("--add")
+                    .arg(&self.driver)
+                    .env("SWITCHYARD_CACHE", &self.cache)
+                    .stdout(Stdio::null())
+                    .status()
+                    .map_err(|e| e.to_string())?;
+                if !status.success() {
+                    return Err(format!("images/build-initramfs.sh exited with {status}"));
+                }
+                Ok(out)
+            })
+            .clone()
+            .map_err(HarnessError::Initramfs)
+    }
+
+    /// A log directory for `test`, emptied.
+    pub fn log_dir(&self, test: &str) -> Result<PathBuf> {
+        let dir = self.work.join("logs").join(test);
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir)
+            .map_err(|e| HarnessError::Io(format!("mkdir {}", dir.display()), e))?;
+        Ok(dir)
+    }
+}
+
+/// Polls `f` every 20 ms until it returns `Some` or `timeout` passes.
+pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            return Err(HarnessError::Timeout(timeout, what.to_owned()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn kill_child(child: &mut Child) {
+    if matches!(child.try_wait(), Ok(None)) {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
+/// A `switchyard serve` process started by the harness.
+#[derive(Debug)]
+pub struct Server {
+    child: Option<Child>,
+    /// Its socket.
+    pub socket: PathBuf,
+    /// Its stderr log.
+    pub log: PathBuf,
+}
+
+impl Server {
+    /// Starts the server with `device` (e.g. `softgpu,vram=64M`) and waits for its socket.
+    pub fn start(env: &GuestEnv, dir: &Path, device: &str) -> Result<Server> {
+        let socket = dir.join("gpu.sock");
+        let log = dir.join("server.log");
+        let err =
+            File::create(&log).map_err(|e| HarnessError::Io("create server log".into(), e))?;
+        let child = Command::new(&env.switchyard)
+            .args(["serve", "--socket"])
+            .arg(&socket)
+            .args(["--device", device])
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(err)
+            .spawn()
+            .map_err(|e| HarnessError::Io(format!("spawn {}", env.switchyard.display()), e))?;
+        let mut s = Server {
+            child: Some(child),
+            socket,
+            log,
+        };
+        wait_until(Duration::from_secs(20), "the server socket", || {
+            if let Some(c) = s.child.as_mut() {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return Some(false);
+                }
+            }
+            s.socket.exists().then_some(true)
+        })
+        .and_then(|ok| {
+            if ok {
+                Ok(())
+            } else {
+                let st = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+                Err(HarnessError::Exited("switchyard", st.unwrap_or_default()))
+            }
+        })?;
+        Ok(s)
+    }
+
+    /// The server's log so far.
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether the server is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// SIGTERM and wait; returns the exit status.
+    pub fn terminate(&mut self) -> Option<ExitStatus> {
+        let mut c = self.child.take()?;
+        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        kill_child(&mut c);
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            kill_child(&mut c);
+        }
+    }
+}
+
+/// How to boot a guest.
+#[derive(Debug, Clone)]
+pub struct GuestSpec {
+    /// The test `/init` runs (`sy.test=`).
+    pub test: String,
+    /// Its arguments (`sy.arg=`, no spaces).
+    pub args: Vec<String>,
+    /// Add `intel-iommu,caching-mode=on` (needed for VFIO in the guest).
+    pub iommu: bool,
+    /// vfio-user devices present at boot.
+    pub devices: Vec<VfioUserDevice>,
+    /// PCIe root ports (for hot-plug).
+    pub root_ports: u32,
+    /// Start a QMP socket.
+    pub qmp: bool,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Overall timeout.
+    pub timeout: Duration,
+}
+
+impl GuestSpec {
+    /// A guest running `test`, 512 MiB, no devices, 240 s timeout.
+    pub fn new(test: &str) -> Self {
+        GuestSpec {
+            test: test.to_owned(),
+            args: vec![],
+            iommu: false,
+            devices: vec![],
+            root_ports: 0,
+            qmp: false,
+            memory_mib: 512,
+            timeout: Duration::from_secs(240),
+        }
+    }
+}
+
+/// A running guest.
+#[derive(Debug)]
+pub struct Guest {
+    child: Option<Child>,
+    /// The serial console log.
+    pub serial: PathBuf,
+    /// QEMU's own stderr.
+    pub qemu_log: PathBuf,
+    /// The QMP socket, if requested.
+    pub qmp: Option<PathBuf>,
+    started: Instant,
+    timeout: Duration,
+}
+
+/// What a finished guest printed.
+#[derive(Debug, Clone)]
+pub struct GuestOutput {
+    /// The serial console.
+    pub serial: String,
+    /// QEMU's exit status.
+    pub status: ExitStatus,
+    /// Wall time from QEMU start to exit.
+    pub elapsed: Duration,
+}
+
+impl GuestOutput {
+    /// The exit code `/init` reported for `test` (`GUEST: test NAME rc=N`).
+    pub fn test_rc(&self, test: &str) -> Option<i32> {
+        let key = format!("GUEST: test {test} rc=");
+        self.serial
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(&key)?.trim().parse().ok())
+    }
+
+    /// The JSON after the first line that starts with `prefix`.
+    pub fn json_line(&self, prefix: &str) -> Option<serde_json::Value> {
+        self.serial
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(prefix))
+            .and_then(|j| serde_json::from_str(j.trim()).ok())
+    }
+}
+
+impl Guest {
+    /// Boots QEMU with `spec`; the server(s) must already listen.
+    pub fn boot(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest> {
+        let initrd = env.initramfs()?;
+        let serial = dir.join("serial.log");
+        let qemu_log = dir.join("qemu.log");
+        let mut append = String::from("console=ttyS0 panic=-1 quiet");
+        if spec.iommu {
+            append.push_str(" intel_iommu=on");
+        }
+        append.push_str(&format!(" sy.test={}", spec.test));
+        for a in &spec.args {
+            append.push_str(&format!(" sy.arg={a}"));
+        }
+        let qmp = spec.qmp.then(|| dir.join("qmp.sock"));
+        let mut q = QemuCommand::new(&env.qemu)
+            .memory_mib(spec.memory_mib)
+            .serial(Serial::File(serial.clone()))
+            .kernel(&env.vmlinux)
+            .initrd(initrd)
+            .append(append)
+            .intel_iommu(spec.iommu)
+            .root_ports(spec.root_ports);
+        for d in &spec.devices {
+            q = q.vfio_user_device(d.clone());
+        }
+        if let Some(p) = &qmp {
+            q = q.qmp_socket(p);
+        }
+        let mut cmd = q.command().map_err(HarnessError::Qemu)?;
+        let err =
+            File::create(&qemu_log).map_err(|e| HarnessError::Io("create qemu log".into(), e))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(err)
+            .spawn()
+            .map_err(|e| HarnessError::Io(format!("spawn {}", env.qemu.display()), e))?;
+        Ok(Guest {
+            child: Some(child),
+            serial,
+            qemu_log,
+            qmp,
+            started: Instant::now(),
+            timeout: spec.timeout,
+        })
+    }
+
+    /// The serial console so far.
+    pub fn serial_text(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = File::open(&self.serial) {
+            let _ = f.seek(SeekFrom::Start(0));
+            let _ = f.read_to_string(&mut s);
+        }
+        s
+    }
+
+    fn remaining(&self) -> Duration {
+        self.timeout.saturating_sub(self.started.elapsed())
+    }
+
+    /// Waits until the console contains `needle` (within the guest's overall timeout).
+    pub fn wait_for(&mut self, needle: &str) -> Result<String> {
+        let t = self.remaining();
+        wait_until(t, &format!("guest output `{needle}`"), || {
+            let s = self.serial_text();
+            if s.contains(needle) {
+                return Some(Ok(s));
+            }
+            match self.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(st))) => Some(Err(HarnessError::Exited("QEMU", st))),
+                _ => None,
+            }
+        })?
+    }
+
+    /// Waits for QEMU to exit (the guest powers off after its test).
+    pub fn wait(mut self) -> Result<GuestOutput> {
+        let t = self.remaining();
+        let status = wait_until(t, "the guest to power off", || {
+            self.child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+        });
+        let status = match status {
+            Ok(s) => s,
+            Err(e) => {
+                if let Some(mut c) = self.child.take() {
+                    kill_child(&mut c);
+                }
+                return Err(e);
+            }
+        };
+        self.child = None;
+        Ok(GuestOutput {
+            serial: self.serial_text(),
+            status,
+            elapsed: self.started.elapsed(),
+        })
+    }
+
+    /// QEMU's stderr so far.
+    pub fn qemu_log_text(&self) -> String {
+        fs::read_to_string(&self.qemu_log).unwrap_or_default()
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            kill_child(&mut c);
+        }
+    }
+}
+
+/// Prints the logs in `dir` (for a failing test); they also stay on disk.
+pub fn dump_logs(dir: &Path) {
+    eprintln!("--- logs kept in {} ---", dir.display());
+    if let Ok(rd) = fs::read_dir(dir) {
+        let mut files: Vec<_> = rd.flatten().map(|e| e.path()).collect();
+        files.sort();
+        for f in files {
+            if f.extension().is_some_and(|e| e == "log") {
+                let text = fs::read_to_string(&f).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(80).collect();
+                eprintln!("=== {} (last {} lines) ===", f.display(), tail.len());
+                for l in tail.iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Tests that boot a real Linux guest under QEMU 11.1 (TCG) against a real `switchyard serve`
+//! and assert on what the guest printed.
+
+use std::time::Duration;
+
+use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, Server, dump_logs};
+use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
+
+/// Runs `body` with a fresh log dir; on failure prints the logs (they stay on disk).
+fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
+    let Some(env) = GuestEnv::for_test() else {
+        return;
+    };
+    let dir = env.log_dir(name).expect("log dir");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
+    if let Err(p) = r {
+        dump_logs(&dir);
+        std::panic::resume_unwind(p);
+    }
+}
+
+fn assert_device_listed(out: &GuestOutput) {
+    assert!(
+        out.serial
+            .lines()
+            .any(|l| l.contains("vendor=0x1234 device=0x5347 class=0x030200")),
+        "the guest did not enumerate the softgpu:\n{}",
+        out.serial
+    );
+}
+
+#[test]
+fn guest_enumerates_and_probes_the_softgpu_without_iommu() {
+    with_logs("probe", |env, dir| {
+        let server = Server::start(env, dir, "softgpu").expect("server");
+        let mut spec = GuestSpec::new("sygpu-driver");
+        spec.args = vec!["--probe".into()];
+        spec.devices = vec![VfioUserDevice::new("gpu0", &server.socket)];
+        let out = Guest::boot(env, dir, &spec)
+            .expect("boot")
+            .wait()
+            .expect("guest finished");
+        assert_device_listed(&out);
+        assert_eq!(out.test_rc("sygpu-driver"), Some(0), "probe exit code");
+        let probe = out.json_line("SYGPU-PROBE").expect("SYGPU-PROBE line");
+        assert_eq!(probe["result"], "pass", "{probe}");
+        eprintln!("probe guest: {:.1} s, {probe}", out.elapsed.as_secs_f64());
+    });
+}
+
+#[test]
+fn in_guest_vfio_driver_runs_the_full_workload() {
+    with_logs("driver", |env, dir| {
+        let mut server = Server::start(env, dir, "softgpu,vram=64M,queues=2").expect("server");
+        let mut spec = GuestSpec::new("sygpu-driver");
+        spec.iommu = true;
+        spec.devices = vec![VfioUserDevice::new("gpu0", &server.socket)];
+        let out = Guest::boot(env, dir, &spec)
+            .expect("boot")
+            .wait()
+            .expect("guest finished");
+        assert_device_listed(&out);
+        let s = out
+            .json_line("SYGPU-SUMMARY")
+            .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
+        assert_eq!(s["result"], "pass", "{s}");
+        assert_eq!(out.test_rc("sygpu-driver"), Some(0));
+        let run = s["jobs_run"].as_u64().expect("jobs_run");
+        assert!(run >= 5, "{s}");
+        assert_eq!(
+            s["jobs_verified"].as_u64(),
+            Some(run),
+            "every job verified: {s}"
+        );
+        assert!(
+            s["fence_irq_waits"].as_u64().unwrap_or(0) > 0,
+            "fences waited by interrupt: {s}"
+        );
+        let per_vector = s["interrupts"]["per_vector"]
+            .as_array()
+            .expect("per-vector counts");
+        assert_eq!(per_vector.len(), 16, "{s}");
+        assert!(
+            per_vector.iter().all(|c| c.as_u64().unwrap_or(0) > 0),
+            "every MSI-X vector delivered at least once: {s}"
+        );
+        assert_eq!(s["error_test_ok"], true, "{s}");
+        assert_eq!(s["vram_mmap_ok"], true, "{s}");
+        assert!(server.alive(), "server survived the guest");
+        let log = server.log_text();
+        assert!(log.contains("client connected"), "{log}");
+        assert!(!log.contains("panicked"), "{log}");
+        eprintln!("driver guest: {:.1} s, {s}", out.elapsed.as_secs_f64());
+        assert!(
+            server.terminate().is_some_and(|st| st.success()),
+            "clean SIGTERM exit"
+        );
+    });
+}
+
+#[test]
+fn pcie_hotplug_add_run_remove_add_run() {
+    with_logs("hotplug", |env, dir| {
+        // MSI, not MSI-X: QEMU 11.1's vfio-user-pci aborts on device_del of a device with MSI-X
+        // (it tears down the PBA region after QOM already has; see README).
+        let server = Server::start(env, dir, "softgpu,irq=msi").expect("server");
+        let mut spec = GuestSpec::new("hotplug");
+        spec.args = vec!["1234:5347".into(), "2".into()];
+        spec.iommu = true;
+        spec.root_ports = 1;
+        spec.qmp = true;
+        spec.timeout = Duration::from_secs(400);
+        let mut guest = Guest::boot(env, dir, &spec).expect("boot");
+        let qmp_path = guest.qmp.clone().expect("qmp socket");
+        let mut qmp = switchyard_guest_tests::wait_until(Duration::from_secs(30), "QMP", || {
+            Qmp::connect(&qmp_path, Duration::from_secs(30)).ok()
+        })
+        .expect("qmp");
+        let dev = VfioUserDevice::new("gpu0", &server.socket).bus(root_port_id(1));
+        for round in 1..=2 {
+            guest
+                .wait_for(&format!("HOTPLUG: waiting round={round}"))
+                .expect("guest waits");
+            qmp.device_add(&dev).expect("device_add");
+            let found = qmp.find_pci_device(0x1234, 0x5347).expect("query-pci");
+            assert!(found.is_some(), "QEMU lists the hot-added device");
+            guest
+                .wait_for(&format!("HOTPLUG: run round={round} rc="))
+                .expect("driver ran");
+            assert!(
+                guest
+                    .serial_text()
+                    .contains(&format!("HOTPLUG: run round={round} rc=0")),
+                "driver failed in round {round}"
+            );
+            qmp.device_del("gpu0", Duration::from_secs(120))
+                .expect("device_del + DEVICE_DELETED");
+            guest
+                .wait_for(&format!("HOTPLUG: gone round={round}"))
+                .expect("guest saw the removal");
+            assert!(
+                qmp.find_pci_device(0x1234, 0x5347)
+                    .expect("query-pci")
+                    .is_none()
+            );
+        }
+        let out = guest.wait().expect("guest finished");
+        assert!(out.serial.contains("HOTPLUG: done"), "{}", out.serial);
+        assert_eq!(out.test_rc("hotplug"), Some(0));
+        let summaries = out.serial.matches("SYGPU-SUMMARY").count();
+        assert_eq!(summaries, 2, "the driver ran once per plug");
+        assert!(
+            server.log_text().matches("client connected").count() >= 2,
+            "each hot-add is a new vfio-user connection"
+        );
+    });
+}
