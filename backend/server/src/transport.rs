@@ -69,7 +69,6 @@ pub struct Connection {
     fds_to: usize,
     max_msg_size: u32,
     spin: Duration,
-    nonblocking: bool,
 }
 
 impl Connection {
@@ -87,7 +86,6 @@ impl Connection {
             fds_to: 0,
             max_msg_size,
             spin,
-            nonblocking: false,
         }
     }
 
@@ -171,20 +169,13 @@ impl Connection {
         self.end = len;
     }
 
-    fn set_nonblocking(&mut self, on: bool) -> io::Result<()> {
-        if self.nonblocking != on {
-            self.stream.set_nonblocking(on)?;
-            self.nonblocking = on;
-        }
-        Ok(())
-    }
-
     fn fill(&mut self) -> Result<(), TransportError> {
+        // Adaptive polling: non-blocking reads (MSG_DONTWAIT, no fcntl round trips) until the
+        // budget is spent, then one blocking read.
         let deadline = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
         loop {
             let spinning = deadline.is_some_and(|d| Instant::now() < d);
-            self.set_nonblocking(spinning)?;
-            match self.recv_once() {
+            match self.recv_once(spinning) {
                 Ok(0) => {
                     return Err(if self.start == self.end {
                         TransportError::Closed
@@ -202,19 +193,18 @@ impl Connection {
         }
     }
 
-    fn recv_once(&mut self) -> io::Result<usize> {
+    fn recv_once(&mut self, dontwait: bool) -> io::Result<usize> {
         let mut space =
             [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let read_from = self.end;
         let dst = self.buf.get_mut(read_from..).unwrap_or(&mut []);
         let mut iov = [io::IoSliceMut::new(dst)];
-        let msg = rustix::net::recvmsg(
-            &self.stream,
-            &mut iov,
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        )?;
+        let mut flags = RecvFlags::CMSG_CLOEXEC;
+        if dontwait {
+            flags |= RecvFlags::DONTWAIT;
+        }
+        let msg = rustix::net::recvmsg(&self.stream, &mut iov, &mut control, flags)?;
         if msg.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
             tracing::warn!("descriptors were truncated by the kernel");
         }
