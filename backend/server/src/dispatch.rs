@@ -170,7 +170,7 @@ fn region<D: PciDevice>(dev: &D, index: u32) -> Result<&RegionDesc, RequestError
         .regions
         .get(index as usize)
         .filter(|r| r.size > 0)
-        .ok_or(RequestError::Device(DeviceError::NoSuchRegion(index)))
+        .ok_or_else(|| RequestError::Device(DeviceError::NoSuchRegion(index)))
 }
 
 fn check_range(r: &RegionDesc, index: u32, offset: u64, len: usize) -> Result<(), RequestError> {
@@ -350,7 +350,7 @@ fn handle<D: PciDevice>(
             let r = d
                 .regions
                 .get(index as usize)
-                .ok_or(invalid("no such region"))?;
+                .ok_or_else(|| invalid("no such region"))?;
             let mut info = RegionInfo {
                 argsz: REGION_INFO_SIZE as u32,
                 flags: 0,
@@ -411,7 +411,7 @@ fn handle<D: PciDevice>(
             let irq = d
                 .irqs
                 .get(index as usize)
-                .ok_or(invalid("no such interrupt index"))?;
+                .ok_or_else(|| invalid("no such interrupt index"))?;
             let mut flags = 0;
             if irq.eventfd {
                 flags |= VFIO_IRQ_INFO_EVENTFD;
@@ -450,7 +450,7 @@ fn handle<D: PciDevice>(
                 let data = e
                     .data
                     .get(..e.count as usize)
-                    .ok_or(invalid("write-multi count"))?;
+                    .ok_or_else(|| invalid("write-multi count"))?;
                 check_range(r, e.region, e.offset, data.len())?;
                 dev.region_write(e.region, e.offset, data)?;
                 done += 1;
@@ -490,7 +490,7 @@ fn set_irqs<D: PciDevice>(
     let irq = d
         .irqs
         .get(set.index as usize)
-        .ok_or(invalid("no such interrupt index"))?;
+        .ok_or_else(|| invalid("no such interrupt index"))?;
     let irqs = &server.ctx.irqs;
     let in_range = set
         .start
@@ -538,13 +538,15 @@ fn set_irqs<D: PciDevice>(
             );
         }
         (IrqAction::Trigger, IrqData::None) => {
-            let index = IrqIndex::from_raw(set.index).ok_or(invalid("no such interrupt index"))?;
+            let index =
+                IrqIndex::from_raw(set.index).ok_or_else(|| invalid("no such interrupt index"))?;
             for v in set.start..set.start + set.count {
                 irqs.trigger(index, v).map_err(DeviceError::from)?;
             }
         }
         (IrqAction::Trigger, IrqData::Bool(bools)) => {
-            let index = IrqIndex::from_raw(set.index).ok_or(invalid("no such interrupt index"))?;
+            let index =
+                IrqIndex::from_raw(set.index).ok_or_else(|| invalid("no such interrupt index"))?;
             for (v, &b) in (set.start..set.start + set.count).zip(bools) {
                 if b != 0 {
                     irqs.trigger(index, v).map_err(DeviceError::from)?;

@@ -40,6 +40,11 @@ pub(crate) struct Regs {
     /// Stopped by the owner (e.g. a migration STOP state): engines are parked.
     stopped: bool,
     shutdown: bool,
+    /// Threads waiting on `idle` (engines skip the futex wake when nobody waits).
+    idle_waiters: u32,
+    /// Engines a doorbell made runnable; woken after the register lock is dropped so the
+    /// engine does not wake up only to block on that lock.
+    pending_wake: u32,
 }
 
 pub(crate) type Guard<'a> = MutexGuard<'a, Regs>;
@@ -326,6 +331,8 @@ impl Shared {
                 halted: false,
                 stopped: false,
                 shutdown: false,
+                idle_waiters: 0,
+                pending_wake: 0,
             }),
             wake: (0..n).map(|_| Condvar::new()).collect(),
             idle: Condvar::new(),
@@ -364,7 +371,9 @@ impl Shared {
             .queues_in(mask)
             .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
         {
+            g.idle_waiters += 1;
             g = self.idle.wait(g).unwrap_or_else(|p| p.into_inner());
+            g.idle_waiters -= 1;
         }
         g
     }
@@ -505,9 +514,8 @@ impl Shared {
             Q_RING_SIZE if !qs.enabled => qs.ring_size = v,
             Q_TAIL | Q_DOORBELL => {
                 g.doorbell(&self.irqs, q, v);
-                if let Some(cv) = self.wake.get(q) {
-                    cv.notify_one();
-                }
+                // Woken by `wake_pending` once the caller has dropped the register lock.
+                g.pending_wake |= 1 << q;
             }
             Q_CONTROL => self.queue_control(g, q, v),
             Q_COMPLETION_VECTOR => qs.completion_vector = v,
@@ -600,7 +608,25 @@ impl Shared {
                 // A queue reset's abort request has been served.
                 abort.store(false, Ordering::SeqCst);
             }
-            self.idle.notify_all();
+            if g.idle_waiters > 0 {
+                self.idle.notify_all();
+            }
+        }
+    }
+
+    /// Takes the set of engines that doorbells made runnable (under the lock).
+    pub(crate) fn take_pending_wake(g: &mut Regs) -> u32 {
+        std::mem::take(&mut g.pending_wake)
+    }
+
+    /// Wakes the engines in `pending`; call after dropping the register lock.
+    pub(crate) fn wake_pending(&self, pending: u32) {
+        for q in 0..self.wake.len() {
+            if pending & (1 << q) != 0 {
+                if let Some(cv) = self.wake.get(q) {
+                    cv.notify_one();
+                }
+            }
         }
     }
 }

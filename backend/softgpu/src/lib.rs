@@ -625,6 +625,9 @@ impl PciDevice for SoftGpu {
                     let v = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
                     g = self.shared.write32(g, offset + 4 * i as u64, v);
                 }
+                let wake = device::Shared::take_pending_wake(&mut g);
+                drop(g);
+                self.shared.wake_pending(wake);
                 Ok(())
             }
             BAR_VRAM => {

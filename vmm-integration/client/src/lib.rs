@@ -195,6 +195,12 @@ pub struct Client {
     out: Vec<u8>,
     dma_out: Vec<u8>,
     rx: Vec<u8>,
+    /// Receive buffer: one `recvmsg` usually brings a whole reply.
+    inbuf: Vec<u8>,
+    in_start: usize,
+    in_end: usize,
+    /// Descriptors received but not yet handed to a message.
+    pending_fds: Vec<File>,
     limits: Limits,
     dma_requests_served: u64,
 }
@@ -253,6 +259,10 @@ impl Client {
             out: Vec::with_capacity(4096),
             dma_out: Vec::new(),
             rx: Vec::with_capacity(4096),
+            inbuf: vec![0; 64 << 10],
+            in_start: 0,
+            in_end: 0,
+            pending_fds: Vec::new(),
             limits,
             dma_requests_served: 0,
         })
@@ -972,24 +982,61 @@ impl Client {
     }
 
     /// Reads one message: header into a local, body into `self.rx`.
+    /// Receives the next whole message into `self.rx`. Reads go into a buffer, so a reply
+    /// usually costs one `recvmsg`. Descriptors are handed to the next message parsed after
+    /// they arrived (servers send fds only with replies, and only one reply is outstanding).
     fn recv_message(&mut self) -> Result<(Header, Vec<File>)> {
-        let mut fds = Vec::new();
-        let mut hbuf = [0u8; HEADER_SIZE];
-        recv_exact(&self.sock, &mut hbuf, &mut fds)?;
-        let hdr = Header::from_bytes(&hbuf).map_err(ClientError::Protocol)?;
-        let len = hdr.body_len().map_err(ClientError::Protocol)?;
-        self.rx.clear();
-        self.rx.resize(len, 0);
-        recv_exact(&self.sock, &mut self.rx, &mut fds)?;
-        tracing::trace!(
-            id = hdr.msg_id,
-            cmd = hdr.cmd,
-            flags = hdr.flags,
-            len,
-            nfds = fds.len(),
-            "received"
-        );
-        Ok((hdr, fds))
+        loop {
+            let avail = self.in_end - self.in_start;
+            if avail >= HEADER_SIZE {
+                let hbytes = self
+                    .inbuf
+                    .get(self.in_start..self.in_start + HEADER_SIZE)
+                    .unwrap_or_default();
+                let hdr = Header::from_bytes(hbytes).map_err(ClientError::Protocol)?;
+                let len = hdr.body_len().map_err(ClientError::Protocol)?;
+                let total = HEADER_SIZE + len;
+                if avail >= total {
+                    let body = self
+                        .inbuf
+                        .get(self.in_start + HEADER_SIZE..self.in_start + total)
+                        .unwrap_or_default();
+                    self.rx.clear();
+                    self.rx.extend_from_slice(body);
+                    self.in_start += total;
+                    if self.in_start == self.in_end {
+                        self.in_start = 0;
+                        self.in_end = 0;
+                    }
+                    let fds = std::mem::take(&mut self.pending_fds);
+                    tracing::trace!(
+                        id = hdr.msg_id,
+                        cmd = hdr.cmd,
+                        flags = hdr.flags,
+                        len,
+                        nfds = fds.len(),
+                        "received"
+                    );
+                    return Ok((hdr, fds));
+                }
+                if self.inbuf.len() < total {
+                    self.inbuf.resize(total, 0);
+                }
+            }
+            // Move the partial message to the front (usually a few bytes, usually none).
+            if self.in_start > 0 {
+                self.inbuf.copy_within(self.in_start..self.in_end, 0);
+                self.in_end = avail;
+                self.in_start = 0;
+            }
+            let room = self.inbuf.get_mut(self.in_end..).unwrap_or_default();
+            match scm::recv_with_files(&self.sock, room, &mut self.pending_fds) {
+                Ok(0) => return Err(ClientError::Disconnected),
+                Ok(n) => self.in_end += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(e)),
+            }
+        }
     }
 
     /// Answers a server-to-client request whose body is in `self.rx`.
@@ -1079,9 +1126,4 @@ fn split_feature(body: &[u8]) -> Result<(DeviceFeatureHeader, &[u8])> {
 /// Sends all of `bytes`, attaching `fds` to the first chunk.
 fn send_all(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     scm::send_with_borrowed(sock, bytes, fds).map_err(io_err)
-}
-
-/// Fills `buf` completely, collecting fds; EOF is [`ClientError::Disconnected`].
-fn recv_exact(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<File>) -> Result<()> {
-    scm::recv_exact_with_files(sock, buf, fds).map_err(io_err)
 }
