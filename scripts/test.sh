@@ -35,6 +35,9 @@ cargo test --workspace --locked --exclude switchyard-guest-tests
 step "guest tests (QEMU 11.1, TCG; one guest at a time)"
 cargo test --locked -p switchyard-guest-tests -- --test-threads=1
 
+step "benchmarks, short mode (checks they run; timings are never asserted)"
+scripts/bench.sh --quick
+
 step "fuzz: protocol decoder (${FUZZ_SECONDS:-60}s, bounded)"
 cargo run --release --locked -p switchyard-proto --example fuzz_decode -- \
   --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-$RANDOM}"

@@ -1,0 +1,453 @@
+//! Floors: the cheapest way to do the same thing with no vfio-user in between, measured in the
+//! same process and run as the case they normalize.
+//!
+//! * [`Echo`]: an AF_UNIX stream ping-pong between two threads with exactly the byte counts of
+//!   a vfio-user request and its reply; the echo side either blocks in `read` or polls with
+//!   non-blocking reads for a bounded time first (the same policy as the server's adaptive
+//!   polling).
+//! * [`PostedStream`]: `n` one-way messages of the posted-write size followed by one
+//!   request/reply barrier, the receiver draining the socket into a large buffer.
+//! * [`EventfdWake`]: one thread signals an eventfd another thread waits on with `poll`; the
+//!   sample is the time from just before the `write` to just after `poll` returns.
+//! * [`Memcpy`]: a single-thread `copy_from_slice` between two pre-faulted buffers.
+
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rustix::event::{EventfdFlags, PollFd, PollFlags};
+
+/// Waits until `fd` is readable (blocking `poll`, retried on `EINTR`).
+pub fn wait_readable(fd: impl AsFd) -> io::Result<()> {
+    loop {
+        let mut pfd = [PollFd::new(&fd, PollFlags::IN)];
+        match rustix::event::poll(&mut pfd, None) {
+            Ok(_) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn wait_writable(fd: impl AsFd) -> io::Result<()> {
+    loop {
+        let mut pfd = [PollFd::new(&fd, PollFlags::OUT)];
+        match rustix::event::poll(&mut pfd, None) {
+            Ok(_) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Reads exactly `buf.len()` bytes; on a non-blocking socket polls with reads until `spin`
+/// has passed, then waits in `poll`. `Ok(false)` on EOF before the first byte.
+fn read_exact_spin(s: &UnixStream, buf: &mut [u8], spin: Duration) -> io::Result<bool> {
+    let deadline = Instant::now() + spin;
+    let mut got = 0;
+    while got < buf.len() {
+        let part = buf.get_mut(got..).unwrap_or_default();
+        match (&*s).read(part) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() < deadline {
+                    std::hint::spin_loop();
+                } else {
+                    wait_readable(s)?;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// `write_all` that also works on a non-blocking socket.
+fn write_all_nb(s: &UnixStream, data: &[u8]) -> io::Result<()> {
+    let mut sent = 0;
+    while sent < data.len() {
+        let part = data.get(sent..).unwrap_or_default();
+        match (&*s).write(part) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_writable(s)?,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// AF_UNIX stream ping-pong: `req_len` bytes one way, `reply_len` bytes back.
+#[derive(Debug)]
+pub struct Echo {
+    stream: UnixStream,
+    req: Vec<u8>,
+    reply: Vec<u8>,
+    split: Option<usize>,
+    client_polls: bool,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Echo {
+    /// Starts the echo thread. With a non-zero `spin` the echo side polls with non-blocking
+    /// reads for up to `spin` before it blocks.
+    pub fn start(req_len: usize, reply_len: usize, spin: Duration) -> Result<Echo> {
+        let (a, b) = UnixStream::pair().context("socketpair")?;
+        let thread = Self::spawn(b, req_len, vec![0xa5; reply_len], spin)?;
+        Ok(Echo {
+            stream: a,
+            req: vec![0x5a; req_len],
+            reply: vec![0; reply_len],
+            split: None,
+            client_polls: false,
+            thread: Some(thread),
+        })
+    }
+
+    /// A minimal fake vfio-user server on `stream`: answers every `req_len`-byte request with
+    /// `reply` after copying the request's message id into it (for decomposition: our client
+    /// against a server that does nothing).
+    pub fn fake_server(
+        stream: UnixStream,
+        req_len: usize,
+        reply: Vec<u8>,
+    ) -> Result<JoinHandle<()>> {
+        Self::spawn(stream, req_len, reply, Duration::ZERO)
+    }
+
+    fn spawn(
+        b: UnixStream,
+        req_len: usize,
+        reply: Vec<u8>,
+        spin: Duration,
+    ) -> Result<JoinHandle<()>> {
+        std::thread::Builder::new()
+            .name("floor-echo".into())
+            .spawn(move || {
+                crate::pin::helper();
+                let _ = echo_loop(&b, req_len, reply, spin);
+            })
+            .context("spawn echo thread")
+    }
+
+    /// The same ping-pong, but the client reads the reply in two parts (`first` bytes, then
+    /// the rest), the way our client reads a header and then the body.
+    pub fn start_split(req_len: usize, reply_len: usize, first: usize) -> Result<Echo> {
+        let mut e = Self::start(req_len, reply_len, Duration::ZERO)?;
+        e.split = Some(first);
+        Ok(e)
+    }
+
+    /// Gives the client side of the floor the 10 s send/receive timeouts our client sets
+    /// (`SO_RCVTIMEO`/`SO_SNDTIMEO`), to see what they cost.
+    pub fn with_client_timeouts(self) -> Result<Echo> {
+        let t = Some(Duration::from_secs(10));
+        self.stream.set_read_timeout(t)?;
+        self.stream.set_write_timeout(t)?;
+        Ok(self)
+    }
+
+    /// Wraps an already connected stream (e.g. a negotiated vfio-user connection) and a
+    /// pre-encoded request: a raw client with no codec.
+    pub fn raw_client(stream: UnixStream, req: Vec<u8>, reply_len: usize) -> Echo {
+        Echo {
+            stream,
+            req,
+            reply: vec![0; reply_len],
+            split: None,
+            client_polls: false,
+            thread: None,
+        }
+    }
+
+    /// Makes the client side poll for the reply with non-blocking reads instead of blocking
+    /// (both sides then spin; on the wrapped stream of [`Echo::raw_client`] this changes the
+    /// shared file description, so that connection must not be used by anything else).
+    pub fn client_polls(mut self) -> Result<Echo> {
+        self.stream.set_nonblocking(true)?;
+        self.client_polls = true;
+        Ok(self)
+    }
+
+    /// One timed round trip.
+    pub fn round_trip(&mut self) -> Result<Duration> {
+        let t0 = Instant::now();
+        if self.client_polls {
+            write_all_nb(&self.stream, &self.req)?;
+            if !read_exact_spin(&self.stream, &mut self.reply, Duration::from_secs(1))? {
+                anyhow::bail!("peer closed");
+            }
+            return Ok(t0.elapsed());
+        }
+        (&self.stream).write_all(&self.req)?;
+        let len = self.reply.len();
+        match self.split.map(|n| self.reply.split_at_mut(n.min(len))) {
+            Some((a, b)) => {
+                (&self.stream).read_exact(a)?;
+                (&self.stream).read_exact(b)?;
+            }
+            None => (&self.stream).read_exact(&mut self.reply)?,
+        }
+        Ok(t0.elapsed())
+    }
+}
+
+fn echo_loop(s: &UnixStream, req_len: usize, mut reply: Vec<u8>, spin: Duration) -> io::Result<()> {
+    let mut req = vec![0u8; req_len];
+    if !spin.is_zero() {
+        s.set_nonblocking(true)?;
+    }
+    while read_exact_spin(s, &mut req, spin)? {
+        // Message id (first two bytes of the header) echoed, for the fake server.
+        if let (Some(dst), Some(src)) = (reply.get_mut(..2), req.get(..2)) {
+            dst.copy_from_slice(src);
+        }
+        write_all_nb(s, &reply)?;
+    }
+    Ok(())
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        if self.thread.is_none() {
+            return;
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// `n` one-way messages of `msg_len` bytes, then a `barrier_len`/`reply_len` round trip.
+#[derive(Debug)]
+pub struct PostedStream {
+    stream: UnixStream,
+    msg: Vec<u8>,
+    barrier: Vec<u8>,
+    reply: Vec<u8>,
+    n: usize,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PostedStream {
+    /// Starts the receiver thread.
+    pub fn start(
+        n: usize,
+        msg_len: usize,
+        barrier_len: usize,
+        reply_len: usize,
+    ) -> Result<PostedStream> {
+        let (a, b) = UnixStream::pair().context("socketpair")?;
+        let batch = n * msg_len + barrier_len;
+        let thread = std::thread::Builder::new()
+            .name("floor-posted".into())
+            .spawn(move || {
+                crate::pin::helper();
+                let _ = drain_loop(&b, batch, reply_len);
+            })
+            .context("spawn receiver thread")?;
+        Ok(PostedStream {
+            stream: a,
+            msg: vec![0x5a; msg_len],
+            barrier: vec![0x5b; barrier_len],
+            reply: vec![0; reply_len],
+            n,
+            thread: Some(thread),
+        })
+    }
+
+    /// One timed batch: `n` sends, the barrier and its reply.
+    pub fn batch(&mut self) -> Result<Duration> {
+        let t0 = Instant::now();
+        for _ in 0..self.n {
+            (&self.stream).write_all(&self.msg)?;
+        }
+        (&self.stream).write_all(&self.barrier)?;
+        (&self.stream).read_exact(&mut self.reply)?;
+        Ok(t0.elapsed())
+    }
+}
+
+/// Reads into a 1 MiB buffer (like the server's connection buffer) and answers every `batch`
+/// bytes with `reply_len` bytes.
+fn drain_loop(s: &UnixStream, batch: usize, reply_len: usize) -> io::Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    let reply = vec![0xa5u8; reply_len];
+    let mut have = 0usize;
+    loop {
+        let n = match (&*s).read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        have += n;
+        while have >= batch {
+            have -= batch;
+            write_all_nb(s, &reply)?;
+        }
+    }
+}
+
+impl Drop for PostedStream {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn efd_write(fd: &OwnedFd) -> io::Result<()> {
+    rustix::io::write(fd, &1u64.to_ne_bytes())?;
+    Ok(())
+}
+
+fn efd_read(fd: &OwnedFd) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    rustix::io::read(fd, &mut b)?;
+    Ok(u64::from_ne_bytes(b))
+}
+
+/// Eventfd wake-up latency: signal → the waiting thread's `poll` returns.
+#[derive(Debug)]
+pub struct EventfdWake {
+    ping: Arc<OwnedFd>,
+    pong: Arc<OwnedFd>,
+    base: Instant,
+    t0: Arc<AtomicU64>,
+    last: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EventfdWake {
+    /// Starts the waiting thread.
+    pub fn start() -> Result<EventfdWake> {
+        let ping = Arc::new(rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?);
+        let pong = Arc::new(rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?);
+        let base = Instant::now();
+        let t0 = Arc::new(AtomicU64::new(0));
+        let last = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, q, t, l, st) = (
+            ping.clone(),
+            pong.clone(),
+            t0.clone(),
+            last.clone(),
+            stop.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name("floor-eventfd".into())
+            .spawn(move || {
+                crate::pin::helper();
+                loop {
+                    if wait_readable(&*p).is_err() {
+                        return;
+                    }
+                    let t1 = crate::stats::ns(base.elapsed());
+                    if efd_read(&p).is_err() || st.load(Ordering::Acquire) {
+                        return;
+                    }
+                    l.store(
+                        t1.saturating_sub(t.load(Ordering::Acquire)),
+                        Ordering::Release,
+                    );
+                    if efd_write(&q).is_err() {
+                        return;
+                    }
+                }
+            })
+            .context("spawn eventfd thread")?;
+        Ok(EventfdWake {
+            ping,
+            pong,
+            base,
+            t0,
+            last,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// One sample: the one-way wake-up time measured by the waiter.
+    pub fn one_way(&mut self) -> Result<Duration> {
+        self.t0
+            .store(crate::stats::ns(self.base.elapsed()), Ordering::Release);
+        efd_write(&self.ping)?;
+        wait_readable(&*self.pong)?;
+        efd_read(&self.pong)?;
+        Ok(Duration::from_nanos(self.last.load(Ordering::Acquire)))
+    }
+}
+
+impl Drop for EventfdWake {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = efd_write(&self.ping);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Single-thread memcpy between two pre-faulted buffers.
+#[derive(Debug)]
+pub struct Memcpy {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl Memcpy {
+    /// Buffers for copies up to `max` bytes.
+    pub fn new(max: usize) -> Memcpy {
+        let src: Vec<u8> = (0..max).map(|i| (i * 7 + 3) as u8).collect();
+        Memcpy {
+            src,
+            dst: vec![1u8; max],
+        }
+    }
+
+    /// Copies `len` bytes once; returns the time.
+    pub fn copy(&mut self, len: usize) -> Result<Duration> {
+        let (Some(src), Some(dst)) = (self.src.get(..len), self.dst.get_mut(..len)) else {
+            anyhow::bail!("memcpy of {len} bytes exceeds the buffers");
+        };
+        let t0 = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(src));
+        std::hint::black_box(&dst);
+        Ok(t0.elapsed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floors_run() {
+        let mut e = Echo::start(32, 36, Duration::ZERO).expect("echo");
+        e.round_trip().expect("rt");
+        let mut s = Echo::start(36, 32, Duration::from_micros(50)).expect("spin echo");
+        s.round_trip().expect("rt");
+        let mut p = PostedStream::start(10, 36, 32, 36).expect("posted");
+        p.batch().expect("batch");
+        p.batch().expect("batch");
+        let mut w = EventfdWake::start().expect("eventfd");
+        w.one_way().expect("one way");
+        let mut m = Memcpy::new(4096);
+        m.copy(4096).expect("copy");
+        assert!(m.copy(8192).is_err());
+    }
+}

@@ -1,0 +1,355 @@
+//! The servers under test, each on its own thread in this process, on a real UNIX socket:
+//!
+//! * Switchyard ([`switchyard_server::Server`], the code `switchyard serve` runs) with the
+//!   softgpu, or with [`RegFile`], a trivial register file, so that the server itself can be
+//!   compared with the peer on equal terms;
+//! * the peer: the published `vfio_user` crate's `Server` with [`PeerRegFile`], the same
+//!   trivial register file behind its `ServerBackend` trait.
+//!
+//! Both register files have region 0 of 4 KiB and region 1 of 1 MiB (for the size sweep).
+
+use std::fs::File;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use switchyard_client::Client;
+use switchyard_device::{
+    DeviceDescription, DeviceError, IrqDesc, NUM_PCI_REGIONS, PciDevice, RegionDesc,
+};
+use switchyard_server::{Server, ServerConfig, StopHandle};
+use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
+
+/// Size of register-file region 0.
+pub const REGFILE_R0: usize = 4 << 10;
+/// Size of register-file region 1.
+pub const REGFILE_R1: usize = 1 << 20;
+
+/// A trivial device: two trapped regions backed by byte vectors, no interrupts.
+#[derive(Debug)]
+pub struct RegFile {
+    desc: DeviceDescription,
+    r0: Vec<u8>,
+    r1: Vec<u8>,
+}
+
+impl RegFile {
+    /// A zeroed register file.
+    pub fn new() -> RegFile {
+        let mut regions: Vec<RegionDesc> =
+            (0..NUM_PCI_REGIONS).map(|_| RegionDesc::absent()).collect();
+        if let Some(r) = regions.get_mut(0) {
+            *r = RegionDesc::trapped(REGFILE_R0 as u64);
+        }
+        if let Some(r) = regions.get_mut(1) {
+            *r = RegionDesc::trapped(REGFILE_R1 as u64);
+        }
+        let none = IrqDesc {
+            count: 0,
+            eventfd: false,
+            maskable: false,
+            automasked: false,
+            noresize: true,
+        };
+        RegFile {
+            desc: DeviceDescription {
+                name: "regfile",
+                regions,
+                irqs: vec![none; 5],
+                resettable: false,
+            },
+            r0: vec![0; REGFILE_R0],
+            r1: vec![0; REGFILE_R1],
+        }
+    }
+
+    fn bytes(&mut self, region: u32, offset: u64, len: usize) -> Option<&mut [u8]> {
+        let mem = match region {
+            0 => &mut self.r0,
+            1 => &mut self.r1,
+            _ => return None,
+        };
+        let start = usize::try_from(offset).ok()?;
+        mem.get_mut(start..start.checked_add(len)?)
+    }
+}
+
+impl PciDevice for RegFile {
+    fn description(&self) -> &DeviceDescription {
+        &self.desc
+    }
+
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        let len = data.len();
+        let src = self
+            .bytes(region, offset, len)
+            .ok_or_else(|| DeviceError::OutOfRange {
+                region,
+                offset,
+                len,
+            })?;
+        data.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        let len = data.len();
+        let dst = self
+            .bytes(region, offset, len)
+            .ok_or_else(|| DeviceError::OutOfRange {
+                region,
+                offset,
+                len,
+            })?;
+        dst.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        self.r0.fill(0);
+        self.r1.fill(0);
+        Ok(())
+    }
+}
+
+/// The same register file behind the `vfio_user` crate's backend trait.
+#[derive(Debug)]
+pub struct PeerRegFile(RegFile);
+
+fn io_inval() -> std::io::Error {
+    std::io::Error::from_raw_os_error(libc::EINVAL)
+}
+
+impl vfio_user::ServerBackend for PeerRegFile {
+    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> std::io::Result<()> {
+        let len = data.len();
+        let src = self.0.bytes(region, offset, len).ok_or_else(io_inval)?;
+        data.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let len = data.len();
+        let dst = self.0.bytes(region, offset, len).ok_or_else(io_inval)?;
+        dst.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn dma_map(
+        &mut self,
+        _flags: vfio_user::DmaMapFlags,
+        _offset: u64,
+        _address: u64,
+        _size: u64,
+        _fd: Option<File>,
+    ) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn dma_unmap(
+        &mut self,
+        _flags: vfio_user::DmaUnmapFlags,
+        _address: u64,
+        _size: u64,
+    ) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn reset(&mut self) -> std::io::Result<()> {
+        self.0.reset().map_err(|_| io_inval())
+    }
+
+    fn set_irqs(
+        &mut self,
+        _index: u32,
+        _flags: u32,
+        _start: u32,
+        _count: u32,
+        _fds: Vec<File>,
+    ) -> std::io::Result<()> {
+        Err(io_inval())
+    }
+}
+
+/// Which device a Switchyard server serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The softgpu (64 MiB VRAM, 2 queues, MSI-X), as `switchyard serve --device softgpu`.
+    SoftGpu,
+    /// [`RegFile`].
+    RegFile,
+}
+
+impl DeviceKind {
+    /// Short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::SoftGpu => "softgpu",
+            DeviceKind::RegFile => "regfile",
+        }
+    }
+}
+
+/// A Switchyard server running [`Server::run`] on a thread.
+#[derive(Debug)]
+pub struct Switchyard {
+    path: PathBuf,
+    stop: StopHandle,
+    thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl Switchyard {
+    /// Binds `dir/name.sock` and starts serving `kind` with the given adaptive-polling budget.
+    pub fn start(dir: &Path, name: &str, kind: DeviceKind, spin: Duration) -> Result<Switchyard> {
+        let path = dir.join(format!("{name}.sock"));
+        let mut config = ServerConfig::new(&path);
+        config.poll_spin = spin;
+        let (stop, thread) = match kind {
+            DeviceKind::SoftGpu => {
+                let gpu = SoftGpuConfig {
+                    vram_size: 64 << 20,
+                    queues: 2,
+                    ..SoftGpuConfig::default()
+                };
+                let server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
+                    .context("start the softgpu server")?;
+                spawn(name, server)?
+            }
+            DeviceKind::RegFile => {
+                let server = Server::new(config, |_ctx| Ok::<_, std::io::Error>(RegFile::new()))
+                    .context("start the regfile server")?;
+                spawn(name, server)?
+            }
+        };
+        Ok(Switchyard {
+            path,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Connects our client (VERSION negotiated), configured like a VMM's: no socket timeouts
+    /// (QEMU sets none; a kernel timer armed on every blocking read costs ~0.5-1 µs here).
+    pub fn connect(&self) -> Result<Client> {
+        Client::connect_with(&self.path, vmm_client_config())
+            .with_context(|| format!("connect {}", self.path.display()))
+    }
+
+    /// Stops the server and reports how its thread ended.
+    pub fn shutdown(mut self) -> Result<()> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<()> {
+        self.stop.stop();
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| anyhow!("server thread panicked"))
+                .and_then(|r| r),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Switchyard {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
+    }
+}
+
+fn spawn<D: PciDevice + 'static>(
+    name: &str,
+    mut server: Server<D>,
+) -> Result<(StopHandle, JoinHandle<Result<()>>)> {
+    let stop = server.stop_handle();
+    let thread = std::thread::Builder::new()
+        .name(format!("sy-{name}"))
+        .spawn(move || {
+            crate::pin::helper();
+            server.run().context("server run")
+        })
+        .context("spawn server thread")?;
+    Ok((stop, thread))
+}
+
+/// The `vfio_user` crate's server with [`PeerRegFile`]; serves exactly one connection (its
+/// `run` accepts once).
+#[derive(Debug)]
+pub struct Peer {
+    path: PathBuf,
+    thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl Peer {
+    /// Binds `dir/name.sock` and waits for the one client on a thread.
+    pub fn start(dir: &Path, name: &str) -> Result<Peer> {
+        use vfio_bindings::bindings::vfio::{
+            VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE, vfio_region_info,
+        };
+        let path = dir.join(format!("{name}.sock"));
+        let region = |index: u32, size: usize| vfio_user::ServerRegion {
+            region_info: vfio_region_info {
+                argsz: std::mem::size_of::<vfio_region_info>() as u32,
+                flags: VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE,
+                index,
+                cap_offset: 0,
+                size: size as u64,
+                offset: 0,
+            },
+            sparse_areas: Vec::new(),
+            mmap_fd: None,
+        };
+        let regions = vec![region(0, REGFILE_R0), region(1, REGFILE_R1)];
+        let server = vfio_user::Server::new(&path, false, Vec::new(), regions)
+            .map_err(|e| anyhow!("vfio_user server: {e}"))?;
+        let thread = std::thread::Builder::new()
+            .name(format!("peer-{name}"))
+            .spawn(move || {
+                crate::pin::helper();
+                let mut backend = PeerRegFile(RegFile::new());
+                server
+                    .run(&mut backend)
+                    .map_err(|e| anyhow!("vfio_user server run: {e}"))
+            })
+            .context("spawn peer thread")?;
+        Ok(Peer {
+            path,
+            thread: Some(thread),
+        })
+    }
+
+    /// Connects our client (same configuration as for Switchyard).
+    pub fn connect(&self) -> Result<Client> {
+        Client::connect_with(&self.path, vmm_client_config())
+            .with_context(|| format!("connect {}", self.path.display()))
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            if !t.is_finished() {
+                // Still waiting in accept (never connected) or serving a client that is
+                // gone: a connection that closes at once lets `run` return.
+                let _ = UnixStream::connect(&self.path);
+            }
+            let _ = t.join();
+        }
+    }
+}
+
+/// The client configuration every measured client uses: the defaults without socket timeouts.
+pub fn vmm_client_config() -> switchyard_client::ClientConfig {
+    switchyard_client::ClientConfig {
+        timeout: None,
+        ..Default::default()
+    }
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds and runs the benchmarks (backend/bench, docs/performance.md): vfio-user round trips,
+# posted and multi writes, softgpu COPY and interrupt delivery, each against its floor (and the
+# vfio_user crate's server where it has an equivalent) measured in the same run.
+#
+#   scripts/bench.sh            # full run (a few minutes): table + target/bench/results.json
+#   scripts/bench.sh --quick    # CI: seconds, every case exercised, timings never asserted
+#
+# Extra arguments go to switchyard-bench (e.g. --only round-trip,copy  --spin-us 20).
+# Also writes target/bench/latency.svg (the plot) and target/bench/results.md (the table).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo build --release --locked -p switchyard-bench
+target_dir=$(cargo metadata --format-version 1 --no-deps --locked |
+  sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+target_dir=${target_dir:-target}
+out="$target_dir/bench"
+mkdir -p "$out"
+"$target_dir/release/switchyard-bench" "$@" \
+  --json "$out/results.json" --svg "$out/latency.svg" --markdown "$out/results.md"
+echo "results: $out/results.json, plot: $out/latency.svg"
