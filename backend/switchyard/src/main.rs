@@ -34,7 +34,7 @@ struct Cli {
 enum Command {
     /// Serve one device on a socket in the foreground until SIGTERM/SIGINT.
     ///
-    /// The socket is listening before anything else happens, so a VMM can be started as soon
+    /// The socket file appears only once the server accepts connections, so a VMM can be started as soon
     /// as the socket file exists. One client at a time: a second concurrent client is closed
     /// right away. When a client disconnects its DMA mappings and interrupt eventfds are
     /// dropped, the device keeps its state and the next client is served.
