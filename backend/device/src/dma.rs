@@ -602,26 +602,6 @@ impl DmaSpace {
         })
     }
 
-    /// Runs `f` on every piece of `[iova, iova+len)` for reading. For engines that stream.
-    pub fn for_each_read<F: FnMut(usize, Piece<'_>)>(
-        &self,
-        iova: u64,
-        len: usize,
-        f: F,
-    ) -> Result<()> {
-        self.access(iova, len, Dir::Read, f)
-    }
-
-    /// Runs `f` on every piece of `[iova, iova+len)` for writing. Pages are marked dirty.
-    pub fn for_each_write<F: FnMut(usize, Piece<'_>)>(
-        &self,
-        iova: u64,
-        len: usize,
-        f: F,
-    ) -> Result<()> {
-        self.access(iova, len, Dir::Write, f)
-    }
-
     /// Clears every dirty bit (start of a dirty-logging session).
     pub fn clear_dirty(&self) {
         for m in &self.read_table().maps {

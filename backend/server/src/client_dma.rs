@@ -4,7 +4,7 @@
 //! waits; the connection thread, which keeps reading the socket, routes the client's reply back
 //! by message id.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -21,7 +21,7 @@ type Outcome = Result<Vec<u8>, i32>;
 #[derive(Default)]
 struct Waiters {
     done: HashMap<u16, Outcome>,
-    waiting: HashMap<u16, ()>,
+    waiting: HashSet<u16>,
 }
 
 /// Sends DMA requests to the client and matches replies.
@@ -59,7 +59,7 @@ impl ClientDma {
     /// if nobody waits for that id (an unsolicited reply).
     pub(crate) fn complete(&self, msg_id: u16, outcome: Outcome) -> bool {
         let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
-        if w.waiting.remove(&msg_id).is_none() {
+        if !w.waiting.remove(&msg_id) {
             return false;
         }
         w.done.insert(msg_id, outcome);
@@ -71,7 +71,7 @@ impl ClientDma {
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
-        let ids: Vec<u16> = w.waiting.drain().map(|(k, ())| k).collect();
+        let ids: Vec<u16> = w.waiting.drain().collect();
         for id in ids {
             w.done.insert(id, Err(libc::ENOTCONN));
         }
@@ -89,7 +89,7 @@ impl ClientDma {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .waiting
-            .insert(id, ());
+            .insert(id);
         {
             let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = send_all(&self.stream, &buf, &[]) {

@@ -4,7 +4,6 @@
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use switchyard_device::{DeviceError, DmaError, DmaProt, IrqIndex, PciDevice, RegionDesc};
@@ -107,7 +106,6 @@ pub(crate) fn serve_connection<D: PciDevice>(
                 break Ok(());
             }
         };
-        server.stats.messages.fetch_add(1, Ordering::Relaxed);
         if msg.header.is_reply() {
             route_reply(&s, &msg);
             continue;
@@ -123,7 +121,6 @@ pub(crate) fn serve_connection<D: PciDevice>(
                 }
             }
             Err(e) => {
-                server.stats.errors.fetch_add(1, Ordering::Relaxed);
                 s.out_fds.clear();
                 tracing::debug!(msg_id, cmd, errno = e.errno(), error = %e, "request failed");
                 if no_reply {

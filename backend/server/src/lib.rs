@@ -23,7 +23,6 @@ pub mod transport;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 pub use listener::{DeviceSocket, StopHandle};
@@ -84,17 +83,6 @@ impl ServerConfig {
     }
 }
 
-/// Counters, readable while the server runs (tests and logs).
-#[derive(Debug, Default)]
-pub struct ServerStats {
-    /// Clients served (accepted and handed to the connection loop).
-    pub clients: AtomicU64,
-    /// Messages handled.
-    pub messages: AtomicU64,
-    /// Error replies sent.
-    pub errors: AtomicU64,
-}
-
 /// A vfio-user server for one device.
 pub struct Server<D: PciDevice> {
     config: ServerConfig,
@@ -102,7 +90,6 @@ pub struct Server<D: PciDevice> {
     device: D,
     ctx: DeviceContext,
     stop: StopHandle,
-    stats: Arc<ServerStats>,
 }
 
 impl<D: PciDevice> std::fmt::Debug for Server<D> {
@@ -144,7 +131,6 @@ impl<D: PciDevice> Server<D> {
             device,
             ctx,
             stop,
-            stats: Arc::default(),
         })
     }
 
@@ -158,33 +144,12 @@ impl<D: PciDevice> Server<D> {
         self.socket.path()
     }
 
-    /// Live counters.
-    pub fn stats(&self) -> Arc<ServerStats> {
-        self.stats.clone()
-    }
-
-    /// The device model.
-    pub fn device(&self) -> &D {
-        &self.device
-    }
-
-    /// The device model, mutably (only between clients).
-    pub fn device_mut(&mut self) -> &mut D {
-        &mut self.device
-    }
-
-    /// The DMA space and interrupt table lent to the device.
-    pub fn context(&self) -> &DeviceContext {
-        &self.ctx
-    }
-
     /// Serves clients one after another until [`StopHandle::stop`] is called.
     pub fn run(&mut self) -> Result<(), ServerError> {
         let acceptor = listener::Acceptor::start(&self.socket, self.stop.clone())?;
         let mut client_id = 0u64;
         while let Some(stream) = acceptor.next() {
             client_id += 1;
-            self.stats.clients.fetch_add(1, Ordering::Relaxed);
             let span = tracing::info_span!("client", id = client_id);
             let _g = span.enter();
             tracing::info!("client connected");
