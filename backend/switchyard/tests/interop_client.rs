@@ -109,10 +109,7 @@ fn negotiation_and_device_description() {
 fn full_workload_through_our_client() {
     let server = ServerProcess::start("softgpu");
     let mut d = Driver::new(Ours(connect(&server)));
-    common::workload::check_identity(&mut d);
-    common::workload::copy_fill_compute(&mut d);
-    common::workload::fences_interrupt(&mut d);
-    common::workload::bad_dma_then_recover(&mut d);
+    common::workload::run_all(&mut d);
 }
 
 #[test]

@@ -96,10 +96,7 @@ fn regions_and_irqs_as_seen_by_the_crate_client() {
 fn full_workload_through_the_crate_client() {
     let server = ServerProcess::start("softgpu");
     let mut d = Driver::new(Crate(connect(&server)));
-    common::workload::check_identity(&mut d);
-    common::workload::copy_fill_compute(&mut d);
-    common::workload::fences_interrupt(&mut d);
-    common::workload::bad_dma_then_recover(&mut d);
+    common::workload::run_all(&mut d);
 }
 
 #[test]

@@ -10,6 +10,14 @@ use switchyard_softgpu::regs::*;
 
 use super::driver::*;
 
+/// Every part of the workload, in order.
+pub fn run_all<T: Transport>(d: &mut Driver<T>) {
+    check_identity(d);
+    copy_fill_compute(d);
+    fences_interrupt(d);
+    bad_dma_then_recover(d);
+}
+
 pub fn check_identity<T: Transport>(d: &mut Driver<T>) {
     assert_eq!(d.cfg16(0x00), 0x1234, "vendor");
     assert_eq!(d.cfg16(0x02), 0x5347, "device");
