@@ -361,6 +361,11 @@ impl DmaSpace {
             None => Backing::Message,
             Some((file, offset)) => {
                 let len = usize::try_from(size).map_err(|_| DmaError::BadWindow { iova, size })?;
+                // A window past the end of the file would fault (SIGBUS) on first access.
+                let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
+                if offset.checked_add(size).is_none_or(|e| e > file_len) {
+                    return Err(DmaError::BadWindow { iova, size });
+                }
                 let mut mprot = 0;
                 if prot.read {
                     mprot |= libc::PROT_READ;
@@ -411,22 +416,9 @@ impl DmaSpace {
     /// ranges at once. A window that straddles the range boundary is an error (nothing is
     /// removed), and so is a range that covers no window.
     pub fn unmap(&self, iova: u64, size: u64) -> Result<usize> {
-        // Inclusive last byte: a range may end exactly at 2^64 (QEMU invalidates up to the top).
-        let last = size.checked_sub(1).and_then(|s| iova.checked_add(s));
-        let Some(last) = last else {
-            return Err(DmaError::BadWindow { iova, size });
-        };
         let removed: Vec<Mapping> = {
             let mut table = self.write_table();
-            let first = table.maps.partition_point(|m| m.end() <= iova);
-            let stop = table.maps.partition_point(|m| m.iova <= last);
-            let hit = table.maps.get(first..stop).unwrap_or(&[]);
-            if hit.iter().any(|m| m.iova < iova || m.end() - 1 > last) {
-                return Err(DmaError::PartialUnmap { iova, size });
-            }
-            if hit.is_empty() {
-                return Err(DmaError::NoSuchMapping { iova, size });
-            }
+            let (first, stop) = Self::covered(&table, iova, size)?;
             table.maps.drain(first..stop).collect()
         };
         // The mmaps go away here, outside the lock.
@@ -483,8 +475,10 @@ impl DmaSpace {
 
     /// Runs `f` over the memory of `[iova, iova+len)` in order, one volatile slice per
     /// contiguous piece, after checking the whole range first. `f` receives the offset of the
-    /// piece within the access. Message-only windows are bounced through a buffer and the
-    /// [`RemoteDma`] transport.
+    /// piece within the access. The table stays read-locked while mmapped pieces are accessed
+    /// (an unmap waits for the access to finish); message-only windows are bounced through a
+    /// stack buffer and the [`RemoteDma`] transport with the lock dropped, after which the rest
+    /// of the range is checked again.
     fn access<F>(&self, iova: u64, len: usize, dir: Dir, mut f: F) -> Result<()>
     where
         F: FnMut(usize, Piece<'_>),
@@ -493,55 +487,80 @@ impl DmaSpace {
         let end = iova
             .checked_add(len64)
             .ok_or(DmaError::Overflow { iova, len: len64 })?;
-        {
-            let table = self.read_table();
-            self.check(&table, iova, len64, dir)?;
-        }
+        let mut table = self.read_table();
+        self.check(&table, iova, len64, dir)?;
         let mut cur = iova;
         while cur < end {
-            let table = self.read_table();
-            // Re-check this piece: the table may have changed since the check above.
-            let m = table.find(cur).ok_or(DmaError::Unmapped { iova: cur })?;
-            let piece_end = m.end().min(end);
-            // Both fit in usize: piece is within `len`.
-            let piece = (piece_end - cur) as usize;
-            let done = (cur - iova) as usize;
-            match &m.backing {
-                Backing::Mmap(region) => {
-                    let off = (cur - m.iova) as usize;
-                    let slice = region
-                        .get_slice(off, piece)
-                        .map_err(|_| DmaError::Unmapped { iova: cur })?;
-                    f(done, Piece::Mem(slice));
-                }
-                Backing::Message => {
-                    drop(table);
-                    let remote = self
-                        .remote
-                        .read()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .clone();
-                    let Some(remote) = remote else {
-                        return Err(DmaError::Remote {
-                            iova: cur,
-                            errno: libc::ENOTCONN,
-                        });
-                    };
-                    let mut bounce = vec![0u8; piece];
-                    if dir == Dir::Read {
-                        remote
-                            .read(cur, &mut bounce)
-                            .map_err(|errno| DmaError::Remote { iova: cur, errno })?;
-                        f(done, Piece::Bounce(&mut bounce));
-                    } else {
-                        f(done, Piece::Bounce(&mut bounce));
-                        remote
-                            .write(cur, &bounce)
-                            .map_err(|errno| DmaError::Remote { iova: cur, errno })?;
+            let (piece_end, message) = {
+                let m = table.find(cur).ok_or(DmaError::Unmapped { iova: cur })?;
+                let piece_end = m.end().min(end);
+                match &m.backing {
+                    Backing::Mmap(region) => {
+                        // Both fit in usize: the piece is within `len`.
+                        let (off, piece) = ((cur - m.iova) as usize, (piece_end - cur) as usize);
+                        let slice = region
+                            .get_slice(off, piece)
+                            .map_err(|_| DmaError::Unmapped { iova: cur })?;
+                        f((cur - iova) as usize, Piece::Mem(slice));
+                        (piece_end, false)
                     }
+                    Backing::Message => (piece_end, true),
                 }
+            };
+            if message {
+                drop(table);
+                self.remote_piece(cur, piece_end, (cur - iova) as usize, dir, &mut f)?;
+                table = self.read_table();
+                self.check(&table, piece_end, end - piece_end, dir)?;
             }
             cur = piece_end;
+        }
+        Ok(())
+    }
+
+    /// Accesses `[cur, piece_end)` of a message-only window through the client, in chunks of a
+    /// stack bounce buffer. `done` is the offset of `cur` within the whole access.
+    fn remote_piece<F>(
+        &self,
+        cur: u64,
+        piece_end: u64,
+        done: usize,
+        dir: Dir,
+        f: &mut F,
+    ) -> Result<()>
+    where
+        F: FnMut(usize, Piece<'_>),
+    {
+        let remote = self
+            .remote
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(remote) = remote else {
+            return Err(DmaError::Remote {
+                iova: cur,
+                errno: libc::ENOTCONN,
+            });
+        };
+        let mut bounce = [0u8; 4096];
+        let mut at = cur;
+        while at < piece_end {
+            // At most 4096: fits in usize.
+            let n = (piece_end - at).min(bounce.len() as u64) as usize;
+            let buf = bounce.get_mut(..n).unwrap_or_default();
+            let off = done + (at - cur) as usize;
+            if dir == Dir::Read {
+                remote
+                    .read(at, buf)
+                    .map_err(|errno| DmaError::Remote { iova: at, errno })?;
+                f(off, Piece::Bounce(buf));
+            } else {
+                f(off, Piece::Bounce(buf));
+                remote
+                    .write(at, buf)
+                    .map_err(|errno| DmaError::Remote { iova: at, errno })?;
+            }
+            at += n as u64;
         }
         Ok(())
     }
@@ -612,38 +631,97 @@ impl DmaSpace {
     }
 
     /// Reads and clears the dirty bits of `[iova, iova+len)` at `page_size` granularity into
-    /// `out` (bit k = page `iova + k*page_size`, word k/64, bit k%64). Pages of message-only
-    /// windows and unmapped pages read as clean. `out` must hold `len / page_size` bits.
+    /// `out` (bit k = page `iova + k*page_size`, word k/64, bit k%64). The range must cover
+    /// whole windows (like libvfio-user's REPORT, which requires an exact region): each
+    /// window's bitmap is swapped out word by word, so no write the device makes concurrently
+    /// is lost. Message-only windows read as clean (the client tracks its own writes).
     pub fn take_dirty(&self, iova: u64, len: u64, page_size: u64, out: &mut [u64]) -> Result<()> {
+        let table = self.read_table();
+        let (first, stop) = Self::covered(&table, iova, len)?;
+        Self::collect_dirty(
+            table.maps.get(first..stop).unwrap_or(&[]),
+            iova,
+            len,
+            page_size,
+            out,
+        )
+    }
+
+    /// `DMA_UNMAP` with `GET_DIRTY_BITMAP`: atomically (under the table's write lock, with no
+    /// access in flight) reads and clears the dirty bits of the windows in `[iova, iova+len)`
+    /// and removes them. Fails without touching anything when [`DmaSpace::unmap`] would.
+    pub fn unmap_take_dirty(
+        &self,
+        iova: u64,
+        len: u64,
+        page_size: u64,
+        out: &mut [u64],
+    ) -> Result<usize> {
+        let removed: Vec<Mapping> = {
+            let mut table = self.write_table();
+            let (first, stop) = Self::covered(&table, iova, len)?;
+            Self::collect_dirty(
+                table.maps.get(first..stop).unwrap_or(&[]),
+                iova,
+                len,
+                page_size,
+                out,
+            )?;
+            table.maps.drain(first..stop).collect()
+        };
+        Ok(removed.len())
+    }
+
+    /// The index range of the windows lying entirely inside `[iova, iova+len)`; errors if a
+    /// window straddles the range or none is inside. The range may end exactly at 2^64.
+    fn covered(table: &Table, iova: u64, len: u64) -> Result<(usize, usize)> {
+        let last = len.checked_sub(1).and_then(|s| iova.checked_add(s));
+        let Some(last) = last else {
+            return Err(DmaError::BadWindow { iova, size: len });
+        };
+        let first = table.maps.partition_point(|m| m.end() <= iova);
+        let stop = table.maps.partition_point(|m| m.iova <= last);
+        let hit = table.maps.get(first..stop).unwrap_or(&[]);
+        if hit.iter().any(|m| m.iova < iova || m.end() - 1 > last) {
+            return Err(DmaError::PartialUnmap { iova, size: len });
+        }
+        if hit.is_empty() {
+            return Err(DmaError::NoSuchMapping { iova, size: len });
+        }
+        Ok((first, stop))
+    }
+
+    /// Swaps out the bitmaps of `windows` (all inside `[iova, iova+len)`) into `out` at
+    /// `page_size` granularity.
+    fn collect_dirty(
+        windows: &[Mapping],
+        iova: u64,
+        len: u64,
+        page_size: u64,
+        out: &mut [u64],
+    ) -> Result<()> {
         if !page_size.is_power_of_two() || page_size < DIRTY_PAGE_SIZE as u64 {
             return Err(DmaError::BadPageSize(page_size));
         }
-        let end = iova
-            .checked_add(len)
-            .ok_or(DmaError::Overflow { iova, len })?;
+        if (out.len() as u64).saturating_mul(64) < len.div_ceil(page_size) {
+            return Err(DmaError::BadWindow { iova, size: len });
+        }
         out.fill(0);
-        let table = self.read_table();
-        for m in &table.maps {
+        for m in windows {
             let Backing::Mmap(region) = &m.backing else {
                 continue;
             };
-            let lo = m.iova.max(iova);
-            let hi = m.end().min(end);
-            let mut a = lo;
-            while a < hi {
-                let off = (a - m.iova) as usize;
-                if region.bitmap().is_addr_set(off) {
-                    let k = (a - iova) / page_size;
-                    if let Some(w) = out.get_mut((k / 64) as usize) {
-                        *w |= 1 << (k % 64);
+            for (w, word) in region.bitmap().get_and_reset().into_iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let b = u64::from(bits.trailing_zeros());
+                    bits &= bits - 1;
+                    let addr = m.iova + (w as u64 * 64 + b) * DIRTY_PAGE_SIZE as u64;
+                    let k = (addr - iova) / page_size;
+                    if let Some(o) = out.get_mut((k / 64) as usize) {
+                        *o |= 1 << (k % 64);
                     }
                 }
-                a += DIRTY_PAGE_SIZE as u64;
-            }
-            if hi > lo {
-                region
-                    .bitmap()
-                    .reset_addr_range((lo - m.iova) as usize, (hi - lo) as usize);
             }
         }
         Ok(())
@@ -851,5 +929,81 @@ mod tests {
         dma.take_dirty(0x100000, 0x10000, 0x8000, &mut bits)
             .expect("coarse report");
         assert_eq!(bits[0], 0b10, "page 9 of 4K is in the second 32K page");
+    }
+
+    #[test]
+    fn windows_past_the_end_of_the_file_are_refused() {
+        let dma = DmaSpace::new(8);
+        let e = dma
+            .map(
+                0x1000,
+                0x2000,
+                DmaProt::READ_WRITE,
+                Some((memfd(0x1000), 0)),
+            )
+            .expect_err("file too short");
+        assert_eq!(e.errno(), libc::EINVAL);
+        let e = dma
+            .map(
+                0x1000,
+                0x1000,
+                DmaProt::READ_WRITE,
+                Some((memfd(0x1000), 0x1000)),
+            )
+            .expect_err("offset at the end");
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert!(dma.mappings().is_empty());
+    }
+
+    #[test]
+    fn dirty_reports_need_whole_windows_and_room_for_the_bits() {
+        let dma = DmaSpace::new(8);
+        dma.map(
+            0x10000,
+            0x10000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x10000), 0)),
+        )
+        .expect("map");
+        dma.write(0x10000 + 0x2000, &[1]).expect("write page 2");
+        let mut bits = [0u64; 1];
+        let e = dma
+            .take_dirty(0x10000, 0x8000, 4096, &mut bits)
+            .expect_err("half a window");
+        assert_eq!(e.errno(), libc::EINVAL);
+        let e = dma
+            .take_dirty(0x10000, 0x10000, 4096, &mut [])
+            .expect_err("no room for the bitmap");
+        assert_eq!(e.errno(), libc::EINVAL);
+        // Nothing was cleared by the failed calls.
+        dma.take_dirty(0x10000, 0x10000, 4096, &mut bits)
+            .expect("report");
+        assert_eq!(bits[0], 1 << 2);
+    }
+
+    #[test]
+    fn unmap_with_dirty_bitmap_is_all_or_nothing() {
+        let dma = DmaSpace::new(8);
+        dma.map(
+            0x10000,
+            0x4000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x4000), 0)),
+        )
+        .expect("map");
+        dma.write(0x10000 + 0x3000, &[1]).expect("write page 3");
+        let mut bits = [0u64; 1];
+        let e = dma
+            .unmap_take_dirty(0x10000, 0x2000, 4096, &mut bits)
+            .expect_err("splits the window");
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert_eq!(dma.mappings().len(), 1, "window kept");
+        assert_eq!(
+            dma.unmap_take_dirty(0x10000, 0x4000, 4096, &mut bits)
+                .expect("unmap"),
+            1
+        );
+        assert_eq!(bits[0], 1 << 3, "bits survived the failed call");
+        assert!(dma.mappings().is_empty());
     }
 }

@@ -273,7 +273,14 @@ impl Interrupts {
             let v = idx
                 .get(index as usize)
                 .and_then(|s| s.vectors.get(vector as usize))
-                .ok_or(IrqError::NoSuchIndex(index as u32))?;
+                .ok_or(IrqError::OutOfRange {
+                    index: index as u32,
+                    start: vector,
+                    count: 1,
+                    available: idx
+                        .get(index as usize)
+                        .map_or(0, |s| s.vectors.len() as u32),
+                })?;
             if !v.masked {
                 return match &v.trigger {
                     Some(fd) => signal(fd).map(|()| true),
@@ -281,11 +288,17 @@ impl Interrupts {
                 };
             }
         }
-        self.with_range(index as u32, vector, 1, |v| {
-            if let Some(v) = v.first_mut() {
+        // Masked on the fast path: decide again under the write lock, where an unmask cannot
+        // slip in between (it would find no pending bit and the interrupt would be lost).
+        self.with_range(index as u32, vector, 1, |v| match v.first_mut() {
+            Some(v) if v.masked => {
                 v.pending = true;
+                Ok(false)
             }
-            Ok(false)
+            Some(Vector {
+                trigger: Some(fd), ..
+            }) => signal(fd).map(|()| true),
+            _ => Ok(false),
         })
     }
 
@@ -319,9 +332,19 @@ mod tests {
         assert!(irqs.trigger(IrqIndex::Msix, 3).expect("trigger"));
         assert_eq!(take_eventfd(&fd), Some(1));
         assert!(!irqs.trigger(IrqIndex::Msix, 4).expect("no fd"));
+        let e = irqs
+            .trigger(IrqIndex::Msix, 8)
+            .expect_err("vector out of range");
         assert!(
-            irqs.trigger(IrqIndex::Msix, 8).is_err(),
-            "vector out of range"
+            matches!(
+                e,
+                IrqError::OutOfRange {
+                    start: 8,
+                    available: 8,
+                    ..
+                }
+            ),
+            "{e:?}"
         );
     }
 

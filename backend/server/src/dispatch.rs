@@ -298,15 +298,17 @@ fn handle<D: PciDevice>(
                     &mut s.out, id, &unmap, bh.pgsize,
                 )?;
                 let mut words = vec![0u64; buf.len().div_ceil(8)];
-                server
-                    .ctx
-                    .dma
-                    .take_dirty(unmap.address, unmap.size, bh.pgsize, &mut words)?;
+                // Bits and windows go together, under one lock: no write falls in between.
+                let n = server.ctx.dma.unmap_take_dirty(
+                    unmap.address,
+                    unmap.size,
+                    bh.pgsize,
+                    &mut words,
+                )?;
                 for (chunk, w) in buf.chunks_mut(8).zip(&words) {
                     let b = w.to_ne_bytes();
                     chunk.copy_from_slice(b.get(..chunk.len()).unwrap_or(&[]));
                 }
-                let n = server.ctx.dma.unmap(unmap.address, unmap.size)?;
                 tracing::debug!(
                     iova = unmap.address,
                     size = unmap.size,
