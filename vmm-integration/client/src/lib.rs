@@ -1,7 +1,7 @@
 //! A synchronous VMM-side vfio-user client.
 //!
 //! Used by integration tests and migration orchestration. Built on the
-//! sans-IO `switchyard-proto` codec plus `vmm-sys-util`'s SCM_RIGHTS helpers.
+//! sans-IO `switchyard-proto` codec; SCM_RIGHTS through rustix's safe `sendmsg`/`recvmsg`.
 //!
 //! * [`Client::connect`] performs VERSION negotiation.
 //! * Every command has a method; error replies surface as
@@ -36,6 +36,7 @@ use switchyard_proto::{
     decode_reply_within, decode_request_with, dma_read_reply_buffer, encode_error_reply,
     encode_version_request, region_caps, region_write_request_buffer,
 };
+use zerocopy::FromBytes;
 
 pub use dma::{FlatDma, MessageDma};
 
@@ -298,11 +299,6 @@ impl Client {
         self.server_version
     }
 
-    /// The capabilities this client proposed.
-    pub fn own_caps(&self) -> &Capabilities {
-        &self.config.caps
-    }
-
     /// Installs (or removes) the handler for server DMA_READ/DMA_WRITE.
     pub fn set_dma_handler(&mut self, dma: Option<Box<dyn MessageDma>>) {
         self.dma = dma;
@@ -330,13 +326,8 @@ impl Client {
         &self.sock
     }
 
-    /// The message id the next command will use.
-    pub fn peek_next_id(&self) -> u16 {
-        self.next_id
-    }
-
     /// Allocates a message id (wrapping).
-    pub fn alloc_id(&mut self) -> u16 {
+    fn alloc_id(&mut self) -> u16 {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         id
@@ -508,8 +499,7 @@ impl Client {
         });
         w.put_bytes(data);
         w.finish().map_err(ClientError::Protocol)?;
-        let raw: Vec<BorrowedFd<'_>> = fds.to_vec();
-        let (hdr, _) = self.transact(id, Command::DeviceSetIrqs, &raw)?;
+        let (hdr, _) = self.transact(id, Command::DeviceSetIrqs, fds)?;
         self.expect_reply(&hdr, 0, |r| matches!(r, Reply::DeviceSetIrqs))
     }
 
@@ -522,7 +512,8 @@ impl Client {
         fd: Option<(BorrowedFd<'_>, u64)>,
     ) -> Result<()> {
         let offset = fd.as_ref().map_or(0, |(_, o)| *o);
-        let raw: Vec<BorrowedFd<'_>> = fd.iter().map(|(f, _)| *f).collect();
+        let file = fd.map(|(f, _)| f);
+        let raw = file.as_slice();
         let m = DmaMap {
             argsz: DmaMap::SIZE as u32,
             flags,
@@ -530,7 +521,7 @@ impl Client {
             address: iova,
             size,
         };
-        match self.request(&Request::DmaMap(m), &raw)? {
+        match self.request(&Request::DmaMap(m), raw)? {
             (Reply::DmaMap, _) => Ok(()),
             _ => Err(unexpected("DMA_MAP")),
         }
@@ -707,12 +698,12 @@ impl Client {
         w.put(&DeviceFeatureHeader { argsz, flags });
         w.put_bytes(data);
         w.finish().map_err(ClientError::Protocol)?;
-        let (hdr, fds) = self.transact(id, Command::DeviceFeature, &[])?;
+        let (_, fds) = self.transact(id, Command::DeviceFeature, &[])?;
         if !fds.is_empty() {
             return Err(unexpected("DEVICE_FEATURE (fds)"));
         }
-        let (h, rest) = split_feature(&self.rx)?;
-        let _ = hdr;
+        let (h, rest) = DeviceFeatureHeader::read_from_prefix(&self.rx)
+            .map_err(|_| unexpected("DEVICE_FEATURE"))?;
         Ok((h, rest.to_vec()))
     }
 
@@ -819,8 +810,8 @@ impl Client {
             .checked_add(8)
             .ok_or(ClientError::InvalidArgument("size too large"))?;
         match self.request(&Request::MigDataRead { argsz, size: max }, &[])? {
-            (Reply::MigDataRead { .. }, _) => {
-                let data = self.rx.get(8..).unwrap_or_default().to_vec();
+            (Reply::MigDataRead { data, .. }, _) => {
+                let data = data.to_vec();
                 if data.len() > max as usize {
                     return Err(unexpected("MIG_DATA_READ (too much data)"));
                 }
@@ -844,8 +835,7 @@ impl Client {
 
     /// Sends raw bytes (any content) with fds.
     pub fn send_raw(&mut self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-        let raw: Vec<BorrowedFd<'_>> = fds.to_vec();
-        send_all(&self.sock, bytes, &raw)
+        send_all(&self.sock, bytes, fds)
     }
 
     /// Receives the next message as is (no DMA servicing, no validation
@@ -883,20 +873,6 @@ impl Client {
                 fds,
             });
         }
-    }
-
-    /// Waits for one server-to-client request and answers it (for tests that
-    /// trigger DMA without an outstanding command). Returns its command.
-    pub fn serve_one(&mut self) -> Result<Command> {
-        let (header, fds) = self.recv_message()?;
-        if !header.is_command() {
-            return Err(ClientError::UnexpectedReply(format!(
-                "unsolicited reply id {}",
-                header.msg_id
-            )));
-        }
-        self.serve_request(&header, fds.len())?;
-        header.command_kind().map_err(ClientError::Protocol)
     }
 
     // -------------------------------------------------------------- internals
@@ -981,10 +957,10 @@ impl Client {
         }
     }
 
-    /// Reads one message: header into a local, body into `self.rx`.
     /// Receives the next whole message into `self.rx`. Reads go into a buffer, so a reply
-    /// usually costs one `recvmsg`. Descriptors are handed to the next message parsed after
-    /// they arrived (servers send fds only with replies, and only one reply is outstanding).
+    /// usually costs one `recvmsg`. Descriptors go to the next reply parsed after they arrived:
+    /// the only commands a server sends (DMA_READ/DMA_WRITE) carry none, and a read that
+    /// brings such a command may also bring the start of a reply with fds.
     fn recv_message(&mut self) -> Result<(Header, Vec<File>)> {
         loop {
             let avail = self.in_end - self.in_start;
@@ -1008,7 +984,11 @@ impl Client {
                         self.in_start = 0;
                         self.in_end = 0;
                     }
-                    let fds = std::mem::take(&mut self.pending_fds);
+                    let fds = if hdr.is_command() {
+                        Vec::new()
+                    } else {
+                        std::mem::take(&mut self.pending_fds)
+                    };
                     tracing::trace!(
                         id = hdr.msg_id,
                         cmd = hdr.cmd,
@@ -1103,24 +1083,6 @@ enum FeatureReplyOwned {
 
 fn unexpected(what: &str) -> ClientError {
     ClientError::UnexpectedReply(format!("malformed {what} reply"))
-}
-
-fn split_feature(body: &[u8]) -> Result<(DeviceFeatureHeader, &[u8])> {
-    let h = body.get(..8).ok_or_else(|| unexpected("DEVICE_FEATURE"))?;
-    let argsz = u32::from_ne_bytes(
-        h.get(..4)
-            .and_then(|s| s.try_into().ok())
-            .unwrap_or_default(),
-    );
-    let flags = u32::from_ne_bytes(
-        h.get(4..8)
-            .and_then(|s| s.try_into().ok())
-            .unwrap_or_default(),
-    );
-    Ok((
-        DeviceFeatureHeader { argsz, flags },
-        body.get(8..).unwrap_or_default(),
-    ))
 }
 
 /// Sends all of `bytes`, attaching `fds` to the first chunk.

@@ -423,10 +423,18 @@ fn region_read_write() {
         data: [0xaa, 0xbb, 0, 0, 0, 0, 0, 0],
     }];
     assert_eq!(c.region_write_multi(&e).expect("multi"), 1);
-    c.region_write_multi_posted(&e).expect("multi posted");
     let mut two = [0u8; 2];
     c.region_read(0, 0, &mut two).expect("read");
     assert_eq!(two, [0xaa, 0xbb]);
+    let posted = [WriteMultiEntry {
+        offset: 0,
+        region: 0,
+        count: 2,
+        data: [0xcc, 0xdd, 0, 0, 0, 0, 0, 0],
+    }];
+    c.region_write_multi_posted(&posted).expect("multi posted");
+    c.region_read(0, 0, &mut two).expect("read");
+    assert_eq!(two, [0xcc, 0xdd], "the posted WRITE_MULTI landed");
     c.device_reset().expect("reset");
     assert_eq!(seen.lock().expect("lock").resets, 1);
 }
@@ -679,10 +687,7 @@ fn timeout_and_disconnect() {
     let (a, b) = UnixStream::pair().expect("pair");
     drop(b);
     let e = Client::from_stream(a, cfg).expect_err("closed server");
-    assert!(
-        matches!(e, ClientError::Disconnected | ClientError::Io(_)),
-        "{e:?}"
-    );
+    assert!(matches!(e, ClientError::Disconnected), "{e:?}");
 }
 
 #[test]
@@ -739,4 +744,56 @@ fn server_with_higher_minor_is_rejected() {
         "{e:?}"
     );
     drop(t.join());
+}
+
+/// A server DMA request and the awaited reply carrying an fd, sent back to back (Linux may
+/// deliver both in one read, with the fd): the fd belongs to the reply, not the request.
+#[test]
+fn fd_of_a_reply_is_not_given_to_an_interleaved_dma_request() {
+    let (a, b) = UnixStream::pair().expect("pair");
+    let server = std::thread::spawn(move || {
+        let mut fds = Vec::new();
+        let mut h = [0u8; 16];
+        scm::recv_exact_with_files(&b, &mut h, &mut fds).expect("request header");
+        let hdr = Header::from_bytes(&h).expect("header");
+        let mut body = vec![0; hdr.body_len().expect("len")];
+        scm::recv_exact_with_files(&b, &mut body, &mut fds).expect("request body");
+        let mut out = Vec::new();
+        Request::DmaRead {
+            address: 0x1000,
+            count: 4,
+        }
+        .encode(0x8000, false, &mut out)
+        .expect("encode");
+        scm::send_with_borrowed(&b, &out, &[]).expect("send dma read");
+        let info = RegionInfo {
+            argsz: 32,
+            flags: VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_MMAP,
+            index: 2,
+            cap_offset: 0,
+            size: 4096,
+            offset: 0,
+        };
+        Reply::DeviceGetRegionInfo { info, caps: &[] }
+            .encode(hdr.msg_id, &mut out)
+            .expect("encode");
+        let f = memfd_file();
+        scm::send_with_borrowed(&b, &out, &[f.as_fd()]).expect("send reply with fd");
+        // The client answers the DMA_READ.
+        let mut h = [0u8; 16];
+        scm::recv_exact_with_files(&b, &mut h, &mut fds).expect("dma reply");
+        assert!(Header::from_bytes(&h).expect("header").is_reply());
+    });
+    let mut c = Client::without_handshake(a, ClientConfig::default()).expect("client");
+    c.set_dma_handler(Some(Box::new(FlatDma::new(0x1000, 64))));
+    let r = c.region_info(2).expect("region info");
+    assert!(r.fd.is_some(), "the reply keeps its fd");
+    assert_eq!(c.dma_requests_served(), 1);
+    server.join().expect("server");
+}
+
+fn memfd_file() -> File {
+    let f = tempfile::tempfile().expect("tempfile");
+    f.set_len(4096).expect("set_len");
+    f
 }
