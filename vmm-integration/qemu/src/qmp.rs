@@ -667,7 +667,7 @@ fn classify(msg: Value) -> Result<Incoming> {
     }
     if obj.contains_key("event") {
         let value = Value::Object(obj);
-        return serde_json::from_value(value.clone())
+        return QmpEvent::deserialize(&value)
             .map(Incoming::Event)
             .map_err(|_| QemuError::UnexpectedMessage {
                 message: value.to_string(),
