@@ -1,10 +1,12 @@
 //! MSI-X table and pending-bit array as the device sees them.
 //!
-//! QEMU emulates the MSI-X table itself and tells the server which vectors to signal through
-//! `SET_IRQS`; only PBA reads reach the server. Other clients may access the table through
-//! `REGION_READ`/`REGION_WRITE`, so the device keeps a real table: a vector whose mask bit is set
-//! in the table (or while the function mask is set) is not signalled but left pending in the PBA,
-//! and delivered when it is unmasked.
+//! QEMU and Cloud Hypervisor emulate the MSI-X table themselves and tell the server which
+//! vectors to signal through `SET_IRQS`; they never write the table to the device and mask by
+//! re-routing (or masking) the eventfd. So until a client writes the table through
+//! `REGION_WRITE` ([`MsixState::direct`]), the device ignores its own table and signals every
+//! vector directly. Once it has, the table's masks apply: a vector whose mask bit is set in the
+//! table (or while the function mask is set) is not signalled but left pending in the PBA, and
+//! delivered when it is unmasked.
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +21,9 @@ pub struct MsixState {
     /// Per vector: address lo, address hi, data, vector control.
     table: Vec<[u32; 4]>,
     pba: Vec<u64>,
+    /// The client has written the table (see the module documentation).
+    #[serde(default)]
+    direct: bool,
 }
 
 impl MsixState {
@@ -28,12 +33,24 @@ impl MsixState {
         Self {
             table: vec![[0, 0, 0, 1]; n],
             pba: vec![0; n.div_ceil(64)],
+            direct: false,
         }
     }
 
     /// Number of vectors.
     pub fn vectors(&self) -> usize {
         self.table.len()
+    }
+
+    /// Whether the client has written the table, so that its masks and the function mask
+    /// apply. Until then every vector is signalled directly.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Sets [`MsixState::direct`], e.g. from a saved state that kept the flag elsewhere.
+    pub fn set_direct(&mut self, direct: bool) {
+        self.direct = direct;
     }
 
     /// Size in bytes of the table.
@@ -65,14 +82,13 @@ impl MsixState {
         }
     }
 
-    /// Writes to the table; unmasking a pending vector delivers it through `irqs`.
-    pub fn table_write(
-        &mut self,
-        offset: u64,
-        data: &[u8],
-        function_masked: bool,
-        irqs: &Interrupts,
-    ) {
+    /// Writes to the table; unmasking a pending vector delivers it through `irqs` unless `held`
+    /// (the function mask is set or MSI-X is disabled). A write that reaches the table makes it
+    /// [`MsixState::direct`]. Reserved bits (address bits 1:0, vector control bits 31:1) stay 0.
+    pub fn table_write(&mut self, offset: u64, data: &[u8], held: bool, irqs: &Interrupts) {
+        if offset < self.table_size() {
+            self.direct = true;
+        }
         for (i, &v) in data.iter().enumerate() {
             let Some(o) = offset.checked_add(i as u64) else {
                 return;
@@ -88,7 +104,11 @@ impl MsixState {
             bytes[(o % 4) as usize] = v;
             e[w] = u32::from_le_bytes(bytes);
         }
-        self.deliver_pending(function_masked, irqs);
+        for e in &mut self.table {
+            e[0] &= !3;
+            e[3] &= 1;
+        }
+        self.deliver_pending(held, irqs);
     }
 
     /// Reads the PBA at `offset` (relative to the PBA start).
@@ -121,12 +141,14 @@ impl MsixState {
         }
     }
 
-    /// Signals `vector` unless it is masked, in which case it becomes pending.
+    /// Signals `vector` (the caller has checked that MSI-X is enabled). Once the table is
+    /// [`MsixState::direct`], a vector masked in the table or by `function_masked` becomes
+    /// pending instead.
     pub fn fire(&mut self, vector: usize, function_masked: bool, irqs: &Interrupts) {
         if vector >= self.table.len() {
             return;
         }
-        if self.masked(vector, function_masked) {
+        if self.direct && self.masked(vector, function_masked) {
             self.set_pending(vector, true);
             return;
         }
@@ -135,11 +157,11 @@ impl MsixState {
         }
     }
 
-    /// Delivers every pending vector that is no longer masked (after a table or function mask
-    /// change).
-    pub fn deliver_pending(&mut self, function_masked: bool, irqs: &Interrupts) {
+    /// Delivers every pending vector that is no longer masked (after a table, function mask or
+    /// MSI-X enable change) unless `held`: the function mask is set or MSI-X is disabled.
+    pub fn deliver_pending(&mut self, held: bool, irqs: &Interrupts) {
         for v in 0..self.table.len() {
-            if self.pending(v) && !self.masked(v, function_masked) {
+            if self.pending(v) && !self.masked(v, held) {
                 self.set_pending(v, false);
                 if let Err(e) = irqs.trigger(IrqIndex::Msix, v as u32) {
                     tracing::warn!(vector = v, error = %e, "cannot signal MSI-X vector");
@@ -159,32 +181,89 @@ mod tests {
     use super::*;
     use crate::irq::{new_eventfd, take_eventfd};
 
-    #[test]
-    fn masked_vector_goes_pending_and_is_delivered_on_unmask() {
+    fn vector1() -> (Interrupts, std::fs::File) {
         let irqs = Interrupts::new(&[0, 0, 4]);
         let fd = new_eventfd().expect("eventfd");
         irqs.set_triggers(2, 1, vec![Some(fd.try_clone().expect("clone"))])
             .expect("assign");
+        (irqs, fd)
+    }
+
+    #[test]
+    fn masks_are_ignored_until_the_client_writes_the_table() {
+        let (irqs, fd) = vector1();
         let mut m = MsixState::new(4);
-        // Power-on: masked.
+        assert!(!m.direct());
+        // Power-on: every entry is masked, but a client that emulates the table never
+        // writes it, so neither the entry's mask nor the function mask holds the vector.
+        m.fire(1, false, &irqs);
+        assert_eq!(take_eventfd(&fd), Some(1));
+        m.fire(1, true, &irqs);
+        assert_eq!(take_eventfd(&fd), Some(1));
+        assert!(!m.pending(1));
+        // A write beyond the table (PBA side) does not count.
+        m.table_write(m.table_size(), &[0; 4], false, &irqs);
+        assert!(!m.direct());
+        // The client programs entry 2: from now on the table's masks apply.
+        m.table_write(32, &0xfee0_0000u32.to_le_bytes(), false, &irqs);
+        assert!(m.direct());
         m.fire(1, false, &irqs);
         assert!(m.pending(1));
         let mut pba = [0u8; 8];
         m.pba_read(0, &mut pba);
         assert_eq!(pba[0], 0b10);
         assert_eq!(take_eventfd(&fd), None);
-        // Unmask through the table (vector control of entry 1 at 16 + 12).
-        m.table_write(16 + 12, &0u32.to_le_bytes(), false, &irqs);
+        // Unmasked while held (function mask or MSI-X disabled): still pending.
+        m.table_write(16 + 12, &0u32.to_le_bytes(), true, &irqs);
+        assert!(m.pending(1));
+        assert_eq!(take_eventfd(&fd), None);
+        m.deliver_pending(true, &irqs);
+        assert_eq!(take_eventfd(&fd), None);
+        // Released: delivered once.
+        m.deliver_pending(false, &irqs);
         assert!(!m.pending(1));
         assert_eq!(take_eventfd(&fd), Some(1));
+        m.deliver_pending(false, &irqs);
+        assert_eq!(take_eventfd(&fd), None);
         // Unmasked: fires directly.
         m.fire(1, false, &irqs);
         assert_eq!(take_eventfd(&fd), Some(1));
         // Function mask holds it.
         m.fire(1, true, &irqs);
         assert!(m.pending(1));
+        assert_eq!(take_eventfd(&fd), None);
         m.deliver_pending(false, &irqs);
         assert_eq!(take_eventfd(&fd), Some(1));
+        // Masking the entry again pends it; unmasking through the table delivers it.
+        m.table_write(16 + 12, &1u32.to_le_bytes(), false, &irqs);
+        m.fire(1, false, &irqs);
+        assert!(m.pending(1));
+        m.table_write(16 + 12, &0u32.to_le_bytes(), false, &irqs);
+        assert!(!m.pending(1));
+        assert_eq!(take_eventfd(&fd), Some(1));
+        // Reset: back to power-on, table ignored again.
+        m.reset();
+        assert!(!m.direct());
+        m.fire(1, false, &irqs);
+        assert_eq!(take_eventfd(&fd), Some(1));
+    }
+
+    #[test]
+    fn reserved_bits_read_as_zero() {
+        let irqs = Interrupts::new(&[0, 0, 2]);
+        let mut m = MsixState::new(2);
+        m.table_write(16, &[0xff; 16], false, &irqs);
+        let mut b = [0u8; 16];
+        m.table_read(16, &mut b);
+        assert_eq!(&b[..4], &0xffff_fffcu32.to_le_bytes(), "address bits 1:0");
+        assert_eq!(&b[4..12], &[0xff; 8]);
+        assert_eq!(&b[12..], &1u32.to_le_bytes(), "vector control bits 31:1");
+        // Byte-wise writes too.
+        m.table_write(12, &[0xfe, 0xff], false, &irqs);
+        m.table_write(0, &[0x03], false, &irqs);
+        m.table_read(0, &mut b);
+        assert_eq!(b[0], 0);
+        assert_eq!(&b[12..], &[0, 0, 0, 0]);
     }
 
     #[test]

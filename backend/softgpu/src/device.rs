@@ -119,24 +119,23 @@ impl Regs {
         }
     }
 
-    /// Sends MSI-X `vector` if MSI-X is enabled.
+    /// Sends MSI-X `vector` if MSI-X is enabled. Clients that emulate the MSI-X table (QEMU,
+    /// Cloud Hypervisor) mask by re-routing the eventfd; once a client writes the table through
+    /// BAR4, its per-vector masks and the function mask apply too (see [`MsixState`]).
     ///
-    /// Clients like QEMU and Cloud Hypervisor emulate the MSI-X table themselves and never
-    /// write it to the device: they mask by re-routing the eventfd. Until a client writes the
-    /// table through BAR4 (`msix_table_direct`), only the config-space enable bit gates
-    /// delivery; afterwards the table's per-vector masks and the function mask apply too, with
-    /// masked vectors left pending in the PBA.
+    /// [`MsixState`]: switchyard_device::msix::MsixState
     fn fire_msix(&mut self, irqs: &Interrupts, vector: u32) {
         let cs = &self.st.config_space;
-        if !cs.msix_enabled() || vector >= MSIX_VECTORS {
-            return;
-        }
-        if self.st.msix_table_direct {
+        if cs.msix_enabled() {
             let fm = cs.msix_function_masked();
             self.st.msix.fire(vector as usize, fm, irqs);
-        } else if let Err(e) = irqs.trigger(IrqIndex::Msix, vector) {
-            tracing::warn!(vector, error = %e, "cannot signal MSI-X vector");
         }
+    }
+
+    /// Whether pending MSI-X messages are held: MSI-X disabled or the function masked.
+    pub(crate) fn msix_held(&self) -> bool {
+        let cs = &self.st.config_space;
+        !cs.msix_enabled() || cs.msix_function_masked()
     }
 
     fn raise(&mut self, irqs: &Interrupts, bit: u32, vector: u32) {
@@ -426,7 +425,6 @@ impl Shared {
         if !pci {
             std::mem::swap(&mut fresh.config_space, &mut g.st.config_space);
             std::mem::swap(&mut fresh.msix, &mut g.st.msix);
-            fresh.msix_table_direct = g.st.msix_table_direct;
         }
         g.st = fresh;
         g.halted = false;
@@ -464,9 +462,9 @@ impl Shared {
     /// interrupts raised while it was disabled stay latched in `INT_STATUS` only, as with
     /// MSI-X.)
     pub(crate) fn config_changed(&self, g: &mut Regs, command: bool, msix_control: bool) {
-        if msix_control && g.st.msix_table_direct {
-            let fm = g.st.config_space.msix_function_masked();
-            g.st.msix.deliver_pending(fm, &self.irqs);
+        if msix_control {
+            let held = g.msix_held();
+            g.st.msix.deliver_pending(held, &self.irqs);
         }
         if command {
             self.wake_all();
@@ -593,6 +591,8 @@ impl Shared {
                 return;
             }
             let Some(job) = g.next_job(q) else {
+                // Idle: release what a very large command grew before sleeping.
+                scratch.trim();
                 g = wake.wait(g).unwrap_or_else(|p| p.into_inner());
                 continue;
             };
@@ -601,7 +601,6 @@ impl Shared {
             }
             drop(g);
             let outcome = exec.run(job.slot, &mut scratch);
-            scratch.trim();
             g = self.lock();
             g.finish(&self.irqs, q, job, outcome);
             if !g.shutdown && g.rt.get(q).is_some_and(|rt| !rt.paused) {

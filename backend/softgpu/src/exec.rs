@@ -92,15 +92,19 @@ impl Scratch {
     }
 }
 
-fn dma_fault(e: &DmaError, fallback: u64) -> ExecError {
+/// The `ERR_*` code and faulting address of a DMA error.
+fn dma_error(e: &DmaError, fallback: u64) -> (u32, u64) {
     match *e {
-        DmaError::Unmapped { iova } | DmaError::Remote { iova, .. } => {
-            fault(ERR_DMA_UNMAPPED, iova)
-        }
-        DmaError::Permission { iova, .. } => fault(ERR_DMA_PERMISSION, iova),
-        DmaError::Overflow { iova, .. } => fault(ERR_BAD_COMMAND, iova),
-        _ => fault(ERR_DMA_UNMAPPED, fallback),
+        DmaError::Unmapped { iova } | DmaError::Remote { iova, .. } => (ERR_DMA_UNMAPPED, iova),
+        DmaError::Permission { iova, .. } => (ERR_DMA_PERMISSION, iova),
+        DmaError::Overflow { iova, .. } => (ERR_BAD_COMMAND, iova),
+        _ => (ERR_DMA_UNMAPPED, fallback),
     }
+}
+
+fn dma_fault(e: &DmaError, fallback: u64) -> ExecError {
+    let (code, addr) = dma_error(e, fallback);
+    fault(code, addr)
 }
 
 fn to_usize(v: u64) -> Result<usize, ExecError> {
@@ -219,10 +223,7 @@ impl Executor<'_> {
     pub(crate) fn run(&self, slot: u64, s: &mut Scratch) -> Outcome {
         let mut raw = [0u8; COMMAND_SIZE];
         if let Err(e) = self.dma.read(slot, &mut raw) {
-            let addr = match dma_fault(&e, slot) {
-                ExecError::Fault { addr, .. } => addr,
-                ExecError::Aborted => slot,
-            };
+            let (_, addr) = dma_error(&e, slot);
             return Outcome {
                 opcode: 0,
                 result: Err(fault(ERR_RING_FETCH, addr)),
@@ -236,30 +237,27 @@ impl Executor<'_> {
     }
 
     fn execute(&self, c: &Command, slot: u64, s: &mut Scratch) -> Result<Done, ExecError> {
-        let operands = match c.opcode {
-            cmd::OP_NOP => 0,
-            cmd::OP_COPY | cmd::OP_SAXPY | cmd::OP_REDUCE => 2,
-            cmd::OP_FILL | cmd::OP_FENCE => 1,
-            cmd::OP_GEMM => 3,
-            _ => return Err(fault(ERR_BAD_OPCODE, slot)),
+        // Checks the header of a command with `operands` operands: no unknown flags, reserved
+        // byte zero, no space bits of unused operands.
+        let header = |operands: u32| {
+            if c.flags & !cmd::FLAG_IRQ != 0 || c.reserved != 0 || c.space >> operands != 0 {
+                return Err(fault(ERR_BAD_COMMAND, slot));
+            }
+            let irq = if c.flags & cmd::FLAG_IRQ != 0 {
+                Irq::Queue
+            } else {
+                Irq::None
+            };
+            Ok(Done { irq, fence: false })
         };
-        if c.flags & !cmd::FLAG_IRQ != 0 || c.reserved != 0 || c.space >> operands != 0 {
-            return Err(fault(ERR_BAD_COMMAND, slot));
-        }
-        let irq = if c.flags & cmd::FLAG_IRQ != 0 {
-            Irq::Queue
-        } else {
-            Irq::None
-        };
-        let done = Done { irq, fence: false };
         match c.opcode {
-            cmd::OP_NOP => Ok(done),
-            cmd::OP_COPY => self.copy(c, slot, s).map(|()| done),
-            cmd::OP_FILL => self.fill(c, slot, s).map(|()| done),
-            cmd::OP_SAXPY => self.saxpy(c, slot, s).map(|()| done),
-            cmd::OP_GEMM => self.gemm(c, slot, s).map(|()| done),
-            cmd::OP_REDUCE => self.reduce(c, slot, s).map(|()| done),
-            cmd::OP_FENCE => self.fence(c, slot),
+            cmd::OP_NOP => header(0),
+            cmd::OP_COPY => header(2).and_then(|d| self.copy(c, slot, s).map(|()| d)),
+            cmd::OP_FILL => header(1).and_then(|d| self.fill(c, slot, s).map(|()| d)),
+            cmd::OP_SAXPY => header(2).and_then(|d| self.saxpy(c, slot, s).map(|()| d)),
+            cmd::OP_GEMM => header(3).and_then(|d| self.gemm(c, slot, s).map(|()| d)),
+            cmd::OP_REDUCE => header(2).and_then(|d| self.reduce(c, slot, s).map(|()| d)),
+            cmd::OP_FENCE => header(1).and_then(|_| self.fence(c, slot)),
             _ => Err(fault(ERR_BAD_OPCODE, slot)),
         }
     }
@@ -500,9 +498,9 @@ impl Executor<'_> {
         } else {
             Irq::None
         };
-        self.check(dst, 8, true)?;
         // Everything earlier in this queue is complete; make it visible before the value.
         std::sync::atomic::fence(Ordering::SeqCst);
+        // Checks the whole range (VRAM bounds, mapping, permission) before writing anything.
         self.write(dst, &c.imm64.to_le_bytes())?;
         Ok(Done { irq, fence: true })
     }

@@ -31,8 +31,9 @@
 //! | 7 | PCI config space | 4 KiB | trapped, any size |
 //!
 //! Other regions are absent. Interrupts ([`SoftGpuConfig::irq_counts`]): INTx 0, MSI 0,
-//! MSI-X 16 (eventfd), ERR 0, REQ 1; in MSI mode INTx 0, MSI 1 (eventfd), MSI-X 0, ERR 0,
-//! REQ 1.
+//! MSI-X 16 (eventfd, maskable), ERR 0, REQ 1 (eventfd); in MSI mode INTx 0, MSI 1 (eventfd,
+//! maskable), MSI-X 0, ERR 0, REQ 1 (eventfd). "Maskable" means `SET_IRQS` MASK/UNMASK: a masked
+//! vector's messages are held and one is sent on unmask.
 //!
 //! The driver must set **Memory Space** and **Bus Master** in the PCI command register:
 //! engines execute commands only while bus mastering is enabled (clearing it pauses them at
@@ -180,10 +181,11 @@
 //! A vector fires only while MSI-X (MSI) is enabled in the config space; a source raised
 //! while it is disabled only latches its `INT_STATUS` bit, and no message is sent later when
 //! it is enabled. Clients that emulate the MSI-X table themselves (QEMU, Cloud Hypervisor)
-//! mask vectors by re-routing eventfds; for them the device ignores its own table. Once a
-//! client writes the table through BAR4, the table's per-vector masks and the function mask
-//! apply and masked vectors go pending in the PBA. MSI has no per-vector masking; clients mask
-//! it through `SET_IRQS` on the MSI index.
+//! mask vectors by re-routing eventfds or through `SET_IRQS` MASK; for them the device ignores
+//! its own table. Once a client writes the table through BAR4, the table's per-vector masks
+//! and the function mask apply and masked vectors go pending in the PBA; a pending vector is
+//! sent once it is unmasked while MSI-X is enabled and the function is not masked. MSI has no
+//! per-vector masking; clients mask it through `SET_IRQS` on the MSI index.
 //!
 //! # Resets
 //!
@@ -401,26 +403,27 @@ impl SoftGpu {
             automasked: false,
             noresize: true,
         };
-        let vectors = |count: u32, noresize: bool| {
+        let vectors = |count: u32, noresize: bool, maskable: bool| {
             if count == 0 {
                 none
             } else {
                 IrqDesc {
                     count,
                     eventfd: true,
-                    maskable: false,
+                    maskable,
                     automasked: false,
                     noresize,
                 }
             }
         };
-        // Like vfio-pci: MSI-X may be resized (vectors added while enabled), MSI may not.
+        // Like vfio-pci: MSI-X may be resized (vectors added while enabled), MSI may not. MSI
+        // and MSI-X are maskable: the server applies SET_IRQS MASK/UNMASK (`Interrupts`).
         let irqs = vec![
             none,
-            vectors(counts[IrqIndex::Msi as usize], true),
-            vectors(counts[IrqIndex::Msix as usize], false),
+            vectors(counts[IrqIndex::Msi as usize], true, true),
+            vectors(counts[IrqIndex::Msix as usize], false, true),
             none,
-            vectors(counts[IrqIndex::Req as usize], true),
+            vectors(counts[IrqIndex::Req as usize], true, false),
         ];
         let desc = DeviceDescription {
             name: "softgpu",
@@ -504,41 +507,19 @@ impl SoftGpu {
         Ok(())
     }
 
-    fn bar0_access_ok(offset: u64, len: usize) -> Result<(), DeviceError> {
-        if offset
-            .checked_add(len as u64)
-            .is_none_or(|end| end > regs::BAR0_SIZE)
-        {
+    /// Checks a register-style access to `region` (`size` bytes): in range, 4 or 8 bytes,
+    /// naturally aligned.
+    fn access_ok(region: u32, size: u64, offset: u64, len: usize) -> Result<(), DeviceError> {
+        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
             return Err(DeviceError::OutOfRange {
-                region: BAR_REGS,
+                region,
                 offset,
                 len,
             });
         }
         if !matches!(len, 4 | 8) || offset % len as u64 != 0 {
             return Err(DeviceError::BadAccess {
-                region: BAR_REGS,
-                offset,
-                len,
-            });
-        }
-        Ok(())
-    }
-
-    fn msix_access_ok(offset: u64, len: usize) -> Result<(), DeviceError> {
-        if offset
-            .checked_add(len as u64)
-            .is_none_or(|end| end > regs::BAR4_SIZE)
-        {
-            return Err(DeviceError::OutOfRange {
-                region: BAR_MSIX,
-                offset,
-                len,
-            });
-        }
-        if !matches!(len, 4 | 8) || offset % len as u64 != 0 {
-            return Err(DeviceError::BadAccess {
-                region: BAR_MSIX,
+                region,
                 offset,
                 len,
             });
@@ -583,7 +564,7 @@ impl PciDevice for SoftGpu {
     ) -> Result<(), DeviceError> {
         match region {
             BAR_REGS => {
-                Self::bar0_access_ok(offset, data.len())?;
+                Self::access_ok(BAR_REGS, regs::BAR0_SIZE, offset, data.len())?;
                 let g = self.shared.lock();
                 for (i, chunk) in data.chunks_exact_mut(4).enumerate() {
                     chunk.copy_from_slice(&g.read32(offset + 4 * i as u64).to_le_bytes());
@@ -595,7 +576,7 @@ impl PciDevice for SoftGpu {
                 Ok(())
             }
             BAR_MSIX if self.config.irq == IrqMode::Msix => {
-                Self::msix_access_ok(offset, data.len())?;
+                Self::access_ok(BAR_MSIX, regs::BAR4_SIZE, offset, data.len())?;
                 let g = self.shared.lock();
                 if offset < regs::MSIX_PBA_OFFSET {
                     g.st.msix.table_read(offset - regs::MSIX_TABLE_OFFSET, data);
@@ -619,7 +600,7 @@ impl PciDevice for SoftGpu {
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         match region {
             BAR_REGS => {
-                Self::bar0_access_ok(offset, data.len())?;
+                Self::access_ok(BAR_REGS, regs::BAR0_SIZE, offset, data.len())?;
                 let mut g = self.shared.lock();
                 for (i, chunk) in data.chunks_exact(4).enumerate() {
                     let v = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
@@ -635,20 +616,12 @@ impl PciDevice for SoftGpu {
                 Ok(())
             }
             BAR_MSIX if self.config.irq == IrqMode::Msix => {
-                Self::msix_access_ok(offset, data.len())?;
+                Self::access_ok(BAR_MSIX, regs::BAR4_SIZE, offset, data.len())?;
                 let mut g = self.shared.lock();
                 if offset < regs::MSIX_PBA_OFFSET {
-                    let st = &mut g.st;
-                    if offset < st.msix.table_size() {
-                        st.msix_table_direct = true;
-                    }
-                    let fm = st.config_space.msix_function_masked();
-                    st.msix.table_write(
-                        offset - regs::MSIX_TABLE_OFFSET,
-                        data,
-                        fm,
-                        &self.shared.irqs,
-                    );
+                    let held = g.msix_held();
+                    let table = offset - regs::MSIX_TABLE_OFFSET;
+                    g.st.msix.table_write(table, data, held, &self.shared.irqs);
                 }
                 // PBA writes are ignored.
                 Ok(())

@@ -98,7 +98,14 @@ pub const FEATURE_VRAM_OPERANDS: u32 = 1 << 6;
 /// Feature: queues recover from errors through `Q_CONTROL_RECOVER`.
 pub const FEATURE_RECOVER: u32 = 1 << 7;
 /// All features of this version.
-pub const FEATURES_VALUE: u32 = 0xff;
+pub const FEATURES_VALUE: u32 = FEATURE_COPY
+    | FEATURE_FILL
+    | FEATURE_SAXPY
+    | FEATURE_GEMM
+    | FEATURE_REDUCE
+    | FEATURE_FENCE
+    | FEATURE_VRAM_OPERANDS
+    | FEATURE_RECOVER;
 
 /// `INT_STATUS` bit: queue `q` completed a command carrying `FLAG_IRQ`.
 pub const fn int_completion(q: u32) -> u32 {

@@ -11,6 +11,9 @@ use crate::{IrqMode, SoftGpuConfig};
 /// Version of the [`SoftGpuState`] format.
 pub const STATE_FORMAT: u32 = 1;
 
+/// Where states saved before [`MsixState::direct`] existed keep that flag.
+const LEGACY_MSIX_TABLE_DIRECT: &str = "msix_table_direct";
+
 /// Why a saved state was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -127,11 +130,9 @@ pub struct SoftGpuState {
     pub fence_count: u64,
     /// Per-queue registers.
     pub queues: Vec<QueueState>,
-    /// MSI-X table and PBA (no vectors in [`IrqMode::Msi`]).
+    /// MSI-X table and PBA (no vectors in [`IrqMode::Msi`]), including whether the client
+    /// accesses the table through BAR4 ([`MsixState::direct`]).
     pub msix: MsixState,
-    /// Whether the client accesses the MSI-X table through BAR4 (so its per-vector masks
-    /// apply), as opposed to emulating the table itself (QEMU, Cloud Hypervisor).
-    pub msix_table_direct: bool,
     /// PCI configuration space.
     pub config_space: ConfigSpace,
 }
@@ -149,7 +150,6 @@ impl SoftGpuState {
             fence_count: 0,
             queues: (0..config.queues).map(QueueState::power_on).collect(),
             msix: MsixState::new(config.irq.msix_vectors() as u16),
-            msix_table_direct: false,
             config_space: cs.clone(),
         }
     }
@@ -160,8 +160,22 @@ impl SoftGpuState {
     }
 
     /// Decodes a state produced by [`SoftGpuState::to_bytes`] (not yet validated).
+    ///
+    /// States saved before [`MsixState::direct`] existed keep that flag in a top-level
+    /// `msix_table_direct` field; it is carried into `msix`.
     pub fn from_bytes(b: &[u8]) -> Result<Self, StateError> {
-        serde_json::from_slice(b).map_err(StateError::Decode)
+        let mut v: serde_json::Value = serde_json::from_slice(b).map_err(StateError::Decode)?;
+        let legacy_direct = v
+            .as_object_mut()
+            .and_then(|o| o.remove(LEGACY_MSIX_TABLE_DIRECT))
+            .map(serde_json::from_value::<bool>)
+            .transpose()
+            .map_err(StateError::Decode)?;
+        let mut st: Self = serde_json::from_value(v).map_err(StateError::Decode)?;
+        if legacy_direct == Some(true) {
+            st.msix.set_direct(true);
+        }
+        Ok(st)
     }
 
     /// Checks that the state fits a device with `config` and VRAM of `vram_size` bytes.
@@ -198,7 +212,7 @@ impl SoftGpuState {
                 "MSI-X vector count does not match",
             ));
         }
-        if config.irq == IrqMode::Msi && self.msix_table_direct {
+        if config.irq == IrqMode::Msi && self.msix.direct() {
             return Err(StateError::Inconsistent(
                 "MSI-X table accessed by a device without MSI-X",
             ));

@@ -90,6 +90,9 @@ fn description_lists_regions_and_interrupts() {
     }
     assert_eq!(d.irq_counts(), vec![0, 0, 16, 0, 1]);
     assert!(d.irqs[2].eventfd && d.irqs[4].eventfd);
+    assert!(d.irqs[2].maskable, "MSI-X: SET_IRQS MASK/UNMASK");
+    assert!(!d.irqs[2].noresize && !d.irqs[2].automasked);
+    assert!(!d.irqs[4].maskable, "REQ");
     assert!(d.resettable);
 }
 

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use switchyard_device::config::regs as pci;
 use switchyard_device::irq::{new_eventfd, take_eventfd};
-use switchyard_device::{DeviceContext, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice};
+use switchyard_device::{
+    DeviceContext, DeviceError, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice,
+};
 
 use crate::cmd::{COMMAND_SIZE, Command};
 use crate::regs::*;
@@ -114,19 +116,20 @@ pub(crate) struct Harness {
 impl Harness {
     /// A device with 4 MiB of VRAM and 2 queues, guest RAM mapped, eventfds installed.
     pub fn new() -> Self {
-        Self::with_config(SoftGpuConfig {
-            vram_size: 4 << 20,
-            queues: 2,
-            irq: IrqMode::Msix,
-        })
+        Self::with_irq(IrqMode::Msix)
     }
 
     /// Like [`Harness::new`], in MSI mode.
     pub fn msi() -> Self {
+        Self::with_irq(IrqMode::Msi)
+    }
+
+    /// Like [`Harness::new`], in interrupt mode `irq`.
+    pub fn with_irq(irq: IrqMode) -> Self {
         Self::with_config(SoftGpuConfig {
             vram_size: 4 << 20,
             queues: 2,
-            irq: IrqMode::Msi,
+            irq,
         })
     }
 
@@ -321,6 +324,21 @@ impl Harness {
             .expect("config write");
     }
 
+    /// Function level reset through the PCI Express Device Control register.
+    pub fn flr(&mut self) {
+        let exp = self.cap(CAP_EXP);
+        let devctl = self.cfg_read(exp + 8, 2);
+        self.cfg_write(exp + 8, devctl | 0x8000, 2);
+    }
+
+    /// Restores `blob`, which must be refused; returns the error message.
+    pub fn refused(&mut self, blob: &[u8]) -> String {
+        match self.gpu.restore_state(blob) {
+            Err(DeviceError::BadState(e)) => e.to_string(),
+            other => panic!("expected BadState, got {other:?}"),
+        }
+    }
+
     /// Capability IDs and offsets along the chain.
     pub fn caps(&mut self) -> Vec<(u8, u64)> {
         let mut out = vec![];
@@ -492,6 +510,24 @@ impl Harness {
     /// Takes the MSI eventfd's count (MSI mode).
     pub fn msi_count(&self) -> u64 {
         take_eventfd(self.msi.first().expect("MSI mode")).unwrap_or(0)
+    }
+
+    /// Waits for the message of a source routed to MSI-X `vector` (in MSI mode: the MSI
+    /// vector); returns the eventfd count.
+    pub fn wait_source(&self, vector: u32) -> u64 {
+        match self.config.irq {
+            IrqMode::Msix => self.wait_irq(vector),
+            IrqMode::Msi => self.wait_msi(),
+        }
+    }
+
+    /// Takes the counts of every eventfd (MSI-X and MSI) and returns their sum.
+    pub fn irq_total(&self) -> u64 {
+        self.msix
+            .iter()
+            .chain(&self.msi)
+            .map(|fd| take_eventfd(fd).unwrap_or(0))
+            .sum()
     }
 
     pub fn drain_irqs(&self) {

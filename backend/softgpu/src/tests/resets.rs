@@ -65,13 +65,48 @@ fn assert_pci_power_on(h: &mut Harness) {
     assert_eq!(h.rd32(DEV_STATUS), 0);
 }
 
+/// GEMM dimension of [`start_gemm_batch`].
+const GEMM_DIM: u64 = 256;
+/// VRAM offset of the batch's C matrix.
+const GEMM_C: u64 = 0x80000;
+/// Bytes of C.
+const GEMM_C_LEN: usize = (GEMM_DIM * GEMM_DIM * 4) as usize;
+/// Commands in the batch.
+const GEMM_BATCH: u32 = 16;
+
+/// Submits a long GEMM batch on queue 0 with non-zero inputs in guest memory (which a reset
+/// does not clear), C in VRAM, and returns once the engine is inside the batch: the first
+/// command has written part of C and the last has not completed.
+fn start_gemm_batch(h: &mut Harness) {
+    let ones = f32_bytes(&vec![1.0f32; (GEMM_DIM * GEMM_DIM) as usize]);
+    let b = DATA + GEMM_DIM * GEMM_DIM * 4;
+    h.guest_write(DATA, &ones);
+    h.guest_write(b, &ones);
+    let gemm = Command::gemm(
+        GEMM_DIM,
+        GEMM_DIM,
+        GEMM_DIM,
+        Operand::Guest(DATA),
+        Operand::Guest(b),
+        Operand::Vram(GEMM_C),
+    );
+    let first = h.submit(0, &vec![gemm; GEMM_BATCH as usize]);
+    wait_until("the GEMM batch to start", || {
+        h.vram_file_read(GEMM_C, 4) != [0; 4]
+    });
+    assert_eq!(h.qr(0, Q_STATUS), Q_STATUS_RUNNING);
+    assert_ne!(
+        h.qr(0, Q_HEAD),
+        first.wrapping_add(GEMM_BATCH),
+        "batch still in flight"
+    );
+}
+
 #[test]
 fn flr_returns_to_power_on() {
     let mut h = Harness::new();
     dirty(&mut h);
-    let exp = h.cap(CAP_EXP);
-    let devctl = h.cfg_read(exp + 8, 2);
-    h.cfg_write(exp + 8, devctl | 0x8000, 2);
+    h.flr();
     assert_eq!(
         h.gpu.vram_file().metadata().expect("stat").blocks(),
         0,
@@ -115,31 +150,12 @@ fn register_reset_keeps_pci_state() {
 fn reset_abandons_a_running_command() {
     let mut h = Harness::new();
     h.init();
-    // A long GEMM batch with non-zero inputs in guest memory (which a reset does not clear);
-    // reset while it runs (or before it starts).
-    let ones = f32_bytes(&vec![1.0f32; 256 * 256]);
-    h.guest_write(DATA, &ones);
-    h.guest_write(DATA + 0x40000, &ones);
-    let cmds: Vec<Command> = (0..16)
-        .map(|_| {
-            Command::gemm(
-                256,
-                256,
-                256,
-                Operand::Guest(DATA),
-                Operand::Guest(DATA + 0x40000),
-                Operand::Vram(0x80000),
-            )
-        })
-        .collect();
-    h.submit(0, &cmds);
+    start_gemm_batch(&mut h);
     h.gpu.reset().expect("reset");
     assert_logic_power_on(&mut h);
     std::thread::sleep(Duration::from_millis(20));
     assert!(
-        h.vram_file_read(0x80000, 256 * 256 * 4)
-            .iter()
-            .all(|&b| b == 0),
+        h.vram_file_read(GEMM_C, GEMM_C_LEN).iter().all(|&b| b == 0),
         "no engine writes after the reset"
     );
 }
@@ -169,30 +185,15 @@ fn disconnect_parks_engines_until_the_driver_returns() {
 fn queue_reset_abandons_its_running_command() {
     let mut h = Harness::new();
     h.init();
-    let ones = f32_bytes(&vec![1.0f32; 256 * 256]);
-    h.guest_write(DATA, &ones);
-    h.guest_write(DATA + 0x40000, &ones);
-    let cmds: Vec<Command> = (0..16)
-        .map(|_| {
-            Command::gemm(
-                256,
-                256,
-                256,
-                Operand::Guest(DATA),
-                Operand::Guest(DATA + 0x40000),
-                Operand::Vram(0x80000),
-            )
-        })
-        .collect();
-    h.submit(0, &cmds);
+    start_gemm_batch(&mut h);
     h.qw(0, Q_CONTROL, Q_CONTROL_RESET);
     wait_until("queue stopped", || h.qr(0, Q_STATUS) == Q_STATUS_STOPPED);
     assert_eq!((h.qr(0, Q_HEAD), h.qr(0, Q_TAIL)), (0, 0));
     assert_eq!(h.rd64(queue_reg(0, Q_COMPLETED_LO)), 0);
-    let snapshot = h.vram_file_read(0x80000, 256 * 256 * 4);
+    let snapshot = h.vram_file_read(GEMM_C, GEMM_C_LEN);
     std::thread::sleep(Duration::from_millis(20));
     assert!(
-        h.vram_file_read(0x80000, 256 * 256 * 4) == snapshot,
+        h.vram_file_read(GEMM_C, GEMM_C_LEN) == snapshot,
         "no engine writes after the queue reset"
     );
     // The queue works again from index 0.

@@ -1,7 +1,7 @@
 //! Save and restore.
 
+use switchyard_device::PciDevice;
 use switchyard_device::config::regs as pci;
-use switchyard_device::{DeviceError, PciDevice};
 
 use crate::cmd::{Command, Operand};
 use crate::{SoftGpuState, StateError};
@@ -95,13 +95,6 @@ fn restore_into_a_device_with_fresh_vram() {
     assert_eq!(st.vram, b.gpu.vram_identity());
 }
 
-fn refused(h: &mut Harness, blob: &[u8]) -> String {
-    match h.gpu.restore_state(blob) {
-        Err(DeviceError::BadState(e)) => e.to_string(),
-        other => panic!("expected BadState, got {other:?}"),
-    }
-}
-
 #[test]
 fn restore_rejects_mismatched_or_broken_states() {
     let mut h = Harness::new();
@@ -109,10 +102,13 @@ fn restore_rejects_mismatched_or_broken_states() {
     h.wr32(SCRATCH, 9);
     let good = SoftGpuState::from_bytes(&h.gpu.save_state().expect("save")).expect("decode");
 
-    assert!(refused(&mut h, b"not json").contains("decode"));
+    assert!(h.refused(b"not json").contains("decode"));
     let mut s = good.clone();
     s.format = 2;
-    assert!(refused(&mut h, &s.to_bytes().expect("encode")).contains("format 2"));
+    assert!(
+        h.refused(&s.to_bytes().expect("encode"))
+            .contains("format 2")
+    );
 
     let mut other = Harness::with_config(SoftGpuConfig {
         vram_size: 4 << 20,
@@ -121,35 +117,47 @@ fn restore_rejects_mismatched_or_broken_states() {
     });
     other.init();
     let three = other.gpu.save_state().expect("save");
-    assert!(refused(&mut h, &three).contains("3 queues"));
+    assert!(h.refused(&three).contains("3 queues"));
     let mut bigger = Harness::with_config(SoftGpuConfig {
         vram_size: 8 << 20,
         queues: 2,
         irq: IrqMode::Msix,
     });
     let big = bigger.gpu.save_state().expect("save");
-    assert!(refused(&mut h, &big).contains("8388608"));
+    assert!(h.refused(&big).contains("8388608"));
     drop(bigger);
 
     let mut s = good.clone();
     s.queues.pop();
-    assert!(refused(&mut h, &s.to_bytes().expect("encode")).contains("queue states"));
+    assert!(
+        h.refused(&s.to_bytes().expect("encode"))
+            .contains("queue states")
+    );
     let mut s = good.clone();
     s.queues[1].ring_size = 5;
-    assert!(refused(&mut h, &s.to_bytes().expect("encode")).contains("Queue 1"));
+    assert!(
+        h.refused(&s.to_bytes().expect("encode"))
+            .contains("Queue 1")
+    );
     let mut s = good.clone();
     s.queues[0].tail = s.queues[0].head + RING_ENTRIES + 1;
-    assert!(refused(&mut h, &s.to_bytes().expect("encode")).contains("Queue 0"));
+    assert!(
+        h.refused(&s.to_bytes().expect("encode"))
+            .contains("Queue 0")
+    );
     // A config space of another layout (MSI-X capability moved).
     let mut json: serde_json::Value =
         serde_json::from_slice(&good.to_bytes().expect("encode")).expect("json");
     json["config_space"]["msix_offset"] = serde_json::json!(4000);
     let blob = serde_json::to_vec(&json).expect("encode");
-    assert!(refused(&mut h, &blob).contains("layout"));
+    assert!(h.refused(&blob).contains("layout"));
     let mut json: serde_json::Value =
         serde_json::from_slice(&good.to_bytes().expect("encode")).expect("json");
     json["config_space"]["bytes"] = serde_json::json!([0, 1, 2]);
-    assert!(refused(&mut h, &serde_json::to_vec(&json).expect("encode")).contains("decode"));
+    assert!(
+        h.refused(&serde_json::to_vec(&json).expect("encode"))
+            .contains("decode")
+    );
 
     // Nothing of the refused states was applied.
     assert_eq!(h.rd32(SCRATCH), 9);
