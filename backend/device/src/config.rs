@@ -208,7 +208,7 @@ pub struct ConfigSpace {
     msi_offset: Option<usize>,
     /// Power-on image, restored by reset.
     #[serde(skip)]
-    power_on: Option<Box<ConfigSpace>>,
+    power_on: Option<Vec<u8>>,
 }
 
 fn zeroed() -> Vec<u8> {
@@ -404,15 +404,13 @@ impl ConfigSpace {
 
     /// Freezes the current contents as the power-on state restored by [`ConfigSpace::reset`].
     pub fn seal(&mut self) {
-        let mut snapshot = self.clone();
-        snapshot.power_on = None;
-        self.power_on = Some(Box::new(snapshot));
+        self.power_on = Some(self.bytes.clone());
     }
 
     /// Returns the space to its power-on state (FLR / device reset).
     pub fn reset(&mut self) {
         if let Some(p) = &self.power_on {
-            self.bytes.clone_from(&p.bytes);
+            self.bytes.clone_from(p);
         }
     }
 

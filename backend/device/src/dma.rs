@@ -29,11 +29,11 @@ use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
 pub const DIRTY_PAGE_SIZE: usize = 4096;
 
 /// A volatile view of mmapped DMA memory; writes through it mark pages dirty.
-pub type DmaSlice<'a> = VolatileSlice<'a, vm_memory::bitmap::BS<'a, AtomicBitmap>>;
+type DmaSlice<'a> = VolatileSlice<'a, vm_memory::bitmap::BS<'a, AtomicBitmap>>;
 
 /// One contiguous piece of a DMA access, handed to access callbacks in address order.
 #[derive(Debug)]
-pub enum Piece<'a> {
+enum Piece<'a> {
     /// Directly mapped guest memory.
     Mem(DmaSlice<'a>),
     /// A bounce buffer for a message-only window: filled from the client before a read
@@ -48,11 +48,6 @@ impl Piece<'_> {
             Piece::Mem(s) => s.len(),
             Piece::Bounce(b) => b.len(),
         }
-    }
-
-    /// Whether the piece is empty (never, for pieces handed out by [`DmaSpace`]).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Copies the piece into `dst` (which must be at least as long).

@@ -58,11 +58,6 @@ impl MsixState {
         self.table.len() as u64 * ENTRY_SIZE
     }
 
-    /// Size in bytes of the PBA.
-    pub fn pba_size(&self) -> u64 {
-        self.pba.len() as u64 * 8
-    }
-
     fn masked(&self, vector: usize, function_masked: bool) -> bool {
         function_masked || self.table.get(vector).is_none_or(|e| e[3] & 1 != 0)
     }
