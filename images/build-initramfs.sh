@@ -43,7 +43,8 @@ command -v cpio >/dev/null || die "cpio not installed: run scripts/setup.sh firs
 
 umask 022
 S=$(mktemp -d "${TMPDIR:-/tmp}/sy-initramfs.XXXXXX")
-trap 'rm -rf "$S"' EXIT
+TMP_OUT=""
+trap 'rm -rf "$S"; [ -z "$TMP_OUT" ] || rm -f "$TMP_OUT"' EXIT
 R=$S/root
 mkdir -p "$R"/{bin,sbin,usr/bin,usr/sbin,lib/modules,tests,proc,sys,dev,tmp,run,etc,root}
 chmod 1777 "$R/tmp"
@@ -86,8 +87,13 @@ done
 # Reproducible archive.
 find "$R" -type d -exec chmod 755 {} + ; chmod 1777 "$R/tmp"
 find "$R" -exec touch -h -d "@$EPOCH" {} +
+# Written to a unique temporary file next to OUT and renamed over it, so a reader (or a
+# concurrent build of the same OUT) never sees a partial archive.
 mkdir -p "$(dirname "$OUT")"
+TMP_OUT=$(mktemp "$OUT.XXXXXX")
 (cd "$R" && find . -mindepth 1 -print0 | LC_ALL=C sort -z |
-  cpio -o -H newc -0 --reproducible -R 0:0 --quiet | gzip -n -6) > "$OUT.tmp"
-mv "$OUT.tmp" "$OUT"
+  cpio -o -H newc -0 --reproducible -R 0:0 --quiet | gzip -n -6) > "$TMP_OUT"
+chmod 644 "$TMP_OUT"
+mv -f "$TMP_OUT" "$OUT"
+TMP_OUT=""
 echo "build-initramfs.sh: $OUT ($(du -h "$OUT" | cut -f1), $(tr '\n' ' ' < "$CACHE/modules/load-order" | wc -w) modules, sha256 $(sha256sum "$OUT" | cut -c1-16))"

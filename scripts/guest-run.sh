@@ -32,6 +32,10 @@ KERNEL=$CACHE/vmlinux
 DRY=0
 while [ $# -gt 0 ]; do
   case $1 in
+    --initrd|--append|--test|--arg|--timeout|--smp|--mem|--kernel)
+      [ $# -ge 2 ] || die "$1 needs a value" ;;
+  esac
+  case $1 in
     --initrd) INITRD=$2; shift 2 ;;
     --append) APPEND="$APPEND $2"; shift 2 ;;
     --test) APPEND="$APPEND sy.test=$2"; shift 2 ;;
@@ -50,7 +54,9 @@ done
 case $TIMEOUT in ''|*[!0-9]*) die "--timeout must be a number of seconds" ;; esac
 case $MEM in ''|*[!0-9]*) die "--mem must be a number of MiB" ;; esac
 
-[ -x "$CACHE/qemu" ] && [ -s "$KERNEL" ] || die "no QEMU/kernel in $CACHE: run scripts/setup.sh first"
+if [ ! -x "$CACHE/qemu" ] || [ ! -s "$KERNEL" ]; then
+  die "no QEMU/kernel in $CACHE: run scripts/setup.sh first"
+fi
 if [ -z "$INITRD" ]; then
   INITRD=$CACHE/initramfs-base.cpio.gz
   stale=0

@@ -10,6 +10,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The full suite always runs the guest tests: an inherited skip switch would let every guest
+# test pass without booting anything.
+if [ "${SWITCHYARD_SKIP_GUEST_TESTS:-}" = 1 ]; then
+  echo "test.sh: error: SWITCHYARD_SKIP_GUEST_TESTS=1 is set, but the full suite never skips" \
+    "guest tests; unset it (it is only for running cargo test by hand)" >&2
+  exit 2
+fi
+unset SWITCHYARD_SKIP_GUEST_TESTS
+
 step() { printf '\n==> %s [%ds]\n' "$*" "$((SECONDS - start))"; }
 start=$SECONDS
 

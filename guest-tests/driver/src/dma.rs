@@ -69,11 +69,6 @@ impl DmaArena {
         self.base + self.size
     }
 
-    /// Total bytes.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
     /// Allocates `len` bytes aligned to `align` (a power of two); returns the IOVA.
     pub fn alloc(&mut self, len: u64, align: u64) -> Result<u64, String> {
         let align = align.max(1);
@@ -168,7 +163,8 @@ impl DmaArena {
         v.ok_or_else(|| format!("u64 at {iova:#x}: no data"))
     }
 
-    /// Volatile 64-bit store.
+    /// Volatile 64-bit store (tests only: the driver writes DMA memory with [`DmaArena::write`]).
+    #[cfg(test)]
     pub fn write_u64(&self, iova: u64, val: u64) -> Result<(), String> {
         self.pieces(iova, 8, |r, off, range| {
             if range.len() != 8 {

@@ -6,7 +6,7 @@ use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crate::cmd::{Addr, Cmd};
-use crate::dma::DmaArena;
+use crate::dma::{DmaArena, Mark};
 use crate::irq::{Event, InterruptSource, IrqMode, WaitError};
 use crate::mmio::BarMap;
 use crate::pci;
@@ -115,17 +115,22 @@ pub struct GpuOptions {
 }
 
 /// The device, brought up and ready for commands.
+///
+/// Field order is drop order, and it matters: the BAR mappings (which keep the device fd open)
+/// and then `vfio` go before `dma`. Dropping `vfio` closes the device, detaches the group and
+/// closes the container, and the kernel then removes every IOMMU mapping of the container, so
+/// no DMA mapping can outlive the memory in `dma`, whatever `shutdown` managed to unmap.
 pub struct Gpu {
     /// BAR0 (registers).
     pub bar0: BarMap,
     /// BAR2 (VRAM).
     pub vram: BarMap,
-    /// DMA memory.
-    pub dma: DmaArena,
     /// The interrupts (MSI-X or MSI eventfds).
     pub irqs: InterruptSource,
-    /// The VFIO device.
-    pub vfio: Vfio,
+    /// The VFIO device (private, like `dma`: neither can be replaced from outside).
+    vfio: Vfio,
+    /// DMA memory ([`Gpu::dma`]); declared after `vfio`, see above.
+    dma: DmaArena,
     /// Queues the device has.
     pub nq: u32,
     /// VRAM bytes.
@@ -138,6 +143,8 @@ pub struct Gpu {
     pub config: Vec<u8>,
     fence_slots: u64,
     queues: Vec<Queue>,
+    /// Set before the first `VFIO_IOMMU_MAP_DMA`: some window may be mapped, so `shutdown`
+    /// tries to unmap them all.
     dma_mapped: bool,
     irqs_enabled: bool,
 }
@@ -261,9 +268,9 @@ impl Gpu {
         let mut gpu = Gpu {
             bar0,
             vram,
-            dma,
             irqs,
             vfio,
+            dma,
             nq,
             vram_size,
             stats: Stats::default(),
@@ -274,16 +281,21 @@ impl Gpu {
             dma_mapped: false,
             irqs_enabled: true,
         };
+        // Before the loop: if a later window fails to map, `shutdown` (run by `Drop` on the
+        // early return) still unmaps the earlier ones.
+        gpu.dma_mapped = true;
         for w in gpu.dma.windows() {
-            // SAFETY: the window is an anonymous mapping owned by `gpu.dma`, which outlives the
-            // DMA mapping: `Gpu::shutdown` (also run by `Drop`) unmaps every window before the
-            // arena is dropped. The CPU only touches it with volatile copies.
+            // SAFETY: the window is an anonymous mapping owned by `gpu.dma`; it is neither
+            // unmapped nor reused before `gpu` is dropped. Every IOMMU mapping of it ends no
+            // later than `gpu.vfio` is dropped (its container removes all of its mappings when
+            // it is released), and `gpu.vfio` is dropped before `gpu.dma` (field order of
+            // `Gpu`). `shutdown` unmaps the windows earlier, but a failed map or unmap does not
+            // break this. The CPU only touches the window with volatile copies.
             unsafe {
                 gpu.vfio
                     .dma_map(w.iova, w.region.size(), w.region.as_ptr())?;
             }
         }
-        gpu.dma_mapped = true;
         say!(
             "DMA: {} windows of {} MiB mapped at IOVA {:#x}..{:#x} through the IOMMU in {} ms",
             gpu.dma.windows().len(),
@@ -387,6 +399,26 @@ impl Gpu {
             }
         }
         Ok(irqs)
+    }
+
+    /// The DMA memory, for CPU access.
+    pub fn dma(&self) -> &DmaArena {
+        &self.dma
+    }
+
+    /// Allocates DMA memory ([`DmaArena::alloc`]).
+    pub fn dma_alloc(&mut self, len: u64, align: u64) -> Result<u64, String> {
+        self.dma.alloc(len, align)
+    }
+
+    /// The current DMA allocation point ([`DmaArena::mark`]).
+    pub fn dma_mark(&self) -> Mark {
+        self.dma.mark()
+    }
+
+    /// Frees the DMA memory allocated after `m` ([`DmaArena::release`]).
+    pub fn dma_release(&mut self, m: Mark) {
+        self.dma.release(m);
     }
 
     /// The interrupt mode.

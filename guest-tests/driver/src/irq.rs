@@ -410,7 +410,8 @@ impl InterruptSource {
         }
     }
 
-    /// Collects what is signalled, then forgets every undelivered event.
+    /// Collects what is signalled, then forgets every undelivered event (tests only).
+    #[cfg(test)]
     pub fn clear_pending(&mut self, regs: &(impl IntRegs + ?Sized)) -> Result<u32, WaitError> {
         let st = self.collect(regs)?;
         match self {

@@ -258,7 +258,24 @@ mod tests {
         assert_eq!(Q_STATUS_ERROR, dev::Q_STATUS_ERROR);
         assert_eq!(Q_STATUS_PAUSED, dev::Q_STATUS_PAUSED);
         assert_eq!(ERR_DMA_UNMAPPED, dev::ERR_DMA_UNMAPPED);
-        assert_eq!(error_name(dev::ERR_BAD_RING), "BAD_RING");
+        // Every error code the device defines has its own name here, and nothing else does.
+        let codes = [
+            (dev::ERR_NONE, "NONE"),
+            (dev::ERR_BAD_OPCODE, "BAD_OPCODE"),
+            (dev::ERR_BAD_COMMAND, "BAD_COMMAND"),
+            (dev::ERR_DMA_UNMAPPED, "DMA_UNMAPPED"),
+            (dev::ERR_DMA_PERMISSION, "DMA_PERMISSION"),
+            (dev::ERR_VRAM_RANGE, "VRAM_RANGE"),
+            (dev::ERR_LIMIT, "LIMIT"),
+            (dev::ERR_RING_FETCH, "RING_FETCH"),
+            (dev::ERR_BAD_DOORBELL, "BAD_DOORBELL"),
+            (dev::ERR_BAD_RING, "BAD_RING"),
+        ];
+        for (code, name) in codes {
+            assert_eq!(error_name(code), name, "error code {code}");
+        }
+        let max = codes.iter().map(|c| c.0).max().expect("codes");
+        assert_eq!(error_name(max + 1), "?");
     }
 
     #[test]

@@ -279,8 +279,9 @@ impl Vfio {
     /// # Safety
     ///
     /// The memory must stay mapped (and only be accessed volatilely by the CPU) until
-    /// [`Vfio::dma_unmap`] succeeds for the same range, because the device can read and write
-    /// it at any time.
+    /// [`Vfio::dma_unmap`] succeeds for the same range or this `Vfio` is dropped (releasing
+    /// the container removes all of its mappings), because the device can read and write it
+    /// at any time.
     pub unsafe fn dma_map(&self, iova: u64, size: usize, addr: *mut u8) -> Result<(), String> {
         // SAFETY: forwarded to the caller.
         unsafe { self.container.vfio_dma_map(iova, size, addr) }.map_err(|e| {

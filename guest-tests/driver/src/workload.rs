@@ -147,7 +147,7 @@ fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
 }
 
 fn read_f32(g: &Gpu, iova: u64, n: usize) -> Result<Vec<f32>, String> {
-    Ok(r::f32_from_bytes(&g.dma.read_vec(iova, 4 * n)?))
+    Ok(r::f32_from_bytes(&g.dma().read_vec(iova, 4 * n)?))
 }
 
 fn mib(b: u64) -> String {
@@ -283,7 +283,7 @@ fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
         IrqMode::Msix => format!("re-routed completion vector {routed} of queue {q}: {e}"),
         IrqMode::Msi => format!("NOP completion of queue {q} on the MSI vector: {e}"),
     })?;
-    let v = g.dma.read_u64(g.fence_slot(q))?;
+    let v = g.dma().read_u64(g.fence_slot(q))?;
     ensure(v >= seq, || {
         format!("NOP interrupt arrived before the earlier FENCE landed ({v} < {seq})")
     })?;
@@ -318,11 +318,11 @@ fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
 /// slice of VRAM through the BAR mapping.
 fn step_copy(g: &mut Gpu, s: &Sizes, vl: VramLayout, vram_ok: &mut bool) -> Result<String, String> {
     let len = s.copy_bytes;
-    let src = g.dma.alloc(len + 64, 4096)? + 3;
-    let dst = g.dma.alloc(len + 64, 4096)? + 1;
+    let src = g.dma_alloc(len + 64, 4096)? + 3;
+    let dst = g.dma_alloc(len + 64, 4096)? + 1;
     let pattern = r::byte_data(0xc0b1, len as usize);
-    g.dma.write(src, &pattern)?;
-    g.dma.write(dst, &vec![0xee; len as usize])?;
+    g.dma().write(src, &pattern)?;
+    g.dma().write(dst, &vec![0xee; len as usize])?;
     let vbase = vl.copy + 5;
     let nq = u64::from(g.nq);
     let chunk = (len / nq) & !3;
@@ -348,7 +348,7 @@ fn step_copy(g: &mut Gpu, s: &Sizes, vl: VramLayout, vram_ok: &mut bool) -> Resu
         g.wait_fence(q, seq)?;
     }
     let dev_ms = t.elapsed().as_millis();
-    let got = g.dma.read_vec(dst, len as usize)?;
+    let got = g.dma().read_vec(dst, len as usize)?;
     check_bytes("host->VRAM->host copy", &got, &pattern)?;
     g.stats.jobs_verified += 2 * nq;
     // The CPU sees the engines' VRAM writes through the BAR mapping.
@@ -378,9 +378,9 @@ fn step_copy(g: &mut Gpu, s: &Sizes, vl: VramLayout, vram_ok: &mut bool) -> Resu
 fn step_fill(g: &mut Gpu, s: &Sizes, vl: VramLayout) -> Result<String, String> {
     let q = g.nq - 1;
     let len = s.fill_bytes;
-    let dst = g.dma.alloc(len + 64, 4096)? + 1;
-    let out = g.dma.alloc(len + 64, 4096)? + 2;
-    g.dma.write(dst, &vec![0xee; len as usize + 16])?;
+    let dst = g.dma_alloc(len + 64, 4096)? + 1;
+    let out = g.dma_alloc(len + 64, 4096)? + 2;
+    g.dma().write(dst, &vec![0xee; len as usize + 16])?;
     let vdst = vl.fill + 3;
     let (p1, p2) = (0xa1b2_c3d4, 0x0102_0304);
     g.run(
@@ -391,7 +391,7 @@ fn step_fill(g: &mut Gpu, s: &Sizes, vl: VramLayout) -> Result<String, String> {
             Cmd::copy(Addr::Vram(vdst), Addr::Iova(out), len),
         ],
     )?;
-    let got = g.dma.read_vec(dst, len as usize + 16)?;
+    let got = g.dma().read_vec(dst, len as usize + 16)?;
     check_bytes(
         "guest FILL",
         &got[..len as usize],
@@ -402,7 +402,7 @@ fn step_fill(g: &mut Gpu, s: &Sizes, vl: VramLayout) -> Result<String, String> {
         &got[len as usize..],
         &[0xee; 16],
     )?;
-    let got = g.dma.read_vec(out, len as usize)?;
+    let got = g.dma().read_vec(out, len as usize)?;
     check_bytes("VRAM FILL (copied back)", &got, &r::fill(len as usize, p2))?;
     g.stats.jobs_verified += 3;
     Ok(format!(
@@ -418,32 +418,32 @@ fn step_compute(g: &mut Gpu, s: &Sizes, vl: VramLayout) -> Result<String, String
     let a = 1.752_93_f32;
     let x = r::f32_data(0x5a, n);
     let y = r::f32_data(0x5b, n);
-    let xa = g.dma.alloc(4 * n as u64, 4096)?;
-    let ya = g.dma.alloc(4 * n as u64, 4096)?;
-    let outs = g.dma.alloc(64, 64)?;
-    g.dma.write(xa, &r::f32_bytes(&x))?;
-    g.dma.write(ya, &r::f32_bytes(&y))?;
-    g.dma.write(outs, &[0xff; 64])?;
+    let xa = g.dma_alloc(4 * n as u64, 4096)?;
+    let ya = g.dma_alloc(4 * n as u64, 4096)?;
+    let outs = g.dma_alloc(64, 64)?;
+    g.dma().write(xa, &r::f32_bytes(&x))?;
+    g.dma().write(ya, &r::f32_bytes(&y))?;
+    g.dma().write(outs, &[0xff; 64])?;
 
     let (m, nn, k) = s.gemm;
     let ga = r::f32_data(0x61, m * k);
     let gb = r::f32_data(0x62, k * nn);
-    let aa = g.dma.alloc(4 * (m * k) as u64, 4096)?;
-    let ba = g.dma.alloc(4 * (k * nn) as u64, 4096)?;
-    let ca = g.dma.alloc(4 * (m * nn) as u64, 4096)?;
-    g.dma.write(aa, &r::f32_bytes(&ga))?;
-    g.dma.write(ba, &r::f32_bytes(&gb))?;
-    g.dma.write(ca, &vec![0xff; 4 * m * nn])?;
+    let aa = g.dma_alloc(4 * (m * k) as u64, 4096)?;
+    let ba = g.dma_alloc(4 * (k * nn) as u64, 4096)?;
+    let ca = g.dma_alloc(4 * (m * nn) as u64, 4096)?;
+    g.dma().write(aa, &r::f32_bytes(&ga))?;
+    g.dma().write(ba, &r::f32_bytes(&gb))?;
+    g.dma().write(ca, &vec![0xff; 4 * m * nn])?;
 
     let (m2, n2, k2) = s.gemm_vram;
     let va = r::f32_data(0x71, m2 * k2);
     let vb = r::f32_data(0x72, k2 * n2);
-    let a2 = g.dma.alloc(4 * (m2 * k2) as u64, 64)?;
-    let b2 = g.dma.alloc(4 * (k2 * n2) as u64, 64)?;
-    let c2 = g.dma.alloc(4 * (m2 * n2) as u64, 64)?;
-    g.dma.write(a2, &r::f32_bytes(&va))?;
-    g.dma.write(b2, &r::f32_bytes(&vb))?;
-    g.dma.write(c2, &vec![0xff; 4 * m2 * n2])?;
+    let a2 = g.dma_alloc(4 * (m2 * k2) as u64, 64)?;
+    let b2 = g.dma_alloc(4 * (k2 * n2) as u64, 64)?;
+    let c2 = g.dma_alloc(4 * (m2 * n2) as u64, 64)?;
+    g.dma().write(a2, &r::f32_bytes(&va))?;
+    g.dma().write(b2, &r::f32_bytes(&vb))?;
+    g.dma().write(c2, &vec![0xff; 4 * m2 * n2])?;
     let (vra, vrb) = (vl.gemm, vl.gemm + 4 * (m2 * k2) as u64 + 64);
     let vrc = vrb + 4 * (k2 * n2) as u64 + 128;
 
@@ -552,11 +552,11 @@ fn step_vram_mmap(g: &mut Gpu, s: &Sizes, vl: VramLayout) -> Result<String, Stri
     let pattern = r::byte_data(0x77aa, len as usize);
     g.vram.write(v1, &pattern).map_err(|e| e.to_string())?;
     fence(Ordering::SeqCst);
-    let buf = g.dma.alloc(len + 64, 4096)? + 5;
+    let buf = g.dma_alloc(len + 64, 4096)? + 5;
     g.run(0, &[Cmd::copy(Addr::Vram(v1), Addr::Iova(buf), len)])?;
     check_bytes(
         "engine COPY of bytes the CPU wrote through the BAR2 mapping",
-        &g.dma.read_vec(buf, len as usize)?,
+        &g.dma().read_vec(buf, len as usize)?,
         &pattern,
     )?;
     g.stats.jobs_verified += 1;
@@ -637,7 +637,7 @@ fn provoke(g: &mut Gpu, q: u32, bad: Cmd, want_addr: u64) -> Result<String, Stri
     ensure(ds & DEV_STATUS_ERROR != 0, || {
         format!("DEV_STATUS {ds:#x} lacks the error bit")
     })?;
-    let fence_before = g.dma.read_u64(g.fence_slot(q))?;
+    let fence_before = g.dma().read_u64(g.fence_slot(q))?;
     ensure(fence_before < seq, || {
         "the FENCE behind the bad command ran".into()
     })?;
@@ -675,43 +675,43 @@ fn provoke(g: &mut Gpu, q: u32, bad: Cmd, want_addr: u64) -> Result<String, Stri
 /// the queue must work again after RECOVER.
 fn step_error(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
     // (a) Entirely unmapped destination, queue 0.
-    let src = g.dma.alloc(4096, 4096)?;
-    g.dma.write(src, &[0x5a; 64])?;
+    let src = g.dma_alloc(4096, 4096)?;
+    g.dma().write(src, &[0x5a; 64])?;
     let bad = 0x7_0000_0000_u64;
     let a = provoke(g, 0, Cmd::copy(Addr::Iova(src), Addr::Iova(bad), 64), bad)?;
     g.stats.jobs_verified += 1;
-    let ok = g.dma.alloc(64, 64)?;
+    let ok = g.dma_alloc(64, 64)?;
     g.run(0, &[Cmd::fill(Addr::Iova(ok), 16, 0xfeed_face)])?;
     check_bytes(
         "FILL after recovery",
-        &g.dma.read_vec(ok, 16)?,
+        &g.dma().read_vec(ok, 16)?,
         &r::fill(16, 0xfeed_face),
     )?;
     g.stats.jobs_verified += 1;
 
     // (b) A range whose second page lies past the end of the arena, on the last queue.
     let q = g.nq - 1;
-    let last = g.dma.end() - 4096;
-    g.dma.write(last, &[0x77; 4096])?;
-    let src = g.dma.alloc(8192, 4096)?;
+    let last = g.dma().end() - 4096;
+    g.dma().write(last, &[0x77; 4096])?;
+    let src = g.dma_alloc(8192, 4096)?;
     let data = r::byte_data(0xbad, 8192);
-    g.dma.write(src, &data)?;
+    g.dma().write(src, &data)?;
     let b = provoke(
         g,
         q,
         Cmd::copy(Addr::Iova(src), Addr::Iova(last), 8192),
-        g.dma.end(),
+        g.dma().end(),
     )?;
     check_bytes(
         "mapped page of the faulting COPY (must be untouched)",
-        &g.dma.read_vec(last, 4096)?,
+        &g.dma().read_vec(last, 4096)?,
         &[0x77; 4096],
     )?;
     g.stats.jobs_verified += 1;
     g.run(q, &[Cmd::copy(Addr::Iova(src), Addr::Iova(last), 4096)])?;
     check_bytes(
         "COPY after recovery",
-        &g.dma.read_vec(last, 4096)?,
+        &g.dma().read_vec(last, 4096)?,
         &data[..4096],
     )?;
     g.stats.jobs_verified += 1;
@@ -784,12 +784,12 @@ pub fn run(g: &mut Gpu, sizes: &Sizes) -> Outcome {
     let mut vram_step_ok = false;
     for (name, mut f) in steps {
         let t = Instant::now();
-        let mark = g.dma.mark();
+        let mark = g.dma_mark();
         let res = match catch_unwind(AssertUnwindSafe(|| f(g))) {
             Ok(r) => r,
             Err(p) => Err(format!("panic: {}", crate::panic_message(p.as_ref()))),
         };
-        g.dma.release(mark);
+        g.dma_release(mark);
         let ms = t.elapsed().as_millis() as u64;
         let ok = res.is_ok();
         match res {

@@ -3,12 +3,15 @@
 //! It starts `switchyard serve` on a fresh socket and waits until it listens, boots QEMU under
 //! TCG (never KVM: `/dev/kvm` on our machines is PVM and cannot boot a stock kernel) with guest
 //! RAM as a shared memfd, reads the guest's serial console from a file, enforces timeouts,
-//! kills only the processes it started, and keeps the guest, server and QEMU logs of a failed
-//! test under `target/guest-logs/<test>/`.
+//! kills only the processes it started, and keeps the guest, server and QEMU logs of every
+//! test under `target/guest-tests/logs/<test>/` (printed when the test fails).
+//!
+//! The serial console is read while QEMU is still writing it, so everything that looks at it
+//! before QEMU has exited considers only complete lines ([`complete_lines`]).
 //!
 //! Guest tests are real tests: when QEMU, the kernel or the in-guest driver are missing they
 //! fail with a message saying how to set them up (`scripts/setup.sh`), unless
-//! `SWITCHYARD_SKIP_GUEST_TESTS=1` is set — which CI never does.
+//! `SWITCHYARD_SKIP_GUEST_TESTS=1` is set — which `scripts/test.sh` (and so CI) refuses.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -44,6 +47,12 @@ pub enum HarnessError {
     /// A process exited unexpectedly.
     #[error("{0} exited early: {1}")]
     Exited(&'static str, ExitStatus),
+    /// The guest ended without powering off cleanly.
+    #[error("the guest did not finish cleanly: {0}")]
+    Unclean(String),
+    /// A [`GuestSpec`] that cannot be passed on the kernel command line.
+    #[error("bad guest spec: {0}")]
+    BadSpec(String),
     /// Building the QEMU command line failed.
     #[error("cannot build the QEMU command line")]
     Qemu(#[source] switchyard_qemu::QemuError),
@@ -148,24 +157,41 @@ impl GuestEnv {
         }
     }
 
-    /// The test initramfs: the base image plus the driver (built once per test process).
+    /// The test initramfs `target/guest-tests/initramfs.cpio.gz`: the base image plus the
+    /// driver (built once per test process). It is built under a name of this process and
+    /// renamed into place, so processes building it at the same time never see a partial
+    /// archive, and a build never leaves a file behind.
     pub fn initramfs(&self) -> Result<PathBuf> {
         static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
         BUILT
             .get_or_init(|| {
-                let out = self
+                let out = self.work.join("initramfs.cpio.gz");
+                let tmp = self
                     .work
-                    .join(format!("initramfs-{}.cpio.gz", std::process::id()));
-                let status = Command::new(self.repo.join("images/build-initramfs.sh"))
-                    .arg(&out)
+                    .join(format!(".initramfs.cpio.gz.{}.tmp", std::process::id()));
+                let built = Command::new(self.repo.join("images/build-initramfs.sh"))
+                    .arg(&tmp)
                     .arg("--add")
                     .arg(&self.driver)
                     .env("SWITCHYARD_CACHE", &self.cache)
                     .stdout(Stdio::null())
                     .status()
-                    .map_err(|e| e.to_string())?;
-                if !status.success() {
-                    return Err(format!("images/build-initramfs.sh exited with {status}"));
+                    .map_err(|e| format!("images/build-initramfs.sh: {e}"))
+                    .and_then(|status| {
+                        if status.success() {
+                            Ok(())
+                        } else {
+                            Err(format!("images/build-initramfs.sh exited with {status}"))
+                        }
+                    })
+                    .and_then(|()| {
+                        fs::rename(&tmp, &out).map_err(|e| {
+                            format!("rename {} to {}: {e}", tmp.display(), out.display())
+                        })
+                    });
+                if let Err(e) = built {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(e);
                 }
                 Ok(out)
             })
@@ -181,6 +207,21 @@ impl GuestEnv {
             .map_err(|e| HarnessError::Io(format!("mkdir {}", dir.display()), e))?;
         Ok(dir)
     }
+}
+
+/// The complete lines of `text`: everything up to and including its last `'\n'` (nothing if it
+/// has none). A file another process is writing may end in a partly written line.
+pub fn complete_lines(text: &str) -> &str {
+    text.rfind('\n').map_or("", |i| &text[..=i])
+}
+
+/// The first complete line of `text` that starts with `prefix` (after trimming whitespace,
+/// including the serial console's `\r`), trimmed.
+pub fn find_line<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    complete_lines(text)
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with(prefix))
 }
 
 /// Polls `f` every 20 ms until it returns `Some` or `timeout` passes.
@@ -301,7 +342,7 @@ impl Drop for Server {
 pub struct GuestSpec {
     /// The test `/init` runs (`sy.test=`).
     pub test: String,
-    /// Its arguments (`sy.arg=`, no spaces).
+    /// Its arguments (`sy.arg=`; whitespace is rejected by [`Guest::boot`]).
     pub args: Vec<String>,
     /// Add `intel-iommu,caching-mode=on` (needed for VFIO in the guest).
     pub iommu: bool,
@@ -377,8 +418,19 @@ impl GuestOutput {
 }
 
 impl Guest {
-    /// Boots QEMU with `spec`; the server(s) must already listen.
+    /// Boots QEMU with `spec`; the server(s) must already listen. The test name and its
+    /// arguments go on the kernel command line, which the guest splits at whitespace, so any
+    /// whitespace in them is an error.
     pub fn boot(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest> {
+        for (what, v) in std::iter::once(("test name", &spec.test))
+            .chain(spec.args.iter().map(|a| ("argument", a)))
+        {
+            if v.is_empty() || v.chars().any(char::is_whitespace) {
+                return Err(HarnessError::BadSpec(format!(
+                    "{what} {v:?} is empty or contains whitespace (the guest would split it)"
+                )));
+            }
+        }
         let initrd = env.initramfs()?;
         let serial = dir.join("serial.log");
         let qemu_log = dir.join("qemu.log");
@@ -438,22 +490,31 @@ impl Guest {
         self.timeout.saturating_sub(self.started.elapsed())
     }
 
-    /// Waits until the console contains `needle` (within the guest's overall timeout).
-    pub fn wait_for(&mut self, needle: &str) -> Result<String> {
+    /// QEMU's exit status if it has exited (without blocking).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Waits until the console has a complete line starting with `prefix` (within the guest's
+    /// overall timeout) and returns that line, trimmed (see [`find_line`]). Fails early if QEMU
+    /// exits first.
+    pub fn wait_for_line(&mut self, prefix: &str) -> Result<String> {
         let t = self.remaining();
-        wait_until(t, &format!("guest output `{needle}`"), || {
-            let s = self.serial_text();
-            if s.contains(needle) {
-                return Some(Ok(s));
+        wait_until(t, &format!("a guest output line `{prefix}...`"), || {
+            // Exit status first, text second: a line written just before QEMU exited is seen.
+            let exited = self.exited();
+            if let Some(l) = find_line(&self.serial_text(), prefix) {
+                return Some(Ok(l.to_owned()));
             }
-            match self.child.as_mut().map(Child::try_wait) {
-                Some(Ok(Some(st))) => Some(Err(HarnessError::Exited("QEMU", st))),
-                _ => None,
-            }
+            exited.map(|st| Err(HarnessError::Exited("QEMU", st)))
         })?
     }
 
-    /// Waits for QEMU to exit (the guest powers off after its test).
+    /// Waits for QEMU to exit (the guest powers off after its test). Fails unless QEMU exited
+    /// successfully after the guest printed `GUEST: poweroff`, so a QEMU crash or a guest
+    /// that died another way is an error even when the test's own markers are all there.
     pub fn wait(mut self) -> Result<GuestOutput> {
         let t = self.remaining();
         let status = wait_until(t, "the guest to power off", || {
@@ -471,16 +532,27 @@ impl Guest {
             }
         };
         self.child = None;
+        let serial = self.serial_text();
+        let powered_off = complete_lines(&serial)
+            .lines()
+            .any(|l| l.trim() == "GUEST: poweroff");
+        if !status.success() || !powered_off {
+            return Err(HarnessError::Unclean(format!(
+                "QEMU exited with {status}, {} (see {} and {})",
+                if powered_off {
+                    "after `GUEST: poweroff`"
+                } else {
+                    "but the guest never printed `GUEST: poweroff`"
+                },
+                self.serial.display(),
+                self.qemu_log.display()
+            )));
+        }
         Ok(GuestOutput {
-            serial: self.serial_text(),
+            serial,
             status,
             elapsed: self.started.elapsed(),
         })
-    }
-
-    /// QEMU's stderr so far.
-    pub fn qemu_log_text(&self) -> String {
-        fs::read_to_string(&self.qemu_log).unwrap_or_default()
     }
 }
 
@@ -507,6 +579,51 @@ pub fn dump_logs(dir: &Path) {
                     eprintln!("{l}");
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_complete_lines_count() {
+        assert_eq!(complete_lines(""), "");
+        assert_eq!(complete_lines("HOTPLUG: run round=1 rc="), "");
+        assert_eq!(
+            complete_lines("a\r\nHOTPLUG: run round=1 rc=0\r\nHOTPLUG: run round=2 rc="),
+            "a\r\nHOTPLUG: run round=1 rc=0\r\n"
+        );
+        let text = "x\r\nHOTPLUG: run round=1 rc=0\r\nHOTPLUG: run round=2 rc=";
+        assert_eq!(
+            find_line(text, "HOTPLUG: run round=1 rc="),
+            Some("HOTPLUG: run round=1 rc=0")
+        );
+        assert_eq!(find_line(text, "HOTPLUG: run round=2 rc="), None);
+        assert_eq!(find_line("SYGPU-SUMMARY {\"res", "SYGPU-SUMMARY"), None);
+    }
+
+    #[test]
+    fn whitespace_in_guest_args_is_rejected() {
+        let none = PathBuf::from("/nonexistent");
+        let env = GuestEnv {
+            repo: none.clone(),
+            cache: none.clone(),
+            qemu: none.clone(),
+            vmlinux: none.clone(),
+            switchyard: none.clone(),
+            driver: none.clone(),
+            work: none.clone(),
+        };
+        for (test, args) in [
+            ("sygpu-driver", vec!["--bdf 0000:00:04.0"]),
+            ("a b", vec![]),
+        ] {
+            let mut spec = GuestSpec::new(test);
+            spec.args = args.into_iter().map(String::from).collect();
+            let err = Guest::boot(&env, &none, &spec).expect_err("rejected");
+            assert!(matches!(err, HarnessError::BadSpec(_)), "{err}");
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use switchyard_guest_tests::{Guest, GuestEnv, GuestSpec, Server};
+use switchyard_guest_tests::{Guest, GuestEnv, GuestSpec, Server, complete_lines};
 use switchyard_qemu::VfioUserDevice;
 
 fn main() -> anyhow::Result<()> {
@@ -24,15 +24,19 @@ fn main() -> anyhow::Result<()> {
     let mut spec = GuestSpec::new("sygpu-driver");
     spec.iommu = true;
     spec.devices = vec![VfioUserDevice::new("gpu0", &server.socket)];
-    let guest = Guest::boot(&env, &dir, &spec).context("booting the guest")?;
+    let mut guest = Guest::boot(&env, &dir, &spec).context("booting the guest")?;
+    let booted = Instant::now();
     println!(
         "  [{:5.1}s] guest booting (QEMU vfio-user-pci, intel-iommu, driver via VFIO)",
         t0.elapsed().as_secs_f64()
     );
     let mut shown = 0usize;
     let summary = loop {
+        // Exit status before the text: whatever QEMU wrote before it exited is read below.
+        let exited = guest.exited();
         let text = guest.serial_text();
-        let lines: Vec<&str> = text.lines().collect();
+        // QEMU may be in the middle of a line: only complete lines count.
+        let lines: Vec<&str> = complete_lines(&text).lines().collect();
         for l in lines.iter().skip(shown) {
             let l = l.trim();
             if let Some(p) = l.strip_prefix("SYGPU:") {
@@ -53,12 +57,22 @@ fn main() -> anyhow::Result<()> {
             break serde_json::from_str::<serde_json::Value>(s.trim())
                 .context("parsing the driver summary")?;
         }
-        if t0.elapsed() > Duration::from_secs(600) {
-            bail!("no result after 600 s; logs in {}", dir.display());
-        }
-        if text.contains("GUEST: poweroff") {
+        if lines.iter().any(|l| l.trim() == "GUEST: poweroff") {
             bail!(
                 "the guest powered off without a result; logs in {}",
+                dir.display()
+            );
+        }
+        if let Some(status) = exited {
+            bail!(
+                "QEMU exited ({status}) without a result; logs in {}",
+                dir.display()
+            );
+        }
+        if booted.elapsed() > spec.timeout {
+            bail!(
+                "no result after {} s; logs in {}",
+                spec.timeout.as_secs(),
                 dir.display()
             );
         }
