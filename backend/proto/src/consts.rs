@@ -107,8 +107,6 @@ pub const LIBVFIO_USER_SERVER_MAX_FDS: u32 = 8;
 pub const LIBVFIO_USER_MAX_DMA_REGIONS: u32 = 1_000_000;
 /// libvfio-user's largest DMA region (8 TiB).
 pub const LIBVFIO_USER_MAX_DMA_SIZE: u64 = 8 << 40;
-/// libvfio-user's `SERVER_MAX_ERROR_NO`: larger reply errnos are rejected.
-pub const SERVER_MAX_ERROR_NO: u32 = 4096;
 /// libvfio-user's largest DMA_UNMAP argsz with a dirty bitmap.
 pub const MAX_DIRTY_BITMAP_ARGSZ: u64 = 1 << 20;
 
@@ -246,10 +244,6 @@ pub const KVM_IOEVENTFD_FLAG_VIRTIO_CCW_NOTIFY: u32 = 1 << 3;
 pub const KVM_IOREGION_PIO: u32 = 1 << 0;
 /// `KVM_IOREGION_POSTED_WRITES` (ioregionfd was never merged; proposed value).
 pub const KVM_IOREGION_POSTED_WRITES: u32 = 1 << 1;
-/// Spec size of one GET_REGION_IO_FDS entry.
-pub const IO_FD_ENTRY_SIZE: usize = 40;
-/// libvfio-user size of one GET_REGION_IO_FDS entry (`vfio_user_sub_region_ioeventfd_t`).
-pub const IO_FD_ENTRY_SIZE_LIBVFIO_USER: usize = 48;
 
 // ---- DEVICE_FEATURE ----
 /// `VFIO_DEVICE_FEATURE_MASK` (feature index bits).

@@ -124,15 +124,6 @@ impl From<Command> for u16 {
     }
 }
 
-/// The message type encoded in the low header flag bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MessageType {
-    /// A command (request).
-    Command,
-    /// A reply.
-    Reply,
-}
-
 /// The 16-byte header that precedes every message (spec §1.3), host endian.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, Default, FromBytes, IntoBytes, KnownLayout, Immutable,
@@ -165,9 +156,7 @@ impl Header {
 
     /// The 16 wire bytes (host endian).
     pub fn to_bytes(&self) -> [u8; HEADER_SIZE] {
-        let mut b = [0u8; HEADER_SIZE];
-        b.copy_from_slice(self.as_bytes());
-        b
+        zerocopy::transmute!(*self)
     }
 
     /// Builds a command header for a body of `body_len` bytes.
@@ -178,23 +167,39 @@ impl Header {
         body_len: usize,
     ) -> Result<Header, ProtoError> {
         Ok(Header {
-            msg_id,
-            cmd: cmd.as_u16(),
             msg_size: msg_size_for(body_len)?,
-            flags: VFIO_USER_F_TYPE_COMMAND | if no_reply { VFIO_USER_F_NO_REPLY } else { 0 },
-            error_no: 0,
+            ..Header::unsized_command(msg_id, cmd, no_reply)
         })
     }
 
     /// Builds a (successful) reply header for a body of `body_len` bytes.
     pub fn reply(msg_id: u16, cmd: u16, body_len: usize) -> Result<Header, ProtoError> {
         Ok(Header {
+            msg_size: msg_size_for(body_len)?,
+            ..Header::unsized_reply(msg_id, cmd)
+        })
+    }
+
+    /// A command header with `msg_size` 0, to be patched once the body is written.
+    pub(crate) const fn unsized_command(msg_id: u16, cmd: Command, no_reply: bool) -> Header {
+        Header {
+            msg_id,
+            cmd: cmd.as_u16(),
+            msg_size: 0,
+            flags: VFIO_USER_F_TYPE_COMMAND | if no_reply { VFIO_USER_F_NO_REPLY } else { 0 },
+            error_no: 0,
+        }
+    }
+
+    /// A successful reply header with `msg_size` 0, to be patched once the body is written.
+    pub(crate) const fn unsized_reply(msg_id: u16, cmd: u16) -> Header {
+        Header {
             msg_id,
             cmd,
-            msg_size: msg_size_for(body_len)?,
+            msg_size: 0,
             flags: VFIO_USER_F_TYPE_REPLY,
             error_no: 0,
-        })
+        }
     }
 
     /// Builds an error reply header (no body). Negative errnos are negated.
@@ -235,15 +240,6 @@ impl Header {
     /// The command, if known.
     pub fn command_kind(&self) -> Result<Command, ProtoError> {
         Command::try_from(self.cmd)
-    }
-
-    /// The message type (command or reply); other type values are an error.
-    pub fn message_type(&self) -> Result<MessageType, ProtoError> {
-        match self.flags & VFIO_USER_F_TYPE_MASK {
-            VFIO_USER_F_TYPE_COMMAND => Ok(MessageType::Command),
-            VFIO_USER_F_TYPE_REPLY => Ok(MessageType::Reply),
-            _ => Err(ProtoError::BadMessageType { flags: self.flags }),
-        }
     }
 
     /// Whether the type bits say reply.

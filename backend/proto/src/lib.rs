@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 mod caps;
+mod check;
 pub mod consts;
 pub mod errno;
 mod error;
@@ -32,16 +33,17 @@ pub use caps::{
     negotiate_version, version_json_text,
 };
 pub use error::ProtoError;
-pub use header::{Command, Direction, Header, MessageType};
+pub use header::{Command, Direction, Header};
 pub use payload::{
     DeviceFeatureReply, DeviceFeatureRequest, DirtyBitmap, DmaLoggingControl, FeatureFlags,
     FeatureReply, FeatureRequest, IoFdEntries, IrqAction, IrqData, MigState, RegionCap,
     RegionCapIter, RegionCapsBuilder, SetIrqs, Version, dirty_bitmap_size, region_caps,
 };
 pub use reply::{
-    Reply, decode_reply, decode_reply_within, dma_read_reply_buffer, dma_unmap_bitmap_reply_buffer,
-    encode_region_write_reply, encode_version_reply, encode_version_request,
-    mig_data_read_reply_buffer, region_read_reply_buffer, truncate_mig_data_read_reply,
+    Reply, decode_reply, decode_reply_body, decode_reply_within, dma_read_reply_buffer,
+    dma_unmap_bitmap_reply_buffer, encode_region_write_reply, encode_version_reply,
+    encode_version_request, mig_data_read_reply_buffer, region_read_reply_buffer,
+    truncate_mig_data_read_reply,
 };
 pub use request::{
     Limits, Request, decode_request, decode_request_with, region_write_request_buffer,
@@ -49,8 +51,7 @@ pub use request::{
 pub use wire::{
     BitmapHeader, CapHeader, DeviceFeatureHeader, DeviceInfo, DmaAccess, DmaLoggingControlHeader,
     DmaLoggingRange, DmaLoggingReport, DmaMap, DmaUnmap, IoFdEntry, IoFdShadowEntry, IrqInfo,
-    IrqSet, MigData, MigDeviceState, MigrationFeature, PrecopyInfo, Records, RegionAccess,
-    RegionInfo, RegionIoFds, RegionTypeCap, SparseMmapArea, SparseMmapHeader, VersionHeader,
-    WriteMultiEntry,
+    IrqSet, MigData, MigDeviceState, MigrationFeature, Records, RegionAccess, RegionInfo,
+    RegionIoFds, RegionTypeCap, SparseMmapArea, SparseMmapHeader, VersionHeader, WriteMultiEntry,
 };
 pub use writer::{MessageWriter, encode_error_reply};

@@ -4,6 +4,7 @@ use crate::caps::{Capabilities, version_json_text};
 use crate::consts::*;
 use crate::error::ProtoError;
 use crate::wire::*;
+use crate::writer::{MessageWriter, patch_u32};
 
 /// VERSION payload (request and reply): versions plus the raw version data
 /// (NUL-terminated JSON, or empty).
@@ -26,6 +27,27 @@ impl<'a> Version<'a> {
     /// Parses the capabilities (defaults when there is no JSON).
     pub fn capabilities(&self) -> Result<Capabilities, ProtoError> {
         Capabilities::from_version_data(self.data)
+    }
+
+    /// Decodes a VERSION body (request or reply), checking the version data.
+    pub(crate) fn decode(body: &'a [u8], what: &'static str) -> Result<Self, ProtoError> {
+        let (v, data) = read_prefix::<VersionHeader>(body, what)?;
+        let version = Version {
+            major: v.major,
+            minor: v.minor,
+            data,
+        };
+        version.json()?;
+        Ok(version)
+    }
+
+    /// Appends the VERSION body.
+    pub(crate) fn write(&self, w: &mut MessageWriter<'_>) {
+        w.put(&VersionHeader {
+            major: self.major,
+            minor: self.minor,
+        });
+        w.put_bytes(self.data);
     }
 }
 
@@ -213,7 +235,9 @@ impl FeatureFlags {
     }
 
     /// Validates: no undefined bits; GET and SET exclusive unless PROBE;
-    /// one of GET/SET/PROBE present.
+    /// one of GET/SET/PROBE present; without PROBE, the op must be one the
+    /// feature supports (GET for MIGRATION and DMA_LOGGING_REPORT, SET for
+    /// DMA_LOGGING_START/STOP; other features are not restricted).
     pub fn validate(self) -> Result<(), ProtoError> {
         if self.0 & !VFIO_DEVICE_FEATURE_ALL != 0 {
             return Err(ProtoError::BadFlags {
@@ -230,6 +254,22 @@ impl FeatureFlags {
         if !self.get() && !self.set() && !self.probe() {
             return Err(ProtoError::BadFlags {
                 what: "device feature (no operation)",
+                flags: u64::from(self.0),
+            });
+        }
+        let op_ok = self.probe()
+            || match self.feature() {
+                VFIO_DEVICE_FEATURE_MIGRATION | VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => {
+                    self.get()
+                }
+                VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
+                    self.set()
+                }
+                _ => true,
+            };
+        if !op_ok {
+            return Err(ProtoError::BadFlags {
+                what: "device feature (operation not valid for feature)",
                 flags: u64::from(self.0),
             });
         }
@@ -541,7 +581,6 @@ pub fn region_caps<'a>(info: &RegionInfo, caps: &'a [u8]) -> RegionCapIter<'a> {
     RegionCapIter {
         caps,
         next: first,
-        last: 0,
         failed: false,
     }
 }
@@ -551,7 +590,6 @@ pub fn region_caps<'a>(info: &RegionInfo, caps: &'a [u8]) -> RegionCapIter<'a> {
 pub struct RegionCapIter<'a> {
     caps: &'a [u8],
     next: u32,
-    last: u32,
     failed: bool,
 }
 
@@ -572,16 +610,16 @@ impl<'a> Iterator for RegionCapIter<'a> {
 
 impl<'a> RegionCapIter<'a> {
     fn step(&mut self) -> Result<RegionCap<'a>, ProtoError> {
+        // Each `next` is at least a header past its capability (checked
+        // below), so the chain moves strictly forward; only the first
+        // offset can point back into the region info.
         let off = self.next;
-        if off <= self.last || (off as usize) < REGION_INFO_SIZE {
-            return Err(ProtoError::invalid(
-                "region capability chain",
-                "offset does not move forward",
-            ));
-        }
         let rel = (off as usize)
             .checked_sub(REGION_INFO_SIZE)
-            .ok_or(ProtoError::overflow("capability offset"))?;
+            .ok_or(ProtoError::invalid(
+                "region capability chain",
+                "offset does not move forward",
+            ))?;
         let from = self.caps.get(rel..).ok_or(ProtoError::invalid(
             "region capability chain",
             "offset beyond the reply",
@@ -606,7 +644,6 @@ impl<'a> RegionCapIter<'a> {
             end
         };
         let body = rest.get(..body_len).unwrap_or(rest);
-        self.last = off;
         self.next = header.next;
         Ok(RegionCap {
             offset: off,
@@ -640,12 +677,14 @@ impl<'b> RegionCapsBuilder<'b> {
     fn begin(&mut self, id: u16, version: u16) -> Result<(), ProtoError> {
         let off = u32::try_from(self.out.len().saturating_add(REGION_INFO_SIZE))
             .map_err(|_| ProtoError::overflow("capability offset"))?;
-        if let Some(at) = self.last_next_at
-            && let Some(slot) = self.out.get_mut(at..at.saturating_add(4))
-        {
-            slot.copy_from_slice(&off.to_ne_bytes());
+        if let Some(at) = self.last_next_at {
+            patch_u32(self.out, at, off);
         }
-        self.last_next_at = Some(self.out.len().saturating_add(4));
+        self.last_next_at = Some(
+            self.out
+                .len()
+                .saturating_add(core::mem::offset_of!(CapHeader, next)),
+        );
         let h = CapHeader {
             id,
             version,

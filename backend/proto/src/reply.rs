@@ -4,12 +4,13 @@
 use zerocopy::IntoBytes;
 
 use crate::caps::Capabilities;
+use crate::check::{check_argsz, check_fds, data_len, exact_body};
 use crate::consts::*;
 use crate::error::ProtoError;
 use crate::header::{Command, Header};
 use crate::payload::*;
 use crate::wire::*;
-use crate::writer::MessageWriter;
+use crate::writer::{MSG_SIZE_OFFSET, MessageWriter, fixed_then_data, patch_u32};
 
 /// A decoded reply. Error replies are not a variant: [`decode_reply`]
 /// returns [`ProtoError::ErrorReply`] for them.
@@ -108,32 +109,11 @@ pub enum Reply<'a> {
 const DMA_WRITE_REPLY_SHORT_SIZE: usize = 12;
 
 fn no_fds(what: &'static str, nfds: usize) -> Result<(), ProtoError> {
-    if nfds != 0 {
-        return Err(ProtoError::BadFdCount { what, got: nfds });
-    }
-    Ok(())
+    check_fds(what, nfds, 0)
 }
 
 fn empty(what: &'static str, body: &[u8]) -> Result<(), ProtoError> {
-    if !body.is_empty() {
-        return Err(ProtoError::BadSize {
-            what,
-            expected: 0,
-            got: body.len(),
-        });
-    }
-    Ok(())
-}
-
-fn data_len(what: &'static str, data: &[u8], count: u64) -> Result<(), ProtoError> {
-    if data.len() as u64 != count {
-        return Err(ProtoError::BadSize {
-            what,
-            expected: usize::try_from(count).unwrap_or(usize::MAX),
-            got: data.len(),
-        });
-    }
-    Ok(())
+    exact_body(what, body, 0)
 }
 
 /// Decodes and validates a reply (with [`MAX_MSG_SIZE`] as the size cap).
@@ -170,23 +150,17 @@ pub fn decode_reply_within<'a>(
             errno: hdr.error_no,
         });
     }
-    let cmd = hdr.command_kind()?;
+    decode_reply_body(hdr.command_kind()?, body, nfds)
+}
+
+/// Decodes and validates the body of a successful reply to `cmd`, for a
+/// caller that already checked the header (flags, size, `Error`) and kept
+/// only the body. [`decode_reply_within`] is these header checks plus this.
+pub fn decode_reply_body(cmd: Command, body: &[u8], nfds: usize) -> Result<Reply<'_>, ProtoError> {
     match cmd {
         Command::Version => {
-            if nfds > 1 {
-                return Err(ProtoError::BadFdCount {
-                    what: "VERSION reply",
-                    got: nfds,
-                });
-            }
-            let (v, data) = read_prefix::<VersionHeader>(body, "VERSION reply")?;
-            let version = Version {
-                major: v.major,
-                minor: v.minor,
-                data,
-            };
-            version.json()?;
-            Ok(Reply::Version(version))
+            check_fds("VERSION reply", nfds, 1)?;
+            Version::decode(body, "VERSION reply").map(Reply::Version)
         }
         Command::DmaMap => {
             no_fds("DMA_MAP reply", nfds)?;
@@ -223,30 +197,21 @@ pub fn decode_reply_within<'a>(
         Command::DeviceGetInfo => {
             no_fds("DEVICE_GET_INFO reply", nfds)?;
             let i = read_exact::<DeviceInfo>(body, "DEVICE_GET_INFO reply")?;
-            if (i.argsz as usize) < DeviceInfo::SIZE {
-                return Err(ProtoError::BadArgsz {
-                    what: "DEVICE_GET_INFO reply",
-                    argsz: i.argsz,
-                    min: DeviceInfo::SIZE as u64,
-                });
-            }
+            check_argsz("DEVICE_GET_INFO reply", i.argsz, DeviceInfo::SIZE as u64)?;
             Ok(Reply::DeviceGetInfo(i))
         }
         Command::DeviceGetRegionInfo => {
             let (info, caps) = read_prefix::<RegionInfo>(body, "DEVICE_GET_REGION_INFO reply")?;
-            if (info.argsz as usize) < RegionInfo::SIZE {
-                return Err(ProtoError::BadArgsz {
-                    what: "DEVICE_GET_REGION_INFO reply",
-                    argsz: info.argsz,
-                    min: RegionInfo::SIZE as u64,
-                });
-            }
-            if nfds > MAX_MSG_FDS_LIMIT as usize {
-                return Err(ProtoError::BadFdCount {
-                    what: "DEVICE_GET_REGION_INFO reply",
-                    got: nfds,
-                });
-            }
+            check_argsz(
+                "DEVICE_GET_REGION_INFO reply",
+                info.argsz,
+                RegionInfo::SIZE as u64,
+            )?;
+            check_fds(
+                "DEVICE_GET_REGION_INFO reply",
+                nfds,
+                MAX_MSG_FDS_LIMIT as usize,
+            )?;
             let has_chain = info.flags & VFIO_REGION_INFO_FLAG_CAPS != 0 && info.cap_offset != 0;
             if caps.is_empty() == has_chain {
                 return Err(ProtoError::invalid(
@@ -275,10 +240,10 @@ pub fn decode_reply_within<'a>(
             } else {
                 let n = h.count as usize;
                 let spec = n
-                    .checked_mul(IO_FD_ENTRY_SIZE)
+                    .checked_mul(IoFdEntry::SIZE)
                     .ok_or(ProtoError::overflow("io fd entries"))?;
                 let lvu = n
-                    .checked_mul(IO_FD_ENTRY_SIZE_LIBVFIO_USER)
+                    .checked_mul(IoFdShadowEntry::SIZE)
                     .ok_or(ProtoError::overflow("io fd entries"))?;
                 let e = if rest.len() == spec {
                     IoFdEntries::Spec(Records::from_bytes(rest, "io fd entries")?)
@@ -349,11 +314,11 @@ pub fn decode_reply_within<'a>(
             no_fds("DMA_WRITE reply", nfds)?;
             match body.len() {
                 DMA_WRITE_REPLY_SHORT_SIZE => {
-                    let (address, count) = read_prefix::<[u8; 8]>(body, "DMA_WRITE reply")?;
-                    let count = read_exact::<[u8; 4]>(count, "DMA_WRITE reply")?;
+                    let (address, count) = read_prefix::<u64>(body, "DMA_WRITE reply")?;
+                    let count = read_exact::<u32>(count, "DMA_WRITE reply")?;
                     Ok(Reply::DmaWrite {
-                        address: u64::from_ne_bytes(address),
-                        count: u64::from(u32::from_ne_bytes(count)),
+                        address,
+                        count: u64::from(count),
                     })
                 }
                 _ => {
@@ -372,10 +337,8 @@ pub fn decode_reply_within<'a>(
         }
         Command::RegionWriteMulti => {
             no_fds("REGION_WRITE_MULTI reply", nfds)?;
-            let n = read_exact::<[u8; 8]>(body, "REGION_WRITE_MULTI reply")?;
-            Ok(Reply::RegionWriteMulti {
-                wr_cnt: u64::from_ne_bytes(n),
-            })
+            let wr_cnt = read_exact::<u64>(body, "REGION_WRITE_MULTI reply")?;
+            Ok(Reply::RegionWriteMulti { wr_cnt })
         }
         Command::DeviceFeature => {
             no_fds("DEVICE_FEATURE reply", nfds)?;
@@ -409,10 +372,6 @@ fn decode_feature_reply(body: &[u8]) -> Result<DeviceFeatureReply<'_>, ProtoErro
     let (h, data) = read_prefix::<DeviceFeatureHeader>(body, "DEVICE_FEATURE reply")?;
     let f = FeatureFlags(h.flags);
     f.validate()?;
-    let bad_op = || ProtoError::BadFlags {
-        what: "DEVICE_FEATURE reply (operation not valid for feature)",
-        flags: u64::from(h.flags),
-    };
     let op = if f.probe() {
         FeatureReply::Probe {
             feature: f.feature(),
@@ -422,9 +381,6 @@ fn decode_feature_reply(body: &[u8]) -> Result<DeviceFeatureReply<'_>, ProtoErro
     } else {
         match f.feature() {
             VFIO_DEVICE_FEATURE_MIGRATION => {
-                if !f.get() {
-                    return Err(bad_op());
-                }
                 FeatureReply::GetMigration(read_exact::<MigrationFeature>(data, "MIGRATION reply")?)
             }
             VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE => {
@@ -436,21 +392,10 @@ fn decode_feature_reply(body: &[u8]) -> Result<DeviceFeatureReply<'_>, ProtoErro
                 }
             }
             VFIO_DEVICE_FEATURE_DMA_LOGGING_START => {
-                if !f.set() {
-                    return Err(bad_op());
-                }
                 FeatureReply::DmaLoggingStart(DmaLoggingControl::decode(data)?)
             }
-            VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
-                if !f.set() {
-                    return Err(bad_op());
-                }
-                FeatureReply::DmaLoggingStop
-            }
+            VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => FeatureReply::DmaLoggingStop,
             VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => {
-                if !f.get() {
-                    return Err(bad_op());
-                }
                 let (report, bitmap) =
                     read_prefix::<DmaLoggingReport>(data, "DMA_LOGGING_REPORT reply")?;
                 let want = dirty_bitmap_size(report.length, report.page_size)?;
@@ -494,13 +439,7 @@ impl Reply<'_> {
     pub fn encode(&self, msg_id: u16, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         let mut w = MessageWriter::reply(out, msg_id, self.command().as_u16());
         match self {
-            Reply::Version(v) => {
-                w.put(&VersionHeader {
-                    major: v.major,
-                    minor: v.minor,
-                });
-                w.put_bytes(v.data);
-            }
+            Reply::Version(v) => v.write(&mut w),
             Reply::DmaMap | Reply::DeviceSetIrqs | Reply::DeviceReset => {}
             Reply::DmaUnmap { unmap, bitmap } => {
                 let flag = unmap.flags & VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP != 0;
@@ -612,20 +551,6 @@ impl Reply<'_> {
     }
 }
 
-fn fixed_then_data<'b>(
-    out: &'b mut Vec<u8>,
-    hdr: Header,
-    fixed: &[u8],
-    count: usize,
-) -> &'b mut [u8] {
-    out.clear();
-    out.extend_from_slice(hdr.as_bytes());
-    out.extend_from_slice(fixed);
-    let start = out.len();
-    out.resize(start.saturating_add(count), 0);
-    out.get_mut(start..).unwrap_or_default()
-}
-
 /// Server hot path: writes a complete REGION_READ reply (header with final
 /// `msg_size`, access echo) into `out` and returns the `count` zeroed data
 /// bytes for the device to fill in place. On device failure, overwrite `out`
@@ -644,12 +569,12 @@ pub fn region_read_reply_buffer(
     Ok(fixed_then_data(
         out,
         hdr,
-        RegionAccess {
+        &[RegionAccess {
             offset,
             region,
             count,
         }
-        .as_bytes(),
+        .as_bytes()],
         count as usize,
     ))
 }
@@ -666,12 +591,12 @@ pub fn encode_region_write_reply(
     fixed_then_data(
         out,
         hdr,
-        RegionAccess {
+        &[RegionAccess {
             offset,
             region,
             count,
         }
-        .as_bytes(),
+        .as_bytes()],
         0,
     );
     Ok(())
@@ -693,7 +618,7 @@ pub fn dma_read_reply_buffer(
     Ok(fixed_then_data(
         out,
         hdr,
-        DmaAccess { address, count }.as_bytes(),
+        &[DmaAccess { address, count }.as_bytes()],
         n,
     ))
 }
@@ -714,7 +639,7 @@ pub fn mig_data_read_reply_buffer(
     Ok(fixed_then_data(
         out,
         hdr,
-        MigData { argsz, size }.as_bytes(),
+        &[MigData { argsz, size }.as_bytes()],
         size as usize,
     ))
 }
@@ -738,14 +663,17 @@ pub fn truncate_mig_data_read_reply(out: &mut Vec<u8>, actual: u32) -> Result<()
     out.truncate(total);
     let msg_size = u32::try_from(total).map_err(|_| ProtoError::MessageTooLarge { size: total })?;
     let argsz = u32::try_from(body).map_err(|_| ProtoError::MessageTooLarge { size: body })?;
-    let patch = |out: &mut Vec<u8>, at: usize, v: u32| {
-        if let Some(s) = out.get_mut(at..at.saturating_add(4)) {
-            s.copy_from_slice(&v.to_ne_bytes());
-        }
-    };
-    patch(out, 4, msg_size);
-    patch(out, HEADER_SIZE, argsz);
-    patch(out, HEADER_SIZE + 4, actual);
+    patch_u32(out, MSG_SIZE_OFFSET, msg_size);
+    patch_u32(
+        out,
+        HEADER_SIZE + core::mem::offset_of!(MigData, argsz),
+        argsz,
+    );
+    patch_u32(
+        out,
+        HEADER_SIZE + core::mem::offset_of!(MigData, size),
+        actual,
+    );
     Ok(())
 }
 
@@ -763,13 +691,12 @@ pub fn dma_unmap_bitmap_reply_buffer<'b>(
         .checked_add(n)
         .ok_or(ProtoError::overflow("DMA_UNMAP reply size"))?;
     let hdr = Header::reply(msg_id, VFIO_USER_DMA_UNMAP, body)?;
-    out.clear();
-    out.extend_from_slice(hdr.as_bytes());
-    out.extend_from_slice(unmap.as_bytes());
-    out.extend_from_slice(BitmapHeader { pgsize, size }.as_bytes());
-    let start = out.len();
-    out.resize(start.saturating_add(n), 0);
-    Ok(out.get_mut(start..).unwrap_or_default())
+    Ok(fixed_then_data(
+        out,
+        hdr,
+        &[unmap.as_bytes(), BitmapHeader { pgsize, size }.as_bytes()],
+        n,
+    ))
 }
 
 /// Server: writes a VERSION reply (major 0, minor 0, `caps` as

@@ -3,12 +3,13 @@
 
 use zerocopy::IntoBytes;
 
+use crate::check::{check_argsz, check_fds, data_len, exact_body};
 use crate::consts::*;
 use crate::error::ProtoError;
 use crate::header::{Command, Direction, Header};
 use crate::payload::*;
 use crate::wire::*;
-use crate::writer::MessageWriter;
+use crate::writer::{MessageWriter, fixed_then_data};
 
 /// Limits applied while decoding requests.
 ///
@@ -57,10 +58,8 @@ impl Limits {
     /// server-to-client commands (DMA_READ/WRITE) are accepted.
     pub fn client(max_data_xfer_size: u32) -> Self {
         Limits {
-            max_data_xfer_size,
-            max_msg_size: max_data_xfer_size.saturating_add(64 << 10),
-            max_write_multi: VFIO_USER_MULTI_MAX,
             direction: Some(Direction::ServerToClient),
+            ..Self::server(max_data_xfer_size)
         }
     }
 }
@@ -164,36 +163,11 @@ pub enum Request<'a> {
     },
 }
 
-fn check_fds(what: &'static str, nfds: usize, max: usize) -> Result<(), ProtoError> {
-    if nfds > max {
-        return Err(ProtoError::BadFdCount { what, got: nfds });
-    }
-    Ok(())
-}
-
-fn check_argsz(what: &'static str, argsz: u32, min: u64) -> Result<(), ProtoError> {
-    if u64::from(argsz) < min {
-        return Err(ProtoError::BadArgsz { what, argsz, min });
-    }
-    Ok(())
-}
-
 fn check_xfer(count: u64, limits: &Limits) -> Result<(), ProtoError> {
     if count > u64::from(limits.max_data_xfer_size) {
         return Err(ProtoError::TransferTooLarge {
             count,
             max: u64::from(limits.max_data_xfer_size),
-        });
-    }
-    Ok(())
-}
-
-fn exact_body(what: &'static str, body: &[u8], size: usize) -> Result<(), ProtoError> {
-    if body.len() != size {
-        return Err(ProtoError::BadSize {
-            what,
-            expected: size,
-            got: body.len(),
         });
     }
     Ok(())
@@ -233,25 +207,18 @@ pub fn decode_request_with<'a>(
         });
     }
     let cmd = hdr.command_kind()?;
-    if !cmd.is_supported() {
-        return Err(ProtoError::UnsupportedCommand(cmd));
-    }
+    // Unsupported commands (14, 19) answer ENOTSUP (last match arm) in
+    // either direction, so the direction check leaves them alone.
     if let Some(d) = limits.direction
         && d != cmd.direction()
+        && cmd.is_supported()
     {
         return Err(ProtoError::WrongDirection(cmd));
     }
     match cmd {
         Command::Version => {
             check_fds("VERSION", nfds, 0)?;
-            let (v, data) = read_prefix::<VersionHeader>(body, "VERSION")?;
-            let version = Version {
-                major: v.major,
-                minor: v.minor,
-                data,
-            };
-            version.json()?;
-            Ok(Request::Version(version))
+            Version::decode(body, "VERSION").map(Request::Version)
         }
         Command::DmaMap => {
             let m = read_exact::<DmaMap>(body, "DMA_MAP")?;
@@ -415,13 +382,7 @@ pub fn decode_request_with<'a>(
             check_fds("REGION_WRITE", nfds, 0)?;
             let (a, data) = read_prefix::<RegionAccess>(body, "REGION_WRITE")?;
             check_access(a.offset, u64::from(a.count), limits)?;
-            if data.len() as u64 != u64::from(a.count) {
-                return Err(ProtoError::BadSize {
-                    what: "REGION_WRITE data",
-                    expected: a.count as usize,
-                    got: data.len(),
-                });
-            }
+            data_len("REGION_WRITE data", data, u64::from(a.count))?;
             Ok(Request::RegionWrite {
                 offset: a.offset,
                 region: a.region,
@@ -441,13 +402,7 @@ pub fn decode_request_with<'a>(
             check_fds("DMA_WRITE", nfds, 0)?;
             let (a, data) = read_prefix::<DmaAccess>(body, "DMA_WRITE")?;
             check_access(a.address, a.count, limits)?;
-            if data.len() as u64 != a.count {
-                return Err(ProtoError::BadSize {
-                    what: "DMA_WRITE data",
-                    expected: usize::try_from(a.count).unwrap_or(usize::MAX),
-                    got: data.len(),
-                });
-            }
+            data_len("DMA_WRITE data", data, a.count)?;
             Ok(Request::DmaWrite {
                 address: a.address,
                 data,
@@ -460,8 +415,7 @@ pub fn decode_request_with<'a>(
         }
         Command::RegionWriteMulti => {
             check_fds("REGION_WRITE_MULTI", nfds, 0)?;
-            let (n, rest) = read_prefix::<[u8; 8]>(body, "REGION_WRITE_MULTI")?;
-            let wr_cnt = u64::from_ne_bytes(n);
+            let (wr_cnt, rest) = read_prefix::<u64>(body, "REGION_WRITE_MULTI")?;
             if wr_cnt == 0 || wr_cnt > u64::from(limits.max_write_multi) {
                 return Err(ProtoError::invalid(
                     "REGION_WRITE_MULTI wr_cnt",
@@ -510,13 +464,7 @@ pub fn decode_request_with<'a>(
             check_fds("MIG_DATA_WRITE", nfds, 0)?;
             let (m, data) = read_prefix::<MigData>(body, "MIG_DATA_WRITE")?;
             check_xfer(u64::from(m.size), limits)?;
-            if data.len() as u64 != u64::from(m.size) {
-                return Err(ProtoError::BadSize {
-                    what: "MIG_DATA_WRITE data",
-                    expected: m.size as usize,
-                    got: data.len(),
-                });
-            }
+            data_len("MIG_DATA_WRITE data", data, u64::from(m.size))?;
             check_argsz(
                 "MIG_DATA_WRITE",
                 m.argsz,
@@ -614,10 +562,6 @@ fn decode_feature_request(body: &[u8]) -> Result<DeviceFeatureRequest<'_>, Proto
     let f = FeatureFlags(h.flags);
     f.validate()?;
     feature_min_argsz("DEVICE_FEATURE", h.argsz, 0)?;
-    let bad_op = || ProtoError::BadFlags {
-        what: "DEVICE_FEATURE (operation not valid for feature)",
-        flags: u64::from(h.flags),
-    };
     let op = if f.probe() {
         FeatureRequest::Probe {
             feature: f.feature(),
@@ -627,9 +571,6 @@ fn decode_feature_request(body: &[u8]) -> Result<DeviceFeatureRequest<'_>, Proto
     } else {
         match f.feature() {
             VFIO_DEVICE_FEATURE_MIGRATION => {
-                if !f.get() {
-                    return Err(bad_op());
-                }
                 feature_min_argsz("DEVICE_FEATURE MIGRATION", h.argsz, MigrationFeature::SIZE)?;
                 FeatureRequest::GetMigration
             }
@@ -649,9 +590,6 @@ fn decode_feature_request(body: &[u8]) -> Result<DeviceFeatureRequest<'_>, Proto
                 }
             }
             VFIO_DEVICE_FEATURE_DMA_LOGGING_START => {
-                if !f.set() {
-                    return Err(bad_op());
-                }
                 feature_min_argsz(
                     "DEVICE_FEATURE DMA_LOGGING_START",
                     h.argsz,
@@ -659,16 +597,8 @@ fn decode_feature_request(body: &[u8]) -> Result<DeviceFeatureRequest<'_>, Proto
                 )?;
                 FeatureRequest::DmaLoggingStart(DmaLoggingControl::decode(data)?)
             }
-            VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
-                if !f.set() {
-                    return Err(bad_op());
-                }
-                FeatureRequest::DmaLoggingStop
-            }
+            VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => FeatureRequest::DmaLoggingStop,
             VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => {
-                if !f.get() {
-                    return Err(bad_op());
-                }
                 // QEMU-style clients may append the reply buffer; only the
                 // 24-byte report header is meaningful.
                 let (r, _) = read_prefix::<DmaLoggingReport>(data, "DMA_LOGGING_REPORT")?;
@@ -728,13 +658,7 @@ impl Request<'_> {
     pub fn encode(&self, msg_id: u16, no_reply: bool, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         let mut w = MessageWriter::command(out, msg_id, self.command(), no_reply);
         match self {
-            Request::Version(v) => {
-                w.put(&VersionHeader {
-                    major: v.major,
-                    minor: v.minor,
-                });
-                w.put_bytes(v.data);
-            }
+            Request::Version(v) => v.write(&mut w),
             Request::DmaMap(m) => w.put(m),
             Request::DmaUnmap { unmap, bitmap } => {
                 let flag = unmap.flags & VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP != 0;
@@ -875,17 +799,15 @@ pub fn region_write_request_buffer(
         .checked_add(count as usize)
         .ok_or(ProtoError::overflow("REGION_WRITE size"))?;
     let hdr = Header::command(msg_id, Command::RegionWrite, no_reply, body)?;
-    out.clear();
-    out.extend_from_slice(hdr.as_bytes());
-    out.extend_from_slice(
-        RegionAccess {
+    Ok(fixed_then_data(
+        out,
+        hdr,
+        &[RegionAccess {
             offset,
             region,
             count,
         }
-        .as_bytes(),
-    );
-    let start = out.len();
-    out.resize(start.saturating_add(count as usize), 0);
-    Ok(out.get_mut(start..).unwrap_or_default())
+        .as_bytes()],
+        count as usize,
+    ))
 }

@@ -537,28 +537,6 @@ impl MigData {
 }
 const _: () = assert!(core::mem::size_of::<MigData>() == MigData::SIZE);
 
-/// GET_PRECOPY_INFO payload (in-flight; not decoded, for reference).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, FromBytes, IntoBytes, KnownLayout, Immutable,
-)]
-#[repr(C)]
-pub struct PrecopyInfo {
-    /// Argument size.
-    pub argsz: u32,
-    /// Unused.
-    pub flags: u32,
-    /// Initial bytes.
-    pub initial_bytes: u64,
-    /// Dirty bytes.
-    pub dirty_bytes: u64,
-}
-
-impl PrecopyInfo {
-    /// Size on the wire.
-    pub const SIZE: usize = 24;
-}
-const _: () = assert!(core::mem::size_of::<PrecopyInfo>() == PrecopyInfo::SIZE);
-
 /// Reads a `T` from the start of `bytes`, returning it and the rest.
 pub(crate) fn read_prefix<'a, T: FromBytes>(
     bytes: &'a [u8],

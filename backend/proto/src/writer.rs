@@ -21,26 +21,12 @@ pub struct MessageWriter<'b> {
 impl<'b> MessageWriter<'b> {
     /// Starts a command.
     pub fn command(out: &'b mut Vec<u8>, msg_id: u16, cmd: Command, no_reply: bool) -> Self {
-        let hdr = Header {
-            msg_id,
-            cmd: cmd.as_u16(),
-            msg_size: 0,
-            flags: VFIO_USER_F_TYPE_COMMAND | if no_reply { VFIO_USER_F_NO_REPLY } else { 0 },
-            error_no: 0,
-        };
-        Self::start(out, hdr)
+        Self::start(out, Header::unsized_command(msg_id, cmd, no_reply))
     }
 
     /// Starts a successful reply echoing `msg_id` and `cmd`.
     pub fn reply(out: &'b mut Vec<u8>, msg_id: u16, cmd: u16) -> Self {
-        let hdr = Header {
-            msg_id,
-            cmd,
-            msg_size: 0,
-            flags: VFIO_USER_F_TYPE_REPLY,
-            error_no: 0,
-        };
-        Self::start(out, hdr)
+        Self::start(out, Header::unsized_reply(msg_id, cmd))
     }
 
     fn start(out: &'b mut Vec<u8>, hdr: Header) -> Self {
@@ -59,13 +45,6 @@ impl<'b> MessageWriter<'b> {
         self.out.extend_from_slice(data);
     }
 
-    /// Appends `n` zero bytes and returns them for filling in place.
-    pub fn put_zeroed(&mut self, n: usize) -> &mut [u8] {
-        let start = self.out.len();
-        self.out.resize(start.saturating_add(n), 0);
-        self.out.get_mut(start..).unwrap_or_default()
-    }
-
     /// Bytes of payload written so far.
     pub fn body_len(&self) -> usize {
         self.out.len().saturating_sub(HEADER_SIZE)
@@ -79,9 +58,7 @@ impl<'b> MessageWriter<'b> {
     /// Patches `msg_size`; returns the total message length.
     pub fn finish(self) -> Result<usize, ProtoError> {
         let size = msg_size_for(self.body_len())?;
-        if let Some(slot) = self.out.get_mut(4..8) {
-            slot.copy_from_slice(&size.to_ne_bytes());
-        }
+        patch_u32(self.out, MSG_SIZE_OFFSET, size);
         Ok(self.out.len())
     }
 }
@@ -91,4 +68,34 @@ impl<'b> MessageWriter<'b> {
 pub fn encode_error_reply(out: &mut Vec<u8>, msg_id: u16, cmd: u16, errno: i32) {
     out.clear();
     out.extend_from_slice(Header::error_reply(msg_id, cmd, errno).as_bytes());
+}
+
+/// Offset of `msg_size` in the header.
+pub(crate) const MSG_SIZE_OFFSET: usize = core::mem::offset_of!(Header, msg_size);
+
+/// Overwrites the host-endian u32 at `at` in an already written message
+/// (no-op if `out` is too short, which the callers rule out).
+pub(crate) fn patch_u32(out: &mut [u8], at: usize, v: u32) {
+    if let Some(slot) = out.get_mut(at..at.saturating_add(4)) {
+        slot.copy_from_slice(v.as_bytes());
+    }
+}
+
+/// Hot-path builder: writes `hdr` (with its final `msg_size`) and the
+/// `fixed` parts into `out` (cleared first), then `count` zero bytes, and
+/// returns those for the caller to fill in place.
+pub(crate) fn fixed_then_data<'b>(
+    out: &'b mut Vec<u8>,
+    hdr: Header,
+    fixed: &[&[u8]],
+    count: usize,
+) -> &'b mut [u8] {
+    out.clear();
+    out.extend_from_slice(hdr.as_bytes());
+    for part in fixed {
+        out.extend_from_slice(part);
+    }
+    let start = out.len();
+    out.resize(start.saturating_add(count), 0);
+    out.get_mut(start..).unwrap_or_default()
 }

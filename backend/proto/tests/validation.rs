@@ -106,7 +106,10 @@ fn header_checks() {
         msg_size: size,
         ..Header::default()
     };
-    assert!(h(15).body_len().is_err());
+    assert!(matches!(
+        h(15).body_len(),
+        Err(ProtoError::BadMsgSize { msg_size: 15, .. })
+    ));
     assert_eq!(h(16).body_len(), Ok(0));
     assert_eq!(h(MAX_MSG_SIZE).body_len(), Ok(MAX_MSG_SIZE as usize - 16));
     assert_eq!(
@@ -139,7 +142,10 @@ fn header_checks() {
         cmd: 13,
         ..Header::default()
     };
-    assert!(decode_reply(&rh, &[], 0).is_err());
+    assert!(matches!(
+        decode_reply(&rh, &[], 0),
+        Err(ProtoError::BadHeaderFlags { flags: 0x11 })
+    ));
     // A command decoded as a reply is invalid.
     let ch = Header {
         msg_size: 16,
@@ -147,7 +153,38 @@ fn header_checks() {
         cmd: 13,
         ..Header::default()
     };
-    assert!(decode_reply(&ch, &[], 0).is_err());
+    assert!(matches!(
+        decode_reply(&ch, &[], 0),
+        Err(ProtoError::BadMessageType { flags: 0 })
+    ));
+}
+
+#[test]
+fn error_errnos() {
+    assert_eq!(
+        ProtoError::BadMsgSize {
+            msg_size: 8,
+            max: 16
+        }
+        .errno(),
+        EINVAL
+    );
+    assert_eq!(ProtoError::UnknownCommand(99).errno(), EINVAL);
+    assert_eq!(
+        ProtoError::TransferTooLarge { count: 2, max: 1 }.errno(),
+        E2BIG
+    );
+    assert_eq!(ProtoError::MessageTooLarge { size: 1 << 33 }.errno(), E2BIG);
+    assert_eq!(
+        ProtoError::UnsupportedCommand(Command::DirtyPages).errno(),
+        ENOTSUP
+    );
+    let reply = |errno| ProtoError::ErrorReply { cmd: 2, errno }.errno();
+    assert_eq!(reply(EEXIST as u32), EEXIST);
+    assert_eq!(reply(4096), 4096);
+    assert_eq!(reply(0), EIO);
+    assert_eq!(reply(4097), EIO);
+    assert_eq!(reply(u32::MAX), EIO);
 }
 
 #[test]
@@ -176,8 +213,22 @@ fn command_errnos() {
     );
     assert!(decode_request_with(&h, &b, 0, &Limits::client(4096)).is_ok());
     let (h, b) = cmd(VFIO_USER_DEVICE_RESET, 0, &[]);
-    assert!(decode_request_with(&h, &b, 0, &Limits::client(4096)).is_err());
+    assert_eq!(
+        decode_request_with(&h, &b, 0, &Limits::client(4096)),
+        Err(ProtoError::WrongDirection(Command::DeviceReset))
+    );
     assert!(decode_request_with(&h, &b, 0, &Limits::server(4096)).is_ok());
+    // Unsupported commands answer ENOTSUP whatever the direction limit.
+    for c in [VFIO_USER_DIRTY_PAGES, VFIO_USER_GET_PRECOPY_INFO] {
+        let (h, b) = cmd(c, 0, &[0; 8]);
+        for limits in [Limits::server(4096), Limits::client(4096)] {
+            assert_eq!(
+                decode_request_with(&h, &b, 0, &limits).map_err(|e| e.errno()),
+                Err(ENOTSUP),
+                "cmd {c}"
+            );
+        }
+    }
     // Reset with payload or fds
     assert_eq!(req_err(VFIO_USER_DEVICE_RESET, &[0], 0).errno(), EINVAL);
     assert_eq!(req_err(VFIO_USER_DEVICE_RESET, &[], 1).errno(), EINVAL);
@@ -235,6 +286,26 @@ fn dma_map_rules() {
     );
     assert_eq!(
         req_err(VFIO_USER_DMA_MAP, m(3, 0, 0, 0).as_bytes(), 0).errno(),
+        EINVAL
+    );
+    // A window may end exactly at 2^64 (last byte u64::MAX).
+    req_ok(
+        VFIO_USER_DMA_MAP,
+        m(3, u64::MAX - 0xfff, 0x1000, 0).as_bytes(),
+        0,
+    );
+    req_ok(
+        VFIO_USER_DMA_MAP,
+        m(3, u64::MAX - 0xfff, 0x1000, 0).as_bytes(),
+        1,
+    );
+    assert_eq!(
+        req_err(
+            VFIO_USER_DMA_MAP,
+            m(3, u64::MAX - 0xffe, 0x1000, 0).as_bytes(),
+            0
+        )
+        .errno(),
         EINVAL
     );
     let mut short = m(3, 0, 0x1000, 0);
@@ -304,6 +375,21 @@ fn dma_unmap_rules() {
     );
     assert_eq!(
         req_err(VFIO_USER_DMA_UNMAP, u(24, 0, u64::MAX, 2).as_bytes(), 0).errno(),
+        EINVAL
+    );
+    // A window may end exactly at 2^64 (last byte u64::MAX).
+    req_ok(
+        VFIO_USER_DMA_UNMAP,
+        u(24, 0, u64::MAX - 0xfff, 0x1000).as_bytes(),
+        0,
+    );
+    assert_eq!(
+        req_err(
+            VFIO_USER_DMA_UNMAP,
+            u(24, 0, u64::MAX - 0xffe, 0x1000).as_bytes(),
+            0
+        )
+        .errno(),
         EINVAL
     );
     assert_eq!(
@@ -438,7 +524,10 @@ fn info_requests() {
         .as_bytes(),
         0,
     );
-    assert!(decode_request(&cmd(VFIO_USER_DEVICE_GET_REGION_IO_FDS, 0, &[]).0, &[], 0).is_err());
+    assert!(matches!(
+        decode_request(&cmd(VFIO_USER_DEVICE_GET_REGION_IO_FDS, 0, &[]).0, &[], 0),
+        Err(ProtoError::BadSize { .. })
+    ));
     let (h, b) = cmd(
         VFIO_USER_DEVICE_GET_REGION_IO_FDS,
         0,
@@ -450,7 +539,10 @@ fn info_requests() {
         }
         .as_bytes(),
     );
-    assert!(decode_request(&h, &b, 0).is_err());
+    assert!(matches!(
+        decode_request(&h, &b, 0),
+        Err(ProtoError::BadFlags { flags: 1, .. })
+    ));
     let (h, b) = cmd(
         VFIO_USER_DEVICE_GET_REGION_IO_FDS,
         0,
@@ -462,7 +554,10 @@ fn info_requests() {
         }
         .as_bytes(),
     );
-    assert!(decode_request(&h, &b, 0).is_err());
+    assert!(matches!(
+        decode_request(&h, &b, 0),
+        Err(ProtoError::Invalid { .. })
+    ));
     req_ok(
         VFIO_USER_DEVICE_GET_IRQ_INFO,
         IrqInfo {
@@ -980,7 +1075,10 @@ fn reply_discrepancies() {
             ..
         })
     ));
-    assert!(decode_reply(&h, &body, 0).is_err());
+    assert!(matches!(
+        decode_reply(&h, &body, 0),
+        Err(ProtoError::BadFdCount { got: 0, .. })
+    ));
     // Error reply carries errno; 0 maps to EIO.
     let mut out = Vec::new();
     encode_error_reply(&mut out, 3, VFIO_USER_DMA_MAP, EEXIST);
@@ -1053,17 +1151,30 @@ fn region_caps_chain() {
     assert!(!b_fits(&areas, &mut small, 32));
     assert_eq!(small.cap_offset, 0);
     assert!(small.argsz > 32);
-    // A loop (next pointing backwards) is rejected.
+    // A loop (the first capability's next pointing at itself, offset 32)
+    // is rejected: next must lie past the current capability's header.
     let mut looped = caps.clone();
     looped[4..8].copy_from_slice(&32u32.to_ne_bytes());
     let h = Header::reply(5, VFIO_USER_DEVICE_GET_REGION_INFO, 32 + looped.len()).expect("header");
     let body = cat(&[info.as_bytes(), &looped]);
-    assert!(decode_reply(&h, &body, 0).is_err());
+    assert!(matches!(
+        decode_reply(&h, &body, 0),
+        Err(ProtoError::Invalid {
+            reason: "next overlaps the current capability",
+            ..
+        })
+    ));
     // nr_areas larger than the cap body is rejected.
     let mut big = caps.clone();
     big[8..12].copy_from_slice(&1000u32.to_ne_bytes());
     let body = cat(&[info.as_bytes(), &big]);
-    assert!(decode_reply(&h, &body, 0).is_err());
+    assert!(matches!(
+        decode_reply(&h, &body, 0),
+        Err(ProtoError::Truncated {
+            what: "sparse mmap areas",
+            ..
+        })
+    ));
 }
 
 fn b_fits(areas: &[SparseMmapArea], info: &mut RegionInfo, argsz: u32) -> bool {
@@ -1075,11 +1186,10 @@ fn b_fits(areas: &[SparseMmapArea], info: &mut RegionInfo, argsz: u32) -> bool {
 
 #[test]
 fn writer_and_hot_paths() {
-    let mut out = Vec::with_capacity(64);
-    let cap = out.capacity();
+    // Allocation-freedom of these paths is checked in tests/no_alloc.rs.
+    let mut out = Vec::new();
     let buf = region_read_reply_buffer(&mut out, 9, 0x10, 2, 4).expect("buffer");
     buf.copy_from_slice(&[1, 2, 3, 4]);
-    assert_eq!(out.capacity(), cap, "no reallocation");
     let h = Header::from_bytes(&out).expect("header");
     assert_eq!(h.msg_size as usize, out.len());
     assert_eq!(

@@ -161,9 +161,8 @@ impl RemoteDma for ClientDma {
     }
 }
 
-/// Decodes the body of a DMA_READ/DMA_WRITE reply that the connection thread stored.
+/// Decodes the body of a DMA_READ/DMA_WRITE reply that the connection thread stored (its
+/// header was checked when it was read).
 fn decode_dma_reply(cmd: Command, body: &[u8]) -> Result<Reply<'_>, ProtoError> {
-    let len = body.len();
-    let hdr = switchyard_proto::Header::reply(0, cmd.as_u16(), len)?;
-    switchyard_proto::decode_reply(&hdr, body, 0)
+    switchyard_proto::decode_reply_body(cmd, body, 0)
 }
