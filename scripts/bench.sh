@@ -4,7 +4,9 @@
 # vfio_user crate's server where it has an equivalent) measured in the same run.
 #
 #   scripts/bench.sh            # full run (a few minutes): table + target/bench/results.json
-#   scripts/bench.sh --quick    # CI: seconds, every case exercised, timings never asserted
+#   scripts/bench.sh --quick    # CI: seconds, every case exercised, timings never asserted;
+#                               # clients and interrupt waits give up after 30 s, so a
+#                               # stalled server fails the run instead of hanging it
 #
 # Extra arguments go to switchyard-bench (e.g. --only round-trip,copy  --spin-us 20).
 # Also writes target/bench/latency.svg (the plot) and target/bench/results.md (the table).

@@ -9,7 +9,11 @@
 //!   request/reply barrier, the receiver draining the socket into a large buffer.
 //! * [`EventfdWake`]: one thread signals an eventfd another thread waits on with `poll`; the
 //!   sample is the time from just before the `write` to just after `poll` returns.
+//! * [`RoundTripThenWake`]: an [`Echo`] round trip, then an [`EventfdWake`]; the sample is the
+//!   sum of the two (the floor of "doorbell sent → interrupt eventfd readable").
 //! * [`Memcpy`]: a single-thread `copy_from_slice` between two pre-faulted buffers.
+//! * [`Memcpy2`]: the same copy split over two threads, the calling one and a helper woken
+//!   per copy (the floor of a COPY split over two queues).
 
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
@@ -17,17 +21,32 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use rustix::event::{EventfdFlags, PollFd, PollFlags};
+use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
 
-/// Waits until `fd` is readable (blocking `poll`, retried on `EINTR`).
-pub fn wait_readable(fd: impl AsFd) -> io::Result<()> {
+/// Waits until `fd` is readable (blocking `poll`, retried on `EINTR`); with a `timeout`, fails
+/// with [`io::ErrorKind::TimedOut`] once it has passed (so a stalled server fails a run instead
+/// of hanging it).
+pub fn wait_readable(fd: impl AsFd, timeout: Option<Duration>) -> io::Result<()> {
+    let deadline = timeout.map(|t| Instant::now() + t);
     loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let ts = left
+            .map(Timespec::try_from)
+            .transpose()
+            .map_err(io::Error::other)?;
         let mut pfd = [PollFd::new(&fd, PollFlags::IN)];
-        match rustix::event::poll(&mut pfd, None) {
+        match rustix::event::poll(&mut pfd, ts.as_ref()) {
+            Ok(0) if deadline.is_some() => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("not readable within {timeout:?}"),
+                ));
+            }
             Ok(_) => return Ok(()),
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(e.into()),
@@ -47,8 +66,14 @@ fn wait_writable(fd: impl AsFd) -> io::Result<()> {
 }
 
 /// Reads exactly `buf.len()` bytes; on a non-blocking socket polls with reads until `spin`
-/// has passed, then waits in `poll`. `Ok(false)` on EOF before the first byte.
-fn read_exact_spin(s: &UnixStream, buf: &mut [u8], spin: Duration) -> io::Result<bool> {
+/// has passed, then waits in `poll` (at most `stall` at a time). `Ok(false)` on EOF before the
+/// first byte.
+fn read_exact_spin(
+    s: &UnixStream,
+    buf: &mut [u8],
+    spin: Duration,
+    stall: Option<Duration>,
+) -> io::Result<bool> {
     let deadline = Instant::now() + spin;
     let mut got = 0;
     while got < buf.len() {
@@ -61,7 +86,7 @@ fn read_exact_spin(s: &UnixStream, buf: &mut [u8], spin: Duration) -> io::Result
                 if Instant::now() < deadline {
                     std::hint::spin_loop();
                 } else {
-                    wait_readable(s)?;
+                    wait_readable(s, stall)?;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -93,8 +118,8 @@ pub struct Echo {
     stream: UnixStream,
     req: Vec<u8>,
     reply: Vec<u8>,
-    split: Option<usize>,
-    client_polls: bool,
+    /// `Some(stall)`: the client side polls for the reply, waiting in `poll` at most `stall`.
+    client_polls: Option<Option<Duration>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -108,8 +133,7 @@ impl Echo {
             stream: a,
             req: vec![0x5a; req_len],
             reply: vec![0; reply_len],
-            split: None,
-            client_polls: false,
+            client_polls: None,
             thread: Some(thread),
         })
     }
@@ -140,23 +164,6 @@ impl Echo {
             .context("spawn echo thread")
     }
 
-    /// The same ping-pong, but the client reads the reply in two parts (`first` bytes, then
-    /// the rest), the way our client reads a header and then the body.
-    pub fn start_split(req_len: usize, reply_len: usize, first: usize) -> Result<Echo> {
-        let mut e = Self::start(req_len, reply_len, Duration::ZERO)?;
-        e.split = Some(first);
-        Ok(e)
-    }
-
-    /// Gives the client side of the floor the 10 s send/receive timeouts our client sets
-    /// (`SO_RCVTIMEO`/`SO_SNDTIMEO`), to see what they cost.
-    pub fn with_client_timeouts(self) -> Result<Echo> {
-        let t = Some(Duration::from_secs(10));
-        self.stream.set_read_timeout(t)?;
-        self.stream.set_write_timeout(t)?;
-        Ok(self)
-    }
-
     /// Wraps an already connected stream (e.g. a negotiated vfio-user connection) and a
     /// pre-encoded request: a raw client with no codec.
     pub fn raw_client(stream: UnixStream, req: Vec<u8>, reply_len: usize) -> Echo {
@@ -164,40 +171,33 @@ impl Echo {
             stream,
             req,
             reply: vec![0; reply_len],
-            split: None,
-            client_polls: false,
+            client_polls: None,
             thread: None,
         }
     }
 
     /// Makes the client side poll for the reply with non-blocking reads instead of blocking
     /// (both sides then spin; on the wrapped stream of [`Echo::raw_client`] this changes the
-    /// shared file description, so that connection must not be used by anything else).
-    pub fn client_polls(mut self) -> Result<Echo> {
+    /// shared file description, so that connection must not be used by anything else). After
+    /// 1 s of polling it waits in `poll`, failing after `stall` (if given).
+    pub fn client_polls(mut self, stall: Option<Duration>) -> Result<Echo> {
         self.stream.set_nonblocking(true)?;
-        self.client_polls = true;
+        self.client_polls = Some(stall);
         Ok(self)
     }
 
     /// One timed round trip.
     pub fn round_trip(&mut self) -> Result<Duration> {
         let t0 = Instant::now();
-        if self.client_polls {
+        if let Some(stall) = self.client_polls {
             write_all_nb(&self.stream, &self.req)?;
-            if !read_exact_spin(&self.stream, &mut self.reply, Duration::from_secs(1))? {
+            if !read_exact_spin(&self.stream, &mut self.reply, Duration::from_secs(1), stall)? {
                 anyhow::bail!("peer closed");
             }
             return Ok(t0.elapsed());
         }
         (&self.stream).write_all(&self.req)?;
-        let len = self.reply.len();
-        match self.split.map(|n| self.reply.split_at_mut(n.min(len))) {
-            Some((a, b)) => {
-                (&self.stream).read_exact(a)?;
-                (&self.stream).read_exact(b)?;
-            }
-            None => (&self.stream).read_exact(&mut self.reply)?,
-        }
+        (&self.stream).read_exact(&mut self.reply)?;
         Ok(t0.elapsed())
     }
 }
@@ -207,7 +207,7 @@ fn echo_loop(s: &UnixStream, req_len: usize, mut reply: Vec<u8>, spin: Duration)
     if !spin.is_zero() {
         s.set_nonblocking(true)?;
     }
-    while read_exact_spin(s, &mut req, spin)? {
+    while read_exact_spin(s, &mut req, spin, None)? {
         // Message id (first two bytes of the header) echoed, for the fake server.
         if let (Some(dst), Some(src)) = (reply.get_mut(..2), req.get(..2)) {
             dst.copy_from_slice(src);
@@ -353,7 +353,7 @@ impl EventfdWake {
             .spawn(move || {
                 crate::pin::helper();
                 loop {
-                    if wait_readable(&*p).is_err() {
+                    if wait_readable(&*p, None).is_err() {
                         return;
                     }
                     let t1 = crate::stats::ns(base.elapsed());
@@ -386,7 +386,7 @@ impl EventfdWake {
         self.t0
             .store(crate::stats::ns(self.base.elapsed()), Ordering::Release);
         efd_write(&self.ping)?;
-        wait_readable(&*self.pong)?;
+        wait_readable(&*self.pong, None)?;
         efd_read(&self.pong)?;
         Ok(Duration::from_nanos(self.last.load(Ordering::Acquire)))
     }
@@ -399,6 +399,31 @@ impl Drop for EventfdWake {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// A request/reply ping-pong followed by an eventfd wake-up of another thread: the least that
+/// "send a request, get its reply, then be woken by an interrupt eventfd" can cost.
+#[derive(Debug)]
+pub struct RoundTripThenWake {
+    echo: Echo,
+    wake: EventfdWake,
+}
+
+impl RoundTripThenWake {
+    /// An [`Echo`] of `req_len`/`reply_len` bytes (echo side spinning for `spin`) and an
+    /// [`EventfdWake`].
+    pub fn start(req_len: usize, reply_len: usize, spin: Duration) -> Result<RoundTripThenWake> {
+        Ok(RoundTripThenWake {
+            echo: Echo::start(req_len, reply_len, spin)?,
+            wake: EventfdWake::start()?,
+        })
+    }
+
+    /// One sample: the round trip plus the one-way wake-up, taken back to back.
+    pub fn once(&mut self) -> Result<Duration> {
+        let rt = self.echo.round_trip()?;
+        Ok(rt + self.wake.one_way()?)
     }
 }
 
@@ -431,6 +456,70 @@ impl Memcpy {
     }
 }
 
+/// Memcpy split over two threads: the calling thread copies the first half while a helper
+/// thread, woken through a channel, copies the second half between its own pre-faulted
+/// buffers; the sample ends when both are done.
+#[derive(Debug)]
+pub struct Memcpy2 {
+    own: Memcpy,
+    work: Option<mpsc::Sender<usize>>,
+    done: mpsc::Receiver<Result<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Memcpy2 {
+    /// Buffers for copies up to `max` bytes (half on each thread) and the helper thread.
+    pub fn new(max: usize) -> Result<Memcpy2> {
+        let (work, jobs) = mpsc::channel::<usize>();
+        let (finished, done) = mpsc::channel();
+        let theirs = max - max / 2;
+        let thread = std::thread::Builder::new()
+            .name("floor-memcpy".into())
+            .spawn(move || {
+                crate::pin::helper();
+                let mut m = Memcpy::new(theirs);
+                while let Ok(len) = jobs.recv() {
+                    if finished.send(m.copy(len).map(drop)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .context("spawn memcpy thread")?;
+        Ok(Memcpy2 {
+            own: Memcpy::new(max / 2),
+            work: Some(work),
+            done,
+            thread: Some(thread),
+        })
+    }
+
+    /// Copies `len` bytes once, `len / 2` here and the rest on the helper; returns the time.
+    pub fn copy(&mut self, len: usize) -> Result<Duration> {
+        let Some(work) = &self.work else {
+            anyhow::bail!("memcpy thread gone");
+        };
+        let mine = len / 2;
+        let t0 = Instant::now();
+        work.send(len - mine).context("memcpy thread gone")?;
+        let own = self.own.copy(mine);
+        // Always collect the helper's answer, so an error leaves no stale one behind.
+        let theirs = self.done.recv().context("memcpy thread gone")?;
+        let d = t0.elapsed();
+        own?;
+        theirs?;
+        Ok(d)
+    }
+}
+
+impl Drop for Memcpy2 {
+    fn drop(&mut self) {
+        drop(self.work.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,5 +538,16 @@ mod tests {
         let mut m = Memcpy::new(4096);
         m.copy(4096).expect("copy");
         assert!(m.copy(8192).is_err());
+        let mut m2 = Memcpy2::new(4097).expect("memcpy2");
+        m2.copy(4097).expect("copy");
+        m2.copy(0).expect("copy nothing");
+        assert!(m2.copy(8192).is_err());
+        m2.copy(4096).expect("still usable after an error");
+        let mut i = RoundTripThenWake::start(36, 16, Duration::ZERO).expect("irq floor");
+        i.once().expect("once");
+        let (a, _b) = UnixStream::pair().expect("pair");
+        let t = Some(Duration::from_millis(20));
+        let e = wait_readable(&a, t).expect_err("nothing to read");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
     }
 }

@@ -116,13 +116,14 @@ fn main() -> Result<()> {
         None => {}
     }
 
+    // Before pinning: the CPU count is the machine's, not the pinned thread's affinity mask.
+    let machine = Machine::probe();
     pin::setup(cli.pin_client, cli.pin_helpers)?;
     let pinning = pin::describe(cli.pin_client, cli.pin_helpers);
     let settings = cases::Settings {
         quick: cli.quick,
         spin: Duration::from_micros(cli.spin_us),
     };
-    let machine = Machine::probe();
     let mode = if cli.quick { "quick" } else { "full" };
     eprintln!(
         "switchyard-bench ({mode}): {} ({} CPUs), kernel {}, load {}, pinning: {pinning}",

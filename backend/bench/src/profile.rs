@@ -32,30 +32,21 @@ pub enum Access {
 /// Runs `iters` 4-byte round trips and prints the mean.
 pub fn run(target: Target, access: Access, iters: u64, spin: Duration) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let (sy, peer) = match target {
-        Target::Softgpu => (
-            Some(Switchyard::start(
-                dir.path(),
-                "prof",
-                DeviceKind::SoftGpu,
-                spin,
-            )?),
+    let kind = match target {
+        Target::Softgpu => Some(DeviceKind::SoftGpu),
+        Target::Regfile => Some(DeviceKind::RegFile),
+        Target::Peer => None,
+    };
+    let (sy, peer) = match kind {
+        Some(kind) => (
+            Some(Switchyard::start(dir.path(), "prof", kind, spin)?),
             None,
         ),
-        Target::Regfile => (
-            Some(Switchyard::start(
-                dir.path(),
-                "prof",
-                DeviceKind::RegFile,
-                spin,
-            )?),
-            None,
-        ),
-        Target::Peer => (None, Some(Peer::start(dir.path(), "prof")?)),
+        None => (None, Some(Peer::start(dir.path(), "prof")?)),
     };
     let mut client = match (&sy, &peer) {
-        (Some(s), _) => s.connect()?,
-        (None, Some(p)) => p.connect()?,
+        (Some(s), _) => s.connect(None)?,
+        (None, Some(p)) => p.connect(None)?,
         (None, None) => anyhow::bail!("no server"),
     };
     let (region, offset) = (0u32, switchyard_softgpu::regs::SCRATCH);

@@ -389,3 +389,126 @@ pub fn markdown_table(rows: &[Row]) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figure(p50: f64) -> Figure {
+        Figure {
+            name: "x".into(),
+            p50,
+            p99: p50,
+            n: 1,
+        }
+    }
+
+    fn row(unit: Unit, ours: f64, floor: f64, peer: Option<f64>, target: Target) -> Row {
+        Row::new(
+            "g",
+            "case".into(),
+            "op",
+            "variant",
+            None,
+            unit,
+            figure(ours),
+            Some(figure(floor)),
+            peer.map(figure),
+            Some(target),
+            String::new(),
+        )
+    }
+
+    const FLOOR_ONLY: Target = Target {
+        floor_ratio: 0.9,
+        beat_peer: false,
+    };
+
+    #[test]
+    fn throughput_target_is_a_lower_bound() {
+        // 9.5 GB/s against a 10 GB/s floor: 0.95× ≥ 0.9×.
+        let r = row(Unit::GBps, 9.5, 10.0, None, FLOOR_ONLY);
+        assert!((r.ratio.expect("ratio") - 0.95).abs() < 1e-9);
+        assert_eq!(r.met, Some(true));
+        assert_eq!(target_text(&r), "≥0.90× floor");
+        // 0.85× misses it.
+        assert_eq!(
+            row(Unit::GBps, 8.5, 10.0, None, FLOOR_ONLY).met,
+            Some(false)
+        );
+    }
+
+    #[test]
+    fn latency_target_is_an_upper_bound() {
+        let t = Target {
+            floor_ratio: 1.1,
+            beat_peer: false,
+        };
+        // 12 µs against a 10 µs floor: 1.2× > 1.1×.
+        let r = row(Unit::Micros, 12.0, 10.0, None, t);
+        assert!((r.ratio.expect("ratio") - 1.2).abs() < 1e-9);
+        assert_eq!(r.met, Some(false));
+        assert_eq!(target_text(&r), "≤1.10× floor");
+        assert_eq!(row(Unit::Micros, 10.5, 10.0, None, t).met, Some(true));
+    }
+
+    #[test]
+    fn beat_peer_needs_a_strictly_better_p50() {
+        let t = Target {
+            floor_ratio: 1.1,
+            beat_peer: true,
+        };
+        let better = row(Unit::Micros, 10.5, 10.0, Some(11.0), t);
+        assert_eq!(better.met, Some(true));
+        assert_eq!(target_text(&better), "≤1.10× floor, < peer");
+        assert_eq!(
+            row(Unit::Micros, 10.5, 10.0, Some(10.5), t).met,
+            Some(false)
+        );
+        // Within the floor bound but slower than the peer: not met.
+        assert_eq!(
+            row(Unit::Micros, 10.5, 10.0, Some(10.0), t).met,
+            Some(false)
+        );
+        // Throughput: higher is better against the peer too.
+        let t = Target {
+            floor_ratio: 0.9,
+            beat_peer: true,
+        };
+        assert_eq!(row(Unit::Mwps, 1.0, 1.0, Some(0.5), t).met, Some(true));
+        assert_eq!(row(Unit::Mwps, 1.0, 1.0, Some(2.0), t).met, Some(false));
+    }
+
+    #[test]
+    fn no_target_no_verdict_and_no_floor_misses() {
+        let r = Row::new(
+            "g",
+            "case".into(),
+            "op",
+            "variant",
+            None,
+            Unit::Micros,
+            figure(1.0),
+            None,
+            None,
+            None,
+            String::new(),
+        );
+        assert_eq!((r.ratio, r.met), (None, None));
+        assert_eq!(target_text(&r), "-");
+        let r = Row::new(
+            "g",
+            "case".into(),
+            "op",
+            "variant",
+            None,
+            Unit::Micros,
+            figure(1.0),
+            None,
+            None,
+            Some(FLOOR_ONLY),
+            String::new(),
+        );
+        assert_eq!(r.met, Some(false));
+    }
+}

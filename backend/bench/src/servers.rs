@@ -235,10 +235,9 @@ impl Switchyard {
         })
     }
 
-    /// Connects our client (VERSION negotiated), configured like a VMM's: no socket timeouts
-    /// (QEMU sets none; a kernel timer armed on every blocking read costs ~0.5-1 µs here).
-    pub fn connect(&self) -> Result<Client> {
-        Client::connect_with(&self.path, vmm_client_config())
+    /// Connects our client (VERSION negotiated) with [`vmm_client_config`]`(timeout)`.
+    pub fn connect(&self, timeout: Option<Duration>) -> Result<Client> {
+        Client::connect_with(&self.path, vmm_client_config(timeout))
             .with_context(|| format!("connect {}", self.path.display()))
     }
 
@@ -327,8 +326,8 @@ impl Peer {
     }
 
     /// Connects our client (same configuration as for Switchyard).
-    pub fn connect(&self) -> Result<Client> {
-        Client::connect_with(&self.path, vmm_client_config())
+    pub fn connect(&self, timeout: Option<Duration>) -> Result<Client> {
+        Client::connect_with(&self.path, vmm_client_config(timeout))
             .with_context(|| format!("connect {}", self.path.display()))
     }
 }
@@ -346,10 +345,13 @@ impl Drop for Peer {
     }
 }
 
-/// The client configuration every measured client uses: the defaults without socket timeouts.
-pub fn vmm_client_config() -> switchyard_client::ClientConfig {
+/// The client configuration every measured client uses: the defaults with `timeout` as the
+/// socket timeouts. Full runs pass `None`, like a VMM (QEMU sets none; a kernel timer armed on
+/// every blocking read costs ~0.5-1 µs here); `--quick` passes 30 s so that a stalled server
+/// fails CI instead of hanging it.
+pub fn vmm_client_config(timeout: Option<Duration>) -> switchyard_client::ClientConfig {
     switchyard_client::ClientConfig {
-        timeout: None,
+        timeout,
         ..Default::default()
     }
 }

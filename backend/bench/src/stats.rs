@@ -10,14 +10,10 @@ use serde::{Deserialize, Serialize};
 pub struct Summary {
     /// Number of samples.
     pub n: usize,
-    /// Fastest sample.
-    pub min: f64,
     /// Median (nearest rank).
     pub p50: f64,
     /// 99th percentile (nearest rank).
     pub p99: f64,
-    /// Mean.
-    pub mean: f64,
 }
 
 impl Summary {
@@ -32,13 +28,10 @@ impl Summary {
             let idx = ((p * n as f64).ceil() as usize).clamp(1, n) - 1;
             samples.get(idx).copied().unwrap_or_default() as f64
         };
-        let sum: u128 = samples.iter().map(|&v| u128::from(v)).sum();
         Some(Summary {
             n,
-            min: samples.first().copied().unwrap_or_default() as f64,
             p50: rank(0.50),
             p99: rank(0.99),
-            mean: sum as f64 / n as f64,
         })
     }
 }
@@ -87,6 +80,17 @@ pub struct Plan {
     pub blocks: usize,
 }
 
+impl Plan {
+    /// A plan of `samples` timed samples in `blocks` blocks after `warmup` untimed ones.
+    pub const fn new(warmup: usize, samples: usize, blocks: usize) -> Plan {
+        Plan {
+            warmup,
+            samples,
+            blocks,
+        }
+    }
+}
+
 /// Runs every contender `plan.samples` times, interleaved in blocks; returns the samples (ns)
 /// of each contender, in order.
 pub fn interleaved(contenders: &mut [Contender<'_>], plan: Plan) -> Result<Vec<Vec<u64>>> {
@@ -121,10 +125,54 @@ mod tests {
     fn percentiles_nearest_rank() {
         let mut v: Vec<u64> = (1..=100).collect();
         let s = Summary::of(&mut v).expect("summary");
-        assert_eq!((s.n, s.min, s.p50, s.p99), (100, 1.0, 50.0, 99.0));
+        assert_eq!((s.n, s.p50, s.p99), (100, 50.0, 99.0));
         assert!(Summary::of(&mut []).is_none());
         let mut one = [7u64];
         let s = Summary::of(&mut one).expect("one");
         assert_eq!((s.p50, s.p99), (7.0, 7.0));
+    }
+
+    /// Records which contender ran, in order; every call takes "1 ns".
+    fn logging<'a>(log: &'a std::cell::RefCell<Vec<char>>, c: char) -> Contender<'a> {
+        Contender::new("log", move || {
+            log.borrow_mut().push(c);
+            Ok(Duration::from_nanos(1))
+        })
+    }
+
+    #[test]
+    fn interleaved_splits_samples_into_alternating_blocks() {
+        let log = std::cell::RefCell::new(Vec::new());
+        let mut cs = [logging(&log, 'a'), logging(&log, 'b')];
+        // 5 samples in 2 blocks: 2, then 3 (block b covers samples * b / blocks ..).
+        let out = interleaved(&mut cs, Plan::new(1, 5, 2)).expect("run");
+        assert_eq!(out, vec![vec![1; 5], vec![1; 5]]);
+        let order: String = log.borrow().iter().collect();
+        assert_eq!(
+            order,
+            "ab" /* warm-up */
+                .to_owned()
+                + "aabb"
+                + "aaabbb"
+        );
+    }
+
+    #[test]
+    fn interleaved_block_edge_cases() {
+        let log = std::cell::RefCell::new(Vec::new());
+        let mut cs = [logging(&log, 'a'), logging(&log, 'b')];
+        // No blocks means one block.
+        let out = interleaved(&mut cs, Plan::new(0, 3, 0)).expect("run");
+        assert_eq!(out.iter().map(Vec::len).collect::<Vec<_>>(), [3, 3]);
+        assert_eq!(log.borrow().iter().collect::<String>(), "aaabbb");
+        // More blocks than samples: empty blocks, still every sample exactly once.
+        log.borrow_mut().clear();
+        let out = interleaved(&mut cs, Plan::new(0, 3, 4)).expect("run");
+        assert_eq!(out.iter().map(Vec::len).collect::<Vec<_>>(), [3, 3]);
+        assert_eq!(log.borrow().iter().collect::<String>(), "ababab");
+        // An error names the contender and the phase.
+        let mut bad = [Contender::new("bad", || anyhow::bail!("boom"))];
+        let e = interleaved(&mut bad, Plan::new(1, 1, 1)).expect_err("fails");
+        assert!(format!("{e:#}").contains("warm-up of bad"), "{e:#}");
     }
 }
