@@ -2,8 +2,8 @@
 //!
 //! Every `DMA_MAP` the client sends becomes one [`Mapping`] keyed by IOVA. A map that carries a
 //! file descriptor is mmapped once (through `vm-memory`, so accesses are volatile and no Rust
-//! reference ever points into guest memory) and gets an [`AtomicBitmap`] that records every write
-//! the device makes, ready for DMA dirty logging. A map without a descriptor is reachable only
+//! reference ever points into guest memory) and gets a [`DirtyLog`] that records every write
+//! the device makes, for DMA dirty logging (`DMA_LOGGING_*`, `DMA_UNMAP` with a bitmap). A map without a descriptor is reachable only
 //! through messages: the server installs a [`RemoteDma`] that turns accesses into `DMA_READ` /
 //! `DMA_WRITE` commands to the client.
 //!
@@ -18,18 +18,17 @@
 
 use std::fmt;
 use std::fs::File;
-use std::num::NonZeroUsize;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use vm_memory::bitmap::{AtomicBitmap, BitmapSlice};
+use vm_memory::bitmap::{Bitmap, BitmapSlice};
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
 
-/// Page size the dirty bitmaps are kept at.
-pub const DIRTY_PAGE_SIZE: usize = 4096;
+pub use crate::dirty::DIRTY_PAGE_SIZE;
+use crate::dirty::DirtyLog;
 
 /// A volatile view of mmapped DMA memory; writes through it mark pages dirty.
-type DmaSlice<'a> = VolatileSlice<'a, vm_memory::bitmap::BS<'a, AtomicBitmap>>;
+type DmaSlice<'a> = VolatileSlice<'a, vm_memory::bitmap::BS<'a, DirtyLog>>;
 
 /// One contiguous piece of a DMA access, handed to access callbacks in address order.
 #[derive(Debug)]
@@ -180,6 +179,20 @@ pub enum DmaError {
     /// Dirty logging was asked for with an unusable page size.
     #[error("dirty page size {0:#x} is not a power of two multiple of 4 KiB")]
     BadPageSize(u64),
+    /// A dirty report was asked for outside a logging session.
+    #[error("DMA dirty logging is not started")]
+    NotLogging,
+    /// Logging was started twice.
+    #[error("DMA dirty logging is already started")]
+    LoggingActive,
+    /// The buffer for a dirty bitmap is too small.
+    #[error("dirty bitmap needs {need} bytes, the request has room for {room}")]
+    BitmapTooSmall {
+        /// Bytes the bitmap needs.
+        need: u64,
+        /// Bytes available.
+        room: usize,
+    },
 }
 
 impl DmaError {
@@ -189,7 +202,10 @@ impl DmaError {
             DmaError::Overlap { .. } => libc::EEXIST,
             DmaError::BadWindow { .. }
             | DmaError::BadPageSize(_)
+            | DmaError::NotLogging
+            | DmaError::BitmapTooSmall { .. }
             | DmaError::PartialUnmap { .. } => libc::EINVAL,
+            DmaError::LoggingActive => libc::EBUSY,
             DmaError::NoSuchMapping { .. } => libc::ENOENT,
             DmaError::TooManyMappings { .. } => libc::ENOSPC,
             DmaError::Mmap { .. } => libc::ENOMEM,
@@ -238,7 +254,7 @@ pub trait RemoteDma: Send + Sync {
 }
 
 enum Backing {
-    Mmap(Arc<MmapRegion<AtomicBitmap>>),
+    Mmap(Arc<MmapRegion<DirtyLog>>),
     Message,
 }
 
@@ -290,6 +306,7 @@ impl Table {
 pub struct DmaSpace {
     table: RwLock<Table>,
     remote: RwLock<Option<Arc<dyn RemoteDma>>>,
+    log: Mutex<LogState>,
     max_maps: usize,
 }
 
@@ -298,6 +315,7 @@ impl fmt::Debug for DmaSpace {
         f.debug_struct("DmaSpace")
             .field("mappings", &self.mappings())
             .field("max_maps", &self.max_maps)
+            .field("logging", &self.logging())
             .finish()
     }
 }
@@ -321,6 +339,7 @@ impl DmaSpace {
         Self {
             table: RwLock::new(Table::default()),
             remote: RwLock::new(None),
+            log: Mutex::new(LogState::default()),
             max_maps,
         }
     }
@@ -368,8 +387,7 @@ impl DmaSpace {
                 if prot.write {
                     mprot |= libc::PROT_WRITE;
                 }
-                let page = NonZeroUsize::new(DIRTY_PAGE_SIZE).ok_or(DmaError::BadPageSize(0))?;
-                let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
+                let region = MmapRegionBuilder::new_with_bitmap(len, DirtyLog::new(len))
                     .with_file_offset(FileOffset::new(file, offset))
                     .with_mmap_prot(mprot)
                     .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
@@ -616,53 +634,129 @@ impl DmaSpace {
         })
     }
 
-    /// Clears every dirty bit (start of a dirty-logging session).
-    pub fn clear_dirty(&self) {
-        for m in &self.read_table().maps {
+    /// Marks `[iova, iova+len)` dirty, for a device that wrote guest memory by some other means
+    /// than this space's accessors (a DMA engine of its own, a peer). Pieces in message-only
+    /// windows are ignored (the client tracks those writes); an unmapped byte is an error and
+    /// marks nothing.
+    pub fn mark_dirty(&self, iova: u64, len: u64) -> Result<()> {
+        let table = self.read_table();
+        self.check(&table, iova, len, Dir::Write)?;
+        let end = iova.saturating_add(len);
+        let mut cur = iova;
+        while cur < end {
+            let m = table.find(cur).ok_or(DmaError::Unmapped { iova: cur })?;
+            let piece_end = m.end().min(end);
             if let Backing::Mmap(region) = &m.backing {
-                region.bitmap().reset();
+                // Both fit in usize: the window was mmapped.
+                region
+                    .bitmap()
+                    .mark_dirty((cur - m.iova) as usize, (piece_end - cur) as usize);
             }
+            cur = piece_end;
         }
+        Ok(())
     }
 
-    /// Reads and clears the dirty bits of `[iova, iova+len)` at `page_size` granularity into
-    /// `out` (bit k = page `iova + k*page_size`, word k/64, bit k%64). The range must cover
-    /// whole windows (like libvfio-user's REPORT, which requires an exact region): each
-    /// window's bitmap is swapped out word by word, so no write the device makes concurrently
-    /// is lost. Message-only windows read as clean (the client tracks its own writes).
-    pub fn take_dirty(&self, iova: u64, len: u64, page_size: u64, out: &mut [u64]) -> Result<()> {
-        let table = self.read_table();
-        let (first, stop) = Self::covered(&table, iova, len)?;
-        Self::collect_dirty(
-            table.maps.get(first..stop).unwrap_or(&[]),
-            iova,
-            len,
-            page_size,
-            out,
-        )
+    fn log_state(&self) -> MutexGuard<'_, LogState> {
+        self.log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `DMA_LOGGING_START`: clears every window's log and starts a logging session. Every
+    /// fd-backed window is logged, whatever ranges the client named (logging more than asked
+    /// is allowed); windows mapped later start clean. `page_size` is the client's hint: the
+    /// returned page size is what the log keeps (4 KiB, or the hint if larger). Reports may ask
+    /// for any power-of-two page size of at least 4 KiB.
+    pub fn start_logging(&self, page_size: u64) -> Result<u64> {
+        if !page_size.is_power_of_two() {
+            return Err(DmaError::BadPageSize(page_size));
+        }
+        let mut log = self.log_state();
+        if log.page_size.is_some() {
+            return Err(DmaError::LoggingActive);
+        }
+        // No write is in flight while the table is write-locked: none straddles the clear.
+        let table = self.write_table();
+        for m in &table.maps {
+            if let Backing::Mmap(region) = &m.backing {
+                region.bitmap().clear();
+            }
+        }
+        let chosen = page_size.max(DIRTY_PAGE_SIZE as u64);
+        log.page_size = Some(chosen);
+        Ok(chosen)
+    }
+
+    /// `DMA_LOGGING_STOP`: ends the logging session (a no-op without one).
+    pub fn stop_logging(&self) {
+        self.log_state().page_size = None;
+    }
+
+    /// The page size of the running logging session, if any.
+    pub fn logging(&self) -> Option<u64> {
+        self.log_state().page_size
+    }
+
+    /// `DMA_LOGGING_REPORT`: reads and clears the dirty bits of `[iova, iova+len)` into `out`
+    /// at `page_size` granularity (bit k = page `iova + k*page_size`: byte k/8... as host-order
+    /// 64-bit words, word k/64, bit k%64). The range may cover any number of windows, parts of
+    /// windows and holes (which read clean); bits of a window outside the range stay logged.
+    /// Needs a logging session. Writes that race with the report land in this report or in the
+    /// next one, never in neither.
+    pub fn report_dirty(&self, iova: u64, len: u64, page_size: u64, out: &mut [u8]) -> Result<()> {
+        let mut log = self.log_state();
+        if log.page_size.is_none() {
+            return Err(DmaError::NotLogging);
+        }
+        let last = report_geometry(iova, len, page_size, out.len())?;
+        let mut windows = std::mem::take(&mut log.scratch);
+        {
+            // Flip under the write lock: no write is in flight, and every later write marks
+            // the other bitmap. The drain then runs with device DMA flowing again.
+            let table = self.write_table();
+            let first = table.maps.partition_point(|m| m.end() <= iova);
+            for m in table.maps.iter().skip(first).take_while(|m| m.iova <= last) {
+                if let Backing::Mmap(region) = &m.backing {
+                    region.bitmap().flip();
+                    windows.push((m.iova, Arc::clone(region)));
+                }
+            }
+        }
+        collect_dirty(&windows, iova, last, page_size, out);
+        windows.clear();
+        log.scratch = windows;
+        Ok(())
     }
 
     /// `DMA_UNMAP` with `GET_DIRTY_BITMAP`: atomically (under the table's write lock, with no
     /// access in flight) reads and clears the dirty bits of the windows in `[iova, iova+len)`
-    /// and removes them. Fails without touching anything when [`DmaSpace::unmap`] would.
+    /// into `out` (layout as [`DmaSpace::report_dirty`]) and removes them. Works with or
+    /// without a logging session. Fails without touching anything when [`DmaSpace::unmap`]
+    /// would.
     pub fn unmap_take_dirty(
         &self,
         iova: u64,
         len: u64,
         page_size: u64,
-        out: &mut [u64],
+        out: &mut [u8],
     ) -> Result<usize> {
+        let last = report_geometry(iova, len, page_size, out.len())?;
+        let _log = self.log_state();
         let removed: Vec<Mapping> = {
             let mut table = self.write_table();
             let (first, stop) = Self::covered(&table, iova, len)?;
-            Self::collect_dirty(
-                table.maps.get(first..stop).unwrap_or(&[]),
-                iova,
-                len,
-                page_size,
-                out,
-            )?;
-            table.maps.drain(first..stop).collect()
+            let removed: Vec<Mapping> = table.maps.drain(first..stop).collect();
+            let windows: Vec<(u64, Arc<MmapRegion<DirtyLog>>)> = removed
+                .iter()
+                .filter_map(|m| match &m.backing {
+                    Backing::Mmap(region) => {
+                        region.bitmap().flip();
+                        Some((m.iova, Arc::clone(region)))
+                    }
+                    Backing::Message => None,
+                })
+                .collect();
+            collect_dirty(&windows, iova, last, page_size, out);
+            removed
         };
         Ok(removed.len())
     }
@@ -685,42 +779,103 @@ impl DmaSpace {
         }
         Ok((first, stop))
     }
+}
 
-    /// Swaps out the bitmaps of `windows` (all inside `[iova, iova+len)`) into `out` at
-    /// `page_size` granularity.
-    fn collect_dirty(
-        windows: &[Mapping],
-        iova: u64,
-        len: u64,
-        page_size: u64,
-        out: &mut [u64],
-    ) -> Result<()> {
-        if !page_size.is_power_of_two() || page_size < DIRTY_PAGE_SIZE as u64 {
-            return Err(DmaError::BadPageSize(page_size));
+/// Logging session state; its mutex also serializes reports (a drain owns the inactive
+/// bitmaps it flipped until it is done).
+#[derive(Default)]
+struct LogState {
+    /// Page size of the running session.
+    page_size: Option<u64>,
+    /// Windows of the report in progress (kept to reuse the allocation).
+    scratch: Vec<(u64, Arc<MmapRegion<DirtyLog>>)>,
+}
+
+/// Checks a report's range, page size and bitmap room; returns the last address of the range
+/// (the range may end exactly at 2^64).
+fn report_geometry(iova: u64, len: u64, page_size: u64, room: usize) -> Result<u64> {
+    if !page_size.is_power_of_two() || page_size < DIRTY_PAGE_SIZE as u64 {
+        return Err(DmaError::BadPageSize(page_size));
+    }
+    let last = len
+        .checked_sub(1)
+        .and_then(|s| iova.checked_add(s))
+        .ok_or(DmaError::BadWindow { iova, size: len })?;
+    let need = len.div_ceil(page_size).div_ceil(64).saturating_mul(8);
+    if (room as u64) < need {
+        return Err(DmaError::BitmapTooSmall { need, room });
+    }
+    Ok(last)
+}
+
+/// Drains the (already flipped) logs of `windows`, sorted by IOVA and all intersecting
+/// `[iova, last]`, into `out` at `page_size` granularity; bits outside the range go back to
+/// their window's log. Bytes of `out` past the range's bitmap are left alone.
+fn collect_dirty(
+    windows: &[(u64, Arc<MmapRegion<DirtyLog>>)],
+    iova: u64,
+    last: u64,
+    page_size: u64,
+    out: &mut [u8],
+) {
+    let page = DIRTY_PAGE_SIZE as u64;
+    let bytes = ((last - iova) / page_size / 64 + 1) as usize * 8;
+    let out = match out.get_mut(..bytes) {
+        Some(o) => o,
+        None => return, // Checked by report_geometry.
+    };
+    // Bytes below `zeroed` hold final values or zeros: every window is written exactly once,
+    // in address order, and gaps are zeroed just before the next window needs them.
+    let mut zeroed = 0usize;
+    let zero_to = |out: &mut [u8], zeroed: &mut usize, to: usize| {
+        if let Some(gap) = out.get_mut(*zeroed..to) {
+            gap.fill(0);
         }
-        if (out.len() as u64).saturating_mul(64) < len.div_ceil(page_size) {
-            return Err(DmaError::BadWindow { iova, size: len });
+        *zeroed = (*zeroed).max(to);
+    };
+    for (start, region) in windows {
+        let log = region.bitmap();
+        let size = region.size() as u64;
+        let end_last = start + (size - 1); // Window fits the address space.
+        // Fast path: 4 KiB pages, whole window inside the range, window starting on a bitmap
+        // word: the window's log *is* this part of the report, word for word.
+        let whole = *start >= iova && end_last <= last;
+        let off_pages = start.wrapping_sub(iova) / page;
+        if page_size == page && whole && off_pages % 64 == 0 {
+            let b0 = (off_pages / 8) as usize;
+            let b1 = b0 + log.words() * 8;
+            zero_to(out, &mut zeroed, b0);
+            if let Some(dst) = out.get_mut(b0..) {
+                log.drain_inactive_into(dst);
+            }
+            zeroed = zeroed.max(b1.min(out.len()));
+            continue;
         }
-        out.fill(0);
-        for m in windows {
-            let Backing::Mmap(region) = &m.backing else {
-                continue;
-            };
-            for (w, word) in region.bitmap().get_and_reset().into_iter().enumerate() {
-                let mut bits = word;
-                while bits != 0 {
-                    let b = u64::from(bits.trailing_zeros());
-                    bits &= bits - 1;
-                    let addr = m.iova + (w as u64 * 64 + b) * DIRTY_PAGE_SIZE as u64;
-                    let k = (addr - iova) / page_size;
-                    if let Some(o) = out.get_mut((k / 64) as usize) {
-                        *o |= 1 << (k % 64);
-                    }
+        // General path: bit by bit, ORed into zeroed bytes.
+        let lo = (*start).max(iova);
+        let hi = end_last.min(last);
+        let b1 = (((hi - iova) / page_size) / 64 + 1) as usize * 8;
+        zero_to(out, &mut zeroed, b1);
+        log.drain_inactive(|w, bits| {
+            let mut rest = bits;
+            let mut keep = 0u64;
+            while rest != 0 {
+                let b = rest.trailing_zeros();
+                rest &= rest - 1;
+                let addr = start + (w as u64 * 64 + u64::from(b)) * page;
+                if addr < lo || addr > hi {
+                    keep |= 1 << b;
+                    continue;
+                }
+                let k = (addr - iova) / page_size;
+                if let Some(o) = out.get_mut((k / 8) as usize) {
+                    *o |= 1 << (k % 8);
                 }
             }
-        }
-        Ok(())
+            keep
+        });
     }
+    zero_to(out, &mut zeroed, bytes);
 }
 
 #[cfg(test)]
@@ -899,6 +1054,13 @@ mod tests {
         assert_eq!(dma.read_u64(0x8010).expect("remote read"), 0xdead_beef);
     }
 
+    /// Pages (relative to the report's start, in report pages) whose bit is set.
+    fn set_bits(bitmap: &[u8]) -> Vec<u64> {
+        (0..bitmap.len() as u64 * 8)
+            .filter(|k| bitmap[(k / 8) as usize] >> (k % 8) & 1 == 1)
+            .collect()
+    }
+
     #[test]
     fn device_writes_are_logged_dirty() {
         let dma = DmaSpace::new(8);
@@ -909,21 +1071,228 @@ mod tests {
             Some((memfd(0x10000), 0)),
         )
         .expect("map");
-        dma.clear_dirty();
+        dma.write(0x100000, &[1]).expect("write before the session");
+        assert_eq!(
+            dma.start_logging(512).expect("start"),
+            4096,
+            "4 KiB at least"
+        );
         dma.write(0x100000 + 0x3000 + 5, &[1, 2, 3])
             .expect("write page 3");
         dma.write_u64(0x100000 + 0xfff8, 9).expect("write page 15");
-        let mut bits = [0u64; 1];
-        dma.take_dirty(0x100000, 0x10000, 4096, &mut bits)
+        dma.read_u64(0x100000 + 0x5000)
+            .expect("reads are not logged");
+        let mut bits = [0u8; 8];
+        dma.report_dirty(0x100000, 0x10000, 4096, &mut bits)
             .expect("report");
-        assert_eq!(bits[0], (1 << 3) | (1 << 15));
-        dma.take_dirty(0x100000, 0x10000, 4096, &mut bits)
+        assert_eq!(
+            set_bits(&bits),
+            [3, 15],
+            "the write before START is forgotten"
+        );
+        dma.report_dirty(0x100000, 0x10000, 4096, &mut bits)
             .expect("report again");
-        assert_eq!(bits[0], 0, "report is read-and-clear");
+        assert!(set_bits(&bits).is_empty(), "a report reads and clears");
         dma.write(0x100000 + 0x9000, &[1]).expect("write page 9");
-        dma.take_dirty(0x100000, 0x10000, 0x8000, &mut bits)
+        dma.report_dirty(0x100000, 0x10000, 0x8000, &mut bits)
             .expect("coarse report");
-        assert_eq!(bits[0], 0b10, "page 9 of 4K is in the second 32K page");
+        assert_eq!(
+            set_bits(&bits),
+            [1],
+            "page 9 of 4K is in the second 32K page"
+        );
+    }
+
+    #[test]
+    fn reports_need_a_session_a_page_size_and_room() {
+        let dma = DmaSpace::new(8);
+        dma.map(
+            0x10000,
+            0x10000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x10000), 0)),
+        )
+        .expect("map");
+        let mut bits = [0u8; 8];
+        let e = dma
+            .report_dirty(0x10000, 0x10000, 4096, &mut bits)
+            .expect_err("no session");
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert_eq!(
+            dma.start_logging(3).expect_err("page size").errno(),
+            libc::EINVAL
+        );
+        dma.start_logging(4096).expect("start");
+        assert_eq!(
+            dma.start_logging(4096).expect_err("twice").errno(),
+            libc::EBUSY
+        );
+        dma.write(0x10000 + 0x2000, &[1]).expect("write page 2");
+        for (page, room) in [(2048, 8), (4096 + 1, 8), (4096, 7)] {
+            let e = dma
+                .report_dirty(0x10000, 0x10000, page, &mut bits[..room])
+                .expect_err("bad report");
+            assert_eq!(e.errno(), libc::EINVAL, "page {page} room {room}");
+        }
+        let e = dma
+            .report_dirty(u64::MAX - 0xfff, 0x2000, 4096, &mut bits)
+            .expect_err("wraps");
+        assert_eq!(e.errno(), libc::EINVAL);
+        // Nothing was cleared by the failed calls.
+        dma.report_dirty(0x10000, 0x10000, 4096, &mut bits)
+            .expect("report");
+        assert_eq!(set_bits(&bits), [2]);
+        dma.stop_logging();
+        assert_eq!(dma.logging(), None);
+        dma.report_dirty(0x10000, 0x10000, 4096, &mut bits)
+            .expect_err("stopped");
+        dma.start_logging(4096).expect("a new session");
+    }
+
+    /// A tiny deterministic generator for the model tests.
+    struct XorShift(u64);
+    impl XorShift {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[test]
+    fn reports_of_any_range_match_a_model() {
+        const PAGE: u64 = 4096;
+        // Windows at awkward places: word-aligned, misaligned, a message-only one, holes.
+        let windows: [(u64, u64, bool); 5] = [
+            (0, 64 * PAGE, true),
+            (64 * PAGE, 100 * PAGE, true),
+            (200 * PAGE, 7 * PAGE, true),
+            (207 * PAGE, 3 * PAGE, false),
+            (300 * PAGE, 130 * PAGE, true),
+        ];
+        let dma = DmaSpace::new(8);
+        for (iova, size, fd) in windows {
+            let backing = fd.then(|| (memfd(size as usize), 0));
+            dma.map(iova, size, DmaProt::READ_WRITE, backing)
+                .expect("map");
+        }
+        dma.start_logging(PAGE).expect("start");
+        let mapped = |p: u64| {
+            windows
+                .iter()
+                .any(|&(i, s, fd)| fd && p * PAGE >= i && p * PAGE < i + s)
+        };
+        let mut model = std::collections::BTreeSet::new();
+        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        for round in 0..400 {
+            for _ in 0..rng.below(40) {
+                let p = rng.below(430);
+                if mapped(p) {
+                    dma.mark_dirty(p * PAGE + rng.below(PAGE), 1).expect("mark");
+                    model.insert(p);
+                }
+            }
+            let shift = [0u32, 0, 0, 1, 3][rng.below(5) as usize];
+            let page_size = PAGE << shift;
+            let first = rng.below(430);
+            let pages = 1 + rng.below(430 - first);
+            let (iova, len) = (first * PAGE, pages * PAGE);
+            let mut out = vec![0xa5u8; 8 * (pages.div_ceil(64) as usize) + 16];
+            dma.report_dirty(iova, len, page_size, &mut out)
+                .expect("report");
+            let want: Vec<u64> = model
+                .range(first..first + pages)
+                .map(|p| (p - first) / (1 << shift))
+                .collect::<std::collections::BTreeSet<u64>>()
+                .into_iter()
+                .collect();
+            let used = 8 * (len.div_ceil(page_size).div_ceil(64) as usize);
+            assert_eq!(
+                set_bits(&out[..used]),
+                want,
+                "round {round}: {iova:#x}+{len:#x}/{page_size:#x}"
+            );
+            assert!(
+                out[used..].iter().all(|&b| b == 0xa5),
+                "round {round}: wrote past the bitmap"
+            );
+            // Pages inside the range are reported; the rest stays logged.
+            model.retain(|&p| p < first || p >= first + pages);
+        }
+    }
+
+    #[test]
+    fn writes_racing_with_reports_are_never_lost() {
+        const PAGES: u64 = 4096;
+        let dma = Arc::new(DmaSpace::new(8));
+        dma.map(
+            0,
+            PAGES * 4096,
+            DmaProt::READ_WRITE,
+            Some((memfd((PAGES * 4096) as usize), 0)),
+        )
+        .expect("map");
+        dma.start_logging(4096).expect("start");
+        let writer = {
+            let dma = Arc::clone(&dma);
+            std::thread::spawn(move || {
+                for p in 0..PAGES {
+                    dma.write_u64(p * 4096, p).expect("write");
+                }
+            })
+        };
+        let mut seen = vec![false; PAGES as usize];
+        let mut out = vec![0u8; (PAGES / 8) as usize];
+        let mut collect = |dma: &DmaSpace, seen: &mut Vec<bool>| {
+            dma.report_dirty(0, PAGES * 4096, 4096, &mut out)
+                .expect("report");
+            for k in set_bits(&out) {
+                assert!(
+                    !seen[k as usize],
+                    "page {k} reported twice but written once"
+                );
+                seen[k as usize] = true;
+            }
+        };
+        while !writer.is_finished() {
+            collect(&dma, &mut seen);
+        }
+        writer.join().expect("writer");
+        collect(&dma, &mut seen);
+        assert!(
+            seen.iter().all(|&s| s),
+            "every page written was reported exactly once"
+        );
+    }
+
+    #[test]
+    fn unmap_with_dirty_bitmap_is_all_or_nothing() {
+        let dma = DmaSpace::new(8);
+        dma.map(
+            0x10000,
+            0x4000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x4000), 0)),
+        )
+        .expect("map");
+        dma.write(0x10000 + 0x3000, &[1]).expect("write page 3");
+        let mut bits = [0u8; 8];
+        let e = dma
+            .unmap_take_dirty(0x10000, 0x2000, 4096, &mut bits)
+            .expect_err("splits the window");
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert_eq!(dma.mappings().len(), 1, "window kept");
+        assert_eq!(
+            dma.unmap_take_dirty(0x10000, 0x4000, 4096, &mut bits)
+                .expect("unmap"),
+            1
+        );
+        assert_eq!(set_bits(&bits), [3], "bits survived the failed call");
+        assert!(dma.mappings().is_empty());
     }
 
     #[test]
@@ -947,58 +1316,6 @@ mod tests {
             )
             .expect_err("offset at the end");
         assert_eq!(e.errno(), libc::EINVAL);
-        assert!(dma.mappings().is_empty());
-    }
-
-    #[test]
-    fn dirty_reports_need_whole_windows_and_room_for_the_bits() {
-        let dma = DmaSpace::new(8);
-        dma.map(
-            0x10000,
-            0x10000,
-            DmaProt::READ_WRITE,
-            Some((memfd(0x10000), 0)),
-        )
-        .expect("map");
-        dma.write(0x10000 + 0x2000, &[1]).expect("write page 2");
-        let mut bits = [0u64; 1];
-        let e = dma
-            .take_dirty(0x10000, 0x8000, 4096, &mut bits)
-            .expect_err("half a window");
-        assert_eq!(e.errno(), libc::EINVAL);
-        let e = dma
-            .take_dirty(0x10000, 0x10000, 4096, &mut [])
-            .expect_err("no room for the bitmap");
-        assert_eq!(e.errno(), libc::EINVAL);
-        // Nothing was cleared by the failed calls.
-        dma.take_dirty(0x10000, 0x10000, 4096, &mut bits)
-            .expect("report");
-        assert_eq!(bits[0], 1 << 2);
-    }
-
-    #[test]
-    fn unmap_with_dirty_bitmap_is_all_or_nothing() {
-        let dma = DmaSpace::new(8);
-        dma.map(
-            0x10000,
-            0x4000,
-            DmaProt::READ_WRITE,
-            Some((memfd(0x4000), 0)),
-        )
-        .expect("map");
-        dma.write(0x10000 + 0x3000, &[1]).expect("write page 3");
-        let mut bits = [0u64; 1];
-        let e = dma
-            .unmap_take_dirty(0x10000, 0x2000, 4096, &mut bits)
-            .expect_err("splits the window");
-        assert_eq!(e.errno(), libc::EINVAL);
-        assert_eq!(dma.mappings().len(), 1, "window kept");
-        assert_eq!(
-            dma.unmap_take_dirty(0x10000, 0x4000, 4096, &mut bits)
-                .expect("unmap"),
-            1
-        );
-        assert_eq!(bits[0], 1 << 3, "bits survived the failed call");
         assert!(dma.mappings().is_empty());
     }
 }

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod dirty;
 pub mod dma;
 pub mod irq;
 pub mod msix;

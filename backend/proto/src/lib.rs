@@ -40,10 +40,10 @@ pub use payload::{
     RegionCapIter, RegionCapsBuilder, SetIrqs, Version, dirty_bitmap_size, region_caps,
 };
 pub use reply::{
-    Reply, decode_reply, decode_reply_body, decode_reply_within, dma_read_reply_buffer,
-    dma_unmap_bitmap_reply_buffer, encode_region_write_reply, encode_version_reply,
-    encode_version_request, mig_data_read_reply_buffer, region_read_reply_buffer,
-    truncate_mig_data_read_reply,
+    Reply, decode_reply, decode_reply_body, decode_reply_within, dma_logging_report_reply_buffer,
+    dma_read_reply_buffer, dma_unmap_bitmap_reply_buffer, encode_region_write_reply,
+    encode_version_reply, encode_version_request, mig_data_read_reply_buffer,
+    region_read_reply_buffer, truncate_mig_data_read_reply,
 };
 pub use request::{
     Limits, Request, decode_request, decode_request_with, region_write_request_buffer,

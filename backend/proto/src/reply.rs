@@ -699,6 +699,38 @@ pub fn dma_unmap_bitmap_reply_buffer<'b>(
     ))
 }
 
+/// Server: writes a DEVICE_FEATURE `DMA_LOGGING_REPORT` reply (the request's
+/// report header echoed, `argsz` covering the bitmap) and returns the zeroed
+/// bitmap area (`dirty_bitmap_size(report.length, report.page_size)` bytes)
+/// to fill in place.
+pub fn dma_logging_report_reply_buffer<'b>(
+    out: &'b mut Vec<u8>,
+    msg_id: u16,
+    report: &DmaLoggingReport,
+) -> Result<&'b mut [u8], ProtoError> {
+    let size = dirty_bitmap_size(report.length, report.page_size)?;
+    let n = usize::try_from(size).map_err(|_| ProtoError::overflow("bitmap size"))?;
+    let body = (DeviceFeatureHeader::SIZE + DmaLoggingReport::SIZE)
+        .checked_add(n)
+        .ok_or(ProtoError::overflow("DMA_LOGGING_REPORT reply size"))?;
+    let argsz = u32::try_from(body).map_err(|_| ProtoError::MessageTooLarge { size: body })?;
+    let hdr = Header::reply(msg_id, VFIO_USER_DEVICE_FEATURE, body)?;
+    let feature = DeviceFeatureHeader {
+        argsz,
+        flags: FeatureReply::DmaLoggingReport {
+            report: *report,
+            bitmap: &[],
+        }
+        .flags(),
+    };
+    Ok(fixed_then_data(
+        out,
+        hdr,
+        &[feature.as_bytes(), report.as_bytes()],
+        n,
+    ))
+}
+
 /// Server: writes a VERSION reply (major 0, minor 0, `caps` as
 /// NUL-terminated JSON) into `out`.
 pub fn encode_version_reply(

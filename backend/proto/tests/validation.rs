@@ -1244,6 +1244,32 @@ fn writer_and_hot_paths() {
     assert!(
         matches!(decode_reply(&h, &out[16..], 0), Ok(Reply::DmaUnmap { bitmap: Some(b), .. }) if b.data[0] == 1)
     );
+    // DMA logging report reply: argsz covers the bitmap, the request is echoed.
+    let r = DmaLoggingReport {
+        iova: 0x10_0000,
+        length: 130 << 12,
+        page_size: 4096,
+    };
+    let bm = dma_logging_report_reply_buffer(&mut out, 5, &r).expect("buffer");
+    assert_eq!(bm.len(), 24, "130 pages need three words");
+    assert!(bm.iter().all(|&b| b == 0));
+    bm[16] = 2;
+    let h = Header::from_bytes(&out).expect("header");
+    match decode_reply(&h, &out[16..], 0) {
+        Ok(Reply::DeviceFeature(f)) => {
+            assert_eq!(f.argsz, 8 + 24 + 24);
+            assert_eq!(
+                f.op,
+                FeatureReply::DmaLoggingReport {
+                    report: r,
+                    bitmap: &[
+                        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0
+                    ]
+                }
+            );
+        }
+        other => panic!("not a report reply: {other:?}"),
+    }
     // Client side hot paths.
     let d = dma_read_reply_buffer(&mut out, 3, 0x2000, 2).expect("buffer");
     d.copy_from_slice(&[5, 6]);

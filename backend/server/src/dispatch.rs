@@ -6,12 +6,16 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
-use switchyard_device::{DeviceError, DmaError, DmaProt, IrqIndex, PciDevice, RegionDesc};
+use switchyard_device::{
+    DeviceError, DmaError, DmaProt, DmaSpace, IrqIndex, PciDevice, RegionDesc,
+};
 use switchyard_proto::consts::*;
 use switchyard_proto::{
-    Capabilities, DeviceInfo, IrqAction, IrqData, IrqInfo, Limits, ProtoError, RegionCapsBuilder,
-    RegionInfo, Reply, Request, SetIrqs, SparseMmapArea, encode_error_reply,
-    encode_region_write_reply, encode_version_reply, negotiate_version, region_read_reply_buffer,
+    Capabilities, DeviceFeatureHeader, DeviceFeatureReply, DeviceInfo, DmaLoggingControl,
+    FeatureReply, FeatureRequest, IrqAction, IrqData, IrqInfo, Limits, ProtoError,
+    RegionCapsBuilder, RegionInfo, Reply, Request, SetIrqs, SparseMmapArea, dirty_bitmap_size,
+    dma_logging_report_reply_buffer, encode_error_reply, encode_region_write_reply,
+    encode_version_reply, negotiate_version, region_read_reply_buffer,
 };
 
 use crate::client_dma::ClientDma;
@@ -297,18 +301,12 @@ fn handle<D: PciDevice>(
                 let buf = switchyard_proto::dma_unmap_bitmap_reply_buffer(
                     &mut s.out, id, &unmap, bh.pgsize,
                 )?;
-                let mut words = vec![0u64; buf.len().div_ceil(8)];
                 // Bits and windows go together, under one lock: no write falls in between.
-                let n = server.ctx.dma.unmap_take_dirty(
-                    unmap.address,
-                    unmap.size,
-                    bh.pgsize,
-                    &mut words,
-                )?;
-                for (chunk, w) in buf.chunks_mut(8).zip(&words) {
-                    let b = w.to_ne_bytes();
-                    chunk.copy_from_slice(b.get(..chunk.len()).unwrap_or(&[]));
-                }
+                let n =
+                    server
+                        .ctx
+                        .dma
+                        .unmap_take_dirty(unmap.address, unmap.size, bh.pgsize, buf)?;
                 tracing::debug!(
                     iova = unmap.address,
                     size = unmap.size,
@@ -456,14 +454,7 @@ fn handle<D: PciDevice>(
             }
             Reply::RegionWriteMulti { wr_cnt: done }.encode(id, &mut s.out)?;
         }
-        Request::DeviceFeature(_) => {
-            // Migration and DMA logging arrive with the migration work; until then the device
-            // reports no features, as the kernel does (ENOTTY).
-            return Err(RequestError::Invalid {
-                what: "device feature not supported",
-                errno: libc::ENOTTY,
-            });
-        }
+        Request::DeviceFeature(f) => device_feature(&server.ctx.dma, &mut s.out, id, f.op)?,
         Request::MigDataRead { .. } | Request::MigDataWrite { .. } => {
             return Err(invalid("device is not in a migration state"));
         }
@@ -473,6 +464,90 @@ fn handle<D: PciDevice>(
         }
     }
     Ok(())
+}
+
+/// DEVICE_FEATURE: DMA dirty logging (START / STOP / REPORT and their PROBEs). Migration
+/// features answer `ENOTTY` ("not supported", as the kernel does) until the device can migrate.
+fn device_feature(
+    dma: &DmaSpace,
+    out: &mut Vec<u8>,
+    id: u16,
+    op: FeatureRequest<'_>,
+) -> Result<(), RequestError> {
+    let not_supported = RequestError::Invalid {
+        what: "device feature not supported",
+        errno: libc::ENOTTY,
+    };
+    let reply = |out: &mut Vec<u8>, op: FeatureReply<'_>| {
+        let argsz = (DeviceFeatureHeader::SIZE + op.data_len()) as u32;
+        reply_empty(
+            out,
+            id,
+            Reply::DeviceFeature(DeviceFeatureReply { argsz, op }),
+        )
+    };
+    match op {
+        FeatureRequest::Probe { feature, get, set } => {
+            let (can_get, can_set) = match feature {
+                VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
+                    (false, true)
+                }
+                VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
+                _ => return Err(not_supported),
+            };
+            if (get && !can_get) || (set && !can_set) {
+                return Err(invalid("device feature does not support that operation"));
+            }
+            reply(out, FeatureReply::Probe { feature, get, set })
+        }
+        FeatureRequest::DmaLoggingStart(c) => {
+            // Every window is logged whatever the ranges say; still, nonsense is refused.
+            if c.ranges
+                .iter()
+                .any(|r| r.length == 0 || r.iova.checked_add(r.length - 1).is_none())
+            {
+                return Err(invalid("DMA logging range is empty or wraps"));
+            }
+            let page_size = dma.start_logging(c.page_size)?;
+            tracing::info!(
+                page_size,
+                ranges = c.ranges.len(),
+                "DMA dirty logging started"
+            );
+            reply(
+                out,
+                FeatureReply::DmaLoggingStart(DmaLoggingControl { page_size, ..c }),
+            )
+        }
+        FeatureRequest::DmaLoggingStop => {
+            dma.stop_logging();
+            tracing::info!("DMA dirty logging stopped");
+            reply(out, FeatureReply::DmaLoggingStop)
+        }
+        FeatureRequest::DmaLoggingReport(r) => {
+            // The bitmap is built in place in the reply; the decoder checked that the
+            // client's argsz has room for it.
+            if dirty_bitmap_size(r.length, r.page_size)? > u64::from(MAX_DATA_XFER_SIZE_LIMIT) {
+                return Err(RequestError::Invalid {
+                    what: "DMA logging report bitmap too large for one message",
+                    errno: libc::E2BIG,
+                });
+            }
+            let buf = dma_logging_report_reply_buffer(out, id, &r)?;
+            dma.report_dirty(r.iova, r.length, r.page_size, buf)?;
+            tracing::trace!(
+                iova = r.iova,
+                length = r.length,
+                page_size = r.page_size,
+                "DMA logging report"
+            );
+            Ok(())
+        }
+        FeatureRequest::GetMigration
+        | FeatureRequest::GetMigDeviceState
+        | FeatureRequest::SetMigDeviceState(_)
+        | FeatureRequest::Other { .. } => Err(not_supported),
+    }
 }
 
 fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestError> {

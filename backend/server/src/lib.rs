@@ -174,10 +174,12 @@ impl<D: PciDevice> Server<D> {
         Ok(())
     }
 
-    /// Spec rule on client loss: drop DMA windows and eventfds, keep device state.
+    /// Spec rule on client loss: drop DMA windows, eventfds and the dirty-logging session,
+    /// keep device state.
     fn client_gone(&mut self) {
         self.ctx.dma.set_remote(None);
         self.device.client_disconnected();
+        self.ctx.dma.stop_logging();
         self.ctx.dma.unmap_all();
         self.ctx.irqs.clear();
     }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::ServerProcess;
-use common::driver::{CONFIG, Driver, GUEST_IOVA, Transport, guest, wait_eventfd};
+use common::driver::{CONFIG, Driver, GUEST_IOVA, Transport, WINDOW_SIZE, guest, wait_eventfd};
 use switchyard_client::{Client, FlatDma};
 use switchyard_proto::WriteMultiEntry;
 use switchyard_proto::consts::*;
@@ -238,6 +238,83 @@ fn dirty_bitmap_on_unmap_reports_device_writes() {
         .collect();
     // Ring page (engine reads only) is not dirty; the fill targets are.
     assert_eq!(dirty, vec![0x300, 0x310, 0x311], "dirty pages {dirty:x?}");
+}
+
+fn set_pages(bitmap: &[u8]) -> Vec<usize> {
+    (0..bitmap.len() * 8)
+        .filter(|&i| bitmap[i / 8] & (1 << (i % 8)) != 0)
+        .collect()
+}
+
+#[test]
+fn dma_logging_reports_what_the_device_wrote() {
+    let server = ServerProcess::start("softgpu");
+    let mut d = Driver::new(Ours(connect(&server)));
+    d.setup_queue(0);
+    let c = &mut d.t.0;
+    // PROBE: the three logging features with their own op, migration not at all.
+    c.feature_probe(VFIO_DEVICE_FEATURE_DMA_LOGGING_START, false, true)
+        .expect("probe start");
+    c.feature_probe(VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, false, true)
+        .expect("probe stop");
+    c.feature_probe(VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, true, false)
+        .expect("probe report");
+    let e = c
+        .feature_probe(VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, false, true)
+        .expect_err("report is GET only");
+    assert_eq!(e.remote_errno(), Some(libc::EINVAL));
+    let e = c
+        .dma_logging_report(GUEST_IOVA, WINDOW_SIZE, 4096)
+        .expect_err("no session yet");
+    assert_eq!(e.remote_errno(), Some(libc::EINVAL));
+
+    assert_eq!(c.dma_logging_start(4096, &[]).expect("start"), 4096);
+    let e = c.dma_logging_start(4096, &[]).expect_err("started twice");
+    assert_eq!(e.remote_errno(), Some(libc::EBUSY));
+    d.run(
+        0,
+        &[
+            Command::fill(guest(0x30_0000 + 5), 10, 1),
+            Command::fill(guest(0x31_0000), 4096 * 2, 2),
+            // Crosses into the second window.
+            Command::fill(guest(WINDOW_SIZE - 4), 8, 3),
+        ],
+    );
+    let c = &mut d.t.0;
+    // Part of window 0 first: only its pages come back, the rest stays logged.
+    let part = c
+        .dma_logging_report(GUEST_IOVA + 0x31_0000, 0x1_0000, 4096)
+        .expect("partial report");
+    assert_eq!(set_pages(&part), [0, 1]);
+    // Both windows in one report, at 8 KiB pages.
+    let all = c
+        .dma_logging_report(GUEST_IOVA, 2 * WINDOW_SIZE, 8192)
+        .expect("report");
+    let last = (WINDOW_SIZE / 8192) as usize;
+    assert_eq!(
+        set_pages(&all),
+        [0x180, last - 1, last],
+        "ring pages are only read"
+    );
+    let again = c
+        .dma_logging_report(GUEST_IOVA, 2 * WINDOW_SIZE, 4096)
+        .expect("report again");
+    assert!(set_pages(&again).is_empty(), "a report reads and clears");
+    c.dma_logging_stop().expect("stop");
+    let e = c
+        .dma_logging_report(GUEST_IOVA, WINDOW_SIZE, 4096)
+        .expect_err("stopped");
+    assert_eq!(e.remote_errno(), Some(libc::EINVAL));
+    // A new session after STOP; a disconnect ends it.
+    c.dma_logging_start(4096, &[]).expect("restart");
+    drop(d);
+    let mut c = connect(&server);
+    let e = c
+        .dma_logging_report(GUEST_IOVA, WINDOW_SIZE, 4096)
+        .expect_err("session ended with the client");
+    assert_eq!(e.remote_errno(), Some(libc::EINVAL));
+    c.dma_logging_start(4096, &[])
+        .expect("a new client starts its own session");
 }
 
 #[test]

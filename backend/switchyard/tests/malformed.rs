@@ -179,6 +179,89 @@ fn bad_sizes_commands_offsets_and_fds_get_errnos() {
         "mmap of a pipe fails with an errno"
     );
 
+    // DEVICE_FEATURE: bad flags, features we do not have, malformed DMA logging requests.
+    let feature = |argsz: u32, flags: u32, data: &[u64]| {
+        let mut b = argsz.to_ne_bytes().to_vec();
+        b.extend_from_slice(&flags.to_ne_bytes());
+        for v in data {
+            b.extend_from_slice(&v.to_ne_bytes());
+        }
+        b
+    };
+    const GET: u32 = 1 << 16;
+    const SET: u32 = 1 << 17;
+    r.expect_errno(16, &feature(8, 6 | GET | SET, &[]), &[], libc::EINVAL);
+    r.expect_errno(16, &feature(8, 6 | 1 << 20, &[]), &[], libc::EINVAL);
+    r.expect_errno(16, &feature(16, 1 | GET, &[0]), &[], libc::ENOTTY);
+    r.expect_errno(16, &feature(16, 11 | GET, &[0]), &[], libc::ENOTTY);
+    // START: page size not a power of two; a range that wraps.
+    r.expect_errno(16, &feature(24, 6 | SET, &[3, 0]), &[], libc::EINVAL);
+    r.expect_errno(
+        16,
+        &feature(40, 6 | SET, &[4096, 1, u64::MAX, 2]),
+        &[],
+        libc::EINVAL,
+    );
+    // REPORT: before START, then argsz without room for the bitmap, a zero length, a page
+    // size that is not a power of two, a range that wraps.
+    r.expect_errno(
+        16,
+        &feature(40, 8 | GET, &[0x10_0000, 1 << 20, 4096]),
+        &[],
+        libc::EINVAL,
+    );
+    let (h, _) = r.call(16, 0, &feature(24, 6 | SET, &[4096, 0]), &[]);
+    assert!(!h.is_error(), "start");
+    r.expect_errno(
+        16,
+        &feature(32 + 31, 8 | GET, &[0x10_0000, 1 << 20, 4096]),
+        &[],
+        libc::EINVAL,
+    );
+    r.expect_errno(
+        16,
+        &feature(40, 8 | GET, &[0x10_0000, 0, 4096]),
+        &[],
+        libc::EINVAL,
+    );
+    r.expect_errno(
+        16,
+        &feature(64, 8 | GET, &[0x10_0000, 1 << 20, 4095]),
+        &[],
+        libc::EINVAL,
+    );
+    r.expect_errno(
+        16,
+        &feature(64, 8 | GET, &[u64::MAX, 2, 4096]),
+        &[],
+        libc::EINVAL,
+    );
+    // A bitmap larger than argsz can describe; one argsz allows but no message can carry.
+    r.expect_errno(
+        16,
+        &feature(u32::MAX, 8 | GET, &[0, 1 << 60, 4096]),
+        &[],
+        libc::EINVAL,
+    );
+    r.expect_errno(
+        16,
+        &feature(32 + (1 << 27), 8 | GET, &[0, 1 << 42, 4096]),
+        &[],
+        libc::E2BIG,
+    );
+    let (h, body) = r.call(
+        16,
+        0,
+        &feature(32 + 32, 8 | GET, &[0x10_0000, 1 << 20, 4096]),
+        &[],
+    );
+    assert!(!h.is_error(), "a good report after the bad ones");
+    assert_eq!(
+        body.len(),
+        8 + 24 + 32,
+        "header, report and a 256-page bitmap"
+    );
+
     // Posted write (No_reply): no reply comes back; the next request is answered normally.
     let mut pw = region_access(0x2c, 0, 4);
     pw.extend_from_slice(&0x77u32.to_le_bytes());
