@@ -29,12 +29,12 @@ use std::time::Duration;
 use switchyard_proto::consts::*;
 use switchyard_proto::errno;
 use switchyard_proto::{
-    Capabilities, Command, DeviceFeatureHeader, DeviceInfo, DmaLoggingControl, DmaLoggingRange,
-    DmaLoggingReport, DmaMap, DmaUnmap, FeatureReply, FeatureRequest, Header, IoFdEntries,
-    IoFdEntry, IoFdShadowEntry, IrqInfo, IrqSet, Limits, MessageWriter, MigDeviceState, ProtoError,
-    Records, RegionInfo, RegionTypeCap, Reply, Request, SparseMmapArea, Version, WriteMultiEntry,
-    decode_reply_within, decode_request_with, dma_read_reply_buffer, encode_error_reply,
-    encode_version_request, region_caps, region_write_request_buffer,
+    Capabilities, Command, DeviceFeatureHeader, DeviceFeatureReply, DeviceInfo, DmaLoggingControl,
+    DmaLoggingRange, DmaLoggingReport, DmaMap, DmaUnmap, FeatureReply, FeatureRequest, Header,
+    IoFdEntries, IoFdEntry, IoFdShadowEntry, IrqInfo, IrqSet, Limits, MessageWriter,
+    MigDeviceState, ProtoError, Records, RegionInfo, RegionTypeCap, Reply, Request, SparseMmapArea,
+    Version, WriteMultiEntry, decode_reply_within, decode_request_with, dma_read_reply_buffer,
+    encode_error_reply, encode_version_request, region_caps, region_write_request_buffer,
 };
 use zerocopy::FromBytes;
 
@@ -195,7 +195,9 @@ pub struct Client {
     dma: Option<Box<dyn MessageDma>>,
     out: Vec<u8>,
     dma_out: Vec<u8>,
+    /// The last message received; its body starts at `rx_start`.
     rx: Vec<u8>,
+    rx_start: usize,
     /// Receive buffer: one `recvmsg` usually brings a whole reply.
     inbuf: Vec<u8>,
     in_start: usize,
@@ -260,7 +262,8 @@ impl Client {
             out: Vec::with_capacity(4096),
             dma_out: Vec::new(),
             rx: Vec::with_capacity(4096),
-            inbuf: vec![0; 64 << 10],
+            rx_start: 0,
+            inbuf: vec![0; INBUF_MIN],
             in_start: 0,
             in_end: 0,
             pending_fds: Vec::new(),
@@ -702,7 +705,7 @@ impl Client {
         if !fds.is_empty() {
             return Err(unexpected("DEVICE_FEATURE (fds)"));
         }
-        let (h, rest) = DeviceFeatureHeader::read_from_prefix(&self.rx)
+        let (h, rest) = DeviceFeatureHeader::read_from_prefix(self.body())
             .map_err(|_| unexpected("DEVICE_FEATURE"))?;
         Ok((h, rest.to_vec()))
     }
@@ -722,10 +725,9 @@ impl Client {
             }
             FeatureReply::DmaLoggingStart(c) => FeatureReplyOwned::PageSize(c.page_size),
             FeatureReply::DmaLoggingStop => FeatureReplyOwned::Probe,
-            FeatureReply::DmaLoggingReport { bitmap, .. } => {
-                FeatureReplyOwned::Bitmap(bitmap.to_vec())
+            FeatureReply::DmaLoggingReport { .. } | FeatureReply::Other { .. } => {
+                FeatureReplyOwned::Other
             }
-            FeatureReply::Other { data, .. } => FeatureReplyOwned::Bitmap(data.to_vec()),
         })
     }
 
@@ -789,6 +791,18 @@ impl Client {
         length: u64,
         page_size: u64,
     ) -> Result<Vec<u8>> {
+        self.dma_logging_report_ref(iova, length, page_size)
+            .map(<[u8]>::to_vec)
+    }
+
+    /// [`Client::dma_logging_report`] without a copy: the bitmap is borrowed from the
+    /// receive buffer (valid until the next call), for a VMM that folds it into its own.
+    pub fn dma_logging_report_ref(
+        &mut self,
+        iova: u64,
+        length: u64,
+        page_size: u64,
+    ) -> Result<&[u8]> {
         let bsize = switchyard_proto::dirty_bitmap_size(length, page_size)
             .map_err(ClientError::Protocol)?;
         let argsz = u32::try_from(bsize + 32)
@@ -798,8 +812,14 @@ impl Client {
             length,
             page_size,
         };
-        match self.feature(argsz, FeatureRequest::DmaLoggingReport(r))? {
-            FeatureReplyOwned::Bitmap(b) => Ok(b),
+        let op = FeatureRequest::DmaLoggingReport(r);
+        let req = Request::DeviceFeature(switchyard_proto::DeviceFeatureRequest { argsz, op });
+        let (hdr, fds) = self.call(&req, &[])?;
+        match self.decode(&hdr, fds.len())? {
+            Reply::DeviceFeature(DeviceFeatureReply {
+                op: FeatureReply::DmaLoggingReport { report, bitmap },
+                ..
+            }) if report == r => Ok(bitmap),
             _ => Err(unexpected("DEVICE_FEATURE DMA_LOGGING_REPORT")),
         }
     }
@@ -844,7 +864,7 @@ impl Client {
         let (header, fds) = self.recv_message()?;
         Ok(RawMessage {
             header,
-            body: self.rx.clone(),
+            body: self.body().to_vec(),
             fds,
         })
     }
@@ -869,7 +889,7 @@ impl Client {
             }
             return Ok(RawMessage {
                 header,
-                body: self.rx.clone(),
+                body: self.body().to_vec(),
                 fds,
             });
         }
@@ -895,7 +915,7 @@ impl Client {
     }
 
     fn decode(&self, hdr: &Header, nfds: usize) -> Result<Reply<'_>> {
-        decode_reply_within(hdr, &self.rx, nfds, MAX_MSG_SIZE).map_err(ClientError::Protocol)
+        decode_reply_within(hdr, self.body(), nfds, MAX_MSG_SIZE).map_err(ClientError::Protocol)
     }
 
     fn expect_reply(
@@ -973,12 +993,24 @@ impl Client {
                 let len = hdr.body_len().map_err(ClientError::Protocol)?;
                 let total = HEADER_SIZE + len;
                 if avail >= total {
-                    let body = self
-                        .inbuf
-                        .get(self.in_start + HEADER_SIZE..self.in_start + total)
-                        .unwrap_or_default();
-                    self.rx.clear();
-                    self.rx.extend_from_slice(body);
+                    if self.in_start == 0 && self.in_end == total && total >= INBUF_MIN {
+                        // A large message alone in the buffer (a dirty bitmap, a big read):
+                        // swap buffers instead of copying it.
+                        std::mem::swap(&mut self.rx, &mut self.inbuf);
+                        self.rx.truncate(total);
+                        self.rx_start = HEADER_SIZE;
+                        if self.inbuf.len() < INBUF_MIN {
+                            self.inbuf.resize(INBUF_MIN, 0);
+                        }
+                    } else {
+                        let body = self
+                            .inbuf
+                            .get(self.in_start + HEADER_SIZE..self.in_start + total)
+                            .unwrap_or_default();
+                        self.rx.clear();
+                        self.rx.extend_from_slice(body);
+                        self.rx_start = 0;
+                    }
                     self.in_start += total;
                     if self.in_start == self.in_end {
                         self.in_start = 0;
@@ -1019,9 +1051,16 @@ impl Client {
         }
     }
 
+    /// The body of the last message received.
+    fn body(&self) -> &[u8] {
+        self.rx.get(self.rx_start..).unwrap_or_default()
+    }
+
     /// Answers a server-to-client request whose body is in `self.rx`.
     fn serve_request(&mut self, hdr: &Header, nfds: usize) -> Result<()> {
-        let result = decode_request_with(hdr, &self.rx, nfds, &self.limits);
+        // Field borrows (not `self.body()`): the DMA handler is borrowed mutably below.
+        let body = self.rx.get(self.rx_start..).unwrap_or_default();
+        let result = decode_request_with(hdr, body, nfds, &self.limits);
         let no_reply = hdr.no_reply();
         match result {
             Ok(Request::DmaRead { address, count }) => {
@@ -1078,8 +1117,12 @@ enum FeatureReplyOwned {
     Migration(u64),
     State(u32),
     PageSize(u64),
-    Bitmap(Vec<u8>),
+    /// A report or an unmodelled feature's data (answered by dedicated paths).
+    Other,
 }
+
+/// Smallest receive buffer (and the size from which a message is swapped out, not copied).
+const INBUF_MIN: usize = 64 << 10;
 
 fn unexpected(what: &str) -> ClientError {
     ClientError::UnexpectedReply(format!("malformed {what} reply"))
