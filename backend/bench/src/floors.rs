@@ -14,6 +14,11 @@
 //! * [`Memcpy`]: a single-thread `copy_from_slice` between two pre-faulted buffers.
 //! * [`Memcpy2`]: the same copy split over two threads, the calling one and a helper woken
 //!   per copy (the floor of a COPY split over two queues).
+//! * [`BitmapScan`]: reading and clearing a dirty bitmap of a given size into an output buffer,
+//!   one plain load and store per word (the floor of a `DMA_LOGGING_REPORT`).
+//! * [`WireScan`]: the same scan on a server thread answering a request of a report's size
+//!   with a reply of a report's size over AF_UNIX (what a report costs with nothing but the
+//!   scan and the transfer).
 
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
@@ -456,6 +461,120 @@ impl Memcpy {
     }
 }
 
+/// A dirty bitmap (64-bit atomic words, like a device's log) shared by a floor and whoever
+/// sets its bits.
+#[derive(Debug, Clone)]
+pub struct SharedBitmap(Arc<[AtomicU64]>);
+
+impl SharedBitmap {
+    /// A clean bitmap of `words` words.
+    pub fn new(words: usize) -> SharedBitmap {
+        SharedBitmap((0..words).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    /// Sets the bits of `pages`.
+    pub fn set(&self, pages: &[u64]) {
+        for &p in pages {
+            if let Some(w) = self.0.get((p / 64) as usize) {
+                w.fetch_or(1 << (p % 64), Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Reads and clears every word into `out` (plain loads and stores: the scan no report can
+    /// avoid).
+    fn drain(&self, out: &mut [u8]) {
+        for (w, o) in self.0.iter().zip(out.chunks_exact_mut(8)) {
+            let v = w.load(Ordering::Relaxed);
+            w.store(0, Ordering::Relaxed);
+            o.copy_from_slice(&v.to_ne_bytes());
+        }
+    }
+}
+
+/// Reading and clearing a dirty bitmap into an output buffer.
+#[derive(Debug)]
+pub struct BitmapScan {
+    map: SharedBitmap,
+    out: Vec<u8>,
+}
+
+impl BitmapScan {
+    /// A scan of `map` into a pre-faulted buffer.
+    pub fn new(map: SharedBitmap) -> BitmapScan {
+        let out = vec![1u8; map.0.len() * 8];
+        BitmapScan { map, out }
+    }
+
+    /// One timed scan; returns the time.
+    pub fn scan(&mut self) -> Duration {
+        let t0 = Instant::now();
+        self.map.drain(&mut self.out);
+        std::hint::black_box(&self.out);
+        t0.elapsed()
+    }
+}
+
+/// A request/reply over AF_UNIX where the replying thread scans a [`SharedBitmap`] into its
+/// reply: `req_len` bytes out, `head_len` + bitmap bytes back.
+#[derive(Debug)]
+pub struct WireScan {
+    stream: UnixStream,
+    req: Vec<u8>,
+    reply: Vec<u8>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WireScan {
+    /// Starts the replying thread.
+    pub fn start(map: SharedBitmap, req_len: usize, head_len: usize) -> Result<WireScan> {
+        let (a, b) = UnixStream::pair().context("socketpair")?;
+        let reply_len = head_len + map.0.len() * 8;
+        let thread = std::thread::Builder::new()
+            .name("floor-wire-scan".into())
+            .spawn(move || {
+                crate::pin::helper();
+                let mut req = vec![0u8; req_len];
+                let mut reply = vec![0u8; reply_len];
+                while matches!(
+                    read_exact_spin(&b, &mut req, Duration::ZERO, None),
+                    Ok(true)
+                ) {
+                    if let Some(bits) = reply.get_mut(head_len..) {
+                        map.drain(bits);
+                    }
+                    if (&b).write_all(&reply).is_err() {
+                        return;
+                    }
+                }
+            })
+            .context("spawn wire-scan thread")?;
+        Ok(WireScan {
+            stream: a,
+            req: vec![0x5a; req_len],
+            reply: vec![1u8; reply_len],
+            thread: Some(thread),
+        })
+    }
+
+    /// One timed request/reply.
+    pub fn report(&mut self) -> Result<Duration> {
+        let t0 = Instant::now();
+        (&self.stream).write_all(&self.req)?;
+        (&self.stream).read_exact(&mut self.reply)?;
+        Ok(t0.elapsed())
+    }
+}
+
+impl Drop for WireScan {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Memcpy split over two threads: the calling thread copies the first half while a helper
 /// thread, woken through a channel, copies the second half between its own pre-faulted
 /// buffers; the sample ends when both are done.
@@ -543,6 +662,20 @@ mod tests {
         m2.copy(0).expect("copy nothing");
         assert!(m2.copy(8192).is_err());
         m2.copy(4096).expect("still usable after an error");
+        let map = SharedBitmap::new(3);
+        map.set(&[0, 65, 191, 192]);
+        let mut scan = BitmapScan::new(map.clone());
+        scan.scan();
+        assert_eq!(scan.out[..8], 1u64.to_ne_bytes());
+        assert_eq!(scan.out[8..16], 2u64.to_ne_bytes());
+        assert_eq!(scan.out[16..], (1u64 << 63).to_ne_bytes());
+        scan.scan();
+        assert!(scan.out.iter().all(|&b| b == 0), "a scan clears");
+        let mut wire = WireScan::start(map.clone(), 48, 48).expect("wire scan");
+        map.set(&[3]);
+        wire.report().expect("report");
+        assert_eq!(wire.reply.len(), 48 + 24);
+        assert_eq!(wire.reply[48..56], 8u64.to_ne_bytes());
         let mut i = RoundTripThenWake::start(36, 16, Duration::ZERO).expect("irq floor");
         i.once().expect("once");
         let (a, _b) = UnixStream::pair().expect("pair");

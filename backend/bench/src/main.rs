@@ -47,7 +47,7 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt.
+    /// write-multi, copy, interrupt, dirty-report.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Diagnosis only: pin the client (main) thread to this CPU (device threads inherit it).
@@ -130,7 +130,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 7] = [
+    let all: [(&str, Case); 8] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -138,6 +138,7 @@ fn main() -> Result<()> {
         ("write-multi", cases::write_multi),
         ("copy", cases::copy),
         ("interrupt", cases::interrupt),
+        ("dirty-report", cases::dirty_report),
     ];
     let start = Instant::now();
     let mut rows = Vec::new();

@@ -11,13 +11,14 @@
 use std::fs::File;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 use switchyard_client::Client;
 use switchyard_device::{
-    DeviceDescription, DeviceError, IrqDesc, NUM_PCI_REGIONS, PciDevice, RegionDesc,
+    DeviceDescription, DeviceError, DmaSpace, IrqDesc, NUM_PCI_REGIONS, PciDevice, RegionDesc,
 };
 use switchyard_server::{Server, ServerConfig, StopHandle};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
@@ -233,6 +234,28 @@ impl Switchyard {
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// Starts a blocking [`RegFile`] server and returns it with its DMA space, so that a case
+    /// can make device writes (mark pages dirty) without moving guest memory.
+    pub fn start_regfile_with_dma(dir: &Path, name: &str) -> Result<(Switchyard, Arc<DmaSpace>)> {
+        let path = dir.join(format!("{name}.sock"));
+        let mut dma = None;
+        let server = Server::new(ServerConfig::new(&path), |ctx| {
+            dma = Some(Arc::clone(&ctx.dma));
+            Ok::<_, std::io::Error>(RegFile::new())
+        })
+        .context("start the regfile server")?;
+        let dma = dma.context("the server built no device")?;
+        let (stop, thread) = spawn(name, server)?;
+        Ok((
+            Switchyard {
+                path,
+                stop,
+                thread: Some(thread),
+            },
+            dma,
+        ))
     }
 
     /// Connects our client (VERSION negotiated) with [`vmm_client_config`]`(timeout)`.

@@ -1,6 +1,7 @@
 //! A hand-written SVG plot of the results: round-trip latency (p50 and p99) against size with
-//! the floors and the peer, and COPY throughput against size with the memcpy floors (single
-//! thread for one queue, two threads for two queues).
+//! the floors and the peer, COPY throughput against size with the memcpy floors (single
+//! thread for one queue, two threads for two queues), and DMA_LOGGING_REPORT latency against
+//! the mapped size with its floors.
 
 use std::fmt::Write as _;
 
@@ -295,6 +296,55 @@ fn copy_series(rows: &[Row]) -> Vec<Series> {
     out
 }
 
+fn dirty_series(rows: &[Row]) -> Vec<Series> {
+    let at = |op: &str, pct: &str, get: &dyn Fn(&Row) -> Option<f64>| -> Vec<(f64, f64)> {
+        rows.iter()
+            .filter(|r| r.group == "dirty-report" && r.op == op && r.case.contains(pct))
+            .filter_map(|r| Some((r.size? as f64, get(r)?)))
+            .collect()
+    };
+    let ours = |r: &Row| r.ours.as_ref().map(|f| f.p50);
+    let floor = |r: &Row| r.floor.as_ref().map(|f| f.p50);
+    let series = |name: &str, color: &'static str, dashed: bool, points| Series {
+        name: name.into(),
+        color,
+        dashed,
+        points,
+    };
+    vec![
+        series(
+            "report, 1% dirty p50",
+            "#1f77b4",
+            false,
+            at("report", " 1% dirty", &ours),
+        ),
+        series(
+            "report, 10% dirty p50",
+            "#1f77b4",
+            true,
+            at("report", "10% dirty", &ours),
+        ),
+        series(
+            "server drain only, 1% p50",
+            "#2ca02c",
+            false,
+            at("report-direct", " 1% dirty", &ours),
+        ),
+        series(
+            "floor: scan + AF_UNIX, 1% p50",
+            "#bcbd22",
+            false,
+            at("report-wire", " 1% dirty", &floor),
+        ),
+        series(
+            "floor: bitmap scan, 1% p50",
+            "#7f7f7f",
+            false,
+            at("report", " 1% dirty", &floor),
+        ),
+    ]
+}
+
 /// Renders the plot.
 pub fn render(results: &Results) -> String {
     let panels = [
@@ -315,6 +365,12 @@ pub fn render(results: &Results) -> String {
             ylabel: "GB/s (log)",
             ylog: true,
             series: copy_series(&results.rows),
+        },
+        Panel {
+            title: "DMA_LOGGING_REPORT vs mapped size",
+            ylabel: "latency, µs (log)",
+            ylog: true,
+            series: dirty_series(&results.rows),
         },
     ];
     let total_w = W * panels.len() as f64;
