@@ -10,7 +10,9 @@ use crate::error::ProtoError;
 use crate::header::{Command, Header};
 use crate::payload::*;
 use crate::wire::*;
-use crate::writer::{MSG_SIZE_OFFSET, MessageWriter, fixed_then_data, patch_u32};
+use crate::writer::{
+    MSG_SIZE_OFFSET, MessageWriter, fixed_then_data, fixed_then_overwritten, patch_u32,
+};
 
 /// A decoded reply. Error replies are not a variant: [`decode_reply`]
 /// returns [`ProtoError::ErrorReply`] for them.
@@ -700,9 +702,11 @@ pub fn dma_unmap_bitmap_reply_buffer<'b>(
 }
 
 /// Server: writes a DEVICE_FEATURE `DMA_LOGGING_REPORT` reply (the request's
-/// report header echoed, `argsz` covering the bitmap) and returns the zeroed
-/// bitmap area (`dirty_bitmap_size(report.length, report.page_size)` bytes)
-/// to fill in place.
+/// report header echoed, `argsz` covering the bitmap) and returns the bitmap
+/// area (`dirty_bitmap_size(report.length, report.page_size)` bytes) to fill
+/// in place. The area is **not** zeroed where `out` already had bytes (a
+/// report's bitmap is rewritten completely, and zeroing it first would be a
+/// second pass over up to megabytes): the caller must write every byte.
 pub fn dma_logging_report_reply_buffer<'b>(
     out: &'b mut Vec<u8>,
     msg_id: u16,
@@ -723,7 +727,7 @@ pub fn dma_logging_report_reply_buffer<'b>(
         }
         .flags(),
     };
-    Ok(fixed_then_data(
+    Ok(fixed_then_overwritten(
         out,
         hdr,
         &[feature.as_bytes(), report.as_bytes()],

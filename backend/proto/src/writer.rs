@@ -99,3 +99,33 @@ pub(crate) fn fixed_then_data<'b>(
     out.resize(start.saturating_add(count), 0);
     out.get_mut(start..).unwrap_or_default()
 }
+
+/// Like [`fixed_then_data`], but the `count` data bytes are **not** zeroed where `out` already
+/// had bytes: they hold whatever `out` held at those offsets (an earlier message built in the
+/// same buffer), and the caller must overwrite every one of them. Only growth past `out`'s
+/// current length is zero-filled. For large replies rebuilt again and again in a buffer kept
+/// for them (dirty bitmaps), where zeroing would be a whole extra pass over the data.
+pub(crate) fn fixed_then_overwritten<'b>(
+    out: &'b mut Vec<u8>,
+    hdr: Header,
+    fixed: &[&[u8]],
+    count: usize,
+) -> &'b mut [u8] {
+    let start = fixed
+        .iter()
+        .fold(HEADER_SIZE, |n, p| n.saturating_add(p.len()));
+    let need = start.saturating_add(count);
+    if out.len() < need {
+        out.resize(need, 0);
+    } else {
+        out.truncate(need);
+    }
+    let mut at = 0usize;
+    for part in core::iter::once(hdr.as_bytes()).chain(fixed.iter().copied()) {
+        if let Some(dst) = out.get_mut(at..at.saturating_add(part.len())) {
+            dst.copy_from_slice(part);
+        }
+        at = at.saturating_add(part.len());
+    }
+    out.get_mut(start..).unwrap_or_default()
+}

@@ -1250,9 +1250,15 @@ fn writer_and_hot_paths() {
         length: 130 << 12,
         page_size: 4096,
     };
+    // The buffer's earlier bytes are reused, not zeroed (the server overwrites them all);
+    // only growth is zero-filled.
+    out.clear();
+    out.resize(60, 0xee);
     let bm = dma_logging_report_reply_buffer(&mut out, 5, &r).expect("buffer");
     assert_eq!(bm.len(), 24, "130 pages need three words");
-    assert!(bm.iter().all(|&b| b == 0));
+    assert_eq!(bm[..12], [0xee; 12], "reused bytes are left for the caller");
+    assert_eq!(bm[12..], [0; 12], "growth is zero-filled");
+    bm.fill(0);
     bm[16] = 2;
     let h = Header::from_bytes(&out).expect("header");
     match decode_reply(&h, &out[16..], 0) {

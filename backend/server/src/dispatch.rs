@@ -63,15 +63,32 @@ struct Session {
     writer: UnixStream,
     send_lock: Arc<Mutex<()>>,
     client_dma: Option<Arc<ClientDma>>,
+    /// The buffer DMA_LOGGING_REPORT replies are built in: it keeps its length between
+    /// reports, so a multi-megabyte bitmap area is not zero-filled before every drain.
+    report_out: Vec<u8>,
+    /// `out` and `report_out` are swapped until the next send.
+    report_in_out: bool,
 }
 
 impl Session {
+    /// Builds the next reply in the report buffer (see `report_out`).
+    fn use_report_buffer(&mut self) {
+        if !self.report_in_out {
+            std::mem::swap(&mut self.out, &mut self.report_out);
+            self.report_in_out = true;
+        }
+    }
+
     fn send(&mut self) -> std::io::Result<()> {
         let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
         let fds: Vec<BorrowedFd<'_>> = self.out_fds.iter().map(|f| f.as_fd()).collect();
         let r = send_all(&self.writer, &self.out, &fds);
         drop(fds);
         self.out_fds.clear();
+        if self.report_in_out {
+            std::mem::swap(&mut self.out, &mut self.report_out);
+            self.report_in_out = false;
+        }
         r
     }
 }
@@ -92,6 +109,8 @@ pub(crate) fn serve_connection<D: PciDevice>(
         writer,
         send_lock: Arc::new(Mutex::new(())),
         client_dma: None,
+        report_out: Vec::new(),
+        report_in_out: false,
     };
     let result = loop {
         let msg = match conn.recv() {
@@ -454,7 +473,12 @@ fn handle<D: PciDevice>(
             }
             Reply::RegionWriteMulti { wr_cnt: done }.encode(id, &mut s.out)?;
         }
-        Request::DeviceFeature(f) => device_feature(&server.ctx.dma, &mut s.out, id, f.op)?,
+        Request::DeviceFeature(f) => {
+            if matches!(f.op, FeatureRequest::DmaLoggingReport(_)) {
+                s.use_report_buffer();
+            }
+            device_feature(&server.ctx.dma, &mut s.out, id, f.op)?
+        }
         Request::MigDataRead { .. } | Request::MigDataWrite { .. } => {
             return Err(invalid("device is not in a migration state"));
         }
@@ -525,8 +549,9 @@ fn device_feature(
             reply(out, FeatureReply::DmaLoggingStop)
         }
         FeatureRequest::DmaLoggingReport(r) => {
-            // The bitmap is built in place in the reply; the decoder checked that the
-            // client's argsz has room for it.
+            // The bitmap is built in place in the reply (whose bitmap area is not zeroed:
+            // `report_dirty` writes every byte of it); the decoder checked that the client's
+            // argsz has room for it.
             if dirty_bitmap_size(r.length, r.page_size)? > u64::from(MAX_DATA_XFER_SIZE_LIMIT) {
                 return Err(RequestError::Invalid {
                     what: "DMA logging report bitmap too large for one message",
