@@ -49,11 +49,6 @@ impl DirtyLog {
         }
     }
 
-    /// Number of pages the log covers.
-    pub fn pages(&self) -> usize {
-        self.pages
-    }
-
     /// Number of 64-bit words in each bitmap.
     pub fn words(&self) -> usize {
         self.pages.div_ceil(64)

@@ -91,13 +91,7 @@ pub(crate) fn fixed_then_data<'b>(
     count: usize,
 ) -> &'b mut [u8] {
     out.clear();
-    out.extend_from_slice(hdr.as_bytes());
-    for part in fixed {
-        out.extend_from_slice(part);
-    }
-    let start = out.len();
-    out.resize(start.saturating_add(count), 0);
-    out.get_mut(start..).unwrap_or_default()
+    fixed_then_overwritten(out, hdr, fixed, count)
 }
 
 /// Like [`fixed_then_data`], but the `count` data bytes are **not** zeroed where `out` already
