@@ -226,4 +226,65 @@ pub trait PciDevice: Send {
     fn restore_state(&mut self, _state: &[u8]) -> Result<()> {
         Err(DeviceError::Unsupported)
     }
+
+    /// Whether the device can migrate (VFIO migration v2), and with pre-copy. `None` (the
+    /// default): the migration features answer "not supported".
+    fn migration_caps(&self) -> Option<MigrationCaps> {
+        None
+    }
+
+    /// Takes one direct arc of the migration state machine. The server walks the shortest
+    /// path between the client's current and requested states and calls this once per arc;
+    /// an error leaves the device in the migration ERROR state until a reset.
+    fn migration_step(&mut self, _arc: MigArc) -> Result<()> {
+        Err(DeviceError::Unsupported)
+    }
+
+    /// Fills `buf` with the next bytes of the outgoing migration stream (PRE_COPY,
+    /// STOP_COPY) and returns how many; fewer than `buf.len()` means "no more data for now"
+    /// (PRE_COPY: the round is complete; STOP_COPY: the stream is complete).
+    fn migration_read(&mut self, _buf: &mut [u8]) -> Result<usize> {
+        Err(DeviceError::Unsupported)
+    }
+
+    /// Consumes the next bytes of an incoming migration stream (RESUMING). Chunks may split
+    /// the stream anywhere.
+    fn migration_write(&mut self, _data: &[u8]) -> Result<()> {
+        Err(DeviceError::Unsupported)
+    }
+
+    /// Abandons any migration in progress and lets the device run (device reset, client
+    /// loss, recovery from ERROR).
+    fn migration_abort(&mut self) {}
+}
+
+/// What a migratable device supports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationCaps {
+    /// The device offers PRE_COPY (an iterative phase while it keeps running).
+    pub precopy: bool,
+}
+
+/// A direct arc of the VFIO migration v2 state machine (`linux/vfio.h`), as the device sees
+/// it. P2P states are not offered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigArc {
+    /// RUNNING → STOP: stop changing device state and touching guest memory.
+    Stop,
+    /// STOP → RUNNING.
+    Run,
+    /// RUNNING → PRE_COPY: start the outgoing stream while the device keeps running.
+    StartPreCopy,
+    /// PRE_COPY → RUNNING: abandon the outgoing stream.
+    AbortPreCopy,
+    /// PRE_COPY → STOP_COPY: stop, then complete the stream begun in PRE_COPY.
+    PreCopyToStopCopy,
+    /// STOP → STOP_COPY: start the complete outgoing stream of a stopped device.
+    StartStopCopy,
+    /// STOP_COPY → STOP: the stream is over (read or not).
+    EndStopCopy,
+    /// STOP → RESUMING: accept an incoming stream; the current state will be replaced.
+    StartResuming,
+    /// RESUMING → STOP: the stream is complete; validate and load it.
+    EndResuming,
 }

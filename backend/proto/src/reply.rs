@@ -627,7 +627,9 @@ pub fn dma_read_reply_buffer(
 
 /// Server: writes a MIG_DATA_READ reply with room for `size` bytes and
 /// returns the data area; if fewer bytes are produced, call
-/// [`truncate_mig_data_read_reply`] with the actual count.
+/// [`truncate_mig_data_read_reply`] with the actual count. The data area is
+/// not zeroed where `out` already had bytes (see `fixed_then_overwritten`):
+/// every byte up to the count sent must be written by the caller.
 pub fn mig_data_read_reply_buffer(
     out: &mut Vec<u8>,
     msg_id: u16,
@@ -638,7 +640,7 @@ pub fn mig_data_read_reply_buffer(
         .ok_or(ProtoError::overflow("MIG_DATA_READ reply size"))?;
     let argsz = u32::try_from(body).map_err(|_| ProtoError::overflow("MIG_DATA_READ argsz"))?;
     let hdr = Header::reply(msg_id, VFIO_USER_MIG_DATA_READ, body)?;
-    Ok(fixed_then_data(
+    Ok(fixed_then_overwritten(
         out,
         hdr,
         &[MigData { argsz, size }.as_bytes()],

@@ -7,20 +7,22 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use switchyard_device::{
-    DeviceError, DmaError, DmaProt, DmaSpace, IrqIndex, PciDevice, RegionDesc,
+    DeviceError, DmaError, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice, RegionDesc,
 };
 use switchyard_proto::consts::*;
 use switchyard_proto::{
     Capabilities, DeviceFeatureHeader, DeviceFeatureReply, DeviceInfo, DmaLoggingControl,
-    FeatureReply, FeatureRequest, IrqAction, IrqData, IrqInfo, Limits, ProtoError,
-    RegionCapsBuilder, RegionInfo, Reply, Request, SetIrqs, SparseMmapArea, dirty_bitmap_size,
-    dma_logging_report_reply_buffer, encode_error_reply, encode_region_write_reply,
-    encode_version_reply, negotiate_version, region_read_reply_buffer,
+    FeatureReply, FeatureRequest, IrqAction, IrqData, IrqInfo, Limits, MigDeviceState, MigState,
+    MigrationFeature, ProtoError, RegionCapsBuilder, RegionInfo, Reply, Request, SetIrqs,
+    SparseMmapArea, dirty_bitmap_size, dma_logging_report_reply_buffer, encode_error_reply,
+    encode_region_write_reply, encode_version_reply, mig_data_read_reply_buffer, negotiate_version,
+    region_read_reply_buffer, truncate_mig_data_read_reply,
 };
 
 use crate::client_dma::ClientDma;
+use crate::migration;
 use crate::transport::{Connection, Message, TransportError, send_all};
-use crate::{Server, ServerError};
+use crate::{Server, ServerError, Slot};
 
 /// Why a request failed: an errno for the reply, and a message for the log.
 #[derive(Debug, thiserror::Error)]
@@ -63,19 +65,20 @@ struct Session {
     writer: UnixStream,
     send_lock: Arc<Mutex<()>>,
     client_dma: Option<Arc<ClientDma>>,
-    /// The buffer DMA_LOGGING_REPORT replies are built in: it keeps its length between
-    /// reports, so a multi-megabyte bitmap area is not zero-filled before every drain.
-    report_out: Vec<u8>,
-    /// `out` and `report_out` are swapped until the next send.
-    report_in_out: bool,
+    /// The buffer large replies whose data area is entirely written by the server
+    /// (DMA_LOGGING_REPORT bitmaps, MIG_DATA_READ data) are built in: it keeps its length
+    /// between replies, so a megabyte-sized area is not zero-filled before every fill.
+    bulk_out: Vec<u8>,
+    /// `out` and `bulk_out` are swapped until the next send.
+    bulk_in_out: bool,
 }
 
 impl Session {
-    /// Builds the next reply in the report buffer (see `report_out`).
-    fn use_report_buffer(&mut self) {
-        if !self.report_in_out {
-            std::mem::swap(&mut self.out, &mut self.report_out);
-            self.report_in_out = true;
+    /// Builds the next reply in the bulk buffer (see `bulk_out`).
+    fn use_bulk_buffer(&mut self) {
+        if !self.bulk_in_out {
+            std::mem::swap(&mut self.out, &mut self.bulk_out);
+            self.bulk_in_out = true;
         }
     }
 
@@ -85,9 +88,9 @@ impl Session {
         let r = send_all(&self.writer, &self.out, &fds);
         drop(fds);
         self.out_fds.clear();
-        if self.report_in_out {
-            std::mem::swap(&mut self.out, &mut self.report_out);
-            self.report_in_out = false;
+        if self.bulk_in_out {
+            std::mem::swap(&mut self.out, &mut self.bulk_out);
+            self.bulk_in_out = false;
         }
         r
     }
@@ -109,8 +112,8 @@ pub(crate) fn serve_connection<D: PciDevice>(
         writer,
         send_lock: Arc::new(Mutex::new(())),
         client_dma: None,
-        report_out: Vec::new(),
-        report_in_out: false,
+        bulk_out: Vec::new(),
+        bulk_in_out: false,
     };
     let result = loop {
         let msg = match conn.recv() {
@@ -185,7 +188,7 @@ fn route_reply(s: &Session, msg: &Message<'_>) {
     }
 }
 
-fn region<D: PciDevice>(dev: &D, index: u32) -> Result<&RegionDesc, RequestError> {
+fn region<D: PciDevice + ?Sized>(dev: &D, index: u32) -> Result<&RegionDesc, RequestError> {
     dev.description()
         .regions
         .get(index as usize)
@@ -220,7 +223,9 @@ fn handle<D: PciDevice>(
         });
     }
     let id = h.msg_id;
-    let dev = &mut server.device;
+    let mut guard = server.slot.lock();
+    let slot: &mut Slot<D> = &mut guard;
+    let dev = &mut slot.device;
     match req {
         Request::RegionRead {
             offset,
@@ -450,12 +455,17 @@ fn handle<D: PciDevice>(
             Reply::DeviceGetIrqInfo(info).encode(id, &mut s.out)?;
         }
         Request::DeviceSetIrqs(set) => {
-            set_irqs(server, set, msg.fds)?;
-            server.device.irqs_changed(set.index);
+            set_irqs(dev, &server.ctx.irqs, set, msg.fds)?;
+            dev.irqs_changed(set.index);
             reply_empty(&mut s.out, id, Reply::DeviceSetIrqs)?;
         }
         Request::DeviceReset => {
             tracing::info!("device reset");
+            if slot.mig != MigState::Running {
+                // A reset ends any migration (and is the way out of ERROR).
+                dev.migration_abort();
+                slot.mig = MigState::Running;
+            }
             dev.reset()?;
             reply_empty(&mut s.out, id, Reply::DeviceReset)?;
         }
@@ -475,12 +485,34 @@ fn handle<D: PciDevice>(
         }
         Request::DeviceFeature(f) => {
             if matches!(f.op, FeatureRequest::DmaLoggingReport(_)) {
-                s.use_report_buffer();
+                s.use_bulk_buffer();
             }
-            device_feature(&server.ctx.dma, &mut s.out, id, f.op)?
+            device_feature(slot, &server.ctx.dma, &mut s.out, id, f.op)?
         }
-        Request::MigDataRead { .. } | Request::MigDataWrite { .. } => {
-            return Err(invalid("device is not in a migration state"));
+        Request::MigDataRead { size, .. } => {
+            if !matches!(slot.mig, MigState::PreCopy | MigState::StopCopy) {
+                return Err(invalid("MIG_DATA_READ outside PRE_COPY and STOP_COPY"));
+            }
+            if size > server.config.limits.max_data_xfer_size {
+                return Err(invalid("MIG_DATA_READ larger than max_data_xfer_size"));
+            }
+            s.use_bulk_buffer();
+            let buf = mig_data_read_reply_buffer(&mut s.out, id, size)?;
+            let n = dev.migration_read(buf)?;
+            let n = u32::try_from(n)
+                .ok()
+                .filter(|&n| n <= size)
+                .ok_or_else(|| invalid("device produced more migration data than asked"))?;
+            truncate_mig_data_read_reply(&mut s.out, n)?;
+            tracing::trace!(size, n, "MIG_DATA_READ");
+        }
+        Request::MigDataWrite { data, .. } => {
+            if slot.mig != MigState::Resuming {
+                return Err(invalid("MIG_DATA_WRITE outside RESUMING"));
+            }
+            dev.migration_write(data)?;
+            tracing::trace!(n = data.len(), "MIG_DATA_WRITE");
+            reply_empty(&mut s.out, id, Reply::MigDataWrite(None))?;
         }
         Request::DmaRead { .. } | Request::DmaWrite { .. } => {
             // Rejected by the decoder's direction check; kept for exhaustiveness.
@@ -490,9 +522,11 @@ fn handle<D: PciDevice>(
     Ok(())
 }
 
-/// DEVICE_FEATURE: DMA dirty logging (START / STOP / REPORT and their PROBEs). Migration
-/// features answer `ENOTTY` ("not supported", as the kernel does) until the device can migrate.
-fn device_feature(
+/// DEVICE_FEATURE: DMA dirty logging (START / STOP / REPORT and their PROBEs) and, for a
+/// device that can migrate, MIGRATION and MIG_DEVICE_STATE; otherwise those answer `ENOTTY`
+/// ("not supported", as the kernel does).
+fn device_feature<D: PciDevice>(
+    slot: &mut Slot<D>,
     dma: &DmaSpace,
     out: &mut Vec<u8>,
     id: u16,
@@ -510,6 +544,7 @@ fn device_feature(
             Reply::DeviceFeature(DeviceFeatureReply { argsz, op }),
         )
     };
+    let mig_caps = slot.device.migration_caps();
     match op {
         FeatureRequest::Probe { feature, get, set } => {
             let (can_get, can_set) = match feature {
@@ -517,6 +552,8 @@ fn device_feature(
                     (false, true)
                 }
                 VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
+                VFIO_DEVICE_FEATURE_MIGRATION if mig_caps.is_some() => (true, false),
+                VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if mig_caps.is_some() => (true, true),
                 _ => return Err(not_supported),
             };
             if (get && !can_get) || (set && !can_set) {
@@ -568,10 +605,37 @@ fn device_feature(
             );
             Ok(())
         }
-        FeatureRequest::GetMigration
-        | FeatureRequest::GetMigDeviceState
-        | FeatureRequest::SetMigDeviceState(_)
-        | FeatureRequest::Other { .. } => Err(not_supported),
+        FeatureRequest::GetMigration => {
+            let caps = mig_caps.ok_or(not_supported)?;
+            let mut flags = VFIO_MIGRATION_STOP_COPY;
+            if caps.precopy {
+                flags |= VFIO_MIGRATION_PRE_COPY;
+            }
+            reply(out, FeatureReply::GetMigration(MigrationFeature { flags }))
+        }
+        FeatureRequest::GetMigDeviceState => {
+            mig_caps.ok_or(not_supported)?;
+            reply(
+                out,
+                FeatureReply::GetMigDeviceState(MigDeviceState {
+                    device_state: slot.mig as u32,
+                    data_fd: u32::MAX,
+                }),
+            )
+        }
+        FeatureRequest::SetMigDeviceState(st) => {
+            mig_caps.ok_or(not_supported)?;
+            let target = MigState::try_from(st.device_state)?;
+            migration::transition(&mut slot.device, &mut slot.mig, target)?;
+            reply(
+                out,
+                FeatureReply::SetMigDeviceState(MigDeviceState {
+                    device_state: slot.mig as u32,
+                    data_fd: u32::MAX,
+                }),
+            )
+        }
+        FeatureRequest::Other { .. } => Err(not_supported),
     }
 }
 
@@ -581,16 +645,16 @@ fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestEr
 }
 
 fn set_irqs<D: PciDevice>(
-    server: &mut Server<D>,
+    dev: &D,
+    irqs: &Interrupts,
     set: SetIrqs<'_>,
     fds: Vec<OwnedFd>,
 ) -> Result<(), RequestError> {
-    let d = server.device.description();
+    let d = dev.description();
     let irq = d
         .irqs
         .get(set.index as usize)
         .ok_or_else(|| invalid("no such interrupt index"))?;
-    let irqs = &server.ctx.irqs;
     let in_range = set
         .start
         .checked_add(set.count)

@@ -18,16 +18,19 @@
 mod client_dma;
 mod dispatch;
 mod listener;
+mod migration;
+mod slot;
 pub mod transport;
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use listener::{DeviceSocket, StopHandle};
+pub use slot::{DeviceSlot, SwapError, SwapReport};
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
-use switchyard_proto::{ProtoError, ServerLimits};
+use switchyard_proto::{MigState, ProtoError, ServerLimits};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -87,7 +90,7 @@ impl ServerConfig {
 pub struct Server<D: PciDevice> {
     config: ServerConfig,
     socket: DeviceSocket,
-    device: D,
+    slot: DeviceSlot<D>,
     ctx: DeviceContext,
     stop: StopHandle,
 }
@@ -96,9 +99,15 @@ impl<D: PciDevice> std::fmt::Debug for Server<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
             .field("socket", &self.socket.path())
-            .field("device", &self.device.description().name)
             .finish_non_exhaustive()
     }
+}
+
+/// The device and its migration state, behind the slot's lock: the connection thread holds
+/// it for one request at a time, a swap holds it while it replaces the device.
+pub(crate) struct Slot<D> {
+    pub(crate) device: D,
+    pub(crate) mig: MigState,
 }
 
 impl<D: PciDevice> Server<D> {
@@ -128,7 +137,13 @@ impl<D: PciDevice> Server<D> {
         Ok(Self {
             config,
             socket,
-            device,
+            slot: DeviceSlot::new(
+                Arc::new(Mutex::new(Slot {
+                    device,
+                    mig: MigState::Running,
+                })),
+                ctx.clone(),
+            ),
             ctx,
             stop,
         })
@@ -137,6 +152,12 @@ impl<D: PciDevice> Server<D> {
     /// A handle that stops [`Server::run`] from another thread.
     pub fn stop_handle(&self) -> StopHandle {
         self.stop.clone()
+    }
+
+    /// A handle on the device for other threads: inspect it, or swap it for another backing
+    /// device under a connected client ([`DeviceSlot::swap`]).
+    pub fn device_slot(&self) -> DeviceSlot<D> {
+        self.slot.clone()
     }
 
     /// The socket path.
@@ -175,10 +196,18 @@ impl<D: PciDevice> Server<D> {
     }
 
     /// Spec rule on client loss: drop DMA windows, eventfds and the dirty-logging session,
-    /// keep device state.
+    /// keep device state. A migration in progress is abandoned (the device runs again).
     fn client_gone(&mut self) {
         self.ctx.dma.set_remote(None);
-        self.device.client_disconnected();
+        {
+            let mut slot = self.slot.lock();
+            if slot.mig != MigState::Running {
+                tracing::info!(state = ?slot.mig, "client gone during migration; abandoned");
+                slot.device.migration_abort();
+                slot.mig = MigState::Running;
+            }
+            slot.device.client_disconnected();
+        }
         self.ctx.dma.stop_logging();
         self.ctx.dma.unmap_all();
         self.ctx.irqs.clear();

@@ -98,10 +98,12 @@ fn negotiation_and_device_description() {
     c.region_read(0, NUM_QUEUES, &mut q).expect("read");
     assert_eq!(u32::from_le_bytes(q), 4);
     assert_eq!(c.irq_info(VFIO_PCI_MSIX_IRQ_INDEX).expect("msix").count, 16);
-    let e = c.feature_probe(VFIO_DEVICE_FEATURE_MIGRATION, true, false);
+    c.feature_probe(VFIO_DEVICE_FEATURE_MIGRATION, true, false)
+        .expect("migration can be read");
+    let e = c.feature_probe(VFIO_DEVICE_FEATURE_MIGRATION, false, true);
     assert_eq!(
-        e.expect_err("no migration yet").remote_errno(),
-        Some(libc::ENOTTY)
+        e.expect_err("MIGRATION cannot be set").remote_errno(),
+        Some(libc::EINVAL)
     );
 }
 

@@ -192,8 +192,31 @@ fn bad_sizes_commands_offsets_and_fds_get_errnos() {
     const SET: u32 = 1 << 17;
     r.expect_errno(16, &feature(8, 6 | GET | SET, &[]), &[], libc::EINVAL);
     r.expect_errno(16, &feature(8, 6 | 1 << 20, &[]), &[], libc::EINVAL);
-    r.expect_errno(16, &feature(16, 1 | GET, &[0]), &[], libc::ENOTTY);
     r.expect_errno(16, &feature(16, 11 | GET, &[0]), &[], libc::ENOTTY);
+    // Migration: an unknown state, ERROR and P2P states cannot be requested; MIG_DATA
+    // outside the states that carry data; a read larger than max_data_xfer_size.
+    r.expect_errno(16, &feature(16, 2 | SET, &[99]), &[], libc::EINVAL);
+    r.expect_errno(16, &feature(16, 2 | SET, &[0]), &[], libc::EINVAL);
+    r.expect_errno(16, &feature(16, 2 | SET, &[5]), &[], libc::EINVAL);
+    r.expect_errno(16, &feature(16, 1 | SET, &[0]), &[], libc::EINVAL);
+    let mig = |argsz: u32, size: u32| {
+        let mut b = argsz.to_ne_bytes().to_vec();
+        b.extend_from_slice(&size.to_ne_bytes());
+        b
+    };
+    r.expect_errno(17, &mig(8 + 64, 64), &[], libc::EINVAL);
+    r.expect_errno(18, &[mig(8 + 4, 4), vec![0; 4]].concat(), &[], libc::EINVAL);
+    let (h, _) = r.call(16, 0, &feature(16, 2 | SET, &[3]), &[]);
+    assert!(!h.is_error(), "RUNNING -> STOP_COPY");
+    r.expect_errno(17, &mig(8 + (2 << 20), 2 << 20), &[], libc::E2BIG);
+    r.expect_errno(18, &[mig(8 + 4, 4), vec![0; 4]].concat(), &[], libc::EINVAL);
+    let (h, _) = r.call(16, 0, &feature(16, 2 | SET, &[6]), &[]);
+    assert!(
+        h.is_error() && h.error_no == libc::EINVAL as u32,
+        "STOP_COPY -> PRE_COPY"
+    );
+    let (h, _) = r.call(16, 0, &feature(16, 2 | SET, &[2]), &[]);
+    assert!(!h.is_error(), "back to RUNNING");
     // START: page size not a power of two; a range that wraps.
     r.expect_errno(16, &feature(24, 6 | SET, &[3, 0]), &[], libc::EINVAL);
     r.expect_errno(
