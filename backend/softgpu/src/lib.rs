@@ -207,6 +207,7 @@ pub mod cmd;
 mod config;
 mod device;
 mod exec;
+mod mig;
 pub mod regs;
 mod state;
 mod vram;
@@ -220,11 +221,12 @@ use std::thread::JoinHandle;
 
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
 use switchyard_device::{
-    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex,
-    NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap, SparseArea,
+    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex, MigArc,
+    MigrationCaps, NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap, SparseArea,
 };
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
+pub use mig::{MigStreamError, SourceStats};
 pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
 pub use vram::VramRef;
 
@@ -270,6 +272,29 @@ pub enum SoftGpuError {
     /// An engine thread could not be started.
     #[error("Cannot start an engine thread")]
     Thread(#[source] std::io::Error),
+    /// A state could not be carried over to a successor.
+    #[error("Cannot carry the device state over")]
+    State(#[from] StateError),
+}
+
+/// A migration stream in progress.
+#[derive(Debug)]
+enum Migration {
+    Idle,
+    Save(Box<mig::MigSource>),
+    Load(Box<mig::MigSink>),
+}
+
+/// Parks and resumes a device's engines from another thread, without the device itself
+/// (e.g. to drain the engines before a swap while region accesses are still served).
+#[derive(Debug, Clone)]
+pub struct EngineControl(Arc<Shared>);
+
+impl EngineControl {
+    /// Like [`SoftGpu::set_running`].
+    pub fn set_running(&self, running: bool) {
+        self.0.set_running(running);
+    }
 }
 
 /// The software GPU. See the crate documentation for the programming model.
@@ -279,6 +304,7 @@ pub struct SoftGpu {
     desc: DeviceDescription,
     shared: Arc<Shared>,
     engines: Vec<JoinHandle<()>>,
+    migration: Migration,
 }
 
 fn pci_ids() -> PciIds {
@@ -443,6 +469,7 @@ impl SoftGpu {
             desc,
             shared,
             engines: Vec::new(),
+            migration: Migration::Idle,
         };
         for q in 0..config.queues as usize {
             let shared = gpu.shared.clone();
@@ -476,6 +503,43 @@ impl SoftGpu {
     /// saved state; a new device runs.
     pub fn set_running(&self, running: bool) {
         self.shared.set_running(running);
+    }
+
+    /// A handle that parks and resumes the engines from another thread.
+    pub fn engine_control(&self) -> EngineControl {
+        EngineControl(self.shared.clone())
+    }
+
+    /// Builds the device that replaces this one under a connected client (a swap): the same
+    /// configuration and VRAM memfd (the client's mapping stays valid), on `ctx`, with this
+    /// device's state. This device's engines are parked first (after their current command;
+    /// park them earlier with [`SoftGpu::engine_control`] to keep that wait out of the swap)
+    /// and stay parked: the successor continues every queue from its head. On error this
+    /// device runs again.
+    pub fn successor(&mut self, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
+        if !matches!(self.migration, Migration::Idle) {
+            return Err(StateError::Inconsistent("a migration stream is open").into());
+        }
+        self.shared.set_running(false);
+        let build = || {
+            let state = self.snapshot();
+            let next = SoftGpu::with_vram(self.config, ctx, self.vram_file().clone())?;
+            next.load(state)?;
+            Ok(next)
+        };
+        let r = build();
+        if r.is_err() {
+            self.shared.set_running(true);
+        }
+        r
+    }
+
+    /// Counters of the outgoing migration stream, if one is open.
+    pub fn migration_stats(&self) -> Option<SourceStats> {
+        match &self.migration {
+            Migration::Save(src) => Some(src.stats()),
+            _ => None,
+        }
     }
 
     /// A snapshot of the device state, taken with the engines quiesced at a command boundary.
@@ -665,6 +729,77 @@ impl PciDevice for SoftGpu {
         let st = SoftGpuState::from_bytes(state).map_err(|e| DeviceError::BadState(Box::new(e)))?;
         self.load(st)
             .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+
+    fn migration_caps(&self) -> Option<MigrationCaps> {
+        Some(MigrationCaps { precopy: true })
+    }
+
+    fn migration_step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
+        let size = self.shared.vram.size();
+        match arc {
+            MigArc::Stop => self.shared.set_running(false),
+            MigArc::Run => self.shared.set_running(true),
+            MigArc::StartPreCopy => {
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(size, false)));
+            }
+            MigArc::AbortPreCopy | MigArc::EndStopCopy => self.migration = Migration::Idle,
+            MigArc::PreCopyToStopCopy => {
+                self.shared.set_running(false);
+                match &mut self.migration {
+                    Migration::Save(src) => src.device_stopped(),
+                    _ => {
+                        self.migration = Migration::Save(Box::new(mig::MigSource::new(size, true)));
+                    }
+                }
+            }
+            MigArc::StartStopCopy => {
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(size, true)));
+            }
+            MigArc::StartResuming => {
+                // The stream's pages apply on zeroed VRAM; the state comes last.
+                self.shared.vram.zero();
+                self.migration = Migration::Load(Box::new(mig::MigSink::new(size)));
+            }
+            MigArc::EndResuming => {
+                let sink = match std::mem::replace(&mut self.migration, Migration::Idle) {
+                    Migration::Load(sink) => sink,
+                    _ => return Err(DeviceError::BadState("no incoming stream".into())),
+                };
+                let bytes = sink
+                    .finish()
+                    .map_err(|e| DeviceError::BadState(Box::new(e)))?;
+                self.restore_state(&bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn migration_read(&mut self, buf: &mut [u8]) -> Result<usize, DeviceError> {
+        let Migration::Save(src) = &mut self.migration else {
+            return Err(DeviceError::BadState("no outgoing stream".into()));
+        };
+        let shared = &self.shared;
+        let mut state = || {
+            shared
+                .with_quiesced(false, |g| g.st.clone())
+                .to_bytes()
+                .map_err(std::io::Error::other)
+        };
+        Ok(src.read(&shared.vram, &mut state, buf)?)
+    }
+
+    fn migration_write(&mut self, data: &[u8]) -> Result<(), DeviceError> {
+        let Migration::Load(sink) = &mut self.migration else {
+            return Err(DeviceError::BadState("no incoming stream".into()));
+        };
+        sink.write(&self.shared.vram, data)
+            .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+
+    fn migration_abort(&mut self) {
+        self.migration = Migration::Idle;
+        self.shared.set_running(true);
     }
 }
 

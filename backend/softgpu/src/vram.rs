@@ -123,20 +123,29 @@ impl Vram {
     /// Zeroes all of VRAM: punches a hole (releasing the memory), or writes zeros if the
     /// backing file does not support that.
     pub(crate) fn zero(&self) {
+        self.zero_range(0, self.size);
+    }
+
+    /// Zeroes `[offset, offset+len)` (clamped to VRAM) like [`Vram::zero`].
+    pub(crate) fn zero_range(&self, offset: u64, len: u64) {
+        let end = offset.saturating_add(len).min(self.size);
+        if offset >= end {
+            return;
+        }
         let punched = vmm_sys_util::fallocate::fallocate(
             &*self.file,
             vmm_sys_util::fallocate::FallocateMode::PunchHole,
             true,
-            0,
-            self.size,
+            offset,
+            end - offset,
         );
         if let Err(e) = punched {
             tracing::debug!(error = %e, "cannot punch a hole into VRAM; writing zeros");
             const CHUNK: u64 = 1 << 20;
             let zeros = vec![0u8; CHUNK as usize];
-            let mut off = 0;
-            while off < self.size {
-                let n = CHUNK.min(self.size - off);
+            let mut off = offset;
+            while off < end {
+                let n = CHUNK.min(end - off);
                 if let Some(s) = self.slice(off, n) {
                     s.copy_from(&zeros[..n as usize]);
                 }

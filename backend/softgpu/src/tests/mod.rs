@@ -5,6 +5,7 @@
 mod commands;
 mod errors;
 mod identity;
+mod migration;
 mod msi;
 mod msix;
 mod props;

@@ -1,0 +1,527 @@
+//! The softgpu's migration stream: VRAM pages and the device state, as MIG_DATA bytes.
+//!
+//! # Format (version 1, little-endian)
+//!
+//! A sequence of records, each a 16-byte header `tag u32 | count u32 | offset u64`, some
+//! followed by data:
+//!
+//! | tag | record | count | offset | data |
+//! |---|---|---|---|---|
+//! | `"SYGM"` | begin (first, once) | format version (1) | VRAM size | — |
+//! | 2 | pages | pages (≥ 1) | VRAM byte offset, page aligned | `count` × 4096 bytes |
+//! | 3 | zero pages | pages (≥ 1) | VRAM byte offset, page aligned | — |
+//! | 4 | device state | bytes (≤ 1 MiB) | 0 | [`SoftGpuState`](crate::SoftGpuState) JSON |
+//! | 5 | end (last, once) | 0 | 0 | — |
+//!
+//! The destination starts from zeroed VRAM and applies records in order; a page may come
+//! several times (the last copy wins). The device state comes after the last VRAM record.
+//!
+//! # Which pages are sent
+//!
+//! The guest writes VRAM through its own mapping of the memfd, which the server cannot watch
+//! (no write-protection or soft-dirty bit reaches another process's page tables). So changes
+//! are found by content: the source keeps a 64-bit xxh3 hash of what the destination holds for
+//! every page (initially the hash of a zero page) and each round copies the VRAM's data
+//! extents (`SEEK_DATA`; holes are zero and cost nothing) into the outgoing buffer, hashes
+//! each page there and keeps only the pages whose hash changed. The hash is taken of the very
+//! bytes sent, so a page written while it is copied is caught by a later round. In PRE_COPY
+//! rounds repeat while the device runs; STOP_COPY runs one final round on the stopped device,
+//! then sends the state. The final round reads every data page once (hashing at memory
+//! speed), so downtime grows with the VRAM in use, far slower than a full copy.
+
+use std::fs::File;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::vram::Vram;
+
+/// Page size of the stream.
+pub(crate) const PAGE: u64 = 4096;
+const PAGE_BYTES: usize = PAGE as usize;
+/// Record header size.
+const REC: usize = 16;
+/// Format version.
+pub(crate) const FORMAT: u32 = 1;
+const TAG_BEGIN: u32 = u32::from_le_bytes(*b"SYGM");
+const TAG_PAGES: u32 = 2;
+const TAG_ZERO: u32 = 3;
+const TAG_STATE: u32 = 4;
+const TAG_END: u32 = 5;
+/// Largest device-state record.
+const MAX_STATE: u32 = 1 << 20;
+
+/// Why an incoming stream was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum MigStreamError {
+    /// The stream does not start with a begin record of this format.
+    #[error("Migration stream does not start with a softgpu format {FORMAT} header")]
+    BadBegin,
+    /// The stream was made for another VRAM size.
+    #[error("Migration stream carries {theirs} bytes of VRAM, this device has {ours}")]
+    VramSize {
+        /// VRAM size in the stream.
+        theirs: u64,
+        /// VRAM size of this device.
+        ours: u64,
+    },
+    /// A record has an unknown tag or impossible fields.
+    #[error("Invalid migration record (tag {tag:#x}, count {count}, offset {offset:#x})")]
+    BadRecord {
+        /// Tag.
+        tag: u32,
+        /// Count.
+        count: u32,
+        /// Offset.
+        offset: u64,
+    },
+    /// Bytes arrived after the end record.
+    #[error("Migration data after the end of the stream")]
+    Trailing,
+    /// The stream ended early.
+    #[error("Migration stream is incomplete")]
+    Incomplete,
+    /// An earlier error poisoned the stream.
+    #[error("Migration stream was refused earlier")]
+    Poisoned,
+}
+
+fn header(tag: u32, count: u32, offset: u64) -> [u8; REC] {
+    let mut h = [0u8; REC];
+    h[..4].copy_from_slice(&tag.to_le_bytes());
+    h[4..8].copy_from_slice(&count.to_le_bytes());
+    h[8..].copy_from_slice(&offset.to_le_bytes());
+    h
+}
+
+fn zero_hash() -> u64 {
+    xxh3_64(&[0u8; PAGE_BYTES])
+}
+
+/// Where the outgoing stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Begin,
+    Scan,
+    State,
+    End,
+    Done,
+}
+
+/// Counters of an outgoing stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceStats {
+    /// Completed rounds over VRAM.
+    pub rounds: u64,
+    /// Page records' pages sent.
+    pub pages_sent: u64,
+    /// Pages sent as zero records.
+    pub pages_zeroed: u64,
+}
+
+/// The outgoing stream (PRE_COPY, STOP_COPY).
+#[derive(Debug)]
+pub(crate) struct MigSource {
+    vram_size: u64,
+    pages: u64,
+    /// Hash of what the destination holds, per page.
+    sent: Vec<u64>,
+    zero: u64,
+    cursor: u64,
+    /// `[cursor, extent_end)` is a hole (`in_hole`) or data; recomputed past its end.
+    extent_end: u64,
+    in_hole: bool,
+    /// A record that did not fit the last read: `carry[carry_pos..]` goes out first.
+    carry: Vec<u8>,
+    carry_pos: usize,
+    step: Step,
+    /// The device is stopped: this round is the last one, then the state follows.
+    last_round: bool,
+    stats: SourceStats,
+}
+
+impl MigSource {
+    /// A stream for `vram_size` bytes of VRAM; `stopped`: the device is already stopped
+    /// (STOP_COPY), so the first round is the last.
+    pub(crate) fn new(vram_size: u64, stopped: bool) -> Self {
+        let pages = vram_size / PAGE;
+        let zero = zero_hash();
+        Self {
+            vram_size,
+            pages,
+            sent: vec![zero; usize::try_from(pages).unwrap_or(0)],
+            zero,
+            cursor: 0,
+            extent_end: 0,
+            in_hole: false,
+            carry: Vec::new(),
+            carry_pos: 0,
+            step: Step::Begin,
+            last_round: stopped,
+            stats: SourceStats::default(),
+        }
+    }
+
+    /// The device has stopped (PRE_COPY → STOP_COPY): finish with a complete round.
+    pub(crate) fn device_stopped(&mut self) {
+        self.last_round = true;
+        self.cursor = 0;
+        self.extent_end = 0;
+    }
+
+    pub(crate) fn stats(&self) -> SourceStats {
+        self.stats
+    }
+
+    /// Fills `out` with the next stream bytes; fewer than `out.len()` means the current
+    /// PRE_COPY round, or the whole stream, is complete. `state` encodes the device state
+    /// (called once, after the last round).
+    pub(crate) fn read(
+        &mut self,
+        vram: &Vram,
+        state: &mut dyn FnMut() -> std::io::Result<Vec<u8>>,
+        out: &mut [u8],
+    ) -> std::io::Result<usize> {
+        let mut n = self.drain_carry(out, 0);
+        while n < out.len() {
+            match self.step {
+                Step::Begin => {
+                    n = self.put(out, n, header(TAG_BEGIN, FORMAT, self.vram_size), &[]);
+                    self.step = Step::Scan;
+                }
+                Step::Scan => {
+                    if self.cursor >= self.pages {
+                        self.stats.rounds += 1;
+                        self.cursor = 0;
+                        self.extent_end = 0;
+                        if self.last_round {
+                            self.step = Step::State;
+                            continue;
+                        }
+                        // A PRE_COPY round is complete: this read ends short.
+                        return Ok(n);
+                    }
+                    n = self.scan(vram, out, n);
+                }
+                Step::State => {
+                    let bytes = state()?;
+                    let len = u32::try_from(bytes.len())
+                        .ok()
+                        .filter(|&l| l <= MAX_STATE)
+                        .ok_or_else(|| std::io::Error::other("device state too large"))?;
+                    n = self.put(out, n, header(TAG_STATE, len, 0), &bytes);
+                    self.step = Step::End;
+                }
+                Step::End => {
+                    n = self.put(out, n, header(TAG_END, 0, 0), &[]);
+                    self.step = Step::Done;
+                }
+                Step::Done => break,
+            }
+        }
+        Ok(n)
+    }
+
+    fn drain_carry(&mut self, out: &mut [u8], n: usize) -> usize {
+        let rest = &self.carry[self.carry_pos..];
+        let k = rest.len().min(out.len() - n);
+        out[n..n + k].copy_from_slice(&rest[..k]);
+        self.carry_pos += k;
+        if self.carry_pos == self.carry.len() {
+            self.carry.clear();
+            self.carry_pos = 0;
+        }
+        n + k
+    }
+
+    /// Appends a record at `out[n..]`, or as much of it as fits (the rest is carried).
+    fn put(&mut self, out: &mut [u8], n: usize, hdr: [u8; REC], data: &[u8]) -> usize {
+        if out.len() - n >= REC + data.len() {
+            out[n..n + REC].copy_from_slice(&hdr);
+            out[n + REC..n + REC + data.len()].copy_from_slice(data);
+            return n + REC + data.len();
+        }
+        debug_assert!(self.carry.is_empty());
+        self.carry.extend_from_slice(&hdr);
+        self.carry.extend_from_slice(data);
+        self.drain_carry(out, n)
+    }
+
+    /// Classifies the pages from `cursor` on as hole or data (`SEEK_DATA`/`SEEK_HOLE`; a
+    /// backing without them is all data).
+    fn refresh_extent(&mut self, file: &File) {
+        if self.cursor < self.extent_end {
+            return;
+        }
+        let off = self.cursor * PAGE;
+        use rustix::fs::{SeekFrom, seek};
+        match seek(file, SeekFrom::Data(off)) {
+            Ok(d) if d / PAGE <= self.cursor => {
+                let end = seek(file, SeekFrom::Hole(off)).unwrap_or(self.vram_size);
+                self.in_hole = false;
+                self.extent_end = end.div_ceil(PAGE).clamp(self.cursor + 1, self.pages);
+            }
+            Ok(d) => {
+                self.in_hole = true;
+                self.extent_end = (d / PAGE).min(self.pages);
+            }
+            Err(rustix::io::Errno::NXIO) => {
+                self.in_hole = true;
+                self.extent_end = self.pages;
+            }
+            Err(_) => {
+                self.in_hole = false;
+                self.extent_end = self.pages;
+            }
+        }
+    }
+
+    /// Advances the round from `cursor`, appending records at `out[n..]`, until `out` is
+    /// full or the round is complete.
+    fn scan(&mut self, vram: &Vram, out: &mut [u8], mut n: usize) -> usize {
+        while self.cursor < self.pages && n < out.len() && self.carry.is_empty() {
+            self.refresh_extent(vram.file());
+            let end = self.extent_end;
+            if self.in_hole {
+                n = self.scan_hole(out, n, end);
+            } else if out.len() - n >= REC + PAGE_BYTES {
+                n = self.scan_data(vram, out, n, end);
+            } else {
+                n = self.scan_data_one(vram, out, n, end);
+            }
+        }
+        n
+    }
+
+    /// Hole pages are zero: only pages the destination holds as non-zero need a record.
+    fn scan_hole(&mut self, out: &mut [u8], mut n: usize, end: u64) -> usize {
+        while self.cursor < end && n < out.len() {
+            let c = self.cursor as usize;
+            if self.sent[c] == self.zero {
+                self.cursor += 1;
+                continue;
+            }
+            let start = self.cursor;
+            while self.cursor < end && self.sent[self.cursor as usize] != self.zero {
+                self.sent[self.cursor as usize] = self.zero;
+                self.cursor += 1;
+            }
+            let count = (self.cursor - start) as u32;
+            self.stats.pages_zeroed += u64::from(count);
+            n = self.put(out, n, header(TAG_ZERO, count, start * PAGE), &[]);
+        }
+        n
+    }
+
+    /// Copies data pages straight into `out` behind a record header, keeping those whose
+    /// hash changed; one record per run of changed pages.
+    fn scan_data(&mut self, vram: &Vram, out: &mut [u8], n: usize, end: u64) -> usize {
+        let mut d = n + REC;
+        let mut first = 0;
+        let mut count = 0u32;
+        while self.cursor < end && d + PAGE_BYTES <= out.len() {
+            let p = self.cursor;
+            self.cursor += 1;
+            let dst = &mut out[d..d + PAGE_BYTES];
+            if let Some(s) = vram.slice(p * PAGE, PAGE) {
+                s.copy_to(dst);
+            }
+            let h = xxh3_64(dst);
+            let slot = &mut self.sent[p as usize];
+            if h == *slot {
+                if count > 0 {
+                    break;
+                }
+                continue;
+            }
+            *slot = h;
+            if count == 0 {
+                first = p;
+            }
+            count += 1;
+            d += PAGE_BYTES;
+        }
+        if count == 0 {
+            return n;
+        }
+        out[n..n + REC].copy_from_slice(&header(TAG_PAGES, count, first * PAGE));
+        self.stats.pages_sent += u64::from(count);
+        d
+    }
+
+    /// Too little room in `out` for a page: find the next changed page and carry its record.
+    fn scan_data_one(&mut self, vram: &Vram, out: &mut [u8], n: usize, end: u64) -> usize {
+        let mut page = vec![0u8; PAGE_BYTES];
+        while self.cursor < end {
+            let p = self.cursor;
+            self.cursor += 1;
+            if let Some(s) = vram.slice(p * PAGE, PAGE) {
+                s.copy_to(&mut page);
+            }
+            let h = xxh3_64(&page);
+            if h != self.sent[p as usize] {
+                self.sent[p as usize] = h;
+                self.stats.pages_sent += 1;
+                return self.put(out, n, header(TAG_PAGES, 1, p * PAGE), &page);
+            }
+        }
+        n
+    }
+}
+
+/// What the incoming stream is in the middle of.
+#[derive(Debug)]
+enum Pending {
+    /// Collecting a record header.
+    Header,
+    /// Page data for VRAM at `offset`, `left` bytes to go.
+    Pages { offset: u64, left: u64 },
+    /// Device-state bytes, `left` to go.
+    State { left: usize },
+}
+
+/// The incoming stream (RESUMING): applies VRAM records as they arrive and keeps the state.
+#[derive(Debug)]
+pub(crate) struct MigSink {
+    vram_size: u64,
+    hdr: [u8; REC],
+    hdr_len: usize,
+    pending: Pending,
+    begun: bool,
+    ended: bool,
+    state: Option<Vec<u8>>,
+    poisoned: bool,
+}
+
+impl MigSink {
+    /// A sink for a device with `vram_size` bytes of VRAM, which the caller has zeroed.
+    pub(crate) fn new(vram_size: u64) -> Self {
+        Self {
+            vram_size,
+            hdr: [0; REC],
+            hdr_len: 0,
+            pending: Pending::Header,
+            begun: false,
+            ended: false,
+            state: None,
+            poisoned: false,
+        }
+    }
+
+    /// Consumes the next chunk of the stream. An error poisons the sink.
+    pub(crate) fn write(&mut self, vram: &Vram, data: &[u8]) -> Result<(), MigStreamError> {
+        if self.poisoned {
+            return Err(MigStreamError::Poisoned);
+        }
+        let r = self.consume(vram, data);
+        if r.is_err() {
+            self.poisoned = true;
+        }
+        r
+    }
+
+    fn consume(&mut self, vram: &Vram, mut data: &[u8]) -> Result<(), MigStreamError> {
+        while !data.is_empty() {
+            if self.ended {
+                return Err(MigStreamError::Trailing);
+            }
+            match &mut self.pending {
+                Pending::Header => {
+                    let k = (REC - self.hdr_len).min(data.len());
+                    self.hdr[self.hdr_len..self.hdr_len + k].copy_from_slice(&data[..k]);
+                    self.hdr_len += k;
+                    data = &data[k..];
+                    if self.hdr_len == REC {
+                        self.hdr_len = 0;
+                        self.record(vram)?;
+                    }
+                }
+                Pending::Pages { offset, left } => {
+                    let k = usize::try_from(*left).unwrap_or(usize::MAX).min(data.len());
+                    if let Some(s) = vram.slice(*offset, k as u64) {
+                        s.copy_from(&data[..k]);
+                    }
+                    *offset += k as u64;
+                    *left -= k as u64;
+                    data = &data[k..];
+                    if *left == 0 {
+                        self.pending = Pending::Header;
+                    }
+                }
+                Pending::State { left } => {
+                    let k = (*left).min(data.len());
+                    let buf = self.state.get_or_insert_with(Vec::new);
+                    buf.extend_from_slice(&data[..k]);
+                    *left -= k;
+                    data = &data[k..];
+                    if *left == 0 {
+                        self.pending = Pending::Header;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Acts on a complete record header.
+    fn record(&mut self, vram: &Vram) -> Result<(), MigStreamError> {
+        let h = self.hdr;
+        let tag = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+        let count = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        let offset = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
+        let bad = MigStreamError::BadRecord { tag, count, offset };
+        if !self.begun {
+            if tag != TAG_BEGIN || count != FORMAT {
+                return Err(MigStreamError::BadBegin);
+            }
+            if offset != self.vram_size {
+                return Err(MigStreamError::VramSize {
+                    theirs: offset,
+                    ours: self.vram_size,
+                });
+            }
+            self.begun = true;
+            return Ok(());
+        }
+        match tag {
+            TAG_PAGES | TAG_ZERO => {
+                let len = u64::from(count) * PAGE;
+                let fits = offset % PAGE == 0
+                    && count > 0
+                    && offset.checked_add(len).is_some_and(|e| e <= self.vram_size);
+                if !fits || self.state.is_some() {
+                    return Err(bad);
+                }
+                if tag == TAG_PAGES {
+                    self.pending = Pending::Pages { offset, left: len };
+                } else {
+                    vram.zero_range(offset, len);
+                }
+            }
+            TAG_STATE if offset == 0 && count <= MAX_STATE && self.state.is_none() => {
+                self.state = Some(Vec::with_capacity(count as usize));
+                if count > 0 {
+                    self.pending = Pending::State {
+                        left: count as usize,
+                    };
+                }
+            }
+            TAG_END if count == 0 && offset == 0 && self.state.is_some() => {
+                self.ended = true;
+            }
+            _ => return Err(bad),
+        }
+        Ok(())
+    }
+
+    /// The complete stream's device state; an error if the stream is incomplete or was
+    /// refused.
+    pub(crate) fn finish(self) -> Result<Vec<u8>, MigStreamError> {
+        if self.poisoned {
+            return Err(MigStreamError::Poisoned);
+        }
+        if !self.ended {
+            return Err(MigStreamError::Incomplete);
+        }
+        self.state.ok_or(MigStreamError::Incomplete)
+    }
+}

@@ -1,0 +1,315 @@
+//! The migration stream and the migration arcs, device to device.
+
+use switchyard_device::{MigArc, PciDevice};
+
+use crate::cmd::{Command, Operand};
+
+use super::*;
+
+const VRAM: u64 = 4 << 20;
+const PAGE: u64 = 4096;
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn page_of(seed: u64) -> Vec<u8> {
+    let mut r = Rng(seed | 1);
+    (0..PAGE / 8).flat_map(|_| r.next().to_le_bytes()).collect()
+}
+
+/// Every BAR0 register, without `DEV_STATUS`'s "stopped by the host" bit (a stopped
+/// source has it, the resumed destination not).
+fn register_dump(h: &mut Harness) -> Vec<u32> {
+    (0..0x2000)
+        .step_by(4)
+        .map(|o| {
+            let v = h.rd32(o);
+            if o == DEV_STATUS { v & !8 } else { v }
+        })
+        .collect()
+}
+
+/// Reads the outgoing stream in chunks of random sizes until a short read.
+fn read_round(gpu: &mut SoftGpu, rng: &mut Rng, out: &mut Vec<u8>) -> usize {
+    let mut total = 0;
+    loop {
+        let want = 1 + rng.below(70_000) as usize;
+        let mut buf = vec![0u8; want];
+        let n = gpu.migration_read(&mut buf).expect("migration_read");
+        out.extend_from_slice(&buf[..n]);
+        total += n;
+        if n < want {
+            return total;
+        }
+    }
+}
+
+/// Writes `stream` in chunks of random sizes.
+fn write_all(gpu: &mut SoftGpu, rng: &mut Rng, stream: &[u8]) {
+    let mut at = 0;
+    while at < stream.len() {
+        let k = (1 + rng.below(50_000) as usize).min(stream.len() - at);
+        gpu.migration_write(&stream[at..at + k])
+            .expect("migration_write");
+        at += k;
+    }
+}
+
+fn small() -> SoftGpuConfig {
+    SoftGpuConfig {
+        vram_size: VRAM,
+        queues: 2,
+        irq: IrqMode::Msix,
+    }
+}
+
+/// Pages written through the memfd (as a guest does through its mapping of the BAR), some
+/// by the engines, some zero; returns the pages written.
+fn scribble(h: &mut Harness, rng: &mut Rng, pages: usize) -> Vec<u64> {
+    let mut written = Vec::new();
+    for _ in 0..pages {
+        let p = rng.below(VRAM / PAGE);
+        h.vram_file_write(p * PAGE, &page_of(rng.next()));
+        written.push(p);
+    }
+    written
+}
+
+fn resume_into(b: &mut Harness, rng: &mut Rng, stream: &[u8]) {
+    b.gpu.migration_step(MigArc::Stop).expect("stop");
+    b.gpu
+        .migration_step(MigArc::StartResuming)
+        .expect("resuming");
+    write_all(&mut b.gpu, rng, stream);
+    b.gpu.migration_step(MigArc::EndResuming).expect("load");
+    b.gpu.migration_step(MigArc::Run).expect("run");
+}
+
+#[test]
+fn stop_copy_stream_survives_any_chunking() {
+    for seed in 1..6u64 {
+        let mut rng = Rng(seed * 0x9e37_79b9);
+        let mut a = Harness::with_config(small());
+        a.init();
+        a.wr32(SCRATCH, seed as u32);
+        scribble(&mut a, &mut rng, 40);
+        a.run(
+            0,
+            &[Command::fill(
+                Operand::Vram(0x3000),
+                3 * PAGE,
+                0xa5a5_0000 | seed as u32,
+            )],
+        );
+        // Stale contents on the destination must not survive.
+        let mut b = Harness::with_config(small());
+        b.vram_file_write(0x10_0000, &page_of(99));
+        a.gpu.migration_step(MigArc::Stop).expect("stop");
+        a.gpu
+            .migration_step(MigArc::StartStopCopy)
+            .expect("stop copy");
+        let mut stream = Vec::new();
+        read_round(&mut a.gpu, &mut rng, &mut stream);
+        let mut tail = [0u8; 64];
+        assert_eq!(
+            a.gpu.migration_read(&mut tail).expect("read"),
+            0,
+            "stream over"
+        );
+        resume_into(&mut b, &mut rng, &stream);
+        assert!(
+            a.vram_file_read(0, VRAM as usize) == b.vram_file_read(0, VRAM as usize),
+            "seed {seed}: VRAM differs"
+        );
+        assert!(
+            register_dump(&mut a) == register_dump(&mut b),
+            "registers differ"
+        );
+        let pages = a.gpu.migration_stats().expect("stats").pages_sent;
+        assert!(
+            pages <= 43,
+            "only written pages travel (holes and zero pages do not): {pages}"
+        );
+    }
+}
+
+#[test]
+fn precopy_rounds_send_what_changed_and_stop_copy_completes() {
+    let mut rng = Rng(7);
+    let mut a = Harness::with_config(small());
+    a.init();
+    let first = scribble(&mut a, &mut rng, 64);
+    a.gpu
+        .migration_step(MigArc::StartPreCopy)
+        .expect("pre-copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let distinct = {
+        let mut v = first.clone();
+        v.sort_unstable();
+        v.dedup();
+        v.len() as u64
+    };
+    assert_eq!(a.gpu.migration_stats().expect("stats").pages_sent, distinct);
+    // Nothing changed: a round of nothing.
+    let mut buf = vec![0u8; 1 << 16];
+    assert_eq!(a.gpu.migration_read(&mut buf).expect("read"), 0);
+
+    // The device keeps running in PRE_COPY: the guest rewrites two sent pages and an engine
+    // fills a fresh range; one sent page becomes a hole again.
+    let (p0, p1) = (first[0], first[1]);
+    a.vram_file_write(p0 * PAGE, &page_of(1234));
+    a.vram_file_write(p1 * PAGE + 100, b"changed");
+    a.run(
+        0,
+        &[Command::fill(
+            Operand::Vram(VRAM - 2 * PAGE),
+            2 * PAGE,
+            0x1111_2222,
+        )],
+    );
+    let punched = first
+        .iter()
+        .copied()
+        .find(|&p| p != p0 && p != p1 && p < VRAM / PAGE - 2)
+        .expect("another page");
+    vmm_sys_util::fallocate::fallocate(
+        &**a.gpu.vram_file(),
+        vmm_sys_util::fallocate::FallocateMode::PunchHole,
+        true,
+        punched * PAGE,
+        PAGE,
+    )
+    .expect("punch");
+    let before = a.gpu.migration_stats().expect("stats");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let after = a.gpu.migration_stats().expect("stats");
+    assert_eq!(
+        after.pages_sent - before.pages_sent,
+        4,
+        "two rewritten + two filled"
+    );
+    assert_eq!(
+        after.pages_zeroed - before.pages_zeroed,
+        1,
+        "the punched page"
+    );
+
+    // Work queued while bus mastering is off runs on the destination, not here.
+    a.set_command(pci::CMD_MEMORY);
+    a.submit(0, &[Command::fill(Operand::Vram(0), PAGE, 0x5a5a_5a5a)]);
+    a.gpu
+        .migration_step(MigArc::PreCopyToStopCopy)
+        .expect("stop copy");
+    a.vram_file_write(5 * PAGE, &page_of(5)); // a guest that was not stopped: still caught
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    a.gpu
+        .migration_step(MigArc::EndStopCopy)
+        .expect("end stop copy");
+
+    // Guest RAM (rings included) moves separately, as the VMM migrates it.
+    let mut b = Harness::with_config(small());
+    for (wa, wb) in a.windows.iter().zip(&b.windows) {
+        let mut buf = vec![0u8; wa.size as usize];
+        wa.file.read_exact_at(&mut buf, 0).expect("read RAM");
+        wb.file.write_all_at(&buf, 0).expect("write RAM");
+    }
+    b.tails = a.tails.clone();
+    resume_into(&mut b, &mut rng, &stream);
+    assert!(a.vram_file_read(0, VRAM as usize) == b.vram_file_read(0, VRAM as usize));
+    assert_eq!(
+        b.qr(0, Q_STATUS),
+        Q_STATUS_PAUSED,
+        "pending work came along"
+    );
+    b.enable_bus_master();
+    b.wait_idle(0);
+    assert_eq!(b.vram_file_read(0, 4), vec![0x5a; 4]);
+    assert_ne!(
+        a.vram_file_read(0, 4),
+        vec![0x5a; 4],
+        "the source stays stopped"
+    );
+}
+
+#[test]
+fn refused_streams_leave_the_device_as_it_was() {
+    let mut rng = Rng(11);
+    let mut a = Harness::with_config(small());
+    a.init();
+    scribble(&mut a, &mut rng, 8);
+    a.gpu.migration_step(MigArc::Stop).expect("stop");
+    a.gpu.migration_step(MigArc::StartStopCopy).expect("sc");
+    let mut good = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut good);
+    let rec = |tag: u32, count: u32, offset: u64| -> Vec<u8> {
+        let mut v = tag.to_le_bytes().to_vec();
+        v.extend_from_slice(&count.to_le_bytes());
+        v.extend_from_slice(&offset.to_le_bytes());
+        v
+    };
+    let begin = good[..16].to_vec();
+    let cases: Vec<(&str, Vec<u8>, bool)> = vec![
+        ("no begin record", rec(2, 1, 0), true),
+        (
+            "wrong format",
+            rec(u32::from_le_bytes(*b"SYGM"), 2, VRAM),
+            true,
+        ),
+        (
+            "wrong VRAM size",
+            rec(u32::from_le_bytes(*b"SYGM"), 1, VRAM * 2),
+            true,
+        ),
+        (
+            "pages past VRAM",
+            [begin.clone(), rec(2, 2, VRAM - PAGE)].concat(),
+            true,
+        ),
+        (
+            "unaligned pages",
+            [begin.clone(), rec(2, 1, 100)].concat(),
+            true,
+        ),
+        (
+            "zero-count pages",
+            [begin.clone(), rec(3, 0, 0)].concat(),
+            true,
+        ),
+        ("unknown tag", [begin.clone(), rec(9, 0, 0)].concat(), true),
+        (
+            "end before state",
+            [begin.clone(), rec(5, 0, 0)].concat(),
+            true,
+        ),
+        ("trailing bytes", [good.clone(), vec![0]].concat(), true),
+        ("truncated", good[..good.len() - 1].to_vec(), false),
+    ];
+    for (what, stream, write_fails) in cases {
+        let mut b = Harness::with_config(small());
+        b.init();
+        b.wr32(SCRATCH, 77);
+        b.gpu.migration_step(MigArc::Stop).expect("stop");
+        b.gpu
+            .migration_step(MigArc::StartResuming)
+            .expect("resuming");
+        let w = b.gpu.migration_write(&stream);
+        assert_eq!(w.is_err(), write_fails, "{what}: write");
+        let end = b.gpu.migration_step(MigArc::EndResuming);
+        assert!(end.is_err(), "{what}: loading must fail");
+        assert_eq!(b.rd32(SCRATCH), 77, "{what}: state kept");
+        b.gpu.migration_abort();
+    }
+}
