@@ -4,51 +4,18 @@
 
 mod common;
 
-use std::fs::File;
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::ServerProcess;
 use common::driver::{CONFIG, Driver, GUEST_IOVA, Transport, WINDOW_SIZE, guest, wait_eventfd};
+use common::ours::Ours;
 use switchyard_client::{Client, FlatDma};
 use switchyard_proto::WriteMultiEntry;
 use switchyard_proto::consts::*;
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
-
-struct Ours(Client);
-
-impl Transport for Ours {
-    fn region_read(&mut self, region: u32, offset: u64, buf: &mut [u8]) {
-        self.0
-            .region_read(region, offset, buf)
-            .expect("region_read");
-    }
-    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) {
-        self.0
-            .region_write(region, offset, data)
-            .expect("region_write");
-    }
-    fn dma_map(&mut self, iova: u64, size: u64, file: &File, offset: u64) {
-        let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
-        self.0
-            .dma_map(iova, size, flags, Some((file.as_fd(), offset)))
-            .expect("dma_map");
-    }
-    fn set_msix_eventfds(&mut self, start: u32, fds: &[&File]) {
-        let b: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-        self.0
-            .set_irqs(
-                VFIO_PCI_MSIX_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-                start,
-                b.len() as u32,
-                &b,
-            )
-            .expect("set_irqs");
-    }
-}
 
 fn connect(server: &ServerProcess) -> Client {
     Client::connect(&server.socket).expect("connect")

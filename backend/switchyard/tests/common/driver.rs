@@ -48,8 +48,13 @@ pub struct Driver<T: Transport> {
 impl<T: Transport> Driver<T> {
     /// Maps guest memory, enables memory/bus master and MSI-X, wires all 16 vectors to
     /// eventfds.
-    pub fn new(mut t: T) -> Self {
-        let mem = GuestMemory::new(GUEST_SIZE);
+    pub fn new(t: T) -> Self {
+        Self::with_memory(t, GuestMemory::new(GUEST_SIZE))
+    }
+
+    /// Like [`Driver::new`] on existing guest memory (e.g. a migration destination's VMM,
+    /// which keeps the guest's RAM).
+    pub fn with_memory(mut t: T, mem: GuestMemory) -> Self {
         t.dma_map(GUEST_IOVA, WINDOW_SIZE, &mem.file, 0);
         t.dma_map(
             GUEST_IOVA + WINDOW_SIZE,

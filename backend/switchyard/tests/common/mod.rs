@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod driver;
+pub mod ours;
 pub mod raw;
 pub mod workload;
 

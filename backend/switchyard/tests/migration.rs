@@ -1,0 +1,269 @@
+//! VFIO migration v2 over vfio-user between two real `switchyard serve` processes, driven the
+//! way a VMM drives it: MIG_DEVICE_STATE transitions, MIG_DATA_READ from the source and
+//! MIG_DATA_WRITE to the destination, with the guest RAM staying in the same memfd.
+
+mod common;
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use common::driver::{CONFIG, Driver, guest, wait_eventfd};
+use common::ours::Ours;
+use common::{GuestMemory, ServerProcess};
+use switchyard_client::Client;
+use switchyard_proto::consts::*;
+use switchyard_softgpu::BAR_REGS;
+use switchyard_softgpu::cmd::{Command, Operand};
+use switchyard_softgpu::regs::*;
+
+const DEVICE: &str = "softgpu,vram=16M,queues=2";
+const VRAM: u64 = 16 << 20;
+const CHUNK: u32 = 1 << 20;
+
+fn connect(server: &ServerProcess) -> Client {
+    Client::connect(&server.socket).expect("connect")
+}
+
+fn vram_fd(c: &mut Client) -> File {
+    c.region_info(2).expect("BAR2").fd.expect("VRAM fd")
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut s = seed | 1;
+    (0..len.div_ceil(8))
+        .flat_map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s.to_le_bytes()
+        })
+        .take(len)
+        .collect()
+}
+
+fn read_all(f: &File) -> Vec<u8> {
+    let mut v = vec![0u8; VRAM as usize];
+    f.read_exact_at(&mut v, 0).expect("read VRAM");
+    v
+}
+
+/// Reads MIG_DATA until a short read (end of a PRE_COPY round, or of the stream) and writes
+/// it to the destination; returns the bytes moved.
+fn move_round(src: &mut Client, dst: &mut Client) -> usize {
+    let mut moved = 0;
+    loop {
+        let data = src.mig_data_read(CHUNK).expect("MIG_DATA_READ");
+        if !data.is_empty() {
+            dst.mig_data_write(&data).expect("MIG_DATA_WRITE");
+        }
+        moved += data.len();
+        if data.len() < CHUNK as usize {
+            return moved;
+        }
+    }
+}
+
+#[test]
+fn live_migration_with_precopy_between_two_server_processes() {
+    let src_server = ServerProcess::start(DEVICE);
+    let dst_server = ServerProcess::start(DEVICE);
+    let mut d = Driver::new(Ours(connect(&src_server)));
+    d.setup_queue(0);
+    let src_vram = vram_fd(&mut d.t.0);
+    // VRAM written by the guest through its mapping (no message reaches the server) ...
+    src_vram
+        .write_all_at(&pattern(1, 3 << 20), 1 << 20)
+        .expect("write VRAM");
+    // ... and by the device.
+    d.mem.write(0x10_0000, &pattern(2, 64 << 10));
+    d.run(
+        0,
+        &[Command::copy(
+            guest(0x10_0000),
+            Operand::Vram(8 << 20),
+            64 << 10,
+        )],
+    );
+    d.w32(SCRATCH, 0xabcd_0123);
+
+    let mut dst = connect(&dst_server);
+    assert_eq!(
+        d.t.0.migration_flags().expect("flags"),
+        VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY
+    );
+    assert_eq!(
+        dst.set_mig_state(VFIO_DEVICE_STATE_RESUMING)
+            .expect("RUNNING -> RESUMING"),
+        VFIO_DEVICE_STATE_RESUMING
+    );
+    assert_eq!(dst.mig_state().expect("state"), VFIO_DEVICE_STATE_RESUMING);
+
+    // Pre-copy while the device keeps running.
+    d.t.0
+        .set_mig_state(VFIO_DEVICE_STATE_PRE_COPY)
+        .expect("PRE_COPY");
+    let first = move_round(&mut d.t.0, &mut dst);
+    assert!(
+        first > (3 << 20) + (64 << 10),
+        "the first round carries the used VRAM ({first} bytes)"
+    );
+    src_vram
+        .write_all_at(&pattern(3, 8192), 2 << 20)
+        .expect("rewrite two pages");
+    d.run(
+        0,
+        &[Command::fill(Operand::Vram(12 << 20), 4096, 0x7777_7777)],
+    );
+    let second = move_round(&mut d.t.0, &mut dst);
+    assert!(
+        (3 * 4096..4 * 4096 + 1024).contains(&second),
+        "the second round carries the three changed pages ({second} bytes)"
+    );
+
+    // Work the guest submitted just before it stopped (bus mastering off: still pending).
+    let cmd = d.cfg16(0x04) & !0x4;
+    d.t.0
+        .region_write(CONFIG, 0x04, &cmd.to_le_bytes())
+        .expect("bus master off");
+    d.submit(
+        0,
+        &[
+            Command::fill(Operand::Vram(0), 4096, 0x5a5a_5a5a),
+            Command::fence(guest(0x20_0000), 42, Some(3)),
+        ],
+    );
+    let src_regs: Vec<u32> = [
+        SCRATCH,
+        FENCE_COUNT_LO,
+        queue_reg(0, Q_HEAD),
+        queue_reg(0, Q_TAIL),
+    ]
+    .iter()
+    .map(|&r| d.r32(r))
+    .collect();
+
+    // Stop-and-copy: the rest of the stream, the state, then the destination runs.
+    d.t.0
+        .set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
+        .expect("STOP_COPY");
+    move_round(&mut d.t.0, &mut dst);
+    d.t.0.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
+    assert_eq!(
+        dst.set_mig_state(VFIO_DEVICE_STATE_RUNNING)
+            .expect("RESUMING -> RUNNING"),
+        VFIO_DEVICE_STATE_RUNNING
+    );
+
+    let dst_vram = vram_fd(&mut dst);
+    assert!(
+        read_all(&src_vram) == read_all(&dst_vram),
+        "destination VRAM equals the source's"
+    );
+    let r32 = |c: &mut Client, off: u64| {
+        let mut b = [0u8; 4];
+        c.region_read(BAR_REGS, off, &mut b).expect("read");
+        u32::from_le_bytes(b)
+    };
+    let dst_regs: Vec<u32> = [
+        SCRATCH,
+        FENCE_COUNT_LO,
+        queue_reg(0, Q_HEAD),
+        queue_reg(0, Q_TAIL),
+    ]
+    .iter()
+    .map(|&r| r32(&mut dst, r))
+    .collect();
+    assert_eq!(
+        dst_regs, src_regs,
+        "registers and queue positions came along"
+    );
+    assert_eq!(r32(&mut dst, queue_reg(0, Q_STATUS)), Q_STATUS_PAUSED);
+    // The destination VMM maps the same guest RAM and wires its own eventfds.
+    let ram = GuestMemory {
+        file: d.mem.file.try_clone().expect("clone RAM"),
+        size: d.mem.size,
+    };
+    let d2 = Driver::with_memory(Ours(dst), ram);
+    // Driver::new re-enabled bus mastering: the pending work runs on the destination.
+    assert_eq!(
+        wait_eventfd(&d2.completion[3], Duration::from_secs(10)),
+        Some(1),
+        "the fence interrupt arrives at the destination VMM"
+    );
+    assert_eq!(d2.mem.read_u64(0x20_0000), 42);
+    let mut b = [0u8; 4];
+    dst_vram.read_exact_at(&mut b, 0).expect("read");
+    assert_eq!(b, [0x5a; 4]);
+    src_vram.read_exact_at(&mut b, 0).expect("read");
+    assert_ne!(b, [0x5a; 4], "the stopped source did not run it");
+    assert_eq!(d.r32(queue_reg(0, Q_HEAD)), src_regs[2]);
+}
+
+#[test]
+fn refused_transitions_bad_streams_and_recovery() {
+    let server = ServerProcess::start(DEVICE);
+    let mut c = connect(&server);
+    let errno = |r: switchyard_client::Result<u32>| r.expect_err("refused").remote_errno();
+    assert_eq!(c.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
+    assert_eq!(
+        errno(c.set_mig_state(VFIO_DEVICE_STATE_ERROR)),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(
+        errno(c.set_mig_state(VFIO_DEVICE_STATE_RUNNING_P2P)),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(
+        c.mig_data_read(64).expect_err("not saving").remote_errno(),
+        Some(libc::EINVAL)
+    );
+
+    // STOP_COPY -> PRE_COPY is not an arc, and nothing changes.
+    c.set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
+        .expect("STOP_COPY");
+    assert_eq!(
+        errno(c.set_mig_state(VFIO_DEVICE_STATE_PRE_COPY)),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(c.mig_state().expect("state"), VFIO_DEVICE_STATE_STOP_COPY);
+    assert_eq!(
+        c.mig_data_write(&[0; 16])
+            .expect_err("not resuming")
+            .remote_errno(),
+        Some(libc::EINVAL)
+    );
+
+    // A stream that is not one: refused, then loading fails and the device is in ERROR ...
+    c.set_mig_state(VFIO_DEVICE_STATE_RESUMING)
+        .expect("STOP_COPY -> RESUMING");
+    assert_eq!(
+        c.mig_data_write(b"definitely not a softgpu stream")
+            .expect_err("garbage")
+            .remote_errno(),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(
+        errno(c.set_mig_state(VFIO_DEVICE_STATE_RUNNING)),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(c.mig_state().expect("state"), VFIO_DEVICE_STATE_ERROR);
+    assert_eq!(
+        errno(c.set_mig_state(VFIO_DEVICE_STATE_STOP)),
+        Some(libc::EINVAL)
+    );
+    // ... until a reset.
+    c.device_reset().expect("reset");
+    assert_eq!(c.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
+
+    // A client that leaves mid-migration leaves a running device behind.
+    c.set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
+        .expect("STOP_COPY");
+    c.mig_data_read(4096).expect("some data");
+    drop(c);
+    let mut d = Driver::new(Ours(connect(&server)));
+    assert_eq!(d.t.0.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
+    d.setup_queue(1);
+    d.run(1, &[Command::fence(guest(0x100), 7, None)]);
+    assert_eq!(d.mem.read_u64(0x100), 7);
+}
