@@ -1,4 +1,5 @@
-//! Device configuration and its option-string parser (`vram=64M,queues=2,irq=msix`).
+//! Device configuration and its option-string parser
+//! (`vram=64M,queues=2,irq=msix,vram_mmap=on`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -9,7 +10,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
     /// An option name the device does not know.
-    #[error("Unknown softgpu option `{0}`; the options are `vram`, `queues` and `irq`")]
+    #[error(
+        "Unknown softgpu option `{0}`; the options are `vram`, `queues`, `irq` and `vram_mmap`"
+    )]
     UnknownOption(String),
     /// An option without `=value`.
     #[error("Option `{0}` needs a value, e.g. `{0}=...`")]
@@ -28,6 +31,9 @@ pub enum ConfigError {
     /// An interrupt mode other than `msix` or `msi`.
     #[error("Invalid interrupt mode `{0}`; expected `msix` or `msi`")]
     BadIrqMode(String),
+    /// An on/off option with another value.
+    #[error("Invalid value `{1}` for `{0}`; expected `on` or `off`")]
+    BadSwitch(String, String),
     /// VRAM size not a power of two.
     #[error("VRAM size {0} is not a power of two")]
     VramNotPowerOfTwo(u64),
@@ -115,6 +121,16 @@ pub struct SoftGpuConfig {
     /// device of the same mode. (States saved before the option existed are MSI-X.)
     #[serde(default)]
     pub irq: IrqMode,
+    /// The client may mmap VRAM (BAR2). Off (`vram_mmap=off`), every VRAM access is trapped:
+    /// slower for the guest, but the device sees every write, so migration rounds send only
+    /// the pages written since the last round and the final round does not read all of VRAM
+    /// (see the migration stream in `mig.rs`). Part of the device's identity like `irq`.
+    #[serde(default = "default_true")]
+    pub vram_mmap: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for SoftGpuConfig {
@@ -123,6 +139,7 @@ impl Default for SoftGpuConfig {
             vram_size: Self::DEFAULT_VRAM,
             queues: Self::DEFAULT_QUEUES,
             irq: IrqMode::default(),
+            vram_mmap: true,
         }
     }
 }
@@ -166,12 +183,14 @@ impl SoftGpuConfig {
     }
 
     /// Parses a comma-separated option list: `vram=<n>[K|M|G]` (binary multiples, suffix case
-    /// insensitive), `queues=<n>` and `irq=msix|msi` (case insensitive). Omitted options keep
+    /// insensitive), `queues=<n>`, `irq=msix|msi` and `vram_mmap=on|off` (case insensitive).
+    /// Omitted options keep
     /// their defaults; an empty string is the default configuration; a leading `softgpu`
     /// device name is accepted and skipped.
     pub fn parse_options(s: &str) -> Result<Self, ConfigError> {
         let mut cfg = Self::default();
-        let (mut seen_vram, mut seen_queues, mut seen_irq) = (false, false, false);
+        let (mut seen_vram, mut seen_queues, mut seen_irq, mut seen_mmap) =
+            (false, false, false, false);
         for (i, item) in s.split(',').map(str::trim).enumerate() {
             if item.is_empty() || (i == 0 && item == "softgpu") {
                 continue;
@@ -184,6 +203,7 @@ impl SoftGpuConfig {
                 "vram" => &mut seen_vram,
                 "queues" => &mut seen_queues,
                 "irq" => &mut seen_irq,
+                "vram_mmap" => &mut seen_mmap,
                 _ => return Err(ConfigError::UnknownOption(key.to_owned())),
             };
             if value.is_empty() {
@@ -195,6 +215,13 @@ impl SoftGpuConfig {
             match key {
                 "vram" => cfg.vram_size = parse_size(value)?,
                 "irq" => cfg.irq = value.parse()?,
+                "vram_mmap" => {
+                    cfg.vram_mmap = match value.to_ascii_lowercase().as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(ConfigError::BadSwitch(key.into(), value.into())),
+                    }
+                }
                 _ => {
                     cfg.queues = value
                         .parse()
@@ -256,6 +283,14 @@ mod tests {
         let c = SoftGpuConfig::parse_options("vram=1048576,").expect("bytes");
         assert_eq!(c.vram_size, 1 << 20);
         assert_eq!(c.irq, IrqMode::Msix, "MSI-X by default");
+        assert!(c.vram_mmap, "VRAM mappable by default");
+        let c = SoftGpuConfig::parse_options("vram_mmap=OFF,vram=4M").expect("mmap off");
+        assert!(!c.vram_mmap && c.vram_size == 4 << 20);
+        // A configuration serialized before the option existed maps VRAM.
+        let old: SoftGpuConfig =
+            serde_json::from_str(r#"{"vram_size":1048576,"queues":1,"irq":"msi"}"#)
+                .expect("decode");
+        assert!(old.vram_mmap);
     }
 
     #[test]
@@ -317,6 +352,11 @@ mod tests {
             ("queues=0", ConfigError::QueuesOutOfRange(0)),
             ("queues=9", ConfigError::QueuesOutOfRange(9)),
             (
+                "vram_mmap=maybe",
+                ConfigError::BadSwitch("vram_mmap".into(), "maybe".into()),
+            ),
+            ("vram_mmap", ConfigError::MissingValue("vram_mmap".into())),
+            (
                 "vram=64M,softgpu",
                 ConfigError::UnknownOption("softgpu".into()),
             ),
@@ -332,7 +372,7 @@ mod tests {
         }
         assert_eq!(
             ConfigError::UnknownOption("x".into()).to_string(),
-            "Unknown softgpu option `x`; the options are `vram`, `queues` and `irq`"
+            "Unknown softgpu option `x`; the options are `vram`, `queues`, `irq` and `vram_mmap`"
         );
         assert_eq!(
             ConfigError::BadIrqMode("intx".into()).to_string(),

@@ -127,6 +127,24 @@ fn f32_to_bytes(vals: &[f32], out: &mut Vec<u8>) {
     }
 }
 
+/// The VRAM range a command writes, if its output operand is in VRAM (unvalidated; the log
+/// clamps it).
+fn vram_output(c: &Command) -> Option<(u64, u64)> {
+    let (operand, len) = match c.opcode {
+        cmd::OP_COPY => (1, c.arg[0]),
+        cmd::OP_FILL => (0, c.arg[0]),
+        cmd::OP_SAXPY => (1, c.arg[0].saturating_mul(4)),
+        cmd::OP_GEMM => (2, c.arg[0].saturating_mul(c.arg[1]).saturating_mul(4)),
+        cmd::OP_REDUCE => (1, 4),
+        cmd::OP_FENCE => (0, 8),
+        _ => return None,
+    };
+    match c.operand(operand) {
+        Operand::Vram(off) => Some((off, len)),
+        Operand::Guest(_) => None,
+    }
+}
+
 /// What an engine needs to execute commands.
 pub(crate) struct Executor<'a> {
     pub dma: &'a DmaSpace,
@@ -230,9 +248,15 @@ impl Executor<'_> {
             };
         }
         let c = Command::decode(&raw);
+        let result = self.execute(&c, slot, s);
+        // Logged after the writes (whatever the outcome: an abandoned command may have
+        // written part of its output), so a migration round that takes the bit sees them.
+        if let Some((off, len)) = vram_output(&c) {
+            self.vram.mark(off, len);
+        }
         Outcome {
             opcode: u32::from(c.opcode),
-            result: self.execute(&c, slot, s),
+            result,
         }
     }
 

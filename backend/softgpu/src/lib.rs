@@ -372,7 +372,7 @@ impl SoftGpu {
     /// Creates a device with fresh, zeroed VRAM (a sealed memfd) and starts its engines.
     pub fn new(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
-        let vram = vram::Vram::create(config.vram_size)?;
+        let vram = vram::Vram::create(config.vram_size, !config.vram_mmap)?;
         Self::start(config, ctx, vram)
     }
 
@@ -385,7 +385,7 @@ impl SoftGpu {
         vram: Arc<File>,
     ) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
-        let vram = vram::Vram::adopt(vram, config.vram_size)?;
+        let vram = vram::Vram::adopt(vram, config.vram_size, !config.vram_mmap)?;
         Self::start(config, ctx, vram)
     }
 
@@ -408,7 +408,7 @@ impl SoftGpu {
             size: config.vram_size,
             read: true,
             write: true,
-            mmap: Some(RegionMmap {
+            mmap: config.vram_mmap.then(|| RegionMmap {
                 file: vram.file().clone(),
                 file_offset: 0,
                 areas: vec![SparseArea {
@@ -677,6 +677,7 @@ impl PciDevice for SoftGpu {
             }
             BAR_VRAM => {
                 self.vram_slice(offset, data.len())?.copy_from(data);
+                self.shared.vram.mark(offset, data.len() as u64);
                 Ok(())
             }
             BAR_MSIX if self.config.irq == IrqMode::Msix => {
@@ -736,29 +737,30 @@ impl PciDevice for SoftGpu {
     }
 
     fn migration_step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
-        let size = self.shared.vram.size();
+        let vram = &self.shared.vram;
+        let size = vram.size();
         match arc {
             MigArc::Stop => self.shared.set_running(false),
             MigArc::Run => self.shared.set_running(true),
             MigArc::StartPreCopy => {
-                self.migration = Migration::Save(Box::new(mig::MigSource::new(size, false)));
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, false)));
             }
             MigArc::AbortPreCopy | MigArc::EndStopCopy => self.migration = Migration::Idle,
             MigArc::PreCopyToStopCopy => {
                 self.shared.set_running(false);
                 match &mut self.migration {
-                    Migration::Save(src) => src.device_stopped(),
+                    Migration::Save(src) => src.device_stopped(vram),
                     _ => {
-                        self.migration = Migration::Save(Box::new(mig::MigSource::new(size, true)));
+                        self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
                     }
                 }
             }
             MigArc::StartStopCopy => {
-                self.migration = Migration::Save(Box::new(mig::MigSource::new(size, true)));
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
             }
             MigArc::StartResuming => {
                 // The stream's pages apply on zeroed VRAM; the state comes last.
-                self.shared.vram.zero();
+                vram.zero();
                 self.migration = Migration::Load(Box::new(mig::MigSink::new(size)));
             }
             MigArc::EndResuming => {

@@ -28,6 +28,11 @@
 //! rounds repeat while the device runs; STOP_COPY runs one final round on the stopped device,
 //! then sends the state. The final round reads every data page once (hashing at memory
 //! speed), so downtime grows with the VRAM in use, far slower than a full copy.
+//!
+//! With `vram_mmap=off` the client cannot map VRAM and every write goes through the device,
+//! which logs it ([`Vram::mark`]). Then only the first round reads all of VRAM; later rounds,
+//! the final one included, visit just the pages logged since they were last taken, so the
+//! downtime after pre-copy depends on what was written, not on the VRAM size.
 
 use std::fs::File;
 
@@ -136,15 +141,32 @@ pub(crate) struct MigSource {
     step: Step,
     /// The device is stopped: this round is the last one, then the state follows.
     last_round: bool,
+    /// The write log is complete (see the module documentation).
+    tracked: bool,
+    /// This round reads every data page; otherwise only pages of the write log.
+    full_round: bool,
+    /// Write-log bits taken from word `word - 1` and not visited yet.
+    bits: u64,
+    word: usize,
+    /// Logged pages `[cursor, run_end)` are being visited.
+    run_end: u64,
     stats: SourceStats,
 }
 
 impl MigSource {
     /// A stream for `vram_size` bytes of VRAM; `stopped`: the device is already stopped
     /// (STOP_COPY), so the first round is the last.
-    pub(crate) fn new(vram_size: u64, stopped: bool) -> Self {
+    pub(crate) fn new(vram: &Vram, stopped: bool) -> Self {
+        let vram_size = vram.size();
         let pages = vram_size / PAGE;
         let zero = zero_hash();
+        let tracked = vram.tracked();
+        if tracked {
+            // The first round reads everything; the log then holds what changed since.
+            for w in 0..vram.written_words() {
+                vram.take_written(w);
+            }
+        }
         Self {
             vram_size,
             pages,
@@ -157,15 +179,42 @@ impl MigSource {
             carry_pos: 0,
             step: Step::Begin,
             last_round: stopped,
+            tracked,
+            full_round: true,
+            bits: 0,
+            word: 0,
+            run_end: 0,
             stats: SourceStats::default(),
         }
     }
 
-    /// The device has stopped (PRE_COPY → STOP_COPY): finish with a complete round.
-    pub(crate) fn device_stopped(&mut self) {
+    /// The device has stopped (PRE_COPY → STOP_COPY): finish with a round that covers
+    /// everything not yet sent as it is now. With a complete write log and the first round
+    /// done, that is the logged pages (those taken but not visited go back into the log);
+    /// otherwise it is every data page.
+    pub(crate) fn device_stopped(&mut self, vram: &Vram) {
         self.last_round = true;
+        if self.tracked && !self.full_round {
+            if self.bits != 0 {
+                vram.restore_written(self.word - 1, self.bits);
+            }
+            if self.cursor < self.run_end {
+                vram.mark(self.cursor * PAGE, (self.run_end - self.cursor) * PAGE);
+            }
+        }
+        self.new_round();
+    }
+
+    /// Starts the next round from page 0 (the first one after a full round reads the log).
+    fn new_round(&mut self) {
+        if self.tracked && self.cursor >= self.pages {
+            self.full_round = false;
+        }
         self.cursor = 0;
         self.extent_end = 0;
+        self.bits = 0;
+        self.word = 0;
+        self.run_end = 0;
     }
 
     pub(crate) fn stats(&self) -> SourceStats {
@@ -191,8 +240,7 @@ impl MigSource {
                 Step::Scan => {
                     if self.cursor >= self.pages {
                         self.stats.rounds += 1;
-                        self.cursor = 0;
-                        self.extent_end = 0;
+                        self.new_round();
                         if self.last_round {
                             self.step = Step::State;
                             continue;
@@ -278,6 +326,9 @@ impl MigSource {
     /// Advances the round from `cursor`, appending records at `out[n..]`, until `out` is
     /// full or the round is complete.
     fn scan(&mut self, vram: &Vram, out: &mut [u8], mut n: usize) -> usize {
+        if !self.full_round {
+            return self.scan_logged(vram, out, n);
+        }
         while self.cursor < self.pages && n < out.len() && self.carry.is_empty() {
             self.refresh_extent(vram.file());
             let end = self.extent_end;
@@ -288,6 +339,42 @@ impl MigSource {
             } else {
                 n = self.scan_data_one(vram, out, n, end);
             }
+        }
+        n
+    }
+
+    /// Visits the pages of the write log, run by run, until `out` is full or the log is
+    /// exhausted (then `cursor` is past the end: the round is complete).
+    fn scan_logged(&mut self, vram: &Vram, out: &mut [u8], mut n: usize) -> usize {
+        while n < out.len() && self.carry.is_empty() {
+            if self.cursor >= self.run_end {
+                while self.bits == 0 {
+                    if self.word >= vram.written_words() {
+                        self.cursor = self.pages;
+                        return n;
+                    }
+                    self.bits = vram.take_written(self.word);
+                    self.word += 1;
+                }
+                let base = (self.word as u64 - 1) * 64;
+                let lo = u64::from(self.bits.trailing_zeros());
+                let len = u64::from((!(self.bits >> lo)).trailing_zeros());
+                let mask = if len == 64 {
+                    u64::MAX
+                } else {
+                    ((1u64 << len) - 1) << lo
+                };
+                self.bits &= !mask;
+                self.cursor = (base + lo).min(self.pages);
+                self.run_end = (base + lo + len).min(self.pages);
+                continue;
+            }
+            let end = self.run_end;
+            n = if out.len() - n >= REC + PAGE_BYTES {
+                self.scan_data(vram, out, n, end)
+            } else {
+                self.scan_data_one(vram, out, n, end)
+            };
         }
         n
     }

@@ -6,6 +6,7 @@
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use vm_memory::mmap::MmapRegionBuilder;
@@ -32,7 +33,15 @@ pub(crate) struct Vram {
     region: MmapRegion<()>,
     size: u64,
     identity: VramRef,
+    /// One bit per 4 KiB page, set after every write the device makes or serves (engine
+    /// results, trapped BAR2 writes, zeroing): complete only while the client cannot map
+    /// VRAM (`tracked`).
+    written: Box<[AtomicU64]>,
+    tracked: bool,
 }
+
+/// Page size of the write log.
+pub(crate) const LOG_PAGE: u64 = 4096;
 
 impl std::fmt::Debug for Vram {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -45,7 +54,7 @@ impl std::fmt::Debug for Vram {
 impl Vram {
     /// Creates a zero-filled sealed memfd of `size` bytes (it can be neither shrunk nor grown,
     /// so a client cannot make our mapping fault by truncating it).
-    pub(crate) fn create(size: u64) -> Result<Vram, SoftGpuError> {
+    pub(crate) fn create(size: u64, tracked: bool) -> Result<Vram, SoftGpuError> {
         let mfd = memfd::MemfdOptions::default()
             .allow_sealing(true)
             .close_on_exec(true)
@@ -58,12 +67,12 @@ impl Vram {
             memfd::FileSeal::SealSeal,
         ])
         .map_err(|e| SoftGpuError::Vram(std::io::Error::other(e)))?;
-        Self::adopt(Arc::new(mfd.into_file()), size)
+        Self::adopt(Arc::new(mfd.into_file()), size, tracked)
     }
 
     /// Maps an existing backing file (for a device that replaces another one and must keep the
     /// memory object the client has mmapped).
-    pub(crate) fn adopt(file: Arc<File>, size: u64) -> Result<Vram, SoftGpuError> {
+    pub(crate) fn adopt(file: Arc<File>, size: u64, tracked: bool) -> Result<Vram, SoftGpuError> {
         let meta = file.metadata().map_err(SoftGpuError::Vram)?;
         if meta.len() != size {
             return Err(SoftGpuError::VramSize {
@@ -81,6 +90,7 @@ impl Vram {
             .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
             .build()
             .map_err(SoftGpuError::VramMap)?;
+        let words = (size / LOG_PAGE).div_ceil(64);
         Ok(Vram {
             file,
             region,
@@ -90,7 +100,54 @@ impl Vram {
                 dev: meta.dev(),
                 ino: meta.ino(),
             },
+            written: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            tracked,
         })
+    }
+
+    /// Whether every write to VRAM goes through the device (the client cannot map it), so
+    /// the write log is complete.
+    pub(crate) fn tracked(&self) -> bool {
+        self.tracked
+    }
+
+    /// Logs a write of `len` bytes at `offset` (clamped to VRAM). Call after the write.
+    pub(crate) fn mark(&self, offset: u64, len: u64) {
+        let end = offset.saturating_add(len).min(self.size);
+        if len == 0 || offset >= end {
+            return;
+        }
+        let (first, last) = (offset / LOG_PAGE, (end - 1) / LOG_PAGE);
+        for w in first / 64..=last / 64 {
+            let lo = if w == first / 64 { first % 64 } else { 0 };
+            let hi = if w == last / 64 { last % 64 } else { 63 };
+            let bits = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+            if let Some(word) = self.written.get(w as usize) {
+                if word.load(Ordering::Relaxed) & bits != bits {
+                    word.fetch_or(bits, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// Takes (reads and clears) word `index` of the write log: bit `i` is page
+    /// `64 * index + i`.
+    pub(crate) fn take_written(&self, index: usize) -> u64 {
+        self.written
+            .get(index)
+            .map_or(0, |w| w.swap(0, Ordering::AcqRel))
+    }
+
+    /// Puts bits taken with [`Vram::take_written`] back.
+    pub(crate) fn restore_written(&self, index: usize, bits: u64) {
+        if let Some(w) = self.written.get(index) {
+            w.fetch_or(bits, Ordering::Release);
+        }
+    }
+
+    /// Number of words in the write log.
+    pub(crate) fn written_words(&self) -> usize {
+        self.written.len()
     }
 
     pub(crate) fn file(&self) -> &Arc<File> {
@@ -152,5 +209,6 @@ impl Vram {
                 off += n;
             }
         }
+        self.mark(offset, end - offset);
     }
 }

@@ -267,3 +267,55 @@ fn refused_transitions_bad_streams_and_recovery() {
     d.run(1, &[Command::fence(guest(0x100), 7, None)]);
     assert_eq!(d.mem.read_u64(0x100), 7);
 }
+
+/// Reads all of VRAM through trapped region reads.
+fn read_trapped(c: &mut Client) -> Vec<u8> {
+    let mut v = vec![0u8; VRAM as usize];
+    for (i, chunk) in v.chunks_mut(256 << 10).enumerate() {
+        c.region_read(2, (i as u64) << 18, chunk)
+            .expect("VRAM read");
+    }
+    v
+}
+
+#[test]
+fn trapped_vram_migrates_by_its_write_log() {
+    let device = "softgpu,vram=16M,queues=2,vram_mmap=off";
+    let src_server = ServerProcess::start(device);
+    let dst_server = ServerProcess::start(device);
+    let mut src = connect(&src_server);
+    let info = src.region_info(2).expect("BAR2");
+    assert!(
+        info.fd.is_none() && info.info.flags & VFIO_REGION_INFO_FLAG_MMAP == 0,
+        "VRAM is trapped, not mappable"
+    );
+    src.region_write(2, 1 << 20, &pattern(5, 256 << 10))
+        .expect("VRAM write");
+    let mut dst = connect(&dst_server);
+    dst.set_mig_state(VFIO_DEVICE_STATE_RESUMING)
+        .expect("RESUMING");
+    src.set_mig_state(VFIO_DEVICE_STATE_PRE_COPY)
+        .expect("PRE_COPY");
+    let first = move_round(&mut src, &mut dst);
+    assert!(first >= 256 << 10, "{first}");
+    src.region_write(2, 10 << 20, &pattern(6, 5 * 4096))
+        .expect("VRAM write");
+    let second = move_round(&mut src, &mut dst);
+    assert!(
+        (5 * 4096..6 * 4096).contains(&second),
+        "the second round carries the five written pages ({second} bytes)"
+    );
+    src.region_write(2, 12 << 20, &pattern(7, 4096))
+        .expect("VRAM write");
+    src.set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
+        .expect("STOP_COPY");
+    let last = move_round(&mut src, &mut dst);
+    // One page, the device state (JSON, about 9 KiB with the config space) and the records.
+    assert!(
+        (4096..4096 + (16 << 10)).contains(&last),
+        "the final round: one page and the state ({last})"
+    );
+    dst.set_mig_state(VFIO_DEVICE_STATE_RUNNING)
+        .expect("RUNNING");
+    assert!(read_trapped(&mut src) == read_trapped(&mut dst));
+}

@@ -73,6 +73,7 @@ const CONFIG: SoftGpuConfig = SoftGpuConfig {
     vram_size: 16 << 20,
     queues: 2,
     irq: switchyard_softgpu::IrqMode::Msix,
+    vram_mmap: true,
 };
 
 #[test]

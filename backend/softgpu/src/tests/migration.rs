@@ -72,6 +72,7 @@ fn small() -> SoftGpuConfig {
         vram_size: VRAM,
         queues: 2,
         irq: IrqMode::Msix,
+        vram_mmap: true,
     }
 }
 
@@ -312,4 +313,88 @@ fn refused_streams_leave_the_device_as_it_was() {
         assert_eq!(b.rd32(SCRATCH), 77, "{what}: state kept");
         b.gpu.migration_abort();
     }
+}
+
+fn tracked() -> SoftGpuConfig {
+    SoftGpuConfig {
+        vram_mmap: false,
+        ..small()
+    }
+}
+
+fn trapped_write(h: &mut Harness, offset: u64, data: &[u8]) {
+    h.gpu
+        .region_write(crate::BAR_VRAM, offset, data)
+        .expect("trapped VRAM write");
+}
+
+#[test]
+fn without_mmap_rounds_after_the_first_visit_only_logged_pages() {
+    let mut rng = Rng(21);
+    let mut a = Harness::with_config(tracked());
+    assert!(
+        a.gpu.description().regions[crate::BAR_VRAM as usize]
+            .mmap
+            .is_none(),
+        "VRAM is not offered for mmap"
+    );
+    a.init();
+    for p in [3u64, 4, 200, 900] {
+        trapped_write(&mut a, p * PAGE, &page_of(p));
+    }
+    a.gpu
+        .migration_step(MigArc::StartPreCopy)
+        .expect("pre-copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    assert_eq!(a.gpu.migration_stats().expect("stats").pages_sent, 4);
+
+    // Logged: two trapped writes and an engine's FILL. Not logged: a write behind the
+    // device's back (no client can do that without a mapping; here it proves that the
+    // round reads the log, not all of VRAM).
+    trapped_write(&mut a, 4 * PAGE + 10, b"trapped");
+    trapped_write(&mut a, 700 * PAGE, &page_of(700));
+    a.run(
+        0,
+        &[Command::fill(Operand::Vram(800 * PAGE), PAGE, 0x0101_0101)],
+    );
+    a.vram_file_write(500 * PAGE, &page_of(500));
+    let before = a.gpu.migration_stats().expect("stats").pages_sent;
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let after = a.gpu.migration_stats().expect("stats").pages_sent;
+    assert_eq!(after - before, 3, "the logged pages, and only those");
+
+    // Stop in the middle of a logged round: the final round still covers everything logged.
+    for p in 0..40u64 {
+        trapped_write(&mut a, (600 + 2 * p) * PAGE, &page_of(1000 + p));
+    }
+    let mut part = vec![0u8; 3 * PAGE as usize];
+    assert_eq!(
+        a.gpu.migration_read(&mut part).expect("read"),
+        part.len(),
+        "the round is not over"
+    );
+    stream.extend_from_slice(&part);
+    a.gpu
+        .migration_step(MigArc::PreCopyToStopCopy)
+        .expect("stop copy");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    assert_eq!(
+        a.gpu.migration_stats().expect("stats").pages_sent - after,
+        40
+    );
+
+    let mut b = Harness::with_config(tracked());
+    resume_into(&mut b, &mut rng, &stream);
+    let (va, vb) = (
+        a.vram_file_read(0, VRAM as usize),
+        b.vram_file_read(0, VRAM as usize),
+    );
+    let differing: Vec<u64> = (0..VRAM / PAGE)
+        .filter(|&p| {
+            let r = (p * PAGE) as usize..((p + 1) * PAGE) as usize;
+            va[r.clone()] != vb[r]
+        })
+        .collect();
+    assert_eq!(differing, vec![500], "only the unlogged page is missing");
 }

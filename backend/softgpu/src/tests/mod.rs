@@ -131,6 +131,7 @@ impl Harness {
             vram_size: 4 << 20,
             queues: 2,
             irq,
+            vram_mmap: true,
         })
     }
 

@@ -106,6 +106,7 @@ fn start_checks_the_vectors_each_mode_needs() {
             vram_size: 1 << 20,
             queues: 1,
             irq,
+            vram_mmap: true,
         };
         SoftGpu::new(config, ctx).map(|_| ())
     };

@@ -114,6 +114,7 @@ fn restore_rejects_mismatched_or_broken_states() {
         vram_size: 4 << 20,
         queues: 3,
         irq: IrqMode::Msix,
+        vram_mmap: true,
     });
     other.init();
     let three = other.gpu.save_state().expect("save");
@@ -122,6 +123,7 @@ fn restore_rejects_mismatched_or_broken_states() {
         vram_size: 8 << 20,
         queues: 2,
         irq: IrqMode::Msix,
+        vram_mmap: true,
     });
     let big = bigger.gpu.save_state().expect("save");
     assert!(h.refused(&big).contains("8388608"));
