@@ -26,7 +26,7 @@
 //! | index | what | size | access |
 //! |---|---|---|---|
 //! | 0 (BAR0) | registers, 32-bit non-prefetchable | 64 KiB | trapped; 4-byte aligned 4-byte accesses and 8-byte aligned 8-byte accesses (low half first) |
-//! | 2 (BAR2) | VRAM, 64-bit prefetchable | `vram_size` | mmap (one sparse area covering the BAR, backed by a memfd) and trapped reads/writes of any size and alignment |
+//! | 2 (BAR2) | VRAM, 64-bit prefetchable | `vram_size` | mmap (one sparse area covering the BAR, backed by a memfd; not offered with `vram_mmap=off`) and trapped reads/writes of any size and alignment |
 //! | 4 (BAR4) | MSI-X table at 0x0, PBA at 0x800, 32-bit non-prefetchable; absent (and BAR4 unimplemented) in MSI mode | 4 KiB | trapped; 4- or 8-byte aligned |
 //! | 7 | PCI config space | 4 KiB | trapped, any size |
 //!
@@ -199,6 +199,20 @@
 //! [`SoftGpuState`] is the whole device state except VRAM contents, which stay in the memfd
 //! ([`SoftGpu::vram_file`]) and are referenced by identity ([`VramRef`]). Save quiesces the
 //! engines at a command boundary; restore rejects states of another configuration.
+//!
+//! # Migration and swaps
+//!
+//! The device implements VFIO migration v2 with PRE_COPY ([`PciDevice::migration_step`]):
+//! STOP parks the engines after their current command (queues with work read `PAUSED`);
+//! PRE_COPY streams VRAM while the device runs, in rounds; STOP_COPY sends what changed since,
+//! then the state; RESUMING applies a stream on zeroed VRAM and loads the state at its end.
+//! The stream format and how changed pages are found (content hashes when the client may map
+//! VRAM, a write log with `vram_mmap=off`) are documented in `mig.rs`. Pending commands travel
+//! in the guest's rings and run on the destination once it is RUNNING.
+//!
+//! [`SoftGpu::successor`] builds the device that replaces this one under a connected client
+//! (same VRAM memfd, same DMA windows and eventfds, same state); every command runs exactly
+//! once across the swap.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]

@@ -47,10 +47,12 @@ struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
 
-    /// Device to serve: `softgpu[,vram=SIZE][,queues=N][,irq=msix|msi]`. SIZE is a power of
-    /// two with an optional K/M/G suffix (default 64M); N is 1..=8 command queues (default 2).
-    /// irq=msi (default msix): one MSI vector, no MSI-X; use it for PCIe hot-unplug under QEMU
-    /// 11.1, whose vfio-user-pci aborts when removing a device with MSI-X.
+    /// Device to serve: `softgpu[,vram=SIZE][,queues=N][,irq=msix|msi][,vram_mmap=on|off]`.
+    /// SIZE is a power of two with an optional K/M/G suffix (default 64M); N is 1..=8 command
+    /// queues (default 2). irq=msi (default msix): one MSI vector, no MSI-X; use it for PCIe
+    /// hot-unplug under QEMU 11.1, whose vfio-user-pci aborts when removing a device with
+    /// MSI-X. vram_mmap=off: VRAM is trapped instead of mappable, so the device sees every
+    /// write and migrates after pre-copy with a downtime independent of the VRAM size.
     #[arg(long, value_name = "SPEC", default_value = "softgpu", value_parser = parse_device)]
     device: DeviceSpec,
 
