@@ -526,26 +526,36 @@ impl SoftGpu {
 
     /// Builds the device that replaces this one under a connected client (a swap): the same
     /// configuration and VRAM memfd (the client's mapping stays valid), on `ctx`, with this
-    /// device's state. This device's engines are parked first (after their current command;
-    /// park them earlier with [`SoftGpu::engine_control`] to keep that wait out of the swap)
-    /// and stay parked: the successor continues every queue from its head. On error this
-    /// device runs again.
+    /// device's state. Building (mapping VRAM, starting engine threads) is the slow part of a
+    /// swap; to keep it out of the swap, build the successor beforehand with
+    /// `SoftGpu::with_vram(old.config(), ctx, old.vram_file().clone())` (power-on registers,
+    /// so it touches nothing) and only [`SoftGpu::hand_over`] inside it.
     pub fn successor(&mut self, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
+        let next = SoftGpu::with_vram(self.config, ctx, self.vram_file().clone())?;
+        self.hand_over(next)
+    }
+
+    /// Moves this device's state into `next` (a device of the same configuration on the same
+    /// VRAM memfd) and returns `next`.
+    /// This device's engines are parked first (after their current command; park them earlier
+    /// with [`SoftGpu::engine_control`] to keep that wait out of the swap) and stay parked: the
+    /// successor continues every queue from its head, so every command runs exactly once. On
+    /// error this device runs again.
+    pub fn hand_over(&mut self, next: SoftGpu) -> Result<SoftGpu, SoftGpuError> {
         if !matches!(self.migration, Migration::Idle) {
             return Err(StateError::Inconsistent("a migration stream is open").into());
         }
-        self.shared.set_running(false);
-        let build = || {
-            let state = self.snapshot();
-            let next = SoftGpu::with_vram(self.config, ctx, self.vram_file().clone())?;
-            next.load(state)?;
-            Ok(next)
-        };
-        let r = build();
-        if r.is_err() {
-            self.shared.set_running(true);
+        if next.vram_identity() != self.vram_identity() {
+            return Err(StateError::Inconsistent("the successor has other VRAM").into());
         }
-        r
+        self.shared.set_running(false);
+        match next.load(self.snapshot()) {
+            Ok(()) => Ok(next),
+            Err(e) => {
+                self.shared.set_running(true);
+                Err(e.into())
+            }
+        }
     }
 
     /// Counters of the outgoing migration stream, if one is open.

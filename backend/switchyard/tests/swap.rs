@@ -46,13 +46,18 @@ impl InProcess {
         }
     }
 
-    /// The swap a pool daemon does: drain the engines outside the lock, then swap.
+    /// The swap a pool daemon does: build the successor and drain the engines outside the
+    /// lock, then only hand the state over inside it.
     fn swap(&self) -> Duration {
-        let ctl = self.slot.with(|d| d.engine_control());
+        let (ctl, config, vram) = self
+            .slot
+            .with(|d| (d.engine_control(), d.config(), d.vram_file().clone()));
+        let next =
+            SoftGpu::with_vram(config, self.slot.context().clone(), vram).expect("successor");
         ctl.set_running(false);
         let report = self
             .slot
-            .swap(|old: &mut SoftGpu, ctx: DeviceContext| old.successor(ctx))
+            .swap(|old: &mut SoftGpu, _ctx: DeviceContext| old.hand_over(next))
             .expect("swap");
         let held = report.held;
         drop(report.old);
@@ -199,6 +204,12 @@ fn refused_swaps_leave_the_old_device_serving() {
         matches!(other, Err(SwapError::Incompatible(_))),
         "{other:?}"
     );
+    // Handing over to a device on other VRAM is refused too, and the old device runs on.
+    let handed = server.slot.swap(|old: &mut SoftGpu, ctx| {
+        let other = SoftGpu::new(CONFIG, ctx)?;
+        old.hand_over(other)
+    });
+    assert!(matches!(handed, Err(SwapError::Build(_))), "{handed:?}");
     // A failing build.
     let failing = server.slot.swap(|_old: &mut SoftGpu, _ctx| {
         Err::<SoftGpu, _>(SoftGpuError::Thread(std::io::Error::other(
