@@ -90,7 +90,7 @@ fn summary(name: &str, samples: &mut [u64]) -> Result<Summary> {
     Summary::of(samples).with_context(|| format!("no samples for {name}"))
 }
 
-fn fig(name: &str, samples: &mut [u64], unit: Unit, work: f64) -> Result<Figure> {
+pub(crate) fn fig(name: &str, samples: &mut [u64], unit: Unit, work: f64) -> Result<Figure> {
     Ok(Figure::from_summary(
         name,
         &summary(name, samples)?,
@@ -264,6 +264,7 @@ fn rt_target(kind: DeviceKind, spin: bool) -> Target {
     Target {
         floor_ratio: 1.10,
         beat_peer: kind == DeviceKind::RegFile && !spin,
+        plus: 0.0,
     }
 }
 
@@ -750,7 +751,7 @@ fn copy_plan(s: &Settings, size: u64) -> Plan {
 
 /// Waits until every `(offset, value)` fence slot holds its value: spins for 20 µs, then yields
 /// between checks (the engines need the CPUs more than this thread does).
-fn wait_fences(gpu: &Gpu, fences: &[(u64, u64)], timeout: Duration) -> Result<()> {
+pub(crate) fn wait_fences(gpu: &Gpu, fences: &[(u64, u64)], timeout: Duration) -> Result<()> {
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
@@ -916,6 +917,7 @@ pub fn copy(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
                     Some(Target {
                         floor_ratio: 0.9,
                         beat_peer: false,
+                        plus: 0.0,
                     }),
                     note,
                 ));
@@ -1038,6 +1040,7 @@ pub fn interrupt(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
             Some(Target {
                 floor_ratio: 1.2,
                 beat_peer: false,
+                plus: 0.0,
             }),
             note,
         ));
@@ -1077,7 +1080,7 @@ const DIRTY_IOVA: u64 = 1 << 40;
 /// `n` distinct pages out of `pages`, one at a random place in each of `n` equal strides
 /// (uniform and sparse, like a guest touching scattered pages: the worst case for a scan that
 /// skips clean words, which we do not rely on).
-fn scattered_pages(pages: u64, n: u64, seed: u64) -> Vec<u64> {
+pub(crate) fn scattered_pages(pages: u64, n: u64, seed: u64) -> Vec<u64> {
     let mut x = seed | 1;
     let stride = (pages / n.max(1)).max(1);
     (0..n.min(pages))
@@ -1205,6 +1208,7 @@ pub fn dirty_report(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()>
                 Some(Target {
                     floor_ratio: 1.5,
                     beat_peer: false,
+                    plus: 0.0,
                 }),
                 note.clone(),
             ));
@@ -1221,6 +1225,7 @@ pub fn dirty_report(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()>
                 Some(Target {
                     floor_ratio: 1.5,
                     beat_peer: false,
+                    plus: 0.0,
                 }),
                 "decomposition: the server's flip and drain alone, no message".into(),
             ));
@@ -1249,20 +1254,6 @@ pub fn dirty_report(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()>
     }
     drop(client);
     server.shutdown()
-}
-
-/// Rows for figures whose features do not exist yet.
-pub fn not_yet(rows: &mut Vec<Row>) {
-    rows.push(Row::not_implemented(
-        "migration",
-        "live swap downtime",
-        "later issue",
-    ));
-    rows.push(Row::not_implemented(
-        "migration",
-        "migration downtime",
-        "later issue",
-    ));
 }
 
 /// `4 KiB`, `64 MiB`, `16 GiB`, `512 B`.

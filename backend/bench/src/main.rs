@@ -8,6 +8,7 @@
 //! reflects whether every case could run.
 
 mod cases;
+mod downtime;
 mod floors;
 mod gpu;
 mod pin;
@@ -47,7 +48,7 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt, dirty-report.
+    /// write-multi, copy, interrupt, dirty-report, swap, migration.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Diagnosis only: pin the client (main) thread to this CPU (device threads inherit it).
@@ -130,7 +131,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 8] = [
+    let all: [(&str, Case); 10] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -139,7 +140,16 @@ fn main() -> Result<()> {
         ("copy", cases::copy),
         ("interrupt", cases::interrupt),
         ("dirty-report", cases::dirty_report),
+        ("swap", downtime::swap),
+        ("migration", downtime::migration),
     ];
+    if let Some(bad) = cli.only.iter().find(|o| !all.iter().any(|(n, _)| n == o)) {
+        let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
+        anyhow::bail!(
+            "--only: unknown case `{bad}`; the cases are {}",
+            names.join(", ")
+        );
+    }
     let start = Instant::now();
     let mut rows = Vec::new();
     for (name, case) in all {
@@ -151,7 +161,6 @@ fn main() -> Result<()> {
         case(dir.path(), &settings, &mut rows).with_context(|| format!("case {name}"))?;
         eprintln!("{:.1} s", t.elapsed().as_secs_f64());
     }
-    cases::not_yet(&mut rows);
     let results = Results {
         mode: mode.into(),
         spin_us: cli.spin_us,

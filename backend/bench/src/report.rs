@@ -9,6 +9,8 @@ use crate::stats::Summary;
 pub enum Unit {
     /// Latency in microseconds (lower is better).
     Micros,
+    /// Latency in milliseconds (lower is better): downtimes.
+    Millis,
     /// Throughput in GB/s, 10^9 bytes per second (higher is better).
     GBps,
     /// Million writes per second (higher is better).
@@ -20,6 +22,7 @@ impl Unit {
     pub fn label(self) -> &'static str {
         match self {
             Unit::Micros => "µs",
+            Unit::Millis => "ms",
             Unit::GBps => "GB/s",
             Unit::Mwps => "Mw/s",
         }
@@ -27,7 +30,7 @@ impl Unit {
 
     /// Whether larger values are better.
     pub fn higher_is_better(self) -> bool {
-        !matches!(self, Unit::Micros)
+        !matches!(self, Unit::Micros | Unit::Millis)
     }
 }
 
@@ -52,6 +55,7 @@ impl Figure {
         let conv = |ns: f64| -> f64 {
             match unit {
                 Unit::Micros => ns / 1e3,
+                Unit::Millis => ns / 1e6,
                 // bytes per ns == GB/s; writes per ns * 1e3 == Mw/s.
                 Unit::GBps => work / ns.max(1.0),
                 Unit::Mwps => work / ns.max(1.0) * 1e3,
@@ -73,13 +77,17 @@ pub struct Target {
     pub floor_ratio: f64,
     /// Also required to beat the peer (when there is one).
     pub beat_peer: bool,
+    /// Latencies only: an allowance added to the bound, in the row's unit, for targets of the
+    /// form "ours ≤ floor_ratio × floor + plus" (the swap's "≤ 1.2× state memcpy + 1 ms").
+    #[serde(default)]
+    pub plus: f64,
 }
 
 /// One line of the results.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
-    /// Group: `round-trip`, `size-sweep`, `posted`, `write-multi`, `copy`, `interrupt`,
-    /// `migration`.
+    /// Group: `round-trip`, `decompose`, `size-sweep`, `posted`, `write-multi`, `copy`,
+    /// `interrupt`, `dirty-report`, `swap`, `migration`.
     pub group: String,
     /// Human-readable case name.
     pub case: String,
@@ -131,6 +139,10 @@ impl Row {
             let floor_ok = ratio.is_some_and(|r| {
                 if unit.higher_is_better() {
                     r >= t.floor_ratio
+                } else if t.plus > 0.0 {
+                    floor
+                        .as_ref()
+                        .is_some_and(|f| ours.p50 <= t.floor_ratio * f.p50 + t.plus)
                 } else {
                     r <= t.floor_ratio
                 }
@@ -160,26 +172,6 @@ impl Row {
             target,
             met,
             note,
-        }
-    }
-
-    /// A row for something that cannot be measured yet.
-    pub fn not_implemented(group: &str, case: &str, note: &str) -> Row {
-        Row {
-            group: group.to_owned(),
-            case: case.to_owned(),
-            op: String::new(),
-            variant: String::new(),
-            size: None,
-            unit: Unit::Micros,
-            ours: None,
-            floor: None,
-            ratio: None,
-            peer: None,
-            peer_ratio: None,
-            target: None,
-            met: None,
-            note: note.to_owned(),
         }
     }
 }
@@ -248,12 +240,35 @@ fn num(v: Option<f64>) -> String {
         None => "-".into(),
         Some(x) if x >= 100.0 => format!("{x:.0}"),
         Some(x) if x >= 10.0 => format!("{x:.1}"),
+        // Two significant digits below 0.1 (a memcpy of a few KiB in ms), not "0.00".
+        Some(x) if x > 0.0 && x < 0.1 => {
+            let decimals = (-x.log10()).ceil() as usize + 1;
+            format!("{x:.decimals$}")
+        }
         Some(x) => format!("{x:.2}"),
     }
 }
 
 fn ratio(v: Option<f64>) -> String {
-    v.map_or_else(|| "-".into(), |r| format!("{r:.2}×"))
+    match v {
+        None => "-".into(),
+        Some(r) if r >= 100.0 => format!("{r:.0}×"),
+        Some(r) => format!("{r:.2}×"),
+    }
+}
+
+/// `1 ms`, `250 µs`: an amount in a latency unit, in ms from 1 ms on.
+fn amount(v: f64, unit: Unit) -> String {
+    let ms = match unit {
+        Unit::Micros => v / 1e3,
+        Unit::Millis => v,
+        Unit::GBps | Unit::Mwps => return format!("{} {}", num(Some(v)), unit.label()),
+    };
+    if ms >= 1.0 {
+        format!("{ms} ms")
+    } else {
+        format!("{} µs", ms * 1e3)
+    }
 }
 
 fn target_text(row: &Row) -> String {
@@ -266,6 +281,9 @@ fn target_text(row: &Row) -> String {
                 "≤"
             };
             let mut s = format!("{op}{:.2}× floor", t.floor_ratio);
+            if t.plus > 0.0 && !row.unit.higher_is_better() {
+                s.push_str(&format!(" + {}", amount(t.plus, row.unit)));
+            }
             if t.beat_peer && row.peer.is_some() {
                 s.push_str(", < peer");
             }
@@ -422,6 +440,7 @@ mod tests {
     const FLOOR_ONLY: Target = Target {
         floor_ratio: 0.9,
         beat_peer: false,
+        plus: 0.0,
     };
 
     #[test]
@@ -443,6 +462,7 @@ mod tests {
         let t = Target {
             floor_ratio: 1.1,
             beat_peer: false,
+            plus: 0.0,
         };
         // 12 µs against a 10 µs floor: 1.2× > 1.1×.
         let r = row(Unit::Micros, 12.0, 10.0, None, t);
@@ -457,6 +477,7 @@ mod tests {
         let t = Target {
             floor_ratio: 1.1,
             beat_peer: true,
+            plus: 0.0,
         };
         let better = row(Unit::Micros, 10.5, 10.0, Some(11.0), t);
         assert_eq!(better.met, Some(true));
@@ -474,9 +495,38 @@ mod tests {
         let t = Target {
             floor_ratio: 0.9,
             beat_peer: true,
+            plus: 0.0,
         };
         assert_eq!(row(Unit::Mwps, 1.0, 1.0, Some(0.5), t).met, Some(true));
         assert_eq!(row(Unit::Mwps, 1.0, 1.0, Some(2.0), t).met, Some(false));
+    }
+
+    #[test]
+    fn additive_allowance_on_latency_targets() {
+        // The swap's target: ≤ 1.2× a 0.1 µs memcpy + 1 ms.
+        let t = Target {
+            floor_ratio: 1.2,
+            beat_peer: false,
+            plus: 1000.0,
+        };
+        let r = row(Unit::Micros, 900.0, 0.1, None, t);
+        assert_eq!(r.met, Some(true));
+        assert_eq!(target_text(&r), "≤1.20× floor + 1 ms");
+        assert_eq!(row(Unit::Micros, 1000.2, 0.1, None, t).met, Some(false));
+        let t = Target { plus: 0.25, ..t };
+        let r = row(Unit::Millis, 2.0, 1.5, None, t);
+        assert_eq!(r.met, Some(true), "2 ≤ 1.2 × 1.5 + 0.25");
+        assert_eq!(target_text(&r), "≤1.20× floor + 250 µs");
+    }
+
+    #[test]
+    fn small_numbers_keep_two_significant_digits() {
+        assert_eq!(num(Some(0.00123)), "0.0012");
+        assert_eq!(num(Some(0.05)), "0.050");
+        assert_eq!(num(Some(0.5)), "0.50");
+        assert_eq!(num(Some(0.0)), "0.00");
+        assert_eq!(num(Some(1234.0)), "1234");
+        assert_eq!(ratio(Some(1234.4)), "1234×");
     }
 
     #[test]

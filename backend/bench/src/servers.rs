@@ -20,7 +20,7 @@ use switchyard_client::Client;
 use switchyard_device::{
     DeviceDescription, DeviceError, DmaSpace, IrqDesc, NUM_PCI_REGIONS, PciDevice, RegionDesc,
 };
-use switchyard_server::{Server, ServerConfig, StopHandle};
+use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
 /// Size of register-file region 0.
@@ -234,6 +234,28 @@ impl Switchyard {
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// Starts a blocking softgpu server of the given configuration and returns it with its
+    /// device slot (to swap the device under the connected client, or to look at it).
+    pub fn start_softgpu(
+        dir: &Path,
+        name: &str,
+        gpu: SoftGpuConfig,
+    ) -> Result<(Switchyard, DeviceSlot<SoftGpu>)> {
+        let path = dir.join(format!("{name}.sock"));
+        let server = Server::new(ServerConfig::new(&path), |ctx| SoftGpu::new(gpu, ctx))
+            .context("start the softgpu server")?;
+        let slot = server.device_slot();
+        let (stop, thread) = spawn(name, server)?;
+        Ok((
+            Switchyard {
+                path,
+                stop,
+                thread: Some(thread),
+            },
+            slot,
+        ))
     }
 
     /// Starts a blocking [`RegFile`] server and returns it with its DMA space, so that a case

@@ -1,12 +1,13 @@
 //! A hand-written SVG plot of the results: round-trip latency (p50 and p99) against size with
 //! the floors and the peer, COPY throughput against size with the memcpy floors (single
-//! thread for one queue, two threads for two queues), and DMA_LOGGING_REPORT latency against
-//! the mapped size with its floors.
+//! thread for one queue, two threads for two queues), DMA_LOGGING_REPORT latency against
+//! the mapped size with its floors, and swap and migration downtime against the VRAM size
+//! with the migration floors.
 
 use std::fmt::Write as _;
 
 use crate::cases::human;
-use crate::report::{Results, Row};
+use crate::report::{Results, Row, Unit};
 
 struct Series {
     name: String,
@@ -17,6 +18,7 @@ struct Series {
 
 struct Panel<'a> {
     title: &'a str,
+    xlabel: &'a str,
     ylabel: &'a str,
     ylog: bool,
     series: Vec<Series>,
@@ -28,6 +30,8 @@ const ML: f64 = 64.0;
 const MR: f64 = 16.0;
 const MT: f64 = 34.0;
 const MB: f64 = 120.0;
+/// Panels per row of the plot.
+const COLUMNS: usize = 3;
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
@@ -141,9 +145,10 @@ fn panel(out: &mut String, ox: f64, oy: f64, p: &Panel<'_>) {
     }
     let _ = write!(
         out,
-        r#"<text x="{}" y="{}" text-anchor="middle" font-size="11">transfer size</text><text transform="translate(14,{}) rotate(-90)" text-anchor="middle" font-size="11">{}</text>"#,
+        r#"<text x="{}" y="{}" text-anchor="middle" font-size="11">{}</text><text transform="translate(14,{}) rotate(-90)" text-anchor="middle" font-size="11">{}</text>"#,
         ML + pw / 2.0,
         MT + ph + 30.0,
+        esc(p.xlabel),
         MT + ph / 2.0,
         esc(p.ylabel)
     );
@@ -345,47 +350,135 @@ fn dirty_series(rows: &[Row]) -> Vec<Series> {
     ]
 }
 
+fn downtime_series(rows: &[Row]) -> Vec<Series> {
+    // Swap rows are in µs, migration rows in ms; the panel is in ms.
+    let at = |op: &str, variant: &str, get: &dyn Fn(&Row) -> Option<f64>| -> Vec<(f64, f64)> {
+        rows.iter()
+            .filter(|r| r.op == op && r.variant.contains(variant))
+            .filter_map(|r| {
+                let ms = match r.unit {
+                    Unit::Micros => get(r)? / 1e3,
+                    Unit::Millis => get(r)?,
+                    Unit::GBps | Unit::Mwps => return None,
+                };
+                Some((r.size? as f64, ms))
+            })
+            .collect()
+    };
+    let ours = |r: &Row| r.ours.as_ref().map(|f| f.p50);
+    let floor = |r: &Row| r.floor.as_ref().map(|f| f.p50);
+    let series = |name: &str, color: &'static str, dashed: bool, points| Series {
+        name: name.into(),
+        color,
+        dashed,
+        points,
+    };
+    vec![
+        series(
+            "swap: slot held, idle p50",
+            "#1f77b4",
+            false,
+            at("swap-held", "idle", &ours),
+        ),
+        series(
+            "swap: slot held, busy p50",
+            "#17becf",
+            false,
+            at("swap-held", "busy", &ours),
+        ),
+        series(
+            "swap: engine stall, busy p50",
+            "#9467bd",
+            false,
+            at("swap-stall", "busy", &ours),
+        ),
+        series(
+            "migration: stop-copy p50",
+            "#d62728",
+            false,
+            at("mig-stop-copy", "", &ours),
+        ),
+        series(
+            "migration: pre-copy, idle p50",
+            "#2ca02c",
+            false,
+            at("mig-pre-copy", "", &ours),
+        ),
+        series(
+            "migration: pre-copy, 10% dirtied p50",
+            "#ff7f0e",
+            false,
+            at("mig-pre-copy-dirty", "", &ours),
+        ),
+        series(
+            "floor: memcpy, stop-copy bytes",
+            "#7f7f7f",
+            true,
+            at("mig-stop-copy", "", &floor),
+        ),
+        series(
+            "floor: memcpy, pre-copy dirtied bytes",
+            "#bcbd22",
+            true,
+            at("mig-pre-copy-dirty", "", &floor),
+        ),
+    ]
+}
+
 /// Renders the plot.
 pub fn render(results: &Results) -> String {
     let panels = [
         Panel {
             title: "REGION_READ round trip (regfile)",
+            xlabel: "transfer size",
             ylabel: "latency, µs (log)",
             ylog: true,
             series: sweep_series(&results.rows, "read"),
         },
         Panel {
             title: "REGION_WRITE round trip (regfile)",
+            xlabel: "transfer size",
             ylabel: "latency, µs (log)",
             ylog: true,
             series: sweep_series(&results.rows, "write"),
         },
         Panel {
             title: "softgpu COPY throughput",
+            xlabel: "transfer size",
             ylabel: "GB/s (log)",
             ylog: true,
             series: copy_series(&results.rows),
         },
         Panel {
             title: "DMA_LOGGING_REPORT vs mapped size",
+            xlabel: "mapped size",
             ylabel: "latency, µs (log)",
             ylog: true,
             series: dirty_series(&results.rows),
         },
+        Panel {
+            title: "Swap and migration downtime vs VRAM size",
+            xlabel: "VRAM size",
+            ylabel: "downtime, ms (log)",
+            ylog: true,
+            series: downtime_series(&results.rows),
+        },
     ];
-    let total_w = W * panels.len() as f64;
+    let columns = COLUMNS.min(panels.len());
+    let panel_rows = panels.len().div_ceil(COLUMNS);
+    let total_w = W * columns as f64;
+    let total_h = H * panel_rows as f64 + 24.0;
     let mut out = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{}" font-family="sans-serif" viewBox="0 0 {total_w} {}"><rect width="100%" height="100%" fill="white"/>"#,
-        H + 24.0,
-        H + 24.0
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" font-family="sans-serif" viewBox="0 0 {total_w} {total_h}"><rect width="100%" height="100%" fill="white"/>"#,
     );
     for (i, p) in panels.iter().enumerate() {
-        panel(&mut out, i as f64 * W, 0.0, p);
+        let (col, row) = (i % COLUMNS, i / COLUMNS);
+        panel(&mut out, col as f64 * W, row as f64 * H, p);
     }
     let _ = write!(
         out,
-        r##"<text x="8" y="{}" font-size="10" fill="#555">{} mode; {} ({} CPUs), kernel {}; p99 dashed; spin = adaptive polling {} µs</text></svg>"##,
-        H + 16.0,
+        r##"<text x="8" y="{}" font-size="10" fill="#555">{} mode; {} ({} CPUs), kernel {}; p99 dashed (downtime panel: floors dashed); spin = adaptive polling {} µs</text></svg>"##,
+        total_h - 8.0,
         esc(&results.mode),
         esc(&results.machine.cpu),
         results.machine.cpus,
