@@ -53,6 +53,12 @@ fn gpu_config(vram: u64) -> SoftGpuConfig {
     }
 }
 
+/// The server's VRAM memfd (also when the device does not offer it for mmap).
+fn slot_vram(slot: &DeviceSlot<SoftGpu>) -> Result<File> {
+    slot.with(|d| d.vram_file().try_clone())
+        .context("dup the VRAM fd")
+}
+
 /// How long a check waits for progress (a correctness limit, not a timing).
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -128,20 +134,26 @@ struct SwapTimes {
     held: Duration,
     /// `set_running(false)`: the engines finishing their current command.
     drain: Duration,
+    /// Building the successor (mapping VRAM, starting engines), before the swap.
+    build: Duration,
     /// Dropping the old device (joining its engines), outside the lock.
     teardown: Duration,
     start: Instant,
     end: Instant,
 }
 
-/// One swap the way a pool daemon does it: park the engines outside the lock, then swap in
-/// the successor; resume the old engines if the swap is refused.
+/// One swap the way a pool daemon does it: build the successor on the same VRAM memfd and
+/// park the engines outside the lock, then only hand the state over inside the swap; resume
+/// the old engines if the swap is refused.
 fn swap_once(slot: &DeviceSlot<SoftGpu>) -> Result<SwapTimes> {
-    let ctl = slot.with(|d| d.engine_control());
+    let (ctl, config, vram) =
+        slot.with(|d| (d.engine_control(), d.config(), d.vram_file().clone()));
+    let tb = Instant::now();
+    let next = SoftGpu::with_vram(config, slot.context().clone(), vram).context("successor")?;
     let t0 = Instant::now();
     ctl.set_running(false);
     let t1 = Instant::now();
-    let report = match slot.swap(|old: &mut SoftGpu, ctx| old.successor(ctx)) {
+    let report = match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
         Ok(r) => r,
         Err(e) => {
             ctl.set_running(true);
@@ -156,6 +168,7 @@ fn swap_once(slot: &DeviceSlot<SoftGpu>) -> Result<SwapTimes> {
         stall: t2 - t0,
         held,
         drain: t1 - t0,
+        build: t0 - tb,
         teardown: t3 - t2,
         start: t0,
         end: t2,
@@ -320,6 +333,7 @@ struct SwapPoint {
     /// Engine stall − drain − held: waiting for the slot's lock, scheduling.
     rest: Vec<u64>,
     teardown: Vec<u64>,
+    build: Vec<u64>,
     floor: Vec<u64>,
     /// Busy only: per swap, the longest REGION_READ in flight during it.
     read_max: Vec<u64>,
@@ -340,6 +354,7 @@ impl SwapPoint {
         self.rest
             .push(ns(t.stall.saturating_sub(t.drain).saturating_sub(t.held)));
         self.teardown.push(ns(t.teardown));
+        self.build.push(ns(t.build));
         // The floor, next to each swap.
         for _ in 0..16 {
             self.floor.push(ns(memcpy.copy(state_len)?));
@@ -350,8 +365,8 @@ impl SwapPoint {
 
 /// Live swap downtime: a softgpu server (`vram=<size>,queues=2`, VRAM filled with random
 /// data) with a client set up like the other GPU cases, swapped N times for its successor
-/// the way a pool daemon does it (park the engines outside the lock, `DeviceSlot::swap` with
-/// `SoftGpu::successor`), with the client idle and with a busy client (a stream of FILL +
+/// the way a pool daemon does it (build the successor and park the engines outside the lock,
+/// `DeviceSlot::swap` with `SoftGpu::hand_over`), with the client idle and with a busy client (a stream of FILL +
 /// FENCE pairs on both queues and register reads). Per swap: how long the slot was held (the
 /// longest a register access waits) and the engine stall (park → successor running), against
 /// a memcpy of the device state's bytes measured next to each swap.
@@ -469,6 +484,7 @@ fn swap_rows(
     let held = fig("slot held", &mut p.held, Unit::Micros, 0.0)?;
     let p99_ok = held.p99 <= target.floor_ratio * floor.p99 + target.plus;
     let teardown = fig("teardown", &mut p.teardown, Unit::Micros, 0.0)?;
+    let build = fig("build", &mut p.build, Unit::Micros, 0.0)?;
     let drain = fig("drain", &mut p.drain, Unit::Micros, 0.0)?;
     let rest = fig("rest", &mut p.rest, Unit::Micros, 0.0)?;
     let busy = !p.read_max.is_empty();
@@ -493,7 +509,8 @@ fn swap_rows(
         None,
         Some(target),
         format!(
-            "DeviceSlot::swap(SoftGpu::successor) after parking the engines: the lock's hold time = the longest a region access waits; {workload}; state {state_len} B (save_state); target ≤ 1.2× floor + 1 ms at p50, p99 {} µs {} it; old device dropped outside the lock, p50 {:.0} µs",
+            "DeviceSlot::swap(SoftGpu::hand_over) after building the successor (p50 {:.0} µs) and parking the engines outside the lock: the lock's hold time = the longest a region access waits; {workload}; state {state_len} B (save_state); target ≤ 1.2× floor + 1 ms at p50, p99 {} µs {} it; old device dropped outside the lock, p50 {:.0} µs",
+            build.p50,
             held.p99.round(),
             if p99_ok { "meets" } else { "misses" },
             teardown.p50
@@ -556,16 +573,25 @@ enum MigMode {
     PreCopy,
     /// PRE_COPY rounds while a thread rewrites 10% of the VRAM pages.
     PreCopyDirty,
+    /// `vram_mmap=off`: PRE_COPY rounds of the write log while nothing writes VRAM.
+    TrappedPreCopy,
+    /// `vram_mmap=off`: PRE_COPY rounds while a thread rewrites 10% of the VRAM pages through
+    /// the device (trapped writes).
+    TrappedPreCopyDirty,
 }
 
 impl MigMode {
-    const ALL: [MigMode; 3] = [MigMode::StopCopy, MigMode::PreCopy, MigMode::PreCopyDirty];
+    /// The modes of a device with mappable VRAM, then of one with trapped VRAM.
+    const MAPPED: [MigMode; 3] = [MigMode::StopCopy, MigMode::PreCopy, MigMode::PreCopyDirty];
+    const TRAPPED: [MigMode; 2] = [MigMode::TrappedPreCopy, MigMode::TrappedPreCopyDirty];
 
     fn op(self) -> &'static str {
         match self {
             MigMode::StopCopy => "mig-stop-copy",
             MigMode::PreCopy => "mig-pre-copy",
             MigMode::PreCopyDirty => "mig-pre-copy-dirty",
+            MigMode::TrappedPreCopy => "mig-pre-copy-trapped",
+            MigMode::TrappedPreCopyDirty => "mig-pre-copy-trapped-dirty",
         }
     }
 
@@ -573,14 +599,23 @@ impl MigMode {
         match self {
             MigMode::StopCopy => "stop-copy only",
             MigMode::PreCopy | MigMode::PreCopyDirty => "pre-copy",
+            MigMode::TrappedPreCopy | MigMode::TrappedPreCopyDirty => "pre-copy, vram_mmap=off",
         }
     }
 
     fn variant(self) -> &'static str {
         match self {
-            MigMode::StopCopy | MigMode::PreCopy => "idle",
-            MigMode::PreCopyDirty => "10% of pages rewritten",
+            MigMode::StopCopy | MigMode::PreCopy | MigMode::TrappedPreCopy => "idle",
+            MigMode::PreCopyDirty | MigMode::TrappedPreCopyDirty => "10% of pages rewritten",
         }
+    }
+
+    fn dirty(self) -> bool {
+        matches!(self, MigMode::PreCopyDirty | MigMode::TrappedPreCopyDirty)
+    }
+
+    fn trapped(self) -> bool {
+        matches!(self, MigMode::TrappedPreCopy | MigMode::TrappedPreCopyDirty)
     }
 }
 
@@ -652,8 +687,32 @@ fn move_until_short(
     }
 }
 
-/// Rewrites `hot` pages of the mapped VRAM with new data, pass after pass, until stopped.
-fn dirty_loop(map: &MmapRegion<()>, hot: &[u64], stop: &AtomicBool, seed: u64) -> Result<u64> {
+/// How the dirtier writes a VRAM page: through the mapping (a guest writing its BAR mapping,
+/// unseen by the server) or through the device (a trapped BAR2 write, logged).
+#[derive(Clone)]
+enum VramWriter {
+    Mapped(Arc<MmapRegion<()>>),
+    Trapped(DeviceSlot<SoftGpu>),
+}
+
+impl VramWriter {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        match self {
+            VramWriter::Mapped(map) => {
+                map.get_slice(usize::try_from(offset)?, data.len())?
+                    .write_slice(data, 0)?;
+            }
+            VramWriter::Trapped(slot) => {
+                slot.with(|d| d.region_write(BAR_VRAM, offset, data))
+                    .context("trapped VRAM write")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rewrites `hot` pages of VRAM with new data, pass after pass, until stopped.
+fn dirty_loop(map: &VramWriter, hot: &[u64], stop: &AtomicBool, seed: u64) -> Result<u64> {
     let mut page = vec![0u8; PAGE as usize];
     let mut passes = 0u64;
     let mut generation = seed;
@@ -670,15 +729,14 @@ fn dirty_loop(map: &MmapRegion<()>, hot: &[u64], stop: &AtomicBool, seed: u64) -
                     .wrapping_add(1_442_695_040_888_963_407);
                 w.copy_from_slice(&(x | 1).to_le_bytes());
             }
-            map.get_slice(usize::try_from(p * PAGE)?, PAGE as usize)?
-                .write_slice(&page, 0)?;
+            map.write(p * PAGE, &page)?;
         }
         passes += 1;
     }
 }
 
-/// A thread rewriting 10% of the source's VRAM pages through its mapping (as a guest does,
-/// unseen by the server).
+/// A thread rewriting 10% of the source's VRAM pages, through its mapping (as a guest does,
+/// unseen by the server) or through the device.
 #[derive(Debug)]
 struct Dirtier {
     stop: Arc<AtomicBool>,
@@ -686,7 +744,7 @@ struct Dirtier {
 }
 
 impl Dirtier {
-    fn start(map: Arc<MmapRegion<()>>, hot: Arc<Vec<u64>>, seed: u64) -> Result<Dirtier> {
+    fn start(map: VramWriter, hot: Arc<Vec<u64>>, seed: u64) -> Result<Dirtier> {
         let stop = Arc::new(AtomicBool::new(false));
         let st = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
@@ -725,8 +783,8 @@ struct MigPair {
     dst: Client,
     src_vram: File,
     dst_vram: File,
-    /// The source's VRAM mapped here (the dirtier writes through it).
-    src_map: Arc<MmapRegion<()>>,
+    /// How the dirtier writes the source's VRAM.
+    src_writer: VramWriter,
     /// The pages the dirtier rewrites.
     hot: Arc<Vec<u64>>,
     size: u64,
@@ -753,9 +811,9 @@ impl MigPair {
         )?;
         let start = Instant::now();
         if mode != MigMode::StopCopy {
-            let dirtier = if mode == MigMode::PreCopyDirty {
+            let dirtier = if mode.dirty() {
                 Some(Dirtier::start(
-                    Arc::clone(&self.src_map),
+                    self.src_writer.clone(),
                     Arc::clone(&self.hot),
                     seed,
                 )?)
@@ -851,94 +909,121 @@ impl MigPair {
 /// STOP_COPY until the destination's RUNNING returns; floor: a single-thread memcpy of the
 /// bytes moved in that time. Each migration is verified (VRAM and a register).
 pub fn migration(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
-    let reps = if s.quick { 1 } else { 5 };
     for &size in vram_sizes(s) {
-        let tag = format!("{}m", size >> 20);
-        let (src_server, _) =
-            Switchyard::start_softgpu(dir, &format!("mig-src-{tag}"), gpu_config(size))?;
-        let (dst_server, _) =
-            Switchyard::start_softgpu(dir, &format!("mig-dst-{tag}"), gpu_config(size))?;
-        let mut src = Gpu::setup(src_server.connect(s.stall_timeout())?, 0)?;
-        let mut dst = dst_server.connect(s.stall_timeout())?;
-        for (who, c) in [("source", &mut src.client), ("destination", &mut dst)] {
-            let flags = c.migration_flags().context("DEVICE_FEATURE MIGRATION")?;
-            let want = VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY;
-            if flags & want != want {
-                bail!("the {who} offers migration flags {flags:#x}, not STOP_COPY + PRE_COPY");
-            }
+        migration_point(dir, s, size, &MigMode::MAPPED, rows)?;
+        migration_point(dir, s, size, &MigMode::TRAPPED, rows)?;
+    }
+    Ok(())
+}
+
+/// The migrations of one VRAM size and VRAM access mode (all `modes` mapped or all trapped).
+fn migration_point(
+    dir: &Path,
+    s: &Settings,
+    size: u64,
+    modes: &[MigMode],
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let reps = if s.quick { 1 } else { 5 };
+    let trapped = modes.iter().any(|m| m.trapped());
+    let config = SoftGpuConfig {
+        vram_mmap: !trapped,
+        ..gpu_config(size)
+    };
+    let tag = format!("{}m{}", size >> 20, if trapped { "-trapped" } else { "" });
+    let (src_server, src_slot) = Switchyard::start_softgpu(dir, &format!("mig-src-{tag}"), config)?;
+    let (dst_server, dst_slot) = Switchyard::start_softgpu(dir, &format!("mig-dst-{tag}"), config)?;
+    let mut src = Gpu::setup(src_server.connect(s.stall_timeout())?, 0)?;
+    let mut dst = dst_server.connect(s.stall_timeout())?;
+    for (who, c) in [("source", &mut src.client), ("destination", &mut dst)] {
+        let flags = c.migration_flags().context("DEVICE_FEATURE MIGRATION")?;
+        let want = VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY;
+        if flags & want != want {
+            bail!("the {who} offers migration flags {flags:#x}, not STOP_COPY + PRE_COPY");
         }
-        let chunk = src
-            .client
-            .negotiated_caps()
-            .max_data_xfer_size
-            .min(dst.negotiated_caps().max_data_xfer_size);
-        let src_vram = vram_fd(&mut src.client)?;
-        let dst_vram = vram_fd(&mut dst)?;
-        fill_random(&src_vram, size, size ^ 0x0de9)?;
-        let src_map = Arc::new(
+    }
+    let chunk = src
+        .client
+        .negotiated_caps()
+        .max_data_xfer_size
+        .min(dst.negotiated_caps().max_data_xfer_size);
+    let (src_vram, dst_vram) = if trapped {
+        if src.client.region_info(BAR_VRAM)?.fd.is_some() {
+            bail!("vram_mmap=off still offers VRAM for mmap");
+        }
+        (slot_vram(&src_slot)?, slot_vram(&dst_slot)?)
+    } else {
+        (vram_fd(&mut src.client)?, vram_fd(&mut dst)?)
+    };
+    // Written behind the device's back: the first round reads all of VRAM anyway.
+    fill_random(&src_vram, size, size ^ 0x0de9)?;
+    let src_writer = if trapped {
+        VramWriter::Trapped(src_slot.clone())
+    } else {
+        VramWriter::Mapped(Arc::new(
             MmapRegion::<()>::from_file(
                 FileOffset::new(src_vram.try_clone().context("dup the VRAM fd")?, 0),
                 usize::try_from(size)?,
             )
             .context("mmap the source's VRAM")?,
-        );
-        let pages = size / PAGE;
-        let hot = Arc::new(scattered_pages(pages, pages / 10, size ^ 0xd1e7));
-        let mut pair = MigPair {
-            src,
-            dst,
-            src_vram,
-            dst_vram,
-            src_map,
-            hot,
-            size,
-            chunk,
-        };
-        // Floor buffers: the downtime moves at most VRAM + record headers + the state.
-        let mut memcpy = Memcpy::new(usize::try_from(size + 8 * MIB)?);
-        let mut runs: Vec<Vec<MigRun>> = vec![Vec::new(); MigMode::ALL.len()];
-        let mut floors: Vec<Vec<u64>> = vec![Vec::new(); MigMode::ALL.len()];
-        // Context for the pre-copy rows (not a floor): a memcpy of the whole VRAM, which the
-        // final round reads.
-        let mut vram_copy = Vec::new();
-        if !s.quick {
-            // Warm-up, not recorded (still verified): the first migration to a destination
-            // writes VRAM pages the machine has never backed (on a VM: host first-touch), up to
-            // 3× slower than later ones.
-            let scratch = 0x4d00_ff00;
+        ))
+    };
+    let pages = size / PAGE;
+    let hot = Arc::new(scattered_pages(pages, pages / 10, size ^ 0xd1e7));
+    let mut pair = MigPair {
+        src,
+        dst,
+        src_vram,
+        dst_vram,
+        src_writer,
+        hot,
+        size,
+        chunk,
+    };
+    // Floor buffers: the downtime moves at most VRAM + record headers + the state.
+    let mut memcpy = Memcpy::new(usize::try_from(size + 8 * MIB)?);
+    let mut runs: Vec<Vec<MigRun>> = vec![Vec::new(); modes.len()];
+    let mut floors: Vec<Vec<u64>> = vec![Vec::new(); modes.len()];
+    // Context for the pre-copy rows (not a floor): a memcpy of the whole VRAM, which the
+    // final round of a mapped device reads.
+    let mut vram_copy = Vec::new();
+    if !s.quick {
+        // Warm-up, not recorded (still verified): the first migration to a destination
+        // writes VRAM pages the machine has never backed (on a VM: host first-touch), up to
+        // 3× slower than later ones.
+        let scratch = 0x4d00_ff00;
+        pair.src.w32(SCRATCH, scratch)?;
+        pair.migrate(modes[0], 0)
+            .and_then(|_| pair.verify_and_reset(scratch))
+            .with_context(|| format!("{} VRAM, warm-up migration", human(size)))?;
+    }
+    for rep in 0..reps {
+        for ((i, &mode), (runs, floor)) in modes
+            .iter()
+            .enumerate()
+            .zip(runs.iter_mut().zip(floors.iter_mut()))
+        {
+            let scratch = 0x4d00_0000 | ((rep as u32) << 8) | i as u32;
             pair.src.w32(SCRATCH, scratch)?;
-            pair.migrate(MigMode::StopCopy, 0)
-                .and_then(|_| pair.verify_and_reset(scratch))
-                .with_context(|| format!("{} VRAM, warm-up migration", human(size)))?;
-        }
-        for rep in 0..reps {
-            for ((i, mode), (runs, floor)) in MigMode::ALL
-                .into_iter()
-                .enumerate()
-                .zip(runs.iter_mut().zip(floors.iter_mut()))
-            {
-                let scratch = 0x4d00_0000 | ((rep as u32) << 8) | i as u32;
-                pair.src.w32(SCRATCH, scratch)?;
-                let run = pair
-                    .migrate(mode, (rep * 8 + i) as u64)
-                    .with_context(|| format!("{} VRAM, {mode:?}, repetition {rep}", human(size)))?;
-                pair.verify_and_reset(scratch)
-                    .with_context(|| format!("{} VRAM, {mode:?}, repetition {rep}", human(size)))?;
-                for _ in 0..3 {
-                    floor.push(ns(memcpy.copy(usize::try_from(run.downtime_bytes)?)?));
-                }
-                runs.push(run);
+            let run = pair
+                .migrate(mode, (rep * 8 + i) as u64)
+                .with_context(|| format!("{} VRAM, {mode:?}, repetition {rep}", human(size)))?;
+            pair.verify_and_reset(scratch)
+                .with_context(|| format!("{} VRAM, {mode:?}, repetition {rep}", human(size)))?;
+            for _ in 0..3 {
+                floor.push(ns(memcpy.copy(usize::try_from(run.downtime_bytes)?)?));
             }
-            vram_copy.push(memcpy.copy(usize::try_from(size)?)?);
+            runs.push(run);
         }
-        drop(memcpy);
-        drop(pair);
-        src_server.shutdown()?;
-        dst_server.shutdown()?;
-        let vram_copy_ms = median_ms(&vram_copy);
-        for ((mode, runs), floor) in MigMode::ALL.into_iter().zip(&runs).zip(&mut floors) {
-            mig_row(rows, size, mode, runs, floor, vram_copy_ms)?;
-        }
+        vram_copy.push(memcpy.copy(usize::try_from(size)?)?);
+    }
+    drop(memcpy);
+    drop(pair);
+    src_server.shutdown()?;
+    dst_server.shutdown()?;
+    let vram_copy_ms = median_ms(&vram_copy);
+    for ((&mode, runs), floor) in modes.iter().zip(&runs).zip(&mut floors) {
+        mig_row(rows, size, mode, runs, floor, vram_copy_ms)?;
     }
     Ok(())
 }
@@ -966,7 +1051,14 @@ fn mig_row(
         mib(downtime_bytes),
         mib(pick(|r| r.total_bytes)),
     );
-    if mode != MigMode::StopCopy {
+    if mode.trapped() {
+        note.push_str(&format!(
+            ", {} pre-copy rounds (last {:.2} MiB; stop at < 1 MiB or 5 rounds); vram_mmap=off: every VRAM write goes through the device and is logged, so rounds after the first, the STOP_COPY round included, visit only logged pages (a memcpy of all {} of VRAM takes {vram_copy_ms:.1} ms here, for comparison)",
+            pick(|r| u64::from(r.rounds)),
+            mib(pick(|r| r.last_round_bytes)),
+            human(size),
+        ));
+    } else if mode != MigMode::StopCopy {
         note.push_str(&format!(
             ", {} pre-copy rounds (last {:.2} MiB; stop at < 1 MiB or 5 rounds); the STOP_COPY round still reads and hashes all {} of VRAM (guest writes through the mapping are invisible to the server), a memcpy of which takes {vram_copy_ms:.1} ms here",
             pick(|r| u64::from(r.rounds)),
@@ -974,9 +1066,14 @@ fn mig_row(
             human(size),
         ));
     }
-    if mode == MigMode::PreCopyDirty {
+    if mode.dirty() {
         note.push_str(&format!(
-            ", the dirtier rewrote 10% of the pages through the source's mapping {} times over, stopped before STOP_COPY",
+            ", the dirtier rewrote 10% of the pages {} {} times over, stopped before STOP_COPY",
+            if mode.trapped() {
+                "through the device (trapped BAR2 writes)"
+            } else {
+                "through the source's mapping"
+            },
             pick(|r| r.passes)
         ));
     }

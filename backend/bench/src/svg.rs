@@ -411,6 +411,18 @@ fn downtime_series(rows: &[Row]) -> Vec<Series> {
             at("mig-pre-copy-dirty", "", &ours),
         ),
         series(
+            "migration: pre-copy, vram_mmap=off, idle p50",
+            "#8c564b",
+            false,
+            at("mig-pre-copy-trapped", "", &ours),
+        ),
+        series(
+            "migration: pre-copy, vram_mmap=off, 10% dirtied p50",
+            "#e377c2",
+            false,
+            at("mig-pre-copy-trapped-dirty", "", &ours),
+        ),
+        series(
             "floor: memcpy, stop-copy bytes",
             "#7f7f7f",
             true,
