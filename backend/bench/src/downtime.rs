@@ -146,10 +146,10 @@ struct SwapTimes {
 /// park the engines outside the lock, then only hand the state over inside the swap; resume
 /// the old engines if the swap is refused.
 fn swap_once(slot: &DeviceSlot<SoftGpu>) -> Result<SwapTimes> {
-    let (ctl, config, vram) =
-        slot.with(|d| (d.engine_control(), d.config(), d.vram_file().clone()));
+    let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
     let tb = Instant::now();
-    let next = SoftGpu::with_vram(config, slot.context().clone(), vram).context("successor")?;
+    let next =
+        SoftGpu::with_shared_vram(config, slot.context().clone(), vram).context("successor")?;
     let t0 = Instant::now();
     ctl.set_running(false);
     let t1 = Instant::now();

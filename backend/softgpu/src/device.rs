@@ -299,7 +299,7 @@ pub(crate) struct Shared {
     pub(crate) config: SoftGpuConfig,
     pub(crate) dma: Arc<DmaSpace>,
     pub(crate) irqs: Arc<Interrupts>,
-    pub(crate) vram: Vram,
+    pub(crate) vram: Arc<Vram>,
     /// The power-on config space (sealed), also the source of write masks after a restore.
     pub(crate) config_def: ConfigSpace,
     regs: Mutex<Regs>,
@@ -313,7 +313,7 @@ impl Shared {
         config: SoftGpuConfig,
         dma: Arc<DmaSpace>,
         irqs: Arc<Interrupts>,
-        vram: Vram,
+        vram: Arc<Vram>,
         config_def: ConfigSpace,
     ) -> Self {
         let n = config.queues as usize;

@@ -299,6 +299,10 @@ enum Migration {
     Load(Box<mig::MigSink>),
 }
 
+/// A device's VRAM as mapped by it, to build its successor on ([`SoftGpu::shared_vram`]).
+#[derive(Debug, Clone)]
+pub struct SharedVram(Arc<vram::Vram>);
+
 /// Parks and resumes a device's engines from another thread, without the device itself
 /// (e.g. to drain the engines before a swap while region accesses are still served).
 #[derive(Debug, Clone)]
@@ -389,7 +393,7 @@ impl SoftGpu {
     pub fn new(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
         let vram = vram::Vram::create(config.vram_size, !config.vram_mmap)?;
-        Self::start(config, ctx, vram)
+        Self::start(config, ctx, Arc::new(vram))
     }
 
     /// Creates a device on an existing VRAM backing file of exactly `config.vram_size` bytes,
@@ -402,13 +406,29 @@ impl SoftGpu {
     ) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
         let vram = vram::Vram::adopt(vram, config.vram_size, !config.vram_mmap)?;
-        Self::start(config, ctx, vram)
+        Self::start(config, ctx, Arc::new(vram))
+    }
+
+    /// Creates a device on this device's VRAM as it is mapped here ([`SoftGpu::shared_vram`]):
+    /// no new mapping, no page faults on first access, nothing to unmap when the old device
+    /// goes. The way to build a successor for a swap.
+    pub fn with_shared_vram(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        vram: SharedVram,
+    ) -> Result<SoftGpu, SoftGpuError> {
+        config.validate()?;
+        let v = &vram.0;
+        if v.size() != config.vram_size || v.tracked() == config.vram_mmap {
+            return Err(StateError::Inconsistent("shared VRAM of another configuration").into());
+        }
+        Self::start(config, ctx, vram.0)
     }
 
     fn start(
         config: SoftGpuConfig,
         ctx: DeviceContext,
-        vram: vram::Vram,
+        vram: Arc<vram::Vram>,
     ) -> Result<SoftGpu, SoftGpuError> {
         let counts = config.irq_counts();
         for (index, &needed) in (0u32..).zip(&counts) {
@@ -509,6 +529,11 @@ impl SoftGpu {
         self.shared.vram.file()
     }
 
+    /// This device's VRAM, mapped, for [`SoftGpu::with_shared_vram`].
+    pub fn shared_vram(&self) -> SharedVram {
+        SharedVram(self.shared.vram.clone())
+    }
+
     /// Identity of the VRAM backing.
     pub fn vram_identity(&self) -> VramRef {
         self.shared.vram.identity()
@@ -529,12 +554,12 @@ impl SoftGpu {
 
     /// Builds the device that replaces this one under a connected client (a swap): the same
     /// configuration and VRAM memfd (the client's mapping stays valid), on `ctx`, with this
-    /// device's state. Building (mapping VRAM, starting engine threads) is the slow part of a
-    /// swap; to keep it out of the swap, build the successor beforehand with
-    /// `SoftGpu::with_vram(old.config(), ctx, old.vram_file().clone())` (power-on registers,
+    /// device's state. Building (starting engine threads) is the slow part of a swap; to keep
+    /// it out of the swap, build the successor beforehand with
+    /// `SoftGpu::with_shared_vram(old.config(), ctx, old.shared_vram())` (power-on registers,
     /// so it touches nothing) and only [`SoftGpu::hand_over`] inside it.
     pub fn successor(&mut self, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
-        let next = SoftGpu::with_vram(self.config, ctx, self.vram_file().clone())?;
+        let next = SoftGpu::with_shared_vram(self.config, ctx, self.shared_vram())?;
         self.hand_over(next)
     }
 
