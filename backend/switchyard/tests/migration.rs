@@ -260,6 +260,12 @@ fn refused_transitions_bad_streams_and_recovery() {
     c.set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
         .expect("STOP_COPY");
     c.mig_data_read(4096).expect("some data");
+    // Shut the socket down rather than only closing our descriptor: a server process being
+    // spawned by a parallel test may hold a forked copy of it until its exec, and the server
+    // (rightly) refuses a second client while the first is still connected.
+    c.socket()
+        .shutdown(std::net::Shutdown::Both)
+        .expect("shutdown");
     drop(c);
     let mut d = Driver::new(Ours(connect(&server)));
     assert_eq!(d.t.0.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
