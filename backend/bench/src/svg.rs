@@ -393,7 +393,7 @@ fn downtime_series(rows: &[Row]) -> Vec<Series> {
             at("swap-stall", "busy", &ours),
         ),
         series(
-            "migration: stop-copy p50",
+            "migration: stop-copy only p50",
             "#d62728",
             false,
             at("mig-stop-copy", "", &ours),
@@ -405,19 +405,19 @@ fn downtime_series(rows: &[Row]) -> Vec<Series> {
             at("mig-pre-copy", "", &ours),
         ),
         series(
-            "migration: pre-copy, 10% dirtied p50",
+            "migration: pre-copy, 10% p50",
             "#ff7f0e",
             false,
             at("mig-pre-copy-dirty", "", &ours),
         ),
         series(
-            "migration: pre-copy, vram_mmap=off, idle p50",
+            "migration: vram_mmap=off, idle p50",
             "#8c564b",
             false,
             at("mig-pre-copy-trapped", "", &ours),
         ),
         series(
-            "migration: pre-copy, vram_mmap=off, 10% dirtied p50",
+            "migration: vram_mmap=off, 10% p50",
             "#e377c2",
             false,
             at("mig-pre-copy-trapped-dirty", "", &ours),
