@@ -301,6 +301,25 @@ fn copy_series(rows: &[Row]) -> Vec<Series> {
     out
 }
 
+/// The p50 of a row's own figure.
+fn p50_ours(r: &Row) -> Option<f64> {
+    r.ours.as_ref().map(|f| f.p50)
+}
+
+/// The p50 of a row's floor.
+fn p50_floor(r: &Row) -> Option<f64> {
+    r.floor.as_ref().map(|f| f.p50)
+}
+
+fn series(name: &str, color: &'static str, dashed: bool, points: Vec<(f64, f64)>) -> Series {
+    Series {
+        name: name.into(),
+        color,
+        dashed,
+        points,
+    }
+}
+
 fn dirty_series(rows: &[Row]) -> Vec<Series> {
     let at = |op: &str, pct: &str, get: &dyn Fn(&Row) -> Option<f64>| -> Vec<(f64, f64)> {
         rows.iter()
@@ -308,14 +327,7 @@ fn dirty_series(rows: &[Row]) -> Vec<Series> {
             .filter_map(|r| Some((r.size? as f64, get(r)?)))
             .collect()
     };
-    let ours = |r: &Row| r.ours.as_ref().map(|f| f.p50);
-    let floor = |r: &Row| r.floor.as_ref().map(|f| f.p50);
-    let series = |name: &str, color: &'static str, dashed: bool, points| Series {
-        name: name.into(),
-        color,
-        dashed,
-        points,
-    };
+    let (ours, floor) = (p50_ours, p50_floor);
     vec![
         series(
             "report, 1% dirty p50",
@@ -365,14 +377,7 @@ fn downtime_series(rows: &[Row]) -> Vec<Series> {
             })
             .collect()
     };
-    let ours = |r: &Row| r.ours.as_ref().map(|f| f.p50);
-    let floor = |r: &Row| r.floor.as_ref().map(|f| f.p50);
-    let series = |name: &str, color: &'static str, dashed: bool, points| Series {
-        name: name.into(),
-        color,
-        dashed,
-        points,
-    };
+    let (ours, floor) = (p50_ours, p50_floor);
     vec![
         series(
             "swap: slot held, idle p50",
