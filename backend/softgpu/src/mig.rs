@@ -12,9 +12,16 @@
 //! | 3 | zero pages | pages (≥ 1) | VRAM byte offset, page aligned | — |
 //! | 4 | device state | bytes (≤ 1 MiB) | 0 | [`SoftGpuState`](crate::SoftGpuState) JSON |
 //! | 5 | end (last, once) | 0 | 0 | — |
+//! | 6 | padding | bytes | 0 | `count` bytes to skip |
 //!
 //! The destination starts from zeroed VRAM and applies records in order; a page may come
 //! several times (the last copy wins). The device state comes after the last VRAM record.
+//!
+//! A MIG_DATA_READ that returns fewer bytes than asked ends a PRE_COPY round, and every read
+//! holds the connection (a guest's register accesses wait behind it). So a PRE_COPY read
+//! visits at most [`SCAN_BUDGET`] pages; if that leaves its buffer short of full, the rest is
+//! a padding record, and the round goes on in the next read. STOP_COPY reads have no budget
+//! (the guest is stopped).
 //!
 //! # Which pages are sent
 //!
@@ -52,6 +59,9 @@ const TAG_PAGES: u32 = 2;
 const TAG_ZERO: u32 = 3;
 const TAG_STATE: u32 = 4;
 const TAG_END: u32 = 5;
+const TAG_PAD: u32 = 6;
+/// Pages a PRE_COPY read may visit (16 MiB: about a millisecond of copying and hashing).
+pub(crate) const SCAN_BUDGET: u64 = 4096;
 /// Largest device-state record.
 const MAX_STATE: u32 = 1 << 20;
 
@@ -119,6 +129,8 @@ pub struct SourceStats {
     pub rounds: u64,
     /// Page records' pages sent.
     pub pages_sent: u64,
+    /// Padding bytes sent (PRE_COPY reads that ran out of scan budget).
+    pub padding: u64,
     /// Pages sent as zero records.
     pub pages_zeroed: u64,
 }
@@ -150,6 +162,8 @@ pub(crate) struct MigSource {
     word: usize,
     /// Logged pages `[cursor, run_end)` are being visited.
     run_end: u64,
+    /// Pages visited by the current read.
+    visited: u64,
     stats: SourceStats,
 }
 
@@ -184,6 +198,7 @@ impl MigSource {
             bits: 0,
             word: 0,
             run_end: 0,
+            visited: 0,
             stats: SourceStats::default(),
         }
     }
@@ -231,6 +246,7 @@ impl MigSource {
         out: &mut [u8],
     ) -> std::io::Result<usize> {
         let mut n = self.drain_carry(out, 0);
+        self.visited = 0;
         while n < out.len() {
             match self.step {
                 Step::Begin => {
@@ -249,6 +265,13 @@ impl MigSource {
                         return Ok(n);
                     }
                     n = self.scan(vram, out, n);
+                    if n < out.len()
+                        && self.over_budget()
+                        && self.carry.is_empty()
+                        && self.cursor < self.pages
+                    {
+                        return Ok(self.pad(out, n));
+                    }
                 }
                 Step::State => {
                     let bytes = state()?;
@@ -267,6 +290,24 @@ impl MigSource {
             }
         }
         Ok(n)
+    }
+
+    /// A PRE_COPY read has visited its share of pages.
+    fn over_budget(&self) -> bool {
+        !self.last_round && self.visited >= SCAN_BUDGET
+    }
+
+    /// Fills `out[n..]` with a padding record (its header may spill into the next read).
+    fn pad(&mut self, out: &mut [u8], n: usize) -> usize {
+        let room = out.len() - n;
+        if room < REC {
+            return self.put(out, n, header(TAG_PAD, 0, 0), &[]);
+        }
+        let len = room - REC;
+        out[n..n + REC].copy_from_slice(&header(TAG_PAD, len as u32, 0));
+        out[n + REC..].fill(0);
+        self.stats.padding += room as u64;
+        out.len()
     }
 
     fn drain_carry(&mut self, out: &mut [u8], n: usize) -> usize {
@@ -329,7 +370,11 @@ impl MigSource {
         if !self.full_round {
             return self.scan_logged(vram, out, n);
         }
-        while self.cursor < self.pages && n < out.len() && self.carry.is_empty() {
+        while self.cursor < self.pages
+            && n < out.len()
+            && self.carry.is_empty()
+            && !self.over_budget()
+        {
             self.refresh_extent(vram.file());
             let end = self.extent_end;
             if self.in_hole {
@@ -346,7 +391,7 @@ impl MigSource {
     /// Visits the pages of the write log, run by run, until `out` is full or the log is
     /// exhausted (then `cursor` is past the end: the round is complete).
     fn scan_logged(&mut self, vram: &Vram, out: &mut [u8], mut n: usize) -> usize {
-        while n < out.len() && self.carry.is_empty() {
+        while n < out.len() && self.carry.is_empty() && !self.over_budget() {
             if self.cursor >= self.run_end {
                 while self.bits == 0 {
                     if self.word >= vram.written_words() {
@@ -405,9 +450,10 @@ impl MigSource {
         let mut d = n + REC;
         let mut first = 0;
         let mut count = 0u32;
-        while self.cursor < end && d + PAGE_BYTES <= out.len() {
+        while self.cursor < end && d + PAGE_BYTES <= out.len() && !self.over_budget() {
             let p = self.cursor;
             self.cursor += 1;
+            self.visited += 1;
             let dst = &mut out[d..d + PAGE_BYTES];
             if let Some(s) = vram.slice(p * PAGE, PAGE) {
                 s.copy_to(dst);
@@ -438,9 +484,10 @@ impl MigSource {
     /// Too little room in `out` for a page: find the next changed page and carry its record.
     fn scan_data_one(&mut self, vram: &Vram, out: &mut [u8], n: usize, end: u64) -> usize {
         let mut page = vec![0u8; PAGE_BYTES];
-        while self.cursor < end {
+        while self.cursor < end && !self.over_budget() {
             let p = self.cursor;
             self.cursor += 1;
+            self.visited += 1;
             if let Some(s) = vram.slice(p * PAGE, PAGE) {
                 s.copy_to(&mut page);
             }
@@ -464,6 +511,8 @@ enum Pending {
     Pages { offset: u64, left: u64 },
     /// Device-state bytes, `left` to go.
     State { left: usize },
+    /// Padding, `left` bytes to skip.
+    Skip { left: u64 },
 }
 
 /// The incoming stream (RESUMING): applies VRAM records as they arrive and keeps the state.
@@ -534,6 +583,14 @@ impl MigSink {
                         self.pending = Pending::Header;
                     }
                 }
+                Pending::Skip { left } => {
+                    let k = usize::try_from(*left).unwrap_or(usize::MAX).min(data.len());
+                    *left -= k as u64;
+                    data = &data[k..];
+                    if *left == 0 {
+                        self.pending = Pending::Header;
+                    }
+                }
                 Pending::State { left } => {
                     let k = (*left).min(data.len());
                     let buf = self.state.get_or_insert_with(Vec::new);
@@ -589,6 +646,13 @@ impl MigSink {
                 if count > 0 {
                     self.pending = Pending::State {
                         left: count as usize,
+                    };
+                }
+            }
+            TAG_PAD if offset == 0 => {
+                if count > 0 {
+                    self.pending = Pending::Skip {
+                        left: u64::from(count),
                     };
                 }
             }

@@ -398,3 +398,62 @@ fn without_mmap_rounds_after_the_first_visit_only_logged_pages() {
         .collect();
     assert_eq!(differing, vec![500], "only the unlogged page is missing");
 }
+
+#[test]
+fn precopy_reads_are_bounded_and_padded() {
+    const BIG: u64 = 64 << 20;
+    let mut rng = Rng(31);
+    let config = SoftGpuConfig {
+        vram_size: BIG,
+        ..small()
+    };
+    let mut a = Harness::with_config(config);
+    a.init();
+    let mut fill = vec![0u8; 1 << 20];
+    for (i, chunk) in fill.chunks_mut(8).enumerate() {
+        chunk.copy_from_slice(&(i as u64 | 1).to_le_bytes());
+    }
+    for mib in 0..BIG >> 20 {
+        fill[..8].copy_from_slice(&mib.to_le_bytes());
+        a.vram_file_write(mib << 20, &fill);
+    }
+    a.gpu
+        .migration_step(MigArc::StartPreCopy)
+        .expect("pre-copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let sent = a.gpu.migration_stats().expect("stats").pages_sent;
+    assert_eq!(sent, BIG / PAGE, "every page is data");
+
+    // Nothing changed: a read visits at most SCAN_BUDGET pages, then pads to keep the round
+    // going instead of holding the connection for a pass over all 64 MiB.
+    const { assert!(BIG / PAGE > crate::mig::SCAN_BUDGET) };
+    let mut buf = vec![0u8; 1 << 20];
+    let mut padded_reads = 0;
+    loop {
+        let n = a.gpu.migration_read(&mut buf).expect("read");
+        stream.extend_from_slice(&buf[..n]);
+        if n < buf.len() {
+            break;
+        }
+        padded_reads += 1;
+    }
+    let st = a.gpu.migration_stats().expect("stats");
+    assert_eq!(st.pages_sent, sent, "nothing changed");
+    assert_eq!(
+        padded_reads,
+        BIG / PAGE / crate::mig::SCAN_BUDGET - 1,
+        "each read but the last ran out of budget and was padded"
+    );
+    assert!(st.padding > 0);
+
+    // A change after the padding still arrives; STOP_COPY has no budget.
+    a.vram_file_write(3 * PAGE, b"late change");
+    a.gpu
+        .migration_step(MigArc::PreCopyToStopCopy)
+        .expect("stop copy");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let mut b = Harness::with_config(config);
+    resume_into(&mut b, &mut rng, &stream);
+    assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
+}
