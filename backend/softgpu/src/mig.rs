@@ -60,10 +60,6 @@ const TAG_ZERO: u32 = 3;
 const TAG_STATE: u32 = 4;
 const TAG_END: u32 = 5;
 const TAG_PAD: u32 = 6;
-/// Pages of a data window (see `MigSource::refresh_extent`).
-const DATA_WINDOW: u64 = 4096;
-/// Pages read from VRAM with one `pread`.
-const READ_BATCH: u64 = 64;
 /// Pages a PRE_COPY read may visit (16 MiB: about a millisecond of copying and hashing).
 pub(crate) const SCAN_BUDGET: u64 = 4096;
 /// Largest device-state record.
@@ -339,21 +335,19 @@ impl MigSource {
         self.drain_carry(out, n)
     }
 
-    /// Classifies the pages from `cursor` on: a hole up to the next data (`SEEK_DATA`), or a
-    /// window of [`DATA_WINDOW`] pages that starts with data (holes inside it read as zeros).
-    /// `SEEK_HOLE` is not used: on a populated memfd it walks every page up to the next hole,
-    /// tens of milliseconds per GiB in a single call. A backing without `SEEK_DATA` is data.
+    /// Classifies the pages from `cursor` on as hole or data (`SEEK_DATA`/`SEEK_HOLE`; a
+    /// backing without them is all data).
     fn refresh_extent(&mut self, file: &File) {
         if self.cursor < self.extent_end {
             return;
         }
         let off = self.cursor * PAGE;
         use rustix::fs::{SeekFrom, seek};
-        let data_window = |c: u64| (c + DATA_WINDOW).min(self.pages);
         match seek(file, SeekFrom::Data(off)) {
             Ok(d) if d / PAGE <= self.cursor => {
+                let end = seek(file, SeekFrom::Hole(off)).unwrap_or(self.vram_size);
                 self.in_hole = false;
-                self.extent_end = data_window(self.cursor);
+                self.extent_end = end.div_ceil(PAGE).clamp(self.cursor + 1, self.pages);
             }
             Ok(d) => {
                 self.in_hole = true;
@@ -365,7 +359,7 @@ impl MigSource {
             }
             Err(_) => {
                 self.in_hole = false;
-                self.extent_end = data_window(self.cursor);
+                self.extent_end = self.pages;
             }
         }
     }
@@ -450,61 +444,41 @@ impl MigSource {
         n
     }
 
-    /// Reads a batch of pages straight into `out` behind a record header (one `pread` of the
-    /// memfd: holes read as zeros without being allocated, as a fault on the mapping would),
-    /// hashes each there and keeps those whose hash changed, moving them down over the
-    /// unchanged ones; one record per run of changed pages.
+    /// Copies data pages straight into `out` behind a record header, keeping those whose
+    /// hash changed; one record per run of changed pages.
     fn scan_data(&mut self, vram: &Vram, out: &mut [u8], n: usize, end: u64) -> usize {
-        let room = ((out.len() - n - REC) / PAGE_BYTES) as u64;
-        let budget = if self.last_round {
-            u64::MAX
-        } else {
-            SCAN_BUDGET.saturating_sub(self.visited)
-        };
-        let k = (end - self.cursor).min(room).min(READ_BATCH).min(budget);
-        if k == 0 {
-            return n;
-        }
-        let first_page = self.cursor;
-        let base = n + REC;
-        let bytes = k as usize * PAGE_BYTES;
-        read_vram(vram, first_page * PAGE, &mut out[base..base + bytes]);
-        self.cursor += k;
-        self.visited += k;
-        // `w` is where the next kept byte goes; `run` the open record (header position, first
-        // page, pages so far). A new record needs REC bytes before its data, which fit because
-        // it only starts after a skipped page (PAGE bytes freed) or at the batch start.
-        let mut w = n;
-        let mut run: Option<(usize, u64, u32)> = None;
-        for i in 0..k {
-            let p = first_page + i;
-            let src = base + i as usize * PAGE_BYTES;
-            let h = xxh3_64(&out[src..src + PAGE_BYTES]);
+        let mut d = n + REC;
+        let mut first = 0;
+        let mut count = 0u32;
+        while self.cursor < end && d + PAGE_BYTES <= out.len() && !self.over_budget() {
+            let p = self.cursor;
+            self.cursor += 1;
+            self.visited += 1;
+            let dst = &mut out[d..d + PAGE_BYTES];
+            if let Some(s) = vram.slice(p * PAGE, PAGE) {
+                s.copy_to(dst);
+            }
+            let h = xxh3_64(dst);
             let slot = &mut self.sent[p as usize];
             if h == *slot {
-                if let Some((at, first, count)) = run.take() {
-                    out[at..at + REC].copy_from_slice(&header(TAG_PAGES, count, first * PAGE));
+                if count > 0 {
+                    break;
                 }
                 continue;
             }
             *slot = h;
-            match &mut run {
-                Some((_, _, count)) => *count += 1,
-                None => {
-                    run = Some((w, p, 1));
-                    w += REC;
-                }
+            if count == 0 {
+                first = p;
             }
-            if w != src {
-                out.copy_within(src..src + PAGE_BYTES, w);
-            }
-            w += PAGE_BYTES;
-            self.stats.pages_sent += 1;
+            count += 1;
+            d += PAGE_BYTES;
         }
-        if let Some((at, first, count)) = run {
-            out[at..at + REC].copy_from_slice(&header(TAG_PAGES, count, first * PAGE));
+        if count == 0 {
+            return n;
         }
-        w
+        out[n..n + REC].copy_from_slice(&header(TAG_PAGES, count, first * PAGE));
+        self.stats.pages_sent += u64::from(count);
+        d
     }
 
     /// Too little room in `out` for a page: find the next changed page and carry its record.
@@ -514,7 +488,9 @@ impl MigSource {
             let p = self.cursor;
             self.cursor += 1;
             self.visited += 1;
-            read_vram(vram, p * PAGE, &mut page);
+            if let Some(s) = vram.slice(p * PAGE, PAGE) {
+                s.copy_to(&mut page);
+            }
             let h = xxh3_64(&page);
             if h != self.sent[p as usize] {
                 self.sent[p as usize] = h;
@@ -523,16 +499,6 @@ impl MigSource {
             }
         }
         n
-    }
-}
-
-/// Reads VRAM at `offset` into `buf` through the memfd (zeros past its end or on error, which a
-/// sealed memfd of the right size does not have).
-fn read_vram(vram: &Vram, offset: u64, buf: &mut [u8]) {
-    use std::os::unix::fs::FileExt;
-    if let Err(e) = vram.file().read_exact_at(buf, offset) {
-        tracing::warn!(error = %e, offset, "cannot read VRAM for migration; sending zeros");
-        buf.fill(0);
     }
 }
 
