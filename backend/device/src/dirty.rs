@@ -5,7 +5,7 @@
 //! It differs from `AtomicBitmap` in how the bits are read back, which is what a
 //! `DMA_LOGGING_REPORT` pays for on every migration round:
 //!
-//! * it keeps **two** bitmaps and writers mark the *active* one. A report [`flips`](Self::flip)
+//! * it keeps **two** bitmaps and writers mark the *active* one. A report [`flips`](DirtyLog::flip)
 //!   the active index while no write is in flight (the [`DmaSpace`](crate::DmaSpace) holds its
 //!   table's write lock, which every access holds for reading), then reads the now-inactive
 //!   bitmap with plain loads and stores: no locked read-modify-write per word and no allocation.

@@ -1,6 +1,6 @@
 //! The DMA space: the client's DMA windows as the device sees them.
 //!
-//! Every `DMA_MAP` the client sends becomes one [`Mapping`] keyed by IOVA. A map that carries a
+//! Every `DMA_MAP` the client sends becomes one mapping keyed by IOVA. A map that carries a
 //! file descriptor is mmapped once (through `vm-memory`, so accesses are volatile and no Rust
 //! reference ever points into guest memory) and gets a [`DirtyLog`] that records every write
 //! the device makes, for DMA dirty logging (`DMA_LOGGING_*`, `DMA_UNMAP` with a bitmap). A map without a descriptor is reachable only
