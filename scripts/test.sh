@@ -28,6 +28,9 @@ cargo fmt --all -- --check
 step "cargo clippy (-D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "cargo doc (-D warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
