@@ -212,7 +212,7 @@ impl Switchyard {
         let path = dir.join(format!("{name}.sock"));
         let mut config = ServerConfig::new(&path);
         config.poll_spin = spin;
-        let (stop, thread) = match kind {
+        match kind {
             DeviceKind::SoftGpu => {
                 let gpu = SoftGpuConfig {
                     vram_size: 64 << 20,
@@ -221,19 +221,14 @@ impl Switchyard {
                 };
                 let server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
                     .context("start the softgpu server")?;
-                spawn(name, server)?
+                spawn(name, server)
             }
             DeviceKind::RegFile => {
                 let server = Server::new(config, |_ctx| Ok::<_, std::io::Error>(RegFile::new()))
                     .context("start the regfile server")?;
-                spawn(name, server)?
+                spawn(name, server)
             }
-        };
-        Ok(Switchyard {
-            path,
-            stop,
-            thread: Some(thread),
-        })
+        }
     }
 
     /// Starts a blocking softgpu server of the given configuration and returns it with its
@@ -247,15 +242,7 @@ impl Switchyard {
         let server = Server::new(ServerConfig::new(&path), |ctx| SoftGpu::new(gpu, ctx))
             .context("start the softgpu server")?;
         let slot = server.device_slot();
-        let (stop, thread) = spawn(name, server)?;
-        Ok((
-            Switchyard {
-                path,
-                stop,
-                thread: Some(thread),
-            },
-            slot,
-        ))
+        Ok((spawn(name, server)?, slot))
     }
 
     /// Starts a blocking [`RegFile`] server and returns it with its DMA space, so that a case
@@ -269,15 +256,7 @@ impl Switchyard {
         })
         .context("start the regfile server")?;
         let dma = dma.context("the server built no device")?;
-        let (stop, thread) = spawn(name, server)?;
-        Ok((
-            Switchyard {
-                path,
-                stop,
-                thread: Some(thread),
-            },
-            dma,
-        ))
+        Ok((spawn(name, server)?, dma))
     }
 
     /// Connects our client (VERSION negotiated) with [`vmm_client_config`]`(timeout)`.
@@ -309,11 +288,10 @@ impl Drop for Switchyard {
     }
 }
 
-fn spawn<D: PciDevice + 'static>(
-    name: &str,
-    mut server: Server<D>,
-) -> Result<(StopHandle, JoinHandle<Result<()>>)> {
+/// Runs `server` on a (pinned) thread of its own.
+fn spawn<D: PciDevice + 'static>(name: &str, mut server: Server<D>) -> Result<Switchyard> {
     let stop = server.stop_handle();
+    let path = server.socket_path().to_owned();
     let thread = std::thread::Builder::new()
         .name(format!("sy-{name}"))
         .spawn(move || {
@@ -321,7 +299,11 @@ fn spawn<D: PciDevice + 'static>(
             server.run().context("server run")
         })
         .context("spawn server thread")?;
-    Ok((stop, thread))
+    Ok(Switchyard {
+        path,
+        stop,
+        thread: Some(thread),
+    })
 }
 
 /// The `vfio_user` crate's server with [`PeerRegFile`]; serves exactly one connection (its
