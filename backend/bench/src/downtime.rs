@@ -679,11 +679,11 @@ fn move_until_short(
     let mut moved = 0u64;
     loop {
         let t0 = Instant::now();
-        let data = src.mig_data_read(chunk).context("MIG_DATA_READ")?;
+        let data = src.mig_data_read_ref(chunk).context("MIG_DATA_READ")?;
         let t1 = Instant::now();
         *read_max = (*read_max).max(t1 - t0);
         if !data.is_empty() {
-            dst.mig_data_write(&data).context("MIG_DATA_WRITE")?;
+            dst.mig_data_write(data).context("MIG_DATA_WRITE")?;
         }
         *writes += t1.elapsed();
         *reads += t1 - t0;

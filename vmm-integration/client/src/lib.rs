@@ -826,17 +826,19 @@ impl Client {
 
     /// MIG_DATA_READ of up to `max` bytes (fewer = end of data).
     pub fn mig_data_read(&mut self, max: u32) -> Result<Vec<u8>> {
+        self.mig_data_read_ref(max).map(<[u8]>::to_vec)
+    }
+
+    /// [`Client::mig_data_read`] without a copy: the data is borrowed from the receive buffer
+    /// (valid until the next call), for a VMM that forwards it into its migration stream.
+    pub fn mig_data_read_ref(&mut self, max: u32) -> Result<&[u8]> {
         let argsz = max
             .checked_add(8)
             .ok_or(ClientError::InvalidArgument("size too large"))?;
-        match self.request(&Request::MigDataRead { argsz, size: max }, &[])? {
-            (Reply::MigDataRead { data, .. }, _) => {
-                let data = data.to_vec();
-                if data.len() > max as usize {
-                    return Err(unexpected("MIG_DATA_READ (too much data)"));
-                }
-                Ok(data)
-            }
+        let (hdr, fds) = self.call(&Request::MigDataRead { argsz, size: max }, &[])?;
+        match self.decode(&hdr, fds.len())? {
+            Reply::MigDataRead { data, .. } if data.len() <= max as usize => Ok(data),
+            Reply::MigDataRead { .. } => Err(unexpected("MIG_DATA_READ (too much data)")),
             _ => Err(unexpected("MIG_DATA_READ")),
         }
     }

@@ -457,3 +457,68 @@ fn precopy_reads_are_bounded_and_padded() {
     resume_into(&mut b, &mut rng, &stream);
     assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
 }
+
+mod arbitrary_streams {
+    use proptest::prelude::*;
+    use proptest::test_runner::Config;
+
+    use super::*;
+
+    /// A valid stream of a device with a few written pages (built once).
+    fn valid_stream() -> Vec<u8> {
+        let mut rng = Rng(41);
+        let mut a = Harness::with_config(small());
+        a.init();
+        scribble(&mut a, &mut rng, 6);
+        a.gpu.migration_step(MigArc::Stop).expect("stop");
+        a.gpu.migration_step(MigArc::StartStopCopy).expect("sc");
+        let mut stream = Vec::new();
+        read_round(&mut a.gpu, &mut rng, &mut stream);
+        stream
+    }
+
+    proptest! {
+        #![proptest_config(Config { cases: 32, ..Config::default() })]
+
+        /// Whatever bytes a VMM writes while RESUMING (random, or a valid stream with bytes
+        /// flipped, cut or spliced), the device answers with Ok or a clean error, never a
+        /// panic or a write outside VRAM, and a refused stream leaves the old state.
+        #[test]
+        fn mutated_streams_are_refused_or_applied_never_a_panic(
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            cut in any::<prop::sample::Index>(),
+            garbage in proptest::collection::vec(any::<u8>(), 0..64),
+            chunk in 1usize..5000,
+        ) {
+            let mut stream = valid_stream();
+            for (at, byte) in flips {
+                let i = at.index(stream.len());
+                stream[i] ^= byte;
+            }
+            let keep = cut.index(stream.len() + 1);
+            stream.truncate(keep);
+            stream.extend_from_slice(&garbage);
+            let mut b = Harness::with_config(small());
+            b.init();
+            b.wr32(SCRATCH, 0x77);
+            b.gpu.migration_step(MigArc::Stop).expect("stop");
+            b.gpu.migration_step(MigArc::StartResuming).expect("resuming");
+            let mut failed = false;
+            for part in stream.chunks(chunk) {
+                if b.gpu.migration_write(part).is_err() {
+                    failed = true;
+                    break;
+                }
+            }
+            let loaded = b.gpu.migration_step(MigArc::EndResuming);
+            if failed {
+                prop_assert!(loaded.is_err(), "a refused stream cannot load");
+            }
+            if loaded.is_err() {
+                prop_assert_eq!(b.rd32(SCRATCH), 0x77, "the old state stays");
+            }
+            b.gpu.migration_abort();
+            prop_assert_eq!(b.rd32(MAGIC), 0x5047_5953, "the device still serves");
+        }
+    }
+}
