@@ -436,6 +436,11 @@ impl Shared {
         g
     }
 
+    /// Whether the engines are parked because the client is gone.
+    pub(crate) fn halted(&self) -> bool {
+        self.lock().halted
+    }
+
     /// The client is gone: park the engines and stop touching DMA memory.
     pub(crate) fn halt(&self) {
         self.with_quiesced(true, |g| g.halted = true);

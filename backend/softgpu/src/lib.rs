@@ -577,8 +577,15 @@ impl SoftGpu {
             return Err(StateError::Inconsistent("the successor has other VRAM").into());
         }
         self.shared.set_running(false);
+        // Parked because the client is gone is runtime state, not device state: carry it.
+        let halted = self.shared.halted();
         match next.load(self.snapshot()) {
-            Ok(()) => Ok(next),
+            Ok(()) => {
+                if halted {
+                    next.shared.halt();
+                }
+                Ok(next)
+            }
             Err(e) => {
                 self.shared.set_running(true);
                 Err(e.into())

@@ -1,7 +1,7 @@
 //! `switchyard`: serve a device to a VMM over vfio-user.
 //!
 //! ```text
-//! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2]]
+//! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2]] [--swap-every-ms N]
 //! ```
 //!
 //! Logs go to stderr (`RUST_LOG` honoured, default `info`). SIGTERM / SIGINT finish the message
@@ -15,7 +15,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use switchyard_server::{Server, ServerConfig};
+use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
 /// Switchyard: a vfio-user backend that serves PCI devices (the software GPU today) to VMs
@@ -64,6 +64,12 @@ struct ServeArgs {
     /// trading CPU for lower round-trip latency. 0 disables it.
     #[arg(long, value_name = "MICROSECONDS", default_value_t = 0)]
     poll_spin_us: u64,
+
+    /// Soak test of transparent swaps: every MILLISECONDS, replace the device with a fresh
+    /// instance of itself carrying its state (the same swap a pool daemon does for
+    /// maintenance or failover), while the client keeps running. 0 (the default) disables it.
+    #[arg(long, value_name = "MILLISECONDS", default_value_t = 0)]
+    swap_every_ms: u64,
 }
 
 /// A parsed `--device` value.
@@ -160,9 +166,59 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             }
         })
         .context("cannot start the signal thread")?;
+    let swapper = (args.swap_every_ms > 0)
+        .then(|| {
+            let every = Duration::from_millis(args.swap_every_ms);
+            let (slot, stop) = (server.device_slot(), server.stop_handle());
+            let span = span.clone();
+            std::thread::Builder::new()
+                .name("sy-swapper".into())
+                .spawn(move || {
+                    let _g = span.enter();
+                    swap_loop(&slot, &stop, every);
+                })
+                .context("cannot start the swap thread")
+        })
+        .transpose()?;
     let result = server.run().context("server failed");
     handle.close();
     let _ = watcher.join();
+    if let Some(t) = swapper {
+        let _ = t.join();
+    }
     drop(server);
     result
+}
+
+/// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
+/// daemon does (successor built and engines drained outside the slot, only the hand-over inside).
+fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
+    let mut swaps = 0u64;
+    while !stop.is_stopping() {
+        std::thread::sleep(every);
+        if stop.is_stopping() {
+            break;
+        }
+        let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
+        let next = match SoftGpu::with_shared_vram(config, slot.context().clone(), vram) {
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot build a successor; no swap");
+                continue;
+            }
+        };
+        ctl.set_running(false);
+        match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
+            Ok(report) => {
+                swaps += 1;
+                drop(report.old);
+                tracing::debug!(swaps, "swap soak");
+            }
+            Err(e) => {
+                ctl.set_running(true);
+                tracing::debug!(error = %e, "swap soak: swap refused");
+            }
+        }
+    }
+    tracing::info!(swaps, "swap soak finished");
 }

@@ -258,6 +258,11 @@ pub struct Server {
 impl Server {
     /// Starts the server with `device` (e.g. `softgpu,vram=64M`) and waits for its socket.
     pub fn start(env: &GuestEnv, dir: &Path, device: &str) -> Result<Server> {
+        Self::start_with(env, dir, device, &[])
+    }
+
+    /// Like [`Server::start`], with more `switchyard serve` arguments.
+    pub fn start_with(env: &GuestEnv, dir: &Path, device: &str, extra: &[&str]) -> Result<Server> {
         let socket = dir.join("gpu.sock");
         let log = dir.join("server.log");
         let err =
@@ -266,6 +271,7 @@ impl Server {
             .args(["serve", "--socket"])
             .arg(&socket)
             .args(["--device", device])
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

@@ -49,11 +49,18 @@ fn guest_enumerates_and_probes_the_softgpu_without_iommu() {
 }
 
 /// Boots a guest whose in-guest VFIO driver runs the full workload against a server with
-/// `device`, and checks its summary: `vectors` interrupt vectors in `irq_mode`, each of which
-/// delivered at least once.
-fn full_workload(name: &str, device: &str, vectors: usize, irq_mode: &str) {
+/// `device` (and `server_args`), and checks its summary: `vectors` interrupt vectors in
+/// `irq_mode`, each of which delivered at least once. Returns the server's log.
+fn full_workload(
+    name: &str,
+    device: &str,
+    server_args: &[&str],
+    vectors: usize,
+    irq_mode: &str,
+) -> String {
+    let mut server_log = String::new();
     with_logs(name, |env, dir| {
-        let mut server = Server::start(env, dir, device).expect("server");
+        let mut server = Server::start_with(env, dir, device, server_args).expect("server");
         let mut spec = GuestSpec::new("sygpu-driver");
         spec.iommu = true;
         spec.devices = vec![VfioUserDevice::new("gpu0", &server.socket)];
@@ -98,18 +105,47 @@ fn full_workload(name: &str, device: &str, vectors: usize, irq_mode: &str) {
             server.terminate().is_some_and(|st| st.success()),
             "clean SIGTERM exit"
         );
+        server_log = server.log_text();
     });
+    server_log
 }
 
 #[test]
 fn in_guest_vfio_driver_runs_the_full_workload() {
-    full_workload("driver", "softgpu,vram=64M,queues=2", 16, "msix");
+    full_workload("driver", "softgpu,vram=64M,queues=2", &[], 16, "msix");
 }
 
 #[test]
 fn in_guest_vfio_driver_runs_the_full_workload_with_msi() {
     // One MSI vector for every source, demultiplexed through INT_STATUS.
-    full_workload("driver-msi", "softgpu,irq=msi", 1, "msi");
+    full_workload("driver-msi", "softgpu,irq=msi", &[], 1, "msi");
+}
+
+/// The backing device is swapped for a fresh instance every 20 ms underneath QEMU and the
+/// running guest driver: every job must still verify bit for bit, every interrupt arrive, and
+/// the guest's VRAM mapping keep working (the full workload's checks), while the server log
+/// shows the swaps happening during the guest's session.
+#[test]
+fn in_guest_vfio_driver_does_not_notice_the_device_being_swapped() {
+    let log = full_workload(
+        "driver-swaps",
+        "softgpu,vram=64M,queues=2",
+        &["--swap-every-ms", "20"],
+        16,
+        "msix",
+    );
+    let session = log
+        .split_once("client connected")
+        .and_then(|(_, after)| after.split_once("client disconnected"))
+        .map(|(during, _)| during)
+        .unwrap_or_else(|| panic!("no client session in the log:\n{log}"));
+    let swaps = session.matches("device swapped").count();
+    assert!(
+        swaps >= 10,
+        "only {swaps} swaps while the guest used the device:\n{log}"
+    );
+    assert!(log.contains("swap soak finished"), "{log}");
+    eprintln!("driver-swaps: {swaps} swaps during the guest's session");
 }
 
 #[test]
