@@ -236,3 +236,32 @@ fn refused_swaps_leave_the_old_device_serving() {
     c.region_read(0, SCRATCH, &mut b).expect("read");
     assert_eq!(u32::from_le_bytes(b), 9, "the new device has the state");
 }
+
+#[test]
+fn a_swap_after_the_client_left_keeps_the_device_parked() {
+    let server = InProcess::start(CONFIG);
+    let mut c = Client::connect(&server.socket).expect("connect");
+    c.region_write(0, SCRATCH, &3u32.to_le_bytes())
+        .expect("write");
+    c.socket()
+        .shutdown(std::net::Shutdown::Both)
+        .expect("shutdown");
+    drop(c);
+    // The next client's handshake completes once the server has dropped the first one (and
+    // parked the device's engines: they must not run without the client's DMA windows).
+    let mut c = common::wait_for(Duration::from_secs(10), || {
+        Client::connect(&server.socket).ok()
+    })
+    .expect("reconnect");
+    let held = server.swap();
+    assert!(held < Duration::from_secs(2));
+    let mut b = [0u8; 4];
+    c.region_read(0, DEV_STATUS, &mut b).expect("read");
+    assert_ne!(
+        u32::from_le_bytes(b) & DEV_STATUS_HALTED,
+        0,
+        "the successor is still parked for the departed client"
+    );
+    c.region_read(0, SCRATCH, &mut b).expect("read");
+    assert_eq!(u32::from_le_bytes(b), 3);
+}
