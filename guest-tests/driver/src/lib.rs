@@ -202,16 +202,7 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     let sys = sysfs::Sysfs::system();
     let dev = sys.find_softgpu(opts.bdf.as_deref())?;
     sum.bdf = Some(dev.bdf.clone());
-    say!(
-        "device {} {:04x}:{:04x} class {:06x} driver={} iommu_group={}",
-        dev.bdf,
-        dev.vendor,
-        dev.device,
-        dev.class,
-        dev.driver.as_deref().unwrap_or("none"),
-        dev.iommu_group
-            .map_or_else(|| "none".to_string(), |g| g.to_string())
-    );
+    say!("device {dev}");
     if dev.class != regs::PCI_CLASS {
         return Err(format!(
             "class {:06x}, expected {:06x}",

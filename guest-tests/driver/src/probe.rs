@@ -81,16 +81,7 @@ impl Drop for Restore {
 fn probe_steps(sys: &Sysfs, bdf: Option<&str>, s: &mut ProbeSummary) -> Result<(), String> {
     let dev = sys.find_softgpu(bdf)?;
     s.bdf = Some(dev.bdf.clone());
-    say!(
-        "probe: {} {:04x}:{:04x} class {:06x} driver={} iommu_group={}",
-        dev.bdf,
-        dev.vendor,
-        dev.device,
-        dev.class,
-        dev.driver.as_deref().unwrap_or("none"),
-        dev.iommu_group
-            .map_or_else(|| "none".to_string(), |g| g.to_string())
-    );
+    say!("probe: {dev}");
     let dir = sys.device_dir(&dev.bdf);
     let mut restore = Restore {
         cfg: None,

@@ -24,6 +24,25 @@ pub struct PciDev {
     pub iommu_group: Option<u32>,
 }
 
+impl std::fmt::Display for PciDev {
+    /// `bdf vendor:device class cccccc driver=… iommu_group=…`, as the driver logs it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {:04x}:{:04x} class {:06x} driver={} iommu_group=",
+            self.bdf,
+            self.vendor,
+            self.device,
+            self.class,
+            self.driver.as_deref().unwrap_or("none")
+        )?;
+        match self.iommu_group {
+            Some(g) => write!(f, "{g}"),
+            None => f.write_str("none"),
+        }
+    }
+}
+
 /// How [`Sysfs::bind_vfio_pci`] got the device onto vfio-pci.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BindOutcome {

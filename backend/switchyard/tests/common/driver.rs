@@ -252,40 +252,8 @@ pub fn data(seed: u32, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Host reference: y = a*x + y, product rounded then sum rounded.
-pub fn saxpy_ref(a: f32, x: &[f32], y: &[f32]) -> Vec<f32> {
-    x.iter()
-        .zip(y)
-        .map(|(&x, &y)| {
-            let p = a * x;
-            p + y
-        })
-        .collect()
-}
-
-/// Host reference GEMM in the documented order.
-pub fn gemm_ref(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut c = vec![0f32; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            let mut acc = 0f32;
-            for kk in 0..k {
-                let p = a[i * k + kk] * b[kk * n + j];
-                acc += p;
-            }
-            c[i * n + j] = acc;
-        }
-    }
-    c
-}
-
-pub fn reduce_ref(x: &[f32]) -> f32 {
-    let mut acc = 0f32;
-    for &v in x {
-        acc += v;
-    }
-    acc
-}
+// Host references of SAXPY, GEMM and REDUCE in the documented order: the in-guest driver's.
+pub use sygpu_driver::reference::{gemm as gemm_ref, reduce as reduce_ref, saxpy as saxpy_ref};
 
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
