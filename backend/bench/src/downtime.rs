@@ -366,10 +366,10 @@ impl SwapPoint {
 /// Live swap downtime: a softgpu server (`vram=<size>,queues=2`, VRAM filled with random
 /// data) with a client set up like the other GPU cases, swapped N times for its successor
 /// the way a pool daemon does it (build the successor and park the engines outside the lock,
-/// `DeviceSlot::swap` with `SoftGpu::hand_over`), with the client idle and with a busy client (a stream of FILL +
-/// FENCE pairs on both queues and register reads). Per swap: how long the slot was held (the
-/// longest a register access waits) and the engine stall (park → successor running), against
-/// a memcpy of the device state's bytes measured next to each swap.
+/// `DeviceSlot::swap` with `SoftGpu::hand_over`), with the client idle and with a busy client
+/// (a stream of FILL + FENCE pairs on both queues and register reads). Per swap: how long the
+/// slot was held (the longest a register access waits) and the engine stall (park → successor
+/// running), against a memcpy of the device state's bytes measured next to each swap.
 pub fn swap(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     let swaps = if s.quick { 3 } else { 30 };
     let settle = Duration::from_millis(if s.quick { 5 } else { 10 });
@@ -653,8 +653,6 @@ struct MigRun {
     /// The longest MIG_DATA_READ while the device ran (PRE_COPY): what a guest's register
     /// access could have waited behind on the shared connection.
     precopy_read_max: Duration,
-    /// The longest MIG_DATA_READ in the downtime (for the record; the guest is stopped).
-    stop_copy_read_max: Duration,
 }
 
 /// Sets a migration state and checks the echo.
@@ -674,14 +672,16 @@ fn move_until_short(
     chunk: u32,
     reads: &mut Duration,
     writes: &mut Duration,
-    read_max: &mut Duration,
+    mut read_max: Option<&mut Duration>,
 ) -> Result<u64> {
     let mut moved = 0u64;
     loop {
         let t0 = Instant::now();
         let data = src.mig_data_read_ref(chunk).context("MIG_DATA_READ")?;
         let t1 = Instant::now();
-        *read_max = (*read_max).max(t1 - t0);
+        if let Some(m) = read_max.as_deref_mut() {
+            *m = (*m).max(t1 - t0);
+        }
         if !data.is_empty() {
             dst.mig_data_write(data).context("MIG_DATA_WRITE")?;
         }
@@ -840,7 +840,7 @@ impl MigPair {
                     self.chunk,
                     &mut r,
                     &mut w,
-                    &mut run.precopy_read_max,
+                    Some(&mut run.precopy_read_max),
                 )?;
                 run.rounds += 1;
                 run.total_bytes += moved;
@@ -866,7 +866,7 @@ impl MigPair {
             self.chunk,
             &mut run.reads,
             &mut run.writes,
-            &mut run.stop_copy_read_max,
+            None,
         )?;
         let t2 = Instant::now();
         set_state(
