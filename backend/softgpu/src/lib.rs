@@ -804,7 +804,20 @@ impl PciDevice for SoftGpu {
             MigArc::StartPreCopy => {
                 self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, false)));
             }
-            MigArc::AbortPreCopy | MigArc::EndStopCopy => self.migration = Migration::Idle,
+            MigArc::AbortPreCopy | MigArc::EndStopCopy => {
+                if let Migration::Save(src) = &self.migration {
+                    let st = src.stats();
+                    tracing::info!(
+                        rounds = st.rounds,
+                        pages_sent = st.pages_sent,
+                        pages_zeroed = st.pages_zeroed,
+                        padding = st.padding,
+                        completed = arc == MigArc::EndStopCopy,
+                        "outgoing migration stream closed"
+                    );
+                }
+                self.migration = Migration::Idle;
+            }
             MigArc::PreCopyToStopCopy => {
                 self.shared.set_running(false);
                 match &mut self.migration {

@@ -149,6 +149,11 @@ fn live_migration_with_precopy_between_two_server_processes() {
         .expect("STOP_COPY");
     move_round(&mut d.t.0, &mut dst);
     d.t.0.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
+    let log = src_server.log_text();
+    assert!(
+        log.contains("outgoing migration stream closed") && log.contains("completed=true"),
+        "the source logs the finished stream:\n{log}"
+    );
     assert_eq!(
         dst.set_mig_state(VFIO_DEVICE_STATE_RUNNING)
             .expect("RESUMING -> RUNNING"),
