@@ -274,7 +274,7 @@ fn handle<D: PciDevice>(
                 n.client.max_data_xfer_size as usize,
                 server.config.client_dma_timeout,
             ));
-            server.ctx.dma.set_remote(Some(cd.clone()));
+            server.ctx().dma.set_remote(Some(cd.clone()));
             s.client_dma = Some(cd);
             s.negotiated = Some(n.client);
         }
@@ -302,7 +302,7 @@ fn handle<D: PciDevice>(
                 None => None,
             };
             let mmapped = backing.is_some();
-            server.ctx.dma.map(m.address, m.size, prot, backing)?;
+            server.ctx().dma.map(m.address, m.size, prot, backing)?;
             tracing::debug!(
                 iova = m.address,
                 size = m.size,
@@ -314,7 +314,7 @@ fn handle<D: PciDevice>(
         }
         Request::DmaUnmap { unmap, bitmap } => {
             if unmap.flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
-                server.ctx.dma.unmap_all();
+                server.ctx().dma.unmap_all();
                 tracing::debug!("DMA unmap all");
                 Reply::DmaUnmap {
                     unmap,
@@ -328,7 +328,7 @@ fn handle<D: PciDevice>(
                 // Bits and windows go together, under one lock: no write falls in between.
                 let n =
                     server
-                        .ctx
+                        .ctx()
                         .dma
                         .unmap_take_dirty(unmap.address, unmap.size, bh.pgsize, buf)?;
                 tracing::debug!(
@@ -338,7 +338,7 @@ fn handle<D: PciDevice>(
                     "DMA unmap with dirty bitmap"
                 );
             } else {
-                let n = server.ctx.dma.unmap(unmap.address, unmap.size)?;
+                let n = server.ctx().dma.unmap(unmap.address, unmap.size)?;
                 tracing::debug!(
                     iova = unmap.address,
                     size = unmap.size,
@@ -455,7 +455,7 @@ fn handle<D: PciDevice>(
             Reply::DeviceGetIrqInfo(info).encode(id, &mut s.out)?;
         }
         Request::DeviceSetIrqs(set) => {
-            set_irqs(dev, &server.ctx.irqs, set, msg.fds)?;
+            set_irqs(dev, &server.ctx().irqs, set, msg.fds)?;
             dev.irqs_changed(set.index);
             reply_empty(&mut s.out, id, Reply::DeviceSetIrqs)?;
         }
@@ -487,7 +487,7 @@ fn handle<D: PciDevice>(
             if matches!(f.op, FeatureRequest::DmaLoggingReport(_)) {
                 s.use_bulk_buffer();
             }
-            device_feature(slot, &server.ctx.dma, &mut s.out, id, f.op)?
+            device_feature(slot, &server.ctx().dma, &mut s.out, id, f.op)?
         }
         Request::MigDataRead { size, .. } => {
             if !matches!(slot.mig, MigState::PreCopy | MigState::StopCopy) {

@@ -90,8 +90,8 @@ impl ServerConfig {
 pub struct Server<D: PciDevice> {
     config: ServerConfig,
     socket: DeviceSocket,
+    /// The device, and the DMA space and interrupts the server lends it.
     slot: DeviceSlot<D>,
-    ctx: DeviceContext,
     stop: StopHandle,
 }
 
@@ -142,9 +142,8 @@ impl<D: PciDevice> Server<D> {
                     device,
                     mig: MigState::Running,
                 })),
-                ctx.clone(),
+                ctx,
             ),
-            ctx,
             stop,
         })
     }
@@ -152,6 +151,11 @@ impl<D: PciDevice> Server<D> {
     /// A handle that stops [`Server::run`] from another thread.
     pub fn stop_handle(&self) -> StopHandle {
         self.stop.clone()
+    }
+
+    /// The client's DMA windows and interrupt routing, as lent to the device.
+    fn ctx(&self) -> &DeviceContext {
+        self.slot.context()
     }
 
     /// A handle on the device for other threads: inspect it, or swap it for another backing
@@ -198,7 +202,7 @@ impl<D: PciDevice> Server<D> {
     /// Spec rule on client loss: drop DMA windows, eventfds and the dirty-logging session,
     /// keep device state. A migration in progress is abandoned (the device runs again).
     fn client_gone(&mut self) {
-        self.ctx.dma.set_remote(None);
+        self.ctx().dma.set_remote(None);
         {
             let mut slot = self.slot.lock();
             if slot.mig != MigState::Running {
@@ -208,8 +212,8 @@ impl<D: PciDevice> Server<D> {
             }
             slot.device.client_disconnected();
         }
-        self.ctx.dma.stop_logging();
-        self.ctx.dma.unmap_all();
-        self.ctx.irqs.clear();
+        self.ctx().dma.stop_logging();
+        self.ctx().dma.unmap_all();
+        self.ctx().irqs.clear();
     }
 }
