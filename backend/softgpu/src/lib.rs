@@ -323,8 +323,6 @@ pub struct SoftGpu {
     shared: Arc<Shared>,
     engines: Vec<JoinHandle<()>>,
     migration: Migration,
-    /// VRAM being allocated for an incoming migration.
-    prealloc: Option<vram::Preallocation>,
 }
 
 fn pci_ids() -> PciIds {
@@ -506,7 +504,6 @@ impl SoftGpu {
             shared,
             engines: Vec::new(),
             migration: Migration::Idle,
-            prealloc: None,
         };
         for q in 0..config.queues as usize {
             let shared = gpu.shared.clone();
@@ -831,20 +828,11 @@ impl PciDevice for SoftGpu {
                 self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
             }
             MigArc::StartResuming => {
-                // The stream's pages apply on zeroed VRAM; the state comes last. The memory
-                // is allocated in the background meanwhile (the VMM sets RESUMING before
-                // the source stops, so this is not downtime).
+                // The stream's pages apply on zeroed VRAM; the state comes last.
                 vram.zero();
-                if let Some(p) = self.prealloc.take() {
-                    p.join();
-                }
-                self.prealloc = Some(vram::Preallocation::start(vram.file().clone(), size));
                 self.migration = Migration::Load(Box::new(mig::MigSink::new(size)));
             }
             MigArc::EndResuming => {
-                if let Some(p) = &self.prealloc {
-                    p.cancel();
-                }
                 let sink = match std::mem::replace(&mut self.migration, Migration::Idle) {
                     Migration::Load(sink) => sink,
                     _ => return Err(DeviceError::BadState("no incoming stream".into())),
@@ -881,9 +869,6 @@ impl PciDevice for SoftGpu {
     }
 
     fn migration_abort(&mut self) {
-        if let Some(p) = &self.prealloc {
-            p.cancel();
-        }
         self.migration = Migration::Idle;
         self.shared.set_running(true);
     }
@@ -891,9 +876,6 @@ impl PciDevice for SoftGpu {
 
 impl Drop for SoftGpu {
     fn drop(&mut self) {
-        if let Some(p) = self.prealloc.take() {
-            p.join();
-        }
         self.shared.shutdown();
         for h in self.engines.drain(..) {
             if h.join().is_err() {

@@ -43,54 +43,6 @@ pub(crate) struct Vram {
 /// Page size of the write log.
 pub(crate) const LOG_PAGE: u64 = 4096;
 
-/// Allocates VRAM's memory in the background (an incoming migration: pages the stream writes
-/// then need no allocating and zeroing on first touch, which costs more than the copy itself).
-/// Stops at the next chunk once dropped; the thread is joined by [`Preallocation::join`].
-#[derive(Debug)]
-pub(crate) struct Preallocation {
-    cancel: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Preallocation {
-    pub(crate) fn start(file: Arc<File>, size: u64) -> Self {
-        const CHUNK: u64 = 32 << 20;
-        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stop = cancel.clone();
-        let thread = std::thread::Builder::new()
-            .name("softgpu-prealloc".into())
-            .spawn(move || {
-                let mut off = 0;
-                while off < size && !stop.load(Ordering::Relaxed) {
-                    let n = CHUNK.min(size - off);
-                    let r =
-                        rustix::fs::fallocate(&*file, rustix::fs::FallocateFlags::empty(), off, n);
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "cannot preallocate VRAM");
-                        return;
-                    }
-                    off += n;
-                }
-            })
-            .map_err(|e| tracing::debug!(error = %e, "cannot start the VRAM preallocation"))
-            .ok();
-        Self { cancel, thread }
-    }
-
-    /// Stops allocating (after the current chunk) without waiting.
-    pub(crate) fn cancel(&self) {
-        self.cancel.store(true, Ordering::Relaxed);
-    }
-
-    /// Stops allocating and waits for the thread.
-    pub(crate) fn join(mut self) {
-        self.cancel();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 impl std::fmt::Debug for Vram {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Vram")
