@@ -1,25 +1,28 @@
 //! The dirty log of one DMA window: which 4 KiB pages the device wrote.
 //!
-//! [`DirtyLog`] plugs into `vm-memory` as the window's [`Bitmap`], so every write through a
-//! [`vm_memory::VolatileSlice`] of the window marks its pages, exactly as `AtomicBitmap` would.
-//! It differs from `AtomicBitmap` in how the bits are read back, which is what a
+//! The [`DmaSpace`](crate::DmaSpace) marks a window's [`DirtyLog`] after every device write
+//! into it (mmapped or fault-safe), under the space's table read lock. It is built for what a
 //! `DMA_LOGGING_REPORT` pays for on every migration round:
 //!
 //! * it keeps **two** bitmaps and writers mark the *active* one. A report [`flips`](DirtyLog::flip)
 //!   the active index while no write is in flight (the [`DmaSpace`](crate::DmaSpace) holds its
 //!   table's write lock, which every access holds for reading), then reads the now-inactive
 //!   bitmap with plain loads and stores: no locked read-modify-write per word and no allocation.
-//!   `AtomicBitmap::get_and_reset` costs one locked `fetch_and` per word and allocates the whole
-//!   bitmap on every call (measured ~3x a plain scan of the same words);
+//!   vm-memory's `AtomicBitmap::get_and_reset` costs one locked `fetch_and` per word and
+//!   allocates the whole bitmap on every call (measured ~3x a plain scan of the same words);
 //! * marking checks the word first and skips the atomic `fetch_or` when the bits are already
-//!   set, so a device streaming into the same pages does not bounce a cache line per write.
+//!   set, so a device streaming into the same pages does not bounce a cache line per write;
+//! * the bitmaps are **not allocated** until logging starts ([`DirtyLog::allocate`], fallible):
+//!   a window costs nothing until then, and the space bounds what all windows' logs may take.
+//!   Until then marking is a no-op and [`DirtyLog::is_allocated`] is false (a report of such a
+//!   window must assume every page dirty).
 //!
 //! The inactive bitmap is all zero between reports; only the report that flipped it reads and
 //! clears it (the [`DmaSpace`](crate::DmaSpace) serializes reports).
 
+use std::collections::TryReserveError;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-
-use vm_memory::bitmap::{Bitmap, RefSlice, WithBitmapSlice};
 
 /// Page size the log is kept at.
 pub const DIRTY_PAGE_SIZE: usize = 4096;
@@ -28,25 +31,48 @@ const PAGE_SHIFT: u32 = DIRTY_PAGE_SIZE.trailing_zeros();
 /// A double-buffered dirty-page bitmap for one DMA window (see the module docs).
 #[derive(Debug)]
 pub struct DirtyLog {
-    maps: [Box<[AtomicU64]>; 2],
+    /// Both bitmaps in one allocation: words `[0, words)` and `[words, 2 * words)`.
+    maps: OnceLock<Box<[AtomicU64]>>,
     active: AtomicUsize,
     pages: usize,
 }
 
-fn zeroed(words: usize) -> Box<[AtomicU64]> {
-    (0..words).map(|_| AtomicU64::new(0)).collect()
-}
-
 impl DirtyLog {
-    /// A clean log for a window of `len` bytes.
+    /// A log for a window of `len` bytes; nothing is allocated yet.
     pub fn new(len: usize) -> Self {
-        let pages = len.div_ceil(DIRTY_PAGE_SIZE);
-        let words = pages.div_ceil(64);
         Self {
-            maps: [zeroed(words), zeroed(words)],
+            maps: OnceLock::new(),
             active: AtomicUsize::new(0),
-            pages,
+            pages: len.div_ceil(DIRTY_PAGE_SIZE),
         }
+    }
+
+    /// Bytes both bitmaps of a window of `len` bytes take once allocated.
+    pub fn bytes_for(len: u64) -> u64 {
+        len.div_ceil(DIRTY_PAGE_SIZE as u64).div_ceil(64) * 16
+    }
+
+    /// Bytes this log takes (or will take) once allocated.
+    pub fn bytes(&self) -> u64 {
+        self.words() as u64 * 16
+    }
+
+    /// Allocates the (clean) bitmaps, failing instead of aborting when memory is short.
+    /// Returns whether this call allocated them (`false`: they already were).
+    pub fn allocate(&self) -> Result<bool, TryReserveError> {
+        if self.maps.get().is_some() {
+            return Ok(false);
+        }
+        let words = self.words().saturating_mul(2);
+        let mut v: Vec<AtomicU64> = Vec::new();
+        v.try_reserve_exact(words)?;
+        v.extend((0..words).map(|_| AtomicU64::new(0)));
+        Ok(self.maps.set(v.into_boxed_slice()).is_ok())
+    }
+
+    /// Whether the bitmaps exist (logging was started while the window was mapped).
+    pub fn is_allocated(&self) -> bool {
+        self.maps.get().is_some()
     }
 
     /// Number of 64-bit words in each bitmap.
@@ -55,7 +81,12 @@ impl DirtyLog {
     }
 
     fn map(&self, which: usize) -> &[AtomicU64] {
-        self.maps.get(which & 1).map_or(&[], |m| m)
+        let Some(all) = self.maps.get() else {
+            return &[];
+        };
+        let words = self.words();
+        let start = (which & 1) * words;
+        all.get(start..start + words).unwrap_or(&[])
     }
 
     fn active_map(&self) -> &[AtomicU64] {
@@ -99,8 +130,9 @@ impl DirtyLog {
     /// Whether page `page` is dirty in either bitmap.
     pub fn is_page_dirty(&self, page: usize) -> bool {
         let bit = 1u64 << (page % 64);
-        self.maps.iter().any(|m| {
-            m.get(page / 64)
+        [0, 1].into_iter().any(|m| {
+            self.map(m)
+                .get(page / 64)
                 .is_some_and(|w| w.load(Ordering::Relaxed) & bit != 0)
         })
     }
@@ -148,27 +180,17 @@ impl DirtyLog {
     /// Clears both bitmaps (start of a logging session). Writes racing with the clear may or
     /// may not stay marked; writes after it always are.
     pub fn clear(&self) {
-        for m in &self.maps {
-            for w in m.iter() {
+        if let Some(all) = self.maps.get() {
+            for w in all.iter() {
                 w.store(0, Ordering::Relaxed);
             }
         }
     }
-}
 
-impl Default for DirtyLog {
-    fn default() -> Self {
-        Self::new(0)
-    }
-}
-
-impl<'a> WithBitmapSlice<'a> for DirtyLog {
-    type S = RefSlice<'a, Self>;
-}
-
-impl Bitmap for DirtyLog {
-    fn mark_dirty(&self, offset: usize, len: usize) {
-        if len == 0 {
+    /// Marks every page `[offset, offset + len)` of the window touches (a no-op before the
+    /// bitmaps are allocated).
+    pub fn mark_dirty(&self, offset: usize, len: usize) {
+        if len == 0 || !self.is_allocated() {
             return;
         }
         let first = offset >> PAGE_SHIFT;
@@ -176,18 +198,39 @@ impl Bitmap for DirtyLog {
         self.mark_pages(first, last - first + 1);
     }
 
-    fn dirty_at(&self, offset: usize) -> bool {
+    /// Whether the page holding byte `offset` is dirty.
+    pub fn dirty_at(&self, offset: usize) -> bool {
         self.is_page_dirty(offset >> PAGE_SHIFT)
-    }
-
-    fn slice_at(&self, offset: usize) -> RefSlice<'_, Self> {
-        RefSlice::new(self, offset)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn log(len: usize) -> DirtyLog {
+        let log = DirtyLog::new(len);
+        assert!(log.allocate().expect("allocate"));
+        log
+    }
+
+    #[test]
+    fn nothing_is_allocated_or_marked_before_logging() {
+        let l = DirtyLog::new(1 << 40);
+        assert!(!l.is_allocated());
+        l.mark_dirty(0, 1 << 20);
+        assert!(!l.dirty_at(0));
+        assert_eq!(l.bytes(), DirtyLog::bytes_for(1 << 40));
+        assert_eq!(DirtyLog::bytes_for(1 << 40), (1 << 40) / 4096 / 8 * 2);
+        let l = DirtyLog::new(64 * DIRTY_PAGE_SIZE);
+        assert!(l.allocate().expect("allocate"));
+        assert!(
+            !l.allocate().expect("again"),
+            "the second call allocates nothing"
+        );
+        l.mark_dirty(0, 1);
+        assert!(l.dirty_at(0));
+    }
 
     fn drained(log: &DirtyLog) -> Vec<(usize, u64)> {
         let mut v = Vec::new();
@@ -200,7 +243,7 @@ mod tests {
 
     #[test]
     fn marks_every_page_a_write_touches() {
-        let log = DirtyLog::new(300 * DIRTY_PAGE_SIZE);
+        let log = log(300 * DIRTY_PAGE_SIZE);
         log.mark_dirty(DIRTY_PAGE_SIZE - 1, 2); // pages 0 and 1
         log.mark_dirty(63 * DIRTY_PAGE_SIZE, 2 * DIRTY_PAGE_SIZE); // 63, 64
         log.mark_dirty(100 * DIRTY_PAGE_SIZE, 130 * DIRTY_PAGE_SIZE); // 100..=229
@@ -229,7 +272,7 @@ mod tests {
 
     #[test]
     fn writes_after_a_flip_go_to_the_next_report() {
-        let log = DirtyLog::new(128 * DIRTY_PAGE_SIZE);
+        let log = log(128 * DIRTY_PAGE_SIZE);
         log.mark_pages(3, 1);
         log.flip();
         log.mark_pages(70, 1); // after the flip: not part of this report
@@ -240,7 +283,7 @@ mod tests {
 
     #[test]
     fn bits_given_back_are_reported_next_time() {
-        let log = DirtyLog::new(128 * DIRTY_PAGE_SIZE);
+        let log = log(128 * DIRTY_PAGE_SIZE);
         log.mark_pages(0, 2);
         log.mark_pages(64, 1);
         log.flip();
@@ -251,7 +294,7 @@ mod tests {
 
     #[test]
     fn drain_into_writes_words_and_clears() {
-        let log = DirtyLog::new(130 * DIRTY_PAGE_SIZE);
+        let log = log(130 * DIRTY_PAGE_SIZE);
         log.mark_pages(1, 1);
         log.mark_pages(129, 1);
         log.flip();
@@ -266,7 +309,7 @@ mod tests {
 
     #[test]
     fn clear_forgets_both_bitmaps() {
-        let log = DirtyLog::new(64 * DIRTY_PAGE_SIZE);
+        let log = log(64 * DIRTY_PAGE_SIZE);
         log.mark_pages(1, 1);
         log.flip();
         log.mark_pages(2, 1);

@@ -153,7 +153,9 @@ fn bad_sizes_commands_offsets_and_fds_get_errnos() {
         &[mem2.file.as_fd()],
         libc::EEXIST,
     );
-    r.expect_errno(3, &dma_unmap(0, 0x80_0000, 0x1000), &[], libc::ENOENT);
+    // Like type1 (and what QEMU with a vIOMMU expects): unmapping nothing succeeds.
+    let (h, _) = r.call(3, 0, &dma_unmap(0, 0x80_0000, 0x1000), &[]);
+    assert!(!h.is_error(), "unmap of a range never mapped: {h:?}");
     r.expect_errno(3, &dma_unmap(0, 0x10_0000, 0x1000), &[], libc::EINVAL);
     r.expect_errno(3, &dma_unmap(2, 0x10_0000, 0x1000), &[], libc::EINVAL);
     r.expect_errno(
