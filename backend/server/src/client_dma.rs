@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use switchyard_device::RemoteDma;
 use switchyard_proto::{Command, ProtoError, Reply, Request};
 
-use crate::transport::send_all;
+use crate::transport::{SendLimit, send_bounded};
 
 /// The outcome of one server→client request: the reply body or an errno.
 type Outcome = Result<Vec<u8>, i32>;
@@ -92,7 +92,11 @@ impl ClientDma {
             .insert(id);
         {
             let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = send_all(&self.stream, &buf, &[]) {
+            let limit = SendLimit {
+                timeout: self.timeout,
+                abort: None,
+            };
+            if let Err(e) = send_bounded(&self.stream, &buf, &[], Some(limit)) {
                 self.waiters
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

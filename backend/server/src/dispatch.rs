@@ -20,8 +20,9 @@ use switchyard_proto::{
 };
 
 use crate::client_dma::ClientDma;
+use crate::listener::StopHandle;
 use crate::migration;
-use crate::transport::{Connection, Message, TransportError, send_all};
+use crate::transport::{Connection, Message, SendLimit, TransportError, send_bounded};
 use crate::{Server, ServerError, Slot};
 
 /// Why a request failed: an errno for the reply, and a message for the log.
@@ -71,6 +72,9 @@ struct Session {
     bulk_out: Vec<u8>,
     /// `out` and `bulk_out` are swapped until the next send.
     bulk_in_out: bool,
+    /// Bounds every reply's send (`ServerConfig::send_timeout`, and server shutdown).
+    send_timeout: std::time::Duration,
+    stop: StopHandle,
 }
 
 impl Session {
@@ -85,7 +89,11 @@ impl Session {
     fn send(&mut self) -> std::io::Result<()> {
         let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
         let fds: Vec<BorrowedFd<'_>> = self.out_fds.iter().map(|f| f.as_fd()).collect();
-        let r = send_all(&self.writer, &self.out, &fds);
+        let limit = SendLimit {
+            timeout: self.send_timeout,
+            abort: Some(self.stop.abort_fd()),
+        };
+        let r = send_bounded(&self.writer, &self.out, &fds, Some(limit));
         drop(fds);
         self.out_fds.clear();
         if self.bulk_in_out {
@@ -114,6 +122,8 @@ pub(crate) fn serve_connection<D: PciDevice>(
         client_dma: None,
         bulk_out: Vec::new(),
         bulk_in_out: false,
+        send_timeout: server.config.send_timeout,
+        stop: server.stop.clone(),
     };
     let result = loop {
         let msg = match conn.recv() {
@@ -215,6 +225,19 @@ fn handle<D: PciDevice>(
     msg: Message<'_>,
 ) -> Result<(), RequestError> {
     let h = msg.header;
+    if msg.fds_truncated {
+        // Never reinterpret a message whose descriptors were dropped (a DMA_MAP would become
+        // message-based, a SET_IRQS would de-assign vectors).
+        let errno = if msg.fds.len() >= crate::transport::MAX_FDS_PER_READ {
+            libc::E2BIG
+        } else {
+            libc::EMFILE
+        };
+        return Err(RequestError::Invalid {
+            what: "the kernel dropped descriptors sent with the message (open-file limit, or too many)",
+            errno,
+        });
+    }
     let req = switchyard_proto::decode_request_with(&h, msg.body, msg.fds.len(), &s.limits)?;
     if s.negotiated.is_none() && !matches!(req, Request::Version(_)) {
         return Err(RequestError::Invalid {

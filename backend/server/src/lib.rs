@@ -55,6 +55,34 @@ pub enum ServerError {
     Encode(#[source] ProtoError),
 }
 
+/// Default [`ServerConfig::send_timeout`].
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How many DMA windows this process can really hold: each may cost one mapping (bounded by
+/// `vm.max_map_count`) and one open file (bounded by `RLIMIT_NOFILE`), beyond what the process
+/// already uses and a reserve for everything else (device threads, the sockets, a message's
+/// descriptors in flight).
+fn holdable_dma_maps(max_msg_fds: u32) -> u32 {
+    const RESERVE: u64 = 512;
+    let count = |path: &str| std::fs::read_dir(path).map(|d| d.count() as u64).ok();
+    let open_files = count("/proc/self/fd").unwrap_or(RESERVE);
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    let by_files = nofile.saturating_sub(open_files + RESERVE + 2 * u64::from(max_msg_fds));
+    let max_map_count = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(65530);
+    let mappings = std::fs::read_to_string("/proc/self/maps")
+        .map(|m| m.lines().count() as u64)
+        .unwrap_or(RESERVE);
+    let by_maps = max_map_count.saturating_sub(mappings + RESERVE);
+    u32::try_from(by_files.min(by_maps))
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -68,6 +96,9 @@ pub struct ServerConfig {
     pub poll_spin: Duration,
     /// How long a server→client DMA request waits for the client's reply.
     pub client_dma_timeout: Duration,
+    /// How long sending one reply may wait for a client that does not read; then the client
+    /// is dropped (its DMA windows and eventfds go, the device keeps its state).
+    pub send_timeout: Duration,
 }
 
 impl ServerConfig {
@@ -82,6 +113,7 @@ impl ServerConfig {
             },
             poll_spin: Duration::ZERO,
             client_dma_timeout: Duration::from_secs(5),
+            send_timeout: DEFAULT_SEND_TIMEOUT,
         }
     }
 }
@@ -114,12 +146,21 @@ impl<D: PciDevice> Server<D> {
     /// Creates the DMA space and interrupt table, builds the device on them, and binds the
     /// socket (the server is listening when this returns, so a VMM may connect right away).
     pub fn new<E>(
-        config: ServerConfig,
+        mut config: ServerConfig,
         build: impl FnOnce(DeviceContext) -> Result<D, E>,
     ) -> Result<Self, ServerError>
     where
         E: std::error::Error + Send + Sync + 'static,
     {
+        let holdable = holdable_dma_maps(config.limits.max_msg_fds);
+        if holdable < config.limits.max_dma_maps {
+            tracing::info!(
+                configured = config.limits.max_dma_maps,
+                advertised = holdable,
+                "max_dma_maps lowered to what this process can hold (open files, mappings)"
+            );
+            config.limits.max_dma_maps = holdable;
+        }
         let ctx = DeviceContext {
             dma: Arc::new(DmaSpace::new(config.limits.max_dma_maps as usize)),
             // Sized to the VFIO maximum until the device has described itself.

@@ -114,6 +114,11 @@ impl StopHandle {
         }
     }
 
+    /// A descriptor that becomes readable (and stays so) once shutdown is requested.
+    pub(crate) fn abort_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.inner.wake.as_fd()
+    }
+
     /// Whether shutdown was requested.
     pub fn is_stopping(&self) -> bool {
         self.inner.stopping.load(Ordering::SeqCst)

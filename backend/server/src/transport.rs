@@ -54,6 +54,10 @@ pub struct Message<'a> {
     pub body: &'a [u8],
     /// Descriptors that came with it.
     pub fds: Vec<OwnedFd>,
+    /// The kernel dropped descriptors sent with this message (`MSG_CTRUNC`: this process is
+    /// at its open-file limit, or the client sent more than [`MAX_FDS_PER_READ`]). `fds` is
+    /// then incomplete and the message must be refused, never reinterpreted.
+    pub fds_truncated: bool,
 }
 
 /// A framed vfio-user connection.
@@ -65,6 +69,8 @@ pub struct Connection {
     end: usize,
     /// Descriptors of the last read and the buffer offsets `[from, to)` that read covered.
     pending_fds: Vec<OwnedFd>,
+    /// The last read that carried descriptors lost some (`MSG_CTRUNC`).
+    pending_trunc: bool,
     fds_from: usize,
     fds_to: usize,
     max_msg_size: u32,
@@ -82,6 +88,7 @@ impl Connection {
             start: 0,
             end: 0,
             pending_fds: Vec::with_capacity(MAX_FDS_PER_READ),
+            pending_trunc: false,
             fds_from: 0,
             fds_to: 0,
             max_msg_size,
@@ -117,12 +124,17 @@ impl Connection {
                     let msg_start = self.start;
                     let msg_end = msg_start + total;
                     self.start = msg_end;
-                    let fds = self.take_fds(msg_start, msg_end);
+                    let (fds, fds_truncated) = self.take_fds(msg_start, msg_end);
                     let body = self
                         .buf
                         .get(msg_start + HEADER_SIZE..msg_end)
                         .unwrap_or(&[]);
-                    return Ok(Message { header, body, fds });
+                    return Ok(Message {
+                        header,
+                        body,
+                        fds,
+                        fds_truncated,
+                    });
                 }
                 // Incomplete: make room for the rest.
                 if self.start + total > self.buf.len() {
@@ -138,15 +150,17 @@ impl Connection {
         }
     }
 
-    /// Descriptors belong to the last message that starts inside the read that carried them.
-    fn take_fds(&mut self, msg_start: usize, msg_end: usize) -> Vec<OwnedFd> {
-        if self.pending_fds.is_empty() {
-            return Vec::new();
+    /// Descriptors belong to the last message that starts inside the read that carried them
+    /// (and so does the news that some were truncated).
+    fn take_fds(&mut self, msg_start: usize, msg_end: usize) -> (Vec<OwnedFd>, bool) {
+        if self.pending_fds.is_empty() && !self.pending_trunc {
+            return (Vec::new(), false);
         }
         let starts_in_read = msg_start >= self.fds_from && msg_start < self.fds_to;
         let last_in_read = msg_end >= self.fds_to;
         if starts_in_read && last_in_read {
-            return std::mem::take(&mut self.pending_fds);
+            let trunc = std::mem::take(&mut self.pending_trunc);
+            return (std::mem::take(&mut self.pending_fds), trunc);
         }
         if msg_start >= self.fds_to {
             // Should not happen: a message after the read that carried them. Drop them rather
@@ -156,8 +170,9 @@ impl Connection {
                 "dropping unattributable descriptors"
             );
             self.pending_fds.clear();
+            self.pending_trunc = false;
         }
-        Vec::new()
+        (Vec::new(), false)
     }
 
     fn compact(&mut self) {
@@ -205,9 +220,7 @@ impl Connection {
             flags |= RecvFlags::DONTWAIT;
         }
         let msg = rustix::net::recvmsg(&self.stream, &mut iov, &mut control, flags)?;
-        if msg.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
-            tracing::warn!("descriptors were truncated by the kernel");
-        }
+        let truncated = msg.flags.contains(rustix::net::ReturnFlags::CTRUNC);
         let mut got_fds = false;
         for m in control.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
@@ -222,6 +235,14 @@ impl Connection {
                 self.pending_fds.extend(fds);
             }
         }
+        if truncated {
+            // Whatever arrived is incomplete: the message it belongs to is refused.
+            if !got_fds {
+                self.pending_fds.clear();
+            }
+            self.pending_trunc = true;
+            got_fds = true;
+        }
         if got_fds {
             self.fds_from = read_from;
             self.fds_to = read_from + msg.bytes;
@@ -231,13 +252,37 @@ impl Connection {
     }
 }
 
+/// How long a send may wait for a peer that does not read.
+#[derive(Debug, Clone, Copy)]
+pub struct SendLimit<'a> {
+    /// The whole send must be done within this time; then it fails with `TimedOut`.
+    pub timeout: Duration,
+    /// Gives up at once (`ConnectionAborted`) when this descriptor becomes readable (the
+    /// server's stop eventfd).
+    pub abort: Option<std::os::fd::BorrowedFd<'a>>,
+}
+
 /// Sends `bytes` (one or more whole messages) with optional descriptors in a single `sendmsg`,
-/// retrying on short writes (descriptors go with the first part only).
+/// retrying on short writes (descriptors go with the first part only). Waits as long as the
+/// peer needs to make room; see [`send_bounded`] for a send that gives up.
 pub fn send_all(
     stream: &UnixStream,
     bytes: &[u8],
     fds: &[std::os::fd::BorrowedFd<'_>],
 ) -> io::Result<()> {
+    send_bounded(stream, bytes, fds, None)
+}
+
+/// [`send_all`] that waits for room in the socket at most `limit.timeout` in all and stops
+/// early when `limit.abort` fires: a client that stops reading its replies can never hold
+/// the thread that sends them.
+pub fn send_bounded(
+    stream: &UnixStream,
+    bytes: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+    limit: Option<SendLimit<'_>>,
+) -> io::Result<()> {
+    let deadline = limit.map(|l| Instant::now() + l.timeout);
     let mut sent = 0;
     let mut first = true;
     while sent < bytes.len() || (first && !fds.is_empty()) {
@@ -250,21 +295,25 @@ pub fn send_all(
             if !control.push(SendAncillaryMessage::ScmRights(fds)) {
                 return Err(io::Error::from_raw_os_error(libc::E2BIG));
             }
-            rustix::net::sendmsg(stream.as_fd(), &iov, &mut control, SendFlags::NOSIGNAL)
+            rustix::net::sendmsg(
+                stream.as_fd(),
+                &iov,
+                &mut control,
+                SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+            )
         } else {
-            rustix::net::send(stream.as_fd(), rest, SendFlags::NOSIGNAL)
+            rustix::net::send(
+                stream.as_fd(),
+                rest,
+                SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+            )
         };
         match n {
             Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
             Ok(n) => sent += n,
             Err(e) if e == rustix::io::Errno::INTR => continue,
             Err(e) if e == rustix::io::Errno::AGAIN => {
-                // The socket may be in non-blocking (spinning) mode: wait for room.
-                let mut pfd = [rustix::event::PollFd::new(
-                    stream,
-                    rustix::event::PollFlags::OUT,
-                )];
-                rustix::event::poll(&mut pfd, None)?;
+                wait_for_room(stream, deadline, limit.and_then(|l| l.abort))?;
                 continue;
             }
             Err(e) => return Err(e.into()),
@@ -272,6 +321,53 @@ pub fn send_all(
         first = false;
     }
     Ok(())
+}
+
+/// Waits until `stream` has room, the deadline passes (`TimedOut`) or `abort` is readable
+/// (`ConnectionAborted`).
+fn wait_for_room(
+    stream: &UnixStream,
+    deadline: Option<Instant>,
+    abort: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<()> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    loop {
+        let timeout = match deadline {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the peer did not read for the whole send timeout",
+                    ));
+                }
+                Some(Timespec::try_from(left).unwrap_or(Timespec {
+                    tv_sec: 1,
+                    tv_nsec: 0,
+                }))
+            }
+        };
+        let mut pfd = [
+            PollFd::new(stream, PollFlags::OUT),
+            PollFd::from_borrowed_fd(abort.unwrap_or(stream.as_fd()), PollFlags::IN),
+        ];
+        let n = if abort.is_some() { 2 } else { 1 };
+        match rustix::event::poll(&mut pfd[..n], timeout.as_ref()) {
+            Ok(_) => {}
+            Err(e) if e == rustix::io::Errno::INTR => continue,
+            Err(e) => return Err(e.into()),
+        }
+        if n == 2 && pfd[1].revents().contains(PollFlags::IN) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the server is stopping",
+            ));
+        }
+        if !pfd[0].revents().is_empty() {
+            return Ok(());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -326,6 +422,61 @@ mod tests {
         assert_eq!(got.body.len(), 100);
         t.join().expect("join");
         assert!(matches!(conn.recv(), Err(TransportError::Truncated)));
+    }
+
+    #[test]
+    fn a_send_to_a_peer_that_never_reads_is_bounded_and_abortable() {
+        let (a, _peer) = UnixStream::pair().expect("pair");
+        let big = vec![0u8; 8 << 20]; // more than any socket buffer
+        let t0 = Instant::now();
+        let limit = SendLimit {
+            timeout: Duration::from_millis(200),
+            abort: None,
+        };
+        let e = send_bounded(&a, &big, &[], Some(limit)).expect_err("peer never reads");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+        // The abort descriptor ends the wait at once, whatever the timeout.
+        let (b, _peer2) = UnixStream::pair().expect("pair");
+        let stop = switchyard_device::irq::new_eventfd().expect("eventfd");
+        std::io::Write::write_all(&mut &stop, &1u64.to_ne_bytes()).expect("fire");
+        let limit = SendLimit {
+            timeout: Duration::from_secs(3600),
+            abort: Some(stop.as_fd()),
+        };
+        let e = send_bounded(&b, &big, &[], Some(limit)).expect_err("aborted");
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
+    }
+
+    #[test]
+    fn truncated_descriptors_are_reported_with_their_message() {
+        // Send more descriptors than the receiver's control buffer holds.
+        let (a, b) = UnixStream::pair().expect("pair");
+        let mut conn = Connection::new(b, 4096, Duration::ZERO);
+        let f = memfd::MemfdOptions::default()
+            .create("t")
+            .expect("memfd")
+            .into_file();
+        let many: Vec<_> = (0..MAX_FDS_PER_READ + 8).map(|_| f.as_fd()).collect();
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(64))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(SendAncillaryMessage::ScmRights(&many)));
+        let m = msg(1, &[0; 16]);
+        let iov = [io::IoSlice::new(&m)];
+        rustix::net::sendmsg(&a, &iov, &mut control, SendFlags::empty()).expect("send");
+        send_all(&a, &msg(2, &[0; 16]), &[f.as_fd()]).expect("send");
+        let m1 = conn.recv().expect("m1");
+        assert!(
+            m1.fds_truncated,
+            "the kernel dropped some: the message must say so"
+        );
+        let m2 = conn.recv().expect("m2");
+        assert!(!m2.fds_truncated);
+        assert_eq!(m2.fds.len(), 1);
     }
 
     #[test]

@@ -95,7 +95,9 @@ impl Scratch {
 /// The `ERR_*` code and faulting address of a DMA error.
 fn dma_error(e: &DmaError, fallback: u64) -> (u32, u64) {
     match *e {
-        DmaError::Unmapped { iova } | DmaError::Remote { iova, .. } => (ERR_DMA_UNMAPPED, iova),
+        DmaError::Unmapped { iova } | DmaError::Remote { iova, .. } | DmaError::Fault { iova } => {
+            (ERR_DMA_UNMAPPED, iova)
+        }
         DmaError::Permission { iova, .. } => (ERR_DMA_PERMISSION, iova),
         DmaError::Overflow { iova, .. } => (ERR_BAD_COMMAND, iova),
         _ => (ERR_DMA_UNMAPPED, fallback),

@@ -205,7 +205,8 @@ pub const ERR_NONE: u32 = 0;
 pub const ERR_BAD_OPCODE: u32 = 1;
 /// Malformed command: reserved bits set, misaligned operand, bad vector, range wraps.
 pub const ERR_BAD_COMMAND: u32 = 2;
-/// A guest operand range is not (fully) mapped. `ERROR_ADDR` = first unmapped IOVA.
+/// A guest operand range is not (fully) mapped, or the client's memory no longer backs it (a
+/// file truncated under the device). `ERROR_ADDR` = first unmapped IOVA.
 pub const ERR_DMA_UNMAPPED: u32 = 3;
 /// A guest operand range lacks the permission (e.g. a write into a read-only window).
 /// `ERROR_ADDR` = first IOVA without the permission.

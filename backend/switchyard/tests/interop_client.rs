@@ -177,11 +177,17 @@ fn dirty_bitmap_on_unmap_reports_device_writes() {
     let server = ServerProcess::start("softgpu");
     let mut d = Driver::new(Ours(connect(&server)));
     d.setup_queue(0);
-    // Clear whatever setup dirtied: read-and-clear through an unmap+remap of window 0.
-    let _ =
+    // Outside a logging session nothing is logged: every page of the window is reported.
+    let all =
         d.t.0
             .dma_unmap_dirty(GUEST_IOVA, common::driver::WINDOW_SIZE, 4096)
             .expect("unmap");
+    assert_eq!(
+        set_pages(&all).len() as u64,
+        common::driver::WINDOW_SIZE / 4096,
+        "never logged: all dirty"
+    );
+    d.t.0.dma_logging_start(4096, &[]).expect("start logging");
     let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
     d.t.0
         .dma_map(

@@ -129,9 +129,27 @@ pub struct GuestMemory {
 }
 
 impl GuestMemory {
+    /// Sealed against shrinking and growing, as QEMU's `memory-backend-memfd` seals by default:
+    /// the server accesses it directly.
     pub fn new(size: u64) -> Self {
-        let file = memfd::MemfdOptions::default()
+        let mfd = memfd::MemfdOptions::default()
+            .allow_sealing(true)
             .create("guest-ram")
+            .expect("memfd");
+        mfd.as_file().set_len(size).expect("set_len");
+        mfd.add_seals(&[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow])
+            .expect("seal");
+        GuestMemory {
+            file: mfd.into_file(),
+            size,
+        }
+    }
+
+    /// Not sealed: the client may shrink it under the server, which therefore accesses it
+    /// through its fault-safe path.
+    pub fn unsealed(size: u64) -> Self {
+        let file = memfd::MemfdOptions::default()
+            .create("guest-ram-unsealed")
             .expect("memfd")
             .into_file();
         file.set_len(size).expect("set_len");
