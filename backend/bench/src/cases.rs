@@ -829,16 +829,22 @@ pub fn copy(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     let max = COPY_SIZES.iter().copied().max().unwrap_or(1 << 20);
     let server = Switchyard::start(dir, "softgpu-copy", DeviceKind::SoftGpu, Duration::ZERO)?;
     let mut gpu = Gpu::setup(server.connect(s.stall_timeout())?, max)?;
+    // The same on guest memory that is not sealed: the server's fault-safe path.
+    let server_u = Switchyard::start(dir, "softgpu-copy-u", DeviceKind::SoftGpu, Duration::ZERO)?;
+    let mut gpu_u = Gpu::setup_with(server_u.connect(s.stall_timeout())?, max, false)?;
     // Fault in guest memory and VRAM.
     let pattern: Vec<u8> = (0..1usize << 20).map(|i| (i * 13 + 1) as u8).collect();
-    let mut off = 0;
-    while off < max {
-        gpu.mem_write(DATA_OFFSET + off, &pattern)?;
-        off += pattern.len() as u64;
-    }
     let mut seq = 0u64;
-    copy_once(&mut gpu, Dir::GuestToVram, max, 1, &mut seq)?;
-    copy_once(&mut gpu, Dir::VramToGuest, max, 1, &mut seq)?;
+    let mut seq_u = 0u64;
+    for (g, sq) in [(&mut gpu, &mut seq), (&mut gpu_u, &mut seq_u)] {
+        let mut off = 0;
+        while off < max {
+            g.mem_write(DATA_OFFSET + off, &pattern)?;
+            off += pattern.len() as u64;
+        }
+        copy_once(g, Dir::GuestToVram, max, 1, sq)?;
+        copy_once(g, Dir::VramToGuest, max, 1, sq)?;
+    }
     let mut memcpy = Memcpy::new(usize::try_from(max)?);
     let mut memcpy2 = Memcpy2::new(usize::try_from(max)?)?;
 
@@ -881,11 +887,15 @@ pub fn copy(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
                         copy_once(&mut g.borrow_mut(), d, size, queues, &mut sq.borrow_mut())
                     }));
                 }
+                let (g, sq) = (&mut gpu_u, &mut seq_u);
+                cs.push(Contender::new("copy unsealed", move || {
+                    copy_once(g, d, size, 1, sq)
+                }));
                 interleaved(&mut cs, copy_plan(s, size))?
             };
             let work = size as f64;
-            let [fl1, fl2, one, two] = results.as_mut_slice() else {
-                bail!("copy: expected 4 contenders");
+            let [fl1, fl2, one, two, guarded] = results.as_mut_slice() else {
+                bail!("copy: expected 5 contenders");
             };
             let floor1 = fig("single-thread memcpy", fl1, Unit::GBps, work)?;
             let floor2 = fig("memcpy split over 2 threads", fl2, Unit::GBps, work)?;
@@ -893,6 +903,25 @@ pub fn copy(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
                 Dir::GuestToVram => ("g2v", "guest→VRAM"),
                 Dir::VramToGuest => ("v2g", "VRAM→guest"),
             };
+            let variant = "softgpu, 1 queue, unsealed guest RAM";
+            rows.push(Row::new(
+                "copy",
+                format!("COPY {name} {}", human(size)),
+                op,
+                variant,
+                Some(size),
+                Unit::GBps,
+                fig(variant, guarded, Unit::GBps, work)?,
+                Some(floor1.clone()),
+                None,
+                None,
+                format!(
+                    "guest RAM not sealed against shrinking: the server copies through its \
+                     fault-safe path (/proc/self/mem, 64 KiB per system call); {}; floor: {}",
+                    human(size),
+                    floor1.name
+                ),
+            ));
             for (queues, samples, floor) in [(1, one, floor1), (QUEUES, two, floor2)] {
                 let variant = if queues == 1 {
                     "softgpu, 1 queue".to_owned()
@@ -926,7 +955,10 @@ pub fn copy(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     }
     drop(memcpy2);
     gpu.check_queues()?;
+    gpu_u.check_queues()?;
     drop(gpu);
+    drop(gpu_u);
+    server_u.shutdown()?;
     server.shutdown()
 }
 

@@ -52,14 +52,27 @@ pub struct Gpu {
 
 impl Gpu {
     /// Maps `data_size` bytes of guest data (plus the control MiB), enables memory space, bus
-    /// mastering and MSI-X, wires MSI-X vector 0 to an eventfd and enables every queue.
-    pub fn setup(mut client: Client, data_size: u64) -> Result<Gpu> {
+    /// mastering and MSI-X, wires MSI-X vector 0 to an eventfd and enables every queue. Guest
+    /// memory is a memfd sealed against shrinking, as QEMU's `memory-backend-memfd` makes it
+    /// (the server accesses it directly).
+    pub fn setup(client: Client, data_size: u64) -> Result<Gpu> {
+        Self::setup_with(client, data_size, true)
+    }
+
+    /// [`Gpu::setup`] with guest memory `sealed` or not (an unsealed memfd may shrink under
+    /// the server, which then accesses it through its fault-safe path).
+    pub fn setup_with(mut client: Client, data_size: u64, sealed: bool) -> Result<Gpu> {
         let size = CONTROL_SIZE + data_size;
-        let memfd = memfd::MemfdOptions::default()
+        let mfd = memfd::MemfdOptions::default()
+            .allow_sealing(sealed)
             .create("bench-guest")
-            .context("memfd")?
-            .into_file();
-        memfd.set_len(size).context("size guest memory")?;
+            .context("memfd")?;
+        mfd.as_file().set_len(size).context("size guest memory")?;
+        if sealed {
+            mfd.add_seals(&[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow])
+                .context("seal guest memory")?;
+        }
+        let memfd = mfd.into_file();
         let mem = MmapRegion::<()>::from_file(
             FileOffset::new(memfd.try_clone().context("dup memfd")?, 0),
             usize::try_from(size)?,
