@@ -19,9 +19,11 @@
 //! ([`DmaError::Fault`], `EFAULT`): the device reports a DMA error, the server keeps serving.
 //! Guarded windows cost a system call per 64 KiB; measured in the bench.
 //!
-//! **Descriptors.** Windows of one memory object (QEMU behind a vIOMMU maps guest RAM page by
-//! page, each `DMA_MAP` with its own copy of the same descriptor) share one open file: the
-//! duplicates the client sent are closed as soon as the window is mapped.
+//! **Descriptors and mappings.** Windows of one memory object (QEMU behind a vIOMMU maps guest
+//! RAM page by page, each `DMA_MAP` with its own copy of the same descriptor) share one mapping
+//! of the whole file and one open file: the duplicates the client sent are closed as soon as
+//! the window is mapped, and mapping a page costs no `mmap`. Files over 64 GiB are mapped per
+//! window instead (address space is finite).
 //!
 //! **Dirty-log memory.** Logs are allocated when logging starts (or when a window is mapped
 //! while it runs), fallibly, and all of them together are bounded by a budget
@@ -328,9 +330,9 @@ enum Backing {
 /// A window backed by the client's file: mapped into this process, accessed directly or
 /// through the fault-safe path (see the module docs), with its dirty log.
 struct FdWindow {
-    /// The mapping; it starts `delta` bytes before the window (mmap offsets must be aligned to
-    /// the file's page size, which is a huge page on hugetlbfs).
-    map: MmapRegion<()>,
+    /// The mapping of the client's file the window lies in; the window starts `delta` bytes
+    /// into it.
+    obj: Arc<ObjectMap>,
     delta: usize,
     len: usize,
     /// Accessed through `/proc/self/mem` rather than loads and stores.
@@ -341,14 +343,37 @@ struct FdWindow {
 impl FdWindow {
     /// The volatile view of `[off, off+len)` of the window (direct windows only).
     fn slice(&self, off: usize, len: usize) -> Option<DmaSlice<'_>> {
-        self.map.get_slice(self.delta.checked_add(off)?, len).ok()
+        self.obj
+            .map
+            .get_slice(self.delta.checked_add(off)?, len)
+            .ok()
     }
 
     /// This process's address of byte `off` of the window.
     fn addr(&self, off: usize) -> u64 {
-        self.map.as_ptr() as u64 + (self.delta + off) as u64
+        self.obj.map.as_ptr() as u64 + (self.delta + off) as u64
     }
 }
+
+/// One mapping of (part of) a client's file, shared by every window that lies in it.
+struct ObjectMap {
+    map: MmapRegion<()>,
+    /// File offset of the mapping's first byte.
+    start: u64,
+}
+
+impl ObjectMap {
+    /// Where file range `[offset, offset+size)` starts in this mapping, if it lies inside.
+    fn place(&self, offset: u64, size: u64) -> Option<usize> {
+        let delta = offset.checked_sub(self.start)?;
+        let end = delta.checked_add(size)?;
+        (end <= self.map.size() as u64).then(|| usize::try_from(delta).ok())?
+    }
+}
+
+/// Files up to this size are mapped whole, once, and every window into them shares that
+/// mapping; a window into a larger file gets a mapping of its own (address space is finite).
+const OBJECT_MAP_MAX: u64 = 64 << 30;
 
 /// The fault-safe path to this process's memory (see the module docs).
 fn proc_mem() -> Option<&'static File> {
@@ -384,30 +409,64 @@ fn access_policy(file: &File) -> std::io::Result<(bool, u64)> {
     Ok((sealed, 4096))
 }
 
-/// One open file per memory object the client maps (see the module docs).
+/// One mapping per memory object the client maps (see the module docs).
 #[derive(Default)]
 struct Objects {
-    files: HashMap<(u64, u64, bool), Weak<File>>,
+    maps: HashMap<(u64, u64, bool), Weak<ObjectMap>>,
     /// Prune dead entries when the table has grown to this size.
     prune_at: usize,
 }
 
 impl Objects {
-    /// The shared file for `file`'s object (`file` itself if it is the first); `writable`
-    /// keeps read-only and read-write opens of one object apart.
-    fn share(&mut self, file: File, writable: bool) -> std::io::Result<Arc<File>> {
-        let meta = file.metadata()?;
+    /// A mapping of `file` that holds `[offset, offset+size)`, and where that range starts in
+    /// it: the object's shared mapping if one exists, else a new one (of the whole file when
+    /// it is at most [`OBJECT_MAP_MAX`], aligned to `align`). `file` (the client's copy of
+    /// the descriptor) is closed when an existing mapping serves. Read-only and read-write
+    /// opens of one object are kept apart.
+    fn map(
+        &mut self,
+        file: File,
+        writable: bool,
+        offset: u64,
+        size: u64,
+        align: u64,
+    ) -> std::result::Result<(Arc<ObjectMap>, usize), vm_memory::mmap::MmapRegionError> {
+        use vm_memory::mmap::MmapRegionError as E;
+        let meta = file.metadata().map_err(E::Mmap)?;
         let key = (meta.dev(), meta.ino(), writable);
-        if let Some(f) = self.files.get(&key).and_then(Weak::upgrade) {
-            return Ok(f); // `file` (the client's duplicate) is closed here.
+        if let Some(o) = self.maps.get(&key).and_then(Weak::upgrade) {
+            if let Some(delta) = o.place(offset, size) {
+                return Ok((o, delta));
+            }
         }
-        let f = Arc::new(file);
-        if self.files.len() >= self.prune_at {
-            self.files.retain(|_, w| w.strong_count() > 0);
-            self.prune_at = (self.files.len() * 2).max(64);
+        let whole = meta.len() <= OBJECT_MAP_MAX;
+        let (start, end) = if whole {
+            (0, meta.len())
+        } else {
+            (offset - offset % align, offset + size)
+        };
+        let invalid = || E::Mmap(std::io::Error::from_raw_os_error(libc::EINVAL));
+        let len = end
+            .checked_sub(start)
+            .and_then(|l| l.checked_next_multiple_of(align))
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or_else(invalid)?;
+        let prot = libc::PROT_READ | if writable { libc::PROT_WRITE } else { 0 };
+        let map = MmapRegionBuilder::new(len)
+            .with_file_offset(FileOffset::new(file, start))
+            .with_mmap_prot(prot)
+            .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+            .build()?;
+        let o = Arc::new(ObjectMap { map, start });
+        let delta = o.place(offset, size).ok_or_else(invalid)?;
+        if whole {
+            if self.maps.len() >= self.prune_at {
+                self.maps.retain(|_, w| w.strong_count() > 0);
+                self.prune_at = (self.maps.len() * 2).max(64);
+            }
+            self.maps.insert(key, Arc::downgrade(&o));
         }
-        self.files.insert(key, Arc::downgrade(&f));
-        Ok(f)
+        Ok((o, delta))
     }
 }
 
@@ -577,34 +636,20 @@ impl DmaSpace {
         let writable = rustix::fs::fcntl_getfl(&file)
             .map_err(|e| backing_err(e.into()))?
             .contains(rustix::fs::OFlags::RDWR);
-        let file = self
+        if prot.write && !writable {
+            return Err(DmaError::Backing {
+                iova,
+                source: std::io::Error::from_raw_os_error(libc::EACCES),
+            });
+        }
+        let (obj, delta) = self
             .objects
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .share(file, writable)
-            .map_err(backing_err)?;
-        let start = offset - offset % align;
-        let delta = (offset - start) as usize;
-        let map_len = (delta as u64)
-            .checked_add(size)
-            .and_then(|l| l.checked_next_multiple_of(align))
-            .and_then(|l| usize::try_from(l).ok())
-            .ok_or(DmaError::BadWindow { iova, size })?;
-        let mut mprot = 0;
-        if prot.read {
-            mprot |= libc::PROT_READ;
-        }
-        if prot.write {
-            mprot |= libc::PROT_WRITE;
-        }
-        let map = MmapRegionBuilder::new(map_len)
-            .with_file_offset(FileOffset::from_arc(file, start))
-            .with_mmap_prot(mprot)
-            .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
-            .build()
+            .map(file, writable, offset, size, align)
             .map_err(|source| DmaError::Mmap { iova, source })?;
         Ok(FdWindow {
-            map,
+            obj,
             delta,
             len,
             guarded: !direct,
@@ -1331,7 +1376,7 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_descriptors_of_one_object_share_one_open_file() {
+    fn windows_of_one_object_share_one_mapping_and_one_open_file() {
         let f = sealed_memfd(0x40000);
         let dma = DmaSpace::new(128);
         for i in 0..64u64 {
@@ -1344,22 +1389,58 @@ mod tests {
             )
             .expect("map");
         }
+        // A read-only window of the same file shares it too.
+        dma.map(
+            0x200000,
+            0x1000,
+            DmaProt::READ_ONLY,
+            Some((f.try_clone().expect("dup"), 0)),
+        )
+        .expect("ro map");
         let table = dma.read_table();
-        let files: Vec<&Arc<File>> = table
+        let objs: Vec<&Arc<ObjectMap>> = table
             .maps
             .iter()
             .filter_map(|m| match &m.backing {
-                Backing::Fd(w) => w.map.file_offset().map(|fo| fo.arc()),
+                Backing::Fd(w) => Some(&w.obj),
                 Backing::Message => None,
             })
             .collect();
-        assert_eq!(files.len(), 64);
+        assert_eq!(objs.len(), 65);
         assert!(
-            files.iter().all(|a| Arc::ptr_eq(a, files[0])),
-            "one open file for all"
+            objs.iter().all(|o| Arc::ptr_eq(o, objs[0])),
+            "one mapping for all"
         );
-        // 64 windows hold the shared file; every duplicate the "client" sent is closed.
-        assert_eq!(Arc::strong_count(files[0]), 64);
+        // 65 windows hold it; every duplicate descriptor the "client" sent is closed.
+        assert_eq!(Arc::strong_count(objs[0]), 65);
+        drop(table);
+        // The windows see the file where their offsets say.
+        use std::os::unix::fs::FileExt;
+        f.write_all_at(&7u64.to_ne_bytes(), 5 * 0x1000 + 8)
+            .expect("pwrite");
+        assert_eq!(dma.read_u64(0x100000 + 5 * 0x1000 + 8).expect("read"), 7);
+        // A window past the end of the first mapping (the file grew) gets a new one.
+        f.set_len(0x80000).expect_err("sealed against growing");
+        let g = memfd(0x1000);
+        dma.map(
+            0x300000,
+            0x1000,
+            DmaProt::READ_WRITE,
+            Some((g.try_clone().expect("dup"), 0)),
+        )
+        .expect("map");
+        g.set_len(0x3000).expect("grow");
+        dma.map(
+            0x301000,
+            0x1000,
+            DmaProt::READ_WRITE,
+            Some((g.try_clone().expect("dup"), 0x2000)),
+        )
+        .expect("map past the first mapping");
+        dma.write_u64(0x301000, 9).expect("write");
+        let mut b = [0u8; 8];
+        g.read_exact_at(&mut b, 0x2000).expect("pread");
+        assert_eq!(u64::from_ne_bytes(b), 9);
     }
 
     #[test]
