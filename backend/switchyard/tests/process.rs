@@ -8,7 +8,7 @@ use std::fs::File;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::raw::Raw;
@@ -123,11 +123,88 @@ fn is_socket(p: &Path) -> bool {
     std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket())
 }
 
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run switchyard")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
 /// A client that negotiates and reads the softgpu's MAGIC register: proof that a server is
 /// listening on `socket` and serving.
 fn assert_serves(socket: &Path) {
     let mut r = Raw::negotiated(socket);
     assert_eq!(r.read_reg(MAGIC), u32::from_le_bytes(*b"SYGP"));
+}
+
+#[test]
+fn no_arguments_print_the_usage_to_stderr_and_exit_2() {
+    let out = run(&[]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(out.stdout.is_empty(), "stdout: {}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(err.contains("Usage: switchyard <COMMAND>"), "{err}");
+    assert!(err.contains("serve"), "the usage lists the commands: {err}");
+}
+
+#[test]
+fn help_documents_logging_and_exit_codes() {
+    for args in [&["--help"][..], &["serve", "--help"]] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+        let help = text(&out.stdout);
+        for needle in [
+            "RUST_LOG",
+            "stderr",
+            "0 clean shutdown",
+            "1 runtime error",
+            "2 bad arguments",
+            "SIGHUP",
+        ] {
+            assert!(help.contains(needle), "{args:?} lacks `{needle}`:\n{help}");
+        }
+    }
+}
+
+#[test]
+fn exit_codes_bad_arguments_2_runtime_error_1() {
+    let out = run(&["serve", "--socket", "/tmp/x.sock", "--device", "nonsense"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = text(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.contains("unknown device model `nonsense`"), "{err}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("no-such-dir/gpu.sock");
+    let out = Command::new(BIN)
+        .args(["serve", "--socket"])
+        .arg(&missing)
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("cannot bind socket") && err.contains("No such file or directory"),
+        "{err}"
+    );
+}
+
+#[test]
+fn sighup_finishes_like_sigterm_removes_the_socket_and_exits_0() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("gpu.sock");
+    let mut s = Serve::start(&socket, &dir.path().join("log"), &[], "info", "");
+    assert_serves(&socket);
+    let st = s.signal_and_wait(Signal::HUP);
+    assert_eq!(st.code(), Some(0), "{st}:\n{}", s.log_text());
+    assert!(!socket.exists(), "socket removed");
+    assert!(s.log_text().contains("shutting down"), "{}", s.log_text());
 }
 
 /// Server A's socket path is taken over by server B (A's file was removed, B bound the path):
@@ -200,7 +277,7 @@ fn every_socket_path_length_af_unix_allows_binds_and_longer_ones_name_the_limit(
         .output()
         .expect("run");
     assert_eq!(out.status.code(), Some(1), "{out:?}");
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = text(&out.stderr);
     assert!(
         err.contains("108 bytes") && err.contains("107 bytes"),
         "{err}"
@@ -225,6 +302,31 @@ fn socket_gets_its_exact_mode_whatever_the_umask() {
         .mode();
     assert_eq!(mode & 0o777, 0o660);
     assert_serves(&socket);
+}
+
+#[test]
+fn serve_raises_the_soft_open_file_limit_to_the_hard_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("gpu.sock");
+    let log = dir.path().join("log");
+    let hard = rustix::process::getrlimit(Resource::Nofile)
+        .maximum
+        .expect("a finite hard RLIMIT_NOFILE");
+    assert!(hard > 256, "hard limit {hard} leaves nothing to raise");
+    let s = Serve::start(&socket, &log, &[], "debug", "ulimit -S -n 256");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", s.pid().as_raw_nonzero()))
+        .expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files");
+    let soft: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(soft[3], hard.to_string(), "soft limit raised: {line}");
+    let logged = s.wait_log("RLIMIT_NOFILE", Duration::from_secs(5));
+    assert!(
+        logged.contains(&format!("nofile={hard}")) && logged.contains("from=256"),
+        "{logged}"
+    );
 }
 
 /// The lowest file descriptor number `pid` does not use: what its next `accept` would get.
