@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -236,14 +236,48 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     result
 }
 
+/// How often `--swap-every-ms` logs a summary at INFO (each swap is logged at DEBUG).
+const SWAP_SUMMARY_EVERY: Duration = Duration::from_secs(10);
+
+/// Swap counters for one summary period (or the whole run).
+#[derive(Debug, Default, Clone, Copy)]
+struct SwapStats {
+    swaps: u64,
+    refused: u64,
+    max_held: Duration,
+}
+
+impl SwapStats {
+    fn add(&mut self, other: &SwapStats) {
+        self.swaps += other.swaps;
+        self.refused += other.refused;
+        self.max_held = self.max_held.max(other.max_held);
+    }
+}
+
 /// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
 /// daemon does (successor built and engines drained outside the slot, only the hand-over inside).
+/// Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
 fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
-    let mut swaps = 0u64;
+    let mut total = SwapStats::default();
+    let mut period = SwapStats::default();
+    let mut period_start = Instant::now();
     while !stop.is_stopping() {
         std::thread::sleep(every);
         if stop.is_stopping() {
             break;
+        }
+        if period_start.elapsed() >= SWAP_SUMMARY_EVERY {
+            tracing::info!(
+                swaps = period.swaps,
+                refused = period.refused,
+                max_held_us = period.max_held.as_micros() as u64,
+                secs = period_start.elapsed().as_secs(),
+                "swap soak"
+            );
+            total.add(&period);
+            period = SwapStats::default();
+            period_start = Instant::now();
         }
         let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
         let next = match SoftGpu::with_shared_vram(config, slot.context().clone(), vram) {
@@ -256,15 +290,22 @@ fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
         ctl.set_running(false);
         match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
             Ok(report) => {
-                swaps += 1;
+                period.swaps += 1;
+                period.max_held = period.max_held.max(report.held);
                 drop(report.old);
-                tracing::debug!(swaps, "swap soak");
             }
             Err(e) => {
                 ctl.set_running(true);
+                period.refused += 1;
                 tracing::debug!(error = %e, "swap soak: swap refused");
             }
         }
     }
-    tracing::info!(swaps, "swap soak finished");
+    total.add(&period);
+    tracing::info!(
+        swaps = total.swaps,
+        refused = total.refused,
+        max_held_us = total.max_held.as_micros() as u64,
+        "swap soak finished"
+    );
 }

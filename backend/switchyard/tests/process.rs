@@ -393,3 +393,39 @@ fn accept_at_the_open_file_limit_backs_off_with_a_bounded_log() {
     });
     assert!(served.is_some(), "not served after the limit was lifted");
 }
+
+/// `--swap-every-ms` at INFO: a summary every 10 s and at the end, not a line per swap.
+#[test]
+fn swap_soak_logs_a_periodic_summary_not_every_swap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("gpu.sock");
+    let log = dir.path().join("log");
+    let mut s = Serve::start(
+        &socket,
+        &log,
+        &["--device", "softgpu,vram=1M", "--swap-every-ms", "5"],
+        "info",
+        "",
+    );
+    let summary = s.wait_log("swap soak", Duration::from_secs(20));
+    let swaps: u64 = summary
+        .split("swaps=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no swap count: {summary}"));
+    assert!(swaps >= 100, "swaps every 5 ms for 10 s: {summary}");
+    assert!(
+        summary.contains("refused=") && summary.contains("max_held_us="),
+        "{summary}"
+    );
+    assert_eq!(s.signal_and_wait(Signal::TERM).code(), Some(0));
+    let text = s.log_text();
+    assert_eq!(
+        text.matches("device swapped").count(),
+        0,
+        "per-swap lines at INFO"
+    );
+    assert!(text.lines().count() < 20, "{text}");
+    assert!(text.contains("swap soak finished"), "{text}");
+}

@@ -263,6 +263,18 @@ impl Server {
 
     /// Like [`Server::start`], with more `switchyard serve` arguments.
     pub fn start_with(env: &GuestEnv, dir: &Path, device: &str, extra: &[&str]) -> Result<Server> {
+        let rust_log = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+        Self::start_logging(env, dir, device, extra, &rust_log)
+    }
+
+    /// Like [`Server::start_with`], with the server's `RUST_LOG` filter.
+    pub fn start_logging(
+        env: &GuestEnv,
+        dir: &Path,
+        device: &str,
+        extra: &[&str],
+        rust_log: &str,
+    ) -> Result<Server> {
         let socket = dir.join("gpu.sock");
         let log = dir.join("server.log");
         let err =
@@ -272,10 +284,7 @@ impl Server {
             .arg(&socket)
             .args(["--device", device])
             .args(extra)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
+            .env("RUST_LOG", rust_log)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(err)

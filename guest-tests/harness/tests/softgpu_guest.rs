@@ -49,18 +49,20 @@ fn guest_enumerates_and_probes_the_softgpu_without_iommu() {
 }
 
 /// Boots a guest whose in-guest VFIO driver runs the full workload against a server with
-/// `device` (and `server_args`), and checks its summary: `vectors` interrupt vectors in
+/// `device` (and `server_args`, logging with `rust_log`), and checks its summary: `vectors` interrupt vectors in
 /// `irq_mode`, each of which delivered at least once. Returns the server's log.
 fn full_workload(
     name: &str,
     device: &str,
     server_args: &[&str],
+    rust_log: &str,
     vectors: usize,
     irq_mode: &str,
 ) -> String {
     let mut server_log = String::new();
     with_logs(name, |env, dir| {
-        let mut server = Server::start_with(env, dir, device, server_args).expect("server");
+        let mut server =
+            Server::start_logging(env, dir, device, server_args, rust_log).expect("server");
         let mut spec = GuestSpec::new("sygpu-driver");
         spec.iommu = true;
         spec.devices = vec![VfioUserDevice::new("gpu0", &server.socket)];
@@ -112,13 +114,20 @@ fn full_workload(
 
 #[test]
 fn in_guest_vfio_driver_runs_the_full_workload() {
-    full_workload("driver", "softgpu,vram=64M,queues=2", &[], 16, "msix");
+    full_workload(
+        "driver",
+        "softgpu,vram=64M,queues=2",
+        &[],
+        "info",
+        16,
+        "msix",
+    );
 }
 
 #[test]
 fn in_guest_vfio_driver_runs_the_full_workload_with_msi() {
     // One MSI vector for every source, demultiplexed through INT_STATUS.
-    full_workload("driver-msi", "softgpu,irq=msi", &[], 1, "msi");
+    full_workload("driver-msi", "softgpu,irq=msi", &[], "info", 1, "msi");
 }
 
 /// The backing device is swapped for a fresh instance every 20 ms underneath QEMU and the
@@ -131,6 +140,8 @@ fn in_guest_vfio_driver_does_not_notice_the_device_being_swapped() {
         "driver-swaps",
         "softgpu,vram=64M,queues=2",
         &["--swap-every-ms", "20"],
+        // Each swap is logged at debug (a summary at info).
+        "info,switchyard_server::slot=debug",
         16,
         "msix",
     );
