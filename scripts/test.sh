@@ -28,6 +28,9 @@ cargo fmt --all -- --check
 step "cargo clippy (-D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "MSRV (scripts/check-msrv.sh; std APIs are checked by clippy's incompatible_msrv above)"
+scripts/check-msrv.sh
+
 step "cargo doc (-D warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
