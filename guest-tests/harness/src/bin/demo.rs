@@ -2,7 +2,7 @@
 //! progress display, print a result table. Run through `scripts/demo.sh`, which sets up and
 //! builds everything first.
 //!
-//! Output goes through [`say!`]: when stdout is closed (`scripts/demo.sh | head`) the demo stops,
+//! Output goes through `say!`: when stdout is closed (`scripts/demo.sh | head`) the demo stops,
 //! stops the guest and the server, and exits 0 without a message, instead of panicking.
 
 use std::process::ExitCode;
