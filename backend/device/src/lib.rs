@@ -12,6 +12,8 @@
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
+// Every dependency is used (the test build also sees the dev-dependencies, hence not there).
+#![cfg_attr(not(test), deny(unused_crate_dependencies))]
 
 pub mod config;
 pub mod dirty;

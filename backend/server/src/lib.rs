@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub use listener::{DeviceSocket, StopHandle};
+pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
 pub use slot::{DeviceSlot, SwapError, SwapReport};
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
 use switchyard_proto::{MigState, ProtoError, ServerLimits};
@@ -41,6 +41,9 @@ pub enum ServerError {
     /// Another server is listening on the socket path.
     #[error("socket {0} is in use by another server")]
     SocketInUse(PathBuf),
+    /// The socket path is longer than AF_UNIX allows.
+    #[error("Socket path {0} is {1} bytes long; AF_UNIX socket paths are limited to 107 bytes")]
+    SocketPathTooLong(PathBuf, usize),
     /// Binding the socket failed.
     #[error("cannot bind socket {0}")]
     Bind(PathBuf, #[source] io::Error),

@@ -3,30 +3,50 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::AsFd;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
 
 use crate::ServerError;
 
-/// A bound device socket. Removes the socket file when dropped.
+/// The longest socket path AF_UNIX can bind or connect to: `sun_path` holds 108 bytes
+/// including the terminating NUL.
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// A bound device socket. Removes the socket file when dropped, if the file at its path is
+/// still the one this process bound (another server may have taken the path over since).
 #[derive(Debug)]
 pub struct DeviceSocket {
     listener: UnixListener,
     path: PathBuf,
+    /// Device and inode of the socket file this process bound.
+    ident: (u64, u64),
 }
 
 impl DeviceSocket {
     /// Binds `path` with permissions `mode`. A stale socket file nobody listens on is replaced;
-    /// a live one is an error.
+    /// a live one is an error. Every path AF_UNIX accepts (up to [`MAX_SOCKET_PATH`] bytes)
+    /// works.
     pub fn bind(path: &Path, mode: u32) -> Result<Self, ServerError> {
+        let len = path.as_os_str().len();
+        if len > MAX_SOCKET_PATH {
+            return Err(ServerError::SocketPathTooLong(path.to_owned(), len));
+        }
+        let bind_err = |e| ServerError::Bind(path.to_owned(), e);
+        if path.file_name().is_none() {
+            return Err(bind_err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the path does not name a file",
+            )));
+        }
         if let Ok(meta) = fs::symlink_metadata(path) {
             if !meta.file_type().is_socket() {
                 return Err(ServerError::SocketPathTaken(path.to_owned()));
@@ -34,31 +54,28 @@ impl DeviceSocket {
             if UnixStream::connect(path).is_ok() {
                 return Err(ServerError::SocketInUse(path.to_owned()));
             }
-            fs::remove_file(path).map_err(|e| ServerError::Bind(path.to_owned(), e))?;
+            fs::remove_file(path).map_err(bind_err)?;
         }
         // Bind and listen under a temporary name, then rename into place: the socket file
         // appears only once it accepts connections, so a VMM started as soon as the file
-        // exists never sees ECONNREFUSED. The socket is created without group/other access
-        // (umask) and then given its exact mode.
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-        let _ = fs::remove_file(&tmp);
-        let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
-        let bound = UnixListener::bind(&tmp);
-        rustix::process::umask(old);
-        let listener = bound.map_err(|e| ServerError::Bind(path.to_owned(), e))?;
-        let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))
-            .and_then(|()| fs::rename(&tmp, path));
-        if let Err(e) = placed {
-            let _ = fs::remove_file(&tmp);
-            return Err(ServerError::Bind(path.to_owned(), e));
-        }
+        // exists never sees ECONNREFUSED. The temporary socket lives in a fresh directory only
+        // this user can enter, so nobody can connect to it before it has its exact mode; the
+        // process umask is never touched (other threads may be creating files meanwhile).
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let staging = Staging::create(parent).map_err(bind_err)?;
+        let listener = staging.bind().map_err(bind_err)?;
+        fs::set_permissions(staging.socket(), fs::Permissions::from_mode(mode))
+            .map_err(bind_err)?;
+        let meta = fs::symlink_metadata(staging.socket()).map_err(bind_err)?;
+        fs::rename(staging.socket(), path).map_err(bind_err)?;
+        drop(staging);
         Ok(Self {
             listener,
             path: path.to_owned(),
+            ident: (meta.dev(), meta.ino()),
         })
     }
 
@@ -70,7 +87,77 @@ impl DeviceSocket {
 
 impl Drop for DeviceSocket {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.path);
+        match fs::symlink_metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == self.ident => {
+                let _ = fs::remove_file(&self.path);
+            }
+            Ok(_) => tracing::info!(
+                socket = %self.path.display(),
+                "the socket path belongs to another server now; left in place"
+            ),
+            Err(_) => {}
+        }
+    }
+}
+
+/// A private directory next to the socket path, where the socket is bound before it is
+/// renamed into place. Removed (with anything left in it) when dropped.
+struct Staging {
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+impl Staging {
+    fn create(parent: &Path) -> io::Result<Self> {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        let pid = std::process::id();
+        for _ in 0..100 {
+            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+            let dir = parent.join(format!(".sy{pid:x}.{n:x}"));
+            match fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => {
+                    let staging = Self {
+                        socket: dir.join("s"),
+                        dir,
+                    };
+                    // The umask may have taken bits from 0700; the owner needs all three.
+                    fs::set_permissions(&staging.dir, fs::Permissions::from_mode(0o700))?;
+                    return Ok(staging);
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "cannot create a private staging directory next to the socket",
+        ))
+    }
+
+    fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Binds and listens at [`Staging::socket`]. When that path is too long for AF_UNIX (the
+    /// target path fits, but not the staging one), the directory is reached through
+    /// `/proc/self/fd` instead, which gives a short path to the same place.
+    fn bind(&self) -> io::Result<UnixListener> {
+        if self.socket.as_os_str().len() <= MAX_SOCKET_PATH {
+            return UnixListener::bind(&self.socket);
+        }
+        let dir = rustix::fs::open(
+            &self.dir,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )?;
+        UnixListener::bind(format!("/proc/self/fd/{}/s", dir.as_raw_fd()))
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.socket);
+        let _ = fs::remove_dir(&self.dir);
     }
 }
 
@@ -198,12 +285,69 @@ impl Drop for Acceptor {
     }
 }
 
+/// How often a persisting accept failure is logged again (with the number of failures since).
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
+/// Longest pause between accept retries while accepting keeps failing.
+const ACCEPT_MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Failures of `accept()` in a row: at the open-file limit (EMFILE/ENFILE) a pending
+/// connection keeps the socket readable, so retrying at once would spin and flood the log.
+/// Retries back off exponentially (up to [`ACCEPT_MAX_BACKOFF`]) and the failure is logged once,
+/// then at most every [`ACCEPT_LOG_EVERY`] with a count.
+#[derive(Debug, Default)]
+struct AcceptFailures {
+    /// Failures since accepting last worked.
+    total: u64,
+    /// Failures since the last log line.
+    unlogged: u64,
+    last_log: Option<Instant>,
+    backoff: Duration,
+}
+
+impl AcceptFailures {
+    /// Records a failure; returns how long to wait before retrying.
+    fn failed(&mut self, e: &io::Error) -> Duration {
+        self.total += 1;
+        self.unlogged += 1;
+        let now = Instant::now();
+        match self.last_log {
+            None => {
+                tracing::warn!(error = %e, "accept failed; retrying with backoff");
+                self.last_log = Some(now);
+                self.unlogged = 0;
+            }
+            Some(t) if now.duration_since(t) >= ACCEPT_LOG_EVERY => {
+                tracing::warn!(
+                    error = %e,
+                    failures = self.unlogged,
+                    total = self.total,
+                    "accept still failing"
+                );
+                self.last_log = Some(now);
+                self.unlogged = 0;
+            }
+            Some(_) => {}
+        }
+        self.backoff = (self.backoff * 2).clamp(Duration::from_millis(10), ACCEPT_MAX_BACKOFF);
+        self.backoff
+    }
+
+    /// Accepting works (again).
+    fn succeeded(&mut self) {
+        if self.total > 0 {
+            tracing::info!(failures = self.total, "accept works again");
+            *self = Self::default();
+        }
+    }
+}
+
 fn accept_loop(
     listener: UnixListener,
     tx: mpsc::SyncSender<UnixStream>,
     busy: Arc<AtomicBool>,
     stop: StopHandle,
 ) {
+    let mut failures = AcceptFailures::default();
     loop {
         if stop.is_stopping() {
             return;
@@ -228,6 +372,7 @@ fn accept_loop(
         }
         match listener.accept() {
             Ok((stream, _)) => {
+                failures.succeeded();
                 if busy.load(Ordering::SeqCst) && stop.active_is_ending() {
                     // The previous client hung up and is being torn down: let this one wait
                     // for it (bounded) instead of refusing a legitimate reconnect.
@@ -248,8 +393,14 @@ fn accept_loop(
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
-                tracing::error!(error = %e, "accept failed");
-                std::thread::sleep(std::time::Duration::from_millis(10));
+                let wait = failures.failed(&e);
+                // Back off, but stay responsive to a stop request.
+                let mut wake = [PollFd::from_borrowed_fd(
+                    stop.inner.wake.as_fd(),
+                    PollFlags::IN,
+                )];
+                let timeout = rustix::event::Timespec::try_from(wait).unwrap_or_default();
+                let _ = rustix::event::poll(&mut wake, Some(&timeout));
             }
         }
     }

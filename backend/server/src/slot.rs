@@ -110,7 +110,7 @@ impl<D: PciDevice> DeviceSlot<D> {
         let old = std::mem::replace(&mut slot.device, new);
         let held = t0.elapsed();
         drop(slot);
-        tracing::info!(held_us = held.as_micros() as u64, "device swapped");
+        tracing::debug!(held_us = held.as_micros() as u64, "device swapped");
         Ok(SwapReport { held, old })
     }
 }

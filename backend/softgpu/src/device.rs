@@ -29,6 +29,21 @@ struct Runtime {
     /// Bumped by every queue or device reset and restore; results of a command started in an
     /// older epoch are discarded.
     epoch: u64,
+    /// What the engine saw when it last looked for work (tests wait for it instead of sleeping).
+    #[cfg(test)]
+    seen: Seen,
+}
+
+/// The inputs of an engine's last look for work: a test that expects a command *not* to run
+/// waits until the engine has looked at the state in question, then asserts.
+#[cfg(test)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seen {
+    pub(crate) tail: u32,
+    pub(crate) enabled: bool,
+    pub(crate) bus_master: bool,
+    pub(crate) halted: bool,
+    pub(crate) stopped: bool,
 }
 
 #[derive(Debug)]
@@ -58,6 +73,20 @@ struct Job {
 }
 
 impl Regs {
+    #[cfg(test)]
+    fn note_seen(&mut self, q: usize) {
+        let seen = Seen {
+            tail: self.st.queues.get(q).map_or(0, |qs| qs.tail),
+            enabled: self.st.queues.get(q).is_some_and(|qs| qs.enabled),
+            bus_master: self.st.config_space.bus_master(),
+            halted: self.halted,
+            stopped: self.stopped,
+        };
+        if let Some(rt) = self.rt.get_mut(q) {
+            rt.seen = seen;
+        }
+    }
+
     fn queue_status(&self, q: usize) -> u32 {
         let (Some(qs), Some(rt)) = (self.st.queues.get(q), self.rt.get(q)) else {
             return Q_STATUS_STOPPED;
@@ -441,6 +470,12 @@ impl Shared {
         self.lock().halted
     }
 
+    /// What engine `q` saw when it last looked for work.
+    #[cfg(test)]
+    pub(crate) fn engine_seen(&self, q: usize) -> Seen {
+        self.lock().rt.get(q).map(|rt| rt.seen).unwrap_or_default()
+    }
+
     /// The client is gone: park the engines and stop touching DMA memory.
     pub(crate) fn halt(&self) {
         self.with_quiesced(true, |g| g.halted = true);
@@ -595,6 +630,8 @@ impl Shared {
             if g.shutdown {
                 return;
             }
+            #[cfg(test)]
+            g.note_seen(q);
             let Some(job) = g.next_job(q) else {
                 // Idle: release what a very large command grew before sleeping.
                 scratch.trim();

@@ -4,19 +4,29 @@
 //! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2]] [--swap-every-ms N]
 //! ```
 //!
-//! Logs go to stderr (`RUST_LOG` honoured, default `info`). SIGTERM / SIGINT finish the message
-//! in progress, remove the socket and exit 0. Bad arguments print a one-line error and exit 2.
+//! Logs go to stderr (`RUST_LOG` honoured, default `info`). SIGTERM / SIGINT / SIGHUP finish the
+//! message in progress, remove the socket and exit 0. A runtime error exits 1. Bad arguments
+//! print a one-line error and exit 2; no arguments at all print the usage and exit 2.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
+
+/// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
+const AFTER_HELP: &str = "\
+Logging: logs go to stderr (stdout stays empty). RUST_LOG sets the filter, default `info`;
+e.g. RUST_LOG=debug, or RUST_LOG=trace to see every region access.
+
+Exit codes: 0 clean shutdown (SIGTERM, SIGINT or SIGHUP: the message in progress is answered
+and the socket removed), 1 runtime error (e.g. the socket cannot be bound, the device cannot be
+created), 2 bad arguments (a one-line error; no arguments at all print the usage).";
 
 /// Switchyard: a vfio-user backend that serves PCI devices (the software GPU today) to VMs
 /// over a UNIX socket. Point QEMU at the socket with
@@ -24,7 +34,7 @@ use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 /// must be a shared memory backend, e.g. `memory-backend-memfd,share=on`), or cloud-hypervisor
 /// with `--user-device socket=PATH` and `--memory ...,shared=on`.
 #[derive(Debug, Parser)]
-#[command(name = "switchyard", version, about, long_about)]
+#[command(name = "switchyard", version, about, long_about, after_help = AFTER_HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -32,12 +42,13 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve one device on a socket in the foreground until SIGTERM/SIGINT.
+    /// Serve one device on a socket in the foreground until SIGTERM/SIGINT/SIGHUP.
     ///
     /// The socket file appears only once the server accepts connections, so a VMM can be started as soon
     /// as the socket file exists. One client at a time: a second concurrent client is closed
     /// right away. When a client disconnects its DMA mappings and interrupt eventfds are
     /// dropped, the device keeps its state and the next client is served.
+    #[command(after_help = AFTER_HELP)]
     Serve(ServeArgs),
 }
 
@@ -108,6 +119,11 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                // No subcommand (e.g. no arguments at all): the usage, to stderr.
+                eprint!("{}", e.render());
+                return ExitCode::from(2);
+            }
             // One line: the error itself, without clap's usage block.
             let text = e.to_string();
             let line: Vec<&str> = text
@@ -140,7 +156,36 @@ fn main() -> ExitCode {
     }
 }
 
+/// Raises the soft RLIMIT_NOFILE to the hard limit: a client's DMA windows and eventfds are
+/// all file descriptors, and the default soft limit (often 1024) is easily reached.
+fn raise_nofile_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let show = |v: Option<u64>| v.map_or_else(|| "unlimited".to_owned(), |v| v.to_string());
+    let old = getrlimit(Resource::Nofile);
+    if old.current == old.maximum {
+        tracing::debug!(nofile = %show(old.current), "RLIMIT_NOFILE already at the hard limit");
+        return;
+    }
+    let raised = Rlimit {
+        current: old.maximum,
+        maximum: old.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => tracing::debug!(
+            from = %show(old.current),
+            nofile = %show(old.maximum),
+            "raised RLIMIT_NOFILE to the hard limit"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            nofile = %show(old.current),
+            "cannot raise RLIMIT_NOFILE"
+        ),
+    }
+}
+
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    raise_nofile_limit();
     let mut config = ServerConfig::new(&args.socket);
     config.socket_mode = args.socket_mode;
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
@@ -155,7 +200,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
         .with_context(|| format!("cannot serve on {}", args.socket.display()))?;
     let stop = server.stop_handle();
-    let mut signals = Signals::new([SIGTERM, SIGINT]).context("cannot install signal handlers")?;
+    let mut signals =
+        Signals::new([SIGTERM, SIGINT, SIGHUP]).context("cannot install signal handlers")?;
     let handle = signals.handle();
     let watcher = std::thread::Builder::new()
         .name("sy-signals".into())
@@ -190,14 +236,48 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     result
 }
 
+/// How often `--swap-every-ms` logs a summary at INFO (each swap is logged at DEBUG).
+const SWAP_SUMMARY_EVERY: Duration = Duration::from_secs(10);
+
+/// Swap counters for one summary period (or the whole run).
+#[derive(Debug, Default, Clone, Copy)]
+struct SwapStats {
+    swaps: u64,
+    refused: u64,
+    max_held: Duration,
+}
+
+impl SwapStats {
+    fn add(&mut self, other: &SwapStats) {
+        self.swaps += other.swaps;
+        self.refused += other.refused;
+        self.max_held = self.max_held.max(other.max_held);
+    }
+}
+
 /// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
 /// daemon does (successor built and engines drained outside the slot, only the hand-over inside).
+/// Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
 fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
-    let mut swaps = 0u64;
+    let mut total = SwapStats::default();
+    let mut period = SwapStats::default();
+    let mut period_start = Instant::now();
     while !stop.is_stopping() {
         std::thread::sleep(every);
         if stop.is_stopping() {
             break;
+        }
+        if period_start.elapsed() >= SWAP_SUMMARY_EVERY {
+            tracing::info!(
+                swaps = period.swaps,
+                refused = period.refused,
+                max_held_us = period.max_held.as_micros() as u64,
+                secs = period_start.elapsed().as_secs(),
+                "swap soak"
+            );
+            total.add(&period);
+            period = SwapStats::default();
+            period_start = Instant::now();
         }
         let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
         let next = match SoftGpu::with_shared_vram(config, slot.context().clone(), vram) {
@@ -210,15 +290,22 @@ fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
         ctl.set_running(false);
         match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
             Ok(report) => {
-                swaps += 1;
+                period.swaps += 1;
+                period.max_held = period.max_held.max(report.held);
                 drop(report.old);
-                tracing::debug!(swaps, "swap soak");
             }
             Err(e) => {
                 ctl.set_running(true);
+                period.refused += 1;
                 tracing::debug!(error = %e, "swap soak: swap refused");
             }
         }
     }
-    tracing::info!(swaps, "swap soak finished");
+    total.add(&period);
+    tracing::info!(
+        swaps = total.swaps,
+        refused = total.refused,
+        max_held_us = total.max_held.as_micros() as u64,
+        "swap soak finished"
+    );
 }

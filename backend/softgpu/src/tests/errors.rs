@@ -261,7 +261,11 @@ fn queue_control_reset_disable_and_ring_config() {
     assert_eq!(h.qr(0, Q_STATUS), Q_STATUS_STOPPED);
     h.submit(0, &[Command::fence(G(DATA), 3, None)]);
     assert_eq!(h.qr(0, Q_TAIL), 3);
-    std::thread::sleep(Duration::from_millis(20));
+    h.wait_engine_saw(
+        0,
+        "the engine to see the doorbell of a disabled queue",
+        |s| !s.enabled,
+    );
     assert_eq!(h.qr(0, Q_HEAD), 2);
     // Re-enable: it runs.
     h.qw(0, Q_CONTROL, Q_CONTROL_ENABLE);
@@ -292,7 +296,11 @@ fn bus_master_gates_the_engines() {
     h.set_command(switchyard_device::config::regs::CMD_MEMORY);
     assert_eq!(h.rd32(DEV_STATUS) & DEV_STATUS_BUS_MASTER, 0);
     h.submit(0, &[Command::fence(G(DATA), 1, None)]);
-    std::thread::sleep(Duration::from_millis(20));
+    h.wait_engine_saw(
+        0,
+        "the engine to see the doorbell without bus mastering",
+        |s| !s.bus_master,
+    );
     assert_eq!(h.qr(0, Q_STATUS), Q_STATUS_PAUSED);
     assert_eq!(h.qr(0, Q_HEAD), 0);
     assert_eq!(h.guest_read(DATA, 8), [0; 8]);

@@ -436,6 +436,17 @@ impl Harness {
     }
 
     /// Enqueues and rings the doorbell; returns the index of the first command.
+    /// Waits until engine `q` has looked for work in a state that `ok` accepts (and that
+    /// includes the queue's current tail): the positive signal a test needs before asserting
+    /// that a command did *not* run.
+    pub fn wait_engine_saw(&self, q: u32, what: &str, ok: impl Fn(crate::device::Seen) -> bool) {
+        let tail = self.tails[q as usize];
+        wait_until(what, || {
+            let seen = self.gpu.shared.engine_seen(q as usize);
+            seen.tail == tail && ok(seen)
+        });
+    }
+
     pub fn submit(&mut self, q: u32, cmds: &[Command]) -> u32 {
         let first = self.enqueue(q, cmds);
         let t = self.tails[q as usize];

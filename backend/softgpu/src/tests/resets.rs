@@ -153,7 +153,11 @@ fn reset_abandons_a_running_command() {
     start_gemm_batch(&mut h);
     h.gpu.reset().expect("reset");
     assert_logic_power_on(&mut h);
-    std::thread::sleep(Duration::from_millis(20));
+    // The engine let go of the abandoned command (STATUS reads RUNNING while it executes):
+    // whatever it wrote, it has written.
+    wait_until("the engine to drop the command", || {
+        h.qr(0, Q_STATUS) != Q_STATUS_RUNNING
+    });
     assert!(
         h.vram_file_read(GEMM_C, GEMM_C_LEN).iter().all(|&b| b == 0),
         "no engine writes after the reset"
@@ -171,7 +175,9 @@ fn disconnect_parks_engines_until_the_driver_returns() {
     assert_ne!(h.rd32(DEV_STATUS) & DEV_STATUS_HALTED, 0);
     // Bus mastering alone does not wake a halted device.
     h.enable_bus_master();
-    std::thread::sleep(Duration::from_millis(20));
+    h.wait_engine_saw(0, "the engine to see bus mastering while halted", |s| {
+        s.bus_master && s.halted
+    });
     assert_eq!(h.qr(0, Q_STATUS), Q_STATUS_PAUSED);
     assert_eq!(h.guest_read(DATA, 8), [0; 8]);
     // The next register write does.
@@ -190,8 +196,9 @@ fn queue_reset_abandons_its_running_command() {
     wait_until("queue stopped", || h.qr(0, Q_STATUS) == Q_STATUS_STOPPED);
     assert_eq!((h.qr(0, Q_HEAD), h.qr(0, Q_TAIL)), (0, 0));
     assert_eq!(h.rd64(queue_reg(0, Q_COMPLETED_LO)), 0);
+    // STOPPED, not RUNNING: the engine has let go of the abandoned command, so nothing it
+    // started can still be writing.
     let snapshot = h.vram_file_read(GEMM_C, GEMM_C_LEN);
-    std::thread::sleep(Duration::from_millis(20));
     assert!(
         h.vram_file_read(GEMM_C, GEMM_C_LEN) == snapshot,
         "no engine writes after the queue reset"
@@ -213,7 +220,9 @@ fn host_stop_parks_engines() {
     h.gpu.set_running(false);
     assert_ne!(h.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
     h.submit(1, &[Command::fence(Operand::Guest(DATA), 6, None)]);
-    std::thread::sleep(Duration::from_millis(20));
+    h.wait_engine_saw(1, "the engine to see the doorbell while stopped", |s| {
+        s.stopped
+    });
     assert_eq!(h.qr(1, Q_STATUS), Q_STATUS_PAUSED);
     assert_eq!(h.guest_read(DATA, 8), [0; 8]);
     h.gpu.set_running(true);

@@ -1,22 +1,68 @@
 //! The demo: start a softgpu, boot a guest, run the in-guest driver's workload with a short
 //! progress display, print a result table. Run through `scripts/demo.sh`, which sets up and
 //! builds everything first.
+//!
+//! Output goes through `say!`: when stdout is closed (`scripts/demo.sh | head`) the demo stops,
+//! stops the guest and the server, and exits 0 without a message, instead of panicking.
 
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use switchyard_guest_tests::{Guest, GuestEnv, GuestSpec, Server, complete_lines};
 use switchyard_qemu::VfioUserDevice;
 
-fn main() -> anyhow::Result<()> {
+/// Stdout is gone (the reader closed the pipe): the demo ends quietly.
+#[derive(Debug)]
+struct StdoutClosed(std::io::Error);
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Cannot write to stdout: {}", self.0)
+    }
+}
+
+impl std::error::Error for StdoutClosed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// `println!` that returns an error instead of panicking when stdout cannot be written.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err(StdoutClosed)?
+    }};
+}
+
+fn main() -> ExitCode {
+    match demo() {
+        Ok(()) => ExitCode::SUCCESS,
+        // Whoever read our output stopped reading (e.g. `| head`): nothing more to say, and
+        // the guest and the server were stopped on the way out.
+        Err(e)
+            if e.downcast_ref::<StdoutClosed>()
+                .is_some_and(|c| c.0.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn demo() -> anyhow::Result<()> {
     let env = GuestEnv::discover().context("the demo needs scripts/setup.sh to have run")?;
     let dir = env.log_dir("demo")?;
     let device = std::env::var("SWITCHYARD_DEMO_DEVICE")
         .unwrap_or_else(|_| "softgpu,vram=64M,queues=2".into());
-    println!("switchyard demo: softgpu ({device}) served over vfio-user to a QEMU guest (TCG)");
+    say!("switchyard demo: softgpu ({device}) served over vfio-user to a QEMU guest (TCG)");
     let t0 = Instant::now();
     let mut server = Server::start(&env, &dir, &device).context("starting switchyard serve")?;
-    println!(
+    say!(
         "  [{:5.1}s] server listening on {}",
         t0.elapsed().as_secs_f64(),
         server.socket.display()
@@ -26,7 +72,7 @@ fn main() -> anyhow::Result<()> {
     spec.devices = vec![VfioUserDevice::new("gpu0", &server.socket)];
     let mut guest = Guest::boot(&env, &dir, &spec).context("booting the guest")?;
     let booted = Instant::now();
-    println!(
+    say!(
         "  [{:5.1}s] guest booting (QEMU vfio-user-pci, intel-iommu, driver via VFIO)",
         t0.elapsed().as_secs_f64()
     );
@@ -40,9 +86,9 @@ fn main() -> anyhow::Result<()> {
         for l in lines.iter().skip(shown) {
             let l = l.trim();
             if let Some(p) = l.strip_prefix("SYGPU:") {
-                println!("  [{:5.1}s] {}", t0.elapsed().as_secs_f64(), p.trim());
+                say!("  [{:5.1}s] {}", t0.elapsed().as_secs_f64(), p.trim());
             } else if l.starts_with("GUEST: pci") && l.contains("0x1234") {
-                println!(
+                say!(
                     "  [{:5.1}s] guest sees {}",
                     t0.elapsed().as_secs_f64(),
                     l.trim_start_matches("GUEST: pci ")
@@ -86,15 +132,15 @@ fn main() -> anyhow::Result<()> {
             .map_or_else(|| "-".to_owned(), |v| v.to_string())
     };
     let s = |k: &str| summary[k].as_str().unwrap_or("-").to_owned();
-    println!();
-    println!("  {:<28} {}", "result", s("result"));
-    println!("  {:<28} {}", "jobs run", n("jobs_run"));
-    println!(
+    say!();
+    say!("  {:<28} {}", "result", s("result"));
+    say!("  {:<28} {}", "jobs run", n("jobs_run"));
+    say!(
         "  {:<28} {}",
         "results verified bit-for-bit",
         n("jobs_verified")
     );
-    println!(
+    say!(
         "  {:<28} {}",
         "bytes moved by the engines",
         n("bytes_moved")
@@ -102,28 +148,28 @@ fn main() -> anyhow::Result<()> {
     let ok = |k: &str| if summary[k] == true { "ok" } else { "FAILED" };
     let irqs = summary["interrupts"]["total"].as_u64().unwrap_or(0);
     let mode = summary["irq_mode"].as_str().unwrap_or("msix");
-    println!(
+    say!(
         "  {:<28} {irqs} ({} fences waited by interrupt, {mode})",
         "interrupts delivered",
         n("fence_irq_waits")
     );
-    println!(
+    say!(
         "  {:<28} {}",
         "bad-DMA error + recovery",
         ok("error_test_ok")
     );
-    println!("  {:<28} {}", "VRAM via mmapped BAR", ok("vram_mmap_ok"));
-    println!(
+    say!("  {:<28} {}", "VRAM via mmapped BAR", ok("vram_mmap_ok"));
+    say!(
         "  {:<28} {} ms",
         "driver run time (guest)",
         n("duration_ms")
     );
-    println!(
+    say!(
         "  {:<28} {:.1} s",
         "total (boot to poweroff)",
         out.elapsed.as_secs_f64()
     );
-    println!("  logs: {}", dir.display());
+    say!("  logs: {}", dir.display());
     if summary["result"] != "pass" {
         bail!("the in-guest driver reported a failure: {summary}");
     }
