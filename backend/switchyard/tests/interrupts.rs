@@ -1,5 +1,6 @@
 //! Interrupt eventfds against a real server: only eventfds are accepted, the client's file
-//! flags are never touched, and a saturated blocking eventfd never stalls the device.
+//! flags are never touched, a saturated blocking eventfd never stalls the device, and the ERR
+//! index a VMM needs for error recovery is offered.
 
 mod common;
 
@@ -161,4 +162,40 @@ fn a_saturated_blocking_eventfd_does_not_stall_the_engine() {
     // Drained, the next completion is delivered normally.
     d.run(0, &[Command::fill(guest(0x1000), 64, 9).with_irq()]);
     assert_eq!(take(&saturated, Duration::from_secs(5)), Some(1));
+}
+
+#[test]
+fn the_err_index_offers_one_eventfd_vector_for_error_recovery() {
+    let server = ServerProcess::start("softgpu");
+    let mut c = Client::connect(&server.socket).expect("connect");
+    let err = c.irq_info(VFIO_PCI_ERR_IRQ_INDEX).expect("ERR irq info");
+    assert_eq!(err.count, 1, "{err:?}");
+    assert_ne!(err.flags & VFIO_IRQ_INFO_EVENTFD, 0, "{err:?}");
+    let efd = blocking_eventfd();
+    c.set_irqs(
+        VFIO_PCI_ERR_IRQ_INDEX,
+        EVENTFD_TRIGGER,
+        0,
+        1,
+        &[efd.as_fd()],
+    )
+    .expect("QEMU's SET_IRQS on the ERR index");
+    // Routed: a client-side trigger of the vector reaches the eventfd.
+    c.set_irqs(VFIO_PCI_ERR_IRQ_INDEX, NONE_TRIGGER, 0, 1, &[])
+        .expect("trigger");
+    assert_eq!(take(&efd, Duration::from_secs(5)), Some(1));
+    let e = c
+        .set_irqs(
+            VFIO_PCI_ERR_IRQ_INDEX,
+            EVENTFD_TRIGGER,
+            0,
+            2,
+            &[efd.as_fd(), efd.as_fd()],
+        )
+        .expect_err("one vector only");
+    assert_eq!(e.remote_errno(), Some(libc::EINVAL));
+    // The MSI mode offers it too.
+    let server = ServerProcess::start("softgpu,irq=msi");
+    let mut c = Client::connect(&server.socket).expect("connect");
+    assert_eq!(c.irq_info(VFIO_PCI_ERR_IRQ_INDEX).expect("ERR").count, 1);
 }

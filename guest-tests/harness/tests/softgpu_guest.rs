@@ -29,6 +29,16 @@ fn assert_device_listed(out: &GuestOutput) {
     );
 }
 
+/// QEMU warns at every start when the device offers no ERR interrupt (VFIO error index with one
+/// eventfd vector): "Could not enable error recovery for the device".
+fn assert_error_recovery_enabled(dir: &std::path::Path) {
+    let log = std::fs::read_to_string(dir.join("qemu.log")).expect("QEMU's stderr log");
+    assert!(
+        !log.contains("Could not enable error recovery"),
+        "QEMU could not enable error recovery:\n{log}"
+    );
+}
+
 #[test]
 fn guest_enumerates_and_probes_the_softgpu_without_iommu() {
     with_logs("probe", |env, dir| {
@@ -44,6 +54,7 @@ fn guest_enumerates_and_probes_the_softgpu_without_iommu() {
         assert_eq!(out.test_rc("sygpu-driver"), Some(0), "probe exit code");
         let probe = out.json_line("SYGPU-PROBE").expect("SYGPU-PROBE line");
         assert_eq!(probe["result"], "pass", "{probe}");
+        assert_error_recovery_enabled(dir);
         eprintln!("probe guest: {:.1} s, {probe}", out.elapsed.as_secs_f64());
     });
 }
