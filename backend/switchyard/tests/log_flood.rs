@@ -1,12 +1,15 @@
 //! What a client can make the server log: warnings it can provoke at message rate are logged
-//! once and then counted (one summary line per interval and when the client goes).
+//! once and then counted (one summary line per interval and when the client goes), and a
+//! slow-path configuration (guest RAM not shared) is named once per client.
 
 mod common;
 
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use common::ServerProcess;
 use common::raw::Raw;
+use switchyard_client::Client;
 use switchyard_proto::Header;
 use switchyard_proto::consts::*;
 use switchyard_softgpu::regs::MAGIC;
@@ -101,4 +104,40 @@ fn floods_of_failing_posted_writes_and_unsolicited_replies_are_counted_not_logge
         log.lines().count(),
         log.len()
     );
+}
+
+#[test]
+fn dma_maps_without_an_fd_are_named_once_per_client() {
+    const LINE: &str = "DMA window mapped without a file descriptor";
+    let server = ServerProcess::start_logging("info", &["--device", "softgpu"]);
+    let count = |s: &ServerProcess| s.log_text().matches(LINE).count();
+    let rw = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
+    let mem = common::GuestMemory::new(1 << 20);
+    {
+        let mut c = Client::connect(&server.socket).expect("connect");
+        // An fd-backed window says nothing.
+        c.dma_map(0x100_0000, 1 << 20, rw, Some((mem.file.as_fd(), 0)))
+            .expect("fd map");
+        assert_eq!(count(&server), 0);
+        c.dma_map(0x1_0000, 0x1_0000, rw, None).expect("map 1");
+        c.dma_map(0x4_0000, 0x1_0000, rw, None).expect("map 2");
+        let log = server.log_text();
+        assert_eq!(log.matches(LINE).count(), 1, "{log}");
+        let line = log.lines().find(|l| l.contains(LINE)).expect("line");
+        assert!(
+            line.contains("WARN")
+                && line.contains("memory-backend-memfd")
+                && line.contains("share=on")
+                && line.contains("--memory size=...,shared=on"),
+            "{line}"
+        );
+    }
+    // A new client is told again.
+    let mut c = common::wait_for(Duration::from_secs(10), || {
+        Client::connect(&server.socket).ok()
+    })
+    .expect("second client");
+    c.dma_map(0x1_0000, 0x1_0000, rw, None).expect("map");
+    c.dma_map(0x8_0000, 0x1_0000, rw, None).expect("map");
+    assert_eq!(count(&server), 2, "{}", server.log_text());
 }
