@@ -677,13 +677,14 @@ fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestEr
     Ok(())
 }
 
-/// Whether `fd` is an eventfd. The kernel names an eventfd's anonymous inode
-/// `anon_inode:[eventfd]`, which is what `/proc/self/fd/N` links to (a real file links to an
-/// absolute path, so no file can pretend to be one); this is how lsof and systemd tell them
-/// apart too. `Err` if procfs cannot answer.
-fn is_eventfd(fd: &OwnedFd) -> std::io::Result<bool> {
-    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-    Ok(link.as_os_str() == "anon_inode:[eventfd]")
+/// What `/proc/self/fd/N` links to for an eventfd: the kernel's name for its anonymous inode
+/// (what lsof shows). A real file links to an absolute path and a pipe or socket to
+/// `pipe:[ino]`/`socket:[ino]`, so no other file can pose as one.
+const EVENTFD_LINK: &str = "anon_inode:[eventfd]";
+
+/// What `fd` is, as procfs names it (compare with [`EVENTFD_LINK`]).
+fn fd_kind(fd: &OwnedFd) -> std::io::Result<std::path::PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 fn set_irqs<D: PciDevice>(
@@ -729,12 +730,12 @@ fn set_irqs<D: PciDevice>(
                 // checked before any vector changes. Their flags stay as the client set them
                 // (`Interrupts` never blocks on a blocking eventfd).
                 for (i, fd) in (set.start..).zip(&fds) {
-                    let verdict = is_eventfd(fd);
-                    if !matches!(verdict, Ok(true)) {
+                    let kind = fd_kind(fd);
+                    if !kind.as_ref().is_ok_and(|k| k.as_os_str() == EVENTFD_LINK) {
                         if bad_fds.allow() {
-                            let cause = match &verdict {
-                                Ok(_) => "not an eventfd".to_owned(),
-                                Err(e) => format!("cannot tell whether it is an eventfd: {e}"),
+                            let cause = match &kind {
+                                Ok(k) => format!("the file is {}", k.display()),
+                                Err(e) => format!("cannot tell what the file is: {e}"),
                             };
                             tracing::warn!(
                                 index = set.index,

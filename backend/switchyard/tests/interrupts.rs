@@ -121,8 +121,8 @@ fn set_irqs_takes_only_eventfds_and_leaves_their_flags_alone() {
         .collect();
     assert_eq!(refused.len(), 2, "{log}");
     assert!(
-        refused[0].contains("not an eventfd") && refused[0].contains("index=2"),
-        "{}",
+        refused[0].contains("the file is pipe:[") && refused[0].contains("index=2"),
+        "names what the file is: {}",
         refused[0]
     );
     assert!(
