@@ -77,8 +77,6 @@ struct Session {
     posted_failures: LogLimiter,
     unsolicited_replies: LogLimiter,
     bad_irq_fds: LogLimiter,
-    /// The client has DMA-mapped a window without a file descriptor (and was told once).
-    warned_fdless_dma: bool,
 }
 
 impl Session {
@@ -128,7 +126,6 @@ pub(crate) fn serve_connection<D: PciDevice>(
             "SET_IRQS refused a file that is not an eventfd",
             LOG_INTERVAL,
         ),
-        warned_fdless_dma: false,
     };
     let result = loop {
         let msg = match conn.recv() {
@@ -323,19 +320,6 @@ fn handle<D: PciDevice>(
             };
             let mmapped = backing.is_some();
             server.ctx().dma.map(m.address, m.size, prot, backing)?;
-            if !mmapped && !s.warned_fdless_dma {
-                s.warned_fdless_dma = true;
-                tracing::warn!(
-                    iova = m.address,
-                    size = m.size,
-                    "DMA window mapped without a file descriptor: the guest's RAM is not \
-                     shared, so every device DMA access to it is a DMA_READ/DMA_WRITE message \
-                     round trip (about 12x slower COPY); share guest RAM with the server: QEMU \
-                     `-object memory-backend-memfd,id=mem0,size=...,share=on -machine \
-                     memory-backend=mem0`, cloud-hypervisor `--memory size=...,shared=on` \
-                     (logged once per client)"
-                );
-            }
             tracing::debug!(
                 iova = m.address,
                 size = m.size,

@@ -1,17 +1,20 @@
 //! What a client can make the server log: warnings it can provoke at message rate are logged
-//! once and then counted (one summary line per interval and when the client goes), and a
-//! slow-path configuration (guest RAM not shared) is named once per client.
+//! once and then counted (one summary line per interval and when the client goes), and the
+//! slow path of guest RAM that is not shared (device DMA through messages) is named once per
+//! client.
 
 mod common;
 
-use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use common::ServerProcess;
+use common::driver::{Driver, guest};
+use common::ours::Ours;
 use common::raw::Raw;
-use switchyard_client::Client;
+use switchyard_client::{Client, FlatDma};
 use switchyard_proto::Header;
 use switchyard_proto::consts::*;
+use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::MAGIC;
 use zerocopy::IntoBytes;
 
@@ -106,26 +109,51 @@ fn floods_of_failing_posted_writes_and_unsolicited_replies_are_counted_not_logge
     );
 }
 
+/// A client whose DMA windows have no fd (guest RAM not shared): the device reaches them
+/// through DMA_READ/DMA_WRITE messages, which the client serves from `FlatDma`.
+fn fdless_client(server: &ServerProcess) -> Driver<Ours> {
+    let mut c = common::wait_for(Duration::from_secs(10), || {
+        Client::connect(&server.socket).ok()
+    })
+    .expect("connect");
+    c.set_dma_handler(Some(Box::new(FlatDma::new(FDLESS, 2 << 20))));
+    Driver::new(Ours(c))
+}
+
+const FDLESS: u64 = 0x4000_0000;
+
 #[test]
-fn dma_maps_without_an_fd_are_named_once_per_client() {
-    const LINE: &str = "DMA window mapped without a file descriptor";
+fn dma_through_windows_without_an_fd_is_named_once_per_client() {
+    const LINE: &str = "device DMA goes through DMA_READ/DMA_WRITE messages";
     let server = ServerProcess::start_logging("info", &["--device", "softgpu"]);
     let count = |s: &ServerProcess| s.log_text().matches(LINE).count();
     let rw = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
-    let mem = common::GuestMemory::new(1 << 20);
     {
-        let mut c = Client::connect(&server.socket).expect("connect");
-        // An fd-backed window says nothing.
-        c.dma_map(0x100_0000, 1 << 20, rw, Some((mem.file.as_fd(), 0)))
-            .expect("fd map");
-        assert_eq!(count(&server), 0);
-        c.dma_map(0x1_0000, 0x1_0000, rw, None).expect("map 1");
-        c.dma_map(0x4_0000, 0x1_0000, rw, None).expect("map 2");
+        // fd-backed windows (the driver's guest memory) say nothing.
+        let mut d = fdless_client(&server);
+        d.setup_queue(0);
+        d.run(0, &[Command::fill(guest(0x1000), 4096, 7)]);
+        // Nor do fd-less maps by themselves (QEMU maps ROMs and BARs that way in every setup).
+        for iova in [FDLESS, FDLESS + (1 << 20)] {
+            d.t.0.dma_map(iova, 1 << 20, rw, None).expect("fd-less map");
+        }
+        assert_eq!(count(&server), 0, "{}", server.log_text());
+        // Device DMA through both windows, reads and writes: one line.
+        d.run(
+            0,
+            &[
+                Command::copy(Operand::Guest(FDLESS), guest(0x2000), 64),
+                Command::fill(Operand::Guest(FDLESS + (1 << 20)), 64 << 10, 1),
+                Command::copy(guest(0x2000), Operand::Guest(FDLESS + 0x100), 64),
+            ],
+        );
+        assert!(d.t.0.dma_requests_served() >= 3);
         let log = server.log_text();
         assert_eq!(log.matches(LINE).count(), 1, "{log}");
         let line = log.lines().find(|l| l.contains(LINE)).expect("line");
         assert!(
             line.contains("WARN")
+                && line.contains("iova=1073741824")
                 && line.contains("memory-backend-memfd")
                 && line.contains("share=on")
                 && line.contains("--memory size=...,shared=on"),
@@ -133,11 +161,12 @@ fn dma_maps_without_an_fd_are_named_once_per_client() {
         );
     }
     // A new client is told again.
-    let mut c = common::wait_for(Duration::from_secs(10), || {
-        Client::connect(&server.socket).ok()
-    })
-    .expect("second client");
-    c.dma_map(0x1_0000, 0x1_0000, rw, None).expect("map");
-    c.dma_map(0x8_0000, 0x1_0000, rw, None).expect("map");
+    let mut d = fdless_client(&server);
+    d.t.0
+        .dma_map(FDLESS, 1 << 20, rw, None)
+        .expect("fd-less map");
+    d.setup_queue(0);
+    d.run(0, &[Command::fill(Operand::Guest(FDLESS), 4096, 2)]);
+    d.run(0, &[Command::fill(Operand::Guest(FDLESS), 4096, 3)]);
     assert_eq!(count(&server), 2, "{}", server.log_text());
 }
