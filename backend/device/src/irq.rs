@@ -3,7 +3,9 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::sync::RwLock;
+use std::sync::{Mutex, RwLock};
+
+use crate::ratelimit::{LOG_INTERVAL, LogLimiter};
 
 /// VFIO PCI interrupt indexes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -109,9 +111,40 @@ pub fn take_eventfd(fd: &File) -> Option<u64> {
     }
 }
 
-/// Signals an eventfd. A full counter (`EAGAIN` on a non-blocking eventfd) means the interrupt
-/// is already pending, which is what signalling wants.
-fn signal(fd: &File) -> Result<(), IrqError> {
+/// Signals an eventfd by adding one to its counter, without ever blocking, whatever the
+/// file's `O_NONBLOCK` flag (the server does not change the flags of a client's file: they
+/// belong to the client's open file description, shared with the client).
+///
+/// A write to an eventfd blocks only when it would take the counter to `u64::MAX`: a zero-
+/// timeout `poll(POLLOUT)` first tells whether the counter has room for one more. If not, it
+/// is at its ceiling: the interrupt is already pending, which is what signalling wants, so
+/// nothing is written (`EAGAIN` from a non-blocking eventfd means the same). The caller holds
+/// the `signal` lock, so two device threads signalling the same eventfd cannot both pass the
+/// check with room for one. Remaining race, documented rather than closed: the *client* (the
+/// only other writer of its eventfd) bringing the counter to within one of its ceiling between
+/// the poll and the write would block this thread until the client reads the eventfd; a
+/// client can only do that to its own interrupt, on purpose, to the last unit of a 2^64 counter.
+fn write_eventfd(fd: &File) -> Result<(), IrqError> {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut pfd = [PollFd::new(fd, PollFlags::OUT)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut pfd, Some(&zero)) {
+        Ok(_) => {}
+        Err(e) if e == rustix::io::Errno::INTR => return Ok(()),
+        Err(e) => return Err(IrqError::Signal(e.into())),
+    }
+    let ready = pfd[0].revents();
+    if ready.intersects(PollFlags::ERR | PollFlags::NVAL) {
+        return Err(IrqError::Signal(std::io::Error::from_raw_os_error(
+            libc::EBADF,
+        )));
+    }
+    if !ready.contains(PollFlags::OUT) {
+        return Ok(());
+    }
     match (&*fd).write(&1u64.to_ne_bytes()) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
@@ -120,11 +153,16 @@ fn signal(fd: &File) -> Result<(), IrqError> {
 }
 
 /// The interrupt state of one device: per index, per vector, the client's eventfd and the
-/// client-controlled mask (`SET_IRQS` MASK/UNMASK). Eventfds are held as plain files (the server
-/// sets them non-blocking when it receives them) and signalled by writing a count of one.
+/// client-controlled mask (`SET_IRQS` MASK/UNMASK). Eventfds are held as plain files (the
+/// server accepts only eventfds and leaves their flags alone) and signalled by adding one to
+/// their counter, never blocking (see [`Interrupts::trigger`]).
 #[derive(Debug)]
 pub struct Interrupts {
     indexes: RwLock<Vec<IndexState>>,
+    /// Serialises eventfd writes (see `write_eventfd`); taken after `indexes`, never before.
+    signal: Mutex<()>,
+    /// Failed signals from device threads ([`Interrupts::notify`]), per client.
+    failures: LogLimiter,
 }
 
 impl Interrupts {
@@ -138,7 +176,15 @@ impl Interrupts {
             .collect();
         Self {
             indexes: RwLock::new(indexes),
+            signal: Mutex::new(()),
+            failures: LogLimiter::new("cannot signal an interrupt", LOG_INTERVAL),
         }
+    }
+
+    /// Signals one eventfd (see `write_eventfd`).
+    fn signal(&self, fd: &File) -> Result<(), IrqError> {
+        let _one_at_a_time = self.signal.lock().unwrap_or_else(|p| p.into_inner());
+        write_eventfd(fd)
     }
 
     /// Re-sizes the table to `counts` vectors per index, dropping every eventfd.
@@ -218,7 +264,8 @@ impl Interrupts {
         })
     }
 
-    /// Drops every eventfd of every index (client disconnect).
+    /// Drops every eventfd of every index (client disconnect), and logs how many failed
+    /// signals of this client were not logged.
     pub fn clear(&self) {
         let mut idx = self.indexes.write().unwrap_or_else(|p| p.into_inner());
         for state in idx.iter_mut() {
@@ -227,6 +274,8 @@ impl Interrupts {
                 .iter_mut()
                 .for_each(|v| *v = Vector::default());
         }
+        drop(idx);
+        self.failures.flush();
     }
 
     /// Masks or unmasks vectors; `which` selects per vector (`None` = all in range). Unmasking a
@@ -256,7 +305,7 @@ impl Interrupts {
                 if !masked && v.pending {
                     v.pending = false;
                     if let Some(fd) = &v.trigger {
-                        signal(fd)?;
+                        self.signal(fd)?;
                     }
                 }
             }
@@ -264,8 +313,26 @@ impl Interrupts {
         })
     }
 
+    /// Signals vector `vector` from a device thread: like [`Interrupts::trigger`], but a
+    /// failure is logged here, rate-limited per client (the first in full, then a count per
+    /// interval and when the client goes), instead of returned. Returns whether an eventfd was
+    /// signalled.
+    pub fn notify(&self, index: IrqIndex, vector: u32) -> bool {
+        match self.trigger(index, vector) {
+            Ok(signalled) => signalled,
+            Err(e) => {
+                if self.failures.allow() {
+                    tracing::warn!(?index, vector, error = %e, "cannot signal an interrupt");
+                }
+                false
+            }
+        }
+    }
+
     /// Signals vector `vector` of `index`. Returns `Ok(true)` if an eventfd was signalled,
-    /// `Ok(false)` if the vector is masked (then it is left pending) or has no eventfd.
+    /// `Ok(false)` if the vector is masked (then it is left pending) or has no eventfd. Never
+    /// blocks, even on a blocking eventfd whose counter is at its ceiling (the interrupt is
+    /// pending then anyway).
     pub fn trigger(&self, index: IrqIndex, vector: u32) -> Result<bool, IrqError> {
         // Fast path: read lock only, unless the vector is masked.
         {
@@ -283,7 +350,7 @@ impl Interrupts {
                 })?;
             if !v.masked {
                 return match &v.trigger {
-                    Some(fd) => signal(fd).map(|()| true),
+                    Some(fd) => self.signal(fd).map(|()| true),
                     None => Ok(false),
                 };
             }
@@ -297,7 +364,7 @@ impl Interrupts {
             }
             Some(Vector {
                 trigger: Some(fd), ..
-            }) => signal(fd).map(|()| true),
+            }) => self.signal(fd).map(|()| true),
             _ => Ok(false),
         })
     }
@@ -368,6 +435,62 @@ mod tests {
         assert_eq!(take_eventfd(&fd), None, "nothing delivered while masked");
         irqs.set_masked(2, 0, 1, false, None).expect("unmask");
         assert_eq!(take_eventfd(&fd), Some(1), "pending delivered");
+    }
+
+    #[test]
+    fn a_saturated_blocking_eventfd_does_not_block_the_trigger() {
+        // A blocking eventfd (the client's flags are left alone) whose counter the client
+        // brought to its ceiling: a write of 1 would block until someone reads it.
+        let fd = File::from(
+            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).expect("eventfd"),
+        );
+        (&fd)
+            .write_all(&0xffff_ffff_ffff_fffeu64.to_ne_bytes())
+            .expect("saturate");
+        let irqs = std::sync::Arc::new(Interrupts::new(&[0, 0, 1]));
+        irqs.set_triggers(2, 0, vec![Some(file(&fd))])
+            .expect("assign");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let i = irqs.clone();
+        std::thread::spawn(move || {
+            let r = (0..3).all(|_| i.trigger(IrqIndex::Msix, 0).is_ok());
+            let _ = tx.send(r);
+        });
+        let r = rx.recv_timeout(std::time::Duration::from_secs(5));
+        assert_eq!(r, Ok(true), "the trigger returned, without an error");
+        let flags = rustix::fs::fcntl_getfl(&fd).expect("getfl");
+        assert!(
+            !flags.contains(rustix::fs::OFlags::NONBLOCK),
+            "flags untouched"
+        );
+        // Still readable: the interrupt is pending, the counter at its ceiling.
+        let mut b = [0u8; 8];
+        std::io::Read::read_exact(&mut &fd, &mut b).expect("read");
+        assert_eq!(u64::from_ne_bytes(b), 0xffff_ffff_ffff_fffe);
+        // Drained, it is signalled normally again.
+        assert!(irqs.trigger(IrqIndex::Msix, 0).expect("trigger"));
+        std::io::Read::read_exact(&mut &fd, &mut b).expect("read");
+        assert_eq!(u64::from_ne_bytes(b), 1);
+    }
+
+    #[test]
+    fn device_thread_failures_are_counted_not_logged_each_time() {
+        let irqs = Interrupts::new(&[0, 0, 2]);
+        for _ in 0..1000 {
+            // Vector 5 does not exist: every signal fails.
+            assert!(!irqs.notify(IrqIndex::Msix, 5));
+        }
+        assert_eq!(
+            irqs.failures.suppressed(),
+            999,
+            "one logged, the rest counted"
+        );
+        irqs.clear();
+        assert_eq!(
+            irqs.failures.suppressed(),
+            0,
+            "summarised when the client goes"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod dirty;
 pub mod dma;
 pub mod irq;
 pub mod msix;
+pub mod ratelimit;
 
 use std::fs::File;
 use std::sync::Arc;

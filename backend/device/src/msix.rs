@@ -147,9 +147,7 @@ impl MsixState {
             self.set_pending(vector, true);
             return;
         }
-        if let Err(e) = irqs.trigger(IrqIndex::Msix, vector as u32) {
-            tracing::warn!(vector, error = %e, "cannot signal MSI-X vector");
-        }
+        irqs.notify(IrqIndex::Msix, vector as u32);
     }
 
     /// Delivers every pending vector that is no longer masked (after a table, function mask or
@@ -158,9 +156,7 @@ impl MsixState {
         for v in 0..self.table.len() {
             if self.pending(v) && !self.masked(v, held) {
                 self.set_pending(v, false);
-                if let Err(e) = irqs.trigger(IrqIndex::Msix, v as u32) {
-                    tracing::warn!(vector = v, error = %e, "cannot signal MSI-X vector");
-                }
+                irqs.notify(IrqIndex::Msix, v as u32);
             }
         }
     }

@@ -170,13 +170,13 @@ impl<'a> DmaLoggingControl<'a> {
             .ok()
             .and_then(|n| n.checked_mul(DmaLoggingRange::SIZE))
             .ok_or(ProtoError::overflow("DMA logging ranges"))?;
-        if rest.len() != want {
-            return Err(ProtoError::BadSize {
-                what: "DMA logging ranges",
-                expected: want,
-                got: rest.len(),
-            });
-        }
+        // At least `num_ranges` ranges; bytes after them are ignored (libvfio-user does not
+        // look at the ranges at all).
+        let rest = rest.get(..want).ok_or(ProtoError::BadSize {
+            what: "DMA logging ranges",
+            expected: want,
+            got: rest.len(),
+        })?;
         let ranges = Records::<DmaLoggingRange>::from_bytes(rest, "DMA logging ranges")?;
         for r in ranges.iter() {
             r.iova

@@ -188,10 +188,21 @@ pub fn decode_request<'a>(
 /// bytes); `nfds` is the number of fds received with the message. Checks:
 /// header flags (command type, no `Error`, no unknown bits),
 /// `msg_size == 16 + body.len()` and `≤ limits.max_msg_size`, the command
-/// number (unknown: `EINVAL`; 14 and 19: `ENOTSUP`), direction, exact
-/// payload sizes, argsz minimums, flag bits, fd counts, transfer limits
-/// (`E2BIG`), and offset/size overflow. Range checks that need device
-/// knowledge (region/IRQ index, region size, DMA window) are the server's.
+/// number (unknown: `EINVAL`; 14 and 19: `ENOTSUP`), direction, payload
+/// sizes, argsz minimums, flag bits, fd counts, transfer limits (`E2BIG`),
+/// and offset/size overflow. Range checks that need device knowledge
+/// (region/IRQ index, region size, DMA window) are the server's.
+///
+/// Payload sizes are checked as libvfio-user (the reference server) checks
+/// them: a fixed struct must be complete, and bytes after it are ignored
+/// where they carry nothing (a kernel-style client sends the whole `argsz`
+/// buffer, e.g. DEVICE_GET_REGION_INFO with room for capabilities). Sizes
+/// the payload itself announces must hold: REGION_WRITE data equals
+/// `count`, SET_IRQS bools equal `count`, MIG_DATA_WRITE has at least
+/// `size` bytes (only those are used), DMA logging has at least its
+/// `num_ranges` ranges, a dirty-bitmap DMA_UNMAP has its bitmap header,
+/// REGION_WRITE_MULTI has exactly `wr_cnt` entries (a command libvfio-user
+/// does not implement).
 pub fn decode_request_with<'a>(
     hdr: &Header,
     body: &'a [u8],
@@ -221,7 +232,7 @@ pub fn decode_request_with<'a>(
             Version::decode(body, "VERSION").map(Request::Version)
         }
         Command::DmaMap => {
-            let m = read_exact::<DmaMap>(body, "DMA_MAP")?;
+            let (m, _) = read_prefix::<DmaMap>(body, "DMA_MAP")?;
             check_fds("DMA_MAP", nfds, 1)?;
             check_argsz("DMA_MAP", m.argsz, DmaMap::SIZE as u64)?;
             if m.flags & !VFIO_USER_F_DMA_REGION_ALL != 0 {
@@ -275,7 +286,6 @@ pub fn decode_request_with<'a>(
                         "unmap-all needs address and size 0",
                     ));
                 }
-                exact_body("DMA_UNMAP", rest, 0)?;
                 return Ok(Request::DmaUnmap {
                     unmap: u,
                     bitmap: None,
@@ -289,13 +299,12 @@ pub fn decode_request_with<'a>(
                 .checked_add(u.size - 1)
                 .ok_or(ProtoError::overflow("DMA_UNMAP address + size"))?;
             if u.flags & VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP == 0 {
-                exact_body("DMA_UNMAP", rest, 0)?;
                 return Ok(Request::DmaUnmap {
                     unmap: u,
                     bitmap: None,
                 });
             }
-            let b = read_exact::<BitmapHeader>(rest, "DMA_UNMAP bitmap header")?;
+            let (b, _) = read_prefix::<BitmapHeader>(rest, "DMA_UNMAP bitmap header")?;
             let want = dirty_bitmap_size(u.size, b.pgsize)?;
             if b.size != want {
                 return Err(ProtoError::invalid(
@@ -320,13 +329,13 @@ pub fn decode_request_with<'a>(
         }
         Command::DeviceGetInfo => {
             check_fds("DEVICE_GET_INFO", nfds, 0)?;
-            let i = read_exact::<DeviceInfo>(body, "DEVICE_GET_INFO")?;
+            let (i, _) = read_prefix::<DeviceInfo>(body, "DEVICE_GET_INFO")?;
             check_argsz("DEVICE_GET_INFO", i.argsz, DeviceInfo::SIZE as u64)?;
             Ok(Request::DeviceGetInfo { argsz: i.argsz })
         }
         Command::DeviceGetRegionInfo => {
             check_fds("DEVICE_GET_REGION_INFO", nfds, 0)?;
-            let i = read_exact::<RegionInfo>(body, "DEVICE_GET_REGION_INFO")?;
+            let (i, _) = read_prefix::<RegionInfo>(body, "DEVICE_GET_REGION_INFO")?;
             check_argsz("DEVICE_GET_REGION_INFO", i.argsz, RegionInfo::SIZE as u64)?;
             Ok(Request::DeviceGetRegionInfo {
                 argsz: i.argsz,
@@ -335,7 +344,7 @@ pub fn decode_request_with<'a>(
         }
         Command::DeviceGetRegionIoFds => {
             check_fds("DEVICE_GET_REGION_IO_FDS", nfds, 0)?;
-            let i = read_exact::<RegionIoFds>(body, "DEVICE_GET_REGION_IO_FDS")?;
+            let (i, _) = read_prefix::<RegionIoFds>(body, "DEVICE_GET_REGION_IO_FDS")?;
             check_argsz(
                 "DEVICE_GET_REGION_IO_FDS",
                 i.argsz,
@@ -360,7 +369,7 @@ pub fn decode_request_with<'a>(
         }
         Command::DeviceGetIrqInfo => {
             check_fds("DEVICE_GET_IRQ_INFO", nfds, 0)?;
-            let i = read_exact::<IrqInfo>(body, "DEVICE_GET_IRQ_INFO")?;
+            let (i, _) = read_prefix::<IrqInfo>(body, "DEVICE_GET_IRQ_INFO")?;
             check_argsz("DEVICE_GET_IRQ_INFO", i.argsz, IrqInfo::SIZE as u64)?;
             Ok(Request::DeviceGetIrqInfo {
                 argsz: i.argsz,
@@ -370,7 +379,7 @@ pub fn decode_request_with<'a>(
         Command::DeviceSetIrqs => decode_set_irqs(body, nfds).map(Request::DeviceSetIrqs),
         Command::RegionRead => {
             check_fds("REGION_READ", nfds, 0)?;
-            let a = read_exact::<RegionAccess>(body, "REGION_READ")?;
+            let (a, _) = read_prefix::<RegionAccess>(body, "REGION_READ")?;
             check_access(a.offset, u64::from(a.count), limits)?;
             Ok(Request::RegionRead {
                 offset: a.offset,
@@ -410,7 +419,6 @@ pub fn decode_request_with<'a>(
         }
         Command::DeviceReset => {
             check_fds("DEVICE_RESET", nfds, 0)?;
-            exact_body("DEVICE_RESET", body, 0)?;
             Ok(Request::DeviceReset)
         }
         Command::RegionWriteMulti => {
@@ -448,7 +456,7 @@ pub fn decode_request_with<'a>(
         }
         Command::MigDataRead => {
             check_fds("MIG_DATA_READ", nfds, 0)?;
-            let m = read_exact::<MigData>(body, "MIG_DATA_READ")?;
+            let (m, _) = read_prefix::<MigData>(body, "MIG_DATA_READ")?;
             check_xfer(u64::from(m.size), limits)?;
             check_argsz(
                 "MIG_DATA_READ",
@@ -464,7 +472,11 @@ pub fn decode_request_with<'a>(
             check_fds("MIG_DATA_WRITE", nfds, 0)?;
             let (m, data) = read_prefix::<MigData>(body, "MIG_DATA_WRITE")?;
             check_xfer(u64::from(m.size), limits)?;
-            data_len("MIG_DATA_WRITE data", data, u64::from(m.size))?;
+            let data = data.get(..m.size as usize).ok_or(ProtoError::BadSize {
+                what: "MIG_DATA_WRITE data",
+                expected: m.size as usize,
+                got: data.len(),
+            })?;
             check_argsz(
                 "MIG_DATA_WRITE",
                 m.argsz,
@@ -510,7 +522,6 @@ fn decode_set_irqs(body: &[u8], nfds: usize) -> Result<SetIrqs<'_>, ProtoError> 
     let data = match s.flags & VFIO_IRQ_SET_DATA_TYPE_MASK {
         VFIO_IRQ_SET_DATA_NONE => {
             check_fds("DEVICE_SET_IRQS (DATA_NONE)", nfds, 0)?;
-            exact_body("DEVICE_SET_IRQS data", rest, 0)?;
             IrqData::None
         }
         VFIO_IRQ_SET_DATA_BOOL => {
@@ -519,7 +530,6 @@ fn decode_set_irqs(body: &[u8], nfds: usize) -> Result<SetIrqs<'_>, ProtoError> 
             IrqData::Bool(rest)
         }
         VFIO_IRQ_SET_DATA_EVENTFD => {
-            exact_body("DEVICE_SET_IRQS data", rest, 0)?;
             if nfds != 0 && nfds as u64 != u64::from(s.count) {
                 return Err(ProtoError::BadFdCount {
                     what: "DEVICE_SET_IRQS (eventfds must equal count)",
@@ -583,10 +593,9 @@ fn decode_feature_request(body: &[u8]) -> Result<DeviceFeatureRequest<'_>, Proto
                 if f.get() {
                     FeatureRequest::GetMigDeviceState
                 } else {
-                    FeatureRequest::SetMigDeviceState(read_exact::<MigDeviceState>(
-                        data,
-                        "MIG_DEVICE_STATE",
-                    )?)
+                    FeatureRequest::SetMigDeviceState(
+                        read_prefix::<MigDeviceState>(data, "MIG_DEVICE_STATE")?.0,
+                    )
                 }
             }
             VFIO_DEVICE_FEATURE_DMA_LOGGING_START => {

@@ -32,6 +32,8 @@ pub(crate) struct ClientDma {
     waiters: Mutex<Waiters>,
     cond: Condvar,
     closed: AtomicBool,
+    /// This client has been told that its DMA goes through messages (see `note_slow_path`).
+    told_slow_path: AtomicBool,
     max_xfer: usize,
     timeout: Duration,
 }
@@ -50,6 +52,7 @@ impl ClientDma {
             waiters: Mutex::new(Waiters::default()),
             cond: Condvar::new(),
             closed: AtomicBool::new(false),
+            told_slow_path: AtomicBool::new(false),
             max_xfer: max_xfer.max(1),
             timeout,
         }
@@ -76,6 +79,26 @@ impl ClientDma {
             w.done.insert(id, Err(libc::ENOTCONN));
         }
         self.cond.notify_all();
+    }
+
+    /// The first device DMA of this client that goes through messages: one WARN naming the
+    /// cause and the fix. Logged here, when the slow path is taken, rather than at the fd-less
+    /// DMA_MAP: QEMU maps fd-less windows in every configuration (firmware ROMs read-only, a
+    /// device's own mmapped BAR read-write), which devices do not use for DMA, so warning at
+    /// the map would be a false alarm at every start.
+    fn note_slow_path(&self, iova: u64, write: bool) {
+        if self.told_slow_path.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        tracing::warn!(
+            iova,
+            write,
+            "device DMA goes through DMA_READ/DMA_WRITE messages: the client mapped this \
+             window without a file descriptor, usually because guest RAM is not shared \
+             (about 12x slower COPY); share guest RAM with the server: QEMU `-object \
+             memory-backend-memfd,id=mem0,size=...,share=on -machine memory-backend=mem0`, \
+             cloud-hypervisor `--memory size=...,shared=on` (logged once per client)"
+        );
     }
 
     fn transact(&self, req: &Request<'_>) -> Outcome {
@@ -127,6 +150,7 @@ impl ClientDma {
 
 impl RemoteDma for ClientDma {
     fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), i32> {
+        self.note_slow_path(iova, false);
         for (i, chunk) in buf.chunks_mut(self.max_xfer).enumerate() {
             let address = iova
                 .checked_add((i * self.max_xfer) as u64)
@@ -148,6 +172,7 @@ impl RemoteDma for ClientDma {
     }
 
     fn write(&self, iova: u64, data: &[u8]) -> Result<(), i32> {
+        self.note_slow_path(iova, true);
         for (i, chunk) in data.chunks(self.max_xfer).enumerate() {
             let address = iova
                 .checked_add((i * self.max_xfer) as u64)

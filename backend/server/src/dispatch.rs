@@ -2,10 +2,11 @@
 //! device model, reply.
 
 use std::fs::File;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
+use switchyard_device::ratelimit::{LOG_INTERVAL, LogLimiter};
 use switchyard_device::{
     DeviceError, DmaError, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice, RegionDesc,
 };
@@ -75,6 +76,11 @@ struct Session {
     /// Bounds every reply's send (`ServerConfig::send_timeout`, and server shutdown).
     send_timeout: std::time::Duration,
     stop: StopHandle,
+    /// Warnings a client can provoke at message rate, limited per client (see
+    /// [`LogLimiter`]): failed posted requests, unsolicited replies, refused SET_IRQS fds.
+    posted_failures: LogLimiter,
+    unsolicited_replies: LogLimiter,
+    bad_irq_fds: LogLimiter,
 }
 
 impl Session {
@@ -124,6 +130,12 @@ pub(crate) fn serve_connection<D: PciDevice>(
         bulk_in_out: false,
         send_timeout: server.config.send_timeout,
         stop: server.stop.clone(),
+        posted_failures: LogLimiter::new("posted request failed", LOG_INTERVAL),
+        unsolicited_replies: LogLimiter::new("dropping an unsolicited reply", LOG_INTERVAL),
+        bad_irq_fds: LogLimiter::new(
+            "SET_IRQS refused a file that is not an eventfd",
+            LOG_INTERVAL,
+        ),
     };
     let result = loop {
         let msg = match conn.recv() {
@@ -160,7 +172,9 @@ pub(crate) fn serve_connection<D: PciDevice>(
                 s.out_fds.clear();
                 tracing::debug!(msg_id, cmd, errno = e.errno(), error = %e, "request failed");
                 if no_reply {
-                    tracing::warn!(msg_id, cmd, error = %e, "posted request failed");
+                    if s.posted_failures.allow() {
+                        tracing::warn!(msg_id, cmd, error = %e, "posted request failed");
+                    }
                     continue;
                 }
                 encode_error_reply(&mut s.out, msg_id, cmd, e.errno());
@@ -173,6 +187,9 @@ pub(crate) fn serve_connection<D: PciDevice>(
     };
     if let Some(cd) = s.client_dma.take() {
         cd.close();
+    }
+    for l in [&s.posted_failures, &s.unsolicited_replies, &s.bad_irq_fds] {
+        l.flush();
     }
     result
 }
@@ -189,7 +206,7 @@ fn route_reply(s: &Session, msg: &Message<'_>) {
         .client_dma
         .as_ref()
         .is_some_and(|cd| cd.complete(h.msg_id, outcome));
-    if !routed {
+    if !routed && s.unsolicited_replies.allow() {
         tracing::warn!(
             msg_id = h.msg_id,
             cmd = h.cmd,
@@ -478,7 +495,7 @@ fn handle<D: PciDevice>(
             Reply::DeviceGetIrqInfo(info).encode(id, &mut s.out)?;
         }
         Request::DeviceSetIrqs(set) => {
-            set_irqs(dev, &server.ctx().irqs, set, msg.fds)?;
+            set_irqs(dev, &server.ctx().irqs, set, msg.fds, &s.bad_irq_fds)?;
             dev.irqs_changed(set.index);
             reply_empty(&mut s.out, id, Reply::DeviceSetIrqs)?;
         }
@@ -667,11 +684,22 @@ fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestEr
     Ok(())
 }
 
+/// What `/proc/self/fd/N` links to for an eventfd: the kernel's name for its anonymous inode
+/// (what lsof shows). A real file links to an absolute path and a pipe or socket to
+/// `pipe:[ino]`/`socket:[ino]`, so no other file can pose as one.
+const EVENTFD_LINK: &str = "anon_inode:[eventfd]";
+
+/// What `fd` is, as procfs names it (compare with [`EVENTFD_LINK`]).
+fn fd_kind(fd: &OwnedFd) -> std::io::Result<std::path::PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
 fn set_irqs<D: PciDevice>(
     dev: &D,
     irqs: &Interrupts,
     set: SetIrqs<'_>,
     fds: Vec<OwnedFd>,
+    bad_fds: &LogLimiter,
 ) -> Result<(), RequestError> {
     let d = dev.description();
     let irq = d
@@ -704,15 +732,29 @@ fn set_irqs<D: PciDevice>(
                 if fds.len() != set.count as usize {
                     return Err(invalid("eventfd count does not match vector count"));
                 }
-                let mut v = Vec::with_capacity(fds.len());
-                for fd in fds {
-                    // Never let a client's fd block a device thread.
-                    let fl = rustix::fs::fcntl_getfl(&fd).map_err(|e| DeviceError::Io(e.into()))?;
-                    rustix::fs::fcntl_setfl(&fd, fl | rustix::fs::OFlags::NONBLOCK)
-                        .map_err(|e| DeviceError::Io(e.into()))?;
-                    v.push(Some(File::from(fd)));
+                // Only eventfds: anything else (a pipe, /dev/null, a file) would have the
+                // device write into it, and may block or fail on every interrupt. Every fd is
+                // checked before any vector changes. Their flags stay as the client set them
+                // (`Interrupts` never blocks on a blocking eventfd).
+                for (i, fd) in (set.start..).zip(&fds) {
+                    let kind = fd_kind(fd);
+                    if !kind.as_ref().is_ok_and(|k| k.as_os_str() == EVENTFD_LINK) {
+                        if bad_fds.allow() {
+                            let cause = match &kind {
+                                Ok(k) => format!("the file is {}", k.display()),
+                                Err(e) => format!("cannot tell what the file is: {e}"),
+                            };
+                            tracing::warn!(
+                                index = set.index,
+                                vector = i,
+                                cause,
+                                "SET_IRQS refused a file that is not an eventfd"
+                            );
+                        }
+                        return Err(invalid("interrupt file descriptor is not an eventfd"));
+                    }
                 }
-                v
+                fds.into_iter().map(|fd| Some(File::from(fd))).collect()
             };
             irqs.set_triggers(set.index, set.start, files)
                 .map_err(DeviceError::from)?;

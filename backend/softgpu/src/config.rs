@@ -176,10 +176,11 @@ impl SoftGpuConfig {
 
     /// Vectors per VFIO IRQ index (INTx, MSI, MSI-X, ERR, REQ) of a device with this
     /// configuration, e.g. to size an [`Interrupts`](switchyard_device::Interrupts) table:
-    /// `[0, 0, 16, 0, 1]` for MSI-X, `[0, 1, 0, 0, 1]` for MSI. The device reports the same
-    /// through its description (`irq_counts()`).
+    /// `[0, 0, 16, 1, 1]` for MSI-X, `[0, 1, 0, 1, 1]` for MSI. The device reports the same
+    /// through its description (`irq_counts()`). The ERR index (one vector) is what lets a VMM
+    /// enable error recovery; see [Device failure](crate#device-failure-the-err-interrupt).
     pub fn irq_counts(&self) -> [u32; 5] {
-        [0, self.irq.msi_vectors(), self.irq.msix_vectors(), 0, 1]
+        [0, self.irq.msi_vectors(), self.irq.msix_vectors(), 1, 1]
     }
 
     /// Parses a comma-separated option list: `vram=<n>[K|M|G]` (binary multiples, suffix case
@@ -303,10 +304,10 @@ mod tests {
                 ..SoftGpuConfig::default()
             }
         );
-        assert_eq!(c.irq_counts(), [0, 1, 0, 0, 1]);
+        assert_eq!(c.irq_counts(), [0, 1, 0, 1, 1]);
         let c = SoftGpuConfig::parse_options("irq=msix,vram=8M").expect("msix");
         assert_eq!((c.irq, c.vram_size), (IrqMode::Msix, 8 << 20));
-        assert_eq!(c.irq_counts(), [0, 0, 16, 0, 1]);
+        assert_eq!(c.irq_counts(), [0, 0, 16, 1, 1]);
         let c = SoftGpuConfig::parse_options("queues=1, irq = MSI ").expect("case, spaces");
         assert_eq!((c.irq, c.queues), (IrqMode::Msi, 1));
         for mode in [IrqMode::Msix, IrqMode::Msi] {

@@ -141,9 +141,7 @@ impl Regs {
                 if !self.st.config_space.msi_enabled() {
                     return;
                 }
-                if let Err(e) = irqs.trigger(IrqIndex::Msi, 0) {
-                    tracing::warn!(error = %e, "cannot signal the MSI vector");
-                }
+                irqs.notify(IrqIndex::Msi, 0);
             }
         }
     }

@@ -31,8 +31,8 @@
 //! | 7 | PCI config space | 4 KiB | trapped, any size |
 //!
 //! Other regions are absent. Interrupts ([`SoftGpuConfig::irq_counts`]): INTx 0, MSI 0,
-//! MSI-X 16 (eventfd, maskable), ERR 0, REQ 1 (eventfd); in MSI mode INTx 0, MSI 1 (eventfd,
-//! maskable), MSI-X 0, ERR 0, REQ 1 (eventfd). "Maskable" means `SET_IRQS` MASK/UNMASK: a masked
+//! MSI-X 16 (eventfd, maskable), ERR 1 (eventfd), REQ 1 (eventfd); in MSI mode INTx 0, MSI 1
+//! (eventfd, maskable), MSI-X 0, ERR 1 (eventfd), REQ 1 (eventfd). "Maskable" means `SET_IRQS` MASK/UNMASK: a masked
 //! vector's messages are held and one is sent on unmask.
 //!
 //! The driver must set **Memory Space** and **Bus Master** in the PCI command register:
@@ -186,6 +186,16 @@
 //! and the function mask apply and masked vectors go pending in the PBA; a pending vector is
 //! sent once it is unmasked while MSI-X is enabled and the function is not masked. MSI has no
 //! per-vector masking; clients mask it through `SET_IRQS` on the MSI index.
+//!
+//! # Device failure: the ERR interrupt
+//!
+//! The device offers the VFIO error index (`VFIO_PCI_ERR_IRQ_INDEX`, one eventfd vector), as
+//! vfio-pci does for devices with AER; a VMM that finds it enables error recovery (QEMU warns
+//! "Could not enable error recovery for the device" without it) and stops the VM when it is
+//! signalled. The device signals it only when it has failed for good: an engine thread died
+//! (a panic while executing a command), so that queue will never run another command. Guest
+//! driver mistakes (bad commands, bad DMA addresses, bad doorbells) are not device failures:
+//! they stop the queue and fire its error vector as described under Errors.
 //!
 //! # Resets
 //!
@@ -477,12 +487,13 @@ impl SoftGpu {
             }
         };
         // Like vfio-pci: MSI-X may be resized (vectors added while enabled), MSI may not. MSI
-        // and MSI-X are maskable: the server applies SET_IRQS MASK/UNMASK (`Interrupts`).
+        // and MSI-X are maskable: the server applies SET_IRQS MASK/UNMASK (`Interrupts`). ERR
+        // and REQ are single trigger-only eventfds, as vfio-pci offers them.
         let irqs = vec![
             none,
             vectors(counts[IrqIndex::Msi as usize], true, true),
             vectors(counts[IrqIndex::Msix as usize], false, true),
-            none,
+            vectors(counts[IrqIndex::Err as usize], true, false),
             vectors(counts[IrqIndex::Req as usize], true, false),
         ];
         let desc = DeviceDescription {
@@ -509,7 +520,13 @@ impl SoftGpu {
             let shared = gpu.shared.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("softgpu-q{q}"))
-                .spawn(move || shared.engine(q))
+                .spawn(move || {
+                    let _failure = FailureSignal {
+                        irqs: shared.irqs.clone(),
+                        queue: q,
+                    };
+                    shared.engine(q)
+                })
                 .map_err(SoftGpuError::Thread)?;
             gpu.engines.push(handle);
         }
@@ -871,6 +888,28 @@ impl PciDevice for SoftGpu {
     fn migration_abort(&mut self) {
         self.migration = Migration::Idle;
         self.shared.set_running(true);
+    }
+}
+
+/// Held by an engine thread: if the thread unwinds (a panic: the device has failed, the queue
+/// will never run another command), signals the ERR interrupt so the VMM learns of it. See
+/// [Device failure](crate#device-failure-the-err-interrupt).
+struct FailureSignal {
+    irqs: Arc<switchyard_device::Interrupts>,
+    queue: usize,
+}
+
+impl Drop for FailureSignal {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let signalled = self.irqs.trigger(IrqIndex::Err, 0);
+        tracing::error!(
+            queue = self.queue,
+            err_irq_signalled = matches!(signalled, Ok(true)),
+            "a softgpu engine failed; the device is broken (ERR interrupt)"
+        );
     }
 }
 

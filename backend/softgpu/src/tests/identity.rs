@@ -88,12 +88,38 @@ fn description_lists_regions_and_interrupts() {
     for absent in [1, 3, 5, 6, 8] {
         assert_eq!(d.regions[absent].size, 0, "region {absent}");
     }
-    assert_eq!(d.irq_counts(), vec![0, 0, 16, 0, 1]);
+    assert_eq!(d.irq_counts(), vec![0, 0, 16, 1, 1]);
     assert!(d.irqs[2].eventfd && d.irqs[4].eventfd);
     assert!(d.irqs[2].maskable, "MSI-X: SET_IRQS MASK/UNMASK");
     assert!(!d.irqs[2].noresize && !d.irqs[2].automasked);
     assert!(!d.irqs[4].maskable, "REQ");
+    let err = d.irqs[IrqIndex::Err as usize];
+    assert!(err.eventfd && err.noresize && !err.maskable, "ERR: {err:?}");
     assert!(d.resettable);
+}
+
+#[test]
+fn an_engine_thread_that_dies_signals_the_err_interrupt() {
+    let irqs = Arc::new(Interrupts::new(&[0, 0, 16, 1, 1]));
+    let err = new_eventfd().expect("eventfd");
+    irqs.set_triggers(
+        IrqIndex::Err as u32,
+        0,
+        vec![Some(err.try_clone().expect("clone"))],
+    )
+    .expect("ERR eventfd");
+    let engine = |panics: bool| {
+        let irqs = irqs.clone();
+        std::thread::spawn(move || {
+            let _failure = crate::FailureSignal { irqs, queue: 3 };
+            assert!(!panics, "an engine bug");
+        })
+        .join()
+    };
+    engine(false).expect("a normal engine exit");
+    assert_eq!(take_eventfd(&err), None, "an engine that exits normally");
+    engine(true).expect_err("the engine panicked");
+    assert_eq!(take_eventfd(&err), Some(1), "ERR signalled once");
 }
 
 #[test]

@@ -65,7 +65,7 @@ fn msi_mode_identity() {
     for absent in [1, 3, 4, 5, 6, 8] {
         assert_eq!(d.regions[absent].size, 0, "region {absent}");
     }
-    assert_eq!(d.irq_counts(), vec![0, 1, 0, 0, 1]);
+    assert_eq!(d.irq_counts(), vec![0, 1, 0, 1, 1]);
     assert_eq!(d.irq_counts(), h.config.irq_counts());
     let msi = d.irqs[IrqIndex::Msi as usize];
     assert!(msi.eventfd && msi.noresize && msi.maskable && !msi.automasked);
@@ -111,7 +111,7 @@ fn start_checks_the_vectors_each_mode_needs() {
         SoftGpu::new(config, ctx).map(|_| ())
     };
     assert!(matches!(
-        build(IrqMode::Msi, &[0, 0, 16, 0, 1]),
+        build(IrqMode::Msi, &[0, 0, 16, 1, 1]),
         Err(SoftGpuError::IrqCount {
             index: 1,
             needed: 1,
@@ -127,7 +127,15 @@ fn start_checks_the_vectors_each_mode_needs() {
         })
     ));
     assert!(matches!(
-        build(IrqMode::Msi, &[0, 1, 0, 0, 0]),
+        build(IrqMode::Msix, &[0, 0, 16, 0, 1]),
+        Err(SoftGpuError::IrqCount {
+            index: 3,
+            needed: 1,
+            got: 0
+        })
+    ));
+    assert!(matches!(
+        build(IrqMode::Msi, &[0, 1, 0, 1, 0]),
         Err(SoftGpuError::IrqCount {
             index: 4,
             needed: 1,

@@ -30,6 +30,12 @@ impl ServerProcess {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_logging("debug", extra)
+    }
+
+    /// Like [`ServerProcess::start_with`] with `RUST_LOG=<log>` (tests that count log lines
+    /// use the production default, `info`).
+    pub fn start_logging(rust_log: &str, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("gpu.sock");
         let log = dir.path().join("server.log");
@@ -38,7 +44,7 @@ impl ServerProcess {
             .arg("--socket")
             .arg(&socket)
             .args(extra)
-            .env("RUST_LOG", "debug")
+            .env("RUST_LOG", rust_log)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(File::create(&log).expect("log file"))
