@@ -191,6 +191,23 @@ pub struct DeviceContext {
     pub irqs: Arc<Interrupts>,
 }
 
+/// A device that can hand its state to a successor under a connected client (the server's
+/// `DeviceSlot::swap`), in two phases: [`HandOver::check_successor`] decides, without side
+/// effects, whether the successor may replace this device; only then does
+/// [`HandOver::hand_over`] commit.
+pub trait HandOver: PciDevice + Sized {
+    /// Why a hand-over failed.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// `Ok` if `next` (a successor built beforehand, not yet serving) can take over from this
+    /// device without the client noticing, otherwise what would differ. Changes nothing.
+    fn check_successor(&self, next: &Self) -> std::result::Result<(), &'static str>;
+
+    /// Moves this device's state into `next` and lets `next` run; this device stays parked
+    /// for good. On error this device runs on (nothing ran on `next`).
+    fn hand_over(&mut self, next: &mut Self) -> std::result::Result<(), Self::Error>;
+}
+
 /// A PCI device model served over vfio-user.
 ///
 /// Accesses come from the server's connection thread; a model that runs work elsewhere (engine

@@ -5,6 +5,11 @@
 //! commands execute without it. Each engine sleeps on its own condvar; whoever needs the
 //! engines at a command boundary (device reset, save/restore, disconnect) pauses them and
 //! waits on the `idle` condvar until none is busy.
+//!
+//! Why the engines are held (not running commands) has several owners: the client went away
+//! (`halted`), a migration STOP, swap parks, a successor waiting for its state, a device that
+//! handed its state over. Each owner sets and clears only its own reason ([`Holds`]); the
+//! engines run when none holds them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -24,11 +29,31 @@ use crate::{IrqMode, SoftGpuConfig};
 struct Runtime {
     /// The engine is executing a command (outside the lock).
     busy: bool,
-    /// Someone waits for this engine to stay at a command boundary.
-    paused: bool,
+    /// How many threads wait for this engine to stay at a command boundary.
+    paused: u32,
     /// Bumped by every queue or device reset and restore; results of a command started in an
     /// older epoch are discarded.
     epoch: u64,
+}
+
+/// Why the engines are held at a command boundary, besides a disconnected client (`halted`,
+/// which a register write clears). Each owner sets and clears only its own reason.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Holds {
+    /// Stopped by the owner ([`crate::SoftGpu::set_running`]): a migration STOP state.
+    pub(crate) migration: bool,
+    /// Live [`crate::Parked`] guards (a swap parks the engines before it takes the slot).
+    pub(crate) parks: u32,
+    /// A successor waiting for its state ([`crate::SoftGpu::successor`]).
+    pub(crate) successor: bool,
+    /// This device handed its state to a successor: held for good.
+    pub(crate) retired: bool,
+}
+
+impl Holds {
+    fn any(&self) -> bool {
+        self.migration || self.parks > 0 || self.successor || self.retired
+    }
 }
 
 #[derive(Debug)]
@@ -37,8 +62,8 @@ pub(crate) struct Regs {
     rt: Vec<Runtime>,
     /// The client disconnected: engines are parked.
     halted: bool,
-    /// Stopped by the owner (e.g. a migration STOP state): engines are parked.
-    stopped: bool,
+    /// Why else the engines are parked.
+    pub(crate) holds: Holds,
     shutdown: bool,
     /// Threads waiting on `idle` (engines skip the futex wake when nobody waits).
     idle_waiters: u32,
@@ -70,7 +95,7 @@ impl Regs {
             Q_STATUS_STOPPED
         } else if qs.head == qs.tail {
             Q_STATUS_IDLE
-        } else if !self.st.config_space.bus_master() || self.halted || self.stopped {
+        } else if !self.st.config_space.bus_master() || self.halted || self.holds.any() {
             Q_STATUS_PAUSED
         } else {
             Q_STATUS_RUNNING
@@ -80,9 +105,9 @@ impl Regs {
     fn next_job(&self, q: usize) -> Option<Job> {
         let qs = self.st.queues.get(q)?;
         let rt = self.rt.get(q)?;
-        if rt.paused
+        if rt.paused > 0
             || self.halted
-            || self.stopped
+            || self.holds.any()
             || !self.st.config_space.bus_master()
             || !qs.enabled
             || qs.error_code != ERR_NONE
@@ -228,7 +253,7 @@ impl Regs {
         if self.st.queues.iter().any(|q| q.error_code != ERR_NONE) {
             s |= DEV_STATUS_ERROR;
         }
-        if self.stopped {
+        if self.holds.any() {
             s |= DEV_STATUS_STOPPED;
         }
         s
@@ -315,6 +340,7 @@ impl Shared {
         irqs: Arc<Interrupts>,
         vram: Arc<Vram>,
         config_def: ConfigSpace,
+        holds: Holds,
     ) -> Self {
         let n = config.queues as usize;
         let st = SoftGpuState::power_on(config, vram.identity(), &config_def);
@@ -328,7 +354,7 @@ impl Shared {
                 st,
                 rt: vec![Runtime::default(); n],
                 halted: false,
-                stopped: false,
+                holds,
                 shutdown: false,
                 idle_waiters: 0,
                 pending_wake: 0,
@@ -358,7 +384,7 @@ impl Shared {
     fn quiesce<'a>(&'a self, mut g: Guard<'a>, mask: u32, abort: bool) -> Guard<'a> {
         for q in self.queues_in(mask) {
             if let Some(rt) = g.rt.get_mut(q) {
-                rt.paused = true;
+                rt.paused += 1;
             }
             if abort {
                 if let Some(a) = self.abort.get(q) {
@@ -366,10 +392,11 @@ impl Shared {
                 }
             }
         }
-        while self
-            .queues_in(mask)
-            .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
-        {
+        let busy = |g: &Regs| {
+            self.queues_in(mask)
+                .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
+        };
+        while busy(&g) {
             g.idle_waiters += 1;
             g = self.idle.wait(g).unwrap_or_else(|p| p.into_inner());
             g.idle_waiters -= 1;
@@ -380,14 +407,17 @@ impl Shared {
     /// Undoes [`Shared::quiesce`].
     fn resume(&self, g: &mut Regs, mask: u32) {
         for q in self.queues_in(mask) {
-            if let Some(rt) = g.rt.get_mut(q) {
-                rt.paused = false;
-            }
-            if let Some(a) = self.abort.get(q) {
-                a.store(false, Ordering::SeqCst);
-            }
-            if let Some(cv) = self.wake.get(q) {
-                cv.notify_one();
+            let Some(rt) = g.rt.get_mut(q) else {
+                continue;
+            };
+            rt.paused = rt.paused.saturating_sub(1);
+            if rt.paused == 0 {
+                if let Some(a) = self.abort.get(q) {
+                    a.store(false, Ordering::SeqCst);
+                }
+                if let Some(cv) = self.wake.get(q) {
+                    cv.notify_one();
+                }
             }
         }
     }
@@ -446,9 +476,24 @@ impl Shared {
         self.with_quiesced(true, |g| g.halted = true);
     }
 
-    /// Parks the engines after their current command (`false`) or lets them run (`true`).
+    /// Parks the engines after their current command (`false`) or lets them run (`true`),
+    /// as far as the migration is concerned (other holds stay).
     pub(crate) fn set_running(&self, running: bool) {
-        self.with_quiesced(false, |g| g.stopped = !running);
+        self.set_hold(|h| h.migration = !running);
+    }
+
+    /// Changes the holds with `f`; if the engines are held afterwards, waits until they are
+    /// at a command boundary.
+    pub(crate) fn set_hold(&self, f: impl FnOnce(&mut Holds)) {
+        let mut g = self.lock();
+        f(&mut g.holds);
+        if g.holds.any() {
+            let mut g = self.quiesce(g, self.all_queues(), false);
+            self.resume(&mut g, self.all_queues());
+        } else {
+            drop(g);
+            self.wake_all();
+        }
     }
 
     /// Stops the engines for good.
@@ -608,7 +653,7 @@ impl Shared {
             let outcome = exec.run(job.slot, &mut scratch);
             g = self.lock();
             g.finish(&self.irqs, q, job, outcome);
-            if !g.shutdown && g.rt.get(q).is_some_and(|rt| !rt.paused) {
+            if !g.shutdown && g.rt.get(q).is_some_and(|rt| rt.paused == 0) {
                 // A queue reset's abort request has been served.
                 abort.store(false, Ordering::SeqCst);
             }

@@ -191,7 +191,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
-/// daemon does (successor built and engines drained outside the slot, only the hand-over inside).
+/// daemon does (parked successor built and old engines parked outside the slot; inside, the
+/// checks, then the hand-over).
 fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
     let mut swaps = 0u64;
     while !stop.is_stopping() {
@@ -200,24 +201,23 @@ fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
             break;
         }
         let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
-        let next = match SoftGpu::with_shared_vram(config, slot.context().clone(), vram) {
+        let next = match SoftGpu::successor(config, slot.context().clone(), vram) {
             Ok(next) => next,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot build a successor; no swap");
                 continue;
             }
         };
-        ctl.set_running(false);
-        match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
+        // Released when this iteration ends: a refused swap lets the old engines run again
+        // unless something else (a migration STOP) holds them.
+        let _parked = ctl.park();
+        match slot.swap(next) {
             Ok(report) => {
                 swaps += 1;
                 drop(report.old);
                 tracing::debug!(swaps, "swap soak");
             }
-            Err(e) => {
-                ctl.set_running(true);
-                tracing::debug!(error = %e, "swap soak: swap refused");
-            }
+            Err(e) => tracing::debug!(error = %e, "swap soak: swap refused"),
         }
     }
     tracing::info!(swaps, "swap soak finished");
