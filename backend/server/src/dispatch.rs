@@ -19,7 +19,7 @@ use switchyard_proto::{
     region_read_reply_buffer, truncate_mig_data_read_reply,
 };
 
-use crate::client_dma::ClientDma;
+use crate::client_dma::{ClientDma, Routed};
 use crate::migration;
 use crate::transport::{Connection, Message, TransportError, send_all};
 use crate::{Server, ServerError, Slot};
@@ -178,13 +178,19 @@ fn route_reply(s: &Session, msg: &Message<'_>) {
     let routed = s
         .client_dma
         .as_ref()
-        .is_some_and(|cd| cd.complete(h.msg_id, outcome));
-    if !routed {
-        tracing::warn!(
+        .map_or(Routed::Unsolicited, |cd| cd.complete(h.msg_id, outcome));
+    match routed {
+        Routed::Delivered => {}
+        Routed::Late => tracing::debug!(
+            msg_id = h.msg_id,
+            cmd = h.cmd,
+            "dropping a late reply to a cancelled DMA request"
+        ),
+        Routed::Unsolicited => tracing::warn!(
             msg_id = h.msg_id,
             cmd = h.cmd,
             "dropping an unsolicited reply"
-        );
+        ),
     }
 }
 
@@ -275,6 +281,7 @@ fn handle<D: PciDevice>(
                 server.config.client_dma_timeout,
             ));
             server.ctx().dma.set_remote(Some(cd.clone()));
+            server.ctx().waits.set(Some(cd.clone()));
             s.client_dma = Some(cd);
             s.negotiated = Some(n.client);
         }

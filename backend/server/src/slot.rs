@@ -168,7 +168,7 @@ fn same_shape(a: &DeviceDescription, b: &DeviceDescription) -> Result<(), SwapEr
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use switchyard_device::{DmaSpace, Interrupts, RegionDesc};
+    use switchyard_device::{DmaSpace, Interrupts, RegionDesc, WaitControl};
 
     use super::*;
 
@@ -230,6 +230,7 @@ mod tests {
         let ctx = DeviceContext {
             dma: Arc::new(DmaSpace::new(4)),
             irqs: Arc::new(Interrupts::new(&[0, 0, 0, 0, 0])),
+            waits: Arc::new(WaitControl::default()),
         };
         let inner = Slot {
             device: Counted::new(0x1000, true, handed),

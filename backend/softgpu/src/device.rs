@@ -10,12 +10,19 @@
 //! (`halted`), a migration STOP, swap parks, a successor waiting for its state, a device that
 //! handed its state over. Each owner sets and clears only its own reason ([`Holds`]); the
 //! engines run when none holds them.
+//!
+//! A thread that waits for the engines while it is the server's connection thread (every
+//! device call: reset, FLR, migration arcs, a swap's hand-over under the slot) cannot route
+//! the client's replies to the server→client DMA an engine may be waiting for; such a wait
+//! holds the server's remote waits ([`WaitControl::hold`]), which fails them with `ECANCELED`.
+//! The command is abandoned without an error and runs again from its start once the engines
+//! run again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use switchyard_device::config::ConfigSpace;
-use switchyard_device::{DmaSpace, Interrupts, IrqIndex};
+use switchyard_device::{DmaSpace, Interrupts, IrqIndex, WaitControl};
 
 use crate::cmd::COMMAND_SIZE;
 use crate::exec::{Done, ExecError, Executor, Irq, Outcome, Scratch};
@@ -218,9 +225,12 @@ impl Regs {
             }
             Err(ExecError::Fault { code, addr }) => {
                 let dma = matches!(code, ERR_DMA_UNMAPPED | ERR_DMA_PERMISSION | ERR_RING_FETCH);
-                if self.halted && dma {
-                    // The client's windows went away under the command: not the driver's
-                    // fault. The command runs again when the engines resume.
+                if (self.halted || self.holds.any()) && dma {
+                    // The client's windows went away under the command (disconnect), or the
+                    // device is being stopped (migration, swap): not the driver's fault, and
+                    // a stopped device must not change state or interrupt. The command runs
+                    // again when the engines resume.
+                    tracing::debug!(queue = q, code, addr, "DMA fault while held; not latched");
                     return;
                 }
                 self.set_error(irqs, q, code, addr, outcome.opcode);
@@ -325,6 +335,8 @@ pub(crate) struct Shared {
     pub(crate) dma: Arc<DmaSpace>,
     pub(crate) irqs: Arc<Interrupts>,
     pub(crate) vram: Arc<Vram>,
+    /// The server's remote waits, held while waiting for the engines.
+    waits: Arc<WaitControl>,
     /// The power-on config space (sealed), also the source of write masks after a restore.
     pub(crate) config_def: ConfigSpace,
     regs: Mutex<Regs>,
@@ -338,6 +350,7 @@ impl Shared {
         config: SoftGpuConfig,
         dma: Arc<DmaSpace>,
         irqs: Arc<Interrupts>,
+        waits: Arc<WaitControl>,
         vram: Arc<Vram>,
         config_def: ConfigSpace,
         holds: Holds,
@@ -349,6 +362,7 @@ impl Shared {
             dma,
             irqs,
             vram,
+            waits,
             config_def,
             regs: Mutex::new(Regs {
                 st,
@@ -380,8 +394,17 @@ impl Shared {
 
     /// Pauses the engines of `mask` and waits until each is at a command boundary. With
     /// `abort`, a running command is abandoned at its next abort point (its results are not
-    /// recorded and it runs again when the engine resumes, unless its epoch changed).
-    fn quiesce<'a>(&'a self, mut g: Guard<'a>, mask: u32, abort: bool) -> Guard<'a> {
+    /// recorded and it runs again when the engine resumes, unless its epoch changed). With
+    /// `cancel_remote` (the caller may be the connection thread, which routes the client's
+    /// DMA replies), server→client DMA is cancelled while waiting: a command waiting for the
+    /// client is abandoned the same way.
+    fn quiesce<'a>(
+        &'a self,
+        mut g: Guard<'a>,
+        mask: u32,
+        abort: bool,
+        cancel_remote: bool,
+    ) -> Guard<'a> {
         for q in self.queues_in(mask) {
             if let Some(rt) = g.rt.get_mut(q) {
                 rt.paused += 1;
@@ -396,6 +419,7 @@ impl Shared {
             self.queues_in(mask)
                 .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
         };
+        let _hold = (cancel_remote && busy(&g)).then(|| self.waits.hold());
         while busy(&g) {
             g.idle_waiters += 1;
             g = self.idle.wait(g).unwrap_or_else(|p| p.into_inner());
@@ -426,10 +450,11 @@ impl Shared {
         self.wake.iter().for_each(Condvar::notify_one);
     }
 
-    /// Quiesces the engines and runs `f` on the registers.
+    /// Quiesces the engines (cancelling waits on the client: see [`Shared::quiesce`]) and runs
+    /// `f` on the registers.
     pub(crate) fn with_quiesced<R>(&self, abort: bool, f: impl FnOnce(&mut Regs) -> R) -> R {
         let g = self.lock();
-        let mut g = self.quiesce(g, self.all_queues(), abort);
+        let mut g = self.quiesce(g, self.all_queues(), abort, true);
         let r = f(&mut g);
         self.resume(&mut g, self.all_queues());
         r
@@ -450,7 +475,7 @@ impl Shared {
     /// config space and MSI-X table (FLR, `DEVICE_RESET`), without (DEV_CONTROL.RESET) they are
     /// kept.
     pub(crate) fn reset<'a>(&'a self, g: Guard<'a>, pci: bool) -> Guard<'a> {
-        let mut g = self.quiesce(g, self.all_queues(), true);
+        let mut g = self.quiesce(g, self.all_queues(), true, true);
         let mut fresh = SoftGpuState::power_on(self.config, self.vram.identity(), &self.config_def);
         if !pci {
             std::mem::swap(&mut fresh.config_space, &mut g.st.config_space);
@@ -471,24 +496,29 @@ impl Shared {
         self.lock().halted
     }
 
-    /// The client is gone: park the engines and stop touching DMA memory.
+    /// The client is gone: park the engines and stop touching DMA memory. Halted before the
+    /// wait, so a command failing meanwhile (its windows are gone) latches no error.
     pub(crate) fn halt(&self) {
-        self.with_quiesced(true, |g| g.halted = true);
+        let mut g = self.lock();
+        g.halted = true;
+        let mut g = self.quiesce(g, self.all_queues(), true, true);
+        self.resume(&mut g, self.all_queues());
     }
 
     /// Parks the engines after their current command (`false`) or lets them run (`true`),
     /// as far as the migration is concerned (other holds stay).
     pub(crate) fn set_running(&self, running: bool) {
-        self.set_hold(|h| h.migration = !running);
+        self.set_hold(|h| h.migration = !running, true);
     }
 
     /// Changes the holds with `f`; if the engines are held afterwards, waits until they are
-    /// at a command boundary.
-    pub(crate) fn set_hold(&self, f: impl FnOnce(&mut Holds)) {
+    /// at a command boundary (an engine's DMA fault meanwhile is not latched: see
+    /// [`Regs::finish`]). `cancel_remote` as for [`Shared::quiesce`].
+    pub(crate) fn set_hold(&self, f: impl FnOnce(&mut Holds), cancel_remote: bool) {
         let mut g = self.lock();
         f(&mut g.holds);
         if g.holds.any() {
-            let mut g = self.quiesce(g, self.all_queues(), false);
+            let mut g = self.quiesce(g, self.all_queues(), false, cancel_remote);
             self.resume(&mut g, self.all_queues());
         } else {
             drop(g);

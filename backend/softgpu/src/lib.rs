@@ -203,7 +203,8 @@
 //! # Migration and swaps
 //!
 //! The device implements VFIO migration v2 with PRE_COPY ([`PciDevice::migration_step`]):
-//! STOP parks the engines after their current command (queues with work read `PAUSED`);
+//! STOP parks the engines after their current command (queues with work read `PAUSED`; a
+//! command waiting for the client's DMA reply is abandoned instead and runs again later);
 //! PRE_COPY streams VRAM while the device runs, in rounds; STOP_COPY sends what changed since,
 //! then the state; RESUMING applies a stream on zeroed VRAM and loads the state at its end.
 //! The stream format and how changed pages are found (content hashes when the client may map
@@ -218,7 +219,10 @@
 //!
 //! Engines are held by several owners at once (a migration STOP, [`EngineControl::park`]
 //! guards, a successor waiting for its state, a device that handed its state over, a
-//! disconnected client); they run only when none holds them.
+//! disconnected client); they run only when none holds them. Waiting for them from a device
+//! call cancels the server's DMA through the client (windows without fd), whose replies the
+//! waiting thread would have to route: such a command is abandoned without an error and runs
+//! again from its start when the engines run again.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -322,7 +326,7 @@ impl EngineControl {
     /// else holds them. Call it outside the device slot (it waits for commands, which may
     /// wait for the client's DMA replies).
     pub fn park(&self) -> Parked {
-        self.0.set_hold(|h| h.parks += 1);
+        self.0.set_hold(|h| h.parks += 1, false);
         Parked(self.0.clone())
     }
 }
@@ -334,7 +338,8 @@ pub struct Parked(Arc<Shared>);
 
 impl Drop for Parked {
     fn drop(&mut self) {
-        self.0.set_hold(|h| h.parks = h.parks.saturating_sub(1));
+        self.0
+            .set_hold(|h| h.parks = h.parks.saturating_sub(1), false);
     }
 }
 
@@ -546,6 +551,7 @@ impl SoftGpu {
             config,
             ctx.dma,
             ctx.irqs,
+            ctx.waits,
             vram,
             build_config_space(&config),
             holds,
@@ -589,7 +595,7 @@ impl SoftGpu {
     }
 
     /// Parks the engines at a command boundary (`false`; waits for the running commands to
-    /// complete) or lets them run again (`true`). For the
+    /// complete, cancelling waits on the client) or lets them run again (`true`). For the
     /// owner of the device's run state, the STOP states of a migration; other holds
     /// ([`EngineControl::park`], a swap) are independent of it. Not part of the saved state;
     /// a new device runs.
@@ -912,7 +918,7 @@ impl HandOver for SoftGpu {
     fn hand_over(&mut self, next: &mut SoftGpu) -> Result<(), SoftGpuError> {
         self.check_successor(next)
             .map_err(StateError::Inconsistent)?;
-        self.shared.set_hold(|h| h.retired = true);
+        self.shared.set_hold(|h| h.retired = true, true);
         // Parked because the client is gone is runtime state, not device state: carry it.
         let halted = self.shared.halted();
         match next.load(self.snapshot()) {
@@ -920,11 +926,11 @@ impl HandOver for SoftGpu {
                 if halted {
                     next.shared.halt();
                 }
-                next.shared.set_hold(|h| h.successor = false);
+                next.shared.set_hold(|h| h.successor = false, true);
                 Ok(())
             }
             Err(e) => {
-                self.shared.set_hold(|h| h.retired = false);
+                self.shared.set_hold(|h| h.retired = false, true);
                 Err(e.into())
             }
         }
