@@ -162,6 +162,10 @@ pub(crate) fn serve_connection<D: PciDevice>(
         }
     };
     if let Some(cd) = s.client_dma.take() {
+        // Park the engines first (`Server::client_gone` does the rest): a command waiting for
+        // this client is then cancelled and runs again for the next client, instead of failing
+        // on the closed connection and latching an error.
+        server.slot.lock().device.client_disconnected();
         cd.close();
     }
     result

@@ -158,3 +158,31 @@ fn migration_stop_cancels_an_unanswered_dma_read_and_the_command_runs_after_resu
     assert_eq!(d.r32(queue_reg(0, Q_ERROR_CODE)), ERR_NONE);
     assert_eq!(take_eventfd(&d.error[0]), None);
 }
+
+#[test]
+fn a_client_leaving_with_a_dma_read_unanswered_latches_no_error() {
+    let p = ServerProcess::start("softgpu");
+    let mut d = connect(&p);
+    setup_remote_queue(&mut d);
+    ring_and_take_dma_read(&mut d.t.0);
+    d.t.0
+        .socket()
+        .shutdown(std::net::Shutdown::Both)
+        .expect("shutdown");
+    drop(d);
+    let mut c = common::wait_for(Duration::from_secs(10), || Client::connect(&p.socket).ok())
+        .expect("reconnect");
+    let mut b = [0u8; 4];
+    c.region_read(0, queue_reg(0, Q_ERROR_CODE), &mut b)
+        .expect("read");
+    assert_eq!(u32::from_le_bytes(b), ERR_NONE, "{}", p.log_text());
+    c.region_read(0, DEV_STATUS, &mut b).expect("read");
+    assert_ne!(u32::from_le_bytes(b) & DEV_STATUS_HALTED, 0);
+    c.region_read(0, queue_reg(0, Q_HEAD), &mut b)
+        .expect("read");
+    assert_eq!(
+        u32::from_le_bytes(b),
+        0,
+        "the fetch runs again for the next client"
+    );
+}
