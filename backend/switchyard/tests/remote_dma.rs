@@ -186,3 +186,38 @@ fn a_client_leaving_with_a_dma_read_unanswered_latches_no_error() {
         "the fetch runs again for the next client"
     );
 }
+
+#[test]
+fn flr_and_the_register_reset_do_not_wait_for_an_unanswered_dma_read() {
+    let p = ServerProcess::start("softgpu");
+    let mut d = connect(&p);
+    let exp = d.find_cap(0x10).expect("PCI Express capability");
+    type Reset<'a> = &'a dyn Fn(&mut Driver<Ours>);
+    let resets: [(&str, Reset<'_>); 2] = [
+        ("FLR", &|d| {
+            let devctl = d.cfg16(exp + 8) | 0x8000;
+            d.t.0
+                .region_write(common::driver::CONFIG, exp + 8, &devctl.to_le_bytes())
+                .expect("FLR");
+        }),
+        ("DEV_CONTROL.RESET", &|d| {
+            d.w32(DEV_CONTROL, DEV_CONTROL_RESET)
+        }),
+    ];
+    for (name, reset) in resets {
+        d.enable_device();
+        setup_remote_queue(&mut d);
+        ring_and_take_dma_read(&mut d.t.0);
+        let t = Instant::now();
+        reset(&mut d);
+        let took = t.elapsed();
+        eprintln!("{name} with an unanswered DMA_READ in flight: {took:?}");
+        assert!(took < FAST, "{name} took {took:?}");
+        assert_eq!(
+            take_eventfd(&d.error[0]),
+            None,
+            "{name}: error vector fired"
+        );
+        assert_eq!(d.r32(queue_reg(0, Q_ERROR_CODE)), ERR_NONE, "{name}");
+    }
+}
