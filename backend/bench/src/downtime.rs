@@ -128,11 +128,11 @@ fn mib(bytes: u64) -> f64 {
 /// The times of one swap.
 #[derive(Debug, Clone, Copy)]
 struct SwapTimes {
-    /// `set_running(false)` called → the successor installed (its engines run).
+    /// `EngineControl::park` called → the successor installed (its engines run).
     stall: Duration,
     /// The slot's lock held (reported by the server): the register-access stall.
     held: Duration,
-    /// `set_running(false)`: the engines finishing their current command.
+    /// `EngineControl::park`: the engines finishing their current command.
     drain: Duration,
     /// Building the successor (mapping VRAM, starting engines), before the swap.
     build: Duration,
@@ -148,19 +148,14 @@ struct SwapTimes {
 fn swap_once(slot: &DeviceSlot<SoftGpu>) -> Result<SwapTimes> {
     let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
     let tb = Instant::now();
-    let next =
-        SoftGpu::with_shared_vram(config, slot.context().clone(), vram).context("successor")?;
+    let next = SoftGpu::successor(config, slot.context().clone(), vram).context("successor")?;
     let t0 = Instant::now();
-    ctl.set_running(false);
+    let parked = ctl.park();
     let t1 = Instant::now();
-    let report = match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
-        Ok(r) => r,
-        Err(e) => {
-            ctl.set_running(true);
-            return Err(e).context("swap");
-        }
-    };
+    // A refused swap lets the old engines run again when `parked` goes.
+    let report = slot.swap(next).context("swap")?;
     let t2 = Instant::now();
+    drop(parked);
     let held = report.held;
     drop(report.old);
     let t3 = Instant::now();
@@ -366,7 +361,7 @@ impl SwapPoint {
 /// Live swap downtime: a softgpu server (`vram=<size>,queues=2`, VRAM filled with random
 /// data) with a client set up like the other GPU cases, swapped N times for its successor
 /// the way a pool daemon does it (build the successor and park the engines outside the lock,
-/// `DeviceSlot::swap` with `SoftGpu::hand_over`), with the client idle and with a busy client
+/// `DeviceSlot::swap` of a parked `SoftGpu::successor`), with the client idle and with a busy client
 /// (a stream of FILL + FENCE pairs on both queues and register reads). Per swap: how long the
 /// slot was held (the longest a register access waits) and the engine stall (park → successor
 /// running), against a memcpy of the device state's bytes measured next to each swap.
@@ -509,7 +504,7 @@ fn swap_rows(
         None,
         Some(target),
         format!(
-            "DeviceSlot::swap(SoftGpu::hand_over) after building the successor (p50 {:.0} µs) and parking the engines outside the lock: the lock's hold time = the longest a region access waits; {workload}; state {state_len} B (save_state); target ≤ 1.2× floor + 1 ms at p50, p99 {} µs {} it; old device dropped outside the lock, p50 {:.0} µs",
+            "DeviceSlot::swap(successor) after building the successor (p50 {:.0} µs) and parking the engines outside the lock: the lock's hold time = the longest a region access waits; {workload}; state {state_len} B (save_state); target ≤ 1.2× floor + 1 ms at p50, p99 {} µs {} it; old device dropped outside the lock, p50 {:.0} µs",
             build.p50,
             held.p99.round(),
             if p99_ok { "meets" } else { "misses" },
@@ -528,7 +523,7 @@ fn swap_rows(
         None,
         None,
         format!(
-            "EngineControl::set_running(false) called → successor installed with its engines running: drain (current command) p50 {:.0} µs / p99 {:.0} µs, the slot held, and the rest (waiting for the slot's lock, scheduling) p50 {:.0} µs / p99 {:.0} µs; {workload}",
+            "EngineControl::park called → successor installed with its engines running: drain (current command) p50 {:.0} µs / p99 {:.0} µs, the slot held, and the rest (waiting for the slot's lock, scheduling) p50 {:.0} µs / p99 {:.0} µs; {workload}",
             drain.p50, drain.p99, rest.p50, rest.p99
         ),
     ));

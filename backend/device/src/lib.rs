@@ -192,6 +192,94 @@ pub struct DeviceContext {
     pub dma: Arc<DmaSpace>,
     /// The client's interrupt eventfds.
     pub irqs: Arc<Interrupts>,
+    /// Cuts short the device's waits on the client (see [`RemoteWaits`]).
+    pub waits: Arc<WaitControl>,
+}
+
+/// Server→client waits that a device can cut short.
+///
+/// DMA to windows mapped without a file descriptor goes through the client ([`RemoteDma`]):
+/// an engine sends a request and waits for the reply, which the server's connection thread
+/// reads and routes. That thread is also the one that calls the device (resets, migration
+/// arcs); a device that waits there for its engines would wait for a reply only the waiting
+/// thread can route. So a device holds the server's waits ([`WaitControl::hold`]) while it waits
+/// for its engines: every server→client DMA in flight then fails with `ECANCELED`, and new
+/// ones fail right away until the hold is released.
+pub trait RemoteWaits: Send + Sync {
+    /// Fails the waits in flight with `ECANCELED` and refuses new ones until as many
+    /// [`RemoteWaits::release`] calls.
+    fn hold(&self);
+    /// Undoes one [`RemoteWaits::hold`].
+    fn release(&self);
+}
+
+/// Where a device finds the server's [`RemoteWaits`] (none while no client is connected).
+#[derive(Default)]
+pub struct WaitControl {
+    target: std::sync::RwLock<Option<Arc<dyn RemoteWaits>>>,
+}
+
+impl std::fmt::Debug for WaitControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitControl").finish_non_exhaustive()
+    }
+}
+
+impl WaitControl {
+    /// Installs (or with `None` removes) the waits a hold applies to.
+    pub fn set(&self, target: Option<Arc<dyn RemoteWaits>>) {
+        *self.target.write().unwrap_or_else(|p| p.into_inner()) = target;
+    }
+
+    /// Holds the current waits until the guard is dropped.
+    pub fn hold(&self) -> WaitHold {
+        let target = self
+            .target
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(t) = &target {
+            t.hold();
+        }
+        WaitHold { target }
+    }
+}
+
+/// A [`WaitControl::hold`]; released (on the waits it held) when dropped.
+#[must_use = "the hold ends when the guard is dropped"]
+pub struct WaitHold {
+    target: Option<Arc<dyn RemoteWaits>>,
+}
+
+impl std::fmt::Debug for WaitHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitHold").finish_non_exhaustive()
+    }
+}
+
+impl Drop for WaitHold {
+    fn drop(&mut self) {
+        if let Some(t) = &self.target {
+            t.release();
+        }
+    }
+}
+
+/// A device that can hand its state to a successor under a connected client (the server's
+/// `DeviceSlot::swap`), in two phases: [`HandOver::check_successor`] decides, without side
+/// effects, whether the successor may replace this device; only then does
+/// [`HandOver::hand_over`] commit.
+pub trait HandOver: PciDevice + Sized {
+    /// Why a hand-over failed.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// `Ok` if `next` (a successor built beforehand, not yet serving) can take over from this
+    /// device without the client noticing, otherwise what would differ. Changes nothing.
+    fn check_successor(&self, next: &Self) -> std::result::Result<(), &'static str>;
+
+    /// Moves this device's state into `next` and lets `next` run; this device stays parked
+    /// for good. On error this device runs on (nothing ran on `next`).
+    fn hand_over(&mut self, next: &mut Self) -> std::result::Result<(), Self::Error>;
 }
 
 /// A PCI device model served over vfio-user.

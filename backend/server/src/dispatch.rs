@@ -20,7 +20,7 @@ use switchyard_proto::{
     region_read_reply_buffer, truncate_mig_data_read_reply,
 };
 
-use crate::client_dma::ClientDma;
+use crate::client_dma::{ClientDma, Routed};
 use crate::listener::StopHandle;
 use crate::migration;
 use crate::transport::{Connection, Message, SendLimit, TransportError, send_bounded};
@@ -186,6 +186,10 @@ pub(crate) fn serve_connection<D: PciDevice>(
         }
     };
     if let Some(cd) = s.client_dma.take() {
+        // Park the engines first (`Server::client_gone` does the rest): a command waiting for
+        // this client is then cancelled and runs again for the next client, instead of failing
+        // on the closed connection and latching an error.
+        server.slot.lock().device.client_disconnected();
         cd.close();
     }
     for l in [&s.posted_failures, &s.unsolicited_replies, &s.bad_irq_fds] {
@@ -205,13 +209,23 @@ fn route_reply(s: &Session, msg: &Message<'_>) {
     let routed = s
         .client_dma
         .as_ref()
-        .is_some_and(|cd| cd.complete(h.msg_id, outcome));
-    if !routed && s.unsolicited_replies.allow() {
-        tracing::warn!(
+        .map_or(Routed::Unsolicited, |cd| cd.complete(h.msg_id, outcome));
+    match routed {
+        Routed::Delivered => {}
+        Routed::Late => tracing::debug!(
             msg_id = h.msg_id,
             cmd = h.cmd,
-            "dropping an unsolicited reply"
-        );
+            "dropping a late reply to a cancelled DMA request"
+        ),
+        Routed::Unsolicited => {
+            if s.unsolicited_replies.allow() {
+                tracing::warn!(
+                    msg_id = h.msg_id,
+                    cmd = h.cmd,
+                    "dropping an unsolicited reply"
+                );
+            }
+        }
     }
 }
 
@@ -315,6 +329,7 @@ fn handle<D: PciDevice>(
                 server.config.client_dma_timeout,
             ));
             server.ctx().dma.set_remote(Some(cd.clone()));
+            server.ctx().waits.set(Some(cd.clone()));
             s.client_dma = Some(cd);
             s.negotiated = Some(n.client);
         }

@@ -168,6 +168,7 @@ impl<D: PciDevice> Server<D> {
             dma: Arc::new(DmaSpace::new(config.limits.max_dma_maps as usize)),
             // Sized to the VFIO maximum until the device has described itself.
             irqs: Arc::new(Interrupts::new(&[1, 1, 2048, 1, 1])),
+            waits: Default::default(),
         };
         let device = build(ctx.clone()).map_err(|e| ServerError::Device(Box::new(e)))?;
         ctx.irqs.reconfigure(&device.description().irq_counts());
@@ -247,6 +248,7 @@ impl<D: PciDevice> Server<D> {
     /// keep device state. A migration in progress is abandoned (the device runs again).
     fn client_gone(&mut self) {
         self.ctx().dma.set_remote(None);
+        self.ctx().waits.set(None);
         {
             let mut slot = self.slot.lock();
             if slot.mig != MigState::Running {

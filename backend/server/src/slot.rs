@@ -6,12 +6,19 @@
 //! slot's lock, so the guest vCPU simply stalls for the swap's duration and then talks to the
 //! new device. Regions the client has mmapped cannot be re-pointed, so the new device must
 //! present the same memory objects ([`DeviceSlot::swap`] checks that).
+//!
+//! A swap has two phases. The successor is built beforehand, parked (it runs nothing until it
+//! has the old device's state), and the old engines are best parked beforehand too, both
+//! outside the slot. Under the slot the swap first checks everything that can refuse it (a
+//! migration in progress, what the client would see: the device descriptions and
+//! [`HandOver::check_successor`]); only then does [`HandOver::hand_over`] commit. A refused
+//! swap has run nothing on the successor and leaves the old device serving.
 
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use switchyard_device::{DeviceContext, DeviceDescription, PciDevice};
+use switchyard_device::{DeviceContext, DeviceDescription, HandOver, PciDevice};
 use switchyard_proto::MigState;
 
 use crate::Slot;
@@ -25,9 +32,9 @@ pub enum SwapError {
     /// The new device does not look like the old one to the client.
     #[error("The new device differs from the old one: {0}")]
     Incompatible(&'static str),
-    /// Building the new device failed.
-    #[error("Cannot build the new device")]
-    Build(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Handing the state over to the new device failed.
+    #[error("Cannot hand the device state over")]
+    HandOver(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// The outcome of a swap.
@@ -86,28 +93,40 @@ impl<D: PciDevice> DeviceSlot<D> {
     pub fn context(&self) -> &DeviceContext {
         &self.ctx
     }
+}
 
-    /// Replaces the device with the one `build` makes from the old device and the server's
-    /// context (typically: save the old device's state, create a device on the same memory
-    /// objects, load the state). Requests wait for the duration. Refused while a migration
-    /// is in progress, and when the new device would look different to the client (regions,
-    /// interrupts, mmapped memory objects); then the old device stays.
-    pub fn swap<E>(
-        &self,
-        build: impl FnOnce(&mut D, DeviceContext) -> Result<D, E>,
-    ) -> Result<SwapReport<D>, SwapError>
-    where
-        E: std::error::Error + Send + Sync + 'static,
-    {
+impl<D: HandOver> DeviceSlot<D> {
+    /// Replaces the device with `next`, a successor built beforehand on [`Self::context`]
+    /// (parked until it has the state; e.g. `SoftGpu::successor`). Requests wait for the
+    /// duration. Refused while a migration is in progress, and when `next` would look
+    /// different to the client (regions, interrupts, mmapped memory objects, whatever
+    /// [`HandOver::check_successor`] says); those checks come first, so a refused swap has
+    /// run nothing on `next` (dropped after the slot is released) and the old device stays.
+    /// Then [`HandOver::hand_over`] moves the state; if it fails, the old device stays too.
+    pub fn swap(&self, mut next: D) -> Result<SwapReport<D>, SwapError> {
         let mut slot = self.lock();
         let t0 = Instant::now();
-        if slot.mig != MigState::Running {
-            return Err(SwapError::Migrating(slot.mig));
+        let committed = if slot.mig != MigState::Running {
+            Err(SwapError::Migrating(slot.mig))
+        } else {
+            same_shape(slot.device.description(), next.description())
+                .and_then(|()| {
+                    slot.device
+                        .check_successor(&next)
+                        .map_err(SwapError::Incompatible)
+                })
+                .and_then(|()| {
+                    slot.device
+                        .hand_over(&mut next)
+                        .map_err(|e| SwapError::HandOver(Box::new(e)))
+                })
+        };
+        if let Err(e) = committed {
+            drop(slot);
+            drop(next);
+            return Err(e);
         }
-        let new =
-            build(&mut slot.device, self.ctx.clone()).map_err(|e| SwapError::Build(Box::new(e)))?;
-        same_shape(slot.device.description(), new.description())?;
-        let old = std::mem::replace(&mut slot.device, new);
+        let old = std::mem::replace(&mut slot.device, next);
         let held = t0.elapsed();
         drop(slot);
         tracing::debug!(held_us = held.as_micros() as u64, "device swapped");
@@ -143,4 +162,105 @@ fn same_shape(a: &DeviceDescription, b: &DeviceDescription) -> Result<(), SwapEr
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use switchyard_device::{DmaSpace, Interrupts, RegionDesc, WaitControl};
+
+    use super::*;
+
+    /// A device whose hand-overs are counted; `size` is its BAR0 size.
+    struct Counted {
+        desc: DeviceDescription,
+        handed: Arc<AtomicU32>,
+        fits: bool,
+    }
+
+    impl Counted {
+        fn new(size: u64, fits: bool, handed: &Arc<AtomicU32>) -> Self {
+            let mut regions = vec![RegionDesc::absent(); 9];
+            regions[0] = RegionDesc::trapped(size);
+            Self {
+                desc: DeviceDescription {
+                    name: "counted",
+                    regions,
+                    irqs: Vec::new(),
+                    resettable: true,
+                },
+                handed: handed.clone(),
+                fits,
+            }
+        }
+    }
+
+    impl PciDevice for Counted {
+        fn description(&self) -> &DeviceDescription {
+            &self.desc
+        }
+        fn region_read(&mut self, _: u32, _: u64, _: &mut [u8]) -> switchyard_device::Result<()> {
+            Ok(())
+        }
+        fn region_write(&mut self, _: u32, _: u64, _: &[u8]) -> switchyard_device::Result<()> {
+            Ok(())
+        }
+        fn reset(&mut self) -> switchyard_device::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl HandOver for Counted {
+        type Error = std::io::Error;
+        fn check_successor(&self, next: &Self) -> Result<(), &'static str> {
+            if next.fits {
+                Ok(())
+            } else {
+                Err("does not fit")
+            }
+        }
+        fn hand_over(&mut self, _next: &mut Self) -> Result<(), std::io::Error> {
+            self.handed.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    fn slot(handed: &Arc<AtomicU32>) -> DeviceSlot<Counted> {
+        let ctx = DeviceContext {
+            dma: Arc::new(DmaSpace::new(4)),
+            irqs: Arc::new(Interrupts::new(&[0, 0, 0, 0, 0])),
+            waits: Arc::new(WaitControl::default()),
+        };
+        let inner = Slot {
+            device: Counted::new(0x1000, true, handed),
+            mig: MigState::Running,
+        };
+        DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx)
+    }
+
+    #[test]
+    fn a_refused_swap_never_starts_the_hand_over() {
+        let handed = Arc::new(AtomicU32::new(0));
+        let s = slot(&handed);
+        let r = s.swap(Counted::new(0x2000, true, &handed));
+        assert!(matches!(r, Err(SwapError::Incompatible(_))), "{r:?}");
+        let r = s.swap(Counted::new(0x1000, false, &handed));
+        assert!(
+            matches!(r, Err(SwapError::Incompatible("does not fit"))),
+            "{r:?}"
+        );
+        s.lock().mig = MigState::Stop;
+        let r = s.swap(Counted::new(0x1000, true, &handed));
+        assert!(matches!(r, Err(SwapError::Migrating(_))), "{r:?}");
+        assert_eq!(
+            handed.load(Ordering::SeqCst),
+            0,
+            "a refused swap handed over"
+        );
+        // Positive control: a fitting successor is handed the state, once.
+        s.lock().mig = MigState::Running;
+        s.swap(Counted::new(0x1000, true, &handed)).expect("swap");
+        assert_eq!(handed.load(Ordering::SeqCst), 1);
+    }
 }

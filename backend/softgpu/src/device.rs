@@ -5,12 +5,24 @@
 //! commands execute without it. Each engine sleeps on its own condvar; whoever needs the
 //! engines at a command boundary (device reset, save/restore, disconnect) pauses them and
 //! waits on the `idle` condvar until none is busy.
+//!
+//! Why the engines are held (not running commands) has several owners: the client went away
+//! (`halted`), a migration STOP, swap parks, a successor waiting for its state, a device that
+//! handed its state over. Each owner sets and clears only its own reason ([`Holds`]); the
+//! engines run when none holds them.
+//!
+//! A thread that waits for the engines while it is the server's connection thread (every
+//! device call: reset, FLR, migration arcs, a swap's hand-over under the slot) cannot route
+//! the client's replies to the server→client DMA an engine may be waiting for; such a wait
+//! holds the server's remote waits ([`WaitControl::hold`]), which fails them with `ECANCELED`.
+//! The command is abandoned without an error and runs again from its start once the engines
+//! run again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use switchyard_device::config::ConfigSpace;
-use switchyard_device::{DmaSpace, Interrupts, IrqIndex};
+use switchyard_device::{DmaSpace, Interrupts, IrqIndex, WaitControl};
 
 use crate::cmd::COMMAND_SIZE;
 use crate::exec::{Done, ExecError, Executor, Irq, Outcome, Scratch};
@@ -24,8 +36,8 @@ use crate::{IrqMode, SoftGpuConfig};
 struct Runtime {
     /// The engine is executing a command (outside the lock).
     busy: bool,
-    /// Someone waits for this engine to stay at a command boundary.
-    paused: bool,
+    /// How many threads wait for this engine to stay at a command boundary.
+    paused: u32,
     /// Bumped by every queue or device reset and restore; results of a command started in an
     /// older epoch are discarded.
     epoch: u64,
@@ -46,14 +58,34 @@ pub(crate) struct Seen {
     pub(crate) stopped: bool,
 }
 
+/// Why the engines are held at a command boundary, besides a disconnected client (`halted`,
+/// which a register write clears). Each owner sets and clears only its own reason.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Holds {
+    /// Stopped by the owner ([`crate::SoftGpu::set_running`]): a migration STOP state.
+    pub(crate) migration: bool,
+    /// Live [`crate::Parked`] guards (a swap parks the engines before it takes the slot).
+    pub(crate) parks: u32,
+    /// A successor waiting for its state ([`crate::SoftGpu::successor`]).
+    pub(crate) successor: bool,
+    /// This device handed its state to a successor: held for good.
+    pub(crate) retired: bool,
+}
+
+impl Holds {
+    fn any(&self) -> bool {
+        self.migration || self.parks > 0 || self.successor || self.retired
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Regs {
     pub(crate) st: SoftGpuState,
     rt: Vec<Runtime>,
     /// The client disconnected: engines are parked.
     halted: bool,
-    /// Stopped by the owner (e.g. a migration STOP state): engines are parked.
-    stopped: bool,
+    /// Why else the engines are parked.
+    pub(crate) holds: Holds,
     shutdown: bool,
     /// Threads waiting on `idle` (engines skip the futex wake when nobody waits).
     idle_waiters: u32,
@@ -80,7 +112,7 @@ impl Regs {
             enabled: self.st.queues.get(q).is_some_and(|qs| qs.enabled),
             bus_master: self.st.config_space.bus_master(),
             halted: self.halted,
-            stopped: self.stopped,
+            stopped: self.holds.any(),
         };
         if let Some(rt) = self.rt.get_mut(q) {
             rt.seen = seen;
@@ -99,7 +131,7 @@ impl Regs {
             Q_STATUS_STOPPED
         } else if qs.head == qs.tail {
             Q_STATUS_IDLE
-        } else if !self.st.config_space.bus_master() || self.halted || self.stopped {
+        } else if !self.st.config_space.bus_master() || self.halted || self.holds.any() {
             Q_STATUS_PAUSED
         } else {
             Q_STATUS_RUNNING
@@ -109,9 +141,9 @@ impl Regs {
     fn next_job(&self, q: usize) -> Option<Job> {
         let qs = self.st.queues.get(q)?;
         let rt = self.rt.get(q)?;
-        if rt.paused
+        if rt.paused > 0
             || self.halted
-            || self.stopped
+            || self.holds.any()
             || !self.st.config_space.bus_master()
             || !qs.enabled
             || qs.error_code != ERR_NONE
@@ -220,9 +252,12 @@ impl Regs {
             }
             Err(ExecError::Fault { code, addr }) => {
                 let dma = matches!(code, ERR_DMA_UNMAPPED | ERR_DMA_PERMISSION | ERR_RING_FETCH);
-                if self.halted && dma {
-                    // The client's windows went away under the command: not the driver's
-                    // fault. The command runs again when the engines resume.
+                if (self.halted || self.holds.any()) && dma {
+                    // The client's windows went away under the command (disconnect), or the
+                    // device is being stopped (migration, swap): not the driver's fault, and
+                    // a stopped device must not change state or interrupt. The command runs
+                    // again when the engines resume.
+                    tracing::debug!(queue = q, code, addr, "DMA fault while held; not latched");
                     return;
                 }
                 self.set_error(irqs, q, code, addr, outcome.opcode);
@@ -255,7 +290,7 @@ impl Regs {
         if self.st.queues.iter().any(|q| q.error_code != ERR_NONE) {
             s |= DEV_STATUS_ERROR;
         }
-        if self.stopped {
+        if self.holds.any() {
             s |= DEV_STATUS_STOPPED;
         }
         s
@@ -327,6 +362,8 @@ pub(crate) struct Shared {
     pub(crate) dma: Arc<DmaSpace>,
     pub(crate) irqs: Arc<Interrupts>,
     pub(crate) vram: Arc<Vram>,
+    /// The server's remote waits, held while waiting for the engines.
+    waits: Arc<WaitControl>,
     /// The power-on config space (sealed), also the source of write masks after a restore.
     pub(crate) config_def: ConfigSpace,
     regs: Mutex<Regs>,
@@ -340,8 +377,10 @@ impl Shared {
         config: SoftGpuConfig,
         dma: Arc<DmaSpace>,
         irqs: Arc<Interrupts>,
+        waits: Arc<WaitControl>,
         vram: Arc<Vram>,
         config_def: ConfigSpace,
+        holds: Holds,
     ) -> Self {
         let n = config.queues as usize;
         let st = SoftGpuState::power_on(config, vram.identity(), &config_def);
@@ -350,12 +389,13 @@ impl Shared {
             dma,
             irqs,
             vram,
+            waits,
             config_def,
             regs: Mutex::new(Regs {
                 st,
                 rt: vec![Runtime::default(); n],
                 halted: false,
-                stopped: false,
+                holds,
                 shutdown: false,
                 idle_waiters: 0,
                 pending_wake: 0,
@@ -381,11 +421,20 @@ impl Shared {
 
     /// Pauses the engines of `mask` and waits until each is at a command boundary. With
     /// `abort`, a running command is abandoned at its next abort point (its results are not
-    /// recorded and it runs again when the engine resumes, unless its epoch changed).
-    fn quiesce<'a>(&'a self, mut g: Guard<'a>, mask: u32, abort: bool) -> Guard<'a> {
+    /// recorded and it runs again when the engine resumes, unless its epoch changed). With
+    /// `cancel_remote` (the caller may be the connection thread, which routes the client's
+    /// DMA replies), server→client DMA is cancelled while waiting: a command waiting for the
+    /// client is abandoned the same way.
+    fn quiesce<'a>(
+        &'a self,
+        mut g: Guard<'a>,
+        mask: u32,
+        abort: bool,
+        cancel_remote: bool,
+    ) -> Guard<'a> {
         for q in self.queues_in(mask) {
             if let Some(rt) = g.rt.get_mut(q) {
-                rt.paused = true;
+                rt.paused += 1;
             }
             if abort {
                 if let Some(a) = self.abort.get(q) {
@@ -393,10 +442,12 @@ impl Shared {
                 }
             }
         }
-        while self
-            .queues_in(mask)
-            .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
-        {
+        let busy = |g: &Regs| {
+            self.queues_in(mask)
+                .any(|q| g.rt.get(q).is_some_and(|rt| rt.busy))
+        };
+        let _hold = (cancel_remote && busy(&g)).then(|| self.waits.hold());
+        while busy(&g) {
             g.idle_waiters += 1;
             g = self.idle.wait(g).unwrap_or_else(|p| p.into_inner());
             g.idle_waiters -= 1;
@@ -407,14 +458,17 @@ impl Shared {
     /// Undoes [`Shared::quiesce`].
     fn resume(&self, g: &mut Regs, mask: u32) {
         for q in self.queues_in(mask) {
-            if let Some(rt) = g.rt.get_mut(q) {
-                rt.paused = false;
-            }
-            if let Some(a) = self.abort.get(q) {
-                a.store(false, Ordering::SeqCst);
-            }
-            if let Some(cv) = self.wake.get(q) {
-                cv.notify_one();
+            let Some(rt) = g.rt.get_mut(q) else {
+                continue;
+            };
+            rt.paused = rt.paused.saturating_sub(1);
+            if rt.paused == 0 {
+                if let Some(a) = self.abort.get(q) {
+                    a.store(false, Ordering::SeqCst);
+                }
+                if let Some(cv) = self.wake.get(q) {
+                    cv.notify_one();
+                }
             }
         }
     }
@@ -423,10 +477,11 @@ impl Shared {
         self.wake.iter().for_each(Condvar::notify_one);
     }
 
-    /// Quiesces the engines and runs `f` on the registers.
+    /// Quiesces the engines (cancelling waits on the client: see [`Shared::quiesce`]) and runs
+    /// `f` on the registers.
     pub(crate) fn with_quiesced<R>(&self, abort: bool, f: impl FnOnce(&mut Regs) -> R) -> R {
         let g = self.lock();
-        let mut g = self.quiesce(g, self.all_queues(), abort);
+        let mut g = self.quiesce(g, self.all_queues(), abort, true);
         let r = f(&mut g);
         self.resume(&mut g, self.all_queues());
         r
@@ -447,7 +502,7 @@ impl Shared {
     /// config space and MSI-X table (FLR, `DEVICE_RESET`), without (DEV_CONTROL.RESET) they are
     /// kept.
     pub(crate) fn reset<'a>(&'a self, g: Guard<'a>, pci: bool) -> Guard<'a> {
-        let mut g = self.quiesce(g, self.all_queues(), true);
+        let mut g = self.quiesce(g, self.all_queues(), true, true);
         let mut fresh = SoftGpuState::power_on(self.config, self.vram.identity(), &self.config_def);
         if !pci {
             std::mem::swap(&mut fresh.config_space, &mut g.st.config_space);
@@ -474,14 +529,34 @@ impl Shared {
         self.lock().rt.get(q).map(|rt| rt.seen).unwrap_or_default()
     }
 
-    /// The client is gone: park the engines and stop touching DMA memory.
+    /// The client is gone: park the engines and stop touching DMA memory. Halted before the
+    /// wait, so a command failing meanwhile (its windows are gone) latches no error.
     pub(crate) fn halt(&self) {
-        self.with_quiesced(true, |g| g.halted = true);
+        let mut g = self.lock();
+        g.halted = true;
+        let mut g = self.quiesce(g, self.all_queues(), true, true);
+        self.resume(&mut g, self.all_queues());
     }
 
-    /// Parks the engines after their current command (`false`) or lets them run (`true`).
+    /// Parks the engines after their current command (`false`) or lets them run (`true`),
+    /// as far as the migration is concerned (other holds stay).
     pub(crate) fn set_running(&self, running: bool) {
-        self.with_quiesced(false, |g| g.stopped = !running);
+        self.set_hold(|h| h.migration = !running, true);
+    }
+
+    /// Changes the holds with `f`; if the engines are held afterwards, waits until they are
+    /// at a command boundary (an engine's DMA fault meanwhile is not latched: see
+    /// [`Regs::finish`]). `cancel_remote` as for [`Shared::quiesce`].
+    pub(crate) fn set_hold(&self, f: impl FnOnce(&mut Holds), cancel_remote: bool) {
+        let mut g = self.lock();
+        f(&mut g.holds);
+        if g.holds.any() {
+            let mut g = self.quiesce(g, self.all_queues(), false, cancel_remote);
+            self.resume(&mut g, self.all_queues());
+        } else {
+            drop(g);
+            self.wake_all();
+        }
     }
 
     /// Stops the engines for good.
@@ -643,7 +718,7 @@ impl Shared {
             let outcome = exec.run(job.slot, &mut scratch);
             g = self.lock();
             g.finish(&self.irqs, q, job, outcome);
-            if !g.shutdown && g.rt.get(q).is_some_and(|rt| !rt.paused) {
+            if !g.shutdown && g.rt.get(q).is_some_and(|rt| rt.paused == 0) {
                 // A queue reset's abort request has been served.
                 abort.store(false, Ordering::SeqCst);
             }

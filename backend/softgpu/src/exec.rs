@@ -36,7 +36,8 @@ pub(crate) enum ExecError {
         /// Faulting address.
         addr: u64,
     },
-    /// The engine was asked to stop (reset, restore, shutdown); nothing is recorded.
+    /// The engine was asked to stop (reset, restore, shutdown), or a quiesce cancelled its
+    /// wait for the client; nothing is recorded.
     Aborted,
 }
 
@@ -104,7 +105,16 @@ fn dma_error(e: &DmaError, fallback: u64) -> (u32, u64) {
     }
 }
 
+/// Whether a DMA error is the server cancelling a wait on the client because the device is
+/// being quiesced (see `device.rs`): the command is abandoned, not failed.
+fn cancelled(e: &DmaError) -> bool {
+    matches!(e, DmaError::Remote { errno, .. } if *errno == libc::ECANCELED)
+}
+
 fn dma_fault(e: &DmaError, fallback: u64) -> ExecError {
+    if cancelled(e) {
+        return ExecError::Aborted;
+    }
     let (code, addr) = dma_error(e, fallback);
     fault(code, addr)
 }
@@ -243,11 +253,12 @@ impl Executor<'_> {
     pub(crate) fn run(&self, slot: u64, s: &mut Scratch) -> Outcome {
         let mut raw = [0u8; COMMAND_SIZE];
         if let Err(e) = self.dma.read(slot, &mut raw) {
-            let (_, addr) = dma_error(&e, slot);
-            return Outcome {
-                opcode: 0,
-                result: Err(fault(ERR_RING_FETCH, addr)),
+            let result = if cancelled(&e) {
+                Err(ExecError::Aborted)
+            } else {
+                Err(fault(ERR_RING_FETCH, dma_error(&e, slot).1))
             };
+            return Outcome { opcode: 0, result };
         }
         let c = Command::decode(&raw);
         let result = self.execute(&c, slot, s);

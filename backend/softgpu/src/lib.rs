@@ -58,7 +58,7 @@
 //! | 0x028 | `INT_ACK` | WO | write 1s to clear `INT_STATUS` bits; reads 0 |
 //! | 0x02c | `SCRATCH` | RW | no side effects |
 //! | 0x030 | `DEV_CONTROL` | WO | bit 0 RESET: registers, queues, interrupt state, fence counter to power-on, VRAM zeroed; config space and MSI-X table kept. Reads 0 |
-//! | 0x034 | `DEV_STATUS` | RO | bit 0 bus master enabled, bit 1 halted (client disconnected; cleared by the next register write), bit 2 some queue in error, bit 3 stopped by the host ([`SoftGpu::set_running`]) |
+//! | 0x034 | `DEV_STATUS` | RO | bit 0 bus master enabled, bit 1 halted (client disconnected; cleared by the next register write), bit 2 some queue in error, bit 3 stopped by the host (a migration STOP state, [`SoftGpu::set_running`]; or engines parked for a swap) |
 //! | 0x038 | `MSIX_VECTOR_COUNT` | RO | number of MSI-X vectors: 16; 0 in MSI mode (a driver can tell the modes apart by it) |
 //! | 0x03c | `RING_ENTRY_SIZE` | RO | 64 |
 //! | 0x040 | `MAX_RING_ENTRIES` | RO | 65536 |
@@ -213,16 +213,26 @@
 //! # Migration and swaps
 //!
 //! The device implements VFIO migration v2 with PRE_COPY ([`PciDevice::migration_step`]):
-//! STOP parks the engines after their current command (queues with work read `PAUSED`);
+//! STOP parks the engines after their current command (queues with work read `PAUSED`; a
+//! command waiting for the client's DMA reply is abandoned instead and runs again later);
 //! PRE_COPY streams VRAM while the device runs, in rounds; STOP_COPY sends what changed since,
 //! then the state; RESUMING applies a stream on zeroed VRAM and loads the state at its end.
 //! The stream format and how changed pages are found (content hashes when the client may map
 //! VRAM, a write log with `vram_mmap=off`) are documented in `mig.rs`. Pending commands travel
 //! in the guest's rings and run on the destination once it is RUNNING.
 //!
-//! [`SoftGpu::successor`] builds the device that replaces this one under a connected client
-//! (same VRAM memfd, same DMA windows and eventfds, same state); every command runs exactly
-//! once across the swap.
+//! A swap replaces the device under a connected client in two phases: [`SoftGpu::successor`]
+//! builds a parked device on the same VRAM memfd (same DMA windows and eventfds), which is
+//! checked ([`HandOver::check_successor`]) before [`HandOver::hand_over`] moves the state
+//! into it and lets it run; every command runs exactly once across the swap, and a refused
+//! swap runs nothing on the successor.
+//!
+//! Engines are held by several owners at once (a migration STOP, [`EngineControl::park`]
+//! guards, a successor waiting for its state, a device that handed its state over, a
+//! disconnected client); they run only when none holds them. Waiting for them from a device
+//! call cancels the server's DMA through the client (windows without fd), whose replies the
+//! waiting thread would have to route: such a command is abandoned without an error and runs
+//! again from its start when the engines run again.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -245,8 +255,9 @@ use std::thread::JoinHandle;
 
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
 use switchyard_device::{
-    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex, MigArc,
-    MigrationCaps, NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap, SparseArea,
+    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, HandOver, IrqDesc,
+    IrqIndex, MigArc, MigrationCaps, NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap,
+    SparseArea,
 };
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
@@ -254,7 +265,7 @@ pub use mig::{MigStreamError, SourceStats};
 pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
 pub use vram::VramRef;
 
-use device::Shared;
+use device::{Holds, Shared};
 
 /// Region index of the registers.
 pub const BAR_REGS: u32 = 0;
@@ -313,15 +324,32 @@ enum Migration {
 #[derive(Debug, Clone)]
 pub struct SharedVram(Arc<vram::Vram>);
 
-/// Parks and resumes a device's engines from another thread, without the device itself
-/// (e.g. to drain the engines before a swap while region accesses are still served).
+/// Parks a device's engines from another thread, without the device itself (e.g. to drain
+/// the engines before a swap while region accesses are still served).
 #[derive(Debug, Clone)]
 pub struct EngineControl(Arc<Shared>);
 
 impl EngineControl {
-    /// Like [`SoftGpu::set_running`].
-    pub fn set_running(&self, running: bool) {
-        self.0.set_running(running);
+    /// Parks the engines at a command boundary (waits for the running commands to complete)
+    /// until the guard is dropped. Parks compose with the other reasons to hold the engines
+    /// (a migration STOP in particular): dropping the guard lets them run only if nothing
+    /// else holds them. Call it outside the device slot (it waits for commands, which may
+    /// wait for the client's DMA replies).
+    pub fn park(&self) -> Parked {
+        self.0.set_hold(|h| h.parks += 1, false);
+        Parked(self.0.clone())
+    }
+}
+
+/// Engines parked by [`EngineControl::park`]; dropping it releases this park.
+#[derive(Debug)]
+#[must_use = "the engines run again when the guard is dropped"]
+pub struct Parked(Arc<Shared>);
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.0
+            .set_hold(|h| h.parks = h.parks.saturating_sub(1), false);
     }
 }
 
@@ -401,7 +429,7 @@ impl SoftGpu {
     pub fn new(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
         let vram = vram::Vram::create(config.vram_size, !config.vram_mmap)?;
-        Self::start(config, ctx, Arc::new(vram))
+        Self::start(config, ctx, Arc::new(vram), Holds::default())
     }
 
     /// Creates a device on an existing VRAM backing file of exactly `config.vram_size` bytes,
@@ -414,29 +442,57 @@ impl SoftGpu {
     ) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
         let vram = vram::Vram::adopt(vram, config.vram_size, !config.vram_mmap)?;
-        Self::start(config, ctx, Arc::new(vram))
+        Self::start(config, ctx, Arc::new(vram), Holds::default())
     }
 
-    /// Creates a device on this device's VRAM as it is mapped here ([`SoftGpu::shared_vram`]):
-    /// no new mapping, no page faults on first access, nothing to unmap when the old device
-    /// goes. The way to build a successor for a swap.
+    /// Creates a device on another device's VRAM as it is mapped there
+    /// ([`SoftGpu::shared_vram`]): no new mapping, no page faults on first access, nothing to
+    /// unmap when the old device goes. For a swap, build the successor with
+    /// [`SoftGpu::successor`] instead (parked until it has the state).
     pub fn with_shared_vram(
         config: SoftGpuConfig,
         ctx: DeviceContext,
         vram: SharedVram,
+    ) -> Result<SoftGpu, SoftGpuError> {
+        Self::on_shared_vram(config, ctx, vram, Holds::default())
+    }
+
+    /// Builds the device that is to replace the one whose [`SoftGpu::config`] and
+    /// [`SoftGpu::shared_vram`] are given, on the server's `ctx` (a swap: the server's
+    /// `DeviceSlot::swap`). It starts parked with power-on registers, touching nothing, and
+    /// runs only once [`HandOver::hand_over`] has given it the old device's state. Building
+    /// (starting engine threads) is the slow part of a swap: do it before taking the slot.
+    pub fn successor(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        vram: SharedVram,
+    ) -> Result<SoftGpu, SoftGpuError> {
+        let holds = Holds {
+            successor: true,
+            ..Holds::default()
+        };
+        Self::on_shared_vram(config, ctx, vram, holds)
+    }
+
+    fn on_shared_vram(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        vram: SharedVram,
+        holds: Holds,
     ) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
         let v = &vram.0;
         if v.size() != config.vram_size || v.tracked() == config.vram_mmap {
             return Err(StateError::Inconsistent("shared VRAM of another configuration").into());
         }
-        Self::start(config, ctx, vram.0)
+        Self::start(config, ctx, vram.0, holds)
     }
 
     fn start(
         config: SoftGpuConfig,
         ctx: DeviceContext,
         vram: Arc<vram::Vram>,
+        holds: Holds,
     ) -> Result<SoftGpu, SoftGpuError> {
         let counts = config.irq_counts();
         for (index, &needed) in (0u32..).zip(&counts) {
@@ -506,8 +562,10 @@ impl SoftGpu {
             config,
             ctx.dma,
             ctx.irqs,
+            ctx.waits,
             vram,
             build_config_space(&config),
+            holds,
         ));
         let mut gpu = SoftGpu {
             config,
@@ -554,57 +612,17 @@ impl SoftGpu {
     }
 
     /// Parks the engines at a command boundary (`false`; waits for the running commands to
-    /// complete) or lets them run again (`true`). For owners that need the device to stop
-    /// touching memory without a reset, e.g. the STOP state of a migration. Not part of the
-    /// saved state; a new device runs.
+    /// complete, cancelling waits on the client) or lets them run again (`true`). For the
+    /// owner of the device's run state, the STOP states of a migration; other holds
+    /// ([`EngineControl::park`], a swap) are independent of it. Not part of the saved state;
+    /// a new device runs.
     pub fn set_running(&self, running: bool) {
         self.shared.set_running(running);
     }
 
-    /// A handle that parks and resumes the engines from another thread.
+    /// A handle that parks the engines from another thread.
     pub fn engine_control(&self) -> EngineControl {
         EngineControl(self.shared.clone())
-    }
-
-    /// Builds the device that replaces this one under a connected client (a swap): the same
-    /// configuration and VRAM memfd (the client's mapping stays valid), on `ctx`, with this
-    /// device's state. Building (starting engine threads) is the slow part of a swap; to keep
-    /// it out of the swap, build the successor beforehand with
-    /// `SoftGpu::with_shared_vram(old.config(), ctx, old.shared_vram())` (power-on registers,
-    /// so it touches nothing) and only [`SoftGpu::hand_over`] inside it.
-    pub fn successor(&mut self, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
-        let next = SoftGpu::with_shared_vram(self.config, ctx, self.shared_vram())?;
-        self.hand_over(next)
-    }
-
-    /// Moves this device's state into `next` (a device of the same configuration on the same
-    /// VRAM memfd) and returns `next`.
-    /// This device's engines are parked first (after their current command; park them earlier
-    /// with [`SoftGpu::engine_control`] to keep that wait out of the swap) and stay parked: the
-    /// successor continues every queue from its head, so every command runs exactly once. On
-    /// error this device runs again.
-    pub fn hand_over(&mut self, next: SoftGpu) -> Result<SoftGpu, SoftGpuError> {
-        if !matches!(self.migration, Migration::Idle) {
-            return Err(StateError::Inconsistent("a migration stream is open").into());
-        }
-        if next.vram_identity() != self.vram_identity() {
-            return Err(StateError::Inconsistent("the successor has other VRAM").into());
-        }
-        self.shared.set_running(false);
-        // Parked because the client is gone is runtime state, not device state: carry it.
-        let halted = self.shared.halted();
-        match next.load(self.snapshot()) {
-            Ok(()) => {
-                if halted {
-                    next.shared.halt();
-                }
-                Ok(next)
-            }
-            Err(e) => {
-                self.shared.set_running(true);
-                Err(e.into())
-            }
-        }
     }
 
     /// Counters of the outgoing migration stream, if one is open.
@@ -910,6 +928,51 @@ impl Drop for FailureSignal {
             err_irq_signalled = matches!(signalled, Ok(true)),
             "a softgpu engine failed; the device is broken (ERR interrupt)"
         );
+    }
+}
+
+impl HandOver for SoftGpu {
+    type Error = SoftGpuError;
+
+    /// The successor must have this configuration and VRAM backing (the client sees the
+    /// queue count and maps the VRAM), and no migration stream may be open.
+    fn check_successor(&self, next: &SoftGpu) -> Result<(), &'static str> {
+        if !matches!(self.migration, Migration::Idle) {
+            return Err("a migration stream is open");
+        }
+        if next.config != self.config {
+            return Err("another configuration (queues, VRAM size, interrupt mode)");
+        }
+        if next.vram_identity() != self.vram_identity() {
+            return Err("another VRAM backing");
+        }
+        Ok(())
+    }
+
+    /// This device's engines are parked first (after their current command; park them
+    /// earlier with [`EngineControl::park`], outside the slot, to keep that wait out of the
+    /// swap) and stay parked for good: the successor continues every queue from its head, so
+    /// every command runs exactly once. On error this device runs again (unless something
+    /// else holds it) and the successor stays parked.
+    fn hand_over(&mut self, next: &mut SoftGpu) -> Result<(), SoftGpuError> {
+        self.check_successor(next)
+            .map_err(StateError::Inconsistent)?;
+        self.shared.set_hold(|h| h.retired = true, true);
+        // Parked because the client is gone is runtime state, not device state: carry it.
+        let halted = self.shared.halted();
+        match next.load(self.snapshot()) {
+            Ok(()) => {
+                if halted {
+                    next.shared.halt();
+                }
+                next.shared.set_hold(|h| h.successor = false, true);
+                Ok(())
+            }
+            Err(e) => {
+                self.shared.set_hold(|h| h.retired = false, true);
+                Err(e.into())
+            }
+        }
     }
 }
 

@@ -256,8 +256,8 @@ impl SwapStats {
 }
 
 /// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
-/// daemon does (successor built and engines drained outside the slot, only the hand-over inside).
-/// Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
+/// daemon does (parked successor built and old engines parked outside the slot; inside, the
+/// checks, then the hand-over). Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
 fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
     let mut total = SwapStats::default();
     let mut period = SwapStats::default();
@@ -280,22 +280,23 @@ fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
             period_start = Instant::now();
         }
         let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
-        let next = match SoftGpu::with_shared_vram(config, slot.context().clone(), vram) {
+        let next = match SoftGpu::successor(config, slot.context().clone(), vram) {
             Ok(next) => next,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot build a successor; no swap");
                 continue;
             }
         };
-        ctl.set_running(false);
-        match slot.swap(|old: &mut SoftGpu, _ctx| old.hand_over(next)) {
+        // Released when this iteration ends: a refused swap lets the old engines run again
+        // unless something else (a migration STOP) holds them.
+        let _parked = ctl.park();
+        match slot.swap(next) {
             Ok(report) => {
                 period.swaps += 1;
                 period.max_held = period.max_held.max(report.held);
                 drop(report.old);
             }
             Err(e) => {
-                ctl.set_running(true);
                 period.refused += 1;
                 tracing::debug!(error = %e, "swap soak: swap refused");
             }

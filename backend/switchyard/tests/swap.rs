@@ -13,12 +13,11 @@ use std::time::Duration;
 use common::driver::{Driver, guest, wait_eventfd};
 use common::ours::Ours;
 use switchyard_client::Client;
-use switchyard_device::DeviceContext;
 use switchyard_proto::consts::*;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle, SwapError};
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
-use switchyard_softgpu::{SoftGpu, SoftGpuConfig, SoftGpuError};
+use switchyard_softgpu::{EngineControl, SoftGpu, SoftGpuConfig};
 
 struct InProcess {
     slot: DeviceSlot<SoftGpu>,
@@ -49,20 +48,20 @@ impl InProcess {
     /// The swap a pool daemon does: build the successor and drain the engines outside the
     /// lock, then only hand the state over inside it.
     fn swap(&self) -> Duration {
-        let (ctl, config, vram) = self
-            .slot
-            .with(|d| (d.engine_control(), d.config(), d.vram_file().clone()));
-        let next =
-            SoftGpu::with_vram(config, self.slot.context().clone(), vram).expect("successor");
-        ctl.set_running(false);
-        let report = self
-            .slot
-            .swap(|old: &mut SoftGpu, _ctx: DeviceContext| old.hand_over(next))
-            .expect("swap");
+        let (ctl, next) = successor(&self.slot);
+        let _parked = ctl.park();
+        let report = self.slot.swap(next).expect("swap");
         let held = report.held;
         drop(report.old);
         held
     }
+}
+
+/// The current device's engine control and a parked successor (built outside the slot).
+fn successor(slot: &DeviceSlot<SoftGpu>) -> (EngineControl, SoftGpu) {
+    let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
+    let next = SoftGpu::successor(config, slot.context().clone(), vram).expect("successor");
+    (ctl, next)
 }
 
 impl Drop for InProcess {
@@ -100,10 +99,10 @@ fn queues_keep_completing_across_repeated_swaps() {
             let mut swaps = 0;
             let mut worst = Duration::ZERO;
             while !done.load(Ordering::SeqCst) {
-                let ctl = slot.with(|d| d.engine_control());
-                ctl.set_running(false);
-                let r = slot.swap(|old: &mut SoftGpu, ctx| old.successor(ctx));
-                let r = r.expect("swap");
+                let (ctl, next) = successor(&slot);
+                let parked = ctl.park();
+                let r = slot.swap(next).expect("swap");
+                drop(parked);
                 worst = worst.max(r.held);
                 drop(r.old);
                 swaps += 1;
@@ -197,31 +196,27 @@ fn refused_swaps_leave_the_old_device_serving() {
         .expect("write");
 
     // A device on another VRAM object would break the client's mapping.
-    let other = server
-        .slot
-        .swap(|_old: &mut SoftGpu, ctx| SoftGpu::new(CONFIG, ctx));
+    let other = SoftGpu::new(CONFIG, server.slot.context().clone()).expect("device");
+    let other = server.slot.swap(other);
     assert!(
         matches!(other, Err(SwapError::Incompatible(_))),
         "{other:?}"
     );
-    // Handing over to a device on other VRAM is refused too, and the old device runs on.
-    let handed = server.slot.swap(|old: &mut SoftGpu, ctx| {
-        let other = SoftGpu::new(CONFIG, ctx)?;
-        old.hand_over(other)
-    });
-    assert!(matches!(handed, Err(SwapError::Build(_))), "{handed:?}");
-    // A failing build.
-    let failing = server.slot.swap(|_old: &mut SoftGpu, _ctx| {
-        Err::<SoftGpu, _>(SoftGpuError::Thread(std::io::Error::other(
-            "no threads left",
-        )))
-    });
-    assert!(matches!(failing, Err(SwapError::Build(_))), "{failing:?}");
+    // A device of another configuration on the same VRAM (the client sees NUM_QUEUES).
+    let (config, vram) = server.slot.with(|d| (d.config(), d.shared_vram()));
+    let one = SoftGpuConfig {
+        queues: 1,
+        ..config
+    };
+    let fewer = SoftGpu::successor(one, server.slot.context().clone(), vram).expect("device");
+    let fewer = server.slot.swap(fewer);
+    assert!(
+        matches!(fewer, Err(SwapError::Incompatible(_))),
+        "{fewer:?}"
+    );
     // During a migration.
     c.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
-    let migrating = server
-        .slot
-        .swap(|old: &mut SoftGpu, ctx| old.successor(ctx));
+    let migrating = server.slot.swap(successor(&server.slot).1);
     assert!(
         matches!(migrating, Err(SwapError::Migrating(_))),
         "{migrating:?}"
@@ -264,4 +259,160 @@ fn a_swap_after_the_client_left_keeps_the_device_parked() {
     );
     c.region_read(0, SCRATCH, &mut b).expect("read");
     assert_eq!(u32::from_le_bytes(b), 3);
+}
+
+/// Fills of 256 KiB of VRAM (no guest memory besides the ring): tens of microseconds each.
+fn vram_fills(n: usize, pattern: u32) -> Vec<Command> {
+    (0..n)
+        .map(|i| Command::fill(Operand::Vram((i as u64 % 8) << 18), 1 << 18, pattern))
+        .collect()
+}
+
+#[test]
+fn refused_swaps_never_restart_a_device_that_migration_stopped() {
+    let server = InProcess::start(CONFIG);
+    let mut d = Driver::new(Ours(Client::connect(&server.socket).expect("connect")));
+    d.setup_queue(0);
+    let done = Arc::new(AtomicBool::new(false));
+    let swapper = {
+        let slot = server.slot.clone();
+        let done = done.clone();
+        thread::spawn(move || {
+            let (mut swaps, mut refused) = (0u32, 0u32);
+            while !done.load(Ordering::SeqCst) {
+                let (ctl, next) = successor(&slot);
+                let parked = ctl.park();
+                // A migration STOP lands between the park and the swap.
+                thread::sleep(Duration::from_micros(300));
+                match slot.swap(next) {
+                    Ok(r) => {
+                        swaps += 1;
+                        drop(r.old);
+                    }
+                    Err(SwapError::Migrating(_)) => refused += 1,
+                    Err(e) => panic!("swap: {e}"),
+                }
+                drop(parked);
+            }
+            (swaps, refused)
+        })
+    };
+    let mut submitted = 0u64;
+    for i in 0..150u32 {
+        let completed = d.r64(queue_reg(0, Q_COMPLETED_LO));
+        if submitted - completed < 32 {
+            d.submit(0, &vram_fills(64, i));
+            submitted += 64;
+        }
+        d.t.0.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
+        let before = d.r64(queue_reg(0, Q_COMPLETED_LO));
+        thread::sleep(Duration::from_millis(10));
+        let after = d.r64(queue_reg(0, Q_COMPLETED_LO));
+        assert_eq!(
+            before, after,
+            "iteration {i}: the engine ran commands while the device was in STOP"
+        );
+        assert_ne!(d.r32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+        d.t.0
+            .set_mig_state(VFIO_DEVICE_STATE_RUNNING)
+            .expect("RUNNING");
+        // Positive control: with work pending, the engine runs again in RUNNING.
+        let progress = common::wait_for(Duration::from_secs(10), || {
+            (d.r64(queue_reg(0, Q_COMPLETED_LO)) > after).then_some(())
+        });
+        assert!(progress.is_some(), "iteration {i}: no progress in RUNNING");
+    }
+    done.store(true, Ordering::SeqCst);
+    let (swaps, refused) = swapper.join().expect("swapper");
+    eprintln!("{swaps} swaps, {refused} refused during STOP");
+    assert!(refused >= 10, "only {refused} swaps met a STOP");
+    assert!(swaps >= 10, "only {swaps} swaps happened");
+    assert_eq!(d.wait_queue(0), Q_STATUS_IDLE);
+    assert_eq!(
+        d.r64(queue_reg(0, Q_COMPLETED_LO)),
+        submitted,
+        "every command ran exactly once"
+    );
+}
+
+#[test]
+fn incompatible_successors_are_refused_before_anything_runs_on_them() {
+    let server = InProcess::start(CONFIG);
+    let mut d = Driver::new(Ours(Client::connect(&server.socket).expect("connect")));
+    d.setup_queue(0);
+    d.setup_queue(1);
+    d.w32(SCRATCH, 0x77);
+    let done = Arc::new(AtomicBool::new(false));
+    let swapper = {
+        let slot = server.slot.clone();
+        let done = done.clone();
+        thread::spawn(move || {
+            let mut refused = 0u32;
+            while !done.load(Ordering::SeqCst) {
+                let (ctl, config, vram) =
+                    slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
+                // Alternately: one queue fewer on the same VRAM, and VRAM of another size.
+                let next = if refused % 2 == 0 {
+                    let other = SoftGpuConfig {
+                        queues: 1,
+                        ..config
+                    };
+                    SoftGpu::successor(other, slot.context().clone(), vram)
+                } else {
+                    let other = SoftGpuConfig {
+                        vram_size: 32 << 20,
+                        ..config
+                    };
+                    SoftGpu::new(other, slot.context().clone())
+                }
+                .expect("successor");
+                let parked = ctl.park();
+                let r = slot.swap(next);
+                drop(parked);
+                assert!(matches!(r, Err(SwapError::Incompatible(_))), "{r:?}");
+                refused += 1;
+                thread::sleep(Duration::from_micros(500));
+            }
+            refused
+        })
+    };
+    // SAXPY (y = x + y, x all ones) counts its executions in y: a command run twice shows.
+    const N: usize = 4096;
+    const X: u64 = 0x60_0000;
+    const Y: u64 = 0x70_0000;
+    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
+        .flatten()
+        .collect();
+    d.mem.write(X, &ones);
+    d.mem.write(Y, &vec![0u8; N * 4]);
+    for round in 0..60u64 {
+        for q in 0..2u32 {
+            let y = guest(Y + u64::from(q) * 2 * N as u64);
+            let mut cmds = vram_fills(4, round as u32);
+            cmds.push(Command::saxpy(N as u64 / 2, 1.0, guest(X), y));
+            cmds.push(Command::fence(
+                guest(0x20_0000 + 8 * u64::from(q)),
+                round + 1,
+                Some(q as u16),
+            ));
+            d.submit(q, &cmds);
+        }
+        for q in 0..2u32 {
+            assert_eq!(d.wait_queue(q), Q_STATUS_IDLE, "queue {q} round {round}");
+            assert_eq!(d.mem.read_u64(0x20_0000 + 8 * u64::from(q)), round + 1);
+        }
+        let y = d.read_f32s(Y, N);
+        assert!(
+            y.iter().all(|&v| v == (round + 1) as f32),
+            "round {round}: every SAXPY ran exactly once (y[0] = {})",
+            y[0]
+        );
+    }
+    done.store(true, Ordering::SeqCst);
+    let refused = swapper.join().expect("swapper");
+    assert!(refused >= 10, "only {refused} refused swaps during the job");
+    let per_queue: u64 = (0..2).map(|q| d.r64(queue_reg(q, Q_COMPLETED_LO))).sum();
+    assert_eq!(per_queue, 60 * 2 * 6, "every command counted exactly once");
+    assert_eq!(d.r32(SCRATCH), 0x77, "the old device still serves");
+    assert_eq!(d.r32(NUM_QUEUES), 2);
 }

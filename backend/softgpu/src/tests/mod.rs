@@ -174,6 +174,7 @@ impl Harness {
         let ctx = DeviceContext {
             dma: dma.clone(),
             irqs: irqs.clone(),
+            waits: Default::default(),
         };
         let gpu = SoftGpu::new(config, ctx).expect("softgpu");
         Self {
@@ -222,6 +223,7 @@ impl Harness {
         DeviceContext {
             dma: self.dma.clone(),
             irqs: self.irqs.clone(),
+            waits: Default::default(),
         }
     }
 

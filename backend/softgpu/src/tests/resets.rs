@@ -230,3 +230,32 @@ fn host_stop_parks_engines() {
     assert_eq!(h.guest_read(DATA, 8), 6u64.to_le_bytes());
     assert_eq!(h.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
 }
+
+#[test]
+fn a_swap_park_does_not_release_a_migration_stop() {
+    let mut h = Harness::new();
+    h.init();
+    let ctl = h.gpu.engine_control();
+    // The swap's order of events that used to restart a stopped device: park, STOP, the
+    // refused swap lets go of its park.
+    let parked = ctl.park();
+    h.gpu.set_running(false);
+    drop(parked);
+    assert_ne!(h.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+    h.submit(1, &[Command::fence(Operand::Guest(DATA), 6, None)]);
+    // Positive control below: the same command runs once the migration lets go.
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(h.qr(1, Q_STATUS), Q_STATUS_PAUSED);
+    assert_eq!(h.guest_read(DATA, 8), [0; 8]);
+    // And the other way round: RUNNING while a swap holds its park keeps the engines parked.
+    let parked = ctl.park();
+    h.gpu.set_running(true);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(h.qr(1, Q_STATUS), Q_STATUS_PAUSED);
+    assert_eq!(h.guest_read(DATA, 8), [0; 8]);
+    drop(parked);
+    h.wait_idle(1);
+    assert_eq!(h.guest_read(DATA, 8), 6u64.to_le_bytes());
+    assert_eq!(h.qr(1, Q_COMPLETED_LO), 1);
+    assert_eq!(h.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+}
