@@ -102,6 +102,8 @@ pub struct ServerConfig {
     /// How long sending one reply may wait for a client that does not read; then the client
     /// is dropped (its DMA windows and eventfds go, the device keeps its state).
     pub send_timeout: Duration,
+    /// Bytes all DMA dirty logs may take together ([`DmaSpace::set_log_budget`]).
+    pub dirty_log_budget: u64,
 }
 
 impl ServerConfig {
@@ -117,6 +119,7 @@ impl ServerConfig {
             poll_spin: Duration::ZERO,
             client_dma_timeout: Duration::from_secs(5),
             send_timeout: DEFAULT_SEND_TIMEOUT,
+            dirty_log_budget: switchyard_device::dma::DEFAULT_LOG_BUDGET,
         }
     }
 }
@@ -170,6 +173,7 @@ impl<D: PciDevice> Server<D> {
             irqs: Arc::new(Interrupts::new(&[1, 1, 2048, 1, 1])),
             waits: Default::default(),
         };
+        ctx.dma.set_log_budget(config.dirty_log_budget);
         let device = build(ctx.clone()).map_err(|e| ServerError::Device(Box::new(e)))?;
         ctx.irqs.reconfigure(&device.description().irq_counts());
         let socket = DeviceSocket::bind(&config.socket, config.socket_mode)?;

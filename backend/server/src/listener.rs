@@ -228,10 +228,10 @@ impl StopHandle {
     pub(crate) fn set_active(&self, s: Option<UnixStream>) {
         let mut slot = self.inner.active.lock().unwrap_or_else(|p| p.into_inner());
         *slot = s;
-        if self.is_stopping() {
-            if let Some(s) = slot.as_ref() {
-                let _ = s.shutdown(std::net::Shutdown::Read);
-            }
+        if self.is_stopping()
+            && let Some(s) = slot.as_ref()
+        {
+            let _ = s.shutdown(std::net::Shutdown::Read);
         }
     }
 }
@@ -348,6 +348,11 @@ fn accept_loop(
     stop: StopHandle,
 ) {
     let mut failures = AcceptFailures::default();
+    // A client that reconnects in a loop while another is served must not flood the log.
+    let refusals = switchyard_device::ratelimit::LogLimiter::new(
+        "refusing a second client",
+        switchyard_device::ratelimit::LOG_INTERVAL,
+    );
     loop {
         if stop.is_stopping() {
             return;
@@ -382,7 +387,9 @@ fn accept_loop(
                     }
                 }
                 if busy.swap(true, Ordering::SeqCst) {
-                    tracing::warn!("refusing a second client: the device already has one");
+                    if refusals.allow() {
+                        tracing::warn!("refusing a second client: the device already has one");
+                    }
                     let _ = stream.shutdown(std::net::Shutdown::Both);
                     drop(stream);
                     continue;

@@ -81,6 +81,38 @@ struct ServeArgs {
     /// maintenance or failover), while the client keeps running. 0 (the default) disables it.
     #[arg(long, value_name = "MILLISECONDS", default_value_t = 0)]
     swap_every_ms: u64,
+
+    /// Memory the DMA dirty logs may take in all (2 bits per 4 KiB page of logged guest
+    /// memory; the default 256M logs 4 TiB). Beyond it DMA_LOGGING_START, or a DMA_MAP during
+    /// logging, is refused with ENOMEM. SIZE takes a K/M/G suffix.
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_bytes)]
+    dirty_log_budget: u64,
+}
+
+/// `SIZE` with an optional K/M/G/T suffix (powers of 1024).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let (digits, shift) = match s.trim().char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => {
+                    return Err(format!(
+                        "`{s}`: unknown size suffix `{c}` (use K, M, G or T)"
+                    ));
+                }
+            };
+            (&s.trim()[..i], shift)
+        }
+        _ => (s.trim(), 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (a number with an optional K/M/G/T suffix)"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 /// A parsed `--device` value.
@@ -189,6 +221,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = ServerConfig::new(&args.socket);
     config.socket_mode = args.socket_mode;
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
+    config.dirty_log_budget = args.dirty_log_budget;
     let DeviceSpec::SoftGpu(gpu) = args.device;
     let span = tracing::info_span!("device", model = "softgpu", socket = %args.socket.display());
     let _g = span.enter();

@@ -378,3 +378,34 @@ fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
     drop(r);
     later_client_is_served(&server);
 }
+
+#[test]
+fn the_dirty_log_budget_is_an_operator_setting() {
+    let server = ServerProcess::start_with(&["--device", "softgpu", "--dirty-log-budget", "2K"]);
+    let mut c = connect(&server);
+    let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
+    let mem = GuestMemory::new(64 << 20); // 4 KiB of bitmaps: over a 2 KiB budget
+    c.dma_map(GUEST_IOVA, 64 << 20, flags, Some((mem.file.as_fd(), 0)))
+        .expect("map");
+    let e = c.dma_logging_start(4096, &[]).expect_err("over budget");
+    assert_eq!(e.remote_errno(), Some(libc::ENOMEM));
+    c.dma_unmap(GUEST_IOVA, 64 << 20, 0).expect("unmap");
+    let small = GuestMemory::new(16 << 20); // 1 KiB of bitmaps
+    c.dma_map(GUEST_IOVA, 16 << 20, flags, Some((small.file.as_fd(), 0)))
+        .expect("map");
+    c.dma_logging_start(4096, &[]).expect("within the budget");
+    // A size that is not one is refused before anything starts.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "serve",
+            "--socket",
+            "/nonexistent/x.sock",
+            "--dirty-log-budget",
+            "12Q",
+        ])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown size suffix `Q`"), "{err}");
+}
