@@ -434,10 +434,10 @@ impl Objects {
         use vm_memory::mmap::MmapRegionError as E;
         let meta = file.metadata().map_err(E::Mmap)?;
         let key = (meta.dev(), meta.ino(), writable);
-        if let Some(o) = self.maps.get(&key).and_then(Weak::upgrade) {
-            if let Some(delta) = o.place(offset, size) {
-                return Ok((o, delta));
-            }
+        if let Some(o) = self.maps.get(&key).and_then(Weak::upgrade)
+            && let Some(delta) = o.place(offset, size)
+        {
+            return Ok((o, delta));
         }
         let whole = meta.len() <= OBJECT_MAP_MAX;
         let (start, end) = if whole {
@@ -604,10 +604,10 @@ impl DmaSpace {
     /// Gives back the log memory of windows that were removed.
     fn forget_logs(&self, removed: &[Mapping]) {
         for m in removed {
-            if let Backing::Fd(w) = &m.backing {
-                if w.log.is_allocated() {
-                    self.log_bytes.fetch_sub(w.log.bytes(), Ordering::Relaxed);
-                }
+            if let Backing::Fd(w) = &m.backing
+                && w.log.is_allocated()
+            {
+                self.log_bytes.fetch_sub(w.log.bytes(), Ordering::Relaxed);
             }
         }
     }
@@ -1213,7 +1213,7 @@ fn collect_dirty(
         // word: the window's log *is* this part of the report, word for word.
         let whole = *start >= iova && end_last <= last;
         let off_pages = start.wrapping_sub(iova) / page;
-        if page_size == page && whole && off_pages % 64 == 0 {
+        if page_size == page && whole && off_pages.is_multiple_of(64) {
             let b0 = (off_pages / 8) as usize;
             let b1 = b0 + log.words() * 8;
             zero_to(out, &mut zeroed, b0);

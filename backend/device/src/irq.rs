@@ -288,13 +288,13 @@ impl Interrupts {
         masked: bool,
         which: Option<&[u8]>,
     ) -> Result<(), IrqError> {
-        if let Some(w) = which {
-            if w.len() != count as usize {
-                return Err(IrqError::CountMismatch {
-                    expected: count,
-                    got: w.len(),
-                });
-            }
+        if let Some(w) = which
+            && w.len() != count as usize
+        {
+            return Err(IrqError::CountMismatch {
+                expected: count,
+                got: w.len(),
+            });
         }
         self.with_range(index, start, count, |vectors| {
             for (i, v) in vectors.iter_mut().enumerate() {

@@ -39,7 +39,7 @@ impl Rng {
         }
     }
     fn chance(&mut self, one_in: u64) -> bool {
-        self.next() % one_in == 0
+        self.next().is_multiple_of(one_in)
     }
 }
 
@@ -554,7 +554,7 @@ fn main() {
             if n >= max {
                 break;
             }
-        } else if n % 1024 == 0 && Instant::now() >= deadline {
+        } else if n.is_multiple_of(1024) && Instant::now() >= deadline {
             break;
         }
         mutate(&mut rng, &corpus, &mut input);

@@ -235,7 +235,7 @@ impl Capabilities {
                 self.max_dma_maps
             )));
         }
-        if self.pgsizes == 0 || self.pgsizes % 4096 != 0 {
+        if self.pgsizes == 0 || !self.pgsizes.is_multiple_of(4096) {
             return Err(cap_err(format!(
                 "pgsizes {:#x} is not a multiple of 4096",
                 self.pgsizes

@@ -607,7 +607,7 @@ impl<'a, T: FromBytes> Records<'a, T> {
     /// Wraps raw bytes; the length must be a multiple of the record size.
     pub fn from_bytes(bytes: &'a [u8], what: &'static str) -> Result<Self, ProtoError> {
         let size = core::mem::size_of::<T>();
-        if size == 0 || bytes.len() % size != 0 {
+        if size == 0 || !bytes.len().is_multiple_of(size) {
             return Err(ProtoError::invalid(
                 what,
                 "length is not a whole number of entries",

@@ -436,10 +436,8 @@ impl Shared {
             if let Some(rt) = g.rt.get_mut(q) {
                 rt.paused += 1;
             }
-            if abort {
-                if let Some(a) = self.abort.get(q) {
-                    a.store(true, Ordering::SeqCst);
-                }
+            if abort && let Some(a) = self.abort.get(q) {
+                a.store(true, Ordering::SeqCst);
             }
         }
         let busy = |g: &Regs| {
@@ -736,10 +734,10 @@ impl Shared {
     /// Wakes the engines in `pending`; call after dropping the register lock.
     pub(crate) fn wake_pending(&self, pending: u32) {
         for q in 0..self.wake.len() {
-            if pending & (1 << q) != 0 {
-                if let Some(cv) = self.wake.get(q) {
-                    cv.notify_one();
-                }
+            if pending & (1 << q) != 0
+                && let Some(cv) = self.wake.get(q)
+            {
+                cv.notify_one();
             }
         }
     }

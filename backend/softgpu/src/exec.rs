@@ -393,7 +393,7 @@ impl Executor<'_> {
     }
 
     fn check_aligned(op: Operand, align: u64) -> Result<(), ExecError> {
-        if op.addr() % align == 0 {
+        if op.addr().is_multiple_of(align) {
             Ok(())
         } else {
             Err(fault(ERR_BAD_COMMAND, op.addr()))

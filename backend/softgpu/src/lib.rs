@@ -672,7 +672,7 @@ impl SoftGpu {
                 len,
             });
         }
-        if !matches!(len, 4 | 8) || offset % len as u64 != 0 {
+        if !matches!(len, 4 | 8) || !offset.is_multiple_of(len as u64) {
             return Err(DeviceError::BadAccess {
                 region,
                 offset,

@@ -629,7 +629,7 @@ impl MigSink {
         match tag {
             TAG_PAGES | TAG_ZERO => {
                 let len = u64::from(count) * PAGE;
-                let fits = offset % PAGE == 0
+                let fits = offset.is_multiple_of(PAGE)
                     && count > 0
                     && offset.checked_add(len).is_some_and(|e| e <= self.vram_size);
                 if !fits || self.state.is_some() {

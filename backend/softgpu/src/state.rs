@@ -97,7 +97,7 @@ impl QueueState {
         let size = self.ring_size;
         size.is_power_of_two()
             && size <= regs::MAX_RING_ENTRIES_VALUE
-            && self.ring_base % regs::RING_ALIGN == 0
+            && self.ring_base.is_multiple_of(regs::RING_ALIGN)
             && self
                 .ring_base
                 .checked_add(u64::from(size) * crate::cmd::COMMAND_SIZE as u64)

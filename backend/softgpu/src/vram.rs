@@ -122,10 +122,10 @@ impl Vram {
             let lo = if w == first / 64 { first % 64 } else { 0 };
             let hi = if w == last / 64 { last % 64 } else { 63 };
             let bits = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
-            if let Some(word) = self.written.get(w as usize) {
-                if word.load(Ordering::Relaxed) & bits != bits {
-                    word.fetch_or(bits, Ordering::Release);
-                }
+            if let Some(word) = self.written.get(w as usize)
+                && word.load(Ordering::Relaxed) & bits != bits
+            {
+                word.fetch_or(bits, Ordering::Release);
             }
         }
     }

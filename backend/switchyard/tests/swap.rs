@@ -352,7 +352,7 @@ fn incompatible_successors_are_refused_before_anything_runs_on_them() {
                 let (ctl, config, vram) =
                     slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
                 // Alternately: one queue fewer on the same VRAM, and VRAM of another size.
-                let next = if refused % 2 == 0 {
+                let next = if refused.is_multiple_of(2) {
                     let other = SoftGpuConfig {
                         queues: 1,
                         ..config

@@ -31,7 +31,11 @@ pub struct Mark(u64);
 impl DmaArena {
     /// `count` windows of `window_size` bytes (a multiple of 4 KiB) from IOVA `base`.
     pub fn new(base: u64, window_size: u64, count: usize) -> Result<DmaArena, String> {
-        if window_size == 0 || window_size % 4096 != 0 || base % 4096 != 0 || count == 0 {
+        if window_size == 0
+            || !window_size.is_multiple_of(4096)
+            || !base.is_multiple_of(4096)
+            || count == 0
+        {
             return Err(format!(
                 "bad DMA arena geometry: base {base:#x}, window {window_size:#x}, count {count}"
             ));

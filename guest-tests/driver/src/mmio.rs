@@ -98,19 +98,19 @@ impl BarMap {
 
     /// 32-bit volatile store (dropped outside the mapping).
     pub fn w32(&self, offset: u64, v: u32) {
-        if let Ok((r, o)) = self.locate(offset, 4) {
-            if let Ok(x) = r.get_ref::<u32>(o) {
-                x.store(v);
-            }
+        if let Ok((r, o)) = self.locate(offset, 4)
+            && let Ok(x) = r.get_ref::<u32>(o)
+        {
+            x.store(v);
         }
     }
 
     /// 64-bit volatile store: one 8-byte access.
     pub fn w64(&self, offset: u64, v: u64) {
-        if let Ok((r, o)) = self.locate(offset, 8) {
-            if let Ok(x) = r.get_ref::<u64>(o) {
-                x.store(v);
-            }
+        if let Ok((r, o)) = self.locate(offset, 8)
+            && let Ok(x) = r.get_ref::<u64>(o)
+        {
+            x.store(v);
         }
     }
 

@@ -90,14 +90,14 @@ fn probe_steps(sys: &Sysfs, bdf: Option<&str>, s: &mut ProbeSummary) -> Result<(
     // A bound but idle driver (vfio-pci) lets runtime PM put the function in D3hot, where the
     // BARs do not decode; an mmap of resource0 does not wake it. Keep it in D0 while probing.
     let power = dir.join("power/control");
-    if dev.driver.is_some() {
-        if let Ok(old) = std::fs::read_to_string(&power) {
-            let old = old.trim().to_string();
-            if old != "on" {
-                crate::sysfs::sysfs_write(&power, "on")?;
-                s.runtime_pm_forced_on = true;
-                restore.power = Some((power.clone(), old));
-            }
+    if dev.driver.is_some()
+        && let Ok(old) = std::fs::read_to_string(&power)
+    {
+        let old = old.trim().to_string();
+        if old != "on" {
+            crate::sysfs::sysfs_write(&power, "on")?;
+            s.runtime_pm_forced_on = true;
+            restore.power = Some((power.clone(), old));
         }
     }
 

@@ -151,7 +151,7 @@ fn read_f32(g: &Gpu, iova: u64, n: usize) -> Result<Vec<f32>, String> {
 }
 
 fn mib(b: u64) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
+    if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{} MiB", b >> 20)
     } else if b >= 1 << 10 {
         format!("{:.1} KiB", b as f64 / 1024.0)

@@ -294,10 +294,10 @@ impl Server {
             log,
         };
         wait_until(Duration::from_secs(20), "the server socket", || {
-            if let Some(c) = s.child.as_mut() {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return Some(false);
-                }
+            if let Some(c) = s.child.as_mut()
+                && let Ok(Some(_)) = c.try_wait()
+            {
+                return Some(false);
             }
             s.socket.exists().then_some(true)
         })

@@ -433,10 +433,9 @@ impl Qmp {
             .events
             .iter()
             .position(|e| e.event == name && matches(e))
+            && let Some(ev) = self.events.remove(pos)
         {
-            if let Some(ev) = self.events.remove(pos) {
-                return Ok(ev);
-            }
+            return Ok(ev);
         }
         let deadline = Instant::now() + timeout;
         let waiting_for = format!("event {name}");

@@ -12,7 +12,7 @@ use super::*;
 
 fn access_ok(region: u32, off: u64, len: usize, vram: u64) -> bool {
     let end = off.checked_add(len as u64);
-    let dword = matches!(len, 4 | 8) && off % len as u64 == 0;
+    let dword = matches!(len, 4 | 8) && off.is_multiple_of(len as u64);
     match region {
         0 => dword && end.is_some_and(|e| e <= BAR0_SIZE),
         2 => end.is_some_and(|e| e <= vram),
