@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::ServerProcess;
 use common::driver::{Driver, GUEST_IOVA, WINDOW_SIZE, guest, wait_eventfd};
 use common::ours::Ours;
-use common::raw::Raw;
+use common::raw::{Raw, message};
 use common::{GuestMemory, wait_for};
 use switchyard_client::Client;
 use switchyard_proto::consts::*;
@@ -285,15 +285,7 @@ fn descriptors_beyond_what_a_message_may_carry_are_refused() {
     body.extend_from_slice(&0x1000u64.to_ne_bytes()); // address
     body.extend_from_slice(&0x1000u64.to_ne_bytes()); // size
     let id = r.id();
-    let h = switchyard_proto::Header {
-        msg_id: id,
-        cmd: 2, // DMA_MAP
-        msg_size: 16 + body.len() as u32,
-        flags: 0,
-        error_no: 0,
-    };
-    let mut m = zerocopy::IntoBytes::as_bytes(&h).to_vec();
-    m.extend_from_slice(&body);
+    let m = message(id, 2 /* DMA_MAP */, 0, &body);
     let many: Vec<_> = (0..40).map(|_| mem.file.as_fd()).collect();
     let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(64))];
     let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
@@ -317,15 +309,7 @@ fn flood_unread_replies(r: &mut Raw, n: usize) {
     body.extend_from_slice(&(1u32 << 20).to_ne_bytes());
     for _ in 0..n {
         let id = r.id();
-        let h = switchyard_proto::Header {
-            msg_id: id,
-            cmd: 9, // REGION_READ
-            msg_size: 16 + body.len() as u32,
-            flags: 0,
-            error_no: 0,
-        };
-        let mut m = zerocopy::IntoBytes::as_bytes(&h).to_vec();
-        m.extend_from_slice(&body);
+        let m = message(id, 9 /* REGION_READ */, 0, &body);
         if std::io::Write::write_all(&mut &r.s, &m).is_err() {
             return; // the server stopped reading too: enough
         }

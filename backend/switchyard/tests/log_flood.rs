@@ -10,13 +10,11 @@ use std::time::{Duration, Instant};
 use common::ServerProcess;
 use common::driver::{Driver, guest};
 use common::ours::Ours;
-use common::raw::Raw;
+use common::raw::{Raw, message};
 use switchyard_client::{Client, FlatDma};
-use switchyard_proto::Header;
 use switchyard_proto::consts::*;
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::MAGIC;
-use zerocopy::IntoBytes;
 
 const SUMMARY: &str = "repeated warning suppressed";
 
@@ -40,19 +38,6 @@ fn accounting(log: &str, what: &str) -> (usize, u64) {
         })
         .sum();
     (full, suppressed)
-}
-
-fn message(msg_id: u16, cmd: u16, flags: u32, body: &[u8]) -> Vec<u8> {
-    let h = Header {
-        msg_id,
-        cmd,
-        msg_size: 16 + body.len() as u32,
-        flags,
-        error_no: 0,
-    };
-    let mut m = h.as_bytes().to_vec();
-    m.extend_from_slice(body);
-    m
 }
 
 #[test]

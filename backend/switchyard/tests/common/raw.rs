@@ -14,6 +14,20 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use switchyard_proto::{Capabilities, Header, encode_version_request};
 use zerocopy::{FromBytes, IntoBytes};
 
+/// One whole message: a header for `body`, then `body`.
+pub fn message(msg_id: u16, cmd: u16, flags: u32, body: &[u8]) -> Vec<u8> {
+    let h = Header {
+        msg_id,
+        cmd,
+        msg_size: 16 + body.len() as u32,
+        flags,
+        error_no: 0,
+    };
+    let mut m = h.as_bytes().to_vec();
+    m.extend_from_slice(body);
+    m
+}
+
 pub struct Raw {
     pub s: UnixStream,
     next: u16,
@@ -78,16 +92,7 @@ impl Raw {
         fds: &[BorrowedFd<'_>],
     ) -> (Header, Vec<u8>) {
         let id = self.id();
-        let h = Header {
-            msg_id: id,
-            cmd,
-            msg_size: 16 + body.len() as u32,
-            flags,
-            error_no: 0,
-        };
-        let mut m = h.as_bytes().to_vec();
-        m.extend_from_slice(body);
-        self.send(&m, fds);
+        self.send(&message(id, cmd, flags, body), fds);
         let (rh, rb) = self.recv().expect("a reply, not EOF");
         assert_eq!(rh.msg_id, id, "reply id");
         assert_eq!(rh.cmd, cmd, "reply command");
