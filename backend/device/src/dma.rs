@@ -360,6 +360,15 @@ struct ObjectMap {
     map: MmapRegion<()>,
     /// File offset of the mapping's first byte.
     start: u64,
+    /// The space's count of mapped bytes, given back when the mapping goes.
+    mapped: Arc<AtomicU64>,
+}
+
+impl Drop for ObjectMap {
+    fn drop(&mut self) {
+        self.mapped
+            .fetch_sub(self.map.size() as u64, Ordering::Relaxed);
+    }
 }
 
 impl ObjectMap {
@@ -374,6 +383,11 @@ impl ObjectMap {
 /// Files up to this size are mapped whole, once, and every window into them shares that
 /// mapping; a window into a larger file gets a mapping of its own (address space is finite).
 const OBJECT_MAP_MAX: u64 = 64 << 30;
+
+/// Address space all of a client's mappings may take together: 64 TiB, half of what x86-64
+/// gives a process, so a client mapping huge sparse files cannot leave the server without
+/// address space for its own allocations (which would abort it).
+pub const MAP_BUDGET: u64 = 64 << 40;
 
 /// The fault-safe path to this process's memory (see the module docs).
 fn proc_mem() -> Option<&'static File> {
@@ -413,6 +427,8 @@ fn access_policy(file: &File) -> std::io::Result<(bool, u64)> {
 #[derive(Default)]
 struct Objects {
     maps: HashMap<(u64, u64, bool), Weak<ObjectMap>>,
+    /// Bytes of address space the live mappings take.
+    mapped: Arc<AtomicU64>,
     /// Prune dead entries when the table has grown to this size.
     prune_at: usize,
 }
@@ -451,13 +467,26 @@ impl Objects {
             .and_then(|l| l.checked_next_multiple_of(align))
             .and_then(|l| usize::try_from(l).ok())
             .ok_or_else(invalid)?;
+        if self
+            .mapped
+            .load(Ordering::Relaxed)
+            .saturating_add(len as u64)
+            > MAP_BUDGET
+        {
+            return Err(E::Mmap(std::io::Error::from_raw_os_error(libc::ENOMEM)));
+        }
         let prot = libc::PROT_READ | if writable { libc::PROT_WRITE } else { 0 };
         let map = MmapRegionBuilder::new(len)
             .with_file_offset(FileOffset::new(file, start))
             .with_mmap_prot(prot)
             .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
             .build()?;
-        let o = Arc::new(ObjectMap { map, start });
+        self.mapped.fetch_add(len as u64, Ordering::Relaxed);
+        let o = Arc::new(ObjectMap {
+            map,
+            start,
+            mapped: Arc::clone(&self.mapped),
+        });
         let delta = o.place(offset, size).ok_or_else(invalid)?;
         if whole {
             if self.maps.len() >= self.prune_at {
@@ -1486,6 +1515,44 @@ mod tests {
         assert_eq!(dma.mappings().len(), 1, "the refused window was not mapped");
         dma.unmap(1 << 44, 1 << 36).expect("unmap");
         assert_eq!(dma.log_bytes(), 0);
+    }
+
+    #[test]
+    fn mappings_are_bounded_by_an_address_space_budget() {
+        let dma = DmaSpace::new(8);
+        let huge = |len: u64| {
+            let f = memfd(0);
+            f.set_len(len).expect("sparse");
+            f
+        };
+        // Two windows of 32 TiB fill the budget; a third is refused before it is mapped.
+        dma.map(0, 1 << 45, DmaProt::READ_WRITE, Some((huge(1 << 45), 0)))
+            .expect("first");
+        dma.map(
+            1 << 45,
+            1 << 45,
+            DmaProt::READ_WRITE,
+            Some((huge(1 << 45), 0)),
+        )
+        .expect("second");
+        let e = dma
+            .map(
+                2 << 45,
+                1 << 40,
+                DmaProt::READ_WRITE,
+                Some((huge(1 << 40), 0)),
+            )
+            .expect_err("over the budget");
+        assert_eq!(e.errno(), libc::ENOMEM);
+        // Unmapping gives the address space back.
+        dma.unmap(0, 1 << 45).expect("unmap");
+        dma.map(
+            2 << 45,
+            1 << 40,
+            DmaProt::READ_WRITE,
+            Some((huge(1 << 40), 0)),
+        )
+        .expect("room again");
     }
 
     #[test]
