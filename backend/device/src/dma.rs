@@ -12,10 +12,12 @@
 //! sparse file on a full filesystem: a plain load or store into such a mapping raises SIGBUS
 //! and would kill the server. So a window is accessed directly only when that cannot happen:
 //! a memfd on the kernel's internal shmem mount (no size limit) sealed with `F_SEAL_SHRINK`
-//! (QEMU's `memory-backend-memfd` seals by default). Every other window (unsealed memfds,
-//! tmpfs/ext4 files, hugetlbfs) is *guarded*: its bytes are copied by the kernel through
-//! `/proc/self/mem` at the window's address, which reports a page that cannot be faulted in as
-//! an error (`EIO`) instead of a signal. The access then fails like any bad address
+//! (QEMU's `memory-backend-memfd` seals by default). Every other window is *guarded*: the
+//! kernel copies its bytes, and reports a page it cannot have as an error instead of a signal.
+//! Unsealed memfds (cloud-hypervisor's guest RAM) and tmpfs/ext4 files are read and written
+//! with `pread`/`pwrite` on the file (a write is first checked against the file's size, as a
+//! `pwrite` past the end would grow the file); hugetlbfs files, which have no `write`, through
+//! `/proc/self/mem` at the window's address. The access then fails like any bad address
 //! ([`DmaError::Fault`], `EFAULT`): the device reports a DMA error, the server keeps serving.
 //! Guarded windows cost a system call per 64 KiB; measured in the bench.
 //!
@@ -335,8 +337,8 @@ struct FdWindow {
     obj: Arc<ObjectMap>,
     delta: usize,
     len: usize,
-    /// Accessed through `/proc/self/mem` rather than loads and stores.
-    guarded: bool,
+    /// How accesses reach the bytes.
+    access: Access,
     log: DirtyLog,
 }
 
@@ -409,18 +411,30 @@ const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
 /// Whether loads and stores into a shared mapping of `file` can never fault, and the
 /// alignment its mmap offsets need.
-fn access_policy(file: &File) -> std::io::Result<(bool, u64)> {
+fn access_policy(file: &File) -> std::io::Result<(Access, u64)> {
     let fs = rustix::fs::fstatfs(file)?;
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
     let magic = fs.f_type as i64;
     if magic == HUGETLBFS_MAGIC {
-        // A punched hole may find no free huge page: never direct.
-        return Ok((false, (fs.f_bsize as u64).max(4096)));
+        // A punched hole may find no free huge page: never direct; and no write(2).
+        return Ok((Access::ProcMem, (fs.f_bsize as u64).max(4096)));
     }
     let sealed = magic == TMPFS_MAGIC
         && rustix::fs::fcntl_get_seals(file)
             .is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK));
-    Ok((sealed, 4096))
+    Ok((if sealed { Access::Direct } else { Access::File }, 4096))
+}
+
+/// How the device's accesses reach a window's bytes (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Loads and stores into the mapping: a memfd sealed against shrinking.
+    Direct,
+    /// `pread`/`pwrite` on the client's file (unsealed shmem, regular files): a page that
+    /// cannot be had is an error, never a signal.
+    File,
+    /// Copies through `/proc/self/mem` at the mapping: hugetlbfs, which has no `write`.
+    ProcMem,
 }
 
 /// One mapping per memory object the client maps (see the module docs).
@@ -658,8 +672,8 @@ impl DmaSpace {
         if offset.checked_add(size).is_none_or(|e| e > file_len) {
             return Err(bad);
         }
-        let (direct, align) = access_policy(&file).map_err(backing_err)?;
-        if !direct && proc_mem().is_none() {
+        let (access, align) = access_policy(&file).map_err(backing_err)?;
+        if access == Access::ProcMem && proc_mem().is_none() {
             return Err(DmaError::NoSafeAccess { iova });
         }
         let writable = rustix::fs::fcntl_getfl(&file)
@@ -681,7 +695,7 @@ impl DmaSpace {
             obj,
             delta,
             len,
-            guarded: !direct,
+            access,
             log: DirtyLog::new(len),
         })
     }
@@ -786,7 +800,7 @@ impl DmaSpace {
                 size: m.size,
                 prot: m.prot,
                 mmapped: matches!(m.backing, Backing::Fd(_)),
-                direct: matches!(&m.backing, Backing::Fd(w) if !w.guarded),
+                direct: matches!(&m.backing, Backing::Fd(w) if w.access == Access::Direct),
             })
             .collect()
     }
@@ -851,7 +865,7 @@ impl DmaSpace {
                             // the write is done.
                             w.log.mark_dirty(off, piece);
                         }
-                        if w.guarded {
+                        if w.access != Access::Direct {
                             guarded_piece(w, cur, off, piece, done, dir, &mut f)?;
                         } else {
                             let slice = w
@@ -1127,9 +1141,10 @@ impl DmaSpace {
     }
 }
 
-/// Accesses `[off, off + len)` of a guarded window through `/proc/self/mem`, in chunks of a
-/// stack bounce buffer: the kernel copies, and a page it cannot fault in (a truncated file, a
-/// hole with no memory to fill it) fails the chunk with an error instead of raising SIGBUS.
+/// Accesses `[off, off + len)` of a guarded window with `pread`/`pwrite` on the client's file
+/// (or, for hugetlbfs, through `/proc/self/mem` at the mapping), in chunks of a stack bounce
+/// buffer: the kernel copies, and a page it cannot have (a truncated file, a hole with no
+/// memory to fill it) fails the chunk with an error instead of raising SIGBUS.
 /// `iova` is the address of `off`, `done` its offset within the whole access. A write that
 /// fails part-way leaves the chunks before it written.
 fn guarded_piece<F>(
@@ -1144,24 +1159,50 @@ fn guarded_piece<F>(
 where
     F: FnMut(usize, Piece<'_>),
 {
-    let mem = proc_mem().ok_or(DmaError::NoSafeAccess { iova })?;
+    // Where the piece's bytes are: the file and its offset (pread/pwrite), or this process's
+    // memory at the mapping (/proc/self/mem).
+    let (file, base) = match w.access {
+        Access::ProcMem => (
+            proc_mem().ok_or(DmaError::NoSafeAccess { iova })?,
+            w.addr(off),
+        ),
+        _ => {
+            let fo = w
+                .obj
+                .map
+                .file_offset()
+                .ok_or(DmaError::NoSafeAccess { iova })?;
+            (fo.file(), w.obj.start + (w.delta + off) as u64)
+        }
+    };
+    if dir == Dir::Write && w.access == Access::File {
+        // A pwrite past the end would grow the file instead of failing like the page.
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        if base.saturating_add(len as u64) > size {
+            let backed = size.saturating_sub(base);
+            tracing::debug!(iova, backed, "DMA write past the end of the client's file");
+            return Err(DmaError::Fault {
+                iova: iova + backed,
+            });
+        }
+    }
     let mut bounce = [0u8; GUARDED_CHUNK];
     let mut at = 0;
     while at < len {
         let n = (len - at).min(GUARDED_CHUNK);
         let buf = bounce.get_mut(..n).unwrap_or_default();
-        let addr = w.addr(off + at);
+        let pos = base + at as u64;
         let fault = |e: std::io::Error| {
             let iova = iova + at as u64;
             tracing::debug!(iova, error = %e, "DMA into memory the client's file does not back");
             DmaError::Fault { iova }
         };
         if dir == Dir::Read {
-            mem.read_exact_at(buf, addr).map_err(fault)?;
+            file.read_exact_at(buf, pos).map_err(fault)?;
             f(done + at, Piece::Bounce(buf));
         } else {
             f(done + at, Piece::Bounce(buf));
-            mem.write_all_at(buf, addr).map_err(fault)?;
+            file.write_all_at(buf, pos).map_err(fault)?;
         }
         at += n;
     }
