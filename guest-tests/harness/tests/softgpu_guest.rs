@@ -254,18 +254,27 @@ fn pcie_hotplug_add_run_remove_add_run() {
                 format!("HOTPLUG: run round={round} rc=0"),
                 "driver failed in round {round}"
             );
-            qmp.device_del("gpu0", Duration::from_secs(120))
-                .expect("device_del + DEVICE_DELETED");
+            // After the last removal the guest powers off as soon as it sees the device gone,
+            // and QEMU may exit before this reads DEVICE_DELETED: then the QMP connection
+            // closes, which is fine for the last round only (the guest's line and QEMU's clean
+            // exit, checked below, prove the removal).
+            let last = round == 2;
+            let deleted = qmp.device_del("gpu0", Duration::from_secs(120));
+            if !last {
+                deleted.expect("device_del + DEVICE_DELETED");
+            }
             let gone = format!("HOTPLUG: gone round={round}");
             assert_eq!(
                 guest.wait_for_line(&gone).expect("guest saw the removal"),
                 gone
             );
-            assert!(
-                qmp.find_pci_device(0x1234, 0x5347)
-                    .expect("query-pci")
-                    .is_none()
-            );
+            if !last {
+                assert!(
+                    qmp.find_pci_device(0x1234, 0x5347)
+                        .expect("query-pci")
+                        .is_none()
+                );
+            }
         }
         let out = guest.wait().expect("guest finished");
         assert!(
