@@ -393,3 +393,55 @@ fn the_dirty_log_budget_is_an_operator_setting() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown size suffix `Q`"), "{err}");
 }
+
+#[test]
+fn max_dma_maps_is_what_the_process_can_hold() {
+    // A server whose open-file limit (soft and hard) is 600: every window of a distinct memory
+    // object costs it one descriptor, so it must not advertise the spec's 65535.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("gpu.sock");
+    let mut child = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -n 600 && exec \"$0\" serve --socket \"$1\" --device softgpu",
+            env!("CARGO_BIN_EXE_switchyard"),
+        ])
+        .arg(&socket)
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let up = wait_for(Duration::from_secs(20), || {
+        use std::os::unix::fs::FileTypeExt;
+        std::fs::symlink_metadata(&socket)
+            .is_ok_and(|m| m.file_type().is_socket())
+            .then_some(())
+    });
+    assert!(up.is_some(), "server did not listen");
+    let mut c = Client::connect(&socket).expect("connect");
+    let max = c.negotiated_caps().max_dma_maps;
+    assert!(max > 0 && max < 600, "advertised max_dma_maps {max}");
+    // Every one of them can really be held, each on its own memory object.
+    let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
+    let mems: Vec<GuestMemory> = (0..max).map(|_| GuestMemory::new(4096)).collect();
+    for (i, m) in mems.iter().enumerate() {
+        c.dma_map(
+            0x1000_0000 + i as u64 * 0x1000,
+            4096,
+            flags,
+            Some((m.file.as_fd(), 0)),
+        )
+        .unwrap_or_else(|e| panic!("window {i} of {max}: {e}"));
+    }
+    let one_more = GuestMemory::new(4096);
+    let e = c
+        .dma_map(0x9000_0000, 4096, flags, Some((one_more.file.as_fd(), 0)))
+        .expect_err("one over the advertised maximum");
+    assert_eq!(e.remote_errno(), Some(libc::ENOSPC));
+    assert!(
+        child.try_wait().expect("wait").is_none(),
+        "the server is alive"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}

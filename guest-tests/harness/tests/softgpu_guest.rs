@@ -72,8 +72,37 @@ fn guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
         .filter(|n| *n != "guest_tests_are_ignored_not_passed_under_plain_cargo_test")
         .cloned()
         .collect();
-    assert_eq!(booting.len(), 5, "{all:?}");
+    assert_eq!(booting.len(), 6, "{all:?}");
     assert_eq!(ignored, booting, "every guest-booting test is #[ignore]d");
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn the_readme_boot_script_boots_a_guest_that_sees_the_device() {
+    with_logs("boot-guest-script", |env, dir| {
+        let server = Server::start(env, dir, "softgpu").expect("server");
+        let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let out = std::process::Command::new(repo.join("scripts/boot-guest.sh"))
+            .arg("--socket")
+            .arg(&server.socket)
+            .args(["--timeout", "180"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run scripts/boot-guest.sh");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{}:\n{stdout}\n{stderr}", out.status);
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.contains("vendor=0x1234 device=0x5347 class=0x030200")),
+            "the guest did not list the softgpu:\n{stdout}"
+        );
+        assert!(
+            server.log_text().contains("client connected"),
+            "QEMU connected to the server"
+        );
+    });
 }
 
 #[test]
