@@ -1,0 +1,207 @@
+//! The softgpu as a vfio-user device: regions, interrupts, reset and the migration steps the
+//! server drives ([`PciDevice`]).
+
+use super::*;
+
+impl PciDevice for SoftGpu {
+    fn description(&self) -> &DeviceDescription {
+        &self.desc
+    }
+
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        match region {
+            BAR_REGS => {
+                Self::access_ok(BAR_REGS, regs::BAR0_SIZE, offset, data.len())?;
+                let g = self.shared.lock();
+                for (i, chunk) in data.chunks_exact_mut(4).enumerate() {
+                    chunk.copy_from_slice(&g.read32(offset + 4 * i as u64).to_le_bytes());
+                }
+                Ok(())
+            }
+            BAR_VRAM => {
+                self.vram_slice(offset, data.len())?.copy_to(data);
+                Ok(())
+            }
+            BAR_MSIX if self.config.irq == IrqMode::Msix => {
+                Self::access_ok(BAR_MSIX, regs::BAR4_SIZE, offset, data.len())?;
+                let g = self.shared.lock();
+                if offset < regs::MSIX_PBA_OFFSET {
+                    g.st.msix.table_read(offset - regs::MSIX_TABLE_OFFSET, data);
+                } else {
+                    g.st.msix.pba_read(offset - regs::MSIX_PBA_OFFSET, data);
+                }
+                Ok(())
+            }
+            CONFIG_REGION_INDEX => {
+                let g = self.shared.lock();
+                if g.st.config_space.read(offset, data) {
+                    Ok(())
+                } else {
+                    Err(Self::config_out_of_range(offset, data.len()))
+                }
+            }
+            _ => Err(DeviceError::NoSuchRegion(region)),
+        }
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        match region {
+            BAR_REGS => {
+                Self::access_ok(BAR_REGS, regs::BAR0_SIZE, offset, data.len())?;
+                let mut g = self.shared.lock();
+                for (i, chunk) in data.chunks_exact(4).enumerate() {
+                    let v = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+                    g = self.shared.write32(g, offset + 4 * i as u64, v);
+                }
+                let wake = device::Shared::take_pending_wake(&mut g);
+                drop(g);
+                self.shared.wake_pending(wake);
+                Ok(())
+            }
+            BAR_VRAM => {
+                self.vram_slice(offset, data.len())?.copy_from(data);
+                self.shared.vram.mark(offset, data.len() as u64);
+                Ok(())
+            }
+            BAR_MSIX if self.config.irq == IrqMode::Msix => {
+                Self::access_ok(BAR_MSIX, regs::BAR4_SIZE, offset, data.len())?;
+                let mut g = self.shared.lock();
+                if offset < regs::MSIX_PBA_OFFSET {
+                    let held = g.msix_held();
+                    let table = offset - regs::MSIX_TABLE_OFFSET;
+                    g.st.msix.table_write(table, data, held, &self.shared.irqs);
+                }
+                // PBA writes are ignored.
+                Ok(())
+            }
+            CONFIG_REGION_INDEX => {
+                let mut g = self.shared.lock();
+                let fx =
+                    g.st.config_space
+                        .write(offset, data)
+                        .ok_or_else(|| Self::config_out_of_range(offset, data.len()))?;
+                if fx.flr {
+                    tracing::debug!("function level reset");
+                    drop(self.shared.reset(g, true));
+                } else {
+                    self.shared
+                        .config_changed(&mut g, fx.command, fx.msix_control);
+                }
+                Ok(())
+            }
+            _ => Err(DeviceError::NoSuchRegion(region)),
+        }
+    }
+
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        let g = self.shared.lock();
+        drop(self.shared.reset(g, true));
+        Ok(())
+    }
+
+    fn client_disconnected(&mut self) {
+        self.shared.halt();
+    }
+
+    fn save_state(&mut self) -> Result<Vec<u8>, DeviceError> {
+        self.snapshot()
+            .to_bytes()
+            .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+
+    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
+        let st = SoftGpuState::from_bytes(state).map_err(|e| DeviceError::BadState(Box::new(e)))?;
+        self.load(st)
+            .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+
+    fn migration_caps(&self) -> Option<MigrationCaps> {
+        Some(MigrationCaps { precopy: true })
+    }
+
+    fn migration_step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
+        let vram = &self.shared.vram;
+        let size = vram.size();
+        match arc {
+            MigArc::Stop => self.shared.set_running(false),
+            MigArc::Run => self.shared.set_running(true),
+            MigArc::StartPreCopy => {
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, false)));
+            }
+            MigArc::AbortPreCopy | MigArc::EndStopCopy => {
+                if let Migration::Save(src) = &self.migration {
+                    let st = src.stats();
+                    tracing::info!(
+                        rounds = st.rounds,
+                        pages_sent = st.pages_sent,
+                        pages_zeroed = st.pages_zeroed,
+                        padding = st.padding,
+                        completed = arc == MigArc::EndStopCopy,
+                        "outgoing migration stream closed"
+                    );
+                }
+                self.migration = Migration::Idle;
+            }
+            MigArc::PreCopyToStopCopy => {
+                self.shared.set_running(false);
+                match &mut self.migration {
+                    Migration::Save(src) => src.device_stopped(vram),
+                    _ => {
+                        self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
+                    }
+                }
+            }
+            MigArc::StartStopCopy => {
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
+            }
+            MigArc::StartResuming => {
+                // The stream's pages apply on zeroed VRAM; the state comes last.
+                vram.zero();
+                self.migration = Migration::Load(Box::new(mig::MigSink::new(size)));
+            }
+            MigArc::EndResuming => {
+                let sink = match std::mem::replace(&mut self.migration, Migration::Idle) {
+                    Migration::Load(sink) => sink,
+                    _ => return Err(DeviceError::BadState("no incoming stream".into())),
+                };
+                let bytes = sink
+                    .finish()
+                    .map_err(|e| DeviceError::BadState(Box::new(e)))?;
+                self.restore_state(&bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn migration_read(&mut self, buf: &mut [u8]) -> Result<usize, DeviceError> {
+        let Migration::Save(src) = &mut self.migration else {
+            return Err(DeviceError::BadState("no outgoing stream".into()));
+        };
+        let shared = &self.shared;
+        let mut state = || {
+            shared
+                .with_quiesced(false, |g| g.st.clone())
+                .to_bytes()
+                .map_err(std::io::Error::other)
+        };
+        Ok(src.read(&shared.vram, &mut state, buf)?)
+    }
+
+    fn migration_write(&mut self, data: &[u8]) -> Result<(), DeviceError> {
+        let Migration::Load(sink) = &mut self.migration else {
+            return Err(DeviceError::BadState("no incoming stream".into()));
+        };
+        sink.write(&self.shared.vram, data)
+            .map_err(|e| DeviceError::BadState(Box::new(e)))
+    }
+
+    fn migration_abort(&mut self) {
+        self.migration = Migration::Idle;
+        self.shared.set_running(true);
+    }
+}

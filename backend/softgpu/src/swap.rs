@@ -1,0 +1,78 @@
+//! Swapping the device under a client: parking the engines from another thread
+//! ([`EngineControl`]) and handing the state to a parked successor ([`HandOver`]).
+
+use super::*;
+
+/// Parks a device's engines from another thread, without the device itself (e.g. to drain
+/// the engines before a swap while region accesses are still served).
+#[derive(Debug, Clone)]
+pub struct EngineControl(pub(crate) Arc<Shared>);
+
+impl EngineControl {
+    /// Parks the engines at a command boundary (waits for the running commands to complete)
+    /// until the guard is dropped. Parks compose with the other reasons to hold the engines
+    /// (a migration STOP in particular): dropping the guard lets them run only if nothing
+    /// else holds them. Call it outside the device slot (it waits for commands, which may
+    /// wait for the client's DMA replies).
+    pub fn park(&self) -> Parked {
+        self.0.set_hold(|h| h.parks += 1, false);
+        Parked(self.0.clone())
+    }
+}
+
+/// Engines parked by [`EngineControl::park`]; dropping it releases this park.
+#[derive(Debug)]
+#[must_use = "the engines run again when the guard is dropped"]
+pub struct Parked(Arc<Shared>);
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.0
+            .set_hold(|h| h.parks = h.parks.saturating_sub(1), false);
+    }
+}
+
+impl HandOver for SoftGpu {
+    type Error = SoftGpuError;
+
+    /// The successor must have this configuration and VRAM backing (the client sees the
+    /// queue count and maps the VRAM), and no migration stream may be open.
+    fn check_successor(&self, next: &SoftGpu) -> Result<(), &'static str> {
+        if !matches!(self.migration, Migration::Idle) {
+            return Err("a migration stream is open");
+        }
+        if next.config != self.config {
+            return Err("another configuration (queues, VRAM size, interrupt mode)");
+        }
+        if next.vram_identity() != self.vram_identity() {
+            return Err("another VRAM backing");
+        }
+        Ok(())
+    }
+
+    /// This device's engines are parked first (after their current command; park them
+    /// earlier with [`EngineControl::park`], outside the slot, to keep that wait out of the
+    /// swap) and stay parked for good: the successor continues every queue from its head, so
+    /// every command runs exactly once. On error this device runs again (unless something
+    /// else holds it) and the successor stays parked.
+    fn hand_over(&mut self, next: &mut SoftGpu) -> Result<(), SoftGpuError> {
+        self.check_successor(next)
+            .map_err(StateError::Inconsistent)?;
+        self.shared.set_hold(|h| h.retired = true, true);
+        // Parked because the client is gone is runtime state, not device state: carry it.
+        let halted = self.shared.halted();
+        match next.load(self.snapshot()) {
+            Ok(()) => {
+                if halted {
+                    next.shared.halt();
+                }
+                next.shared.set_hold(|h| h.successor = false, true);
+                Ok(())
+            }
+            Err(e) => {
+                self.shared.set_hold(|h| h.retired = false, true);
+                Err(e.into())
+            }
+        }
+    }
+}
