@@ -98,20 +98,46 @@ const TMPFS_MAGIC: i64 = 0x0102_1994;
 
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
+/// Local filesystems whose page cache a device may read and write: an access to them finishes
+/// (or fails) on its own. Everything else — FUSE, whose server may be the client itself and
+/// never answer, network filesystems, device nodes, procfs and the like — could block a device
+/// thread forever or has no memory behind it, and is refused.
+const LOCAL_FILESYSTEMS: [(i64, &str); 6] = [
+    (TMPFS_MAGIC, "tmpfs"),
+    (HUGETLBFS_MAGIC, "hugetlbfs"),
+    (0xef53, "ext2/3/4"),
+    (0x5846_5342, "xfs"),
+    (0x9123_683e, "btrfs"),
+    (0x794c_7630, "overlayfs"),
+];
+
 /// Whether loads and stores into a shared mapping of `file` can never fault, and the
-/// alignment its mmap offsets need.
-fn access_policy(file: &File) -> std::io::Result<(Access, u64)> {
+/// alignment its mmap offsets need; `Err(what)` for a file that cannot back DMA memory.
+fn access_policy(file: &File) -> std::io::Result<std::result::Result<(Access, u64), String>> {
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() {
+        return Ok(Err(format!("not a regular file ({:?})", meta.file_type())));
+    }
     let fs = rustix::fs::fstatfs(file)?;
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
     let magic = fs.f_type as i64;
+    if !LOCAL_FILESYSTEMS.iter().any(|&(m, _)| m == magic) {
+        return Ok(Err(format!(
+            "on a filesystem (statfs type {magic:#x}) that is not one of {}",
+            LOCAL_FILESYSTEMS.map(|(_, n)| n).join(", ")
+        )));
+    }
     if magic == HUGETLBFS_MAGIC {
         // A punched hole may find no free huge page: never direct; and no write(2).
-        return Ok((Access::ProcMem, (fs.f_bsize as u64).max(4096)));
+        return Ok(Ok((Access::ProcMem, (fs.f_bsize as u64).max(4096))));
     }
     let sealed = magic == TMPFS_MAGIC
         && rustix::fs::fcntl_get_seals(file)
             .is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK));
-    Ok((if sealed { Access::Direct } else { Access::File }, 4096))
+    Ok(Ok((
+        if sealed { Access::Direct } else { Access::File },
+        4096,
+    )))
 }
 
 /// How the device's accesses reach a window's bytes (see the module docs).
@@ -283,12 +309,14 @@ impl DmaSpace {
         let bad = DmaError::BadWindow { iova, size };
         let backing_err = |source| DmaError::Backing { iova, source };
         let len = usize::try_from(size).map_err(|_| DmaError::BadWindow { iova, size })?;
+        let (access, align) = access_policy(&file)
+            .map_err(backing_err)?
+            .map_err(|what| DmaError::UnsupportedBacking { iova, what })?;
         // A window past the end of the file would fault on first access.
         let file_len = file.metadata().map_err(backing_err)?.len();
         if offset.checked_add(size).is_none_or(|e| e > file_len) {
             return Err(bad);
         }
-        let (access, align) = access_policy(&file).map_err(backing_err)?;
         if access == Access::ProcMem && proc_mem().is_none() {
             return Err(DmaError::NoSafeAccess { iova });
         }

@@ -182,6 +182,14 @@ pub enum DmaError {
         #[source]
         source: std::io::Error,
     },
+    /// The descriptor is not a file that can back DMA memory.
+    #[error("the file of the DMA window at {iova:#x} cannot back DMA memory: {what}")]
+    UnsupportedBacking {
+        /// Start of the window.
+        iova: u64,
+        /// What the file is.
+        what: String,
+    },
     /// The window needs the fault-safe access path and this process cannot open it.
     #[error("DMA window at {iova:#x} is not a sealed memfd and /proc/self/mem is unavailable")]
     NoSafeAccess {
@@ -275,6 +283,7 @@ impl DmaError {
             },
             DmaError::Backing { source, .. } => source.raw_os_error().unwrap_or(libc::EINVAL),
             DmaError::NoSafeAccess { .. } => libc::ENOTSUP,
+            DmaError::UnsupportedBacking { .. } => libc::EINVAL,
             DmaError::LogBudget { .. } | DmaError::LogAlloc(_) => libc::ENOMEM,
             DmaError::Unmapped { .. } | DmaError::Overflow { .. } | DmaError::Fault { .. } => {
                 libc::EFAULT

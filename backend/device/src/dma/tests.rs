@@ -732,3 +732,35 @@ fn windows_past_the_end_of_the_file_are_refused() {
     assert_eq!(e.errno(), libc::EINVAL);
     assert!(dma.mappings().is_empty());
 }
+
+#[test]
+fn only_regular_files_on_local_filesystems_can_back_dma() {
+    let dma = DmaSpace::new(8);
+    // A device node: mmap would "work" and give no memory of the client's at all.
+    let zero = File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/zero")
+        .expect("/dev/zero");
+    let e = dma
+        .map(0x1000, 0x1000, DmaProt::READ_WRITE, Some((zero, 0)))
+        .expect_err("a device node");
+    assert!(matches!(e, DmaError::UnsupportedBacking { .. }), "{e:?}");
+    assert_eq!(e.errno(), libc::EINVAL);
+    // A pipe.
+    let (r, _w) = rustix::pipe::pipe().expect("pipe");
+    let e = dma
+        .map(0x1000, 0x1000, DmaProt::READ_ONLY, Some((File::from(r), 0)))
+        .expect_err("a pipe");
+    assert!(matches!(e, DmaError::UnsupportedBacking { .. }), "{e:?}");
+    // procfs: not a local filesystem with memory behind it.
+    let proc = File::open("/proc/self/status").expect("procfs file");
+    let e = dma
+        .map(0x1000, 0x1000, DmaProt::READ_ONLY, Some((proc, 0)))
+        .expect_err("procfs");
+    assert!(
+        matches!(&e, DmaError::UnsupportedBacking { what, .. } if what.contains("0x9fa0")),
+        "{e:?}"
+    );
+    assert!(dma.mappings().is_empty());
+}
