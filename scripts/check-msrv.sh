@@ -8,7 +8,8 @@
 #   3. Otherwise that check is skipped with a note. What remains checked: std APIs newer than the
 #      MSRV, by clippy's `incompatible_msrv` lint (denied in Cargo.toml, run by the clippy step
 #      of scripts/test.sh).
-# CI should install the MSRV toolchain so step 2 runs. Exit 1 on a violation.
+# Where the MSRV toolchain can be installed, install it so step 2 runs (this workplace cannot
+# download toolchains, so CI here relies on steps 1 and 3). Exit 1 on a violation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
