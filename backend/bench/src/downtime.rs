@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use switchyard_client::Client;
+use switchyard_client::migrate::{Migration, PreCopyPlan};
 use switchyard_device::PciDevice;
 use switchyard_proto::consts::{
-    VFIO_DEVICE_STATE_PRE_COPY, VFIO_DEVICE_STATE_RESUMING, VFIO_DEVICE_STATE_RUNNING,
-    VFIO_DEVICE_STATE_STOP_COPY, VFIO_MIGRATION_PRE_COPY, VFIO_MIGRATION_STOP_COPY,
+    VFIO_DEVICE_STATE_RUNNING, VFIO_MIGRATION_PRE_COPY, VFIO_MIGRATION_STOP_COPY,
 };
 use switchyard_server::DeviceSlot;
 use switchyard_softgpu::cmd::{Command, Operand};
@@ -614,10 +614,11 @@ impl MigMode {
     }
 }
 
-/// Pre-copy ends after a round that moved less than this ...
-const PRECOPY_CONVERGED: u64 = MIB;
-/// ... or after this many rounds.
-const PRECOPY_ROUNDS: u32 = 5;
+/// Pre-copy ends after a round that moved less than 1 MiB, or after 5 rounds.
+const PRECOPY: PreCopyPlan = PreCopyPlan {
+    converged_below: MIB,
+    max_rounds: 5,
+};
 
 /// One migration's figures.
 #[derive(Debug, Default, Clone, Copy)]
@@ -648,45 +649,6 @@ struct MigRun {
     /// The longest MIG_DATA_READ while the device ran (PRE_COPY): what a guest's register
     /// access could have waited behind on the shared connection.
     precopy_read_max: Duration,
-}
-
-/// Sets a migration state and checks the echo.
-fn set_state(c: &mut Client, state: u32, what: &str) -> Result<()> {
-    let got = c.set_mig_state(state).with_context(|| what.to_owned())?;
-    if got != state {
-        bail!("{what}: the device reports state {got}, asked for {state}");
-    }
-    Ok(())
-}
-
-/// MIG_DATA_READs from the source, each written to the destination, until a short read (the
-/// end of a PRE_COPY round, or of the stream in STOP_COPY); returns the bytes moved.
-fn move_until_short(
-    src: &mut Client,
-    dst: &mut Client,
-    chunk: u32,
-    reads: &mut Duration,
-    writes: &mut Duration,
-    mut read_max: Option<&mut Duration>,
-) -> Result<u64> {
-    let mut moved = 0u64;
-    loop {
-        let t0 = Instant::now();
-        let data = src.mig_data_read_ref(chunk).context("MIG_DATA_READ")?;
-        let t1 = Instant::now();
-        if let Some(m) = read_max.as_deref_mut() {
-            *m = (*m).max(t1 - t0);
-        }
-        if !data.is_empty() {
-            dst.mig_data_write(data).context("MIG_DATA_WRITE")?;
-        }
-        *writes += t1.elapsed();
-        *reads += t1 - t0;
-        moved += data.len() as u64;
-        if data.len() < chunk as usize {
-            return Ok(moved);
-        }
-    }
 }
 
 /// How the dirtier writes a VRAM page: through the mapping (a guest writing its BAR mapping,
@@ -790,7 +752,6 @@ struct MigPair {
     /// The pages the dirtier rewrites.
     hot: Arc<Vec<u64>>,
     size: u64,
-    chunk: u32,
 }
 
 impl std::fmt::Debug for MigPair {
@@ -802,15 +763,12 @@ impl std::fmt::Debug for MigPair {
 }
 
 impl MigPair {
-    /// One migration source → destination in `mode`; the destination is put into RESUMING
-    /// first (outside the downtime; that zeroes its VRAM).
+    /// One migration source → destination in `mode` through [`Migration`]; the destination
+    /// is put into RESUMING first (outside the downtime; that zeroes its VRAM).
     fn migrate(&mut self, mode: MigMode, seed: u64) -> Result<MigRun> {
         let mut run = MigRun::default();
-        set_state(
-            &mut self.dst,
-            VFIO_DEVICE_STATE_RESUMING,
-            "destination RUNNING → RESUMING",
-        )?;
+        let mut mig = Migration::new(&mut self.src.client, &mut self.dst);
+        mig.prepare_destination()?;
         let start = Instant::now();
         if mode != MigMode::StopCopy {
             let dirtier = if mode.dirty() {
@@ -822,60 +780,24 @@ impl MigPair {
             } else {
                 None
             };
-            set_state(
-                &mut self.src.client,
-                VFIO_DEVICE_STATE_PRE_COPY,
-                "source RUNNING → PRE_COPY",
-            )?;
-            let (mut r, mut w) = (Duration::ZERO, Duration::ZERO);
-            loop {
-                let moved = move_until_short(
-                    &mut self.src.client,
-                    &mut self.dst,
-                    self.chunk,
-                    &mut r,
-                    &mut w,
-                    Some(&mut run.precopy_read_max),
-                )?;
-                run.rounds += 1;
-                run.total_bytes += moved;
-                run.last_round_bytes = moved;
-                if moved < PRECOPY_CONVERGED || run.rounds >= PRECOPY_ROUNDS {
-                    break;
-                }
-            }
+            let rounds = mig.pre_copy(&PRECOPY)?;
+            run.rounds = u32::try_from(rounds.len())?;
+            run.total_bytes = rounds.iter().map(|r| r.bytes).sum();
+            run.last_round_bytes = rounds.last().map_or(0, |r| r.bytes);
+            run.precopy_read_max = rounds.iter().map(|r| r.read_max).max().unwrap_or_default();
             if let Some(d) = dirtier {
                 run.passes = d.stop()?;
             }
         }
-        let t0 = Instant::now();
-        set_state(
-            &mut self.src.client,
-            VFIO_DEVICE_STATE_STOP_COPY,
-            "source → STOP_COPY",
-        )?;
-        let t1 = Instant::now();
-        let moved = move_until_short(
-            &mut self.src.client,
-            &mut self.dst,
-            self.chunk,
-            &mut run.reads,
-            &mut run.writes,
-            None,
-        )?;
-        let t2 = Instant::now();
-        set_state(
-            &mut self.dst,
-            VFIO_DEVICE_STATE_RUNNING,
-            "destination RESUMING → RUNNING",
-        )?;
-        let t3 = Instant::now();
-        run.downtime = t3 - t0;
-        run.to_stop_copy = t1 - t0;
-        run.resume = t3 - t2;
-        run.downtime_bytes = moved;
-        run.total_bytes += moved;
-        run.total = t3 - start;
+        let done = mig.switchover()?;
+        run.total = start.elapsed();
+        run.downtime = done.downtime;
+        run.to_stop_copy = done.to_stop_copy;
+        run.reads = done.stream.reads;
+        run.writes = done.stream.writes;
+        run.resume = done.resume;
+        run.downtime_bytes = done.stream.bytes;
+        run.total_bytes += done.stream.bytes;
         Ok(run)
     }
 
@@ -896,18 +818,22 @@ impl MigPair {
         if self.dst.mig_state()? != VFIO_DEVICE_STATE_RUNNING {
             bail!("the destination is not RUNNING");
         }
-        set_state(
-            &mut self.src.client,
-            VFIO_DEVICE_STATE_RUNNING,
-            "source STOP_COPY → RUNNING",
-        )?;
+        let got = self
+            .src
+            .client
+            .set_mig_state(VFIO_DEVICE_STATE_RUNNING)
+            .context("source STOP_COPY → RUNNING")?;
+        if got != VFIO_DEVICE_STATE_RUNNING {
+            bail!("source STOP_COPY → RUNNING: the device reports state {got}");
+        }
         Ok(())
     }
 }
 
 /// Migration downtime: two softgpu servers (`vram=<size>,queues=2`), the source's VRAM full
-/// of random data and its client set up like the other GPU cases; one orchestrator reads
-/// MIG_DATA from the source and writes it to the destination, as a VMM does. Stop-copy only,
+/// of random data and its client set up like the other GPU cases; one orchestrator
+/// ([`Migration`]) reads MIG_DATA from the source and writes it to the destination, as a VMM
+/// does. Stop-copy only,
 /// and pre-copy (rounds until one moves < 1 MiB, at most 5) idle and with a thread
 /// rewriting 10% of the VRAM pages until just before STOP_COPY. Downtime: source →
 /// STOP_COPY until the destination's RUNNING returns; floor: a single-thread memcpy of the
@@ -939,18 +865,8 @@ fn migration_point(
     let (dst_server, dst_slot) = Switchyard::start_softgpu(dir, &format!("mig-dst-{tag}"), config)?;
     let mut src = Gpu::setup(src_server.connect(s.stall_timeout())?, 0)?;
     let mut dst = dst_server.connect(s.stall_timeout())?;
-    for (who, c) in [("source", &mut src.client), ("destination", &mut dst)] {
-        let flags = c.migration_flags().context("DEVICE_FEATURE MIGRATION")?;
-        let want = VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY;
-        if flags & want != want {
-            bail!("the {who} offers migration flags {flags:#x}, not STOP_COPY + PRE_COPY");
-        }
-    }
-    let chunk = src
-        .client
-        .negotiated_caps()
-        .max_data_xfer_size
-        .min(dst.negotiated_caps().max_data_xfer_size);
+    Migration::new(&mut src.client, &mut dst)
+        .ensure_supported(VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY)?;
     let (src_vram, dst_vram) = if trapped {
         if src.client.region_info(BAR_VRAM)?.fd.is_some() {
             bail!("vram_mmap=off still offers VRAM for mmap");
@@ -982,7 +898,6 @@ fn migration_point(
         src_writer,
         hot,
         size,
-        chunk,
     };
     // Floor buffers: the downtime moves at most VRAM + record headers + the state.
     let mut memcpy = Memcpy::new(usize::try_from(size + 8 * MIB)?);

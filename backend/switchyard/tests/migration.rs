@@ -1,17 +1,23 @@
 //! VFIO migration v2 over vfio-user between two real `switchyard serve` processes, driven the
-//! way a VMM drives it: MIG_DEVICE_STATE transitions, MIG_DATA_READ from the source and
-//! MIG_DATA_WRITE to the destination, with the guest RAM staying in the same memfd.
+//! way a VMM drives it (through `switchyard_client::migrate`): MIG_DEVICE_STATE transitions,
+//! MIG_DATA_READ from the source and MIG_DATA_WRITE to the destination, with the guest RAM
+//! staying in the same memfd.
 
 mod common;
 
+use std::borrow::{Borrow, BorrowMut};
 use std::fs::File;
+use std::num::NonZeroU32;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use common::driver::{CONFIG, Driver, guest, wait_eventfd};
 use common::ours::Ours;
 use common::{GuestMemory, ServerProcess};
-use switchyard_client::Client;
+use switchyard_client::migrate::{
+    Migration, MigrationError, Phase, PreCopyPlan, Recovery, Side, Step,
+};
+use switchyard_client::{Client, ClientError};
 use switchyard_proto::consts::*;
 use switchyard_softgpu::BAR_REGS;
 use switchyard_softgpu::cmd::{Command, Operand};
@@ -19,7 +25,20 @@ use switchyard_softgpu::regs::*;
 
 const DEVICE: &str = "softgpu,vram=16M,queues=2";
 const VRAM: u64 = 16 << 20;
-const CHUNK: u32 = 1 << 20;
+const CHUNK: NonZeroU32 = NonZeroU32::new(1 << 20).expect("nonzero");
+
+/// The source VMM's driver lends its client to a [`Migration`] and stays usable between steps.
+impl Borrow<Client> for Driver<Ours> {
+    fn borrow(&self) -> &Client {
+        &self.t.0
+    }
+}
+
+impl BorrowMut<Client> for Driver<Ours> {
+    fn borrow_mut(&mut self) -> &mut Client {
+        &mut self.t.0
+    }
+}
 
 fn connect(server: &ServerProcess) -> Client {
     Client::connect(&server.socket).expect("connect")
@@ -48,20 +67,10 @@ fn read_all(f: &File) -> Vec<u8> {
     v
 }
 
-/// Reads MIG_DATA until a short read (end of a PRE_COPY round, or of the stream) and writes
-/// it to the destination; returns the bytes moved.
-fn move_round(src: &mut Client, dst: &mut Client) -> usize {
-    let mut moved = 0;
-    loop {
-        let data = src.mig_data_read(CHUNK).expect("MIG_DATA_READ");
-        if !data.is_empty() {
-            dst.mig_data_write(&data).expect("MIG_DATA_WRITE");
-        }
-        moved += data.len();
-        if data.len() < CHUNK as usize {
-            return moved;
-        }
-    }
+/// One PRE_COPY round; returns the bytes moved.
+fn round<S: BorrowMut<Client>, D: BorrowMut<Client>>(mig: &mut Migration<S, D>) -> usize {
+    let r = mig.pre_copy_round().expect("PRE_COPY round");
+    usize::try_from(r.bytes).expect("bytes")
 }
 
 #[test]
@@ -87,23 +96,21 @@ fn live_migration_with_precopy_between_two_server_processes() {
     );
     d.w32(SCRATCH, 0xabcd_0123);
 
-    let mut dst = connect(&dst_server);
+    let dst = connect(&dst_server);
     assert_eq!(
         d.t.0.migration_flags().expect("flags"),
         VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY
     );
+    let mut mig = Migration::new(d, dst).with_chunk(CHUNK);
+    mig.prepare_destination().expect("RUNNING -> RESUMING");
     assert_eq!(
-        dst.set_mig_state(VFIO_DEVICE_STATE_RESUMING)
-            .expect("RUNNING -> RESUMING"),
+        mig.destination().mig_state().expect("state"),
         VFIO_DEVICE_STATE_RESUMING
     );
-    assert_eq!(dst.mig_state().expect("state"), VFIO_DEVICE_STATE_RESUMING);
 
     // Pre-copy while the device keeps running.
-    d.t.0
-        .set_mig_state(VFIO_DEVICE_STATE_PRE_COPY)
-        .expect("PRE_COPY");
-    let first = move_round(&mut d.t.0, &mut dst);
+    mig.start_pre_copy().expect("PRE_COPY");
+    let first = round(&mut mig);
     assert!(
         first > (3 << 20) + (64 << 10),
         "the first round carries the used VRAM ({first} bytes)"
@@ -111,17 +118,18 @@ fn live_migration_with_precopy_between_two_server_processes() {
     src_vram
         .write_all_at(&pattern(3, 8192), 2 << 20)
         .expect("rewrite two pages");
-    d.run(
+    mig.source().run(
         0,
         &[Command::fill(Operand::Vram(12 << 20), 4096, 0x7777_7777)],
     );
-    let second = move_round(&mut d.t.0, &mut dst);
+    let second = round(&mut mig);
     assert!(
         (3 * 4096..4 * 4096 + 1024).contains(&second),
         "the second round carries the three changed pages ({second} bytes)"
     );
 
     // Work the guest submitted just before it stopped (bus mastering off: still pending).
+    let d = mig.source();
     let cmd = d.cfg16(0x04) & !0x4;
     d.t.0
         .region_write(CONFIG, 0x04, &cmd.to_le_bytes())
@@ -144,21 +152,17 @@ fn live_migration_with_precopy_between_two_server_processes() {
     .collect();
 
     // Stop-and-copy: the rest of the stream, the state, then the destination runs.
-    d.t.0
-        .set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
-        .expect("STOP_COPY");
-    move_round(&mut d.t.0, &mut dst);
+    mig.switchover()
+        .expect("STOP_COPY, stream, RESUMING -> RUNNING");
+    assert_eq!(mig.phase(), Phase::SwitchedOver);
+    let (mut d, mut dst) = mig.into_parts();
     d.t.0.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
     let log = src_server.log_text();
     assert!(
         log.contains("outgoing migration stream closed") && log.contains("completed=true"),
         "the source logs the finished stream:\n{log}"
     );
-    assert_eq!(
-        dst.set_mig_state(VFIO_DEVICE_STATE_RUNNING)
-            .expect("RESUMING -> RUNNING"),
-        VFIO_DEVICE_STATE_RUNNING
-    );
+    assert_eq!(dst.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
 
     let dst_vram = vram_fd(&mut dst);
     assert!(
@@ -302,31 +306,107 @@ fn trapped_vram_migrates_by_its_write_log() {
     );
     src.region_write(2, 1 << 20, &pattern(5, 256 << 10))
         .expect("VRAM write");
-    let mut dst = connect(&dst_server);
-    dst.set_mig_state(VFIO_DEVICE_STATE_RESUMING)
-        .expect("RESUMING");
-    src.set_mig_state(VFIO_DEVICE_STATE_PRE_COPY)
-        .expect("PRE_COPY");
-    let first = move_round(&mut src, &mut dst);
+    let dst = connect(&dst_server);
+    let mut mig = Migration::new(src, dst).with_chunk(CHUNK);
+    mig.prepare_destination().expect("RESUMING");
+    mig.start_pre_copy().expect("PRE_COPY");
+    let first = round(&mut mig);
     assert!(first >= 256 << 10, "{first}");
-    src.region_write(2, 10 << 20, &pattern(6, 5 * 4096))
+    mig.source()
+        .region_write(2, 10 << 20, &pattern(6, 5 * 4096))
         .expect("VRAM write");
-    let second = move_round(&mut src, &mut dst);
+    let second = round(&mut mig);
     assert!(
         (5 * 4096..6 * 4096).contains(&second),
         "the second round carries the five written pages ({second} bytes)"
     );
-    src.region_write(2, 12 << 20, &pattern(7, 4096))
+    mig.source()
+        .region_write(2, 12 << 20, &pattern(7, 4096))
         .expect("VRAM write");
-    src.set_mig_state(VFIO_DEVICE_STATE_STOP_COPY)
-        .expect("STOP_COPY");
-    let last = move_round(&mut src, &mut dst);
+    let last = mig
+        .switchover()
+        .expect("STOP_COPY, stream, RUNNING")
+        .stream
+        .bytes;
     // One page, the device state (JSON, about 9 KiB with the config space) and the records.
     assert!(
         (4096..4096 + (16 << 10)).contains(&last),
         "the final round: one page and the state ({last})"
     );
-    dst.set_mig_state(VFIO_DEVICE_STATE_RUNNING)
-        .expect("RUNNING");
+    let (mut src, mut dst) = mig.into_parts();
+    assert_eq!(dst.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
     assert!(read_trapped(&mut src) == read_trapped(&mut dst));
+}
+
+/// Asserts that `err` is a MIG_DATA_WRITE the destination refused in `step`, after which the
+/// source runs again.
+fn assert_refused_by_destination(err: &MigrationError, step: Step) {
+    assert!(
+        matches!(
+            err,
+            MigrationError::Client { step: s, side: Side::Destination, .. } if *s == step
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        err.client_error().and_then(ClientError::remote_errno),
+        Some(libc::EINVAL),
+        "{err}"
+    );
+    assert!(
+        matches!(err.recovery(), Some(Recovery::SourceRunning)),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_refused_stream_leaves_the_source_running() {
+    let src_server = ServerProcess::start(DEVICE);
+    // Half the source's VRAM: the stream's first record does not fit.
+    let dst_server = ServerProcess::start("softgpu,vram=8M,queues=2");
+    let mut d = Driver::new(Ours(connect(&src_server)));
+    d.setup_queue(0);
+    d.w32(SCRATCH, 0x0bad_5eed);
+    let mut dst = connect(&dst_server);
+
+    // Stop-copy into a destination that was not put into RESUMING: the stopped source runs
+    // again.
+    let mut mig = Migration::new(&mut d.t.0, &mut dst);
+    let err = mig
+        .switchover()
+        .expect_err("the destination is not RESUMING");
+    assert_refused_by_destination(&err, Step::Stream);
+    assert_eq!(mig.phase(), Phase::Aborted);
+    assert!(
+        matches!(
+            mig.pre_copy_round(),
+            Err(MigrationError::OutOfOrder {
+                step: Step::PreCopyRound,
+                phase: Phase::Aborted
+            })
+        ),
+        "an aborted migration sends nothing more"
+    );
+    assert!(matches!(mig.abort(), Recovery::NotNeeded));
+    assert_eq!(d.t.0.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
+    assert_eq!(d.r32(SCRATCH), 0x0bad_5eed);
+    d.run(0, &[Command::fence(guest(0x100), 1, None)]);
+    assert_eq!(d.mem.read_u64(0x100), 1);
+
+    // Pre-copy into a destination with less VRAM: refused at once, the source still runs.
+    let mut mig = Migration::new(&mut d.t.0, &mut dst);
+    mig.prepare_destination().expect("RESUMING");
+    let err = mig
+        .pre_copy(&PreCopyPlan::default())
+        .expect_err("the destination's VRAM is smaller");
+    assert_refused_by_destination(&err, Step::PreCopyRound);
+    assert_eq!(d.t.0.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
+    d.run(0, &[Command::fence(guest(0x100), 2, None)]);
+    assert_eq!(d.mem.read_u64(0x100), 2);
+
+    // An explicit abort in pre-copy.
+    let mut mig = Migration::new(&mut d.t.0, &mut dst);
+    mig.start_pre_copy().expect("PRE_COPY");
+    assert!(matches!(mig.abort(), Recovery::SourceRunning));
+    assert_eq!(d.t.0.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
 }

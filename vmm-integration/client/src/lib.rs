@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 mod dma;
+pub mod migrate;
 pub mod scm;
 
 use std::fs::File;
@@ -39,6 +40,7 @@ use switchyard_proto::{
 use zerocopy::FromBytes;
 
 pub use dma::{FlatDma, MessageDma};
+pub use migrate::{Migration, MigrationError};
 
 /// Errors returned by [`Client`].
 #[derive(Debug, thiserror::Error)]
