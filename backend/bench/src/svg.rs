@@ -542,3 +542,175 @@ pub fn render(results: &Results) -> Result<String> {
     out.push('\n');
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{Figure, Machine};
+
+    fn fig(p50: f64) -> Option<Figure> {
+        Some(Figure {
+            name: "x".into(),
+            p50,
+            p99: p50 * 3.0,
+            n: 10,
+        })
+    }
+
+    /// A row with `ours`, a floor at a tenth of it and a peer at twice it.
+    fn row(group: &str, case: &str, op: &str, variant: &str, size: u64, unit: Unit) -> Row {
+        let v = (size as f64).log2();
+        Row {
+            group: group.into(),
+            case: case.into(),
+            op: op.into(),
+            variant: variant.into(),
+            size: Some(size),
+            unit,
+            ours: fig(v),
+            floor: fig(v / 10.0),
+            ratio: None,
+            peer: fig(v * 2.0),
+            peer_ratio: None,
+            target: None,
+            met: None,
+            note: String::new(),
+        }
+    }
+
+    fn results(rows: Vec<Row>) -> Results {
+        Results {
+            mode: "quick".into(),
+            spin_us: 50,
+            pinning: "none".into(),
+            machine: Machine {
+                cpu: "Test CPU <&>".into(),
+                cpus: 2,
+                kernel: "6.0".into(),
+                loadavg_start: String::new(),
+            },
+            loadavg_end: String::new(),
+            seconds: 1.0,
+            rows,
+        }
+    }
+
+    /// Rows for every panel, three sizes each.
+    fn every_panel() -> Vec<Row> {
+        let mut rows = Vec::new();
+        for size in [4, 4096, 1 << 20] {
+            for op in ["read", "write"] {
+                for variant in ["regfile blocking", "regfile spin 50µs"] {
+                    rows.push(row("size-sweep", "", op, variant, size, Unit::Micros));
+                }
+            }
+        }
+        for size in [4096, 1 << 20, 64 << 20] {
+            for op in ["g2v", "v2g"] {
+                for variant in ["softgpu blocking, 1 queue", "softgpu blocking, 2 queues"] {
+                    rows.push(row("copy", "", op, variant, size, Unit::GBps));
+                }
+            }
+        }
+        for size in [1 << 30, 4 << 30, 16 << 30] {
+            for (op, pct) in [
+                ("report", " 1% dirty"),
+                ("report", "10% dirty"),
+                ("report-direct", " 1% dirty"),
+                ("report-wire", " 1% dirty"),
+            ] {
+                rows.push(row("dirty-report", pct, op, "", size, Unit::Micros));
+            }
+        }
+        for size in [64 << 20, 256 << 20, 1 << 30] {
+            for (op, variant) in [
+                ("swap-held", "idle"),
+                ("swap-held", "busy"),
+                ("swap-stall", "busy"),
+            ] {
+                rows.push(row("swap", "", op, variant, size, Unit::Micros));
+            }
+            for op in [
+                "mig-stop-copy",
+                "mig-pre-copy",
+                "mig-pre-copy-dirty",
+                "mig-pre-copy-trapped",
+                "mig-pre-copy-trapped-dirty",
+            ] {
+                rows.push(row("migration", "", op, "", size, Unit::Millis));
+            }
+        }
+        rows
+    }
+
+    /// Whether the SVG has a `<text>` element reading `text`.
+    fn has_text(svg: &str, text: &str) -> bool {
+        svg.contains(&format!(">\n{text}\n</text>"))
+    }
+
+    #[test]
+    fn every_panel_has_its_series_legend_and_labels() {
+        let results = results(every_panel());
+        let svg = render(&results).expect("render");
+        assert!(svg.starts_with("<svg"), "{svg:.100}");
+        assert!(svg.trim_end().ends_with("</svg>"));
+        for title in [
+            "REGION_READ round trip (regfile)",
+            "REGION_WRITE round trip (regfile)",
+            "softgpu COPY throughput",
+            "DMA_LOGGING_REPORT vs mapped size",
+            "Swap and migration downtime vs VRAM size",
+        ] {
+            assert!(has_text(&svg, title), "no panel {title}");
+        }
+        assert!(!svg.contains("(no data)"));
+        let rows = &results.rows;
+        let all: Vec<Series> = [
+            sweep_series(rows, "read"),
+            sweep_series(rows, "write"),
+            copy_series(rows),
+            dirty_series(rows),
+            downtime_series(rows),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        for s in &all {
+            assert_eq!(s.points.len(), 3, "{}", s.name);
+            assert!(has_text(&svg, &s.name), "no legend {}", s.name);
+        }
+        // A marker per point.
+        assert_eq!(svg.matches("<circle").count(), all.len() * 3);
+        for label in [
+            "4 B",
+            "4 KiB",
+            "1 MiB",
+            "64 MiB",
+            "16 GiB",
+            "latency, µs (log)",
+        ] {
+            assert!(has_text(&svg, label), "no label {label}");
+        }
+        // Text is escaped.
+        assert!(svg.contains("Test CPU &lt;&amp;&gt;"));
+    }
+
+    #[test]
+    fn no_rows_still_draws_every_title() {
+        let svg = render(&results(Vec::new())).expect("render");
+        assert_eq!(svg.matches("(no data)").count(), 5);
+    }
+
+    #[test]
+    fn y_axis_spans_whole_decades() {
+        let y = y_axis(12.0, 3000.0);
+        assert_eq!(y.range, (10.0, 10_000.0));
+        assert_eq!(y.labelled.len(), 10);
+        assert!(y.grid.is_empty());
+        // Six decades: labels at the powers of ten only.
+        let y = y_axis(0.011, 1800.0);
+        assert_eq!(y.range.1, 10_000.0);
+        assert_eq!(y.labelled.len(), 7);
+        assert_eq!(y.grid.len(), 12);
+    }
+}
