@@ -205,7 +205,7 @@ fn write_outputs(
     }
     if let Some(p) = svg {
         create_parent(p)?;
-        std::fs::write(p, svg::render(results))
+        std::fs::write(p, svg::render(results)?)
             .with_context(|| format!("write {}", p.display()))?;
     }
     if let Some(p) = markdown {

@@ -1,42 +1,86 @@
-//! A hand-written SVG plot of the results: round-trip latency (p50 and p99) against size with
-//! the floors and the peer, COPY throughput against size with the memcpy floors (single
-//! thread for one queue, two threads for two queues), DMA_LOGGING_REPORT latency against
-//! the mapped size with its floors, and swap and migration downtime against the VRAM size
-//! with the migration floors.
+//! The SVG plot of the results, drawn with `plotters`' SVG backend: round-trip latency (p50
+//! and p99) against size with the floors and the peer, COPY throughput against size with the
+//! memcpy floors (single thread for one queue, two threads for two queues),
+//! DMA_LOGGING_REPORT latency against the mapped size with its floors, and swap and migration
+//! downtime against the VRAM size with the migration floors. Every axis is logarithmic.
+//!
+//! Only the SVG backend is built: text is written as `<text>` elements for the viewer to
+//! render, and laid out with `plotters`' built-in size estimate (no system fonts).
 
-use std::fmt::Write as _;
+use anyhow::{Context, Result};
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
+use plotters::prelude::{
+    BindKeyPoints, ChartBuilder, Circle, Color, DashedLineSeries, DrawingArea,
+    DrawingAreaErrorKind, DrawingBackend, IntoDrawingArea, IntoFont, IntoLogRange, LineSeries,
+    PathElement, RGBColor, Rectangle, SVGBackend, ShapeStyle, Text, TextStyle, WHITE,
+};
+use plotters::style::FontStyle;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::cases::human;
 use crate::report::{Results, Row, Unit};
 
+/// The colours of the series (matplotlib's tab10).
+mod tab10 {
+    use plotters::prelude::RGBColor;
+
+    pub const BLUE: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
+    pub const ORANGE: RGBColor = RGBColor(0xff, 0x7f, 0x0e);
+    pub const GREEN: RGBColor = RGBColor(0x2c, 0xa0, 0x2c);
+    pub const RED: RGBColor = RGBColor(0xd6, 0x27, 0x28);
+    pub const PURPLE: RGBColor = RGBColor(0x94, 0x67, 0xbd);
+    pub const BROWN: RGBColor = RGBColor(0x8c, 0x56, 0x4b);
+    pub const PINK: RGBColor = RGBColor(0xe3, 0x77, 0xc2);
+    pub const GREY: RGBColor = RGBColor(0x7f, 0x7f, 0x7f);
+    pub const OLIVE: RGBColor = RGBColor(0xbc, 0xbd, 0x22);
+    pub const CYAN: RGBColor = RGBColor(0x17, 0xbe, 0xcf);
+}
+
+const FRAME: RGBColor = RGBColor(0x44, 0x44, 0x44);
+const GRID: RGBColor = RGBColor(0xdd, 0xdd, 0xdd);
+const GRID_LIGHT: RGBColor = RGBColor(0xee, 0xee, 0xee);
+const FOOTNOTE: RGBColor = RGBColor(0x55, 0x55, 0x55);
+
 struct Series {
     name: String,
-    color: &'static str,
+    color: RGBColor,
     dashed: bool,
     points: Vec<(f64, f64)>,
 }
 
+/// One panel: both axes logarithmic.
 struct Panel<'a> {
     title: &'a str,
     xlabel: &'a str,
     ylabel: &'a str,
-    ylog: bool,
     series: Vec<Series>,
 }
 
-const W: f64 = 560.0;
-const H: f64 = 380.0;
-const ML: f64 = 64.0;
-const MR: f64 = 16.0;
-const MT: f64 = 34.0;
-const MB: f64 = 120.0;
+/// Size of one panel, px.
+const W: u32 = 560;
+const H: u32 = 380;
+/// Height of the chart (title, plot, axis labels) within a panel; the legend is below it.
+const CHART_H: u32 = 290;
+/// Width of the y axis labels, px; the legend lines up with the plot's left edge.
+const Y_LABELS: u32 = 60;
+const MARGIN: u32 = 8;
+const MARGIN_RIGHT: u32 = 18;
+/// Height of the footnote below the panels.
+const FOOTER: u32 = 24;
 /// Panels per row of the plot.
 const COLUMNS: usize = 3;
 
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+/// A sans-serif font of `px` pixels as the SVG shows it (the SVG backend writes
+/// `font-size` as the requested size / 1.24).
+fn font(px: f64) -> TextStyle<'static> {
+    ("sans-serif", px * 1.24).into_font().into()
+}
+
+fn bold(px: f64) -> TextStyle<'static> {
+    ("sans-serif", px * 1.24, FontStyle::Bold)
+        .into_font()
+        .into()
 }
 
 fn nice_num(v: f64) -> String {
@@ -52,160 +96,139 @@ fn nice_num(v: f64) -> String {
     }
 }
 
-fn panel(out: &mut String, ox: f64, oy: f64, p: &Panel<'_>) {
-    let pts: Vec<(f64, f64)> = p
-        .series
+/// Points that a log-log plot can show.
+fn plottable(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    points
         .iter()
-        .flat_map(|s| s.points.iter().copied())
-        .filter(|&(x, y)| x > 0.0 && y > 0.0 && y.is_finite())
-        .collect();
-    let _ = write!(
-        out,
-        r#"<g transform="translate({ox},{oy})"><text x="{}" y="20" text-anchor="middle" font-size="14" font-weight="bold">{}</text>"#,
-        W / 2.0,
-        esc(p.title)
-    );
-    if pts.is_empty() {
-        out.push_str("</g>");
-        return;
-    }
-    let (mut xmin, mut xmax, mut ymin, mut ymax) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in &pts {
-        xmin = xmin.min(x);
-        xmax = xmax.max(x);
-        ymin = ymin.min(y);
-        ymax = ymax.max(y);
-    }
-    let (lxmin, lxmax) = (xmin.log2(), xmax.log2().max(xmin.log2() + 1.0));
-    let (ty0, ty1) = if p.ylog {
-        (
-            ymin.log10().floor(),
-            ymax.log10().ceil().max(ymin.log10().floor() + 1.0),
-        )
-    } else {
-        (0.0, ymax * 1.1)
-    };
-    let pw = W - ML - MR;
-    let ph = H - MT - MB;
-    let sx = |x: f64| ML + (x.log2() - lxmin) / (lxmax - lxmin) * pw;
-    let sy = |y: f64| {
-        let t = if p.ylog { y.log10() } else { y };
-        MT + ph - (t - ty0) / (ty1 - ty0) * ph
-    };
-    // Frame and grid.
-    let _ = write!(
-        out,
-        r##"<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>"##
-    );
-    let yticks: Vec<f64> = if p.ylog {
-        let mut v = Vec::new();
-        let mut e = ty0;
-        while e <= ty1 + 1e-9 {
-            for m in [1.0, 2.0, 5.0] {
-                let y = m * 10f64.powf(e);
-                if y.log10() >= ty0 - 1e-9 && y.log10() <= ty1 + 1e-9 {
-                    v.push(y);
-                }
-            }
-            e += 1.0;
+        .copied()
+        .filter(|&(x, y)| x > 0.0 && x.is_finite() && y > 0.0 && y.is_finite())
+        .collect()
+}
+
+/// The y axis: its range (whole decades around the data), the labelled ticks and the
+/// unlabelled grid lines. Up to three decades are labelled at 1, 2 and 5 × 10^k; wider
+/// ranges only at the powers of ten, with grid lines at 2 and 5 × 10^k.
+struct YAxis {
+    range: (f64, f64),
+    labelled: Vec<f64>,
+    grid: Vec<f64>,
+}
+
+fn y_axis(ymin: f64, ymax: f64) -> YAxis {
+    let e0 = ymin.log10().floor();
+    let e1 = ymax.log10().ceil().max(e0 + 1.0);
+    let dense = e1 - e0 <= 3.0;
+    let (mut labelled, mut grid) = (Vec::new(), Vec::new());
+    let mut e = e0;
+    while e < e1 {
+        let decade = 10f64.powf(e);
+        labelled.push(decade);
+        let between = [2.0 * decade, 5.0 * decade];
+        if dense {
+            labelled.extend(between);
+        } else {
+            grid.extend(between);
         }
-        v
-    } else {
-        let step = [0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
-            .into_iter()
-            .find(|s| ty1 / s <= 8.0)
-            .unwrap_or(100.0);
-        (0..=((ty1 / step) as usize))
-            .map(|i| i as f64 * step)
-            .collect()
-    };
-    for y in yticks {
-        let py = sy(y);
-        let _ = write!(
-            out,
-            r##"<line x1="{ML}" x2="{}" y1="{py:.1}" y2="{py:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end" font-size="10">{}</text>"##,
-            ML + pw,
-            ML - 4.0,
-            py + 3.0,
-            nice_num(y)
-        );
+        e += 1.0;
+    }
+    labelled.push(10f64.powf(e1));
+    YAxis {
+        range: (10f64.powf(e0), 10f64.powf(e1)),
+        labelled,
+        grid,
+    }
+}
+
+type Drawn<DB> = Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+fn panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel<'_>) -> Drawn<DB> {
+    let (chart_area, legend_area) = area.split_vertically(CHART_H);
+    let pts: Vec<(f64, f64)> = p.series.iter().flat_map(|s| plottable(&s.points)).collect();
+    let title = bold(14.0);
+    if pts.is_empty() {
+        chart_area.draw(&Text::new(
+            format!("{} (no data)", p.title),
+            (W as i32 / 2, MARGIN as i32),
+            title.pos(Pos::new(HPos::Center, VPos::Top)),
+        ))?;
+        return Ok(());
     }
     let mut xs: Vec<f64> = pts.iter().map(|p| p.0).collect();
     xs.sort_by(f64::total_cmp);
     xs.dedup();
-    for x in xs {
-        let px = sx(x);
-        let _ = write!(
-            out,
-            r##"<line x1="{px:.1}" x2="{px:.1}" y1="{MT}" y2="{}" stroke="#eee"/><text x="{px:.1}" y="{}" text-anchor="middle" font-size="10">{}</text>"##,
-            MT + ph,
-            MT + ph + 14.0,
-            esc(&human(x as u64))
-        );
-    }
-    let _ = write!(
-        out,
-        r#"<text x="{}" y="{}" text-anchor="middle" font-size="11">{}</text><text transform="translate(14,{}) rotate(-90)" text-anchor="middle" font-size="11">{}</text>"#,
-        ML + pw / 2.0,
-        MT + ph + 30.0,
-        esc(p.xlabel),
-        MT + ph / 2.0,
-        esc(p.ylabel)
-    );
-    // Lines.
+    let (ymin, ymax) = pts.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &(_, y)| {
+        (lo.min(y), hi.max(y))
+    });
+    // A quarter of an octave either side keeps the end points off the frame; a single size
+    // gets an octave either side.
+    let pad = if xs.len() > 1 { 2f64.powf(0.25) } else { 2.0 };
+    let (xlo, xhi) = (xs[0] / pad, xs[xs.len() - 1] * pad);
+    let y = y_axis(ymin, ymax);
+    let (ylo, yhi) = y.range;
+
+    let mut chart = ChartBuilder::on(&chart_area)
+        .caption(p.title, title)
+        .margin(MARGIN)
+        .margin_right(MARGIN_RIGHT)
+        .x_label_area_size(40)
+        .y_label_area_size(Y_LABELS)
+        .build_cartesian_2d(
+            (xlo..xhi).log_scale().with_key_points(xs),
+            (ylo..yhi)
+                .log_scale()
+                .with_key_points(y.labelled)
+                .with_light_points(y.grid),
+        )?;
+    chart
+        .configure_mesh()
+        .bold_line_style(GRID)
+        .light_line_style(GRID_LIGHT)
+        .axis_style(FRAME)
+        .label_style(font(10.0))
+        .axis_desc_style(font(11.0))
+        .x_label_formatter(&|x| human(x.round() as u64))
+        .y_label_formatter(&|y| nice_num(*y))
+        .x_desc(p.xlabel)
+        .y_desc(p.ylabel)
+        .draw()?;
+    chart.draw_series(std::iter::once(Rectangle::new(
+        [(xlo, ylo), (xhi, yhi)],
+        FRAME.stroke_width(1),
+    )))?;
     for s in &p.series {
-        let path: Vec<String> = s
-            .points
-            .iter()
-            .filter(|&&(x, y)| x > 0.0 && y > 0.0 && y.is_finite())
-            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
-            .collect();
-        if path.is_empty() {
-            continue;
-        }
-        let dash = if s.dashed {
-            r#" stroke-dasharray="5,3""#
+        let points = plottable(&s.points);
+        let line = s.color.stroke_width(2);
+        if s.dashed {
+            chart.draw_series(DashedLineSeries::new(points.iter().copied(), 5, 3, line))?;
         } else {
-            ""
-        };
-        let _ = write!(
-            out,
-            r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="1.6"{dash}/>"#,
-            path.join(" "),
-            s.color
-        );
-        for pt in &path {
-            if let Some((x, y)) = pt.split_once(',') {
-                let _ = write!(
-                    out,
-                    r#"<circle cx="{x}" cy="{y}" r="2.2" fill="{}"/>"#,
-                    s.color
-                );
-            }
+            chart.draw_series(LineSeries::new(points.iter().copied(), line))?;
         }
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 2, s.color.filled())))?;
     }
-    // Legend, two columns below the axis.
-    for (i, s) in p.series.iter().enumerate() {
-        let col = (i % 2) as f64;
-        let row = (i / 2) as f64;
-        let lx = ML + col * (pw / 2.0);
-        let ly = MT + ph + 48.0 + row * 15.0;
-        let dash = if s.dashed {
-            r#" stroke-dasharray="5,3""#
+    legend(&legend_area, &p.series)
+}
+
+/// The legend, two columns below the axis, under the plot.
+fn legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, series: &[Series]) -> Drawn<DB> {
+    let left = (MARGIN + Y_LABELS) as i32;
+    let column = (W - MARGIN - Y_LABELS - MARGIN_RIGHT) as i32 / 2;
+    for (i, s) in series.iter().enumerate() {
+        let x = left + (i % 2) as i32 * column;
+        let y = 8 + (i / 2) as i32 * 15;
+        let line = ShapeStyle::from(s.color).stroke_width(2);
+        let ends = vec![(x, y), (x + 22, y)];
+        if s.dashed {
+            area.draw(&DashedPathElement::new(ends, 5, 3, line))?;
         } else {
-            ""
-        };
-        let _ = write!(
-            out,
-            r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{}" stroke-width="2"{dash}/><text x="{}" y="{}" font-size="10">{}</text>"#,
-            lx + 22.0,
-            s.color,
-            lx + 26.0,
-            ly + 3.5,
-            esc(&s.name)
-        );
+            area.draw(&PathElement::new(ends, line))?;
+        }
+        area.draw(&Text::new(
+            s.name.as_str(),
+            (x + 26, y),
+            font(10.0).pos(Pos::new(HPos::Left, VPos::Center)),
+        ))?;
     }
-    out.push_str("</g>");
+    Ok(())
 }
 
 /// p50 and p99 points of one series pair.
@@ -234,7 +257,7 @@ fn sweep_series(rows: &[Row], op: &str) -> Vec<Series> {
     let floor = |r: &Row| r.floor.as_ref().map(|f| (f.p50, f.p99));
     let peer = |r: &Row| r.peer.as_ref().map(|f| (f.p50, f.p99));
     let mut out = Vec::new();
-    let mut add = |name: &str, color: &'static str, (p50, p99): Pair| {
+    let mut add = |name: &str, color: RGBColor, (p50, p99): Pair| {
         out.push(Series {
             name: format!("{name} p50"),
             color,
@@ -248,11 +271,15 @@ fn sweep_series(rows: &[Row], op: &str) -> Vec<Series> {
             points: p99,
         });
     };
-    add("switchyard blocking", "#1f77b4", pick("blocking", &ours));
-    add("floor (blocking echo)", "#7f7f7f", pick("blocking", &floor));
-    add("switchyard spin", "#2ca02c", pick("spin", &ours));
-    add("floor (spinning echo)", "#bcbd22", pick("spin", &floor));
-    add("vfio_user peer", "#d62728", pick("blocking", &peer));
+    add("switchyard blocking", tab10::BLUE, pick("blocking", &ours));
+    add(
+        "floor (blocking echo)",
+        tab10::GREY,
+        pick("blocking", &floor),
+    );
+    add("switchyard spin", tab10::GREEN, pick("spin", &ours));
+    add("floor (spinning echo)", tab10::OLIVE, pick("spin", &floor));
+    add("vfio_user peer", tab10::RED, pick("blocking", &peer));
     out
 }
 
@@ -261,17 +288,25 @@ fn copy_series(rows: &[Row]) -> Vec<Series> {
         .iter()
         .filter(|r| r.group == "copy" && (r.op == "g2v" || r.op == "v2g"))
         .collect();
+    // `ends_with`: the "…, 1 queue, unsealed guest RAM" rows (the pread/pwrite path) are
+    // not part of the 1-queue line; matched too, they zig-zagged it at every size.
     let mut out = Vec::new();
     let combos = [
-        ("g2v", "1 queue", "guest→VRAM, 1 queue", "#1f77b4", false),
-        ("g2v", "2 queues", "guest→VRAM, 2 queues", "#1f77b4", true),
-        ("v2g", "1 queue", "VRAM→guest, 1 queue", "#2ca02c", false),
-        ("v2g", "2 queues", "VRAM→guest, 2 queues", "#2ca02c", true),
+        ("g2v", "1 queue", "guest→VRAM, 1 queue", tab10::BLUE, false),
+        ("g2v", "2 queues", "guest→VRAM, 2 queues", tab10::BLUE, true),
+        ("v2g", "1 queue", "VRAM→guest, 1 queue", tab10::GREEN, false),
+        (
+            "v2g",
+            "2 queues",
+            "VRAM→guest, 2 queues",
+            tab10::GREEN,
+            true,
+        ),
     ];
     for (op, variant, name, color, dashed) in combos {
         let points = copy
             .iter()
-            .filter(|r| r.op == op && r.variant.contains(variant))
+            .filter(|r| r.op == op && r.variant.ends_with(variant))
             .filter_map(|r| Some((r.size? as f64, r.ours.as_ref()?.p50)))
             .collect();
         out.push(Series {
@@ -288,12 +323,12 @@ fn copy_series(rows: &[Row]) -> Vec<Series> {
     ] {
         let points = copy
             .iter()
-            .filter(|r| r.op == "g2v" && r.variant.contains(variant))
+            .filter(|r| r.op == "g2v" && r.variant.ends_with(variant))
             .filter_map(|r| Some((r.size? as f64, r.floor.as_ref()?.p50)))
             .collect();
         out.push(Series {
             name: name.into(),
-            color: "#7f7f7f",
+            color: tab10::GREY,
             dashed,
             points,
         });
@@ -311,7 +346,7 @@ fn p50_floor(r: &Row) -> Option<f64> {
     r.floor.as_ref().map(|f| f.p50)
 }
 
-fn series(name: &str, color: &'static str, dashed: bool, points: Vec<(f64, f64)>) -> Series {
+fn series(name: &str, color: RGBColor, dashed: bool, points: Vec<(f64, f64)>) -> Series {
     Series {
         name: name.into(),
         color,
@@ -331,31 +366,31 @@ fn dirty_series(rows: &[Row]) -> Vec<Series> {
     vec![
         series(
             "report, 1% dirty p50",
-            "#1f77b4",
+            tab10::BLUE,
             false,
             at("report", " 1% dirty", &ours),
         ),
         series(
             "report, 10% dirty p50",
-            "#1f77b4",
+            tab10::BLUE,
             true,
             at("report", "10% dirty", &ours),
         ),
         series(
             "server drain only, 1% p50",
-            "#2ca02c",
+            tab10::GREEN,
             false,
             at("report-direct", " 1% dirty", &ours),
         ),
         series(
             "floor: scan + AF_UNIX, 1% p50",
-            "#bcbd22",
+            tab10::OLIVE,
             false,
             at("report-wire", " 1% dirty", &floor),
         ),
         series(
             "floor: bitmap scan, 1% p50",
-            "#7f7f7f",
+            tab10::GREY,
             false,
             at("report", " 1% dirty", &floor),
         ),
@@ -381,61 +416,61 @@ fn downtime_series(rows: &[Row]) -> Vec<Series> {
     vec![
         series(
             "swap: slot held, idle p50",
-            "#1f77b4",
+            tab10::BLUE,
             false,
             at("swap-held", "idle", &ours),
         ),
         series(
             "swap: slot held, busy p50",
-            "#17becf",
+            tab10::CYAN,
             false,
             at("swap-held", "busy", &ours),
         ),
         series(
             "swap: engine stall, busy p50",
-            "#9467bd",
+            tab10::PURPLE,
             false,
             at("swap-stall", "busy", &ours),
         ),
         series(
             "migration: stop-copy only p50",
-            "#d62728",
+            tab10::RED,
             false,
             at("mig-stop-copy", "", &ours),
         ),
         series(
             "migration: pre-copy, idle p50",
-            "#2ca02c",
+            tab10::GREEN,
             false,
             at("mig-pre-copy", "", &ours),
         ),
         series(
             "migration: pre-copy, 10% p50",
-            "#ff7f0e",
+            tab10::ORANGE,
             false,
             at("mig-pre-copy-dirty", "", &ours),
         ),
         series(
             "migration: vram_mmap=off, idle p50",
-            "#8c564b",
+            tab10::BROWN,
             false,
             at("mig-pre-copy-trapped", "", &ours),
         ),
         series(
             "migration: vram_mmap=off, 10% p50",
-            "#e377c2",
+            tab10::PINK,
             false,
             at("mig-pre-copy-trapped-dirty", "", &ours),
         ),
         series(
             "floor: memcpy, stop-copy bytes",
-            "#7f7f7f",
+            tab10::GREY,
             true,
             at("mig-stop-copy", "", &floor),
         ),
         series(
             "floor: memcpy, pre-copy dirtied bytes",
-            "#bcbd22",
+            tab10::OLIVE,
             true,
             at("mig-pre-copy-dirty", "", &floor),
         ),
@@ -443,65 +478,245 @@ fn downtime_series(rows: &[Row]) -> Vec<Series> {
 }
 
 /// Renders the plot.
-pub fn render(results: &Results) -> String {
+pub fn render(results: &Results) -> Result<String> {
     let panels = [
         Panel {
             title: "REGION_READ round trip (regfile)",
             xlabel: "transfer size",
             ylabel: "latency, µs (log)",
-            ylog: true,
             series: sweep_series(&results.rows, "read"),
         },
         Panel {
             title: "REGION_WRITE round trip (regfile)",
             xlabel: "transfer size",
             ylabel: "latency, µs (log)",
-            ylog: true,
             series: sweep_series(&results.rows, "write"),
         },
         Panel {
             title: "softgpu COPY throughput",
             xlabel: "transfer size",
             ylabel: "GB/s (log)",
-            ylog: true,
             series: copy_series(&results.rows),
         },
         Panel {
             title: "DMA_LOGGING_REPORT vs mapped size",
             xlabel: "mapped size",
             ylabel: "latency, µs (log)",
-            ylog: true,
             series: dirty_series(&results.rows),
         },
         Panel {
             title: "Swap and migration downtime vs VRAM size",
             xlabel: "VRAM size",
             ylabel: "downtime, ms (log)",
-            ylog: true,
             series: downtime_series(&results.rows),
         },
     ];
     let columns = COLUMNS.min(panels.len());
     let panel_rows = panels.len().div_ceil(COLUMNS);
-    let total_w = W * columns as f64;
-    let total_h = H * panel_rows as f64 + 24.0;
-    let mut out = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" font-family="sans-serif" viewBox="0 0 {total_w} {total_h}"><rect width="100%" height="100%" fill="white"/>"#,
-    );
-    for (i, p) in panels.iter().enumerate() {
-        let (col, row) = (i % COLUMNS, i / COLUMNS);
-        panel(&mut out, col as f64 * W, row as f64 * H, p);
+    let size = (W * columns as u32, H * panel_rows as u32 + FOOTER);
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
+        root.fill(&WHITE).context("plot background")?;
+        let (grid, footer) = root.split_vertically(size.1 - FOOTER);
+        for (area, p) in grid.split_evenly((panel_rows, columns)).iter().zip(&panels) {
+            panel(area, p).with_context(|| format!("plot panel {}", p.title))?;
+        }
+        let note = format!(
+            "{} mode; {} ({} CPUs), kernel {}; p99 dashed (downtime panel: floors dashed); spin = adaptive polling {} µs",
+            results.mode,
+            results.machine.cpu,
+            results.machine.cpus,
+            results.machine.kernel,
+            results.spin_us
+        );
+        footer
+            .draw(&Text::new(
+                note,
+                (8, FOOTER as i32 / 2),
+                font(10.0)
+                    .color(&FOOTNOTE)
+                    .pos(Pos::new(HPos::Left, VPos::Center)),
+            ))
+            .context("plot footnote")?;
+        root.present().context("plot")?;
     }
-    let _ = write!(
-        out,
-        r##"<text x="8" y="{}" font-size="10" fill="#555">{} mode; {} ({} CPUs), kernel {}; p99 dashed (downtime panel: floors dashed); spin = adaptive polling {} µs</text></svg>"##,
-        total_h - 8.0,
-        esc(&results.mode),
-        esc(&results.machine.cpu),
-        results.machine.cpus,
-        esc(&results.machine.kernel),
-        results.spin_us
-    );
     out.push('\n');
-    out
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{Figure, Machine};
+
+    fn fig(p50: f64) -> Option<Figure> {
+        Some(Figure {
+            name: "x".into(),
+            p50,
+            p99: p50 * 3.0,
+            n: 10,
+        })
+    }
+
+    /// A row with `ours`, a floor at a tenth of it and a peer at twice it.
+    fn row(group: &str, case: &str, op: &str, variant: &str, size: u64, unit: Unit) -> Row {
+        let v = (size as f64).log2();
+        Row {
+            group: group.into(),
+            case: case.into(),
+            op: op.into(),
+            variant: variant.into(),
+            size: Some(size),
+            unit,
+            ours: fig(v),
+            floor: fig(v / 10.0),
+            ratio: None,
+            peer: fig(v * 2.0),
+            peer_ratio: None,
+            target: None,
+            met: None,
+            note: String::new(),
+        }
+    }
+
+    fn results(rows: Vec<Row>) -> Results {
+        Results {
+            mode: "quick".into(),
+            spin_us: 50,
+            pinning: "none".into(),
+            machine: Machine {
+                cpu: "Test CPU <&>".into(),
+                cpus: 2,
+                kernel: "6.0".into(),
+                loadavg_start: String::new(),
+            },
+            loadavg_end: String::new(),
+            seconds: 1.0,
+            rows,
+        }
+    }
+
+    /// Rows for every panel, three sizes each.
+    fn every_panel() -> Vec<Row> {
+        let mut rows = Vec::new();
+        for size in [4, 4096, 1 << 20] {
+            for op in ["read", "write"] {
+                for variant in ["regfile blocking", "regfile spin 50µs"] {
+                    rows.push(row("size-sweep", "", op, variant, size, Unit::Micros));
+                }
+            }
+        }
+        for size in [4096, 1 << 20, 64 << 20] {
+            for op in ["g2v", "v2g"] {
+                for variant in [
+                    "softgpu, 1 queue",
+                    "softgpu, 1 queue, unsealed guest RAM",
+                    "softgpu, 2 queues",
+                ] {
+                    rows.push(row("copy", "", op, variant, size, Unit::GBps));
+                }
+            }
+        }
+        for size in [1 << 30, 4 << 30, 16 << 30] {
+            for (op, pct) in [
+                ("report", " 1% dirty"),
+                ("report", "10% dirty"),
+                ("report-direct", " 1% dirty"),
+                ("report-wire", " 1% dirty"),
+            ] {
+                rows.push(row("dirty-report", pct, op, "", size, Unit::Micros));
+            }
+        }
+        for size in [64 << 20, 256 << 20, 1 << 30] {
+            for (op, variant) in [
+                ("swap-held", "idle"),
+                ("swap-held", "busy"),
+                ("swap-stall", "busy"),
+            ] {
+                rows.push(row("swap", "", op, variant, size, Unit::Micros));
+            }
+            for op in [
+                "mig-stop-copy",
+                "mig-pre-copy",
+                "mig-pre-copy-dirty",
+                "mig-pre-copy-trapped",
+                "mig-pre-copy-trapped-dirty",
+            ] {
+                rows.push(row("migration", "", op, "", size, Unit::Millis));
+            }
+        }
+        rows
+    }
+
+    /// Whether the SVG has a `<text>` element reading `text`.
+    fn has_text(svg: &str, text: &str) -> bool {
+        svg.contains(&format!(">\n{text}\n</text>"))
+    }
+
+    #[test]
+    fn every_panel_has_its_series_legend_and_labels() {
+        let results = results(every_panel());
+        let svg = render(&results).expect("render");
+        assert!(svg.starts_with("<svg"), "{svg:.100}");
+        assert!(svg.trim_end().ends_with("</svg>"));
+        for title in [
+            "REGION_READ round trip (regfile)",
+            "REGION_WRITE round trip (regfile)",
+            "softgpu COPY throughput",
+            "DMA_LOGGING_REPORT vs mapped size",
+            "Swap and migration downtime vs VRAM size",
+        ] {
+            assert!(has_text(&svg, title), "no panel {title}");
+        }
+        assert!(!svg.contains("(no data)"));
+        let rows = &results.rows;
+        let all: Vec<Series> = [
+            sweep_series(rows, "read"),
+            sweep_series(rows, "write"),
+            copy_series(rows),
+            dirty_series(rows),
+            downtime_series(rows),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        for s in &all {
+            assert_eq!(s.points.len(), 3, "{}", s.name);
+            assert!(has_text(&svg, &s.name), "no legend {}", s.name);
+        }
+        // A marker per point.
+        assert_eq!(svg.matches("<circle").count(), all.len() * 3);
+        for label in [
+            "4 B",
+            "4 KiB",
+            "1 MiB",
+            "64 MiB",
+            "16 GiB",
+            "latency, µs (log)",
+        ] {
+            assert!(has_text(&svg, label), "no label {label}");
+        }
+        // Text is escaped.
+        assert!(svg.contains("Test CPU &lt;&amp;&gt;"));
+    }
+
+    #[test]
+    fn no_rows_still_draws_every_title() {
+        let svg = render(&results(Vec::new())).expect("render");
+        assert_eq!(svg.matches("(no data)").count(), 5);
+    }
+
+    #[test]
+    fn y_axis_spans_whole_decades() {
+        let y = y_axis(12.0, 3000.0);
+        assert_eq!(y.range, (10.0, 10_000.0));
+        assert_eq!(y.labelled.len(), 10);
+        assert!(y.grid.is_empty());
+        // Six decades: labels at the powers of ten only.
+        let y = y_axis(0.011, 1800.0);
+        assert_eq!(y.range.1, 10_000.0);
+        assert_eq!(y.labelled.len(), 7);
+        assert_eq!(y.grid.len(), 12);
+    }
 }
