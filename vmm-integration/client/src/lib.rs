@@ -1,7 +1,7 @@
 //! A synchronous VMM-side vfio-user client.
 //!
 //! Used by integration tests and migration orchestration. Built on the
-//! sans-IO `switchyard-proto` codec; SCM_RIGHTS through rustix's safe `sendmsg`/`recvmsg`.
+//! sans-IO `switchyard-proto` codec; SCM_RIGHTS through `switchyard-endpoint`.
 //!
 //! * [`Client::connect`] performs VERSION negotiation.
 //! * Every command has a method; error replies surface as
@@ -17,7 +17,6 @@
 #![forbid(unsafe_code)]
 
 mod dma;
-pub mod scm;
 
 use std::fs::File;
 use std::io;
@@ -1044,9 +1043,12 @@ impl Client {
                 self.in_start = 0;
             }
             let room = self.inbuf.get_mut(self.in_end..).unwrap_or_default();
-            match scm::recv_with_files(&self.sock, room, &mut self.pending_fds) {
-                Ok(0) => return Err(ClientError::Disconnected),
-                Ok(n) => self.in_end += n,
+            let pending = &mut self.pending_fds;
+            match switchyard_endpoint::recv(&self.sock, room, MAX_RECV_FDS, false, |fd| {
+                pending.push(File::from(fd));
+            }) {
+                Ok(r) if r.bytes == 0 => return Err(ClientError::Disconnected),
+                Ok(r) => self.in_end += r.bytes,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(io_err(e)),
             }
@@ -1126,11 +1128,14 @@ enum FeatureReplyOwned {
 /// Smallest receive buffer (and the size from which a message is swapped out, not copied).
 const INBUF_MIN: usize = 64 << 10;
 
+/// Most descriptors accepted with one read; more are dropped by the kernel.
+const MAX_RECV_FDS: usize = 64;
+
 fn unexpected(what: &str) -> ClientError {
     ClientError::UnexpectedReply(format!("malformed {what} reply"))
 }
 
 /// Sends all of `bytes`, attaching `fds` to the first chunk.
 fn send_all(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-    scm::send_with_borrowed(sock, bytes, fds).map_err(io_err)
+    switchyard_endpoint::send_all(sock, bytes, fds).map_err(io_err)
 }
