@@ -17,9 +17,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use switchyard_device::{RemoteDma, RemoteWaits};
+use switchyard_endpoint::{SendLimit, send_bounded};
 use switchyard_proto::{Command, ProtoError, Reply, Request};
-
-use crate::transport::{SendLimit, send_bounded};
 
 /// The outcome of one server→client request: the reply body or an errno.
 type Outcome = Result<Vec<u8>, i32>;
@@ -158,7 +157,7 @@ impl ClientDma {
                 timeout: self.timeout,
                 abort: None,
             };
-            if let Err(e) = send_bounded(&self.stream, &buf, &[], Some(limit)) {
+            if let Err(e) = send_bounded(&self.stream, &buf, &[], limit) {
                 self.waiters
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

@@ -10,6 +10,7 @@ use switchyard_device::ratelimit::{LOG_INTERVAL, LogLimiter};
 use switchyard_device::{
     DeviceError, DmaError, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice, RegionDesc,
 };
+use switchyard_endpoint::{SendLimit, send_bounded};
 use switchyard_proto::consts::*;
 use switchyard_proto::{
     Capabilities, DeviceFeatureHeader, DeviceFeatureReply, DeviceInfo, DmaLoggingControl,
@@ -23,7 +24,7 @@ use switchyard_proto::{
 use crate::client_dma::{ClientDma, Routed};
 use crate::listener::StopHandle;
 use crate::migration;
-use crate::transport::{Connection, Message, SendLimit, TransportError, send_bounded};
+use crate::transport::{Connection, Message, TransportError};
 use crate::{Server, ServerError, Slot};
 
 /// Why a request failed: an errno for the reply, and a message for the log.
@@ -99,7 +100,7 @@ impl Session {
             timeout: self.send_timeout,
             abort: Some(self.stop.abort_fd()),
         };
-        let r = send_bounded(&self.writer, &self.out, &fds, Some(limit));
+        let r = send_bounded(&self.writer, &self.out, &fds, limit);
         drop(fds);
         self.out_fds.clear();
         if self.bulk_in_out {

@@ -1,4 +1,5 @@
-//! Message framing over a vfio-user stream socket, with SCM_RIGHTS fd passing.
+//! Message framing over a vfio-user stream socket, with SCM_RIGHTS fd passing (the socket
+//! calls are `switchyard-endpoint`'s; replies are sent with its `send_bounded`).
 //!
 //! Receiving is done with one `recvmsg` into a per-connection buffer that is allocated once; a
 //! read may return several pipelined messages, which are then parsed without further system
@@ -12,15 +13,10 @@
 //! thread to be woken up.
 
 use std::io;
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
-};
 use switchyard_proto::Header;
 use switchyard_proto::consts::HEADER_SIZE;
 
@@ -209,33 +205,19 @@ impl Connection {
     }
 
     fn recv_once(&mut self, dontwait: bool) -> io::Result<usize> {
-        let mut space =
-            [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
         let read_from = self.end;
         let dst = self.buf.get_mut(read_from..).unwrap_or(&mut []);
-        let mut iov = [io::IoSliceMut::new(dst)];
-        let mut flags = RecvFlags::CMSG_CLOEXEC;
-        if dontwait {
-            flags |= RecvFlags::DONTWAIT;
-        }
-        let msg = rustix::net::recvmsg(&self.stream, &mut iov, &mut control, flags)?;
-        let truncated = msg.flags.contains(rustix::net::ReturnFlags::CTRUNC);
+        let pending = &mut self.pending_fds;
         let mut got_fds = false;
-        for m in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = m {
-                if !got_fds && !self.pending_fds.is_empty() {
-                    tracing::warn!(
-                        count = self.pending_fds.len(),
-                        "dropping unclaimed descriptors"
-                    );
-                    self.pending_fds.clear();
-                }
-                got_fds = true;
-                self.pending_fds.extend(fds);
+        let got = switchyard_endpoint::recv(&self.stream, dst, MAX_FDS_PER_READ, dontwait, |fd| {
+            if !got_fds && !pending.is_empty() {
+                tracing::warn!(count = pending.len(), "dropping unclaimed descriptors");
+                pending.clear();
             }
-        }
-        if truncated {
+            got_fds = true;
+            pending.push(fd);
+        })?;
+        if got.fds_truncated {
             // Whatever arrived is incomplete: the message it belongs to is refused.
             if !got_fds {
                 self.pending_fds.clear();
@@ -245,128 +227,10 @@ impl Connection {
         }
         if got_fds {
             self.fds_from = read_from;
-            self.fds_to = read_from + msg.bytes;
+            self.fds_to = read_from + got.bytes;
         }
-        self.end += msg.bytes;
-        Ok(msg.bytes)
-    }
-}
-
-/// How long a send may wait for a peer that does not read.
-#[derive(Debug, Clone, Copy)]
-pub struct SendLimit<'a> {
-    /// The whole send must be done within this time; then it fails with `TimedOut`.
-    pub timeout: Duration,
-    /// Gives up at once (`ConnectionAborted`) when this descriptor becomes readable (the
-    /// server's stop eventfd).
-    pub abort: Option<std::os::fd::BorrowedFd<'a>>,
-}
-
-/// Sends `bytes` (one or more whole messages) with optional descriptors in a single `sendmsg`,
-/// retrying on short writes (descriptors go with the first part only). Waits as long as the
-/// peer needs to make room; see [`send_bounded`] for a send that gives up.
-pub fn send_all(
-    stream: &UnixStream,
-    bytes: &[u8],
-    fds: &[std::os::fd::BorrowedFd<'_>],
-) -> io::Result<()> {
-    send_bounded(stream, bytes, fds, None)
-}
-
-/// [`send_all`] that waits for room in the socket at most `limit.timeout` in all and stops
-/// early when `limit.abort` fires: a client that stops reading its replies can never hold
-/// the thread that sends them.
-pub fn send_bounded(
-    stream: &UnixStream,
-    bytes: &[u8],
-    fds: &[std::os::fd::BorrowedFd<'_>],
-    limit: Option<SendLimit<'_>>,
-) -> io::Result<()> {
-    let deadline = limit.map(|l| Instant::now() + l.timeout);
-    let mut sent = 0;
-    let mut first = true;
-    while sent < bytes.len() || (first && !fds.is_empty()) {
-        let rest = bytes.get(sent..).unwrap_or(&[]);
-        let iov = [io::IoSlice::new(rest)];
-        let n = if first && !fds.is_empty() {
-            let mut space =
-                [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
-            let mut control = SendAncillaryBuffer::new(&mut space);
-            if !control.push(SendAncillaryMessage::ScmRights(fds)) {
-                return Err(io::Error::from_raw_os_error(libc::E2BIG));
-            }
-            rustix::net::sendmsg(
-                stream.as_fd(),
-                &iov,
-                &mut control,
-                SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
-            )
-        } else {
-            rustix::net::send(
-                stream.as_fd(),
-                rest,
-                SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
-            )
-        };
-        match n {
-            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
-            Ok(n) => sent += n,
-            Err(e) if e == rustix::io::Errno::INTR => continue,
-            Err(e) if e == rustix::io::Errno::AGAIN => {
-                wait_for_room(stream, deadline, limit.and_then(|l| l.abort))?;
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        }
-        first = false;
-    }
-    Ok(())
-}
-
-/// Waits until `stream` has room, the deadline passes (`TimedOut`) or `abort` is readable
-/// (`ConnectionAborted`).
-fn wait_for_room(
-    stream: &UnixStream,
-    deadline: Option<Instant>,
-    abort: Option<std::os::fd::BorrowedFd<'_>>,
-) -> io::Result<()> {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    loop {
-        let timeout = match deadline {
-            None => None,
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "the peer did not read for the whole send timeout",
-                    ));
-                }
-                Some(Timespec::try_from(left).unwrap_or(Timespec {
-                    tv_sec: 1,
-                    tv_nsec: 0,
-                }))
-            }
-        };
-        let mut pfd = [
-            PollFd::new(stream, PollFlags::OUT),
-            PollFd::from_borrowed_fd(abort.unwrap_or(stream.as_fd()), PollFlags::IN),
-        ];
-        let n = if abort.is_some() { 2 } else { 1 };
-        match rustix::event::poll(&mut pfd[..n], timeout.as_ref()) {
-            Ok(_) => {}
-            Err(e) if e == rustix::io::Errno::INTR => continue,
-            Err(e) => return Err(e.into()),
-        }
-        if n == 2 && pfd[1].revents().contains(PollFlags::IN) {
-            return Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "the server is stopping",
-            ));
-        }
-        if !pfd[0].revents().is_empty() {
-            return Ok(());
-        }
+        self.end += got.bytes;
+        Ok(got.bytes)
     }
 }
 
@@ -374,6 +238,7 @@ fn wait_for_room(
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+    use switchyard_endpoint::send_all;
     use switchyard_proto::Command;
 
     fn msg(id: u16, body: &[u8]) -> Vec<u8> {
@@ -425,34 +290,6 @@ mod tests {
     }
 
     #[test]
-    fn a_send_to_a_peer_that_never_reads_is_bounded_and_abortable() {
-        let (a, _peer) = UnixStream::pair().expect("pair");
-        let big = vec![0u8; 8 << 20]; // more than any socket buffer
-        let t0 = Instant::now();
-        let limit = SendLimit {
-            timeout: Duration::from_millis(200),
-            abort: None,
-        };
-        let e = send_bounded(&a, &big, &[], Some(limit)).expect_err("peer never reads");
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        let took = t0.elapsed();
-        assert!(
-            took >= Duration::from_millis(200) && took < Duration::from_secs(5),
-            "{took:?}"
-        );
-        // The abort descriptor ends the wait at once, whatever the timeout.
-        let (b, _peer2) = UnixStream::pair().expect("pair");
-        let stop = switchyard_device::irq::new_eventfd().expect("eventfd");
-        std::io::Write::write_all(&mut &stop, &1u64.to_ne_bytes()).expect("fire");
-        let limit = SendLimit {
-            timeout: Duration::from_secs(3600),
-            abort: Some(stop.as_fd()),
-        };
-        let e = send_bounded(&b, &big, &[], Some(limit)).expect_err("aborted");
-        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
-    }
-
-    #[test]
     fn truncated_descriptors_are_reported_with_their_message() {
         // Send more descriptors than the receiver's control buffer holds.
         let (a, b) = UnixStream::pair().expect("pair");
@@ -462,12 +299,7 @@ mod tests {
             .expect("memfd")
             .into_file();
         let many: Vec<_> = (0..MAX_FDS_PER_READ + 8).map(|_| f.as_fd()).collect();
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(64))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        assert!(control.push(SendAncillaryMessage::ScmRights(&many)));
-        let m = msg(1, &[0; 16]);
-        let iov = [io::IoSlice::new(&m)];
-        rustix::net::sendmsg(&a, &iov, &mut control, SendFlags::empty()).expect("send");
+        send_all(&a, &msg(1, &[0; 16]), &many).expect("send");
         send_all(&a, &msg(2, &[0; 16]), &[f.as_fd()]).expect("send");
         let m1 = conn.recv().expect("m1");
         assert!(

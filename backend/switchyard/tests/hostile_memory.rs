@@ -287,12 +287,7 @@ fn descriptors_beyond_what_a_message_may_carry_are_refused() {
     let id = r.id();
     let m = message(id, 2 /* DMA_MAP */, 0, &body);
     let many: Vec<_> = (0..40).map(|_| mem.file.as_fd()).collect();
-    let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(64))];
-    let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
-    assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&many)));
-    let iov = [std::io::IoSlice::new(&m)];
-    rustix::net::sendmsg(&r.s, &iov, &mut control, rustix::net::SendFlags::empty())
-        .expect("sendmsg");
+    r.send(&m, &many);
     let (h, _) = r.recv().expect("reply");
     assert!(h.is_error(), "{h:?}");
     assert_eq!(h.error_no as i32, libc::E2BIG);

@@ -8,10 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use switchyard_client::{Client, ClientConfig, ClientError, FlatDma, scm};
+use switchyard_client::{Client, ClientConfig, ClientError, FlatDma};
+use switchyard_endpoint::{recv_exact, send_all};
 use switchyard_proto::consts::*;
 use switchyard_proto::errno::*;
 use switchyard_proto::*;
+
+/// Most descriptors the fake server accepts with one read.
+const MAX_FDS: usize = 64;
 
 /// What the fake server observed.
 #[derive(Debug, Default)]
@@ -36,15 +40,15 @@ impl Fake {
     fn recv(&mut self) -> Option<(Header, Vec<u8>, Vec<File>)> {
         let mut fds = Vec::new();
         let mut h = [0u8; 16];
-        scm::recv_exact_with_files(&self.sock, &mut h, &mut fds).ok()?;
+        recv_exact(&self.sock, &mut h, MAX_FDS, &mut fds).ok()?;
         let hdr = Header::from_bytes(&h).ok()?;
         let mut body = vec![0; hdr.body_len().ok()?];
-        scm::recv_exact_with_files(&self.sock, &mut body, &mut fds).ok()?;
+        recv_exact(&self.sock, &mut body, MAX_FDS, &mut fds).ok()?;
         Some((hdr, body, fds))
     }
 
     fn send_out(&mut self, fds: &[std::os::fd::BorrowedFd<'_>]) {
-        scm::send_with_borrowed(&self.sock, &self.out, fds).expect("send");
+        send_all(&self.sock, &self.out, fds).expect("send");
     }
 
     /// Issues a server-to-client request and waits for its reply.
@@ -694,12 +698,12 @@ fn timeout_and_disconnect() {
 fn mismatched_reply_is_rejected() {
     let (a, b) = UnixStream::pair().expect("pair");
     let t = std::thread::spawn(move || {
-        let mut fds = Vec::new();
+        let mut fds: Vec<File> = Vec::new();
         let mut h = [0u8; 16];
-        scm::recv_exact_with_files(&b, &mut h, &mut fds).expect("recv");
+        recv_exact(&b, &mut h, MAX_FDS, &mut fds).expect("recv");
         let hdr = Header::from_bytes(&h).expect("hdr");
         let mut body = vec![0; hdr.body_len().expect("len")];
-        scm::recv_exact_with_files(&b, &mut body, &mut fds).expect("recv");
+        recv_exact(&b, &mut body, MAX_FDS, &mut fds).expect("recv");
         // Reply with the wrong message id.
         let mut out = Vec::new();
         encode_version_reply(
@@ -708,7 +712,7 @@ fn mismatched_reply_is_rejected() {
             &Capabilities::default(),
         )
         .expect("encode");
-        scm::send_with_borrowed(&b, &out, &[]).expect("send");
+        send_all(&b, &out, &[]).expect("send");
         b
     });
     let e = Client::from_stream(a, ClientConfig::default()).expect_err("bad id");
@@ -720,12 +724,12 @@ fn mismatched_reply_is_rejected() {
 fn server_with_higher_minor_is_rejected() {
     let (a, b) = UnixStream::pair().expect("pair");
     let t = std::thread::spawn(move || {
-        let mut fds = Vec::new();
+        let mut fds: Vec<File> = Vec::new();
         let mut h = [0u8; 16];
-        scm::recv_exact_with_files(&b, &mut h, &mut fds).expect("recv");
+        recv_exact(&b, &mut h, MAX_FDS, &mut fds).expect("recv");
         let hdr = Header::from_bytes(&h).expect("hdr");
         let mut body = vec![0; hdr.body_len().expect("len")];
-        scm::recv_exact_with_files(&b, &mut body, &mut fds).expect("recv");
+        recv_exact(&b, &mut body, MAX_FDS, &mut fds).expect("recv");
         let json = Capabilities::default().to_version_data();
         let mut out = Vec::new();
         Reply::Version(Version {
@@ -735,7 +739,7 @@ fn server_with_higher_minor_is_rejected() {
         })
         .encode(hdr.msg_id, &mut out)
         .expect("encode");
-        scm::send_with_borrowed(&b, &out, &[]).expect("send");
+        send_all(&b, &out, &[]).expect("send");
         b
     });
     let e = Client::from_stream(a, ClientConfig::default()).expect_err("minor 1");
@@ -752,12 +756,12 @@ fn server_with_higher_minor_is_rejected() {
 fn fd_of_a_reply_is_not_given_to_an_interleaved_dma_request() {
     let (a, b) = UnixStream::pair().expect("pair");
     let server = std::thread::spawn(move || {
-        let mut fds = Vec::new();
+        let mut fds: Vec<File> = Vec::new();
         let mut h = [0u8; 16];
-        scm::recv_exact_with_files(&b, &mut h, &mut fds).expect("request header");
+        recv_exact(&b, &mut h, MAX_FDS, &mut fds).expect("request header");
         let hdr = Header::from_bytes(&h).expect("header");
         let mut body = vec![0; hdr.body_len().expect("len")];
-        scm::recv_exact_with_files(&b, &mut body, &mut fds).expect("request body");
+        recv_exact(&b, &mut body, MAX_FDS, &mut fds).expect("request body");
         let mut out = Vec::new();
         Request::DmaRead {
             address: 0x1000,
@@ -765,7 +769,7 @@ fn fd_of_a_reply_is_not_given_to_an_interleaved_dma_request() {
         }
         .encode(0x8000, false, &mut out)
         .expect("encode");
-        scm::send_with_borrowed(&b, &out, &[]).expect("send dma read");
+        send_all(&b, &out, &[]).expect("send dma read");
         let info = RegionInfo {
             argsz: 32,
             flags: VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_MMAP,
@@ -778,10 +782,10 @@ fn fd_of_a_reply_is_not_given_to_an_interleaved_dma_request() {
             .encode(hdr.msg_id, &mut out)
             .expect("encode");
         let f = memfd_file();
-        scm::send_with_borrowed(&b, &out, &[f.as_fd()]).expect("send reply with fd");
+        send_all(&b, &out, &[f.as_fd()]).expect("send reply with fd");
         // The client answers the DMA_READ.
         let mut h = [0u8; 16];
-        scm::recv_exact_with_files(&b, &mut h, &mut fds).expect("dma reply");
+        recv_exact(&b, &mut h, MAX_FDS, &mut fds).expect("dma reply");
         assert!(Header::from_bytes(&h).expect("header").is_reply());
     });
     let mut c = Client::without_handshake(a, ClientConfig::default()).expect("client");

@@ -3,14 +3,12 @@
 
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::io::Read;
+use std::os::fd::BorrowedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use switchyard_proto::{Capabilities, Header, encode_version_request};
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -57,18 +55,9 @@ impl Raw {
         self.next
     }
 
+    /// Sends `bytes` with `fds` (any number the kernel takes: more than the server accepts).
     pub fn send(&mut self, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
-        if fds.is_empty() {
-            self.s.write_all(bytes).expect("write");
-            return;
-        }
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(8))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
-        let iov = [std::io::IoSlice::new(bytes)];
-        let n = rustix::net::sendmsg(self.s.as_fd(), &iov, &mut control, SendFlags::NOSIGNAL)
-            .expect("sendmsg");
-        assert_eq!(n, bytes.len());
+        switchyard_endpoint::send_all(&self.s, bytes, fds).expect("send");
     }
 
     /// Reads one whole message; `None` on EOF.
