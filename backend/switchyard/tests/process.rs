@@ -79,20 +79,8 @@ impl Serve {
 
     /// Sends `sig` and waits (bounded) for the exit status.
     fn signal_and_wait(&mut self, sig: Signal) -> ExitStatus {
-        rustix::process::kill_process(self.pid(), sig).expect("kill");
-        let mut child = self.child.take().expect("running");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(st) = child.try_wait().expect("wait") {
-                return st;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("server did not exit on {sig:?}:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let child = self.child.take().expect("running");
+        common::signal_and_wait(child, sig, || self.log_text())
     }
 
     /// Waits (bounded) until the log has a line containing `text`; returns that line.

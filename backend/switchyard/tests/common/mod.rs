@@ -92,20 +92,8 @@ impl ServerProcess {
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(&mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("running");
-        let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("kill");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(s) = child.try_wait().expect("wait") {
-                return s;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("server ignored SIGTERM:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let child = self.child.take().expect("running");
+        signal_and_wait(child, rustix::process::Signal::TERM, || self.log_text())
     }
 
     /// Whether the process is still running.
@@ -181,6 +169,29 @@ impl GuestMemory {
     pub fn path_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
         self.file.as_raw_fd()
+    }
+}
+
+/// Sends `sig` to `child` and waits (at most 10 s) for its exit status; on a timeout kills it
+/// and panics with `log()`.
+pub fn signal_and_wait(
+    mut child: Child,
+    sig: rustix::process::Signal,
+    log: impl Fn() -> String,
+) -> ExitStatus {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
+    rustix::process::kill_process(pid, sig).expect("kill");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("server did not exit on {sig:?}:\n{}", log());
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
