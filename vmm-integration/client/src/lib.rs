@@ -93,6 +93,15 @@ pub struct Client {
     dma_requests_served: u64,
 }
 
+impl Drop for Client {
+    /// Disconnects for real: a copy of the socket that a `fork` elsewhere in this process left
+    /// in a child (until its `exec` closes it) would otherwise keep the connection open, and
+    /// the server would see a reconnect as a second concurrent client.
+    fn drop(&mut self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
