@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use switchyard_client::Client;
 use switchyard_client::migrate::{Migration, PreCopyPlan};
-use switchyard_device::PciDevice;
 use switchyard_proto::consts::{
     VFIO_DEVICE_STATE_RUNNING, VFIO_MIGRATION_PRE_COPY, VFIO_MIGRATION_STOP_COPY,
 };
@@ -54,8 +53,9 @@ fn gpu_config(vram: u64) -> SoftGpuConfig {
 }
 
 /// The server's VRAM memfd (also when the device does not offer it for mmap).
-fn slot_vram(slot: &DeviceSlot<SoftGpu>) -> Result<File> {
-    slot.with(|d| d.vram_file().try_clone())
+fn slot_vram(slot: &DeviceSlot) -> Result<File> {
+    slot.with_as(|d: &mut SoftGpu| d.vram_file().try_clone())
+        .context("the device is not a softgpu")?
         .context("dup the VRAM fd")
 }
 
@@ -142,15 +142,15 @@ struct SwapTimes {
     end: Instant,
 }
 
-/// One swap the way a pool daemon does it: build the successor on the same VRAM memfd and
-/// park the engines outside the lock, then only hand the state over inside the swap; resume
-/// the old engines if the swap is refused.
-fn swap_once(slot: &DeviceSlot<SoftGpu>) -> Result<SwapTimes> {
-    let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
+/// One swap the way a pool daemon does it, through the device's swap capability: build the
+/// successor (on the same VRAM memfd) and park the engines outside the lock, then only hand
+/// the state over inside the swap; resume the old engines if the swap is refused.
+fn swap_once(slot: &DeviceSlot) -> Result<SwapTimes> {
+    let plan = slot.prepare_swap().context("prepare the swap")?;
     let tb = Instant::now();
-    let next = SoftGpu::successor(config, slot.context().clone(), vram).context("successor")?;
+    let next = (plan.successor)(slot.context().clone()).context("successor")?;
     let t0 = Instant::now();
-    let parked = ctl.park();
+    let parked = plan.quiesce.park();
     let t1 = Instant::now();
     // A refused swap lets the old engines run again when `parked` goes.
     let report = slot.swap(next).context("swap")?;
@@ -376,7 +376,11 @@ pub fn swap(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         fill_random(&vram, size, size ^ 0x5eed)?;
         let scratch = 0x5a00_0000 | (size >> 20) as u32;
         gpu.w32(SCRATCH, scratch)?;
-        let state_len = slot.with(|d| d.save_state()).context("save_state")?.len();
+        let state_len = slot
+            .with_as(|d: &mut SoftGpu| d.save_state())
+            .context("the device is not a softgpu")?
+            .context("save_state")?
+            .len();
         let mut memcpy = Memcpy::new(state_len);
 
         // Idle client.
@@ -656,7 +660,7 @@ struct MigRun {
 #[derive(Clone)]
 enum VramWriter {
     Mapped(Arc<MmapRegion<()>>),
-    Trapped(DeviceSlot<SoftGpu>),
+    Trapped(DeviceSlot),
 }
 
 impl VramWriter {

@@ -237,7 +237,7 @@ impl Switchyard {
         dir: &Path,
         name: &str,
         gpu: SoftGpuConfig,
-    ) -> Result<(Switchyard, DeviceSlot<SoftGpu>)> {
+    ) -> Result<(Switchyard, DeviceSlot)> {
         let path = dir.join(format!("{name}.sock"));
         let server = Server::new(ServerConfig::new(&path), |ctx| SoftGpu::new(gpu, ctx))
             .context("start the softgpu server")?;
@@ -289,7 +289,7 @@ impl Drop for Switchyard {
 }
 
 /// Runs `server` on a (pinned) thread of its own.
-fn spawn<D: PciDevice + 'static>(name: &str, mut server: Server<D>) -> Result<Switchyard> {
+fn spawn(name: &str, mut server: Server) -> Result<Switchyard> {
     let stop = server.stop_handle();
     let path = server.socket_path().to_owned();
     let thread = std::thread::Builder::new()

@@ -1,8 +1,10 @@
 //! Device-side building blocks of Switchyard.
 //!
 //! A device model implements [`PciDevice`]: it describes its regions and interrupts once
-//! ([`DeviceDescription`]) and then serves region accesses, resets and state save/restore. It
-//! never touches sockets. Everything a device uses to reach the outside world — the client's DMA
+//! ([`DeviceDescription`]) and then serves region accesses and resets; what else it can do it
+//! offers as optional capability groups ([`Migratable`], [`Swappable`] with [`Quiesce`],
+//! [`DmaObserver`], [`DirtySource`], [`IrqRouter`]), so the server holds any device as a
+//! `Box<dyn PciDevice>` and asks for what it needs. A device never touches sockets. Everything a device uses to reach the outside world — the client's DMA
 //! windows ([`dma::DmaSpace`]) and interrupt eventfds ([`irq::Interrupts`]) — is owned by the
 //! server and lent to the device through a [`DeviceContext`], so the server can later re-point
 //! both at another backing device without the client noticing.
@@ -21,12 +23,17 @@ pub mod dma;
 pub mod irq;
 pub mod msix;
 pub mod ratelimit;
+mod traits;
 
 use std::fs::File;
 use std::sync::Arc;
 
 pub use dma::{DmaError, DmaProt, DmaSpace, RemoteDma};
 pub use irq::{Interrupts, IrqError, IrqIndex};
+pub use traits::{
+    AsAny, DirtySource, DmaObserver, IrqRouter, Migratable, PciDevice, Quiesce, QuiesceGuard,
+    SuccessorFactory, Swappable,
+};
 
 /// VFIO region index of the PCI configuration space.
 pub const CONFIG_REGION_INDEX: u32 = 7;
@@ -71,6 +78,9 @@ pub enum DeviceError {
     /// An interrupt operation failed.
     #[error("interrupt operation failed")]
     Irq(#[from] IrqError),
+    /// The device model failed (building a successor, handing its state over, ...).
+    #[error("the device model failed")]
+    Failed(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// An I/O error (creating backing memory, threads, ...).
     #[error("device I/O failed")]
     Io(#[from] std::io::Error),
@@ -88,6 +98,7 @@ impl DeviceError {
             DeviceError::Dma(e) => e.errno(),
             DeviceError::Irq(e) => e.errno(),
             DeviceError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            DeviceError::Failed(_) => libc::EIO,
         }
     }
 }
@@ -263,90 +274,6 @@ impl Drop for WaitHold {
             t.release();
         }
     }
-}
-
-/// A device that can hand its state to a successor under a connected client (the server's
-/// `DeviceSlot::swap`), in two phases: [`HandOver::check_successor`] decides, without side
-/// effects, whether the successor may replace this device; only then does
-/// [`HandOver::hand_over`] commit.
-pub trait HandOver: PciDevice + Sized {
-    /// Why a hand-over failed.
-    type Error: std::error::Error + Send + Sync + 'static;
-
-    /// `Ok` if `next` (a successor built beforehand, not yet serving) can take over from this
-    /// device without the client noticing, otherwise what would differ. Changes nothing.
-    fn check_successor(&self, next: &Self) -> std::result::Result<(), &'static str>;
-
-    /// Moves this device's state into `next` and lets `next` run; this device stays parked
-    /// for good. On error this device runs on (nothing ran on `next`).
-    fn hand_over(&mut self, next: &mut Self) -> std::result::Result<(), Self::Error>;
-}
-
-/// A PCI device model served over vfio-user.
-///
-/// Accesses come from the server's connection thread; a model that runs work elsewhere (engine
-/// threads) synchronises internally. Accesses are already bounds-checked against the region
-/// size by the server, but models must not rely on it for memory safety.
-pub trait PciDevice: Send {
-    /// The static description (regions, interrupts, reset support).
-    fn description(&self) -> &DeviceDescription;
-
-    /// Serves a `REGION_READ`.
-    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<()>;
-
-    /// Serves a `REGION_WRITE`.
-    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<()>;
-
-    /// Returns the device to its power-on state (`DEVICE_RESET`, also used for FLR).
-    fn reset(&mut self) -> Result<()>;
-
-    /// Called after `SET_IRQS` changed the routing of `index`.
-    fn irqs_changed(&mut self, _index: u32) {}
-
-    /// Called when the client is gone: its DMA windows and eventfds have been dropped by the
-    /// server. The device keeps its state (spec rule) but must stop touching DMA memory.
-    fn client_disconnected(&mut self) {}
-
-    /// Saves the device state (registers, queue positions, device memory by reference) as one
-    /// serialized blob. Engines are quiesced for the duration.
-    fn save_state(&mut self) -> Result<Vec<u8>> {
-        Err(DeviceError::Unsupported)
-    }
-
-    /// Restores a blob produced by [`PciDevice::save_state`].
-    fn restore_state(&mut self, _state: &[u8]) -> Result<()> {
-        Err(DeviceError::Unsupported)
-    }
-
-    /// Whether the device can migrate (VFIO migration v2), and with pre-copy. `None` (the
-    /// default): the migration features answer "not supported".
-    fn migration_caps(&self) -> Option<MigrationCaps> {
-        None
-    }
-
-    /// Takes one direct arc of the migration state machine. The server walks the shortest
-    /// path between the client's current and requested states and calls this once per arc;
-    /// an error leaves the device in the migration ERROR state until a reset.
-    fn migration_step(&mut self, _arc: MigArc) -> Result<()> {
-        Err(DeviceError::Unsupported)
-    }
-
-    /// Fills `buf` with the next bytes of the outgoing migration stream (PRE_COPY,
-    /// STOP_COPY) and returns how many; fewer than `buf.len()` means "no more data for now"
-    /// (PRE_COPY: the round is complete; STOP_COPY: the stream is complete).
-    fn migration_read(&mut self, _buf: &mut [u8]) -> Result<usize> {
-        Err(DeviceError::Unsupported)
-    }
-
-    /// Consumes the next bytes of an incoming migration stream (RESUMING). Chunks may split
-    /// the stream anywhere.
-    fn migration_write(&mut self, _data: &[u8]) -> Result<()> {
-        Err(DeviceError::Unsupported)
-    }
-
-    /// Abandons any migration in progress and lets the device run (device reset, client
-    /// loss, recovery from ERROR).
-    fn migration_abort(&mut self) {}
 }
 
 /// What a migratable device supports.

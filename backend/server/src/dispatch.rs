@@ -111,10 +111,7 @@ impl Session {
     }
 }
 
-pub(crate) fn serve_connection<D: PciDevice>(
-    server: &mut Server<D>,
-    stream: UnixStream,
-) -> Result<(), ServerError> {
+pub(crate) fn serve_connection(server: &mut Server, stream: UnixStream) -> Result<(), ServerError> {
     let limits = Limits::server(server.config.limits.max_data_xfer_size);
     let writer = stream.try_clone().map_err(ServerError::Accept)?;
     let mut conn = Connection::new(stream, limits.max_msg_size, server.config.poll_spin);
@@ -251,11 +248,7 @@ fn check_range(r: &RegionDesc, index: u32, offset: u64, len: usize) -> Result<()
     Ok(())
 }
 
-fn handle<D: PciDevice>(
-    server: &mut Server<D>,
-    s: &mut Session,
-    msg: Message<'_>,
-) -> Result<(), RequestError> {
+fn handle(server: &mut Server, s: &mut Session, msg: Message<'_>) -> Result<(), RequestError> {
     let h = msg.header;
     if msg.fds_truncated {
         // Never reinterpret a message whose descriptors were dropped (a DMA_MAP would become
@@ -279,8 +272,8 @@ fn handle<D: PciDevice>(
     }
     let id = h.msg_id;
     let mut guard = server.slot.lock();
-    let slot: &mut Slot<D> = &mut guard;
-    let dev = &mut slot.device;
+    let slot: &mut Slot = &mut guard;
+    let dev: &mut dyn PciDevice = &mut *slot.device;
     match req {
         Request::RegionRead {
             offset,
@@ -519,7 +512,9 @@ fn handle<D: PciDevice>(
             tracing::info!("device reset");
             if slot.mig != MigState::Running {
                 // A reset ends any migration (and is the way out of ERROR).
-                dev.migration_abort();
+                if let Some(m) = dev.migration() {
+                    m.abort();
+                }
                 slot.mig = MigState::Running;
             }
             dev.reset()?;
@@ -554,7 +549,10 @@ fn handle<D: PciDevice>(
             }
             s.use_bulk_buffer();
             let buf = mig_data_read_reply_buffer(&mut s.out, id, size)?;
-            let n = dev.migration_read(buf)?;
+            let n = dev
+                .migration()
+                .ok_or_else(|| invalid("the device does not migrate"))?
+                .read(buf)?;
             let n = u32::try_from(n)
                 .ok()
                 .filter(|&n| n <= size)
@@ -566,7 +564,9 @@ fn handle<D: PciDevice>(
             if slot.mig != MigState::Resuming {
                 return Err(invalid("MIG_DATA_WRITE outside RESUMING"));
             }
-            dev.migration_write(data)?;
+            dev.migration()
+                .ok_or_else(|| invalid("the device does not migrate"))?
+                .write(data)?;
             tracing::trace!(n = data.len(), "MIG_DATA_WRITE");
             reply_empty(&mut s.out, id, Reply::MigDataWrite(None))?;
         }
@@ -581,8 +581,8 @@ fn handle<D: PciDevice>(
 /// DEVICE_FEATURE: DMA dirty logging (START / STOP / REPORT and their PROBEs) and, for a
 /// device that can migrate, MIGRATION and MIG_DEVICE_STATE; otherwise those answer `ENOTTY`
 /// ("not supported", as the kernel does).
-fn device_feature<D: PciDevice>(
-    slot: &mut Slot<D>,
+fn device_feature(
+    slot: &mut Slot,
     dma: &DmaSpace,
     out: &mut Vec<u8>,
     id: u16,
@@ -600,7 +600,7 @@ fn device_feature<D: PciDevice>(
             Reply::DeviceFeature(DeviceFeatureReply { argsz, op }),
         )
     };
-    let mig_caps = slot.device.migration_caps();
+    let mig_caps = slot.device.migration().map(|m| m.caps());
     match op {
         FeatureRequest::Probe { feature, get, set } => {
             let (can_get, can_set) = match feature {
@@ -682,7 +682,7 @@ fn device_feature<D: PciDevice>(
         FeatureRequest::SetMigDeviceState(st) => {
             mig_caps.ok_or(not_supported)?;
             let target = MigState::try_from(st.device_state)?;
-            migration::transition(&mut slot.device, &mut slot.mig, target)?;
+            migration::transition(&mut *slot.device, &mut slot.mig, target)?;
             reply(
                 out,
                 FeatureReply::SetMigDeviceState(MigDeviceState {
@@ -710,8 +710,8 @@ fn fd_kind(fd: &OwnedFd) -> std::io::Result<std::path::PathBuf> {
     std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
-fn set_irqs<D: PciDevice>(
-    dev: &D,
+fn set_irqs(
+    dev: &mut dyn PciDevice,
     irqs: &Interrupts,
     set: SetIrqs<'_>,
     fds: Vec<OwnedFd>,
@@ -742,7 +742,7 @@ fn set_irqs<D: PciDevice>(
     }
     match (set.action, set.data) {
         (IrqAction::Trigger, IrqData::Eventfd) => {
-            let files = if fds.is_empty() {
+            let files: Vec<Option<File>> = if fds.is_empty() {
                 (0..set.count).map(|_| None).collect()
             } else {
                 if fds.len() != set.count as usize {
@@ -772,6 +772,12 @@ fn set_irqs<D: PciDevice>(
                 }
                 fds.into_iter().map(|fd| Some(File::from(fd))).collect()
             };
+            // A device that delivers its interrupts itself gets them first: if it refuses,
+            // nothing has changed. The server keeps its own copy for a successor.
+            if let Some(router) = dev.irq_router() {
+                let refs: Vec<Option<&File>> = files.iter().map(Option::as_ref).collect();
+                router.route(set.index, set.start, &refs)?;
+            }
             irqs.set_triggers(set.index, set.start, files)
                 .map_err(DeviceError::from)?;
             tracing::debug!(

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
-pub use slot::{DeviceSlot, SwapError, SwapReport};
+pub use slot::{DeviceSlot, SwapError, SwapPlan, SwapReport};
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
 use switchyard_proto::{MigState, ProtoError, ServerLimits};
 
@@ -125,15 +125,15 @@ impl ServerConfig {
 }
 
 /// A vfio-user server for one device.
-pub struct Server<D: PciDevice> {
+pub struct Server {
     config: ServerConfig,
     socket: DeviceSocket,
     /// The device, and the DMA space and interrupts the server lends it.
-    slot: DeviceSlot<D>,
+    slot: DeviceSlot,
     stop: StopHandle,
 }
 
-impl<D: PciDevice> std::fmt::Debug for Server<D> {
+impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
             .field("socket", &self.socket.path())
@@ -143,19 +143,20 @@ impl<D: PciDevice> std::fmt::Debug for Server<D> {
 
 /// The device and its migration state, behind the slot's lock: the connection thread holds
 /// it for one request at a time, a swap holds it while it replaces the device.
-pub(crate) struct Slot<D> {
-    pub(crate) device: D,
+pub(crate) struct Slot {
+    pub(crate) device: Box<dyn PciDevice>,
     pub(crate) mig: MigState,
 }
 
-impl<D: PciDevice> Server<D> {
+impl Server {
     /// Creates the DMA space and interrupt table, builds the device on them, and binds the
     /// socket (the server is listening when this returns, so a VMM may connect right away).
-    pub fn new<E>(
+    pub fn new<D, E>(
         mut config: ServerConfig,
         build: impl FnOnce(DeviceContext) -> Result<D, E>,
     ) -> Result<Self, ServerError>
     where
+        D: PciDevice,
         E: std::error::Error + Send + Sync + 'static,
     {
         let holdable = holdable_dma_maps(config.limits.max_msg_fds);
@@ -174,7 +175,10 @@ impl<D: PciDevice> Server<D> {
             waits: Default::default(),
         };
         ctx.dma.set_log_budget(config.dirty_log_budget);
-        let device = build(ctx.clone()).map_err(|e| ServerError::Device(Box::new(e)))?;
+        let device: Box<dyn PciDevice> =
+            Box::new(build(ctx.clone()).map_err(|e| ServerError::Device(Box::new(e)))?);
+        ctx.dma.set_observer(device.dma_observer());
+        ctx.dma.set_dirty_source(device.dirty_source());
         ctx.irqs.reconfigure(&device.description().irq_counts());
         let socket = DeviceSocket::bind(&config.socket, config.socket_mode)?;
         let stop = StopHandle::new().map_err(ServerError::Accept)?;
@@ -209,7 +213,7 @@ impl<D: PciDevice> Server<D> {
 
     /// A handle on the device for other threads: inspect it, or swap it for another backing
     /// device under a connected client ([`DeviceSlot::swap`]).
-    pub fn device_slot(&self) -> DeviceSlot<D> {
+    pub fn device_slot(&self) -> DeviceSlot {
         self.slot.clone()
     }
 
@@ -257,7 +261,9 @@ impl<D: PciDevice> Server<D> {
             let mut slot = self.slot.lock();
             if slot.mig != MigState::Running {
                 tracing::info!(state = ?slot.mig, "client gone during migration; abandoned");
-                slot.device.migration_abort();
+                if let Some(m) = slot.device.migration() {
+                    m.abort();
+                }
                 slot.mig = MigState::Running;
             }
             slot.device.client_disconnected();

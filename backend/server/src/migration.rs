@@ -2,7 +2,7 @@
 //!
 //! The server keeps the device's migration state and walks the shortest path from the current
 //! to the requested state one direct arc at a time ([`next_arc`], the kernel's
-//! `vfio_mig_get_next_state` without P2P), calling [`PciDevice::migration_step`] for each arc.
+//! `vfio_mig_get_next_state` without P2P), calling [`Migratable::step`](switchyard_device::Migratable::step) for each arc.
 //! A failing arc leaves the device in ERROR, from which only a device reset recovers.
 
 use switchyard_device::{MigArc, MigrationCaps, PciDevice};
@@ -39,15 +39,16 @@ pub(crate) fn next_arc(
 
 /// Moves `dev` from `*state` to `target`. On success `*state == target`; on a refused target
 /// the state is unchanged (`EINVAL`); when an arc fails the state becomes ERROR.
-pub(crate) fn transition<D: PciDevice>(
-    dev: &mut D,
+pub(crate) fn transition(
+    dev: &mut dyn PciDevice,
     state: &mut MigState,
     target: MigState,
 ) -> Result<(), RequestError> {
-    let caps = dev.migration_caps().ok_or(RequestError::Invalid {
+    let dev = dev.migration().ok_or(RequestError::Invalid {
         what: "the device cannot migrate",
         errno: libc::ENOTTY,
     })?;
+    let caps = dev.caps();
     if matches!(
         target,
         MigState::Error | MigState::RunningP2p | MigState::PreCopyP2p
@@ -73,7 +74,7 @@ pub(crate) fn transition<D: PciDevice>(
                 errno: libc::EINVAL,
             });
         };
-        if let Err(e) = dev.migration_step(arc) {
+        if let Err(e) = dev.step(arc) {
             tracing::warn!(error = %e, ?arc, from = ?*state, "migration arc failed; device in ERROR");
             *state = MigState::Error;
             return Err(e.into());

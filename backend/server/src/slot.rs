@@ -11,14 +11,16 @@
 //! has the old device's state), and the old engines are best parked beforehand too, both
 //! outside the slot. Under the slot the swap first checks everything that can refuse it (a
 //! migration in progress, what the client would see: the device descriptions and
-//! [`HandOver::check_successor`]); only then does [`HandOver::hand_over`] commit. A refused
-//! swap has run nothing on the successor and leaves the old device serving.
+//! [`Swappable::check_successor`](switchyard_device::Swappable::check_successor)); only then does [`Swappable::hand_over`](switchyard_device::Swappable::hand_over) commit. A
+//! refused swap has run nothing on the successor and leaves the old device serving. The slot
+//! holds any device (`Box<dyn PciDevice>`): a successor of another kind is fine as long as
+//! the old device accepts it and the client sees the same device.
 
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use switchyard_device::{DeviceContext, DeviceDescription, HandOver, PciDevice};
+use switchyard_device::{DeviceContext, DeviceDescription, PciDevice, Quiesce, SuccessorFactory};
 use switchyard_proto::MigState;
 
 use crate::Slot;
@@ -29,24 +31,27 @@ pub enum SwapError {
     /// A migration is in progress.
     #[error("Cannot swap the device during a migration (state {0:?})")]
     Migrating(MigState),
+    /// The device in the slot cannot be replaced under a client.
+    #[error("The device cannot be swapped")]
+    NotSwappable,
     /// The new device does not look like the old one to the client.
     #[error("The new device differs from the old one: {0}")]
     Incompatible(&'static str),
-    /// Handing the state over to the new device failed.
+    /// Building the successor or handing the state over failed.
     #[error("Cannot hand the device state over")]
-    HandOver(#[source] Box<dyn std::error::Error + Send + Sync>),
+    HandOver(#[source] switchyard_device::DeviceError),
 }
 
 /// The outcome of a swap.
-pub struct SwapReport<D> {
+pub struct SwapReport {
     /// How long the slot was locked: the longest a region access can have waited.
     pub held: Duration,
     /// The device that was replaced; dropping it (joining its threads) is left to the caller,
     /// outside the lock.
-    pub old: D,
+    pub old: Box<dyn PciDevice>,
 }
 
-impl<D> std::fmt::Debug for SwapReport<D> {
+impl std::fmt::Debug for SwapReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SwapReport")
             .field("held", &self.held)
@@ -54,78 +59,101 @@ impl<D> std::fmt::Debug for SwapReport<D> {
     }
 }
 
-/// A shared handle on the server's device.
-pub struct DeviceSlot<D> {
-    inner: Arc<Mutex<Slot<D>>>,
-    ctx: DeviceContext,
+/// What a swap needs from the device in the slot before it takes the slot: a handle that
+/// parks the device, and a factory for its parked successor ([`DeviceSlot::prepare_swap`]).
+pub struct SwapPlan {
+    /// Parks the old device from outside the slot.
+    pub quiesce: Arc<dyn Quiesce>,
+    /// Builds the successor (call it outside the slot).
+    pub successor: SuccessorFactory,
 }
 
-impl<D> Clone for DeviceSlot<D> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-            ctx: self.ctx.clone(),
-        }
+impl std::fmt::Debug for SwapPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SwapPlan").finish_non_exhaustive()
     }
 }
 
-impl<D> std::fmt::Debug for DeviceSlot<D> {
+/// A shared handle on the server's device.
+#[derive(Clone)]
+pub struct DeviceSlot {
+    inner: Arc<Mutex<Slot>>,
+    ctx: DeviceContext,
+}
+
+impl std::fmt::Debug for DeviceSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceSlot").finish_non_exhaustive()
     }
 }
 
-impl<D: PciDevice> DeviceSlot<D> {
-    pub(crate) fn new(inner: Arc<Mutex<Slot<D>>>, ctx: DeviceContext) -> Self {
+impl DeviceSlot {
+    pub(crate) fn new(inner: Arc<Mutex<Slot>>, ctx: DeviceContext) -> Self {
         Self { inner, ctx }
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Slot<D>> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Slot> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs `f` on the device; requests from the client wait meanwhile.
-    pub fn with<R>(&self, f: impl FnOnce(&mut D) -> R) -> R {
-        f(&mut self.lock().device)
+    pub fn with<R>(&self, f: impl FnOnce(&mut dyn PciDevice) -> R) -> R {
+        f(&mut *self.lock().device)
+    }
+
+    /// Runs `f` on the device if it is a `T` (`None` otherwise); requests wait meanwhile.
+    pub fn with_as<T: PciDevice, R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        let mut slot = self.lock();
+        slot.device.as_any_mut().downcast_mut::<T>().map(f)
     }
 
     /// The DMA windows and interrupt routing the device is lent.
     pub fn context(&self) -> &DeviceContext {
         &self.ctx
     }
-}
 
-impl<D: HandOver> DeviceSlot<D> {
-    /// Replaces the device with `next`, a successor built beforehand on [`Self::context`]
-    /// (parked until it has the state; e.g. `SoftGpu::successor`). Requests wait for the
-    /// duration. Refused while a migration is in progress, and when `next` would look
-    /// different to the client (regions, interrupts, mmapped memory objects, whatever
-    /// [`HandOver::check_successor`] says); those checks come first, so a refused swap has
-    /// run nothing on `next` (dropped after the slot is released) and the old device stays.
-    /// Then [`HandOver::hand_over`] moves the state; if it fails, the old device stays too.
-    pub fn swap(&self, mut next: D) -> Result<SwapReport<D>, SwapError> {
+    /// What a swap of the current device needs, taken under the slot for an instant:
+    /// [`SwapError::NotSwappable`] if the device cannot be replaced.
+    pub fn prepare_swap(&self) -> Result<SwapPlan, SwapError> {
+        self.with(|d| {
+            let s = d.swappable().ok_or(SwapError::NotSwappable)?;
+            Ok(SwapPlan {
+                quiesce: s.quiesce(),
+                successor: s.successor(),
+            })
+        })
+    }
+
+    /// Replaces the device with `next`, a successor built beforehand and parked (typically
+    /// with [`DeviceSlot::prepare_swap`]'s factory, on this slot's context, with the old
+    /// device parked through its [`Quiesce`] handle so that the hand-over finds it idle).
+    ///
+    /// Refused, with nothing run on `next` and the old device serving on, while a migration is
+    /// in progress, when the device cannot be swapped, and when `next` would look different to
+    /// the client (regions, interrupts, mmapped memory objects) or the old device does not
+    /// accept it ([`Swappable::check_successor`](switchyard_device::Swappable::check_successor)); those checks come first, so a refused swap
+    /// has run nothing. Then [`Swappable::hand_over`](switchyard_device::Swappable::hand_over) moves the state; if it fails, the old
+    /// device stays too. Region accesses wait for the slot meanwhile.
+    pub fn swap(&self, mut next: Box<dyn PciDevice>) -> Result<SwapReport, SwapError> {
         let mut slot = self.lock();
         let t0 = Instant::now();
         let committed = if slot.mig != MigState::Running {
             Err(SwapError::Migrating(slot.mig))
         } else {
-            same_shape(slot.device.description(), next.description())
-                .and_then(|()| {
-                    slot.device
-                        .check_successor(&next)
-                        .map_err(SwapError::Incompatible)
-                })
-                .and_then(|()| {
-                    slot.device
-                        .hand_over(&mut next)
-                        .map_err(|e| SwapError::HandOver(Box::new(e)))
-                })
+            same_shape(slot.device.description(), next.description()).and_then(|()| {
+                let old = slot.device.swappable().ok_or(SwapError::NotSwappable)?;
+                old.check_successor(&*next)
+                    .map_err(SwapError::Incompatible)?;
+                old.hand_over(&mut *next).map_err(SwapError::HandOver)
+            })
         };
         if let Err(e) = committed {
             drop(slot);
             drop(next);
             return Err(e);
         }
+        self.ctx.dma.set_observer(next.dma_observer());
+        self.ctx.dma.set_dirty_source(next.dirty_source());
         let old = std::mem::replace(&mut slot.device, next);
         let held = t0.elapsed();
         drop(slot);
@@ -168,7 +196,7 @@ fn same_shape(a: &DeviceDescription, b: &DeviceDescription) -> Result<(), SwapEr
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use switchyard_device::{DmaSpace, Interrupts, RegionDesc, WaitControl};
+    use switchyard_device::{DmaSpace, Interrupts, RegionDesc, Swappable, WaitControl};
 
     use super::*;
 
@@ -200,6 +228,9 @@ mod tests {
         fn description(&self) -> &DeviceDescription {
             &self.desc
         }
+        fn swappable(&mut self) -> Option<&mut dyn Swappable> {
+            Some(self)
+        }
         fn region_read(&mut self, _: u32, _: u64, _: &mut [u8]) -> switchyard_device::Result<()> {
             Ok(())
         }
@@ -211,29 +242,61 @@ mod tests {
         }
     }
 
-    impl HandOver for Counted {
-        type Error = std::io::Error;
-        fn check_successor(&self, next: &Self) -> Result<(), &'static str> {
-            if next.fits {
-                Ok(())
-            } else {
-                Err("does not fit")
+    struct Parked;
+
+    impl Quiesce for Parked {
+        fn park(&self) -> switchyard_device::QuiesceGuard {
+            switchyard_device::QuiesceGuard::new(())
+        }
+    }
+
+    impl Swappable for Counted {
+        fn quiesce(&self) -> Arc<dyn Quiesce> {
+            Arc::new(Parked)
+        }
+        fn successor(&self) -> switchyard_device::SuccessorFactory {
+            let handed = self.handed.clone();
+            Box::new(move |_| Ok(Box::new(Counted::new(0x1000, true, &handed))))
+        }
+        fn check_successor(&self, next: &dyn PciDevice) -> Result<(), &'static str> {
+            match next.as_any().downcast_ref::<Counted>() {
+                Some(n) if n.fits => Ok(()),
+                Some(_) => Err("does not fit"),
+                None => Err("another kind of device"),
             }
         }
-        fn hand_over(&mut self, _next: &mut Self) -> Result<(), std::io::Error> {
+        fn hand_over(&mut self, _next: &mut dyn PciDevice) -> switchyard_device::Result<()> {
             self.handed.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
     }
 
-    fn slot(handed: &Arc<AtomicU32>) -> DeviceSlot<Counted> {
+    /// Another kind of device with the same shape as `Counted`, that cannot be swapped.
+    struct Fixed(DeviceDescription);
+
+    impl PciDevice for Fixed {
+        fn description(&self) -> &DeviceDescription {
+            &self.0
+        }
+        fn region_read(&mut self, _: u32, _: u64, _: &mut [u8]) -> switchyard_device::Result<()> {
+            Ok(())
+        }
+        fn region_write(&mut self, _: u32, _: u64, _: &[u8]) -> switchyard_device::Result<()> {
+            Ok(())
+        }
+        fn reset(&mut self) -> switchyard_device::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn slot(handed: &Arc<AtomicU32>) -> DeviceSlot {
         let ctx = DeviceContext {
             dma: Arc::new(DmaSpace::new(4)),
             irqs: Arc::new(Interrupts::new(&[0, 0, 0, 0, 0])),
             waits: Arc::new(WaitControl::default()),
         };
         let inner = Slot {
-            device: Counted::new(0x1000, true, handed),
+            device: Box::new(Counted::new(0x1000, true, handed)),
             mig: MigState::Running,
         };
         DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx)
@@ -243,24 +306,39 @@ mod tests {
     fn a_refused_swap_never_starts_the_hand_over() {
         let handed = Arc::new(AtomicU32::new(0));
         let s = slot(&handed);
-        let r = s.swap(Counted::new(0x2000, true, &handed));
+        let r = s.swap(Box::new(Counted::new(0x2000, true, &handed)));
         assert!(matches!(r, Err(SwapError::Incompatible(_))), "{r:?}");
-        let r = s.swap(Counted::new(0x1000, false, &handed));
+        let r = s.swap(Box::new(Counted::new(0x1000, false, &handed)));
         assert!(
             matches!(r, Err(SwapError::Incompatible("does not fit"))),
             "{r:?}"
         );
         s.lock().mig = MigState::Stop;
-        let r = s.swap(Counted::new(0x1000, true, &handed));
+        let r = s.swap(Box::new(Counted::new(0x1000, true, &handed)));
         assert!(matches!(r, Err(SwapError::Migrating(_))), "{r:?}");
+        s.lock().mig = MigState::Running;
+        // Another kind with the same shape: the old device refuses it.
+        let fixed = Fixed(Counted::new(0x1000, true, &handed).desc.clone());
+        let r = s.swap(Box::new(fixed));
+        assert!(
+            matches!(r, Err(SwapError::Incompatible("another kind of device"))),
+            "{r:?}"
+        );
         assert_eq!(
             handed.load(Ordering::SeqCst),
             0,
             "a refused swap handed over"
         );
-        // Positive control: a fitting successor is handed the state, once.
-        s.lock().mig = MigState::Running;
-        s.swap(Counted::new(0x1000, true, &handed)).expect("swap");
+        // Positive control: a fitting successor from the device's own factory is handed the
+        // state, once.
+        let plan = s.prepare_swap().expect("swappable");
+        let next = (plan.successor)(s.context().clone()).expect("successor");
+        let _parked = plan.quiesce.park();
+        s.swap(next).expect("swap");
         assert_eq!(handed.load(Ordering::SeqCst), 1);
+        // The new device is in the slot; one that cannot be swapped says so.
+        let fixed = Fixed(Counted::new(0x1000, true, &handed).desc.clone());
+        s.lock().device = Box::new(fixed);
+        assert!(matches!(s.prepare_swap(), Err(SwapError::NotSwappable)));
     }
 }

@@ -212,7 +212,7 @@
 //!
 //! # Migration and swaps
 //!
-//! The device implements VFIO migration v2 with PRE_COPY ([`PciDevice::migration_step`]):
+//! The device implements VFIO migration v2 with PRE_COPY ([`Migratable::step`]):
 //! STOP parks the engines after their current command (queues with work read `PAUSED`; a
 //! command waiting for the client's DMA reply is abandoned instead and runs again later);
 //! PRE_COPY streams VRAM while the device runs, in rounds; STOP_COPY sends what changed since,
@@ -223,7 +223,7 @@
 //!
 //! A swap replaces the device under a connected client in two phases: [`SoftGpu::successor`]
 //! builds a parked device on the same VRAM memfd (same DMA windows and eventfds), which is
-//! checked ([`HandOver::check_successor`]) before [`HandOver::hand_over`] moves the state
+//! checked ([`Swappable::check_successor`]) before [`Swappable::hand_over`] moves the state
 //! into it and lets it run; every command runs exactly once across the swap, and a refused
 //! swap runs nothing on the successor.
 //!
@@ -257,9 +257,9 @@ use std::thread::JoinHandle;
 
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
 use switchyard_device::{
-    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, HandOver, IrqDesc,
-    IrqIndex, MigArc, MigrationCaps, NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap,
-    SparseArea,
+    CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex, MigArc,
+    Migratable, MigrationCaps, NUM_PCI_REGIONS, PciDevice, Quiesce, QuiesceGuard, RegionDesc,
+    RegionMmap, SparseArea, SuccessorFactory, Swappable,
 };
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
@@ -434,7 +434,7 @@ impl SoftGpu {
     /// Builds the device that is to replace the one whose [`SoftGpu::config`] and
     /// [`SoftGpu::shared_vram`] are given, on the server's `ctx` (a swap: the server's
     /// `DeviceSlot::swap`). It starts parked with power-on registers, touching nothing, and
-    /// runs only once [`HandOver::hand_over`] has given it the old device's state. Building
+    /// runs only once [`Swappable::hand_over`] has given it the old device's state. Building
     /// (starting engine threads) is the slow part of a swap: do it before taking the slot.
     pub fn successor(
         config: SoftGpuConfig,

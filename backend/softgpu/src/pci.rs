@@ -108,23 +108,37 @@ impl PciDevice for SoftGpu {
         self.shared.halt();
     }
 
-    fn save_state(&mut self) -> Result<Vec<u8>, DeviceError> {
+    fn migration(&mut self) -> Option<&mut dyn Migratable> {
+        Some(self)
+    }
+
+    fn swappable(&mut self) -> Option<&mut dyn Swappable> {
+        Some(self)
+    }
+}
+
+impl SoftGpu {
+    /// The device state as one serialized blob ([`SoftGpuState`], VRAM by reference).
+    pub fn save_state(&mut self) -> Result<Vec<u8>, DeviceError> {
         self.snapshot()
             .to_bytes()
             .map_err(|e| DeviceError::BadState(Box::new(e)))
     }
 
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
+    /// Restores a blob made by [`SoftGpu::save_state`].
+    pub fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
         let st = SoftGpuState::from_bytes(state).map_err(|e| DeviceError::BadState(Box::new(e)))?;
         self.load(st)
             .map_err(|e| DeviceError::BadState(Box::new(e)))
     }
+}
 
-    fn migration_caps(&self) -> Option<MigrationCaps> {
-        Some(MigrationCaps { precopy: true })
+impl Migratable for SoftGpu {
+    fn caps(&self) -> MigrationCaps {
+        MigrationCaps { precopy: true }
     }
 
-    fn migration_step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
+    fn step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
         let vram = &self.shared.vram;
         let size = vram.size();
         match arc {
@@ -178,7 +192,7 @@ impl PciDevice for SoftGpu {
         Ok(())
     }
 
-    fn migration_read(&mut self, buf: &mut [u8]) -> Result<usize, DeviceError> {
+    fn read(&mut self, buf: &mut [u8]) -> Result<usize, DeviceError> {
         let Migration::Save(src) = &mut self.migration else {
             return Err(DeviceError::BadState("no outgoing stream".into()));
         };
@@ -192,7 +206,7 @@ impl PciDevice for SoftGpu {
         Ok(src.read(&shared.vram, &mut state, buf)?)
     }
 
-    fn migration_write(&mut self, data: &[u8]) -> Result<(), DeviceError> {
+    fn write(&mut self, data: &[u8]) -> Result<(), DeviceError> {
         let Migration::Load(sink) = &mut self.migration else {
             return Err(DeviceError::BadState("no incoming stream".into()));
         };
@@ -200,7 +214,7 @@ impl PciDevice for SoftGpu {
             .map_err(|e| DeviceError::BadState(Box::new(e)))
     }
 
-    fn migration_abort(&mut self) {
+    fn abort(&mut self) {
         self.migration = Migration::Idle;
         self.shared.set_running(true);
     }

@@ -1,5 +1,6 @@
 //! Swapping the device under a client: parking the engines from another thread
-//! ([`EngineControl`]) and handing the state to a parked successor ([`HandOver`]).
+//! ([`EngineControl`], the device's [`Quiesce`]) and handing the state to a parked successor
+//! ([`Swappable`]).
 
 use super::*;
 
@@ -32,12 +33,16 @@ impl Drop for Parked {
     }
 }
 
-impl HandOver for SoftGpu {
-    type Error = SoftGpuError;
+impl Quiesce for EngineControl {
+    fn park(&self) -> QuiesceGuard {
+        QuiesceGuard::new(EngineControl::park(self))
+    }
+}
 
-    /// The successor must have this configuration and VRAM backing (the client sees the
-    /// queue count and maps the VRAM), and no migration stream may be open.
-    fn check_successor(&self, next: &SoftGpu) -> Result<(), &'static str> {
+impl SoftGpu {
+    /// The successor must be a softgpu with this configuration and VRAM backing (the client
+    /// sees the queue count and maps the VRAM), and no migration stream may be open.
+    fn check_softgpu_successor(&self, next: &SoftGpu) -> Result<(), &'static str> {
         if !matches!(self.migration, Migration::Idle) {
             return Err("a migration stream is open");
         }
@@ -50,13 +55,15 @@ impl HandOver for SoftGpu {
         Ok(())
     }
 
+    /// Hands this device's state to `next` (see [`Swappable::hand_over`]).
+    ///
     /// This device's engines are parked first (after their current command; park them
     /// earlier with [`EngineControl::park`], outside the slot, to keep that wait out of the
     /// swap) and stay parked for good: the successor continues every queue from its head, so
     /// every command runs exactly once. On error this device runs again (unless something
     /// else holds it) and the successor stays parked.
-    fn hand_over(&mut self, next: &mut SoftGpu) -> Result<(), SoftGpuError> {
-        self.check_successor(next)
+    pub fn hand_over_to(&mut self, next: &mut SoftGpu) -> Result<(), SoftGpuError> {
+        self.check_softgpu_successor(next)
             .map_err(StateError::Inconsistent)?;
         self.shared.set_hold(|h| h.retired = true, true);
         // Parked because the client is gone is runtime state, not device state: carry it.
@@ -74,5 +81,37 @@ impl HandOver for SoftGpu {
                 Err(e.into())
             }
         }
+    }
+}
+
+impl Swappable for SoftGpu {
+    fn quiesce(&self) -> Arc<dyn Quiesce> {
+        Arc::new(self.engine_control())
+    }
+
+    /// A softgpu on the same VRAM mapping ([`SoftGpu::successor`]).
+    fn successor(&self) -> SuccessorFactory {
+        let (config, vram) = (self.config(), self.shared_vram());
+        Box::new(move |ctx| {
+            SoftGpu::successor(config, ctx, vram)
+                .map(|next| Box::new(next) as Box<dyn PciDevice>)
+                .map_err(|e| DeviceError::Failed(Box::new(e)))
+        })
+    }
+
+    fn check_successor(&self, next: &dyn PciDevice) -> Result<(), &'static str> {
+        let next = next
+            .as_any()
+            .downcast_ref::<SoftGpu>()
+            .ok_or("another kind of device")?;
+        self.check_softgpu_successor(next)
+    }
+
+    fn hand_over(&mut self, next: &mut dyn PciDevice) -> Result<(), DeviceError> {
+        let next = next.as_any_mut().downcast_mut::<SoftGpu>().ok_or_else(|| {
+            DeviceError::BadState("the successor is another kind of device".into())
+        })?;
+        self.hand_over_to(next)
+            .map_err(|e| DeviceError::Failed(Box::new(e)))
     }
 }

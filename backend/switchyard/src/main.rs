@@ -289,9 +289,9 @@ impl SwapStats {
 }
 
 /// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
-/// daemon does (parked successor built and old engines parked outside the slot; inside, the
-/// checks, then the hand-over). Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
-fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
+/// daemon does, through the device's swap capability (parked successor built and old device
+/// parked outside the slot; inside, the checks, then the hand-over). Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
+fn swap_loop(slot: &DeviceSlot, stop: &StopHandle, every: Duration) {
     let mut total = SwapStats::default();
     let mut period = SwapStats::default();
     let mut period_start = Instant::now();
@@ -312,8 +312,14 @@ fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
             period = SwapStats::default();
             period_start = Instant::now();
         }
-        let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
-        let next = match SoftGpu::successor(config, slot.context().clone(), vram) {
+        let plan = match slot.prepare_swap() {
+            Ok(plan) => plan,
+            Err(e) => {
+                tracing::warn!(error = %e, "the device cannot be swapped; swap soak ends");
+                break;
+            }
+        };
+        let next = match (plan.successor)(slot.context().clone()) {
             Ok(next) => next,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot build a successor; no swap");
@@ -322,7 +328,7 @@ fn swap_loop(slot: &DeviceSlot<SoftGpu>, stop: &StopHandle, every: Duration) {
         };
         // Released when this iteration ends: a refused swap lets the old engines run again
         // unless something else (a migration STOP) holds them.
-        let _parked = ctl.park();
+        let _parked = plan.quiesce.park();
         match slot.swap(next) {
             Ok(report) => {
                 period.swaps += 1;

@@ -17,10 +17,10 @@ use switchyard_proto::consts::*;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle, SwapError};
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
-use switchyard_softgpu::{EngineControl, SoftGpu, SoftGpuConfig};
+use switchyard_softgpu::{EngineControl, SharedVram, SoftGpu, SoftGpuConfig};
 
 struct InProcess {
-    slot: DeviceSlot<SoftGpu>,
+    slot: DeviceSlot,
     stop: StopHandle,
     thread: Option<thread::JoinHandle<()>>,
     socket: std::path::PathBuf,
@@ -50,16 +50,22 @@ impl InProcess {
     fn swap(&self) -> Duration {
         let (ctl, next) = successor(&self.slot);
         let _parked = ctl.park();
-        let report = self.slot.swap(next).expect("swap");
+        let report = self.slot.swap(Box::new(next)).expect("swap");
         let held = report.held;
         drop(report.old);
         held
     }
 }
 
+/// The softgpu in the slot: its engine control, configuration and VRAM mapping.
+fn parts(slot: &DeviceSlot) -> (EngineControl, SoftGpuConfig, SharedVram) {
+    slot.with_as(|d: &mut SoftGpu| (d.engine_control(), d.config(), d.shared_vram()))
+        .expect("the slot holds a softgpu")
+}
+
 /// The current device's engine control and a parked successor (built outside the slot).
-fn successor(slot: &DeviceSlot<SoftGpu>) -> (EngineControl, SoftGpu) {
-    let (ctl, config, vram) = slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
+fn successor(slot: &DeviceSlot) -> (EngineControl, SoftGpu) {
+    let (ctl, config, vram) = parts(slot);
     let next = SoftGpu::successor(config, slot.context().clone(), vram).expect("successor");
     (ctl, next)
 }
@@ -101,7 +107,7 @@ fn queues_keep_completing_across_repeated_swaps() {
             while !done.load(Ordering::SeqCst) {
                 let (ctl, next) = successor(&slot);
                 let parked = ctl.park();
-                let r = slot.swap(next).expect("swap");
+                let r = slot.swap(Box::new(next)).expect("swap");
                 drop(parked);
                 worst = worst.max(r.held);
                 drop(r.old);
@@ -197,26 +203,29 @@ fn refused_swaps_leave_the_old_device_serving() {
 
     // A device on another VRAM object would break the client's mapping.
     let other = SoftGpu::new(CONFIG, server.slot.context().clone()).expect("device");
-    let other = server.slot.swap(other);
+    let other = server.slot.swap(Box::new(other));
     assert!(
         matches!(other, Err(SwapError::Incompatible(_))),
         "{other:?}"
     );
     // A device of another configuration on the same VRAM (the client sees NUM_QUEUES).
-    let (config, vram) = server.slot.with(|d| (d.config(), d.shared_vram()));
+    let (config, vram) = {
+        let (_, config, vram) = parts(&server.slot);
+        (config, vram)
+    };
     let one = SoftGpuConfig {
         queues: 1,
         ..config
     };
     let fewer = SoftGpu::successor(one, server.slot.context().clone(), vram).expect("device");
-    let fewer = server.slot.swap(fewer);
+    let fewer = server.slot.swap(Box::new(fewer));
     assert!(
         matches!(fewer, Err(SwapError::Incompatible(_))),
         "{fewer:?}"
     );
     // During a migration.
     c.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
-    let migrating = server.slot.swap(successor(&server.slot).1);
+    let migrating = server.slot.swap(Box::new(successor(&server.slot).1));
     assert!(
         matches!(migrating, Err(SwapError::Migrating(_))),
         "{migrating:?}"
@@ -284,7 +293,7 @@ fn refused_swaps_never_restart_a_device_that_migration_stopped() {
                 let parked = ctl.park();
                 // A migration STOP lands between the park and the swap.
                 thread::sleep(Duration::from_micros(300));
-                match slot.swap(next) {
+                match slot.swap(Box::new(next)) {
                     Ok(r) => {
                         swaps += 1;
                         drop(r.old);
@@ -349,8 +358,7 @@ fn incompatible_successors_are_refused_before_anything_runs_on_them() {
         thread::spawn(move || {
             let mut refused = 0u32;
             while !done.load(Ordering::SeqCst) {
-                let (ctl, config, vram) =
-                    slot.with(|d| (d.engine_control(), d.config(), d.shared_vram()));
+                let (ctl, config, vram) = parts(&slot);
                 // Alternately: one queue fewer on the same VRAM, and VRAM of another size.
                 let next = if refused.is_multiple_of(2) {
                     let other = SoftGpuConfig {
@@ -367,7 +375,7 @@ fn incompatible_successors_are_refused_before_anything_runs_on_them() {
                 }
                 .expect("successor");
                 let parked = ctl.park();
-                let r = slot.swap(next);
+                let r = slot.swap(Box::new(next));
                 drop(parked);
                 assert!(matches!(r, Err(SwapError::Incompatible(_))), "{r:?}");
                 refused += 1;

@@ -39,6 +39,12 @@ impl FdWindow {
             .ok()
     }
 
+    /// The window's backing file and the offset of its first byte in it.
+    pub(super) fn file(&self) -> Option<(&File, u64)> {
+        let fo = self.obj.map.file_offset()?;
+        Some((fo.file(), self.obj.start + self.delta as u64))
+    }
+
     /// This process's address of byte `off` of the window.
     pub(super) fn addr(&self, off: usize) -> u64 {
         self.obj.map.as_ptr() as u64 + (self.delta + off) as u64

@@ -243,6 +243,9 @@ impl DmaSpace {
             }
         }
         collect_dirty(&windows, iova, last, page_size, out);
+        if let Some(src) = self.dirty_source() {
+            src.report(iova, len, page_size, out);
+        }
         windows.clear();
         log.scratch = windows;
         Ok(())
@@ -279,7 +282,10 @@ impl DmaSpace {
             collect_dirty(&windows, iova, last, page_size, out);
             removed
         };
-        self.forget_logs(&removed);
+        if let Some(src) = self.dirty_source() {
+            src.report(iova, len, page_size, out);
+        }
+        self.removed(&removed);
         Ok(removed.len())
     }
 }

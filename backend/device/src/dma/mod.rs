@@ -56,6 +56,7 @@ mod remote;
 mod tests;
 
 pub use crate::dirty::DIRTY_PAGE_SIZE;
+use crate::{DirtySource, DmaObserver};
 pub use backing::MAP_BUDGET;
 use backing::{Access, FdWindow, Objects, guarded_piece};
 pub use log::DEFAULT_LOG_BUDGET;
@@ -150,6 +151,9 @@ pub enum DmaError {
         /// Size of the requested window.
         size: u64,
     },
+    /// The device's [`DmaObserver`] refused the window.
+    #[error("the device refused the DMA window")]
+    Observer(#[source] Box<crate::DeviceError>),
     /// An unmap range cuts through a window.
     #[error("unmap range {iova:#x}+{size:#x} splits a DMA mapping")]
     PartialUnmap {
@@ -284,6 +288,7 @@ impl DmaError {
             DmaError::Backing { source, .. } => source.raw_os_error().unwrap_or(libc::EINVAL),
             DmaError::NoSafeAccess { .. } => libc::ENOTSUP,
             DmaError::UnsupportedBacking { .. } => libc::EINVAL,
+            DmaError::Observer(e) => e.errno(),
             DmaError::LogBudget { .. } | DmaError::LogAlloc(_) => libc::ENOMEM,
             DmaError::Unmapped { .. } | DmaError::Overflow { .. } | DmaError::Fault { .. } => {
                 libc::EFAULT
@@ -381,6 +386,10 @@ pub struct DmaSpace {
     log_bytes: AtomicU64,
     log_budget: AtomicU64,
     max_maps: usize,
+    /// The device's observer of maps and unmaps ([`DmaObserver`]).
+    observer: RwLock<Option<Arc<dyn DmaObserver>>>,
+    /// Dirty bits the device tracks itself ([`DirtySource`]).
+    dirty_source: RwLock<Option<Arc<dyn DirtySource>>>,
 }
 
 impl fmt::Debug for DmaSpace {
@@ -417,6 +426,8 @@ impl DmaSpace {
             log_bytes: AtomicU64::new(0),
             log_budget: AtomicU64::new(DEFAULT_LOG_BUDGET),
             max_maps,
+            observer: RwLock::new(None),
+            dirty_source: RwLock::new(None),
         }
     }
 
@@ -466,8 +477,22 @@ impl DmaSpace {
         if overlaps_prev || overlaps_next {
             return Err(DmaError::Overlap { iova, size });
         }
-        if let (true, Backing::Fd(w)) = (logging, &backing) {
-            self.allocate_logs(std::iter::once(&**w))?;
+        let observer = self.observer();
+        if let Some(o) = &observer {
+            let file = match &backing {
+                Backing::Fd(w) => w.file(),
+                Backing::Message => None,
+            };
+            o.mapping(iova, size, prot, file)
+                .map_err(|e| DmaError::Observer(Box::new(e)))?;
+        }
+        if let (true, Backing::Fd(w)) = (logging, &backing)
+            && let Err(e) = self.allocate_logs(std::iter::once(&**w))
+        {
+            if let Some(o) = &observer {
+                o.unmapped(iova, size);
+            }
+            return Err(e);
         }
         table.maps.insert(
             idx,
@@ -493,7 +518,7 @@ impl DmaSpace {
             let (first, stop) = Self::covered(&table, iova, size)?;
             table.maps.drain(first..stop).collect()
         };
-        self.forget_logs(&removed);
+        self.removed(&removed);
         // The mmaps go away here, outside the lock.
         Ok(removed.len())
     }
@@ -501,8 +526,44 @@ impl DmaSpace {
     /// Removes every window (client `DMA_UNMAP` with the ALL flag, or client disconnect).
     pub fn unmap_all(&self) {
         let removed = std::mem::take(&mut self.write_table().maps);
-        self.forget_logs(&removed);
+        self.removed(&removed);
         drop(removed);
+    }
+
+    /// Windows left the table: their logs' memory goes back to the budget, and the device's
+    /// observer learns they are gone.
+    fn removed(&self, removed: &[Mapping]) {
+        self.forget_logs(removed);
+        if let Some(o) = self.observer() {
+            for m in removed {
+                o.unmapped(m.iova, m.size);
+            }
+        }
+    }
+
+    /// Installs (or removes) the device's observer of maps and unmaps (see [`DmaObserver`]).
+    pub fn set_observer(&self, observer: Option<Arc<dyn DmaObserver>>) {
+        *self.observer.write().unwrap_or_else(|p| p.into_inner()) = observer;
+    }
+
+    fn observer(&self) -> Option<Arc<dyn DmaObserver>> {
+        self.observer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Installs (or removes) the device's own dirty tracking, ORed into reports (see
+    /// [`DirtySource`]).
+    pub fn set_dirty_source(&self, source: Option<Arc<dyn DirtySource>>) {
+        *self.dirty_source.write().unwrap_or_else(|p| p.into_inner()) = source;
+    }
+
+    fn dirty_source(&self) -> Option<Arc<dyn DirtySource>> {
+        self.dirty_source
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The current windows, in IOVA order.

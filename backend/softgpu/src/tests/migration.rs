@@ -1,5 +1,6 @@
 //! The migration stream and the migration arcs, device to device.
 
+use switchyard_device::Migratable;
 use switchyard_device::{MigArc, PciDevice};
 
 use crate::cmd::{Command, Operand};
@@ -47,7 +48,7 @@ fn read_round(gpu: &mut SoftGpu, rng: &mut Rng, out: &mut Vec<u8>) -> usize {
     loop {
         let want = 1 + rng.below(70_000) as usize;
         let mut buf = vec![0u8; want];
-        let n = gpu.migration_read(&mut buf).expect("migration_read");
+        let n = gpu.read(&mut buf).expect("migration_read");
         out.extend_from_slice(&buf[..n]);
         total += n;
         if n < want {
@@ -61,8 +62,7 @@ fn write_all(gpu: &mut SoftGpu, rng: &mut Rng, stream: &[u8]) {
     let mut at = 0;
     while at < stream.len() {
         let k = (1 + rng.below(50_000) as usize).min(stream.len() - at);
-        gpu.migration_write(&stream[at..at + k])
-            .expect("migration_write");
+        gpu.write(&stream[at..at + k]).expect("migration_write");
         at += k;
     }
 }
@@ -89,13 +89,11 @@ fn scribble(h: &mut Harness, rng: &mut Rng, pages: usize) -> Vec<u64> {
 }
 
 fn resume_into(b: &mut Harness, rng: &mut Rng, stream: &[u8]) {
-    b.gpu.migration_step(MigArc::Stop).expect("stop");
-    b.gpu
-        .migration_step(MigArc::StartResuming)
-        .expect("resuming");
+    b.gpu.step(MigArc::Stop).expect("stop");
+    b.gpu.step(MigArc::StartResuming).expect("resuming");
     write_all(&mut b.gpu, rng, stream);
-    b.gpu.migration_step(MigArc::EndResuming).expect("load");
-    b.gpu.migration_step(MigArc::Run).expect("run");
+    b.gpu.step(MigArc::EndResuming).expect("load");
+    b.gpu.step(MigArc::Run).expect("run");
 }
 
 #[test]
@@ -117,18 +115,12 @@ fn stop_copy_stream_survives_any_chunking() {
         // Stale contents on the destination must not survive.
         let mut b = Harness::with_config(small());
         b.vram_file_write(0x10_0000, &page_of(99));
-        a.gpu.migration_step(MigArc::Stop).expect("stop");
-        a.gpu
-            .migration_step(MigArc::StartStopCopy)
-            .expect("stop copy");
+        a.gpu.step(MigArc::Stop).expect("stop");
+        a.gpu.step(MigArc::StartStopCopy).expect("stop copy");
         let mut stream = Vec::new();
         read_round(&mut a.gpu, &mut rng, &mut stream);
         let mut tail = [0u8; 64];
-        assert_eq!(
-            a.gpu.migration_read(&mut tail).expect("read"),
-            0,
-            "stream over"
-        );
+        assert_eq!(a.gpu.read(&mut tail).expect("read"), 0, "stream over");
         resume_into(&mut b, &mut rng, &stream);
         assert!(
             a.vram_file_read(0, VRAM as usize) == b.vram_file_read(0, VRAM as usize),
@@ -152,9 +144,7 @@ fn precopy_rounds_send_what_changed_and_stop_copy_completes() {
     let mut a = Harness::with_config(small());
     a.init();
     let first = scribble(&mut a, &mut rng, 64);
-    a.gpu
-        .migration_step(MigArc::StartPreCopy)
-        .expect("pre-copy");
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
     let mut stream = Vec::new();
     read_round(&mut a.gpu, &mut rng, &mut stream);
     let distinct = {
@@ -166,7 +156,7 @@ fn precopy_rounds_send_what_changed_and_stop_copy_completes() {
     assert_eq!(a.gpu.migration_stats().expect("stats").pages_sent, distinct);
     // Nothing changed: a round of nothing.
     let mut buf = vec![0u8; 1 << 16];
-    assert_eq!(a.gpu.migration_read(&mut buf).expect("read"), 0);
+    assert_eq!(a.gpu.read(&mut buf).expect("read"), 0);
 
     // The device keeps running in PRE_COPY: the guest rewrites two sent pages and an engine
     // fills a fresh range; one sent page becomes a hole again.
@@ -211,14 +201,10 @@ fn precopy_rounds_send_what_changed_and_stop_copy_completes() {
     // Work queued while bus mastering is off runs on the destination, not here.
     a.set_command(pci::CMD_MEMORY);
     a.submit(0, &[Command::fill(Operand::Vram(0), PAGE, 0x5a5a_5a5a)]);
-    a.gpu
-        .migration_step(MigArc::PreCopyToStopCopy)
-        .expect("stop copy");
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
     a.vram_file_write(5 * PAGE, &page_of(5)); // a guest that was not stopped: still caught
     read_round(&mut a.gpu, &mut rng, &mut stream);
-    a.gpu
-        .migration_step(MigArc::EndStopCopy)
-        .expect("end stop copy");
+    a.gpu.step(MigArc::EndStopCopy).expect("end stop copy");
 
     // Guest RAM (rings included) moves separately, as the VMM migrates it.
     let mut b = Harness::with_config(small());
@@ -251,8 +237,8 @@ fn refused_streams_leave_the_device_as_it_was() {
     let mut a = Harness::with_config(small());
     a.init();
     scribble(&mut a, &mut rng, 8);
-    a.gpu.migration_step(MigArc::Stop).expect("stop");
-    a.gpu.migration_step(MigArc::StartStopCopy).expect("sc");
+    a.gpu.step(MigArc::Stop).expect("stop");
+    a.gpu.step(MigArc::StartStopCopy).expect("sc");
     let mut good = Vec::new();
     read_round(&mut a.gpu, &mut rng, &mut good);
     let rec = |tag: u32, count: u32, offset: u64| -> Vec<u8> {
@@ -302,22 +288,20 @@ fn refused_streams_leave_the_device_as_it_was() {
         let mut b = Harness::with_config(small());
         b.init();
         b.wr32(SCRATCH, 77);
-        b.gpu.migration_step(MigArc::Stop).expect("stop");
-        b.gpu
-            .migration_step(MigArc::StartResuming)
-            .expect("resuming");
-        let w = b.gpu.migration_write(&stream);
+        b.gpu.step(MigArc::Stop).expect("stop");
+        b.gpu.step(MigArc::StartResuming).expect("resuming");
+        let w = b.gpu.write(&stream);
         match (&w, write_fails) {
             (Ok(()), false) | (Err(DeviceError::BadState(_)), true) => {}
             _ => panic!("{what}: write: {w:?} (expected to fail: {write_fails})"),
         }
-        let end = b.gpu.migration_step(MigArc::EndResuming);
+        let end = b.gpu.step(MigArc::EndResuming);
         assert!(
             matches!(end, Err(DeviceError::BadState(_))),
             "{what}: loading must fail as bad state: {end:?}"
         );
         assert_eq!(b.rd32(SCRATCH), 77, "{what}: state kept");
-        b.gpu.migration_abort();
+        b.gpu.abort();
     }
 }
 
@@ -348,9 +332,7 @@ fn without_mmap_rounds_after_the_first_visit_only_logged_pages() {
     for p in [3u64, 4, 200, 900] {
         trapped_write(&mut a, p * PAGE, &page_of(p));
     }
-    a.gpu
-        .migration_step(MigArc::StartPreCopy)
-        .expect("pre-copy");
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
     let mut stream = Vec::new();
     read_round(&mut a.gpu, &mut rng, &mut stream);
     assert_eq!(a.gpu.migration_stats().expect("stats").pages_sent, 4);
@@ -376,14 +358,12 @@ fn without_mmap_rounds_after_the_first_visit_only_logged_pages() {
     }
     let mut part = vec![0u8; 3 * PAGE as usize];
     assert_eq!(
-        a.gpu.migration_read(&mut part).expect("read"),
+        a.gpu.read(&mut part).expect("read"),
         part.len(),
         "the round is not over"
     );
     stream.extend_from_slice(&part);
-    a.gpu
-        .migration_step(MigArc::PreCopyToStopCopy)
-        .expect("stop copy");
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
     read_round(&mut a.gpu, &mut rng, &mut stream);
     assert_eq!(
         a.gpu.migration_stats().expect("stats").pages_sent - after,
@@ -423,9 +403,7 @@ fn precopy_reads_are_bounded_and_padded() {
         fill[..8].copy_from_slice(&mib.to_le_bytes());
         a.vram_file_write(mib << 20, &fill);
     }
-    a.gpu
-        .migration_step(MigArc::StartPreCopy)
-        .expect("pre-copy");
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
     let mut stream = Vec::new();
     read_round(&mut a.gpu, &mut rng, &mut stream);
     let sent = a.gpu.migration_stats().expect("stats").pages_sent;
@@ -437,7 +415,7 @@ fn precopy_reads_are_bounded_and_padded() {
     let mut buf = vec![0u8; 1 << 20];
     let mut padded_reads = 0;
     loop {
-        let n = a.gpu.migration_read(&mut buf).expect("read");
+        let n = a.gpu.read(&mut buf).expect("read");
         stream.extend_from_slice(&buf[..n]);
         if n < buf.len() {
             break;
@@ -455,9 +433,7 @@ fn precopy_reads_are_bounded_and_padded() {
 
     // A change after the padding still arrives; STOP_COPY has no budget.
     a.vram_file_write(3 * PAGE, b"late change");
-    a.gpu
-        .migration_step(MigArc::PreCopyToStopCopy)
-        .expect("stop copy");
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
     read_round(&mut a.gpu, &mut rng, &mut stream);
     let mut b = Harness::with_config(config);
     resume_into(&mut b, &mut rng, &stream);
@@ -476,8 +452,8 @@ mod arbitrary_streams {
         let mut a = Harness::with_config(small());
         a.init();
         scribble(&mut a, &mut rng, 6);
-        a.gpu.migration_step(MigArc::Stop).expect("stop");
-        a.gpu.migration_step(MigArc::StartStopCopy).expect("sc");
+        a.gpu.step(MigArc::Stop).expect("stop");
+        a.gpu.step(MigArc::StartStopCopy).expect("sc");
         let mut stream = Vec::new();
         read_round(&mut a.gpu, &mut rng, &mut stream);
         stream
@@ -507,16 +483,16 @@ mod arbitrary_streams {
             let mut b = Harness::with_config(small());
             b.init();
             b.wr32(SCRATCH, 0x77);
-            b.gpu.migration_step(MigArc::Stop).expect("stop");
-            b.gpu.migration_step(MigArc::StartResuming).expect("resuming");
+            b.gpu.step(MigArc::Stop).expect("stop");
+            b.gpu.step(MigArc::StartResuming).expect("resuming");
             let mut failed = false;
             for part in stream.chunks(chunk) {
-                if b.gpu.migration_write(part).is_err() {
+                if b.gpu.write(part).is_err() {
                     failed = true;
                     break;
                 }
             }
-            let loaded = b.gpu.migration_step(MigArc::EndResuming);
+            let loaded = b.gpu.step(MigArc::EndResuming);
             if failed {
                 prop_assert!(
                     matches!(loaded, Err(DeviceError::BadState(_))),
@@ -527,7 +503,7 @@ mod arbitrary_streams {
             if loaded.is_err() {
                 prop_assert_eq!(b.rd32(SCRATCH), 0x77, "the old state stays");
             }
-            b.gpu.migration_abort();
+            b.gpu.abort();
             prop_assert_eq!(b.rd32(MAGIC), 0x5047_5953, "the device still serves");
         }
     }

@@ -1,6 +1,5 @@
 //! Save and restore.
 
-use switchyard_device::PciDevice;
 use switchyard_device::config::regs as pci;
 
 use crate::cmd::{Command, Operand};

@@ -1,0 +1,217 @@
+//! What a device model is, split by capability.
+//!
+//! Every device implements the core, [`PciDevice`] (regions, configuration, interrupt layout,
+//! reset). Everything else is an optional group the device hands out when it has it (the way
+//! vhost-user backends and libvfio-user's per-feature callbacks are built), so the server can
+//! hold any device as a `Box<dyn PciDevice>` — a softgpu now, a passthrough device later — and
+//! a swap can even cross kinds when the shapes match:
+//!
+//! | group | what the server does with it |
+//! |---|---|
+//! | [`Migratable`] | VFIO migration v2 arcs and the migration stream |
+//! | [`Swappable`] + [`Quiesce`] | replace the device under a client: park it, build a parked successor, check it, hand the state over |
+//! | [`DmaObserver`] | told about every DMA map and unmap before it takes effect (a passthrough device programs its IOMMU there) |
+//! | [`DirtySource`] | dirty bits ORed into DMA logging reports (a VFIO dirty log, say) |
+//! | [`IrqRouter`] | takes the client's interrupt eventfds itself (VFIO `SET_IRQS`, so interrupts never cross the server) |
+
+use std::any::Any;
+use std::fs::File;
+use std::sync::Arc;
+
+use crate::{
+    DeviceContext, DeviceDescription, DeviceError, DmaProt, MigArc, MigrationCaps, Result,
+};
+
+/// Downcasting, for a device that needs to know whether another one is of its own kind
+/// (a hand-over between two softgpus). Implemented for every `'static` type.
+pub trait AsAny: Any {
+    /// `self` as [`Any`].
+    fn as_any(&self) -> &dyn Any;
+    /// `self` as mutable [`Any`].
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+impl<T: Any> AsAny for T {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// A PCI device model served over vfio-user: the core every device has.
+///
+/// Accesses come from the server's connection thread; a model that runs work elsewhere (engine
+/// threads) synchronises internally. Accesses are already bounds-checked against the region
+/// size by the server, but models must not rely on it for memory safety.
+pub trait PciDevice: Send + AsAny {
+    /// The static description (regions, interrupts, reset support).
+    fn description(&self) -> &DeviceDescription;
+
+    /// Serves a `REGION_READ`.
+    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<()>;
+
+    /// Serves a `REGION_WRITE`.
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<()>;
+
+    /// Returns the device to its power-on state (`DEVICE_RESET`, also used for FLR).
+    fn reset(&mut self) -> Result<()>;
+
+    /// Called after `SET_IRQS` changed the routing of `index`.
+    fn irqs_changed(&mut self, _index: u32) {}
+
+    /// Called when the client is gone: its DMA windows and eventfds have been dropped by the
+    /// server. The device keeps its state (spec rule) but must stop touching DMA memory.
+    fn client_disconnected(&mut self) {}
+
+    /// VFIO migration v2, if the device can migrate (`None`: the migration features answer
+    /// "not supported").
+    fn migration(&mut self) -> Option<&mut dyn Migratable> {
+        None
+    }
+
+    /// Replacement under a connected client, if the device supports it.
+    fn swappable(&mut self) -> Option<&mut dyn Swappable> {
+        None
+    }
+
+    /// The observer of the client's DMA maps and unmaps, if the device needs one. The server
+    /// installs it in the [`DmaSpace`](crate::DmaSpace) when the device takes the slot.
+    fn dma_observer(&self) -> Option<Arc<dyn DmaObserver>> {
+        None
+    }
+
+    /// A source of dirty bits the device tracks itself, ORed into DMA logging reports.
+    fn dirty_source(&self) -> Option<Arc<dyn DirtySource>> {
+        None
+    }
+
+    /// The device's own interrupt routing, if it delivers interrupts itself.
+    fn irq_router(&mut self) -> Option<&mut dyn IrqRouter> {
+        None
+    }
+}
+
+impl std::fmt::Debug for dyn PciDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("dyn PciDevice")
+            .field("name", &self.description().name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// VFIO migration v2 (`DEVICE_FEATURE` MIGRATION / MIG_DEVICE_STATE, `MIG_DATA_READ/WRITE`).
+pub trait Migratable: Send {
+    /// What the device supports.
+    fn caps(&self) -> MigrationCaps;
+
+    /// Takes one direct arc of the migration state machine. The server walks the shortest
+    /// path between the client's current and requested states and calls this once per arc;
+    /// an error leaves the device in the migration ERROR state until a reset.
+    fn step(&mut self, arc: MigArc) -> Result<()>;
+
+    /// Fills `buf` with the next bytes of the outgoing migration stream (PRE_COPY,
+    /// STOP_COPY) and returns how many; fewer than `buf.len()` means "no more data for now"
+    /// (PRE_COPY: the round is complete; STOP_COPY: the stream is complete).
+    fn read(&mut self, buf: &mut [u8]) -> Result<usize>;
+
+    /// Consumes the next bytes of an incoming migration stream (RESUMING). Chunks may split
+    /// the stream anywhere.
+    fn write(&mut self, data: &[u8]) -> Result<()>;
+
+    /// Abandons any migration in progress and lets the device run (device reset, client
+    /// loss, recovery from ERROR).
+    fn abort(&mut self);
+}
+
+/// Stops a device's own activity (engines, a physical device's DMA) at a safe boundary, from
+/// any thread, without the device itself: a swap parks the old device this way before it
+/// takes the slot. Parks compose with every other reason the device is held (a migration
+/// STOP in particular): the device runs only when nothing holds it.
+pub trait Quiesce: Send + Sync {
+    /// Parks the device until the guard is dropped. May wait for work in progress.
+    fn park(&self) -> QuiesceGuard;
+}
+
+/// A [`Quiesce::park`]; the park ends when it is dropped.
+#[must_use = "the device runs again when the guard is dropped"]
+pub struct QuiesceGuard {
+    _guard: Box<dyn Send>,
+}
+
+impl QuiesceGuard {
+    /// Wraps a device's own guard (its `Drop` releases the park).
+    pub fn new(guard: impl Send + 'static) -> Self {
+        Self {
+            _guard: Box::new(guard),
+        }
+    }
+}
+
+impl std::fmt::Debug for QuiesceGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuiesceGuard").finish_non_exhaustive()
+    }
+}
+
+/// Builds a device's successor on a context, outside the device slot (building may be slow:
+/// threads, memory). The successor is parked: it runs nothing until it has the old device's
+/// state ([`Swappable::hand_over`]).
+pub type SuccessorFactory = Box<dyn FnOnce(DeviceContext) -> Result<Box<dyn PciDevice>> + Send>;
+
+/// A device that can be replaced under a connected client, in two phases:
+/// [`Swappable::check_successor`] decides, without side effects, whether the successor may
+/// replace this device; only then does [`Swappable::hand_over`] commit.
+pub trait Swappable: Send {
+    /// A handle that parks this device from another thread.
+    fn quiesce(&self) -> Arc<dyn Quiesce>;
+
+    /// A factory for a parked successor on the same memory objects the client maps (they
+    /// cannot be re-pointed).
+    fn successor(&self) -> SuccessorFactory;
+
+    /// `Ok` if `next` (a successor built beforehand, not yet serving) can take over from this
+    /// device without the client noticing, otherwise what would differ (another kind,
+    /// another configuration, another backing). Changes nothing.
+    fn check_successor(&self, next: &dyn PciDevice) -> std::result::Result<(), &'static str>;
+
+    /// Moves this device's state into `next` and lets `next` run; this device stays parked
+    /// for good. On error this device runs on (nothing ran on `next`).
+    fn hand_over(&mut self, next: &mut dyn PciDevice) -> Result<()>;
+}
+
+/// Told about the client's DMA windows before a change takes effect (a passthrough device maps
+/// them in its IOMMU; a device that caches translations drops them).
+pub trait DmaObserver: Send + Sync {
+    /// A window is about to be mapped; an error refuses the `DMA_MAP` (nothing is mapped).
+    /// `file` is the window's backing file and its offset, or `None` for a message-only window.
+    fn mapping(
+        &self,
+        iova: u64,
+        size: u64,
+        prot: DmaProt,
+        file: Option<(&File, u64)>,
+    ) -> std::result::Result<(), DeviceError>;
+
+    /// A window has been removed from the table; when this returns, the device no longer
+    /// reaches it (the `DMA_UNMAP` reply waits for it).
+    fn unmapped(&self, iova: u64, size: u64);
+}
+
+/// Dirty pages a device tracks itself (a physical device's dirty log), reported with the
+/// server's own log.
+pub trait DirtySource: Send + Sync {
+    /// ORs the pages of `[iova, iova+len)` written since the last call into `out` (layout as
+    /// [`DmaSpace::report_dirty`](crate::DmaSpace::report_dirty)) and forgets them.
+    fn report(&self, iova: u64, len: u64, page_size: u64, out: &mut [u8]);
+}
+
+/// A device that delivers interrupts itself: the client's eventfds are handed to it (and the
+/// server keeps its own copy, so a successor can be wired to the same eventfds).
+pub trait IrqRouter: Send {
+    /// `SET_IRQS` assigned (`Some`) or removed (`None`) the eventfds of vectors
+    /// `start..start + fds.len()` of interrupt `index`.
+    fn route(&mut self, index: u32, start: u32, fds: &[Option<&File>]) -> Result<()>;
+}
