@@ -17,6 +17,7 @@
 
 mod client_dma;
 mod dispatch;
+mod dispatcher;
 mod listener;
 mod migration;
 mod slot;
