@@ -881,3 +881,6 @@ fn set_irqs(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

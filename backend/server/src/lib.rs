@@ -21,6 +21,8 @@ mod dispatcher;
 mod listener;
 mod migration;
 mod slot;
+#[cfg(test)]
+mod test_utils;
 pub mod transport;
 
 use std::io;
