@@ -17,9 +17,12 @@
 
 mod client_dma;
 mod dispatch;
+mod dispatcher;
 mod listener;
 mod migration;
 mod slot;
+#[cfg(test)]
+mod test_utils;
 pub mod transport;
 
 use std::io;
