@@ -172,7 +172,12 @@ impl Dispatcher {
         }
         let (msg_id, cmd, no_reply) = (msg.header.msg_id, msg.header.cmd, msg.header.no_reply());
         match self.request(device_slot, msg) {
-            Ok(()) if no_reply => Outcome::Nothing,
+            Ok(()) if no_reply => {
+                // A posted request's reply (and any descriptor it would carry) is dropped
+                // here, not sent with the next one.
+                self.sent();
+                Outcome::Nothing
+            }
             Ok(()) => Outcome::Reply,
             Err(e) => {
                 self.out_fds.clear();
@@ -181,6 +186,7 @@ impl Dispatcher {
                     if self.posted_failures.allow() {
                         tracing::warn!(msg_id, cmd, error = %e, "posted request failed");
                     }
+                    self.sent();
                     return Outcome::Nothing;
                 }
                 encode_error_reply(&mut self.out, msg_id, cmd, e.errno());

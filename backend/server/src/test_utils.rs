@@ -36,6 +36,23 @@ impl MockDevice {
     pub(crate) fn new() -> Self {
         let mut regions = vec![RegionDesc::absent(); 9];
         regions[0] = RegionDesc::trapped(MOCK_BAR0);
+        // BAR2: mappable by the client (its descriptor travels with REGION_INFO), never
+        // accessed through the server.
+        let backing = memfd::MemfdOptions::default()
+            .create("mock-bar2")
+            .expect("memfd")
+            .into_file();
+        backing.set_len(MOCK_BAR0).expect("size");
+        regions[2] = RegionDesc {
+            size: MOCK_BAR0,
+            read: false,
+            write: false,
+            mmap: Some(switchyard_device::RegionMmap {
+                file: Arc::new(backing),
+                file_offset: 0,
+                areas: Vec::new(),
+            }),
+        };
         let irq = |count| IrqDesc {
             count,
             eventfd: true,

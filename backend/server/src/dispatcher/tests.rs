@@ -190,6 +190,45 @@ fn region_write_then_read_reach_the_device() {
 }
 
 #[test]
+fn a_posted_request_leaves_no_descriptor_for_the_next_reply() {
+    let mut l = Loopback::new();
+    l.negotiate();
+    // GET_REGION_INFO of the mappable BAR2, posted: its reply (with the BAR's descriptor) is
+    // never sent, and must not ride along with the next reply.
+    let mut buf = Vec::new();
+    Request::DeviceGetRegionInfo {
+        argsz: 256,
+        index: 2,
+    }
+    .encode(40, true, &mut buf)
+    .expect("encode");
+    let header = Header::from_bytes(&buf[..HEADER_SIZE]).expect("header");
+    let outcome = l.d.handle(
+        &l.slot,
+        Message {
+            header,
+            body: &buf[HEADER_SIZE..],
+            fds: Vec::new(),
+            fds_truncated: false,
+        },
+    );
+    assert_eq!(outcome, Outcome::Nothing);
+    assert!(
+        l.d.reply().1.is_empty(),
+        "the posted reply's descriptor was dropped"
+    );
+    // Positive control: asked for normally, the same request carries the descriptor.
+    let a = l.request(
+        Request::DeviceGetRegionInfo {
+            argsz: 256,
+            index: 2,
+        },
+        Vec::new(),
+    );
+    assert_eq!(a.nfds, 1);
+}
+
+#[test]
 fn malformed_and_posted_requests() {
     let mut l = Loopback::new();
     l.negotiate();
