@@ -276,3 +276,40 @@ impl Server {
         self.ctx().irqs.clear();
     }
 }
+
+#[cfg(test)]
+mod errno_tests {
+    /// The codec carries its own (libc-free) table of the Linux errnos it puts on the wire;
+    /// everything else uses `libc`'s. They must be one table.
+    #[test]
+    fn the_codec_errno_table_is_libc() {
+        use switchyard_proto::errno as wire;
+        let pairs = [
+            (wire::EPERM, libc::EPERM),
+            (wire::ENOENT, libc::ENOENT),
+            (wire::EIO, libc::EIO),
+            (wire::E2BIG, libc::E2BIG),
+            (wire::EBADF, libc::EBADF),
+            (wire::EAGAIN, libc::EAGAIN),
+            (wire::ENOMEM, libc::ENOMEM),
+            (wire::EFAULT, libc::EFAULT),
+            (wire::EBUSY, libc::EBUSY),
+            (wire::EEXIST, libc::EEXIST),
+            (wire::ENODEV, libc::ENODEV),
+            (wire::EINVAL, libc::EINVAL),
+            (wire::ENOTTY, libc::ENOTTY),
+            (wire::ENOSPC, libc::ENOSPC),
+            (wire::ERANGE, libc::ERANGE),
+            (wire::ENOSYS, libc::ENOSYS),
+            (wire::EPROTO, libc::EPROTO),
+            (wire::EOVERFLOW, libc::EOVERFLOW),
+            (wire::EMSGSIZE, libc::EMSGSIZE),
+            (wire::ENOTSUP, libc::ENOTSUP),
+            (wire::ENOTCONN, libc::ENOTCONN),
+            (wire::ETIMEDOUT, libc::ETIMEDOUT),
+        ];
+        for (i, (ours, theirs)) in pairs.into_iter().enumerate() {
+            assert_eq!(ours, theirs, "entry {i}");
+        }
+    }
+}
