@@ -196,7 +196,8 @@ impl DeviceDescription {
     }
 }
 
-/// What the server lends a device: the client's DMA windows and interrupt routing.
+/// What the server lends a device: the client's DMA windows and interrupt routing, and the
+/// memory objects the client maps.
 #[derive(Debug, Clone)]
 pub struct DeviceContext {
     /// The client's DMA windows.
@@ -205,6 +206,66 @@ pub struct DeviceContext {
     pub irqs: Arc<Interrupts>,
     /// Cuts short the device's waits on the client (see [`RemoteWaits`]).
     pub waits: Arc<WaitControl>,
+    /// Memory the client maps (a BAR's backing): it belongs to the slot, so a device that
+    /// replaces another is lent the same objects (see [`MemoryObjects`]).
+    pub memory: Arc<MemoryObjects>,
+}
+
+/// The memory objects of a device slot, by name: what the client maps (softgpu VRAM today, a
+/// BAR's backing later) cannot be re-pointed under it (no protocol message revokes a mapping),
+/// so it lives with the slot, next to the DMA space and the interrupts, and every device in
+/// the slot is lent it. Names are namespaced by device kind (`"softgpu.vram"`).
+#[derive(Default)]
+pub struct MemoryObjects {
+    objects: std::sync::Mutex<Vec<(&'static str, Arc<dyn std::any::Any + Send + Sync>)>>,
+}
+
+impl std::fmt::Debug for MemoryObjects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let objects = self.objects.lock().unwrap_or_else(|p| p.into_inner());
+        let names: Vec<&str> = objects.iter().map(|(n, _)| *n).collect();
+        f.debug_struct("MemoryObjects")
+            .field("objects", &names)
+            .finish()
+    }
+}
+
+impl MemoryObjects {
+    /// The object called `name`, if there is one of type `T`.
+    pub fn get<T: std::any::Any + Send + Sync>(&self, name: &str) -> Option<Arc<T>> {
+        let objects = self.objects.lock().unwrap_or_else(|p| p.into_inner());
+        let (_, object) = objects.iter().find(|(n, _)| *n == name)?;
+        Arc::clone(object).downcast::<T>().ok()
+    }
+
+    /// Puts `object` under `name`, replacing what was there.
+    pub fn insert<T: std::any::Any + Send + Sync>(&self, name: &'static str, object: Arc<T>) {
+        let mut objects = self.objects.lock().unwrap_or_else(|p| p.into_inner());
+        objects.retain(|(n, _)| *n != name);
+        objects.push((name, object));
+    }
+
+    /// The object called `name` (of type `T`), made by `make` if there is none yet. An object
+    /// of another type under that name is replaced.
+    pub fn get_or_try_insert<T, E>(
+        &self,
+        name: &'static str,
+        make: impl FnOnce() -> std::result::Result<T, E>,
+    ) -> std::result::Result<Arc<T>, E>
+    where
+        T: std::any::Any + Send + Sync,
+    {
+        let mut objects = self.objects.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, object)) = objects.iter().find(|(n, _)| *n == name)
+            && let Ok(t) = Arc::clone(object).downcast::<T>()
+        {
+            return Ok(t);
+        }
+        let t = Arc::new(make()?);
+        objects.retain(|(n, _)| *n != name);
+        objects.push((name, t.clone()));
+        Ok(t)
+    }
 }
 
 /// Server→client waits that a device can cut short.
@@ -305,4 +366,35 @@ pub enum MigArc {
     StartResuming,
     /// RESUMING → STOP: the stream is complete; validate and load it.
     EndResuming,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_objects_are_found_by_name_and_type() {
+        let m = MemoryObjects::default();
+        let made = m
+            .get_or_try_insert("a.vram", || Ok::<_, ()>(7u64))
+            .expect("made");
+        let again = m
+            .get_or_try_insert("a.vram", || Err::<u64, ()>(()))
+            .expect("found, not made again");
+        assert!(Arc::ptr_eq(&made, &again));
+        assert_eq!(m.get::<u64>("a.vram").as_deref(), Some(&7));
+        assert!(
+            m.get::<u32>("a.vram").is_none(),
+            "another type is not that object"
+        );
+        assert!(m.get::<u64>("b.vram").is_none());
+        assert_eq!(
+            m.get_or_try_insert("b.vram", || Err::<u64, &str>("no memory")),
+            Err("no memory"),
+            "a failed make inserts nothing"
+        );
+        assert!(m.get::<u64>("b.vram").is_none());
+        m.insert("a.vram", Arc::new(9u64));
+        assert_eq!(m.get::<u64>("a.vram").as_deref(), Some(&9));
+    }
 }

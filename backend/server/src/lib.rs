@@ -176,6 +176,7 @@ impl Server {
             // Sized to the VFIO maximum until the device has described itself.
             irqs: Arc::new(Interrupts::new(&[1, 1, 2048, 1, 1])),
             waits: Default::default(),
+            memory: Default::default(),
         };
         ctx.dma.set_log_budget(config.dirty_log_budget);
         let device: Box<dyn PciDevice> =

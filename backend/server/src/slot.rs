@@ -294,6 +294,7 @@ mod tests {
             dma: Arc::new(DmaSpace::new(4)),
             irqs: Arc::new(Interrupts::new(&[0, 0, 0, 0, 0])),
             waits: Arc::new(WaitControl::default()),
+            memory: Default::default(),
         };
         let inner = Slot {
             device: Box::new(Counted::new(0x1000, true, handed)),

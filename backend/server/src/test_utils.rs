@@ -132,6 +132,7 @@ pub(crate) fn slot_with(device: Box<dyn PciDevice>, max_maps: usize) -> DeviceSl
         dma: Arc::new(DmaSpace::new(max_maps)),
         irqs: Arc::new(Interrupts::new(&device.description().irq_counts())),
         waits: Arc::new(WaitControl::default()),
+        memory: Default::default(),
     };
     ctx.dma.set_observer(device.dma_observer());
     ctx.dma.set_dirty_source(device.dirty_source());

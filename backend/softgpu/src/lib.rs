@@ -323,9 +323,8 @@ enum Migration {
     Load(Box<mig::MigSink>),
 }
 
-/// A device's VRAM as mapped by it, to build its successor on ([`SoftGpu::shared_vram`]).
-#[derive(Debug, Clone)]
-pub struct SharedVram(Arc<vram::Vram>);
+/// The slot's memory object holding softgpu VRAM (see [`DeviceContext::memory`]).
+const VRAM_OBJECT: &str = "softgpu.vram";
 
 /// The software GPU. See the crate documentation for the programming model.
 #[derive(Debug)]
@@ -399,67 +398,67 @@ fn build_config_space(config: &SoftGpuConfig) -> ConfigSpace {
 }
 
 impl SoftGpu {
-    /// Creates a device with fresh, zeroed VRAM (a sealed memfd) and starts its engines.
+    /// Creates a device and starts its engines. Its VRAM (a sealed memfd, zeroed when new) is
+    /// the slot's: the memory object `"softgpu.vram"` of `ctx.memory`, made here if the slot
+    /// has none yet, so that a device replacing this one is lent the same VRAM.
     pub fn new(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
-        let vram = vram::Vram::create(config.vram_size, !config.vram_mmap)?;
-        Self::start(config, ctx, Arc::new(vram), Holds::default())
+        let vram = ctx.memory.get_or_try_insert(VRAM_OBJECT, || {
+            vram::Vram::create(config.vram_size, !config.vram_mmap)
+        })?;
+        Self::on_slot_vram(config, ctx, vram, Holds::default())
     }
 
-    /// Creates a device on an existing VRAM backing file of exactly `config.vram_size` bytes,
-    /// e.g. the [`SoftGpu::vram_file`] of a device this one replaces (the client keeps its
-    /// mapping of that file). The contents are kept.
+    /// Creates a device on an existing VRAM backing file of exactly `config.vram_size` bytes
+    /// (the contents are kept), which becomes the slot's VRAM object.
     pub fn with_vram(
         config: SoftGpuConfig,
         ctx: DeviceContext,
         vram: Arc<File>,
     ) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
-        let vram = vram::Vram::adopt(vram, config.vram_size, !config.vram_mmap)?;
-        Self::start(config, ctx, Arc::new(vram), Holds::default())
+        let vram = Arc::new(vram::Vram::adopt(
+            vram,
+            config.vram_size,
+            !config.vram_mmap,
+        )?);
+        ctx.memory.insert(VRAM_OBJECT, vram.clone());
+        Self::start(config, ctx, vram, Holds::default())
     }
 
-    /// Creates a device on another device's VRAM as it is mapped there
-    /// ([`SoftGpu::shared_vram`]): no new mapping, no page faults on first access, nothing to
-    /// unmap when the old device goes. For a swap, build the successor with
-    /// [`SoftGpu::successor`] instead (parked until it has the state).
-    pub fn with_shared_vram(
-        config: SoftGpuConfig,
-        ctx: DeviceContext,
-        vram: SharedVram,
-    ) -> Result<SoftGpu, SoftGpuError> {
-        Self::on_shared_vram(config, ctx, vram, Holds::default())
-    }
-
-    /// Builds the device that is to replace the one whose [`SoftGpu::config`] and
-    /// [`SoftGpu::shared_vram`] are given, on the server's `ctx` (a swap: the server's
-    /// `DeviceSlot::swap`). It starts parked with power-on registers, touching nothing, and
-    /// runs only once [`Swappable::hand_over`] has given it the old device's state. Building
-    /// (starting engine threads) is the slow part of a swap: do it before taking the slot.
-    pub fn successor(
-        config: SoftGpuConfig,
-        ctx: DeviceContext,
-        vram: SharedVram,
-    ) -> Result<SoftGpu, SoftGpuError> {
+    /// Builds the device that is to replace the one in the slot whose context is `ctx` (a
+    /// swap: the server's `DeviceSlot::swap`), on the slot's VRAM as it is mapped there: no
+    /// new mapping, no page faults, nothing to unmap when the old device goes. It starts
+    /// parked with power-on registers, touching nothing, and runs only once
+    /// [`Swappable::hand_over`] has given it the old device's state. Building (starting engine
+    /// threads) is the slow part of a swap: do it before taking the slot.
+    pub fn successor(config: SoftGpuConfig, ctx: DeviceContext) -> Result<SoftGpu, SoftGpuError> {
+        config.validate()?;
+        let vram = ctx
+            .memory
+            .get::<vram::Vram>(VRAM_OBJECT)
+            .ok_or(StateError::Inconsistent(
+                "the slot has no softgpu VRAM to take over",
+            ))?;
         let holds = Holds {
             successor: true,
             ..Holds::default()
         };
-        Self::on_shared_vram(config, ctx, vram, holds)
+        Self::on_slot_vram(config, ctx, vram, holds)
     }
 
-    fn on_shared_vram(
+    fn on_slot_vram(
         config: SoftGpuConfig,
         ctx: DeviceContext,
-        vram: SharedVram,
+        vram: Arc<vram::Vram>,
         holds: Holds,
     ) -> Result<SoftGpu, SoftGpuError> {
-        config.validate()?;
-        let v = &vram.0;
-        if v.size() != config.vram_size || v.tracked() == config.vram_mmap {
-            return Err(StateError::Inconsistent("shared VRAM of another configuration").into());
+        if vram.size() != config.vram_size || vram.tracked() == config.vram_mmap {
+            return Err(
+                StateError::Inconsistent("the slot's VRAM is of another configuration").into(),
+            );
         }
-        Self::start(config, ctx, vram.0, holds)
+        Self::start(config, ctx, vram, holds)
     }
 
     fn start(
@@ -573,11 +572,6 @@ impl SoftGpu {
     /// The VRAM backing file (a memfd unless adopted), e.g. to copy VRAM for migration.
     pub fn vram_file(&self) -> &Arc<File> {
         self.shared.vram.file()
-    }
-
-    /// This device's VRAM, mapped, for [`SoftGpu::with_shared_vram`].
-    pub fn shared_vram(&self) -> SharedVram {
-        SharedVram(self.shared.vram.clone())
     }
 
     /// Identity of the VRAM backing.

@@ -89,11 +89,11 @@ impl Swappable for SoftGpu {
         Arc::new(self.engine_control())
     }
 
-    /// A softgpu on the same VRAM mapping ([`SoftGpu::successor`]).
+    /// A softgpu on the slot's VRAM ([`SoftGpu::successor`]).
     fn successor(&self) -> SuccessorFactory {
-        let (config, vram) = (self.config(), self.shared_vram());
+        let config = self.config();
         Box::new(move |ctx| {
-            SoftGpu::successor(config, ctx, vram)
+            SoftGpu::successor(config, ctx)
                 .map(|next| Box::new(next) as Box<dyn PciDevice>)
                 .map_err(|e| DeviceError::Failed(Box::new(e)))
         })

@@ -13,11 +13,12 @@ use std::time::Duration;
 use common::driver::{Driver, guest, wait_eventfd};
 use common::ours::Ours;
 use switchyard_client::Client;
+use switchyard_device::DeviceContext;
 use switchyard_proto::consts::*;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle, SwapError};
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
-use switchyard_softgpu::{EngineControl, SharedVram, SoftGpu, SoftGpuConfig};
+use switchyard_softgpu::{EngineControl, SoftGpu, SoftGpuConfig};
 
 struct InProcess {
     slot: DeviceSlot,
@@ -57,17 +58,27 @@ impl InProcess {
     }
 }
 
-/// The softgpu in the slot: its engine control, configuration and VRAM mapping.
-fn parts(slot: &DeviceSlot) -> (EngineControl, SoftGpuConfig, SharedVram) {
-    slot.with_as(|d: &mut SoftGpu| (d.engine_control(), d.config(), d.shared_vram()))
+/// The softgpu in the slot: its engine control and configuration.
+fn parts(slot: &DeviceSlot) -> (EngineControl, SoftGpuConfig) {
+    slot.with_as(|d: &mut SoftGpu| (d.engine_control(), d.config()))
         .expect("the slot holds a softgpu")
 }
 
-/// The current device's engine control and a parked successor (built outside the slot).
+/// The current device's engine control and a parked successor (built outside the slot, on
+/// the slot's VRAM).
 fn successor(slot: &DeviceSlot) -> (EngineControl, SoftGpu) {
-    let (ctl, config, vram) = parts(slot);
-    let next = SoftGpu::successor(config, slot.context().clone(), vram).expect("successor");
+    let (ctl, config) = parts(slot);
+    let next = SoftGpu::successor(config, slot.context().clone()).expect("successor");
     (ctl, next)
+}
+
+/// The slot's context with memory objects of its own: a device built on it gets VRAM of its
+/// own, as a device of another slot would.
+fn other_memory(slot: &DeviceSlot) -> DeviceContext {
+    DeviceContext {
+        memory: Default::default(),
+        ..slot.context().clone()
+    }
 }
 
 impl Drop for InProcess {
@@ -202,22 +213,19 @@ fn refused_swaps_leave_the_old_device_serving() {
         .expect("write");
 
     // A device on another VRAM object would break the client's mapping.
-    let other = SoftGpu::new(CONFIG, server.slot.context().clone()).expect("device");
+    let other = SoftGpu::new(CONFIG, other_memory(&server.slot)).expect("device");
     let other = server.slot.swap(Box::new(other));
     assert!(
         matches!(other, Err(SwapError::Incompatible(_))),
         "{other:?}"
     );
     // A device of another configuration on the same VRAM (the client sees NUM_QUEUES).
-    let (config, vram) = {
-        let (_, config, vram) = parts(&server.slot);
-        (config, vram)
-    };
+    let (_, config) = parts(&server.slot);
     let one = SoftGpuConfig {
         queues: 1,
         ..config
     };
-    let fewer = SoftGpu::successor(one, server.slot.context().clone(), vram).expect("device");
+    let fewer = SoftGpu::successor(one, server.slot.context().clone()).expect("device");
     let fewer = server.slot.swap(Box::new(fewer));
     assert!(
         matches!(fewer, Err(SwapError::Incompatible(_))),
@@ -358,20 +366,20 @@ fn incompatible_successors_are_refused_before_anything_runs_on_them() {
         thread::spawn(move || {
             let mut refused = 0u32;
             while !done.load(Ordering::SeqCst) {
-                let (ctl, config, vram) = parts(&slot);
+                let (ctl, config) = parts(&slot);
                 // Alternately: one queue fewer on the same VRAM, and VRAM of another size.
                 let next = if refused.is_multiple_of(2) {
                     let other = SoftGpuConfig {
                         queues: 1,
                         ..config
                     };
-                    SoftGpu::successor(other, slot.context().clone(), vram)
+                    SoftGpu::successor(other, slot.context().clone())
                 } else {
                     let other = SoftGpuConfig {
                         vram_size: 32 << 20,
                         ..config
                     };
-                    SoftGpu::new(other, slot.context().clone())
+                    SoftGpu::new(other, other_memory(&slot))
                 }
                 .expect("successor");
                 let parked = ctl.park();

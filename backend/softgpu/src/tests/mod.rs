@@ -10,6 +10,7 @@ mod msi;
 mod msix;
 mod props;
 mod resets;
+mod slot_memory;
 mod state;
 
 use std::fs::File;
@@ -175,6 +176,7 @@ impl Harness {
             dma: dma.clone(),
             irqs: irqs.clone(),
             waits: Default::default(),
+            memory: Default::default(),
         };
         let gpu = SoftGpu::new(config, ctx).expect("softgpu");
         Self {
@@ -224,6 +226,7 @@ impl Harness {
             dma: self.dma.clone(),
             irqs: self.irqs.clone(),
             waits: Default::default(),
+            memory: Default::default(),
         }
     }
 

@@ -102,6 +102,7 @@ fn start_checks_the_vectors_each_mode_needs() {
             dma: Arc::new(DmaSpace::new(4)),
             irqs: Arc::new(Interrupts::new(counts)),
             waits: Default::default(),
+            memory: Default::default(),
         };
         let config = SoftGpuConfig {
             vram_size: 1 << 20,
