@@ -25,6 +25,12 @@ scripts/check-msrv.sh
 step "cargo doc (-D warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
+step "error messages are sentence case (thiserror #[error(...)] starts with a capital)"
+if grep -rn --include='*.rs' '#\[error("[a-z]' backend vmm-integration guest-tests; then
+  echo "test.sh: error: the #[error] messages above start in lower case" >&2
+  exit 1
+fi
+
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 

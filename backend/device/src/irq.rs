@@ -43,10 +43,10 @@ impl IrqIndex {
 #[derive(Debug, thiserror::Error)]
 pub enum IrqError {
     /// The index does not exist on this device.
-    #[error("interrupt index {0} does not exist")]
+    #[error("Interrupt index {0} does not exist")]
     NoSuchIndex(u32),
     /// `start`/`count` fall outside the vectors of the index.
-    #[error("interrupt vectors {start}+{count} exceed the {available} of index {index}")]
+    #[error("Interrupt vectors {start}+{count} exceed the {available} of index {index}")]
     OutOfRange {
         /// The index.
         index: u32,
@@ -58,7 +58,7 @@ pub enum IrqError {
         available: u32,
     },
     /// The number of fds or bools does not match `count`.
-    #[error("expected {expected} values for the interrupt vectors, got {got}")]
+    #[error("Expected {expected} values for the interrupt vectors, got {got}")]
     CountMismatch {
         /// Expected.
         expected: u32,
@@ -66,7 +66,7 @@ pub enum IrqError {
         got: usize,
     },
     /// Signalling an eventfd failed.
-    #[error("cannot signal the interrupt eventfd")]
+    #[error("Cannot signal the interrupt eventfd")]
     Signal(#[source] std::io::Error),
 }
 

@@ -44,10 +44,10 @@ pub const NUM_PCI_REGIONS: u32 = 9;
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     /// The region index does not exist or is empty.
-    #[error("region {0} does not exist")]
+    #[error("Region {0} does not exist")]
     NoSuchRegion(u32),
     /// The access falls outside the region.
-    #[error("access of {len} bytes at {offset:#x} is outside region {region}")]
+    #[error("Access of {len} bytes at {offset:#x} is outside region {region}")]
     OutOfRange {
         /// Region index.
         region: u32,
@@ -57,7 +57,7 @@ pub enum DeviceError {
         len: usize,
     },
     /// The region does not support this kind of access (e.g. a width it cannot do).
-    #[error("region {region} does not support a {len}-byte access at {offset:#x}")]
+    #[error("Region {region} does not support a {len}-byte access at {offset:#x}")]
     BadAccess {
         /// Region index.
         region: u32,
@@ -67,22 +67,22 @@ pub enum DeviceError {
         len: usize,
     },
     /// The operation is not supported by this device.
-    #[error("operation not supported by this device")]
+    #[error("Operation not supported by this device")]
     Unsupported,
     /// Saved device state could not be decoded or does not fit this device.
-    #[error("invalid device state")]
+    #[error("Invalid device state")]
     BadState(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A DMA access failed.
     #[error("DMA access failed")]
     Dma(#[from] DmaError),
     /// An interrupt operation failed.
-    #[error("interrupt operation failed")]
+    #[error("Interrupt operation failed")]
     Irq(#[from] IrqError),
     /// The device model failed (building a successor, handing its state over, ...).
-    #[error("the device model failed")]
+    #[error("The device model failed")]
     Failed(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// An I/O error (creating backing memory, threads, ...).
-    #[error("device I/O failed")]
+    #[error("Device I/O failed")]
     Io(#[from] std::io::Error),
 }
 

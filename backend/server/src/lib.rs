@@ -39,25 +39,25 @@ use switchyard_proto::{MigState, ProtoError, ServerLimits};
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     /// The socket path exists and is not a socket.
-    #[error("socket path {0} exists and is not a socket")]
+    #[error("Socket path {0} exists and is not a socket")]
     SocketPathTaken(PathBuf),
     /// Another server is listening on the socket path.
-    #[error("socket {0} is in use by another server")]
+    #[error("Socket {0} is in use by another server")]
     SocketInUse(PathBuf),
     /// The socket path is longer than AF_UNIX allows.
     #[error("Socket path {0} is {1} bytes long; AF_UNIX socket paths are limited to 107 bytes")]
     SocketPathTooLong(PathBuf, usize),
     /// Binding the socket failed.
-    #[error("cannot bind socket {0}")]
+    #[error("Cannot bind socket {0}")]
     Bind(PathBuf, #[source] io::Error),
     /// Accepting clients failed.
-    #[error("cannot accept clients")]
+    #[error("Cannot accept clients")]
     Accept(#[source] io::Error),
     /// The device model failed to start.
-    #[error("cannot create the device")]
+    #[error("Cannot create the device")]
     Device(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// Encoding a reply failed (a bug: replies are built from validated values).
-    #[error("cannot encode a reply")]
+    #[error("Cannot encode a reply")]
     Encode(#[source] ProtoError),
 }
 

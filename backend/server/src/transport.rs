@@ -29,17 +29,17 @@ pub const MAX_FDS_PER_READ: usize = 32;
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
     /// The peer closed the connection cleanly between messages.
-    #[error("peer closed the connection")]
+    #[error("Peer closed the connection")]
     Closed,
     /// The peer closed the connection in the middle of a message.
-    #[error("peer closed the connection in the middle of a message")]
+    #[error("Peer closed the connection in the middle of a message")]
     Truncated,
     /// A header announced a message that cannot be valid (too small or too large): the stream
     /// cannot be framed any more. The header is kept so an error reply can still be sent.
-    #[error("invalid message header")]
+    #[error("Invalid message header")]
     BadHeader(Option<Header>, #[source] switchyard_proto::ProtoError),
     /// The socket failed.
-    #[error("socket I/O failed")]
+    #[error("Socket I/O failed")]
     Io(#[from] io::Error),
 }
 

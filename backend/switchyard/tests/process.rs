@@ -178,7 +178,7 @@ fn exit_codes_bad_arguments_2_runtime_error_1() {
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let err = text(&out.stderr);
     assert!(
-        err.contains("cannot bind socket") && err.contains("No such file or directory"),
+        err.contains("Cannot bind socket") && err.contains("No such file or directory"),
         "{err}"
     );
 }

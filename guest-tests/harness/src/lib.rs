@@ -43,22 +43,22 @@ pub enum HarnessError {
     #[error("{0}")]
     Io(String, #[source] std::io::Error),
     /// A step did not happen in time.
-    #[error("timed out after {0:?} waiting for {1}")]
+    #[error("Timed out after {0:?} waiting for {1}")]
     Timeout(Duration, String),
     /// A process exited unexpectedly.
     #[error("{0} exited early: {1}")]
     Exited(&'static str, ExitStatus),
     /// The guest ended without powering off cleanly.
-    #[error("the guest did not finish cleanly: {0}")]
+    #[error("The guest did not finish cleanly: {0}")]
     Unclean(String),
     /// A [`GuestSpec`] that cannot be passed on the kernel command line.
-    #[error("bad guest spec: {0}")]
+    #[error("Bad guest spec: {0}")]
     BadSpec(String),
     /// Building the QEMU command line failed.
-    #[error("cannot build the QEMU command line")]
+    #[error("Cannot build the QEMU command line")]
     Qemu(#[source] switchyard_qemu::QemuError),
     /// Building the initramfs failed.
-    #[error("building the initramfs failed: {0}")]
+    #[error("Building the initramfs failed: {0}")]
     Initramfs(String),
 }
 

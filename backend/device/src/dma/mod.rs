@@ -152,10 +152,10 @@ pub enum DmaError {
         size: u64,
     },
     /// The device's [`DmaObserver`] refused the window.
-    #[error("the device refused the DMA window")]
+    #[error("The device refused the DMA window")]
     Observer(#[source] Box<crate::DeviceError>),
     /// An unmap range cuts through a window.
-    #[error("unmap range {iova:#x}+{size:#x} splits a DMA mapping")]
+    #[error("Unmap range {iova:#x}+{size:#x} splits a DMA mapping")]
     PartialUnmap {
         /// Start of the requested range.
         iova: u64,
@@ -163,13 +163,13 @@ pub enum DmaError {
         size: u64,
     },
     /// Too many simultaneous mappings.
-    #[error("too many DMA mappings (limit {limit})")]
+    #[error("Too many DMA mappings (limit {limit})")]
     TooManyMappings {
         /// The configured limit.
         limit: usize,
     },
     /// Mapping the client's file descriptor failed.
-    #[error("cannot mmap the DMA window at {iova:#x}")]
+    #[error("Cannot mmap the DMA window at {iova:#x}")]
     Mmap {
         /// Start of the window.
         iova: u64,
@@ -178,7 +178,7 @@ pub enum DmaError {
         source: vm_memory::mmap::MmapRegionError,
     },
     /// The client's file descriptor cannot be inspected.
-    #[error("cannot inspect the file of the DMA window at {iova:#x}")]
+    #[error("Cannot inspect the file of the DMA window at {iova:#x}")]
     Backing {
         /// Start of the window.
         iova: u64,
@@ -187,7 +187,7 @@ pub enum DmaError {
         source: std::io::Error,
     },
     /// The descriptor is not a file that can back DMA memory.
-    #[error("the file of the DMA window at {iova:#x} cannot back DMA memory: {what}")]
+    #[error("The file of the DMA window at {iova:#x} cannot back DMA memory: {what}")]
     UnsupportedBacking {
         /// Start of the window.
         iova: u64,
@@ -208,7 +208,7 @@ pub enum DmaError {
         iova: u64,
     },
     /// The dirty logs would exceed their memory budget.
-    #[error("dirty logging needs {need} more bytes of bitmaps, over the budget of {budget}")]
+    #[error("Dirty logging needs {need} more bytes of bitmaps, over the budget of {budget}")]
     LogBudget {
         /// Bytes the logs would need in all.
         need: u64,
@@ -216,7 +216,7 @@ pub enum DmaError {
         budget: u64,
     },
     /// Memory for a dirty log could not be allocated.
-    #[error("cannot allocate a dirty log")]
+    #[error("Cannot allocate a dirty log")]
     LogAlloc(#[source] std::collections::TryReserveError),
     /// An access touched an address outside every mapping.
     #[error("DMA access at {iova:#x} is outside every mapping")]
@@ -249,7 +249,7 @@ pub enum DmaError {
         errno: i32,
     },
     /// Dirty logging was asked for with an unusable page size.
-    #[error("dirty page size {0:#x} is not a power of two multiple of 4 KiB")]
+    #[error("Dirty page size {0:#x} is not a power of two multiple of 4 KiB")]
     BadPageSize(u64),
     /// A dirty report was asked for outside a logging session.
     #[error("DMA dirty logging is not started")]
@@ -258,7 +258,7 @@ pub enum DmaError {
     #[error("DMA dirty logging is already started")]
     LoggingActive,
     /// The buffer for a dirty bitmap is too small.
-    #[error("dirty bitmap needs {need} bytes, the request has room for {room}")]
+    #[error("Dirty bitmap needs {need} bytes, the request has room for {room}")]
     BitmapTooSmall {
         /// Bytes the bitmap needs.
         need: u64,
