@@ -123,6 +123,19 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// `switchyard serve --socket SOCKET`, expected to fail at runtime (exit 1); its stderr.
+fn serve_fails(socket: &Path) -> String {
+    let out = Command::new(BIN)
+        .args(["serve", "--socket"])
+        .arg(socket)
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    text(&out.stderr)
+}
+
 /// A client that negotiates and reads the softgpu's MAGIC register: proof that a server is
 /// listening on `socket` and serving.
 fn assert_serves(socket: &Path) {
@@ -169,14 +182,7 @@ fn exit_codes_bad_arguments_2_runtime_error_1() {
 
     let dir = tempfile::tempdir().expect("tempdir");
     let missing = dir.path().join("no-such-dir/gpu.sock");
-    let out = Command::new(BIN)
-        .args(["serve", "--socket"])
-        .arg(&missing)
-        .env("RUST_LOG", "off")
-        .output()
-        .expect("run");
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    let err = text(&out.stderr);
+    let err = serve_fails(&missing);
     assert!(
         err.contains("Cannot bind socket") && err.contains("No such file or directory"),
         "{err}"
@@ -258,14 +264,7 @@ fn every_socket_path_length_af_unix_allows_binds_and_longer_ones_name_the_limit(
     // One byte more does not fit in sun_path: refused with the limit in the message.
     let case = tempfile::tempdir_in(base.path()).expect("tempdir");
     let socket = path_of_len(case.path(), "gpu.sock", 108);
-    let out = Command::new(BIN)
-        .args(["serve", "--socket"])
-        .arg(&socket)
-        .env("RUST_LOG", "off")
-        .output()
-        .expect("run");
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    let err = text(&out.stderr);
+    let err = serve_fails(&socket);
     assert!(
         err.contains("108 bytes") && err.contains("107 bytes"),
         "{err}"
