@@ -252,10 +252,12 @@ impl Dispatcher {
     /// A reply from the client: only answers to our DMA_READ/DMA_WRITE are expected.
     fn route_reply(&self, msg: &Message<'_>) {
         let h = &msg.header;
-        let outcome = if h.is_error() {
-            Err(h.error_no as i32)
-        } else {
-            Ok(msg.body.to_vec())
+        let outcome = || {
+            if h.is_error() {
+                Err(h.error_no as i32)
+            } else {
+                Ok(msg.body.to_vec())
+            }
         };
         let routed = self
             .client_dma
