@@ -58,6 +58,21 @@ impl InProcess {
     }
 }
 
+/// SAXPY counters: y = 1*x + y with x all ones is not idempotent, so y counts the executions
+/// of every command on it, and a command run by both the old and the new device shows.
+/// `N` floats of x (all ones) at `X` and of y (all zeros) at `Y` in guest memory.
+const N: usize = 4096;
+const X: u64 = 0x60_0000;
+const Y: u64 = 0x70_0000;
+
+fn reset_counters(mem: &common::GuestMemory) {
+    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
+        .flatten()
+        .collect();
+    mem.write(X, &ones);
+    mem.write(Y, &vec![0u8; N * 4]);
+}
+
 /// The softgpu in the slot: its engine control and configuration.
 fn parts(slot: &DeviceSlot) -> (EngineControl, SoftGpuConfig) {
     slot.with_as(|d: &mut SoftGpu| (d.engine_control(), d.config()))
@@ -129,16 +144,7 @@ fn queues_keep_completing_across_repeated_swaps() {
         })
     };
     // A job of many small commands on both queues while the device is swapped underneath.
-    // SAXPY (y = 1*x + y, x all ones) is not idempotent: y counts its executions, so a
-    // command run by both the old and the new device shows.
-    const N: usize = 4096;
-    const X: u64 = 0x60_0000;
-    const Y: u64 = 0x70_0000;
-    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
-        .flatten()
-        .collect();
-    d.mem.write(X, &ones);
-    d.mem.write(Y, &vec![0u8; N * 4]);
+    reset_counters(&d.mem);
     let mut completed = 0u64;
     for round in 0..100u64 {
         for q in 0..2u32 {
@@ -392,15 +398,7 @@ fn incompatible_successors_are_refused_before_anything_runs_on_them() {
             refused
         })
     };
-    // SAXPY (y = x + y, x all ones) counts its executions in y: a command run twice shows.
-    const N: usize = 4096;
-    const X: u64 = 0x60_0000;
-    const Y: u64 = 0x70_0000;
-    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
-        .flatten()
-        .collect();
-    d.mem.write(X, &ones);
-    d.mem.write(Y, &vec![0u8; N * 4]);
+    reset_counters(&d.mem);
     for round in 0..60u64 {
         for q in 0..2u32 {
             let y = guest(Y + u64::from(q) * 2 * N as u64);
