@@ -31,6 +31,15 @@ if grep -rn --include='*.rs' '#\[error("[a-z]' backend vmm-integration guest-tes
   exit 1
 fi
 
+step "unsafe code lives only in backend/sys (every other crate root forbids it)"
+missing=$(find backend vmm-integration guest-tests -path '*/target' -prune -o \
+  \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*.rs' \) -print |
+  grep -v '^backend/sys/' | xargs grep -L '^#!\[forbid(unsafe_code)\]' || true)
+if [ -n "$missing" ]; then
+  echo "test.sh: error: these crate roots lack #![forbid(unsafe_code)]:" $missing >&2
+  exit 1
+fi
+
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 

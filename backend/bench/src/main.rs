@@ -7,6 +7,8 @@
 //! measures and what limits it. Timings are reported, never asserted: the exit status only
 //! reflects whether every case could run.
 
+#![forbid(unsafe_code)]
+
 mod cases;
 mod downtime;
 mod floors;

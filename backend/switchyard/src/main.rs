@@ -8,6 +8,8 @@
 //! message in progress, remove the socket and exit 0. A runtime error exits 1. Bad arguments
 //! print a one-line error and exit 2; no arguments at all print the usage and exit 2.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

@@ -1,17 +1,59 @@
 //! DMA memory: anonymous mappings ("windows") placed at chosen IOVAs, a stack allocator over
 //! that IOVA range, and volatile CPU access by IOVA. The device may read and write this memory
 //! at any time, so it is never borrowed as a Rust slice; every CPU access is a volatile copy.
+//!
+//! A window mapped into the IOMMU ([`DmaArena::map`]) is a [`switchyard_sys::DmaMapping`]: it
+//! owns the memory together with the IOMMU mapping, removes the mapping before it frees the
+//! memory, and leaks the memory if the unmap fails. So this crate needs no `unsafe`.
 
+use std::sync::Arc;
+
+use switchyard_sys::DmaMapping;
+use vfio_ioctls::VfioOps;
 use vm_memory::VolatileMemory;
 use vm_memory::mmap::MmapRegion;
 
-/// One anonymous mapping and the IOVA it is (to be) mapped at.
+/// One window: anonymous memory and the IOVA it is (to be) mapped at.
 #[derive(Debug)]
 pub struct Window {
     /// IOVA of the first byte.
     pub iova: u64,
-    /// The memory.
-    pub region: MmapRegion<()>,
+    size: usize,
+    memory: Memory,
+}
+
+#[derive(Debug)]
+enum Memory {
+    /// Not mapped into an IOMMU.
+    Plain(MmapRegion<()>),
+    /// Mapped at `iova` into an IOMMU.
+    Mapped(DmaMapping),
+    /// Taken out while changing state, or leaked by a failed unmap.
+    Gone,
+}
+
+impl Window {
+    /// The memory, or an error if a failed unmap leaked it.
+    pub fn region(&self) -> Result<&MmapRegion<()>, String> {
+        match &self.memory {
+            Memory::Plain(r) => Ok(r),
+            Memory::Mapped(m) => Ok(m.memory()),
+            Memory::Gone => Err(format!(
+                "DMA window at IOVA {:#x} is gone (its unmap failed)",
+                self.iova
+            )),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Whether the window is mapped into an IOMMU.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.memory, Memory::Mapped(_))
+    }
 }
 
 /// Contiguous IOVA space `[base, base + windows * window_size)` backed by separate mappings, so
@@ -47,7 +89,8 @@ impl DmaArena {
                 .map_err(|e| format!("anonymous mmap of {len} bytes: {e}"))?;
             windows.push(Window {
                 iova: base + i as u64 * window_size,
-                region,
+                size: len,
+                memory: Memory::Plain(region),
             });
         }
         Ok(DmaArena {
@@ -61,6 +104,41 @@ impl DmaArena {
     /// The windows.
     pub fn windows(&self) -> &[Window] {
         &self.windows
+    }
+
+    /// Maps every window not mapped yet at its IOVA into `iommu` (read/write). On an error the
+    /// windows mapped so far stay mapped ([`DmaArena::unmap`] or dropping the arena removes
+    /// them).
+    pub fn map(&mut self, iommu: &Arc<dyn VfioOps>) -> Result<(), String> {
+        for w in &mut self.windows {
+            if let Memory::Plain(_) = w.memory {
+                let Memory::Plain(region) = std::mem::replace(&mut w.memory, Memory::Gone) else {
+                    unreachable!("checked above");
+                };
+                let mapping = DmaMapping::new(iommu.clone(), w.iova, region)
+                    .map_err(|e| crate::vfio::chain(&e))?;
+                w.memory = Memory::Mapped(mapping);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes every window's IOMMU mapping; a window whose unmap fails is leaked (the device
+    /// might still reach it) and reported.
+    pub fn unmap(&mut self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for w in &mut self.windows {
+            if let Memory::Mapped(_) = w.memory {
+                let Memory::Mapped(m) = std::mem::replace(&mut w.memory, Memory::Gone) else {
+                    unreachable!("checked above");
+                };
+                match m.unmap() {
+                    Ok(region) => w.memory = Memory::Plain(region),
+                    Err(e) => problems.push(crate::vfio::chain(&e)),
+                }
+            }
+        }
+        problems
     }
 
     /// First IOVA.
@@ -117,12 +195,12 @@ impl DmaArena {
             let w = self
                 .windows
                 .iter()
-                .find(|w| cur >= w.iova && cur < w.iova + w.region.size() as u64)
+                .find(|w| cur >= w.iova && cur < w.iova + w.size as u64)
                 .ok_or_else(|| format!("IOVA {cur:#x} not in any window"))?;
-            let wend = w.iova + w.region.size() as u64;
+            let wend = w.iova + w.size as u64;
             let n = (end.min(wend) - cur) as usize;
             let b = (cur - iova) as usize;
-            f(&w.region, (cur - w.iova) as usize, b..b + n)?;
+            f(w.region()?, (cur - w.iova) as usize, b..b + n)?;
             cur += n as u64;
         }
         Ok(())
@@ -208,7 +286,8 @@ mod tests {
         // Each window holds its own part.
         let mut w1 = vec![0u8; 0x1000];
         a.windows()[1]
-            .region
+            .region()
+            .expect("plain window")
             .as_volatile_slice()
             .copy_to(&mut w1[..]);
         assert_eq!(&w1[..6000 - (0x1000 - 100)], &data[0x1000 - 100..]);

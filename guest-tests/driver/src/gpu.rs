@@ -116,10 +116,11 @@ pub struct GpuOptions {
 
 /// The device, brought up and ready for commands.
 ///
-/// Field order is drop order, and it matters: the BAR mappings (which keep the device fd open)
-/// and then `vfio` go before `dma`. Dropping `vfio` closes the device, detaches the group and
-/// closes the container, and the kernel then removes every IOMMU mapping of the container, so
-/// no DMA mapping can outlive the memory in `dma`, whatever `shutdown` managed to unmap.
+/// Dropping it runs [`Gpu::shutdown`] (queues reset, bus mastering off, interrupts and DMA
+/// unmapped). Memory safety does not depend on that or on field order: each DMA window owns
+/// its IOMMU mapping and never frees memory the device could still reach. `dma` is declared
+/// before `vfio` so that its unmaps (if `shutdown` did not run them) happen while the
+/// container still has the device's group.
 pub struct Gpu {
     /// BAR0 (registers).
     pub bar0: BarMap,
@@ -127,10 +128,10 @@ pub struct Gpu {
     pub vram: BarMap,
     /// The interrupts (MSI-X or MSI eventfds).
     pub irqs: InterruptSource,
+    /// DMA memory ([`Gpu::dma`]), windows mapped through the device's IOMMU.
+    dma: DmaArena,
     /// The VFIO device (private, like `dma`: neither can be replaced from outside).
     vfio: Vfio,
-    /// DMA memory ([`Gpu::dma`]); declared after `vfio`, see above.
-    dma: DmaArena,
     /// Queues the device has.
     pub nq: u32,
     /// VRAM bytes.
@@ -143,9 +144,6 @@ pub struct Gpu {
     pub config: Vec<u8>,
     fence_slots: u64,
     queues: Vec<Queue>,
-    /// Set before the first `VFIO_IOMMU_MAP_DMA`: some window may be mapped, so `shutdown`
-    /// tries to unmap them all.
-    dma_mapped: bool,
     irqs_enabled: bool,
 }
 
@@ -269,8 +267,8 @@ impl Gpu {
             bar0,
             vram,
             irqs,
-            vfio,
             dma,
+            vfio,
             nq,
             vram_size,
             stats: Stats::default(),
@@ -278,24 +276,13 @@ impl Gpu {
             config,
             fence_slots: 0,
             queues: Vec::new(),
-            dma_mapped: false,
             irqs_enabled: true,
         };
-        // Before the loop: if a later window fails to map, `shutdown` (run by `Drop` on the
-        // early return) still unmaps the earlier ones.
-        gpu.dma_mapped = true;
-        for w in gpu.dma.windows() {
-            // SAFETY: the window is an anonymous mapping owned by `gpu.dma`; it is neither
-            // unmapped nor reused before `gpu` is dropped. Every IOMMU mapping of it ends no
-            // later than `gpu.vfio` is dropped (its container removes all of its mappings when
-            // it is released), and `gpu.vfio` is dropped before `gpu.dma` (field order of
-            // `Gpu`). `shutdown` unmaps the windows earlier, but a failed map or unmap does not
-            // break this. The CPU only touches the window with volatile copies.
-            unsafe {
-                gpu.vfio
-                    .dma_map(w.iova, w.region.size(), w.region.as_ptr())?;
-            }
-        }
+        // If a later window fails to map, the earlier ones stay mapped until `shutdown` (run by
+        // `Drop` on the early return) or the arena's drop unmaps them: each window owns its
+        // IOMMU mapping (`switchyard_sys::DmaMapping`).
+        let iommu = gpu.vfio.iommu();
+        gpu.dma.map(&iommu)?;
         say!(
             "DMA: {} windows of {} MiB mapped at IOVA {:#x}..{:#x} through the IOMMU in {} ms",
             gpu.dma.windows().len(),
@@ -628,7 +615,7 @@ impl Gpu {
     /// MSI-X (MSI) off and removes the DMA mappings. Idempotent; errors are reported, not fatal.
     pub fn shutdown(&mut self) -> Vec<String> {
         let mut problems = Vec::new();
-        if !self.dma_mapped && !self.irqs_enabled {
+        if !self.dma.windows().iter().any(|w| w.is_mapped()) && !self.irqs_enabled {
             return problems;
         }
         for q in 0..self.nq {
@@ -659,14 +646,7 @@ impl Gpu {
             }
             self.irqs_enabled = false;
         }
-        if self.dma_mapped {
-            for w in self.dma.windows() {
-                if let Err(e) = self.vfio.dma_unmap(w.iova, w.region.size()) {
-                    problems.push(e);
-                }
-            }
-            self.dma_mapped = false;
-        }
+        problems.extend(self.dma.unmap());
         problems
     }
 }

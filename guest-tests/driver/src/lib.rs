@@ -28,6 +28,8 @@
 //! # -> target/x86_64-unknown-linux-gnu/release/sygpu-driver
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod cli;
 pub mod cmd;
 pub mod dma;

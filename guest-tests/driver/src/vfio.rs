@@ -2,7 +2,6 @@
 //! `vfio-ioctls` crate (built without its KVM/MSHV features: it needs no hypervisor).
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -115,14 +114,7 @@ impl Vfio {
         let ops: Arc<dyn VfioOps> = container.clone();
         let device = VfioDevice::new(sysfs_path, ops, false)
             .map_err(|e| format!("VFIO device {}: {}", sysfs_path.display(), chain(&e)))?;
-        // SAFETY: the fd is owned by `device`, which is alive for this call; it is only
-        // borrowed to duplicate it.
-        let borrowed = unsafe { BorrowedFd::borrow_raw(device.as_raw_fd()) };
-        let file = File::from(
-            borrowed
-                .try_clone_to_owned()
-                .map_err(|e| format!("dup VFIO device fd: {e}"))?,
-        );
+        let file = switchyard_sys::dup_device_fd(&device).map_err(|e| chain(&e))?;
         Ok(Vfio {
             file,
             device,
@@ -273,32 +265,9 @@ impl Vfio {
             .map_err(|e| format!("{} at {offset:#x}: {e}", path.display()))
     }
 
-    /// Maps `[addr, addr + size)` of this process at `iova` in the device's IOMMU domain
-    /// (`VFIO_IOMMU_MAP_DMA`, read/write).
-    ///
-    /// # Safety
-    ///
-    /// The memory must stay mapped (and only be accessed volatilely by the CPU) until
-    /// [`Vfio::dma_unmap`] succeeds for the same range or this `Vfio` is dropped (releasing
-    /// the container removes all of its mappings), because the device can read and write it
-    /// at any time.
-    pub unsafe fn dma_map(&self, iova: u64, size: usize, addr: *mut u8) -> Result<(), String> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.container.vfio_dma_map(iova, size, addr) }.map_err(|e| {
-            format!(
-                "VFIO_IOMMU_MAP_DMA iova {iova:#x} size {size:#x}: {}",
-                chain(&e)
-            )
-        })
-    }
-
-    /// Removes a mapping made by [`Vfio::dma_map`].
-    pub fn dma_unmap(&self, iova: u64, size: usize) -> Result<(), String> {
-        self.container.vfio_dma_unmap(iova, size).map_err(|e| {
-            format!(
-                "VFIO_IOMMU_UNMAP_DMA iova {iova:#x} size {size:#x}: {}",
-                chain(&e)
-            )
-        })
+    /// The IOMMU domain (the type1v2 container) the device's DMA goes through, for
+    /// [`crate::dma::DmaArena::map`].
+    pub fn iommu(&self) -> Arc<dyn VfioOps> {
+        self.container.clone()
     }
 }

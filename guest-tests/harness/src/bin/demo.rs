@@ -5,6 +5,8 @@
 //! Output goes through `say!`: when stdout is closed (`scripts/demo.sh | head`) the demo stops,
 //! stops the guest and the server, and exits 0 without a message, instead of panicking.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 

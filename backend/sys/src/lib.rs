@@ -1,0 +1,29 @@
+//! The one crate of Switchyard that contains `unsafe` code; every other crate is
+//! `#![forbid(unsafe_code)]`.
+//!
+//! What lives here is what no library in the field offers as a safe API:
+//!
+//! - [`DmaMapping`]: memory mapped into a VFIO IOMMU domain, **owned together with its
+//!   mapping**. `VFIO_IOMMU_MAP_DMA` lets a device read and write the memory at any time, so
+//!   `vfio-ioctls` rightly makes `VfioOps::vfio_dma_map` an `unsafe fn`: nothing stops the
+//!   caller from freeing the memory while the device still reaches it. A `DmaMapping` holds the
+//!   memory and the IOMMU (an `Arc`, so the container outlives it), and when it is dropped it
+//!   removes the IOMMU mapping *before* it releases the memory; if the unmap fails, the memory
+//!   is leaked on purpose (a leak is safe, a freed page the device can still write is not). The
+//!   CPU only reaches the memory through vm-memory's volatile accessors, never as a Rust
+//!   reference, because the device may write it concurrently.
+//! - [`dup_device_fd`]: an owned duplicate of a `VfioDevice`'s descriptor (the crate exposes
+//!   only `AsRawFd`), for positioned reads and writes of its regions.
+//!
+//! Users: the in-guest driver (`guest-tests/driver`) maps its DMA windows with it, so every
+//! guest test exercises this code against a real IOMMU (the guest's `intel-iommu`); the
+//! passthrough backend maps the client's memory into a physical device's IOMMU with it.
+//!
+//! Every `unsafe` block carries a `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks`
+//! is denied in the workspace).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod vfio;
+
+pub use vfio::{DmaMapping, Error, dup_device_fd};
