@@ -17,6 +17,7 @@
 // Every dependency is used (the test build also sees the dev-dependencies, hence not there).
 #![cfg_attr(not(test), deny(unused_crate_dependencies))]
 
+pub mod blackbox;
 pub mod config;
 pub mod dirty;
 pub mod dma;
