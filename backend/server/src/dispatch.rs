@@ -32,7 +32,18 @@ fn send(
     r
 }
 
-pub(crate) fn serve_connection(server: &mut Server, stream: UnixStream) -> Result<(), ServerError> {
+/// A connection a replaced process was serving: its framer rebuilt from the receive journal
+/// and the VERSION request it negotiated.
+pub(crate) struct Resume {
+    pub(crate) framer: crate::transport::Framer,
+    pub(crate) version: Option<(u16, u16, Vec<u8>)>,
+}
+
+pub(crate) fn serve_connection(
+    server: &mut Server,
+    stream: UnixStream,
+    resume: Option<Resume>,
+) -> Result<(), ServerError> {
     let writer = Arc::new(stream.try_clone().map_err(ServerError::Accept)?);
     let send_lock = Arc::new(Mutex::new(()));
     let mut d = Dispatcher::new(
@@ -43,7 +54,17 @@ pub(crate) fn serve_connection(server: &mut Server, stream: UnixStream) -> Resul
             timeout: server.config.client_dma_timeout,
         }),
     );
-    let mut conn = Connection::new(stream, d.limits().max_msg_size, server.config.poll_spin);
+    d.set_continuity(server.continuity.clone());
+    let mut conn = match resume {
+        None => Connection::new(stream, d.limits().max_msg_size, server.config.poll_spin),
+        Some(r) => {
+            if let Err(e) = d.resume_session(&server.slot, r.version.as_ref()) {
+                tracing::error!(error = %e, "cannot resume the session of the replaced process");
+            }
+            Connection::resumed(stream, r.framer, server.config.poll_spin)
+        }
+    };
+    conn.set_continuity(server.continuity.clone());
     let result = loop {
         let outcome = match conn.recv() {
             Ok(msg) => d.handle(&server.slot, msg),
@@ -55,18 +76,20 @@ pub(crate) fn serve_connection(server: &mut Server, stream: UnixStream) -> Resul
             }
         };
         match outcome {
-            Outcome::Nothing => {}
+            Outcome::Nothing => conn.done(),
             Outcome::Reply => {
                 if let Err(e) = send(server, &writer, &send_lock, &mut d) {
                     tracing::warn!(error = %e, "cannot send a reply");
                     break Ok(());
                 }
+                conn.done();
             }
             Outcome::ErrorReply => {
                 if let Err(e) = send(server, &writer, &send_lock, &mut d) {
                     tracing::warn!(error = %e, "cannot send an error reply");
                     break Ok(());
                 }
+                conn.done();
             }
             Outcome::Close { reply } => {
                 if reply {

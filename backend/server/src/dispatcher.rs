@@ -26,6 +26,7 @@ use switchyard_proto::{
 };
 
 use crate::client_dma::{ClientDma, Routed};
+use crate::continuity::{Continuity, WindowRecord};
 use crate::migration;
 use crate::transport::Message;
 use crate::{DeviceSlot, Slot};
@@ -129,6 +130,11 @@ pub(crate) struct Dispatcher {
     posted_failures: LogLimiter,
     unsolicited_replies: LogLimiter,
     bad_irq_fds: LogLimiter,
+    /// Crash continuity (a pool worker): tables and session published as they change.
+    continuity: Option<Arc<Continuity>>,
+    /// The next request is the one a replaced process was handling: requests that a first
+    /// attempt may already have applied succeed again (see [`crate::continuity`]).
+    replaying: bool,
 }
 
 impl Dispatcher {
@@ -155,7 +161,62 @@ impl Dispatcher {
                 "SET_IRQS refused a file that is not an eventfd",
                 LOG_INTERVAL,
             ),
+            continuity: None,
+            replaying: false,
         }
+    }
+
+    /// Publishes tables and session into `continuity` from now on.
+    pub(crate) fn set_continuity(&mut self, continuity: Option<Arc<Continuity>>) {
+        self.continuity = continuity;
+    }
+
+    /// Continues a session a replaced process negotiated: the same VERSION request is
+    /// negotiated again (the same server limits give the same result), without a reply; the
+    /// next request is handled as a replay.
+    pub(crate) fn resume_session(
+        &mut self,
+        device_slot: &DeviceSlot,
+        version: Option<&(u16, u16, Vec<u8>)>,
+    ) -> Result<(), RequestError> {
+        if let Some((major, minor, data)) = version {
+            self.negotiate(device_slot, 0, *major, *minor, data)?;
+            // The reply is not sent again: the client has it.
+            self.out.clear();
+        }
+        self.replaying = true;
+        Ok(())
+    }
+
+    fn negotiate(
+        &mut self,
+        device_slot: &DeviceSlot,
+        id: u16,
+        major: u16,
+        minor: u16,
+        data: &[u8],
+    ) -> Result<(), RequestError> {
+        let n = negotiate_version(major, minor, data, &self.server_limits)?;
+        encode_version_reply(&mut self.out, id, &n.reply)?;
+        tracing::info!(
+            client_major = major,
+            client_minor = minor,
+            max_msg_fds = n.client.max_msg_fds,
+            max_data_xfer_size = n.client.max_data_xfer_size,
+            "version negotiated"
+        );
+        let cd = self
+            .client_dma_source
+            .connect(n.client.max_data_xfer_size as usize)
+            .map_err(DeviceError::Io)?;
+        device_slot.context().dma.set_remote(Some(cd.clone()));
+        device_slot.context().waits.set(Some(cd.clone()));
+        self.client_dma = Some(cd);
+        self.negotiated = Some(n.client);
+        if let Some(c) = &self.continuity {
+            c.version(major, minor, data);
+        }
+        Ok(())
     }
 
     /// The limits messages are framed and decoded with (`max_msg_size`).
@@ -171,7 +232,14 @@ impl Dispatcher {
             return Outcome::Nothing;
         }
         let (msg_id, cmd, no_reply) = (msg.header.msg_id, msg.header.cmd, msg.header.no_reply());
-        match self.request(device_slot, msg) {
+        let fd_ids =
+            (self.continuity.is_some() && !msg.fd_ids.is_empty()).then(|| msg.fd_ids.clone());
+        let result = self.request(device_slot, msg);
+        self.replaying = false;
+        if let (Some(c), Some(ids)) = (&self.continuity, fd_ids) {
+            c.settle(&ids);
+        }
+        match result {
             Ok(()) if no_reply => {
                 // A posted request's reply (and any descriptor it would carry) is dropped
                 // here, not sent with the next one.
@@ -341,23 +409,7 @@ impl Dispatcher {
                 if self.negotiated.is_some() {
                     return Err(invalid("version already negotiated"));
                 }
-                let n = negotiate_version(v.major, v.minor, v.data, &self.server_limits)?;
-                encode_version_reply(&mut self.out, id, &n.reply)?;
-                tracing::info!(
-                    client_major = v.major,
-                    client_minor = v.minor,
-                    max_msg_fds = n.client.max_msg_fds,
-                    max_data_xfer_size = n.client.max_data_xfer_size,
-                    "version negotiated"
-                );
-                let cd = self
-                    .client_dma_source
-                    .connect(n.client.max_data_xfer_size as usize)
-                    .map_err(DeviceError::Io)?;
-                device_slot.context().dma.set_remote(Some(cd.clone()));
-                device_slot.context().waits.set(Some(cd.clone()));
-                self.client_dma = Some(cd);
-                self.negotiated = Some(n.client);
+                self.negotiate(device_slot, id, v.major, v.minor, v.data)?;
             }
             Request::DmaMap(m) => {
                 if m.flags & VFIO_USER_F_DMA_REGION_FILE_IO != 0 {
@@ -370,6 +422,29 @@ impl Dispatcher {
                     read: m.flags & VFIO_USER_F_DMA_REGION_READ != 0,
                     write: m.flags & VFIO_USER_F_DMA_REGION_WRITE != 0,
                 };
+                let fd_id = msg.fd_ids.first().copied();
+                let record = WindowRecord {
+                    iova: m.address,
+                    size: m.size,
+                    offset: if msg.fds.is_empty() { 0 } else { m.offset },
+                    read: prot.read,
+                    write: prot.write,
+                    fd: None,
+                };
+                if self.replaying
+                    && let Some(c) = &self.continuity
+                    && c.has_window(&record, fd_id)
+                {
+                    // The replaced process mapped it and published it, then died before the
+                    // reply: the client still waits for that reply.
+                    tracing::info!(
+                        iova = m.address,
+                        size = m.size,
+                        "replayed DMA map: already mapped"
+                    );
+                    reply_empty(&mut self.out, id, Reply::DmaMap)?;
+                    return Ok(());
+                }
                 let backing = match msg.fds.into_iter().next() {
                     Some(fd) => {
                         if m.offset % 4096 != 0 {
@@ -387,6 +462,12 @@ impl Dispatcher {
                     .context()
                     .dma
                     .map(m.address, m.size, prot, backing)?;
+                if let Some(c) = &self.continuity {
+                    c.dma_mapped(WindowRecord {
+                        fd: fd_id.filter(|_| mmapped),
+                        ..record
+                    });
+                }
                 tracing::debug!(
                     iova = m.address,
                     size = m.size,
@@ -397,6 +478,9 @@ impl Dispatcher {
                 reply_empty(&mut self.out, id, Reply::DmaMap)?;
             }
             Request::DmaUnmap { unmap, bitmap } => {
+                let dma = &device_slot.context().dma;
+                let sync = |c: &Continuity| c.dma_sync(&dma.mappings());
+                let _sync = SyncOnDrop(self.continuity.as_deref(), sync);
                 if unmap.flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
                     device_slot.context().dma.unmap_all();
                     tracing::debug!("DMA unmap all");
@@ -543,6 +627,12 @@ impl Dispatcher {
                 Reply::DeviceGetIrqInfo(info).encode(id, &mut self.out)?;
             }
             Request::DeviceSetIrqs(set) => {
+                let eventfds = matches!(
+                    (set.action, set.data),
+                    (IrqAction::Trigger, IrqData::Eventfd)
+                );
+                let fd_ids = msg.fd_ids.clone();
+                let disable = set.count == 0;
                 set_irqs(
                     dev,
                     &device_slot.context().irqs,
@@ -550,6 +640,18 @@ impl Dispatcher {
                     msg.fds,
                     &self.bad_irq_fds,
                 )?;
+                if let Some(c) = &self.continuity {
+                    if disable {
+                        c.irqs_disabled(set.index);
+                    } else if eventfds {
+                        let ids: Vec<Option<u64>> = if fd_ids.is_empty() {
+                            vec![None; set.count as usize]
+                        } else {
+                            fd_ids.into_iter().map(Some).collect()
+                        };
+                        c.irqs_set(set.index, set.start, &ids);
+                    }
+                }
                 dev.irqs_changed(set.index);
                 reply_empty(&mut self.out, id, Reply::DeviceSetIrqs)?;
             }
@@ -765,6 +867,18 @@ fn device_feature(
 fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestError> {
     r.encode(id, out)?;
     Ok(())
+}
+
+/// Runs its closure on the continuity when dropped: after every exit of an unmap (success or
+/// error), the tables follow the DMA space.
+struct SyncOnDrop<'a, F: Fn(&Continuity)>(Option<&'a Continuity>, F);
+
+impl<F: Fn(&Continuity)> Drop for SyncOnDrop<'_, F> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            (self.1)(c);
+        }
+    }
 }
 
 /// What `/proc/self/fd/N` links to for an eventfd: the kernel's name for its anonymous inode

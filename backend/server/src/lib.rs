@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 mod client_dma;
+pub mod continuity;
 mod dispatch;
 mod dispatcher;
 mod listener;
@@ -56,6 +57,9 @@ pub enum ServerError {
     /// The device model failed to start.
     #[error("Cannot create the device")]
     Device(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A replaced process's state cannot be resumed.
+    #[error("Cannot resume the connection of the replaced process")]
+    Resume(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// Encoding a reply failed (a bug: replies are built from validated values).
     #[error("Cannot encode a reply")]
     Encode(#[source] ProtoError),
@@ -134,6 +138,8 @@ pub struct Server {
     /// The device, and the DMA space and interrupts the server lends it.
     slot: DeviceSlot,
     stop: StopHandle,
+    /// Crash continuity, when a supervisor keeps this server's descriptors.
+    continuity: Option<Arc<continuity::Continuity>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -202,7 +208,109 @@ impl Server {
                 ctx,
             ),
             stop,
+            continuity: None,
         })
+    }
+
+    /// From now on, descriptors the client sends go into custody and the server publishes
+    /// what a replacement needs (see [`continuity`]).
+    pub fn set_continuity(&mut self, continuity: Arc<continuity::Continuity>) {
+        self.continuity = Some(continuity);
+    }
+
+    /// Rebuilds the client's DMA windows and interrupt routing a replaced process had, from
+    /// `resumed` and the descriptors its supervisor held (`fd(id)`); call before building
+    /// nothing else on the context. A window whose memory can no longer be mapped is left
+    /// out (the device then faults on it) and reported.
+    pub fn restore_tables(
+        ctx: &DeviceContext,
+        resumed: &continuity::Resumed,
+        mut fd: impl FnMut(u64) -> Option<std::os::fd::OwnedFd>,
+    ) -> Vec<String> {
+        let mut problems = Vec::new();
+        for w in &resumed.windows {
+            let prot = switchyard_device::DmaProt {
+                read: w.read,
+                write: w.write,
+            };
+            let backing = match w.fd {
+                None => None,
+                Some(id) => match fd(id) {
+                    Some(f) => Some((std::fs::File::from(f), w.offset)),
+                    None => {
+                        problems.push(format!(
+                            "DMA window {:#x}+{:#x}: its memory fd (custody id {id}) is gone",
+                            w.iova, w.size
+                        ));
+                        continue;
+                    }
+                },
+            };
+            if let Err(e) = ctx.dma.map(w.iova, w.size, prot, backing) {
+                problems.push(format!("DMA window {:#x}+{:#x}: {e}", w.iova, w.size));
+            }
+        }
+        for (&(index, vector), &id) in &resumed.vectors {
+            match fd(id) {
+                Some(f) => {
+                    if let Err(e) =
+                        ctx.irqs
+                            .set_triggers(index, vector, vec![Some(std::fs::File::from(f))])
+                    {
+                        problems.push(format!("interrupt {index}/{vector}: {e}"));
+                    }
+                }
+                None => problems.push(format!(
+                    "interrupt {index}/{vector}: its eventfd (custody id {id}) is gone"
+                )),
+            }
+        }
+        problems
+    }
+
+    /// Serves `stream`, a connection a replaced process was serving, from where it stopped
+    /// (the receive journal in `resumed`, whose descriptors `fd(id)` gives), then goes on
+    /// like [`Server::run`]. The DMA space and interrupts must have been restored
+    /// ([`Server::restore_tables`]) before the device was built on them.
+    pub fn run_resumed(
+        &mut self,
+        stream: std::os::unix::net::UnixStream,
+        resumed: &continuity::Resumed,
+        fd: impl FnMut(u64) -> Option<std::os::fd::OwnedFd>,
+    ) -> Result<(), ServerError> {
+        let max_msg =
+            switchyard_proto::Limits::server(self.config.limits.max_data_xfer_size).max_msg_size;
+        let framer = if resumed.rx.is_empty() {
+            transport::Framer::new(max_msg)
+        } else {
+            transport::Framer::resume(max_msg, &resumed.rx, fd)
+                .map_err(|e| ServerError::Resume(Box::new(e)))?
+        };
+        let span = tracing::info_span!("client", id = 0, resumed = true);
+        let g = span.enter();
+        tracing::info!("resuming the connection of the replaced process");
+        if let Ok(s) = stream.try_clone() {
+            self.stop.set_active(Some(s));
+        }
+        let result = dispatch::serve_connection(
+            self,
+            stream,
+            Some(dispatch::Resume {
+                framer,
+                version: resumed.version.clone(),
+            }),
+        );
+        self.stop.set_active(None);
+        self.client_gone();
+        match result {
+            Ok(()) => tracing::info!("client disconnected"),
+            Err(e) => tracing::warn!(error = %e, "client connection ended with an error"),
+        }
+        drop(g);
+        if self.stop.is_stopping() {
+            return Ok(());
+        }
+        self.run()
     }
 
     /// A handle that stops [`Server::run`] from another thread.
@@ -239,7 +347,7 @@ impl Server {
                 Ok(s) => self.stop.set_active(Some(s)),
                 Err(e) => tracing::warn!(error = %e, "cannot watch the connection for shutdown"),
             }
-            let result = dispatch::serve_connection(self, stream);
+            let result = dispatch::serve_connection(self, stream, None);
             self.stop.set_active(None);
             self.client_gone();
             match result {
@@ -275,6 +383,9 @@ impl Server {
         self.ctx().dma.stop_logging();
         self.ctx().dma.unmap_all();
         self.ctx().irqs.clear();
+        if let Some(c) = &self.continuity {
+            c.client_gone();
+        }
     }
 }
 

@@ -17,7 +17,10 @@
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::continuity::Continuity;
 
 use switchyard_proto::Header;
 use switchyard_proto::consts::HEADER_SIZE;
@@ -41,6 +44,9 @@ pub enum TransportError {
     /// The socket failed.
     #[error("Socket I/O failed")]
     Io(#[from] io::Error),
+    /// A receive journal (see [`Framer::journal`]) does not decode.
+    #[error("The receive journal is malformed")]
+    Journal,
 }
 
 /// One received message: header, body (borrowed from the receive buffer) and descriptors.
@@ -52,10 +58,43 @@ pub struct Message<'a> {
     pub body: &'a [u8],
     /// Descriptors that came with it.
     pub fds: Vec<OwnedFd>,
+    /// Their custody ids, when the connection keeps its descriptors in custody
+    /// ([`crate::continuity`]); empty otherwise.
+    pub fd_ids: Vec<u64>,
     /// The kernel dropped descriptors sent with this message (`MSG_CTRUNC`: this process is
     /// at its open-file limit, or the client sent more than [`MAX_FDS_PER_READ`]). `fds` is
     /// then incomplete and the message must be refused, never reinterpreted.
     pub fds_truncated: bool,
+}
+
+/// Version of the [`Framer::journal`] encoding.
+const JOURNAL_VERSION: u32 = 1;
+
+struct JournalReader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> JournalReader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, tail) = self.b.split_at_checked(n)?;
+        self.b = tail;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)?.try_into().ok().map(u32::from_le_bytes)
+    }
+    fn ids(&mut self) -> Option<Vec<u64>> {
+        let n = self.u32()? as usize;
+        if n > 2 * MAX_FDS_PER_READ {
+            return None;
+        }
+        (0..n)
+            .map(|_| self.take(8)?.try_into().ok().map(u64::from_le_bytes))
+            .collect()
+    }
 }
 
 /// Sans-IO framing of a vfio-user stream: the caller reads into [`Framer::buffer_mut`],
@@ -69,11 +108,23 @@ pub struct Framer {
     end: usize,
     /// Descriptors of the last read and the buffer offsets `[from, to)` that read covered.
     pending_fds: Vec<OwnedFd>,
+    /// Custody ids of `pending_fds` (empty without custody).
+    pending_ids: Vec<u64>,
+    /// The message handed out by [`Framer::next_message`] and not yet [`Framer::done`]:
+    /// its offset, and its descriptors' custody ids and truncation.
+    in_flight: Option<InFlight>,
     /// The last read that carried descriptors lost some (`MSG_CTRUNC`).
     pending_trunc: bool,
     fds_from: usize,
     fds_to: usize,
     max_msg_size: u32,
+}
+
+#[derive(Debug, Clone)]
+struct InFlight {
+    start: usize,
+    ids: Vec<u64>,
+    truncated: bool,
 }
 
 impl Framer {
@@ -84,6 +135,8 @@ impl Framer {
             start: 0,
             end: 0,
             pending_fds: Vec::with_capacity(MAX_FDS_PER_READ),
+            pending_ids: Vec::new(),
+            in_flight: None,
             pending_trunc: false,
             fds_from: 0,
             fds_to: 0,
@@ -102,6 +155,19 @@ impl Framer {
     /// previous read brought and no message has claimed yet are dropped (with a warning) when
     /// a new read brings descriptors.
     pub fn filled(&mut self, n: usize, fds: impl IntoIterator<Item = OwnedFd>, truncated: bool) {
+        self.filled_with_ids(n, fds, &[], truncated);
+    }
+
+    /// [`Framer::filled`] for a connection whose descriptors are in custody: `ids[i]` is the
+    /// custody id of the `i`-th descriptor (the message that claims them gets them in
+    /// [`Message::fd_ids`]).
+    pub fn filled_with_ids(
+        &mut self,
+        n: usize,
+        fds: impl IntoIterator<Item = OwnedFd>,
+        ids: &[u64],
+        truncated: bool,
+    ) {
         let read_from = self.end;
         let mut got_fds = false;
         for fd in fds {
@@ -112,13 +178,18 @@ impl Framer {
                 );
                 self.pending_fds.clear();
             }
+            if !got_fds {
+                self.pending_ids.clear();
+            }
             got_fds = true;
             self.pending_fds.push(fd);
         }
+        self.pending_ids.extend_from_slice(ids);
         if truncated {
             // Whatever arrived is incomplete: the message it belongs to is refused.
             if !got_fds {
                 self.pending_fds.clear();
+                self.pending_ids.clear();
             }
             self.pending_trunc = true;
             got_fds = true;
@@ -135,11 +206,15 @@ impl Framer {
         self.end - self.start
     }
 
-    /// Whether a complete message is buffered. If not, room is made for the next read.
+    /// Whether a complete message is buffered. If not, room is made for the next read. The
+    /// message last returned by [`Framer::next_message`] is done from here on.
     ///
     /// A header whose size is invalid makes the stream impossible to frame: it is reported as
     /// [`TransportError::BadHeader`] (the only error of the framer).
     pub fn ready(&mut self) -> Result<bool, TransportError> {
+        // Looking for the next message means the last one is done; only then may the buffer
+        // move (the journal refers to the bytes of the message in flight).
+        self.in_flight = None;
         let avail = self.end - self.start;
         if avail >= HEADER_SIZE {
             let total = HEADER_SIZE + self.header()?.1;
@@ -168,7 +243,12 @@ impl Framer {
         let msg_start = self.start;
         let msg_end = msg_start + HEADER_SIZE + body_len;
         self.start = msg_end;
-        let (fds, fds_truncated) = self.take_fds(msg_start, msg_end);
+        let (fds, fd_ids, fds_truncated) = self.take_fds(msg_start, msg_end);
+        self.in_flight = Some(InFlight {
+            start: msg_start,
+            ids: fd_ids.clone(),
+            truncated: fds_truncated,
+        });
         let body = self
             .buf
             .get(msg_start + HEADER_SIZE..msg_end)
@@ -177,8 +257,114 @@ impl Framer {
             header,
             body,
             fds,
+            fd_ids,
             fds_truncated,
         }))
+    }
+
+    /// The message last returned by [`Framer::next_message`] has been answered (or needs no
+    /// answer): it leaves the [journal](Framer::journal).
+    pub fn done(&mut self) {
+        self.in_flight = None;
+    }
+
+    /// Everything a replacement process needs to frame the rest of this stream exactly as this
+    /// framer would: the bytes of the message in flight (not yet [`Framer::done`]) and of
+    /// everything received after it, with the custody ids of the descriptors that came with
+    /// them and the read boundaries that decide which message gets them. Encoded into `out`
+    /// (cleared first); [`Framer::resume`] decodes it.
+    pub fn journal(&self, out: &mut Vec<u8>) {
+        out.clear();
+        let rest_from = self.start;
+        let (inflight, ids, trunc): (&[u8], &[u64], bool) = match &self.in_flight {
+            Some(f) => (
+                self.buf.get(f.start..self.start).unwrap_or(&[]),
+                &f.ids,
+                f.truncated,
+            ),
+            None => (&[], &[], false),
+        };
+        let rest = self.buf.get(rest_from..self.end).unwrap_or(&[]);
+        let rel = |x: usize| x.saturating_sub(rest_from).min(rest.len()) as u32;
+        out.extend_from_slice(&JOURNAL_VERSION.to_le_bytes());
+        out.extend_from_slice(&(inflight.len() as u32).to_le_bytes());
+        out.push(u8::from(trunc));
+        out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+        ids.iter()
+            .for_each(|i| out.extend_from_slice(&i.to_le_bytes()));
+        out.extend_from_slice(&(rest.len() as u32).to_le_bytes());
+        out.extend_from_slice(&rel(self.fds_from).to_le_bytes());
+        out.extend_from_slice(&rel(self.fds_to).to_le_bytes());
+        out.push(u8::from(self.pending_trunc));
+        out.extend_from_slice(&(self.pending_ids.len() as u32).to_le_bytes());
+        self.pending_ids
+            .iter()
+            .for_each(|i| out.extend_from_slice(&i.to_le_bytes()));
+        out.extend_from_slice(inflight);
+        out.extend_from_slice(rest);
+    }
+
+    /// A framer that continues a stream from a [`Framer::journal`]: the message that was in
+    /// flight comes first (with its descriptors), then the rest, split at the same read
+    /// boundaries. `fd` gives the descriptor held in custody under an id (`None`: it is
+    /// lost, and the message that claims it is marked truncated, so it is refused).
+    pub fn resume(
+        max_msg_size: u32,
+        journal: &[u8],
+        mut fd: impl FnMut(u64) -> Option<OwnedFd>,
+    ) -> Result<Framer, TransportError> {
+        let bad = || TransportError::Journal;
+        let mut r = JournalReader { b: journal };
+        if r.u32().ok_or_else(bad)? != JOURNAL_VERSION {
+            return Err(bad());
+        }
+        let inflight_len = r.u32().ok_or_else(bad)? as usize;
+        let inflight_trunc = r.u8().ok_or_else(bad)? != 0;
+        let inflight_ids = r.ids().ok_or_else(bad)?;
+        let rest_len = r.u32().ok_or_else(bad)? as usize;
+        let fds_from = r.u32().ok_or_else(bad)? as usize;
+        let fds_to = r.u32().ok_or_else(bad)? as usize;
+        let pending_trunc = r.u8().ok_or_else(bad)? != 0;
+        let pending_ids = r.ids().ok_or_else(bad)?;
+        let inflight = r.take(inflight_len).ok_or_else(bad)?;
+        let rest = r.take(rest_len).ok_or_else(bad)?;
+        if !r.b.is_empty()
+            || inflight_len + rest_len > max_msg_size as usize
+            || fds_from > fds_to
+            || fds_to > rest_len
+        {
+            return Err(bad());
+        }
+        let mut f = Framer::new(max_msg_size);
+        let mut feed = |f: &mut Framer, bytes: &[u8], ids: &[u64], trunc: bool| {
+            let mut fds = Vec::with_capacity(ids.len());
+            let mut lost = false;
+            for &id in ids {
+                match fd(id) {
+                    Some(d) => fds.push(d),
+                    None => lost = true,
+                }
+            }
+            let room = f.buffer_mut();
+            let n = bytes.len().min(room.len());
+            room[..n].copy_from_slice(&bytes[..n]);
+            f.filled_with_ids(n, fds, ids, trunc || lost);
+        };
+        if !inflight.is_empty() {
+            feed(&mut f, inflight, &inflight_ids, inflight_trunc);
+        }
+        let (before, with_fds, after) =
+            (&rest[..fds_from], &rest[fds_from..fds_to], &rest[fds_to..]);
+        if !before.is_empty() {
+            feed(&mut f, before, &[], false);
+        }
+        if !with_fds.is_empty() || !pending_ids.is_empty() || pending_trunc {
+            feed(&mut f, with_fds, &pending_ids, pending_trunc);
+        }
+        if !after.is_empty() {
+            feed(&mut f, after, &[], false);
+        }
+        Ok(f)
     }
 
     /// The header at `start` (at least [`HEADER_SIZE`] bytes are buffered) and its body length.
@@ -196,15 +382,19 @@ impl Framer {
 
     /// Descriptors belong to the last message that starts inside the read that carried them
     /// (and so does the news that some were truncated).
-    fn take_fds(&mut self, msg_start: usize, msg_end: usize) -> (Vec<OwnedFd>, bool) {
+    fn take_fds(&mut self, msg_start: usize, msg_end: usize) -> (Vec<OwnedFd>, Vec<u64>, bool) {
         if self.pending_fds.is_empty() && !self.pending_trunc {
-            return (Vec::new(), false);
+            return (Vec::new(), Vec::new(), false);
         }
         let starts_in_read = msg_start >= self.fds_from && msg_start < self.fds_to;
         let last_in_read = msg_end >= self.fds_to;
         if starts_in_read && last_in_read {
             let trunc = std::mem::take(&mut self.pending_trunc);
-            return (std::mem::take(&mut self.pending_fds), trunc);
+            return (
+                std::mem::take(&mut self.pending_fds),
+                std::mem::take(&mut self.pending_ids),
+                trunc,
+            );
         }
         if msg_start >= self.fds_to {
             // Should not happen: a message after the read that carried them. Drop them rather
@@ -214,9 +404,10 @@ impl Framer {
                 "dropping unattributable descriptors"
             );
             self.pending_fds.clear();
+            self.pending_ids.clear();
             self.pending_trunc = false;
         }
-        (Vec::new(), false)
+        (Vec::new(), Vec::new(), false)
     }
 
     fn compact(&mut self) {
@@ -237,6 +428,9 @@ pub struct Connection {
     /// Descriptors of the read in progress, handed to the framer (allocated once).
     read_fds: Vec<OwnedFd>,
     spin: Duration,
+    /// Crash continuity: descriptors go into custody as they arrive, and the receive journal
+    /// is published after every read and every answered message.
+    continuity: Option<Arc<Continuity>>,
 }
 
 impl Connection {
@@ -248,6 +442,32 @@ impl Connection {
             framer: Framer::new(max_msg_size),
             read_fds: Vec::with_capacity(MAX_FDS_PER_READ),
             spin,
+            continuity: None,
+        }
+    }
+
+    /// A connection that continues where a replaced process stopped: `framer` comes from
+    /// [`Framer::resume`].
+    pub(crate) fn resumed(stream: UnixStream, framer: Framer, spin: Duration) -> Self {
+        Self {
+            stream,
+            framer,
+            read_fds: Vec::with_capacity(MAX_FDS_PER_READ),
+            spin,
+            continuity: None,
+        }
+    }
+
+    /// Keeps descriptors in custody and publishes the receive journal into `continuity`.
+    pub(crate) fn set_continuity(&mut self, continuity: Option<Arc<Continuity>>) {
+        self.continuity = continuity;
+    }
+
+    /// The message last received has been answered: it leaves the journal.
+    pub fn done(&mut self) {
+        self.framer.done();
+        if let Some(c) = &self.continuity {
+            c.publish_rx(&self.framer);
         }
     }
 
@@ -262,6 +482,8 @@ impl Connection {
     /// be framed): it is reported as [`TransportError::BadHeader`] after which the caller should
     /// reply with an error if it can and drop the connection.
     pub fn recv(&mut self) -> Result<Message<'_>, TransportError> {
+        // Whatever came before has been answered.
+        self.framer.done();
         while !self.framer.ready()? {
             self.fill()?;
         }
@@ -303,8 +525,28 @@ impl Connection {
             dontwait,
             |fd| fds.push(fd),
         )?;
-        self.framer
-            .filled(got.bytes, self.read_fds.drain(..), got.fds_truncated);
+        match &self.continuity {
+            None => self
+                .framer
+                .filled(got.bytes, self.read_fds.drain(..), got.fds_truncated),
+            Some(c) => {
+                // Into custody before anything else can happen to them.
+                let ids = if self.read_fds.is_empty() {
+                    Vec::new()
+                } else {
+                    c.hold(&self.read_fds)
+                };
+                self.framer.filled_with_ids(
+                    got.bytes,
+                    self.read_fds.drain(..),
+                    &ids,
+                    got.fds_truncated,
+                );
+                if got.bytes > 0 {
+                    c.publish_rx(&self.framer);
+                }
+            }
+        }
         Ok(got.bytes)
     }
 }
@@ -514,5 +756,164 @@ mod tests {
             f.next_message(),
             Err(TransportError::BadHeader(Some(h), _)) if h.msg_id == 1
         ));
+    }
+
+    /// What a framer yields from here on: id, body, custody ids of its descriptors (as many
+    /// descriptors as ids), truncation.
+    fn drain_ids(f: &mut Framer) -> Vec<(u16, Vec<u8>, Vec<u64>, bool)> {
+        std::iter::from_fn(|| {
+            f.next_message().expect("frame").map(|m| {
+                assert_eq!(m.fds.len(), m.fd_ids.len(), "a descriptor per id");
+                (
+                    m.header.msg_id,
+                    m.body.to_vec(),
+                    m.fd_ids.clone(),
+                    m.fds_truncated,
+                )
+            })
+        })
+        .collect()
+    }
+
+    /// Three reads: message 1 alone with a descriptor; the end of nothing... (see the body).
+    fn scenario() -> Vec<(Vec<u8>, Vec<u64>)> {
+        let m1 = msg(1, b"first");
+        let m2 = msg(2, &[7u8; 100]);
+        let m3 = msg(3, b"third");
+        let m4 = msg(4, b"fourth, split across reads");
+        let mut reads = vec![(m1, vec![100])];
+        // Message 2 and the start of 3 in one read, with two descriptors (they belong to 3,
+        // the last message starting in the read).
+        let mut r2 = m2.clone();
+        r2.extend_from_slice(&m3[..10]);
+        reads.push((r2, vec![101, 102]));
+        // The rest of 3 and the first half of 4.
+        let mut r3 = m3[10..].to_vec();
+        r3.extend_from_slice(&m4[..20]);
+        reads.push((r3, vec![]));
+        reads.push((m4[20..].to_vec(), vec![]));
+        reads
+    }
+
+    fn feed_ids(f: &mut Framer, bytes: &[u8], ids: &[u64]) {
+        let dst = f.buffer_mut();
+        dst[..bytes.len()].copy_from_slice(bytes);
+        let fds: Vec<OwnedFd> = ids.iter().map(|_| fd()).collect();
+        f.filled_with_ids(bytes.len(), fds, ids, false);
+    }
+
+    /// Journals taken at every point of the stream (after each read, after each message
+    /// handed out) resume into a framer that yields exactly what the original yields from
+    /// that point, message in flight first.
+    #[test]
+    fn a_journal_resumes_the_stream_exactly_where_it_stopped() {
+        let reads = scenario();
+        // The reference: everything the stream yields.
+        let mut reference = Framer::new(4096);
+        let mut all = Vec::new();
+        for (bytes, ids) in &reads {
+            feed_ids(&mut reference, bytes, ids);
+            all.extend(drain_ids(&mut reference));
+        }
+        assert_eq!(
+            all.iter().map(|m| (m.0, m.2.clone())).collect::<Vec<_>>(),
+            vec![
+                (1, vec![100]),
+                (2, vec![]),
+                (3, vec![101, 102]),
+                (4, vec![])
+            ]
+        );
+        // As the server reads: every read is drained before the next. Stop after read r, in
+        // the middle of its drain: j messages of it handed out, the j-th still in flight (or,
+        // with j = 3, the drain finished and nothing in flight).
+        for r in 0..reads.len() {
+            for j in 0..=3 {
+                let mut f = Framer::new(4096);
+                let mut seen = Vec::new();
+                let mut last_in_flight = false;
+                for (n, (bytes, ids)) in reads[..=r].iter().enumerate() {
+                    feed_ids(&mut f, bytes, ids);
+                    let limit = if n == r { j } else { usize::MAX };
+                    let mut handed = 0;
+                    while handed < limit {
+                        match f.next_message().expect("frame") {
+                            Some(m) => {
+                                seen.push((
+                                    m.header.msg_id,
+                                    m.body.to_vec(),
+                                    m.fd_ids.clone(),
+                                    m.fds_truncated,
+                                ));
+                                last_in_flight = true;
+                                handed += 1;
+                            }
+                            None => {
+                                last_in_flight = false;
+                                break;
+                            }
+                        }
+                    }
+                }
+                let mut journal = Vec::new();
+                f.journal(&mut journal);
+                let mut resumed = Framer::resume(4096, &journal, |_| Some(fd())).expect("resume");
+                // The message in flight (the last handed out) comes again, then the rest.
+                let answered = seen.len() - usize::from(last_in_flight);
+                let mut got: Vec<_> = seen[..answered].to_vec();
+                got.extend(drain_ids(&mut resumed));
+                for (bytes, ids) in &reads[r + 1..] {
+                    feed_ids(&mut resumed, bytes, ids);
+                    got.extend(drain_ids(&mut resumed));
+                }
+                assert_eq!(
+                    got, all,
+                    "stopped after read {r}, {j} messages into its drain"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_journal_with_lost_descriptors_marks_their_message_truncated() {
+        let reads = scenario();
+        let mut f = Framer::new(4096);
+        feed_ids(&mut f, &reads[0].0, &reads[0].1);
+        let m = f.next_message().expect("frame").expect("message 1");
+        assert_eq!(m.fd_ids, vec![100]);
+        let mut journal = Vec::new();
+        f.journal(&mut journal);
+        let mut resumed = Framer::resume(4096, &journal, |_| None).expect("resume");
+        let again = drain_ids(&mut resumed);
+        assert_eq!(again.len(), 1);
+        assert!(
+            again[0].3,
+            "refused as truncated, never reinterpreted without its fd"
+        );
+    }
+
+    #[test]
+    fn malformed_journals_are_refused() {
+        let mut f = Framer::new(4096);
+        feed_ids(&mut f, &msg(1, b"x"), &[5]);
+        let mut j = Vec::new();
+        f.journal(&mut j);
+        for cut in 0..j.len() {
+            assert!(
+                matches!(
+                    Framer::resume(4096, &j[..cut], |_| Some(fd())),
+                    Err(TransportError::Journal)
+                ),
+                "cut at {cut}"
+            );
+        }
+        let mut longer = j.clone();
+        longer.push(0);
+        assert!(Framer::resume(4096, &longer, |_| Some(fd())).is_err());
+        assert!(
+            Framer::resume(16, &j, |_| Some(fd())).is_err(),
+            "larger than the buffer"
+        );
+        assert!(Framer::resume(4096, &j, |_| Some(fd())).is_ok());
     }
 }

@@ -78,6 +78,7 @@ impl Loopback {
                 header,
                 body: &msg[HEADER_SIZE..],
                 fds,
+                fd_ids: Vec::new(),
                 fds_truncated,
             },
         );
@@ -209,6 +210,7 @@ fn a_posted_request_leaves_no_descriptor_for_the_next_reply() {
             header,
             body: &buf[HEADER_SIZE..],
             fds: Vec::new(),
+            fd_ids: Vec::new(),
             fds_truncated: false,
         },
     );

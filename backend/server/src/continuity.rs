@@ -1,0 +1,493 @@
+//! Keeping a client connection alive across the death of the process that serves it.
+//!
+//! QEMU and cloud-hypervisor never reconnect: if the server's end of the socket closes, the
+//! VM loses the device. So in the pool, a supervisor (the daemon) keeps a duplicate of every
+//! descriptor that makes up the client's view — the connection itself, its DMA memory fds, its
+//! interrupt eventfds, the device's memory objects and a [`BlackBox`] — and the process that
+//! serves the endpoint (a worker) writes down, as it goes, what a replacement needs to carry on
+//! where it stopped. A `Continuity` is the worker's side of that:
+//!
+//! - **Custody.** Every descriptor that arrives with a message is handed to the supervisor
+//!   ([`Custody::hold`], one `sendmsg`, before the message is handled) under a custody id; ids
+//!   no table refers to any more are released ([`Custody::release`]).
+//! - **The receive journal** (record `server.rx`): the bytes of the message being handled and
+//!   of everything received after it, with the custody ids of their descriptors and the read
+//!   boundaries that decide which message gets them ([`Framer::journal`]). Published after
+//!   every read and after every answered message, so the message in flight is never lost: a
+//!   replacement answers it.
+//! - **The tables** (record `server.tables`): DMA windows (IOVA, size, file offset,
+//!   protection, custody id of the memory fd) and interrupt vectors (custody id of each
+//!   eventfd), published after every change and before the reply that acknowledges it.
+//! - **The session** (record `server.session`): the client's VERSION request, replayed by the
+//!   replacement to recover the negotiated limits.
+//!
+//! A replacement opens the same black box, gets the held descriptors from the supervisor,
+//! rebuilds the DMA space and interrupts from the tables, resumes the device from its own
+//! records, and frames the journal before reading the socket again (`Server::resume`). The
+//! request in flight is handled a second time: requests are idempotent for that purpose (a
+//! DMA_MAP identical to a window that exists succeeds; an unmap of nothing succeeds; register
+//! writes store values), except in one window of a few instructions between sending a reply
+//! and publishing the journal without it, where a kill makes the replacement send that reply
+//! twice (QEMU then reports an unexpected reply). Descriptors received in the instants between
+//! `recvmsg` and the custody `sendmsg` are lost with the process; the message that carried
+//! them is then refused as truncated. See ARCHITECTURE.md ("What survives which failure").
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use switchyard_device::blackbox::{BlackBox, BlackBoxError, Record, RecordSpec};
+use switchyard_device::dma::MappingInfo;
+use switchyard_device::ratelimit::LogLimiter;
+use switchyard_proto::ServerLimits;
+
+use crate::transport::Framer;
+
+/// Record names of the server.
+pub const RX_RECORD: &str = "server.rx";
+/// See [`RX_RECORD`].
+pub const TABLES_RECORD: &str = "server.tables";
+/// See [`RX_RECORD`].
+pub const SESSION_RECORD: &str = "server.session";
+
+/// Custody ids below this are the supervisor's to assign (the connection, memory objects);
+/// the server numbers message descriptors from here.
+pub const FIRST_MESSAGE_ID: u64 = 1 << 16;
+
+/// Largest VERSION request body kept in the session record.
+const MAX_VERSION_DATA: usize = 64 << 10;
+
+const TABLES_VERSION: u32 = 1;
+const SESSION_VERSION: u32 = 1;
+
+/// Where descriptors go to outlive this process: the supervisor's side of the custody
+/// channel.
+pub trait Custody: Send + std::fmt::Debug {
+    /// Keep duplicates of `fds` under `ids` (same length). Must have completed (the kernel has
+    /// the descriptors in flight to the supervisor) when it returns.
+    fn hold(&mut self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()>;
+    /// The descriptors under `ids` are no longer needed.
+    fn release(&mut self, ids: &[u64]) -> io::Result<()>;
+}
+
+/// A DMA window as the tables record it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowRecord {
+    /// First IOVA.
+    pub iova: u64,
+    /// Length.
+    pub size: u64,
+    /// Offset of the window in its file.
+    pub offset: u64,
+    /// Readable by the device.
+    pub read: bool,
+    /// Writable by the device.
+    pub write: bool,
+    /// Custody id of the memory fd (`None`: a window without fd, served through messages).
+    pub fd: Option<u64>,
+}
+
+/// What a replacement finds in a black box (see [`Continuity::resume`]).
+#[derive(Debug, Clone, Default)]
+pub struct Resumed {
+    /// The client's VERSION request `(major, minor, data)`, if it had negotiated.
+    pub version: Option<(u16, u16, Vec<u8>)>,
+    /// DMA windows.
+    pub windows: Vec<WindowRecord>,
+    /// Interrupt vectors `(index, vector) → custody id of the eventfd`.
+    pub vectors: BTreeMap<(u32, u32), u64>,
+    /// The receive journal ([`Framer::resume`]); empty if nothing was in flight.
+    pub rx: Vec<u8>,
+    /// Every custody id the records refer to.
+    pub referenced: Vec<u64>,
+    /// The next custody id to assign.
+    pub next_id: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    custody: Box<dyn Custody>,
+    rx: Record,
+    tables: Record,
+    session: Record,
+    next_id: u64,
+    windows: BTreeMap<u64, WindowRecord>,
+    vectors: BTreeMap<(u32, u32), u64>,
+    scratch: Vec<u8>,
+    failures: LogLimiter,
+}
+
+/// The worker's side of crash continuity. See the [module](self) documentation.
+#[derive(Debug)]
+pub struct Continuity {
+    inner: Mutex<Inner>,
+}
+
+impl Continuity {
+    /// The records a black box needs for a server with `limits` (add the device's).
+    pub fn records(limits: &ServerLimits) -> Vec<RecordSpec> {
+        let max_msg = switchyard_proto::Limits::server(limits.max_data_xfer_size).max_msg_size;
+        let ids = 2 * crate::transport::MAX_FDS_PER_READ * 8;
+        vec![
+            RecordSpec::new(RX_RECORD, max_msg as usize + ids + 64),
+            RecordSpec::new(
+                TABLES_RECORD,
+                64 + limits.max_dma_maps.min(1 << 16) as usize * 42 + 2048 * 16,
+            ),
+            RecordSpec::new(SESSION_RECORD, MAX_VERSION_DATA + 64),
+        ]
+    }
+
+    /// A continuity for a worker that starts fresh: empty tables and journal are published.
+    pub fn new(bb: &Arc<BlackBox>, custody: Box<dyn Custody>) -> Result<Self, BlackBoxError> {
+        let c = Self::open(bb, custody, FIRST_MESSAGE_ID)?;
+        {
+            let mut g = c.lock();
+            g.publish_tables();
+            g.publish_session(None);
+            g.rx.publish(&[])?;
+        }
+        Ok(c)
+    }
+
+    /// A continuity for a replacement: reads what the previous worker published.
+    pub fn resume(
+        bb: &Arc<BlackBox>,
+        custody: Box<dyn Custody>,
+    ) -> Result<(Self, Resumed), BlackBoxError> {
+        let mut resumed = Resumed::default();
+        let corrupt = |what: &str| BlackBoxError::Corrupt(what.to_owned());
+        let rx = bb.record(RX_RECORD)?.read()?.unwrap_or_default();
+        resumed.rx = rx;
+        if let Some(t) = bb.record(TABLES_RECORD)?.read()? {
+            let (w, v, next) = decode_tables(&t).ok_or_else(|| corrupt(TABLES_RECORD))?;
+            resumed.windows = w;
+            resumed.vectors = v;
+            resumed.next_id = next;
+        }
+        if let Some(s) = bb.record(SESSION_RECORD)?.read()? {
+            resumed.version = decode_session(&s).ok_or_else(|| corrupt(SESSION_RECORD))?;
+        }
+        resumed.referenced = resumed
+            .windows
+            .iter()
+            .filter_map(|w| w.fd)
+            .chain(resumed.vectors.values().copied())
+            .collect();
+        resumed.next_id = resumed.next_id.max(FIRST_MESSAGE_ID);
+        let c = Self::open(bb, custody, resumed.next_id)?;
+        {
+            let mut g = c.lock();
+            g.windows = resumed.windows.iter().map(|w| (w.iova, *w)).collect();
+            g.vectors = resumed.vectors.clone();
+        }
+        Ok((c, resumed))
+    }
+
+    fn open(
+        bb: &Arc<BlackBox>,
+        custody: Box<dyn Custody>,
+        next_id: u64,
+    ) -> Result<Self, BlackBoxError> {
+        Ok(Self {
+            inner: Mutex::new(Inner {
+                custody,
+                rx: bb.record(RX_RECORD)?,
+                tables: bb.record(TABLES_RECORD)?,
+                session: bb.record(SESSION_RECORD)?,
+                next_id,
+                windows: BTreeMap::new(),
+                vectors: BTreeMap::new(),
+                scratch: Vec::new(),
+                failures: LogLimiter::new(
+                    "crash continuity degraded",
+                    std::time::Duration::from_secs(5),
+                ),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Puts descriptors that just arrived into custody; returns their ids.
+    pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Vec<u64> {
+        let mut g = self.lock();
+        let first = g.next_id;
+        g.next_id += fds.len() as u64;
+        let ids: Vec<u64> = (first..g.next_id).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+        if let Err(e) = g.custody.hold(&ids, &borrowed) {
+            g.degraded("cannot hand descriptors to the supervisor", &e);
+        }
+        ids
+    }
+
+    /// Publishes the receive journal of `framer`.
+    pub(crate) fn publish_rx(&self, framer: &Framer) {
+        let mut g = self.lock();
+        let mut buf = std::mem::take(&mut g.scratch);
+        framer.journal(&mut buf);
+        if let Err(e) = g.rx.publish(&buf) {
+            g.degraded("cannot publish the receive journal", &e);
+        }
+        g.scratch = buf;
+    }
+
+    /// The client negotiated with this VERSION request.
+    pub(crate) fn version(&self, major: u16, minor: u16, data: &[u8]) {
+        self.lock().publish_session(Some((major, minor, data)));
+    }
+
+    /// Whether a window identical to this one is in the tables (a DMA_MAP replayed after a
+    /// restart).
+    pub(crate) fn has_window(&self, w: &WindowRecord, fd_id: Option<u64>) -> bool {
+        let g = self.lock();
+        g.windows
+            .get(&w.iova)
+            .is_some_and(|e| WindowRecord { fd: fd_id, ..*w } == *e)
+    }
+
+    /// A window was mapped.
+    pub(crate) fn dma_mapped(&self, w: WindowRecord) {
+        let mut g = self.lock();
+        g.windows.insert(w.iova, w);
+        g.publish_tables();
+    }
+
+    /// Windows were removed: keep only those in `current` (the DMA space's table).
+    pub(crate) fn dma_sync(&self, current: &[MappingInfo]) {
+        let mut g = self.lock();
+        let before = g.windows.len();
+        let mut gone = Vec::new();
+        g.windows.retain(|iova, w| {
+            let keep = current.iter().any(|m| m.iova == *iova && m.size == w.size);
+            if !keep && let Some(id) = w.fd {
+                gone.push(id);
+            }
+            keep
+        });
+        if g.windows.len() != before {
+            g.publish_tables();
+            g.release(&gone);
+        }
+    }
+
+    /// Vectors `start..` of `index` now have these eventfds (`None`: de-assigned).
+    pub(crate) fn irqs_set(&self, index: u32, start: u32, ids: &[Option<u64>]) {
+        let mut g = self.lock();
+        let mut gone = Vec::new();
+        for (v, id) in (start..).zip(ids) {
+            let old = match id {
+                Some(id) => g.vectors.insert((index, v), *id),
+                None => g.vectors.remove(&(index, v)),
+            };
+            if let Some(old) = old
+                && Some(old) != *id
+            {
+                gone.push(old);
+            }
+        }
+        g.publish_tables();
+        g.release(&gone);
+    }
+
+    /// Every vector of `index` was disabled.
+    pub(crate) fn irqs_disabled(&self, index: u32) {
+        let mut g = self.lock();
+        let gone: Vec<u64> = g
+            .vectors
+            .iter()
+            .filter(|((i, _), _)| *i == index)
+            .map(|(_, id)| *id)
+            .collect();
+        g.vectors.retain(|(i, _), _| *i != index);
+        g.publish_tables();
+        g.release(&gone);
+    }
+
+    /// A message with descriptors `ids` has been handled: those no table refers to are
+    /// released.
+    pub(crate) fn settle(&self, ids: &[u64]) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut g = self.lock();
+        let unused: Vec<u64> = ids
+            .iter()
+            .copied()
+            .filter(|id| {
+                !g.windows.values().any(|w| w.fd == Some(*id))
+                    && !g.vectors.values().any(|v| v == id)
+            })
+            .collect();
+        g.release(&unused);
+    }
+
+    /// Releases ids a replacement found held but unreferenced.
+    pub fn release(&self, ids: &[u64]) {
+        self.lock().release(ids);
+    }
+
+    /// The client is gone: tables, session and journal are cleared and every descriptor
+    /// released.
+    pub(crate) fn client_gone(&self) {
+        let mut g = self.lock();
+        let all: Vec<u64> = g
+            .windows
+            .values()
+            .filter_map(|w| w.fd)
+            .chain(g.vectors.values().copied())
+            .collect();
+        g.windows.clear();
+        g.vectors.clear();
+        g.publish_tables();
+        g.publish_session(None);
+        if let Err(e) = g.rx.publish(&[]) {
+            g.degraded("cannot clear the receive journal", &e);
+        }
+        g.release(&all);
+    }
+}
+
+impl Inner {
+    fn degraded(&self, what: &str, e: &dyn std::error::Error) {
+        if self.failures.allow() {
+            tracing::warn!(error = %e, "{what}: a restart of this process would lose state");
+        }
+    }
+
+    fn release(&mut self, ids: &[u64]) {
+        if ids.is_empty() {
+            return;
+        }
+        if let Err(e) = self.custody.release(ids) {
+            self.degraded("cannot release descriptors held by the supervisor", &e);
+        }
+    }
+
+    fn publish_tables(&mut self) {
+        let mut b = std::mem::take(&mut self.scratch);
+        b.clear();
+        b.extend_from_slice(&TABLES_VERSION.to_le_bytes());
+        b.extend_from_slice(&self.next_id.to_le_bytes());
+        b.extend_from_slice(&(self.windows.len() as u32).to_le_bytes());
+        for w in self.windows.values() {
+            b.extend_from_slice(&w.iova.to_le_bytes());
+            b.extend_from_slice(&w.size.to_le_bytes());
+            b.extend_from_slice(&w.offset.to_le_bytes());
+            b.push(u8::from(w.read) | u8::from(w.write) << 1 | u8::from(w.fd.is_some()) << 2);
+            b.extend_from_slice(&w.fd.unwrap_or(0).to_le_bytes());
+        }
+        b.extend_from_slice(&(self.vectors.len() as u32).to_le_bytes());
+        for (&(i, v), id) in &self.vectors {
+            b.extend_from_slice(&i.to_le_bytes());
+            b.extend_from_slice(&v.to_le_bytes());
+            b.extend_from_slice(&id.to_le_bytes());
+        }
+        if let Err(e) = self.tables.publish(&b) {
+            self.degraded("cannot publish the DMA and interrupt tables", &e);
+        }
+        self.scratch = b;
+    }
+
+    fn publish_session(&mut self, version: Option<(u16, u16, &[u8])>) {
+        let mut b = Vec::with_capacity(16);
+        b.extend_from_slice(&SESSION_VERSION.to_le_bytes());
+        match version {
+            Some((major, minor, data)) if data.len() <= MAX_VERSION_DATA => {
+                b.push(1);
+                b.extend_from_slice(&major.to_le_bytes());
+                b.extend_from_slice(&minor.to_le_bytes());
+                b.extend_from_slice(&(data.len() as u32).to_le_bytes());
+                b.extend_from_slice(data);
+            }
+            _ => b.push(0),
+        }
+        if let Err(e) = self.session.publish(&b) {
+            self.degraded("cannot publish the session", &e);
+        }
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (h, t) = self.0.split_at_checked(n)?;
+        self.0 = t;
+        Some(h)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2)?.try_into().ok().map(u16::from_le_bytes)
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)?.try_into().ok().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8)?.try_into().ok().map(u64::from_le_bytes)
+    }
+}
+
+type Tables = (Vec<WindowRecord>, BTreeMap<(u32, u32), u64>, u64);
+
+fn decode_tables(b: &[u8]) -> Option<Tables> {
+    let mut r = Reader(b);
+    if r.u32()? != TABLES_VERSION {
+        return None;
+    }
+    let next = r.u64()?;
+    let n = r.u32()? as usize;
+    let mut windows = Vec::with_capacity(n.min(1 << 16));
+    for _ in 0..n {
+        let iova = r.u64()?;
+        let size = r.u64()?;
+        let offset = r.u64()?;
+        let flags = r.u8()?;
+        let fd = r.u64()?;
+        windows.push(WindowRecord {
+            iova,
+            size,
+            offset,
+            read: flags & 1 != 0,
+            write: flags & 2 != 0,
+            fd: (flags & 4 != 0).then_some(fd),
+        });
+    }
+    let n = r.u32()? as usize;
+    let mut vectors = BTreeMap::new();
+    for _ in 0..n {
+        let i = r.u32()?;
+        let v = r.u32()?;
+        vectors.insert((i, v), r.u64()?);
+    }
+    r.0.is_empty().then_some((windows, vectors, next))
+}
+
+type Version = Option<(u16, u16, Vec<u8>)>;
+
+fn decode_session(b: &[u8]) -> Option<Version> {
+    let mut r = Reader(b);
+    if r.u32()? != SESSION_VERSION {
+        return None;
+    }
+    match r.u8()? {
+        0 => Some(None),
+        1 => {
+            let major = r.u16()?;
+            let minor = r.u16()?;
+            let n = r.u32()? as usize;
+            let data = r.take(n)?.to_vec();
+            r.0.is_empty().then_some(Some((major, minor, data)))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,191 @@
+//! The tables, the session and custody bookkeeping, against a recording supervisor.
+
+use std::sync::Mutex as StdMutex;
+
+use super::*;
+
+#[derive(Debug, Default)]
+struct Recorder {
+    held: Arc<StdMutex<Vec<u64>>>,
+}
+
+impl Custody for Recorder {
+    fn hold(&mut self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        assert_eq!(ids.len(), fds.len());
+        self.held.lock().expect("lock").extend_from_slice(ids);
+        Ok(())
+    }
+    fn release(&mut self, ids: &[u64]) -> io::Result<()> {
+        self.held.lock().expect("lock").retain(|i| !ids.contains(i));
+        Ok(())
+    }
+}
+
+fn setup() -> (Arc<BlackBox>, Continuity, Arc<StdMutex<Vec<u64>>>) {
+    let bb = BlackBox::create(&Continuity::records(&ServerLimits::default())).expect("bb");
+    let rec = Recorder::default();
+    let held = rec.held.clone();
+    let c = Continuity::new(&bb, Box::new(rec)).expect("continuity");
+    (bb, c, held)
+}
+
+fn fds(n: usize) -> Vec<OwnedFd> {
+    (0..n)
+        .map(|_| {
+            switchyard_device::irq::new_eventfd()
+                .expect("eventfd")
+                .into()
+        })
+        .collect()
+}
+
+fn info(iova: u64, size: u64) -> MappingInfo {
+    MappingInfo {
+        iova,
+        size,
+        prot: switchyard_device::DmaProt {
+            read: true,
+            write: true,
+        },
+        mmapped: true,
+        direct: true,
+    }
+}
+
+#[test]
+fn tables_and_session_survive_into_a_replacement() {
+    let (bb, c, held) = setup();
+    let ids = c.hold(&fds(3));
+    assert_eq!(
+        ids,
+        vec![FIRST_MESSAGE_ID, FIRST_MESSAGE_ID + 1, FIRST_MESSAGE_ID + 2]
+    );
+    c.version(0, 1, br#"{"capabilities":{}}"#);
+    let w = WindowRecord {
+        iova: 0x1000_0000,
+        size: 0x20_0000,
+        offset: 0x4000,
+        read: true,
+        write: false,
+        fd: Some(ids[0]),
+    };
+    c.dma_mapped(w);
+    c.dma_mapped(WindowRecord {
+        iova: 0x2000_0000,
+        size: 0x1000,
+        offset: 0,
+        read: true,
+        write: true,
+        fd: None,
+    });
+    c.irqs_set(2, 5, &[Some(ids[1]), Some(ids[2])]);
+    c.settle(&ids);
+    assert_eq!(*held.lock().expect("lock"), ids, "all three are referenced");
+
+    let (c2, r) = Continuity::resume(&bb, Box::new(Recorder::default())).expect("resume");
+    assert_eq!(r.version, Some((0, 1, br#"{"capabilities":{}}"#.to_vec())));
+    assert_eq!(r.windows.len(), 2);
+    assert_eq!(r.windows[0], w);
+    assert_eq!(r.windows[1].fd, None);
+    assert_eq!(
+        r.vectors.iter().map(|(k, v)| (*k, *v)).collect::<Vec<_>>(),
+        vec![((2, 5), ids[1]), ((2, 6), ids[2])]
+    );
+    let mut referenced = r.referenced.clone();
+    referenced.sort_unstable();
+    assert_eq!(referenced, ids);
+    assert_eq!(r.next_id, FIRST_MESSAGE_ID + 3, "ids are never reused");
+    // The replacement knows the windows: a replayed identical DMA_MAP is recognised.
+    assert!(c2.has_window(&WindowRecord { fd: None, ..w }, Some(ids[0])));
+    assert!(!c2.has_window(
+        &WindowRecord {
+            fd: None,
+            offset: 0,
+            ..w
+        },
+        Some(ids[0])
+    ));
+}
+
+#[test]
+fn descriptors_are_released_when_nothing_refers_to_them() {
+    let (_bb, c, held) = setup();
+    let ids = c.hold(&fds(2));
+    c.dma_mapped(WindowRecord {
+        iova: 0x1000,
+        size: 0x1000,
+        offset: 0,
+        read: true,
+        write: true,
+        fd: Some(ids[0]),
+    });
+    // ids[1] came with the message but no table took it (e.g. a duplicate of the same memfd).
+    c.settle(&ids);
+    assert_eq!(*held.lock().expect("lock"), vec![ids[0]]);
+    // The window is unmapped: the DMA space no longer has it.
+    c.dma_sync(&[]);
+    assert!(held.lock().expect("lock").is_empty());
+
+    // An eventfd replaced by another, then the index disabled.
+    let a = c.hold(&fds(1));
+    c.irqs_set(2, 0, &[Some(a[0])]);
+    let b = c.hold(&fds(1));
+    c.irqs_set(2, 0, &[Some(b[0])]);
+    assert_eq!(*held.lock().expect("lock"), vec![b[0]]);
+    c.irqs_set(2, 0, &[None]);
+    assert!(held.lock().expect("lock").is_empty());
+    let d = c.hold(&fds(2));
+    c.irqs_set(2, 3, &[Some(d[0]), Some(d[1])]);
+    c.irqs_disabled(2);
+    assert!(held.lock().expect("lock").is_empty());
+}
+
+#[test]
+fn a_client_that_leaves_takes_everything_with_it() {
+    let (bb, c, held) = setup();
+    let ids = c.hold(&fds(2));
+    c.version(0, 1, b"{}");
+    c.dma_mapped(WindowRecord {
+        iova: 0,
+        size: 0x1000,
+        offset: 0,
+        read: true,
+        write: true,
+        fd: Some(ids[0]),
+    });
+    c.irqs_set(2, 0, &[Some(ids[1])]);
+    c.client_gone();
+    assert!(held.lock().expect("lock").is_empty());
+    let (_c2, r) = Continuity::resume(&bb, Box::new(Recorder::default())).expect("resume");
+    assert_eq!(r.version, None);
+    assert!(r.windows.is_empty() && r.vectors.is_empty() && r.rx.is_empty());
+    dma_sync_keeps_windows_still_mapped();
+}
+
+fn dma_sync_keeps_windows_still_mapped() {
+    let (_bb, c, held) = setup();
+    let ids = c.hold(&fds(2));
+    for (i, id) in ids.iter().enumerate() {
+        c.dma_mapped(WindowRecord {
+            iova: i as u64 * 0x1000,
+            size: 0x1000,
+            offset: 0,
+            read: true,
+            write: true,
+            fd: Some(*id),
+        });
+    }
+    c.dma_sync(&[info(0x1000, 0x1000)]);
+    assert_eq!(*held.lock().expect("lock"), vec![ids[1]]);
+}
+
+#[test]
+fn damaged_records_are_refused() {
+    let (bb, _c, _held) = setup();
+    bb.record(TABLES_RECORD)
+        .expect("record")
+        .publish(&[1, 0, 0, 0, 9])
+        .expect("publish");
+    let err = Continuity::resume(&bb, Box::new(Recorder::default())).expect_err("refused");
+    assert!(matches!(err, BlackBoxError::Corrupt(_)), "{err}");
+}
