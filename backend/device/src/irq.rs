@@ -187,13 +187,20 @@ impl Interrupts {
         write_eventfd(fd)
     }
 
-    /// Re-sizes the table to `counts` vectors per index, dropping every eventfd.
+    /// Re-sizes the table to `counts` vectors per index. Vectors that exist in both keep
+    /// their eventfd and mask (a server restored after a restart routes interrupts before the
+    /// device has described itself); the others are dropped.
     pub fn reconfigure(&self, counts: &[u32]) {
         let mut idx = self.indexes.write().unwrap_or_else(|p| p.into_inner());
+        let old = std::mem::take(&mut *idx);
+        let mut old = old.into_iter();
         *idx = counts
             .iter()
-            .map(|&n| IndexState {
-                vectors: (0..n).map(|_| Vector::default()).collect(),
+            .map(|&n| {
+                let mut kept = old.next().map(|s| s.vectors).unwrap_or_default();
+                kept.truncate(n as usize);
+                kept.resize_with(n as usize, Vector::default);
+                IndexState { vectors: kept }
             })
             .collect();
     }

@@ -55,6 +55,9 @@ pub const SESSION_RECORD: &str = "server.session";
 /// the server numbers message descriptors from here.
 pub const FIRST_MESSAGE_ID: u64 = 1 << 16;
 
+/// Custody id of the client connection (held from accept until the client leaves).
+pub const CONNECTION_ID: u64 = 2;
+
 /// Largest VERSION request body kept in the session record.
 const MAX_VERSION_DATA: usize = 64 << 10;
 
@@ -212,6 +215,14 @@ impl Continuity {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A client connected: its connection goes into custody.
+    pub(crate) fn connection(&self, stream: &std::os::unix::net::UnixStream) {
+        let mut g = self.lock();
+        if let Err(e) = g.custody.hold(&[CONNECTION_ID], &[stream.as_fd()]) {
+            g.degraded("cannot hand the connection to the supervisor", &e);
+        }
+    }
+
     /// Puts descriptors that just arrived into custody; returns their ids.
     pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Vec<u64> {
         let mut g = self.lock();
@@ -349,6 +360,7 @@ impl Continuity {
             g.degraded("cannot clear the receive journal", &e);
         }
         g.release(&all);
+        g.release(&[CONNECTION_ID]);
     }
 }
 

@@ -161,7 +161,33 @@ impl Server {
     /// Creates the DMA space and interrupt table, builds the device on them, and binds the
     /// socket (the server is listening when this returns, so a VMM may connect right away).
     pub fn new<D, E>(
+        config: ServerConfig,
+        build: impl FnOnce(DeviceContext) -> Result<D, E>,
+    ) -> Result<Self, ServerError>
+    where
+        D: PciDevice,
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        Self::build(config, None, build)
+    }
+
+    /// [`Server::new`] on a socket that is already listening (e.g. one a supervisor keeps
+    /// across restarts of this process: [`DeviceSocket::adopt`]).
+    pub fn with_socket<D, E>(
+        config: ServerConfig,
+        socket: DeviceSocket,
+        build: impl FnOnce(DeviceContext) -> Result<D, E>,
+    ) -> Result<Self, ServerError>
+    where
+        D: PciDevice,
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        Self::build(config, Some(socket), build)
+    }
+
+    fn build<D, E>(
         mut config: ServerConfig,
+        socket: Option<DeviceSocket>,
         build: impl FnOnce(DeviceContext) -> Result<D, E>,
     ) -> Result<Self, ServerError>
     where
@@ -190,7 +216,10 @@ impl Server {
         ctx.dma.set_observer(device.dma_observer());
         ctx.dma.set_dirty_source(device.dirty_source());
         ctx.irqs.reconfigure(&device.description().irq_counts());
-        let socket = DeviceSocket::bind(&config.socket, config.socket_mode)?;
+        let socket = match socket {
+            Some(s) => s,
+            None => DeviceSocket::bind(&config.socket, config.socket_mode)?,
+        };
         let stop = StopHandle::new().map_err(ServerError::Accept)?;
         tracing::info!(
             socket = %socket.path().display(),
@@ -272,20 +301,34 @@ impl Server {
     /// (the receive journal in `resumed`, whose descriptors `fd(id)` gives), then goes on
     /// like [`Server::run`]. The DMA space and interrupts must have been restored
     /// ([`Server::restore_tables`]) before the device was built on them.
+    ///
+    /// `fds` holds what the supervisor kept, by custody id; what neither the tables nor the
+    /// journal need is released.
     pub fn run_resumed(
         &mut self,
         stream: std::os::unix::net::UnixStream,
         resumed: &continuity::Resumed,
-        fd: impl FnMut(u64) -> Option<std::os::fd::OwnedFd>,
+        mut fds: std::collections::BTreeMap<u64, std::os::fd::OwnedFd>,
     ) -> Result<(), ServerError> {
         let max_msg =
             switchyard_proto::Limits::server(self.config.limits.max_data_xfer_size).max_msg_size;
         let framer = if resumed.rx.is_empty() {
             transport::Framer::new(max_msg)
         } else {
-            transport::Framer::resume(max_msg, &resumed.rx, fd)
+            transport::Framer::resume(max_msg, &resumed.rx, |id| fds.remove(&id))
                 .map_err(|e| ServerError::Resume(Box::new(e)))?
         };
+        if let Some(c) = &self.continuity {
+            let leftover: Vec<u64> = fds
+                .keys()
+                .copied()
+                .filter(|id| {
+                    *id >= continuity::FIRST_MESSAGE_ID && !resumed.referenced.contains(id)
+                })
+                .collect();
+            c.release(&leftover);
+        }
+        drop(fds);
         let span = tracing::info_span!("client", id = 0, resumed = true);
         let g = span.enter();
         tracing::info!("resuming the connection of the replaced process");
@@ -346,6 +389,9 @@ impl Server {
             match stream.try_clone() {
                 Ok(s) => self.stop.set_active(Some(s)),
                 Err(e) => tracing::warn!(error = %e, "cannot watch the connection for shutdown"),
+            }
+            if let Some(c) = &self.continuity {
+                c.connection(&stream);
             }
             let result = dispatch::serve_connection(self, stream, None);
             self.stop.set_active(None);

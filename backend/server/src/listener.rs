@@ -27,8 +27,9 @@ pub const MAX_SOCKET_PATH: usize = 107;
 pub struct DeviceSocket {
     listener: UnixListener,
     path: PathBuf,
-    /// Device and inode of the socket file this process bound.
-    ident: (u64, u64),
+    /// Device and inode of the socket file this process bound (`None`: adopted, not ours to
+    /// remove).
+    ident: Option<(u64, u64)>,
 }
 
 impl DeviceSocket {
@@ -75,8 +76,23 @@ impl DeviceSocket {
         Ok(Self {
             listener,
             path: path.to_owned(),
-            ident: (meta.dev(), meta.ino()),
+            ident: Some((meta.dev(), meta.ino())),
         })
+    }
+
+    /// A listening socket bound by someone else (a supervisor that keeps it across restarts
+    /// of this process); `path` is for logs. The socket file is left in place when dropped.
+    pub fn adopt(listener: UnixListener, path: PathBuf) -> Self {
+        Self {
+            listener,
+            path,
+            ident: None,
+        }
+    }
+
+    /// The listening socket.
+    pub fn listener(&self) -> &UnixListener {
+        &self.listener
     }
 
     /// The socket path.
@@ -87,8 +103,11 @@ impl DeviceSocket {
 
 impl Drop for DeviceSocket {
     fn drop(&mut self) {
+        let Some(ident) = self.ident else {
+            return;
+        };
         match fs::symlink_metadata(&self.path) {
-            Ok(m) if (m.dev(), m.ino()) == self.ident => {
+            Ok(m) if (m.dev(), m.ino()) == ident => {
                 let _ = fs::remove_file(&self.path);
             }
             Ok(_) => tracing::info!(
