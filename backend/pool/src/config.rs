@@ -42,7 +42,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use switchyard_softgpu::{ConfigError as SoftGpuError, IrqMode, SoftGpuConfig};
 use utoipa::ToSchema;
 
-use crate::error::{ConfigProblem, PoolError, Size};
+use crate::error::{ConfigProblem, PoolError, Size, binary_unit};
 use crate::inventory::{DeviceShape, Model, valid_id};
 
 /// A byte count written as an integer or a string with an optional `K`, `M` or `G` suffix
@@ -77,13 +77,10 @@ impl ByteSize {
 impl fmt::Display for ByteSize {
     /// The shortest exact form: `64M`, `1G`, `1536K`, `1000`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.0;
-        for (shift, unit) in [(30, "G"), (20, "M"), (10, "K")] {
-            if n != 0 && n.is_multiple_of(1u64 << shift) {
-                return write!(f, "{}{unit}", n >> shift);
-            }
+        match binary_unit(self.0) {
+            (n, Some(unit)) => write!(f, "{n}{unit}"),
+            (n, None) => write!(f, "{n}"),
         }
-        write!(f, "{n}")
     }
 }
 

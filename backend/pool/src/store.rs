@@ -1,6 +1,7 @@
 //! The store: the inventory's state and its event history in one redb file, written in one
 //! transaction per mutation.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -229,31 +230,54 @@ fn read_snapshot(db: &Database) -> Result<Snapshot, PoolError> {
         Err(TableError::TableDoesNotExist(_)) => snap.next_seq = 1,
         Err(e) => return Err(read(e.into())),
     }
-    match txn.open_table(BOARDS) {
-        Ok(t) => {
-            for item in t.iter().map_err(|e| read(e.into()))? {
-                let (k, v) = item.map_err(|e| read(e.into()))?;
-                let id = k.value().to_owned();
-                let record = decode(&format!("board \"{id}\""), v.value())?;
-                snap.boards.insert(id, record);
-            }
-        }
-        Err(TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(read(e.into())),
-    }
-    match txn.open_table(ENDPOINTS) {
-        Ok(t) => {
-            for item in t.iter().map_err(|e| read(e.into()))? {
-                let (k, v) = item.map_err(|e| read(e.into()))?;
-                let id = k.value().to_owned();
-                let endpoint = decode(&format!("endpoint \"{id}\""), v.value())?;
-                snap.endpoints.insert(id, endpoint);
-            }
-        }
-        Err(TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(read(e.into())),
-    }
+    snap.boards = read_map(&txn, BOARDS, "board")?;
+    snap.endpoints = read_map(&txn, ENDPOINTS, "endpoint")?;
     Ok(snap)
+}
+
+/// A table of JSON records by id; empty when it does not exist yet.
+fn read_map<T: DeserializeOwned>(
+    txn: &redb::ReadTransaction,
+    table: TableDefinition<&str, &[u8]>,
+    what: &str,
+) -> Result<BTreeMap<String, T>, PoolError> {
+    let read = |e: redb::Error| PoolError::store("read", e);
+    let mut map = BTreeMap::new();
+    let t = match txn.open_table(table) {
+        Ok(t) => t,
+        Err(TableError::TableDoesNotExist(_)) => return Ok(map),
+        Err(e) => return Err(read(e.into())),
+    };
+    for item in t.iter().map_err(|e| read(e.into()))? {
+        let (k, v) = item.map_err(|e| read(e.into()))?;
+        let id = k.value().to_owned();
+        let record = decode(&format!("{what} \"{id}\""), v.value())?;
+        map.insert(id, record);
+    }
+    Ok(map)
+}
+
+/// Writes the records of `new` that differ from `old` and removes those gone.
+fn write_diff<T: PartialEq + Serialize>(
+    txn: &redb::WriteTransaction,
+    table: TableDefinition<&str, &[u8]>,
+    old: &BTreeMap<String, T>,
+    new: &BTreeMap<String, T>,
+    what: &str,
+) -> Result<(), PoolError> {
+    let fail = |e: redb::Error| PoolError::store("commit to", e);
+    let mut t = txn.open_table(table).map_err(|e| fail(e.into()))?;
+    for (id, record) in new {
+        if old.get(id) != Some(record) {
+            let bytes = encode(&format!("{what} \"{id}\""), record)?;
+            t.insert(id.as_str(), bytes.as_slice())
+                .map_err(|e| fail(e.into()))?;
+        }
+    }
+    for id in old.keys().filter(|id| !new.contains_key(*id)) {
+        t.remove(id.as_str()).map_err(|e| fail(e.into()))?;
+    }
+    Ok(())
 }
 
 /// Writes the difference between two snapshots and the events in one transaction.
@@ -261,34 +285,8 @@ fn write(db: &Database, old: &Snapshot, new: &Snapshot, events: &[Event]) -> Res
     let fail = |e: redb::Error| PoolError::store("commit to", e);
     let txn = db.begin_write().map_err(|e| fail(e.into()))?;
     {
-        let mut boards = txn.open_table(BOARDS).map_err(|e| fail(e.into()))?;
-        for (id, record) in &new.boards {
-            if old.boards.get(id) != Some(record) {
-                let bytes = encode(&format!("board \"{id}\""), record)?;
-                boards
-                    .insert(id.as_str(), bytes.as_slice())
-                    .map_err(|e| fail(e.into()))?;
-            }
-        }
-        for id in old.boards.keys().filter(|id| !new.boards.contains_key(*id)) {
-            boards.remove(id.as_str()).map_err(|e| fail(e.into()))?;
-        }
-        let mut endpoints = txn.open_table(ENDPOINTS).map_err(|e| fail(e.into()))?;
-        for (id, endpoint) in &new.endpoints {
-            if old.endpoints.get(id) != Some(endpoint) {
-                let bytes = encode(&format!("endpoint \"{id}\""), endpoint)?;
-                endpoints
-                    .insert(id.as_str(), bytes.as_slice())
-                    .map_err(|e| fail(e.into()))?;
-            }
-        }
-        for id in old
-            .endpoints
-            .keys()
-            .filter(|id| !new.endpoints.contains_key(*id))
-        {
-            endpoints.remove(id.as_str()).map_err(|e| fail(e.into()))?;
-        }
+        write_diff(&txn, BOARDS, &old.boards, &new.boards, "board")?;
+        write_diff(&txn, ENDPOINTS, &old.endpoints, &new.endpoints, "endpoint")?;
         let mut history = txn.open_table(EVENTS).map_err(|e| fail(e.into()))?;
         for event in events {
             let bytes = encode(&format!("event {}", event.seq), event)?;

@@ -1,6 +1,8 @@
 //! The in-memory model: lease selection, moves and their shape checks, detach/attach, drain
 //! planning, quarantine, and refusals that change nothing.
 
+mod common;
+use common::{in_pool, on_device};
 use switchyard_pool::{
     BoardState, EndpointSpec, ErrorKind, EventKind, Inventory, MovePlan, Placement, PoolConfig,
     PoolError,
@@ -67,22 +69,6 @@ fn inventory() -> Inventory {
         })
     ));
     inv
-}
-
-fn in_pool(id: &str, pool: &str) -> EndpointSpec {
-    EndpointSpec {
-        id: id.into(),
-        pool: Some(pool.into()),
-        ..EndpointSpec::default()
-    }
-}
-
-fn on_device(id: &str, device: &str) -> EndpointSpec {
-    EndpointSpec {
-        id: id.into(),
-        device: Some(device.into()),
-        ..EndpointSpec::default()
-    }
 }
 
 fn lease(inv: &Inventory, endpoint: &str) -> Option<String> {

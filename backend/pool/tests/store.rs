@@ -7,6 +7,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+mod common;
+use common::{in_pool, on_device};
 use switchyard_pool::{
     BoardState, EndpointSpec, ErrorKind, EventKind, Placement, Pool, PoolConfig, PoolError,
 };
@@ -40,22 +42,6 @@ fn open(text: &str, path: &Path) -> Pool {
     Pool::open(&config(text), path).expect("open").0
 }
 
-fn in_pool(id: &str) -> EndpointSpec {
-    EndpointSpec {
-        id: id.into(),
-        pool: Some("default".into()),
-        ..EndpointSpec::default()
-    }
-}
-
-fn on_device(id: &str, device: &str) -> EndpointSpec {
-    EndpointSpec {
-        id: id.into(),
-        device: Some(device.into()),
-        ..EndpointSpec::default()
-    }
-}
-
 fn store() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("pool.redb");
@@ -67,6 +53,11 @@ fn state(pool: &Pool) -> String {
     let inv = pool.inventory();
     let endpoints: Vec<_> = inv.endpoints().collect();
     serde_json::to_string(&(endpoints, inv.boards())).expect("json")
+}
+
+fn has_event(pool: &Pool, kind: EventKind) -> bool {
+    let history = pool.history(0, usize::MAX).expect("history");
+    history.iter().any(|e| e.kind == kind)
 }
 
 fn lease(pool: &Pool, endpoint: &str) -> Option<String> {
@@ -81,8 +72,10 @@ fn lease(pool: &Pool, endpoint: &str) -> Option<String> {
 fn reopening_restores_every_lease_exactly() {
     let (_dir, path) = store();
     let mut pool = open(CONFIG, &path);
-    pool.create_endpoint(&in_pool("vm1")).expect("vm1");
-    pool.create_endpoint(&in_pool("vm2")).expect("vm2");
+    pool.create_endpoint(&in_pool("vm1", "default"))
+        .expect("vm1");
+    pool.create_endpoint(&in_pool("vm2", "default"))
+        .expect("vm2");
     pool.create_endpoint(&on_device("vm3", "big.1"))
         .expect("vm3");
     pool.create_endpoint(&on_device("vm4", "big.0"))
@@ -128,11 +121,12 @@ fn reopening_restores_every_lease_exactly() {
 fn a_refused_operation_leaves_the_file_unchanged() {
     let (_dir, path) = store();
     let mut pool = open(CONFIG, &path);
-    pool.create_endpoint(&in_pool("vm1")).expect("vm1");
+    pool.create_endpoint(&in_pool("vm1", "default"))
+        .expect("vm1");
     let bytes = std::fs::read(&path).expect("read");
     let before = state(&pool);
     let refusals: Vec<PoolError> = vec![
-        pool.create_endpoint(&in_pool("vm1"))
+        pool.create_endpoint(&in_pool("vm1", "default"))
             .expect_err("duplicate"),
         pool.create_endpoint(&on_device("vm2", "gpu0"))
             .expect_err("busy"),
@@ -189,11 +183,12 @@ fn reconcile_adds_new_boards_and_keeps_quarantines() {
         pool.inventory().board("gpu1").expect("gpu1").state,
         BoardState::Quarantined
     );
-    let history = pool.history(0, usize::MAX).expect("history");
-    assert!(history.iter().any(|e| e.kind
-        == EventKind::BoardAdded {
+    assert!(has_event(
+        &pool,
+        EventKind::BoardAdded {
             board: "gpu3".into()
-        }));
+        }
+    ));
 }
 
 #[test]
@@ -218,12 +213,13 @@ fn reconcile_keeps_a_removed_board_while_it_is_leased() {
     assert_eq!(big.devices[1].endpoint.as_deref(), Some("vm1"));
     assert!(pool.inventory().board("gpu2").is_none());
     assert_eq!(lease(&pool, "vm1").as_deref(), Some("big.1"));
-    let history = pool.history(0, usize::MAX).expect("history");
-    assert!(history.iter().any(|e| e.kind
-        == EventKind::BoardMissing {
+    assert!(has_event(
+        &pool,
+        EventKind::BoardMissing {
             board: "big".into(),
             endpoints: vec!["vm1".into()]
-        }));
+        }
+    ));
     // A missing board takes no new lease.
     let e = pool
         .create_endpoint(&on_device("vm2", "big.0"))
@@ -279,11 +275,12 @@ fn a_missing_board_that_returns_is_reported() {
         BoardState::Available
     );
     assert_eq!(lease(&pool, "vm1").as_deref(), Some("gpu2"));
-    let history = pool.history(0, usize::MAX).expect("history");
-    assert!(history.iter().any(|e| e.kind
-        == EventKind::BoardReturned {
+    assert!(has_event(
+        &pool,
+        EventKind::BoardReturned {
             board: "gpu2".into()
-        }));
+        }
+    ));
 }
 
 #[test]
