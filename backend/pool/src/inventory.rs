@@ -867,6 +867,16 @@ impl Inventory {
                 report.removed_boards.push(id.clone());
                 kinds.push(EventKind::BoardRemoved { board: id.clone() });
             } else {
+                // A kept board's ids must not collide with the configuration's.
+                let ids = std::iter::once(id).chain(old.def.partitions.iter().map(|p| &p.id));
+                for used in ids {
+                    if let Some(holder) = inv.id_holder(used) {
+                        return Err(PoolError::Reconcile(format!(
+                            "board \"{id}\", gone from the configuration but leased by {}, has the id \"{used}\" of {holder}",
+                            endpoints.join(", ")
+                        )));
+                    }
+                }
                 report.missing_boards.push(id.clone());
                 if !old.missing {
                     kinds.push(EventKind::BoardMissing {

@@ -254,6 +254,29 @@ fn reconcile_keeps_a_removed_board_while_it_is_leased() {
 }
 
 #[test]
+fn reconcile_refuses_a_kept_board_whose_id_is_reused() {
+    let (_dir, path) = store();
+    let mut pool = open(CONFIG, &path);
+    pool.create_endpoint(&on_device("vm1", "big.0"))
+        .expect("vm1");
+    drop(pool);
+    // `big` is gone but leased, and its partition's id is now a board's.
+    let reused = CONFIG
+        .split("[[boards]]\nid = \"big\"")
+        .next()
+        .expect("prefix")
+        .to_owned()
+        + "[[boards]]\nid = \"big.0\"\n[[pools]]\nname = \"default\"\nboards = [\"gpu0\"]\n";
+    let e = Pool::open(&config(&reused), &path).expect_err("collision");
+    assert_eq!(e.kind(), ErrorKind::Conflict);
+    assert!(
+        e.to_string()
+            .contains("has the id \"big.0\" of board \"big.0\""),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_missing_board_that_returns_is_reported() {
     let (_dir, path) = store();
     let mut pool = open(CONFIG, &path);
