@@ -1,0 +1,304 @@
+//! The store: the inventory's state and its event history in one redb file, written in one
+//! transaction per mutation.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use redb::{Database, ReadableTable, TableDefinition, TableError};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::config::PoolConfig;
+use crate::error::PoolError;
+use crate::event::Event;
+use crate::inventory::{EndpointSpec, Inventory, MovePlan, OpenReport, Placement, Snapshot};
+
+/// Board records (`BoardRecord` as JSON) by board id.
+const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
+/// Endpoints (`Endpoint` as JSON) by id.
+const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
+/// The history (`Event` as JSON) by sequence number; append-only.
+const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+/// `format` and `next_seq`.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+/// The store's format; bumped when a record changes incompatibly.
+pub const STORE_FORMAT: u64 = 1;
+
+/// The pool: an [`Inventory`] whose every mutation is committed to the store before it is
+/// visible.
+///
+/// Each mutation runs on a copy of the inventory; its state changes and its events are
+/// written in one redb transaction (durable when `commit` returns), and only then does the
+/// copy replace the inventory. A refused mutation or a failed commit leaves both the file
+/// and the inventory as they were. The queries are on [`Pool::inventory`].
+pub struct Pool {
+    db: Database,
+    path: PathBuf,
+    inv: Inventory,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool")
+            .field("path", &self.path)
+            .field("inventory", &self.inv)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    /// Opens (or creates) the store at `path` and reconciles it with `config` (see
+    /// [`OpenReport`]): the stored endpoints, leases, moves in progress and quarantines are
+    /// restored, boards new to the configuration appear, boards gone from it are forgotten
+    /// when unleased and kept as `missing` otherwise, and configured endpoints are created
+    /// when absent. The reconciliation is committed (with an `opened` event) before this
+    /// returns. The file is locked: one `Pool` per file.
+    pub fn open(config: &PoolConfig, path: &Path) -> Result<(Self, OpenReport), PoolError> {
+        config.validate()?;
+        let db = Database::create(path).map_err(|e| PoolError::store("open", e))?;
+        let stored = read_snapshot(&db)?;
+        let (inv, events, report) = Inventory::restore(config, stored.clone())?;
+        write(&db, &stored, &inv.snapshot(), &events)?;
+        Ok((
+            Self {
+                db,
+                path: path.into(),
+                inv,
+            },
+            report,
+        ))
+    }
+
+    /// The store's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The committed state, for queries (boards, devices, pools, endpoints, moves).
+    pub fn inventory(&self) -> &Inventory {
+        &self.inv
+    }
+
+    /// Events with `seq > since_seq`, oldest first, at most `limit`.
+    pub fn history(&self, since_seq: u64, limit: usize) -> Result<Vec<Event>, PoolError> {
+        let txn = self
+            .db
+            .begin_read()
+            .map_err(|e| PoolError::store("read", e))?;
+        let table = match txn.open_table(EVENTS) {
+            Ok(t) => t,
+            Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(PoolError::store("read", e)),
+        };
+        let start = since_seq.saturating_add(1);
+        let mut out = Vec::new();
+        for item in table
+            .range(start..)
+            .map_err(|e| PoolError::store("read", e))?
+            .take(limit)
+        {
+            let (seq, bytes) = item.map_err(|e| PoolError::store("read", e))?;
+            out.push(decode(&format!("event {}", seq.value()), bytes.value())?);
+        }
+        Ok(out)
+    }
+
+    /// [`Inventory::create_endpoint`], committed.
+    pub fn create_endpoint(&mut self, spec: &EndpointSpec) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.create_endpoint(spec))
+    }
+
+    /// [`Inventory::delete_endpoint`], committed.
+    pub fn delete_endpoint(&mut self, id: &str) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.delete_endpoint(id))
+    }
+
+    /// [`Inventory::check_move`]: a dry run, nothing reserved.
+    pub fn check_move(&self, endpoint: &str, to: &str) -> Result<MovePlan, PoolError> {
+        self.inv.check_move(endpoint, to)
+    }
+
+    /// [`Inventory::plan_move`], committed: the target is reserved until commit or abort,
+    /// across restarts.
+    pub fn plan_move(
+        &mut self,
+        endpoint: &str,
+        to: &str,
+    ) -> Result<(MovePlan, Vec<Event>), PoolError> {
+        self.apply(|inv| inv.plan_move(endpoint, to))
+    }
+
+    /// [`Inventory::commit_move`], committed.
+    pub fn commit_move(&mut self, plan: &MovePlan) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.commit_move(plan))
+    }
+
+    /// [`Inventory::abort_move`], committed.
+    pub fn abort_move(&mut self, plan: &MovePlan) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.abort_move(plan))
+    }
+
+    /// [`Inventory::detach`], committed.
+    pub fn detach(&mut self, endpoint: &str) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.detach(endpoint))
+    }
+
+    /// [`Inventory::attach`], committed.
+    pub fn attach(&mut self, endpoint: &str, to: &Placement) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.attach(endpoint, to))
+    }
+
+    /// [`Inventory::plan_drain`]: a dry run, nothing reserved.
+    pub fn plan_drain(&self, board: &str) -> Result<Vec<MovePlan>, PoolError> {
+        self.inv.plan_drain(board)
+    }
+
+    /// [`Inventory::drain`], committed: the board quarantined and every move started in one
+    /// transaction.
+    pub fn drain(&mut self, board: &str) -> Result<(Vec<MovePlan>, Vec<Event>), PoolError> {
+        self.apply(|inv| inv.drain(board))
+    }
+
+    /// [`Inventory::quarantine`], committed.
+    pub fn quarantine(&mut self, board: &str) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.quarantine(board))
+    }
+
+    /// [`Inventory::unquarantine`], committed.
+    pub fn unquarantine(&mut self, board: &str) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.unquarantine(board))
+    }
+
+    fn apply_events(
+        &mut self,
+        op: impl FnOnce(&mut Inventory) -> Result<Vec<Event>, PoolError>,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply(|inv| op(inv).map(|events| ((), events)))
+            .map(|((), events)| events)
+    }
+
+    /// Runs `op` on a copy, commits what changed with the events, then keeps the copy.
+    fn apply<T>(
+        &mut self,
+        op: impl FnOnce(&mut Inventory) -> Result<(T, Vec<Event>), PoolError>,
+    ) -> Result<(T, Vec<Event>), PoolError> {
+        let mut next = self.inv.clone();
+        let (value, events) = op(&mut next)?;
+        if !events.is_empty() {
+            write(&self.db, &self.inv.snapshot(), &next.snapshot(), &events)?;
+            self.inv = next;
+        }
+        Ok((value, events))
+    }
+}
+
+fn encode<T: Serialize>(what: &str, value: &T) -> Result<Vec<u8>, PoolError> {
+    serde_json::to_vec(value).map_err(|source| PoolError::Encode {
+        what: what.into(),
+        source,
+    })
+}
+
+fn decode<T: DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, PoolError> {
+    serde_json::from_slice(bytes).map_err(|source| PoolError::Corrupt {
+        what: what.into(),
+        source,
+    })
+}
+
+/// Everything the store holds but the history; empty for a new file.
+fn read_snapshot(db: &Database) -> Result<Snapshot, PoolError> {
+    let read = |e: redb::Error| PoolError::store("read", e);
+    let txn = db.begin_read().map_err(|e| read(e.into()))?;
+    let mut snap = Snapshot::default();
+    match txn.open_table(META) {
+        Ok(meta) => {
+            let format = meta.get("format").map_err(|e| read(e.into()))?;
+            if let Some(format) = format.map(|v| v.value())
+                && format != STORE_FORMAT
+            {
+                return Err(PoolError::StoreFormat {
+                    found: format,
+                    expected: STORE_FORMAT,
+                });
+            }
+            let next = meta.get("next_seq").map_err(|e| read(e.into()))?;
+            snap.next_seq = next.map_or(1, |v| v.value());
+        }
+        Err(TableError::TableDoesNotExist(_)) => snap.next_seq = 1,
+        Err(e) => return Err(read(e.into())),
+    }
+    snap.boards = read_map(&txn, BOARDS, "board")?;
+    snap.endpoints = read_map(&txn, ENDPOINTS, "endpoint")?;
+    Ok(snap)
+}
+
+/// A table of JSON records by id; empty when it does not exist yet.
+fn read_map<T: DeserializeOwned>(
+    txn: &redb::ReadTransaction,
+    table: TableDefinition<&str, &[u8]>,
+    what: &str,
+) -> Result<BTreeMap<String, T>, PoolError> {
+    let read = |e: redb::Error| PoolError::store("read", e);
+    let mut map = BTreeMap::new();
+    let t = match txn.open_table(table) {
+        Ok(t) => t,
+        Err(TableError::TableDoesNotExist(_)) => return Ok(map),
+        Err(e) => return Err(read(e.into())),
+    };
+    for item in t.iter().map_err(|e| read(e.into()))? {
+        let (k, v) = item.map_err(|e| read(e.into()))?;
+        let id = k.value().to_owned();
+        let record = decode(&format!("{what} \"{id}\""), v.value())?;
+        map.insert(id, record);
+    }
+    Ok(map)
+}
+
+/// Writes the records of `new` that differ from `old` and removes those gone.
+fn write_diff<T: PartialEq + Serialize>(
+    txn: &redb::WriteTransaction,
+    table: TableDefinition<&str, &[u8]>,
+    old: &BTreeMap<String, T>,
+    new: &BTreeMap<String, T>,
+    what: &str,
+) -> Result<(), PoolError> {
+    let fail = |e: redb::Error| PoolError::store("commit to", e);
+    let mut t = txn.open_table(table).map_err(|e| fail(e.into()))?;
+    for (id, record) in new {
+        if old.get(id) != Some(record) {
+            let bytes = encode(&format!("{what} \"{id}\""), record)?;
+            t.insert(id.as_str(), bytes.as_slice())
+                .map_err(|e| fail(e.into()))?;
+        }
+    }
+    for id in old.keys().filter(|id| !new.contains_key(*id)) {
+        t.remove(id.as_str()).map_err(|e| fail(e.into()))?;
+    }
+    Ok(())
+}
+
+/// Writes the difference between two snapshots and the events in one transaction.
+fn write(db: &Database, old: &Snapshot, new: &Snapshot, events: &[Event]) -> Result<(), PoolError> {
+    let fail = |e: redb::Error| PoolError::store("commit to", e);
+    let txn = db.begin_write().map_err(|e| fail(e.into()))?;
+    {
+        write_diff(&txn, BOARDS, &old.boards, &new.boards, "board")?;
+        write_diff(&txn, ENDPOINTS, &old.endpoints, &new.endpoints, "endpoint")?;
+        let mut history = txn.open_table(EVENTS).map_err(|e| fail(e.into()))?;
+        for event in events {
+            let bytes = encode(&format!("event {}", event.seq), event)?;
+            history
+                .insert(event.seq, bytes.as_slice())
+                .map_err(|e| fail(e.into()))?;
+        }
+        let mut meta = txn.open_table(META).map_err(|e| fail(e.into()))?;
+        meta.insert("format", STORE_FORMAT)
+            .map_err(|e| fail(e.into()))?;
+        meta.insert("next_seq", new.next_seq)
+            .map_err(|e| fail(e.into()))?;
+    }
+    txn.commit().map_err(|e| fail(e.into()))
+}

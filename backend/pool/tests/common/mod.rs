@@ -1,0 +1,21 @@
+//! Helpers shared by the test files.
+
+use switchyard_pool::EndpointSpec;
+
+/// An endpoint leasing from `pool`.
+pub fn in_pool(id: &str, pool: &str) -> EndpointSpec {
+    EndpointSpec {
+        id: id.into(),
+        pool: Some(pool.into()),
+        ..EndpointSpec::default()
+    }
+}
+
+/// An endpoint leasing `device`.
+pub fn on_device(id: &str, device: &str) -> EndpointSpec {
+    EndpointSpec {
+        id: id.into(),
+        device: Some(device.into()),
+        ..EndpointSpec::default()
+    }
+}

@@ -1,0 +1,580 @@
+//! The configuration file: parsing, the embedded default, and every validation error with the
+//! key path it names.
+
+use switchyard_pool::{ConfigProblem, ErrorKind, PoolConfig, PoolError};
+use switchyard_softgpu::{ConfigError as SoftGpuError, IrqMode};
+
+const TWO_BOARDS: &str = r#"
+[[boards]]
+id = "gpu0"
+vram = "64M"
+queues = 2
+
+[[boards]]
+id = "gpu1"
+vram = "64M"
+queues = 2
+
+[[pools]]
+name = "default"
+boards = ["gpu0", "gpu1"]
+"#;
+
+/// Parses `text`, expecting a refusal; returns the error and its message.
+fn refused(text: &str) -> (PoolError, String) {
+    let e = PoolConfig::from_toml(text).expect_err("configuration must be refused");
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with(|c: char| c.is_ascii_uppercase()),
+        "sentence case: {msg}"
+    );
+    assert_eq!(e.kind(), ErrorKind::Invalid, "{msg}");
+    (e, msg)
+}
+
+/// Expects a semantic refusal at `key` and returns its problem and message.
+fn refused_at(text: &str, key: &str) -> (ConfigProblem, String) {
+    let (e, msg) = refused(text);
+    match e {
+        PoolError::Config {
+            key: k, problem, ..
+        } => {
+            assert_eq!(k, key, "{msg}");
+            assert!(msg.contains(&format!("`{key}`")), "{msg}");
+            (problem, msg)
+        }
+        other => panic!("expected a Config error at {key}, got {other:?}"),
+    }
+}
+
+#[test]
+fn parses_the_full_shape() {
+    let c = PoolConfig::from_toml(
+        r#"
+[daemon]
+control_socket = "/tmp/sy/control.sock"
+state_dir = "/tmp/sy/state"
+endpoint_dir = "/tmp/sy/ep"
+
+[[boards]]
+id = "gpu0"
+model = "softgpu"
+vram = "256M"
+queues = 4
+irq = "msi"
+vram_mmap = false
+partitions = [ { id = "gpu0.p0", vram = "128M", queues = 2 }, { id = "gpu0.p1", vram = 134217728, queues = 2 } ]
+
+[[boards]]
+id = "gpu1"
+vram = "256m"
+queues = 4
+irq = "msi"
+vram_mmap = false
+partitions = [ { id = "gpu1.p0", vram = "128M", queues = 2 }, { id = "gpu1.p1", vram = "131072K", queues = 2 } ]
+
+[[pools]]
+name = "parts"
+boards = ["gpu0", "gpu1"]
+
+[[endpoints]]
+id = "vm1"
+pool = "parts"
+min_vram = "64M"
+min_queues = 1
+
+[[endpoints]]
+id = "vm2"
+device = "gpu1.p1"
+socket = "/tmp/vm2.sock"
+"#,
+    )
+    .expect("valid");
+    assert_eq!(
+        c.daemon.store_path().to_str(),
+        Some("/tmp/sy/state/pool.redb")
+    );
+    assert_eq!(c.boards[0].vram.0, 256 << 20);
+    assert_eq!(c.boards[0].irq, IrqMode::Msi);
+    assert!(!c.boards[0].vram_mmap);
+    assert_eq!(c.boards[0].partitions[1].vram.0, 128 << 20);
+    assert_eq!(c.boards[1].partitions[1].vram.0, 128 << 20);
+    assert_eq!(c.endpoints[0].min_vram.map(|s| s.0), Some(64 << 20));
+    assert_eq!(c.endpoints[1].device.as_deref(), Some("gpu1.p1"));
+    // The TOML it writes reads back the same.
+    assert_eq!(PoolConfig::from_toml(&c.to_toml()).expect("round trip"), c);
+}
+
+#[test]
+fn defaults_fill_the_optional_keys() {
+    let c = PoolConfig::from_toml("[[boards]]\nid = \"g\"\n").expect("minimal");
+    let b = &c.boards[0];
+    assert_eq!((b.vram.0, b.queues), (64 << 20, 2));
+    assert_eq!(b.irq, IrqMode::Msix);
+    assert!(b.vram_mmap && b.partitions.is_empty());
+    assert_eq!(
+        c.daemon.endpoint_dir.to_str(),
+        Some("/run/switchyard/endpoints")
+    );
+    assert_eq!(
+        c.daemon.control_socket.to_str(),
+        Some("/run/switchyard/control.sock")
+    );
+    assert_eq!(
+        PoolConfig::from_toml("").expect("empty"),
+        PoolConfig {
+            boards: vec![],
+            pools: vec![],
+            ..PoolConfig::default()
+        }
+    );
+}
+
+#[test]
+fn the_embedded_default_is_two_softgpus_in_one_pool() {
+    let c = PoolConfig::default();
+    c.validate().expect("the default is valid");
+    let ids: Vec<&str> = c.boards.iter().map(|b| b.id.as_str()).collect();
+    assert_eq!(ids, ["gpu0", "gpu1"]);
+    for b in &c.boards {
+        assert_eq!((b.vram.0, b.queues), (64 << 20, 2));
+    }
+    assert_eq!(c.pools.len(), 1);
+    assert_eq!(c.pools[0].name, "default");
+    assert_eq!(c.pools[0].boards, ["gpu0", "gpu1"]);
+    assert!(c.endpoints.is_empty());
+    let text = c.to_toml();
+    assert!(text.contains("vram = \"64M\""), "{text}");
+    assert_eq!(PoolConfig::from_toml(&text).expect("round trip"), c);
+}
+
+#[test]
+fn values_the_parser_refuses_name_their_key_and_line() {
+    let text = TWO_BOARDS.replace(
+        "id = \"gpu1\"\nvram = \"64M\"",
+        "id = \"gpu1\"\nvram = \"12X\"",
+    );
+    let (e, msg) = refused(&text);
+    assert!(
+        matches!(&e, PoolError::Config { key, line: Some(9), problem: ConfigProblem::Value(m) }
+            if key == "boards[1].vram" && m.contains("12X")),
+        "{e:?}"
+    );
+    assert!(msg.contains("`boards[1].vram` (line 9)"), "{msg}");
+
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "[[boards]]\nid = \"g\"\nqueues = \"four\"",
+            "boards[0].queues",
+            "string",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\nqueues = -1",
+            "boards[0].queues",
+            "-1",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\nirq = \"intx\"",
+            "boards[0].irq",
+            "intx",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\nmodel = \"rtx\"",
+            "boards[0].model",
+            "rtx",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\nvram = -5",
+            "boards[0].vram",
+            "negative",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\nvram = \"99999999999G\"",
+            "boards[0].vram",
+            "99999999999G",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\nvram_mmap = \"on\"",
+            "boards[0].vram_mmap",
+            "boolean",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\ncolour = \"red\"",
+            "boards[0].colour",
+            "colour",
+        ),
+        ("[[boards]]\nvram = \"1M\"", "boards[0]", "id"),
+        (
+            "[[boards]]\nid = \"g\"\npartitions = [{ id = \"p\", vram = \"1M\", queues = 1, x = 1 }]",
+            "boards[0].partitions[0].x",
+            "x",
+        ),
+        ("[daemon]\nstate = \"/x\"", "daemon.state", "state"),
+        (
+            "[[pools]]\nname = \"p\"\nboards = \"gpu0\"",
+            "pools[0].boards",
+            "sequence",
+        ),
+        (
+            "[[endpoints]]\nid = \"e\"\nmin_queues = 1.5",
+            "endpoints[0].min_queues",
+            "float",
+        ),
+        ("[[endpoint]]\nid = \"e\"", "endpoint", "endpoint"),
+    ];
+    for (text, key, needle) in cases {
+        let (e, msg) = refused(text);
+        match &e {
+            PoolError::Config {
+                key: k,
+                problem: ConfigProblem::Value(m),
+                ..
+            } => {
+                assert_eq!(k, key, "{text}: {msg}");
+                assert!(m.contains(needle), "{text}: {msg}");
+            }
+            other => panic!("{text}: expected a value error at {key}, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn bad_toml_is_a_syntax_error_with_its_line() {
+    let (e, msg) = refused("[[boards]]\nid = \"g\"\nvram = \n");
+    assert!(
+        matches!(e, PoolError::ConfigSyntax { line: Some(3), .. }),
+        "{e:?}"
+    );
+    assert!(
+        msg.starts_with("Cannot parse the configuration (line 3)"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn softgpu_values_are_checked_at_their_key() {
+    let cases: &[(&str, &str, SoftGpuError)] = &[
+        (
+            "vram = \"3M\"",
+            "boards[1].vram",
+            SoftGpuError::VramNotPowerOfTwo(3 << 20),
+        ),
+        (
+            "vram = \"512K\"",
+            "boards[1].vram",
+            SoftGpuError::VramTooSmall(512 << 10),
+        ),
+        (
+            "vram = \"128G\"",
+            "boards[1].vram",
+            SoftGpuError::VramTooLarge(128 << 30),
+        ),
+        (
+            "queues = 0",
+            "boards[1].queues",
+            SoftGpuError::QueuesOutOfRange(0),
+        ),
+        (
+            "queues = 9",
+            "boards[1].queues",
+            SoftGpuError::QueuesOutOfRange(9),
+        ),
+    ];
+    for (line, key, want) in cases {
+        let text = format!("{TWO_BOARDS}\n[[boards]]\nid = \"gpu2\"\n{line}\n")
+            // gpu2 is boards[2]; keep the asserted index at 1 by dropping gpu0's pool use.
+            .replace("boards = [\"gpu0\", \"gpu1\"]", "boards = []");
+        let text = text.replacen(
+            "id = \"gpu0\"\nvram = \"64M\"\nqueues = 2\n\n[[boards]]\n",
+            "",
+            1,
+        );
+        let (problem, msg) = refused_at(&text, key);
+        assert_eq!(problem, ConfigProblem::SoftGpu(want.clone()), "{msg}");
+        assert!(msg.contains(&want.to_string()), "{msg}");
+    }
+}
+
+#[test]
+fn partitions_are_checked_against_their_board() {
+    let board = |parts: &str| {
+        format!("[[boards]]\nid = \"gpu0\"\nvram = \"256M\"\nqueues = 4\npartitions = [{parts}]\n")
+    };
+    // Each partition is a valid softgpu configuration.
+    let (p, msg) = refused_at(
+        &board(r#"{ id = "a", vram = "96M", queues = 2 }"#),
+        "boards[0].partitions[0].vram",
+    );
+    assert_eq!(
+        p,
+        ConfigProblem::SoftGpu(SoftGpuError::VramNotPowerOfTwo(96 << 20)),
+        "{msg}"
+    );
+    let (p, _) = refused_at(
+        &board(r#"{ id = "a", vram = "64M", queues = 2 }, { id = "b", vram = "64M", queues = 0 }"#),
+        "boards[0].partitions[1].queues",
+    );
+    assert_eq!(p, ConfigProblem::SoftGpu(SoftGpuError::QueuesOutOfRange(0)));
+    // Sums fit in the board.
+    let (p, msg) = refused_at(
+        &board(
+            r#"{ id = "a", vram = "128M", queues = 2 }, { id = "b", vram = "256M", queues = 2 }"#,
+        ),
+        "boards[0].partitions",
+    );
+    assert!(
+        matches!(p, ConfigProblem::PartitionsExceedBoard { what: "VRAM", .. }),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("384 MiB of VRAM but the board has 256 MiB"),
+        "{msg}"
+    );
+    let (p, msg) = refused_at(
+        &board(r#"{ id = "a", vram = "64M", queues = 3 }, { id = "b", vram = "64M", queues = 2 }"#),
+        "boards[0].partitions",
+    );
+    assert!(
+        matches!(
+            p,
+            ConfigProblem::PartitionsExceedBoard { what: "queues", .. }
+        ),
+        "{msg}"
+    );
+    assert!(msg.contains("5 of queues but the board has 4"), "{msg}");
+    // Exactly full is fine (positive control).
+    PoolConfig::from_toml(&board(
+        r#"{ id = "a", vram = "128M", queues = 2 }, { id = "b", vram = "128M", queues = 2 }"#,
+    ))
+    .expect("partitions filling the board");
+}
+
+#[test]
+fn ids_are_checked_and_unique_across_every_kind() {
+    let (p, msg) = refused_at("[[boards]]\nid = \"gpu 0\"\n", "boards[0].id");
+    assert_eq!(p, ConfigProblem::BadId("gpu 0".into()), "{msg}");
+    let long = "g".repeat(65);
+    refused_at(&format!("[[boards]]\nid = \"{long}\"\n"), "boards[0].id");
+    refused_at("[[boards]]\nid = \"\"\n", "boards[0].id");
+    PoolConfig::from_toml(&format!("[[boards]]\nid = \"{}\"\n", "g".repeat(64)))
+        .expect("64 characters");
+    refused_at(
+        "[[boards]]\nid = \"g\"\npartitions = [{ id = \"a/b\", vram = \"1M\", queues = 1 }]",
+        "boards[0].partitions[0].id",
+    );
+    refused_at(
+        &format!("{TWO_BOARDS}[[pools]]\nname = \"a b\"\n"),
+        "pools[1].name",
+    );
+    refused_at(
+        &format!("{TWO_BOARDS}[[endpoints]]\nid = \"\"\npool = \"default\"\n"),
+        "endpoints[0].id",
+    );
+
+    // One namespace: board/board, board/partition, pool/board, endpoint/pool, endpoint/endpoint.
+    let (p, msg) = refused_at(
+        &format!("{TWO_BOARDS}[[boards]]\nid = \"gpu0\"\n"),
+        "boards[2].id",
+    );
+    assert_eq!(
+        p,
+        ConfigProblem::DuplicateId {
+            id: "gpu0".into(),
+            first: "boards[0].id".into()
+        },
+        "{msg}"
+    );
+    refused_at(
+        &format!(
+            "{TWO_BOARDS}[[boards]]\nid = \"gpu2\"\npartitions = [{{ id = \"gpu1\", vram = \"1M\", queues = 1 }}]\n"
+        ),
+        "boards[2].partitions[0].id",
+    );
+    refused_at(
+        &format!("{TWO_BOARDS}[[pools]]\nname = \"gpu1\"\n"),
+        "pools[1].name",
+    );
+    refused_at(
+        &format!("{TWO_BOARDS}[[endpoints]]\nid = \"default\"\npool = \"default\"\n"),
+        "endpoints[0].id",
+    );
+    let (p, _) = refused_at(
+        &format!(
+            "{TWO_BOARDS}[[endpoints]]\nid = \"vm\"\npool = \"default\"\n[[endpoints]]\nid = \"vm\"\npool = \"default\"\n"
+        ),
+        "endpoints[1].id",
+    );
+    assert_eq!(
+        p,
+        ConfigProblem::DuplicateId {
+            id: "vm".into(),
+            first: "endpoints[0].id".into()
+        }
+    );
+}
+
+#[test]
+fn pools_name_existing_boards_once() {
+    let (p, msg) = refused_at(
+        &TWO_BOARDS.replace("[\"gpu0\", \"gpu1\"]", "[\"gpu0\", \"gpu1\", \"gpu9\"]"),
+        "pools[0].boards[2]",
+    );
+    assert_eq!(p, ConfigProblem::UnknownBoard("gpu9".into()));
+    assert!(
+        msg.ends_with("`pools[0].boards[2]`: unknown board \"gpu9\""),
+        "{msg}"
+    );
+    let (p, _) = refused_at(
+        &format!("{TWO_BOARDS}[[pools]]\nname = \"other\"\nboards = [\"gpu1\"]\n"),
+        "pools[1].boards[0]",
+    );
+    assert_eq!(
+        p,
+        ConfigProblem::BoardInTwoPools {
+            board: "gpu1".into(),
+            pool: "default".into()
+        }
+    );
+    refused_at(
+        &TWO_BOARDS.replace("[\"gpu0\", \"gpu1\"]", "[\"gpu0\", \"gpu0\"]"),
+        "pools[0].boards[1]",
+    );
+    let (p, _) = refused_at(
+        "[[boards]]\nid = \"g\"\npartitions = [{ id = \"g.p\", vram = \"1M\", queues = 1 }]\n[[pools]]\nname = \"p\"\nboards = [\"g.p\"]\n",
+        "pools[0].boards[0]",
+    );
+    assert_eq!(p, ConfigProblem::PartitionInPool("g.p".into()));
+}
+
+#[test]
+fn pools_must_be_homogeneous() {
+    let with_gpu1 =
+        |line: &str| TWO_BOARDS.replacen("id = \"gpu1\"\n", &format!("id = \"gpu1\"\n{line}\n"), 1);
+    let cases: &[(&str, &str)] = &[
+        ("vram_mmap = false", "vram_mmap (false vs true)"),
+        ("irq = \"msi\"", "irq (msi vs msix)"),
+    ];
+    for (line, diff) in cases {
+        let (p, msg) = refused_at(&with_gpu1(line), "pools[0]");
+        assert_eq!(
+            p,
+            ConfigProblem::NotHomogeneous {
+                board: "gpu1".into(),
+                reference: "gpu0".into(),
+                difference: (*diff).into(),
+            },
+            "{msg}"
+        );
+    }
+    let (_, msg) = refused_at(
+        &TWO_BOARDS.replacen(
+            "vram = \"64M\"\nqueues = 2\n\n[[pools]]",
+            "vram = \"128M\"\nqueues = 2\n\n[[pools]]",
+            1,
+        ),
+        "pools[0]",
+    );
+    assert_eq!(
+        msg,
+        "Invalid configuration at `pools[0]`: board \"gpu1\" differs from \"gpu0\" in vram (128 MiB vs 64 MiB); a pool's boards must be identical"
+    );
+    let (_, msg) = refused_at(
+        &TWO_BOARDS.replacen("queues = 2\n\n[[pools]]", "queues = 4\n\n[[pools]]", 1),
+        "pools[0]",
+    );
+    assert!(msg.contains("in queues (4 vs 2)"), "{msg}");
+
+    // Partition layouts: count, then sizes.
+    let parted = |a: &str, b: &str| {
+        format!(
+            "[[boards]]\nid = \"a\"\nvram = \"256M\"\nqueues = 4\npartitions = [{a}]\n\
+             [[boards]]\nid = \"b\"\nvram = \"256M\"\nqueues = 4\npartitions = [{b}]\n\
+             [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n"
+        )
+    };
+    let (_, msg) = refused_at(
+        &parted(
+            r#"{ id = "a0", vram = "128M", queues = 2 }, { id = "a1", vram = "128M", queues = 2 }"#,
+            r#"{ id = "b0", vram = "128M", queues = 2 }"#,
+        ),
+        "pools[0]",
+    );
+    assert!(
+        msg.contains("differs from \"a\" in partition layout (1 partitions vs 2)"),
+        "{msg}"
+    );
+    let (_, msg) = refused_at(
+        &parted(
+            r#"{ id = "a0", vram = "128M", queues = 2 }, { id = "a1", vram = "128M", queues = 2 }"#,
+            r#"{ id = "b0", vram = "128M", queues = 2 }, { id = "b1", vram = "64M", queues = 2 }"#,
+        ),
+        "pools[0]",
+    );
+    assert!(
+        msg.contains("in partitions[1].vram (64 MiB vs 128 MiB)"),
+        "{msg}"
+    );
+    let (_, msg) = refused_at(
+        &parted(
+            r#"{ id = "a0", vram = "128M", queues = 2 }"#,
+            r#"{ id = "b0", vram = "128M", queues = 1 }"#,
+        ),
+        "pools[0]",
+    );
+    assert!(msg.contains("in partitions[0].queues (1 vs 2)"), "{msg}");
+    // Identical layouts with other ids are one pool (positive control).
+    PoolConfig::from_toml(&parted(
+        r#"{ id = "a0", vram = "128M", queues = 2 }"#,
+        r#"{ id = "b0", vram = "128M", queues = 2 }"#,
+    ))
+    .expect("identical layouts");
+}
+
+#[test]
+fn endpoints_name_one_existing_target() {
+    let ep = |body: &str| format!("{TWO_BOARDS}[[endpoints]]\nid = \"vm1\"\n{body}\n");
+    let (p, _) = refused_at(&ep("pool = \"default\"\ndevice = \"gpu0\""), "endpoints[0]");
+    assert!(matches!(p, ConfigProblem::Placement(_)));
+    let (p, _) = refused_at(&ep("min_queues = 1"), "endpoints[0]");
+    assert!(matches!(p, ConfigProblem::Placement(_)));
+    let (p, _) = refused_at(&ep("pool = \"gpus\""), "endpoints[0].pool");
+    assert_eq!(p, ConfigProblem::UnknownPool("gpus".into()));
+    let (p, _) = refused_at(&ep("device = \"gpu7\""), "endpoints[0].device");
+    assert_eq!(p, ConfigProblem::UnknownDevice("gpu7".into()));
+    let (p, _) = refused_at(
+        &ep("device = \"gpu0\"\nsocket = \"rel.sock\""),
+        "endpoints[0].socket",
+    );
+    assert!(matches!(p, ConfigProblem::SocketPath(_)));
+    let (p, _) = refused_at(
+        &format!(
+            "{}[[endpoints]]\nid = \"vm2\"\ndevice = \"gpu0\"\n",
+            ep("device = \"gpu0\"")
+        ),
+        "endpoints[1].device",
+    );
+    assert_eq!(
+        p,
+        ConfigProblem::DeviceNamedTwice {
+            device: "gpu0".into(),
+            first: "endpoints[0]".into()
+        }
+    );
+    let parted = "[[boards]]\nid = \"g\"\npartitions = [{ id = \"g.p\", vram = \"1M\", queues = 1 }]\n\
+                  [[endpoints]]\nid = \"vm\"\ndevice = \"g\"\n";
+    let (p, _) = refused_at(parted, "endpoints[0].device");
+    assert_eq!(p, ConfigProblem::NotLeasable("g".into()));
+    PoolConfig::from_toml(&parted.replace("device = \"g\"", "device = \"g.p\""))
+        .expect("a partition");
+}
+
+#[test]
+fn a_missing_file_is_reported_with_its_path() {
+    let e = PoolConfig::load(std::path::Path::new("/nonexistent/pool.toml")).expect_err("missing");
+    assert!(matches!(e, PoolError::ConfigRead(..)));
+    assert!(e.to_string().contains("/nonexistent/pool.toml"), "{e}");
+    assert!(
+        std::error::Error::source(&e).is_some(),
+        "the io error is the source"
+    );
+}
