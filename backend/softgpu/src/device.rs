@@ -135,6 +135,8 @@ pub(crate) struct Regs {
 pub(crate) struct Guard<'a> {
     regs: Option<MutexGuard<'a, Regs>>,
     irqs: &'a Interrupts,
+    #[cfg(test)]
+    hook: &'a TestHook,
     /// The registers were borrowed mutably since the last flush.
     touched: bool,
 }
@@ -159,6 +161,15 @@ impl Guard<'_> {
         if std::mem::take(&mut self.touched)
             && let Some(regs) = self.regs.as_deref_mut()
         {
+            #[cfg(test)]
+            if self.hook.mute.load(Ordering::SeqCst) {
+                // The process "dies" right after publishing: nothing is sent.
+                if let Some(m) = &mut regs.mirror {
+                    m.publish(&regs.st, &regs.inflight, regs.owed);
+                }
+                regs.owed = 0;
+                return;
+            }
             regs.flush(self.irqs);
         }
     }
@@ -173,6 +184,8 @@ impl Guard<'_> {
         Guard {
             regs,
             irqs: self.irqs,
+            #[cfg(test)]
+            hook: self.hook,
             touched: false,
         }
     }
@@ -539,6 +552,8 @@ pub(crate) struct TestHook {
     /// Queues parked.
     parked: Mutex<u32>,
     changed: Condvar,
+    /// Flushes publish but send no interrupt (a process that dies right after publishing).
+    pub(crate) mute: AtomicBool,
 }
 
 #[cfg(test)]
@@ -623,6 +638,8 @@ impl Shared {
         Guard {
             regs: Some(self.regs.lock().unwrap_or_else(|p| p.into_inner())),
             irqs: &self.irqs,
+            #[cfg(test)]
+            hook: &self.hook,
             touched: false,
         }
     }

@@ -73,10 +73,10 @@ pub(crate) fn records(config: &SoftGpuConfig) -> Vec<RecordSpec> {
 
 /// What the cold record holds.
 #[derive(Debug, Serialize, Deserialize)]
-struct Cold {
-    state: SoftGpuState,
-    inflight: Vec<Option<u32>>,
-    owed: u32,
+pub(crate) struct Cold {
+    pub(crate) state: SoftGpuState,
+    pub(crate) inflight: Vec<Option<u32>>,
+    pub(crate) owed: u32,
 }
 
 /// What a black box says about the device that last wrote it.

@@ -306,6 +306,55 @@ fn black_boxes_and_vram_of_other_devices_are_refused() {
     SoftGpu::recover(config, h.ctx(), &bb, vram()).expect("recovers");
 }
 
+/// The process dies after it published a completion but before it sent the interrupt: the
+/// recovered device sends it.
+#[test]
+fn an_interrupt_the_dead_process_did_not_send_is_sent() {
+    let mut h = Harness::new();
+    let config = h.config;
+    h.init();
+    h.gpu
+        .shared
+        .hook
+        .mute
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    h.run(0, &[Command::fence(g(DATA), 9, Some(7)).with_irq()]);
+    assert_eq!(h.rd32(INT_STATUS), int_completion(0));
+    assert_eq!(h.irq_total(), 0, "the dead process sent nothing");
+    let (bb, vram, windows) = die(h);
+    let (r, recovery) = recover(config, &bb, vram, windows);
+    assert_eq!(recovery.resent, 1 << 7);
+    assert_eq!(r.irq_count(7), 1, "sent by the recovered device");
+    assert_eq!(r.irq_total(), 0, "and nothing else");
+}
+
+/// The process dies between publishing the cold record and the hot one: the cold record,
+/// a whole state, wins over the older hot one.
+#[test]
+fn a_cold_record_newer_than_the_hot_one_is_a_whole_state() {
+    let mut h = Harness::new();
+    let config = h.config;
+    h.init();
+    workload(&mut h, 1);
+    h.wr32(SCRATCH, 1);
+    let mut state = h.gpu.snapshot();
+    let (bb, vram, windows) = die(h);
+    // What a flush publishing both would have written first.
+    state.scratch = 2;
+    let cold = crate::mirror::Cold {
+        inflight: vec![None; state.queues.len()],
+        state,
+        owed: 0,
+    };
+    bb.record(crate::COLD_RECORD)
+        .expect("record")
+        .publish(&serde_json::to_vec(&cold).expect("encode"))
+        .expect("publish");
+    let (mut r, _) = recover(config, &bb, vram, windows);
+    assert_eq!(r.rd32(SCRATCH), 2);
+    assert_eq!(r.rd64(FENCE_COUNT_LO), 2);
+}
+
 #[test]
 fn replayability_follows_operand_overlap() {
     use crate::mirror::replayable;
