@@ -377,13 +377,14 @@ pub enum QueueRecovery {
         /// Free-running ring index.
         index: u32,
     },
-    /// Command `index` was executing and cannot run again safely (e.g. an in-place SAXPY):
+    /// Command `index` was executing and cannot run again safely (e.g. an in-place SAXPY), or
+    /// could not be read without the client (a ring in a window without a file descriptor):
     /// the queue stopped with [`regs::ERR_INTERRUPTED`] on it.
     Interrupted {
         /// Free-running ring index.
         index: u32,
-        /// Its opcode.
-        opcode: u8,
+        /// Its opcode (`None`: not read).
+        opcode: Option<u8>,
     },
 }
 
@@ -580,7 +581,8 @@ impl SoftGpu {
     ///   does not overlap its input, a command that faults before writing anything (a bad
     ///   opcode or header), or a slot that cannot be read (it then faults with
     ///   `ERR_RING_FETCH` as usual);
-    /// - otherwise (SAXPY, overlapping operands) the queue stops with
+    /// - otherwise (SAXPY, overlapping operands; also a ring in a window without a file
+    ///   descriptor, which is not read: that would wait for the client) the queue stops with
     ///   [`regs::ERR_INTERRUPTED`] on it (`ERROR_INDEX` = the command, error interrupt raised
     ///   as for any queue error), and the driver recovers it with `RECOVER`.
     ///
@@ -631,7 +633,8 @@ impl SoftGpu {
             for (q, plan) in plans.into_iter().enumerate() {
                 if let QueueRecovery::Interrupted { opcode, .. } = plan {
                     let slot = mirror::slot_iova(&g.st.queues[q], g.st.queues[q].head);
-                    g.set_error(q, regs::ERR_INTERRUPTED, slot, u32::from(opcode));
+                    let opcode = opcode.map_or(0, u32::from);
+                    g.set_error(q, regs::ERR_INTERRUPTED, slot, opcode);
                 }
                 queues.push(plan);
             }

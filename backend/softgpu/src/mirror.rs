@@ -487,8 +487,22 @@ pub(crate) fn plan_replays(
                 )
                 .into());
             }
+            let slot = slot_iova(qs, index);
+            let remote = dma.mappings().iter().any(|m| {
+                !m.mmapped
+                    && slot < m.iova.saturating_add(m.size)
+                    && m.iova < slot.saturating_add(COMMAND_SIZE as u64)
+            });
+            if remote {
+                // Reading it would wait for the client, whose replies the thread building the
+                // device may be the one to route: not knowing the command, assume the worst.
+                return Ok(QueueRecovery::Interrupted {
+                    index,
+                    opcode: None,
+                });
+            }
             let mut raw = [0u8; COMMAND_SIZE];
-            if dma.read(slot_iova(qs, index), &mut raw).is_err() {
+            if dma.read(slot, &mut raw).is_err() {
                 // The engine fails to fetch it again and latches ERR_RING_FETCH as usual.
                 return Ok(QueueRecovery::Replayed { index });
             }
@@ -498,7 +512,7 @@ pub(crate) fn plan_replays(
             } else {
                 QueueRecovery::Interrupted {
                     index,
-                    opcode: c.opcode,
+                    opcode: Some(c.opcode),
                 }
             })
         })

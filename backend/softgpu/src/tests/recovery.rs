@@ -355,6 +355,73 @@ fn a_cold_record_newer_than_the_hot_one_is_a_whole_state() {
     assert_eq!(r.rd64(FENCE_COUNT_LO), 2);
 }
 
+/// What recovery plans for a queue's command in flight, by where and what it is.
+#[test]
+fn commands_in_flight_are_replayed_or_interrupted() {
+    let h = Harness::new();
+    let remote = 0x1000_0000;
+    h.dma
+        .map(remote, 0x1000, DmaProt::READ_WRITE, None)
+        .expect("a window without fd");
+    let mut st = h.gpu.snapshot();
+    st.queues[0].ring_size = RING_ENTRIES;
+    st.queues[0].ring_base = Harness::ring(0);
+    st.queues[0].head = 5;
+    st.queues[0].tail = 6;
+    let plan = |st: &crate::SoftGpuState, c: Option<Command>| {
+        if let Some(c) = c {
+            h.guest_write(Harness::ring(0) + 5 * COMMAND_SIZE as u64, &c.encode());
+        }
+        crate::mirror::plan_replays(st, &[Some(5), None], &h.dma).map_err(|e| e.to_string())
+    };
+    let copy = Command::copy(g(DATA), g(DATA + 0x1000), 0x1000);
+    let saxpy = Command::saxpy(16, 2.0, g(DATA), g(DATA + 0x1000));
+    assert_eq!(
+        plan(&st, Some(copy)),
+        Ok(vec![
+            QueueRecovery::Replayed { index: 5 },
+            QueueRecovery::Idle
+        ])
+    );
+    assert_eq!(
+        plan(&st, Some(saxpy)),
+        Ok(vec![
+            QueueRecovery::Interrupted {
+                index: 5,
+                opcode: Some(cmd::OP_SAXPY)
+            },
+            QueueRecovery::Idle
+        ])
+    );
+    // A ring that cannot be read: the engine faults on it again, as usual.
+    let mut unmapped = st.clone();
+    unmapped.queues[0].ring_base = HOLE;
+    assert_eq!(
+        plan(&unmapped, None),
+        Ok(vec![
+            QueueRecovery::Replayed { index: 5 },
+            QueueRecovery::Idle
+        ])
+    );
+    // A ring that only the client can read is not read.
+    let mut far = st.clone();
+    far.queues[0].ring_base = remote;
+    assert_eq!(
+        plan(&far, None),
+        Ok(vec![
+            QueueRecovery::Interrupted {
+                index: 5,
+                opcode: None
+            },
+            QueueRecovery::Idle
+        ])
+    );
+    // A marker that is not at the head contradicts the state.
+    let mut moved = st.clone();
+    moved.queues[0].head = 6;
+    assert!(plan(&moved, None).is_err());
+}
+
 #[test]
 fn replayability_follows_operand_overlap() {
     use crate::mirror::replayable;
@@ -550,7 +617,7 @@ fn a_device_killed_mid_command_resumes_in_a_new_process() {
         vec![
             QueueRecovery::Interrupted {
                 index: 0,
-                opcode: cmd::OP_SAXPY
+                opcode: Some(cmd::OP_SAXPY)
             },
             QueueRecovery::Replayed { index: 2 },
         ]
