@@ -15,6 +15,20 @@ use crate::irq::{Interrupts, IrqIndex};
 /// Size of one table entry.
 pub const ENTRY_SIZE: u64 = 16;
 
+/// Where [`MsixState`] sends the messages it decides to send: [`Interrupts`] (the client's
+/// eventfds), or a device's own list of messages to send later (e.g. once it has published
+/// the state that caused them).
+pub trait MsixSignal {
+    /// Sends MSI-X `vector`.
+    fn signal(&self, vector: u32);
+}
+
+impl MsixSignal for Interrupts {
+    fn signal(&self, vector: u32) {
+        self.notify(IrqIndex::Msix, vector);
+    }
+}
+
 /// MSI-X table + PBA state.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MsixState {
@@ -80,7 +94,7 @@ impl MsixState {
     /// Writes to the table; unmasking a pending vector delivers it through `irqs` unless `held`
     /// (the function mask is set or MSI-X is disabled). A write that reaches the table makes it
     /// [`MsixState::direct`]. Reserved bits (address bits 1:0, vector control bits 31:1) stay 0.
-    pub fn table_write(&mut self, offset: u64, data: &[u8], held: bool, irqs: &Interrupts) {
+    pub fn table_write(&mut self, offset: u64, data: &[u8], held: bool, irqs: &impl MsixSignal) {
         if offset < self.table_size() {
             self.direct = true;
         }
@@ -139,7 +153,7 @@ impl MsixState {
     /// Signals `vector` (the caller has checked that MSI-X is enabled). Once the table is
     /// [`MsixState::direct`], a vector masked in the table or by `function_masked` becomes
     /// pending instead.
-    pub fn fire(&mut self, vector: usize, function_masked: bool, irqs: &Interrupts) {
+    pub fn fire(&mut self, vector: usize, function_masked: bool, irqs: &impl MsixSignal) {
         if vector >= self.table.len() {
             return;
         }
@@ -147,16 +161,16 @@ impl MsixState {
             self.set_pending(vector, true);
             return;
         }
-        irqs.notify(IrqIndex::Msix, vector as u32);
+        irqs.signal(vector as u32);
     }
 
     /// Delivers every pending vector that is no longer masked (after a table, function mask or
     /// MSI-X enable change) unless `held`: the function mask is set or MSI-X is disabled.
-    pub fn deliver_pending(&mut self, held: bool, irqs: &Interrupts) {
+    pub fn deliver_pending(&mut self, held: bool, irqs: &impl MsixSignal) {
         for v in 0..self.table.len() {
             if self.pending(v) && !self.masked(v, held) {
                 self.set_pending(v, false);
-                irqs.notify(IrqIndex::Msix, v as u32);
+                irqs.signal(v as u32);
             }
         }
     }

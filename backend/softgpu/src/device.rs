@@ -17,15 +17,44 @@
 //! holds the server's remote waits ([`WaitControl::hold`]), which fails them with `ECANCELED`.
 //! The command is abandoned without an error and runs again from its start once the engines
 //! run again.
+//!
+//! # Mirroring into a black box: the rule
+//!
+//! A device built with a black box ([`crate::SoftGpu::with_black_box`],
+//! [`crate::SoftGpu::recover`]) keeps its state there, so that a replacement process can
+//! resume it after a `kill -9`. The guest must never observe an effect (a reply to a register
+//! access, an interrupt) that a replacement would not know about. So:
+//!
+//! 1. The registers are only reached through [`Guard`] (what [`Shared::lock`] returns). When
+//!    it is dropped, or before it waits on a condvar, it *flushes*: if the registers were
+//!    borrowed mutably since the last flush, [`Regs::flush`] publishes what changed (the
+//!    hot record when its encoding differs, the cold record when it was marked), all before
+//!    the lock is released.
+//! 2. Code under the lock never signals MSI-X or MSI itself: [`Regs::fire`] (and the MSI-X
+//!    table's own deliveries, through [`OwedSink`]) only records the vector as *owed*; the
+//!    flush sends owed interrupts after the publish, which includes them. A replacement
+//!    re-sends the owed interrupts of the last publish (a duplicate at worst, never a loss).
+//! 3. Whoever changes the config space, the MSI-X table or the PBA calls
+//!    [`Regs::cold_changed`] (debug builds check at every flush that nothing else changed
+//!    them).
+//! 4. An engine marks the command it is about to execute as in flight (published before it
+//!    lets go of the lock to run it); [`Regs::finish`] clears the marker in the same flush
+//!    that advances `HEAD` or latches the error.
+//!
+//! Without a black box a flush is one branch plus sending the owed interrupts.
 
+use std::cell::Cell;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use switchyard_device::config::ConfigSpace;
+use switchyard_device::msix::MsixSignal;
 use switchyard_device::{DmaSpace, Interrupts, IrqIndex, WaitControl};
 
 use crate::cmd::COMMAND_SIZE;
 use crate::exec::{Done, ExecError, Executor, Irq, Outcome, Scratch};
+use crate::mirror::{Mirror, OWED_MSI};
 use crate::regs::*;
 use crate::state::SoftGpuState;
 use crate::vram::Vram;
@@ -81,6 +110,14 @@ impl Holds {
 #[derive(Debug)]
 pub(crate) struct Regs {
     pub(crate) st: SoftGpuState,
+    /// Per queue: the index of the command the engine executes (or abandoned half done and
+    /// will run again). Mirrored with the state.
+    pub(crate) inflight: Vec<Option<u32>>,
+    /// Interrupts raised under the lock, sent by the next flush: bit v MSI-X vector v,
+    /// [`OWED_MSI`] the MSI vector.
+    owed: u32,
+    /// Where the state is mirrored, if anywhere.
+    pub(crate) mirror: Option<Mirror>,
     rt: Vec<Runtime>,
     /// The client disconnected: engines are parked.
     halted: bool,
@@ -94,7 +131,85 @@ pub(crate) struct Regs {
     pending_wake: u32,
 }
 
-pub(crate) type Guard<'a> = MutexGuard<'a, Regs>;
+/// The register lock; see "Mirroring into a black box" in the module documentation.
+pub(crate) struct Guard<'a> {
+    regs: Option<MutexGuard<'a, Regs>>,
+    irqs: &'a Interrupts,
+    #[cfg(test)]
+    hook: &'a TestHook,
+    /// The registers were borrowed mutably since the last flush.
+    touched: bool,
+}
+
+impl Deref for Guard<'_> {
+    type Target = Regs;
+    fn deref(&self) -> &Regs {
+        self.regs.as_deref().expect("the register lock is held")
+    }
+}
+
+impl DerefMut for Guard<'_> {
+    fn deref_mut(&mut self) -> &mut Regs {
+        self.touched = true;
+        self.regs.as_deref_mut().expect("the register lock is held")
+    }
+}
+
+impl Guard<'_> {
+    /// Publishes what changed and sends the owed interrupts (see the module documentation).
+    fn flush(&mut self) {
+        if std::mem::take(&mut self.touched)
+            && let Some(regs) = self.regs.as_deref_mut()
+        {
+            #[cfg(test)]
+            if self.hook.mute.load(Ordering::SeqCst) {
+                // The process "dies" right after publishing: nothing is sent.
+                if let Some(m) = &mut regs.mirror {
+                    m.publish(&regs.st, &regs.inflight, regs.owed);
+                }
+                regs.owed = 0;
+                return;
+            }
+            regs.flush(self.irqs);
+        }
+    }
+
+    /// Flushes, then waits on `cv` (which releases the lock meanwhile).
+    fn wait(mut self, cv: &Condvar) -> Self {
+        self.flush();
+        let regs = self
+            .regs
+            .take()
+            .map(|g| cv.wait(g).unwrap_or_else(|p| p.into_inner()));
+        Guard {
+            regs,
+            irqs: self.irqs,
+            #[cfg(test)]
+            hook: self.hook,
+            touched: false,
+        }
+    }
+}
+
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+/// Collects the MSI-X messages [`MsixState`] decides to send, as owed interrupts.
+///
+/// [`MsixState`]: switchyard_device::msix::MsixState
+#[derive(Debug, Default)]
+pub(crate) struct OwedSink(Cell<u32>);
+
+impl MsixSignal for OwedSink {
+    fn signal(&self, vector: u32) {
+        if vector < 31 {
+            self.0.set(self.0.get() | 1 << vector);
+        }
+    }
+}
 
 /// A command an engine picked from its ring.
 #[derive(Debug, Clone, Copy)]
@@ -105,6 +220,41 @@ struct Job {
 }
 
 impl Regs {
+    /// Publishes the state if it is mirrored, then sends the owed interrupts. Only
+    /// [`Guard`] calls it.
+    fn flush(&mut self, irqs: &Interrupts) {
+        if let Some(m) = &mut self.mirror {
+            m.publish(&self.st, &self.inflight, self.owed);
+        }
+        let mut owed = std::mem::take(&mut self.owed);
+        while owed != 0 {
+            let v = owed.trailing_zeros();
+            owed &= owed - 1;
+            if 1 << v == OWED_MSI {
+                irqs.notify(IrqIndex::Msi, 0);
+            } else {
+                irqs.notify(IrqIndex::Msix, v);
+            }
+        }
+    }
+
+    /// The config space, the MSI-X table or the PBA changed: the next flush publishes them.
+    pub(crate) fn cold_changed(&mut self) {
+        if let Some(m) = &mut self.mirror {
+            m.cold_changed();
+        }
+    }
+
+    /// Records MSI-X messages collected by an [`OwedSink`] as owed.
+    pub(crate) fn owe(&mut self, sink: &OwedSink) {
+        self.owed |= sink.0.get();
+    }
+
+    /// Owes the interrupts a replacement process must send again (see [`crate::SoftGpu::recover`]).
+    pub(crate) fn owe_raw(&mut self, owed: u32) {
+        self.owed |= owed;
+    }
+
     #[cfg(test)]
     fn note_seen(&mut self, q: usize) {
         let seen = Seen {
@@ -160,20 +310,21 @@ impl Regs {
         })
     }
 
-    /// Signals interrupt `vector` (a queue's completion or error vector, or a FENCE vector).
+    /// Signals interrupt `vector` (a queue's completion or error vector, or a FENCE vector):
+    /// owes it, to be sent by the next flush.
     ///
     /// MSI mode has a single vector: every source sends MSI vector 0 while MSI is enabled in
     /// the config space, whatever `vector` says (the driver tells the sources apart through
     /// `INT_STATUS`). MSI has no per-vector masking here; the client masks by re-routing the
     /// eventfd (`SET_IRQS`), which [`Interrupts`] models.
-    fn fire(&mut self, irqs: &Interrupts, vector: u32) {
+    fn fire(&mut self, vector: u32) {
         match self.st.config.irq {
-            IrqMode::Msix => self.fire_msix(irqs, vector),
+            IrqMode::Msix => self.fire_msix(vector),
             IrqMode::Msi => {
                 if !self.st.config_space.msi_enabled() {
                     return;
                 }
-                irqs.notify(IrqIndex::Msi, 0);
+                self.owed |= OWED_MSI;
             }
         }
     }
@@ -183,11 +334,17 @@ impl Regs {
     /// BAR4, its per-vector masks and the function mask apply too (see [`MsixState`]).
     ///
     /// [`MsixState`]: switchyard_device::msix::MsixState
-    fn fire_msix(&mut self, irqs: &Interrupts, vector: u32) {
+    fn fire_msix(&mut self, vector: u32) {
         let cs = &self.st.config_space;
         if cs.msix_enabled() {
             let fm = cs.msix_function_masked();
-            self.st.msix.fire(vector as usize, fm, irqs);
+            let sink = OwedSink::default();
+            let was_pending = self.st.msix.pending(vector as usize);
+            self.st.msix.fire(vector as usize, fm, &sink);
+            if self.st.msix.pending(vector as usize) != was_pending {
+                self.cold_changed();
+            }
+            self.owe(&sink);
         }
     }
 
@@ -197,14 +354,16 @@ impl Regs {
         !cs.msix_enabled() || cs.msix_function_masked()
     }
 
-    fn raise(&mut self, irqs: &Interrupts, bit: u32, vector: u32) {
+    fn raise(&mut self, bit: u32, vector: u32) {
         self.st.int_status |= bit;
         if self.st.int_mask & bit == 0 {
-            self.fire(irqs, vector);
+            self.fire(vector);
         }
     }
 
-    fn set_error(&mut self, irqs: &Interrupts, q: usize, code: u32, addr: u64, opcode: u32) {
+    /// Stops queue `q` on an error at its head: the error registers, `INT_STATUS` and the
+    /// error interrupt.
+    pub(crate) fn set_error(&mut self, q: usize, code: u32, addr: u64, opcode: u32) {
         let Some(qs) = self.st.queues.get_mut(q) else {
             return;
         };
@@ -221,10 +380,13 @@ impl Regs {
         qs.error_addr = addr;
         qs.error_opcode = opcode;
         let vector = qs.error_vector;
-        self.raise(irqs, int_error(q as u32), vector);
+        self.raise(int_error(q as u32), vector);
     }
 
-    fn finish(&mut self, irqs: &Interrupts, q: usize, job: Job, outcome: Outcome) {
+    /// Records the outcome of `job`: `HEAD` advanced (and the marker of a command in flight
+    /// cleared) or an error latched, and the interrupts the command asks for. An abandoned
+    /// command keeps its in-flight marker: it may be half done, and runs again.
+    fn finish(&mut self, q: usize, job: Job, outcome: Outcome) {
         let Some(rt) = self.rt.get_mut(q) else {
             return;
         };
@@ -239,6 +401,9 @@ impl Regs {
             Err(ExecError::Aborted) => {}
             Ok(Done { irq, fence }) => {
                 qs.head = job.index.wrapping_add(1);
+                if let Some(i) = self.inflight.get_mut(q) {
+                    *i = None;
+                }
                 qs.completed = qs.completed.wrapping_add(1);
                 let completion_vector = qs.completion_vector;
                 if fence {
@@ -246,8 +411,8 @@ impl Regs {
                 }
                 match irq {
                     Irq::None => {}
-                    Irq::Queue => self.raise(irqs, int_completion(q as u32), completion_vector),
-                    Irq::Vector(v) => self.raise(irqs, int_completion(q as u32), v),
+                    Irq::Queue => self.raise(int_completion(q as u32), completion_vector),
+                    Irq::Vector(v) => self.raise(int_completion(q as u32), v),
                 }
             }
             Err(ExecError::Fault { code, addr }) => {
@@ -260,19 +425,22 @@ impl Regs {
                     tracing::debug!(queue = q, code, addr, "DMA fault while held; not latched");
                     return;
                 }
-                self.set_error(irqs, q, code, addr, outcome.opcode);
+                if let Some(i) = self.inflight.get_mut(q) {
+                    *i = None;
+                }
+                self.set_error(q, code, addr, outcome.opcode);
             }
         }
     }
 
     /// A tail/doorbell write.
-    fn doorbell(&mut self, irqs: &Interrupts, q: usize, tail: u32) {
+    fn doorbell(&mut self, q: usize, tail: u32) {
         let Some(qs) = self.st.queues.get_mut(q) else {
             return;
         };
         if tail.wrapping_sub(qs.head) > qs.ring_size {
             if qs.error_code == ERR_NONE {
-                self.set_error(irqs, q, ERR_BAD_DOORBELL, u64::from(tail), 0);
+                self.set_error(q, ERR_BAD_DOORBELL, u64::from(tail), 0);
             }
             return;
         }
@@ -370,6 +538,61 @@ pub(crate) struct Shared {
     wake: Vec<Condvar>,
     idle: Condvar,
     abort: Vec<AtomicBool>,
+    #[cfg(test)]
+    pub(crate) hook: TestHook,
+}
+
+/// Parks engines in the middle of a command (at an abort checkpoint), for tests that need a
+/// command half done when its process dies.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct TestHook {
+    /// Per queue: park at the n-th checkpoint from now.
+    park: Mutex<[Option<u32>; 8]>,
+    /// Queues parked.
+    parked: Mutex<u32>,
+    changed: Condvar,
+    /// Flushes publish but send no interrupt (a process that dies right after publishing).
+    pub(crate) mute: AtomicBool,
+}
+
+#[cfg(test)]
+impl TestHook {
+    /// Parks queue `q`'s engine, for good, at its `n`-th checkpoint from now (1: the first).
+    pub(crate) fn park_at(&self, q: usize, n: u32) {
+        if let Some(p) = self.park.lock().expect("hook").get_mut(q) {
+            *p = Some(n);
+        }
+    }
+
+    /// Waits until the queues of `mask` are parked.
+    pub(crate) fn wait_parked(&self, mask: u32) {
+        let mut parked = self.parked.lock().expect("hook");
+        while *parked & mask != mask {
+            parked = self.changed.wait(parked).expect("hook");
+        }
+    }
+
+    pub(crate) fn checkpoint(&self, q: usize) {
+        let park = {
+            let mut p = self.park.lock().expect("hook");
+            match p.get_mut(q) {
+                Some(Some(n)) if *n <= 1 => true,
+                Some(Some(n)) => {
+                    *n -= 1;
+                    false
+                }
+                _ => false,
+            }
+        };
+        if park {
+            *self.parked.lock().expect("hook") |= 1 << q;
+            self.changed.notify_all();
+            loop {
+                std::thread::park();
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -393,6 +616,9 @@ impl Shared {
             config_def,
             regs: Mutex::new(Regs {
                 st,
+                inflight: vec![None; n],
+                owed: 0,
+                mirror: None,
                 rt: vec![Runtime::default(); n],
                 halted: false,
                 holds,
@@ -403,11 +629,19 @@ impl Shared {
             wake: (0..n).map(|_| Condvar::new()).collect(),
             idle: Condvar::new(),
             abort: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            #[cfg(test)]
+            hook: TestHook::default(),
         }
     }
 
     pub(crate) fn lock(&self) -> Guard<'_> {
-        self.regs.lock().unwrap_or_else(|p| p.into_inner())
+        Guard {
+            regs: Some(self.regs.lock().unwrap_or_else(|p| p.into_inner())),
+            irqs: &self.irqs,
+            #[cfg(test)]
+            hook: &self.hook,
+            touched: false,
+        }
     }
 
     fn all_queues(&self) -> u32 {
@@ -447,7 +681,7 @@ impl Shared {
         let _hold = (cancel_remote && busy(&g)).then(|| self.waits.hold());
         while busy(&g) {
             g.idle_waiters += 1;
-            g = self.idle.wait(g).unwrap_or_else(|p| p.into_inner());
+            g = g.wait(&self.idle);
             g.idle_waiters -= 1;
         }
         g
@@ -485,10 +719,16 @@ impl Shared {
         r
     }
 
-    /// Replaces the whole state (restore); in-flight results are discarded.
-    pub(crate) fn load(&self, st: SoftGpuState) {
+    /// Replaces the whole state (restore); in-flight results are discarded. With `mirror`
+    /// (a swap's hand-over), the state is mirrored there from now on, starting with this one.
+    pub(crate) fn load(&self, st: SoftGpuState, mirror: Option<Mirror>) {
         self.with_quiesced(true, |g| {
+            if mirror.is_some() {
+                g.mirror = mirror;
+            }
             g.st = st;
+            g.inflight.fill(None);
+            g.cold_changed();
             g.halted = false;
             for rt in &mut g.rt {
                 rt.epoch = rt.epoch.wrapping_add(1);
@@ -507,6 +747,8 @@ impl Shared {
             std::mem::swap(&mut fresh.msix, &mut g.st.msix);
         }
         g.st = fresh;
+        g.inflight.fill(None);
+        g.cold_changed();
         g.halted = false;
         for rt in &mut g.rt {
             rt.epoch = rt.epoch.wrapping_add(1);
@@ -573,9 +815,12 @@ impl Shared {
     /// interrupts raised while it was disabled stay latched in `INT_STATUS` only, as with
     /// MSI-X.)
     pub(crate) fn config_changed(&self, g: &mut Regs, command: bool, msix_control: bool) {
+        g.cold_changed();
         if msix_control {
             let held = g.msix_held();
-            g.st.msix.deliver_pending(held, &self.irqs);
+            let sink = OwedSink::default();
+            g.st.msix.deliver_pending(held, &sink);
+            g.owe(&sink);
         }
         if command {
             self.wake_all();
@@ -622,7 +867,7 @@ impl Shared {
             }
             Q_RING_SIZE if !qs.enabled => qs.ring_size = v,
             Q_TAIL | Q_DOORBELL => {
-                g.doorbell(&self.irqs, q, v);
+                g.doorbell(q, v);
                 // Woken by `wake_pending` once the caller has dropped the register lock.
                 g.pending_wake |= 1 << q;
             }
@@ -647,6 +892,10 @@ impl Shared {
                     ..Default::default()
                 };
                 rt.epoch = rt.epoch.wrapping_add(1);
+                if let Some(i) = g.inflight.get_mut(q) {
+                    // Whatever the engine still does to it, nothing is to be replayed.
+                    *i = None;
+                }
                 if rt.busy {
                     // Cleared by the engine once it has let go of the command.
                     if let Some(a) = self.abort.get(q) {
@@ -668,11 +917,11 @@ impl Shared {
         if enable && !qs.enabled && qs.error_code == ERR_NONE {
             if !qs.ring_valid() {
                 let base = qs.ring_base;
-                g.set_error(&self.irqs, q, ERR_BAD_RING, base, 0);
+                g.set_error(q, ERR_BAD_RING, base, 0);
             } else if qs.pending() > qs.ring_size {
                 let tail = qs.tail;
                 qs.tail = qs.head;
-                g.set_error(&self.irqs, q, ERR_BAD_DOORBELL, u64::from(tail), 0);
+                g.set_error(q, ERR_BAD_DOORBELL, u64::from(tail), 0);
             } else {
                 qs.enabled = true;
             }
@@ -694,6 +943,8 @@ impl Shared {
             dma: &self.dma,
             vram: &self.vram,
             abort,
+            #[cfg(test)]
+            hook: (&self.hook, q),
         };
         let mut scratch = Scratch::default();
         let mut g = self.lock();
@@ -706,16 +957,20 @@ impl Shared {
             let Some(job) = g.next_job(q) else {
                 // Idle: release what a very large command grew before sleeping.
                 scratch.trim();
-                g = wake.wait(g).unwrap_or_else(|p| p.into_inner());
+                g = g.wait(wake);
                 continue;
             };
             if let Some(rt) = g.rt.get_mut(q) {
                 rt.busy = true;
             }
+            if let Some(i) = g.inflight.get_mut(q) {
+                *i = Some(job.index);
+            }
+            // Publishes the marker before the command touches anything.
             drop(g);
             let outcome = exec.run(job.slot, &mut scratch);
             g = self.lock();
-            g.finish(&self.irqs, q, job, outcome);
+            g.finish(q, job, outcome);
             if !g.shutdown && g.rt.get(q).is_some_and(|rt| rt.paused == 0) {
                 // A queue reset's abort request has been served.
                 abort.store(false, Ordering::SeqCst);

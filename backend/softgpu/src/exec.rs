@@ -162,10 +162,15 @@ pub(crate) struct Executor<'a> {
     pub dma: &'a DmaSpace,
     pub vram: &'a Vram,
     pub abort: &'a AtomicBool,
+    /// Tests park engines in the middle of a command through it: (hook, queue).
+    #[cfg(test)]
+    pub hook: (&'a crate::device::TestHook, usize),
 }
 
 impl Executor<'_> {
     fn check_abort(&self) -> Result<(), ExecError> {
+        #[cfg(test)]
+        self.hook.0.checkpoint(self.hook.1);
         if self.abort.load(Ordering::Relaxed) {
             Err(ExecError::Aborted)
         } else {

@@ -125,6 +125,7 @@
 //! | 7 | `RING_FETCH`: the command itself could not be read | faulting IOVA in the ring |
 //! | 8 | `BAD_DOORBELL`: tail beyond head + ring size | the refused tail value |
 //! | 9 | `BAD_RING`: enable with an invalid ring size/base | ring base |
+//! | 10 | `INTERRUPTED`: the device was restarted while this command ran (see [Restarts](#restarts)); its outputs are undefined; commands before it completed, none after it ran. `RECOVER` skips it | IOVA of the ring slot |
 //!
 //! # Commands
 //!
@@ -204,6 +205,28 @@
 //! disabled), and VRAM (zeroed by punching a hole into the memfd). Both wait for the engines
 //! to drop their current command.
 //!
+//! # Restarts
+//!
+//! A pool daemon can keep a device alive across the death of the process that serves it
+//! (`kill -9`, a crash, an upgrade). The device mirrors its state into a black box (a sealed
+//! memfd of [`BlackBox`] records the daemon keeps, [`SoftGpu::with_black_box`]): every change
+//! is published before the register access that made it is answered and before the interrupt
+//! it raises is sent, and a command's "in flight" marker before the command starts. A
+//! replacement process resumes the device from the black box and the VRAM memfd
+//! ([`SoftGpu::recover`]), on the same DMA windows and eventfds. To the guest, the restart is a
+//! stall, with two visible traces:
+//!
+//! - a command that was running is run again from its start when that gives the same result
+//!   (its outputs do not overlap its inputs: NOP, FILL, FENCE, COPY, GEMM and REDUCE without
+//!   overlap); otherwise (SAXPY, overlapping operands) its queue stops with `ERR_INTERRUPTED`
+//!   on it, and the driver handles it like any queue error (`INT_ACK`, `RECOVER | ENABLE`,
+//!   then resubmits the work from fresh inputs if it needs it);
+//! - an interrupt raised just before the restart may be delivered twice (never not at all):
+//!   drivers read `INT_STATUS`, as they must for shared vectors anyway.
+//!
+//! `FENCE_COUNT`, `COMPLETED`, `HEAD` and `INT_STATUS` move together with a command's
+//! completion, so no completion is lost or counted twice.
+//!
 //! # State
 //!
 //! [`SoftGpuState`] is the whole device state except VRAM contents, which stay in the memfd
@@ -242,6 +265,7 @@ mod config;
 mod device;
 mod exec;
 mod mig;
+mod mirror;
 mod pci;
 pub mod regs;
 mod state;
@@ -252,9 +276,11 @@ mod vram;
 mod tests;
 
 use std::fs::File;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use switchyard_device::blackbox::{BlackBox, BlackBoxError, RecordSpec};
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
 use switchyard_device::{
     CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex, MigArc,
@@ -264,6 +290,7 @@ use switchyard_device::{
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
 pub use mig::{MigStreamError, SourceStats};
+pub use mirror::{COLD_RECORD, HOT_RECORD};
 pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
 pub use swap::{EngineControl, Parked};
 pub use vram::VramRef;
@@ -310,9 +337,65 @@ pub enum SoftGpuError {
     /// An engine thread could not be started.
     #[error("Cannot start an engine thread")]
     Thread(#[source] std::io::Error),
-    /// A state could not be carried over to a successor.
+    /// A state could not be carried over to a successor, or the state in a black box is
+    /// not one this device can resume (e.g. another configuration's).
     #[error("Cannot carry the device state over")]
     State(#[from] StateError),
+    /// The black box cannot be used (records missing or too small, unreadable records).
+    #[error("Cannot use the black box")]
+    BlackBox(#[source] BlackBoxError),
+    /// A new device was given a black box that holds a state already.
+    #[error("The black box already holds a softgpu state; recover the device from it instead")]
+    BlackBoxInUse,
+    /// [`SoftGpu::recover`] was given a black box nothing was published into.
+    #[error("The black box holds no softgpu state to recover")]
+    NothingToRecover,
+    /// A VRAM memfd handed over is not sealed against shrinking and growing (the device maps
+    /// it; a shrink would make its accesses fault).
+    #[error("The VRAM memfd is not sealed against shrinking and growing")]
+    VramNotSealed(#[source] std::io::Error),
+    /// The VRAM memfd handed to [`SoftGpu::recover`] is not the one the black box's device
+    /// used.
+    #[error("The VRAM memfd ({got:?}) is not the one the black box's device used ({saved:?})")]
+    VramMismatch {
+        /// VRAM named by the black box.
+        saved: VramRef,
+        /// VRAM handed over.
+        got: VramRef,
+    },
+}
+
+/// What [`SoftGpu::recover`] did with one queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueRecovery {
+    /// No command was executing.
+    Idle,
+    /// Command `index` was executing and can safely run again (its outputs do not overlap its
+    /// inputs, or its command could not be read and faults again as usual): it runs again
+    /// from its start.
+    Replayed {
+        /// Free-running ring index.
+        index: u32,
+    },
+    /// Command `index` was executing and cannot run again safely (e.g. an in-place SAXPY), or
+    /// could not be read without the client (a ring in a window without a file descriptor):
+    /// the queue stopped with [`regs::ERR_INTERRUPTED`] on it.
+    Interrupted {
+        /// Free-running ring index.
+        index: u32,
+        /// Its opcode (`None`: not read).
+        opcode: Option<u8>,
+    },
+}
+
+/// What [`SoftGpu::recover`] found and did, for logs and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// Per queue.
+    pub queues: Vec<QueueRecovery>,
+    /// Interrupts sent again because the dead process may not have sent them: bit v MSI-X
+    /// vector v, bit 31 the MSI vector.
+    pub resent: u32,
 }
 
 /// A migration stream in progress.
@@ -424,6 +507,159 @@ impl SoftGpu {
         )?);
         ctx.memory.insert(VRAM_OBJECT, vram.clone());
         Self::start(config, ctx, vram, Holds::default())
+    }
+
+    /// The records a [`BlackBox`] needs to mirror a device of `config` (see
+    /// [`SoftGpu::with_black_box`]): [`HOT_RECORD`] and [`COLD_RECORD`], with their
+    /// capacities.
+    pub fn black_box_records(config: &SoftGpuConfig) -> Vec<RecordSpec> {
+        mirror::records(config)
+    }
+
+    /// A new VRAM backing for a device of `config`: a zeroed memfd of `config.vram_size`
+    /// bytes, sealed against shrinking and growing (for a pool daemon that keeps VRAM across
+    /// the processes that serve it; see [`SoftGpu::with_black_box`]).
+    pub fn create_vram(config: &SoftGpuConfig) -> Result<File, SoftGpuError> {
+        config.validate()?;
+        let vram = vram::Vram::create(config.vram_size, false)?;
+        vram.file().try_clone().map_err(SoftGpuError::Vram)
+    }
+
+    /// Creates a device that mirrors its state into `bb` (whose records are
+    /// [`SoftGpu::black_box_records`], none published yet), so that
+    /// [`SoftGpu::recover`] can resume it in another process after this one died.
+    ///
+    /// Its VRAM is `vram` if given (a sealed memfd of `config.vram_size` bytes, e.g. from
+    /// [`SoftGpu::create_vram`]; its contents are kept), which becomes the slot's VRAM object
+    /// `"softgpu.vram"`, else the slot's as with [`SoftGpu::new`]. A replacement process needs
+    /// that memfd: [`SoftGpu::vram_memfd`].
+    ///
+    /// Every change of the device state is published into `bb` before the lock that guards it
+    /// is released and before the interrupts it causes are sent, so nothing the guest observes
+    /// (a register value, an interrupt) is unknown to a replacement. A command's in-flight
+    /// marker is published before it starts. See [`SoftGpu::recover`] for what a replacement
+    /// makes of it.
+    pub fn with_black_box(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        bb: &Arc<BlackBox>,
+        vram: Option<File>,
+    ) -> Result<SoftGpu, SoftGpuError> {
+        config.validate()?;
+        let mirror = mirror::Mirror::fresh(bb, &config)?;
+        let gpu = match vram {
+            Some(file) => {
+                check_sealed(&file)?;
+                Self::with_vram(config, ctx, Arc::new(file))?
+            }
+            None => Self::new(config, ctx)?,
+        };
+        {
+            // Nothing has run yet (no queue is enabled): publish the power-on state.
+            let mut g = gpu.shared.lock();
+            g.mirror = Some(mirror);
+            g.cold_changed();
+        }
+        Ok(gpu)
+    }
+
+    /// Resumes, in a new process, the device that mirrored its state into `bb`
+    /// ([`SoftGpu::with_black_box`] or an earlier recovery) and was killed, on its VRAM memfd
+    /// `vram`, with `ctx` holding the same DMA windows and interrupt eventfds as the dead
+    /// process had.
+    ///
+    /// `vram` must be sealed against shrinking and growing, of `config.vram_size` bytes and
+    /// the very memfd the black box's device used; it becomes the slot's VRAM object
+    /// `"softgpu.vram"`. The state is the last one published (hash-checked by the black box);
+    /// a black box written by a device of another configuration is refused
+    /// ([`StateError::ConfigMismatch`], [`StateError::IrqModeMismatch`]).
+    ///
+    /// For each queue whose command was executing (its in-flight marker is set), the command
+    /// is read from the ring through `ctx.dma` and:
+    /// - run again from its start if that is safe: NOP, FILL, FENCE, COPY whose source and
+    ///   destination do not overlap, GEMM whose C overlaps neither A nor B, REDUCE whose output
+    ///   does not overlap its input, a command that faults before writing anything (a bad
+    ///   opcode or header), or a slot that cannot be read (it then faults with
+    ///   `ERR_RING_FETCH` as usual);
+    /// - otherwise (SAXPY, overlapping operands; also a ring in a window without a file
+    ///   descriptor, which is not read: that would wait for the client) the queue stops with
+    ///   [`regs::ERR_INTERRUPTED`] on it (`ERROR_INDEX` = the command, error interrupt raised
+    ///   as for any queue error), and the driver recovers it with `RECOVER`.
+    ///
+    /// A completed command was published with its `HEAD`, `COMPLETED`, `FENCE_COUNT` and
+    /// `INT_STATUS` effects in one piece, so none is lost or counted twice. The interrupts
+    /// the dead process owed when it last published are sent again: the guest may see a
+    /// duplicate interrupt, never miss one. The engines run once the state is in place, and
+    /// the device keeps mirroring into `bb`.
+    ///
+    /// Not carried over: the migration STOP state and engine parks (the server re-applies
+    /// what it journaled), a disconnected client's halt, an open migration stream.
+    pub fn recover(
+        config: SoftGpuConfig,
+        ctx: DeviceContext,
+        bb: &Arc<BlackBox>,
+        vram: File,
+    ) -> Result<(SoftGpu, Recovery), SoftGpuError> {
+        config.validate()?;
+        check_sealed(&vram)?;
+        let (mirror, saved) = mirror::Mirror::recover(bb, &config)?;
+        let vram = Arc::new(vram::Vram::adopt(
+            Arc::new(vram),
+            config.vram_size,
+            !config.vram_mmap,
+        )?);
+        if saved.state.vram != vram.identity() {
+            return Err(SoftGpuError::VramMismatch {
+                saved: saved.state.vram,
+                got: vram.identity(),
+            });
+        }
+        let def = build_config_space(&config);
+        let mut st = saved.state;
+        st.validate(config, vram.size(), &def)?;
+        st.config_space.restore_masks_from(&def);
+        let plans = mirror::plan_replays(&st, &saved.inflight, &ctx.dma)?;
+        ctx.memory.insert(VRAM_OBJECT, vram.clone());
+        let holds = Holds {
+            successor: true,
+            ..Holds::default()
+        };
+        let gpu = Self::start(config, ctx, vram, holds)?;
+        let mut queues = Vec::with_capacity(plans.len());
+        {
+            let mut g = gpu.shared.lock();
+            g.st = st;
+            g.owe_raw(saved.owed);
+            for (q, plan) in plans.into_iter().enumerate() {
+                if let QueueRecovery::Interrupted { opcode, .. } = plan {
+                    let slot = mirror::slot_iova(&g.st.queues[q], g.st.queues[q].head);
+                    let opcode = opcode.map_or(0, u32::from);
+                    g.set_error(q, regs::ERR_INTERRUPTED, slot, opcode);
+                }
+                queues.push(plan);
+            }
+            // Mirrored from here on: this flush publishes the recovered state, then sends
+            // the interrupts owed.
+            g.mirror = Some(mirror);
+            g.cold_changed();
+        }
+        gpu.shared.set_hold(|h| h.successor = false, false);
+        let recovery = Recovery {
+            queues,
+            resent: saved.owed,
+        };
+        tracing::info!(?recovery, "softgpu recovered from its black box");
+        Ok((gpu, recovery))
+    }
+
+    /// A new descriptor of the VRAM memfd (for a pool daemon to keep, so that a replacement
+    /// process can [`SoftGpu::recover`] on it).
+    pub fn vram_memfd(&self) -> Result<File, SoftGpuError> {
+        self.shared
+            .vram
+            .file()
+            .try_clone()
+            .map_err(SoftGpuError::Vram)
     }
 
     /// Builds the device that is to replace the one in the slot whose context is `ctx` (a
@@ -609,7 +845,14 @@ impl SoftGpu {
     /// Validates and loads a state. Commands that were running are abandoned (their results
     /// are discarded) and the engines continue from the loaded heads. VRAM contents are not
     /// touched: if `state.vram` names another backing, the caller must have copied the VRAM.
-    pub fn load(&self, mut state: SoftGpuState) -> Result<(), StateError> {
+    pub fn load(&self, state: SoftGpuState) -> Result<(), StateError> {
+        let state = self.prepare(state)?;
+        self.shared.load(state, None);
+        Ok(())
+    }
+
+    /// Validates `state` for this device and points it at this device's VRAM.
+    fn prepare(&self, mut state: SoftGpuState) -> Result<SoftGpuState, StateError> {
         state.validate(
             self.config,
             self.shared.vram.size(),
@@ -626,8 +869,7 @@ impl SoftGpu {
         state
             .config_space
             .restore_masks_from(&self.shared.config_def);
-        self.shared.load(state);
-        Ok(())
+        Ok(state)
     }
 
     /// Checks a register-style access to `region` (`size` bytes): in range, 4 or 8 bytes,
@@ -671,6 +913,19 @@ impl SoftGpu {
             offset,
             len,
         }
+    }
+}
+
+/// Checks that `file` is sealed against shrinking and growing.
+fn check_sealed(file: &File) -> Result<(), SoftGpuError> {
+    let seals = rustix::fs::fcntl_get_seals(file.as_fd())
+        .map_err(|e| SoftGpuError::VramNotSealed(e.into()))?;
+    if seals.contains(rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW) {
+        Ok(())
+    } else {
+        Err(SoftGpuError::VramNotSealed(std::io::Error::other(format!(
+            "seals {seals:?}"
+        ))))
     }
 }
 

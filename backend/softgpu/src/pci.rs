@@ -74,13 +74,17 @@ impl PciDevice for SoftGpu {
                 if offset < regs::MSIX_PBA_OFFSET {
                     let held = g.msix_held();
                     let table = offset - regs::MSIX_TABLE_OFFSET;
-                    g.st.msix.table_write(table, data, held, &self.shared.irqs);
+                    let sink = device::OwedSink::default();
+                    g.st.msix.table_write(table, data, held, &sink);
+                    g.owe(&sink);
+                    g.cold_changed();
                 }
                 // PBA writes are ignored.
                 Ok(())
             }
             CONFIG_REGION_INDEX => {
                 let mut g = self.shared.lock();
+                g.cold_changed();
                 let fx =
                     g.st.config_space
                         .write(offset, data)

@@ -224,6 +224,12 @@ pub const ERR_BAD_DOORBELL: u32 = 8;
 /// 64-byte aligned). `ERROR_ADDR` = ring base.
 pub const ERR_BAD_RING: u32 = 9;
 
+/// The device was restarted (its serving process died and another took over) while this
+/// command ran, and it cannot be run again safely (its output overlaps its inputs, e.g. an
+/// in-place SAXPY): its outputs are undefined; the commands before it completed, none after it
+/// ran. `ERROR_ADDR` = the IOVA of the ring slot. `RECOVER` skips it.
+pub const ERR_INTERRUPTED: u32 = 10;
+
 /// Largest ring size in entries.
 pub const MAX_RING_ENTRIES_VALUE: u32 = 1 << 16;
 /// Required alignment of the ring base.

@@ -68,8 +68,12 @@ impl SoftGpu {
         self.shared.set_hold(|h| h.retired = true, true);
         // Parked because the client is gone is runtime state, not device state: carry it.
         let halted = self.shared.halted();
-        match next.load(self.snapshot()) {
-            Ok(()) => {
+        match next.prepare(self.snapshot()) {
+            Ok(state) => {
+                // The black box this device mirrors into, if any, follows the state: the
+                // successor publishes it with the state it loads.
+                let mirror = self.shared.lock().mirror.take();
+                next.shared.load(state, mirror);
                 if halted {
                     next.shared.halt();
                 }

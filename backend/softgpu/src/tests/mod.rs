@@ -9,6 +9,7 @@ mod migration;
 mod msi;
 mod msix;
 mod props;
+mod recovery;
 mod resets;
 mod slot_memory;
 mod state;
@@ -18,6 +19,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use switchyard_device::blackbox::BlackBox;
 use switchyard_device::config::regs as pci;
 use switchyard_device::irq::{new_eventfd, take_eventfd};
 use switchyard_device::{
@@ -104,6 +106,9 @@ pub(crate) struct Window {
 /// A device plus the client side around it.
 pub(crate) struct Harness {
     pub gpu: SoftGpu,
+    /// The black box the device mirrors into (every harness device mirrors, so that every
+    /// test also checks, in debug builds, that no change escapes the mirror).
+    pub bb: Option<Arc<BlackBox>>,
     pub config: SoftGpuConfig,
     pub dma: Arc<DmaSpace>,
     pub irqs: Arc<Interrupts>,
@@ -113,6 +118,8 @@ pub(crate) struct Harness {
     pub msi: Vec<File>,
     pub windows: Vec<Window>,
     pub tails: Vec<u32>,
+    /// The slot's memory objects (its VRAM).
+    pub memory: Arc<switchyard_device::MemoryObjects>,
 }
 
 impl Harness {
@@ -137,18 +144,34 @@ impl Harness {
     }
 
     pub fn with_config(config: SoftGpuConfig) -> Self {
-        let dma = Arc::new(DmaSpace::new(16));
-        let mut windows = Vec::new();
-        for (iova, size, prot) in [
+        let bb = BlackBox::create(&SoftGpu::black_box_records(&config)).expect("black box");
+        let windows = [
             (RAM0, RAM_SIZE, DmaProt::READ_WRITE),
             (RAM1, RAM_SIZE, DmaProt::READ_WRITE),
             (RO, RO_SIZE, DmaProt::READ_ONLY),
-        ] {
-            let f = memfd(size);
+        ]
+        .map(|(iova, size, prot)| (iova, size, prot, memfd(size)));
+        let mut h = Self::build(config, windows, |ctx| {
+            SoftGpu::with_black_box(config, ctx, &bb, None).expect("softgpu")
+        });
+        h.bb = Some(bb);
+        h
+    }
+
+    /// A device made by `make` on a context whose DMA windows are `windows` (iova, size,
+    /// protection, the guest's memfd) and whose interrupts are new eventfds.
+    pub fn build(
+        config: SoftGpuConfig,
+        windows: impl IntoIterator<Item = (u64, u64, DmaProt, File)>,
+        make: impl FnOnce(DeviceContext) -> SoftGpu,
+    ) -> Self {
+        let dma = Arc::new(DmaSpace::new(16));
+        let mut mapped = Vec::new();
+        for (iova, size, prot, f) in windows {
             let device_side = f.try_clone().expect("clone");
             dma.map(iova, size, prot, Some((device_side, 0)))
                 .expect("map");
-            windows.push(Window {
+            mapped.push(Window {
                 iova,
                 size,
                 file: f,
@@ -172,23 +195,31 @@ impl Harness {
         };
         let msix = eventfds(IrqIndex::Msix);
         let msi = eventfds(IrqIndex::Msi);
+        let memory: Arc<switchyard_device::MemoryObjects> = Default::default();
         let ctx = DeviceContext {
             dma: dma.clone(),
             irqs: irqs.clone(),
             waits: Default::default(),
-            memory: Default::default(),
+            memory: memory.clone(),
         };
-        let gpu = SoftGpu::new(config, ctx).expect("softgpu");
-        Self {
+        let gpu = make(ctx);
+        let mut h = Self {
             gpu,
+            bb: None,
             config,
             dma,
             irqs,
             msix,
             msi,
-            windows,
+            windows: mapped,
             tails: vec![0; config.queues as usize],
+            memory,
+        };
+        // A recovered device continues its rings where they were.
+        for q in 0..config.queues {
+            h.tails[q as usize] = h.qr(q, Q_TAIL);
         }
+        h
     }
 
     /// A second device of the same configuration on this one's VRAM memfd, DMA space,
@@ -203,6 +234,7 @@ impl Harness {
         let vram = self.gpu.vram_file().clone();
         Self {
             gpu: SoftGpu::with_vram(self.config, self.ctx(), vram).expect("second device"),
+            bb: None,
             config: self.config,
             dma: self.dma.clone(),
             irqs: self.irqs.clone(),
@@ -218,6 +250,16 @@ impl Harness {
                 })
                 .collect(),
             tails: self.tails.clone(),
+            memory: Default::default(),
+        }
+    }
+
+    /// The context of this harness's slot (its memory objects included), e.g. for a
+    /// successor.
+    pub fn slot_ctx(&self) -> DeviceContext {
+        DeviceContext {
+            memory: self.memory.clone(),
+            ..self.ctx()
         }
     }
 
