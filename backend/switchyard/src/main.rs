@@ -52,6 +52,11 @@ enum Command {
     /// dropped, the device keeps its state and the next client is served.
     #[command(after_help = AFTER_HELP)]
     Serve(ServeArgs),
+
+    /// Internal: the process that serves one endpoint of the pool daemon. Started by the
+    /// daemon with its custody channel as standard input; not for direct use.
+    #[command(hide = true)]
+    Worker,
 }
 
 #[derive(Debug, clap::Args)]
@@ -180,6 +185,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve(args),
+        Command::Worker => worker(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -269,6 +275,17 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     drop(server);
     result
+}
+
+/// `switchyard worker`: serves one pool endpoint; the custody channel is standard input.
+fn worker() -> anyhow::Result<()> {
+    use std::os::fd::AsFd;
+    raise_nofile_limit();
+    let channel = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("no custody channel on standard input")?;
+    switchyard_daemon::worker::run(channel, ServerConfig::new).context("worker failed")
 }
 
 /// How often `--swap-every-ms` logs a summary at INFO (each swap is logged at DEBUG).

@@ -1,0 +1,177 @@
+//! The custody channel between the supervisor and a worker: one `SOCK_SEQPACKET` pair, each
+//! datagram a JSON [`Note`] with the descriptors it names attached (`SCM_RIGHTS`).
+//!
+//! Worker → supervisor: [`Note::Hold`] (keep these descriptors under these ids),
+//! [`Note::Release`], [`Note::Ready`]. Supervisor → worker, at start: [`Note::Fds`] batches
+//! (descriptors held for this endpoint), then one [`Note::Start`].
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use serde::{Deserialize, Serialize};
+use switchyard_server::continuity::Custody;
+
+/// Largest datagram on the channel.
+pub const MAX_NOTE: usize = 64 << 10;
+/// Most descriptors per datagram (below the kernel's `SCM_MAX_FD`).
+pub const MAX_FDS: usize = 200;
+
+/// Custody id of the endpoint's listening socket.
+pub const LISTENER_ID: u64 = 1;
+/// Custody id of the client connection (the server's `CONNECTION_ID`).
+pub const CONNECTION_ID: u64 = switchyard_server::continuity::CONNECTION_ID;
+/// Custody id of the black box memfd.
+pub const BLACK_BOX_ID: u64 = 3;
+/// Custody id of the device's VRAM memfd.
+pub const VRAM_ID: u64 = 4;
+
+/// How a worker starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartMode {
+    /// A new device: the worker creates the black box and VRAM and hands them over.
+    Fresh,
+    /// A replacement: everything comes from custody.
+    Resume,
+}
+
+/// One datagram.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Note {
+    /// Keep the attached descriptors under these ids.
+    Hold {
+        /// One per attached descriptor.
+        ids: Vec<u64>,
+    },
+    /// Close what is held under these ids.
+    Release {
+        /// Custody ids.
+        ids: Vec<u64>,
+    },
+    /// The worker serves (`resumed`: it continued a connection).
+    Ready {
+        /// It continued a connection.
+        resumed: bool,
+    },
+    /// Held descriptors, handed to a starting worker.
+    Fds {
+        /// One per attached descriptor.
+        ids: Vec<u64>,
+    },
+    /// Start serving.
+    Start {
+        /// Fresh or resume.
+        mode: StartMode,
+        /// The endpoint's name (logs).
+        endpoint: String,
+        /// The socket path (logs).
+        socket: String,
+        /// The device, as `switchyard serve --device` takes it.
+        device: String,
+    },
+}
+
+/// Errors on the channel.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    /// The socket failed.
+    #[error("Custody channel I/O failed")]
+    Io(#[from] io::Error),
+    /// The peer closed the channel.
+    #[error("The custody channel was closed")]
+    Closed,
+    /// A datagram does not decode.
+    #[error("Malformed custody note")]
+    Malformed(#[source] serde_json::Error),
+    /// Descriptors do not match the note (dropped by the kernel, or a peer bug).
+    #[error("A custody note names {named} descriptors but carries {carried}")]
+    FdMismatch {
+        /// Ids in the note.
+        named: usize,
+        /// Descriptors attached.
+        carried: usize,
+    },
+}
+
+/// A `SOCK_SEQPACKET` pair (close-on-exec).
+pub fn pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType, socketpair};
+    Ok(socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
+}
+
+/// Sends one note with `fds`.
+pub fn send(sock: impl AsFd, note: &Note, fds: &[BorrowedFd<'_>]) -> Result<(), ChannelError> {
+    let bytes = serde_json::to_vec(note).map_err(ChannelError::Malformed)?;
+    if bytes.len() > MAX_NOTE || fds.len() > MAX_FDS {
+        return Err(ChannelError::Io(io::Error::from_raw_os_error(libc_e2big())));
+    }
+    switchyard_endpoint::send_all(sock, &bytes, fds)?;
+    Ok(())
+}
+
+fn libc_e2big() -> i32 {
+    rustix::io::Errno::TOOBIG.raw_os_error()
+}
+
+/// Receives one note and its descriptors (blocking).
+pub fn recv(sock: impl AsFd, buf: &mut Vec<u8>) -> Result<(Note, Vec<OwnedFd>), ChannelError> {
+    buf.resize(MAX_NOTE, 0);
+    let mut fds = Vec::new();
+    let got = loop {
+        match switchyard_endpoint::recv(sock.as_fd(), buf, MAX_FDS, false, |fd| fds.push(fd)) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => break r?,
+        }
+    };
+    if got.bytes == 0 {
+        return Err(ChannelError::Closed);
+    }
+    let note: Note = serde_json::from_slice(&buf[..got.bytes]).map_err(ChannelError::Malformed)?;
+    let named = match &note {
+        Note::Hold { ids } | Note::Fds { ids } => ids.len(),
+        _ => 0,
+    };
+    if got.fds_truncated || named != fds.len() {
+        return Err(ChannelError::FdMismatch {
+            named,
+            carried: fds.len(),
+        });
+    }
+    Ok((note, fds))
+}
+
+/// The worker's [`Custody`]: notes to the supervisor.
+#[derive(Debug)]
+pub struct ChannelCustody {
+    sock: OwnedFd,
+}
+
+impl ChannelCustody {
+    /// Custody over the worker's end of the channel.
+    pub fn new(sock: OwnedFd) -> Self {
+        Self { sock }
+    }
+}
+
+impl Custody for ChannelCustody {
+    fn hold(&mut self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        for (ids, fds) in ids.chunks(MAX_FDS).zip(fds.chunks(MAX_FDS)) {
+            send(&self.sock, &Note::Hold { ids: ids.to_vec() }, fds).map_err(io::Error::other)?;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, ids: &[u64]) -> io::Result<()> {
+        for ids in ids.chunks(4096) {
+            send(&self.sock, &Note::Release { ids: ids.to_vec() }, &[])
+                .map_err(io::Error::other)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,20 @@
+//! The pool daemon's data path: endpoint workers supervised from a process that keeps every
+//! descriptor making up the guest's view of its device.
+//!
+//! - [`supervisor`]: per endpoint, the listening socket, the worker process, and the held
+//!   descriptors (client connection, DMA memory fds, interrupt eventfds, the VRAM memfd, the
+//!   black box); a dead worker is replaced and resumes the connection.
+//! - [`worker`]: `switchyard worker`, the process that serves one endpoint.
+//! - [`custody`]: the channel between them.
+//!
+//! What survives what, and the limits, are in ARCHITECTURE.md ("What survives which
+//! failure").
+
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod custody;
+pub mod supervisor;
+pub mod worker;
+
+pub use supervisor::{EndpointSpec, Supervisor, SupervisorError, WorkerStatus};

@@ -1,0 +1,395 @@
+//! The supervisor: for each endpoint, the listening socket, a worker process serving it, and
+//! a duplicate of every descriptor the worker put into custody. When a worker dies (a crash,
+//! `kill -9`, an upgrade), a replacement starts with the same descriptors and resumes the
+//! connection; the guest sees a stall.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use switchyard_server::DeviceSocket;
+
+use crate::custody::{self, BLACK_BOX_ID, LISTENER_ID, Note, StartMode, VRAM_ID};
+
+/// Supervisor errors.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    /// An endpoint of that name exists.
+    #[error("Endpoint `{0}` already exists")]
+    Exists(String),
+    /// No endpoint of that name.
+    #[error("No endpoint `{0}`")]
+    NotFound(String),
+    /// Binding the endpoint's socket failed.
+    #[error("Cannot bind the socket of endpoint `{0}`")]
+    Bind(String, #[source] switchyard_server::ServerError),
+    /// Starting a thread or process failed.
+    #[error("Cannot start the worker of endpoint `{0}`")]
+    Spawn(String, #[source] std::io::Error),
+}
+
+/// What an endpoint serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointSpec {
+    /// Name.
+    pub id: String,
+    /// vfio-user socket path.
+    pub socket: PathBuf,
+    /// Device options, as `switchyard serve --device softgpu,...` takes them (without the
+    /// model name).
+    pub device: String,
+}
+
+/// How an endpoint's worker is doing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerStatus {
+    /// Process id of the current worker, if one runs.
+    pub pid: Option<u32>,
+    /// Workers started after the first (restarts, upgrades).
+    pub restarts: u64,
+    /// Workers that reported ready.
+    pub ready: u64,
+    /// From the death of the last worker to its replacement reporting ready.
+    pub last_restart: Option<Duration>,
+    /// Descriptors held for the endpoint (listener included).
+    pub held: usize,
+    /// The supervisor gave up restarting (a crash loop); the client was disconnected.
+    pub failed: bool,
+}
+
+struct Endpoint {
+    spec: EndpointSpec,
+    socket: DeviceSocket,
+    held: Mutex<BTreeMap<u64, OwnedFd>>,
+    status: Mutex<WorkerStatus>,
+    changed: Condvar,
+    stopping: AtomicBool,
+    /// Bumped to ask the current worker to be replaced by a fresh process (upgrade).
+    generation: AtomicU64,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Endpoint {
+    fn status(&self) -> MutexGuard<'_, WorkerStatus> {
+        self.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn held(&self) -> MutexGuard<'_, BTreeMap<u64, OwnedFd>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Crash-loop policy: this many workers dying without reporting ready, in a row, and the
+/// supervisor gives up on the endpoint.
+const MAX_FAILED_STARTS: u32 = 8;
+/// Pause between starts once starts fail.
+const FAILED_START_PAUSE: Duration = Duration::from_millis(250);
+
+/// Supervises endpoint workers. See the [module](self) documentation.
+#[derive(Debug)]
+pub struct Supervisor {
+    exe: PathBuf,
+    endpoints: Mutex<BTreeMap<String, Arc<Endpoint>>>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Supervisor {
+    /// A supervisor that starts workers as `exe worker`.
+    pub fn new(exe: impl Into<PathBuf>) -> Self {
+        Self {
+            exe: exe.into(),
+            endpoints: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn endpoints(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Endpoint>>> {
+        self.endpoints.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn get(&self, id: &str) -> Result<Arc<Endpoint>, SupervisorError> {
+        self.endpoints()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))
+    }
+
+    /// Binds the endpoint's socket (listening when this returns) and starts its worker.
+    pub fn create(&self, spec: EndpointSpec) -> Result<(), SupervisorError> {
+        let mut endpoints = self.endpoints();
+        if endpoints.contains_key(&spec.id) {
+            return Err(SupervisorError::Exists(spec.id));
+        }
+        let socket = DeviceSocket::bind(&spec.socket, 0o600)
+            .map_err(|e| SupervisorError::Bind(spec.id.clone(), e))?;
+        let ep = Arc::new(Endpoint {
+            spec: spec.clone(),
+            socket,
+            held: Mutex::new(BTreeMap::new()),
+            status: Mutex::new(WorkerStatus::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            thread: Mutex::new(None),
+        });
+        let exe = self.exe.clone();
+        let ep2 = ep.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sy-sup-{}", spec.id))
+            .spawn(move || supervise(&ep2, &exe))
+            .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
+        *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
+        endpoints.insert(spec.id, ep);
+        Ok(())
+    }
+
+    /// Stops the endpoint: its worker is killed and every descriptor closed (the client sees
+    /// the connection close), the socket file removed.
+    pub fn delete(&self, id: &str) -> Result<(), SupervisorError> {
+        let ep = self
+            .endpoints()
+            .remove(id)
+            .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))?;
+        ep.stopping.store(true, Ordering::SeqCst);
+        kill(ep.status().pid);
+        if let Some(t) = ep.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        ep.held().clear();
+        Ok(())
+    }
+
+    /// Kills the endpoint's worker with SIGKILL (a crash drill); the supervisor replaces it.
+    /// Returns the pid killed.
+    pub fn kill_worker(&self, id: &str) -> Result<Option<u32>, SupervisorError> {
+        let ep = self.get(id)?;
+        let pid = ep.status().pid;
+        kill(pid);
+        Ok(pid)
+    }
+
+    /// Replaces the endpoint's worker with a new process of the supervisor's executable (an
+    /// upgrade when the file changed): the old one is killed at once and the new one resumes
+    /// from what is held.
+    pub fn upgrade(&self, id: &str) -> Result<(), SupervisorError> {
+        let ep = self.get(id)?;
+        ep.generation.fetch_add(1, Ordering::SeqCst);
+        kill(ep.status().pid);
+        Ok(())
+    }
+
+    /// The endpoint's worker status.
+    pub fn status(&self, id: &str) -> Result<WorkerStatus, SupervisorError> {
+        Ok(self.get(id)?.status().clone())
+    }
+
+    /// Waits until the endpoint has had `ready` workers report ready (or `timeout`).
+    pub fn wait_ready(
+        &self,
+        id: &str,
+        ready: u64,
+        timeout: Duration,
+    ) -> Result<WorkerStatus, SupervisorError> {
+        let ep = self.get(id)?;
+        let deadline = Instant::now() + timeout;
+        let mut st = ep.status();
+        while st.ready < ready && !st.failed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = ep
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(st.clone())
+    }
+
+    /// Names of the endpoints.
+    pub fn list(&self) -> Vec<String> {
+        self.endpoints().keys().cloned().collect()
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        for id in self.list() {
+            let _ = self.delete(&id);
+        }
+    }
+}
+
+fn kill(pid: Option<u32>) {
+    if let Some(pid) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+fn supervise(ep: &Endpoint, exe: &Path) {
+    let span = tracing::info_span!("endpoint", id = %ep.spec.id);
+    let _g = span.enter();
+    let mut failed_starts = 0u32;
+    let mut died_at: Option<Instant> = None;
+    let mut recent: VecDeque<Instant> = VecDeque::new();
+    while !ep.stopping.load(Ordering::SeqCst) {
+        let mode = {
+            let held = ep.held();
+            if held.contains_key(&BLACK_BOX_ID) && held.contains_key(&VRAM_ID) {
+                StartMode::Resume
+            } else {
+                StartMode::Fresh
+            }
+        };
+        let ready = match run_worker(ep, exe, mode, died_at) {
+            Ok(ready) => ready,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start a worker");
+                false
+            }
+        };
+        died_at = Some(Instant::now());
+        ep.status().pid = None;
+        if ep.stopping.load(Ordering::SeqCst) {
+            break;
+        }
+        if ready {
+            failed_starts = 0;
+        } else {
+            failed_starts += 1;
+            if failed_starts >= MAX_FAILED_STARTS {
+                tracing::error!(
+                    attempts = failed_starts,
+                    "workers keep dying before they serve; giving the endpoint up (its client is disconnected)"
+                );
+                ep.held().retain(|id, _| *id == LISTENER_ID);
+                let mut st = ep.status();
+                st.failed = true;
+                ep.changed.notify_all();
+                return;
+            }
+            std::thread::sleep(FAILED_START_PAUSE);
+        }
+        recent.push_back(Instant::now());
+        while recent.len() > 10 {
+            recent.pop_front();
+        }
+        let mut st = ep.status();
+        st.restarts += 1;
+        ep.changed.notify_all();
+        drop(st);
+        tracing::warn!(mode = ?StartMode::Resume, "worker gone; starting a replacement");
+    }
+}
+
+/// Starts one worker and serves its custody notes until it dies. Returns whether it
+/// reported ready.
+fn run_worker(
+    ep: &Endpoint,
+    exe: &Path,
+    mode: StartMode,
+    died_at: Option<Instant>,
+) -> std::io::Result<bool> {
+    let (ours, theirs) = custody::pair()?;
+    let mut child: Child = Command::new(exe)
+        .arg("worker")
+        .stdin(Stdio::from(theirs))
+        // Its own process group: a terminal's Ctrl-C to the daemon does not reach it.
+        .process_group(0)
+        .spawn()?;
+    ep.status().pid = Some(child.id());
+    let started = Instant::now();
+    let handed = hand_over(ep, &ours, mode);
+    let mut ready = false;
+    if let Err(e) = handed {
+        tracing::error!(error = %e, "cannot hand the endpoint's descriptors to the worker");
+        let _ = child.kill();
+    } else {
+        let mut buf = Vec::new();
+        loop {
+            match custody::recv(&ours, &mut buf) {
+                Ok((Note::Hold { ids }, fds)) => {
+                    let mut held = ep.held();
+                    for (id, fd) in ids.into_iter().zip(fds) {
+                        held.insert(id, fd);
+                    }
+                    let n = held.len();
+                    drop(held);
+                    ep.status().held = n;
+                }
+                Ok((Note::Release { ids }, _)) => {
+                    let mut held = ep.held();
+                    for id in ids {
+                        if id != LISTENER_ID {
+                            held.remove(&id);
+                        }
+                    }
+                    let n = held.len();
+                    drop(held);
+                    ep.status().held = n;
+                }
+                Ok((Note::Ready { resumed }, _)) => {
+                    ready = true;
+                    let mut st = ep.status();
+                    st.ready += 1;
+                    if let Some(t) = died_at {
+                        st.last_restart = Some(t.elapsed());
+                    }
+                    ep.changed.notify_all();
+                    tracing::info!(
+                        pid = child.id(),
+                        resumed,
+                        start_ms = started.elapsed().as_secs_f64() * 1e3,
+                        "worker ready"
+                    );
+                }
+                Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
+                Err(custody::ChannelError::Closed) => break,
+                Err(e) => {
+                    // A worker that breaks the channel protocol cannot be trusted with it.
+                    tracing::error!(error = %e, "custody channel broken; killing the worker");
+                    let _ = child.kill();
+                    break;
+                }
+            }
+        }
+    }
+    let status = child.wait()?;
+    tracing::info!(pid = child.id(), %status, "worker exited");
+    Ok(ready)
+}
+
+fn hand_over(ep: &Endpoint, sock: &OwnedFd, mode: StartMode) -> Result<(), custody::ChannelError> {
+    let held = ep.held();
+    let listener = ep.socket.listener().as_fd();
+    let mut all: Vec<(u64, BorrowedFd<'_>)> = vec![(LISTENER_ID, listener)];
+    all.extend(held.iter().map(|(id, fd)| (*id, fd.as_fd())));
+    for batch in all.chunks(custody::MAX_FDS) {
+        let ids = batch.iter().map(|(id, _)| *id).collect();
+        let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
+        custody::send(sock, &Note::Fds { ids }, &fds)?;
+    }
+    drop(held);
+    custody::send(
+        sock,
+        &Note::Start {
+            mode,
+            endpoint: ep.spec.id.clone(),
+            socket: ep.spec.socket.display().to_string(),
+            device: ep.spec.device.clone(),
+        },
+        &[],
+    )
+}
