@@ -181,6 +181,7 @@ impl ControlClient {
         Ok(LineStream {
             reader: BufReader::new(reader),
             path: self.path.clone(),
+            failed: false,
         })
     }
 
@@ -517,10 +518,12 @@ impl Read for BodyReader {
 }
 
 /// The lines of a streamed reply (see [`ControlClient::stream`]), without their line ends;
-/// empty lines are skipped. Ends when the server ends the body.
+/// empty lines are skipped. Ends when the server ends the body, or after the first error
+/// (a connection cut inside a chunk, a line that is not UTF-8, ...).
 pub struct LineStream {
     reader: BufReader<BodyReader>,
     path: PathBuf,
+    failed: bool,
 }
 
 impl fmt::Debug for LineStream {
@@ -544,6 +547,17 @@ impl Iterator for LineStream {
     type Item = Result<String, ControlError>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        let next = self.next_line();
+        self.failed = matches!(next, Some(Err(_)));
+        next
+    }
+}
+
+impl LineStream {
+    fn next_line(&mut self) -> Option<Result<String, ControlError>> {
         loop {
             let mut line = Vec::new();
             let read = self
