@@ -181,6 +181,7 @@ impl ControlClient {
         Ok(LineStream {
             reader: BufReader::new(reader),
             path: self.path.clone(),
+            content_type,
             failed: false,
         })
     }
@@ -523,6 +524,7 @@ impl Read for BodyReader {
 pub struct LineStream {
     reader: BufReader<BodyReader>,
     path: PathBuf,
+    content_type: Option<String>,
     failed: bool,
 }
 
@@ -535,6 +537,11 @@ impl fmt::Debug for LineStream {
 }
 
 impl LineStream {
+    /// The reply's `Content-Type`, if any.
+    pub fn content_type(&self) -> Option<&str> {
+        self.content_type.as_deref()
+    }
+
     /// The next line parsed as JSON; `None` at the end of the stream.
     pub fn next_json<T: DeserializeOwned>(&mut self) -> Option<Result<T, ControlError>> {
         self.next().map(|line| {
