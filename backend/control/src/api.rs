@@ -119,7 +119,7 @@ pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
-/// The `error` member of [`ErrorBody`].
+/// The `error` member of an `ErrorBody`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorDetail {
     /// Stable machine-readable code (snake case).

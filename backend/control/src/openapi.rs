@@ -184,6 +184,7 @@ pub struct Health {
     path = "/health",
     tag = CONTROL_TAG,
     operation_id = "health",
+    summary = "Whether the daemon answers",
     responses((status = 200, description = "The daemon answers", body = Health))
 )]
 pub async fn health() -> Json<Health> {
@@ -198,6 +199,7 @@ pub async fn health() -> Json<Health> {
     path = "/metrics",
     tag = CONTROL_TAG,
     operation_id = "metrics",
+    summary = "Prometheus metrics: per endpoint, per board, daemon-wide",
     responses((
         status = 200,
         description = "Metrics, OpenMetrics 1.0 text (Prometheus scrapes it)",
