@@ -206,37 +206,26 @@ impl Metrics {
     /// The recording handle of endpoint `id`, created on first use. Keep it: recording through
     /// it allocates nothing.
     pub fn endpoint(&self, id: &str) -> EndpointMetrics {
-        let mut map = lock(&self.inner.endpoints);
-        if let Some(m) = map.get(id) {
-            return m.clone();
-        }
         let f = &self.inner.families;
-        let label = EndpointLabel {
-            endpoint: id.to_owned(),
-        };
-        let m = EndpointMetrics {
+        get_or_insert(&self.inner.endpoints, id, || EndpointMetrics {
             inner: Arc::new(EndpointInner {
                 id: id.to_owned(),
-                latency: f.latency.get_or_create_owned(&label),
+                latency: f.latency.get_or_create_owned(&EndpointLabel {
+                    endpoint: id.to_owned(),
+                }),
                 messages: f.messages.clone(),
                 by_command: std::array::from_fn(|_| OnceLock::new()),
             }),
-        };
-        map.insert(id.to_owned(), m.clone());
-        m
+        })
     }
 
     /// The recording handle of board `id`, created on first use.
     pub fn board(&self, id: &str) -> BoardMetrics {
-        let mut map = lock(&self.inner.boards);
-        if let Some(m) = map.get(id) {
-            return m.clone();
-        }
         let f = &self.inner.families;
         let label = BoardLabel {
             board: id.to_owned(),
         };
-        let m = BoardMetrics {
+        get_or_insert(&self.inner.boards, id, || BoardMetrics {
             inner: Arc::new(BoardInner {
                 id: id.to_owned(),
                 jobs: f.jobs.get_or_create_owned(&label),
@@ -245,9 +234,7 @@ impl Metrics {
                 moves: f.moves.get_or_create_owned(&label),
                 downtime: f.downtime.get_or_create_owned(&label),
             }),
-        };
-        map.insert(id.to_owned(), m.clone());
-        m
+        })
     }
 
     /// Drops endpoint `id`'s series (the endpoint was deleted). Handles still held record into
@@ -312,6 +299,21 @@ impl Metrics {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The handle registered under `id`, or a new one made by `make` and registered.
+fn get_or_insert<H: Clone>(
+    handles: &Mutex<HashMap<String, H>>,
+    id: &str,
+    make: impl FnOnce() -> H,
+) -> H {
+    let mut handles = lock(handles);
+    if let Some(h) = handles.get(id) {
+        return h.clone();
+    }
+    let h = make();
+    handles.insert(id.to_owned(), h.clone());
+    h
 }
 
 fn command_index(command: Command) -> usize {

@@ -257,20 +257,13 @@ fn two_subscribers_keep_up_and_a_lagging_one_is_told() {
         assert_eq!(got, (1..=EVENTS).map(Line::Tick).collect::<Vec<_>>());
     }
     let lines: Vec<Line> = lagging.map(|l| parse(&l.expect("readable"))).collect();
-    let lags: Vec<u64> = lines
-        .iter()
-        .filter_map(|l| match l {
-            Line::Lagged(n) => Some(*n),
-            Line::Tick(_) => None,
-        })
-        .collect();
-    let ticks: Vec<u64> = lines
-        .iter()
-        .filter_map(|l| match l {
-            Line::Tick(s) => Some(*s),
-            Line::Lagged(_) => None,
-        })
-        .collect();
+    let (mut ticks, mut lags) = (Vec::new(), Vec::new());
+    for line in &lines {
+        match line {
+            Line::Tick(seq) => ticks.push(*seq),
+            Line::Lagged(missed) => lags.push(*missed),
+        }
+    }
     assert!(!lags.is_empty(), "the lagging reader was never told");
     assert!(ticks.windows(2).all(|w| w[0] < w[1]), "{ticks:?}");
     assert_eq!(ticks.len() as u64 + lags.iter().sum::<u64>(), EVENTS);
