@@ -67,8 +67,8 @@ pub enum Note {
         endpoint: String,
         /// The socket path (logs).
         socket: String,
-        /// The device, as `switchyard serve --device` takes it.
-        device: String,
+        /// The device.
+        device: switchyard_softgpu::SoftGpuConfig,
     },
 }
 

@@ -17,4 +17,6 @@ pub mod custody;
 pub mod supervisor;
 pub mod worker;
 
-pub use supervisor::{EndpointSpec, Supervisor, SupervisorError, WorkerStatus};
+pub use supervisor::{
+    EndpointSpec, EventSink, Supervisor, SupervisorError, WorkerEvent, WorkerStatus,
+};

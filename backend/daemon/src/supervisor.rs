@@ -41,9 +41,8 @@ pub struct EndpointSpec {
     pub id: String,
     /// vfio-user socket path.
     pub socket: PathBuf,
-    /// Device options, as `switchyard serve --device softgpu,...` takes them (without the
-    /// model name).
-    pub device: String,
+    /// The device to serve.
+    pub device: switchyard_softgpu::SoftGpuConfig,
 }
 
 /// How an endpoint's worker is doing.
@@ -90,11 +89,61 @@ const MAX_FAILED_STARTS: u32 = 8;
 /// Pause between starts once starts fail.
 const FAILED_START_PAUSE: Duration = Duration::from_millis(250);
 
+/// Something that happened to an endpoint's worker (for the daemon's events and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerEvent {
+    /// A worker process started.
+    Started {
+        /// Endpoint.
+        endpoint: String,
+        /// Its pid.
+        pid: u32,
+        /// It resumes a device (a restart) rather than creating one.
+        resume: bool,
+    },
+    /// The worker serves.
+    Ready {
+        /// Endpoint.
+        endpoint: String,
+        /// Its pid.
+        pid: u32,
+        /// It continued a client connection.
+        resumed_connection: bool,
+        /// From the previous worker's death to this one's readiness, if it replaced one.
+        restart: Option<Duration>,
+    },
+    /// A worker exited.
+    Exited {
+        /// Endpoint.
+        endpoint: String,
+        /// Its pid.
+        pid: u32,
+        /// How it ended (`exit status: 0`, `signal: 9 (SIGKILL)`, ...).
+        status: String,
+    },
+    /// Workers kept dying before serving; the endpoint's client was disconnected.
+    GaveUp {
+        /// Endpoint.
+        endpoint: String,
+    },
+}
+
+/// Receives [`WorkerEvent`]s (called from supervision threads; keep it short).
+pub type EventSink = Arc<dyn Fn(WorkerEvent) + Send + Sync>;
+
 /// Supervises endpoint workers. See the [module](self) documentation.
-#[derive(Debug)]
 pub struct Supervisor {
     exe: PathBuf,
     endpoints: Mutex<BTreeMap<String, Arc<Endpoint>>>,
+    sink: EventSink,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("exe", &self.exe)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -108,9 +157,15 @@ impl std::fmt::Debug for Endpoint {
 impl Supervisor {
     /// A supervisor that starts workers as `exe worker`.
     pub fn new(exe: impl Into<PathBuf>) -> Self {
+        Self::with_events(exe, Arc::new(|_| {}))
+    }
+
+    /// [`Supervisor::new`] that reports what happens to workers to `sink`.
+    pub fn with_events(exe: impl Into<PathBuf>, sink: EventSink) -> Self {
         Self {
             exe: exe.into(),
             endpoints: Mutex::new(BTreeMap::new()),
+            sink,
         }
     }
 
@@ -145,9 +200,10 @@ impl Supervisor {
         });
         let exe = self.exe.clone();
         let ep2 = ep.clone();
+        let sink = self.sink.clone();
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
-            .spawn(move || supervise(&ep2, &exe))
+            .spawn(move || supervise(&ep2, &exe, &sink))
             .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
         *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
         endpoints.insert(spec.id, ep);
@@ -161,8 +217,13 @@ impl Supervisor {
             .endpoints()
             .remove(id)
             .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))?;
-        ep.stopping.store(true, Ordering::SeqCst);
-        kill(ep.status().pid);
+        {
+            // Under the status lock: a worker started concurrently either is seen here or
+            // sees `stopping` (see `run_worker`).
+            let st = ep.status();
+            ep.stopping.store(true, Ordering::SeqCst);
+            kill(st.pid);
+        }
         if let Some(t) = ep.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
@@ -238,7 +299,7 @@ fn kill(pid: Option<u32>) {
     }
 }
 
-fn supervise(ep: &Endpoint, exe: &Path) {
+fn supervise(ep: &Endpoint, exe: &Path, sink: &EventSink) {
     let span = tracing::info_span!("endpoint", id = %ep.spec.id);
     let _g = span.enter();
     let mut failed_starts = 0u32;
@@ -253,7 +314,7 @@ fn supervise(ep: &Endpoint, exe: &Path) {
                 StartMode::Fresh
             }
         };
-        let ready = match run_worker(ep, exe, mode, died_at) {
+        let ready = match run_worker(ep, exe, mode, died_at, sink) {
             Ok(ready) => ready,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start a worker");
@@ -278,6 +339,10 @@ fn supervise(ep: &Endpoint, exe: &Path) {
                 let mut st = ep.status();
                 st.failed = true;
                 ep.changed.notify_all();
+                drop(st);
+                sink(WorkerEvent::GaveUp {
+                    endpoint: ep.spec.id.clone(),
+                });
                 return;
             }
             std::thread::sleep(FAILED_START_PAUSE);
@@ -301,6 +366,7 @@ fn run_worker(
     exe: &Path,
     mode: StartMode,
     died_at: Option<Instant>,
+    sink: &EventSink,
 ) -> std::io::Result<bool> {
     let (ours, theirs) = custody::pair()?;
     let mut child: Child = Command::new(exe)
@@ -309,7 +375,19 @@ fn run_worker(
         // Its own process group: a terminal's Ctrl-C to the daemon does not reach it.
         .process_group(0)
         .spawn()?;
-    ep.status().pid = Some(child.id());
+    {
+        let mut st = ep.status();
+        st.pid = Some(child.id());
+        if ep.stopping.load(Ordering::SeqCst) {
+            // `delete` ran between the check in `supervise` and the spawn.
+            let _ = child.kill();
+        }
+    }
+    sink(WorkerEvent::Started {
+        endpoint: ep.spec.id.clone(),
+        pid: child.id(),
+        resume: mode == StartMode::Resume,
+    });
     let started = Instant::now();
     let handed = hand_over(ep, &ours, mode);
     let mut ready = false;
@@ -342,12 +420,20 @@ fn run_worker(
                 }
                 Ok((Note::Ready { resumed }, _)) => {
                     ready = true;
+                    let restart = died_at.map(|t| t.elapsed());
                     let mut st = ep.status();
                     st.ready += 1;
-                    if let Some(t) = died_at {
-                        st.last_restart = Some(t.elapsed());
+                    if restart.is_some() {
+                        st.last_restart = restart;
                     }
                     ep.changed.notify_all();
+                    drop(st);
+                    sink(WorkerEvent::Ready {
+                        endpoint: ep.spec.id.clone(),
+                        pid: child.id(),
+                        resumed_connection: resumed,
+                        restart,
+                    });
                     tracing::info!(
                         pid = child.id(),
                         resumed,
@@ -368,6 +454,11 @@ fn run_worker(
     }
     let status = child.wait()?;
     tracing::info!(pid = child.id(), %status, "worker exited");
+    sink(WorkerEvent::Exited {
+        endpoint: ep.spec.id.clone(),
+        pid: child.id(),
+        status: status.to_string(),
+    });
     Ok(ready)
 }
 
@@ -388,7 +479,7 @@ fn hand_over(ep: &Endpoint, sock: &OwnedFd, mode: StartMode) -> Result<(), custo
             mode,
             endpoint: ep.spec.id.clone(),
             socket: ep.spec.socket.display().to_string(),
-            device: ep.spec.device.clone(),
+            device: ep.spec.device,
         },
         &[],
     )

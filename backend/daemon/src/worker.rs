@@ -67,8 +67,10 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 socket,
                 device,
             } => {
-                let config = SoftGpuConfig::parse_options(&device)
-                    .map_err(|e| WorkerError::Device(device.clone(), Box::new(e)))?;
+                device
+                    .validate()
+                    .map_err(|e| WorkerError::Device(format!("{device:?}"), Box::new(e)))?;
+                let config = device;
                 return Ok(Start {
                     mode,
                     endpoint,

@@ -55,6 +55,31 @@ pub fn recv(
     buf: &mut [u8],
     max_fds: usize,
     nonblocking: bool,
+    on_fd: impl FnMut(OwnedFd),
+) -> io::Result<Received> {
+    recv_with(sock, buf, max_fds, nonblocking, false, on_fd)
+}
+
+/// [`recv`] that leaves the bytes in the socket (`MSG_PEEK`): a later `recv` returns them
+/// again, with their descriptors again (the kernel installs a new copy of each descriptor at
+/// every receive, peeked or not). For a reader that must record what it received before the
+/// socket forgets it.
+pub fn peek(
+    sock: impl AsFd,
+    buf: &mut [u8],
+    max_fds: usize,
+    nonblocking: bool,
+    on_fd: impl FnMut(OwnedFd),
+) -> io::Result<Received> {
+    recv_with(sock, buf, max_fds, nonblocking, true, on_fd)
+}
+
+fn recv_with(
+    sock: impl AsFd,
+    buf: &mut [u8],
+    max_fds: usize,
+    nonblocking: bool,
+    peek: bool,
     mut on_fd: impl FnMut(OwnedFd),
 ) -> io::Result<Received> {
     let mut space = [MaybeUninit::<u8>::uninit(); MAX_SPACE];
@@ -64,6 +89,9 @@ pub fn recv(
     let mut flags = RecvFlags::CMSG_CLOEXEC;
     if nonblocking {
         flags |= RecvFlags::DONTWAIT;
+    }
+    if peek {
+        flags |= RecvFlags::PEEK;
     }
     let msg = rustix::net::recvmsg(sock, &mut iov, &mut control, flags)?;
     let mut fds = 0;

@@ -12,9 +12,10 @@
 //!   no table refers to any more are released ([`Custody::release`]).
 //! - **The receive journal** (record `server.rx`): the bytes of the message being handled and
 //!   of everything received after it, with the custody ids of their descriptors and the read
-//!   boundaries that decide which message gets them ([`Framer::journal`]). Published after
-//!   every read and after every answered message, so the message in flight is never lost: a
-//!   replacement answers it.
+//!   boundaries that decide which message gets them ([`Framer::journal`]). A read is *peeked*,
+//!   journaled, then consumed, and the kernel's per-socket peek offset (`SO_PEEK_OFF`, seen
+//!   through the supervisor's descriptor too) tells a replacement whether the last read left
+//!   the socket; so no byte is lost or read twice, whenever the kill lands.
 //! - **The tables** (record `server.tables`): DMA windows (IOVA, size, file offset,
 //!   protection, custody id of the memory fd) and interrupt vectors (custody id of each
 //!   eventfd), published after every change and before the reply that acknowledges it.
@@ -23,14 +24,18 @@
 //!
 //! A replacement opens the same black box, gets the held descriptors from the supervisor,
 //! rebuilds the DMA space and interrupts from the tables, resumes the device from its own
-//! records, and frames the journal before reading the socket again (`Server::resume`). The
-//! request in flight is handled a second time: requests are idempotent for that purpose (a
-//! DMA_MAP identical to a window that exists succeeds; an unmap of nothing succeeds; register
-//! writes store values), except in one window of a few instructions between sending a reply
-//! and publishing the journal without it, where a kill makes the replacement send that reply
-//! twice (QEMU then reports an unexpected reply). Descriptors received in the instants between
-//! `recvmsg` and the custody `sendmsg` are lost with the process; the message that carried
-//! them is then refused as truncated. See ARCHITECTURE.md ("What survives which failure").
+//! records, and frames the journal before reading the socket again (`Server::run_resumed`).
+//! The request in flight is handled a second time: requests are idempotent for that purpose
+//! (a DMA_MAP identical to a window that exists succeeds; an unmap of nothing succeeds;
+//! register writes store values). A reply is never sent twice: the message leaves the journal
+//! just before the `sendmsg` of its reply, and SIGKILL takes effect when a syscall returns,
+//! so a kill during the send leaves the reply sent and the message answered. What remains is
+//! a window of a few instructions between that publish and the syscall (and a send that has
+//! to wait for a client that does not read), where a kill loses the reply: the client's
+//! request times out (QEMU: after `x-msg-timeout`, 5 s) instead of the stream being
+//! corrupted by a duplicate, which QEMU cannot recover from. Descriptors received in the
+//! instants between the peek and the custody `sendmsg` come again with the bytes when they are
+//! read again. See ARCHITECTURE.md ("What survives which failure").
 
 use std::collections::BTreeMap;
 use std::io;

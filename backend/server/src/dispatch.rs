@@ -13,11 +13,20 @@ use crate::transport::{Connection, TransportError};
 use crate::{Server, ServerError};
 
 /// Sends the dispatcher's reply within the server's send limit, then releases it.
+///
+/// The message it answers leaves the receive journal (`conn.done()`) as the last step before
+/// the `sendmsg`, never after it: with crash continuity, a process killed once the reply is on
+/// its way must not have a replacement answer the message again (QEMU takes a reply to no
+/// pending request as a corrupt stream). SIGKILL takes effect when a syscall returns, so a
+/// kill that lands during the send leaves the reply sent and the journal without the message.
+/// The window where a kill loses the reply is the few instructions from the journal's publish
+/// to the syscall (and a send that must wait for a client that does not read).
 fn send(
     server: &Server,
     writer: &UnixStream,
     send_lock: &Mutex<()>,
     d: &mut Dispatcher,
+    conn: &mut Connection,
 ) -> std::io::Result<()> {
     let _g = send_lock.lock().unwrap_or_else(|p| p.into_inner());
     let (out, out_fds) = d.reply();
@@ -26,6 +35,7 @@ fn send(
         timeout: server.config.send_timeout,
         abort: Some(server.stop.abort_fd()),
     };
+    conn.done();
     let r = send_bounded(writer, out, &fds, limit);
     drop(fds);
     d.sent();
@@ -78,22 +88,20 @@ pub(crate) fn serve_connection(
         match outcome {
             Outcome::Nothing => conn.done(),
             Outcome::Reply => {
-                if let Err(e) = send(server, &writer, &send_lock, &mut d) {
+                if let Err(e) = send(server, &writer, &send_lock, &mut d, &mut conn) {
                     tracing::warn!(error = %e, "cannot send a reply");
                     break Ok(());
                 }
-                conn.done();
             }
             Outcome::ErrorReply => {
-                if let Err(e) = send(server, &writer, &send_lock, &mut d) {
+                if let Err(e) = send(server, &writer, &send_lock, &mut d, &mut conn) {
                     tracing::warn!(error = %e, "cannot send an error reply");
                     break Ok(());
                 }
-                conn.done();
             }
             Outcome::Close { reply } => {
                 if reply {
-                    let _ = send(server, &writer, &send_lock, &mut d);
+                    let _ = send(server, &writer, &send_lock, &mut d, &mut conn);
                 }
                 break Ok(());
             }

@@ -312,12 +312,19 @@ impl Server {
     ) -> Result<(), ServerError> {
         let max_msg =
             switchyard_proto::Limits::server(self.config.limits.max_data_xfer_size).max_msg_size;
-        let framer = if resumed.rx.is_empty() {
+        let mut framer = if resumed.rx.is_empty() {
             transport::Framer::new(max_msg)
         } else {
             transport::Framer::resume(max_msg, &resumed.rx, |id| fds.remove(&id))
                 .map_err(|e| ServerError::Resume(Box::new(e)))?
         };
+        // A read the killed process peeked but had not consumed (see `settle_peeked`).
+        match transport::Connection::settle_peeked(&stream, framer.unconsumed()) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(bytes = n, "consumed what the replaced process had peeked"),
+            Err(e) => tracing::warn!(error = %e, "cannot settle the socket's peek offset"),
+        }
+        framer.set_unconsumed(0);
         if let Some(c) = &self.continuity {
             let leftover: Vec<u64> = fds
                 .keys()

@@ -15,7 +15,7 @@
 //! thread to be woken up.
 
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,6 +113,9 @@ pub struct Framer {
     /// The message handed out by [`Framer::next_message`] and not yet [`Framer::done`]:
     /// its offset, and its descriptors' custody ids and truncation.
     in_flight: Option<InFlight>,
+    /// Bytes at the end of the buffer that were peeked from the socket and not consumed yet
+    /// (recorded in the journal; see `Connection::recv_journaled`).
+    unconsumed: u32,
     /// The last read that carried descriptors lost some (`MSG_CTRUNC`).
     pending_trunc: bool,
     fds_from: usize,
@@ -137,6 +140,7 @@ impl Framer {
             pending_fds: Vec::with_capacity(MAX_FDS_PER_READ),
             pending_ids: Vec::new(),
             in_flight: None,
+            unconsumed: 0,
             pending_trunc: false,
             fds_from: 0,
             fds_to: 0,
@@ -287,6 +291,7 @@ impl Framer {
         let rest = self.buf.get(rest_from..self.end).unwrap_or(&[]);
         let rel = |x: usize| x.saturating_sub(rest_from).min(rest.len()) as u32;
         out.extend_from_slice(&JOURNAL_VERSION.to_le_bytes());
+        out.extend_from_slice(&self.unconsumed.to_le_bytes());
         out.extend_from_slice(&(inflight.len() as u32).to_le_bytes());
         out.push(u8::from(trunc));
         out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
@@ -318,6 +323,7 @@ impl Framer {
         if r.u32().ok_or_else(bad)? != JOURNAL_VERSION {
             return Err(bad());
         }
+        let unconsumed = r.u32().ok_or_else(bad)?;
         let inflight_len = r.u32().ok_or_else(bad)? as usize;
         let inflight_trunc = r.u8().ok_or_else(bad)? != 0;
         let inflight_ids = r.ids().ok_or_else(bad)?;
@@ -364,7 +370,20 @@ impl Framer {
         if !after.is_empty() {
             feed(&mut f, after, &[], false);
         }
+        f.unconsumed = unconsumed;
         Ok(f)
+    }
+
+    /// Sets how many bytes at the end of the buffer are still in the socket (peeked, not
+    /// consumed); recorded by [`Framer::journal`].
+    pub fn set_unconsumed(&mut self, n: usize) {
+        self.unconsumed = u32::try_from(n).unwrap_or(u32::MAX);
+    }
+
+    /// See [`Framer::set_unconsumed`]; for a framer from [`Framer::resume`], what the journal
+    /// said.
+    pub fn unconsumed(&self) -> usize {
+        self.unconsumed as usize
     }
 
     /// The header at `start` (at least [`HEADER_SIZE`] bytes are buffered) and its body length.
@@ -459,8 +478,53 @@ impl Connection {
     }
 
     /// Keeps descriptors in custody and publishes the receive journal into `continuity`.
+    /// Turns on the socket's peek offset (`SO_PEEK_OFF`), through which a replacement learns
+    /// whether the last read was consumed (see [`Connection::recv_journaled`]).
     pub(crate) fn set_continuity(&mut self, continuity: Option<Arc<Continuity>>) {
+        if continuity.is_some()
+            && let Err(e) = switchyard_sys::sock::set_peek_offset(self.stream.as_fd(), 0)
+        {
+            tracing::warn!(error = %e, "no SO_PEEK_OFF: a restart may replay or lose the last read");
+        }
         self.continuity = continuity;
+    }
+
+    /// Settles a read a killed process left half done. The socket's peek offset (`off`) says
+    /// how many bytes it had peeked and not consumed; the journal (`journaled`) says how many
+    /// of its own bytes were peeked and not yet known consumed. They agree (`off ==
+    /// journaled`): the journal has the bytes, which leave the socket. The journal does not
+    /// have them (`journaled == 0`: killed between the peek and the publish): the offset goes
+    /// back to zero and they are read again. `off == 0`: nothing to do. Returns the bytes
+    /// consumed.
+    pub(crate) fn settle_peeked(stream: &UnixStream, journaled: usize) -> io::Result<usize> {
+        let off = usize::try_from(switchyard_sys::sock::peek_offset(stream.as_fd())?).unwrap_or(0);
+        if off == 0 {
+            return Ok(0);
+        }
+        if off != journaled {
+            if journaled != 0 {
+                tracing::warn!(
+                    off,
+                    journaled,
+                    "peek offset and journal disagree; reading again"
+                );
+            }
+            switchyard_sys::sock::set_peek_offset(stream.as_fd(), 0)?;
+            return Ok(0);
+        }
+        let mut left = off;
+        let total = left;
+        let mut sink = [0u8; 4096];
+        while left > 0 {
+            let n = left.min(sink.len());
+            match switchyard_endpoint::recv(stream, &mut sink[..n], MAX_FDS_PER_READ, true, drop) {
+                Ok(r) if r.bytes == 0 => break,
+                Ok(r) => left -= r.bytes,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(total - left)
     }
 
     /// The message last received has been answered: it leaves the journal.
@@ -516,6 +580,9 @@ impl Connection {
     }
 
     fn recv_once(&mut self, dontwait: bool) -> io::Result<usize> {
+        if let Some(c) = self.continuity.clone() {
+            return self.recv_journaled(&c, dontwait);
+        }
         let fds = &mut self.read_fds;
         fds.clear();
         let got = switchyard_endpoint::recv(
@@ -525,28 +592,61 @@ impl Connection {
             dontwait,
             |fd| fds.push(fd),
         )?;
-        match &self.continuity {
-            None => self
-                .framer
-                .filled(got.bytes, self.read_fds.drain(..), got.fds_truncated),
-            Some(c) => {
-                // Into custody before anything else can happen to them.
-                let ids = if self.read_fds.is_empty() {
-                    Vec::new()
-                } else {
-                    c.hold(&self.read_fds)
-                };
-                self.framer.filled_with_ids(
-                    got.bytes,
-                    self.read_fds.drain(..),
-                    &ids,
-                    got.fds_truncated,
-                );
-                if got.bytes > 0 {
-                    c.publish_rx(&self.framer);
-                }
+        self.framer
+            .filled(got.bytes, self.read_fds.drain(..), got.fds_truncated);
+        Ok(got.bytes)
+    }
+
+    /// A read that the journal records before the socket forgets it: peek (the bytes stay in
+    /// the socket), put the descriptors into custody, publish the journal, and only then
+    /// consume the bytes. A kill before the publish leaves the bytes in the socket only; after
+    /// it, in the journal and, until the consume, also in the socket — which the kernel's
+    /// per-socket peek offset (`SO_PEEK_OFF`, shared with the supervisor's descriptor) tells
+    /// the replacement, so it consumes them instead of reading them twice
+    /// ([`Connection::consume_peeked`]). SIGKILL takes effect when a syscall returns, so the
+    /// offset and the socket always agree.
+    fn recv_journaled(&mut self, c: &Continuity, dontwait: bool) -> io::Result<usize> {
+        let fds = &mut self.read_fds;
+        fds.clear();
+        let got = switchyard_endpoint::peek(
+            &self.stream,
+            self.framer.buffer_mut(),
+            MAX_FDS_PER_READ,
+            dontwait,
+            |fd| fds.push(fd),
+        )?;
+        if got.bytes == 0 {
+            return Ok(0);
+        }
+        let ids = if self.read_fds.is_empty() {
+            Vec::new()
+        } else {
+            c.hold(&self.read_fds)
+        };
+        self.framer
+            .filled_with_ids(got.bytes, self.read_fds.drain(..), &ids, got.fds_truncated);
+        c.publish_rx(&self.framer);
+        // Consume what was peeked. The kernel installs the descriptors again: the copies from
+        // the peek are the ones kept, these are closed.
+        let mut left = got.bytes;
+        let mut sink = [0u8; 4096];
+        while left > 0 {
+            let n = left.min(sink.len());
+            match switchyard_endpoint::recv(
+                &self.stream,
+                &mut sink[..n],
+                MAX_FDS_PER_READ,
+                false,
+                drop,
+            ) {
+                Ok(r) if r.bytes == 0 => break,
+                Ok(r) => left -= r.bytes,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
         }
+        self.framer.set_unconsumed(0);
+        c.publish_rx(&self.framer);
         Ok(got.bytes)
     }
 }

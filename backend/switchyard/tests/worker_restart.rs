@@ -15,6 +15,7 @@ use common::driver::{Driver, guest};
 use common::ours::Ours;
 use switchyard_client::{Client, ClientConfig};
 use switchyard_daemon::{EndpointSpec, Supervisor};
+use switchyard_softgpu::SoftGpuConfig;
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
 
@@ -27,7 +28,11 @@ fn endpoint(sup: &Supervisor, dir: &std::path::Path, id: &str) -> std::path::Pat
     sup.create(EndpointSpec {
         id: id.into(),
         socket: socket.clone(),
-        device: "vram=16M,queues=2".into(),
+        device: SoftGpuConfig {
+            vram_size: 16 << 20,
+            queues: 2,
+            ..SoftGpuConfig::default()
+        },
     })
     .expect("create endpoint");
     let st = sup
@@ -50,17 +55,23 @@ fn connect(socket: &std::path::Path) -> Client {
 }
 
 /// Kills the endpoint's worker every `every` while `running`; returns how many it killed.
+/// Holds the supervisor weakly: if the test fails, dropping the test's reference stops the
+/// workers (a supervisor kills them when dropped).
 fn killer(
-    sup: Arc<Supervisor>,
+    sup: &Arc<Supervisor>,
     id: &'static str,
     every: Duration,
     running: Arc<AtomicBool>,
 ) -> thread::JoinHandle<u64> {
+    let sup = Arc::downgrade(sup);
     thread::spawn(move || {
         let mut kills = 0;
         let mut last_pid = None;
         while running.load(Ordering::SeqCst) {
             thread::sleep(every);
+            let Some(sup) = sup.upgrade() else {
+                break;
+            };
             // Only a worker that has served since the last kill (a replacement that reported
             // ready): killing replacements before they start is a different test.
             let st = sup.status(id).expect("status");
@@ -84,12 +95,7 @@ fn a_worker_killed_ten_times_under_a_workload_is_a_stall_not_a_lost_device() {
     d.w32(SCRATCH, 0xfeed_0001);
 
     let running = Arc::new(AtomicBool::new(true));
-    let kills = killer(
-        sup.clone(),
-        "ep",
-        Duration::from_millis(150),
-        running.clone(),
-    );
+    let kills = killer(&sup, "ep", Duration::from_millis(150), running.clone());
     // Idempotent work (COPY/FILL) on both queues, every result checked, until ten kills.
     let start = Instant::now();
     let mut round = 0u64;
@@ -213,12 +219,7 @@ fn another_endpoint_keeps_running_while_one_worker_is_killed() {
     da.setup_queue(0);
     db.setup_queue(0);
     let running = Arc::new(AtomicBool::new(true));
-    let kills = killer(
-        sup.clone(),
-        "a",
-        Duration::from_millis(100),
-        running.clone(),
-    );
+    let kills = killer(&sup, "a", Duration::from_millis(100), running.clone());
     let mut worst = Duration::ZERO;
     let mut rounds = 0u32;
     while sup.status("a").expect("status").restarts < 5 {

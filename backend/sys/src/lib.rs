@@ -14,6 +14,9 @@
 //!   reference, because the device may write it concurrently.
 //! - [`dup_device_fd`]: an owned duplicate of a `VfioDevice`'s descriptor (the crate exposes
 //!   only `AsRawFd`), for positioned reads and writes of its regions.
+//! - [`sock`]: `SO_PEEK_OFF`, which rustix does not wrap: the kernel's count of peeked,
+//!   unconsumed bytes, with which a replacement server process learns whether the killed one
+//!   consumed what it had journaled.
 //!
 //! Users: the in-guest driver (`guest-tests/driver`) maps its DMA windows with it, so every
 //! guest test exercises this code against a real IOMMU (the guest's `intel-iommu`); the
@@ -24,6 +27,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod sock;
 mod vfio;
 
 pub use vfio::{DmaMapping, Error, dup_device_fd};
