@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, BLACK_BOX_ID, LISTENER_ID, Note, StartMode, VRAM_ID};
+use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, Note, StartMode, VRAM_ID};
 
 /// Supervisor errors.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +58,8 @@ pub struct WorkerStatus {
     pub last_restart: Option<Duration>,
     /// Descriptors held for the endpoint (listener included).
     pub held: usize,
+    /// A client (VMM) is connected: its connection is held.
+    pub connected: bool,
     /// The supervisor gave up restarting (a crash loop); the client was disconnected.
     pub failed: bool,
 }
@@ -404,8 +406,11 @@ fn run_worker(
                         held.insert(id, fd);
                     }
                     let n = held.len();
+                    let connected = held.contains_key(&CONNECTION_ID);
                     drop(held);
-                    ep.status().held = n;
+                    let mut st = ep.status();
+                    st.held = n;
+                    st.connected = connected;
                 }
                 Ok((Note::Release { ids }, _)) => {
                     let mut held = ep.held();
@@ -415,8 +420,11 @@ fn run_worker(
                         }
                     }
                     let n = held.len();
+                    let connected = held.contains_key(&CONNECTION_ID);
                     drop(held);
-                    ep.status().held = n;
+                    let mut st = ep.status();
+                    st.held = n;
+                    st.connected = connected;
                 }
                 Ok((Note::Ready { resumed }, _)) => {
                     ready = true;

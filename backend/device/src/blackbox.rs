@@ -79,23 +79,49 @@ pub struct RecordSpec {
     pub name: String,
     /// Largest publish in bytes.
     pub capacity: usize,
+    /// A raw [`Area`] rather than a double-buffered [`Record`].
+    pub area: bool,
 }
 
 impl RecordSpec {
-    /// A spec.
+    /// A double-buffered record.
     pub fn new(name: impl Into<String>, capacity: usize) -> Self {
         Self {
             name: name.into(),
             capacity,
+            area: false,
+        }
+    }
+
+    /// A raw area of `capacity` bytes (see [`Area`]).
+    pub fn area(name: impl Into<String>, capacity: usize) -> Self {
+        Self {
+            name: name.into(),
+            capacity,
+            area: true,
         }
     }
 }
+
+/// Bit of a directory entry's capacity that marks an area.
+const AREA_FLAG: u64 = 1 << 63;
 
 #[derive(Debug, Clone)]
 struct Entry {
     name: String,
     offset: usize,
     capacity: usize,
+    area: bool,
+}
+
+impl Entry {
+    fn size(&self) -> usize {
+        if self.area {
+            self.capacity.next_multiple_of(8)
+        } else {
+            record_size(self.capacity)
+        }
+    }
 }
 
 /// A black box: a sealed memfd with named records. See the [module](self) documentation.
@@ -141,12 +167,14 @@ impl BlackBox {
                     r.name, r.capacity
                 )));
             }
-            entries.push(Entry {
+            let e = Entry {
                 name: r.name.clone(),
                 offset,
                 capacity: r.capacity,
-            });
-            offset = (offset + record_size(r.capacity)).next_multiple_of(64);
+                area: r.area,
+            };
+            offset = (offset + e.size()).next_multiple_of(64);
+            entries.push(e);
         }
         let size = offset.next_multiple_of(4096);
         let file = memfd::MemfdOptions::default()
@@ -178,7 +206,8 @@ impl BlackBox {
             name[..e.name.len()].copy_from_slice(e.name.as_bytes());
             w(header.write_slice(&name, at).map(|_| ()))?;
             w(header.write_obj(e.offset as u64, at + NAME_LEN))?;
-            w(header.write_obj(e.capacity as u64, at + NAME_LEN + 8))?;
+            let cap = e.capacity as u64 | if e.area { AREA_FLAG } else { 0 };
+            w(header.write_obj(cap, at + NAME_LEN + 8))?;
         }
         Ok(Arc::new(BlackBox { file, map, entries }))
     }
@@ -228,29 +257,31 @@ impl BlackBox {
                 .to_owned();
             let offset: u64 = header.read_obj(at + NAME_LEN).map_err(r)?;
             let capacity: u64 = header.read_obj(at + NAME_LEN + 8).map_err(r)?;
+            let area = capacity & AREA_FLAG != 0;
+            let capacity = capacity & !AREA_FLAG;
             let (Ok(offset), Ok(capacity)) = (usize::try_from(offset), usize::try_from(capacity))
             else {
                 return Err(BlackBoxError::Format(format!(
                     "record `{name}` out of range"
                 )));
             };
+            let entry = Entry {
+                name: name.clone(),
+                offset,
+                capacity,
+                area,
+            };
             let fits = capacity <= MAX_CAPACITY
                 && offset >= end
                 && offset.is_multiple_of(8)
-                && offset
-                    .checked_add(record_size(capacity))
-                    .is_some_and(|e| e <= size);
+                && offset.checked_add(entry.size()).is_some_and(|e| e <= size);
             if !fits || entries.iter().any(|e| e.name == name) {
                 return Err(BlackBoxError::Format(format!(
                     "record `{name}` at {offset:#x} (capacity {capacity}) does not fit or repeats"
                 )));
             }
-            end = offset + record_size(capacity);
-            entries.push(Entry {
-                name,
-                offset,
-                capacity,
-            });
+            end = offset + entry.size();
+            entries.push(entry);
         }
         Ok(Arc::new(BlackBox { file, map, entries }))
     }
@@ -264,7 +295,11 @@ impl BlackBox {
     pub fn layout(&self) -> Vec<RecordSpec> {
         self.entries
             .iter()
-            .map(|e| RecordSpec::new(e.name.clone(), e.capacity))
+            .map(|e| RecordSpec {
+                name: e.name.clone(),
+                capacity: e.capacity,
+                area: e.area,
+            })
             .collect()
     }
 
@@ -274,11 +309,25 @@ impl BlackBox {
         let e = self
             .entries
             .iter()
-            .find(|e| e.name == name)
+            .find(|e| e.name == name && !e.area)
             .ok_or_else(|| BlackBoxError::NoRecord(name.to_owned()))?;
         Ok(Record {
             bb: self.clone(),
             name: e.name.clone(),
+            offset: e.offset,
+            capacity: e.capacity,
+        })
+    }
+
+    /// The raw area `name` (see [`Area`]).
+    pub fn area(self: &Arc<Self>, name: &str) -> Result<Area, BlackBoxError> {
+        let e = self
+            .entries
+            .iter()
+            .find(|e| e.name == name && e.area)
+            .ok_or_else(|| BlackBoxError::NoRecord(name.to_owned()))?;
+        Ok(Area {
+            bb: self.clone(),
             offset: e.offset,
             capacity: e.capacity,
         })
@@ -292,6 +341,65 @@ impl BlackBox {
 fn map_file(file: &File, size: usize) -> Result<MmapRegion<()>, BlackBoxError> {
     let fo = FileOffset::new(file.try_clone().map_err(BlackBoxError::Io)?, 0);
     MmapRegion::<()>::from_file(fo, size).map_err(|e| BlackBoxError::Map(e.to_string()))
+}
+
+/// A raw byte range of the black box file, for data that is read through the file rather than
+/// the mapping: the server writes each reply into its reply area and sends it with
+/// `sendfile` from the black box's file position, which the kernel advances as the bytes go
+/// out (a counter that survives the process, shared with every descriptor of the file).
+#[derive(Debug)]
+pub struct Area {
+    bb: Arc<BlackBox>,
+    offset: usize,
+    capacity: usize,
+}
+
+impl Area {
+    /// Offset of the area in the black box file.
+    pub fn file_offset(&self) -> u64 {
+        self.offset as u64
+    }
+
+    /// Length in bytes.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Copies `bytes` to `at` (from the start of the area).
+    pub fn write_at(&self, at: usize, bytes: &[u8]) -> Result<(), BlackBoxError> {
+        let end = at.checked_add(bytes.len()).filter(|&e| e <= self.capacity);
+        if end.is_none() {
+            return Err(BlackBoxError::TooLarge {
+                name: "area".into(),
+                len: at.saturating_add(bytes.len()),
+                capacity: self.capacity,
+            });
+        }
+        self.bb
+            .slice()
+            .write_slice(bytes, self.offset + at)
+            .map_err(|e| BlackBoxError::Map(e.to_string()))
+    }
+
+    /// Reads `buf.len()` bytes at `at`.
+    pub fn read_at(&self, at: usize, buf: &mut [u8]) -> Result<(), BlackBoxError> {
+        if at.checked_add(buf.len()).is_none_or(|e| e > self.capacity) {
+            return Err(BlackBoxError::TooLarge {
+                name: "area".into(),
+                len: at.saturating_add(buf.len()),
+                capacity: self.capacity,
+            });
+        }
+        self.bb
+            .slice()
+            .read_slice(buf, self.offset + at)
+            .map_err(|e| BlackBoxError::Map(e.to_string()))
+    }
+
+    /// The black box file (its position is what `sendfile` without an offset uses).
+    pub fn file(&self) -> &File {
+        &self.bb.file
+    }
 }
 
 /// One named, double-buffered record of a [`BlackBox`].

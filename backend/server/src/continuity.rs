@@ -42,7 +42,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use switchyard_device::blackbox::{BlackBox, BlackBoxError, Record, RecordSpec};
+use switchyard_device::blackbox::{Area, BlackBox, BlackBoxError, Record, RecordSpec};
 use switchyard_device::dma::MappingInfo;
 use switchyard_device::ratelimit::LogLimiter;
 use switchyard_proto::ServerLimits;
@@ -55,6 +55,8 @@ pub const RX_RECORD: &str = "server.rx";
 pub const TABLES_RECORD: &str = "server.tables";
 /// See [`RX_RECORD`].
 pub const SESSION_RECORD: &str = "server.session";
+/// The area replies are sent from (see [`Continuity::prepare_reply`]).
+pub const REPLIES_AREA: &str = "server.replies";
 
 /// Custody ids below this are the supervisor's to assign (the connection, memory objects);
 /// the server numbers message descriptors from here.
@@ -107,6 +109,8 @@ pub struct Resumed {
     pub vectors: BTreeMap<(u32, u32), u64>,
     /// The receive journal ([`Framer::resume`]); empty if nothing was in flight.
     pub rx: Vec<u8>,
+    /// The last reply sent through the reply area: `(offset in the area, length)`.
+    pub pending_reply: Option<(u64, u64)>,
     /// Every custody id the records refer to.
     pub referenced: Vec<u64>,
     /// The next custody id to assign.
@@ -117,6 +121,10 @@ pub struct Resumed {
 struct Inner {
     custody: Box<dyn Custody>,
     rx: Record,
+    /// Where replies are written and sent from, and the reply being sent: `(offset in the
+    /// area, length)`, recorded with the receive journal.
+    replies: Area,
+    pending_reply: Option<(u64, u64)>,
     tables: Record,
     session: Record,
     next_id: u64,
@@ -144,6 +152,7 @@ impl Continuity {
                 64 + limits.max_dma_maps.min(1 << 16) as usize * 42 + 2048 * 16,
             ),
             RecordSpec::new(SESSION_RECORD, MAX_VERSION_DATA + 64),
+            RecordSpec::area(REPLIES_AREA, 2 * max_msg as usize + 4096),
         ]
     }
 
@@ -167,7 +176,14 @@ impl Continuity {
         let mut resumed = Resumed::default();
         let corrupt = |what: &str| BlackBoxError::Corrupt(what.to_owned());
         let rx = bb.record(RX_RECORD)?.read()?.unwrap_or_default();
-        resumed.rx = rx;
+        if rx.len() >= 16 {
+            let at = u64::from_le_bytes(rx[..8].try_into().unwrap_or_default());
+            let len = u64::from_le_bytes(rx[8..16].try_into().unwrap_or_default());
+            resumed.pending_reply = (at != u64::MAX).then_some((at, len));
+            resumed.rx = rx[16..].to_vec();
+        } else if !rx.is_empty() {
+            return Err(corrupt(RX_RECORD));
+        }
         if let Some(t) = bb.record(TABLES_RECORD)?.read()? {
             let (w, v, next) = decode_tables(&t).ok_or_else(|| corrupt(TABLES_RECORD))?;
             resumed.windows = w;
@@ -202,6 +218,8 @@ impl Continuity {
             inner: Mutex::new(Inner {
                 custody,
                 rx: bb.record(RX_RECORD)?,
+                replies: bb.area(REPLIES_AREA)?,
+                pending_reply: None,
                 tables: bb.record(TABLES_RECORD)?,
                 session: bb.record(SESSION_RECORD)?,
                 next_id,
@@ -246,10 +264,130 @@ impl Continuity {
         let mut g = self.lock();
         let mut buf = std::mem::take(&mut g.scratch);
         framer.journal(&mut buf);
-        if let Err(e) = g.rx.publish(&buf) {
+        let (at, len) = g.pending_reply.unwrap_or((u64::MAX, 0));
+        let mut head = [0u8; 16];
+        head[..8].copy_from_slice(&at.to_le_bytes());
+        head[8..].copy_from_slice(&len.to_le_bytes());
+        if let Err(e) = g.rx.publish_parts(&[&head, &buf]) {
             g.degraded("cannot publish the receive journal", &e);
         }
         g.scratch = buf;
+    }
+
+    /// Writes `reply` into the reply area at the black box file's position (moving the
+    /// position back to the start of the area first if the reply would not fit), and records
+    /// it as the reply being sent: the next [`Continuity::publish_rx`] (the one that takes its
+    /// request out of the journal) carries it. Then [`Continuity::send_reply`] sends it with
+    /// `sendfile`, which advances the file position as bytes leave. A replacement compares
+    /// the position with the recorded reply and sends exactly what had not left
+    /// ([`Continuity::resend_unsent`]): no reply is lost or sent twice, whenever the kill
+    /// lands. Returns `false` (nothing recorded) if the reply does not fit the area.
+    pub(crate) fn prepare_reply(&self, framer: &Framer, reply: &[u8]) -> bool {
+        let mut g = self.lock();
+        let area_off = g.replies.file_offset();
+        let cap = g.replies.capacity() as u64;
+        if reply.len() as u64 > cap / 2 {
+            return false;
+        }
+        let pos = match rustix::fs::seek(g.replies.file(), rustix::fs::SeekFrom::Current(0)) {
+            Ok(p) => p,
+            Err(e) => {
+                g.degraded("cannot read the reply area's position", &e);
+                return false;
+            }
+        };
+        let mut at = pos
+            .checked_sub(area_off)
+            .filter(|a| *a <= cap)
+            .unwrap_or(cap);
+        if at + reply.len() as u64 > cap {
+            // Back to the start of the area. The reply before was sent (its `sendfile`
+            // returned): the journal stops naming it first, so that a kill between the two
+            // steps cannot make a replacement take the rewound position for an unsent reply.
+            g.pending_reply = None;
+            let mut buf = std::mem::take(&mut g.scratch);
+            framer.journal(&mut buf);
+            let head = [0xffu8; 8];
+            let publish = g.rx.publish_parts(&[&head, &[0u8; 8], &buf]);
+            g.scratch = buf;
+            if let Err(e) = publish {
+                g.degraded("cannot publish the receive journal", &e);
+                return false;
+            }
+            if let Err(e) =
+                rustix::fs::seek(g.replies.file(), rustix::fs::SeekFrom::Start(area_off))
+            {
+                g.degraded("cannot rewind the reply area", &e);
+                return false;
+            }
+            at = 0;
+        }
+        if let Err(e) = g.replies.write_at(at as usize, reply) {
+            g.degraded("cannot write the reply area", &e);
+            return false;
+        }
+        g.pending_reply = Some((at, reply.len() as u64));
+        true
+    }
+
+    /// Sends the prepared reply to `sock` from the reply area (`sendfile` at the file's
+    /// position), all of it (a socket send timeout bounds each wait).
+    pub(crate) fn send_reply(&self, sock: &std::os::unix::net::UnixStream) -> io::Result<()> {
+        let g = self.lock();
+        let Some((_, len)) = g.pending_reply else {
+            return Err(io::Error::other("no prepared reply"));
+        };
+        let file = g.replies.file();
+        let mut left = len as usize;
+        while left > 0 {
+            match rustix::fs::sendfile(sock, file, None, left) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => left -= n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// In a replacement: sends what of the last reply had not left when the process died
+    /// (the file position says how much had). Returns the bytes sent.
+    pub fn resend_unsent(
+        &self,
+        resumed: &Resumed,
+        sock: &std::os::unix::net::UnixStream,
+    ) -> io::Result<u64> {
+        let Some((at, len)) = resumed.pending_reply else {
+            return Ok(0);
+        };
+        let mut g = self.lock();
+        g.pending_reply = resumed.pending_reply;
+        let area_off = g.replies.file_offset();
+        let pos = rustix::fs::seek(g.replies.file(), rustix::fs::SeekFrom::Current(0))?;
+        let start = area_off + at;
+        let end = start + len;
+        if pos >= end {
+            return Ok(0);
+        }
+        if pos < start {
+            return Err(io::Error::other(format!(
+                "reply area position {pos} before the reply being sent ({start})"
+            )));
+        }
+        drop(g);
+        let unsent = end - pos;
+        let g = self.lock();
+        let file = g.replies.file();
+        let mut left = unsent as usize;
+        while left > 0 {
+            match rustix::fs::sendfile(sock, file, None, left) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => left -= n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(unsent)
     }
 
     /// The client negotiated with this VERSION request.
@@ -361,6 +499,7 @@ impl Continuity {
         g.vectors.clear();
         g.publish_tables();
         g.publish_session(None);
+        g.pending_reply = None;
         if let Err(e) = g.rx.publish(&[]) {
             g.degraded("cannot clear the receive journal", &e);
         }

@@ -35,8 +35,23 @@ fn send(
         timeout: server.config.send_timeout,
         abort: Some(server.stop.abort_fd()),
     };
+    if tracing::enabled!(tracing::Level::TRACE)
+        && let Ok(h) = switchyard_proto::Header::from_bytes(out.get(..16).unwrap_or(&[]))
+    {
+        tracing::trace!(msg_id = h.msg_id, cmd = h.cmd, "reply");
+    }
+    // With crash continuity, a reply without descriptors goes out of the black box's reply
+    // area with `sendfile`, whose file position records exactly what left
+    // (`Continuity::prepare_reply`).
+    let through_area = match conn.continuity() {
+        Some(c) if fds.is_empty() => c.prepare_reply(conn.framer(), out).then(|| c.clone()),
+        _ => None,
+    };
     conn.done();
-    let r = send_bounded(writer, out, &fds, limit);
+    let r = match through_area {
+        Some(c) => c.send_reply(writer),
+        None => send_bounded(writer, out, &fds, limit),
+    };
     drop(fds);
     d.sent();
     r
@@ -75,6 +90,15 @@ pub(crate) fn serve_connection(
         }
     };
     conn.set_continuity(server.continuity.clone());
+    if server.continuity.is_some()
+        && let Err(e) = rustix::net::sockopt::set_socket_timeout(
+            &*writer,
+            rustix::net::sockopt::Timeout::Send,
+            Some(server.config.send_timeout),
+        )
+    {
+        tracing::warn!(error = %e, "cannot bound reply sends (SO_SNDTIMEO)");
+    }
     let result = loop {
         let outcome = match conn.recv() {
             Ok(msg) => d.handle(&server.slot, msg),

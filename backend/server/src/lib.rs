@@ -320,10 +320,29 @@ impl Server {
         };
         // A read the killed process peeked but had not consumed (see `settle_peeked`).
         match transport::Connection::settle_peeked(&stream, framer.unconsumed()) {
-            Ok(0) => {}
+            Ok(0) => tracing::debug!("nothing peeked and unconsumed"),
             Ok(n) => tracing::info!(bytes = n, "consumed what the replaced process had peeked"),
             Err(e) => tracing::warn!(error = %e, "cannot settle the socket's peek offset"),
         }
+        // The reply the killed process was sending: whatever of it had not left goes first.
+        if let Some(c) = &self.continuity {
+            match c.resend_unsent(resumed, &stream) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    bytes = n,
+                    "sent the rest of the replaced process's last reply"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot finish the replaced process's last reply")
+                }
+            }
+        }
+        tracing::debug!(
+            unconsumed = framer.unconsumed(),
+            partial = framer.partial(),
+            messages = ?framer.buffered_ids(),
+            "receive journal"
+        );
         framer.set_unconsumed(0);
         if let Some(c) = &self.continuity {
             let leftover: Vec<u64> = fds

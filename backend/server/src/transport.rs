@@ -374,6 +374,26 @@ impl Framer {
         Ok(f)
     }
 
+    /// Message ids and commands of the complete messages buffered (for logs).
+    pub fn buffered_ids(&self) -> Vec<(u16, u16)> {
+        let mut out = Vec::new();
+        let mut at = self.start;
+        while let Some(h) = self.buf.get(at..at + HEADER_SIZE) {
+            let Ok(header) = Header::from_bytes(h) else {
+                break;
+            };
+            let Ok(len) = header.body_len_within(self.max_msg_size) else {
+                break;
+            };
+            if at + HEADER_SIZE + len > self.end {
+                break;
+            }
+            out.push((header.msg_id, header.cmd));
+            at += HEADER_SIZE + len;
+        }
+        out
+    }
+
     /// Sets how many bytes at the end of the buffer are still in the socket (peeked, not
     /// consumed); recorded by [`Framer::journal`].
     pub fn set_unconsumed(&mut self, n: usize) {
@@ -525,6 +545,16 @@ impl Connection {
             }
         }
         Ok(total - left)
+    }
+
+    /// The crash continuity this connection publishes into, if any.
+    pub(crate) fn continuity(&self) -> Option<&Arc<Continuity>> {
+        self.continuity.as_ref()
+    }
+
+    /// The framer (for the continuity's journal).
+    pub(crate) fn framer(&self) -> &Framer {
+        &self.framer
     }
 
     /// The message last received has been answered: it leaves the journal.
