@@ -36,6 +36,11 @@ pub struct Stats {
     pub fence_irq_waits: u64,
     /// FENCEs submitted without an interrupt.
     pub silent_fences: u64,
+    /// Commands the device reported `ERR_INTERRUPTED` for (it was restarted under them).
+    pub interrupted: u64,
+    /// Interrupting fences of step attempts given up after an interruption: they ran, but
+    /// nobody waited for them.
+    pub abandoned_fence_waits: u64,
 }
 
 /// A queue that stopped on an error, as its registers describe it.
@@ -519,7 +524,11 @@ impl Gpu {
         Ok(v >= seq)
     }
 
-    fn fault(&self, q: u32, ev: Event) -> QueueFault {
+    fn fault(&mut self, q: u32, ev: Event) -> QueueFault {
+        let code = self.qr32(q, Q_ERROR_CODE);
+        if code == ERR_INTERRUPTED {
+            self.stats.interrupted += 1;
+        }
         QueueFault {
             queue: q,
             status: self.qr32(q, Q_STATUS),
@@ -603,6 +612,46 @@ impl Gpu {
     pub fn run(&mut self, q: u32, cmds: &[Cmd]) -> Result<(), String> {
         let seq = self.submit_batch(q, cmds)?;
         self.wait_fence(q, seq)
+    }
+
+    /// After a command was interrupted by a device restart: every queue in the error state is
+    /// recovered (the interrupted command skipped) and every queue runs dry, so that nothing
+    /// submitted before still writes memory when the work is submitted again.
+    pub fn settle(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + self.timeout;
+        for q in 0..self.nq {
+            loop {
+                match self.qr32(q, Q_STATUS) {
+                    Q_STATUS_ERROR => {
+                        let code = self.qr32(q, Q_ERROR_CODE);
+                        if code != ERR_INTERRUPTED {
+                            return Err(format!(
+                                "queue {q} stopped on {} while settling",
+                                error_name(code)
+                            ));
+                        }
+                        self.recover(q);
+                    }
+                    Q_STATUS_IDLE => break,
+                    st => {
+                        if Instant::now() >= deadline {
+                            return Err(format!(
+                                "queue {q} still {} after {} s",
+                                status_name(st),
+                                self.timeout.as_secs()
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                }
+            }
+            // Everything submitted ran: its fences are done.
+            let tail = self.queues[q as usize].tail;
+            let queue = &mut self.queues[q as usize];
+            queue.outstanding.clear();
+            queue.done_upto = tail;
+        }
+        Ok(())
     }
 
     /// Leaves the error state: acknowledge, `RECOVER | ENABLE` (skips the faulting command).

@@ -251,6 +251,7 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     sum.bytes_moved = gpu.stats.bytes_moved;
     sum.fences = gpu.stats.fences;
     sum.fence_irq_waits = gpu.stats.fence_irq_waits;
+    sum.interrupted_by_restart = gpu.stats.interrupted;
     sum.interrupts = Interrupts {
         per_vector: gpu.irqs.counts().to_vec(),
         total: gpu.irqs.total(),

@@ -156,6 +156,9 @@ pub const Q_STATUS_PAUSED: u32 = 4;
 
 /// Error: guest range not (fully) mapped.
 pub const ERR_DMA_UNMAPPED: u32 = 3;
+/// Error: the device was restarted while the command ran (its outputs are undefined; the
+/// commands before it completed, none after it ran).
+pub const ERR_INTERRUPTED: u32 = 10;
 
 /// Human name of a queue status.
 pub fn status_name(s: u32) -> &'static str {
@@ -182,6 +185,7 @@ pub fn error_name(code: u32) -> &'static str {
         7 => "RING_FETCH",
         8 => "BAD_DOORBELL",
         9 => "BAD_RING",
+        10 => "INTERRUPTED",
         _ => "?",
     }
 }
@@ -258,6 +262,7 @@ mod tests {
         assert_eq!(Q_STATUS_ERROR, dev::Q_STATUS_ERROR);
         assert_eq!(Q_STATUS_PAUSED, dev::Q_STATUS_PAUSED);
         assert_eq!(ERR_DMA_UNMAPPED, dev::ERR_DMA_UNMAPPED);
+        assert_eq!(ERR_INTERRUPTED, dev::ERR_INTERRUPTED);
         // Every error code the device defines has its own name here, and nothing else does.
         let codes = [
             (dev::ERR_NONE, "NONE"),
@@ -270,6 +275,7 @@ mod tests {
             (dev::ERR_RING_FETCH, "RING_FETCH"),
             (dev::ERR_BAD_DOORBELL, "BAD_DOORBELL"),
             (dev::ERR_BAD_RING, "BAD_RING"),
+            (dev::ERR_INTERRUPTED, "INTERRUPTED"),
         ];
         for (code, name) in codes {
             assert_eq!(error_name(code), name, "error code {code}");

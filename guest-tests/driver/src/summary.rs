@@ -51,6 +51,9 @@ pub struct Summary {
     pub fences: u64,
     /// Fence waits that ended with their interrupt (and the fence value in memory).
     pub fence_irq_waits: u64,
+    /// Commands the device reported `ERR_INTERRUPTED` for (restarted under them); each
+    /// interrupted step ran again.
+    pub interrupted_by_restart: u64,
     /// Interrupts per vector.
     pub interrupts: Interrupts,
     /// Bad-DMA error test passed.
@@ -80,6 +83,7 @@ impl Summary {
             bytes_moved: 0,
             fences: 0,
             fence_irq_waits: 0,
+            interrupted_by_restart: 0,
             interrupts: Interrupts {
                 per_vector: vec![0; 16],
                 total: 0,
@@ -225,7 +229,7 @@ mod tests {
             line,
             "SYGPU-SUMMARY {\"result\":\"pass\",\"reason\":null,\"mode\":\"quick\",\
              \"bdf\":\"0000:00:04.0\",\"iommu_group\":3,\"queues\":2,\"vram_bytes\":67108864,\
-             \"irq_mode\":\"msix\",\"jobs_run\":5,\"jobs_verified\":5,\"bytes_moved\":1234,\"fences\":9,\"fence_irq_waits\":8,\
+             \"irq_mode\":\"msix\",\"jobs_run\":5,\"jobs_verified\":5,\"bytes_moved\":1234,\"fences\":9,\"fence_irq_waits\":8,\"interrupted_by_restart\":0,\
              \"interrupts\":{\"per_vector\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],\"total\":16},\
              \"error_test_ok\":true,\"vram_mmap_ok\":true,\
              \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"duration_ms\":42}"

@@ -727,12 +727,15 @@ fn step_final(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
         format!("FENCE_COUNT {fc}, driver submitted {}", g.stats.fences)
     })?;
     let irq_fences = g.stats.fences - g.stats.silent_fences;
-    ensure(g.stats.fence_irq_waits == irq_fences, || {
-        format!(
-            "{} fence waits ended by interrupt, {irq_fences} interrupting fences submitted",
-            g.stats.fence_irq_waits
-        )
-    })?;
+    ensure(
+        g.stats.fence_irq_waits + g.stats.abandoned_fence_waits == irq_fences,
+        || {
+            format!(
+                "{} fence waits ended by interrupt (+{} abandoned after device restarts), {irq_fences} interrupting fences submitted",
+                g.stats.fence_irq_waits, g.stats.abandoned_fence_waits
+            )
+        },
+    )?;
     for q in 0..g.nq {
         let st = g.qr32(q, Q_STATUS);
         let (head, tail) = (g.qr32(q, Q_HEAD), g.qr32(q, Q_TAIL));
@@ -759,6 +762,9 @@ fn step_final(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
     ))
 }
 
+/// How many times a step runs again after a device restart interrupted one of its commands.
+const MAX_STEP_RETRIES: u32 = 8;
+
 /// Runs every step, stopping at the first failure.
 pub fn run(g: &mut Gpu, sizes: &Sizes) -> Outcome {
     let mut out = Outcome::default();
@@ -784,12 +790,39 @@ pub fn run(g: &mut Gpu, sizes: &Sizes) -> Outcome {
     let mut vram_step_ok = false;
     for (name, mut f) in steps {
         let t = Instant::now();
-        let mark = g.dma_mark();
-        let res = match catch_unwind(AssertUnwindSafe(|| f(g))) {
-            Ok(r) => r,
-            Err(p) => Err(format!("panic: {}", crate::panic_message(p.as_ref()))),
+        let mut attempts = 0;
+        let res = loop {
+            let mark = g.dma_mark();
+            let interrupted = g.stats.interrupted;
+            let irq_fences = g.stats.fences - g.stats.silent_fences;
+            let irq_waits = g.stats.fence_irq_waits;
+            let res = match catch_unwind(AssertUnwindSafe(|| f(g))) {
+                Ok(r) => r,
+                Err(p) => Err(format!("panic: {}", crate::panic_message(p.as_ref()))),
+            };
+            // A device restart under a command (ERR_INTERRUPTED, as a pool daemon's restart of
+            // the process serving the device can cause): settle the queues and run the step
+            // again from its inputs, as a GPU runtime replays work after a device reset.
+            let cut = g.stats.interrupted > interrupted;
+            if res.is_err() && cut && attempts < MAX_STEP_RETRIES {
+                attempts += 1;
+                say!(
+                    "step {name}: interrupted by a device restart ({}); running it again",
+                    res.as_ref().err().map_or("", String::as_str)
+                );
+                let settled = g.settle();
+                g.stats.abandoned_fence_waits +=
+                    (g.stats.fences - g.stats.silent_fences - irq_fences)
+                        - (g.stats.fence_irq_waits - irq_waits);
+                g.dma_release(mark);
+                if let Err(e) = settled {
+                    break Err(format!("after a device restart: {e}"));
+                }
+                continue;
+            }
+            g.dma_release(mark);
+            break res;
         };
-        g.dma_release(mark);
         let ms = t.elapsed().as_millis() as u64;
         let ok = res.is_ok();
         match res {
