@@ -12,6 +12,8 @@
 //! | `switchyard_board_moves_total` | counter | `board` |
 //! | `switchyard_board_last_move_downtime_seconds` | gauge | `board` |
 //! | `switchyard_endpoint_restarts_total` | counter | (data-path process restarts) |
+//! | `switchyard_endpoint_worker_restarts_total` | counter | `endpoint` |
+//! | `switchyard_endpoint_last_restart_seconds` | gauge | `endpoint` (death of a worker to its replacement serving) |
 //! | `switchyard_upgrades_total` | counter | |
 //!
 //! Recording goes through handles ([`EndpointMetrics`], [`BoardMetrics`]) that a hot path
@@ -104,6 +106,8 @@ struct Families {
     errors: Family<BoardLabel, Counter>,
     moves: Family<BoardLabel, Counter>,
     downtime: Family<BoardLabel, F64Gauge>,
+    endpoint_restarts: Family<EndpointLabel, Counter>,
+    last_restart: Family<EndpointLabel, F64Gauge>,
     restarts: Counter,
     upgrades: Counter,
 }
@@ -147,6 +151,8 @@ impl Metrics {
             errors: Family::default(),
             moves: Family::default(),
             downtime: Family::default(),
+            endpoint_restarts: Family::default(),
+            last_restart: Family::default(),
             restarts: Counter::default(),
             upgrades: Counter::default(),
         };
@@ -189,6 +195,16 @@ impl Metrics {
             f.restarts.clone(),
         );
         registry.register(
+            "endpoint_worker_restarts",
+            "Data-path processes restarted under an endpoint (crashes, kills, upgrades)",
+            f.endpoint_restarts.clone(),
+        );
+        registry.register(
+            "endpoint_last_restart_seconds",
+            "From the death of an endpoint's data-path process to its replacement serving",
+            f.last_restart.clone(),
+        );
+        registry.register(
             "upgrades",
             "Binary upgrades under running endpoints",
             f.upgrades.clone(),
@@ -207,12 +223,15 @@ impl Metrics {
     /// it allocates nothing.
     pub fn endpoint(&self, id: &str) -> EndpointMetrics {
         let f = &self.inner.families;
+        let label = EndpointLabel {
+            endpoint: id.to_owned(),
+        };
         get_or_insert(&self.inner.endpoints, id, || EndpointMetrics {
             inner: Arc::new(EndpointInner {
                 id: id.to_owned(),
-                latency: f.latency.get_or_create_owned(&EndpointLabel {
-                    endpoint: id.to_owned(),
-                }),
+                latency: f.latency.get_or_create_owned(&label),
+                restarts: f.endpoint_restarts.get_or_create_owned(&label),
+                last_restart: f.last_restart.get_or_create_owned(&label),
                 messages: f.messages.clone(),
                 by_command: std::array::from_fn(|_| OnceLock::new()),
             }),
@@ -244,9 +263,12 @@ impl Metrics {
             return false;
         };
         let f = &self.inner.families;
-        f.latency.remove(&EndpointLabel {
+        let label = EndpointLabel {
             endpoint: id.to_owned(),
-        });
+        };
+        f.latency.remove(&label);
+        f.endpoint_restarts.remove(&label);
+        f.last_restart.remove(&label);
         for command in Command::ALL {
             if m.inner.by_command[command_index(command)].get().is_some() {
                 f.messages.remove(&CommandLabels {
@@ -323,6 +345,8 @@ fn command_index(command: Command) -> usize {
 struct EndpointInner {
     id: String,
     latency: Histogram,
+    restarts: Counter,
+    last_restart: F64Gauge,
     messages: Family<CommandLabels, Counter>,
     by_command: [OnceLock<Counter>; Command::ALL.len()],
 }
@@ -352,6 +376,16 @@ impl EndpointMetrics {
     /// data-path process that keeps its own timings).
     pub fn count(&self, command: Command, n: u64) {
         self.counter(command).inc_by(n);
+    }
+
+    /// Records a data-path process of this endpoint replaced, and the stall (from its death
+    /// to the replacement serving) when known. Does not count the daemon-wide
+    /// `switchyard_endpoint_restarts_total` ([`Metrics::endpoint_restarted`]).
+    pub fn restarted(&self, stall: Option<Duration>) {
+        self.inner.restarts.inc();
+        if let Some(stall) = stall {
+            self.inner.last_restart.set(stall.as_secs_f64());
+        }
     }
 
     fn counter(&self, command: Command) -> &Counter {

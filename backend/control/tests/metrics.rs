@@ -28,6 +28,8 @@ fn families_and_labels_after_observations() {
     board.moved(Duration::from_millis(2));
     board.moved(Duration::from_micros(750));
     metrics.endpoint_restarted();
+    ep.restarted(Some(Duration::from_millis(40)));
+    ep.restarted(None);
     metrics.upgraded();
     metrics.upgraded();
     let text = metrics.encode();
@@ -47,6 +49,8 @@ fn families_and_labels_after_observations() {
         r#"switchyard_board_moves_total{board="b0"} 2"#,
         r#"switchyard_board_last_move_downtime_seconds{board="b0"} 0.00075"#,
         "switchyard_endpoint_restarts_total 1",
+        r#"switchyard_endpoint_worker_restarts_total{endpoint="ep-a"} 2"#,
+        r#"switchyard_endpoint_last_restart_seconds{endpoint="ep-a"} 0.04"#,
         "switchyard_upgrades_total 2",
         "# EOF",
     ] {

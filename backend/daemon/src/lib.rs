@@ -6,6 +6,8 @@
 //!   black box); a dead worker is replaced and resumes the connection.
 //! - [`worker`]: `switchyard worker`, the process that serves one endpoint.
 //! - [`custody`]: the channel between them.
+//! - [`app`]: `switchyard daemon`, the pool daemon around them: the pool's store, a worker per
+//!   leased endpoint, the control API.
 //!
 //! What survives what, and the limits, are in ARCHITECTURE.md ("What survives which
 //! failure").
@@ -13,6 +15,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod app;
 pub mod custody;
 pub mod supervisor;
 pub mod worker;

@@ -285,6 +285,32 @@ impl Supervisor {
     pub fn list(&self) -> Vec<String> {
         self.endpoints().keys().cloned().collect()
     }
+
+    /// Stops supervising every endpoint **without** killing its worker, for a daemon that
+    /// exits while guests keep their devices: each worker keeps serving its connection (its
+    /// custody notes fail from then on, and it runs without a supervisor: a crash of it is
+    /// no longer repaired), the socket files stay in place, and a worker that dies after this
+    /// is not replaced. Returns each endpoint with the pid of its worker at that moment.
+    ///
+    /// The endpoints' descriptors and supervision threads are left to the end of the process
+    /// (they are not closed here, so that no socket file is removed): call this just before
+    /// exiting. A supervisor dropped afterwards has nothing left to kill.
+    pub fn release_all(&self) -> Vec<(String, Option<u32>)> {
+        let released = std::mem::take(&mut *self.endpoints());
+        let mut out = Vec::with_capacity(released.len());
+        for (id, ep) in released {
+            let pid = {
+                let st = ep.status();
+                ep.stopping.store(true, Ordering::SeqCst);
+                st.pid
+            };
+            out.push((id, pid));
+            // Dropping the last reference would close the listening socket and remove its
+            // file; the process ends soon and releases everything then.
+            std::mem::forget(ep);
+        }
+        out
+    }
 }
 
 impl Drop for Supervisor {

@@ -2,6 +2,8 @@
 //!
 //! ```text
 //! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2]] [--swap-every-ms N]
+//! switchyard daemon [--config FILE] [--state-dir DIR] [--run-dir DIR]
+//! switchyard ctl [--socket PATH] [--json] COMMAND
 //! ```
 //!
 //! Logs go to stderr (`RUST_LOG` honoured, default `info`). SIGTERM / SIGINT / SIGHUP finish the
@@ -9,6 +11,8 @@
 //! print a one-line error and exit 2; no arguments at all print the usage and exit 2.
 
 #![forbid(unsafe_code)]
+
+mod ctl;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,10 +57,40 @@ enum Command {
     #[command(after_help = AFTER_HELP)]
     Serve(ServeArgs),
 
+    /// Run the pool daemon: boards, pools and endpoints (one supervised worker per endpoint),
+    /// with its control API on a UNIX socket, until SIGTERM/SIGINT.
+    ///
+    /// Without --config the embedded default pool is used (two 64 MiB softgpu boards in pool
+    /// `default`). At SIGTERM/SIGINT the API stops and the endpoints' workers are left
+    /// running, so guests keep their devices. Exit codes: 0 after a signal, 1 runtime error,
+    /// 2 bad arguments or a bad configuration (the error names the key).
+    Daemon(DaemonArgs),
+
+    /// Control a running pool daemon (a client of its API).
+    ///
+    /// Tables by default, --json for the API's JSON. An error from the daemon prints
+    /// `error: MESSAGE` and exits 1; bad arguments exit 2.
+    Ctl(ctl::CtlArgs),
+
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the
     /// daemon with its custody channel as standard input; not for direct use.
     #[command(hide = true)]
     Worker,
+}
+
+#[derive(Debug, clap::Args)]
+struct DaemonArgs {
+    /// The pool configuration (TOML); default: the embedded default pool.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Where the store (pool.redb) lives; overrides `[daemon] state_dir` (default
+    /// /var/lib/switchyard).
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    /// Where the sockets live: DIR/control.sock and DIR/endpoints/<id>.sock; overrides
+    /// `[daemon] control_socket` and `endpoint_dir` (default /run/switchyard).
+    #[arg(long, value_name = "DIR")]
+    run_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -186,6 +220,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Worker => worker(),
+        Command::Daemon(args) => return daemon(args),
+        Command::Ctl(args) => ctl::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -275,6 +311,24 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     drop(server);
     result
+}
+
+/// `switchyard daemon`: exits 2 for a bad configuration, 1 for other errors.
+fn daemon(args: DaemonArgs) -> ExitCode {
+    raise_nofile_limit();
+    let options = switchyard_daemon::app::DaemonOptions {
+        config: args.config,
+        state_dir: args.state_dir,
+        run_dir: args.run_dir,
+    };
+    match switchyard_daemon::app::run(&options) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let code = e.exit_code();
+            eprintln!("error: {:#}", anyhow::Error::new(e));
+            ExitCode::from(code)
+        }
+    }
 }
 
 /// `switchyard worker`: serves one pool endpoint; the custody channel is standard input.

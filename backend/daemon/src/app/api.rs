@@ -1,0 +1,732 @@
+//! The daemon's control API (HTTP/JSON on the control socket; the document is
+//! `docs/control-api.json`).
+//!
+//! | route | what |
+//! |---|---|
+//! | `GET /v1/boards`, `GET /v1/boards/{id}` | boards with their devices and holders |
+//! | `POST /v1/boards/{id}/quarantine`, `.../unquarantine` | no new leases on a board / again |
+//! | `GET /v1/pools` | pools and their free capacity |
+//! | `GET /v1/endpoints`, `GET /v1/endpoints/{id}` | endpoints, their lease and their worker |
+//! | `POST /v1/endpoints` | create: lease a device, start its worker (201) |
+//! | `DELETE /v1/endpoints/{id}` | stop the worker (the VM's connection closes), delete (204) |
+//! | `POST /v1/endpoints/{id}/restart` | SIGKILL drill: the worker is replaced under the guest |
+//! | `POST /v1/endpoints/{id}/upgrade` | replace the worker with the executable now on disk |
+//! | `GET /events` | pool and worker events, NDJSON ([`super::events`]) |
+//! | `GET /metrics`, `GET /health`, `GET /openapi.json` | |
+//!
+//! Moves, drains, detach and attach are not offered yet: without the data path that moves a
+//! device between boards they would only change the store.
+//!
+//! Errors are `{"error":{"code","message"}}`: pool errors by kind (`not_found` 404,
+//! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
+//! refused request changes nothing: the pool checks a mutation on a copy before the data path
+//! acts, and the store is changed last (or the data path undone).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRef, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use switchyard_control::{
+    ApiError, ControlApi, ErrorBody, Json, Metrics, NDJSON_CONTENT_TYPE, Path, Query, Received,
+    StreamNotice,
+};
+use switchyard_pool::{
+    BoardView, DeviceView, Endpoint, EndpointSpec as PoolEndpointSpec, ErrorKind, PoolError,
+    PoolView,
+};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::routes;
+
+use super::events::{DaemonEvent, SEQ_STRIDE, ms};
+use super::{Daemon, Unsupervised};
+use crate::supervisor::{SupervisorError, WorkerStatus};
+
+/// How long a new or replaced worker may take to serve.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// Most pool events one `GET /events` reads from the store.
+const HISTORY_LIMIT: usize = 100_000;
+
+const TAG: &str = "pool";
+
+/// The router's state.
+#[derive(Debug, Clone)]
+pub struct AppState(pub Arc<Daemon>);
+
+impl FromRef<AppState> for Metrics {
+    fn from_ref(s: &AppState) -> Self {
+        s.0.metrics.clone()
+    }
+}
+
+/// The router and its OpenAPI document.
+pub fn router(daemon: Arc<Daemon>) -> (axum::Router, utoipa::openapi::OpenApi) {
+    let (router, doc) = api().build(AppState(daemon));
+    let served = doc.clone();
+    let router = router.route(
+        "/openapi.json",
+        axum::routing::get(move || {
+            let doc = served.clone();
+            async move { axum::Json(doc) }
+        }),
+    );
+    (router, doc)
+}
+
+/// The documented routes (without a state: for the document alone, see [`openapi`]).
+fn api() -> ControlApi<AppState> {
+    ControlApi::new("Switchyard pool daemon", env!("CARGO_PKG_VERSION"))
+        .description(
+            "HTTP/JSON on the daemon's UNIX socket (`switchyard ctl` is its client). Every error \
+             reply is an ErrorBody: {\"error\": {\"code\": ..., \"message\": ...}} with a 4xx or \
+             5xx status; a refused request changes nothing. GET /openapi.json serves this \
+             document. Moves, drains, detach and attach are not offered yet (no data path \
+             moves a device between boards).",
+        )
+        .health()
+        .metrics()
+        .routes(routes!(events))
+        .routes(routes!(list_boards))
+        .routes(routes!(get_board))
+        .routes(routes!(quarantine))
+        .routes(routes!(unquarantine))
+        .routes(routes!(list_pools))
+        .routes(routes!(list_endpoints, create_endpoint))
+        .routes(routes!(get_endpoint, delete_endpoint))
+        .routes(routes!(restart_endpoint))
+        .routes(routes!(upgrade_endpoint))
+}
+
+/// The API's OpenAPI document (what `docs/control-api.json` holds).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api().openapi().clone()
+}
+
+// ---- types ----
+
+/// What an endpoint's worker is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// A worker serves the socket.
+    Running,
+    /// The first worker, or a replacement, is starting.
+    Starting,
+    /// Between a worker's death and its replacement.
+    Restarting,
+    /// Workers kept dying before serving; the client was disconnected (delete the endpoint).
+    Failed,
+    /// A worker of an earlier daemon still serves the socket; this daemon does not supervise
+    /// it (re-adoption is not implemented): restart and upgrade are refused, delete kills it.
+    Orphaned,
+    /// The worker could not be started when the daemon started (see `detail`).
+    NotStarted,
+    /// The endpoint holds no device, so nothing serves it.
+    NoLease,
+}
+
+/// An endpoint's worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WorkerView {
+    /// What it is doing.
+    pub state: WorkerState,
+    /// The current worker's pid (an orphan's when it is known).
+    pub pid: Option<u32>,
+    /// Workers started after the first (crashes, restarts, upgrades) under this daemon.
+    pub restarts: u64,
+    /// Workers that reported serving.
+    pub ready: u64,
+    /// From the death of the last worker to its replacement serving, milliseconds.
+    pub last_restart_ms: Option<f64>,
+    /// Descriptors the daemon holds for the endpoint (listener, connection, DMA memory,
+    /// eventfds, VRAM, black box).
+    pub held: usize,
+    /// The supervisor gave up restarting it.
+    pub failed: bool,
+    /// Why the endpoint is not supervised, when it is not.
+    pub detail: Option<String>,
+}
+
+impl WorkerView {
+    fn supervised(st: &WorkerStatus) -> Self {
+        let state = if st.failed {
+            WorkerState::Failed
+        } else if st.pid.is_none() {
+            WorkerState::Restarting
+        } else if st.ready > st.restarts {
+            WorkerState::Running
+        } else {
+            WorkerState::Starting
+        };
+        Self {
+            state,
+            pid: st.pid,
+            restarts: st.restarts,
+            ready: st.ready,
+            last_restart_ms: st.last_restart.map(ms),
+            held: st.held,
+            failed: st.failed,
+            detail: None,
+        }
+    }
+
+    fn unsupervised(state: WorkerState, pid: Option<u32>, detail: String) -> Self {
+        Self {
+            state,
+            pid,
+            restarts: 0,
+            ready: 0,
+            last_restart_ms: None,
+            held: 0,
+            failed: false,
+            detail: Some(detail),
+        }
+    }
+}
+
+/// An endpoint with its lease and its worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct EndpointStatus {
+    /// The endpoint as the pool stores it.
+    pub endpoint: Endpoint,
+    /// The leased device.
+    pub lease: Option<DeviceView>,
+    /// Its worker.
+    pub worker: WorkerView,
+}
+
+/// The outcome of a restart or an upgrade.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WorkerReplaced {
+    /// The endpoint.
+    pub endpoint: String,
+    /// The pid of the worker replaced.
+    pub replaced_pid: u32,
+    /// The worker now (serving, unless it failed).
+    pub worker: WorkerView,
+}
+
+/// The query of `GET /events`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EventsQuery {
+    /// Send the events with a sequence number above this one first (pool events from the
+    /// store, however old; worker events this daemon still has in memory); without it, only
+    /// events from now on.
+    pub since: Option<u64>,
+    /// Keep the stream open for new events (default true); `false` ends it after the events
+    /// already there.
+    pub follow: Option<bool>,
+}
+
+// ---- errors ----
+
+/// `e` and its sources, joined with `: `.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+fn pool_error(e: PoolError) -> ApiError {
+    let (status, code) = match e.kind() {
+        ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+        ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
+        ErrorKind::Invalid => (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+        ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+    };
+    ApiError::new(status, code, error_chain(&e))
+}
+
+fn supervisor_error(e: SupervisorError) -> ApiError {
+    use switchyard_server::ServerError as S;
+    match &e {
+        SupervisorError::Exists(_) => ApiError::conflict("conflict", error_chain(&e)),
+        SupervisorError::NotFound(_) => ApiError::not_found("not_found", error_chain(&e)),
+        SupervisorError::Bind(_, S::SocketInUse(_) | S::SocketPathTaken(_)) => {
+            ApiError::conflict("socket_in_use", error_chain(&e))
+        }
+        _ => ApiError::internal(error_chain(&e)),
+    }
+}
+
+fn unknown_endpoint(id: &str) -> ApiError {
+    pool_error(PoolError::UnknownEndpoint(id.to_owned()))
+}
+
+/// Runs `f` on the blocking pool (the store commits and the supervisor waits).
+async fn blocking<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce(&Daemon) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let daemon = state.0.clone();
+    tokio::task::spawn_blocking(move || f(&daemon))
+        .await
+        .map_err(|e| ApiError::internal(format!("The request's task failed: {e}")))?
+}
+
+// ---- the daemon's operations ----
+
+impl Daemon {
+    fn worker_view(&self, endpoint: &Endpoint) -> WorkerView {
+        if let Some(u) = self.unsupervised().get(&endpoint.id) {
+            return match u {
+                Unsupervised::Orphaned { pid } => WorkerView::unsupervised(
+                    WorkerState::Orphaned,
+                    *pid,
+                    match pid {
+                        Some(pid) => format!(
+                            "Worker {pid} of an earlier daemon still serves the socket; not supervised by this daemon"
+                        ),
+                        None => "Another process serves the socket; not supervised by this daemon"
+                            .to_owned(),
+                    },
+                ),
+                Unsupervised::NotStarted { error } => {
+                    WorkerView::unsupervised(WorkerState::NotStarted, None, error.clone())
+                }
+            };
+        }
+        match self.supervisor.status(&endpoint.id) {
+            Ok(st) => WorkerView::supervised(&st),
+            Err(_) if endpoint.device.is_none() => WorkerView::unsupervised(
+                WorkerState::NoLease,
+                None,
+                "The endpoint holds no device".to_owned(),
+            ),
+            Err(e) => WorkerView::unsupervised(WorkerState::NotStarted, None, error_chain(&e)),
+        }
+    }
+
+    fn endpoint_status(&self, pool: &switchyard_pool::Pool, endpoint: &Endpoint) -> EndpointStatus {
+        EndpointStatus {
+            lease: endpoint
+                .device
+                .as_deref()
+                .and_then(|d| pool.inventory().device(d)),
+            worker: self.worker_view(endpoint),
+            endpoint: endpoint.clone(),
+        }
+    }
+
+    fn status_of(&self, id: &str) -> Result<EndpointStatus, ApiError> {
+        let pool = self.pool();
+        let endpoint = pool
+            .inventory()
+            .endpoint(id)
+            .ok_or_else(|| unknown_endpoint(id))?;
+        Ok(self.endpoint_status(&pool, endpoint))
+    }
+
+    fn create(&self, spec: PoolEndpointSpec) -> Result<EndpointStatus, ApiError> {
+        let mut pool = self.pool();
+        // Everything the pool refuses is refused before a worker starts.
+        let mut dry = pool.inventory().clone();
+        dry.create_endpoint(&spec).map_err(pool_error)?;
+        let endpoint = dry
+            .endpoint(&spec.id)
+            .ok_or_else(|| ApiError::internal("The checked endpoint is missing"))?;
+        let device = endpoint
+            .device
+            .as_deref()
+            .and_then(|d| dry.device(d))
+            .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
+        let worker = crate::EndpointSpec {
+            id: spec.id.clone(),
+            socket: endpoint.socket.clone(),
+            device: device.shape.softgpu_config(),
+        };
+        self.supervisor.create(worker).map_err(supervisor_error)?;
+        let st = self
+            .supervisor
+            .wait_ready(&spec.id, 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        if st.ready < 1 {
+            let _ = self.supervisor.delete(&spec.id);
+            self.records.remove(&spec.id);
+            return Err(ApiError::internal(format!(
+                "The worker of endpoint \"{}\" did not start serving (see the daemon's log); nothing was created",
+                spec.id
+            )));
+        }
+        match pool.create_endpoint(&spec) {
+            Ok(events) => self.events.pool(events),
+            Err(e) => {
+                let _ = self.supervisor.delete(&spec.id);
+                self.records.remove(&spec.id);
+                return Err(pool_error(e));
+            }
+        }
+        self.metrics.endpoint(&spec.id);
+        let endpoint = pool
+            .inventory()
+            .endpoint(&spec.id)
+            .ok_or_else(|| ApiError::internal("The created endpoint is missing"))?;
+        Ok(self.endpoint_status(&pool, endpoint))
+    }
+
+    fn delete(&self, id: &str) -> Result<(), ApiError> {
+        let mut pool = self.pool();
+        let mut dry = pool.inventory().clone();
+        dry.delete_endpoint(id).map_err(pool_error)?;
+        let socket = pool.inventory().endpoint(id).map(|e| e.socket.clone());
+        if let Some(Unsupervised::Orphaned { pid }) = self.unsupervised().get(id).cloned() {
+            // The orphan must stop serving the socket before the endpoint is gone.
+            let live = self.records.live(id);
+            match (pid, live) {
+                (Some(pid), Some(live)) if pid == live => kill(pid),
+                _ => {
+                    return Err(ApiError::conflict(
+                        "orphaned",
+                        format!(
+                            "Endpoint \"{id}\" is served by a process this daemon does not know; stop it first"
+                        ),
+                    ));
+                }
+            }
+            if let Some(socket) = &socket {
+                remove_stale_socket(socket);
+            }
+        }
+        match self.supervisor.delete(id) {
+            Ok(()) | Err(SupervisorError::NotFound(_)) => {}
+            Err(e) => return Err(supervisor_error(e)),
+        }
+        self.unsupervised().remove(id);
+        self.records.remove(id);
+        let events = pool.delete_endpoint(id).map_err(pool_error)?;
+        self.events.pool(events);
+        self.metrics.remove_endpoint(id);
+        Ok(())
+    }
+
+    /// The endpoint's worker, refused unless it is supervised and serving.
+    fn serving(&self, id: &str) -> Result<WorkerStatus, ApiError> {
+        let view = {
+            let pool = self.pool();
+            let endpoint = pool
+                .inventory()
+                .endpoint(id)
+                .ok_or_else(|| unknown_endpoint(id))?;
+            self.worker_view(endpoint)
+        };
+        if view.state != WorkerState::Running {
+            let detail = view.detail.map(|d| format!(": {d}")).unwrap_or_default();
+            return Err(ApiError::conflict(
+                "busy",
+                format!(
+                    "The worker of endpoint \"{id}\" is {}, not running{detail}",
+                    serde_json::to_value(view.state)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default()
+                ),
+            ));
+        }
+        self.supervisor.status(id).map_err(supervisor_error)
+    }
+
+    fn replace(&self, id: &str, upgrade: bool) -> Result<WorkerReplaced, ApiError> {
+        let before = self.serving(id)?;
+        let replaced_pid = before
+            .pid
+            .ok_or_else(|| ApiError::conflict("busy", "The worker is being replaced"))?;
+        if upgrade {
+            self.supervisor.upgrade(id).map_err(supervisor_error)?;
+            self.metrics.upgraded();
+        } else {
+            self.supervisor.kill_worker(id).map_err(supervisor_error)?;
+        }
+        let st = self
+            .supervisor
+            .wait_ready(id, before.ready + 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        Ok(WorkerReplaced {
+            endpoint: id.to_owned(),
+            replaced_pid,
+            worker: WorkerView::supervised(&st),
+        })
+    }
+}
+
+fn kill(pid: u32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+/// Removes the socket file at `path` once nothing accepts on it (a killed orphan's).
+fn remove_stale_socket(path: &std::path::Path) {
+    use std::os::unix::fs::FileTypeExt;
+    for _ in 0..100 {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                    let _ = std::fs::remove_file(path);
+                }
+                return;
+            }
+            Err(_) => return,
+            // Still accepting: the process is dying.
+            Ok(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+// ---- handlers ----
+
+/// `GET /v1/boards`.
+#[utoipa::path(get, path = "/v1/boards", tag = TAG, operation_id = "list_boards",
+    summary = "Every board with its devices and their holders",
+    responses((status = 200, description = "The boards, in configuration order", body = Vec<BoardView>)))]
+async fn list_boards(State(s): State<AppState>) -> Json<Vec<BoardView>> {
+    Json(s.0.pool().inventory().boards())
+}
+
+/// `GET /v1/boards/{id}`.
+#[utoipa::path(get, path = "/v1/boards/{id}", tag = TAG, operation_id = "get_board",
+    summary = "One board",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board", body = BoardView),
+        (status = 404, description = "No such board", body = ErrorBody)))]
+async fn get_board(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<BoardView>, ApiError> {
+    s.0.pool()
+        .inventory()
+        .board(&id)
+        .map(Json)
+        .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
+}
+
+async fn set_quarantine(s: AppState, id: String, on: bool) -> Result<Json<BoardView>, ApiError> {
+    blocking(&s, move |d| {
+        let mut pool = d.pool();
+        let events = if on {
+            pool.quarantine(&id)
+        } else {
+            pool.unquarantine(&id)
+        }
+        .map_err(pool_error)?;
+        d.events.pool(events);
+        pool.inventory()
+            .board(&id)
+            .map(Json)
+            .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
+    })
+    .await
+}
+
+/// `POST /v1/boards/{id}/quarantine`.
+#[utoipa::path(post, path = "/v1/boards/{id}/quarantine", tag = TAG, operation_id = "quarantine",
+    summary = "Take no new leases on the board (its leases stay)",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board, quarantined (already quarantined: unchanged)", body = BoardView),
+        (status = 404, description = "No such board", body = ErrorBody)))]
+async fn quarantine(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<BoardView>, ApiError> {
+    set_quarantine(s, id, true).await
+}
+
+/// `POST /v1/boards/{id}/unquarantine`.
+#[utoipa::path(post, path = "/v1/boards/{id}/unquarantine", tag = TAG, operation_id = "unquarantine",
+    summary = "Let a quarantined board take leases again",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board, available (already available: unchanged)", body = BoardView),
+        (status = 404, description = "No such board", body = ErrorBody)))]
+async fn unquarantine(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<BoardView>, ApiError> {
+    set_quarantine(s, id, false).await
+}
+
+/// `GET /v1/pools`.
+#[utoipa::path(get, path = "/v1/pools", tag = TAG, operation_id = "list_pools",
+    summary = "Every pool with its capacity",
+    responses((status = 200, description = "The pools", body = Vec<PoolView>)))]
+async fn list_pools(State(s): State<AppState>) -> Json<Vec<PoolView>> {
+    Json(s.0.pool().inventory().pools())
+}
+
+/// `GET /v1/endpoints`.
+#[utoipa::path(get, path = "/v1/endpoints", tag = TAG, operation_id = "list_endpoints",
+    summary = "Every endpoint with its lease and its worker",
+    responses((status = 200, description = "The endpoints, by id", body = Vec<EndpointStatus>)))]
+async fn list_endpoints(State(s): State<AppState>) -> Json<Vec<EndpointStatus>> {
+    let d = &s.0;
+    let pool = d.pool();
+    Json(
+        pool.inventory()
+            .endpoints()
+            .map(|e| d.endpoint_status(&pool, e))
+            .collect(),
+    )
+}
+
+/// `GET /v1/endpoints/{id}`.
+#[utoipa::path(get, path = "/v1/endpoints/{id}", tag = TAG, operation_id = "get_endpoint",
+    summary = "One endpoint with its lease and its worker",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "The endpoint", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody)))]
+async fn get_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    s.0.status_of(&id).map(Json)
+}
+
+/// `POST /v1/endpoints`.
+#[utoipa::path(post, path = "/v1/endpoints", tag = TAG, operation_id = "create_endpoint",
+    summary = "Create an endpoint: lease a device and start the worker serving its socket",
+    description = "The lease is checked first; then the worker starts and serves the socket; \
+        only then is the endpoint stored. A refused request (or a worker that does not start) \
+        leaves nothing behind.",
+    request_body = PoolEndpointSpec,
+    responses(
+        (status = 201, description = "Created; the socket accepts a VMM", body = EndpointStatus),
+        (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 404, description = "Unknown pool or device", body = ErrorBody),
+        (status = 409, description = "Id in use, device busy, no capacity, socket in use", body = ErrorBody),
+        (status = 422, description = "Invalid id, placement, socket path or requirements", body = ErrorBody),
+        (status = 500, description = "The worker did not start", body = ErrorBody)))]
+async fn create_endpoint(
+    State(s): State<AppState>,
+    Json(spec): Json<PoolEndpointSpec>,
+) -> Result<(StatusCode, Json<EndpointStatus>), ApiError> {
+    blocking(&s, move |d| d.create(spec))
+        .await
+        .map(|st| (StatusCode::CREATED, Json(st)))
+}
+
+/// `DELETE /v1/endpoints/{id}`.
+#[utoipa::path(delete, path = "/v1/endpoints/{id}", tag = TAG, operation_id = "delete_endpoint",
+    summary = "Stop the endpoint's worker (the VM's connection closes) and delete the endpoint",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "A move in progress, or an unknown process serves it", body = ErrorBody)))]
+async fn delete_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    blocking(&s, move |d| d.delete(&id))
+        .await
+        .map(|()| StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/endpoints/{id}/restart`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/restart", tag = TAG, operation_id = "restart_endpoint",
+    summary = "Crash drill: SIGKILL the worker; a replacement resumes the guest's connection",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned)", body = ErrorBody)))]
+async fn restart_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<WorkerReplaced>, ApiError> {
+    blocking(&s, move |d| d.replace(&id, false)).await.map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/upgrade`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/upgrade", tag = TAG, operation_id = "upgrade_endpoint",
+    summary = "Replace the worker with the executable now on disk, under the running guest",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned)", body = ErrorBody)))]
+async fn upgrade_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<WorkerReplaced>, ApiError> {
+    blocking(&s, move |d| d.replace(&id, true)).await.map(Json)
+}
+
+fn line<T: Serialize>(value: &T) -> Bytes {
+    let mut v =
+        serde_json::to_vec(value).unwrap_or_else(|_| br#"{"type":"lagged","missed":1}"#.to_vec());
+    v.push(b'\n');
+    Bytes::from(v)
+}
+
+/// `GET /events`.
+#[utoipa::path(get, path = "/events", tag = TAG, operation_id = "events",
+    summary = "Pool and worker lifecycle events, newline-delimited JSON",
+    description = "One DaemonEvent per line: `type` is `pool` (the `pool` member: a pool event, \
+        durable, also in the store's history) or `worker` (the `worker` member: a worker process \
+        started, served, exited or was given up; not persisted). `seq` increases across daemon \
+        restarts: a pool event P has seq P×1000000, worker events number the gaps. A \
+        `{\"type\":\"lagged\",\"missed\":N}` line stands where N events were dropped (a slow \
+        reader). With `follow=false` the body ends after the events already there.",
+    params(EventsQuery),
+    responses(
+        (status = 200, description = "One JSON value per line", body = DaemonEvent, content_type = "application/x-ndjson"),
+        (status = 400, description = "A bad query string", body = ErrorBody),
+        (status = 503, description = "The daemon is shutting down", body = ErrorBody)))]
+async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Response {
+    let d = s.0.clone();
+    if d.events.is_closed() {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "The daemon is shutting down",
+        )
+        .into_response();
+    }
+    let resume = d.events.subscribe(q.since);
+    let mut lines: Vec<Bytes> = Vec::new();
+    if let Some((since, before)) = resume.from_store {
+        let history = blocking(&s, move |d| {
+            d.pool()
+                .history(since / SEQ_STRIDE, HISTORY_LIMIT)
+                .map_err(pool_error)
+        })
+        .await;
+        match history {
+            Ok(events) => lines.extend(
+                events
+                    .into_iter()
+                    .map(DaemonEvent::from_pool)
+                    .filter(|e| e.seq > since && e.seq < before)
+                    .map(|e| line(&e)),
+            ),
+            Err(e) => return e.into_response(),
+        }
+    }
+    lines.extend(resume.recent.iter().map(line));
+    let head = futures_util::stream::iter(lines.into_iter().map(Ok::<_, Infallible>));
+    let body = if q.follow.unwrap_or(true) {
+        let live = futures_util::stream::unfold(resume.live, |mut sub| async move {
+            let item = match sub.recv().await? {
+                Received::Event(e) => line(&e),
+                Received::Lagged { missed } => line(&StreamNotice::Lagged { missed }),
+            };
+            Some((Ok::<_, Infallible>(item), sub))
+        });
+        Body::from_stream(futures_util::StreamExt::chain(head, live))
+    } else {
+        Body::from_stream(head)
+    };
+    ([(header::CONTENT_TYPE, NDJSON_CONTENT_TYPE)], body).into_response()
+}

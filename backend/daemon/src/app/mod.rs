@@ -1,0 +1,330 @@
+//! `switchyard daemon`: the pool daemon. It owns the pool (the inventory and its store), a
+//! [`Supervisor`] running one worker per leased endpoint, and the control API on a UNIX
+//! socket ([`api`]).
+//!
+//! Who holds what:
+//! - the **store** (`<state_dir>/pool.redb`, [`switchyard_pool::Pool`], behind a mutex): boards,
+//!   endpoints, leases and the event history; every API mutation is committed there;
+//! - the **supervisor**: per endpoint, the listening socket and every descriptor of the
+//!   guest's view, and the worker process serving it (replaced when it dies);
+//! - **worker records** (`<state_dir>/workers/<id>.pid`, [`records`]): which process serves
+//!   which endpoint, so that a restarted daemon recognises workers that outlived it;
+//! - the **events** ([`events`]) and **metrics** (`switchyard_control::Metrics`).
+//!
+//! At start every endpoint with a lease gets its worker. At SIGTERM/SIGINT the API stops and
+//! the workers are *released*, not killed ([`Supervisor::release_all`]): guests keep their
+//! devices. A restarted daemon does not re-adopt such workers yet: an endpoint whose worker
+//! still runs is reported `orphaned` (with its pid) and left alone; restart and upgrade are
+//! refused for it, delete kills it. Moves, drains, detach and attach have no data path yet,
+//! so the API does not offer them.
+
+pub mod api;
+pub mod events;
+pub mod records;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use switchyard_control::{ControlError, ControlSocket, Metrics};
+use switchyard_pool::{Endpoint, Pool, PoolConfig, PoolError};
+
+use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
+use events::{EventStream, WorkerLifecycle};
+use records::WorkerRecords;
+
+/// The environment variable naming the executable started as `<exe> worker` (tests point
+/// it at the binary under test); default: this executable.
+pub const WORKER_EXE_ENV: &str = "SWITCHYARD_WORKER_EXE";
+
+/// Pool events replayed from the store into memory at start.
+const STARTUP_REPLAY: usize = 256;
+
+/// `switchyard daemon`'s options; each overrides its `[daemon]` key.
+#[derive(Debug, Clone, Default)]
+pub struct DaemonOptions {
+    /// The configuration file; none: the embedded default.
+    pub config: Option<PathBuf>,
+    /// `[daemon] state_dir`.
+    pub state_dir: Option<PathBuf>,
+    /// The run directory: the control socket is `<run_dir>/control.sock` and endpoint
+    /// sockets `<run_dir>/endpoints/<id>.sock` (`[daemon] control_socket` and
+    /// `endpoint_dir`).
+    pub run_dir: Option<PathBuf>,
+}
+
+/// Why the daemon could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The configuration cannot be used (exit status 2).
+    #[error("Cannot use the configuration {0}")]
+    Config(String, #[source] Box<PoolError>),
+    /// A directory cannot be created.
+    #[error("Cannot create the directory {0}")]
+    Dir(PathBuf, #[source] io::Error),
+    /// The store cannot be opened.
+    #[error("Cannot open the pool store {0}")]
+    Store(PathBuf, #[source] Box<PoolError>),
+    /// The worker executable cannot be found.
+    #[error("Cannot find the worker executable")]
+    Exe(#[source] io::Error),
+    /// The async runtime or the signal handlers cannot be set up.
+    #[error("Cannot start the control plane's runtime")]
+    Runtime(#[source] io::Error),
+    /// The control socket failed.
+    #[error("The control API failed")]
+    Control(#[from] ControlError),
+}
+
+impl DaemonError {
+    /// The exit status for this error: 2 for a bad configuration, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            DaemonError::Config(..) => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// Why an endpoint of the store has no supervised worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Unsupervised {
+    /// A worker of an earlier daemon still serves the socket.
+    Orphaned {
+        /// Its pid, when the record of it matches a live process.
+        pid: Option<u32>,
+    },
+    /// Starting the worker failed at daemon start.
+    NotStarted {
+        /// Why.
+        error: String,
+    },
+}
+
+/// The running daemon's state, shared by the API handlers.
+pub struct Daemon {
+    pool: Mutex<Pool>,
+    supervisor: Supervisor,
+    unsupervised: Mutex<BTreeMap<String, Unsupervised>>,
+    events: Arc<EventStream>,
+    metrics: Metrics,
+    records: WorkerRecords,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon")
+            .field("supervisor", &self.supervisor)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The configuration with the options applied.
+pub fn resolve_config(options: &DaemonOptions) -> Result<PoolConfig, DaemonError> {
+    let mut config = match &options.config {
+        Some(path) => PoolConfig::load(path)
+            .map_err(|e| DaemonError::Config(path.display().to_string(), Box::new(e)))?,
+        None => PoolConfig::default(),
+    };
+    if let Some(dir) = &options.state_dir {
+        config.daemon.state_dir = dir.clone();
+    }
+    if let Some(dir) = &options.run_dir {
+        config.daemon.control_socket = dir.join("control.sock");
+        config.daemon.endpoint_dir = dir.join("endpoints");
+    }
+    // The paths may have changed what is valid (endpoint sockets of the configuration).
+    config.validate().map_err(|e| {
+        DaemonError::Config(
+            options.config.as_ref().map_or_else(
+                || "(embedded default)".to_owned(),
+                |p| p.display().to_string(),
+            ),
+            Box::new(e),
+        )
+    })?;
+    Ok(config)
+}
+
+/// Creates `dir` (and its parents) with mode 0700 when absent.
+fn private_dir(dir: &Path) -> Result<(), DaemonError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .and_then(|()| fs::set_permissions(dir, fs::Permissions::from_mode(0o700)))
+        .map_err(|e| DaemonError::Dir(dir.to_owned(), e))
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
+    let config = resolve_config(options)?;
+    let d = &config.daemon;
+    let workers_dir = d.state_dir.join("workers");
+    for dir in [&d.state_dir, &d.endpoint_dir, &workers_dir] {
+        private_dir(dir)?;
+    }
+    if let Some(parent) = d.control_socket.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        private_dir(parent)?;
+    }
+    let exe = match std::env::var_os(WORKER_EXE_ENV) {
+        Some(exe) => PathBuf::from(exe),
+        None => std::env::current_exe().map_err(DaemonError::Exe)?,
+    };
+    let store = d.store_path();
+    let (mut pool, report) =
+        Pool::open(&config, &store).map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
+    tracing::info!(store = %store.display(), ?report, "pool opened");
+    // No data path moves a device yet, so a move recorded as in progress cannot be: the
+    // endpoint keeps its device.
+    let mut aborted = Vec::new();
+    for plan in &report.pending_moves {
+        match pool.abort_move(plan) {
+            Ok(events) => aborted.extend(events),
+            Err(e) => tracing::error!(?plan, "cannot abort a pending move: {e}"),
+        }
+    }
+    let last = pool.inventory().next_seq().saturating_sub(1);
+    let recent = pool
+        .history(last.saturating_sub(STARTUP_REPLAY as u64), STARTUP_REPLAY)
+        .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
+    let events = Arc::new(EventStream::new(last, recent));
+    let metrics = Metrics::new();
+    for b in pool.inventory().boards() {
+        metrics.board(&b.id);
+    }
+    let records = WorkerRecords::new(workers_dir);
+    let sink = {
+        let (events, metrics, records) = (events.clone(), metrics.clone(), records.clone());
+        Arc::new(move |e: crate::WorkerEvent| {
+            match &e {
+                crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
+                crate::WorkerEvent::Ready {
+                    endpoint,
+                    restart: Some(stall),
+                    ..
+                } => {
+                    metrics.endpoint_restarted();
+                    metrics.endpoint(endpoint).restarted(Some(*stall));
+                }
+                _ => {}
+            }
+            events.worker(WorkerLifecycle::from(e));
+        })
+    };
+    let control = ControlSocket::bind(&d.control_socket)?;
+    let daemon = Arc::new(Daemon {
+        pool: Mutex::new(pool),
+        supervisor: Supervisor::with_events(exe, sink),
+        unsupervised: Mutex::new(BTreeMap::new()),
+        events,
+        metrics,
+        records,
+    });
+    daemon.events.pool(aborted);
+    daemon.start_all();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(DaemonError::Runtime)?;
+    let result = runtime.block_on(async {
+        let (router, _doc) = api::router(daemon.clone());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(DaemonError::Runtime)?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+            .map_err(DaemonError::Runtime)?;
+        let events = daemon.events.clone();
+        control
+            .serve(router, async move {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                    _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+                }
+                events.close();
+            })
+            .await
+            .map_err(DaemonError::from)
+    });
+    // Stop supervising, but leave every worker running: guests keep their devices.
+    for (endpoint, pid) in daemon.supervisor.release_all() {
+        tracing::info!(
+            endpoint,
+            pid,
+            "worker left running (a new daemon reports it as orphaned)"
+        );
+    }
+    result
+}
+
+impl Daemon {
+    pub(crate) fn pool(&self) -> MutexGuard<'_, Pool> {
+        lock(&self.pool)
+    }
+
+    pub(crate) fn unsupervised(&self) -> MutexGuard<'_, BTreeMap<String, Unsupervised>> {
+        lock(&self.unsupervised)
+    }
+
+    /// The worker's spec of a stored endpoint (none when it holds no device).
+    pub(crate) fn spec(pool: &Pool, endpoint: &Endpoint) -> Option<EndpointSpec> {
+        let device = pool.inventory().device(endpoint.device.as_deref()?)?;
+        Some(EndpointSpec {
+            id: endpoint.id.clone(),
+            socket: endpoint.socket.clone(),
+            device: device.shape.softgpu_config(),
+        })
+    }
+
+    /// At daemon start: a worker for every endpoint with a lease, unless a worker of an
+    /// earlier daemon still serves it.
+    fn start_all(&self) {
+        let pool = self.pool();
+        let mut unsupervised = self.unsupervised();
+        for endpoint in pool.inventory().endpoints() {
+            let Some(spec) = Self::spec(&pool, endpoint) else {
+                continue;
+            };
+            let id = endpoint.id.clone();
+            if let Some(pid) = self.records.live(&id) {
+                tracing::warn!(
+                    endpoint = id,
+                    pid,
+                    "the worker of an earlier daemon still serves this endpoint; left alone (orphaned)"
+                );
+                unsupervised.insert(id, Unsupervised::Orphaned { pid: Some(pid) });
+                continue;
+            }
+            match self.supervisor.create(spec) {
+                Ok(()) => tracing::info!(endpoint = id, "worker started"),
+                Err(SupervisorError::Bind(
+                    _,
+                    switchyard_server::ServerError::SocketInUse(path),
+                )) => {
+                    tracing::warn!(
+                        endpoint = id,
+                        socket = %path.display(),
+                        "another process serves this endpoint's socket; left alone (orphaned)"
+                    );
+                    unsupervised.insert(id, Unsupervised::Orphaned { pid: None });
+                }
+                Err(e) => {
+                    let error = api::error_chain(&e);
+                    tracing::error!(endpoint = id, "cannot start the worker: {error}");
+                    unsupervised.insert(id, Unsupervised::NotStarted { error });
+                }
+            }
+        }
+    }
+}

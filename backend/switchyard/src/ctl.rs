@@ -1,0 +1,409 @@
+//! `switchyard ctl`: the pool daemon's CLI, a client of its control API.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde_json::Value;
+use switchyard_control::{ControlClient, ControlError};
+use switchyard_daemon::app::api::{EndpointStatus, WorkerReplaced};
+use switchyard_pool::{BoardView, ByteSize, EndpointSpec, PoolView};
+
+#[derive(Debug, clap::Args)]
+pub struct CtlArgs {
+    /// The daemon's control socket.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/run/switchyard/control.sock"
+    )]
+    socket: PathBuf,
+
+    /// Print the API's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: CtlCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum CtlCommand {
+    /// Boards and their devices, with who leases them.
+    Boards,
+    /// Pools and their free devices.
+    Pools,
+    /// Endpoints, their leases and workers.
+    Endpoints,
+    /// One endpoint in detail.
+    Endpoint {
+        /// The endpoint's id.
+        id: String,
+    },
+    /// Create an endpoint: lease a device from a pool (or a named device) and serve its socket.
+    Create {
+        /// The endpoint's id.
+        id: String,
+        /// Lease from this pool.
+        #[arg(long, value_name = "POOL", conflicts_with = "device")]
+        pool: Option<String>,
+        /// Lease this device (a board, or a partition).
+        #[arg(long, value_name = "DEVICE")]
+        device: Option<String>,
+        /// Least VRAM (K/M/G suffix).
+        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+        min_vram: Option<u64>,
+        /// Least command queues.
+        #[arg(long, value_name = "N")]
+        min_queues: Option<u32>,
+        /// The endpoint's socket path (default `<endpoint_dir>/<id>.sock`).
+        #[arg(long, value_name = "PATH")]
+        endpoint_socket: Option<PathBuf>,
+    },
+    /// Stop an endpoint's worker (the VM's connection closes) and delete it.
+    Delete {
+        /// The endpoint's id.
+        id: String,
+    },
+    /// Take no new leases on a board.
+    Quarantine {
+        /// The board's id.
+        board: String,
+    },
+    /// Let a quarantined board take leases again.
+    Unquarantine {
+        /// The board's id.
+        board: String,
+    },
+    /// Crash drill: SIGKILL the endpoint's worker; a replacement resumes the guest's
+    /// connection.
+    Restart {
+        /// The endpoint's id.
+        id: String,
+    },
+    /// Replace the endpoint's worker with the switchyard binary now on disk.
+    Upgrade {
+        /// The endpoint's id.
+        id: String,
+    },
+    /// Lifecycle events (pool and workers).
+    Events {
+        /// Events after this sequence number (default: all the pool's history).
+        #[arg(long, value_name = "SEQ", default_value_t = 0)]
+        since: u64,
+        /// Keep printing new events until interrupted.
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Prometheus metrics (OpenMetrics text).
+    Metrics,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    ByteSize::parse(s)
+        .map(|b| b.0)
+        .ok_or_else(|| format!("`{s}` is not a size (a number with an optional K/M/G suffix)"))
+}
+
+/// Runs the command; API errors come back as [`ControlError::Api`].
+pub fn run(args: CtlArgs) -> anyhow::Result<()> {
+    let client = ControlClient::connect(&args.socket).with_context(|| {
+        format!(
+            "is the daemon running? (`switchyard daemon`; --socket {})",
+            args.socket.display()
+        )
+    })?;
+    let json = args.json;
+    let show = |v: &Value| -> anyhow::Result<()> {
+        println!("{}", serde_json::to_string_pretty(v)?);
+        Ok(())
+    };
+    match args.command {
+        CtlCommand::Boards => {
+            let reply = client.get("/v1/boards")?;
+            if json {
+                return show(&reply.body);
+            }
+            let boards: Vec<BoardView> = reply.json()?;
+            let mut rows = vec![row([
+                "BOARD", "DEVICE", "STATE", "POOL", "VRAM", "QUEUES", "IRQ", "ENDPOINT",
+            ])];
+            for b in &boards {
+                for d in &b.devices {
+                    rows.push(vec![
+                        b.id.clone(),
+                        d.id.clone(),
+                        d.state.to_string(),
+                        dash(b.pool.as_deref()),
+                        ByteSize(d.shape.vram_size).to_string(),
+                        d.shape.queues.to_string(),
+                        d.shape.irq.to_string(),
+                        match (&d.endpoint, &d.reserved_for) {
+                            (Some(e), _) => e.clone(),
+                            (None, Some(r)) => format!("(reserved: {r})"),
+                            (None, None) => "-".into(),
+                        },
+                    ]);
+                }
+            }
+            table(&rows);
+        }
+        CtlCommand::Pools => {
+            let reply = client.get("/v1/pools")?;
+            if json {
+                return show(&reply.body);
+            }
+            let pools: Vec<PoolView> = reply.json()?;
+            let mut rows = vec![row(["POOL", "BOARDS", "DEVICES", "FREE"])];
+            for p in &pools {
+                rows.push(vec![
+                    p.name.clone(),
+                    p.boards.join(","),
+                    p.devices.to_string(),
+                    p.free.to_string(),
+                ]);
+            }
+            table(&rows);
+        }
+        CtlCommand::Endpoints => {
+            let reply = client.get("/v1/endpoints")?;
+            if json {
+                return show(&reply.body);
+            }
+            let endpoints: Vec<EndpointStatus> = reply.json()?;
+            let mut rows = vec![row([
+                "ENDPOINT", "DEVICE", "BOARD", "WORKER", "PID", "RESTARTS", "SOCKET",
+            ])];
+            for e in &endpoints {
+                rows.push(vec![
+                    e.endpoint.id.clone(),
+                    dash(e.endpoint.device.as_deref()),
+                    dash(e.lease.as_ref().map(|l| l.board.as_str())),
+                    state_name(&e.worker.state),
+                    dash(e.worker.pid.map(|p| p.to_string()).as_deref()),
+                    e.worker.restarts.to_string(),
+                    e.endpoint.socket.display().to_string(),
+                ]);
+            }
+            table(&rows);
+        }
+        CtlCommand::Endpoint { id } => {
+            let reply = client.get(&format!("/v1/endpoints/{}", segment(&id)?))?;
+            if json {
+                return show(&reply.body);
+            }
+            print_endpoint(&reply.json()?);
+        }
+        CtlCommand::Create {
+            id,
+            pool,
+            device,
+            min_vram,
+            min_queues,
+            endpoint_socket,
+        } => {
+            let spec = EndpointSpec {
+                id,
+                pool,
+                device,
+                min_vram,
+                min_queues,
+                socket: endpoint_socket,
+            };
+            let reply = client.post("/v1/endpoints", &spec)?;
+            if json {
+                return show(&reply.body);
+            }
+            print_endpoint(&reply.json()?);
+        }
+        CtlCommand::Delete { id } => {
+            client.delete(&format!("/v1/endpoints/{}", segment(&id)?))?;
+            if !json {
+                println!("endpoint {id} deleted");
+            }
+        }
+        CtlCommand::Quarantine { ref board } | CtlCommand::Unquarantine { ref board } => {
+            let verb = if matches!(args.command, CtlCommand::Quarantine { .. }) {
+                "quarantine"
+            } else {
+                "unquarantine"
+            };
+            let reply = client.post(&format!("/v1/boards/{}/{verb}", segment(board)?), &())?;
+            if json {
+                return show(&reply.body);
+            }
+            let b: BoardView = reply.json()?;
+            println!("board {}: {}", b.id, b.state);
+        }
+        CtlCommand::Restart { ref id } | CtlCommand::Upgrade { ref id } => {
+            let verb = if matches!(args.command, CtlCommand::Restart { .. }) {
+                "restart"
+            } else {
+                "upgrade"
+            };
+            let reply = client.post(&format!("/v1/endpoints/{}/{verb}", segment(id)?), &())?;
+            if json {
+                return show(&reply.body);
+            }
+            let r: WorkerReplaced = reply.json()?;
+            println!(
+                "endpoint {}: worker {} replaced by {} ({}), stall {}",
+                r.endpoint,
+                r.replaced_pid,
+                dash(r.worker.pid.map(|p| p.to_string()).as_deref()),
+                state_name(&r.worker.state),
+                r.worker
+                    .last_restart_ms
+                    .map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1} ms")),
+            );
+        }
+        CtlCommand::Events { since, follow } => {
+            let path = format!("/events?since={since}&follow={follow}");
+            let mut out = std::io::stdout().lock();
+            for line in client.stream(&path)? {
+                let line = line?;
+                if json {
+                    writeln!(out, "{line}")?;
+                } else {
+                    let v: Value = serde_json::from_str(&line)
+                        .map_err(ControlError::BadReplyBody)
+                        .context("an event line is not JSON")?;
+                    writeln!(out, "{}", event_line(&v))?;
+                }
+                out.flush()?;
+            }
+        }
+        CtlCommand::Metrics => print!("{}", client.get_text("/metrics")?),
+    }
+    Ok(())
+}
+
+/// A path segment: ids are `[A-Za-z0-9_.-]`, anything else is refused here rather than
+/// sent as a different path.
+fn segment(id: &str) -> anyhow::Result<&str> {
+    if id.is_empty()
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        || id == "."
+        || id == ".."
+    {
+        anyhow::bail!("invalid id {id:?}: ids are characters of A-Z, a-z, 0-9, `_`, `.` and `-`");
+    }
+    Ok(id)
+}
+
+fn row<const N: usize>(cells: [&str; N]) -> Vec<String> {
+    cells.iter().map(|c| (*c).to_owned()).collect()
+}
+
+fn dash(s: Option<&str>) -> String {
+    s.unwrap_or("-").to_owned()
+}
+
+fn state_name<T: serde::Serialize>(state: &T) -> String {
+    serde_json::to_value(state)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn table(rows: &[Vec<String>]) {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, |s| s.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in rows {
+        let mut line = String::new();
+        for (c, cell) in r.iter().enumerate() {
+            if c + 1 == r.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<w$}  ", w = widths[c]));
+            }
+        }
+        println!("{}", line.trim_end());
+    }
+}
+
+fn print_endpoint(e: &EndpointStatus) {
+    let w = &e.worker;
+    let lines = [
+        ("endpoint", e.endpoint.id.clone()),
+        ("socket", e.endpoint.socket.display().to_string()),
+        ("pool", dash(e.endpoint.pool.as_deref())),
+        ("device", dash(e.endpoint.device.as_deref())),
+        ("board", dash(e.lease.as_ref().map(|l| l.board.as_str()))),
+        (
+            "shape",
+            e.lease.as_ref().map_or_else(
+                || "-".to_owned(),
+                |l| {
+                    format!(
+                        "{} vram={} queues={} irq={} vram_mmap={}",
+                        l.shape.model,
+                        ByteSize(l.shape.vram_size),
+                        l.shape.queues,
+                        l.shape.irq,
+                        l.shape.vram_mmap
+                    )
+                },
+            ),
+        ),
+        ("worker", state_name(&w.state)),
+        ("pid", dash(w.pid.map(|p| p.to_string()).as_deref())),
+        ("restarts", w.restarts.to_string()),
+        (
+            "last restart",
+            w.last_restart_ms
+                .map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1} ms")),
+        ),
+        ("held fds", w.held.to_string()),
+    ];
+    for (k, v) in lines {
+        println!("{:<14}{v}", format!("{k}:"));
+    }
+    if let Some(detail) = &w.detail {
+        println!("{:<14}{detail}", "detail:");
+    }
+}
+
+/// `SEQ  pool|worker  TYPE  key=value ...`.
+fn event_line(v: &Value) -> String {
+    let seq = v.get("seq").and_then(Value::as_u64);
+    let kind = v.get("type").and_then(Value::as_str).unwrap_or("?");
+    let (name, fields) = match kind {
+        "pool" => {
+            let k = v.pointer("/pool/kind");
+            (k.and_then(|k| k.get("type")).and_then(Value::as_str), k)
+        }
+        "worker" => {
+            let w = v.get("worker");
+            (w.and_then(|w| w.get("event")).and_then(Value::as_str), w)
+        }
+        _ => (None, Some(v)),
+    };
+    let mut out = format!(
+        "{:>12}  {kind:<6}  {:<18}",
+        seq.map_or_else(|| "-".to_owned(), |s| s.to_string()),
+        name.unwrap_or("")
+    );
+    if let Some(Value::Object(map)) = fields {
+        for (k, val) in map {
+            if k == "type" || k == "event" {
+                continue;
+            }
+            let val = match val {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            out.push_str(&format!(" {k}={val}"));
+        }
+    }
+    out.trim_end().to_owned()
+}

@@ -1,0 +1,727 @@
+//! `switchyard daemon` and `switchyard ctl` as real processes: the embedded default pool,
+//! endpoints created through the CLI and the API and served to a real vfio-user client,
+//! restarts under the client's workload, metrics and events, API refusals that change nothing,
+//! configuration errors, and a daemon killed with SIGKILL restarting into the same leases.
+//!
+//! Workers outlive their daemon by design (guests keep their devices), so every test kills
+//! the daemon and then every worker it recorded (`<state>/workers/*.pid`), by pid, when it
+//! ends ([`Daemon`]'s drop).
+
+mod common;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::driver::{Driver, guest};
+use common::ours::Ours;
+use serde_json::{Value, json};
+use switchyard_client::{Client, ClientConfig};
+use switchyard_control::{ControlClient, ControlError};
+use switchyard_softgpu::cmd::{Command as GpuCommand, Operand};
+use switchyard_softgpu::regs::SCRATCH;
+
+const EXE: &str = env!("CARGO_BIN_EXE_switchyard");
+
+/// A daemon on a private state and run directory. Dropping it kills the daemon and every
+/// worker it ever recorded.
+struct Daemon {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    /// Every worker pid seen (the records are rewritten by each replacement).
+    seen: Vec<u32>,
+}
+
+impl Daemon {
+    fn start() -> Self {
+        let mut d = Self {
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            seen: Vec::new(),
+        };
+        d.launch();
+        d
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+    fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+    fn socket(&self) -> PathBuf {
+        self.run_dir().join("control.sock")
+    }
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Starts (or restarts) the daemon and waits until its API answers.
+    fn launch(&mut self) {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("daemon.log"))
+            .expect("log");
+        let child = Command::new(EXE)
+            .arg("daemon")
+            .arg("--state-dir")
+            .arg(self.state())
+            .arg("--run-dir")
+            .arg(self.run_dir())
+            .env("RUST_LOG", "info")
+            .env("SWITCHYARD_WORKER_EXE", EXE)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn the daemon");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(c) = ControlClient::connect(self.socket())
+                && c.get("/health").is_ok()
+            {
+                return;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("the daemon exited ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon does not answer:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn client(&self) -> ControlClient {
+        ControlClient::connect(self.socket()).expect("connect to the daemon")
+    }
+
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(EXE)
+            .arg("ctl")
+            .arg("--socket")
+            .arg(self.socket())
+            .args(args)
+            .output()
+            .expect("run ctl")
+    }
+
+    /// `ctl ARGS` that must succeed; its stdout.
+    fn ctl_ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert!(
+            out.status.success(),
+            "ctl {args:?}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    }
+
+    fn endpoint(&mut self, id: &str) -> Value {
+        let v = self
+            .client()
+            .get(&format!("/v1/endpoints/{id}"))
+            .expect("get endpoint")
+            .body;
+        if let Some(pid) = v.pointer("/worker/pid").and_then(Value::as_u64) {
+            self.seen.push(pid as u32);
+        }
+        v
+    }
+
+    fn events(&self) -> Vec<Value> {
+        self.client()
+            .stream("/events?since=0&follow=false")
+            .expect("events")
+            .map(|l| serde_json::from_str(&l.expect("line")).expect("json"))
+            .collect()
+    }
+
+    fn worker_pids(&self) -> Vec<u32> {
+        let mut pids = self.seen.clone();
+        if let Ok(dir) = std::fs::read_dir(self.state().join("workers")) {
+            for f in dir.flatten() {
+                if let Some(pid) = std::fs::read_to_string(f.path())
+                    .ok()
+                    .and_then(|t| t.split_whitespace().next()?.parse().ok())
+                {
+                    pids.push(pid);
+                }
+            }
+        }
+        pids
+    }
+}
+
+/// Whether `pid` is a running `switchyard worker` (not a zombie).
+fn is_worker(pid: u32) -> bool {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let zombie = stat
+        .rfind(')')
+        .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+    !zombie && cmdline.ends_with(b"\0worker\0") && cmdline.starts_with(EXE.as_bytes())
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- daemon log ---\n{}", self.log());
+        }
+        self.kill9();
+        for pid in self.worker_pids() {
+            if is_worker(pid)
+                && let Some(p) = rustix::process::Pid::from_raw(pid as i32)
+            {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
+fn api_status(r: Result<switchyard_control::JsonReply, ControlError>) -> (u16, String) {
+    match r {
+        Err(ControlError::Api { status, code, .. }) => (status, code),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn connect(socket: &Path) -> Driver<Ours> {
+    let client = Client::connect_with(
+        socket,
+        ClientConfig {
+            timeout: Some(Duration::from_secs(5)),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect to the endpoint");
+    Driver::new(Ours(client))
+}
+
+/// FILL a VRAM range, COPY it to guest memory, check the bytes.
+fn round(d: &mut Driver<Ours>, round: u64) {
+    let off = (round % 32) * 8192;
+    let pattern = (round as u32).wrapping_mul(0x0101_0101) ^ 0x5a5a;
+    d.run(
+        0,
+        &[
+            GpuCommand::fill(Operand::Vram(0x10_0000 + off), 8192, pattern),
+            GpuCommand::copy(Operand::Vram(0x10_0000 + off), guest(0x40_0000 + off), 8192),
+        ],
+    );
+    let mut got = vec![0u8; 8192];
+    d.mem.read(0x40_0000 + off, &mut got);
+    let want: Vec<u8> = std::iter::repeat_n(pattern.to_le_bytes(), 2048)
+        .flatten()
+        .collect();
+    assert!(got == want, "round {round}: result differs");
+}
+
+fn socket_of(endpoint: &Value) -> PathBuf {
+    PathBuf::from(
+        endpoint
+            .pointer("/endpoint/socket")
+            .and_then(Value::as_str)
+            .expect("socket"),
+    )
+}
+
+#[test]
+fn default_pool_endpoints_and_restarts_under_a_workload() {
+    let mut d = Daemon::start();
+    let boards = d.ctl_ok(&["boards"]);
+    assert!(
+        boards.contains("gpu0") && boards.contains("gpu1"),
+        "{boards}"
+    );
+    let pools = d.ctl_ok(&["pools"]);
+    assert!(
+        pools.lines().any(|l| l.split_whitespace().collect::<Vec<_>>()
+            == ["default", "gpu0,gpu1", "2", "2"]),
+        "{pools}"
+    );
+    let json: Value =
+        serde_json::from_str(&d.ctl_ok(&["--json", "pools"])).expect("ctl --json is JSON");
+    assert_eq!(json[0]["name"], "default");
+
+    // One endpoint through the CLI, one through the API.
+    let created = d.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    assert!(created.contains("running"), "{created}");
+    let reply = d
+        .client()
+        .post("/v1/endpoints", &json!({"id": "vm2", "device": "gpu1"}))
+        .expect("create vm2");
+    assert_eq!(reply.status, 201);
+    assert_eq!(reply.body["lease"]["id"], "gpu1");
+    let vm1 = d.endpoint("vm1");
+    assert_eq!(vm1["endpoint"]["device"], "gpu0");
+    assert_eq!(vm1["worker"]["state"], "running");
+    let vm2 = d.endpoint("vm2");
+
+    let mut a = connect(&socket_of(&vm1));
+    let mut b = connect(&socket_of(&vm2));
+    a.setup_queue(0);
+    b.setup_queue(0);
+    a.w32(SCRATCH, 0xfeed_0001);
+    b.w32(SCRATCH, 0xfeed_0002);
+
+    // `ctl restart` three times while the client runs its workload.
+    let running = Arc::new(AtomicBool::new(true));
+    let restarter = {
+        let socket = d.socket();
+        let running = running.clone();
+        std::thread::spawn(move || {
+            let mut outputs = Vec::new();
+            for _ in 0..3 {
+                std::thread::sleep(Duration::from_millis(100));
+                let out = Command::new(EXE)
+                    .arg("ctl")
+                    .arg("--socket")
+                    .arg(&socket)
+                    .args(["restart", "vm1"])
+                    .output()
+                    .expect("ctl restart");
+                outputs.push(out);
+            }
+            running.store(false, Ordering::SeqCst);
+            outputs
+        })
+    };
+    let start = Instant::now();
+    let mut rounds = 0u64;
+    while running.load(Ordering::SeqCst) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "restarts take too long"
+        );
+        round(&mut a, rounds);
+        rounds += 1;
+    }
+    for out in restarter.join().expect("restarter") {
+        assert!(
+            out.status.success(),
+            "ctl restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("replaced by"));
+    }
+    // The workload goes on after the restarts, with state from before them.
+    for r in rounds..rounds + 5 {
+        round(&mut a, r);
+    }
+    assert_eq!(a.r32(SCRATCH), 0xfeed_0001);
+    assert_eq!(b.r32(SCRATCH), 0xfeed_0002);
+    round(&mut b, 1);
+    let vm1 = d.endpoint("vm1");
+    assert_eq!(vm1["worker"]["restarts"], 3, "{vm1}");
+    assert_eq!(vm1["worker"]["state"], "running");
+    assert!(vm1["worker"]["last_restart_ms"].as_f64().is_some());
+    assert_eq!(d.endpoint("vm2")["worker"]["restarts"], 0);
+
+    let metrics = d.ctl_ok(&["metrics"]);
+    for line in [
+        r#"switchyard_endpoint_worker_restarts_total{endpoint="vm1"} 3"#,
+        r#"switchyard_endpoint_worker_restarts_total{endpoint="vm2"} 0"#,
+        "switchyard_endpoint_restarts_total 3",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
+    assert!(metrics.contains(r#"switchyard_board_jobs_total{board="gpu0"}"#));
+
+    // Events: the pool's (opened, two endpoints created) and each worker's lifecycle, in
+    // increasing order.
+    let events = d.events();
+    let seqs: Vec<u64> = events
+        .iter()
+        .map(|e| e["seq"].as_u64().expect("seq"))
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let pool_kinds: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e.pointer("/pool/kind/type").and_then(Value::as_str))
+        .collect();
+    assert_eq!(
+        pool_kinds,
+        ["opened", "endpoint_created", "endpoint_created"]
+    );
+    let vm1_ready: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["worker"]["event"] == "ready" && e["worker"]["endpoint"] == "vm1")
+        .collect();
+    assert_eq!(vm1_ready.len(), 4, "first worker and three replacements");
+    assert!(
+        vm1_ready[1..]
+            .iter()
+            .all(|e| e["worker"]["resumed_connection"] == true
+                && e["worker"]["restart_ms"].as_f64().is_some()),
+        "{vm1_ready:?}"
+    );
+    let exits = events
+        .iter()
+        .filter(|e| e["worker"]["event"] == "exited" && e["worker"]["endpoint"] == "vm1")
+        .count();
+    assert_eq!(exits, 3);
+    // Resuming after an event gives the rest.
+    let after = seqs[seqs.len() - 3];
+    let rest: Vec<Value> = d
+        .client()
+        .stream(&format!("/events?since={after}&follow=false"))
+        .expect("events")
+        .map(|l| serde_json::from_str(&l.expect("line")).expect("json"))
+        .collect();
+    assert_eq!(rest.len(), 2);
+    let text = d.ctl_ok(&["events"]);
+    assert!(
+        text.contains("endpoint_created") && text.contains("ready"),
+        "{text}"
+    );
+
+    // Delete: the worker stops (the client's connection closes), the device is free again.
+    let out = d.ctl_ok(&["delete", "vm1"]);
+    assert!(out.contains("deleted"));
+    let mut buf = [0u8; 4];
+    assert!(
+        a.t.0.region_read(0, SCRATCH, &mut buf).is_err(),
+        "the deleted endpoint's client is disconnected"
+    );
+    let pools: Value = d.client().get("/v1/pools").expect("pools").body;
+    assert_eq!(pools[0]["free"], 1);
+    assert!(!socket_of(&vm1).exists(), "the socket file is gone");
+    round(&mut b, 2);
+
+    // Upgrade replaces the worker with the binary on disk; the client goes on.
+    let up = d.ctl_ok(&["upgrade", "vm2"]);
+    assert!(up.contains("replaced by"), "{up}");
+    round(&mut b, 3);
+    assert_eq!(b.r32(SCRATCH), 0xfeed_0002);
+    assert!(
+        d.ctl_ok(&["metrics"])
+            .contains("switchyard_upgrades_total 1")
+    );
+    d.endpoint("vm2");
+}
+
+/// Boards, endpoints and the events, for before/after comparisons.
+fn snapshot(d: &Daemon) -> (Value, Value, usize) {
+    let c = d.client();
+    (
+        c.get("/v1/boards").expect("boards").body,
+        c.get("/v1/endpoints").expect("endpoints").body,
+        d.events().len(),
+    )
+}
+
+#[test]
+fn refused_requests_change_nothing() {
+    let mut d = Daemon::start();
+    d.ctl_ok(&["create", "vm1", "--device", "gpu0"]);
+    d.endpoint("vm1");
+    let before = snapshot(&d);
+    let c = d.client();
+    type Request<'a> = Box<dyn Fn() -> Result<switchyard_control::JsonReply, ControlError> + 'a>;
+    let cases: Vec<(&str, Request<'_>, u16)> = vec![
+        (
+            "unknown endpoint",
+            Box::new(|| c.get("/v1/endpoints/nope")),
+            404,
+        ),
+        (
+            "delete unknown",
+            Box::new(|| c.delete("/v1/endpoints/nope")),
+            404,
+        ),
+        (
+            "restart unknown",
+            Box::new(|| c.post("/v1/endpoints/nope/restart", &())),
+            404,
+        ),
+        (
+            "upgrade unknown",
+            Box::new(|| c.post("/v1/endpoints/nope/upgrade", &())),
+            404,
+        ),
+        ("unknown board", Box::new(|| c.get("/v1/boards/nope")), 404),
+        (
+            "quarantine unknown",
+            Box::new(|| c.post("/v1/boards/nope/quarantine", &())),
+            404,
+        ),
+        (
+            "unknown pool",
+            Box::new(|| c.post("/v1/endpoints", &json!({"id": "x", "pool": "nope"}))),
+            404,
+        ),
+        (
+            "duplicate id",
+            Box::new(|| c.post("/v1/endpoints", &json!({"id": "vm1", "pool": "default"}))),
+            409,
+        ),
+        (
+            "busy device",
+            Box::new(|| c.post("/v1/endpoints", &json!({"id": "x", "device": "gpu0"}))),
+            409,
+        ),
+        (
+            "id of a board",
+            Box::new(|| c.post("/v1/endpoints", &json!({"id": "gpu1", "pool": "default"}))),
+            409,
+        ),
+        (
+            "no capacity",
+            Box::new(|| {
+                c.post(
+                    "/v1/endpoints",
+                    &json!({"id": "x", "pool": "default", "min_vram": 1u64 << 40}),
+                )
+            }),
+            409,
+        ),
+        (
+            "bad id",
+            Box::new(|| c.post("/v1/endpoints", &json!({"id": "a b", "pool": "default"}))),
+            422,
+        ),
+        (
+            "pool and device",
+            Box::new(|| {
+                c.post(
+                    "/v1/endpoints",
+                    &json!({"id": "x", "pool": "default", "device": "gpu1"}),
+                )
+            }),
+            422,
+        ),
+        (
+            "relative socket",
+            Box::new(|| {
+                c.post(
+                    "/v1/endpoints",
+                    &json!({"id": "x", "pool": "default", "socket": "rel.sock"}),
+                )
+            }),
+            422,
+        ),
+        (
+            "unknown field",
+            Box::new(|| {
+                c.post(
+                    "/v1/endpoints",
+                    &json!({"id": "x", "pool": "default", "gpus": 2}),
+                )
+            }),
+            422,
+        ),
+        (
+            "wrong type",
+            Box::new(|| {
+                c.post(
+                    "/v1/endpoints",
+                    &json!({"id": "x", "pool": "default", "min_queues": "many"}),
+                )
+            }),
+            422,
+        ),
+        ("unknown route", Box::new(|| c.get("/v1/moves")), 404),
+        (
+            "move not offered",
+            Box::new(|| c.post("/v1/endpoints/vm1/move", &json!({"to": "gpu1"}))),
+            404,
+        ),
+    ];
+    for (what, request, want) in cases {
+        let (status, code) = api_status(request());
+        assert_eq!(status, want, "{what}: {code}");
+        assert_eq!(snapshot(&d), before, "{what} changed something");
+    }
+    // Malformed JSON (sent raw).
+    let raw = c
+        .request(
+            "POST",
+            "/v1/endpoints",
+            Some(("application/json", b"{\"id\": \"x\", \"pool\": ")),
+        )
+        .expect("request");
+    assert_eq!(raw.status, 400);
+    assert_eq!(
+        raw.error().expect("error body").error.code,
+        "malformed_json"
+    );
+    assert_eq!(snapshot(&d), before, "malformed JSON changed something");
+
+    // A socket path another server holds: refused by the data path, nothing stored.
+    let taken = d.dir.path().join("taken.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&taken).expect("bind");
+    let (status, code) = api_status(c.post(
+        "/v1/endpoints",
+        &json!({"id": "x", "pool": "default", "socket": taken}),
+    ));
+    assert_eq!((status, code.as_str()), (409, "socket_in_use"));
+    assert_eq!(snapshot(&d), before, "a refused socket changed something");
+
+    // The CLI: an API error is `error: MESSAGE` and exit 1; a usage error exit 2.
+    let out = d.ctl(&["endpoint", "nope"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("error: ") && err.contains("nope"), "{err}");
+    let out = d.ctl(&["create"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = d.ctl(&["create", "x", "--pool", "default", "--device", "gpu1"]);
+    assert_eq!(out.status.code(), Some(2), "--pool and --device conflict");
+    assert_eq!(snapshot(&d), before);
+
+    // A positive control: the same calls succeed when valid, and are seen.
+    d.ctl_ok(&["quarantine", "gpu1"]);
+    let (status, _) = api_status(c.post("/v1/endpoints", &json!({"id": "x", "pool": "default"})));
+    assert_eq!(status, 409, "no free device on an available board");
+    d.ctl_ok(&["unquarantine", "gpu1"]);
+    d.ctl_ok(&["create", "x", "--pool", "default"]);
+    assert_ne!(snapshot(&d), before);
+    d.endpoint("x");
+}
+
+#[test]
+fn configuration_errors_exit_2_naming_the_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (name, text, key) in [
+        (
+            "value",
+            "[[boards]]\nid = \"a\"\nvram = \"lots\"\n",
+            "boards[0].vram",
+        ),
+        ("unknown key", "[daemon]\nbogus = 1\n", "daemon.bogus"),
+        (
+            "homogeneity",
+            "[[boards]]\nid = \"a\"\n[[boards]]\nid = \"b\"\nvram = \"128M\"\n\
+             [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n",
+            "pools[0]",
+        ),
+        ("syntax", "[[boards]\n", "line 1"),
+    ] {
+        let file = dir.path().join("pool.toml");
+        std::fs::write(&file, text).expect("write");
+        let out = Command::new(EXE)
+            .arg("daemon")
+            .arg("--config")
+            .arg(&file)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--run-dir")
+            .arg(dir.path().join("run"))
+            .env("SWITCHYARD_WORKER_EXE", EXE)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run the daemon");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        assert!(err.contains(key), "{name}: {err}");
+        assert!(
+            !dir.path().join("state").exists(),
+            "{name}: nothing created"
+        );
+    }
+    let out = Command::new(EXE)
+        .args(["daemon", "--config"])
+        .arg(dir.path().join("missing.toml"))
+        .output()
+        .expect("run the daemon");
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
+    let mut d = Daemon::start();
+    d.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    d.ctl_ok(&["create", "vm2", "--pool", "default"]);
+    d.ctl_ok(&["quarantine", "gpu1"]);
+    let vm1 = d.endpoint("vm1");
+    let vm2 = d.endpoint("vm2");
+    let mut a = connect(&socket_of(&vm1));
+    a.setup_queue(0);
+    a.w32(SCRATCH, 0xfeed_0001);
+    round(&mut a, 0);
+    let leases = |d: &Daemon| -> Vec<(String, String)> {
+        let eps: Value = d.client().get("/v1/endpoints").expect("endpoints").body;
+        eps.as_array()
+            .expect("array")
+            .iter()
+            .map(|e| {
+                (
+                    e["endpoint"]["id"].as_str().expect("id").to_owned(),
+                    e["endpoint"]["device"].as_str().expect("device").to_owned(),
+                )
+            })
+            .collect()
+    };
+    let before = leases(&d);
+    assert_eq!(before.len(), 2);
+    let last_seq = d.events().last().expect("events")["seq"]
+        .as_u64()
+        .expect("seq");
+
+    d.kill9();
+    // The guest keeps its device while no daemon runs.
+    round(&mut a, 1);
+    d.launch();
+    assert_eq!(leases(&d), before, "every lease restored");
+    let board: Value = d.client().get("/v1/boards/gpu1").expect("board").body;
+    assert_eq!(board["state"], "quarantined", "the quarantine too");
+    // The workers of the killed daemon still serve: reported, not replaced.
+    for old in [&vm1, &vm2] {
+        let id = old["endpoint"]["id"].as_str().expect("id");
+        let now = d.endpoint(id);
+        assert_eq!(now["worker"]["state"], "orphaned", "{now}");
+        assert_eq!(now["worker"]["pid"], old["worker"]["pid"], "{now}");
+    }
+    round(&mut a, 2);
+    assert_eq!(a.r32(SCRATCH), 0xfeed_0001);
+    let out = d.ctl(&["restart", "vm1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("orphaned"));
+    // Event numbers go on from the killed daemon's.
+    let events = d.events();
+    let opened = events
+        .iter()
+        .rfind(|e| e.pointer("/pool/kind/type").and_then(Value::as_str) == Some("opened"))
+        .expect("opened");
+    assert!(opened["seq"].as_u64().expect("seq") > last_seq);
+
+    // Deleting an orphaned endpoint kills its worker; a new endpoint gets a worker of this
+    // daemon.
+    d.ctl_ok(&["delete", "vm2"]);
+    let pid = vm2["worker"]["pid"].as_u64().expect("pid") as u32;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while is_worker(pid) {
+        assert!(Instant::now() < deadline, "the orphan {pid} still runs");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    d.ctl_ok(&["unquarantine", "gpu1"]);
+    d.ctl_ok(&["create", "vm3", "--pool", "default"]);
+    assert_eq!(d.endpoint("vm3")["worker"]["state"], "running");
+
+    // A SIGTERM leaves the workers running too.
+    let vm3_pid = d.endpoint("vm3")["worker"]["pid"].as_u64().expect("pid") as u32;
+    let child = d.child.take().expect("daemon");
+    let status = common::signal_and_wait(child, rustix::process::Signal::TERM, String::new);
+    assert!(status.success(), "{status}");
+    assert!(is_worker(vm3_pid), "the worker outlives a stopped daemon");
+    round(&mut a, 3);
+}
