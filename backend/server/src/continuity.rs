@@ -43,7 +43,6 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use switchyard_device::blackbox::{Area, BlackBox, BlackBoxError, Record, RecordSpec};
-use switchyard_device::dma::MappingInfo;
 use switchyard_device::ratelimit::LogLimiter;
 use switchyard_proto::ServerLimits;
 
@@ -57,6 +56,21 @@ pub const TABLES_RECORD: &str = "server.tables";
 pub const SESSION_RECORD: &str = "server.session";
 /// The area replies are sent from (see [`Continuity::prepare_reply`]).
 pub const REPLIES_AREA: &str = "server.replies";
+/// The log of table changes since the last snapshot, and its length (see `Inner::log_op`).
+pub const TABLE_LOG_AREA: &str = "server.tablog";
+/// See [`TABLE_LOG_AREA`].
+pub const TABLE_LOG_HEAD: &str = "server.tablog.head";
+
+/// Table changes the log holds before it is folded into a snapshot.
+const LOG_ENTRIES: usize = 16 << 10;
+/// Bytes per log entry.
+const LOG_ENTRY: usize = 40;
+const OP_MAP: u8 = 1;
+const OP_UNMAP: u8 = 2;
+const OP_UNMAP_ALL: u8 = 3;
+const OP_IRQ_SET: u8 = 4;
+const OP_IRQ_CLEAR: u8 = 5;
+const OP_IRQ_DISABLE: u8 = 6;
 
 /// Custody ids below this are the supervisor's to assign (the connection, memory objects);
 /// the server numbers message descriptors from here.
@@ -125,11 +139,18 @@ struct Inner {
     /// area, length)`, recorded with the receive journal.
     replies: Area,
     pending_reply: Option<(u64, u64)>,
+    /// Snapshot of the tables; changes since go to the log (`log_op`), which is folded into a
+    /// new snapshot when full: a change costs one entry, however many windows there are.
     tables: Record,
+    log: Area,
+    log_head: Record,
+    log_len: usize,
     session: Record,
     next_id: u64,
     windows: BTreeMap<u64, WindowRecord>,
     vectors: BTreeMap<(u32, u32), u64>,
+    /// How many table entries refer to each custody id.
+    refs: BTreeMap<u64, u32>,
     scratch: Vec<u8>,
     failures: LogLimiter,
 }
@@ -153,6 +174,8 @@ impl Continuity {
             ),
             RecordSpec::new(SESSION_RECORD, MAX_VERSION_DATA + 64),
             RecordSpec::area(REPLIES_AREA, 2 * max_msg as usize + 4096),
+            RecordSpec::area(TABLE_LOG_AREA, LOG_ENTRIES * LOG_ENTRY),
+            RecordSpec::new(TABLE_LOG_HEAD, 16),
         ]
     }
 
@@ -161,7 +184,7 @@ impl Continuity {
         let c = Self::open(bb, custody, FIRST_MESSAGE_ID)?;
         {
             let mut g = c.lock();
-            g.publish_tables();
+            g.snapshot_tables();
             g.publish_session(None);
             g.rx.publish(&[])?;
         }
@@ -184,12 +207,39 @@ impl Continuity {
         } else if !rx.is_empty() {
             return Err(corrupt(RX_RECORD));
         }
+        let mut windows = BTreeMap::new();
         if let Some(t) = bb.record(TABLES_RECORD)?.read()? {
             let (w, v, next) = decode_tables(&t).ok_or_else(|| corrupt(TABLES_RECORD))?;
-            resumed.windows = w;
+            windows = w.into_iter().map(|w| (w.iova, w)).collect();
             resumed.vectors = v;
             resumed.next_id = next;
         }
+        // The changes since the snapshot. Replaying one that the snapshot already has is
+        // harmless: every change sets or removes entries, so a sequence applied twice ends
+        // where it ended once.
+        if let Some(h) = bb.record(TABLE_LOG_HEAD)?.read()? {
+            let head = |i: usize| {
+                h.get(i..i + 8)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u64::from_le_bytes)
+            };
+            let (Some(len), Some(next)) = (head(0), head(8)) else {
+                return Err(corrupt(TABLE_LOG_HEAD));
+            };
+            resumed.next_id = resumed.next_id.max(next);
+            let log = bb.area(TABLE_LOG_AREA)?;
+            let len = usize::try_from(len)
+                .ok()
+                .filter(|&l| l <= LOG_ENTRIES)
+                .ok_or_else(|| corrupt(TABLE_LOG_HEAD))?;
+            let mut e = [0u8; LOG_ENTRY];
+            for i in 0..len {
+                log.read_at(i * LOG_ENTRY, &mut e)?;
+                apply_op(&e, &mut windows, &mut resumed.vectors)
+                    .ok_or_else(|| corrupt(TABLE_LOG_AREA))?;
+            }
+        }
+        resumed.windows = windows.into_values().collect();
         if let Some(s) = bb.record(SESSION_RECORD)?.read()? {
             resumed.version = decode_session(&s).ok_or_else(|| corrupt(SESSION_RECORD))?;
         }
@@ -205,6 +255,11 @@ impl Continuity {
             let mut g = c.lock();
             g.windows = resumed.windows.iter().map(|w| (w.iova, *w)).collect();
             g.vectors = resumed.vectors.clone();
+            for id in &resumed.referenced {
+                *g.refs.entry(*id).or_default() += 1;
+            }
+            // A fresh snapshot of what was recovered, and an empty log.
+            g.snapshot_tables();
         }
         Ok((c, resumed))
     }
@@ -221,10 +276,14 @@ impl Continuity {
                 replies: bb.area(REPLIES_AREA)?,
                 pending_reply: None,
                 tables: bb.record(TABLES_RECORD)?,
+                log: bb.area(TABLE_LOG_AREA)?,
+                log_head: bb.record(TABLE_LOG_HEAD)?,
+                log_len: 0,
                 session: bb.record(SESSION_RECORD)?,
                 next_id,
                 windows: BTreeMap::new(),
                 vectors: BTreeMap::new(),
+                refs: BTreeMap::new(),
                 scratch: Vec::new(),
                 failures: LogLimiter::new(
                     "crash continuity degraded",
@@ -252,6 +311,9 @@ impl Continuity {
         let first = g.next_id;
         g.next_id += fds.len() as u64;
         let ids: Vec<u64> = (first..g.next_id).collect();
+        // The next id survives a restart, so that a replacement never reuses an id a message
+        // in the journal carries.
+        g.publish_log_head();
         let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
         if let Err(e) = g.custody.hold(&ids, &borrowed) {
             g.degraded("cannot hand descriptors to the supervisor", &e);
@@ -407,59 +469,97 @@ impl Continuity {
     /// A window was mapped.
     pub(crate) fn dma_mapped(&self, w: WindowRecord) {
         let mut g = self.lock();
-        g.windows.insert(w.iova, w);
-        g.publish_tables();
+        if let Some(old) = g.windows.insert(w.iova, w)
+            && let Some(id) = old.fd
+        {
+            g.unref(id);
+        }
+        if let Some(id) = w.fd {
+            *g.refs.entry(id).or_default() += 1;
+        }
+        g.log_op(&encode_op(Op::Map(w)));
     }
 
-    /// Windows were removed: keep only those in `current` (the DMA space's table).
-    pub(crate) fn dma_sync(&self, current: &[MappingInfo]) {
+    /// `[iova, iova + size)` was unmapped: the windows entirely inside it are gone (the DMA
+    /// space's rule).
+    pub(crate) fn dma_unmapped(&self, iova: u64, size: u64) {
         let mut g = self.lock();
-        let before = g.windows.len();
-        let mut gone = Vec::new();
-        g.windows.retain(|iova, w| {
-            let keep = current.iter().any(|m| m.iova == *iova && m.size == w.size);
-            if !keep && let Some(id) = w.fd {
-                gone.push(id);
-            }
-            keep
-        });
-        if g.windows.len() != before {
-            g.publish_tables();
-            g.release(&gone);
+        let end = iova.saturating_add(size);
+        let gone: Vec<u64> = g
+            .windows
+            .range(iova..end)
+            .filter(|(_, w)| w.iova.saturating_add(w.size) <= end)
+            .map(|(k, _)| *k)
+            .collect();
+        if gone.is_empty() {
+            return;
         }
+        let mut released = Vec::new();
+        for k in gone {
+            if let Some(w) = g.windows.remove(&k)
+                && let Some(id) = w.fd
+                && g.unref(id)
+            {
+                released.push(id);
+            }
+        }
+        g.log_op(&encode_op(Op::Unmap { iova, size }));
+        g.release(&released);
+    }
+
+    /// Every window was unmapped.
+    pub(crate) fn dma_unmapped_all(&self) {
+        let mut g = self.lock();
+        let ids: Vec<u64> = g.windows.values().filter_map(|w| w.fd).collect();
+        g.windows.clear();
+        let released: Vec<u64> = ids.into_iter().filter(|id| g.unref(*id)).collect();
+        g.log_op(&encode_op(Op::UnmapAll));
+        g.release(&released);
     }
 
     /// Vectors `start..` of `index` now have these eventfds (`None`: de-assigned).
     pub(crate) fn irqs_set(&self, index: u32, start: u32, ids: &[Option<u64>]) {
         let mut g = self.lock();
-        let mut gone = Vec::new();
+        let mut released = Vec::new();
         for (v, id) in (start..).zip(ids) {
             let old = match id {
-                Some(id) => g.vectors.insert((index, v), *id),
+                Some(id) => {
+                    *g.refs.entry(*id).or_default() += 1;
+                    g.vectors.insert((index, v), *id)
+                }
                 None => g.vectors.remove(&(index, v)),
             };
             if let Some(old) = old
-                && Some(old) != *id
+                && g.unref(old)
             {
-                gone.push(old);
+                released.push(old);
             }
+            let op = match id {
+                Some(id) => Op::IrqSet {
+                    index,
+                    vector: v,
+                    id: *id,
+                },
+                None => Op::IrqClear { index, vector: v },
+            };
+            g.log_op(&encode_op(op));
         }
-        g.publish_tables();
-        g.release(&gone);
+        g.release(&released);
     }
 
     /// Every vector of `index` was disabled.
     pub(crate) fn irqs_disabled(&self, index: u32) {
         let mut g = self.lock();
-        let gone: Vec<u64> = g
+        let ids: Vec<u64> = g
             .vectors
             .iter()
             .filter(|((i, _), _)| *i == index)
             .map(|(_, id)| *id)
             .collect();
         g.vectors.retain(|(i, _), _| *i != index);
-        g.publish_tables();
-        g.release(&gone);
+        let released: Vec<u64> = ids.into_iter().filter(|id| g.unref(*id)).collect();
+        g.log_op(&encode_op(Op::IrqDisable { index }));
+        g.release(&released);
     }
 
     /// A message with descriptors `ids` has been handled: those no table refers to are
@@ -472,10 +572,7 @@ impl Continuity {
         let unused: Vec<u64> = ids
             .iter()
             .copied()
-            .filter(|id| {
-                !g.windows.values().any(|w| w.fd == Some(*id))
-                    && !g.vectors.values().any(|v| v == id)
-            })
+            .filter(|id| !g.refs.contains_key(id))
             .collect();
         g.release(&unused);
     }
@@ -497,7 +594,8 @@ impl Continuity {
             .collect();
         g.windows.clear();
         g.vectors.clear();
-        g.publish_tables();
+        g.refs.clear();
+        g.snapshot_tables();
         g.publish_session(None);
         g.pending_reply = None;
         if let Err(e) = g.rx.publish(&[]) {
@@ -522,6 +620,55 @@ impl Inner {
         if let Err(e) = self.custody.release(ids) {
             self.degraded("cannot release descriptors held by the supervisor", &e);
         }
+    }
+
+    /// Drops one reference to custody id `id`; true if none is left.
+    fn unref(&mut self, id: u64) -> bool {
+        match self.refs.get_mut(&id) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.refs.remove(&id);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// Appends a table change to the log (one entry, then the log's length, published); a
+    /// full log is first folded into a snapshot.
+    fn log_op(&mut self, entry: &[u8; LOG_ENTRY]) {
+        if self.log_len >= LOG_ENTRIES {
+            // The snapshot already has this change (the tables in memory are updated
+            // first); the log restarts empty.
+            self.snapshot_tables();
+            return;
+        }
+        if let Err(e) = self.log.write_at(self.log_len * LOG_ENTRY, entry) {
+            self.degraded("cannot append to the table log", &e);
+            return;
+        }
+        self.log_len += 1;
+        self.publish_log_head();
+    }
+
+    fn publish_log_head(&mut self) {
+        let mut h = [0u8; 16];
+        h[..8].copy_from_slice(&(self.log_len as u64).to_le_bytes());
+        h[8..].copy_from_slice(&self.next_id.to_le_bytes());
+        if let Err(e) = self.log_head.publish(&h) {
+            self.degraded("cannot publish the table log", &e);
+        }
+    }
+
+    /// Publishes the whole tables, then empties the log (a kill between the two replays the
+    /// log onto the new snapshot, which changes nothing: see `Continuity::resume`).
+    fn snapshot_tables(&mut self) {
+        self.publish_tables();
+        self.log_len = 0;
+        self.publish_log_head();
     }
 
     fn publish_tables(&mut self) {
@@ -566,6 +713,96 @@ impl Inner {
             self.degraded("cannot publish the session", &e);
         }
     }
+}
+
+/// A change of the tables, as the log records it.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Map(WindowRecord),
+    Unmap { iova: u64, size: u64 },
+    UnmapAll,
+    IrqSet { index: u32, vector: u32, id: u64 },
+    IrqClear { index: u32, vector: u32 },
+    IrqDisable { index: u32 },
+}
+
+fn encode_op(op: Op) -> [u8; LOG_ENTRY] {
+    let mut e = [0u8; LOG_ENTRY];
+    let mut put = |at: usize, b: &[u8]| e[at..at + b.len()].copy_from_slice(b);
+    match op {
+        Op::Map(w) => {
+            put(0, &[OP_MAP]);
+            put(1, &[u8::from(w.read) | u8::from(w.write) << 1 | u8::from(w.fd.is_some()) << 2]);
+            put(8, &w.iova.to_le_bytes());
+            put(16, &w.size.to_le_bytes());
+            put(24, &w.offset.to_le_bytes());
+            put(32, &w.fd.unwrap_or(0).to_le_bytes());
+        }
+        Op::Unmap { iova, size } => {
+            put(0, &[OP_UNMAP]);
+            put(8, &iova.to_le_bytes());
+            put(16, &size.to_le_bytes());
+        }
+        Op::UnmapAll => put(0, &[OP_UNMAP_ALL]),
+        Op::IrqSet { index, vector, id } => {
+            put(0, &[OP_IRQ_SET]);
+            put(4, &index.to_le_bytes());
+            put(8, &vector.to_le_bytes());
+            put(16, &id.to_le_bytes());
+        }
+        Op::IrqClear { index, vector } => {
+            put(0, &[OP_IRQ_CLEAR]);
+            put(4, &index.to_le_bytes());
+            put(8, &vector.to_le_bytes());
+        }
+        Op::IrqDisable { index } => {
+            put(0, &[OP_IRQ_DISABLE]);
+            put(4, &index.to_le_bytes());
+        }
+    }
+    e
+}
+
+/// Applies one log entry to tables being recovered; `None` if it does not decode.
+fn apply_op(
+    e: &[u8; LOG_ENTRY],
+    windows: &mut BTreeMap<u64, WindowRecord>,
+    vectors: &mut BTreeMap<(u32, u32), u64>,
+) -> Option<()> {
+    let u64_at = |at: usize| e.get(at..at + 8)?.try_into().ok().map(u64::from_le_bytes);
+    let u32_at = |at: usize| e.get(at..at + 4)?.try_into().ok().map(u32::from_le_bytes);
+    match e[0] {
+        OP_MAP => {
+            let flags = e[1];
+            let w = WindowRecord {
+                iova: u64_at(8)?,
+                size: u64_at(16)?,
+                offset: u64_at(24)?,
+                read: flags & 1 != 0,
+                write: flags & 2 != 0,
+                fd: (flags & 4 != 0).then_some(u64_at(32)?),
+            };
+            windows.insert(w.iova, w);
+        }
+        OP_UNMAP => {
+            let (iova, size) = (u64_at(8)?, u64_at(16)?);
+            let end = iova.saturating_add(size);
+            windows.retain(|_, w| !(w.iova >= iova && w.iova.saturating_add(w.size) <= end));
+        }
+        OP_UNMAP_ALL => windows.clear(),
+        OP_IRQ_SET => {
+            vectors.insert((u32_at(4)?, u32_at(8)?), u64_at(16)?);
+        }
+        OP_IRQ_CLEAR => {
+            vectors.remove(&(u32_at(4)?, u32_at(8)?));
+        }
+        OP_IRQ_DISABLE => {
+            let index = u32_at(4)?;
+            vectors.retain(|(i, _), _| *i != index);
+        }
+        _ => return None,
+    }
+    Some(())
 }
 
 struct Reader<'a>(&'a [u8]);

@@ -478,11 +478,11 @@ impl Dispatcher {
                 reply_empty(&mut self.out, id, Reply::DmaMap)?;
             }
             Request::DmaUnmap { unmap, bitmap } => {
-                let dma = &device_slot.context().dma;
-                let sync = |c: &Continuity| c.dma_sync(&dma.mappings());
-                let _sync = SyncOnDrop(self.continuity.as_deref(), sync);
                 if unmap.flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
                     device_slot.context().dma.unmap_all();
+                    if let Some(c) = &self.continuity {
+                        c.dma_unmapped_all();
+                    }
                     tracing::debug!("DMA unmap all");
                     Reply::DmaUnmap {
                         unmap,
@@ -503,6 +503,9 @@ impl Dispatcher {
                         bh.pgsize,
                         buf,
                     )?;
+                    if let Some(c) = &self.continuity {
+                        c.dma_unmapped(unmap.address, unmap.size);
+                    }
                     tracing::debug!(
                         iova = unmap.address,
                         size = unmap.size,
@@ -511,6 +514,9 @@ impl Dispatcher {
                     );
                 } else {
                     let n = device_slot.context().dma.unmap(unmap.address, unmap.size)?;
+                    if let Some(c) = &self.continuity {
+                        c.dma_unmapped(unmap.address, unmap.size);
+                    }
                     tracing::debug!(
                         iova = unmap.address,
                         size = unmap.size,
@@ -867,18 +873,6 @@ fn device_feature(
 fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestError> {
     r.encode(id, out)?;
     Ok(())
-}
-
-/// Runs its closure on the continuity when dropped: after every exit of an unmap (success or
-/// error), the tables follow the DMA space.
-struct SyncOnDrop<'a, F: Fn(&Continuity)>(Option<&'a Continuity>, F);
-
-impl<F: Fn(&Continuity)> Drop for SyncOnDrop<'_, F> {
-    fn drop(&mut self) {
-        if let Some(c) = self.0 {
-            (self.1)(c);
-        }
-    }
 }
 
 /// What `/proc/self/fd/N` links to for an eventfd: the kernel's name for its anonymous inode
