@@ -732,7 +732,10 @@ fn encode_op(op: Op) -> [u8; LOG_ENTRY] {
     match op {
         Op::Map(w) => {
             put(0, &[OP_MAP]);
-            put(1, &[u8::from(w.read) | u8::from(w.write) << 1 | u8::from(w.fd.is_some()) << 2]);
+            put(
+                1,
+                &[u8::from(w.read) | u8::from(w.write) << 1 | u8::from(w.fd.is_some()) << 2],
+            );
             put(8, &w.iova.to_le_bytes());
             put(16, &w.size.to_le_bytes());
             put(24, &w.offset.to_le_bytes());

@@ -796,6 +796,7 @@ pub fn run(g: &mut Gpu, sizes: &Sizes) -> Outcome {
             let interrupted = g.stats.interrupted;
             let irq_fences = g.stats.fences - g.stats.silent_fences;
             let irq_waits = g.stats.fence_irq_waits;
+            let (jobs_run, bytes_moved) = (g.stats.jobs_run, g.stats.bytes_moved);
             let res = match catch_unwind(AssertUnwindSafe(|| f(g))) {
                 Ok(r) => r,
                 Err(p) => Err(format!("panic: {}", crate::panic_message(p.as_ref()))),
@@ -814,6 +815,9 @@ pub fn run(g: &mut Gpu, sizes: &Sizes) -> Outcome {
                 g.stats.abandoned_fence_waits +=
                     (g.stats.fences - g.stats.silent_fences - irq_fences)
                         - (g.stats.fence_irq_waits - irq_waits);
+                // The attempt's jobs are submitted again and counted (and verified) then.
+                g.stats.jobs_run = jobs_run;
+                g.stats.bytes_moved = bytes_moved;
                 g.dma_release(mark);
                 if let Err(e) = settled {
                     break Err(format!("after a device restart: {e}"));

@@ -206,6 +206,10 @@ fn many_changes_replay_from_snapshot_and_log() {
     let want: Vec<u64> = (0..n).filter(|i| i % 3 != 0).map(|i| i * 0x1000).collect();
     let got: Vec<u64> = r.windows.iter().map(|w| w.iova).collect();
     assert_eq!(got, want);
-    assert!(r.windows.iter().all(|w| w.write == ((w.iova / 0x1000) % 2 == 0)));
+    assert!(
+        r.windows
+            .iter()
+            .all(|w| w.write == ((w.iova / 0x1000) % 2 == 0))
+    );
     assert_eq!(r.vectors.get(&(2, 1)), Some(&(FIRST_MESSAGE_ID + 5)));
 }
