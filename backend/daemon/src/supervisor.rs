@@ -83,6 +83,17 @@ impl Endpoint {
     fn held(&self) -> MutexGuard<'_, BTreeMap<u64, OwnedFd>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Changes the held descriptors, then the status that counts them.
+    fn change_held(&self, f: impl FnOnce(&mut BTreeMap<u64, OwnedFd>)) {
+        let mut held = self.held();
+        f(&mut held);
+        let (n, connected) = (held.len(), held.contains_key(&CONNECTION_ID));
+        drop(held);
+        let mut st = self.status();
+        st.held = n;
+        st.connected = connected;
+    }
 }
 
 /// Crash-loop policy: this many workers dying without reporting ready, in a row, and the
@@ -426,32 +437,18 @@ fn run_worker(
         let mut buf = Vec::new();
         loop {
             match custody::recv(&ours, &mut buf) {
-                Ok((Note::Hold { ids }, fds)) => {
-                    let mut held = ep.held();
+                Ok((Note::Hold { ids }, fds)) => ep.change_held(|held| {
                     for (id, fd) in ids.into_iter().zip(fds) {
                         held.insert(id, fd);
                     }
-                    let n = held.len();
-                    let connected = held.contains_key(&CONNECTION_ID);
-                    drop(held);
-                    let mut st = ep.status();
-                    st.held = n;
-                    st.connected = connected;
-                }
-                Ok((Note::Release { ids }, _)) => {
-                    let mut held = ep.held();
+                }),
+                Ok((Note::Release { ids }, _)) => ep.change_held(|held| {
                     for id in ids {
                         if id != LISTENER_ID {
                             held.remove(&id);
                         }
                     }
-                    let n = held.len();
-                    let connected = held.contains_key(&CONNECTION_ID);
-                    drop(held);
-                    let mut st = ep.status();
-                    st.held = n;
-                    st.connected = connected;
-                }
+                }),
                 Ok((Note::Ready { resumed }, _)) => {
                     ready = true;
                     let restart = died_at.map(|t| t.elapsed());

@@ -399,17 +399,7 @@ impl Continuity {
         let Some((_, len)) = g.pending_reply else {
             return Err(io::Error::other("no prepared reply"));
         };
-        let file = g.replies.file();
-        let mut left = len as usize;
-        while left > 0 {
-            match rustix::fs::sendfile(sock, file, None, left) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => left -= n,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(())
+        sendfile_all(sock, g.replies.file(), len)
     }
 
     /// In a replacement: sends what of the last reply had not left when the process died
@@ -436,19 +426,8 @@ impl Continuity {
                 "reply area position {pos} before the reply being sent ({start})"
             )));
         }
-        drop(g);
         let unsent = end - pos;
-        let g = self.lock();
-        let file = g.replies.file();
-        let mut left = unsent as usize;
-        while left > 0 {
-            match rustix::fs::sendfile(sock, file, None, left) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => left -= n,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+        sendfile_all(sock, g.replies.file(), unsent)?;
         Ok(unsent)
     }
 
@@ -713,6 +692,25 @@ impl Inner {
             self.degraded("cannot publish the session", &e);
         }
     }
+}
+
+/// Sends `len` bytes of `file` from its position to `sock` (`sendfile`, which advances the
+/// position as the bytes leave).
+fn sendfile_all(
+    sock: &std::os::unix::net::UnixStream,
+    file: &std::fs::File,
+    len: u64,
+) -> io::Result<()> {
+    let mut left = usize::try_from(len).map_err(io::Error::other)?;
+    while left > 0 {
+        match rustix::fs::sendfile(sock, file, None, left) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => left -= n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// A change of the tables, as the log records it.

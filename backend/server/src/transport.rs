@@ -532,19 +532,7 @@ impl Connection {
             switchyard_sys::sock::set_peek_offset(stream.as_fd(), 0)?;
             return Ok(0);
         }
-        let mut left = off;
-        let total = left;
-        let mut sink = [0u8; 4096];
-        while left > 0 {
-            let n = left.min(sink.len());
-            match switchyard_endpoint::recv(stream, &mut sink[..n], MAX_FDS_PER_READ, true, drop) {
-                Ok(r) if r.bytes == 0 => break,
-                Ok(r) => left -= r.bytes,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(total - left)
+        discard(stream, off, true)
     }
 
     /// The crash continuity this connection publishes into, if any.
@@ -655,30 +643,40 @@ impl Connection {
         };
         self.framer
             .filled_with_ids(got.bytes, self.read_fds.drain(..), &ids, got.fds_truncated);
+        self.framer.set_unconsumed(got.bytes);
         c.publish_rx(&self.framer);
         // Consume what was peeked. The kernel installs the descriptors again: the copies from
         // the peek are the ones kept, these are closed.
-        let mut left = got.bytes;
-        let mut sink = [0u8; 4096];
-        while left > 0 {
-            let n = left.min(sink.len());
-            match switchyard_endpoint::recv(
-                &self.stream,
-                &mut sink[..n],
-                MAX_FDS_PER_READ,
-                false,
-                drop,
-            ) {
-                Ok(r) if r.bytes == 0 => break,
-                Ok(r) => left -= r.bytes,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+        discard(&self.stream, got.bytes, false)?;
         self.framer.set_unconsumed(0);
         c.publish_rx(&self.framer);
         Ok(got.bytes)
     }
+}
+
+/// Reads and drops `n` bytes (and the descriptors that come with them) from `stream`;
+/// returns how many there were (fewer at end of stream, or with `nonblocking` when the socket
+/// has fewer).
+fn discard(stream: &UnixStream, n: usize, nonblocking: bool) -> io::Result<usize> {
+    let mut left = n;
+    let mut sink = [0u8; 4096];
+    while left > 0 {
+        let chunk = left.min(sink.len());
+        match switchyard_endpoint::recv(
+            stream,
+            &mut sink[..chunk],
+            MAX_FDS_PER_READ,
+            nonblocking,
+            drop,
+        ) {
+            Ok(r) if r.bytes == 0 => break,
+            Ok(r) => left -= r.bytes,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n - left)
 }
 
 #[cfg(test)]
@@ -1045,5 +1043,46 @@ mod tests {
             "larger than the buffer"
         );
         assert!(Framer::resume(4096, &j, |_| Some(fd())).is_ok());
+    }
+
+    /// The receiving half of a process killed after it peeked a message: whether it had
+    /// journaled it (`journaled`) or not, the replacement's connection yields that message
+    /// exactly once, then the next.
+    fn killed_after_peek(journaled: bool) {
+        let (mut client, server) = UnixStream::pair().expect("pair");
+        switchyard_sys::sock::set_peek_offset(server.as_fd(), 0).expect("SO_PEEK_OFF");
+        use std::io::Write;
+        client.write_all(&msg(1, b"first")).expect("send");
+        // The dead process: peeked, and (maybe) journaled, never consumed.
+        let mut dead = Framer::new(4096);
+        let got =
+            switchyard_endpoint::peek(&server, dead.buffer_mut(), 8, false, drop).expect("peek");
+        dead.filled(got.bytes, Vec::new(), false);
+        dead.set_unconsumed(got.bytes);
+        let mut journal = Vec::new();
+        if journaled {
+            dead.journal(&mut journal);
+        } else {
+            Framer::new(4096).journal(&mut journal);
+        }
+        // The replacement.
+        let framer = Framer::resume(4096, &journal, |_| None).expect("resume");
+        Connection::settle_peeked(&server, framer.unconsumed()).expect("settle");
+        client.write_all(&msg(2, b"second")).expect("send");
+        let mut conn = Connection::resumed(server, framer, Duration::ZERO);
+        let ids: Vec<u16> = (0..2)
+            .map(|_| conn.recv().expect("message").header.msg_id)
+            .collect();
+        assert_eq!(ids, vec![1, 2], "journaled: {journaled}");
+    }
+
+    #[test]
+    fn a_read_peeked_and_journaled_by_a_killed_process_is_not_read_again() {
+        killed_after_peek(true);
+    }
+
+    #[test]
+    fn a_read_peeked_but_not_journaled_by_a_killed_process_is_read_again() {
+        killed_after_peek(false);
     }
 }
