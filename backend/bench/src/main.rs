@@ -50,7 +50,7 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt, dirty-report, swap, migration.
+    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Diagnosis only: pin the client (main) thread to this CPU (device threads inherit it).
@@ -133,7 +133,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 10] = [
+    let all: [(&str, Case); 11] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -144,6 +144,7 @@ fn main() -> Result<()> {
         ("dirty-report", cases::dirty_report),
         ("swap", downtime::swap),
         ("migration", downtime::migration),
+        ("journal", cases::journal),
     ];
     if let Some(bad) = cli.only.iter().find(|o| !all.iter().any(|(n, _)| n == o)) {
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
