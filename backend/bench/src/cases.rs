@@ -31,6 +31,8 @@ pub struct Settings {
     pub quick: bool,
     /// Adaptive-polling budget of the spin variants.
     pub spin: Duration,
+    /// The `switchyard` binary the restart case starts workers of.
+    pub switchyard_bin: std::path::PathBuf,
 }
 
 /// Quick-mode plan of the round-trip and latency cases.
