@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds and runs the benchmarks (backend/bench, docs/performance.md): vfio-user round trips,
-# posted and multi writes, softgpu COPY and interrupt delivery, each against its floor (and the
-# vfio_user crate's server where it has an equivalent) measured in the same run.
+# posted and multi writes, softgpu COPY and interrupt delivery, swap and migration downtime,
+# the crash-continuity journal's cost and the restart stall of a pool worker, each against its
+# floor (and the vfio_user crate's server where it has an equivalent) measured in the same run.
+# The restart case runs `switchyard worker` processes of the release `switchyard` binary built
+# here (--switchyard-bin PATH to use another).
 #
 #   scripts/bench.sh            # full run (a few minutes): table + target/bench/results.json
 #   scripts/bench.sh --quick    # CI: seconds, every case exercised, timings never asserted;
@@ -13,11 +16,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build --release --locked -p switchyard-bench
+cargo build --release --locked -p switchyard-bench -p switchyard
 target_dir=$(cargo metadata --format-version 1 --no-deps --locked |
   sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 target_dir=${target_dir:-target}
 out="$target_dir/bench"
+# The restart case's `switchyard worker` processes log to this terminal (a few lines per
+# restart at info): warnings only unless RUST_LOG says otherwise.
+export RUST_LOG="${RUST_LOG:-warn}"
 mkdir -p "$out"
 "$target_dir/release/switchyard-bench" "$@" \
   --json "$out/results.json" --svg "$out/latency.svg" --markdown "$out/results.md"

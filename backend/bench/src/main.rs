@@ -3,7 +3,9 @@
 //!
 //! Every server runs in this process on its own thread, behind a real UNIX socket in a
 //! temporary directory, and is driven by our `switchyard-client` — the same code the
-//! `switchyard serve` binary runs (`Server::run`). See docs/performance.md for what each row
+//! `switchyard serve` binary runs (`Server::run`) — except in the restart case, which runs a
+//! pool supervisor whose workers are `switchyard worker` processes of the release binary
+//! (`--switchyard-bin`). See docs/performance.md for what each row
 //! measures and what limits it. Timings are reported, never asserted: the exit status only
 //! reflects whether every case could run.
 
@@ -16,6 +18,7 @@ mod gpu;
 mod pin;
 mod profile;
 mod report;
+mod restart;
 mod servers;
 mod stats;
 mod svg;
@@ -50,9 +53,14 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt, dirty-report, swap, migration.
+    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal, restart.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// The `switchyard` binary whose `switchyard worker` processes the restart case kills
+    /// (default: the `switchyard` next to this binary, i.e. target/release/switchyard, which
+    /// scripts/bench.sh builds).
+    #[arg(long, value_name = "PATH")]
+    switchyard_bin: Option<PathBuf>,
     /// Diagnosis only: pin the client (main) thread to this CPU (device threads inherit it).
     #[arg(long, value_name = "CPU")]
     pin_client: Option<usize>,
@@ -123,9 +131,16 @@ fn main() -> Result<()> {
     let machine = Machine::probe();
     pin::setup(cli.pin_client, cli.pin_helpers)?;
     let pinning = pin::describe(cli.pin_client, cli.pin_helpers);
+    let switchyard_bin = match cli.switchyard_bin {
+        Some(p) => p,
+        None => std::env::current_exe()
+            .context("locate switchyard-bench")?
+            .with_file_name("switchyard"),
+    };
     let settings = cases::Settings {
         quick: cli.quick,
         spin: Duration::from_micros(cli.spin_us),
+        switchyard_bin,
     };
     let mode = if cli.quick { "quick" } else { "full" };
     eprintln!(
@@ -133,7 +148,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 10] = [
+    let all: [(&str, Case); 12] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -144,6 +159,8 @@ fn main() -> Result<()> {
         ("dirty-report", cases::dirty_report),
         ("swap", downtime::swap),
         ("migration", downtime::migration),
+        ("journal", cases::journal),
+        ("restart", restart::restart),
     ];
     if let Some(bad) = cli.only.iter().find(|o| !all.iter().any(|(n, _)| n == o)) {
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();

@@ -12,6 +12,9 @@ use crate::servers::{DeviceKind, Peer, Switchyard};
 pub enum Target {
     /// Switchyard with the softgpu (BAR0 `SCRATCH`).
     Softgpu,
+    /// Switchyard with the softgpu and crash continuity on (receive journal, black box,
+    /// custody), as a pool worker serves it.
+    SoftgpuJournal,
     /// Switchyard with the register file (region 0).
     Regfile,
     /// The `vfio_user` crate's server with the register file (region 0).
@@ -34,6 +37,7 @@ pub fn run(target: Target, access: Access, iters: u64, spin: Duration) -> Result
     let dir = tempfile::tempdir()?;
     let kind = match target {
         Target::Softgpu => Some(DeviceKind::SoftGpu),
+        Target::SoftgpuJournal => Some(DeviceKind::SoftGpuJournal),
         Target::Regfile => Some(DeviceKind::RegFile),
         Target::Peer => None,
     };

@@ -83,11 +83,24 @@ pub struct Target {
     pub plus: f64,
 }
 
+impl Target {
+    /// An absolute latency bound in the row's unit (the restart's "≤ 50 ms"): the form above
+    /// with `floor_ratio` 0, i.e. `ours ≤ bound` whatever the floor. The row keeps its floor
+    /// for the ratio; the bound alone decides whether the target is met.
+    pub const fn absolute(bound: f64) -> Target {
+        Target {
+            floor_ratio: 0.0,
+            beat_peer: false,
+            plus: bound,
+        }
+    }
+}
+
 /// One line of the results.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     /// Group: `round-trip`, `decompose`, `size-sweep`, `posted`, `write-multi`, `copy`,
-    /// `interrupt`, `dirty-report`, `swap`, `migration`.
+    /// `interrupt`, `dirty-report`, `swap`, `migration`, `journal`, `restart`.
     pub group: String,
     /// Human-readable case name.
     pub case: String,
@@ -280,6 +293,9 @@ fn target_text(row: &Row) -> String {
             } else {
                 "≤"
             };
+            if t.floor_ratio == 0.0 && t.plus > 0.0 && !row.unit.higher_is_better() {
+                return format!("{op}{}", amount(t.plus, row.unit));
+            }
             let mut s = format!("{op}{:.2}× floor", t.floor_ratio);
             if t.plus > 0.0 && !row.unit.higher_is_better() {
                 s.push_str(&format!(" + {}", amount(t.plus, row.unit)));
@@ -517,6 +533,18 @@ mod tests {
         let r = row(Unit::Millis, 2.0, 1.5, None, t);
         assert_eq!(r.met, Some(true), "2 ≤ 1.2 × 1.5 + 0.25");
         assert_eq!(target_text(&r), "≤1.20× floor + 250 µs");
+    }
+
+    #[test]
+    fn absolute_target_ignores_the_floor_but_keeps_the_ratio() {
+        // The restart's target: ≤ 50 ms whatever the process-start floor.
+        let t = Target::absolute(50.0);
+        let r = row(Unit::Millis, 12.0, 1.5, None, t);
+        assert_eq!(r.met, Some(true));
+        assert!((r.ratio.expect("ratio") - 8.0).abs() < 1e-9);
+        assert_eq!(target_text(&r), "≤50 ms");
+        assert_eq!(row(Unit::Millis, 50.5, 60.0, None, t).met, Some(false));
+        assert_eq!(row(Unit::Millis, 50.0, 0.1, None, t).met, Some(true));
     }
 
     #[test]

@@ -7,19 +7,28 @@
 //!   trivial register file behind its `ServerBackend` trait.
 //!
 //! Both register files have region 0 of 4 KiB and region 1 of 1 MiB (for the size sweep).
+//!
+//! The softgpu can also be served with crash continuity on ([`DeviceKind::SoftGpuJournal`]),
+//! as a pool worker serves it, with a custody keeper thread in the supervisor's place.
 
+use std::collections::BTreeMap;
 use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use switchyard_client::Client;
+use switchyard_daemon::custody::{self, BLACK_BOX_ID, ChannelCustody, Note, VRAM_ID};
+use switchyard_device::blackbox::BlackBox;
 use switchyard_device::{
     DeviceDescription, DeviceError, DmaSpace, IrqDesc, NUM_PCI_REGIONS, PciDevice, RegionDesc,
 };
+use switchyard_server::continuity::Continuity;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
@@ -186,6 +195,13 @@ pub enum DeviceKind {
     SoftGpu,
     /// [`RegFile`].
     RegFile,
+    /// The softgpu of [`DeviceKind::SoftGpu`] with crash continuity on, as a pool worker
+    /// (`switchyard worker`) serves it: a black box with the server's records (receive
+    /// journal, tables, session, reply area) and the device's (its mirrored state), the device
+    /// built with `SoftGpu::with_black_box`, and a real custody channel (a `SOCK_SEQPACKET`
+    /// pair whose other end a keeper thread drains and keeps the descriptors of, as the
+    /// supervisor does).
+    SoftGpuJournal,
 }
 
 impl DeviceKind {
@@ -194,8 +210,113 @@ impl DeviceKind {
         match self {
             DeviceKind::SoftGpu => "softgpu",
             DeviceKind::RegFile => "regfile",
+            DeviceKind::SoftGpuJournal => "softgpu+journal",
         }
     }
+}
+
+/// The softgpu configuration of the benchmark servers: 64 MiB VRAM, 2 queues.
+fn bench_gpu() -> SoftGpuConfig {
+    SoftGpuConfig {
+        vram_size: 64 << 20,
+        queues: 2,
+        ..SoftGpuConfig::default()
+    }
+}
+
+/// The supervisor's side of a custody channel, on a thread: keeps every descriptor the server
+/// puts into custody, closes the released ones, and ends when the server's end closes.
+#[derive(Debug)]
+struct Keeper {
+    /// Descriptors received so far (a positive control: the connection goes into custody).
+    received: Arc<AtomicUsize>,
+    thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl Keeper {
+    fn start(sock: OwnedFd) -> Result<Keeper> {
+        let received = Arc::new(AtomicUsize::new(0));
+        let r = received.clone();
+        let thread = std::thread::Builder::new()
+            .name("sy-custody".into())
+            .spawn(move || {
+                crate::pin::helper();
+                keep(&sock, &r)
+            })
+            .context("spawn the custody keeper")?;
+        Ok(Keeper {
+            received,
+            thread: Some(thread),
+        })
+    }
+
+    fn join(&mut self) -> Result<()> {
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| anyhow!("custody keeper panicked"))
+                .and_then(|r| r),
+            None => Ok(()),
+        }
+    }
+}
+
+fn keep(sock: &OwnedFd, received: &AtomicUsize) -> Result<()> {
+    let mut held: BTreeMap<u64, OwnedFd> = BTreeMap::new();
+    let mut buf = Vec::new();
+    loop {
+        match custody::recv(sock, &mut buf) {
+            Ok((Note::Hold { ids }, fds)) => {
+                received.fetch_add(fds.len(), Ordering::Relaxed);
+                held.extend(ids.into_iter().zip(fds));
+            }
+            Ok((Note::Release { ids }, _)) => {
+                for id in ids {
+                    held.remove(&id);
+                }
+            }
+            Ok((other, _)) => bail!("unexpected custody note {other:?}"),
+            Err(custody::ChannelError::Closed) => return Ok(()),
+            Err(e) => return Err(e).context("custody channel"),
+        }
+    }
+}
+
+/// A softgpu server with crash continuity, built as `switchyard worker` builds a fresh one
+/// (`switchyard_daemon::worker`): black box and VRAM into custody, then the continuity.
+fn journaled_softgpu(config: ServerConfig, gpu: SoftGpuConfig) -> Result<(Server, Keeper)> {
+    let mut records = Continuity::records(&config.limits);
+    records.extend(SoftGpu::black_box_records(&gpu));
+    let bb = BlackBox::create(&records).context("create the black box")?;
+    let (ours, keepers) = custody::pair().context("custody channel")?;
+    let keeper = Keeper::start(keepers)?;
+    custody::send(
+        &ours,
+        &Note::Hold {
+            ids: vec![BLACK_BOX_ID],
+        },
+        &[bb.file().as_fd()],
+    )
+    .context("black box into custody")?;
+    let continuity = Continuity::new(
+        &bb,
+        Box::new(ChannelCustody::new(
+            ours.try_clone().context("dup the custody channel")?,
+        )),
+    )
+    .context("crash continuity")?;
+    let bb2 = bb.clone();
+    let mut server = Server::new(config, |ctx| SoftGpu::with_black_box(gpu, ctx, &bb2, None))
+        .context("start the journaled softgpu server")?;
+    let vram = server
+        .device_slot()
+        .with_as::<SoftGpu, _>(|g| g.vram_file().try_clone())
+        .context("the device is not a softgpu")?
+        .context("dup the VRAM fd")?;
+    custody::send(&ours, &Note::Hold { ids: vec![VRAM_ID] }, &[vram.as_fd()])
+        .context("VRAM into custody")?;
+    server.set_continuity(Arc::new(continuity));
+    Ok((server, keeper))
 }
 
 /// A Switchyard server running [`Server::run`] on a thread.
@@ -204,6 +325,8 @@ pub struct Switchyard {
     path: PathBuf,
     stop: StopHandle,
     thread: Option<JoinHandle<Result<()>>>,
+    /// The custody keeper of a [`DeviceKind::SoftGpuJournal`] server.
+    keeper: Option<Keeper>,
 }
 
 impl Switchyard {
@@ -214,14 +337,16 @@ impl Switchyard {
         config.poll_spin = spin;
         match kind {
             DeviceKind::SoftGpu => {
-                let gpu = SoftGpuConfig {
-                    vram_size: 64 << 20,
-                    queues: 2,
-                    ..SoftGpuConfig::default()
-                };
+                let gpu = bench_gpu();
                 let server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
                     .context("start the softgpu server")?;
                 spawn(name, server)
+            }
+            DeviceKind::SoftGpuJournal => {
+                let (server, keeper) = journaled_softgpu(config, bench_gpu())?;
+                let mut sy = spawn(name, server)?;
+                sy.keeper = Some(keeper);
+                Ok(sy)
             }
             DeviceKind::RegFile => {
                 let server = Server::new(config, |_ctx| Ok::<_, std::io::Error>(RegFile::new()))
@@ -265,6 +390,13 @@ impl Switchyard {
             .with_context(|| format!("connect {}", self.path.display()))
     }
 
+    /// Descriptors the server has put into custody so far (0 without crash continuity).
+    pub fn custody_received(&self) -> usize {
+        self.keeper
+            .as_ref()
+            .map_or(0, |k| k.received.load(Ordering::Relaxed))
+    }
+
     /// Stops the server and reports how its thread ended.
     pub fn shutdown(mut self) -> Result<()> {
         self.stop_and_join()
@@ -272,13 +404,16 @@ impl Switchyard {
 
     fn stop_and_join(&mut self) -> Result<()> {
         self.stop.stop();
-        match self.thread.take() {
+        let server = match self.thread.take() {
             Some(t) => t
                 .join()
                 .map_err(|_| anyhow!("server thread panicked"))
                 .and_then(|r| r),
             None => Ok(()),
-        }
+        };
+        // The server (and with it the custody channel) is gone: the keeper sees it close.
+        let keeper = self.keeper.as_mut().map_or(Ok(()), Keeper::join);
+        server.and(keeper)
     }
 }
 
@@ -303,6 +438,7 @@ fn spawn(name: &str, mut server: Server) -> Result<Switchyard> {
         path,
         stop,
         thread: Some(thread),
+        keeper: None,
     })
 }
 
