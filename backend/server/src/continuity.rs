@@ -139,6 +139,9 @@ struct Inner {
     /// area, length)`, recorded with the receive journal.
     replies: Area,
     pending_reply: Option<(u64, u64)>,
+    /// The black box file's position after the last reply that went out whole (`None`:
+    /// unknown, ask the kernel).
+    reply_pos: Option<u64>,
     /// Snapshot of the tables; changes since go to the log (`log_op`), which is folded into a
     /// new snapshot when full: a change costs one entry, however many windows there are.
     tables: Record,
@@ -275,6 +278,7 @@ impl Continuity {
                 rx: bb.record(RX_RECORD)?,
                 replies: bb.area(REPLIES_AREA)?,
                 pending_reply: None,
+                reply_pos: None,
                 tables: bb.record(TABLES_RECORD)?,
                 log: bb.area(TABLE_LOG_AREA)?,
                 log_head: bb.record(TABLE_LOG_HEAD)?,
@@ -351,13 +355,19 @@ impl Continuity {
         if reply.len() as u64 > cap / 2 {
             return false;
         }
-        let pos = match rustix::fs::seek(g.replies.file(), rustix::fs::SeekFrom::Current(0)) {
-            Ok(p) => p,
-            Err(e) => {
-                g.degraded("cannot read the reply area's position", &e);
-                return false;
-            }
+        // The file position, known without asking the kernel once a reply has gone out whole
+        // (`send_reply` keeps it); asked after anything else.
+        let pos = match g.reply_pos {
+            Some(p) => p,
+            None => match rustix::fs::seek(g.replies.file(), rustix::fs::SeekFrom::Current(0)) {
+                Ok(p) => p,
+                Err(e) => {
+                    g.degraded("cannot read the reply area's position", &e);
+                    return false;
+                }
+            },
         };
+        g.reply_pos = None;
         let mut at = pos
             .checked_sub(area_off)
             .filter(|a| *a <= cap)
@@ -395,11 +405,13 @@ impl Continuity {
     /// Sends the prepared reply to `sock` from the reply area (`sendfile` at the file's
     /// position), all of it (a socket send timeout bounds each wait).
     pub(crate) fn send_reply(&self, sock: &std::os::unix::net::UnixStream) -> io::Result<()> {
-        let g = self.lock();
-        let Some((_, len)) = g.pending_reply else {
+        let mut g = self.lock();
+        let Some((at, len)) = g.pending_reply else {
             return Err(io::Error::other("no prepared reply"));
         };
-        sendfile_all(sock, g.replies.file(), len)
+        sendfile_all(sock, g.replies.file(), len)?;
+        g.reply_pos = Some(g.replies.file_offset() + at + len);
+        Ok(())
     }
 
     /// In a replacement: sends what of the last reply had not left when the process died
