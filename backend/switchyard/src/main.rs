@@ -87,7 +87,7 @@ struct DaemonArgs {
     /// /var/lib/switchyard).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
-    /// Where the sockets live: DIR/control.sock and DIR/endpoints/<id>.sock; overrides
+    /// Where the sockets live: DIR/control.sock and DIR/endpoints/ID.sock; overrides
     /// `[daemon] control_socket` and `endpoint_dir` (default /run/switchyard).
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
