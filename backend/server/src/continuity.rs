@@ -54,7 +54,7 @@ pub const RX_RECORD: &str = "server.rx";
 pub const TABLES_RECORD: &str = "server.tables";
 /// See [`RX_RECORD`].
 pub const SESSION_RECORD: &str = "server.session";
-/// The area replies are sent from (see [`Continuity::prepare_reply`]).
+/// The area replies are sent from (see the module documentation).
 pub const REPLIES_AREA: &str = "server.replies";
 /// The log of table changes since the last snapshot, and its length (see `Inner::log_op`).
 pub const TABLE_LOG_AREA: &str = "server.tablog";
