@@ -349,16 +349,16 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
             .wait_ready("vm1", 1, Duration::from_secs(30))
             .expect("status");
         assert_eq!(st.ready, 1, "{st:?}");
-        // Kill the worker every 1.5 s while QEMU is connected, once each replacement serves,
-        // at most 8 times (the guest's whole run takes a few tens of seconds under TCG).
+        // Kill the worker every second while QEMU is connected, once each replacement serves,
+        // at most 10 times (the count; the guest's run takes ~15 s under TCG).
         let running = Arc::new(AtomicBool::new(true));
         let killer = {
             let sup = Arc::downgrade(&sup);
             let running = running.clone();
             std::thread::spawn(move || {
                 let mut kills = 0u64;
-                while running.load(Ordering::SeqCst) && kills < 8 {
-                    std::thread::sleep(Duration::from_millis(1500));
+                while running.load(Ordering::SeqCst) && kills < 10 {
+                    std::thread::sleep(Duration::from_millis(1000));
                     let Some(sup) = sup.upgrade() else { break };
                     let st = sup.status("vm1").expect("status");
                     if st.connected && st.pid.is_some() && st.ready > kills {
