@@ -175,7 +175,7 @@ pub fn run(
                     tracing::info!(
                         windows = resumed.windows.len(),
                         vectors = resumed.vectors.len(),
-                        in_flight = !resumed.rx.is_empty(),
+                        journal_bytes = resumed.rx.len(),
                         "worker resumed the connection"
                     );
                     server.run_resumed(UnixStream::from(conn), &resumed, start.held)?;
