@@ -33,6 +33,8 @@ struct Daemon {
     dir: tempfile::TempDir,
     /// Every worker pid seen (the records are rewritten by each replacement).
     seen: Vec<u32>,
+    /// `--config` file, if any.
+    config: Option<PathBuf>,
 }
 
 impl Daemon {
@@ -41,6 +43,22 @@ impl Daemon {
             child: None,
             dir: tempfile::tempdir().expect("tempdir"),
             seen: Vec::new(),
+            config: None,
+        };
+        d.launch();
+        d
+    }
+
+    /// A daemon with this configuration file.
+    fn start_with_config(toml: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = dir.path().join("pool.toml");
+        std::fs::write(&config, toml).expect("write the configuration");
+        let mut d = Self {
+            child: None,
+            dir,
+            seen: Vec::new(),
+            config: Some(config),
         };
         d.launch();
         d
@@ -66,8 +84,12 @@ impl Daemon {
             .append(true)
             .open(self.dir.path().join("daemon.log"))
             .expect("log");
-        let child = Command::new(EXE)
-            .arg("daemon")
+        let mut cmd = Command::new(EXE);
+        cmd.arg("daemon");
+        if let Some(c) = &self.config {
+            cmd.arg("--config").arg(c);
+        }
+        let child = cmd
             .arg("--state-dir")
             .arg(self.state())
             .arg("--run-dir")
@@ -724,4 +746,69 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
     assert!(status.success(), "{status}");
     assert!(is_worker(vm3_pid), "the worker outlives a stopped daemon");
     round(&mut a, 3);
+}
+
+/// GPU-P style partitions of one board are separate devices: each endpoint sees its own VRAM
+/// size and queue count, its VRAM is its own memory object, and nothing one partition's
+/// client or engines do reaches the other's VRAM.
+#[test]
+fn partitions_of_a_board_cannot_reach_each_other() {
+    use std::os::unix::fs::MetadataExt;
+    use switchyard_softgpu::regs::{
+        ERR_VRAM_RANGE, NUM_QUEUES, Q_ERROR_CODE, Q_STATUS_ERROR, VRAM_SIZE_LO, queue_reg,
+    };
+    let mut d = Daemon::start_with_config(
+        "[[boards]]\nid = \"gpu0\"\nvram = \"64M\"\nqueues = 2\n\
+         partitions = [ { id = \"gpu0.p0\", vram = \"32M\", queues = 1 }, \
+         { id = \"gpu0.p1\", vram = \"32M\", queues = 1 } ]\n",
+    );
+    d.ctl_ok(&["create", "a", "--device", "gpu0.p0"]);
+    d.ctl_ok(&["create", "b", "--device", "gpu0.p1"]);
+    let (ea, eb) = (d.endpoint("a"), d.endpoint("b"));
+    let mut a = connect(&socket_of(&ea));
+    let mut b = connect(&socket_of(&eb));
+    for (name, c) in [("a", &mut a), ("b", &mut b)] {
+        assert_eq!(
+            c.r32(VRAM_SIZE_LO),
+            32 << 20,
+            "{name}: its partition's VRAM"
+        );
+        assert_eq!(c.r32(NUM_QUEUES), 1, "{name}: its share of the queues");
+        c.setup_queue(0);
+    }
+    // Separate memory objects behind the two VRAM BARs.
+    let fa = a.t.0.region_info(2).expect("BAR2").fd.expect("VRAM fd");
+    let fb = b.t.0.region_info(2).expect("BAR2").fd.expect("VRAM fd");
+    let (ma, mb) = (fa.metadata().expect("stat"), fb.metadata().expect("stat"));
+    assert_ne!(
+        (ma.dev(), ma.ino()),
+        (mb.dev(), mb.ino()),
+        "one VRAM file each"
+    );
+    assert_eq!((ma.len(), mb.len()), (32 << 20, 32 << 20));
+    // a's engines fill all of a's VRAM; b's VRAM stays zero everywhere.
+    a.run(
+        0,
+        &[GpuCommand::fill(Operand::Vram(0), 32 << 20, 0xa5a5_a5a5)],
+    );
+    let mut probe = vec![0u8; 4096];
+    for off in [0u64, 16 << 20, (32 << 20) - 4096] {
+        a.vram_read(off, &mut probe);
+        assert!(
+            probe.iter().all(|&x| x == 0xa5),
+            "a's own VRAM at {off:#x} is filled"
+        );
+        b.vram_read(off, &mut probe);
+        assert!(
+            probe.iter().all(|&x| x == 0),
+            "b's VRAM at {off:#x} untouched"
+        );
+    }
+    // Neither can address past its partition: the board's other half is not behind it.
+    b.submit(0, &[GpuCommand::fill(Operand::Vram(32 << 20), 4096, 1)]);
+    assert_eq!(b.wait_queue(0), Q_STATUS_ERROR);
+    assert_eq!(b.r32(queue_reg(0, Q_ERROR_CODE)), ERR_VRAM_RANGE);
+    // Both boards' devices are leased: a third endpoint finds no capacity.
+    let out = d.ctl(&["create", "c", "--device", "gpu0.p0"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
 }
