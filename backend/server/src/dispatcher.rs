@@ -857,6 +857,13 @@ fn device_feature(
         FeatureRequest::SetMigDeviceState(st) => {
             mig_caps.ok_or(not_supported)?;
             let target = MigState::try_from(st.device_state)?;
+            if slot.moving && !matches!(target, MigState::Running | MigState::Stop) {
+                // A move reads the same device state and write log.
+                return Err(RequestError::Invalid {
+                    what: "the device is being moved to another backing",
+                    errno: libc::EBUSY,
+                });
+            }
             migration::transition(&mut *slot.device, &mut slot.mig, target)?;
             reply(
                 out,

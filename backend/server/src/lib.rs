@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
-pub use slot::{DeviceSlot, SwapError, SwapPlan, SwapReport};
+pub use slot::{DeviceSlot, MoveGuard, SwapError, SwapPlan, SwapReport};
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
 use switchyard_proto::{MigState, ProtoError, ServerLimits};
 
@@ -155,6 +155,9 @@ impl std::fmt::Debug for Server {
 pub(crate) struct Slot {
     pub(crate) device: Box<dyn PciDevice>,
     pub(crate) mig: MigState,
+    /// A move of the device to another backing is under way ([`DeviceSlot::begin_move`]):
+    /// the client cannot open a migration stream meanwhile.
+    pub(crate) moving: bool,
 }
 
 impl Server {
@@ -233,6 +236,7 @@ impl Server {
                 Arc::new(Mutex::new(Slot {
                     device,
                     mig: MigState::Running,
+                    moving: false,
                 })),
                 ctx,
             ),

@@ -31,6 +31,9 @@ pub enum SwapError {
     /// A migration is in progress.
     #[error("Cannot swap the device during a migration (state {0:?})")]
     Migrating(MigState),
+    /// Another move of the device is under way.
+    #[error("The device is already being moved")]
+    Moving,
     /// The device in the slot cannot be replaced under a client.
     #[error("The device cannot be swapped")]
     NotSwappable,
@@ -124,6 +127,23 @@ impl DeviceSlot {
         })
     }
 
+    /// Starts a move of the device to another backing (a pool's move to another board: the
+    /// device copies its memory while it runs, then [`DeviceSlot::swap`] hands over to a
+    /// successor on the new backing). Refused while a migration is in progress or another
+    /// move is; while the guard lives, the client cannot open a migration stream (`EBUSY`;
+    /// it may still stop and run the device, which then fails the final swap cleanly).
+    pub fn begin_move(&self) -> Result<MoveGuard, SwapError> {
+        let mut slot = self.lock();
+        if slot.mig != MigState::Running {
+            return Err(SwapError::Migrating(slot.mig));
+        }
+        if slot.moving {
+            return Err(SwapError::Moving);
+        }
+        slot.moving = true;
+        Ok(MoveGuard { slot: self.clone() })
+    }
+
     /// Replaces the device with `next`, a successor built beforehand and parked (typically
     /// with [`DeviceSlot::prepare_swap`]'s factory, on this slot's context, with the old
     /// device parked through its [`Quiesce`] handle so that the hand-over finds it idle).
@@ -159,6 +179,25 @@ impl DeviceSlot {
         drop(slot);
         tracing::debug!(held_us = held.as_micros() as u64, "device swapped");
         Ok(SwapReport { held, old })
+    }
+}
+
+/// A move of the slot's device to another backing under way (see
+/// [`DeviceSlot::begin_move`]); dropping it ends the move.
+#[must_use = "the move ends when the guard is dropped"]
+pub struct MoveGuard {
+    slot: DeviceSlot,
+}
+
+impl std::fmt::Debug for MoveGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoveGuard").finish_non_exhaustive()
+    }
+}
+
+impl Drop for MoveGuard {
+    fn drop(&mut self) {
+        self.slot.lock().moving = false;
     }
 }
 
@@ -299,6 +338,7 @@ mod tests {
         let inner = Slot {
             device: Box::new(Counted::new(0x1000, true, handed)),
             mig: MigState::Running,
+            moving: false,
         };
         DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx)
     }

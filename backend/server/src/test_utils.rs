@@ -140,6 +140,7 @@ pub(crate) fn slot_with(device: Box<dyn PciDevice>, max_maps: usize) -> DeviceSl
         Arc::new(Mutex::new(Slot {
             device,
             mig: MigState::Running,
+            moving: false,
         })),
         ctx,
     )

@@ -268,6 +268,7 @@ mod mig;
 mod mirror;
 mod pci;
 pub mod regs;
+mod relocate;
 mod state;
 mod swap;
 mod vram;
@@ -291,6 +292,7 @@ use switchyard_device::{
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
 pub use mig::{MigStreamError, SourceStats};
 pub use mirror::{COLD_RECORD, HOT_RECORD};
+pub use relocate::{Relocation, RelocationStats};
 pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
 pub use swap::{EngineControl, Parked};
 pub use vram::VramRef;
@@ -417,6 +419,10 @@ pub struct SoftGpu {
     shared: Arc<Shared>,
     engines: Vec<JoinHandle<()>>,
     migration: Migration,
+    /// A relocation this parked successor finishes when it is handed the state.
+    incoming: Option<relocate::Incoming>,
+    /// What the relocation that brought the device onto its VRAM copied.
+    relocated: Option<RelocationStats>,
 }
 
 fn pci_ids() -> PciIds {
@@ -652,6 +658,17 @@ impl SoftGpu {
         Ok((gpu, recovery))
     }
 
+    /// The VRAM the device whose state is in `bb` uses (for a replacement that holds more
+    /// than one VRAM memfd, e.g. when its predecessor died during a relocation, to pick the
+    /// one to [`SoftGpu::recover`] on). Reads only.
+    pub fn black_box_vram(
+        config: &SoftGpuConfig,
+        bb: &Arc<BlackBox>,
+    ) -> Result<VramRef, SoftGpuError> {
+        let (_, saved) = mirror::Mirror::recover(bb, config)?;
+        Ok(saved.state.vram)
+    }
+
     /// A new descriptor of the VRAM memfd (for a pool daemon to keep, so that a replacement
     /// process can [`SoftGpu::recover`] on it).
     pub fn vram_memfd(&self) -> Result<File, SoftGpuError> {
@@ -782,6 +799,8 @@ impl SoftGpu {
             shared,
             engines: Vec::new(),
             migration: Migration::Idle,
+            incoming: None,
+            relocated: None,
         };
         for q in 0..config.queues as usize {
             let shared = gpu.shared.clone();

@@ -49,7 +49,11 @@ impl SoftGpu {
         if next.config != self.config {
             return Err("another configuration (queues, VRAM size, interrupt mode)");
         }
-        if next.vram_identity() != self.vram_identity() {
+        let relocating_here = next
+            .incoming
+            .as_ref()
+            .is_some_and(|i| i.relocation.source_identity() == self.vram_identity());
+        if next.vram_identity() != self.vram_identity() && !relocating_here {
             return Err("another VRAM backing");
         }
         Ok(())
@@ -68,23 +72,33 @@ impl SoftGpu {
         self.shared.set_hold(|h| h.retired = true, true);
         // Parked because the client is gone is runtime state, not device state: carry it.
         let halted = self.shared.halted();
-        match next.prepare(self.snapshot()) {
-            Ok(state) => {
-                // The black box this device mirrors into, if any, follows the state: the
-                // successor publishes it with the state it loads.
-                let mirror = self.shared.lock().mirror.take();
-                next.shared.load(state, mirror);
-                if halted {
-                    next.shared.halt();
-                }
-                next.shared.set_hold(|h| h.successor = false, true);
-                Ok(())
-            }
+        let state = match next.prepare(self.snapshot()) {
+            Ok(state) => state,
             Err(e) => {
                 self.shared.set_hold(|h| h.retired = false, true);
-                Err(e.into())
+                return Err(e.into());
+            }
+        };
+        // A relocation's last changes: nothing writes the source VRAM now (engines parked,
+        // region accesses waiting for the slot). The last step that can fail.
+        if let Some(incoming) = next.incoming.take() {
+            match incoming.finish() {
+                Ok(stats) => next.relocated = Some(stats),
+                Err(e) => {
+                    self.shared.set_hold(|h| h.retired = false, true);
+                    return Err(e);
+                }
             }
         }
+        // The black box this device mirrors into, if any, follows the state: the successor
+        // publishes it with the state it loads.
+        let mirror = self.shared.lock().mirror.take();
+        next.shared.load(state, mirror);
+        if halted {
+            next.shared.halt();
+        }
+        next.shared.set_hold(|h| h.successor = false, true);
+        Ok(())
     }
 }
 

@@ -25,6 +25,18 @@ pub struct VramRef {
     pub ino: u64,
 }
 
+impl VramRef {
+    /// The identity of `file` as VRAM.
+    pub fn of(file: &File) -> std::io::Result<VramRef> {
+        let meta = file.metadata()?;
+        Ok(VramRef {
+            size: meta.len(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+}
+
 /// A slice of VRAM.
 pub(crate) type VramSlice<'a> = VolatileSlice<'a, ()>;
 
