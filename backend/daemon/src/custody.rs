@@ -3,7 +3,8 @@
 //!
 //! Worker → supervisor: [`Note::Hold`] (keep these descriptors under these ids),
 //! [`Note::Release`], [`Note::Ready`]. Supervisor → worker, at start: [`Note::Fds`] batches
-//! (descriptors held for this endpoint), then one [`Note::Start`].
+//! (descriptors held for this endpoint), then one [`Note::Start`]; later [`Note::Move`],
+//! answered by [`Note::Moved`] or [`Note::MoveFailed`].
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -24,6 +25,35 @@ pub const CONNECTION_ID: u64 = switchyard_server::continuity::CONNECTION_ID;
 pub const BLACK_BOX_ID: u64 = 3;
 /// Custody id of the device's VRAM memfd.
 pub const VRAM_ID: u64 = 4;
+
+/// Custody id of the VRAM memfd a move is copying the device to, until the device runs on it
+/// (then it is held as [`VRAM_ID`]).
+pub const VRAM_NEXT_ID: u64 = 5;
+
+/// What a move of the device to another board did (worker → supervisor).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MoveReport {
+    /// Pre-copy rounds while the device ran (the first copies all data in VRAM).
+    pub rounds: u32,
+    /// Bytes copied, the final round included.
+    pub bytes: u64,
+    /// Bytes copied by the last pre-copy round.
+    pub last_round_bytes: u64,
+    /// Bytes copied by the final round, with the device stopped.
+    pub final_bytes: u64,
+    /// Pre-copy time, microseconds.
+    pub precopy_us: u64,
+    /// Waiting for the commands running at the stop to complete, microseconds (the device
+    /// works meanwhile).
+    pub park_wait_us: u64,
+    /// Downtime, microseconds: from the engines' stop to the successor running on the new
+    /// board. Region accesses waited for part of it ([`MoveReport::held_us`]).
+    pub downtime_us: u64,
+    /// How long region accesses waited (the swap held the device), microseconds.
+    pub held_us: u64,
+    /// The final copy, microseconds.
+    pub final_copy_us: u64,
+}
 
 /// How a worker starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +88,21 @@ pub enum Note {
     Fds {
         /// One per attached descriptor.
         ids: Vec<u64>,
+    },
+    /// Move the device onto another board's VRAM (supervisor → worker; one at a time).
+    Move {
+        /// The board (logs).
+        to: String,
+    },
+    /// The move is done: the device runs on the new VRAM (worker → supervisor).
+    Moved {
+        /// What it took.
+        report: MoveReport,
+    },
+    /// The move was refused or failed; the device runs where it was (worker → supervisor).
+    MoveFailed {
+        /// Why (an error chain).
+        error: String,
     },
     /// Start serving.
     Start {

@@ -21,5 +21,5 @@ pub mod supervisor;
 pub mod worker;
 
 pub use supervisor::{
-    EndpointSpec, EventSink, Supervisor, SupervisorError, WorkerEvent, WorkerStatus,
+    EndpointSpec, EventSink, MoveOutcome, Supervisor, SupervisorError, WorkerEvent, WorkerStatus,
 };

@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, Note, StartMode, VRAM_ID};
+use crate::custody::{
+    self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, MoveReport, Note, StartMode, VRAM_ID,
+    VRAM_NEXT_ID,
+};
 
 /// Supervisor errors.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +35,30 @@ pub enum SupervisorError {
     /// Starting a thread or process failed.
     #[error("Cannot start the worker of endpoint `{0}`")]
     Spawn(String, #[source] std::io::Error),
+    /// The endpoint is moving already.
+    #[error("Endpoint `{0}` is being moved already")]
+    Moving(String),
+    /// No worker serves the endpoint right now (it is restarting, or was given up).
+    #[error("No worker serves endpoint `{0}` right now")]
+    NoWorker(String),
+    /// The worker refused or failed the move; the device runs where it was.
+    #[error("Endpoint `{endpoint}` was not moved: {reason}")]
+    MoveFailed {
+        /// Endpoint.
+        endpoint: String,
+        /// The worker's error chain, or what happened to the worker.
+        reason: String,
+    },
+}
+
+/// How a move ended ([`Supervisor::move_device`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MoveOutcome {
+    /// The worker moved the device.
+    Moved(MoveReport),
+    /// The worker died during the move and its replacement runs the device on the new
+    /// VRAM (no report: the final copy had been done).
+    MovedAcrossRestart,
 }
 
 /// What an endpoint serves.
@@ -64,6 +91,15 @@ pub struct WorkerStatus {
     pub failed: bool,
 }
 
+#[derive(Debug, Default)]
+struct MoveSlot {
+    active: bool,
+    /// The worker's answer; `Err(None)`: the worker died before answering.
+    reply: Option<Result<MoveReport, Option<String>>>,
+    /// Identity of the VRAM the move copies to, once it is in custody.
+    target: Option<(u64, u64)>,
+}
+
 struct Endpoint {
     spec: EndpointSpec,
     socket: DeviceSocket,
@@ -73,10 +109,18 @@ struct Endpoint {
     stopping: AtomicBool,
     /// Bumped to ask the current worker to be replaced by a fresh process (upgrade).
     generation: AtomicU64,
+    /// The current worker's end of its custody channel, for requests.
+    channel: Mutex<Option<OwnedFd>>,
+    /// The move in progress, if any.
+    mv: Mutex<MoveSlot>,
+    mv_changed: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Endpoint {
+    fn mv(&self) -> MutexGuard<'_, MoveSlot> {
+        self.mv.lock().unwrap_or_else(|p| p.into_inner())
+    }
     fn status(&self) -> MutexGuard<'_, WorkerStatus> {
         self.status.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -209,6 +253,9 @@ impl Supervisor {
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
             generation: AtomicU64::new(0),
+            channel: Mutex::new(None),
+            mv: Mutex::new(MoveSlot::default()),
+            mv_changed: Condvar::new(),
             thread: Mutex::new(None),
         });
         let exe = self.exe.clone();
@@ -261,6 +308,104 @@ impl Supervisor {
         ep.generation.fetch_add(1, Ordering::SeqCst);
         kill(ep.status().pid);
         Ok(())
+    }
+
+    /// Moves the endpoint's device onto a new VRAM (another board) under its running client:
+    /// the worker pre-copies VRAM while the device runs, then swaps to a device on the new
+    /// VRAM (`to` names the board, for the logs). One move per endpoint at a time; waits up
+    /// to `timeout` for the worker's answer.
+    ///
+    /// If the worker dies during the move, the replacement runs the device on whichever VRAM
+    /// its state names: waits for it (within `timeout`) and reports
+    /// [`MoveOutcome::MovedAcrossRestart`] or [`SupervisorError::MoveFailed`] accordingly.
+    pub fn move_device(
+        &self,
+        id: &str,
+        to: &str,
+        timeout: Duration,
+    ) -> Result<MoveOutcome, SupervisorError> {
+        let ep = self.get(id)?;
+        let deadline = Instant::now() + timeout;
+        {
+            let mut mv = ep.mv();
+            if mv.active {
+                return Err(SupervisorError::Moving(id.to_owned()));
+            }
+            *mv = MoveSlot {
+                active: true,
+                ..MoveSlot::default()
+            };
+        }
+        let result = self.run_move(&ep, to, deadline);
+        let mut mv = ep.mv();
+        mv.active = false;
+        mv.reply = None;
+        result
+    }
+
+    /// Whether a move of the endpoint is in progress.
+    pub fn is_moving(&self, id: &str) -> Result<bool, SupervisorError> {
+        Ok(self.get(id)?.mv().active)
+    }
+
+    fn run_move(
+        &self,
+        ep: &Endpoint,
+        to: &str,
+        deadline: Instant,
+    ) -> Result<MoveOutcome, SupervisorError> {
+        let id = &ep.spec.id;
+        let failed = |reason: String| SupervisorError::MoveFailed {
+            endpoint: id.clone(),
+            reason,
+        };
+        let ready_before = ep.status().ready;
+        let sent = {
+            let channel = ep.channel.lock().unwrap_or_else(|p| p.into_inner());
+            let ch = channel
+                .as_ref()
+                .ok_or_else(|| SupervisorError::NoWorker(id.clone()))?;
+            custody::send(ch, &Note::Move { to: to.to_owned() }, &[])
+        };
+        sent.map_err(|e| failed(format!("cannot ask the worker: {e}")))?;
+        let mut mv = ep.mv();
+        while mv.reply.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(failed("the worker did not answer in time".into()));
+            }
+            mv = ep
+                .mv_changed
+                .wait_timeout(mv, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        let reply = mv.reply.take();
+        let target = mv.target;
+        drop(mv);
+        match reply {
+            Some(Ok(report)) => Ok(MoveOutcome::Moved(report)),
+            Some(Err(Some(reason))) => Err(failed(reason)),
+            _ => {
+                // The worker died: where does its replacement run the device?
+                let left = deadline.saturating_duration_since(Instant::now());
+                let st = self.wait_ready(id, ready_before + 1, left)?;
+                if st.ready <= ready_before {
+                    return Err(failed(
+                        "the worker died during the move and no replacement is serving yet".into(),
+                    ));
+                }
+                let current = ep.held().get(&VRAM_ID).and_then(file_identity);
+                if target.is_some() && current == target {
+                    Ok(MoveOutcome::MovedAcrossRestart)
+                } else {
+                    Err(failed(
+                        "the worker died during the move; its replacement runs the device where it was"
+                            .into(),
+                    ))
+                }
+            }
+        }
     }
 
     /// The endpoint's worker status.
@@ -330,6 +475,11 @@ impl Drop for Supervisor {
             let _ = self.delete(&id);
         }
     }
+}
+
+/// `(st_dev, st_ino)` of a held descriptor.
+fn file_identity(fd: &OwnedFd) -> Option<(u64, u64)> {
+    rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
 }
 
 fn kill(pid: Option<u32>) {
@@ -429,6 +579,7 @@ fn run_worker(
     });
     let started = Instant::now();
     let handed = hand_over(ep, &ours, mode);
+    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = ours.try_clone().ok();
     let mut ready = false;
     if let Err(e) = handed {
         tracing::error!(error = %e, "cannot hand the endpoint's descriptors to the worker");
@@ -439,9 +590,20 @@ fn run_worker(
             match custody::recv(&ours, &mut buf) {
                 Ok((Note::Hold { ids }, fds)) => ep.change_held(|held| {
                     for (id, fd) in ids.into_iter().zip(fds) {
+                        if id == VRAM_NEXT_ID {
+                            ep.mv().target = file_identity(&fd);
+                        }
                         held.insert(id, fd);
                     }
                 }),
+                Ok((Note::Moved { report }, _)) => {
+                    ep.mv().reply = Some(Ok(report));
+                    ep.mv_changed.notify_all();
+                }
+                Ok((Note::MoveFailed { error }, _)) => {
+                    ep.mv().reply = Some(Err(Some(error)));
+                    ep.mv_changed.notify_all();
+                }
                 Ok((Note::Release { ids }, _)) => ep.change_held(|held| {
                     for id in ids {
                         if id != LISTENER_ID {
@@ -481,6 +643,14 @@ fn run_worker(
                     break;
                 }
             }
+        }
+    }
+    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    {
+        let mut mv = ep.mv();
+        if mv.active && mv.reply.is_none() {
+            mv.reply = Some(Err(None));
+            ep.mv_changed.notify_all();
         }
     }
     let status = child.wait()?;

@@ -17,8 +17,14 @@ use switchyard_server::continuity::Continuity;
 use switchyard_server::{DeviceSocket, Server, ServerConfig};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
+use std::time::Instant;
+
+use switchyard_server::DeviceSlot;
+use switchyard_softgpu::VramRef;
+
 use crate::custody::{
-    self, BLACK_BOX_ID, CONNECTION_ID, ChannelCustody, LISTENER_ID, Note, StartMode, VRAM_ID,
+    self, BLACK_BOX_ID, CONNECTION_ID, ChannelCustody, LISTENER_ID, MoveReport, Note, StartMode,
+    VRAM_ID, VRAM_NEXT_ID,
 };
 
 /// Why a worker could not serve.
@@ -129,6 +135,7 @@ pub fn run(
                 &[vram.as_fd()],
             )?;
             server.set_continuity(Arc::new(continuity));
+            spawn_control(&channel, server.device_slot(), gpu)?;
             custody::send(&channel, &Note::Ready { resumed: false }, &[])?;
             tracing::info!(socket = %start.socket.display(), "worker serving (fresh device)");
             server.run()?;
@@ -141,10 +148,16 @@ pub fn run(
                     .ok_or(WorkerError::Missing("the black box"))?
                     .into(),
             )?;
-            let vram = start
-                .held
-                .remove(&VRAM_ID)
+            // Two VRAMs are held when the last worker died during a move: the black box
+            // says which one the device ran on.
+            let saved = SoftGpu::black_box_vram(&gpu, &bb)
+                .map_err(|e| WorkerError::Device(format!("{gpu:?}"), Box::new(e)))?;
+            let current = start.held.remove(&VRAM_ID);
+            let next = start.held.remove(&VRAM_NEXT_ID);
+            let moved = next.as_ref().and_then(identity) == Some(saved);
+            let vram = if moved { next } else { current }
                 .ok_or(WorkerError::Missing("the device's VRAM"))?;
+            let vram_held = vram.try_clone()?;
             let connection = start.held.remove(&CONNECTION_ID);
             let (continuity, resumed) =
                 Continuity::resume(&bb, Box::new(ChannelCustody::new(custody_fd)))?;
@@ -163,6 +176,23 @@ pub fn run(
                 tracing::error!(problem = %p, "could not restore all of the client's state");
             }
             server.set_continuity(Arc::new(continuity));
+            // Whatever VRAM the device runs on is the one held as its VRAM from now on.
+            if moved {
+                custody::send(
+                    &channel,
+                    &Note::Hold { ids: vec![VRAM_ID] },
+                    &[vram_held.as_fd()],
+                )?;
+            }
+            custody::send(
+                &channel,
+                &Note::Release {
+                    ids: vec![VRAM_NEXT_ID],
+                },
+                &[],
+            )?;
+            drop(vram_held);
+            spawn_control(&channel, server.device_slot(), gpu)?;
             custody::send(
                 &channel,
                 &Note::Ready {
@@ -188,4 +218,174 @@ pub fn run(
         }
     }
     Ok(())
+}
+
+/// The identity of a held VRAM descriptor.
+fn identity(fd: &OwnedFd) -> Option<VramRef> {
+    let st = rustix::fs::fstat(fd).ok()?;
+    Some(VramRef {
+        size: u64::try_from(st.st_size).ok()?,
+        dev: st.st_dev,
+        ino: st.st_ino,
+    })
+}
+
+/// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time.
+fn spawn_control(
+    channel: &OwnedFd,
+    slot: DeviceSlot,
+    config: SoftGpuConfig,
+) -> Result<(), WorkerError> {
+    let channel = channel.try_clone()?;
+    std::thread::Builder::new()
+        .name("sy-worker-ctl".into())
+        .spawn(move || {
+            let mut buf = Vec::new();
+            loop {
+                let note = match custody::recv(&channel, &mut buf) {
+                    Ok((note, _)) => note,
+                    Err(custody::ChannelError::Closed) => {
+                        tracing::info!("the supervisor is gone; serving on without it");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "custody channel unreadable; no more requests");
+                        return;
+                    }
+                };
+                let reply = match note {
+                    Note::Move { to } => {
+                        let span = tracing::info_span!("move", to = %to);
+                        let _g = span.enter();
+                        match relocate(&slot, config, &channel) {
+                            Ok(report) => {
+                                tracing::info!(?report, "device moved");
+                                Note::Moved { report }
+                            }
+                            Err(e) => {
+                                let error = crate::app::api::error_chain(&e);
+                                tracing::warn!(%error, "move failed; the device stays");
+                                Note::MoveFailed { error }
+                            }
+                        }
+                    }
+                    other => {
+                        tracing::warn!(?other, "unexpected custody note; ignored");
+                        continue;
+                    }
+                };
+                if let Err(e) = custody::send(&channel, &reply, &[]) {
+                    tracing::warn!(error = %e, "cannot answer the supervisor");
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// Pre-copy rounds end when one copies at most this much (the final round, with the device
+/// stopped, then has about as much to copy)...
+const SETTLED_BYTES: u64 = 256 << 10;
+/// ... or after this many rounds (a guest writing faster than the copy).
+const MAX_ROUNDS: u32 = 12;
+
+/// Why a move failed (the device keeps running where it was).
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    /// The server refused (a migration or another move in progress) or the swap failed.
+    #[error("The device cannot be moved now")]
+    Swap(#[from] switchyard_server::SwapError),
+    /// The device is not a softgpu.
+    #[error("The device is not a softgpu")]
+    NotSoftGpu,
+    /// The device refused or failed the copy.
+    #[error("The device cannot be relocated")]
+    Device(#[from] switchyard_softgpu::SoftGpuError),
+    /// The custody channel failed (the new VRAM could not be put in custody).
+    #[error("Cannot put the new VRAM in custody")]
+    Custody(#[from] custody::ChannelError),
+    /// An I/O operation failed.
+    #[error("I/O failed")]
+    Io(#[from] std::io::Error),
+}
+
+/// Moves the device in `slot` onto a new VRAM: pre-copy while it runs, then a swap to a
+/// successor on the new VRAM (see `switchyard_softgpu`'s relocation).
+fn relocate(
+    slot: &DeviceSlot,
+    config: SoftGpuConfig,
+    channel: &OwnedFd,
+) -> Result<MoveReport, MoveError> {
+    let moving = slot.begin_move()?;
+    let target = SoftGpu::create_vram(&config)?;
+    // Held before the device can run on it, so that a replacement finds it.
+    custody::send(
+        channel,
+        &Note::Hold {
+            ids: vec![VRAM_NEXT_ID],
+        },
+        &[target.as_fd()],
+    )?;
+    let result = relocate_onto(slot, config, target.try_clone()?);
+    if result.is_ok() {
+        custody::send(
+            channel,
+            &Note::Hold { ids: vec![VRAM_ID] },
+            &[target.as_fd()],
+        )?;
+    }
+    custody::send(
+        channel,
+        &Note::Release {
+            ids: vec![VRAM_NEXT_ID],
+        },
+        &[],
+    )?;
+    drop(moving);
+    result
+}
+
+fn relocate_onto(
+    slot: &DeviceSlot,
+    config: SoftGpuConfig,
+    target: std::fs::File,
+) -> Result<MoveReport, MoveError> {
+    let t0 = Instant::now();
+    let mut relocation = slot
+        .with_as::<SoftGpu, _>(|g| g.begin_relocation(target))
+        .ok_or(MoveError::NotSoftGpu)??;
+    loop {
+        let n = relocation.round()?;
+        let rounds = relocation.stats().rounds;
+        if n <= SETTLED_BYTES || rounds >= MAX_ROUNDS {
+            break;
+        }
+    }
+    let precopy = t0.elapsed();
+    let next = SoftGpu::relocated(config, slot.context().clone(), relocation)?;
+    let quiesce = slot.prepare_swap()?.quiesce;
+    let t_park = Instant::now();
+    let parked = quiesce.park();
+    let t_stop = Instant::now();
+    let swapped = slot.swap(Box::new(next));
+    drop(parked);
+    let swapped = swapped?;
+    let downtime = t_stop.elapsed();
+    let stats = slot
+        .with_as::<SoftGpu, _>(|g| g.relocation_stats())
+        .flatten()
+        .unwrap_or_default();
+    // The old device's threads are joined outside the slot.
+    drop(swapped.old);
+    let us = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    Ok(MoveReport {
+        rounds: stats.rounds,
+        bytes: stats.bytes,
+        last_round_bytes: stats.last_round_bytes,
+        final_bytes: stats.final_bytes,
+        precopy_us: us(precopy),
+        park_wait_us: us(t_stop - t_park),
+        downtime_us: us(downtime),
+        held_us: us(swapped.held),
+        final_copy_us: us(stats.final_copy),
+    })
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde_json::Value;
 use switchyard_control::{ControlClient, ControlError};
-use switchyard_daemon::app::api::{EndpointStatus, WorkerReplaced};
+use switchyard_daemon::app::api::{DrainResult, EndpointStatus, MoveResult, WorkerReplaced};
 use switchyard_pool::{BoardView, ByteSize, EndpointSpec, PoolView};
 
 #[derive(Debug, clap::Args)]
@@ -85,6 +85,20 @@ enum CtlCommand {
     Upgrade {
         /// The endpoint's id.
         id: String,
+    },
+    /// Move an endpoint's device to another board under the running guest (VRAM is copied
+    /// while the guest runs; needs vram_mmap = false).
+    Move {
+        /// The endpoint's id.
+        id: String,
+        /// The device to move to (a board, or a partition).
+        #[arg(long, value_name = "DEVICE")]
+        to: String,
+    },
+    /// Quarantine a board and move every endpoint off it.
+    Drain {
+        /// The board's id.
+        board: String,
     },
     /// Lifecycle events (pool and workers).
     Events {
@@ -257,6 +271,39 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
                     .map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1} ms")),
             );
         }
+        CtlCommand::Move { ref id, ref to } => {
+            let body = serde_json::json!({ "to": to });
+            let reply = client.post(&format!("/v1/endpoints/{}/move", segment(id)?), &body)?;
+            if json {
+                return show(&reply.body);
+            }
+            println!("{}", move_line(&reply.json()?));
+        }
+        CtlCommand::Drain { ref board } => {
+            let reply = client.post(&format!("/v1/boards/{}/drain", segment(board)?), &())?;
+            if json {
+                return show(&reply.body);
+            }
+            let r: DrainResult = reply.json()?;
+            println!(
+                "board {}: quarantined; {} endpoint(s) moved, {} failed",
+                r.board,
+                r.moved.len(),
+                r.failed.len()
+            );
+            for m in &r.moved {
+                println!("  {}", move_line(m));
+            }
+            for f in &r.failed {
+                println!(
+                    "  endpoint {}: not moved to {}: {}",
+                    f.plan.endpoint, f.plan.to, f.error
+                );
+            }
+            if !r.failed.is_empty() {
+                anyhow::bail!("the board still serves {} endpoint(s)", r.failed.len());
+            }
+        }
         CtlCommand::Events { since, follow } => {
             let path = format!("/events?since={since}&follow={follow}");
             let mut out = std::io::stdout().lock();
@@ -276,6 +323,22 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
         CtlCommand::Metrics => print!("{}", client.get_text("/metrics")?),
     }
     Ok(())
+}
+
+fn move_line(m: &MoveResult) -> String {
+    let detail = match &m.report {
+        Some(r) => format!(
+            "downtime {:.2} ms, {} pre-copy round(s), {} copied",
+            r.downtime_us as f64 / 1e3,
+            r.rounds,
+            ByteSize(r.bytes)
+        ),
+        None => "completed by a replacement worker".to_owned(),
+    };
+    format!(
+        "endpoint {}: moved from {} to {} ({detail})",
+        m.plan.endpoint, m.plan.from, m.plan.to
+    )
 }
 
 /// A path segment: ids are `[A-Za-z0-9_.-]`, anything else is refused here rather than

@@ -812,3 +812,131 @@ fn partitions_of_a_board_cannot_reach_each_other() {
     let out = d.ctl(&["create", "c", "--device", "gpu0.p0"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
 }
+
+const THREE_TRAPPED_BOARDS: &str = "[[boards]]\nid = \"gpu0\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"gpu1\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"gpu2\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"mapped\"\nvram = \"16M\"\nqueues = 2\n\
+     [[pools]]\nname = \"trapped\"\nboards = [\"gpu0\", \"gpu1\", \"gpu2\"]\n";
+
+fn lease_board(d: &mut Daemon, id: &str) -> String {
+    d.endpoint(id)
+        .pointer("/lease/board")
+        .and_then(Value::as_str)
+        .expect("lease")
+        .to_owned()
+}
+
+#[test]
+fn moves_and_a_drain_under_a_client_keep_its_device_and_follow_the_lease() {
+    let mut d = Daemon::start_with_config(THREE_TRAPPED_BOARDS);
+    d.ctl_ok(&["create", "vm1", "--pool", "trapped"]);
+    d.ctl_ok(&["create", "vm2", "--pool", "trapped"]);
+    let (e1, e2) = (d.endpoint("vm1"), d.endpoint("vm2"));
+    assert_eq!(lease_board(&mut d, "vm1"), "gpu0");
+    assert_eq!(lease_board(&mut d, "vm2"), "gpu1");
+    let mut c1 = connect(&socket_of(&e1));
+    let mut c2 = connect(&socket_of(&e2));
+    c1.setup_queue(0);
+    c2.setup_queue(0);
+    let kept: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();
+    c1.vram_write(8 << 20, &kept);
+    c1.w32(SCRATCH, 0x600d);
+    let pid1 = d.endpoint("vm1").pointer("/worker/pid").cloned();
+
+    // vm1 moves to the free board, through the CLI, while vm2 works on.
+    let out = d.ctl_ok(&["move", "vm1", "--to", "gpu2"]);
+    assert!(out.contains("moved from gpu0 to gpu2"), "{out}");
+    assert_eq!(lease_board(&mut d, "vm1"), "gpu2");
+    round(&mut c2, 1);
+    for r in 0..4 {
+        round(&mut c1, r);
+    }
+    let mut got = vec![0u8; kept.len()];
+    c1.vram_read(8 << 20, &mut got);
+    assert!(got == kept, "VRAM written before the move");
+    assert_eq!(c1.r32(SCRATCH), 0x600d);
+    assert_eq!(
+        d.endpoint("vm1").pointer("/worker/pid").cloned(),
+        pid1,
+        "a move is not a restart"
+    );
+
+    // Refusals change nothing: a busy target, a mapped-VRAM shape, unknown ids, bad bodies.
+    let c = d.client();
+    let before = snapshot(&d);
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/move", &json!({ "to": "gpu1" }))),
+        (409, "conflict".into()),
+        "gpu1 is vm2's"
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/move", &json!({ "to": "mapped" }))),
+        (422, "invalid".into()),
+        "another shape"
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/move", &json!({ "to": "nope" }))).0,
+        404
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/nope/move", &json!({ "to": "gpu0" }))).0,
+        404
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/move", &json!({ "board": "gpu0" }))).0,
+        422
+    );
+    assert_eq!(snapshot(&d), before, "refused moves changed something");
+
+    // Drain gpu2: vm1 goes to the only free board left (gpu0); gpu2 is quarantined.
+    let out = d.ctl_ok(&["drain", "gpu2"]);
+    assert!(out.contains("1 endpoint(s) moved, 0 failed"), "{out}");
+    assert_eq!(lease_board(&mut d, "vm1"), "gpu0");
+    let b = c.get("/v1/boards/gpu2").expect("board").body;
+    assert_eq!(b["state"], "quarantined", "{b}");
+    c1.vram_read(8 << 20, &mut got);
+    assert!(got == kept, "VRAM after the drain");
+    round(&mut c1, 9);
+    round(&mut c2, 9);
+    // Nowhere left to drain gpu1 to: refused as a whole, nothing moves.
+    assert_eq!(api_status(c.post("/v1/boards/gpu1/drain", &())).0, 409);
+    assert_eq!(lease_board(&mut d, "vm2"), "gpu1");
+
+    // Metrics: the boards moved off, with their last downtime; events: the lifecycle.
+    let metrics = c.get_text("/metrics").expect("metrics");
+    for board in ["gpu0", "gpu2"] {
+        let line = format!("switchyard_board_moves_total{{board=\"{board}\"}} 1");
+        assert!(metrics.contains(&line), "{line} missing:\n{metrics}");
+    }
+    assert!(
+        metrics.lines().any(|l| l
+            .starts_with("switchyard_board_last_move_downtime_seconds{board=\"gpu2\"}")
+            && !l.ends_with(" 0.0")),
+        "{metrics}"
+    );
+    let kinds: Vec<String> = d
+        .events()
+        .iter()
+        .filter_map(|e| e.pointer("/pool/kind/type").and_then(Value::as_str))
+        .map(str::to_owned)
+        .collect();
+    for k in ["move_started", "lease_moved", "drain_started"] {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing: {kinds:?}");
+    }
+}
+
+#[test]
+fn a_mapped_vram_endpoint_is_refused_a_move_with_a_reason() {
+    let mut d = Daemon::start_with_config(
+        "[[boards]]\nid = \"a\"\nvram = \"16M\"\n[[boards]]\nid = \"b\"\nvram = \"16M\"\n",
+    );
+    d.ctl_ok(&["create", "vm", "--device", "a"]);
+    let before = snapshot(&d);
+    let out = d.ctl(&["move", "vm", "--to", "b"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("vram_mmap"), "{err}");
+    assert_eq!(snapshot(&d), before);
+    assert_eq!(lease_board(&mut d, "vm"), "a");
+}

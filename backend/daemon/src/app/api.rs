@@ -11,11 +11,16 @@
 //! | `DELETE /v1/endpoints/{id}` | stop the worker (the VM's connection closes), delete (204) |
 //! | `POST /v1/endpoints/{id}/restart` | SIGKILL drill: the worker is replaced under the guest |
 //! | `POST /v1/endpoints/{id}/upgrade` | replace the worker with the executable now on disk |
+//! | `POST /v1/endpoints/{id}/move` | move the endpoint's device to another board under the guest |
+//! | `POST /v1/boards/{id}/drain` | quarantine the board and move every endpoint off it |
 //! | `GET /events` | pool and worker events, NDJSON ([`super::events`]) |
 //! | `GET /metrics`, `GET /health`, `GET /openapi.json` | |
 //!
-//! Moves, drains, detach and attach are not offered yet: without the data path that moves a
-//! device between boards they would only change the store.
+//! A move is transparent: the worker pre-copies VRAM while the guest runs, then stops the
+//! device for the last changes and the state (`switchyard_softgpu`'s relocation). It needs
+//! trapped VRAM (`vram_mmap = false`): a guest mapping of VRAM cannot be re-pointed, so a
+//! mapped device is refused (409 `mapped_vram`; a guest-visible move through the VMM is not
+//! offered yet). Detach and attach are not offered yet.
 //!
 //! Errors are `{"error":{"code","message"}}`: pool errors by kind (`not_found` 404,
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
@@ -36,18 +41,21 @@ use switchyard_control::{
     StreamNotice,
 };
 use switchyard_pool::{
-    BoardView, DeviceView, Endpoint, EndpointSpec as PoolEndpointSpec, ErrorKind, PoolError,
-    PoolView,
+    BoardView, DeviceView, Endpoint, EndpointSpec as PoolEndpointSpec, ErrorKind, MovePlan,
+    PoolError, PoolView,
 };
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::routes;
 
 use super::events::{DaemonEvent, SEQ_STRIDE, ms};
 use super::{Daemon, Unsupervised};
-use crate::supervisor::{SupervisorError, WorkerStatus};
+use crate::custody::MoveReport;
+use crate::supervisor::{MoveOutcome, SupervisorError, WorkerStatus};
 
 /// How long a new or replaced worker may take to serve.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a move may take (pre-copy of a large, busy VRAM included).
+const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Most pool events one `GET /events` reads from the store.
 const HISTORY_LIMIT: usize = 100_000;
 
@@ -84,8 +92,8 @@ fn api() -> ControlApi<AppState> {
             "HTTP/JSON on the daemon's UNIX socket (`switchyard ctl` is its client). Every error \
              reply is an ErrorBody: {\"error\": {\"code\": ..., \"message\": ...}} with a 4xx or \
              5xx status; a refused request changes nothing. GET /openapi.json serves this \
-             document. Moves, drains, detach and attach are not offered yet (no data path \
-             moves a device between boards).",
+             document. Moves and drains are transparent to the guest and need trapped VRAM \
+             (vram_mmap = false); detach and attach are not offered yet.",
         )
         .health()
         .metrics()
@@ -99,6 +107,8 @@ fn api() -> ControlApi<AppState> {
         .routes(routes!(get_endpoint, delete_endpoint))
         .routes(routes!(restart_endpoint))
         .routes(routes!(upgrade_endpoint))
+        .routes(routes!(move_endpoint))
+        .routes(routes!(drain_board))
 }
 
 /// The API's OpenAPI document (what `docs/control-api.json` holds).
@@ -208,6 +218,50 @@ pub struct WorkerReplaced {
     pub replaced_pid: u32,
     /// The worker now (serving, unless it failed).
     pub worker: WorkerView,
+}
+
+/// The body of `POST /v1/endpoints/{id}/move`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveRequest {
+    /// The device to move to: a board without partitions, or a partition, of the same shape
+    /// as the endpoint's, free and on an available board.
+    pub to: String,
+}
+
+/// A finished move.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MoveResult {
+    /// What moved where.
+    pub plan: MovePlan,
+    /// What the data path did; absent when the worker died after the device had switched
+    /// and its replacement runs the device on the target.
+    pub report: Option<MoveReport>,
+    /// The guest-visible stop (engines stopped to the device running on the target),
+    /// milliseconds.
+    pub downtime_ms: Option<f64>,
+    /// The endpoint now.
+    pub endpoint: EndpointStatus,
+}
+
+/// A move of a drain that did not happen (the endpoint keeps its device).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FailedMove {
+    /// The move.
+    pub plan: MovePlan,
+    /// Why it failed.
+    pub error: String,
+}
+
+/// The outcome of a drain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DrainResult {
+    /// The board (quarantined).
+    pub board: String,
+    /// Endpoints moved off it.
+    pub moved: Vec<MoveResult>,
+    /// Endpoints still on it.
+    pub failed: Vec<FailedMove>,
 }
 
 /// The query of `GET /events`.
@@ -435,7 +489,118 @@ impl Daemon {
         self.supervisor.status(id).map_err(supervisor_error)
     }
 
+    fn refuse_while_moving(&self, id: &str) -> Result<(), ApiError> {
+        if self.supervisor.is_moving(id).unwrap_or(false) {
+            return Err(ApiError::conflict(
+                "moving",
+                format!("Endpoint \"{id}\" is being moved; try again when the move is done"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses moves the data path cannot make (before anything is reserved).
+    fn check_movable(plan: &MovePlan) -> Result<(), ApiError> {
+        if plan.shape.vram_mmap {
+            return Err(ApiError::conflict(
+                "mapped_vram",
+                format!(
+                    "Endpoint \"{}\" lets its guest map VRAM (vram_mmap = true): a mapping cannot be re-pointed under the guest, and guest-visible moves are not offered yet",
+                    plan.endpoint
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn move_endpoint(&self, id: &str, to: &str) -> Result<MoveResult, ApiError> {
+        self.serving(id)?;
+        self.refuse_while_moving(id)?;
+        let plan = {
+            let mut pool = self.pool();
+            let checked = pool.inventory().check_move(id, to).map_err(pool_error)?;
+            Self::check_movable(&checked)?;
+            let (plan, events) = pool.plan_move(id, to).map_err(pool_error)?;
+            self.events.pool(events);
+            plan
+        };
+        self.execute_move(plan)
+    }
+
+    /// Runs a planned move on the data path, then commits it (or releases the target).
+    fn execute_move(&self, plan: MovePlan) -> Result<MoveResult, ApiError> {
+        let outcome = self
+            .supervisor
+            .move_device(&plan.endpoint, &plan.to_board, MOVE_TIMEOUT);
+        let mut pool = self.pool();
+        let report = match outcome {
+            Ok(MoveOutcome::Moved(report)) => Some(report),
+            Ok(MoveOutcome::MovedAcrossRestart) => None,
+            Err(e) => {
+                match pool.abort_move(&plan) {
+                    Ok(events) => self.events.pool(events),
+                    Err(e) => tracing::error!(?plan, "cannot release a failed move's target: {e}"),
+                }
+                return Err(match e {
+                    SupervisorError::MoveFailed { .. } | SupervisorError::Moving(_) => {
+                        ApiError::conflict("move_failed", error_chain(&e))
+                    }
+                    e => supervisor_error(e),
+                });
+            }
+        };
+        let events = pool.commit_move(&plan).map_err(pool_error)?;
+        self.events.pool(events);
+        let downtime = report
+            .as_ref()
+            .map(|r| Duration::from_micros(r.downtime_us));
+        if let Some(d) = downtime {
+            self.metrics.board(&plan.from_board).moved(d);
+        }
+        let endpoint = pool
+            .inventory()
+            .endpoint(&plan.endpoint)
+            .ok_or_else(|| unknown_endpoint(&plan.endpoint))?;
+        Ok(MoveResult {
+            endpoint: self.endpoint_status(&pool, endpoint),
+            downtime_ms: downtime.map(ms),
+            report,
+            plan,
+        })
+    }
+
+    fn drain(&self, board: &str) -> Result<DrainResult, ApiError> {
+        let plans = {
+            let mut pool = self.pool();
+            for plan in pool.plan_drain(board).map_err(pool_error)? {
+                Self::check_movable(&plan)?;
+                if self.supervisor.is_moving(&plan.endpoint).unwrap_or(false) {
+                    self.refuse_while_moving(&plan.endpoint)?;
+                }
+            }
+            let (plans, events) = pool.drain(board).map_err(pool_error)?;
+            self.events.pool(events);
+            plans
+        };
+        let mut out = DrainResult {
+            board: board.to_owned(),
+            moved: Vec::new(),
+            failed: Vec::new(),
+        };
+        for plan in plans {
+            match self.execute_move(plan.clone()) {
+                Ok(r) => out.moved.push(r),
+                Err(e) => out.failed.push(FailedMove {
+                    plan,
+                    error: e.message,
+                }),
+            }
+        }
+        Ok(out)
+    }
+
     fn replace(&self, id: &str, upgrade: bool) -> Result<WorkerReplaced, ApiError> {
+        self.refuse_while_moving(id)?;
         let before = self.serving(id)?;
         let replaced_pid = before
             .pid
@@ -661,6 +826,44 @@ async fn upgrade_endpoint(
     Path(id): Path<String>,
 ) -> Result<Json<WorkerReplaced>, ApiError> {
     blocking(&s, move |d| d.replace(&id, true)).await.map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/move`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/move", tag = TAG, operation_id = "move_endpoint",
+    summary = "Move the endpoint's device to another board under the running guest",
+    description = "VRAM is copied while the guest runs, then the device stops for the last \
+        changes and its state (the downtime) and runs on the target. Needs trapped VRAM \
+        (vram_mmap = false).",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    request_body = MoveRequest,
+    responses(
+        (status = 200, description = "Moved; the lease follows", body = MoveResult),
+        (status = 404, description = "No such endpoint or device", body = ErrorBody),
+        (status = 409, description = "The target is busy, quarantined or another shape; the guest maps VRAM; a move, restart or migration is in progress; the data path failed (the device stays)", body = ErrorBody),
+        (status = 422, description = "A bad body", body = ErrorBody)))]
+async fn move_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<MoveRequest>,
+) -> Result<Json<MoveResult>, ApiError> {
+    blocking(&s, move |d| d.move_endpoint(&id, &req.to))
+        .await
+        .map(Json)
+}
+
+/// `POST /v1/boards/{id}/drain`.
+#[utoipa::path(post, path = "/v1/boards/{id}/drain", tag = TAG, operation_id = "drain_board",
+    summary = "Quarantine the board and move every endpoint off it, under the running guests",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board is quarantined; the moves made and those that failed", body = DrainResult),
+        (status = 404, description = "No such board", body = ErrorBody),
+        (status = 409, description = "Not every endpoint can move (no free device of its shape, mapped VRAM, a move in progress): nothing was done", body = ErrorBody)))]
+async fn drain_board(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<DrainResult>, ApiError> {
+    blocking(&s, move |d| d.drain(&id)).await.map(Json)
 }
 
 fn line<T: Serialize>(value: &T) -> Bytes {
