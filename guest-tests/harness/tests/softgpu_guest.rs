@@ -75,7 +75,7 @@ fn guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
         .filter(|n| *n != "guest_tests_are_ignored_not_passed_under_plain_cargo_test")
         .cloned()
         .collect();
-    assert_eq!(booting.len(), 8, "{all:?}");
+    assert_eq!(booting.len(), 9, "{all:?}");
     assert_eq!(ignored, booting, "every guest-booting test is #[ignore]d");
 }
 
@@ -414,8 +414,8 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
     });
 }
 
-/// A `switchyard daemon` on `dir` with `config`; dropping it deletes its endpoints (their
-/// workers stop) and stops it.
+/// A `switchyard daemon` on `dir` with `config` (empty: the embedded default); dropping it
+/// deletes its endpoints (their workers stop, orphans included) and stops it.
 struct PoolDaemon {
     child: std::process::Child,
     socket: std::path::PathBuf,
@@ -427,10 +427,12 @@ impl PoolDaemon {
         let file = dir.join("pool.toml");
         std::fs::write(&file, config).expect("write the pool configuration");
         let log = std::fs::File::create(dir.join("daemon.log")).expect("daemon log");
-        let child = std::process::Command::new(&env.switchyard)
-            .arg("daemon")
-            .arg("--config")
-            .arg(&file)
+        let mut cmd = std::process::Command::new(&env.switchyard);
+        cmd.arg("daemon");
+        if !config.is_empty() {
+            cmd.arg("--config").arg(&file);
+        }
+        let child = cmd
             .arg("--state-dir")
             .arg(dir.join("state"))
             .arg("--run-dir")
@@ -473,7 +475,10 @@ impl PoolDaemon {
     fn create(&mut self, id: &str, pool: &str) -> std::path::PathBuf {
         let reply = self
             .api()
-            .post("/v1/endpoints", &serde_json::json!({ "id": id, "pool": pool }))
+            .post(
+                "/v1/endpoints",
+                &serde_json::json!({ "id": id, "pool": pool }),
+            )
             .expect("create the endpoint");
         self.endpoints.push(id.to_owned());
         std::path::PathBuf::from(
@@ -481,6 +486,24 @@ impl PoolDaemon {
                 .as_str()
                 .expect("the endpoint's socket"),
         )
+    }
+}
+
+impl PoolDaemon {
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn restart(&mut self, env: &GuestEnv, dir: &std::path::Path) {
+        let endpoints = std::mem::take(&mut self.endpoints);
+        let config = std::fs::read_to_string(dir.join("pool.toml")).expect("configuration");
+        std::fs::rename(dir.join("daemon.log"), dir.join("daemon.1.log")).expect("keep the log");
+        // The old child is reaped; the new one takes its place.
+        let fresh = PoolDaemon::start(env, dir, &config);
+        let old = std::mem::replace(self, fresh);
+        std::mem::forget(old);
+        self.endpoints = endpoints;
     }
 }
 
@@ -565,7 +588,11 @@ fn in_guest_vfio_driver_runs_across_twenty_transparent_moves() {
         assert_eq!(out.test_rc("sygpu-driver"), Some(0));
         let run = s["jobs_run"].as_u64().expect("jobs_run");
         assert!(run >= 5, "{s}");
-        assert_eq!(s["jobs_verified"].as_u64(), Some(run), "every job verified: {s}");
+        assert_eq!(
+            s["jobs_verified"].as_u64(),
+            Some(run),
+            "every job verified: {s}"
+        );
         assert_eq!(s["error_test_ok"], true, "{s}");
         assert_eq!(s["vram_mmap_ok"], true, "{s}");
         assert_eq!(
@@ -575,7 +602,11 @@ fn in_guest_vfio_driver_runs_across_twenty_transparent_moves() {
             downtimes.len()
         );
         // Moves are not restarts: one worker served the whole run.
-        let st = daemon.api().get("/v1/endpoints/vm1").expect("endpoint").body;
+        let st = daemon
+            .api()
+            .get("/v1/endpoints/vm1")
+            .expect("endpoint")
+            .body;
         assert_eq!(st["worker"]["restarts"], 0, "{st}");
         let qemu = std::fs::read_to_string(dir.join("qemu.log")).expect("QEMU's log");
         assert!(
@@ -609,5 +640,82 @@ fn in_guest_vfio_driver_runs_across_twenty_transparent_moves() {
             sorted[10],
             sorted[19]
         );
+    });
+}
+
+/// The daemon-crash test: two guests run the driver workload on two endpoints while
+/// the pool daemon is SIGKILLed and started again. The workers serve on (the guests finish
+/// with every job bit-exact and QEMU never notices) and the new daemon restores both leases
+/// from its store.
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn two_guests_run_on_while_the_pool_daemon_is_killed_and_restarted() {
+    with_logs("daemon-kill", |env, dir| {
+        let mut daemon = PoolDaemon::start(env, dir, "");
+        let sockets = [
+            daemon.create("vm1", "default"),
+            daemon.create("vm2", "default"),
+        ];
+        let leases: Vec<serde_json::Value> = ["vm1", "vm2"]
+            .iter()
+            .map(|id| {
+                daemon
+                    .api()
+                    .get(&format!("/v1/endpoints/{id}"))
+                    .expect("endpoint")
+                    .body["lease"]
+                    .clone()
+            })
+            .collect();
+        let mut guests = Vec::new();
+        for (i, socket) in sockets.iter().enumerate() {
+            let gdir = dir.join(format!("vm{}", i + 1));
+            std::fs::create_dir_all(&gdir).expect("guest dir");
+            let mut spec = GuestSpec::new("sygpu-driver");
+            spec.iommu = true;
+            spec.devices = vec![VfioUserDevice::new("gpu0", socket)];
+            guests.push((gdir.clone(), Guest::boot(env, &gdir, &spec).expect("boot")));
+        }
+        // Both drivers have the device up (BARs mapped, MSI-X wired) before the kill.
+        for (_, g) in &mut guests {
+            g.wait_for_line("SYGPU: mmap:")
+                .expect("the driver maps its BARs");
+        }
+        daemon.kill9();
+        std::thread::sleep(Duration::from_millis(500));
+        daemon.restart(env, dir);
+        for (id, lease) in ["vm1", "vm2"].iter().zip(&leases) {
+            let now = daemon
+                .api()
+                .get(&format!("/v1/endpoints/{id}"))
+                .expect("endpoint")
+                .body;
+            assert_eq!(
+                &now["lease"], lease,
+                "{id}: the store restores its lease: {now}"
+            );
+            assert_eq!(now["worker"]["state"], "orphaned", "{id}: {now}");
+        }
+        for (gdir, g) in guests {
+            let out = g.wait().expect("guest finished");
+            assert_device_listed(&out);
+            let s = out
+                .json_line("SYGPU-SUMMARY")
+                .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
+            assert_eq!(s["result"], "pass", "{s}");
+            let run = s["jobs_run"].as_u64().expect("jobs_run");
+            assert!(run >= 5, "{s}");
+            assert_eq!(s["jobs_verified"].as_u64(), Some(run), "{s}");
+            let qemu = std::fs::read_to_string(gdir.join("qemu.log")).expect("QEMU's log");
+            assert!(
+                !qemu.contains("server closed socket") && !qemu.contains("hardware error"),
+                "QEMU noticed:\n{qemu}"
+            );
+            eprintln!(
+                "daemon-kill guest {}: {:.1} s, {s}",
+                gdir.display(),
+                out.elapsed.as_secs_f64()
+            );
+        }
     });
 }
