@@ -104,6 +104,23 @@ pub enum Note {
         /// Why (an error chain).
         error: String,
     },
+    /// A new supervisor asks a running worker for custody (on the worker's adoption socket;
+    /// see [`crate::keeper`]).
+    Adopt {
+        /// The endpoint the supervisor expects the worker to serve.
+        endpoint: String,
+    },
+    /// The worker handed its custody over (after [`Note::Fds`] batches): this connection is
+    /// its custody channel now.
+    Adopted {
+        /// The worker's pid.
+        pid: u32,
+    },
+    /// The worker refused to be adopted.
+    AdoptRefused {
+        /// Why.
+        reason: String,
+    },
     /// Start serving.
     Start {
         /// Fresh or resume.
@@ -114,6 +131,9 @@ pub enum Note {
         socket: String,
         /// The device.
         device: switchyard_softgpu::SoftGpuConfig,
+        /// Where to offer the adoption socket (`<dir>/w<pid>.sock`), if anywhere.
+        #[serde(default)]
+        adopt_dir: Option<String>,
     },
 }
 

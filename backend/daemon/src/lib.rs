@@ -17,6 +17,7 @@
 
 pub mod app;
 pub mod custody;
+pub mod keeper;
 pub mod supervisor;
 pub mod worker;
 

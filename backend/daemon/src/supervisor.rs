@@ -41,6 +41,16 @@ pub enum SupervisorError {
     /// No worker serves the endpoint right now (it is restarting, or was given up).
     #[error("No worker serves endpoint `{0}` right now")]
     NoWorker(String),
+    /// A running worker could not be adopted.
+    #[error("Cannot adopt worker {pid} of endpoint `{endpoint}`: {reason}")]
+    Adopt {
+        /// Endpoint.
+        endpoint: String,
+        /// The worker's pid.
+        pid: u32,
+        /// Why.
+        reason: String,
+    },
     /// The worker refused or failed the move; the device runs where it was.
     #[error("Endpoint `{endpoint}` was not moved: {reason}")]
     MoveFailed {
@@ -193,6 +203,8 @@ pub struct Supervisor {
     exe: PathBuf,
     endpoints: Mutex<BTreeMap<String, Arc<Endpoint>>>,
     sink: EventSink,
+    /// Where workers offer their adoption sockets (see [`crate::keeper`]).
+    adopt_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -223,7 +235,85 @@ impl Supervisor {
             exe: exe.into(),
             endpoints: Mutex::new(BTreeMap::new()),
             sink,
+            adopt_dir: None,
         }
+    }
+
+    /// Has every worker offer an adoption socket in `dir` (a private directory), so that a
+    /// supervisor of a later daemon can [`Supervisor::adopt`] it.
+    pub fn with_adoption_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.adopt_dir = Some(dir.into());
+        self
+    }
+
+    /// Takes over supervising `spec`'s running worker `pid`, started by an earlier supervisor
+    /// (an earlier daemon) that is gone: connects to its adoption socket in the adoption
+    /// directory, receives everything held for the endpoint (the listening socket, the
+    /// client's connection and descriptors, VRAM, black box), and from then on supervises it
+    /// as if it had started it (a worker that dies is replaced; restart, upgrade and moves
+    /// work). Refused if the worker offers no adoption socket or has a supervisor.
+    pub fn adopt(&self, spec: EndpointSpec, pid: u32) -> Result<(), SupervisorError> {
+        let failed = |reason: String| SupervisorError::Adopt {
+            endpoint: spec.id.clone(),
+            pid,
+            reason,
+        };
+        let dir = self
+            .adopt_dir
+            .as_ref()
+            .ok_or_else(|| failed("this supervisor has no adoption directory".into()))?;
+        let mut endpoints = self.endpoints();
+        if endpoints.contains_key(&spec.id) {
+            return Err(SupervisorError::Exists(spec.id));
+        }
+        let path = crate::keeper::adoption_path(dir, pid);
+        let (channel, mut held) =
+            adopt_from(&path, &spec.id).map_err(|e| failed(format!("{}: {e}", path.display())))?;
+        let listener = held
+            .remove(&LISTENER_ID)
+            .ok_or_else(|| failed("the worker did not hand over the listening socket".into()))?;
+        let socket = DeviceSocket::adopt_owned(
+            std::os::unix::net::UnixListener::from(listener),
+            spec.socket.clone(),
+        );
+        let connected = held.contains_key(&CONNECTION_ID);
+        let ep = Arc::new(Endpoint {
+            spec: spec.clone(),
+            socket,
+            status: Mutex::new(WorkerStatus {
+                pid: Some(pid),
+                ready: 1,
+                held: held.len(),
+                connected,
+                ..WorkerStatus::default()
+            }),
+            held: Mutex::new(held),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            channel: Mutex::new(channel.try_clone().ok()),
+            mv: Mutex::new(MoveSlot::default()),
+            mv_changed: Condvar::new(),
+            thread: Mutex::new(None),
+        });
+        let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
+        let adopt_dir = self.adopt_dir.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sy-sup-{}", spec.id))
+            .spawn(move || {
+                supervise(
+                    &ep2,
+                    &exe,
+                    &sink,
+                    adopt_dir.as_deref(),
+                    Some((channel, pid)),
+                );
+            })
+            .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
+        *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
+        endpoints.insert(spec.id.clone(), ep);
+        tracing::info!(endpoint = spec.id, pid, "worker adopted");
+        Ok(())
     }
 
     fn endpoints(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Endpoint>>> {
@@ -261,9 +351,10 @@ impl Supervisor {
         let exe = self.exe.clone();
         let ep2 = ep.clone();
         let sink = self.sink.clone();
+        let adopt_dir = self.adopt_dir.clone();
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
-            .spawn(move || supervise(&ep2, &exe, &sink))
+            .spawn(move || supervise(&ep2, &exe, &sink, adopt_dir.as_deref(), None))
             .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
         *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
         endpoints.insert(spec.id, ep);
@@ -488,12 +579,42 @@ fn kill(pid: Option<u32>) {
     }
 }
 
-fn supervise(ep: &Endpoint, exe: &Path, sink: &EventSink) {
+/// Supervises `ep`: first the adopted worker `adopted` (its channel and pid) if any, then
+/// workers it starts itself, replacing each that dies.
+fn supervise(
+    ep: &Endpoint,
+    exe: &Path,
+    sink: &EventSink,
+    adopt_dir: Option<&Path>,
+    adopted: Option<(OwnedFd, u32)>,
+) {
     let span = tracing::info_span!("endpoint", id = %ep.spec.id);
     let _g = span.enter();
     let mut failed_starts = 0u32;
     let mut died_at: Option<Instant> = None;
     let mut recent: VecDeque<Instant> = VecDeque::new();
+    if let Some((channel, pid)) = adopted {
+        serve_notes(ep, &channel, pid, None, Instant::now(), sink, &|| {
+            kill(Some(pid));
+        });
+        // Not our child: it cannot be waited for. It closed its channel by dying (or is
+        // made to): a replacement must not serve next to it.
+        kill(Some(pid));
+        wait_gone(pid, Duration::from_secs(5));
+        *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        end_move_on_death(ep);
+        if let Some(dir) = adopt_dir {
+            let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
+        }
+        tracing::info!(pid, "adopted worker gone");
+        died_at = Some(Instant::now());
+        ep.status().pid = None;
+        if !ep.stopping.load(Ordering::SeqCst) {
+            let mut st = ep.status();
+            st.restarts += 1;
+            ep.changed.notify_all();
+        }
+    }
     while !ep.stopping.load(Ordering::SeqCst) {
         let mode = {
             let held = ep.held();
@@ -503,7 +624,7 @@ fn supervise(ep: &Endpoint, exe: &Path, sink: &EventSink) {
                 StartMode::Fresh
             }
         };
-        let ready = match run_worker(ep, exe, mode, died_at, sink) {
+        let ready = match run_worker(ep, exe, mode, died_at, sink, adopt_dir) {
             Ok(ready) => ready,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start a worker");
@@ -556,6 +677,7 @@ fn run_worker(
     mode: StartMode,
     died_at: Option<Instant>,
     sink: &EventSink,
+    adopt_dir: Option<&Path>,
 ) -> std::io::Result<bool> {
     let (ours, theirs) = custody::pair()?;
     let mut child: Child = Command::new(exe)
@@ -564,9 +686,10 @@ fn run_worker(
         // Its own process group: a terminal's Ctrl-C to the daemon does not reach it.
         .process_group(0)
         .spawn()?;
+    let pid = child.id();
     {
         let mut st = ep.status();
-        st.pid = Some(child.id());
+        st.pid = Some(pid);
         if ep.stopping.load(Ordering::SeqCst) {
             // `delete` ran between the check in `supervise` and the spawn.
             let _ = child.kill();
@@ -574,96 +697,177 @@ fn run_worker(
     }
     sink(WorkerEvent::Started {
         endpoint: ep.spec.id.clone(),
-        pid: child.id(),
+        pid,
         resume: mode == StartMode::Resume,
     });
     let started = Instant::now();
-    let handed = hand_over(ep, &ours, mode);
+    let handed = hand_over(ep, &ours, mode, adopt_dir);
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = ours.try_clone().ok();
     let mut ready = false;
     if let Err(e) = handed {
         tracing::error!(error = %e, "cannot hand the endpoint's descriptors to the worker");
         let _ = child.kill();
     } else {
-        let mut buf = Vec::new();
-        loop {
-            match custody::recv(&ours, &mut buf) {
-                Ok((Note::Hold { ids }, fds)) => ep.change_held(|held| {
-                    for (id, fd) in ids.into_iter().zip(fds) {
-                        if id == VRAM_NEXT_ID {
-                            ep.mv().target = file_identity(&fd);
-                        }
-                        held.insert(id, fd);
-                    }
-                }),
-                Ok((Note::Moved { report }, _)) => {
-                    ep.mv().reply = Some(Ok(report));
-                    ep.mv_changed.notify_all();
-                }
-                Ok((Note::MoveFailed { error }, _)) => {
-                    ep.mv().reply = Some(Err(Some(error)));
-                    ep.mv_changed.notify_all();
-                }
-                Ok((Note::Release { ids }, _)) => ep.change_held(|held| {
-                    for id in ids {
-                        if id != LISTENER_ID {
-                            held.remove(&id);
-                        }
-                    }
-                }),
-                Ok((Note::Ready { resumed }, _)) => {
-                    ready = true;
-                    let restart = died_at.map(|t| t.elapsed());
-                    let mut st = ep.status();
-                    st.ready += 1;
-                    if restart.is_some() {
-                        st.last_restart = restart;
-                    }
-                    ep.changed.notify_all();
-                    drop(st);
-                    sink(WorkerEvent::Ready {
-                        endpoint: ep.spec.id.clone(),
-                        pid: child.id(),
-                        resumed_connection: resumed,
-                        restart,
-                    });
-                    tracing::info!(
-                        pid = child.id(),
-                        resumed,
-                        start_ms = started.elapsed().as_secs_f64() * 1e3,
-                        "worker ready"
-                    );
-                }
-                Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
-                Err(custody::ChannelError::Closed) => break,
-                Err(e) => {
-                    // A worker that breaks the channel protocol cannot be trusted with it.
-                    tracing::error!(error = %e, "custody channel broken; killing the worker");
-                    let _ = child.kill();
-                    break;
-                }
-            }
-        }
+        ready = serve_notes(ep, &ours, pid, died_at, started, sink, &|| kill(Some(pid)));
     }
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    {
-        let mut mv = ep.mv();
-        if mv.active && mv.reply.is_none() {
-            mv.reply = Some(Err(None));
-            ep.mv_changed.notify_all();
-        }
-    }
+    end_move_on_death(ep);
     let status = child.wait()?;
-    tracing::info!(pid = child.id(), %status, "worker exited");
+    if let Some(dir) = adopt_dir {
+        let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
+    }
+    tracing::info!(pid, %status, "worker exited");
     sink(WorkerEvent::Exited {
         endpoint: ep.spec.id.clone(),
-        pid: child.id(),
+        pid,
         status: status.to_string(),
     });
     Ok(ready)
 }
 
-fn hand_over(ep: &Endpoint, sock: &OwnedFd, mode: StartMode) -> Result<(), custody::ChannelError> {
+/// A move waiting for the worker that just died learns it.
+fn end_move_on_death(ep: &Endpoint) {
+    let mut mv = ep.mv();
+    if mv.active && mv.reply.is_none() {
+        mv.reply = Some(Err(None));
+        ep.mv_changed.notify_all();
+    }
+}
+
+/// Waits (bounded) until `pid` no longer runs (gone, or a zombie).
+fn wait_gone(pid: u32, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let zombie = stat
+            .rfind(')')
+            .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+        if stat.is_empty() || zombie {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    tracing::error!(pid, "the worker does not die");
+}
+
+/// Serves worker `pid`'s custody notes on `channel` until the channel closes. Returns
+/// whether it reported ready (an adopted worker did before). `kill` ends a worker that
+/// breaks the protocol.
+fn serve_notes(
+    ep: &Endpoint,
+    channel: &OwnedFd,
+    pid: u32,
+    died_at: Option<Instant>,
+    started: Instant,
+    sink: &EventSink,
+    kill: &dyn Fn(),
+) -> bool {
+    let mut ready = false;
+    let mut buf = Vec::new();
+    loop {
+        match custody::recv(channel, &mut buf) {
+            Ok((Note::Hold { ids }, fds)) => ep.change_held(|held| {
+                for (id, fd) in ids.into_iter().zip(fds) {
+                    if id == VRAM_NEXT_ID {
+                        ep.mv().target = file_identity(&fd);
+                    }
+                    held.insert(id, fd);
+                }
+            }),
+            Ok((Note::Moved { report }, _)) => {
+                ep.mv().reply = Some(Ok(report));
+                ep.mv_changed.notify_all();
+            }
+            Ok((Note::MoveFailed { error }, _)) => {
+                ep.mv().reply = Some(Err(Some(error)));
+                ep.mv_changed.notify_all();
+            }
+            Ok((Note::Release { ids }, _)) => ep.change_held(|held| {
+                for id in ids {
+                    if id != LISTENER_ID {
+                        held.remove(&id);
+                    }
+                }
+            }),
+            Ok((Note::Ready { resumed }, _)) => {
+                ready = true;
+                let restart = died_at.map(|t| t.elapsed());
+                let mut st = ep.status();
+                st.ready += 1;
+                if restart.is_some() {
+                    st.last_restart = restart;
+                }
+                ep.changed.notify_all();
+                drop(st);
+                sink(WorkerEvent::Ready {
+                    endpoint: ep.spec.id.clone(),
+                    pid,
+                    resumed_connection: resumed,
+                    restart,
+                });
+                tracing::info!(
+                    pid,
+                    resumed,
+                    start_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "worker ready"
+                );
+            }
+            Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
+            Err(custody::ChannelError::Closed) => break,
+            Err(e) => {
+                // A worker that breaks the channel protocol cannot be trusted with it.
+                tracing::error!(error = %e, "custody channel broken; killing the worker");
+                kill();
+                break;
+            }
+        }
+    }
+    ready
+}
+
+/// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
+/// and everything held.
+fn adopt_from(
+    path: &Path,
+    endpoint: &str,
+) -> Result<(OwnedFd, BTreeMap<u64, OwnedFd>), custody::ChannelError> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(std::io::Error::from)?;
+    let addr = SocketAddrUnix::new(path).map_err(std::io::Error::from)?;
+    rustix::net::connect(&sock, &addr).map_err(std::io::Error::from)?;
+    custody::send(
+        &sock,
+        &Note::Adopt {
+            endpoint: endpoint.to_owned(),
+        },
+        &[],
+    )?;
+    let mut held = BTreeMap::new();
+    let mut buf = Vec::new();
+    loop {
+        match custody::recv(&sock, &mut buf)? {
+            (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
+            (Note::Adopted { .. }, _) => return Ok((sock, held)),
+            (Note::AdoptRefused { reason }, _) => {
+                return Err(custody::ChannelError::Io(std::io::Error::other(reason)));
+            }
+            (other, _) => tracing::warn!(?other, "unexpected note during an adoption; ignored"),
+        }
+    }
+}
+
+fn hand_over(
+    ep: &Endpoint,
+    sock: &OwnedFd,
+    mode: StartMode,
+    adopt_dir: Option<&Path>,
+) -> Result<(), custody::ChannelError> {
     let held = ep.held();
     let listener = ep.socket.listener().as_fd();
     let mut all: Vec<(u64, BorrowedFd<'_>)> = vec![(LISTENER_ID, listener)];
@@ -681,6 +885,7 @@ fn hand_over(ep: &Endpoint, sock: &OwnedFd, mode: StartMode) -> Result<(), custo
             endpoint: ep.spec.id.clone(),
             socket: ep.spec.socket.display().to_string(),
             device: ep.spec.device,
+            adopt_dir: adopt_dir.map(|d| d.display().to_string()),
         },
         &[],
     )

@@ -23,9 +23,10 @@ use switchyard_server::DeviceSlot;
 use switchyard_softgpu::VramRef;
 
 use crate::custody::{
-    self, BLACK_BOX_ID, CONNECTION_ID, ChannelCustody, LISTENER_ID, MoveReport, Note, StartMode,
-    VRAM_ID, VRAM_NEXT_ID,
+    self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, MoveReport, Note, StartMode, VRAM_ID,
+    VRAM_NEXT_ID,
 };
+use crate::keeper::{Keeper, KeeperCustody, adoption_path};
 
 /// Why a worker could not serve.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +59,7 @@ struct Start {
     socket: PathBuf,
     device: SoftGpuConfig,
     held: BTreeMap<u64, OwnedFd>,
+    adopt_dir: Option<PathBuf>,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -72,6 +74,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 endpoint,
                 socket,
                 device,
+                adopt_dir,
             } => {
                 device
                     .validate()
@@ -83,6 +86,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     socket: socket.into(),
                     device: config,
                     held,
+                    adopt_dir: adopt_dir.map(PathBuf::from),
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -98,6 +102,13 @@ pub fn run(
     let mut start = receive_start(&channel)?;
     let span = tracing::info_span!("endpoint", id = %start.endpoint);
     let _g = span.enter();
+    let keeper = Arc::new(Keeper::new(&start.endpoint, channel, &start.held)?);
+    if let Some(dir) = &start.adopt_dir {
+        let path = adoption_path(dir, std::process::id());
+        if let Err(e) = keeper.serve_adoptions(path.clone()) {
+            tracing::warn!(path = %path.display(), error = %e, "no adoption socket: a new daemon cannot adopt this worker");
+        }
+    }
     let listener = UnixListener::from(
         start
             .held
@@ -106,21 +117,14 @@ pub fn run(
     );
     let config = server_config(start.socket.clone());
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
-    let custody_fd = channel.try_clone()?;
     let gpu = start.device;
     match start.mode {
         StartMode::Fresh => {
             let mut records = Continuity::records(&config.limits);
             records.extend(SoftGpu::black_box_records(&gpu));
             let bb = BlackBox::create(&records)?;
-            custody::send(
-                &channel,
-                &Note::Hold {
-                    ids: vec![BLACK_BOX_ID],
-                },
-                &[bb.file().as_fd()],
-            )?;
-            let continuity = Continuity::new(&bb, Box::new(ChannelCustody::new(custody_fd)))?;
+            keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
+            let continuity = Continuity::new(&bb, Box::new(KeeperCustody(keeper.clone())))?;
             let bb2 = bb.clone();
             let mut server = Server::with_socket(config, socket, |ctx| {
                 SoftGpu::with_black_box(gpu, ctx, &bb2, None)
@@ -129,14 +133,10 @@ pub fn run(
                 .device_slot()
                 .with_as::<SoftGpu, _>(|g| g.vram_file().try_clone())
                 .ok_or(WorkerError::Missing("the device's VRAM"))??;
-            custody::send(
-                &channel,
-                &Note::Hold { ids: vec![VRAM_ID] },
-                &[vram.as_fd()],
-            )?;
+            keeper.hold(&[VRAM_ID], &[vram.as_fd()])?;
             server.set_continuity(Arc::new(continuity));
-            spawn_control(&channel, server.device_slot(), gpu)?;
-            custody::send(&channel, &Note::Ready { resumed: false }, &[])?;
+            spawn_control(&keeper, server.device_slot(), gpu)?;
+            keeper.notify(&Note::Ready { resumed: false });
             tracing::info!(socket = %start.socket.display(), "worker serving (fresh device)");
             server.run()?;
         }
@@ -160,7 +160,7 @@ pub fn run(
             let vram_held = vram.try_clone()?;
             let connection = start.held.remove(&CONNECTION_ID);
             let (continuity, resumed) =
-                Continuity::resume(&bb, Box::new(ChannelCustody::new(custody_fd)))?;
+                Continuity::resume(&bb, Box::new(KeeperCustody(keeper.clone())))?;
             let held = &start.held;
             let bb2 = bb.clone();
             let mut problems = Vec::new();
@@ -178,28 +178,14 @@ pub fn run(
             server.set_continuity(Arc::new(continuity));
             // Whatever VRAM the device runs on is the one held as its VRAM from now on.
             if moved {
-                custody::send(
-                    &channel,
-                    &Note::Hold { ids: vec![VRAM_ID] },
-                    &[vram_held.as_fd()],
-                )?;
+                keeper.hold(&[VRAM_ID], &[vram_held.as_fd()])?;
             }
-            custody::send(
-                &channel,
-                &Note::Release {
-                    ids: vec![VRAM_NEXT_ID],
-                },
-                &[],
-            )?;
+            keeper.release(&[VRAM_NEXT_ID]);
             drop(vram_held);
-            spawn_control(&channel, server.device_slot(), gpu)?;
-            custody::send(
-                &channel,
-                &Note::Ready {
-                    resumed: connection.is_some(),
-                },
-                &[],
-            )?;
+            spawn_control(&keeper, server.device_slot(), gpu)?;
+            keeper.notify(&Note::Ready {
+                resumed: connection.is_some(),
+            });
             match connection {
                 Some(conn) => {
                     tracing::info!(
@@ -230,34 +216,35 @@ fn identity(fd: &OwnedFd) -> Option<VramRef> {
     })
 }
 
-/// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time.
+/// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time,
+/// from whichever supervisor is attached (a new one after an adoption).
 fn spawn_control(
-    channel: &OwnedFd,
+    keeper: &Arc<Keeper>,
     slot: DeviceSlot,
     config: SoftGpuConfig,
 ) -> Result<(), WorkerError> {
-    let channel = channel.try_clone()?;
+    let keeper = keeper.clone();
     std::thread::Builder::new()
         .name("sy-worker-ctl".into())
         .spawn(move || {
             let mut buf = Vec::new();
             loop {
-                let note = match custody::recv(&channel, &mut buf) {
+                let (generation, channel) = keeper.channel();
+                let note = match custody::recv(&*channel, &mut buf) {
                     Ok((note, _)) => note,
-                    Err(custody::ChannelError::Closed) => {
-                        tracing::info!("the supervisor is gone; serving on without it");
-                        return;
-                    }
                     Err(e) => {
-                        tracing::error!(error = %e, "custody channel unreadable; no more requests");
-                        return;
+                        if !matches!(e, custody::ChannelError::Closed) {
+                            tracing::error!(error = %e, "custody channel unreadable");
+                        }
+                        keeper.lost(generation);
+                        continue;
                     }
                 };
                 let reply = match note {
                     Note::Move { to } => {
                         let span = tracing::info_span!("move", to = %to);
                         let _g = span.enter();
-                        match relocate(&slot, config, &channel) {
+                        match relocate(&slot, config, &keeper) {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
                                 Note::Moved { report }
@@ -274,9 +261,7 @@ fn spawn_control(
                         continue;
                     }
                 };
-                if let Err(e) = custody::send(&channel, &reply, &[]) {
-                    tracing::warn!(error = %e, "cannot answer the supervisor");
-                }
+                keeper.notify(&reply);
             }
         })?;
     Ok(())
@@ -313,33 +298,17 @@ pub enum MoveError {
 fn relocate(
     slot: &DeviceSlot,
     config: SoftGpuConfig,
-    channel: &OwnedFd,
+    keeper: &Keeper,
 ) -> Result<MoveReport, MoveError> {
     let moving = slot.begin_move()?;
     let target = SoftGpu::create_vram(&config)?;
     // Held before the device can run on it, so that a replacement finds it.
-    custody::send(
-        channel,
-        &Note::Hold {
-            ids: vec![VRAM_NEXT_ID],
-        },
-        &[target.as_fd()],
-    )?;
+    keeper.hold(&[VRAM_NEXT_ID], &[target.as_fd()])?;
     let result = relocate_onto(slot, config, target.try_clone()?);
     if result.is_ok() {
-        custody::send(
-            channel,
-            &Note::Hold { ids: vec![VRAM_ID] },
-            &[target.as_fd()],
-        )?;
+        keeper.hold(&[VRAM_ID], &[target.as_fd()])?;
     }
-    custody::send(
-        channel,
-        &Note::Release {
-            ids: vec![VRAM_NEXT_ID],
-        },
-        &[],
-    )?;
+    keeper.release(&[VRAM_NEXT_ID]);
     drop(moving);
     result
 }

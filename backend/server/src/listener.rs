@@ -90,6 +90,18 @@ impl DeviceSocket {
         }
     }
 
+    /// Like [`DeviceSocket::adopt`], for a new owner of an endpoint's socket (a supervisor
+    /// adopting a running worker): the file now at `path` is taken to be this socket's, and
+    /// is removed when this is dropped if it is still that file.
+    pub fn adopt_owned(listener: UnixListener, path: PathBuf) -> Self {
+        let ident = fs::symlink_metadata(&path).ok().map(|m| (m.dev(), m.ino()));
+        Self {
+            listener,
+            path,
+            ident,
+        }
+    }
+
     /// The listening socket.
     pub fn listener(&self) -> &UnixListener {
         &self.listener

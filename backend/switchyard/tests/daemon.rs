@@ -564,9 +564,14 @@ fn refused_requests_change_nothing() {
         ),
         ("unknown route", Box::new(|| c.get("/v1/moves")), 404),
         (
-            "move not offered",
+            "a move of a device whose guest maps VRAM",
             Box::new(|| c.post("/v1/endpoints/vm1/move", &json!({"to": "gpu1"}))),
-            404,
+            409,
+        ),
+        (
+            "a drain that cannot move a mapped-VRAM endpoint",
+            Box::new(|| c.post("/v1/boards/gpu0/drain", &())),
+            409,
         ),
     ];
     for (what, request, want) in cases {
@@ -695,6 +700,10 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
     };
     let before = leases(&d);
     assert_eq!(before.len(), 2);
+    let held: Vec<Value> = ["vm1", "vm2"]
+        .iter()
+        .map(|id| d.endpoint(id)["worker"]["held"].clone())
+        .collect();
     let last_seq = d.events().last().expect("events")["seq"]
         .as_u64()
         .expect("seq");
@@ -706,16 +715,39 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
     assert_eq!(leases(&d), before, "every lease restored");
     let board: Value = d.client().get("/v1/boards/gpu1").expect("board").body;
     assert_eq!(board["state"], "quarantined", "the quarantine too");
-    // The workers of the killed daemon still serve: reported, not replaced.
-    for old in [&vm1, &vm2] {
+    // The workers of the killed daemon still serve, and the new daemon adopted them: the
+    // same processes, supervised again with everything they hold.
+    for (old, held) in [&vm1, &vm2].into_iter().zip(&held) {
         let id = old["endpoint"]["id"].as_str().expect("id");
         let now = d.endpoint(id);
-        assert_eq!(now["worker"]["state"], "orphaned", "{now}");
+        assert_eq!(now["worker"]["state"], "running", "{now}");
         assert_eq!(now["worker"]["pid"], old["worker"]["pid"], "{now}");
+        assert_eq!(
+            &now["worker"]["held"], held,
+            "everything held comes back: {now}"
+        );
     }
     round(&mut a, 2);
     assert_eq!(a.r32(SCRATCH), 0xfeed_0001);
-    let out = d.ctl(&["restart", "vm1"]);
+    // An adopted worker is replaced like any other, under the client.
+    d.ctl_ok(&["restart", "vm1"]);
+    let now = d.endpoint("vm1");
+    assert_ne!(now["worker"]["pid"], vm1["worker"]["pid"], "{now}");
+    round(&mut a, 3);
+    assert_eq!(a.r32(SCRATCH), 0xfeed_0001);
+    let vm1 = now;
+
+    // A worker that cannot be adopted (its adoption socket is gone) is reported, not
+    // replaced: its own process keeps serving.
+    d.kill9();
+    let pid2 = vm2["worker"]["pid"].as_u64().expect("pid");
+    std::fs::remove_file(d.state().join(format!("workers/w{pid2}.sock")))
+        .expect("vm2's adoption socket");
+    d.launch();
+    assert_eq!(d.endpoint("vm2")["worker"]["state"], "orphaned");
+    assert_eq!(d.endpoint("vm1")["worker"]["state"], "running");
+    assert_eq!(d.endpoint("vm1")["worker"]["pid"], vm1["worker"]["pid"]);
+    let out = d.ctl(&["restart", "vm2"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("orphaned"));
     // Event numbers go on from the killed daemon's.
@@ -745,7 +777,13 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
     let status = common::signal_and_wait(child, rustix::process::Signal::TERM, String::new);
     assert!(status.success(), "{status}");
     assert!(is_worker(vm3_pid), "the worker outlives a stopped daemon");
-    round(&mut a, 3);
+    round(&mut a, 4);
+    // ... and the next daemon adopts it (a whole-daemon upgrade).
+    d.launch();
+    let now = d.endpoint("vm3");
+    assert_eq!(now["worker"]["state"], "running", "{now}");
+    assert_eq!(now["worker"]["pid"].as_u64(), Some(u64::from(vm3_pid)));
+    round(&mut a, 5);
 }
 
 /// GPU-P style partitions of one board are separate devices: each endpoint sees its own VRAM

@@ -645,8 +645,8 @@ fn in_guest_vfio_driver_runs_across_twenty_transparent_moves() {
 
 /// The daemon-crash test: two guests run the driver workload on two endpoints while
 /// the pool daemon is SIGKILLed and started again. The workers serve on (the guests finish
-/// with every job bit-exact and QEMU never notices) and the new daemon restores both leases
-/// from its store.
+/// with every job bit-exact and QEMU never notices), the new daemon restores both leases
+/// from its store and adopts both workers, and replaces one of them under its guest.
 #[test]
 #[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn two_guests_run_on_while_the_pool_daemon_is_killed_and_restarted() {
@@ -694,8 +694,14 @@ fn two_guests_run_on_while_the_pool_daemon_is_killed_and_restarted() {
                 &now["lease"], lease,
                 "{id}: the store restores its lease: {now}"
             );
-            assert_eq!(now["worker"]["state"], "orphaned", "{id}: {now}");
+            assert_eq!(now["worker"]["state"], "running", "{id}: adopted: {now}");
         }
+        // The adopted custody is complete: vm1's worker is replaced under its guest.
+        let r = daemon
+            .api()
+            .post("/v1/endpoints/vm1/restart", &serde_json::json!({}))
+            .expect("restart an adopted worker");
+        assert_eq!(r.body["worker"]["state"], "running", "{}", r.body);
         for (gdir, g) in guests {
             let out = g.wait().expect("guest finished");
             assert_device_listed(&out);

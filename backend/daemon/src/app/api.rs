@@ -130,8 +130,9 @@ pub enum WorkerState {
     Restarting,
     /// Workers kept dying before serving; the client was disconnected (delete the endpoint).
     Failed,
-    /// A worker of an earlier daemon still serves the socket; this daemon does not supervise
-    /// it (re-adoption is not implemented): restart and upgrade are refused, delete kills it.
+    /// A worker of an earlier daemon still serves the socket and could not be adopted (it
+    /// offers no adoption socket): this daemon does not supervise it; restart, upgrade and
+    /// moves are refused, delete kills it.
     Orphaned,
     /// The worker could not be started when the daemon started (see `detail`).
     NotStarted,

@@ -13,10 +13,13 @@
 //!
 //! At start every endpoint with a lease gets its worker. At SIGTERM/SIGINT the API stops and
 //! the workers are *released*, not killed ([`Supervisor::release_all`]): guests keep their
-//! devices. A restarted daemon does not re-adopt such workers yet: an endpoint whose worker
-//! still runs is reported `orphaned` (with its pid) and left alone; restart and upgrade are
-//! refused for it, delete kills it. Moves, drains, detach and attach have no data path yet,
-//! so the API does not offer them.
+//! devices. A restarted daemon (after a crash, or an upgrade of the daemon itself) *adopts*
+//! every worker that still runs ([`Supervisor::adopt`], [`crate::keeper`]): it gets back
+//! everything the worker holds for its guest and supervises it as if it had started it. A
+//! worker that cannot be adopted (one without an adoption socket) is reported `orphaned`
+//! (with its pid) and left alone; restart, upgrade and moves are refused for it, delete
+//! kills it. Moves and drains are transparent (trapped VRAM only); detach and attach have
+//! no data path yet, so the API does not offer them.
 
 pub mod api;
 pub mod events;
@@ -205,7 +208,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     for b in pool.inventory().boards() {
         metrics.board(&b.id);
     }
-    let records = WorkerRecords::new(workers_dir);
+    let records = WorkerRecords::new(workers_dir.clone());
     let sink = {
         let (events, metrics, records) = (events.clone(), metrics.clone(), records.clone());
         Arc::new(move |e: crate::WorkerEvent| {
@@ -227,7 +230,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let control = ControlSocket::bind(&d.control_socket)?;
     let daemon = Arc::new(Daemon {
         pool: Mutex::new(pool),
-        supervisor: Supervisor::with_events(exe, sink),
+        supervisor: Supervisor::with_events(exe, sink).with_adoption_dir(&workers_dir),
         unsupervised: Mutex::new(BTreeMap::new()),
         events,
         metrics,
@@ -262,7 +265,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         tracing::info!(
             endpoint,
             pid,
-            "worker left running (a new daemon reports it as orphaned)"
+            "worker left running (a new daemon adopts it)"
         );
     }
     result
@@ -298,12 +301,19 @@ impl Daemon {
             };
             let id = endpoint.id.clone();
             if let Some(pid) = self.records.live(&id) {
-                tracing::warn!(
-                    endpoint = id,
-                    pid,
-                    "the worker of an earlier daemon still serves this endpoint; left alone (orphaned)"
-                );
-                unsupervised.insert(id, Unsupervised::Orphaned { pid: Some(pid) });
+                // A worker of an earlier daemon still serves the endpoint: adopt it.
+                match self.supervisor.adopt(spec, pid) {
+                    Ok(()) => {}
+                    Err(e) => {
+                        tracing::warn!(
+                            endpoint = id,
+                            pid,
+                            "the worker of an earlier daemon still serves this endpoint but cannot be adopted; left alone (orphaned): {}",
+                            api::error_chain(&e)
+                        );
+                        unsupervised.insert(id, Unsupervised::Orphaned { pid: Some(pid) });
+                    }
+                }
                 continue;
             }
             match self.supervisor.create(spec) {

@@ -1,0 +1,255 @@
+//! The worker's side of custody: a ledger of every descriptor the worker's supervisor holds
+//! for it (by custody id), and the channel to the supervisor of the moment.
+//!
+//! A supervisor dies with its daemon; the worker serves on. The ledger lets a *new*
+//! supervisor adopt the worker: it connects to the worker's adoption socket
+//! (`<dir>/w<pid>.sock`, [`adoption_path`]), sends [`Note::Adopt`], and receives the whole
+//! ledger ([`Note::Fds`] batches, then [`Note::Adopted`]); that connection is the custody
+//! channel from then on. So after a daemon restart (a crash, or an upgrade of the daemon
+//! itself) every endpoint is supervised again, and a worker that dies later is replaced as
+//! usual.
+//!
+//! While no supervisor is attached, holds and releases change the ledger only. The ledger
+//! and the channel change under one lock, so an adopting supervisor gets exactly the
+//! descriptors it must hold, and every later note.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use switchyard_server::continuity::Custody;
+
+use crate::custody::{self, ChannelError, MAX_FDS, Note};
+
+/// The adoption socket of worker `pid` in `dir`.
+pub fn adoption_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("w{pid}.sock"))
+}
+
+struct Inner {
+    /// The current supervisor's channel; `None` once it is gone.
+    channel: Option<Arc<OwnedFd>>,
+    /// Bumped at every new channel.
+    generation: u64,
+    ledger: BTreeMap<u64, OwnedFd>,
+}
+
+/// See the [module](self) documentation.
+pub struct Keeper {
+    endpoint: String,
+    inner: Mutex<Inner>,
+    changed: Condvar,
+}
+
+impl std::fmt::Debug for Keeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keeper")
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Keeper {
+    /// A keeper for `endpoint` on `channel`, with what the supervisor handed over at start.
+    pub fn new(
+        endpoint: &str,
+        channel: OwnedFd,
+        handed: &BTreeMap<u64, OwnedFd>,
+    ) -> io::Result<Self> {
+        let mut ledger = BTreeMap::new();
+        for (id, fd) in handed {
+            ledger.insert(*id, fd.try_clone()?);
+        }
+        Ok(Self {
+            endpoint: endpoint.to_owned(),
+            inner: Mutex::new(Inner {
+                channel: Some(Arc::new(channel)),
+                generation: 1,
+                ledger,
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends `note` on the current channel; a broken channel is dropped (the supervisor is
+    /// gone) and the note with it.
+    fn send_locked(g: &mut Inner, note: &Note, fds: &[BorrowedFd<'_>]) {
+        let Some(ch) = &g.channel else { return };
+        match custody::send(&**ch, note, fds) {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "the supervisor is gone; serving on without it");
+                g.channel = None;
+            }
+        }
+    }
+
+    /// Puts `fds` into custody under `ids`.
+    pub fn hold(&self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        let mut copies = Vec::with_capacity(fds.len());
+        for fd in fds {
+            copies.push(fd.try_clone_to_owned()?);
+        }
+        let mut g = self.lock();
+        for (id, fd) in ids.iter().zip(copies) {
+            g.ledger.insert(*id, fd);
+        }
+        for (ids, fds) in ids.chunks(MAX_FDS).zip(fds.chunks(MAX_FDS)) {
+            Self::send_locked(&mut g, &Note::Hold { ids: ids.to_vec() }, fds);
+        }
+        Ok(())
+    }
+
+    /// Takes `ids` out of custody.
+    pub fn release(&self, ids: &[u64]) {
+        let mut g = self.lock();
+        for id in ids {
+            g.ledger.remove(id);
+        }
+        for ids in ids.chunks(4096) {
+            Self::send_locked(&mut g, &Note::Release { ids: ids.to_vec() }, &[]);
+        }
+    }
+
+    /// Sends a note without descriptors (ready, move outcomes) to the current supervisor.
+    pub fn notify(&self, note: &Note) {
+        Self::send_locked(&mut self.lock(), note, &[]);
+    }
+
+    /// The current channel (to read requests from), waiting for an adoption while there is
+    /// none; with its generation.
+    pub fn channel(&self) -> (u64, Arc<OwnedFd>) {
+        let mut g = self.lock();
+        loop {
+            if let Some(ch) = &g.channel {
+                return (g.generation, ch.clone());
+            }
+            g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// The channel of `generation` closed: its supervisor is gone.
+    pub fn lost(&self, generation: u64) {
+        let mut g = self.lock();
+        if g.generation == generation && g.channel.is_some() {
+            tracing::warn!("the supervisor is gone; serving on, waiting to be adopted");
+            g.channel = None;
+        }
+    }
+
+    /// Whether a supervisor is attached.
+    pub fn supervised(&self) -> bool {
+        self.lock().channel.is_some()
+    }
+
+    /// Hands the ledger to a new supervisor on `sock` (after its [`Note::Adopt`]) and makes
+    /// `sock` the channel. Refused while a supervisor is attached.
+    pub fn adopt(&self, sock: OwnedFd, endpoint: &str) -> Result<(), ChannelError> {
+        let mut g = self.lock();
+        let refuse = |reason: String| -> Result<(), ChannelError> {
+            custody::send(&sock, &Note::AdoptRefused { reason }, &[])
+        };
+        if endpoint != self.endpoint {
+            return refuse(format!(
+                "this worker serves endpoint `{}`, not `{endpoint}`",
+                self.endpoint
+            ));
+        }
+        if g.channel.is_some() {
+            return refuse("this worker has a supervisor".into());
+        }
+        let all: Vec<(u64, BorrowedFd<'_>)> =
+            g.ledger.iter().map(|(id, fd)| (*id, fd.as_fd())).collect();
+        for batch in all.chunks(MAX_FDS) {
+            let ids = batch.iter().map(|(id, _)| *id).collect();
+            let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
+            custody::send(&sock, &Note::Fds { ids }, &fds)?;
+        }
+        custody::send(
+            &sock,
+            &Note::Adopted {
+                pid: std::process::id(),
+            },
+            &[],
+        )?;
+        let held = g.ledger.len();
+        g.channel = Some(Arc::new(sock));
+        g.generation += 1;
+        drop(g);
+        self.changed.notify_all();
+        tracing::info!(held, "adopted by a new supervisor");
+        Ok(())
+    }
+
+    /// Serves the adoption socket at `path` (bound here, mode 0600) on a thread: a connection
+    /// from this user that sends [`Note::Adopt`] while no supervisor is attached gets the
+    /// ledger and becomes the channel.
+    pub fn serve_adoptions(self: &Arc<Self>, path: PathBuf) -> io::Result<()> {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        let _ = std::fs::remove_file(&path);
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        let addr = SocketAddrUnix::new(&path)?;
+        rustix::net::bind(&sock, &addr)?;
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        rustix::net::listen(&sock, 4)?;
+        let keeper = self.clone();
+        std::thread::Builder::new()
+            .name("sy-worker-adopt".into())
+            .spawn(move || {
+                let uid = rustix::process::getuid();
+                loop {
+                    let conn = match rustix::net::accept_with(&sock, SocketFlags::CLOEXEC) {
+                        Ok(c) => c,
+                        Err(rustix::io::Errno::INTR) => continue,
+                        Err(e) => {
+                            tracing::error!(error = %e, "adoption socket failed; no adoption possible");
+                            return;
+                        }
+                    };
+                    match rustix::net::sockopt::socket_peercred(&conn) {
+                        Ok(cred) if cred.uid == uid => {}
+                        other => {
+                            tracing::warn!(?other, "adoption attempt by another user refused");
+                            continue;
+                        }
+                    }
+                    let mut buf = Vec::new();
+                    match custody::recv(&conn, &mut buf) {
+                        Ok((Note::Adopt { endpoint }, _)) => {
+                            if let Err(e) = keeper.adopt(conn, &endpoint) {
+                                tracing::warn!(error = %e, "adoption failed");
+                            }
+                        }
+                        other => tracing::warn!(?other, "not an adoption request; ignored"),
+                    }
+                }
+            })?;
+        Ok(())
+    }
+}
+
+/// [`Custody`] through a [`Keeper`].
+#[derive(Debug, Clone)]
+pub struct KeeperCustody(pub Arc<Keeper>);
+
+impl Custody for KeeperCustody {
+    fn hold(&mut self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        self.0.hold(ids, fds)
+    }
+
+    fn release(&mut self, ids: &[u64]) -> io::Result<()> {
+        self.0.release(ids);
+        Ok(())
+    }
+}
