@@ -253,3 +253,67 @@ impl Custody for KeeperCustody {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd() -> OwnedFd {
+        rustix::fs::memfd_create("keeper-test", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd")
+    }
+
+    fn ino(fd: &OwnedFd) -> u64 {
+        rustix::fs::fstat(fd).expect("fstat").st_ino
+    }
+
+    /// What a supervisor receives from an adoption on `ours`.
+    fn adopted_ledger(ours: &OwnedFd) -> (BTreeMap<u64, OwnedFd>, Note) {
+        let mut held = BTreeMap::new();
+        let mut buf = Vec::new();
+        loop {
+            match custody::recv(ours, &mut buf).expect("recv") {
+                (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
+                (note, _) => return (held, note),
+            }
+        }
+    }
+
+    #[test]
+    fn an_adopting_supervisor_gets_exactly_what_the_last_one_held() {
+        let (sup1, worker1) = custody::pair().expect("pair");
+        let (a, b, c) = (memfd(), memfd(), memfd());
+        let handed = BTreeMap::from([(1, a.try_clone().expect("dup"))]);
+        let keeper = Keeper::new("ep", worker1, &handed).expect("keeper");
+        keeper
+            .hold(&[10, 11], &[b.as_fd(), c.as_fd()])
+            .expect("hold");
+        keeper.release(&[10]);
+        // Refused while the first supervisor is attached: no split custody.
+        let (sup2, worker2) = custody::pair().expect("pair");
+        keeper.adopt(worker2, "ep").expect("answered");
+        assert!(matches!(adopted_ledger(&sup2).1, Note::AdoptRefused { .. }));
+        // The first supervisor goes; while none is attached, changes stay in the ledger.
+        drop(sup1);
+        keeper.notify(&Note::Ready { resumed: false });
+        assert!(!keeper.supervised());
+        let d = memfd();
+        keeper.hold(&[12], &[d.as_fd()]).expect("hold unsupervised");
+        keeper.release(&[11]);
+        // Another endpoint's supervisor is refused.
+        let (sup3, worker3) = custody::pair().expect("pair");
+        keeper.adopt(worker3, "other").expect("answered");
+        assert!(matches!(adopted_ledger(&sup3).1, Note::AdoptRefused { .. }));
+        // The right one gets the ledger and becomes the channel.
+        let (sup4, worker4) = custody::pair().expect("pair");
+        keeper.adopt(worker4, "ep").expect("adopt");
+        let (held, last) = adopted_ledger(&sup4);
+        assert!(matches!(last, Note::Adopted { pid } if pid == std::process::id()));
+        let got: Vec<(u64, u64)> = held.iter().map(|(id, fd)| (*id, ino(fd))).collect();
+        assert_eq!(got, vec![(1, ino(&a)), (12, ino(&d))]);
+        assert!(keeper.supervised());
+        keeper.release(&[12]);
+        let mut buf = Vec::new();
+        let (note, _) = custody::recv(&sup4, &mut buf).expect("the new channel carries notes");
+        assert_eq!(note, Note::Release { ids: vec![12] });
+    }
+}
