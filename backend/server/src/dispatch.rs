@@ -5,6 +5,7 @@
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use switchyard_endpoint::{SendLimit, send_bounded};
 
@@ -100,8 +101,14 @@ pub(crate) fn serve_connection(
         tracing::warn!(error = %e, "cannot bound reply sends (SO_SNDTIMEO)");
     }
     let result = loop {
+        let mut request: Option<(u16, Instant)> = None;
         let outcome = match conn.recv() {
-            Ok(msg) => d.handle(&server.slot, msg),
+            Ok(msg) => {
+                if !msg.header.is_reply() {
+                    request = Some((msg.header.cmd, Instant::now()));
+                }
+                d.handle(&server.slot, msg)
+            }
             Err(TransportError::Closed) => break Ok(()),
             Err(TransportError::BadHeader(hdr, e)) => d.unframeable(hdr, &e),
             Err(e) => {
@@ -129,6 +136,9 @@ pub(crate) fn serve_connection(
                 }
                 break Ok(());
             }
+        }
+        if let Some((cmd, t0)) = request {
+            server.stats.record(cmd, t0.elapsed());
         }
     };
     d.disconnect(&server.slot);

@@ -22,6 +22,7 @@ mod dispatcher;
 mod listener;
 mod migration;
 mod slot;
+pub mod stats;
 #[cfg(test)]
 mod test_utils;
 pub mod transport;
@@ -140,6 +141,8 @@ pub struct Server {
     stop: StopHandle,
     /// Crash continuity, when a supervisor keeps this server's descriptors.
     continuity: Option<Arc<continuity::Continuity>>,
+    /// Messages by command and their latencies.
+    stats: Arc<stats::RequestStats>,
 }
 
 impl std::fmt::Debug for Server {
@@ -242,6 +245,7 @@ impl Server {
             ),
             stop,
             continuity: None,
+            stats: Arc::default(),
         })
     }
 
@@ -400,6 +404,12 @@ impl Server {
     /// device under a connected client ([`DeviceSlot::swap`]).
     pub fn device_slot(&self) -> DeviceSlot {
         self.slot.clone()
+    }
+
+    /// The server's request counters (messages by command, latency histogram), for another
+    /// thread to read.
+    pub fn request_stats(&self) -> Arc<stats::RequestStats> {
+        self.stats.clone()
     }
 
     /// The socket path.

@@ -129,6 +129,8 @@ pub(crate) struct Regs {
     /// Engines a doorbell made runnable; woken after the register lock is dropped so the
     /// engine does not wake up only to block on that lock.
     pending_wake: u32,
+    /// What the engines did (not device state: for the pool's metrics).
+    pub(crate) work: crate::WorkStats,
 }
 
 /// The register lock; see "Mirroring into a black box" in the module documentation.
@@ -400,6 +402,8 @@ impl Regs {
         match outcome.result {
             Err(ExecError::Aborted) => {}
             Ok(Done { irq, fence }) => {
+                self.work.commands += 1;
+                self.work.bytes = self.work.bytes.saturating_add(outcome.bytes);
                 qs.head = job.index.wrapping_add(1);
                 if let Some(i) = self.inflight.get_mut(q) {
                     *i = None;
@@ -428,6 +432,7 @@ impl Regs {
                 if let Some(i) = self.inflight.get_mut(q) {
                     *i = None;
                 }
+                self.work.errors += 1;
                 self.set_error(q, code, addr, outcome.opcode);
             }
         }
@@ -625,6 +630,7 @@ impl Shared {
                 shutdown: false,
                 idle_waiters: 0,
                 pending_wake: 0,
+                work: crate::WorkStats::default(),
             }),
             wake: (0..n).map(|_| Condvar::new()).collect(),
             idle: Condvar::new(),

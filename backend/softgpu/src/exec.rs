@@ -68,6 +68,8 @@ pub(crate) struct Outcome {
     /// Opcode of the command (0 if it could not be fetched).
     pub opcode: u32,
     pub result: Result<Done, ExecError>,
+    /// Bytes the command produces (its output operand's size), for the work counters.
+    pub bytes: u64,
 }
 
 /// Per-engine buffers, reused across commands.
@@ -142,6 +144,14 @@ fn f32_to_bytes(vals: &[f32], out: &mut Vec<u8>) {
 /// The VRAM range a command writes, if its output operand is in VRAM (unvalidated; the log
 /// clamps it).
 fn vram_output(c: &Command) -> Option<(u64, u64)> {
+    match output(c)? {
+        (Operand::Vram(off), len) => Some((off, len)),
+        (Operand::Guest(_), _) => None,
+    }
+}
+
+/// The output operand of `c` and its size in bytes.
+fn output(c: &Command) -> Option<(Operand, u64)> {
     let (operand, len) = match c.opcode {
         cmd::OP_COPY => (1, c.arg[0]),
         cmd::OP_FILL => (0, c.arg[0]),
@@ -151,10 +161,7 @@ fn vram_output(c: &Command) -> Option<(u64, u64)> {
         cmd::OP_FENCE => (0, 8),
         _ => return None,
     };
-    match c.operand(operand) {
-        Operand::Vram(off) => Some((off, len)),
-        Operand::Guest(_) => None,
-    }
+    Some((c.operand(operand), len))
 }
 
 /// What an engine needs to execute commands.
@@ -263,7 +270,11 @@ impl Executor<'_> {
             } else {
                 Err(fault(ERR_RING_FETCH, dma_error(&e, slot).1))
             };
-            return Outcome { opcode: 0, result };
+            return Outcome {
+                opcode: 0,
+                result,
+                bytes: 0,
+            };
         }
         let c = Command::decode(&raw);
         let result = self.execute(&c, slot, s);
@@ -275,6 +286,7 @@ impl Executor<'_> {
         Outcome {
             opcode: u32::from(c.opcode),
             result,
+            bytes: output(&c).map_or(0, |(_, len)| len),
         }
     }
 

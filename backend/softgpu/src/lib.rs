@@ -400,6 +400,19 @@ pub struct Recovery {
     pub resent: u32,
 }
 
+/// What a device's engines did since it was created (carried to a successor by a swap or a
+/// move; a replacement process after a crash starts from zero). Not device state: for a
+/// pool's metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkStats {
+    /// Commands completed.
+    pub commands: u64,
+    /// Bytes the completed commands produced (their output operands).
+    pub bytes: u64,
+    /// Commands that stopped their queue with an error.
+    pub errors: u64,
+}
+
 /// A migration stream in progress.
 #[derive(Debug)]
 enum Migration {
@@ -854,6 +867,11 @@ impl SoftGpu {
             Migration::Save(src) => Some(src.stats()),
             _ => None,
         }
+    }
+
+    /// What the engines did so far.
+    pub fn work_stats(&self) -> WorkStats {
+        self.shared.lock().work
     }
 
     /// A snapshot of the device state, taken with the engines quiesced at a command boundary.

@@ -92,7 +92,11 @@ impl SoftGpu {
         }
         // The black box this device mirrors into, if any, follows the state: the successor
         // publishes it with the state it loads.
-        let mirror = self.shared.lock().mirror.take();
+        let (mirror, work) = {
+            let mut g = self.shared.lock();
+            (g.mirror.take(), g.work)
+        };
+        next.shared.lock().work = work;
         next.shared.load(state, mirror);
         if halted {
             next.shared.halt();
