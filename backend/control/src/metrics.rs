@@ -34,7 +34,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use switchyard_proto::Command;
 
@@ -93,14 +92,93 @@ struct BoardLabel {
 
 type F64Gauge = Gauge<f64, AtomicU64>;
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(LATENCY_BUCKETS)
+fn latency_histogram() -> BucketHistogram {
+    BucketHistogram::new(&LATENCY_BUCKETS)
+}
+
+/// A classic histogram that also takes bucket counts measured elsewhere (a data-path process
+/// counts its requests' latencies and reports them in batches), which
+/// `prometheus_client`'s own histogram cannot: it only observes single values.
+#[derive(Debug, Clone)]
+pub struct BucketHistogram {
+    inner: Arc<Mutex<BucketInner>>,
+}
+
+#[derive(Debug)]
+struct BucketInner {
+    /// `(upper bound, count)`, not cumulative; the last bound is +Inf.
+    buckets: Vec<(f64, u64)>,
+    sum: f64,
+    count: u64,
+}
+
+impl BucketHistogram {
+    /// A histogram with these upper bounds (ascending) and an overflow bucket.
+    pub fn new(bounds: &[f64]) -> Self {
+        let buckets = bounds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .map(|b| (b, 0))
+            .collect();
+        Self {
+            inner: Arc::new(Mutex::new(BucketInner {
+                buckets,
+                sum: 0.0,
+                count: 0,
+            })),
+        }
+    }
+
+    /// Observes one value.
+    pub fn observe(&self, v: f64) {
+        let mut g = lock(&self.inner);
+        g.sum += v;
+        g.count += 1;
+        if let Some(b) = g.buckets.iter_mut().find(|(bound, _)| v <= *bound) {
+            b.1 += 1;
+        }
+    }
+
+    /// Adds counts per bucket (one per bound, then the overflow; extra entries are ignored)
+    /// and their sum.
+    pub fn add(&self, counts: &[u64], sum: f64) {
+        let mut g = lock(&self.inner);
+        let mut n = 0u64;
+        for (b, c) in g.buckets.iter_mut().zip(counts) {
+            b.1 += c;
+            n += c;
+        }
+        g.count += n;
+        g.sum += sum;
+    }
+}
+
+impl prometheus_client::metrics::TypedMetric for BucketHistogram {
+    const TYPE: prometheus_client::metrics::MetricType =
+        prometheus_client::metrics::MetricType::Histogram;
+}
+
+impl prometheus_client::encoding::EncodeMetric for BucketHistogram {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::MetricEncoder,
+    ) -> Result<(), fmt::Error> {
+        let g = lock(&self.inner);
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            g.sum, g.count, &g.buckets, None,
+        )
+    }
+
+    fn metric_type(&self) -> prometheus_client::metrics::MetricType {
+        <Self as prometheus_client::metrics::TypedMetric>::TYPE
+    }
 }
 
 #[derive(Debug)]
 struct Families {
     messages: Family<CommandLabels, Counter>,
-    latency: Family<EndpointLabel, Histogram, fn() -> Histogram>,
+    latency: Family<EndpointLabel, BucketHistogram, fn() -> BucketHistogram>,
     jobs: Family<BoardLabel, Counter>,
     bytes: Family<BoardLabel, Counter>,
     errors: Family<BoardLabel, Counter>,
@@ -344,7 +422,7 @@ fn command_index(command: Command) -> usize {
 
 struct EndpointInner {
     id: String,
-    latency: Histogram,
+    latency: BucketHistogram,
     restarts: Counter,
     last_restart: F64Gauge,
     messages: Family<CommandLabels, Counter>,
@@ -370,6 +448,18 @@ impl EndpointMetrics {
     pub fn observe(&self, command: Command, elapsed: Duration) {
         self.count(command, 1);
         self.inner.latency.observe(elapsed.as_secs_f64());
+    }
+
+    /// Adds a batch reported by a data-path process: messages by command, and their
+    /// latencies as counts per bucket of [`LATENCY_BUCKETS`] (then the overflow) with their
+    /// sum in seconds.
+    pub fn add_requests(&self, by_command: &[(Command, u64)], buckets: &[u64], sum_secs: f64) {
+        for &(command, n) in by_command {
+            if n > 0 {
+                self.count(command, n);
+            }
+        }
+        self.inner.latency.add(buckets, sum_secs);
     }
 
     /// Counts `n` messages of `command` without a latency (e.g. a batch reported by a

@@ -113,3 +113,32 @@ fn every_command_has_its_spec_name() {
         "DEVICE_GET_REGION_IO_FDS"
     );
 }
+
+#[test]
+fn batches_reported_by_a_data_path_process_add_up_with_observations() {
+    let metrics = Metrics::new();
+    let ep = metrics.endpoint("w");
+    ep.observe(Command::RegionRead, Duration::from_micros(3));
+    // 2 requests ≤ 1 µs, 1 ≤ 5 µs, 1 beyond 1 s.
+    let mut buckets = vec![0u64; LATENCY_BUCKETS.len() + 1];
+    buckets[0] = 2;
+    buckets[2] = 1;
+    buckets[LATENCY_BUCKETS.len()] = 1;
+    ep.add_requests(
+        &[(Command::RegionRead, 3), (Command::DmaMap, 1)],
+        &buckets,
+        2.5,
+    );
+    let text = metrics.encode();
+    for line in [
+        r#"switchyard_endpoint_messages_total{endpoint="w",command="REGION_READ"} 4"#,
+        r#"switchyard_endpoint_messages_total{endpoint="w",command="DMA_MAP"} 1"#,
+        r#"switchyard_endpoint_request_duration_seconds_count{endpoint="w"} 5"#,
+        r#"switchyard_endpoint_request_duration_seconds_bucket{le="0.000001",endpoint="w"} 2"#,
+        r#"switchyard_endpoint_request_duration_seconds_bucket{le="0.000005",endpoint="w"} 4"#,
+        r#"switchyard_endpoint_request_duration_seconds_bucket{le="1.0",endpoint="w"} 4"#,
+        r#"switchyard_endpoint_request_duration_seconds_bucket{le="+Inf",endpoint="w"} 5"#,
+    ] {
+        assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
+    }
+}

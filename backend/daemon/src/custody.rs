@@ -55,6 +55,31 @@ pub struct MoveReport {
     pub final_copy_us: u64,
 }
 
+/// A worker's report of what it served since its last one ([`Note::Stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    /// `(command number, messages)`, commands with messages only.
+    pub messages: Vec<(u16, u64)>,
+    /// Request latencies: counts per bucket of `switchyard_server::stats::LATENCY_BOUNDS_NS`,
+    /// then the overflow.
+    pub latency_buckets: Vec<u64>,
+    /// Sum of those latencies, nanoseconds.
+    pub latency_sum_ns: u64,
+    /// Commands the device completed.
+    pub jobs: u64,
+    /// Bytes those commands produced.
+    pub bytes: u64,
+    /// Commands that failed (stopped their queue).
+    pub errors: u64,
+}
+
+impl WorkerStats {
+    /// Whether nothing happened.
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty() && self.jobs == 0 && self.errors == 0
+    }
+}
+
 /// How a worker starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -104,6 +129,9 @@ pub enum Note {
         /// Why (an error chain).
         error: String,
     },
+    /// What the worker served since its last report (worker → supervisor, every second
+    /// while it serves; for the daemon's metrics).
+    Stats(WorkerStats),
     /// A new supervisor asks a running worker for custody (on the worker's adoption socket;
     /// see [`crate::keeper`]).
     Adopt {

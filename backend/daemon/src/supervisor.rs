@@ -188,6 +188,13 @@ pub enum WorkerEvent {
         /// How it ended (`exit status: 0`, `signal: 9 (SIGKILL)`, ...).
         status: String,
     },
+    /// What the worker served since its last report (about every second).
+    Stats {
+        /// Endpoint.
+        endpoint: String,
+        /// The report.
+        stats: crate::custody::WorkerStats,
+    },
     /// Workers kept dying before serving; the endpoint's client was disconnected.
     GaveUp {
         /// Endpoint.
@@ -773,6 +780,10 @@ fn serve_notes(
                     }
                     held.insert(id, fd);
                 }
+            }),
+            Ok((Note::Stats(stats), _)) => sink(WorkerEvent::Stats {
+                endpoint: ep.spec.id.clone(),
+                stats,
             }),
             Ok((Note::Moved { report }, _)) => {
                 ep.mv().reply = Some(Ok(report));

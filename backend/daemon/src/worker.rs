@@ -136,6 +136,7 @@ pub fn run(
             keeper.hold(&[VRAM_ID], &[vram.as_fd()])?;
             server.set_continuity(Arc::new(continuity));
             spawn_control(&keeper, server.device_slot(), gpu)?;
+            spawn_stats(&keeper, &server)?;
             keeper.notify(&Note::Ready { resumed: false });
             tracing::info!(socket = %start.socket.display(), "worker serving (fresh device)");
             server.run()?;
@@ -183,6 +184,7 @@ pub fn run(
             keeper.release(&[VRAM_NEXT_ID]);
             drop(vram_held);
             spawn_control(&keeper, server.device_slot(), gpu)?;
+            spawn_stats(&keeper, &server)?;
             keeper.notify(&Note::Ready {
                 resumed: connection.is_some(),
             });
@@ -262,6 +264,48 @@ fn spawn_control(
                     }
                 };
                 keeper.notify(&reply);
+            }
+        })?;
+    Ok(())
+}
+
+/// How often a worker reports what it served.
+const STATS_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Reports what the server served and the device did ([`Note::Stats`]) every
+/// [`STATS_PERIOD`], when something happened.
+fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError> {
+    let (keeper, requests, slot) = (keeper.clone(), server.request_stats(), server.device_slot());
+    std::thread::Builder::new()
+        .name("sy-worker-stats".into())
+        .spawn(move || {
+            let mut last = requests.snapshot();
+            let mut last_work = slot
+                .with_as::<SoftGpu, _>(|g| g.work_stats())
+                .unwrap_or_default();
+            loop {
+                std::thread::sleep(STATS_PERIOD);
+                let now = requests.snapshot();
+                let work = slot
+                    .with_as::<SoftGpu, _>(|g| g.work_stats())
+                    .unwrap_or_default();
+                let d = now.since(&last);
+                let stats = crate::custody::WorkerStats {
+                    messages: (0u16..)
+                        .zip(&d.by_command)
+                        .filter(|(_, n)| **n > 0)
+                        .map(|(c, n)| (c, *n))
+                        .collect(),
+                    latency_buckets: d.buckets,
+                    latency_sum_ns: d.sum_ns,
+                    jobs: work.commands.saturating_sub(last_work.commands),
+                    bytes: work.bytes.saturating_sub(last_work.bytes),
+                    errors: work.errors.saturating_sub(last_work.errors),
+                };
+                (last, last_work) = (now, work);
+                if !stats.is_empty() {
+                    keeper.notify(&Note::Stats(stats));
+                }
             }
         })?;
     Ok(())

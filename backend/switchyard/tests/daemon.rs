@@ -367,7 +367,47 @@ fn default_pool_endpoints_and_restarts_under_a_workload() {
     ] {
         assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
     }
-    assert!(metrics.contains(r#"switchyard_board_jobs_total{board="gpu0"}"#));
+    // The workers report what they served (about every second): vm2's REGION_READs and
+    // its board's jobs: 1 round, 2 commands. vm1's last worker ran at least the 5 rounds
+    // after the restarts (a killed worker's last second is not reported).
+    let value = |text: &str, series: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let m = d.ctl_ok(&["metrics"]);
+        if value(&m, r#"switchyard_board_jobs_total{board="gpu1"}"#) == Some(2.0)
+            && value(&m, r#"switchyard_board_jobs_total{board="gpu0"}"#) >= Some(10.0)
+        {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "no worker report:\n{m}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let reads = value(
+        &metrics,
+        r#"switchyard_endpoint_messages_total{endpoint="vm2",command="REGION_READ"}"#,
+    )
+    .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(reads >= 1.0, "{metrics}");
+    // The 8 KiB FILL and the 8 KiB COPY.
+    assert_eq!(
+        value(&metrics, r#"switchyard_board_bytes_total{board="gpu1"}"#),
+        Some(16384.0),
+        "{metrics}"
+    );
+    let count = value(
+        &metrics,
+        r#"switchyard_endpoint_request_duration_seconds_count{endpoint="vm2"}"#,
+    )
+    .unwrap_or_else(|| panic!("{metrics}"));
+    let messages: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with(r#"switchyard_endpoint_messages_total{endpoint="vm2""#))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(count, messages, "one latency per message: {metrics}");
 
     // Events: the pool's (opened, two endpoints created) and each worker's lifecycle, in
     // increasing order.

@@ -123,9 +123,10 @@ pub enum WorkerLifecycle {
     },
 }
 
-impl From<WorkerEvent> for WorkerLifecycle {
-    fn from(e: WorkerEvent) -> Self {
-        match e {
+impl WorkerLifecycle {
+    /// The lifecycle change `e` is, if it is one (a stats report is not).
+    pub fn of(e: WorkerEvent) -> Option<Self> {
+        Some(match e {
             WorkerEvent::Started {
                 endpoint,
                 pid,
@@ -156,7 +157,8 @@ impl From<WorkerEvent> for WorkerLifecycle {
                 status,
             },
             WorkerEvent::GaveUp { endpoint } => Self::GaveUp { endpoint },
-        }
+            WorkerEvent::Stats { .. } => return None,
+        })
     }
 }
 

@@ -209,10 +209,21 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         metrics.board(&b.id);
     }
     let records = WorkerRecords::new(workers_dir.clone());
+    // Where the sink finds the daemon (for a worker's board), once it exists.
+    let this: Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>> = Arc::default();
     let sink = {
         let (events, metrics, records) = (events.clone(), metrics.clone(), records.clone());
+        let this = this.clone();
         Arc::new(move |e: crate::WorkerEvent| {
             match &e {
+                crate::WorkerEvent::Stats { endpoint, stats } => {
+                    let board = this.get().and_then(std::sync::Weak::upgrade).and_then(|d| {
+                        let pool = d.pool();
+                        let device = pool.inventory().endpoint(endpoint)?.device.clone()?;
+                        Some(pool.inventory().device(&device)?.board)
+                    });
+                    record_stats(&metrics, endpoint, board.as_deref(), stats);
+                }
                 crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
                 crate::WorkerEvent::Ready {
                     endpoint,
@@ -224,7 +235,9 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                 }
                 _ => {}
             }
-            events.worker(WorkerLifecycle::from(e));
+            if let Some(e) = WorkerLifecycle::of(e) {
+                events.worker(e);
+            }
         })
     };
     let control = ControlSocket::bind(&d.control_socket)?;
@@ -236,6 +249,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         metrics,
         records,
     });
+    let _ = this.set(Arc::downgrade(&daemon));
     daemon.events.pool(aborted);
     daemon.start_all();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -269,6 +283,31 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         );
     }
     result
+}
+
+/// Adds a worker's report to the endpoint's and its board's metrics.
+fn record_stats(
+    metrics: &Metrics,
+    endpoint: &str,
+    board: Option<&str>,
+    stats: &crate::custody::WorkerStats,
+) {
+    let by_command: Vec<(switchyard_proto::Command, u64)> = stats
+        .messages
+        .iter()
+        .filter_map(|&(c, n)| Some((switchyard_proto::Command::try_from(c).ok()?, n)))
+        .collect();
+    metrics.endpoint(endpoint).add_requests(
+        &by_command,
+        &stats.latency_buckets,
+        stats.latency_sum_ns as f64 / 1e9,
+    );
+    if let Some(board) = board {
+        let b = metrics.board(board);
+        b.add_jobs(stats.jobs);
+        b.add_bytes(stats.bytes);
+        b.add_errors(stats.errors);
+    }
 }
 
 impl Daemon {
@@ -336,5 +375,19 @@ impl Daemon {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A worker counts latencies in the server's buckets and the daemon adds them to its
+    /// histogram bucket by bucket: the bounds must be the same.
+    #[test]
+    fn worker_latency_buckets_are_the_daemons() {
+        let server: Vec<f64> = switchyard_server::stats::LATENCY_BOUNDS_NS
+            .iter()
+            .map(|&ns| ns as f64 / 1e9)
+            .collect();
+        assert_eq!(server, switchyard_control::LATENCY_BUCKETS.to_vec());
     }
 }
