@@ -13,6 +13,7 @@
 //! queues = 4             # default 2
 //! irq = "msix"           # or "msi"; optional
 //! vram_mmap = true       # optional
+//! vram_reset = "zero"    # or "keep": resets keep VRAM's contents (for guest-visible moves)
 //! partitions = [         # optional (GPU-P style): each partition is a device of its own
 //!   { id = "gpu0.p0", vram = "128M", queues = 2 },
 //!   { id = "gpu0.p1", vram = "128M", queues = 2 },
@@ -227,6 +228,11 @@ pub struct BoardConfig {
     /// Whether guests may mmap VRAM (default true); shared by the partitions.
     #[serde(default = "default_true")]
     pub vram_mmap: bool,
+    /// What resets do to VRAM: `zero` it (default) or `keep` its contents (as a real GPU's
+    /// memory survives a function reset; a guest that gets its device back after a
+    /// guest-visible move finds its VRAM as it left it). Shared by the partitions.
+    #[serde(default)]
+    pub vram_reset: VramReset,
     /// Partitions; when present, only they are leasable, not the whole board.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionConfig>,
@@ -252,6 +258,7 @@ impl BoardConfig {
             queues,
             irq: IrqMode::Msix,
             vram_mmap: true,
+            vram_reset: VramReset::Zero,
             partitions: Vec::new(),
         }
     }
@@ -264,8 +271,20 @@ impl BoardConfig {
             queues: self.queues,
             irq: self.irq,
             vram_mmap: self.vram_mmap,
+            keep_vram_on_reset: self.vram_reset == VramReset::Keep,
         }
     }
+}
+
+/// What resets do to a board's VRAM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum VramReset {
+    /// Zero it (the default).
+    #[default]
+    Zero,
+    /// Keep its contents.
+    Keep,
 }
 
 /// One partition of a board: a VRAM slice and a share of the queues.

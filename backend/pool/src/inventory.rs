@@ -59,6 +59,9 @@ pub struct DeviceShape {
     pub irq: IrqMode,
     /// Whether the guest may mmap VRAM.
     pub vram_mmap: bool,
+    /// Whether resets keep VRAM's contents (`vram_reset = "keep"`).
+    #[serde(default)]
+    pub keep_vram_on_reset: bool,
 }
 
 impl DeviceShape {
@@ -69,6 +72,7 @@ impl DeviceShape {
             queues: self.queues,
             irq: self.irq,
             vram_mmap: self.vram_mmap,
+            keep_vram_on_reset: self.keep_vram_on_reset,
         }
     }
 
@@ -95,6 +99,14 @@ impl DeviceShape {
             return Some(format!(
                 "vram_mmap ({} vs {})",
                 self.vram_mmap, other.vram_mmap
+            ));
+        }
+        if self.keep_vram_on_reset != other.keep_vram_on_reset {
+            let name = |keep: bool| if keep { "keep" } else { "zero" };
+            return Some(format!(
+                "vram_reset ({} vs {})",
+                name(self.keep_vram_on_reset),
+                name(other.keep_vram_on_reset)
             ));
         }
         None

@@ -71,7 +71,7 @@ mod store;
 
 pub use config::{
     BoardConfig, ByteSize, DaemonConfig, EndpointConfig, NamedPoolConfig, PartitionConfig,
-    PoolConfig,
+    PoolConfig, VramReset,
 };
 pub use error::{ConfigProblem, ErrorKind, PoolError};
 pub use event::{Event, EventKind};

@@ -34,6 +34,9 @@ pub enum ConfigError {
     /// An on/off option with another value.
     #[error("Invalid value `{1}` for `{0}`; expected `on` or `off`")]
     BadSwitch(String, String),
+    /// A `vram_reset` other than `zero` or `keep`.
+    #[error("Invalid value `{0}` for `vram_reset`; expected `zero` or `keep`")]
+    BadVramReset(String),
     /// VRAM size not a power of two.
     #[error("VRAM size {0} is not a power of two")]
     VramNotPowerOfTwo(u64),
@@ -127,6 +130,13 @@ pub struct SoftGpuConfig {
     /// (see the migration stream in `mig.rs`). Part of the device's identity like `irq`.
     #[serde(default = "default_true")]
     pub vram_mmap: bool,
+    /// Resets (FLR, `DEVICE_RESET`, `DEV_CONTROL.RESET`) keep VRAM's contents
+    /// (`vram_reset=keep`), as a real GPU's memory survives a function reset; by default they
+    /// zero it (`vram_reset=zero`). With `keep`, a guest that loses its device and gets it
+    /// back (a hot-unplug and re-plug, e.g. a pool moving it to another board) finds its VRAM
+    /// as it left it. A pool gives every new lease fresh VRAM either way.
+    #[serde(default)]
+    pub keep_vram_on_reset: bool,
 }
 
 fn default_true() -> bool {
@@ -140,6 +150,7 @@ impl Default for SoftGpuConfig {
             queues: Self::DEFAULT_QUEUES,
             irq: IrqMode::default(),
             vram_mmap: true,
+            keep_vram_on_reset: false,
         }
     }
 }
@@ -184,14 +195,15 @@ impl SoftGpuConfig {
     }
 
     /// Parses a comma-separated option list: `vram=<n>[K|M|G]` (binary multiples, suffix case
-    /// insensitive), `queues=<n>`, `irq=msix|msi` and `vram_mmap=on|off` (case insensitive).
+    /// insensitive), `queues=<n>`, `irq=msix|msi`, `vram_mmap=on|off` and
+    /// `vram_reset=zero|keep` (case insensitive).
     /// Omitted options keep
     /// their defaults; an empty string is the default configuration; a leading `softgpu`
     /// device name is accepted and skipped.
     pub fn parse_options(s: &str) -> Result<Self, ConfigError> {
         let mut cfg = Self::default();
-        let (mut seen_vram, mut seen_queues, mut seen_irq, mut seen_mmap) =
-            (false, false, false, false);
+        let (mut seen_vram, mut seen_queues, mut seen_irq, mut seen_mmap, mut seen_reset) =
+            (false, false, false, false, false);
         for (i, item) in s.split(',').map(str::trim).enumerate() {
             if item.is_empty() || (i == 0 && item == "softgpu") {
                 continue;
@@ -205,6 +217,7 @@ impl SoftGpuConfig {
                 "queues" => &mut seen_queues,
                 "irq" => &mut seen_irq,
                 "vram_mmap" => &mut seen_mmap,
+                "vram_reset" => &mut seen_reset,
                 _ => return Err(ConfigError::UnknownOption(key.to_owned())),
             };
             if value.is_empty() {
@@ -221,6 +234,13 @@ impl SoftGpuConfig {
                         "on" => true,
                         "off" => false,
                         _ => return Err(ConfigError::BadSwitch(key.into(), value.into())),
+                    }
+                }
+                "vram_reset" => {
+                    cfg.keep_vram_on_reset = match value.to_ascii_lowercase().as_str() {
+                        "keep" => true,
+                        "zero" => false,
+                        _ => return Err(ConfigError::BadVramReset(value.into())),
                     }
                 }
                 _ => {

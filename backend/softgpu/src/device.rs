@@ -742,7 +742,8 @@ impl Shared {
         });
     }
 
-    /// Back to power-on: registers, queues, interrupt state, VRAM zeroed; with `pci` also the
+    /// Back to power-on: registers, queues, interrupt state, VRAM zeroed (unless the device
+    /// keeps it, `vram_reset=keep`); with `pci` also the
     /// config space and MSI-X table (FLR, `DEVICE_RESET`), without (DEV_CONTROL.RESET) they are
     /// kept.
     pub(crate) fn reset<'a>(&'a self, g: Guard<'a>, pci: bool) -> Guard<'a> {
@@ -759,7 +760,9 @@ impl Shared {
         for rt in &mut g.rt {
             rt.epoch = rt.epoch.wrapping_add(1);
         }
-        self.vram.zero();
+        if !self.config.keep_vram_on_reset {
+            self.vram.zero();
+        }
         self.resume(&mut g, self.all_queues());
         g
     }

@@ -203,7 +203,10 @@
 //! FLR (PCI Express Device Control bit 15) and `DEVICE_RESET` ([`PciDevice::reset`]) return
 //! everything to power-on: registers, queues, MSI-X table, config space (MSI-X or MSI
 //! disabled), and VRAM (zeroed by punching a hole into the memfd). Both wait for the engines
-//! to drop their current command.
+//! to drop their current command. With `vram_reset=keep`
+//! ([`SoftGpuConfig::keep_vram_on_reset`]) no reset touches VRAM, as a real GPU's memory
+//! survives a function reset: a guest whose device is unplugged and plugged back (a pool's
+//! guest-visible move) finds its VRAM as it left it.
 //!
 //! # Restarts
 //!

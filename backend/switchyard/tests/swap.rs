@@ -110,6 +110,7 @@ const CONFIG: SoftGpuConfig = SoftGpuConfig {
     queues: 2,
     irq: switchyard_softgpu::IrqMode::Msix,
     vram_mmap: true,
+    keep_vram_on_reset: false,
 };
 
 #[test]

@@ -73,6 +73,7 @@ fn small() -> SoftGpuConfig {
         queues: 2,
         irq: IrqMode::Msix,
         vram_mmap: true,
+        keep_vram_on_reset: false,
     }
 }
 

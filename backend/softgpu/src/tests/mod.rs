@@ -140,6 +140,7 @@ impl Harness {
             queues: 2,
             irq,
             vram_mmap: true,
+            keep_vram_on_reset: false,
         })
     }
 

@@ -109,6 +109,7 @@ fn start_checks_the_vectors_each_mode_needs() {
             queues: 1,
             irq,
             vram_mmap: true,
+            keep_vram_on_reset: false,
         };
         SoftGpu::new(config, ctx).map(|_| ())
     };

@@ -469,6 +469,7 @@ fn kill_config() -> SoftGpuConfig {
         queues: 2,
         irq: IrqMode::Msix,
         vram_mmap: true,
+        keep_vram_on_reset: false,
     }
 }
 

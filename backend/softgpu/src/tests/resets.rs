@@ -259,3 +259,39 @@ fn a_swap_park_does_not_release_a_migration_stop() {
     assert_eq!(h.qr(1, Q_COMPLETED_LO), 1);
     assert_eq!(h.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
 }
+
+#[test]
+fn with_vram_reset_keep_no_reset_touches_vram() {
+    let mut h = Harness::with_config(SoftGpuConfig {
+        vram_size: 4 << 20,
+        queues: 2,
+        irq: IrqMode::Msix,
+        vram_mmap: true,
+        keep_vram_on_reset: true,
+    });
+    let stamp: Vec<u8> = (0..8192u32).map(|i| (i * 13 + 5) as u8).collect();
+    h.vram_file_write(0x1000, &stamp);
+    h.flr();
+    assert_eq!(h.vram_file_read(0x1000, stamp.len()), stamp, "after FLR");
+    h.gpu.reset().expect("reset");
+    assert_eq!(
+        h.vram_file_read(0x1000, stamp.len()),
+        stamp,
+        "after DEVICE_RESET"
+    );
+    h.wr32(DEV_CONTROL, DEV_CONTROL_RESET);
+    assert_eq!(
+        h.vram_file_read(0x1000, stamp.len()),
+        stamp,
+        "after DEV_CONTROL.RESET"
+    );
+    // The registers did go back to power-on.
+    assert_eq!(h.rd32(SCRATCH), 0);
+    // The option parses, and other values are refused naming it.
+    let cfg: SoftGpuConfig = "softgpu,vram_reset=keep".parse().expect("parse");
+    assert!(cfg.keep_vram_on_reset);
+    let err = "vram_reset=maybe"
+        .parse::<SoftGpuConfig>()
+        .expect_err("an unknown vram_reset");
+    assert!(err.to_string().contains("vram_reset"), "{err}");
+}

@@ -114,6 +114,7 @@ fn restore_rejects_mismatched_or_broken_states() {
         queues: 3,
         irq: IrqMode::Msix,
         vram_mmap: true,
+        keep_vram_on_reset: false,
     });
     other.init();
     let three = other.gpu.save_state().expect("save");
@@ -123,6 +124,7 @@ fn restore_rejects_mismatched_or_broken_states() {
         queues: 2,
         irq: IrqMode::Msix,
         vram_mmap: true,
+        keep_vram_on_reset: false,
     });
     let big = bigger.gpu.save_state().expect("save");
     assert!(h.refused(&big).contains("8388608"));
