@@ -35,7 +35,7 @@ const GIB: u64 = 1 << 30;
 const PAGE: u64 = 4096;
 
 /// VRAM sizes of both cases.
-fn vram_sizes(s: &Settings) -> &'static [u64] {
+pub(crate) fn vram_sizes(s: &Settings) -> &'static [u64] {
     if s.quick {
         &[64 * MIB]
     } else {
@@ -44,7 +44,7 @@ fn vram_sizes(s: &Settings) -> &'static [u64] {
 }
 
 /// `vram=<size>,queues=2`.
-fn gpu_config(vram: u64) -> SoftGpuConfig {
+pub(crate) fn gpu_config(vram: u64) -> SoftGpuConfig {
     SoftGpuConfig {
         vram_size: vram,
         queues: QUEUES,
@@ -53,7 +53,7 @@ fn gpu_config(vram: u64) -> SoftGpuConfig {
 }
 
 /// The server's VRAM memfd (also when the device does not offer it for mmap).
-fn slot_vram(slot: &DeviceSlot) -> Result<File> {
+pub(crate) fn slot_vram(slot: &DeviceSlot) -> Result<File> {
     slot.with_as(|d: &mut SoftGpu| d.vram_file().try_clone())
         .context("the device is not a softgpu")?
         .context("dup the VRAM fd")
@@ -72,7 +72,7 @@ fn vram_fd(c: &mut Client) -> Result<File> {
 
 /// Fills the first `size` bytes of `f` with xorshift words (never zero, so every page is data
 /// and none is a hole).
-fn fill_random(f: &File, size: u64, seed: u64) -> Result<()> {
+pub(crate) fn fill_random(f: &File, size: u64, seed: u64) -> Result<()> {
     let mut buf = vec![0u8; MIB as usize];
     let mut x = seed | 1;
     let mut off = 0;
@@ -92,7 +92,7 @@ fn fill_random(f: &File, size: u64, seed: u64) -> Result<()> {
 }
 
 /// The first offset at which the first `size` bytes of `a` and `b` differ.
-fn first_difference(a: &File, b: &File, size: u64) -> Result<Option<u64>> {
+pub(crate) fn first_difference(a: &File, b: &File, size: u64) -> Result<Option<u64>> {
     let mut ba = vec![0u8; MIB as usize];
     let mut bb = vec![0u8; MIB as usize];
     let mut off = 0;
@@ -109,7 +109,7 @@ fn first_difference(a: &File, b: &File, size: u64) -> Result<Option<u64>> {
     Ok(None)
 }
 
-fn median(v: &[u64]) -> u64 {
+pub(crate) fn median(v: &[u64]) -> u64 {
     let mut s = v.to_vec();
     s.sort_unstable();
     s.get(s.len().saturating_sub(1) / 2).copied().unwrap_or(0)
@@ -119,7 +119,7 @@ fn median_ms(v: &[Duration]) -> f64 {
     median(&v.iter().map(|&d| ns(d)).collect::<Vec<_>>()) as f64 / 1e6
 }
 
-fn mib(bytes: u64) -> f64 {
+pub(crate) fn mib(bytes: u64) -> f64 {
     bytes as f64 / MIB as f64
 }
 
