@@ -27,10 +27,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use switchyard_daemon::custody::MoveReport;
 use switchyard_daemon::worker::move_device_in_slot;
 use switchyard_server::DeviceSlot;
@@ -40,7 +39,7 @@ use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
 use crate::cases::{Settings, fig, human, scattered_pages, wait_fences};
 use crate::downtime::{
-    fill_random, first_difference, gpu_config, median, mib, slot_vram, vram_sizes,
+    Stoppable, fill_random, first_difference, gpu_config, median, mib, slot_vram, vram_sizes,
 };
 use crate::floors::Memcpy;
 use crate::gpu::{Gpu, QUEUES, fence_offset, guest};
@@ -84,9 +83,9 @@ fn pattern(run: u64, q: u32, pass: u64) -> u32 {
 type HotPages = Arc<[Vec<u64>; QUEUES as usize]>;
 
 /// What the writer returns: its driver and the FILLs it submitted per queue (all completed).
-type WriterResult = Result<(Gpu, [u64; QUEUES as usize])>;
+type WriterOutput = (Gpu, [u64; QUEUES as usize]);
 
-fn write_loop(mut gpu: Gpu, hot: &HotPages, run: u64, stop: &AtomicBool) -> WriterResult {
+fn write_loop(mut gpu: Gpu, hot: &HotPages, run: u64, stop: &AtomicBool) -> Result<WriterOutput> {
     let mut fenced = [0u64; QUEUES as usize];
     for (q, f) in (0..QUEUES).zip(fenced.iter_mut()) {
         *f = gpu.mem_load_u64(fence_offset(q))?;
@@ -144,54 +143,11 @@ fn write_loop(mut gpu: Gpu, hot: &HotPages, run: u64, stop: &AtomicBool) -> Writ
     Ok((gpu, fills))
 }
 
-/// The writer thread; stopped when dropped.
-#[derive(Debug)]
-struct Writer {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<WriterResult>>,
-}
-
-impl Writer {
-    fn start(gpu: Gpu, hot: HotPages, run: u64) -> Result<Writer> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let st = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name("move-writer".into())
-            .spawn(move || write_loop(gpu, &hot, run, &st))
-            .context("spawn the writer")?;
-        Ok(Writer {
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    /// Fails with the writer's error if it stopped.
-    fn check_alive(&mut self) -> Result<()> {
-        if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
-            self.join()?;
-            bail!("the writer stopped");
-        }
-        Ok(())
-    }
-
-    /// Stops the writer once its FILLs completed.
-    fn join(&mut self) -> WriterResult {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread
-            .take()
-            .context("the writer was already joined")?
-            .join()
-            .map_err(|_| anyhow!("the writer panicked"))?
-    }
-}
-
-impl Drop for Writer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// The writer thread; stopping it waits for its FILLs to complete.
+fn start_writer(gpu: Gpu, hot: HotPages, run: u64) -> Result<Stoppable<WriterOutput>> {
+    Stoppable::spawn("move-writer", "the writer", move |stop| {
+        write_loop(gpu, &hot, run, stop)
+    })
 }
 
 /// `page → (queue, index in its list)` of the writer's pages, `u32::MAX` elsewhere.
@@ -332,11 +288,11 @@ fn move_point(dir: &Path, s: &Settings, size: u64, rows: &mut Vec<Row>) -> Resul
     for rep in 0..reps {
         let run = rep as u64 + 1;
         let old = slot_vram(&slot)?;
-        let mut writer = Writer::start(gpu, Arc::clone(&hot), run)?;
+        let mut writer = start_writer(gpu, Arc::clone(&hot), run)?;
         std::thread::sleep(WARM);
         writer.check_alive()?;
         let moved = move_once(&slot, config).with_context(|| format!("busy move {rep}"));
-        let (g, fills) = writer.join().context("the writer")?;
+        let (g, fills) = writer.stop()?;
         gpu = g;
         let r = moved?;
         let new = slot_vram(&slot)?;
