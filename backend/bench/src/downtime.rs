@@ -35,7 +35,7 @@ const GIB: u64 = 1 << 30;
 const PAGE: u64 = 4096;
 
 /// VRAM sizes of both cases.
-fn vram_sizes(s: &Settings) -> &'static [u64] {
+pub(crate) fn vram_sizes(s: &Settings) -> &'static [u64] {
     if s.quick {
         &[64 * MIB]
     } else {
@@ -44,7 +44,7 @@ fn vram_sizes(s: &Settings) -> &'static [u64] {
 }
 
 /// `vram=<size>,queues=2`.
-fn gpu_config(vram: u64) -> SoftGpuConfig {
+pub(crate) fn gpu_config(vram: u64) -> SoftGpuConfig {
     SoftGpuConfig {
         vram_size: vram,
         queues: QUEUES,
@@ -53,7 +53,7 @@ fn gpu_config(vram: u64) -> SoftGpuConfig {
 }
 
 /// The server's VRAM memfd (also when the device does not offer it for mmap).
-fn slot_vram(slot: &DeviceSlot) -> Result<File> {
+pub(crate) fn slot_vram(slot: &DeviceSlot) -> Result<File> {
     slot.with_as(|d: &mut SoftGpu| d.vram_file().try_clone())
         .context("the device is not a softgpu")?
         .context("dup the VRAM fd")
@@ -72,7 +72,7 @@ fn vram_fd(c: &mut Client) -> Result<File> {
 
 /// Fills the first `size` bytes of `f` with xorshift words (never zero, so every page is data
 /// and none is a hole).
-fn fill_random(f: &File, size: u64, seed: u64) -> Result<()> {
+pub(crate) fn fill_random(f: &File, size: u64, seed: u64) -> Result<()> {
     let mut buf = vec![0u8; MIB as usize];
     let mut x = seed | 1;
     let mut off = 0;
@@ -92,7 +92,7 @@ fn fill_random(f: &File, size: u64, seed: u64) -> Result<()> {
 }
 
 /// The first offset at which the first `size` bytes of `a` and `b` differ.
-fn first_difference(a: &File, b: &File, size: u64) -> Result<Option<u64>> {
+pub(crate) fn first_difference(a: &File, b: &File, size: u64) -> Result<Option<u64>> {
     let mut ba = vec![0u8; MIB as usize];
     let mut bb = vec![0u8; MIB as usize];
     let mut off = 0;
@@ -109,7 +109,7 @@ fn first_difference(a: &File, b: &File, size: u64) -> Result<Option<u64>> {
     Ok(None)
 }
 
-fn median(v: &[u64]) -> u64 {
+pub(crate) fn median(v: &[u64]) -> u64 {
     let mut s = v.to_vec();
     s.sort_unstable();
     s.get(s.len().saturating_sub(1) / 2).copied().unwrap_or(0)
@@ -119,7 +119,7 @@ fn median_ms(v: &[Duration]) -> f64 {
     median(&v.iter().map(|&d| ns(d)).collect::<Vec<_>>()) as f64 / 1e6
 }
 
-fn mib(bytes: u64) -> f64 {
+pub(crate) fn mib(bytes: u64) -> f64 {
     bytes as f64 / MIB as f64
 }
 
@@ -703,46 +703,71 @@ fn dirty_loop(map: &VramWriter, hot: &[u64], stop: &AtomicBool, seed: u64) -> Re
     }
 }
 
-/// A thread rewriting 10% of the source's VRAM pages, through its mapping (as a guest does,
-/// unseen by the server) or through the device.
+/// A helper thread that runs until told to stop (its closure polls the flag it is given):
+/// the VRAM dirtier here, the move case's writer. Stopped and joined when dropped.
 #[derive(Debug)]
-struct Dirtier {
+pub(crate) struct Stoppable<T> {
+    what: &'static str,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Result<u64>>>,
+    thread: Option<JoinHandle<Result<T>>>,
 }
 
-impl Dirtier {
-    fn start(map: VramWriter, hot: Arc<Vec<u64>>, seed: u64) -> Result<Dirtier> {
+impl<T: Send + 'static> Stoppable<T> {
+    /// Runs `f` on a thread named `name`; `what` names it in errors.
+    pub(crate) fn spawn(
+        name: &str,
+        what: &'static str,
+        f: impl FnOnce(&AtomicBool) -> Result<T> + Send + 'static,
+    ) -> Result<Stoppable<T>> {
         let stop = Arc::new(AtomicBool::new(false));
         let st = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
-            .name("vram-dirtier".into())
-            .spawn(move || dirty_loop(&map, &hot, &st, seed))
-            .context("spawn the VRAM dirtier")?;
-        Ok(Dirtier {
+            .name(name.into())
+            .spawn(move || f(&st))
+            .with_context(|| format!("spawn {what}"))?;
+        Ok(Stoppable {
+            what,
             stop,
             thread: Some(thread),
         })
     }
 
-    /// Stops the thread (as a VMM stops the vCPUs) and returns its passes.
-    fn stop(mut self) -> Result<u64> {
+    /// Fails with the thread's error if it ended before being stopped.
+    pub(crate) fn check_alive(&mut self) -> Result<()> {
+        if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+            self.stop()?;
+            bail!("{} stopped", self.what);
+        }
+        Ok(())
+    }
+
+    /// Stops the thread and returns what it returned.
+    pub(crate) fn stop(&mut self) -> Result<T> {
         self.stop.store(true, Ordering::Relaxed);
         self.thread
             .take()
-            .context("the dirtier was already stopped")?
+            .with_context(|| format!("{} was already stopped", self.what))?
             .join()
-            .map_err(|_| anyhow!("the VRAM dirtier panicked"))?
+            .map_err(|_| anyhow!("{} panicked", self.what))?
     }
 }
 
-impl Drop for Dirtier {
+impl<T> Drop for Stoppable<T> {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
+}
+
+/// A thread rewriting 10% of the source's VRAM pages, through its mapping (as a guest does,
+/// unseen by the server) or through the device; stopping it (as a VMM stops the vCPUs)
+/// returns its passes.
+fn start_dirtier(map: VramWriter, hot: Arc<Vec<u64>>, seed: u64) -> Result<Stoppable<u64>> {
+    Stoppable::spawn("vram-dirtier", "the VRAM dirtier", move |stop| {
+        dirty_loop(&map, &hot, stop, seed)
+    })
 }
 
 /// The source, the destination and what a migration between them needs.
@@ -776,7 +801,7 @@ impl MigPair {
         let start = Instant::now();
         if mode != MigMode::StopCopy {
             let dirtier = if mode.dirty() {
-                Some(Dirtier::start(
+                Some(start_dirtier(
                     self.src_writer.clone(),
                     Arc::clone(&self.hot),
                     seed,
@@ -789,7 +814,7 @@ impl MigPair {
             run.total_bytes = rounds.iter().map(|r| r.bytes).sum();
             run.last_round_bytes = rounds.last().map_or(0, |r| r.bytes);
             run.precopy_read_max = rounds.iter().map(|r| r.read_max).max().unwrap_or_default();
-            if let Some(d) = dirtier {
+            if let Some(mut d) = dirtier {
                 run.passes = d.stop()?;
             }
         }

@@ -15,6 +15,7 @@ mod cases;
 mod downtime;
 mod floors;
 mod gpu;
+mod moves;
 mod pin;
 mod profile;
 mod report;
@@ -53,7 +54,7 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal, restart.
+    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal, restart, move.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The `switchyard` binary whose `switchyard worker` processes the restart case kills
@@ -148,7 +149,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 12] = [
+    let all: [(&str, Case); 13] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -161,6 +162,7 @@ fn main() -> Result<()> {
         ("migration", downtime::migration),
         ("journal", cases::journal),
         ("restart", restart::restart),
+        ("move", moves::moves),
     ];
     if let Some(bad) = cli.only.iter().find(|o| !all.iter().any(|(n, _)| n == o)) {
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();

@@ -19,7 +19,7 @@ use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
 use std::time::Instant;
 
-use switchyard_server::DeviceSlot;
+use switchyard_server::{DeviceSlot, MoveGuard};
 use switchyard_softgpu::VramRef;
 
 use crate::custody::{
@@ -348,7 +348,7 @@ fn relocate(
     let target = SoftGpu::create_vram(&config)?;
     // Held before the device can run on it, so that a replacement finds it.
     keeper.hold(&[VRAM_NEXT_ID], &[target.as_fd()])?;
-    let result = relocate_onto(slot, config, target.try_clone()?);
+    let result = move_device_in_slot(slot, &moving, config, target.try_clone()?);
     if result.is_ok() {
         keeper.hold(&[VRAM_ID], &[target.as_fd()])?;
     }
@@ -357,8 +357,19 @@ fn relocate(
     result
 }
 
-fn relocate_onto(
+/// Moves the softgpu in `slot` onto `target` (a new VRAM memfd of `config`'s size, zeroed and
+/// sealed: [`SoftGpu::create_vram`]) under its client, the sequence a worker runs for a
+/// [`Note::Move`]: pre-copy rounds while the device runs until one copies at most 256 KiB
+/// or 12 rounds ran, the successor built on `target` (parked), the engines parked (the
+/// commands running finish), then [`DeviceSlot::swap`], which copies the pages written since
+/// the last round and hands the state over. Downtime: from the engines parked to the swap
+/// done. `_moving` is the slot's move guard ([`DeviceSlot::begin_move`]), held by the caller
+/// for the whole move (a worker also puts `target` into custody around it).
+///
+/// On an error the device keeps running on its VRAM; `target` is not used.
+pub fn move_device_in_slot(
     slot: &DeviceSlot,
+    _moving: &MoveGuard,
     config: SoftGpuConfig,
     target: std::fs::File,
 ) -> Result<MoveReport, MoveError> {
