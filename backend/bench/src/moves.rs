@@ -68,7 +68,7 @@ const PROGRESS_TIMEOUT: Duration = Duration::from_secs(20);
 fn move_once(slot: &DeviceSlot, config: SoftGpuConfig) -> Result<MoveReport> {
     let moving = slot.begin_move().context("begin the move")?;
     let target = SoftGpu::create_vram(&config).context("create the new VRAM")?;
-    let report = move_device_in_slot(slot, &moving, config, target).context("move")?;
+    let report = move_device_in_slot(slot, &moving, config, target, false).context("move")?;
     Ok(report)
 }
 

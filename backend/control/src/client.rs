@@ -127,6 +127,20 @@ impl ControlClient {
         )
     }
 
+    /// `PUT path` with `body` as JSON: the JSON body of a 2xx reply, or
+    /// [`ControlError::Api`].
+    pub fn put<B: Serialize + ?Sized>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<JsonReply, ControlError> {
+        let body = serde_json::to_vec(body).map_err(ControlError::EncodeBody)?;
+        json_reply(
+            self.request("PUT", path, Some(("application/json", &body)))?
+                .into_result()?,
+        )
+    }
+
     /// `DELETE path`: the JSON body of a 2xx reply (`Null` for 204), or [`ControlError::Api`].
     pub fn delete(&self, path: &str) -> Result<JsonReply, ControlError> {
         json_reply(self.request("DELETE", path, None)?.into_result()?)

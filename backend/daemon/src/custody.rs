@@ -118,6 +118,10 @@ pub enum Note {
     Move {
         /// The board (logs).
         to: String,
+        /// The VMM has unplugged the device (no client): VRAM the guest could map is moved
+        /// too, with one copy (a guest-visible move).
+        #[serde(default)]
+        detached: bool,
     },
     /// The move is done: the device runs on the new VRAM (worker → supervisor).
     Moved {

@@ -416,10 +416,15 @@ impl Supervisor {
     /// If the worker dies during the move, the replacement runs the device on whichever VRAM
     /// its state names: waits for it (within `timeout`) and reports
     /// [`MoveOutcome::MovedAcrossRestart`] or [`SupervisorError::MoveFailed`] accordingly.
+    ///
+    /// `detached`: the endpoint's client is gone (its VMM unplugged the device for a
+    /// guest-visible move): VRAM the guest could map moves too; refused if a client is
+    /// connected when the device switches.
     pub fn move_device(
         &self,
         id: &str,
         to: &str,
+        detached: bool,
         timeout: Duration,
     ) -> Result<MoveOutcome, SupervisorError> {
         let ep = self.get(id)?;
@@ -434,7 +439,7 @@ impl Supervisor {
                 ..MoveSlot::default()
             };
         }
-        let result = self.run_move(&ep, to, deadline);
+        let result = self.run_move(&ep, to, detached, deadline);
         let mut mv = ep.mv();
         mv.active = false;
         mv.reply = None;
@@ -450,6 +455,7 @@ impl Supervisor {
         &self,
         ep: &Endpoint,
         to: &str,
+        detached: bool,
         deadline: Instant,
     ) -> Result<MoveOutcome, SupervisorError> {
         let id = &ep.spec.id;
@@ -463,7 +469,14 @@ impl Supervisor {
             let ch = channel
                 .as_ref()
                 .ok_or_else(|| SupervisorError::NoWorker(id.clone()))?;
-            custody::send(ch, &Note::Move { to: to.to_owned() }, &[])
+            custody::send(
+                ch,
+                &Note::Move {
+                    to: to.to_owned(),
+                    detached,
+                },
+                &[],
+            )
         };
         sent.map_err(|e| failed(format!("cannot ask the worker: {e}")))?;
         let mut mv = ep.mv();

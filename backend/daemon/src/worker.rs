@@ -243,10 +243,10 @@ fn spawn_control(
                     }
                 };
                 let reply = match note {
-                    Note::Move { to } => {
-                        let span = tracing::info_span!("move", to = %to);
+                    Note::Move { to, detached } => {
+                        let span = tracing::info_span!("move", to = %to, detached);
                         let _g = span.enter();
-                        match relocate(&slot, config, &keeper) {
+                        match relocate(&slot, config, &keeper, detached) {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
                                 Note::Moved { report }
@@ -343,12 +343,13 @@ fn relocate(
     slot: &DeviceSlot,
     config: SoftGpuConfig,
     keeper: &Keeper,
+    detached: bool,
 ) -> Result<MoveReport, MoveError> {
     let moving = slot.begin_move()?;
     let target = SoftGpu::create_vram(&config)?;
     // Held before the device can run on it, so that a replacement finds it.
     keeper.hold(&[VRAM_NEXT_ID], &[target.as_fd()])?;
-    let result = move_device_in_slot(slot, &moving, config, target.try_clone()?);
+    let result = move_device_in_slot(slot, &moving, config, target.try_clone()?, detached);
     if result.is_ok() {
         keeper.hold(&[VRAM_ID], &[target.as_fd()])?;
     }
@@ -366,16 +367,27 @@ fn relocate(
 /// done. `_moving` is the slot's move guard ([`DeviceSlot::begin_move`]), held by the caller
 /// for the whole move (a worker also puts `target` into custody around it).
 ///
+/// `detached`: no client is connected (the VMM unplugged the device for a guest-visible
+/// move), so VRAM the guest could map moves too ([`SoftGpu::begin_detached_relocation`],
+/// [`DeviceSlot::swap_detached`], which refuses if a client connected meanwhile).
+///
 /// On an error the device keeps running on its VRAM; `target` is not used.
 pub fn move_device_in_slot(
     slot: &DeviceSlot,
     _moving: &MoveGuard,
     config: SoftGpuConfig,
     target: std::fs::File,
+    detached: bool,
 ) -> Result<MoveReport, MoveError> {
     let t0 = Instant::now();
     let mut relocation = slot
-        .with_as::<SoftGpu, _>(|g| g.begin_relocation(target))
+        .with_as::<SoftGpu, _>(|g| {
+            if detached {
+                g.begin_detached_relocation(target)
+            } else {
+                g.begin_relocation(target)
+            }
+        })
         .ok_or(MoveError::NotSoftGpu)??;
     loop {
         let n = relocation.round()?;
@@ -390,7 +402,11 @@ pub fn move_device_in_slot(
     let t_park = Instant::now();
     let parked = quiesce.park();
     let t_stop = Instant::now();
-    let swapped = slot.swap(Box::new(next));
+    let swapped = if detached {
+        slot.swap_detached(Box::new(next))
+    } else {
+        slot.swap(Box::new(next))
+    };
     drop(parked);
     let swapped = swapped?;
     let downtime = t_stop.elapsed();

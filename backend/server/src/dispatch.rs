@@ -81,6 +81,7 @@ pub(crate) fn serve_connection(
         }),
     );
     d.set_continuity(server.continuity.clone());
+    server.slot.lock().connected = true;
     let mut conn = match resume {
         None => Connection::new(stream, d.limits().max_msg_size, server.config.poll_spin),
         Some(r) => {

@@ -161,6 +161,8 @@ pub(crate) struct Slot {
     /// A move of the device to another backing is under way ([`DeviceSlot::begin_move`]):
     /// the client cannot open a migration stream meanwhile.
     pub(crate) moving: bool,
+    /// A client is connected (from its first request to `client_gone`).
+    pub(crate) connected: bool,
 }
 
 impl Server {
@@ -240,6 +242,7 @@ impl Server {
                     device,
                     mig: MigState::Running,
                     moving: false,
+                    connected: false,
                 })),
                 ctx,
             ),
@@ -465,6 +468,7 @@ impl Server {
                 slot.mig = MigState::Running;
             }
             slot.device.client_disconnected();
+            slot.connected = false;
         }
         self.ctx().dma.stop_logging();
         self.ctx().dma.unmap_all();

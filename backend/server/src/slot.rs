@@ -34,6 +34,9 @@ pub enum SwapError {
     /// Another move of the device is under way.
     #[error("The device is already being moved")]
     Moving,
+    /// A detached swap found a client connected.
+    #[error("A client is connected: its mappings cannot be re-pointed")]
+    ClientConnected,
     /// The device in the slot cannot be replaced under a client.
     #[error("The device cannot be swapped")]
     NotSwappable,
@@ -154,13 +157,31 @@ impl DeviceSlot {
     /// accept it ([`Swappable::check_successor`](switchyard_device::Swappable::check_successor)); those checks come first, so a refused swap
     /// has run nothing. Then [`Swappable::hand_over`](switchyard_device::Swappable::hand_over) moves the state; if it fails, the old
     /// device stays too. Region accesses wait for the slot meanwhile.
-    pub fn swap(&self, mut next: Box<dyn PciDevice>) -> Result<SwapReport, SwapError> {
+    pub fn swap(&self, next: Box<dyn PciDevice>) -> Result<SwapReport, SwapError> {
+        self.swap_checked(next, false)
+    }
+
+    /// [`DeviceSlot::swap`] while no client is connected, to a device whose mmappable regions
+    /// may be backed by *other* memory objects (nobody maps them now; the next client gets
+    /// the new ones): the last step of a guest-visible move, made while the VMM has unplugged
+    /// the device. Refused ([`SwapError::ClientConnected`]) if a client is connected.
+    pub fn swap_detached(&self, next: Box<dyn PciDevice>) -> Result<SwapReport, SwapError> {
+        self.swap_checked(next, true)
+    }
+
+    fn swap_checked(
+        &self,
+        mut next: Box<dyn PciDevice>,
+        detached: bool,
+    ) -> Result<SwapReport, SwapError> {
         let mut slot = self.lock();
         let t0 = Instant::now();
         let committed = if slot.mig != MigState::Running {
             Err(SwapError::Migrating(slot.mig))
+        } else if detached && slot.connected {
+            Err(SwapError::ClientConnected)
         } else {
-            same_shape(slot.device.description(), next.description()).and_then(|()| {
+            same_shape(slot.device.description(), next.description(), detached).and_then(|()| {
                 let old = slot.device.swappable().ok_or(SwapError::NotSwappable)?;
                 old.check_successor(&*next)
                     .map_err(SwapError::Incompatible)?;
@@ -201,8 +222,13 @@ impl Drop for MoveGuard {
     }
 }
 
-/// Checks that `b` presents itself to the client exactly as `a` does.
-fn same_shape(a: &DeviceDescription, b: &DeviceDescription) -> Result<(), SwapError> {
+/// Checks that `b` presents itself to the client exactly as `a` does (`detached`: no client
+/// maps anything, so mmappable regions may be backed by other memory objects).
+fn same_shape(
+    a: &DeviceDescription,
+    b: &DeviceDescription,
+    detached: bool,
+) -> Result<(), SwapError> {
     let bad = SwapError::Incompatible;
     if a.regions.len() != b.regions.len() || a.irqs != b.irqs || a.resettable != b.resettable {
         return Err(bad("region count, interrupts or reset support"));
@@ -217,8 +243,8 @@ fn same_shape(a: &DeviceDescription, b: &DeviceDescription) -> Result<(), SwapEr
                 let ident = |f: &std::fs::File| f.metadata().map(|m| (m.dev(), m.ino())).ok();
                 if ma.file_offset != mb.file_offset
                     || ma.areas != mb.areas
-                    || ident(&ma.file).is_none()
-                    || ident(&ma.file) != ident(&mb.file)
+                    || (!detached
+                        && (ident(&ma.file).is_none() || ident(&ma.file) != ident(&mb.file)))
                 {
                     return Err(bad(
                         "an mmappable region is backed by another memory object",
@@ -339,6 +365,7 @@ mod tests {
             device: Box::new(Counted::new(0x1000, true, handed)),
             mig: MigState::Running,
             moving: false,
+            connected: false,
         };
         DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx)
     }

@@ -141,6 +141,7 @@ pub(crate) fn slot_with(device: Box<dyn PciDevice>, max_maps: usize) -> DeviceSl
             device,
             mig: MigState::Running,
             moving: false,
+            connected: false,
         })),
         ctx,
     )

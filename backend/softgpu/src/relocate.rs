@@ -52,6 +52,8 @@ pub struct Relocation {
     source: Arc<Vram>,
     target: Arc<Vram>,
     stats: RelocationStats,
+    /// No client is connected (a device whose guest may map VRAM, moved while unplugged).
+    detached: bool,
 }
 
 impl std::fmt::Debug for Relocation {
@@ -70,8 +72,20 @@ impl SoftGpu {
     /// client may map VRAM (`vram_mmap=on`: its writes would not be seen), while a migration
     /// stream is open (it reads the same write log), and when `target` is unsuitable.
     pub fn begin_relocation(&self, target: File) -> Result<Relocation, SoftGpuError> {
+        self.relocation(target, false)
+    }
+
+    /// [`SoftGpu::begin_relocation`] of a device no client is connected to, whatever its
+    /// `vram_mmap` (nothing can write its VRAM behind it): for a guest-visible move, while
+    /// the VMM has unplugged the device. The server's `DeviceSlot::swap_detached` refuses the
+    /// final swap if a client connected meanwhile.
+    pub fn begin_detached_relocation(&self, target: File) -> Result<Relocation, SoftGpuError> {
+        self.relocation(target, true)
+    }
+
+    fn relocation(&self, target: File, detached: bool) -> Result<Relocation, SoftGpuError> {
         let source = self.shared.vram.clone();
-        if !source.tracked() {
+        if !source.tracked() && !detached {
             return Err(StateError::Inconsistent(
                 "the client may map this device's VRAM (vram_mmap=on): its writes cannot be followed",
             )
@@ -81,7 +95,11 @@ impl SoftGpu {
             return Err(StateError::Inconsistent("a migration stream is open").into());
         }
         check_sealed(&target)?;
-        let target = Arc::new(Vram::adopt(Arc::new(target), source.size(), true)?);
+        let target = Arc::new(Vram::adopt(
+            Arc::new(target),
+            source.size(),
+            source.tracked(),
+        )?);
         if target.identity() == source.identity() {
             return Err(StateError::Inconsistent("the target VRAM is the device's own").into());
         }
@@ -93,6 +111,7 @@ impl SoftGpu {
             source,
             target,
             stats: RelocationStats::default(),
+            detached,
         })
     }
 
@@ -106,7 +125,10 @@ impl SoftGpu {
         relocation: Relocation,
     ) -> Result<SoftGpu, SoftGpuError> {
         config.validate()?;
-        if config.vram_mmap || relocation.target.size() != config.vram_size {
+        if (config.vram_mmap && !relocation.detached)
+            || config.vram_mmap == relocation.target.tracked()
+            || relocation.target.size() != config.vram_size
+        {
             return Err(StateError::Inconsistent(
                 "the relocation's VRAM is of another configuration",
             )

@@ -95,6 +95,21 @@ enum CtlCommand {
         #[arg(long, value_name = "DEVICE")]
         to: String,
     },
+    /// Register the VMM of an endpoint whose guest maps VRAM, so that moves of it are made
+    /// guest-visibly (QMP device_del, move, device_add).
+    Vmm {
+        /// The endpoint's id.
+        id: String,
+        /// QEMU's QMP socket.
+        #[arg(long, value_name = "PATH")]
+        qmp: PathBuf,
+        /// The vfio-user-pci device's id in QEMU.
+        #[arg(long, value_name = "ID")]
+        device_id: String,
+        /// The pcie-root-port it is plugged into.
+        #[arg(long, value_name = "BUS")]
+        bus: Option<String>,
+    },
     /// Quarantine a board and move every endpoint off it.
     Drain {
         /// The board's id.
@@ -279,6 +294,24 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
             }
             println!("{}", move_line(&reply.json()?));
         }
+        CtlCommand::Vmm {
+            ref id,
+            ref qmp,
+            ref device_id,
+            ref bus,
+        } => {
+            let qmp = std::path::absolute(qmp)
+                .with_context(|| format!("the QMP path {}", qmp.display()))?;
+            let body = serde_json::json!({ "qmp": qmp, "device_id": device_id, "bus": bus });
+            let reply = client.put(&format!("/v1/endpoints/{}/vmm", segment(id)?), &body)?;
+            if json {
+                return show(&reply.body);
+            }
+            println!(
+                "endpoint {id}: VMM registered (QMP {}, device {device_id})",
+                qmp.display()
+            );
+        }
         CtlCommand::Drain { ref board } => {
             let reply = client.post(&format!("/v1/boards/{}/drain", segment(board)?), &())?;
             if json {
@@ -334,6 +367,14 @@ fn move_line(m: &MoveResult) -> String {
             ByteSize(r.bytes)
         ),
         None => "completed by a replacement worker".to_owned(),
+    };
+    let detail = if m.guest_visible {
+        format!(
+            "guest-visible: unplugged for {:.1} ms; {detail}",
+            m.downtime_ms.unwrap_or(0.0)
+        )
+    } else {
+        detail
     };
     format!(
         "endpoint {}: moved from {} to {} ({detail})",

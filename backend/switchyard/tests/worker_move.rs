@@ -89,7 +89,7 @@ fn twenty_moves_under_a_workload_change_nothing_the_client_sees() {
                 thread::sleep(Duration::from_millis(40));
                 let Some(sup) = sup.upgrade() else { break };
                 let to = boards[reports.len() % 3];
-                match sup.move_device("ep", to, Duration::from_secs(30)) {
+                match sup.move_device("ep", to, false, Duration::from_secs(30)) {
                     Ok(MoveOutcome::Moved(r)) => reports.push(r),
                     other => panic!("move {} to {to}: {other:?}", reports.len()),
                 }
@@ -193,7 +193,7 @@ fn a_mapped_vram_endpoint_is_not_moved_and_keeps_serving() {
     let mut d = Driver::new(Ours(connect(&socket)));
     d.w32(SCRATCH, 0x1234);
     let held = sup.status("ep").expect("status").held;
-    match sup.move_device("ep", "gpu1", Duration::from_secs(10)) {
+    match sup.move_device("ep", "gpu1", false, Duration::from_secs(10)) {
         Err(SupervisorError::MoveFailed { reason, .. }) => {
             assert!(reason.contains("vram_mmap=on"), "{reason}");
         }
@@ -228,7 +228,7 @@ fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
             thread::sleep(Duration::from_micros(500 + attempt * 4000));
             sup2.kill_worker("ep").expect("kill")
         });
-        let outcome = sup.move_device("ep", "gpu1", Duration::from_secs(30));
+        let outcome = sup.move_device("ep", "gpu1", false, Duration::from_secs(30));
         killer.join().expect("killer");
         sup.wait_ready("ep", attempt + 2, Duration::from_secs(20))
             .expect("status");
@@ -254,4 +254,62 @@ fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
         outcomes.iter().any(|o| o.contains("where it was")),
         "{outcomes:#?}"
     );
+}
+
+/// A guest-visible move's data path: with the client gone (its VMM unplugged the device), a
+/// device whose VRAM the client could map moves to another VRAM in one copy, and the next
+/// client maps the new VRAM and finds the contents. With a client connected it is refused.
+#[test]
+fn a_mapped_vram_device_moves_while_no_client_is_connected() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sup = Supervisor::new(env!("CARGO_BIN_EXE_switchyard"));
+    let socket = endpoint(&sup, dir.path(), "ep", true);
+    let mut d = Driver::new(Ours(connect(&socket)));
+    let kept = pattern(11, 2 << 20);
+    d.vram_write(4 << 20, &kept);
+    let before = d.t.0.region_info(2).expect("BAR2").fd.expect("VRAM fd");
+    // Connected: the mapping could not follow; nothing changes.
+    match sup.move_device("ep", "gpu1", true, Duration::from_secs(10)) {
+        Err(SupervisorError::MoveFailed { reason, .. }) => {
+            assert!(reason.contains("client is connected"), "{reason}");
+        }
+        other => panic!("a detached move with a client must be refused: {other:?}"),
+    }
+    drop(d);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sup.status("ep").expect("status").connected {
+        assert!(
+            Instant::now() < deadline,
+            "the client's connection is still held"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    let report = match sup.move_device("ep", "gpu1", true, Duration::from_secs(30)) {
+        Ok(MoveOutcome::Moved(r)) => r,
+        other => panic!("detached move: {other:?}"),
+    };
+    assert!(report.bytes >= kept.len() as u64, "{report:?}");
+    // The next client (the VMM plugging the device back) maps the new VRAM.
+    let mut d = Driver::new(Ours(connect(&socket)));
+    let after = d.t.0.region_info(2).expect("BAR2").fd.expect("VRAM fd");
+    let ident = |f: &std::fs::File| {
+        let m = f.metadata().expect("stat");
+        (m.dev(), m.ino())
+    };
+    assert_ne!(
+        ident(&before),
+        ident(&after),
+        "the device runs on another VRAM"
+    );
+    let mut got = vec![0u8; kept.len()];
+    for (i, chunk) in got.chunks_mut(64 << 10).enumerate() {
+        d.vram_read((4 << 20) + (i as u64) * (64 << 10), chunk);
+    }
+    assert!(got == kept, "VRAM contents moved");
+    let mut mapped = vec![0u8; 4096];
+    std::os::unix::fs::FileExt::read_exact_at(&after, &mut mapped, 4 << 20).expect("read");
+    assert_eq!(mapped, kept[..4096], "through the new memory object");
+    d.setup_queue(0);
+    d.run(0, &[Command::fill(Operand::Vram(0), 4096, 7)]);
 }

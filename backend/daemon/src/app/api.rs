@@ -12,15 +12,21 @@
 //! | `POST /v1/endpoints/{id}/restart` | SIGKILL drill: the worker is replaced under the guest |
 //! | `POST /v1/endpoints/{id}/upgrade` | replace the worker with the executable now on disk |
 //! | `POST /v1/endpoints/{id}/move` | move the endpoint's device to another board under the guest |
+//! | `PUT /v1/endpoints/{id}/vmm`, `DELETE ...` | register (forget) the VMM of an endpoint, for guest-visible moves |
 //! | `POST /v1/boards/{id}/drain` | quarantine the board and move every endpoint off it |
 //! | `GET /events` | pool and worker events, NDJSON ([`super::events`]) |
 //! | `GET /metrics`, `GET /health`, `GET /openapi.json` | |
 //!
-//! A move is transparent: the worker pre-copies VRAM while the guest runs, then stops the
-//! device for the last changes and the state (`switchyard_softgpu`'s relocation). It needs
-//! trapped VRAM (`vram_mmap = false`): a guest mapping of VRAM cannot be re-pointed, so a
-//! mapped device is refused (409 `mapped_vram`; a guest-visible move through the VMM is not
-//! offered yet). Detach and attach are not offered yet.
+//! A move of a device with trapped VRAM (`vram_mmap = false`) is transparent: the worker
+//! pre-copies VRAM while the guest runs, then stops the device for the last changes and the
+//! state (`switchyard_softgpu`'s relocation). A guest mapping of VRAM cannot be re-pointed
+//! (nothing in vfio-user revokes a mapping), so a device the guest may map moves
+//! *guest-visibly*, through its VMM (registered with `PUT .../vmm`: QEMU's QMP socket and
+//! the device's id): QMP `device_del` (the guest's driver lets go, QEMU closes the
+//! connection), the worker moves VRAM and state, QMP `device_add` of the same socket (the
+//! guest re-probes; with `vram_reset = "keep"` it finds its VRAM as it left it). Without a
+//! registered VMM such a move is refused (409 `mapped_vram`). Detach and attach are not
+//! offered yet.
 //!
 //! Errors are `{"error":{"code","message"}}`: pool errors by kind (`not_found` 404,
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
@@ -54,6 +60,8 @@ use crate::supervisor::{MoveOutcome, SupervisorError, WorkerStatus};
 
 /// How long a new or replaced worker may take to serve.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a guest may take to release its device (TCG guests are slow).
+const UNPLUG_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a move may take (pre-copy of a large, busy VRAM included).
 const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Most pool events one `GET /events` reads from the store.
@@ -108,6 +116,7 @@ fn api() -> ControlApi<AppState> {
         .routes(routes!(restart_endpoint))
         .routes(routes!(upgrade_endpoint))
         .routes(routes!(move_endpoint))
+        .routes(routes!(register_vmm, forget_vmm))
         .routes(routes!(drain_board))
 }
 
@@ -208,6 +217,8 @@ pub struct EndpointStatus {
     pub lease: Option<DeviceView>,
     /// Its worker.
     pub worker: WorkerView,
+    /// Its VMM, if registered.
+    pub vmm: Option<VmmLink>,
 }
 
 /// The outcome of a restart or an upgrade.
@@ -230,16 +241,32 @@ pub struct MoveRequest {
     pub to: String,
 }
 
+/// An endpoint's VMM, for guest-visible moves (`PUT /v1/endpoints/{id}/vmm`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmmLink {
+    /// QEMU's QMP socket (`-qmp unix:PATH,server=on,wait=off`).
+    #[schema(value_type = String)]
+    pub qmp: std::path::PathBuf,
+    /// The `vfio-user-pci` device's id in QEMU.
+    pub device_id: String,
+    /// The bus it is plugged into (a `pcie-root-port` id), to plug it back there.
+    #[serde(default)]
+    pub bus: Option<String>,
+}
+
 /// A finished move.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct MoveResult {
+    /// Whether the guest saw it: its VMM unplugged the device and plugged it back.
+    pub guest_visible: bool,
     /// What moved where.
     pub plan: MovePlan,
     /// What the data path did; absent when the worker died after the device had switched
     /// and its replacement runs the device on the target.
     pub report: Option<MoveReport>,
-    /// The guest-visible stop (engines stopped to the device running on the target),
-    /// milliseconds.
+    /// The stop the guest saw, milliseconds: transparent, from the engines' stop to the
+    /// device running on the target; guest-visible, from `device_del` to `device_add`.
     pub downtime_ms: Option<f64>,
     /// The endpoint now.
     pub endpoint: EndpointStatus,
@@ -369,6 +396,7 @@ impl Daemon {
                 .as_deref()
                 .and_then(|d| pool.inventory().device(d)),
             worker: self.worker_view(endpoint),
+            vmm: self.vmms().get(&endpoint.id).cloned(),
             endpoint: endpoint.clone(),
         }
     }
@@ -457,6 +485,7 @@ impl Daemon {
             Err(e) => return Err(supervisor_error(e)),
         }
         self.unsupervised().remove(id);
+        self.vmms().remove(id);
         self.records.remove(id);
         let events = pool.delete_endpoint(id).map_err(pool_error)?;
         self.events.pool(events);
@@ -501,12 +530,24 @@ impl Daemon {
     }
 
     /// Refuses moves the data path cannot make (before anything is reserved).
-    fn check_movable(plan: &MovePlan) -> Result<(), ApiError> {
-        if plan.shape.vram_mmap {
+    fn check_movable(&self, plan: &MovePlan) -> Result<(), ApiError> {
+        if !plan.shape.vram_mmap {
+            return Ok(());
+        }
+        if !self.vmms().contains_key(&plan.endpoint) {
             return Err(ApiError::conflict(
                 "mapped_vram",
                 format!(
-                    "Endpoint \"{}\" lets its guest map VRAM (vram_mmap = true): a mapping cannot be re-pointed under the guest, and guest-visible moves are not offered yet",
+                    "Endpoint \"{}\" lets its guest map VRAM (vram_mmap = true): a mapping cannot be re-pointed under the guest, so it moves guest-visibly through its VMM; register the VMM first (PUT /v1/endpoints/{}/vmm)",
+                    plan.endpoint, plan.endpoint
+                ),
+            ));
+        }
+        if plan.shape.irq == switchyard_softgpu::IrqMode::Msix {
+            return Err(ApiError::conflict(
+                "mapped_vram",
+                format!(
+                    "Endpoint \"{}\" uses MSI-X: QEMU 11.1 aborts the VM on device_del of a vfio-user device with MSI-X, so it is not unplugged for a guest-visible move (irq = \"msi\" boards are)",
                     plan.endpoint
                 ),
             ));
@@ -520,7 +561,7 @@ impl Daemon {
         let plan = {
             let mut pool = self.pool();
             let checked = pool.inventory().check_move(id, to).map_err(pool_error)?;
-            Self::check_movable(&checked)?;
+            self.check_movable(&checked)?;
             let (plan, events) = pool.plan_move(id, to).map_err(pool_error)?;
             self.events.pool(events);
             plan
@@ -530,9 +571,31 @@ impl Daemon {
 
     /// Runs a planned move on the data path, then commits it (or releases the target).
     fn execute_move(&self, plan: MovePlan) -> Result<MoveResult, ApiError> {
-        let outcome = self
-            .supervisor
-            .move_device(&plan.endpoint, &plan.to_board, MOVE_TIMEOUT);
+        let vmm = plan
+            .shape
+            .vram_mmap
+            .then(|| self.vmms().get(&plan.endpoint).cloned())
+            .flatten();
+        let (outcome, visible_downtime) = match &vmm {
+            None => (
+                self.supervisor
+                    .move_device(&plan.endpoint, &plan.to_board, false, MOVE_TIMEOUT),
+                None,
+            ),
+            Some(link) => match self.move_unplugged(&plan, link) {
+                Ok((outcome, downtime)) => (outcome, Some(downtime)),
+                Err(e) => {
+                    let mut pool = self.pool();
+                    match pool.abort_move(&plan) {
+                        Ok(events) => self.events.pool(events),
+                        Err(e) => {
+                            tracing::error!(?plan, "cannot release a failed move's target: {e}")
+                        }
+                    }
+                    return Err(e);
+                }
+            },
+        };
         let mut pool = self.pool();
         let report = match outcome {
             Ok(MoveOutcome::Moved(report)) => Some(report),
@@ -552,9 +615,11 @@ impl Daemon {
         };
         let events = pool.commit_move(&plan).map_err(pool_error)?;
         self.events.pool(events);
-        let downtime = report
-            .as_ref()
-            .map(|r| Duration::from_micros(r.downtime_us));
+        let downtime = visible_downtime.or_else(|| {
+            report
+                .as_ref()
+                .map(|r| Duration::from_micros(r.downtime_us))
+        });
         if let Some(d) = downtime {
             self.metrics.board(&plan.from_board).moved(d);
         }
@@ -563,6 +628,7 @@ impl Daemon {
             .endpoint(&plan.endpoint)
             .ok_or_else(|| unknown_endpoint(&plan.endpoint))?;
         Ok(MoveResult {
+            guest_visible: vmm.is_some(),
             endpoint: self.endpoint_status(&pool, endpoint),
             downtime_ms: downtime.map(ms),
             report,
@@ -570,11 +636,71 @@ impl Daemon {
         })
     }
 
+    /// A guest-visible move: the VMM unplugs the device (QMP `device_del`, the guest lets
+    /// go), the worker moves it with nobody connected, and the VMM plugs it back
+    /// (`device_add` of the same socket), whatever the move's outcome. Errors before the
+    /// unplug change nothing; the device is plugged back after one that happens later.
+    /// Returns the move's outcome and the time from `device_del` to `device_add`.
+    fn move_unplugged(
+        &self,
+        plan: &MovePlan,
+        link: &VmmLink,
+    ) -> Result<(Result<MoveOutcome, SupervisorError>, Duration), ApiError> {
+        use switchyard_qemu::{Qmp, VfioUserDevice};
+        let vmm_error = |what: &str, e: &dyn std::error::Error| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "vmm",
+                format!(
+                    "Endpoint \"{}\": {what} through QMP at {}: {e}",
+                    plan.endpoint,
+                    link.qmp.display()
+                ),
+            )
+        };
+        let mut qmp = Qmp::connect(&link.qmp, Duration::from_secs(10))
+            .map_err(|e| vmm_error("cannot reach the VMM", &e))?;
+        let socket = self
+            .pool()
+            .inventory()
+            .endpoint(&plan.endpoint)
+            .map(|e| e.socket.clone())
+            .ok_or_else(|| unknown_endpoint(&plan.endpoint))?;
+        let mut device = VfioUserDevice::new(&link.device_id, &socket);
+        device.bus = link.bus.clone();
+        let t0 = std::time::Instant::now();
+        qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
+            .map_err(|e| vmm_error("the guest did not release the device", &e))?;
+        // QEMU closes the vfio-user connection when it unrealizes the device.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self
+            .supervisor
+            .status(&plan.endpoint)
+            .is_ok_and(|st| st.connected)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let outcome =
+            self.supervisor
+                .move_device(&plan.endpoint, &plan.to_board, true, MOVE_TIMEOUT);
+        let plugged = qmp.device_add(&device);
+        let downtime = t0.elapsed();
+        if let Err(e) = plugged {
+            tracing::error!(endpoint = plan.endpoint, error = %e, "cannot plug the device back");
+            return Err(vmm_error(
+                "the device was moved but cannot be plugged back",
+                &e,
+            ));
+        }
+        Ok((outcome, downtime))
+    }
+
     fn drain(&self, board: &str) -> Result<DrainResult, ApiError> {
         let plans = {
             let mut pool = self.pool();
             for plan in pool.plan_drain(board).map_err(pool_error)? {
-                Self::check_movable(&plan)?;
+                self.check_movable(&plan)?;
                 if self.supervisor.is_moving(&plan.endpoint).unwrap_or(false) {
                     self.refuse_while_moving(&plan.endpoint)?;
                 }
@@ -850,6 +976,61 @@ async fn move_endpoint(
     blocking(&s, move |d| d.move_endpoint(&id, &req.to))
         .await
         .map(Json)
+}
+
+/// `PUT /v1/endpoints/{id}/vmm`.
+#[utoipa::path(put, path = "/v1/endpoints/{id}/vmm", tag = TAG, operation_id = "register_vmm",
+    summary = "Register the endpoint's VMM (QEMU's QMP socket and the device's id), for guest-visible moves",
+    description = "Kept in memory: a restarted daemon needs it registered again.",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    request_body = VmmLink,
+    responses(
+        (status = 200, description = "Registered (replacing an earlier registration)", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 422, description = "A bad body: an empty device id, a relative QMP path", body = ErrorBody)))]
+async fn register_vmm(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(link): Json<VmmLink>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| {
+        if link.device_id.is_empty() || !link.qmp.is_absolute() {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                "The VMM needs an absolute QMP socket path and a non-empty device id",
+            ));
+        }
+        d.status_of(&id)?;
+        d.vmms().insert(id.clone(), link);
+        d.status_of(&id)
+    })
+    .await
+    .map(Json)
+}
+
+/// `DELETE /v1/endpoints/{id}/vmm`.
+#[utoipa::path(delete, path = "/v1/endpoints/{id}/vmm", tag = TAG, operation_id = "forget_vmm",
+    summary = "Forget the endpoint's VMM",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 204, description = "Forgotten"),
+        (status = 404, description = "No such endpoint, or no VMM registered", body = ErrorBody)))]
+async fn forget_vmm(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    blocking(&s, move |d| {
+        d.status_of(&id)?;
+        match d.vmms().remove(&id) {
+            Some(_) => Ok(StatusCode::NO_CONTENT),
+            None => Err(ApiError::not_found(
+                "not_found",
+                format!("Endpoint \"{id}\" has no VMM registered"),
+            )),
+        }
+    })
+    .await
 }
 
 /// `POST /v1/boards/{id}/drain`.

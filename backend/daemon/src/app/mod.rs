@@ -112,6 +112,9 @@ pub struct Daemon {
     pool: Mutex<Pool>,
     supervisor: Supervisor,
     unsupervised: Mutex<BTreeMap<String, Unsupervised>>,
+    /// Endpoints' VMMs, as registered (`PUT /v1/endpoints/{id}/vmm`; not stored: a restarted
+    /// daemon needs them registered again).
+    vmms: Mutex<BTreeMap<String, api::VmmLink>>,
     events: Arc<EventStream>,
     metrics: Metrics,
     records: WorkerRecords,
@@ -245,6 +248,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         pool: Mutex::new(pool),
         supervisor: Supervisor::with_events(exe, sink).with_adoption_dir(&workers_dir),
         unsupervised: Mutex::new(BTreeMap::new()),
+        vmms: Mutex::new(BTreeMap::new()),
         events,
         metrics,
         records,
@@ -313,6 +317,10 @@ fn record_stats(
 impl Daemon {
     pub(crate) fn pool(&self) -> MutexGuard<'_, Pool> {
         lock(&self.pool)
+    }
+
+    pub(crate) fn vmms(&self) -> MutexGuard<'_, BTreeMap<String, api::VmmLink>> {
+        lock(&self.vmms)
     }
 
     pub(crate) fn unsupervised(&self) -> MutexGuard<'_, BTreeMap<String, Unsupervised>> {
