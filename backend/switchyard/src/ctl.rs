@@ -86,8 +86,9 @@ enum CtlCommand {
         /// The endpoint's id.
         id: String,
     },
-    /// Move an endpoint's device to another board under the running guest (VRAM is copied
-    /// while the guest runs; needs vram_mmap = false).
+    /// Move an endpoint's device to another board under the running guest: transparent with
+    /// vram_mmap = false (VRAM is copied while the guest runs), guest-visible through the
+    /// endpoint's VMM otherwise (see `ctl vmm`).
     Move {
         /// The endpoint's id.
         id: String,

@@ -1,5 +1,5 @@
-//! Command line: `sygpu-driver [--quick] [--bdf BDF] [--timeout SECONDS]` or
-//! `sygpu-driver --probe [--bdf BDF]`.
+//! Command line: `sygpu-driver [--quick] [--bdf BDF] [--timeout SECONDS]`,
+//! `sygpu-driver --probe [--bdf BDF]` or `sygpu-driver --stamp|--check-stamp SEED [--bdf BDF]`.
 
 use std::time::Duration;
 
@@ -9,6 +9,7 @@ use crate::sysfs::is_bdf;
 pub const USAGE: &str = "\
 usage: sygpu-driver [--quick] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
+       sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
 
 Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
 
@@ -18,11 +19,17 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
   --quick     the same with smaller sizes (GEMM 64^3) for slow TCG guests
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
+  --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
+              VRAM through the BAR2 mapping, check it there and through an engine COPY
+  --check-stamp S
+              through VFIO: check that VRAM holds what --stamp S wrote (a device that came
+              back after a hot-unplug, e.g. moved to another board), through the mapping
+              and an engine COPY
   --bdf B     use the device at B (default: the first 1234:5347)
   --timeout S bound of every wait for an interrupt, seconds (default 60)
 
 Progress lines start with 'SYGPU:'; the last line is 'SYGPU-SUMMARY {json}'
-('SYGPU-PROBE {json}' for --probe). Exit code 0 only on pass, 1 on fail, 2 on usage errors.";
+('SYGPU-PROBE {json}' for --probe, 'SYGPU-STAMP {json}' for the stamps). Exit code 0 only on pass, 1 on fail, 2 on usage errors.";
 
 /// What to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +38,8 @@ pub enum Mode {
     Run,
     /// The sysfs probe.
     Probe,
+    /// Write (or check) a VRAM stamp.
+    Stamp,
     /// Print usage.
     Help,
 }
@@ -46,6 +55,10 @@ pub struct Options {
     pub bdf: Option<String>,
     /// Wait bound.
     pub timeout: Duration,
+    /// The stamp's seed (`--stamp`, `--check-stamp`).
+    pub stamp_seed: u64,
+    /// Check the stamp rather than write it.
+    pub stamp_check: bool,
 }
 
 /// Parses the arguments (without the program name).
@@ -55,6 +68,8 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         quick: false,
         bdf: None,
         timeout: Duration::from_secs(60),
+        stamp_seed: 0,
+        stamp_check: false,
     };
     let mut it = args.iter().map(AsRef::as_ref);
     while let Some(a) = it.next() {
@@ -74,6 +89,14 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         match key {
             "--quick" | "-q" => o.quick = true,
             "--probe" => o.mode = Mode::Probe,
+            "--stamp" | "--check-stamp" => {
+                let v = value(key)?;
+                o.stamp_seed = v
+                    .parse()
+                    .map_err(|_| format!("{key} '{v}': want a number"))?;
+                o.stamp_check = key == "--check-stamp";
+                o.mode = Mode::Stamp;
+            }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
                 let b = value("--bdf")?;
@@ -127,5 +150,16 @@ mod tests {
         assert!(parse(&["--timeout", "0"]).is_err());
         assert!(parse(&["--frobnicate"]).is_err());
         assert!(parse(&["--probe", "--quick"]).is_err());
+        let o = parse(&["--check-stamp", "7", "--bdf", "00:05.0"]).expect("ok");
+        assert_eq!(
+            (o.mode, o.stamp_seed, o.stamp_check),
+            (Mode::Stamp, 7, true)
+        );
+        let o = parse(&["--stamp=9"]).expect("ok");
+        assert_eq!(
+            (o.mode, o.stamp_seed, o.stamp_check),
+            (Mode::Stamp, 9, false)
+        );
+        assert!(parse(&["--stamp", "x"]).is_err());
     }
 }

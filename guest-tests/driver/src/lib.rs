@@ -136,6 +136,22 @@ pub fn main_with(args: &[String]) -> i32 {
                 1
             }
         }
+        cli::Mode::Stamp => {
+            start_watchdog(opts.timeout * WATCHDOG_TIMEOUTS, |reason| {
+                summary::StampSummary {
+                    result: "fail",
+                    reason: Some(reason),
+                    ..summary::StampSummary::default()
+                }
+                .line()
+            });
+            let s = run_stamp(&opts);
+            if print_final(&s.line()) && s.result == "pass" {
+                0
+            } else {
+                1
+            }
+        }
         cli::Mode::Run => {
             let mode = if opts.quick { "quick" } else { "full" };
             let start = Instant::now();
@@ -198,6 +214,96 @@ pub fn run_vfio(opts: &cli::Options) -> Summary {
             .unwrap_or_default()
     );
     sum
+}
+
+/// Length of the VRAM stamp.
+const STAMP_BYTES: u64 = 1 << 20;
+
+/// `--stamp` / `--check-stamp`; never panics.
+pub fn run_stamp(opts: &cli::Options) -> summary::StampSummary {
+    let start = Instant::now();
+    let mut s = summary::StampSummary {
+        action: if opts.stamp_check { "check" } else { "write" },
+        seed: opts.stamp_seed,
+        bytes: STAMP_BYTES,
+        ..summary::StampSummary::default()
+    };
+    let failure = match catch_unwind(AssertUnwindSafe(|| stamp(opts, &mut s))) {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(p) => Some(format!("panic: {}", panic_message(p.as_ref()))),
+    };
+    s.duration_ms = start.elapsed().as_millis() as u64;
+    s.result = if failure.is_none() && s.mapping_ok && s.engine_ok {
+        "pass"
+    } else {
+        "fail"
+    };
+    s.reason = failure.or_else(|| (s.result == "fail").then(|| "the stamp differs".to_owned()));
+    say!("stamp {}: {}", s.action, s.result);
+    s
+}
+
+fn stamp(opts: &cli::Options, s: &mut summary::StampSummary) -> Result<(), String> {
+    let sizes = workload::Sizes::quick();
+    let (mut gpu, bdf) = open_gpu(opts, &sizes)?;
+    s.bdf = Some(bdf);
+    let offset = gpu.vram_size / 2;
+    s.offset = offset;
+    let want = reference::byte_data(opts.stamp_seed, STAMP_BYTES as usize);
+    if !opts.stamp_check {
+        gpu.vram.write(offset, &want).map_err(|e| e.to_string())?;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+    let mut seen = vec![0u8; want.len()];
+    gpu.vram
+        .read(offset, &mut seen)
+        .map_err(|e| e.to_string())?;
+    s.mapping_ok = seen == want;
+    let buf = gpu.dma_alloc(STAMP_BYTES, 4096)?;
+    gpu.run(
+        0,
+        &[cmd::Cmd::copy(
+            cmd::Addr::Vram(offset),
+            cmd::Addr::Iova(buf),
+            STAMP_BYTES,
+        )],
+    )?;
+    s.engine_ok = gpu.dma().read_vec(buf, want.len())? == want;
+    say!(
+        "stamp {} seed {} at VRAM+{offset:#x}: mapping {}, engine COPY {}",
+        s.action,
+        opts.stamp_seed,
+        if s.mapping_ok { "matches" } else { "DIFFERS" },
+        if s.engine_ok { "matches" } else { "DIFFERS" }
+    );
+    let problems = gpu.shutdown();
+    if !problems.is_empty() {
+        return Err(format!("shutdown: {}", problems.join("; ")));
+    }
+    Ok(())
+}
+
+/// Binds the softgpu to vfio-pci and opens it: BARs mapped, interrupts wired, reset.
+/// Returns it and its PCI address.
+fn open_gpu(opts: &cli::Options, sizes: &workload::Sizes) -> Result<(gpu::Gpu, String), String> {
+    let sys = sysfs::Sysfs::system();
+    let dev = sys.find_softgpu(opts.bdf.as_deref())?;
+    say!("device {dev}");
+    let group = dev
+        .iommu_group
+        .ok_or_else(|| format!("{} has no IOMMU group: boot with a vIOMMU", dev.bdf))?;
+    sys.bind_vfio_pci(&dev.bdf)?;
+    let vfio = vfio::Vfio::open(&sys.device_dir(&dev.bdf), group, Duration::from_secs(5))?;
+    let gpu = gpu::Gpu::open(
+        vfio,
+        &gpu::GpuOptions {
+            dma_window: sizes.dma_window,
+            dma_windows: sizes.dma_windows,
+            timeout: opts.timeout,
+        },
+    )?;
+    Ok((gpu, dev.bdf))
 }
 
 fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> Result<(), String> {

@@ -178,6 +178,38 @@ impl ProbeSummary {
     }
 }
 
+/// The result of `--stamp` / `--check-stamp` (`SYGPU-STAMP`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, Default)]
+pub struct StampSummary {
+    /// `"pass"` or `"fail"`.
+    pub result: &'static str,
+    /// Why it failed (`null` on pass).
+    pub reason: Option<String>,
+    /// `"write"` or `"check"`.
+    pub action: &'static str,
+    /// PCI address.
+    pub bdf: Option<String>,
+    /// The seed.
+    pub seed: u64,
+    /// VRAM offset of the stamp.
+    pub offset: u64,
+    /// Its length.
+    pub bytes: u64,
+    /// The stamp read through the BAR2 mapping matched.
+    pub mapping_ok: bool,
+    /// An engine COPY of the stamp into DMA memory matched.
+    pub engine_ok: bool,
+    /// Wall time.
+    pub duration_ms: u64,
+}
+
+impl StampSummary {
+    /// The `SYGPU-STAMP {json}` line.
+    pub fn line(&self) -> String {
+        json_line("SYGPU-STAMP", self)
+    }
+}
+
 fn json_line<T: Serialize>(tag: &str, v: &T) -> String {
     match serde_json::to_string(v) {
         Ok(j) => format!("{tag} {j}"),

@@ -100,8 +100,9 @@ fn api() -> ControlApi<AppState> {
             "HTTP/JSON on the daemon's UNIX socket (`switchyard ctl` is its client). Every error \
              reply is an ErrorBody: {\"error\": {\"code\": ..., \"message\": ...}} with a 4xx or \
              5xx status; a refused request changes nothing. GET /openapi.json serves this \
-             document. Moves and drains are transparent to the guest and need trapped VRAM \
-             (vram_mmap = false); detach and attach are not offered yet.",
+             document. Moves and drains are transparent to the guest with trapped VRAM \
+             (vram_mmap = false) and guest-visible through a registered VMM otherwise; detach \
+             and attach are not offered yet.",
         )
         .health()
         .metrics()
@@ -958,9 +959,10 @@ async fn upgrade_endpoint(
 /// `POST /v1/endpoints/{id}/move`.
 #[utoipa::path(post, path = "/v1/endpoints/{id}/move", tag = TAG, operation_id = "move_endpoint",
     summary = "Move the endpoint's device to another board under the running guest",
-    description = "VRAM is copied while the guest runs, then the device stops for the last \
-        changes and its state (the downtime) and runs on the target. Needs trapped VRAM \
-        (vram_mmap = false).",
+    description = "With trapped VRAM (vram_mmap = false) the move is transparent: VRAM is \
+        copied while the guest runs, then the device stops for the last changes and its state \
+        (the downtime) and runs on the target. A device the guest maps moves guest-visibly \
+        through its registered VMM (PUT /v1/endpoints/{id}/vmm): unplugged, moved, plugged back.",
     params(("id" = String, Path, description = "The endpoint's id")),
     request_body = MoveRequest,
     responses(
