@@ -111,6 +111,24 @@ enum CtlCommand {
         #[arg(long, value_name = "BUS")]
         bus: Option<String>,
     },
+    /// Take an endpoint's device away (unplugged from its VM through the registered VMM);
+    /// its board is free.
+    Detach {
+        /// The endpoint's id.
+        id: String,
+    },
+    /// Lease a device to a detached endpoint and start serving it (fresh VRAM; plugged into
+    /// its VM through the registered VMM).
+    Attach {
+        /// The endpoint's id.
+        id: String,
+        /// Lease this device.
+        #[arg(long, value_name = "DEVICE", conflicts_with = "pool")]
+        device: Option<String>,
+        /// Lease from this pool (default: the endpoint's own).
+        #[arg(long, value_name = "POOL")]
+        pool: Option<String>,
+    },
     /// Quarantine a board and move every endpoint off it.
     Drain {
         /// The board's id.
@@ -312,6 +330,25 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
                 "endpoint {id}: VMM registered (QMP {}, device {device_id})",
                 qmp.display()
             );
+        }
+        CtlCommand::Detach { ref id } => {
+            let reply = client.post(&format!("/v1/endpoints/{}/detach", segment(id)?), &())?;
+            if json {
+                return show(&reply.body);
+            }
+            println!("endpoint {id}: detached (no device)");
+        }
+        CtlCommand::Attach {
+            ref id,
+            ref device,
+            ref pool,
+        } => {
+            let body = serde_json::json!({ "device": device, "pool": pool });
+            let reply = client.post(&format!("/v1/endpoints/{}/attach", segment(id)?), &body)?;
+            if json {
+                return show(&reply.body);
+            }
+            print_endpoint(&reply.json()?);
         }
         CtlCommand::Drain { ref board } => {
             let reply = client.post(&format!("/v1/boards/{}/drain", segment(board)?), &())?;

@@ -1018,3 +1018,81 @@ fn a_mapped_vram_endpoint_is_refused_a_move_with_a_reason() {
     assert_eq!(snapshot(&d), before);
     assert_eq!(lease_board(&mut d, "vm"), "a");
 }
+
+#[test]
+fn detach_and_attach_hand_a_board_from_one_endpoint_to_another() {
+    let mut d = Daemon::start();
+    d.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    d.ctl_ok(&["create", "vm2", "--pool", "default"]);
+    assert_eq!(lease_board(&mut d, "vm1"), "gpu0");
+    let (e1, e2) = (d.endpoint("vm1"), d.endpoint("vm2"));
+    let mut c1 = connect(&socket_of(&e1));
+    c1.setup_queue(0);
+    let secret = vec![0xa5u8; 4096];
+    c1.vram_write(0, &secret);
+    // A VM uses vm1 and its VMM is unknown: refused, nothing changes.
+    let before = snapshot(&d);
+    let c = d.client();
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/detach", &())),
+        (409, "connected".into())
+    );
+    assert_eq!(snapshot(&d), before);
+    round(&mut c1, 0);
+    // The VM lets go (as after a device_del); now vm1 and vm2 can be detached.
+    drop(c1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.endpoint("vm1")["worker"]["held"].as_u64() > Some(3) {
+        assert!(Instant::now() < deadline, "the connection is still held");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = d.ctl_ok(&["detach", "vm1"]);
+    assert!(out.contains("detached"), "{out}");
+    d.ctl_ok(&["detach", "vm2"]);
+    let vm1 = d.endpoint("vm1");
+    assert_eq!(vm1["worker"]["state"], "no_lease", "{vm1}");
+    assert!(vm1["lease"].is_null(), "{vm1}");
+    assert!(!socket_of(&e1).exists(), "nothing serves vm1's socket");
+    // vm2 takes gpu0, vm1's board: a worker on fresh VRAM (vm1's data is not there).
+    d.ctl_ok(&["attach", "vm2", "--device", "gpu0"]);
+    assert_eq!(lease_board(&mut d, "vm2"), "gpu0");
+    assert_eq!(d.endpoint("vm2")["worker"]["state"], "running");
+    let mut c2 = connect(&socket_of(&e2));
+    let mut got = vec![0u8; 4096];
+    c2.vram_read(0, &mut got);
+    assert!(got.iter().all(|&b| b == 0), "a new tenant gets zeroed VRAM");
+    c2.setup_queue(0);
+    round(&mut c2, 1);
+    // Attach refusals: a leased endpoint; a taken device; an unknown pool.
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm2/attach", &json!({}))).0,
+        409
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/attach", &json!({"device": "gpu0"}))).0,
+        409
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/attach", &json!({"pool": "nope"}))).0,
+        404
+    );
+    assert_eq!(
+        api_status(c.post("/v1/endpoints/vm1/attach", &json!({"board": "gpu1"}))).0,
+        422
+    );
+    // vm1 gets the other board from its pool, and serves again.
+    d.ctl_ok(&["attach", "vm1"]);
+    assert_eq!(lease_board(&mut d, "vm1"), "gpu1");
+    let mut c1 = connect(&socket_of(&e1));
+    c1.setup_queue(0);
+    round(&mut c1, 2);
+    let kinds: Vec<String> = d
+        .events()
+        .iter()
+        .filter_map(|e| e.pointer("/pool/kind/type").and_then(Value::as_str))
+        .map(str::to_owned)
+        .collect();
+    for k in ["detached", "attached"] {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing: {kinds:?}");
+    }
+}

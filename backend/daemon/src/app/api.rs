@@ -13,6 +13,8 @@
 //! | `POST /v1/endpoints/{id}/upgrade` | replace the worker with the executable now on disk |
 //! | `POST /v1/endpoints/{id}/move` | move the endpoint's device to another board under the guest |
 //! | `PUT /v1/endpoints/{id}/vmm`, `DELETE ...` | register (forget) the VMM of an endpoint, for guest-visible moves |
+//! | `POST /v1/endpoints/{id}/detach` | take the endpoint's device away (unplugged through its VMM if a guest uses it); the board is free |
+//! | `POST /v1/endpoints/{id}/attach` | lease a device to a detached endpoint, start its worker (fresh VRAM), plug it into its VMM |
 //! | `POST /v1/boards/{id}/drain` | quarantine the board and move every endpoint off it |
 //! | `GET /events` | pool and worker events, NDJSON ([`super::events`]) |
 //! | `GET /metrics`, `GET /health`, `GET /openapi.json` | |
@@ -25,8 +27,13 @@
 //! the device's id): QMP `device_del` (the guest's driver lets go, QEMU closes the
 //! connection), the worker moves VRAM and state, QMP `device_add` of the same socket (the
 //! guest re-probes; with `vram_reset = "keep"` it finds its VRAM as it left it). Without a
-//! registered VMM such a move is refused (409 `mapped_vram`). Detach and attach are not
-//! offered yet.
+//! registered VMM such a move is refused (409 `mapped_vram`).
+//!
+//! Detach and attach hand a board from one VM to another: `detach` unplugs the device from
+//! the VM (through its VMM; refused while a client is connected and no VMM is registered),
+//! stops the worker and frees the board; `attach` leases a board to a detached endpoint,
+//! starts a worker on fresh VRAM (a new tenant never sees the last one's data) and plugs the
+//! device into the VM if its VMM is registered.
 //!
 //! Errors are `{"error":{"code","message"}}`: pool errors by kind (`not_found` 404,
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
@@ -48,7 +55,7 @@ use switchyard_control::{
 };
 use switchyard_pool::{
     BoardView, DeviceView, Endpoint, EndpointSpec as PoolEndpointSpec, ErrorKind, MovePlan,
-    PoolError, PoolView,
+    Placement, PoolError, PoolView,
 };
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::routes;
@@ -118,6 +125,8 @@ fn api() -> ControlApi<AppState> {
         .routes(routes!(upgrade_endpoint))
         .routes(routes!(move_endpoint))
         .routes(routes!(register_vmm, forget_vmm))
+        .routes(routes!(detach_endpoint))
+        .routes(routes!(attach_endpoint))
         .routes(routes!(drain_board))
 }
 
@@ -494,6 +503,115 @@ impl Daemon {
         Ok(())
     }
 
+    /// Unplugs the endpoint's device from its VM (if one uses it), stops its worker and
+    /// frees its board.
+    fn detach(&self, id: &str) -> Result<EndpointStatus, ApiError> {
+        {
+            let pool = self.pool();
+            let mut dry = pool.inventory().clone();
+            dry.detach(id).map_err(pool_error)?;
+        }
+        if matches!(
+            self.unsupervised().get(id),
+            Some(Unsupervised::Orphaned { .. })
+        ) {
+            return Err(ApiError::conflict(
+                "orphaned",
+                format!("Endpoint \"{id}\" is served by a worker this daemon does not supervise"),
+            ));
+        }
+        self.refuse_while_moving(id)?;
+        let connected = self.supervisor.status(id).is_ok_and(|st| st.connected);
+        if connected {
+            let link = self.vmms().get(id).cloned().ok_or_else(|| {
+                ApiError::conflict(
+                    "connected",
+                    format!(
+                        "A VM uses endpoint \"{id}\": register its VMM (PUT /v1/endpoints/{id}/vmm) so that the device can be unplugged first"
+                    ),
+                )
+            })?;
+            let mut qmp = qmp_of(id, &link)?;
+            qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
+                .map_err(|e| vmm_error(id, &link, "the guest did not release the device", &e))?;
+            self.wait_disconnected(id);
+        }
+        match self.supervisor.delete(id) {
+            Ok(()) | Err(SupervisorError::NotFound(_)) => {}
+            Err(e) => return Err(supervisor_error(e)),
+        }
+        self.records.remove(id);
+        let mut pool = self.pool();
+        let events = pool.detach(id).map_err(pool_error)?;
+        self.events.pool(events);
+        let endpoint = pool
+            .inventory()
+            .endpoint(id)
+            .ok_or_else(|| unknown_endpoint(id))?;
+        Ok(self.endpoint_status(&pool, endpoint))
+    }
+
+    /// Leases a device to a detached endpoint, starts its worker and plugs the device into
+    /// the endpoint's VM if its VMM is registered.
+    fn attach(&self, id: &str, to: &Placement) -> Result<EndpointStatus, ApiError> {
+        let spec = {
+            let pool = self.pool();
+            let mut dry = pool.inventory().clone();
+            dry.attach(id, to).map_err(pool_error)?;
+            let endpoint = dry.endpoint(id).ok_or_else(|| unknown_endpoint(id))?;
+            let device = endpoint
+                .device
+                .as_deref()
+                .and_then(|d| dry.device(d))
+                .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
+            crate::EndpointSpec {
+                id: id.to_owned(),
+                socket: endpoint.socket.clone(),
+                device: device.shape.softgpu_config(),
+            }
+        };
+        self.supervisor.create(spec).map_err(supervisor_error)?;
+        let st = self
+            .supervisor
+            .wait_ready(id, 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        let undo = |e: ApiError| {
+            let _ = self.supervisor.delete(id);
+            self.records.remove(id);
+            e
+        };
+        if st.ready < 1 {
+            return Err(undo(ApiError::internal(format!(
+                "The worker of endpoint \"{id}\" did not start serving (see the daemon's log); nothing was attached"
+            ))));
+        }
+        {
+            let mut pool = self.pool();
+            let events = pool.attach(id, to).map_err(|e| undo(pool_error(e)))?;
+            self.events.pool(events);
+        }
+        self.unsupervised().remove(id);
+        if let Some(link) = self.vmms().get(id).cloned() {
+            let socket = self.status_of(id)?.endpoint.socket;
+            let mut device = switchyard_qemu::VfioUserDevice::new(&link.device_id, &socket);
+            device.bus = link.bus.clone();
+            qmp_of(id, &link)?
+                .device_add(&device)
+                .map_err(|e| vmm_error(id, &link, "the device cannot be plugged in", &e))?;
+        }
+        self.status_of(id)
+    }
+
+    /// Waits (bounded) until the endpoint's client has left.
+    fn wait_disconnected(&self, id: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.supervisor.status(id).is_ok_and(|st| st.connected)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// The endpoint's worker, refused unless it is supervised and serving.
     fn serving(&self, id: &str) -> Result<WorkerStatus, ApiError> {
         let view = {
@@ -647,20 +765,10 @@ impl Daemon {
         plan: &MovePlan,
         link: &VmmLink,
     ) -> Result<(Result<MoveOutcome, SupervisorError>, Duration), ApiError> {
-        use switchyard_qemu::{Qmp, VfioUserDevice};
-        let vmm_error = |what: &str, e: &dyn std::error::Error| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "vmm",
-                format!(
-                    "Endpoint \"{}\": {what} through QMP at {}: {e}",
-                    plan.endpoint,
-                    link.qmp.display()
-                ),
-            )
-        };
-        let mut qmp = Qmp::connect(&link.qmp, Duration::from_secs(10))
-            .map_err(|e| vmm_error("cannot reach the VMM", &e))?;
+        use switchyard_qemu::VfioUserDevice;
+        let vmm_error =
+            |what: &str, e: &dyn std::error::Error| vmm_error(&plan.endpoint, link, what, e);
+        let mut qmp = qmp_of(&plan.endpoint, link)?;
         let socket = self
             .pool()
             .inventory()
@@ -673,15 +781,7 @@ impl Daemon {
         qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
             .map_err(|e| vmm_error("the guest did not release the device", &e))?;
         // QEMU closes the vfio-user connection when it unrealizes the device.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while self
-            .supervisor
-            .status(&plan.endpoint)
-            .is_ok_and(|st| st.connected)
-            && std::time::Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.wait_disconnected(&plan.endpoint);
         let outcome =
             self.supervisor
                 .move_device(&plan.endpoint, &plan.to_board, true, MOVE_TIMEOUT);
@@ -749,6 +849,24 @@ impl Daemon {
             worker: WorkerView::supervised(&st),
         })
     }
+}
+
+/// A QMP connection to an endpoint's VMM.
+fn qmp_of(endpoint: &str, link: &VmmLink) -> Result<switchyard_qemu::Qmp, ApiError> {
+    switchyard_qemu::Qmp::connect(&link.qmp, Duration::from_secs(10))
+        .map_err(|e| vmm_error(endpoint, link, "cannot reach the VMM", &e))
+}
+
+/// A failure of an endpoint's VMM (502).
+fn vmm_error(endpoint: &str, link: &VmmLink, what: &str, e: &dyn std::error::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "vmm",
+        format!(
+            "Endpoint \"{endpoint}\": {what} through QMP at {}: {e}",
+            link.qmp.display()
+        ),
+    )
 }
 
 fn kill(pid: u32) {
@@ -1033,6 +1151,41 @@ async fn forget_vmm(
         }
     })
     .await
+}
+
+/// `POST /v1/endpoints/{id}/detach`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/detach", tag = TAG, operation_id = "detach_endpoint",
+    summary = "Take the endpoint's device away: unplugged from its VM through the registered VMM, worker stopped, board free",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Detached: the endpoint holds no device", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "No device to detach; a VM uses it and no VMM is registered; a move in progress", body = ErrorBody),
+        (status = 502, description = "The VMM failed (the device stays)", body = ErrorBody)))]
+async fn detach_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| d.detach(&id)).await.map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/attach`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/attach", tag = TAG, operation_id = "attach_endpoint",
+    summary = "Lease a device to a detached endpoint (a device, a pool, or its own pool), start its worker on fresh VRAM, plug it into its VM through the registered VMM",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    request_body = Placement,
+    responses(
+        (status = 200, description = "Attached and serving", body = EndpointStatus),
+        (status = 404, description = "No such endpoint, device or pool", body = ErrorBody),
+        (status = 409, description = "The endpoint holds a device; no free device fits", body = ErrorBody),
+        (status = 422, description = "A bad body", body = ErrorBody),
+        (status = 502, description = "The VMM failed to plug the device in (the endpoint is attached)", body = ErrorBody)))]
+async fn attach_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(to): Json<Placement>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| d.attach(&id, &to)).await.map(Json)
 }
 
 /// `POST /v1/boards/{id}/drain`.
