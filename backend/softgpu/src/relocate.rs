@@ -46,8 +46,9 @@ pub struct RelocationStats {
     pub final_copy: Duration,
 }
 
-/// A copy of a running device's VRAM onto another VRAM. See the [module](self)
-/// documentation.
+/// A copy of a running device's VRAM onto another VRAM ([`SoftGpu::begin_relocation`]): the
+/// first round copies every data extent, later rounds the pages the device logged as written
+/// since; the swap to [`SoftGpu::relocated`]'s successor copies the last ones.
 pub struct Relocation {
     source: Arc<Vram>,
     target: Arc<Vram>,
@@ -117,8 +118,7 @@ impl SoftGpu {
 
     /// The successor of a device being relocated: a softgpu of `config` on the relocation's
     /// target VRAM, lent `ctx` (the slot's context), parked until the swap hands it the old
-    /// device's state (which also copies the last changes; see the [module](self)
-    /// documentation).
+    /// device's state (which also copies the pages written since the last round).
     pub fn relocated(
         config: crate::SoftGpuConfig,
         ctx: switchyard_device::DeviceContext,
