@@ -120,11 +120,7 @@ impl ControlClient {
         path: &str,
         body: &B,
     ) -> Result<JsonReply, ControlError> {
-        let body = serde_json::to_vec(body).map_err(ControlError::EncodeBody)?;
-        json_reply(
-            self.request("POST", path, Some(("application/json", &body)))?
-                .into_result()?,
-        )
+        self.send_json("POST", path, body)
     }
 
     /// `PUT path` with `body` as JSON: the JSON body of a 2xx reply, or
@@ -134,9 +130,18 @@ impl ControlClient {
         path: &str,
         body: &B,
     ) -> Result<JsonReply, ControlError> {
+        self.send_json("PUT", path, body)
+    }
+
+    fn send_json<B: Serialize + ?Sized>(
+        &self,
+        method: &str,
+        path: &str,
+        body: &B,
+    ) -> Result<JsonReply, ControlError> {
         let body = serde_json::to_vec(body).map_err(ControlError::EncodeBody)?;
         json_reply(
-            self.request("PUT", path, Some(("application/json", &body)))?
+            self.request(method, path, Some(("application/json", &body)))?
                 .into_result()?,
         )
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::driver::{Driver, guest};
+use common::driver::Driver;
 use common::ours::Ours;
 use serde_json::{Value, json};
 use switchyard_client::{Client, ClientConfig};
@@ -239,23 +239,9 @@ fn connect(socket: &Path) -> Driver<Ours> {
     Driver::new(Ours(client))
 }
 
-/// FILL a VRAM range, COPY it to guest memory, check the bytes.
+/// FILL a VRAM range, COPY it to guest memory, check the bytes (queue 0).
 fn round(d: &mut Driver<Ours>, round: u64) {
-    let off = (round % 32) * 8192;
-    let pattern = (round as u32).wrapping_mul(0x0101_0101) ^ 0x5a5a;
-    d.run(
-        0,
-        &[
-            GpuCommand::fill(Operand::Vram(0x10_0000 + off), 8192, pattern),
-            GpuCommand::copy(Operand::Vram(0x10_0000 + off), guest(0x40_0000 + off), 8192),
-        ],
-    );
-    let mut got = vec![0u8; 8192];
-    d.mem.read(0x40_0000 + off, &mut got);
-    let want: Vec<u8> = std::iter::repeat_n(pattern.to_le_bytes(), 2048)
-        .flatten()
-        .collect();
-    assert!(got == want, "round {round}: result differs");
+    common::workload::fill_copy_round(d, round, 0);
 }
 
 fn socket_of(endpoint: &Value) -> PathBuf {

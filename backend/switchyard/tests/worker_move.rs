@@ -109,21 +109,7 @@ fn twenty_moves_under_a_workload_change_nothing_the_client_sees() {
         // Engines write VRAM (FILL) and the client writes it through BAR2; both are read
         // back through the guest's memory and BAR2.
         for q in 0..2u32 {
-            let off = ((round * 2 + u64::from(q)) % 64) * 8192;
-            let fill = (round as u32).wrapping_mul(0x0101_0101) ^ q;
-            d.run(
-                q,
-                &[
-                    Command::fill(Operand::Vram(0x10_0000 + off), 8192, fill),
-                    Command::copy(Operand::Vram(0x10_0000 + off), guest(0x40_0000 + off), 8192),
-                ],
-            );
-            let mut got = vec![0u8; 8192];
-            d.mem.read(0x40_0000 + off, &mut got);
-            let want: Vec<u8> = std::iter::repeat_n(fill.to_le_bytes(), 2048)
-                .flatten()
-                .collect();
-            assert!(got == want, "round {round} queue {q}: result differs");
+            common::workload::fill_copy_round(&mut d, round, q);
         }
         let off = (round % 32) * 4096;
         let mine = pattern(round, 4096);

@@ -16,7 +16,7 @@ use common::ours::Ours;
 use switchyard_client::{Client, ClientConfig};
 use switchyard_daemon::{EndpointSpec, Supervisor};
 use switchyard_softgpu::SoftGpuConfig;
-use switchyard_softgpu::cmd::{Command, Operand};
+use switchyard_softgpu::cmd::Command;
 use switchyard_softgpu::regs::*;
 
 fn supervisor() -> Supervisor {
@@ -105,21 +105,7 @@ fn a_worker_killed_ten_times_under_a_workload_is_a_stall_not_a_lost_device() {
             "ten restarts take too long"
         );
         for q in 0..2u32 {
-            let off = ((round * 2 + u64::from(q)) % 64) * 8192;
-            let pattern = (round as u32).wrapping_mul(0x0101_0101) ^ q;
-            d.run(
-                q,
-                &[
-                    Command::fill(Operand::Vram(0x10_0000 + off), 8192, pattern),
-                    Command::copy(Operand::Vram(0x10_0000 + off), guest(0x40_0000 + off), 8192),
-                ],
-            );
-            let mut got = vec![0u8; 8192];
-            d.mem.read(0x40_0000 + off, &mut got);
-            let want: Vec<u8> = std::iter::repeat_n(pattern.to_le_bytes(), 2048)
-                .flatten()
-                .collect();
-            assert!(got == want, "round {round} queue {q}: result differs");
+            common::workload::fill_copy_round(&mut d, round, q);
         }
         // Registers the client wrote before the kills are still there.
         assert_eq!(d.r32(SCRATCH), 0xfeed_0001, "round {round}");

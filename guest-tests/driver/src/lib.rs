@@ -284,32 +284,11 @@ fn stamp(opts: &cli::Options, s: &mut summary::StampSummary) -> Result<(), Strin
     Ok(())
 }
 
-/// Binds the softgpu to vfio-pci and opens it: BARs mapped, interrupts wired, reset.
-/// Returns it and its PCI address.
-fn open_gpu(opts: &cli::Options, sizes: &workload::Sizes) -> Result<(gpu::Gpu, String), String> {
+/// Finds the softgpu (checking its class), binds it to vfio-pci and opens it through VFIO.
+/// Returns the device, its IOMMU group and the VFIO handles.
+fn open_vfio(opts: &cli::Options) -> Result<(sysfs::PciDev, u32, vfio::Vfio), String> {
     let sys = sysfs::Sysfs::system();
     let dev = sys.find_softgpu(opts.bdf.as_deref())?;
-    say!("device {dev}");
-    let group = dev
-        .iommu_group
-        .ok_or_else(|| format!("{} has no IOMMU group: boot with a vIOMMU", dev.bdf))?;
-    sys.bind_vfio_pci(&dev.bdf)?;
-    let vfio = vfio::Vfio::open(&sys.device_dir(&dev.bdf), group, Duration::from_secs(5))?;
-    let gpu = gpu::Gpu::open(
-        vfio,
-        &gpu::GpuOptions {
-            dma_window: sizes.dma_window,
-            dma_windows: sizes.dma_windows,
-            timeout: opts.timeout,
-        },
-    )?;
-    Ok((gpu, dev.bdf))
-}
-
-fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> Result<(), String> {
-    let sys = sysfs::Sysfs::system();
-    let dev = sys.find_softgpu(opts.bdf.as_deref())?;
-    sum.bdf = Some(dev.bdf.clone());
     say!("device {dev}");
     if dev.class != regs::PCI_CLASS {
         return Err(format!(
@@ -324,7 +303,6 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
             dev.bdf
         )
     })?;
-    sum.iommu_group = Some(group);
     let (_, how) = sys.bind_vfio_pci(&dev.bdf)?;
     say!("vfio-pci: {how:?}, IOMMU group {group}");
     let vfio = vfio::Vfio::open(&sys.device_dir(&dev.bdf), group, Duration::from_secs(5))?;
@@ -334,17 +312,33 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
         vfio.msix_count(),
         vfio.msi_count()
     );
+    Ok((dev, group, vfio))
+}
+
+/// [`open_vfio`], then the device brought up: BARs mapped, interrupts wired, reset. Returns
+/// it and its PCI address.
+fn open_gpu(opts: &cli::Options, sizes: &workload::Sizes) -> Result<(gpu::Gpu, String), String> {
+    let (dev, _, vfio) = open_vfio(opts)?;
+    let gpu = gpu::Gpu::open(vfio, &gpu_options(opts, sizes))?;
+    Ok((gpu, dev.bdf))
+}
+
+fn gpu_options(opts: &cli::Options, sizes: &workload::Sizes) -> gpu::GpuOptions {
+    gpu::GpuOptions {
+        dma_window: sizes.dma_window,
+        dma_windows: sizes.dma_windows,
+        timeout: opts.timeout,
+    }
+}
+
+fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> Result<(), String> {
+    let (dev, group, vfio) = open_vfio(opts)?;
+    sum.bdf = Some(dev.bdf.clone());
+    sum.iommu_group = Some(group);
     let mode = gpu::detect_irq_mode(&vfio)?;
     sum.irq_mode = Some(mode.name());
     sum.interrupts.per_vector = vec![0; mode.vectors() as usize];
-    let mut gpu = gpu::Gpu::open(
-        vfio,
-        &gpu::GpuOptions {
-            dma_window: sizes.dma_window,
-            dma_windows: sizes.dma_windows,
-            timeout: opts.timeout,
-        },
-    )?;
+    let mut gpu = gpu::Gpu::open(vfio, &gpu_options(opts, &sizes))?;
     sum.queues = gpu.nq;
     sum.vram_bytes = gpu.vram_size;
     sizes.fit_vram(gpu.vram_size);

@@ -33,6 +33,44 @@ fn assert_device_listed(out: &GuestOutput) {
     );
 }
 
+/// Boots a guest (vIOMMU) that runs the in-guest driver's full workload on the
+/// `vfio-user-pci` device at `socket`, and waits for it to power off.
+fn run_driver_guest(
+    env: &GuestEnv,
+    dir: &std::path::Path,
+    socket: &std::path::Path,
+) -> GuestOutput {
+    let mut spec = GuestSpec::new("sygpu-driver");
+    spec.iommu = true;
+    spec.devices = vec![VfioUserDevice::new("gpu0", socket)];
+    Guest::boot(env, dir, &spec)
+        .expect("boot")
+        .wait()
+        .expect("guest finished")
+}
+
+/// The driver's full workload passed in the guest: the device enumerated, the
+/// `SYGPU-SUMMARY` says pass with every job verified (at least 5), the error test and VRAM
+/// mapping checks passed, and the driver exited 0. Returns the summary.
+fn assert_driver_passed(out: &GuestOutput) -> serde_json::Value {
+    assert_device_listed(out);
+    let s = out
+        .json_line("SYGPU-SUMMARY")
+        .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
+    assert_eq!(s["result"], "pass", "{s}");
+    assert_eq!(out.test_rc("sygpu-driver"), Some(0));
+    let run = s["jobs_run"].as_u64().expect("jobs_run");
+    assert!(run >= 5, "{s}");
+    assert_eq!(
+        s["jobs_verified"].as_u64(),
+        Some(run),
+        "every job verified: {s}"
+    );
+    assert_eq!(s["error_test_ok"], true, "{s}");
+    assert_eq!(s["vram_mmap_ok"], true, "{s}");
+    s
+}
+
 /// QEMU's stderr has nothing to say about the device: no "Could not enable error recovery for
 /// the device" (printed when the device offers no ERR interrupt: the VFIO error index with one
 /// eventfd vector), and no failed unmaps (with a vIOMMU QEMU unmaps ranges it never mapped;
@@ -369,30 +407,10 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
                 kills
             })
         };
-        let mut spec = GuestSpec::new("sygpu-driver");
-        spec.iommu = true;
-        spec.devices = vec![VfioUserDevice::new("gpu0", &socket)];
-        let out = Guest::boot(env, dir, &spec)
-            .expect("boot")
-            .wait()
-            .expect("guest finished");
+        let out = run_driver_guest(env, dir, &socket);
         running.store(false, Ordering::SeqCst);
         let kills = killer.join().expect("killer");
-        assert_device_listed(&out);
-        let s = out
-            .json_line("SYGPU-SUMMARY")
-            .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
-        assert_eq!(s["result"], "pass", "{s}");
-        assert_eq!(out.test_rc("sygpu-driver"), Some(0));
-        let run = s["jobs_run"].as_u64().expect("jobs_run");
-        assert!(run >= 5, "{s}");
-        assert_eq!(
-            s["jobs_verified"].as_u64(),
-            Some(run),
-            "every job verified: {s}"
-        );
-        assert_eq!(s["error_test_ok"], true, "{s}");
-        assert_eq!(s["vram_mmap_ok"], true, "{s}");
+        let s = assert_driver_passed(&out);
         let st = sup.status("vm1").expect("status");
         assert!(
             kills >= 3 && st.restarts >= kills,
@@ -571,30 +589,10 @@ fn in_guest_vfio_driver_runs_across_twenty_transparent_moves() {
                 downtimes
             })
         };
-        let mut spec = GuestSpec::new("sygpu-driver");
-        spec.iommu = true;
-        spec.devices = vec![VfioUserDevice::new("gpu0", &socket)];
-        let out = Guest::boot(env, dir, &spec)
-            .expect("boot")
-            .wait()
-            .expect("guest finished");
+        let out = run_driver_guest(env, dir, &socket);
         running.store(false, Ordering::SeqCst);
         let downtimes = mover.join().expect("mover");
-        assert_device_listed(&out);
-        let s = out
-            .json_line("SYGPU-SUMMARY")
-            .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
-        assert_eq!(s["result"], "pass", "{s}");
-        assert_eq!(out.test_rc("sygpu-driver"), Some(0));
-        let run = s["jobs_run"].as_u64().expect("jobs_run");
-        assert!(run >= 5, "{s}");
-        assert_eq!(
-            s["jobs_verified"].as_u64(),
-            Some(run),
-            "every job verified: {s}"
-        );
-        assert_eq!(s["error_test_ok"], true, "{s}");
-        assert_eq!(s["vram_mmap_ok"], true, "{s}");
+        let s = assert_driver_passed(&out);
         assert_eq!(
             downtimes.len(),
             20,
@@ -704,14 +702,7 @@ fn two_guests_run_on_while_the_pool_daemon_is_killed_and_restarted() {
         assert_eq!(r.body["worker"]["state"], "running", "{}", r.body);
         for (gdir, g) in guests {
             let out = g.wait().expect("guest finished");
-            assert_device_listed(&out);
-            let s = out
-                .json_line("SYGPU-SUMMARY")
-                .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
-            assert_eq!(s["result"], "pass", "{s}");
-            let run = s["jobs_run"].as_u64().expect("jobs_run");
-            assert!(run >= 5, "{s}");
-            assert_eq!(s["jobs_verified"].as_u64(), Some(run), "{s}");
+            let s = assert_driver_passed(&out);
             let qemu = std::fs::read_to_string(gdir.join("qemu.log")).expect("QEMU's log");
             assert!(
                 !qemu.contains("server closed socket") && !qemu.contains("hardware error"),

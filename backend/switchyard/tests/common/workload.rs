@@ -254,3 +254,23 @@ pub fn bad_dma_then_recover<T: Transport>(d: &mut Driver<T>) {
     d.run(0, &[Command::fill(guest(0x81_0000), 8, 0xfeedface)]);
     assert_eq!(d.mem.read_u64(0x81_0000), 0xfeedface_feedface);
 }
+
+/// One round of idempotent work on `q`: FILL 8 KiB of VRAM with a pattern of `round` and `q`,
+/// COPY it to guest memory, check the bytes (slots cycle through 64 × 8 KiB).
+pub fn fill_copy_round<T: Transport>(d: &mut Driver<T>, round: u64, q: u32) {
+    let off = ((round * 2 + u64::from(q)) % 64) * 8192;
+    let fill = (round as u32).wrapping_mul(0x0101_0101) ^ q;
+    d.run(
+        q,
+        &[
+            Command::fill(Operand::Vram(0x10_0000 + off), 8192, fill),
+            Command::copy(Operand::Vram(0x10_0000 + off), guest(0x40_0000 + off), 8192),
+        ],
+    );
+    let mut got = vec![0u8; 8192];
+    d.mem.read(0x40_0000 + off, &mut got);
+    let want: Vec<u8> = std::iter::repeat_n(fill.to_le_bytes(), 2048)
+        .flatten()
+        .collect();
+    assert!(got == want, "round {round} queue {q}: result differs");
+}
