@@ -11,6 +11,7 @@
 
 #![forbid(unsafe_code)]
 
+mod api;
 mod cases;
 mod downtime;
 mod floors;
@@ -54,7 +55,7 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal, restart, move.
+    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal, restart, move, api.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The `switchyard` binary whose `switchyard worker` processes the restart case kills
@@ -149,7 +150,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 13] = [
+    let all: [(&str, Case); 14] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -163,6 +164,7 @@ fn main() -> Result<()> {
         ("journal", cases::journal),
         ("restart", restart::restart),
         ("move", moves::moves),
+        ("api", api::api),
     ];
     if let Some(bad) = cli.only.iter().find(|o| !all.iter().any(|(n, _)| n == o)) {
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
