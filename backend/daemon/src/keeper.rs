@@ -23,6 +23,9 @@ use switchyard_server::continuity::Custody;
 
 use crate::custody::{self, ChannelError, MAX_FDS, Note};
 
+/// How long an adoption connection may take to send its request.
+const ADOPT_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The adoption socket of worker `pid` in `dir`.
 pub fn adoption_path(dir: &Path, pid: u32) -> PathBuf {
     dir.join(format!("w{pid}.sock"))
@@ -224,9 +227,27 @@ impl Keeper {
                             continue;
                         }
                     }
+                    // A peer that connects and sends nothing must not hold adoptions up.
+                    if let Err(e) = rustix::net::sockopt::set_socket_timeout(
+                        &conn,
+                        rustix::net::sockopt::Timeout::Recv,
+                        Some(ADOPT_REQUEST_TIMEOUT),
+                    ) {
+                        tracing::warn!(error = %e, "cannot bound the adoption request's wait");
+                        continue;
+                    }
                     let mut buf = Vec::new();
                     match custody::recv(&conn, &mut buf) {
                         Ok((Note::Adopt { endpoint }, _)) => {
+                            // The connection becomes the custody channel: no timeout there.
+                            if let Err(e) = rustix::net::sockopt::set_socket_timeout(
+                                &conn,
+                                rustix::net::sockopt::Timeout::Recv,
+                                None,
+                            ) {
+                                tracing::warn!(error = %e, "cannot clear the adoption timeout");
+                                continue;
+                            }
                             if let Err(e) = keeper.adopt(conn, &endpoint) {
                                 tracing::warn!(error = %e, "adoption failed");
                             }
@@ -315,5 +336,63 @@ mod tests {
         let mut buf = Vec::new();
         let (note, _) = custody::recv(&sup4, &mut buf).expect("the new channel carries notes");
         assert_eq!(note, Note::Release { ids: vec![12] });
+    }
+
+    #[test]
+    fn a_silent_connection_does_not_hold_an_adoption_up() {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = adoption_path(dir.path(), 1);
+        let (sup1, worker1) = custody::pair().expect("pair");
+        let keeper = Arc::new(Keeper::new("ep", worker1, &BTreeMap::new()).expect("keeper"));
+        keeper
+            .serve_adoptions(path.clone())
+            .expect("adoption socket");
+        drop(sup1);
+        keeper.lost(1);
+        let connect = || {
+            let s = rustix::net::socket_with(
+                AddressFamily::UNIX,
+                SocketType::SEQPACKET,
+                SocketFlags::CLOEXEC,
+                None,
+            )
+            .expect("socket");
+            rustix::net::connect(&s, &SocketAddrUnix::new(&path).expect("addr")).expect("connect");
+            s
+        };
+        let _silent = connect();
+        let adopter = connect();
+        let t0 = std::time::Instant::now();
+        custody::send(
+            &adopter,
+            &Note::Adopt {
+                endpoint: "ep".into(),
+            },
+            &[],
+        )
+        .expect("send");
+        let (_, last) = adopted_ledger(&adopter);
+        assert!(matches!(last, Note::Adopted { .. }), "{last:?}");
+        assert!(
+            t0.elapsed() < ADOPT_REQUEST_TIMEOUT * 2,
+            "{:?}",
+            t0.elapsed()
+        );
+        // The adopted channel has no timeout: a read on it (the worker's request thread)
+        // waits for a quiet supervisor as long as it takes.
+        let (_, channel) = keeper.channel();
+        let reader = std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            custody::recv(&*channel, &mut buf).map(|(note, _)| note)
+        });
+        std::thread::sleep(ADOPT_REQUEST_TIMEOUT + std::time::Duration::from_millis(500));
+        let mv = Note::Move {
+            to: "b".into(),
+            detached: false,
+        };
+        custody::send(&adopter, &mv, &[]).expect("send");
+        let got = reader.join().expect("reader");
+        assert_eq!(got.ok(), Some(mv));
     }
 }
