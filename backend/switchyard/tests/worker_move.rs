@@ -12,44 +12,12 @@ use std::time::{Duration, Instant};
 
 use common::driver::{Driver, guest};
 use common::ours::Ours;
-use switchyard_client::{Client, ClientConfig};
-use switchyard_daemon::{EndpointSpec, MoveOutcome, Supervisor, SupervisorError};
-use switchyard_softgpu::SoftGpuConfig;
+use common::supervised::{connect, endpoint};
+use switchyard_daemon::{MoveOutcome, Supervisor, SupervisorError};
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
 
 const VRAM: u64 = 16 << 20;
-
-fn endpoint(sup: &Supervisor, dir: &std::path::Path, id: &str, mmap: bool) -> std::path::PathBuf {
-    let socket = dir.join(format!("{id}.sock"));
-    sup.create(EndpointSpec {
-        id: id.into(),
-        socket: socket.clone(),
-        device: SoftGpuConfig {
-            vram_size: VRAM,
-            queues: 2,
-            vram_mmap: mmap,
-            ..SoftGpuConfig::default()
-        },
-    })
-    .expect("create endpoint");
-    let st = sup
-        .wait_ready(id, 1, Duration::from_secs(20))
-        .expect("status");
-    assert_eq!(st.ready, 1, "the first worker reports ready: {st:?}");
-    socket
-}
-
-fn connect(socket: &std::path::Path) -> Client {
-    Client::connect_with(
-        socket,
-        ClientConfig {
-            timeout: Some(Duration::from_secs(5)),
-            ..ClientConfig::default()
-        },
-    )
-    .expect("connect")
-}
 
 /// A pattern no two offsets share.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {

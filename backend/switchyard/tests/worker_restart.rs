@@ -13,46 +13,10 @@ use std::time::{Duration, Instant};
 
 use common::driver::{Driver, guest};
 use common::ours::Ours;
-use switchyard_client::{Client, ClientConfig};
-use switchyard_daemon::{EndpointSpec, Supervisor};
-use switchyard_softgpu::SoftGpuConfig;
+use common::supervised::{connect, endpoint, supervisor};
+use switchyard_daemon::Supervisor;
 use switchyard_softgpu::cmd::Command;
 use switchyard_softgpu::regs::*;
-
-fn supervisor() -> Supervisor {
-    Supervisor::new(env!("CARGO_BIN_EXE_switchyard"))
-}
-
-fn endpoint(sup: &Supervisor, dir: &std::path::Path, id: &str) -> std::path::PathBuf {
-    let socket = dir.join(format!("{id}.sock"));
-    sup.create(EndpointSpec {
-        id: id.into(),
-        socket: socket.clone(),
-        device: SoftGpuConfig {
-            vram_size: 16 << 20,
-            queues: 2,
-            ..SoftGpuConfig::default()
-        },
-    })
-    .expect("create endpoint");
-    let st = sup
-        .wait_ready(id, 1, Duration::from_secs(20))
-        .expect("status");
-    assert_eq!(st.ready, 1, "the first worker reports ready: {st:?}");
-    socket
-}
-
-/// A client whose requests wait long enough for a replacement worker (QEMU waits 5 s).
-fn connect(socket: &std::path::Path) -> Client {
-    Client::connect_with(
-        socket,
-        ClientConfig {
-            timeout: Some(Duration::from_secs(5)),
-            ..ClientConfig::default()
-        },
-    )
-    .expect("connect")
-}
 
 /// Kills the endpoint's worker every `every` while `running`; returns how many it killed.
 /// Holds the supervisor weakly: if the test fails, dropping the test's reference stops the
@@ -88,7 +52,7 @@ fn killer(
 fn a_worker_killed_ten_times_under_a_workload_is_a_stall_not_a_lost_device() {
     let dir = tempfile::tempdir().expect("tempdir");
     let sup = Arc::new(supervisor());
-    let socket = endpoint(&sup, dir.path(), "ep");
+    let socket = endpoint(&sup, dir.path(), "ep", true);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.setup_queue(0);
     d.setup_queue(1);
@@ -138,7 +102,7 @@ fn an_in_place_command_cut_by_a_kill_runs_once_or_reports_interrupted() {
     const Y: u64 = 0xc0_0000;
     let dir = tempfile::tempdir().expect("tempdir");
     let sup = Arc::new(supervisor());
-    let socket = endpoint(&sup, dir.path(), "ep");
+    let socket = endpoint(&sup, dir.path(), "ep", true);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.setup_queue(0);
     let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
@@ -198,8 +162,8 @@ fn an_in_place_command_cut_by_a_kill_runs_once_or_reports_interrupted() {
 fn another_endpoint_keeps_running_while_one_worker_is_killed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let sup = Arc::new(supervisor());
-    let a = endpoint(&sup, dir.path(), "a");
-    let b = endpoint(&sup, dir.path(), "b");
+    let a = endpoint(&sup, dir.path(), "a", true);
+    let b = endpoint(&sup, dir.path(), "b", true);
     let mut da = Driver::new(Ours(connect(&a)));
     let mut db = Driver::new(Ours(connect(&b)));
     da.setup_queue(0);

@@ -6,6 +6,7 @@
 pub mod driver;
 pub mod ours;
 pub mod raw;
+pub mod supervised;
 pub mod workload;
 
 use std::fs::File;

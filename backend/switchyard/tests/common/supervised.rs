@@ -1,0 +1,48 @@
+//! Endpoints served by real `switchyard worker` processes under a `Supervisor` in the test
+//! process (no daemon), and the client a VMM would be.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use switchyard_client::{Client, ClientConfig};
+use switchyard_daemon::{EndpointSpec, Supervisor};
+use switchyard_softgpu::SoftGpuConfig;
+
+/// A supervisor that starts this build's `switchyard worker`.
+pub fn supervisor() -> Supervisor {
+    Supervisor::new(env!("CARGO_BIN_EXE_switchyard"))
+}
+
+/// Endpoint `id` (socket `<dir>/<id>.sock`) serving a 16 MiB, 2-queue softgpu with VRAM
+/// mappable or not; returns once its first worker serves.
+pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> PathBuf {
+    let socket = dir.join(format!("{id}.sock"));
+    sup.create(EndpointSpec {
+        id: id.into(),
+        socket: socket.clone(),
+        device: SoftGpuConfig {
+            vram_size: 16 << 20,
+            queues: 2,
+            vram_mmap,
+            ..SoftGpuConfig::default()
+        },
+    })
+    .expect("create endpoint");
+    let st = sup
+        .wait_ready(id, 1, Duration::from_secs(20))
+        .expect("status");
+    assert_eq!(st.ready, 1, "the first worker reports ready: {st:?}");
+    socket
+}
+
+/// A client whose requests wait long enough for a replacement worker (QEMU waits 5 s).
+pub fn connect(socket: &Path) -> Client {
+    Client::connect_with(
+        socket,
+        ClientConfig {
+            timeout: Some(Duration::from_secs(5)),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("connect")
+}
