@@ -361,7 +361,8 @@ fn relocate(
 /// Moves the softgpu in `slot` onto `target` (a new VRAM memfd of `config`'s size, zeroed and
 /// sealed: [`SoftGpu::create_vram`]) under its client, the sequence a worker runs for a
 /// [`Note::Move`]: pre-copy rounds while the device runs until one copies at most 256 KiB
-/// or 12 rounds ran, the successor built on `target` (parked), the engines parked (the
+/// or 12 rounds ran, the successor built on `target` (parked), one more round for what was
+/// written while it was built, the engines parked (the
 /// commands running finish), then [`DeviceSlot::swap`], which copies the pages written since
 /// the last round and hands the state over. Downtime: from the engines parked to the swap
 /// done. `_moving` is the slot's move guard ([`DeviceSlot::begin_move`]), held by the caller
@@ -396,8 +397,11 @@ pub fn move_device_in_slot(
             break;
         }
     }
+    let mut next = SoftGpu::relocated(config, slot.context().clone(), relocation)?;
+    // Building the successor (its engine threads) takes a while: catch up on what was written
+    // meanwhile, so that the stop copies only what the parking lets through.
+    next.relocation_round()?;
     let precopy = t0.elapsed();
-    let next = SoftGpu::relocated(config, slot.context().clone(), relocation)?;
     let quiesce = slot.prepare_swap()?.quiesce;
     let t_park = Instant::now();
     let parked = quiesce.park();

@@ -145,7 +145,17 @@ impl SoftGpu {
         Ok(gpu)
     }
 
-    /// What the relocation that brought this device onto its VRAM copied, once the swap
+    /// One more pre-copy round of the relocation this parked successor will finish (`0`
+    /// if it has none): run it after building the successor, so that what was written
+    /// meanwhile is not left to the stop.
+    pub fn relocation_round(&mut self) -> Result<u64, SoftGpuError> {
+        match &mut self.incoming {
+            Some(incoming) => incoming.relocation.round(),
+            None => Ok(0),
+        }
+    }
+
+        /// What the relocation that brought this device onto its VRAM copied, once the swap
     /// completed it (`None` for a device that was not relocated).
     pub fn relocation_stats(&self) -> Option<RelocationStats> {
         self.relocated
