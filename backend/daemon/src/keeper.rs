@@ -314,8 +314,11 @@ mod tests {
         keeper.adopt(worker2, "ep").expect("answered");
         assert!(matches!(adopted_ledger(&sup2).1, Note::AdoptRefused { .. }));
         // The first supervisor goes; while none is attached, changes stay in the ledger.
+        // (As the worker's request thread does when the channel reads closed. Not detected
+        // here by a failed send: a process another test forks meanwhile may hold a copy of
+        // `sup1` until it execs, keeping the channel open.)
         drop(sup1);
-        keeper.notify(&Note::Ready { resumed: false });
+        keeper.lost(1);
         assert!(!keeper.supervised());
         let d = memfd();
         keeper.hold(&[12], &[d.as_fd()]).expect("hold unsupervised");
