@@ -155,7 +155,7 @@ impl SoftGpu {
         }
     }
 
-        /// What the relocation that brought this device onto its VRAM copied, once the swap
+    /// What the relocation that brought this device onto its VRAM copied, once the swap
     /// completed it (`None` for a device that was not relocated).
     pub fn relocation_stats(&self) -> Option<RelocationStats> {
         self.relocated
