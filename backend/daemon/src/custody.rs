@@ -133,6 +133,12 @@ pub enum Note {
         /// Why (an error chain).
         error: String,
     },
+    /// A migration stream of the device opened or closed (worker → supervisor): while one
+    /// is open (PRE_COPY, STOP_COPY, RESUMING), restarts and upgrades are refused.
+    Migration {
+        /// A stream is open.
+        streaming: bool,
+    },
     /// What the worker served since its last report (worker → supervisor, every second
     /// while it serves; for the daemon's metrics).
     Stats(WorkerStats),

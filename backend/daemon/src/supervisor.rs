@@ -99,6 +99,8 @@ pub struct WorkerStatus {
     pub connected: bool,
     /// The supervisor gave up restarting (a crash loop); the client was disconnected.
     pub failed: bool,
+    /// The client has a migration stream of the device open: restarts and upgrades wait.
+    pub migrating: bool,
 }
 
 #[derive(Debug, Default)]
@@ -732,6 +734,8 @@ fn run_worker(
     }
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
     end_move_on_death(ep);
+    // A restart abandons a migration (its replacement starts RUNNING).
+    ep.status().migrating = false;
     let status = child.wait()?;
     if let Some(dir) = adopt_dir {
         let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
@@ -794,6 +798,10 @@ fn serve_notes(
                     held.insert(id, fd);
                 }
             }),
+            Ok((Note::Migration { streaming }, _)) => {
+                ep.status().migrating = streaming;
+                ep.changed.notify_all();
+            }
             Ok((Note::Stats(stats), _)) => sink(WorkerEvent::Stats {
                 endpoint: ep.spec.id.clone(),
                 stats,

@@ -137,6 +137,7 @@ pub fn run(
             server.set_continuity(Arc::new(continuity));
             spawn_control(&keeper, server.device_slot(), gpu)?;
             spawn_stats(&keeper, &server)?;
+            report_migrations(&keeper, &server);
             keeper.notify(&Note::Ready { resumed: false });
             tracing::info!(socket = %start.socket.display(), "worker serving (fresh device)");
             server.run()?;
@@ -185,6 +186,7 @@ pub fn run(
             drop(vram_held);
             spawn_control(&keeper, server.device_slot(), gpu)?;
             spawn_stats(&keeper, &server)?;
+            report_migrations(&keeper, &server);
             keeper.notify(&Note::Ready {
                 resumed: connection.is_some(),
             });
@@ -267,6 +269,21 @@ fn spawn_control(
             }
         })?;
     Ok(())
+}
+
+/// Tells the supervisor when a migration stream opens or closes ([`Note::Migration`]).
+fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
+    use switchyard_proto::MigState;
+    let keeper = keeper.clone();
+    server
+        .device_slot()
+        .set_migration_hook(Arc::new(move |state: MigState| {
+            let streaming = matches!(
+                state,
+                MigState::PreCopy | MigState::StopCopy | MigState::Resuming
+            );
+            keeper.notify(&Note::Migration { streaming });
+        }));
 }
 
 /// How often a worker reports what it served.

@@ -665,10 +665,17 @@ impl Dispatcher {
                 tracing::info!("device reset");
                 if slot.mig != MigState::Running {
                     // A reset ends any migration (and is the way out of ERROR).
+                    let before = slot.mig;
                     if let Some(m) = dev.migration() {
                         m.abort();
                     }
                     slot.mig = MigState::Running;
+                    // (Fields, not `Slot::mig_changed`: `dev` borrows the device.)
+                    if let Some(hook) = &slot.mig_hook
+                        && before != MigState::Running
+                    {
+                        hook(slot.mig);
+                    }
                 }
                 dev.reset()?;
                 reply_empty(&mut self.out, id, Reply::DeviceReset)?;
@@ -864,7 +871,10 @@ fn device_feature(
                     errno: libc::EBUSY,
                 });
             }
-            migration::transition(&mut *slot.device, &mut slot.mig, target)?;
+            let before = slot.mig;
+            let moved = migration::transition(&mut *slot.device, &mut slot.mig, target);
+            slot.mig_changed(before);
+            moved?;
             reply(
                 out,
                 FeatureReply::SetMigDeviceState(MigDeviceState {

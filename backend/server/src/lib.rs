@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
-pub use slot::{DeviceSlot, MoveGuard, SwapError, SwapPlan, SwapReport};
+pub use slot::{DeviceSlot, MigrationHook, MoveGuard, SwapError, SwapPlan, SwapReport};
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
 use switchyard_proto::{MigState, ProtoError, ServerLimits};
 
@@ -163,6 +163,19 @@ pub(crate) struct Slot {
     pub(crate) moving: bool,
     /// A client is connected (from its first request to `client_gone`).
     pub(crate) connected: bool,
+    /// Told every change of `mig` ([`DeviceSlot::set_migration_hook`]).
+    pub(crate) mig_hook: Option<slot::MigrationHook>,
+}
+
+impl Slot {
+    /// Tells the hook if `mig` is no longer `before`.
+    pub(crate) fn mig_changed(&self, before: MigState) {
+        if self.mig != before
+            && let Some(hook) = &self.mig_hook
+        {
+            hook(self.mig);
+        }
+    }
 }
 
 impl Server {
@@ -243,6 +256,7 @@ impl Server {
                     mig: MigState::Running,
                     moving: false,
                     connected: false,
+                    mig_hook: None,
                 })),
                 ctx,
             ),
@@ -461,11 +475,13 @@ impl Server {
         {
             let mut slot = self.slot.lock();
             if slot.mig != MigState::Running {
+                let before = slot.mig;
                 tracing::info!(state = ?slot.mig, "client gone during migration; abandoned");
                 if let Some(m) = slot.device.migration() {
                     m.abort();
                 }
                 slot.mig = MigState::Running;
+                slot.mig_changed(before);
             }
             slot.device.client_disconnected();
             slot.connected = false;

@@ -80,6 +80,10 @@ impl std::fmt::Debug for SwapPlan {
     }
 }
 
+/// Told the device's migration state (`MIG_DEVICE_STATE`) each time it changes, under the
+/// slot's lock (keep it short).
+pub type MigrationHook = Arc<dyn Fn(MigState) + Send + Sync>;
+
 /// A shared handle on the server's device.
 #[derive(Clone)]
 pub struct DeviceSlot {
@@ -128,6 +132,12 @@ impl DeviceSlot {
                 successor: s.successor(),
             })
         })
+    }
+
+    /// Has `hook` told every change of the device's migration state (a pool worker tells its
+    /// supervisor, which refuses restarts and upgrades while a migration stream is open).
+    pub fn set_migration_hook(&self, hook: MigrationHook) {
+        self.lock().mig_hook = Some(hook);
     }
 
     /// Starts a move of the device to another backing (a pool's move to another board: the
@@ -366,6 +376,7 @@ mod tests {
             mig: MigState::Running,
             moving: false,
             connected: false,
+            mig_hook: None,
         };
         DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx)
     }

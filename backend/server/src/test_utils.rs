@@ -142,6 +142,7 @@ pub(crate) fn slot_with(device: Box<dyn PciDevice>, max_maps: usize) -> DeviceSl
             mig: MigState::Running,
             moving: false,
             connected: false,
+            mig_hook: None,
         })),
         ctx,
     )

@@ -1082,3 +1082,54 @@ fn detach_and_attach_hand_a_board_from_one_endpoint_to_another() {
         assert!(kinds.iter().any(|x| x == k), "{k} missing: {kinds:?}");
     }
 }
+
+#[test]
+fn restarts_upgrades_and_moves_wait_while_the_vmm_migrates_the_device() {
+    use switchyard_proto::MigState;
+    let mut d = Daemon::start_with_config(THREE_TRAPPED_BOARDS);
+    d.ctl_ok(&["create", "vm1", "--pool", "trapped"]);
+    let e1 = d.endpoint("vm1");
+    let mut c1 = connect(&socket_of(&e1));
+    c1.setup_queue(0);
+    round(&mut c1, 0);
+    let pid = e1["worker"]["pid"].clone();
+    // The VMM opens a migration stream (PRE_COPY): the worker tells its supervisor.
+    c1.t.0
+        .set_mig_state(MigState::PreCopy as u32)
+        .expect("PRE_COPY");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.endpoint("vm1")["worker"]["migrating"] != true {
+        assert!(Instant::now() < deadline, "the migration is not reported");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let c = d.client();
+    let before = snapshot(&d);
+    for (what, r) in [
+        ("restart", c.post("/v1/endpoints/vm1/restart", &())),
+        ("upgrade", c.post("/v1/endpoints/vm1/upgrade", &())),
+        (
+            "move",
+            c.post("/v1/endpoints/vm1/move", &json!({ "to": "gpu1" })),
+        ),
+        ("drain", c.post("/v1/boards/gpu0/drain", &())),
+    ] {
+        assert_eq!(api_status(r), (409, "migrating".into()), "{what}");
+    }
+    assert_eq!(snapshot(&d), before, "refusals changed something");
+    assert_eq!(d.endpoint("vm1")["worker"]["pid"], pid, "never restarted");
+    // The migration is over (back to RUNNING): everything goes again.
+    c1.t.0
+        .set_mig_state(MigState::Running as u32)
+        .expect("RUNNING");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.endpoint("vm1")["worker"]["migrating"] != false {
+        assert!(
+            Instant::now() < deadline,
+            "the end of the migration is not reported"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    d.ctl_ok(&["move", "vm1", "--to", "gpu1"]);
+    d.ctl_ok(&["restart", "vm1"]);
+    round(&mut c1, 1);
+}

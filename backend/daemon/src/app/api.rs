@@ -177,6 +177,8 @@ pub struct WorkerView {
     pub held: usize,
     /// The supervisor gave up restarting it.
     pub failed: bool,
+    /// Its VMM has a migration stream open (restarts, upgrades and moves wait).
+    pub migrating: bool,
     /// Why the endpoint is not supervised, when it is not.
     pub detail: Option<String>,
 }
@@ -200,6 +202,7 @@ impl WorkerView {
             last_restart_ms: st.last_restart.map(ms),
             held: st.held,
             failed: st.failed,
+            migrating: st.migrating,
             detail: None,
         }
     }
@@ -213,6 +216,7 @@ impl WorkerView {
             last_restart_ms: None,
             held: 0,
             failed: false,
+            migrating: false,
             detail: Some(detail),
         }
     }
@@ -638,6 +642,18 @@ impl Daemon {
         self.supervisor.status(id).map_err(supervisor_error)
     }
 
+    fn refuse_while_migrating(&self, id: &str) -> Result<(), ApiError> {
+        if self.supervisor.status(id).is_ok_and(|st| st.migrating) {
+            return Err(ApiError::conflict(
+                "migrating",
+                format!(
+                    "Endpoint \"{id}\" is being migrated (its VMM has a migration stream open); try again when the migration is over"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn refuse_while_moving(&self, id: &str) -> Result<(), ApiError> {
         if self.supervisor.is_moving(id).unwrap_or(false) {
             return Err(ApiError::conflict(
@@ -677,6 +693,7 @@ impl Daemon {
     fn move_endpoint(&self, id: &str, to: &str) -> Result<MoveResult, ApiError> {
         self.serving(id)?;
         self.refuse_while_moving(id)?;
+        self.refuse_while_migrating(id)?;
         let plan = {
             let mut pool = self.pool();
             let checked = pool.inventory().check_move(id, to).map_err(pool_error)?;
@@ -802,9 +819,8 @@ impl Daemon {
             let mut pool = self.pool();
             for plan in pool.plan_drain(board).map_err(pool_error)? {
                 self.check_movable(&plan)?;
-                if self.supervisor.is_moving(&plan.endpoint).unwrap_or(false) {
-                    self.refuse_while_moving(&plan.endpoint)?;
-                }
+                self.refuse_while_moving(&plan.endpoint)?;
+                self.refuse_while_migrating(&plan.endpoint)?;
             }
             let (plans, events) = pool.drain(board).map_err(pool_error)?;
             self.events.pool(events);
@@ -829,6 +845,7 @@ impl Daemon {
 
     fn replace(&self, id: &str, upgrade: bool) -> Result<WorkerReplaced, ApiError> {
         self.refuse_while_moving(id)?;
+        self.refuse_while_migrating(id)?;
         let before = self.serving(id)?;
         let replaced_pid = before
             .pid
@@ -1051,7 +1068,7 @@ async fn delete_endpoint(
     responses(
         (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
         (status = 404, description = "No such endpoint", body = ErrorBody),
-        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned)", body = ErrorBody)))]
+        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned), or a move or a migration is in progress", body = ErrorBody)))]
 async fn restart_endpoint(
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -1066,7 +1083,7 @@ async fn restart_endpoint(
     responses(
         (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
         (status = 404, description = "No such endpoint", body = ErrorBody),
-        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned)", body = ErrorBody)))]
+        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned), or a move or a migration is in progress", body = ErrorBody)))]
 async fn upgrade_endpoint(
     State(s): State<AppState>,
     Path(id): Path<String>,
