@@ -9,35 +9,18 @@ rounds=${2:-2}
 vid=0x${id%:*}
 did=0x${id#*:}
 
-find_dev() {
-  for d in /sys/bus/pci/devices/*; do
-    [ -r "$d/vendor" ] || continue
-    if [ "$(cat "$d/vendor")" = "$vid" ] && [ "$(cat "$d/device")" = "$did" ]; then
-      echo "${d##*/}"
-      return 0
-    fi
-  done
-  return 1
-}
+. /tests/pci-lib.sh
 
 i=1
 while [ "$i" -le "$rounds" ]; do
   echo "HOTPLUG: waiting round=$i"
-  t=0
-  until bdf=$(find_dev); do
-    sleep 0.2; t=$((t + 1))
-    [ $t -gt 1500 ] && { echo "HOTPLUG: timeout waiting for the device round=$i"; exit 1; }
-  done
+  wait_dev "HOTPLUG: round=$i"
   echo "HOTPLUG: present round=$i bdf=$bdf"
   sygpu-driver --quick --bdf "$bdf"
   rc=$?
   echo "HOTPLUG: run round=$i rc=$rc"
   [ "$rc" = 0 ] || exit "$rc"
-  t=0
-  while find_dev >/dev/null; do
-    sleep 0.2; t=$((t + 1))
-    [ $t -gt 1500 ] && { echo "HOTPLUG: timeout waiting for removal round=$i"; exit 1; }
-  done
+  wait_gone "HOTPLUG: round=$i"
   echo "HOTPLUG: gone round=$i"
   i=$((i + 1))
 done

@@ -10,39 +10,18 @@ seed=${2:-1}
 vid=0x${id%:*}
 did=0x${id#*:}
 
-find_dev() {
-  for d in /sys/bus/pci/devices/*; do
-    [ -r "$d/vendor" ] || continue
-    if [ "$(cat "$d/vendor")" = "$vid" ] && [ "$(cat "$d/device")" = "$did" ]; then
-      echo "${d##*/}"
-      return 0
-    fi
-  done
-  return 1
-}
-
-wait_present() {
-  t=0
-  until bdf=$(find_dev); do
-    sleep 0.2; t=$((t + 1))
-    [ $t -gt 1500 ] && { echo "REPLUG: timeout waiting for the device"; exit 1; }
-  done
-}
+. /tests/pci-lib.sh
 
 echo "REPLUG: waiting"
-wait_present
+wait_dev REPLUG
 echo "REPLUG: present bdf=$bdf"
 sygpu-driver --bdf "$bdf" --stamp "$seed"
 rc=$?
 echo "REPLUG: stamped rc=$rc"
 [ "$rc" = 0 ] || exit "$rc"
-t=0
-while find_dev >/dev/null; do
-  sleep 0.2; t=$((t + 1))
-  [ $t -gt 1500 ] && { echo "REPLUG: timeout waiting for the removal"; exit 1; }
-done
+wait_gone REPLUG
 echo "REPLUG: gone"
-wait_present
+wait_dev REPLUG
 echo "REPLUG: back bdf=$bdf"
 sygpu-driver --bdf "$bdf" --check-stamp "$seed"
 rc=$?

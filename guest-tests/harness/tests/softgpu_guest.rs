@@ -49,6 +49,33 @@ fn run_driver_guest(
         .expect("guest finished")
 }
 
+/// Boots a guest (vIOMMU, one empty PCIe root port, a QMP socket) running the guest script
+/// `test` with `args`, for devices the host hot-plugs; returns it and its QMP socket.
+fn boot_for_hotplug(
+    env: &GuestEnv,
+    dir: &std::path::Path,
+    test: &str,
+    args: &[&str],
+) -> (Guest, std::path::PathBuf) {
+    let mut spec = GuestSpec::new(test);
+    spec.args = args.iter().map(|a| (*a).to_owned()).collect();
+    spec.iommu = true;
+    spec.root_ports = 1;
+    spec.qmp = true;
+    spec.timeout = Duration::from_secs(400);
+    let guest = Guest::boot(env, dir, &spec).expect("boot");
+    let qmp = guest.qmp.clone().expect("qmp socket");
+    (guest, qmp)
+}
+
+/// A QMP client of a booting guest (waits for QEMU's socket).
+fn qmp_client(path: &std::path::Path) -> Qmp {
+    switchyard_guest_tests::wait_until(Duration::from_secs(30), "QMP", || {
+        Qmp::connect(path, Duration::from_secs(30)).ok()
+    })
+    .expect("qmp")
+}
+
 /// The driver's full workload passed in the guest: the device enumerated, the
 /// `SYGPU-SUMMARY` says pass with every job verified (at least 5), the error test and VRAM
 /// mapping checks passed, and the driver exited 0. Returns the summary.
@@ -295,18 +322,8 @@ fn pcie_hotplug_add_run_remove_add_run() {
         // MSI, not MSI-X: QEMU 11.1's vfio-user-pci aborts on device_del of a device with MSI-X
         // (it tears down the PBA region after QOM already has; see README).
         let server = Server::start(env, dir, "softgpu,irq=msi").expect("server");
-        let mut spec = GuestSpec::new("hotplug");
-        spec.args = vec!["1234:5347".into(), "2".into()];
-        spec.iommu = true;
-        spec.root_ports = 1;
-        spec.qmp = true;
-        spec.timeout = Duration::from_secs(400);
-        let mut guest = Guest::boot(env, dir, &spec).expect("boot");
-        let qmp_path = guest.qmp.clone().expect("qmp socket");
-        let mut qmp = switchyard_guest_tests::wait_until(Duration::from_secs(30), "QMP", || {
-            Qmp::connect(&qmp_path, Duration::from_secs(30)).ok()
-        })
-        .expect("qmp");
+        let (mut guest, qmp_path) = boot_for_hotplug(env, dir, "hotplug", &["1234:5347", "2"]);
+        let mut qmp = qmp_client(&qmp_path);
         let dev = VfioUserDevice::new("gpu0", &server.socket).bus(root_port_id(1));
         for round in 1..=2 {
             // Complete lines only: QEMU may not have written a line's end (e.g. the digits
@@ -735,21 +752,10 @@ fn guest_visible_move_of_a_mapped_vram_device_keeps_its_vram() {
              [[pools]]\nname = \"mapped\"\nboards = [\"gpu0\", \"gpu1\"]\n",
         );
         let socket = daemon.create("vm1", "mapped");
-        let mut spec = GuestSpec::new("replug");
-        spec.args = vec!["1234:5347".into(), "7".into()];
-        spec.iommu = true;
-        spec.root_ports = 1;
-        spec.qmp = true;
-        spec.timeout = Duration::from_secs(400);
-        let mut guest = Guest::boot(env, dir, &spec).expect("boot");
-        let qmp_path = guest.qmp.clone().expect("qmp socket");
+        let (mut guest, qmp_path) = boot_for_hotplug(env, dir, "replug", &["1234:5347", "7"]);
         let bus = root_port_id(1);
         {
-            let mut qmp =
-                switchyard_guest_tests::wait_until(Duration::from_secs(30), "QMP", || {
-                    Qmp::connect(&qmp_path, Duration::from_secs(30)).ok()
-                })
-                .expect("qmp");
+            let mut qmp = qmp_client(&qmp_path);
             assert_eq!(
                 guest.wait_for_line("REPLUG: waiting").expect("guest waits"),
                 "REPLUG: waiting"

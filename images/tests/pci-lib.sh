@@ -1,0 +1,32 @@
+#!/bin/sh
+# pci-lib.sh — sourced by the hot-plug guest scripts (not a test of its own).
+# find_dev: prints the address of the first PCI device with $vid/$did (0x-prefixed, as in
+# sysfs); fails when there is none.
+find_dev() {
+  for d in /sys/bus/pci/devices/*; do
+    [ -r "$d/vendor" ] || continue
+    if [ "$(cat "$d/vendor")" = "$vid" ] && [ "$(cat "$d/device")" = "$did" ]; then
+      echo "${d##*/}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# wait_dev PREFIX: waits (up to 5 min) until find_dev succeeds; sets $bdf.
+wait_dev() {
+  t=0
+  until bdf=$(find_dev); do
+    sleep 0.2; t=$((t + 1))
+    [ $t -gt 1500 ] && { echo "$1: timeout waiting for the device"; exit 1; }
+  done
+}
+
+# wait_gone PREFIX: waits (up to 5 min) until find_dev fails.
+wait_gone() {
+  t=0
+  while find_dev >/dev/null; do
+    sleep 0.2; t=$((t + 1))
+    [ $t -gt 1500 ] && { echo "$1: timeout waiting for the removal"; exit 1; }
+  done
+}
