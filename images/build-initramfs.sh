@@ -1,10 +1,13 @@
 #!/bin/bash
 # images/build-initramfs.sh — build the guest initramfs from the setup cache (see images/README.md).
 #
-# Usage: images/build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME]
+# Usage: images/build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME] [--nested] [--strip]
 #   --add FILE[:DEST]  put FILE into the image at DEST (default /usr/bin/<basename of FILE>);
 #                      a DEST ending in / is a directory. Repeatable. Use static binaries.
 #   --init-test NAME   default test when the kernel command line has no sy.test=
+#   --strip            strip the symbols of every ELF program --add puts in /usr/bin or /usr/sbin
+#   --nested           an L1 image that plays a host: the KVM modules (/lib/modules/nested/, loaded
+#                      by /tests/nested.sh) and cloud-hypervisor + ch-remote (/usr/bin) from the cache
 # Environment:
 #   SWITCHYARD_CACHE   cache filled by scripts/setup.sh (default <repo>/.cache/vmtools)
 #   SOURCE_DATE_EPOCH  mtime of every file in the archive (default 0)
@@ -23,18 +26,22 @@ EPOCH=${SOURCE_DATE_EPOCH:-0}
 OUT=""
 ADDS=()
 INIT_TEST=""
+NESTED=0
+STRIP=0
 while [ $# -gt 0 ]; do
   case $1 in
     --add) [ $# -ge 2 ] || die "--add needs FILE[:DEST]"; ADDS+=("$2"); shift 2 ;;
     --add=*) ADDS+=("${1#--add=}"); shift ;;
     --init-test) [ $# -ge 2 ] || die "--init-test needs NAME"; INIT_TEST=$2; shift 2 ;;
     --init-test=*) INIT_TEST=${1#--init-test=}; shift ;;
+    --nested) NESTED=1; shift ;;
+    --strip) STRIP=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option '$1'" ;;
     *) [ -z "$OUT" ] || die "more than one output file given ('$OUT', '$1')"; OUT=$1; shift ;;
   esac
 done
-[ -n "$OUT" ] || die "usage: build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME]"
+[ -n "$OUT" ] || die "usage: build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME] [--nested] [--strip]"
 case $INIT_TEST in *[!A-Za-z0-9._-]*) die "--init-test '$INIT_TEST': use letters, digits, . _ -" ;; esac
 for f in busybox modules/load-order; do
   [ -e "$CACHE/$f" ] || die "$CACHE/$f missing: run scripts/setup.sh first"
@@ -62,6 +69,18 @@ while read -r m; do
 done < "$CACHE/modules/load-order"
 install -m 644 "$CACHE/modules/load-order" "$R/lib/modules/load-order"
 
+# An L1 that hosts L2 guests: KVM modules (not loaded by /init) and cloud-hypervisor.
+if [ $NESTED = 1 ]; then
+  [ -s "$CACHE/modules/nested-order" ] && [ -x "$CACHE/ch/cloud-hypervisor" ] ||
+    die "$CACHE has no nested-order or ch/cloud-hypervisor: run scripts/setup.sh"
+  mkdir -p "$R/lib/modules/nested"
+  while read -r m; do
+    install -m 644 "$CACHE/modules/$m.ko" "$R/lib/modules/nested/$m.ko"
+  done < "$CACHE/modules/nested-order"
+  install -m 644 "$CACHE/modules/nested-order" "$R/lib/modules/nested/nested-order"
+  install -m 755 "$CACHE/ch/cloud-hypervisor" "$CACHE/ch/ch-remote" "$R/usr/bin/"
+fi
+
 # Guest helpers and built-in tests shipped with the image.
 install -m 755 "$HERE/guest/sy-lspci" "$R/usr/bin/sy-lspci"
 for t in "$HERE"/tests/*.sh; do
@@ -82,6 +101,11 @@ for a in "${ADDS[@]}"; do
   mkdir -p "$R$(dirname "$dest")"
   if [ -x "$src" ]; then mode=755; else mode=644; fi
   install -m $mode "$src" "$R$dest"
+  if [ $STRIP = 1 ] && case $dest in /usr/bin/*|/usr/sbin/*) true ;; *) false ;; esac &&
+     [ "$(head -c 4 "$src" | od -An -tx1 | tr -d ' ')" = 7f454c46 ]; then
+    command -v strip >/dev/null || die "--strip: no strip (binutils) on this machine"
+    strip "$R$dest" || die "--strip: cannot strip $src"
+  fi
 done
 
 # Reproducible archive.

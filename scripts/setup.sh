@@ -8,6 +8,9 @@
 #   vmlinux            Debian trixie 6.12 guest kernel as a PVH-bootable ELF (for -kernel under TCG)
 #   modules/*.ko       decompressed VFIO modules (+ igb and its deps when the flavour has igb)
 #   modules/load-order module names in dependency order (insmod order)
+#   modules/nested-order the KVM modules (ccp, kvm, kvm_amd) an L1 guest loads to be a host,
+#                      in insmod order (their .ko files are in modules/ too)
+#   ch/                cloud-hypervisor and ch-remote (static v54), copied from SWITCHYARD_CH_DIR
 #   busybox            busybox-static from trixie
 #   stamp              recipe + exact package versions; a matching stamp makes a re-run a no-op
 #
@@ -24,9 +27,12 @@
 #   SWITCHYARD_KERNEL_VERSION  exact linux-image-$KFLAVOR (meta package) version (default: trixie candidate)
 #   SWITCHYARD_BUSYBOX_VERSION exact busybox-static version (default: trixie candidate)
 #   DEBIAN_MIRROR              Debian mirror URI (default: the first Debian URI in /etc/apt sources)
+#   SWITCHYARD_CH_DIR          directory with static cloud-hypervisor v54 + ch-remote (default: the
+#                              first of <repo>/../shared/tools/cloud-hypervisor and
+#                              /work/shared/tools/cloud-hypervisor that exists); no registry ships them
 set -euo pipefail
 
-RECIPE=1                       # bump when the cache layout or contents change
+RECIPE=2                       # bump when the cache layout or contents change
 QEMU_MIN=1:10.1                # first upstream release with vfio-user-pci
 HOST_TOOLS="cpio:cpio zstd:zstd xz:xz-utils gzip:gzip dpkg-deb:dpkg apt-get:apt"
 
@@ -98,11 +104,36 @@ print_versions() {
   echo "  kernel          $(stamp_get kernel_pkg) $(stamp_get kernel_version)  (uname -r $(stamp_get kernel_release))"
   echo "  busybox-static  $(stamp_get busybox_version)"
   echo "  guest modules   $(tr '\n' ' ' < "$CACHE/modules/load-order" 2>/dev/null)"
+  echo "  nested modules  $(tr '\n' ' ' < "$CACHE/modules/nested-order" 2>/dev/null)"
+  echo "  cloud-hypervisor ${CH_BANNER:-?} (+ ch-remote) in $CACHE/ch"
   echo "  mirror          $(stamp_get mirror) (trixie, trixie-backports)"
 }
 outputs_ok() {
   [ -x "$CACHE/qemu" ] && [ -s "$CACHE/vmlinux" ] && [ -x "$CACHE/busybox" ] &&
-    [ -s "$CACHE/modules/load-order" ] && [ -d "$CACHE/prefix/usr/bin" ]
+    [ -s "$CACHE/modules/load-order" ] && [ -s "$CACHE/modules/nested-order" ] &&
+    [ -d "$CACHE/prefix/usr/bin" ]
+}
+# cloud-hypervisor: not in any package registry we reach, so it comes as static binaries from a
+# tools directory; copied into the cache (checked on every run, cheap) so tests use one path.
+CH_VERSION_WANT="cloud-hypervisor v54."
+install_ch() {
+  local src=${SWITCHYARD_CH_DIR:-} d
+  if [ -z "$src" ]; then
+    for d in "$REPO/../shared/tools/cloud-hypervisor" /work/shared/tools/cloud-hypervisor; do
+      [ -x "$d/cloud-hypervisor" ] && { src=$d; break; }
+    done
+  fi
+  [ -n "$src" ] && [ -x "$src/cloud-hypervisor" ] && [ -x "$src/ch-remote" ] ||
+    die "cloud-hypervisor v54 + ch-remote not found (looked in \${SWITCHYARD_CH_DIR:-<repo>/../shared/tools/cloud-hypervisor, /work/shared/tools/cloud-hypervisor}); set SWITCHYARD_CH_DIR"
+  mkdir -p "$CACHE/ch"
+  for f in cloud-hypervisor ch-remote; do
+    cmp -s "$src/$f" "$CACHE/ch/$f" 2>/dev/null || install -m 755 "$src/$f" "$CACHE/ch/$f"
+  done
+  for f in "$src"/*.txt; do [ -e "$f" ] && install -m 644 "$f" "$CACHE/ch/"; done
+  local v
+  v=$("$CACHE/ch/cloud-hypervisor" --version 2>&1 | head -1)
+  case $v in "$CH_VERSION_WANT"*) ;; *) die "$src/cloud-hypervisor says '$v', want $CH_VERSION_WANT*" ;; esac
+  CH_BANNER=$v
 }
 want_ok() {  # pins requested through the environment match the stamp
   [ -z "${SWITCHYARD_QEMU_VERSION:-}" ] || [ "$SWITCHYARD_QEMU_VERSION" = "$(stamp_get qemu_version)" ] || return 1
@@ -111,6 +142,7 @@ want_ok() {  # pins requested through the environment match the stamp
 }
 if [ $REFRESH = 0 ] && [ -f "$STAMP" ] && [ "$(stamp_get recipe)" = $RECIPE ] &&
    [ "$(stamp_get kflavor)" = "$KFLAVOR" ] && outputs_ok && want_ok; then
+  install_ch
   log "up to date"
   print_versions
   exit 0
@@ -285,6 +317,11 @@ add_mod() {  # depth-first: dependencies (from .modinfo "depends=") first
 for m in $REQUIRED; do add_mod "$m" || die "$KPKG has no module $m"; done
 for m in $OPTIONAL; do add_mod "$m" || log "note: $KPKG has no $m module (flavour $KFLAVOR)"; done
 printf '%s\n' "${ORDER[@]}" > "$NEW/modules/load-order"
+# KVM for an L1 guest that hosts L2 guests (nested SVM under TCG, `-cpu EPYC`): loaded only by
+# the nested scenarios, after load-order (irqbypass is already there).
+ORDER=()
+add_mod kvm_amd || die "$KPKG has no module kvm_amd"
+printf '%s\n' "${ORDER[@]}" > "$NEW/modules/nested-order"
 rm -rf "$NEW/kernel"
 
 QEMU_BANNER=$("$NEW/qemu" --version | head -1)
@@ -309,6 +346,7 @@ kernel_release=$KRELEASE
 busybox_version=$BUSYBOX_VERSION
 EOF
 
+install_ch
 cleanup
 log "verified: $("$CACHE/qemu" -device help 2>&1 | grep '"vfio-user-pci"')"
 log "done in $(( $(date +%s) - T0 )) s; pinned versions:"

@@ -156,6 +156,7 @@ pub struct QemuCommand {
     binary: PathBuf,
     memory_mib: u64,
     smp: u32,
+    cpu: Option<String>,
     serial: Serial,
     kernel: Option<PathBuf>,
     initrd: Option<PathBuf>,
@@ -176,6 +177,7 @@ impl QemuCommand {
             binary: binary.into(),
             memory_mib: 512,
             smp: 1,
+            cpu: None,
             serial: Serial::None,
             kernel: None,
             initrd: None,
@@ -204,6 +206,14 @@ impl QemuCommand {
     #[must_use]
     pub fn smp(mut self, cpus: u32) -> Self {
         self.smp = cpus;
+        self
+    }
+
+    /// The CPU model (`-cpu`; QEMU's default when unset). `EPYC` gives the guest SVM with
+    /// nested paging under TCG, so it can load kvm_amd and run guests of its own.
+    #[must_use]
+    pub fn cpu(mut self, model: impl Into<String>) -> Self {
+        self.cpu = Some(model.into());
         self
     }
 
@@ -316,6 +326,10 @@ impl QemuCommand {
         push(&format!("{}M", self.memory_mib));
         push("-smp");
         push(&self.smp.to_string());
+        if let Some(cpu) = &self.cpu {
+            push("-cpu");
+            push(cpu);
+        }
         push("-nodefaults");
         push("-display");
         push("none");
@@ -455,6 +469,7 @@ mod tests {
         let cmd = QemuCommand::new("/cache/vmtools/qemu")
             .memory_mib(1024)
             .smp(2)
+            .cpu("EPYC")
             .serial(Serial::File("/tmp/serial.log".into()))
             .kernel("/cache/vmtools/vmlinux")
             .initrd("/cache/vmtools/initramfs-base.cpio.gz")
@@ -479,6 +494,8 @@ mod tests {
                 "1024M",
                 "-smp",
                 "2",
+                "-cpu",
+                "EPYC",
                 "-nodefaults",
                 "-display",
                 "none",
