@@ -43,10 +43,12 @@ fi
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
-step "static in-guest driver"
+step "static guest binaries (in-guest driver; switchyard and sy-nested for the nested L1 host)"
 RUSTFLAGS="-C target-feature=+crt-static" \
-  cargo build --release --locked -p sygpu-driver --target x86_64-unknown-linux-gnu
+  cargo build --release --locked -p sygpu-driver -p switchyard -p sy-nested --target x86_64-unknown-linux-gnu
 export SYGPU_DRIVER=$PWD/target/x86_64-unknown-linux-gnu/release/sygpu-driver
+export SWITCHYARD_STATIC_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/switchyard
+export SY_NESTED_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/sy-nested
 
 step "unit, property and integration tests"
 cargo build --locked -p switchyard

@@ -163,38 +163,101 @@ impl GuestEnv {
         static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
         BUILT
             .get_or_init(|| {
-                let out = self.work.join("initramfs.cpio.gz");
-                let tmp = self
-                    .work
-                    .join(format!(".initramfs.cpio.gz.{}.tmp", std::process::id()));
-                let built = Command::new(self.repo.join("images/build-initramfs.sh"))
-                    .arg(&tmp)
-                    .arg("--add")
-                    .arg(&self.driver)
-                    .env("SWITCHYARD_CACHE", &self.cache)
-                    .stdout(Stdio::null())
-                    .status()
-                    .map_err(|e| format!("images/build-initramfs.sh: {e}"))
-                    .and_then(|status| {
-                        if status.success() {
-                            Ok(())
-                        } else {
-                            Err(format!("images/build-initramfs.sh exited with {status}"))
-                        }
-                    })
-                    .and_then(|()| {
-                        fs::rename(&tmp, &out).map_err(|e| {
-                            format!("rename {} to {}: {e}", tmp.display(), out.display())
-                        })
-                    });
-                if let Err(e) = built {
-                    let _ = fs::remove_file(&tmp);
-                    return Err(e);
-                }
-                Ok(out)
+                let add = vec!["--add".into(), self.driver.clone().into_os_string()];
+                self.build_image("initramfs.cpio.gz", &add)
             })
             .clone()
             .map_err(HarnessError::Initramfs)
+    }
+
+    /// The L1 image of the nested tests, `target/guest-tests/initramfs-l1.cpio.gz`: a guest
+    /// that plays the host (`build-initramfs.sh --nested`: KVM modules, cloud-hypervisor,
+    /// ch-remote) with a static `switchyard`, `sy-nested`, the kernel and [`initramfs`]
+    /// (the L2 image, with the driver) under `/l2/`. Built once per test process.
+    ///
+    /// [`initramfs`]: GuestEnv::initramfs
+    pub fn nested_initramfs(&self) -> Result<PathBuf> {
+        static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+        let l2 = self.initramfs()?;
+        let bins = self.nested_binaries()?;
+        BUILT
+            .get_or_init(|| {
+                let mut add: Vec<std::ffi::OsString> = vec!["--nested".into(), "--strip".into()];
+                let mut put = |from: &Path, to: &str| {
+                    let mut a = from.as_os_str().to_owned();
+                    a.push(":");
+                    a.push(to);
+                    add.push("--add".into());
+                    add.push(a);
+                };
+                put(&bins.switchyard, "/usr/bin/switchyard");
+                put(&bins.sy_nested, "/usr/bin/sy-nested");
+                put(&self.driver, "/usr/bin/sygpu-driver");
+                put(&self.vmlinux, "/l2/vmlinux");
+                put(&l2, "/l2/initramfs.cpio.gz");
+                self.build_image("initramfs-l1.cpio.gz", &add)
+            })
+            .clone()
+            .map_err(HarnessError::Initramfs)
+    }
+
+    /// The static binaries an L1 image needs: `switchyard` (`SWITCHYARD_STATIC_BIN`) and
+    /// `sy-nested` (`SY_NESTED_BIN`), by default from the static release build.
+    pub fn nested_binaries(&self) -> Result<NestedBinaries> {
+        let static_dir = self.repo.join("target/x86_64-unknown-linux-gnu/release");
+        let pick = |var: &str, name: &str| {
+            std::env::var_os(var)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| static_dir.join(name))
+        };
+        const HINT: &str = "build them with `RUSTFLAGS=\"-C target-feature=+crt-static\" cargo \
+             build --release -p switchyard -p sy-nested --target x86_64-unknown-linux-gnu` \
+             (scripts/test.sh does)";
+        Ok(NestedBinaries {
+            switchyard: must_exist(
+                "static switchyard",
+                pick("SWITCHYARD_STATIC_BIN", "switchyard"),
+                HINT,
+            )?,
+            sy_nested: must_exist("static sy-nested", pick("SY_NESTED_BIN", "sy-nested"), HINT)?,
+        })
+    }
+
+    /// Runs `images/build-initramfs.sh` into `work/NAME`: built under a name of this process
+    /// and renamed into place, so processes building it at the same time never see a partial
+    /// archive, and a failed build leaves nothing behind.
+    fn build_image(
+        &self,
+        name: &str,
+        args: &[std::ffi::OsString],
+    ) -> std::result::Result<PathBuf, String> {
+        let out = self.work.join(name);
+        let tmp = self
+            .work
+            .join(format!(".{name}.{}.tmp", std::process::id()));
+        let built = Command::new(self.repo.join("images/build-initramfs.sh"))
+            .arg(&tmp)
+            .args(args)
+            .env("SWITCHYARD_CACHE", &self.cache)
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|e| format!("images/build-initramfs.sh: {e}"))
+            .and_then(|status| {
+                if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!("images/build-initramfs.sh exited with {status}"))
+                }
+            })
+            .and_then(|()| {
+                fs::rename(&tmp, &out)
+                    .map_err(|e| format!("rename {} to {}: {e}", tmp.display(), out.display()))
+            });
+        if let Err(e) = built {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        Ok(out)
     }
 
     /// A log directory for `test`, emptied.
@@ -350,6 +413,15 @@ impl Drop for Server {
     }
 }
 
+/// Static binaries for an L1 image ([`GuestEnv::nested_binaries`]).
+#[derive(Debug, Clone)]
+pub struct NestedBinaries {
+    /// `switchyard`, linked statically.
+    pub switchyard: PathBuf,
+    /// `sy-nested` (guest-tests/nested), linked statically.
+    pub sy_nested: PathBuf,
+}
+
 /// How to boot a guest.
 #[derive(Debug, Clone)]
 pub struct GuestSpec {
@@ -367,6 +439,12 @@ pub struct GuestSpec {
     pub qmp: bool,
     /// Guest RAM in MiB.
     pub memory_mib: u64,
+    /// vCPUs.
+    pub smp: u32,
+    /// CPU model (`-cpu`), QEMU's default when `None`.
+    pub cpu: Option<String>,
+    /// The initramfs, [`GuestEnv::initramfs`] when `None`.
+    pub initramfs: Option<PathBuf>,
     /// Overall timeout.
     pub timeout: Duration,
 }
@@ -382,8 +460,25 @@ impl GuestSpec {
             root_ports: 0,
             qmp: false,
             memory_mib: 512,
+            smp: 1,
+            cpu: None,
+            initramfs: None,
             timeout: Duration::from_secs(240),
         }
+    }
+
+    /// An L1 guest that plays the host ([`GuestEnv::nested_initramfs`]): runs
+    /// `/tests/nested.sh` with `args` (the `sy-nested` scenarios), `-cpu EPYC` (SVM with nested
+    /// paging under TCG), 2 vCPUs, 3 GiB, 15 minutes.
+    pub fn nested(env: &GuestEnv, args: &[&str]) -> Result<GuestSpec> {
+        let mut s = GuestSpec::new("nested");
+        s.args = args.iter().map(|a| (*a).to_owned()).collect();
+        s.cpu = Some("EPYC".into());
+        s.smp = 2;
+        s.memory_mib = 3072;
+        s.initramfs = Some(env.nested_initramfs()?);
+        s.timeout = Duration::from_secs(900);
+        Ok(s)
     }
 }
 
@@ -444,7 +539,10 @@ impl Guest {
                 )));
             }
         }
-        let initrd = env.initramfs()?;
+        let initrd = match &spec.initramfs {
+            Some(p) => p.clone(),
+            None => env.initramfs()?,
+        };
         let serial = dir.join("serial.log");
         let qemu_log = dir.join("qemu.log");
         let mut append = String::from("console=ttyS0 panic=-1 quiet");
@@ -458,12 +556,16 @@ impl Guest {
         let qmp = spec.qmp.then(|| dir.join("qmp.sock"));
         let mut q = QemuCommand::new(&env.qemu)
             .memory_mib(spec.memory_mib)
+            .smp(spec.smp)
             .serial(Serial::File(serial.clone()))
             .kernel(&env.vmlinux)
             .initrd(initrd)
             .append(append)
             .intel_iommu(spec.iommu)
             .root_ports(spec.root_ports);
+        if let Some(cpu) = &spec.cpu {
+            q = q.cpu(cpu);
+        }
         for d in &spec.devices {
             q = q.vfio_user_device(d.clone());
         }

@@ -1,0 +1,103 @@
+//! Nested tests: a TCG guest (L1, `-cpu EPYC`) plays the host. It loads KVM (nested SVM with
+//! nested paging under TCG), runs a static `switchyard serve` and the real cloud-hypervisor v54,
+//! and boots L2 guests under KVM that use the softgpu through `--user-device`. `sy-nested`
+//! (guest-tests/nested) drives L1; these tests read what it printed on L1's console.
+//!
+//! One L1 boot runs several scenarios (an L1 session costs ~10 s before any L2 runs).
+//! `#[ignore]`d like every booting test; `scripts/test.sh` runs them with `--include-ignored`.
+
+use serde_json::Value;
+use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, dump_logs};
+
+fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
+    let env = GuestEnv::for_test();
+    let dir = env.log_dir(name).expect("log dir");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
+    if let Err(p) = r {
+        dump_logs(&dir);
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// Every `NESTED-RESULT {json}` line L1 printed, by scenario.
+fn results(out: &GuestOutput) -> Vec<Value> {
+    out.serial
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("NESTED-RESULT "))
+        .map(|j| serde_json::from_str(j).expect("NESTED-RESULT JSON"))
+        .collect()
+}
+
+fn result<'a>(all: &'a [Value], scenario: &str, serial: &str) -> &'a Value {
+    all.iter()
+        .find(|v| v["scenario"] == scenario)
+        .unwrap_or_else(|| panic!("no NESTED-RESULT for {scenario}:\n{serial}"))
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
+    with_logs("nested_cloud_hypervisor", |env, dir| {
+        let spec =
+            GuestSpec::nested(env, &["ch-viommu", "ch-workload", "ch-hotplug"]).expect("L1 image");
+        let out = Guest::boot(env, dir, &spec)
+            .expect("boot L1")
+            .wait()
+            .expect("L1 finished");
+        let serial = &out.serial;
+        assert!(
+            serial.lines().any(|l| l.starts_with("NESTED: kvm ready")),
+            "L1 has no KVM:\n{serial}"
+        );
+        let all = results(&out);
+
+        // cloud-hypervisor will not put a vfio-user device behind its virtio-iommu, which is
+        // why L2 drives the device without an IOMMU below. If this ever changes, L2 can use
+        // VFIO like the QEMU guests do.
+        let v = result(&all, "ch-viommu", serial);
+        assert_eq!(v["refused"], true, "{v}");
+        assert!(
+            v["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("not placed behind IOMMU")),
+            "{v}"
+        );
+
+        // A boot-time --user-device: L2 enumerates the softgpu and the driver runs its
+        // workload on it without an IOMMU.
+        let w = result(&all, "ch-workload", serial);
+        assert_eq!(w["ok"], true, "{w}");
+        assert_eq!(w["device_listed_in_l2"], true, "{w}");
+        assert_eq!(w["driver_rc"], 0, "{w}");
+        assert_eq!(w["ch_exit"], 0, "cloud-hypervisor exits cleanly: {w}");
+        assert_eq!(w["server_alive_after_vm"], true, "{w}");
+        let s = &w["driver_summary"];
+        assert_eq!(s["result"], "pass", "{s}");
+        assert_eq!(s["iommu"], "none", "{s}");
+        let run = s["jobs_run"].as_u64().expect("jobs_run");
+        assert!(run >= 5, "{s}");
+        assert_eq!(s["jobs_verified"].as_u64(), Some(run), "{s}");
+        assert_eq!(s["vram_mmap_ok"], true, "VRAM through the mapped BAR: {s}");
+        assert_eq!(s["error_test_ok"], true, "bad DMA address: {s}");
+
+        // Hot-add and removal through our REST client, twice: L2 sees the device come and go,
+        // the driver runs on each plug, nothing dies.
+        let h = result(&all, "ch-hotplug", serial);
+        assert_eq!(h["ok"], true, "{h}");
+        let rounds = h["rounds"].as_array().expect("rounds");
+        assert_eq!(rounds.len(), 2, "{h}");
+        for r in rounds {
+            assert_eq!(r["driver_rc"], 0, "{r}");
+            assert!(
+                r["bdf"].as_str().is_some_and(|b| b.starts_with("0000:00:")),
+                "{r}"
+            );
+        }
+        assert!(
+            h["ch_version"].as_str().is_some_and(|v| v.contains("54.")),
+            "{h}"
+        );
+        assert_eq!(h["server_alive_after_vm"], true, "{h}");
+        assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
+    });
+}

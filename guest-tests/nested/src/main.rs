@@ -1,0 +1,349 @@
+//! `sy-nested`: the L1 half of the nested guest tests.
+//!
+//! It runs inside a TCG guest (L1, `-cpu EPYC`, KVM modules loaded by
+//! `images/tests/nested.sh`) that plays the host: it starts `switchyard serve` and the real
+//! cloud-hypervisor, boots L2 guests under KVM and drives them through cloud-hypervisor's REST
+//! API (`switchyard-ch`). The L0 test (`guest-tests/harness/tests/nested_guest.rs`) reads what it
+//! prints on L1's console.
+//!
+//! ```text
+//! sy-nested [--driver-mode noiommu|probe] [--l2-verbose] SCENARIO...
+//!   ch-workload  the softgpu as a boot-time --user-device; L2 runs the in-guest driver on it
+//!   ch-hotplug   add-user-device / remove-device through the REST API, twice; L2 runs the
+//!                driver on each plug and sees each removal; the server and cloud-hypervisor
+//!                survive every removal
+//!   ch-viommu    what cloud-hypervisor does with a user device on an IOMMU segment (refuses)
+//! ```
+//!
+//! Output: `NESTED: ...` progress lines, `L2[vm]: ...` for every line of an L2 serial console,
+//! and one `NESTED-RESULT {json}` line per scenario (`"ok"`, timings, what L2 reported). Exit
+//! code 0 only if every scenario passed.
+//!
+//! Why the L2 driver runs without an IOMMU: cloud-hypervisor refuses to put a vfio-user device
+//! behind its virtio-iommu ("Device does not support being placed behind IOMMU"; upstream chose
+//! not to pursue it, cloud-hypervisor#3024), and the Debian guest kernel has no VFIO no-IOMMU
+//! mode, so L2 drives the device from user space through sysfs (`sygpu-driver --noiommu`:
+//! BAR mmaps of `resourceN`, DMA into hugepages at their physical addresses, completions
+//! polled).
+
+#![forbid(unsafe_code)]
+
+mod procs;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use switchyard_ch::{ChApi, UserDeviceConfig};
+
+use procs::{Server, Vm, VmSpec, tail};
+
+const SWITCHYARD: &str = "/usr/bin/switchyard";
+const CLOUD_HYPERVISOR: &str = "/usr/bin/cloud-hypervisor";
+const L2_KERNEL: &str = "/l2/vmlinux";
+const L2_INITRAMFS: &str = "/l2/initramfs.cpio.gz";
+const WORK: &str = "/tmp/nested";
+/// The softgpu every scenario serves (defaults: 64 MiB VRAM offered for mmap, MSI-X).
+const DEVICE: &str = "softgpu";
+/// L2's command line before the test keys. Hugepages back the no-IOMMU driver's DMA memory.
+/// `sy.nomodules`: L2 needs no VFIO modules (there is no IOMMU for them to use).
+const L2_CMDLINE: &str = "console=ttyS0 panic=-1 quiet sy.nomodules hugepages=16";
+/// Guest RAM of an L2.
+const L2_MEMORY_MIB: u64 = 512;
+/// Boot + workload of one L2 (TCG-speed CPU in L2, ~0.4 ms per trapped access).
+const L2_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How L2 runs the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DriverMode {
+    /// The full workload without IOMMU (`--noiommu`).
+    NoIommu,
+    /// Enumeration and a BAR0 read only (`--probe`).
+    Probe,
+}
+
+impl DriverMode {
+    fn args(self) -> &'static [&'static str] {
+        match self {
+            DriverMode::NoIommu => &["--noiommu"],
+            DriverMode::Probe => &["--probe"],
+        }
+    }
+
+    /// The driver's last line: its JSON report.
+    fn summary_prefix(self) -> &'static str {
+        match self {
+            DriverMode::NoIommu => "SYGPU-SUMMARY ",
+            DriverMode::Probe => "SYGPU-PROBE ",
+        }
+    }
+}
+
+/// Set by `--l2-verbose`: L2 boots without `quiet` (kernel messages with timestamps).
+static L2_VERBOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn l2_cmdline(test: &str, args: &[&str]) -> String {
+    let mut c = format!("{L2_CMDLINE} sy.test={test}");
+    if L2_VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
+        c = c.replace(" quiet", "");
+    }
+    for a in args {
+        c.push_str(" sy.arg=");
+        c.push_str(a);
+    }
+    c
+}
+
+fn l2_spec(name: &str, cmdline: String) -> VmSpec<'_> {
+    VmSpec {
+        name,
+        binary: Path::new(CLOUD_HYPERVISOR),
+        kernel: Path::new(L2_KERNEL),
+        initramfs: Path::new(L2_INITRAMFS),
+        cmdline,
+        memory_mib: L2_MEMORY_MIB,
+        user_devices: vec![],
+        api_socket: None,
+        extra_args: vec![],
+    }
+}
+
+fn json_after(line: &str, prefix: &str) -> Result<Value> {
+    let j = line
+        .strip_prefix(prefix)
+        .with_context(|| format!("`{line}` does not start with `{prefix}`"))?;
+    serde_json::from_str(j.trim()).with_context(|| format!("bad JSON after `{prefix}`"))
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// The softgpu as a boot-time `--user-device`; L2 runs the driver on it and powers off.
+fn ch_workload(dir: &Path, mode: DriverMode) -> Result<Value> {
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "gpu-boot", DEVICE)?;
+    let mut args = vec![];
+    args.extend_from_slice(mode.args());
+    let mut spec = l2_spec("boot", l2_cmdline("sygpu-driver", &args));
+    spec.user_devices = vec![UserDeviceConfig::new(&server.socket).id("gpu0")];
+    let mut vm = Vm::start(dir, spec)?;
+    let booted = vm.wait_line("GUEST: boot", L2_TIMEOUT)?;
+    let boot_s = vm.started.elapsed().as_secs_f64();
+    let rc_line = vm.wait_line("GUEST: test sygpu-driver rc=", L2_TIMEOUT)?;
+    let listed = vm
+        .lines()
+        .iter()
+        .any(|l| l.starts_with("GUEST: pci ") && l.contains("vendor=0x1234 device=0x5347"));
+    let rc: i32 = rc_line
+        .rsplit('=')
+        .next()
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("bad rc line `{rc_line}`"))?;
+    let summary = match vm.find_line(mode.summary_prefix()) {
+        Some(l) => json_after(&l, mode.summary_prefix())?,
+        None => Value::Null,
+    };
+    let status = vm.wait_exit(Duration::from_secs(60))?;
+    let total_s = vm.started.elapsed().as_secs_f64();
+    let server_alive = server.alive();
+    let log = server.log_text();
+    let server_status = server.stop();
+    let ok = rc == 0 && status.success() && server_alive && listed && !summary.is_null();
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
+        println!(
+            "NESTED: cloud-hypervisor log tail:\n{}",
+            tail(&vm.log, 3000)
+        );
+    }
+    Ok(json!({
+        "ok": ok,
+        "boot_line": booted,
+        "device_listed_in_l2": listed,
+        "l2_boot_s": boot_s,
+        "l2_total_s": total_s,
+        "driver_rc": rc,
+        "driver_summary": summary,
+        "ch_exit": status.code(),
+        "server_alive_after_vm": server_alive,
+        "server_exit": server_status.and_then(|s| s.code()),
+    }))
+}
+
+/// Hot-add and removal through the REST API, `rounds` times.
+fn ch_hotplug(dir: &Path, mode: DriverMode, rounds: u32) -> Result<Value> {
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "gpu-hot", DEVICE)?;
+    let api_socket = dir.join("ch-api.sock");
+    let rounds_s = rounds.to_string();
+    let mut args = vec!["1234:5347", rounds_s.as_str()];
+    args.extend_from_slice(mode.args());
+    let mut spec = l2_spec("hot", l2_cmdline("hotplug", &args));
+    spec.api_socket = Some(api_socket.clone());
+    let mut vm = Vm::start(dir, spec)?;
+    let api = ChApi::new(&api_socket).with_timeout(Duration::from_secs(30));
+    let ping = api
+        .wait_ready(Duration::from_secs(30))
+        .context("cloud-hypervisor REST API")?;
+    let mut done = vec![];
+    for round in 1..=rounds {
+        vm.wait_line(&format!("HOTPLUG: waiting round={round}"), L2_TIMEOUT)?;
+        let t = Instant::now();
+        let info = api
+            .add_user_device(&UserDeviceConfig::new(&server.socket).id("gpu0"))
+            .with_context(|| format!("add-user-device, round {round}"))?;
+        let add_ms = ms(t.elapsed());
+        let present = vm.wait_line(&format!("HOTPLUG: present round={round}"), L2_TIMEOUT)?;
+        let seen_ms = ms(t.elapsed());
+        let run = vm.wait_line(&format!("HOTPLUG: run round={round} rc="), L2_TIMEOUT)?;
+        let rc: i32 = run
+            .rsplit('=')
+            .next()
+            .and_then(|v| v.trim().parse().ok())
+            .with_context(|| format!("bad line `{run}`"))?;
+        if rc != 0 {
+            bail!("the driver failed in L2 on round {round} (rc {rc})");
+        }
+        let t = Instant::now();
+        api.remove_device("gpu0")
+            .with_context(|| format!("remove-device, round {round}"))?;
+        vm.wait_line(&format!("HOTPLUG: gone round={round}"), L2_TIMEOUT)?;
+        let gone_ms = ms(t.elapsed());
+        // The VMM lets go of the socket: the server sees its client leave and serves the next.
+        let server_alive = server.alive();
+        let vm_alive = vm.alive();
+        println!(
+            "NESTED: round {round}: bdf {} (ch) / `{present}` (L2); add {add_ms} ms, in L2 after {seen_ms} ms; removed in {gone_ms} ms; server alive {server_alive}, ch alive {vm_alive}",
+            info.bdf
+        );
+        if !server_alive || !vm_alive {
+            bail!(
+                "after removal {round}: server alive {server_alive}, cloud-hypervisor alive {vm_alive}"
+            );
+        }
+        done.push(json!({
+            "round": round, "bdf": info.bdf, "add_ms": add_ms, "seen_in_l2_ms": seen_ms,
+            "remove_ms": gone_ms, "driver_rc": rc,
+        }));
+    }
+    vm.wait_line("HOTPLUG: done", L2_TIMEOUT)?;
+    let status = vm.wait_exit(Duration::from_secs(60))?;
+    let log = server.log_text();
+    let server_alive = server.alive();
+    let server_status = server.stop();
+    let ok = status.success() && server_alive;
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
+    }
+    Ok(json!({
+        "ok": ok,
+        "ch_version": ping.version,
+        "rounds": done,
+        "ch_exit": status.code(),
+        "server_alive_after_vm": server_alive,
+        "server_exit": server_status.and_then(|s| s.code()),
+    }))
+}
+
+/// What cloud-hypervisor does with a vfio-user device on a PCI segment behind its
+/// virtio-iommu: it refuses the configuration (checked here so the day it changes, the L2
+/// driver can switch to VFIO behind the vIOMMU).
+fn ch_viommu(dir: &Path) -> Result<Value> {
+    let server = Server::start(Path::new(SWITCHYARD), dir, "gpu-viommu", DEVICE)?;
+    let mut spec = l2_spec("viommu", l2_cmdline("vfio-bind", &["1234:5347"]));
+    spec.user_devices = vec![
+        UserDeviceConfig::new(&server.socket)
+            .id("gpu0")
+            .pci_segment(1),
+    ];
+    spec.extra_args = vec![
+        "--platform".into(),
+        "num_pci_segments=2,iommu_segments=[1]".into(),
+    ];
+    let mut vm = Vm::start(dir, spec)?;
+    let status = vm.wait_exit(L2_TIMEOUT)?;
+    let log = std::fs::read_to_string(&vm.log).unwrap_or_default();
+    let reason = log
+        .lines()
+        .find(|l| l.contains("IOMMU") || l.contains("iommu"))
+        .map(str::to_owned);
+    let l2_booted = vm.find_line("GUEST: boot").is_some();
+    let bound = vm
+        .lines()
+        .iter()
+        .any(|l| l.starts_with("GUEST: vfio-bind") && l.ends_with(" ok"));
+    Ok(json!({
+        "ok": true,
+        "refused": !status.success() && !l2_booted,
+        "ch_exit": status.code(),
+        "reason": reason,
+        "l2_booted": l2_booted,
+        "l2_vfio_bound": bound,
+    }))
+}
+
+fn tail_text(s: &str, max: usize) -> &str {
+    let mut start = s.len().saturating_sub(max);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+fn run(scenario: &str, mode: DriverMode) -> Value {
+    let dir = PathBuf::from(WORK).join(scenario);
+    let started = Instant::now();
+    println!("NESTED: {scenario} start");
+    let r = std::fs::create_dir_all(&dir)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| match scenario {
+            "ch-workload" => ch_workload(&dir, mode),
+            "ch-hotplug" => ch_hotplug(&dir, mode, 2),
+            "ch-viommu" => ch_viommu(&dir),
+            other => bail!("unknown scenario `{other}`"),
+        });
+    let mut v = match r {
+        Ok(v) => v,
+        Err(e) => json!({ "ok": false, "error": format!("{e:#}") }),
+    };
+    v["scenario"] = json!(scenario);
+    v["elapsed_s"] = json!(started.elapsed().as_secs_f64());
+    v
+}
+
+fn main() {
+    let mut mode = DriverMode::NoIommu;
+    let mut scenarios = vec![];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--driver-mode" => match args.next().as_deref() {
+                Some("noiommu") => mode = DriverMode::NoIommu,
+                Some("probe") => mode = DriverMode::Probe,
+                other => {
+                    eprintln!("sy-nested: --driver-mode wants noiommu or probe, not {other:?}");
+                    std::process::exit(2);
+                }
+            },
+            "--l2-verbose" => L2_VERBOSE.store(true, std::sync::atomic::Ordering::Relaxed),
+            "-h" | "--help" => {
+                println!(
+                    "sy-nested [--driver-mode noiommu|probe] [--l2-verbose] ch-workload|ch-hotplug|ch-viommu..."
+                );
+                return;
+            }
+            s => scenarios.push(s.to_owned()),
+        }
+    }
+    if scenarios.is_empty() {
+        eprintln!("sy-nested: no scenario given (ch-workload, ch-hotplug)");
+        std::process::exit(2);
+    }
+    let mut all_ok = true;
+    for s in &scenarios {
+        let v = run(s, mode);
+        all_ok &= v["ok"] == json!(true);
+        println!("NESTED-RESULT {v}");
+    }
+    std::process::exit(if all_ok { 0 } else { 1 });
+}
