@@ -172,16 +172,19 @@ impl GuestEnv {
 
     /// The L1 image of the nested tests, `target/guest-tests/initramfs-l1.cpio.gz`: a guest
     /// that plays the host (`build-initramfs.sh --nested`: KVM modules, cloud-hypervisor,
-    /// ch-remote) with a static `switchyard`, `sy-nested`, the kernel and [`initramfs`]
-    /// (the L2 image, with the driver) under `/l2/`. Built once per test process.
-    ///
-    /// [`initramfs`]: GuestEnv::initramfs
+    /// ch-remote) with a static `switchyard`, `sy-nested`, the kernel and the L2 image (the
+    /// driver and `sy-mmio`) under `/l2/`. Built once per test process.
     pub fn nested_initramfs(&self) -> Result<PathBuf> {
         static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-        let l2 = self.initramfs()?;
         let bins = self.nested_binaries()?;
         BUILT
             .get_or_init(|| {
+                let mut l2_add: Vec<std::ffi::OsString> = vec!["--strip".into()];
+                for b in [&self.driver, &bins.sy_mmio] {
+                    l2_add.push("--add".into());
+                    l2_add.push(b.clone().into_os_string());
+                }
+                let l2 = self.build_image("initramfs-l2.cpio.gz", &l2_add)?;
                 let mut add: Vec<std::ffi::OsString> = vec!["--nested".into(), "--strip".into()];
                 let mut put = |from: &Path, to: &str| {
                     let mut a = from.as_os_str().to_owned();
@@ -213,13 +216,16 @@ impl GuestEnv {
         const HINT: &str = "build them with `RUSTFLAGS=\"-C target-feature=+crt-static\" cargo \
              build --release -p switchyard -p sy-nested --target x86_64-unknown-linux-gnu` \
              (scripts/test.sh does)";
+        let sy_nested = must_exist("static sy-nested", pick("SY_NESTED_BIN", "sy-nested"), HINT)?;
+        let sy_mmio = must_exist("static sy-mmio", sy_nested.with_file_name("sy-mmio"), HINT)?;
         Ok(NestedBinaries {
             switchyard: must_exist(
                 "static switchyard",
                 pick("SWITCHYARD_STATIC_BIN", "switchyard"),
                 HINT,
             )?,
-            sy_nested: must_exist("static sy-nested", pick("SY_NESTED_BIN", "sy-nested"), HINT)?,
+            sy_nested,
+            sy_mmio,
         })
     }
 
@@ -420,6 +426,8 @@ pub struct NestedBinaries {
     pub switchyard: PathBuf,
     /// `sy-nested` (guest-tests/nested), linked statically.
     pub sy_nested: PathBuf,
+    /// `sy-mmio` (guest-tests/nested), next to `sy-nested`; runs in L2.
+    pub sy_mmio: PathBuf,
 }
 
 /// How to boot a guest.
@@ -445,6 +453,8 @@ pub struct GuestSpec {
     pub cpu: Option<String>,
     /// The initramfs, [`GuestEnv::initramfs`] when `None`.
     pub initramfs: Option<PathBuf>,
+    /// More QEMU arguments (e.g. emulated devices for an L1 host: `-device edu`).
+    pub qemu_args: Vec<String>,
     /// Overall timeout.
     pub timeout: Duration,
 }
@@ -463,6 +473,7 @@ impl GuestSpec {
             smp: 1,
             cpu: None,
             initramfs: None,
+            qemu_args: vec![],
             timeout: Duration::from_secs(240),
         }
     }
@@ -478,6 +489,21 @@ impl GuestSpec {
         s.memory_mib = 3072;
         s.initramfs = Some(env.nested_initramfs()?);
         s.timeout = Duration::from_secs(900);
+        Ok(s)
+    }
+
+    /// [`GuestSpec::nested`] with host hardware for VFIO in L1: QEMU's `intel-iommu` with
+    /// interrupt remapping (VFIO refuses a group without it) and `edus` emulated `edu`
+    /// devices (1234:11e8).
+    pub fn nested_with_devices(env: &GuestEnv, args: &[&str], edus: u32) -> Result<GuestSpec> {
+        let mut s = GuestSpec::nested(env, args)?;
+        s.qemu_args = vec![
+            "-device".into(),
+            "intel-iommu,intremap=on,caching-mode=on".into(),
+        ];
+        for _ in 0..edus {
+            s.qemu_args.extend(["-device".into(), "edu".into()]);
+        }
         Ok(s)
     }
 }
@@ -566,6 +592,7 @@ impl Guest {
         if let Some(cpu) = &spec.cpu {
             q = q.cpu(cpu);
         }
+        q = q.extra_args(&spec.qemu_args);
         for d in &spec.devices {
             q = q.vfio_user_device(d.clone());
         }

@@ -7,12 +7,15 @@
 //! prints on L1's console.
 //!
 //! ```text
-//! sy-nested [--driver-mode noiommu|probe] [--l2-verbose] SCENARIO...
+//! sy-nested [--driver-mode noiommu|probe] [--l2-verbose] [--server-log FILTER] SCENARIO...
+//!   --server-log  the servers' RUST_LOG; their logs and cloud-hypervisor's are printed after each scenario
 //!   ch-workload  the softgpu as a boot-time --user-device; L2 runs the in-guest driver on it
 //!   ch-hotplug   add-user-device / remove-device through the REST API, twice; L2 runs the
 //!                driver on each plug and sees each removal; the server and cloud-hypervisor
 //!                survive every removal
 //!   ch-viommu    what cloud-hypervisor does with a user device on an IOMMU segment (refuses)
+//!   mmio-bench   MMIO read latency from L2: direct-assigned edu, a VMM-emulated register, the
+//!                softgpu over vfio-user (`-quick`: 200 reads instead of 2000)
 //! ```
 //!
 //! Output: `NESTED: ...` progress lines, `L2[vm]: ...` for every line of an L2 serial console,
@@ -105,6 +108,7 @@ fn l2_spec(name: &str, cmdline: String) -> VmSpec<'_> {
         memory_mib: L2_MEMORY_MIB,
         user_devices: vec![],
         api_socket: None,
+        vfio_devices: vec![],
         extra_args: vec![],
     }
 }
@@ -282,6 +286,113 @@ fn ch_viommu(dir: &Path) -> Result<Value> {
     }))
 }
 
+/// Binds every PCI function `vid:did` in L1 to vfio-pci (`/tests/vfio-bind.sh`) and returns
+/// their addresses, in order.
+fn bind_vfio(id: &str) -> Result<Vec<String>> {
+    let out = std::process::Command::new("sh")
+        .args(["/tests/vfio-bind.sh", id])
+        .output()
+        .context("run /tests/vfio-bind.sh")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    if !out.status.success() {
+        bail!("vfio-bind {id} failed: {text}");
+    }
+    let mut bdfs: Vec<String> = text
+        .lines()
+        .filter(|l| l.ends_with(" ok"))
+        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned))
+        .collect();
+    bdfs.sort();
+    if bdfs.is_empty() {
+        bail!("no {id} device in L1 (L0 must add -device edu)");
+    }
+    Ok(bdfs)
+}
+
+/// AF_UNIX ping-pong in L1 between two threads (one byte each way, blocking): the floor under
+/// any vfio-user round trip in L1, measured in the same run. Per-round-trip p50 and mean, ns.
+fn l1_socket_floor(rounds: u32) -> Result<Value> {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    let (mut a, mut b) = UnixStream::pair()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut buf = [0u8; 1];
+        loop {
+            if b.read(&mut buf)? == 0 {
+                return Ok(());
+            }
+            b.write_all(&buf)?;
+        }
+    });
+    let mut each = Vec::with_capacity(rounds as usize);
+    let mut buf = [0u8; 1];
+    for i in 0..rounds + 50 {
+        let t = Instant::now();
+        a.write_all(&[1])?;
+        a.read_exact(&mut buf)?;
+        if i >= 50 {
+            each.push(t.elapsed().as_nanos() as f64);
+        }
+    }
+    drop(a);
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    each.sort_by(f64::total_cmp);
+    let mean = each.iter().sum::<f64>() / each.len() as f64;
+    Ok(json!({ "p50": each[each.len() / 2], "mean": mean, "rounds": rounds }))
+}
+
+/// MMIO reads from L2 user space through each path a register can take: a device assigned
+/// directly (edu through VFIO in L1: no exit), a device cloud-hypervisor emulates (its
+/// virtio-rng: an exit to the VMM), and the softgpu's trapped BAR0 over vfio-user (an exit,
+/// then the socket to switchyard). Needs L0 to give L1 an `edu` and `intel-iommu,intremap=on`.
+fn mmio_bench(dir: &Path, count: u32) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let server = Server::start(Path::new(SWITCHYARD), dir, "gpu-bench", DEVICE)?;
+    let count_s = count.to_string();
+    let targets = [
+        "direct=1234:11e8:0:0:0",
+        "vmm-emulated=1af4:1044:0:0:0",
+        "vfio-user-trapped=1234:5347:0:0:0",
+    ];
+    let mut args = vec!["--count", count_s.as_str()];
+    args.extend_from_slice(&targets);
+    let mut spec = l2_spec(
+        "bench",
+        l2_cmdline("mmio-bench", &args).replace(" quiet", " quiet iomem=relaxed"),
+    );
+    spec.user_devices = vec![UserDeviceConfig::new(&server.socket).id("gpu0")];
+    spec.vfio_devices = vec![PathBuf::from(format!("/sys/bus/pci/devices/{}/", edus[0]))];
+    let mut vm = Vm::start(dir, spec)?;
+    let rc_line = vm.wait_line("GUEST: test mmio-bench rc=", L2_TIMEOUT)?;
+    let status = vm.wait_exit(Duration::from_secs(60))?;
+    let mut rows = serde_json::Map::new();
+    for l in vm.lines() {
+        if let Some(j) = l.trim().strip_prefix("SY-MMIO ") {
+            let v: Value = serde_json::from_str(j).context("SY-MMIO JSON")?;
+            let label = v["label"].as_str().unwrap_or("?").to_owned();
+            rows.insert(label, v);
+        }
+    }
+    let p50 = |k: &str| rows.get(k).and_then(|v| v["read_ns"]["p50"].as_f64());
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => json!(a / b),
+        _ => Value::Null,
+    };
+    let ok = rc_line.ends_with("rc=0") && status.success() && rows.len() == targets.len();
+    let floor = l1_socket_floor(count)?;
+    Ok(json!({
+        "ok": ok,
+        "count": count,
+        "rows": rows,
+        "l1_socket_rtt_ns": floor,
+        "trapped_vs_direct_p50": ratio(p50("vfio-user-trapped"), p50("direct")),
+        "trapped_vs_vmm_exit_p50": ratio(p50("vfio-user-trapped"), p50("vmm-emulated")),
+        "ch_exit": status.code(),
+    }))
+}
+
 fn tail_text(s: &str, max: usize) -> &str {
     let mut start = s.len().saturating_sub(max);
     while !s.is_char_boundary(start) {
@@ -300,12 +411,24 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "ch-workload" => ch_workload(&dir, mode),
             "ch-hotplug" => ch_hotplug(&dir, mode, 2),
             "ch-viommu" => ch_viommu(&dir),
+            "mmio-bench" => mmio_bench(&dir, 2000),
+            "mmio-bench-quick" => mmio_bench(&dir, 200),
             other => bail!("unknown scenario `{other}`"),
         });
     let mut v = match r {
         Ok(v) => v,
         Err(e) => json!({ "ok": false, "error": format!("{e:#}") }),
     };
+    if procs::SERVER_LOG.get().is_some() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let p = entry.path();
+            if p.extension().is_some_and(|e| e == "log") && !p.to_string_lossy().contains("serial")
+            {
+                println!("NESTED: ==== {} ====", p.display());
+                println!("{}", std::fs::read_to_string(&p).unwrap_or_default());
+            }
+        }
+    }
     v["scenario"] = json!(scenario);
     v["elapsed_s"] = json!(started.elapsed().as_secs_f64());
     v
@@ -322,6 +445,15 @@ fn main() {
                 Some("probe") => mode = DriverMode::Probe,
                 other => {
                     eprintln!("sy-nested: --driver-mode wants noiommu or probe, not {other:?}");
+                    std::process::exit(2);
+                }
+            },
+            "--server-log" => match args.next() {
+                Some(level) => {
+                    let _ = procs::SERVER_LOG.set(level);
+                }
+                None => {
+                    eprintln!("sy-nested: --server-log wants a RUST_LOG filter");
                     std::process::exit(2);
                 }
             },

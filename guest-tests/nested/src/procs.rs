@@ -62,6 +62,9 @@ fn terminate(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
     child.wait().ok()
 }
 
+/// The servers' `RUST_LOG` filter (`--server-log`; `info` when unset).
+pub static SERVER_LOG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 /// A `switchyard serve` child serving one device on a socket.
 pub struct Server {
     child: Child,
@@ -83,7 +86,7 @@ impl Server {
             .args(["serve", "--socket"])
             .arg(&socket)
             .args(["--device", device])
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", SERVER_LOG.get().map_or("info", String::as_str))
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -143,6 +146,8 @@ pub struct VmSpec<'a> {
     pub user_devices: Vec<UserDeviceConfig>,
     /// Start the REST API on this socket.
     pub api_socket: Option<PathBuf>,
+    /// Host devices (sysfs directories, bound to vfio-pci) assigned directly.
+    pub vfio_devices: Vec<PathBuf>,
     /// More cloud-hypervisor arguments.
     pub extra_args: Vec<String>,
 }
@@ -178,6 +183,9 @@ impl Vm {
         }
         for d in spec.user_devices {
             cmd = cmd.user_device(d);
+        }
+        for d in spec.vfio_devices {
+            cmd = cmd.vfio_device(d);
         }
         cmd = cmd.extra_args(spec.extra_args);
         let argv = cmd.args()?;

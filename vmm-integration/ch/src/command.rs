@@ -103,6 +103,7 @@ pub struct ChCommand {
     serial: Output,
     console: Output,
     user_devices: Vec<UserDeviceConfig>,
+    vfio_devices: Vec<PathBuf>,
     extra_args: Vec<OsString>,
 }
 
@@ -121,6 +122,7 @@ impl ChCommand {
             serial: Output::Off,
             console: Output::Off,
             user_devices: Vec::new(),
+            vfio_devices: Vec::new(),
             extra_args: Vec::new(),
         }
     }
@@ -194,6 +196,14 @@ impl ChCommand {
         self
     }
 
+    /// Assigns a host device bound to vfio-pci directly (`--device path=SYSFS_DIR`, e.g.
+    /// `/sys/bus/pci/devices/0000:00:03.0/`): the guest reaches its BARs without a VM exit.
+    #[must_use]
+    pub fn vfio_device(mut self, sysfs_dir: impl Into<PathBuf>) -> Self {
+        self.vfio_devices.push(sysfs_dir.into());
+        self
+    }
+
     /// Appends one raw argument after everything else.
     #[must_use]
     pub fn extra_arg(mut self, arg: impl Into<OsString>) -> Self {
@@ -242,6 +252,10 @@ impl ChCommand {
         for dev in &self.user_devices {
             a.push("--user-device".into());
             a.push(user_device_arg(dev)?.into());
+        }
+        for path in &self.vfio_devices {
+            a.push("--device".into());
+            a.push(format!("path={}", option_value("--device path", path)?).into());
         }
         a.extend(self.extra_args.iter().cloned());
         Ok(a)
@@ -305,6 +319,7 @@ mod tests {
                 pci_device_id: Some(5),
             })
             .user_device(UserDeviceConfig::new("/tmp/gpu2.sock"))
+            .vfio_device("/sys/bus/pci/devices/0000:00:03.0/")
             .extra_args(["-v"]);
         let args = cmd.args().expect("args");
         assert_eq!(
@@ -332,6 +347,8 @@ mod tests {
                 "socket=/tmp/gpu1.sock,id=gpu1,pci_segment=1,pci_device_id=5",
                 "--user-device",
                 "socket=/tmp/gpu2.sock",
+                "--device",
+                "path=/sys/bus/pci/devices/0000:00:03.0/",
                 "-v",
             ]
         );
