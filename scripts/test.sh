@@ -69,6 +69,7 @@ fi
 
 step "benchmarks, short mode (checks they run; timings are never asserted)"
 scripts/bench.sh --quick
+scripts/bench-nested.sh --quick
 
 step "fuzz: protocol decoder (${FUZZ_SECONDS:-60}s, bounded)"
 cargo run --release --locked -p switchyard-proto --example fuzz_decode -- \

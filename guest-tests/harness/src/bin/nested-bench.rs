@@ -29,11 +29,18 @@ fn main() -> Result<()> {
         Some("--quick") => true,
         Some(other) => bail!("unknown argument `{other}` (nested-bench [--quick])"),
     };
-    let scenario = if quick { "mmio-bench-quick" } else { "mmio-bench" };
+    let scenario = if quick {
+        "mmio-bench-quick"
+    } else {
+        "mmio-bench"
+    };
     let env = GuestEnv::discover()?;
     let dir = env.log_dir("nested_bench")?;
     let spec = GuestSpec::nested_with_devices(&env, &[scenario], 2)?;
-    eprintln!("nested-bench: booting L1 ({scenario}); logs in {}", dir.display());
+    eprintln!(
+        "nested-bench: booting L1 ({scenario}); logs in {}",
+        dir.display()
+    );
     let out = Guest::boot(&env, &dir, &spec)?
         .wait()
         .with_context(|| format!("L1 did not finish cleanly; see {}", dir.display()))?;
@@ -44,8 +51,12 @@ fn main() -> Result<()> {
         bail!("the mmio benchmark failed in L1: {r}");
     }
     let rows = &r["rows"];
-    let direct = rows["direct"]["read_ns"]["p50"].as_f64().unwrap_or(f64::NAN);
-    let exit = rows["vmm-emulated"]["read_ns"]["p50"].as_f64().unwrap_or(f64::NAN);
+    let direct = rows["direct"]["read_ns"]["p50"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    let exit = rows["vmm-emulated"]["read_ns"]["p50"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
     let sock = r["l1_socket_rtt_ns"]["p50"].as_f64().unwrap_or(f64::NAN);
     println!(
         "\nMMIO read from L2 user space, {} reads per path (cloud-hypervisor v54 in a TCG L1)\n",
@@ -55,8 +66,14 @@ fn main() -> Result<()> {
     println!("|---|---:|---:|---:|---:|---:|");
     for (key, name) in [
         ("direct", "edu assigned directly (VFIO in L1, no exit)"),
-        ("vmm-emulated", "register emulated by cloud-hypervisor (exit to the VMM)"),
-        ("vfio-user-trapped", "softgpu BAR0 trapped, over vfio-user to switchyard"),
+        (
+            "vmm-emulated",
+            "register emulated by cloud-hypervisor (exit to the VMM)",
+        ),
+        (
+            "vfio-user-trapped",
+            "softgpu BAR0 trapped, over vfio-user to switchyard",
+        ),
     ] {
         let t = &rows[key]["read_ns"];
         let p50 = t["p50"].as_f64().unwrap_or(f64::NAN);
