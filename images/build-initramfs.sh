@@ -1,10 +1,12 @@
 #!/bin/bash
 # images/build-initramfs.sh — build the guest initramfs from the setup cache (see images/README.md).
 #
-# Usage: images/build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME] [--nested] [--strip]
+# Usage: images/build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME] [--nested] [--qemu] [--strip]
 #   --add FILE[:DEST]  put FILE into the image at DEST (default /usr/bin/<basename of FILE>);
 #                      a DEST ending in / is a directory. Repeatable. Use static binaries.
 #   --init-test NAME   default test when the kernel command line has no sy.test=
+#   --qemu             QEMU from the cache (binary, the libraries it loads, firmware) under /opt/qemu,
+#                      run as /usr/bin/qemu: an L1 that starts L2 guests with QEMU -accel kvm
 #   --strip            strip the symbols of every ELF program --add puts in /usr/bin or /usr/sbin
 #   --nested           an L1 image that plays a host: the KVM modules (/lib/modules/nested/, loaded
 #                      by /tests/nested.sh) and cloud-hypervisor + ch-remote (/usr/bin) from the cache
@@ -28,6 +30,7 @@ ADDS=()
 INIT_TEST=""
 NESTED=0
 STRIP=0
+QEMU=0
 while [ $# -gt 0 ]; do
   case $1 in
     --add) [ $# -ge 2 ] || die "--add needs FILE[:DEST]"; ADDS+=("$2"); shift 2 ;;
@@ -36,12 +39,13 @@ while [ $# -gt 0 ]; do
     --init-test=*) INIT_TEST=${1#--init-test=}; shift ;;
     --nested) NESTED=1; shift ;;
     --strip) STRIP=1; shift ;;
+    --qemu) QEMU=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option '$1'" ;;
     *) [ -z "$OUT" ] || die "more than one output file given ('$OUT', '$1')"; OUT=$1; shift ;;
   esac
 done
-[ -n "$OUT" ] || die "usage: build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME] [--nested] [--strip]"
+[ -n "$OUT" ] || die "usage: build-initramfs.sh OUT.cpio.gz [--add FILE[:DEST]]... [--init-test NAME] [--nested] [--qemu] [--strip]"
 case $INIT_TEST in *[!A-Za-z0-9._-]*) die "--init-test '$INIT_TEST': use letters, digits, . _ -" ;; esac
 for f in busybox modules/load-order; do
   [ -e "$CACHE/$f" ] || die "$CACHE/$f missing: run scripts/setup.sh first"
@@ -79,6 +83,33 @@ if [ $NESTED = 1 ]; then
   done < "$CACHE/modules/nested-order"
   install -m 644 "$CACHE/modules/nested-order" "$R/lib/modules/nested/nested-order"
   install -m 755 "$CACHE/ch/cloud-hypervisor" "$CACHE/ch/ch-remote" "$R/usr/bin/"
+fi
+
+# QEMU inside the guest: the binary, the shared libraries its loader resolves (from the cache's
+# prefix, with that prefix's own ld-linux), and the firmware; /usr/bin/qemu runs it.
+if [ $QEMU = 1 ]; then
+  P=$CACHE/prefix
+  L=$P/usr/lib/x86_64-linux-gnu
+  [ -x "$P/usr/bin/qemu-system-x86_64" ] || die "$P has no QEMU: run scripts/setup.sh"
+  Q=$R/opt/qemu
+  mkdir -p "$Q/bin" "$Q/lib" "$Q/share"
+  install -m 755 "$P/usr/bin/qemu-system-x86_64" "$Q/bin/"
+  libs=$("$L/ld-linux-x86-64.so.2" --library-path "$L" --list "$P/usr/bin/qemu-system-x86_64" |
+    awk '$2 == "=>" && $3 ~ /^\// { print $3 }') || die "cannot list QEMU's libraries"
+  [ -n "$libs" ] || die "QEMU's loader listed no libraries"
+  for l in $libs; do install -m 644 "$l" "$Q/lib/"; done
+  install -m 755 "$L/ld-linux-x86-64.so.2" "$Q/lib/"   # after the libraries: it is listed too
+  cp -r "$P/usr/share/qemu" "$Q/share/qemu"
+  mkdir -p "$Q/share/seabios"
+  install -m 644 "$P/usr/share/seabios/bios-256k.bin" "$Q/share/seabios/"
+  cat > "$R/usr/bin/qemu" <<'EOF'
+#!/bin/sh
+# QEMU from /opt/qemu with its own loader and libraries (images/build-initramfs.sh --qemu).
+Q=/opt/qemu
+exec $Q/lib/ld-linux-x86-64.so.2 --library-path $Q/lib --argv0 qemu-system-x86_64 \
+  $Q/bin/qemu-system-x86_64 -L $Q/share/qemu -L $Q/share/seabios "$@"
+EOF
+  chmod 755 "$R/usr/bin/qemu"
 fi
 
 # Guest helpers and built-in tests shipped with the image.

@@ -172,20 +172,22 @@ impl GuestEnv {
 
     /// The L1 image of the nested tests, `target/guest-tests/initramfs-l1.cpio.gz`: a guest
     /// that plays the host (`build-initramfs.sh --nested`: KVM modules, cloud-hypervisor,
-    /// ch-remote) with a static `switchyard`, `sy-nested`, the kernel and the L2 image (the
-    /// driver and `sy-mmio`) under `/l2/`. Built once per test process.
+    /// ch-remote; `--qemu`: QEMU for L2s with KVM) with a static `switchyard`, `sy-nested`,
+    /// the kernel and the L2 image (the driver, `sy-mmio`, `sy-edu`) under `/l2/`. Built once
+    /// per test process.
     pub fn nested_initramfs(&self) -> Result<PathBuf> {
         static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
         let bins = self.nested_binaries()?;
         BUILT
             .get_or_init(|| {
                 let mut l2_add: Vec<std::ffi::OsString> = vec!["--strip".into()];
-                for b in [&self.driver, &bins.sy_mmio] {
+                for b in [&self.driver, &bins.sy_mmio, &bins.sy_edu] {
                     l2_add.push("--add".into());
                     l2_add.push(b.clone().into_os_string());
                 }
                 let l2 = self.build_image("initramfs-l2.cpio.gz", &l2_add)?;
-                let mut add: Vec<std::ffi::OsString> = vec!["--nested".into(), "--strip".into()];
+                let mut add: Vec<std::ffi::OsString> =
+                    vec!["--nested".into(), "--qemu".into(), "--strip".into()];
                 let mut put = |from: &Path, to: &str| {
                     let mut a = from.as_os_str().to_owned();
                     a.push(":");
@@ -218,6 +220,7 @@ impl GuestEnv {
              (scripts/test.sh does)";
         let sy_nested = must_exist("static sy-nested", pick("SY_NESTED_BIN", "sy-nested"), HINT)?;
         let sy_mmio = must_exist("static sy-mmio", sy_nested.with_file_name("sy-mmio"), HINT)?;
+        let sy_edu = must_exist("static sy-edu", sy_nested.with_file_name("sy-edu"), HINT)?;
         Ok(NestedBinaries {
             switchyard: must_exist(
                 "static switchyard",
@@ -226,6 +229,7 @@ impl GuestEnv {
             )?,
             sy_nested,
             sy_mmio,
+            sy_edu,
         })
     }
 
@@ -428,6 +432,8 @@ pub struct NestedBinaries {
     pub sy_nested: PathBuf,
     /// `sy-mmio` (guest-tests/nested), next to `sy-nested`; runs in L2.
     pub sy_mmio: PathBuf,
+    /// `sy-edu` (guest-tests/nested), next to `sy-nested`; runs in L2.
+    pub sy_edu: PathBuf,
 }
 
 /// How to boot a guest.

@@ -101,3 +101,35 @@ fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
         assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
     });
 }
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn qemu_kvm_l2_runs_the_full_vfio_driver_on_the_softgpu_served_in_l1() {
+    with_logs("nested_qemu_kvm", |env, dir| {
+        let spec = GuestSpec::nested(env, &["qemu-softgpu"]).expect("L1 image");
+        let out = Guest::boot(env, dir, &spec)
+            .expect("boot L1")
+            .wait()
+            .expect("L1 finished");
+        let serial = &out.serial;
+        let all = results(&out);
+        // L1 plays the host for QEMU with KVM: L2 has a vIOMMU, so the driver runs its whole
+        // VFIO workload there, MSI-X included (the path cloud-hypervisor cannot offer).
+        let q = result(&all, "qemu-softgpu", serial);
+        assert_eq!(q["ok"], true, "{q}");
+        let s = &q["driver_summary"];
+        assert_eq!(s["result"], "pass", "{s}");
+        assert_eq!(s["irq_mode"], "msix", "{s}");
+        let run = s["jobs_run"].as_u64().expect("jobs_run");
+        assert!(run >= 5, "{s}");
+        assert_eq!(s["jobs_verified"].as_u64(), Some(run), "{s}");
+        assert!(
+            s["interrupts"]["total"].as_u64().is_some_and(|n| n >= run),
+            "an interrupt per job at least: {s}"
+        );
+        assert_eq!(s["vram_mmap_ok"], true, "{s}");
+        assert_eq!(s["error_test_ok"], true, "{s}");
+        assert_eq!(q["qemu_exit"], 0, "{q}");
+        assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
+    });
+}

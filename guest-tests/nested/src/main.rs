@@ -14,6 +14,10 @@
 //!                driver on each plug and sees each removal; the server and cloud-hypervisor
 //!                survive every removal
 //!   ch-viommu    what cloud-hypervisor does with a user device on an IOMMU segment (refuses)
+//!   qemu-softgpu the softgpu to an L2 under QEMU -accel kvm with a vIOMMU: the driver's
+//!                full VFIO workload in L2 (MSI-X included)
+//!   qemu-edu     L1's edu (VFIO) served by switchyard's passthrough backend to an L2 under
+//!                QEMU; L2's sy-edu drives it through VFIO (registers, MSI, DMA)
 //!   mmio-bench   MMIO read latency from L2: direct-assigned edu, a VMM-emulated register, the
 //!                softgpu over vfio-user (`-quick`: 200 reads instead of 2000)
 //! ```
@@ -39,11 +43,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use switchyard_ch::{ChApi, UserDeviceConfig};
+use switchyard_qemu::{Accel, QemuCommand, VfioUserDevice};
 
 use procs::{Server, Vm, VmSpec, tail};
 
 const SWITCHYARD: &str = "/usr/bin/switchyard";
 const CLOUD_HYPERVISOR: &str = "/usr/bin/cloud-hypervisor";
+const QEMU: &str = "/usr/bin/qemu";
 const L2_KERNEL: &str = "/l2/vmlinux";
 const L2_INITRAMFS: &str = "/l2/initramfs.cpio.gz";
 const WORK: &str = "/tmp/nested";
@@ -393,6 +399,90 @@ fn mmio_bench(dir: &Path, count: u32) -> Result<Value> {
     }))
 }
 
+/// An L2 under QEMU (`-accel kvm`, in L1) with a vIOMMU (`intel-iommu`), so L2's user-space
+/// drivers use VFIO like on the single-level guests; the vfio-user device is at `socket`.
+fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str]) -> Result<Vm> {
+    let mut append = String::from("console=ttyS0 panic=-1 quiet intel_iommu=on");
+    append.push_str(&format!(" sy.test={test}"));
+    for a in args {
+        append.push_str(&format!(" sy.arg={a}"));
+    }
+    let cmd = QemuCommand::new(QEMU)
+        .accel(Accel::Kvm)
+        .cpu("host")
+        .memory_mib(L2_MEMORY_MIB)
+        .kernel(L2_KERNEL)
+        .initrd(L2_INITRAMFS)
+        .append(append)
+        .intel_iommu(true)
+        .vfio_user_device(VfioUserDevice::new("dev0", socket));
+    Vm::start_qemu(dir, name, cmd)
+}
+
+/// Waits for an L2 test's rc line and its JSON summary line, then for the VMM to exit.
+fn l2_outcome(vm: &mut Vm, test: &str, summary: &str) -> Result<(i32, Value, Option<i32>)> {
+    let rc_line = vm.wait_line(&format!("GUEST: test {test} rc="), L2_TIMEOUT)?;
+    let rc: i32 = rc_line
+        .rsplit('=')
+        .next()
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("bad rc line `{rc_line}`"))?;
+    let s = match vm.find_line(summary) {
+        Some(l) => json_after(&l, summary)?,
+        None => Value::Null,
+    };
+    let status = vm.wait_exit(Duration::from_secs(60))?;
+    Ok((rc, s, status.code()))
+}
+
+/// The softgpu served in L1 to an L2 under QEMU with KVM and a vIOMMU: the in-guest driver's
+/// full VFIO workload (DMA through L2's IOMMU, MSI-X, VRAM through the mapped BAR).
+fn qemu_softgpu(dir: &Path) -> Result<Value> {
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "gpu-qemu", DEVICE)?;
+    let mut vm = qemu_l2(
+        dir,
+        "qemu",
+        &server.socket.clone(),
+        "sygpu-driver",
+        &["--quick"],
+    )?;
+    let (rc, summary, exit) = l2_outcome(&mut vm, "sygpu-driver", "SYGPU-SUMMARY ")?;
+    let server_alive = server.alive();
+    let log = server.log_text();
+    let ok = rc == 0 && exit == Some(0) && server_alive && summary["result"] == "pass";
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
+        println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
+    }
+    Ok(json!({
+        "ok": ok, "driver_rc": rc, "driver_summary": summary, "qemu_exit": exit,
+        "server_alive_after_vm": server_alive, "l2_total_s": vm.started.elapsed().as_secs_f64(),
+    }))
+}
+
+/// QEMU's edu, owned by L1 through VFIO and served by switchyard's passthrough backend to an L2
+/// under QEMU: L2's `sy-edu` drives it through VFIO in L2 (registers, factorial, MSI through
+/// the eventfds switchyard hands to VFIO, DMA into L2 memory both ways).
+fn qemu_edu(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let bdf = edus.last().context("no edu")?.clone();
+    let device = format!("vfio,host={bdf}");
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "edu-qemu", &device)?;
+    let mut vm = qemu_l2(dir, "qemu-edu", &server.socket.clone(), "sy-edu", &[])?;
+    let (rc, summary, exit) = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let server_alive = server.alive();
+    let log = server.log_text();
+    let ok = rc == 0 && exit == Some(0) && server_alive && summary["result"] == "pass";
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
+        println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
+    }
+    Ok(json!({
+        "ok": ok, "host_bdf": bdf, "edu_rc": rc, "edu_summary": summary, "qemu_exit": exit,
+        "server_alive_after_vm": server_alive,
+    }))
+}
+
 fn tail_text(s: &str, max: usize) -> &str {
     let mut start = s.len().saturating_sub(max);
     while !s.is_char_boundary(start) {
@@ -411,6 +501,8 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "ch-workload" => ch_workload(&dir, mode),
             "ch-hotplug" => ch_hotplug(&dir, mode, 2),
             "ch-viommu" => ch_viommu(&dir),
+            "qemu-softgpu" => qemu_softgpu(&dir),
+            "qemu-edu" => qemu_edu(&dir),
             "mmio-bench" => mmio_bench(&dir, 2000),
             "mmio-bench-quick" => mmio_bench(&dir, 200),
             other => bail!("unknown scenario `{other}`"),

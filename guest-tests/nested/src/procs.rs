@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use switchyard_ch::{ChCommand, Output, UserDeviceConfig};
+use switchyard_qemu::{QemuCommand, Serial};
 
 /// Polls `f` every 20 ms until it returns `Some`, or fails after `timeout` naming `what`.
 pub fn wait_for<T>(
@@ -152,13 +153,13 @@ pub struct VmSpec<'a> {
     pub extra_args: Vec<String>,
 }
 
-/// A cloud-hypervisor child running an L2 guest. Its serial console goes to a file that a
+/// A VMM child (cloud-hypervisor, or QEMU with KVM) running an L2 guest. Its serial console goes to a file that a
 /// thread follows: every line is echoed as `L2[name]: line` and kept for [`Vm::wait_line`].
 pub struct Vm {
     child: Child,
     name: String,
     lines: Arc<Mutex<Vec<String>>>,
-    /// cloud-hypervisor's own stdout/stderr.
+    /// The VMM's own stdout/stderr.
     pub log: PathBuf,
     /// When cloud-hypervisor was started.
     pub started: Instant,
@@ -197,19 +198,40 @@ impl Vm {
                 .collect::<Vec<_>>()
                 .join(" ")
         );
+        Vm::spawn(spec.name, cmd.command()?, serial, log)
+    }
+
+    /// Starts QEMU (`-accel kvm` inside L1) from `cmd`, its serial console in a file.
+    pub fn start_qemu(dir: &Path, name: &str, cmd: QemuCommand) -> Result<Vm> {
+        let serial = dir.join(format!("{name}-serial.log"));
+        let log = dir.join(format!("{name}-qemu.log"));
+        File::create(&serial)?;
+        let cmd = cmd.serial(Serial::File(serial.clone()));
+        println!(
+            "NESTED: start {} {}",
+            cmd.binary().display(),
+            cmd.args()?
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        Vm::spawn(name, cmd.command()?, serial, log)
+    }
+
+    fn spawn(name: &str, mut cmd: Command, serial: PathBuf, log: PathBuf) -> Result<Vm> {
         let out = File::create(&log)?;
         let err = out.try_clone()?;
         let child = cmd
-            .command()?
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
             .spawn()
-            .with_context(|| format!("spawn {}", spec.binary.display()))?;
+            .with_context(|| format!("spawn {}", cmd.get_program().to_string_lossy()))?;
         let lines = Arc::new(Mutex::new(Vec::new()));
         let vm = Vm {
             child,
-            name: spec.name.to_owned(),
+            name: name.to_owned(),
             lines: Arc::clone(&lines),
             log,
             started: Instant::now(),
@@ -235,7 +257,7 @@ impl Vm {
                     return Ok(Some(l));
                 }
                 bail!(
-                    "cloud-hypervisor exited with {st} before L2 printed `{prefix}`; its log:\n{}",
+                    "the VMM exited with {st} before L2 printed `{prefix}`; its log:\n{}",
                     tail(&self.log, 3000)
                 );
             }
@@ -260,7 +282,7 @@ impl Vm {
 
     /// Waits for cloud-hypervisor to exit (the guest powered off).
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
-        let what = format!("cloud-hypervisor ({}) to exit", self.name);
+        let what = format!("the VMM ({}) to exit", self.name);
         wait_for(timeout, &what, || Ok(self.child.try_wait()?))
     }
 

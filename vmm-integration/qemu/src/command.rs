@@ -117,14 +117,35 @@ pub fn root_port_id(n: u32) -> String {
     format!("rp{n}")
 }
 
+/// The accelerator (`-accel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Accel {
+    /// `tcg`: the only choice on the project's hosts.
+    #[default]
+    Tcg,
+    /// `kvm`: only where `/dev/kvm` is a real KVM (an L1 guest with nested SVM).
+    Kvm,
+}
+
+impl Accel {
+    /// The `-accel` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        }
+    }
+}
+
 /// Typed builder for a QEMU command line that boots a test guest.
 ///
 /// Fixed choices (see `guest-harness.md` §3.3, §4 and §5):
 ///
-/// * **`-accel tcg`, always.** `/dev/kvm` on the project's machines is PVM
+/// * **`-accel tcg` by default.** `/dev/kvm` on the project's machines is PVM
 ///   (`kvm_pvm`), which cannot boot a stock Debian kernel (emulation failure in
 ///   the bzImage decompressor; a PVH kernel crawls at ~1/20 of TCG speed). Never
-///   auto-select KVM just because `/dev/kvm` exists.
+///   auto-select KVM just because `/dev/kvm` exists; [`Accel::Kvm`] is for a
+///   QEMU that runs inside a TCG guest with nested SVM (an L1 host), where KVM is real.
 /// * **q35 with a shared memfd memory backend**
 ///   (`-machine q35,memory-backend=mem0 -object memory-backend-memfd,id=mem0,size=…,share=on`).
 ///   QEMU passes guest-RAM file descriptors in `DMA_MAP` only for fd-backed,
@@ -154,6 +175,7 @@ pub fn root_port_id(n: u32) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QemuCommand {
     binary: PathBuf,
+    accel: Accel,
     memory_mib: u64,
     smp: u32,
     cpu: Option<String>,
@@ -175,6 +197,7 @@ impl QemuCommand {
     pub fn new(binary: impl Into<PathBuf>) -> Self {
         QemuCommand {
             binary: binary.into(),
+            accel: Accel::Tcg,
             memory_mib: 512,
             smp: 1,
             cpu: None,
@@ -193,6 +216,13 @@ impl QemuCommand {
     /// The QEMU binary.
     pub fn binary(&self) -> &Path {
         &self.binary
+    }
+
+    /// The accelerator ([`Accel::Tcg`] unless set).
+    #[must_use]
+    pub fn accel(mut self, accel: Accel) -> Self {
+        self.accel = accel;
+        self
     }
 
     /// Guest RAM in MiB (both `-m` and the memfd backend's `size`).
@@ -310,7 +340,7 @@ impl QemuCommand {
         let mut a: Vec<OsString> = Vec::new();
         let mut push = |s: &str| a.push(OsString::from(s));
         push("-accel");
-        push("tcg");
+        push(self.accel.as_str());
         push("-machine");
         let mut machine = format!("q35,memory-backend={MEMORY_BACKEND_ID}");
         if self.intel_iommu {
@@ -456,6 +486,17 @@ mod tests {
             "none",
             "-no-reboot",
         ]
+    }
+
+    #[test]
+    fn kvm_only_when_asked() {
+        let tcg = QemuCommand::new("/q").args().expect("args");
+        assert_eq!(strs(&tcg)[..2], ["-accel", "tcg"]);
+        let kvm = QemuCommand::new("/q")
+            .accel(Accel::Kvm)
+            .args()
+            .expect("args");
+        assert_eq!(strs(&kvm)[..2], ["-accel", "kvm"]);
     }
 
     #[test]

@@ -19,7 +19,7 @@ mod error;
 mod qmp;
 
 pub use command::{
-    MEMORY_BACKEND_ID, QemuCommand, SERIAL_CHARDEV_ID, Serial, VfioUserDevice, root_port_id,
+    Accel, MEMORY_BACKEND_ID, QemuCommand, SERIAL_CHARDEV_ID, Serial, VfioUserDevice, root_port_id,
 };
 pub use error::{QemuError, Result};
 pub use qmp::{
