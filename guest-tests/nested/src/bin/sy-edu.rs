@@ -6,10 +6,14 @@
 //! buffer, with the bytes compared.
 //!
 //! ```text
-//! sy-edu [--bdf B] [--timeout SECONDS]
+//! sy-edu [--bdf B] [--timeout SECONDS] [--loop SECONDS]
 //! ```
 //!
-//! Progress lines `SY-EDU: ...`, then one `SY-EDU-SUMMARY {json}`; exit 0 only on `"pass"`.
+//! `--loop`: after the checks, keep the device busy (liveness + factorial with its MSI, round
+//! after round) for that long: the load under which a test removes the device on the host.
+//!
+//! Progress lines `SY-EDU: ...`, then one `SY-EDU-SUMMARY {json}`; exit 0 on `"pass"`, 3 when
+//! the device stopped answering during `--loop` (`"device-lost"`), 1 on any other failure.
 //! edu's DMA addresses are 28 bits wide: the buffers sit at IOVA 1 MiB.
 
 #![forbid(unsafe_code)]
@@ -97,6 +101,34 @@ impl Edu {
     }
 }
 
+/// The device stopped answering while `--loop` kept it busy.
+#[derive(Debug)]
+struct DeviceLost;
+
+impl std::fmt::Display for DeviceLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the device stopped answering")
+    }
+}
+
+impl std::error::Error for DeviceLost {}
+
+/// One round of load: a liveness write/read and a factorial with its MSI.
+fn load_round(edu: &mut Edu, n: u64) -> Result<()> {
+    let v = (n as u32).wrapping_mul(0x9e37_79b9);
+    edu.bar.w32(REG_LIVENESS, v);
+    let r = edu.bar.r32(REG_LIVENESS);
+    ensure!(r == !v, "liveness: wrote {v:#x}, read {r:#x}");
+    let k = (n % 12) as u32 + 1;
+    edu.bar.w32(REG_STATUS, STATUS_IRQ_ON_FACT);
+    edu.bar.w32(REG_FACTORIAL, k);
+    edu.wait_irq(IRQ_FACT, "a factorial")?;
+    let f = edu.bar.r32(REG_FACTORIAL);
+    let want: u32 = (1..=k).product();
+    ensure!(f == want, "{k}! = {f}, want {want}");
+    Ok(())
+}
+
 fn find_edu(sys: &Sysfs, bdf: Option<&str>) -> Result<String> {
     let list = sys.list().map_err(anyhow::Error::msg)?;
     list.iter()
@@ -120,7 +152,12 @@ fn dma_buffer(vfio: &Vfio, iova: u64) -> Result<DmaMapping> {
         .with_context(|| format!("VFIO_IOMMU_MAP_DMA at {iova:#x}"))
 }
 
-fn run(bdf: Option<&str>, timeout: Duration, s: &mut serde_json::Map<String, Value>) -> Result<()> {
+fn run(
+    bdf: Option<&str>,
+    timeout: Duration,
+    loop_for: Option<Duration>,
+    s: &mut serde_json::Map<String, Value>,
+) -> Result<()> {
     let sys = Sysfs::system();
     let bdf = find_edu(&sys, bdf)?;
     s.insert("bdf".into(), json!(bdf));
@@ -237,6 +274,33 @@ fn run(bdf: Option<&str>, timeout: Duration, s: &mut serde_json::Map<String, Val
         json!([to_dev.as_secs_f64() * 1e3, to_ram.as_secs_f64() * 1e3]),
     );
     say!("DMA {DMA_LEN} bytes both ways verified ({to_dev:?}, {to_ram:?})");
+    if let Some(d) = loop_for {
+        say!("loop start ({d:?})");
+        edu.timeout = timeout.min(Duration::from_secs(5));
+        let t = Instant::now();
+        let mut n = 0u64;
+        let mut lost = None;
+        let mut next_report = Duration::from_secs(1);
+        while t.elapsed() < d {
+            if let Err(e) = load_round(&mut edu, n) {
+                lost = Some(e);
+                break;
+            }
+            n += 1;
+            if t.elapsed() >= next_report {
+                say!("loop rounds={n}");
+                next_report += Duration::from_secs(1);
+            }
+        }
+        s.insert("loop_rounds".into(), json!(n));
+        s.insert("interrupts".into(), json!(edu.interrupts));
+        if let Some(e) = lost {
+            say!("device lost after {n} rounds: {e:#}");
+            s.insert("device_lost".into(), json!(format!("{e:#}")));
+            return Err(e.context(DeviceLost));
+        }
+        say!("loop done: {n} rounds");
+    }
     s.insert("interrupts".into(), json!(edu.interrupts));
     vfio.disable_irqs(IrqMode::Msi)
         .map_err(anyhow::Error::msg)?;
@@ -249,6 +313,7 @@ fn run(bdf: Option<&str>, timeout: Duration, s: &mut serde_json::Map<String, Val
 fn main() {
     let mut bdf = None;
     let mut timeout = Duration::from_secs(30);
+    let mut loop_for = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
@@ -260,30 +325,41 @@ fn main() {
                     std::process::exit(2);
                 }
             },
+            ("--loop", Some(t)) => match t.parse() {
+                Ok(secs) => loop_for = Some(Duration::from_secs(secs)),
+                Err(_) => {
+                    eprintln!("sy-edu: bad --loop `{t}`");
+                    std::process::exit(2);
+                }
+            },
             _ => {
-                eprintln!("usage: sy-edu [--bdf B] [--timeout SECONDS]");
+                eprintln!("usage: sy-edu [--bdf B] [--timeout SECONDS] [--loop SECONDS]");
                 std::process::exit(2);
             }
         }
     }
     let mut s = serde_json::Map::new();
     let started = Instant::now();
-    let r = run(bdf.as_deref(), timeout, &mut s);
+    let r = run(bdf.as_deref(), timeout, loop_for, &mut s);
     s.insert(
         "duration_ms".into(),
         json!(started.elapsed().as_millis() as u64),
     );
-    let ok = match r {
-        Ok(()) => true,
+    let (result, code) = match r {
+        Ok(()) => ("pass", 0),
         Err(e) => {
             say!("FAILED: {e:#}");
             s.insert("error".into(), json!(format!("{e:#}")));
-            false
+            if e.is::<DeviceLost>() {
+                ("device-lost", 3)
+            } else {
+                ("fail", 1)
+            }
         }
     };
-    s.insert("result".into(), json!(if ok { "pass" } else { "fail" }));
+    s.insert("result".into(), json!(result));
     println!("SY-EDU-SUMMARY {}", Value::Object(s));
-    std::process::exit(if ok { 0 } else { 1 });
+    std::process::exit(code);
 }
 
 #[cfg(test)]
