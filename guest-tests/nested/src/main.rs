@@ -18,6 +18,8 @@
 //!                full VFIO workload in L2 (MSI-X included)
 //!   qemu-edu     L1's edu (VFIO) served by switchyard's passthrough backend to an L2 under
 //!                QEMU; L2's sy-edu drives it through VFIO (registers, MSI, DMA)
+//!   qemu-edu-remove  that edu removed from L1 under load: no hang, the endpoint fails
+//!                cleanly, switchyard and QEMU survive
 //!   mmio-bench   MMIO read latency from L2: direct-assigned edu, a VMM-emulated register, the
 //!                softgpu over vfio-user (`-quick`: 200 reads instead of 2000)
 //! ```
@@ -483,6 +485,61 @@ fn qemu_edu(dir: &Path) -> Result<Value> {
     }))
 }
 
+/// The device a passthrough endpoint serves is removed from L1 (`echo 1 > .../remove`) while an
+/// L2 under QEMU keeps it busy: the kernel asks switchyard to let go (VFIO's REQ interrupt), the
+/// removal completes instead of hanging, the endpoint fails cleanly (L2's driver sees the device
+/// stop answering), and neither switchyard nor QEMU dies: L2 powers off normally.
+fn qemu_edu_remove(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let bdf = edus.last().context("no edu")?.clone();
+    let device = format!("vfio,host={bdf}");
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "edu-remove", &device)?;
+    let mut vm = qemu_l2(
+        dir,
+        "qemu-remove",
+        &server.socket.clone(),
+        "sy-edu",
+        &["--loop", "600"],
+    )?;
+    vm.wait_line("SY-EDU: loop rounds=", L2_TIMEOUT)?;
+    println!("NESTED: L2 keeps {bdf} busy; removing it from L1");
+    let remove = PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/remove"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = Instant::now();
+    std::thread::spawn(move || {
+        let r = std::fs::write(&remove, "1");
+        let _ = tx.send(r);
+    });
+    let removed = rx.recv_timeout(Duration::from_secs(60));
+    let remove_ms = ms(t.elapsed());
+    let removal = match &removed {
+        Ok(Ok(())) => "completed".to_owned(),
+        Ok(Err(e)) => format!("failed: {e}"),
+        Err(_) => "hung (still blocked after 60 s)".to_owned(),
+    };
+    println!("NESTED: removal of {bdf} {removal} after {remove_ms} ms");
+    let gone = !Path::new(&format!("/sys/bus/pci/devices/{bdf}")).exists();
+    let (rc, summary, exit) = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let server_alive = server.alive();
+    let log = server.log_text();
+    let ok = matches!(removed, Ok(Ok(())))
+        && gone
+        && rc == 3
+        && summary["result"] == "device-lost"
+        && exit == Some(0)
+        && server_alive;
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 4000));
+        println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
+    }
+    Ok(json!({
+        "ok": ok, "host_bdf": bdf, "removal": removal, "remove_ms": remove_ms,
+        "device_gone_from_l1": gone, "edu_rc": rc, "edu_summary": summary, "qemu_exit": exit,
+        "server_alive_after_vm": server_alive,
+        "server_log_quarantine": log.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).take(5).collect::<Vec<_>>(),
+    }))
+}
+
 fn tail_text(s: &str, max: usize) -> &str {
     let mut start = s.len().saturating_sub(max);
     while !s.is_char_boundary(start) {
@@ -503,6 +560,7 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "ch-viommu" => ch_viommu(&dir),
             "qemu-softgpu" => qemu_softgpu(&dir),
             "qemu-edu" => qemu_edu(&dir),
+            "qemu-edu-remove" => qemu_edu_remove(&dir),
             "mmio-bench" => mmio_bench(&dir, 2000),
             "mmio-bench-quick" => mmio_bench(&dir, 200),
             other => bail!("unknown scenario `{other}`"),
