@@ -13,6 +13,8 @@
 //!   ch-hotplug   add-user-device / remove-device through the REST API, twice; L2 runs the
 //!                driver on each plug and sees each removal; the server and cloud-hypervisor
 //!                survive every removal
+//!   ch-pool      the pool daemon serves a cloud-hypervisor L2 while its worker is killed
+//!                again and again: every register read in L2 still returns the right value
 //!   ch-viommu    what cloud-hypervisor does with a user device on an IOMMU segment (refuses)
 //!   qemu-softgpu the softgpu to an L2 under QEMU -accel kvm with a vIOMMU: the driver's
 //!                full VFIO workload in L2 (MSI-X included)
@@ -540,6 +542,115 @@ fn qemu_edu_remove(dir: &Path) -> Result<Value> {
     }))
 }
 
+/// `switchyard ctl --socket SOCKET --json ARGS...`, parsed.
+fn ctl(socket: &Path, args: &[&str]) -> Result<Value> {
+    let out = std::process::Command::new(SWITCHYARD)
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--json")
+        .args(args)
+        .output()
+        .context("run switchyard ctl")?;
+    if !out.status.success() {
+        bail!(
+            "switchyard ctl {args:?}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("ctl JSON")
+}
+
+/// The pool daemon in L1 serves a cloud-hypervisor L2 whose user space reads a softgpu register
+/// thousands of times while the endpoint's worker is killed (SIGKILL) again and again: every
+/// read returns the register's value (the VMM's socket never drops; the replacement worker
+/// serves the same connection) and cloud-hypervisor notices nothing.
+fn ch_pool(dir: &Path) -> Result<Value> {
+    let log_path = dir.join("daemon.log");
+    let log = std::fs::File::create(&log_path)?;
+    let mut daemon = std::process::Command::new(SWITCHYARD)
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--run-dir")
+        .arg(dir.join("run"))
+        .env("RUST_LOG", "info")
+        .env("SWITCHYARD_WORKER_EXE", SWITCHYARD)
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("start switchyard daemon")?;
+    let control = dir.join("run/control.sock");
+    let r = (|| -> Result<Value> {
+        procs::wait_for(
+            Duration::from_secs(60),
+            "the daemon's control socket",
+            || Ok(ctl(&control, &["pools"]).is_ok().then_some(())),
+        )?;
+        let created = ctl(&control, &["create", "vm1", "--pool", "default"])?;
+        let socket = created["endpoint"]["socket"]
+            .as_str()
+            .context("the endpoint's socket")?
+            .to_owned();
+        // Twice this many reads (timed one by one, then as a batch): ~10 s at ~1 ms each.
+        let reads = "4000";
+        let args = [
+            "--id",
+            "1234:5347",
+            "--count",
+            reads,
+            "--expect",
+            "0x50475953",
+            "--label",
+            "pool",
+        ];
+        let mut spec = l2_spec("pool", l2_cmdline("sy-mmio", &args));
+        spec.user_devices = vec![UserDeviceConfig::new(&socket).id("gpu0")];
+        let mut vm = Vm::start(dir, spec)?;
+        vm.wait_line("GUEST: test sy-mmio start", L2_TIMEOUT)?;
+        let mut kills = 0u32;
+        let mut last_pid = None;
+        while kills < 3 && vm.find_line("SY-MMIO ").is_none() {
+            std::thread::sleep(Duration::from_millis(1000));
+            let st = ctl(&control, &["endpoint", "vm1"])?;
+            let w = &st["worker"];
+            let pid = w["pid"].as_u64();
+            // Kill only a worker that serves (the previous replacement is ready).
+            if w["ready"].as_u64() > Some(u64::from(kills)) && pid.is_some() && pid != last_pid {
+                let pid = pid.unwrap_or_default().to_string();
+                std::process::Command::new("kill")
+                    .args(["-KILL", &pid])
+                    .status()?;
+                println!("NESTED: killed worker {pid} (kill {})", kills + 1);
+                kills += 1;
+                last_pid = st["worker"]["pid"].as_u64();
+            }
+        }
+        let (rc, summary, exit) = l2_outcome(&mut vm, "sy-mmio", "SY-MMIO ")?;
+        let st = ctl(&control, &["endpoint", "vm1"])?;
+        let ok = rc == 0
+            && exit == Some(0)
+            && kills >= 2
+            && summary["mismatches"] == 0
+            && st["worker"]["restarts"].as_u64() >= Some(u64::from(kills));
+        if !ok {
+            println!("NESTED: daemon log tail:\n{}", tail(&log_path, 4000));
+        }
+        Ok(json!({
+            "ok": ok, "kills": kills, "reads": summary["count"], "mismatches": summary["mismatches"],
+            "read_ns": summary["read_ns"], "sy_mmio_rc": rc, "ch_exit": exit,
+            "worker": st["worker"],
+        }))
+    })();
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status();
+    let _ = daemon.wait();
+    r
+}
+
 fn tail_text(s: &str, max: usize) -> &str {
     let mut start = s.len().saturating_sub(max);
     while !s.is_char_boundary(start) {
@@ -558,6 +669,7 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "ch-workload" => ch_workload(&dir, mode),
             "ch-hotplug" => ch_hotplug(&dir, mode, 2),
             "ch-viommu" => ch_viommu(&dir),
+            "ch-pool" => ch_pool(&dir),
             "qemu-softgpu" => qemu_softgpu(&dir),
             "qemu-edu" => qemu_edu(&dir),
             "qemu-edu-remove" => qemu_edu_remove(&dir),

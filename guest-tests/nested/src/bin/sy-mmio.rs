@@ -3,8 +3,12 @@
 //! the VMM emulates, and a device served over vfio-user shows what each path costs.
 //!
 //! ```text
-//! sy-mmio --id VID:DID [--nth K] [--bar N] [--offset O] [--count N] [--label L]
+//! sy-mmio --id VID:DID [--nth K] [--bar N] [--offset O] [--count N] [--label L] [--expect V]
 //! ```
+//!
+//! `--expect V`: every read must return V (a register that never changes, read while the
+//! server behind it is killed and replaced); the JSON counts the reads that did not, and the
+//! exit code is 1 if any.
 //!
 //! Finds the K-th (default 0) PCI function with that ID in sysfs, turns on memory decoding in
 //! its COMMAND register (through the sysfs `config` file), mmaps `resourceN` and times `count`
@@ -32,6 +36,7 @@ struct Args {
     offset: u64,
     count: usize,
     label: String,
+    expect: Option<u32>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -43,6 +48,7 @@ fn parse_args() -> Result<Args> {
         offset: 0,
         count: 2000,
         label: String::new(),
+        expect: None,
     };
     let mut id = None;
     let mut it = std::env::args().skip(1);
@@ -61,6 +67,7 @@ fn parse_args() -> Result<Args> {
             "--offset" => a.offset = num(v()?)?,
             "--count" => a.count = usize::try_from(num(v()?)?)?,
             "--label" => a.label = v()?,
+            "--expect" => a.expect = Some(u32::try_from(num(v()?)?)?),
             other => bail!("unknown argument `{other}`"),
         }
     }
@@ -144,10 +151,16 @@ fn run(a: &Args) -> Result<serde_json::Value> {
         std::hint::black_box(bar.r32(a.offset));
     }
     let mut each = Vec::with_capacity(a.count);
-    for _ in 0..a.count {
+    let mut mismatches = 0u64;
+    let mut first_mismatch = None;
+    for i in 0..a.count {
         let t = Instant::now();
-        std::hint::black_box(bar.r32(a.offset));
+        let v = bar.r32(a.offset);
         each.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        if a.expect.is_some_and(|e| e != v) {
+            mismatches += 1;
+            first_mismatch.get_or_insert((i, v));
+        }
     }
     let t = Instant::now();
     for _ in 0..a.count {
@@ -163,6 +176,9 @@ fn run(a: &Args) -> Result<serde_json::Value> {
         "bar": a.bar,
         "offset": a.offset,
         "value": format!("{first:#010x}"),
+        "expect": a.expect.map(|e| format!("{e:#010x}")),
+        "mismatches": mismatches,
+        "first_mismatch": first_mismatch.map(|(i, v)| json!({ "read": i, "value": format!("{v:#010x}") })),
         "count": a.count,
         "read_ns": {
             "min": each[0],
@@ -178,7 +194,12 @@ fn run(a: &Args) -> Result<serde_json::Value> {
 fn main() {
     let r = parse_args().and_then(|a| run(&a));
     match r {
-        Ok(v) => println!("SY-MMIO {v}"),
+        Ok(v) => {
+            println!("SY-MMIO {v}");
+            if v["mismatches"].as_u64().is_some_and(|n| n > 0) {
+                std::process::exit(1);
+            }
+        }
         Err(e) => {
             println!("SY-MMIO {}", json!({ "error": format!("{e:#}") }));
             std::process::exit(1);
