@@ -38,8 +38,8 @@ fn result<'a>(all: &'a [Value], scenario: &str, serial: &str) -> &'a Value {
 #[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
     with_logs("nested_cloud_hypervisor", |env, dir| {
-        let spec =
-            GuestSpec::nested(env, &["ch-viommu", "ch-workload", "ch-hotplug"]).expect("L1 image");
+        let spec = GuestSpec::nested(env, &["ch-viommu", "ch-workload", "ch-hotplug", "ch-pool"])
+            .expect("L1 image");
         let out = Guest::boot(env, dir, &spec)
             .expect("boot L1")
             .wait()
@@ -98,6 +98,18 @@ fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
             "{h}"
         );
         assert_eq!(h["server_alive_after_vm"], true, "{h}");
+
+        // The pool daemon serves the same kind of guest while its worker is SIGKILLed: the
+        // VMM's socket never drops, every read in L2 returns the register's value.
+        let p = result(&all, "ch-pool", serial);
+        assert_eq!(p["ok"], true, "{p}");
+        assert!(p["kills"].as_u64().is_some_and(|k| k >= 2), "{p}");
+        assert_eq!(p["mismatches"], 0, "{p}");
+        assert_eq!(p["ch_exit"], 0, "{p}");
+        assert!(
+            p["worker"]["restarts"].as_u64() >= p["kills"].as_u64(),
+            "{p}"
+        );
         assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
     });
 }
