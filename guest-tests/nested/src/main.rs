@@ -22,6 +22,8 @@
 //!                QEMU; L2's sy-edu drives it through VFIO (registers, MSI, DMA)
 //!   qemu-edu-remove  that edu removed from L1 under load: no hang, the endpoint fails
 //!                cleanly, switchyard and QEMU survive
+//!   vf-probe     an igb VF created and bound by `switchyard inventory`, served by switchyard,
+//!                checked from the client side (identity, config space, regions, MSI-X)
 //!   mmio-bench   MMIO read latency from L2: direct-assigned edu, a VMM-emulated register, the
 //!                softgpu over vfio-user (`-quick`: 200 reads instead of 2000)
 //! ```
@@ -39,6 +41,7 @@
 
 #![forbid(unsafe_code)]
 
+mod probe;
 mod procs;
 
 use std::path::{Path, PathBuf};
@@ -651,6 +654,64 @@ fn ch_pool(dir: &Path) -> Result<Value> {
     r
 }
 
+/// `switchyard inventory ARGS... --json`, parsed.
+fn inventory(args: &[&str]) -> Result<Value> {
+    let out = std::process::Command::new(SWITCHYARD)
+        .arg("inventory")
+        .args(args)
+        .arg("--json")
+        .output()
+        .context("run switchyard inventory")?;
+    if !out.status.success() {
+        bail!(
+            "switchyard inventory {args:?}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("inventory JSON")
+}
+
+/// SR-IOV: the inventory finds the igb PF L0 gave L1, creates two VFs and binds one to vfio-pci;
+/// switchyard serves that VF and a client (our library, standing in for the VMM) checks what a
+/// VMM would see: identity, config space, BAR sizing, regions, MSI-X.
+fn vf_probe(dir: &Path) -> Result<Value> {
+    let before = inventory(&[])?;
+    let pf = before["devices"]
+        .as_array()
+        .and_then(|d| {
+            d.iter()
+                .find(|d| d["sriov_totalvfs"].as_u64().is_some_and(|n| n > 0))
+        })
+        .context("no SR-IOV physical function in L1 (L0 must add an igb on a root port)")?
+        .clone();
+    let pf_bdf = pf["bdf"].as_str().context("PF address")?.to_owned();
+    let created = inventory(&["create-vfs", &pf_bdf, "2"])?;
+    let vfs: Vec<String> = created["vfs"]
+        .as_array()
+        .context("created VFs")?
+        .iter()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    let vf = vfs.first().context("no VF created")?.clone();
+    let bound = inventory(&["bind", &vf])?;
+    let server = Server::start(Path::new(SWITCHYARD), dir, "vf", &format!("vfio,host={vf}"))?;
+    let seen = probe::probe(&server.socket)?;
+    let after = inventory(&[])?;
+    let vf_entry = after["devices"]
+        .as_array()
+        .and_then(|d| d.iter().find(|d| d["bdf"] == vf.as_str()))
+        .cloned()
+        .unwrap_or(Value::Null);
+    let ok = seen["vendor"] == vf_entry["vendor"]
+        && seen["device"] == vf_entry["device"]
+        && seen["msix_routed"].as_u64().is_some_and(|n| n > 0)
+        && vf_entry["driver"] == "vfio-pci";
+    Ok(json!({
+        "ok": ok, "pf": pf, "vfs": vfs, "vf": vf_entry, "bind": bound, "client_view": seen,
+    }))
+}
+
 fn tail_text(s: &str, max: usize) -> &str {
     let mut start = s.len().saturating_sub(max);
     while !s.is_char_boundary(start) {
@@ -673,6 +734,7 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "qemu-softgpu" => qemu_softgpu(&dir),
             "qemu-edu" => qemu_edu(&dir),
             "qemu-edu-remove" => qemu_edu_remove(&dir),
+            "vf-probe" => vf_probe(&dir),
             "mmio-bench" => mmio_bench(&dir, 2000),
             "mmio-bench-quick" => mmio_bench(&dir, 200),
             other => bail!("unknown scenario `{other}`"),
