@@ -1,6 +1,6 @@
 //! DMA memory: anonymous mappings ("windows") placed at chosen IOVAs, a stack allocator over
 //! that IOVA range, and volatile CPU access by IOVA. Without an IOMMU (`--noiommu`) the windows
-//! are hugepages at their physical addresses ([`Window::pinned`], the `hugepage` module), which
+//! are hugepages at their physical addresses ([`Window::pinned`], [`crate::hugepage`]), which
 //! need not be adjacent: the allocator then hands out ranges inside one run of adjacent windows
 //! ([`DmaArena::runs`]), because only those are contiguous for the device. The device may read and write this memory
 //! at any time, so it is never borrowed as a Rust slice; every CPU access is a volatile copy.

@@ -2,7 +2,7 @@
 //! interrupt (fence values in DMA memory, checked when the interrupt arrives: an MSI-X vector's
 //! eventfd, or in MSI mode the single MSI eventfd demultiplexed through `INT_STATUS`).
 //!
-//! The same [`Gpu`] runs without VFIO (`--noiommu`): it is built from its
+//! The same [`Gpu`] runs without VFIO (`--noiommu`, [`crate::noiommu`]): it is built from its
 //! parts ([`Gpu::from_parts`]): config space through a [`DeviceAccess`] other than VFIO,
 //! hugepage DMA windows at their physical addresses, and polled delivery
 //! ([`crate::irq::Delivery::Polled`]), which waits exactly as MSI does but reads `INT_STATUS`
@@ -28,7 +28,7 @@ pub const DMA_BASE_IOVA: u64 = 0x1_0000_0000;
 pub const UNMAPPED_IOVA: u64 = 0x7_0000_0000;
 
 /// How the driver reaches the device's config space and interrupt routing, besides its BAR
-/// mappings: VFIO ([`Vfio`]), or sysfs without VFIO (`noiommu::SysfsDevice`).
+/// mappings: VFIO ([`Vfio`]), or sysfs without VFIO ([`crate::noiommu::SysfsDevice`]).
 pub trait DeviceAccess: std::fmt::Debug {
     /// Reads config space at `offset`.
     fn cfg_read(&self, offset: u64, buf: &mut [u8]) -> Result<(), String>;
