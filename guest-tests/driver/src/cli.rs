@@ -1,4 +1,5 @@
 //! Command line: `sygpu-driver [--quick] [--bdf BDF] [--timeout SECONDS]`,
+//! `sygpu-driver --noiommu [--quick] [--bdf BDF] [--timeout SECONDS]`,
 //! `sygpu-driver --probe [--bdf BDF]` or `sygpu-driver --stamp|--check-stamp SEED [--bdf BDF]`.
 
 use std::time::Duration;
@@ -8,6 +9,7 @@ use crate::sysfs::is_bdf;
 /// Usage text.
 pub const USAGE: &str = "\
 usage: sygpu-driver [--quick] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+       sygpu-driver --noiommu [--quick] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
        sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
 
@@ -17,6 +19,12 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               MSI-X eventfds, DMA through the IOMMU, COPY/FILL/SAXPY/GEMM 256^3/REDUCE on
               all queues, VRAM mmap coherence, a bad DMA address and recovery
   --quick     the same with smaller sizes (GEMM 64^3) for slow TCG guests
+  --noiommu   the same workload without an IOMMU and without VFIO (for a vfio-user
+              device the VMM cannot put behind a vIOMMU): sysfs enable + config file,
+              resource0/resource2 mmap, DMA memory in 2 MiB hugepages at their physical
+              addresses (needs root and hugepages=16 on the kernel command line),
+              completion polled through INT_STATUS and fence values (no interrupts);
+              the bad DMA address is one /proc/iomem shows as neither RAM nor a device
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -26,7 +34,7 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               back after a hot-unplug, e.g. moved to another board), through the mapping
               and an engine COPY
   --bdf B     use the device at B (default: the first 1234:5347)
-  --timeout S bound of every wait for an interrupt, seconds (default 60)
+  --timeout S bound of every wait for an interrupt (or poll), seconds (default 60)
 
 Progress lines start with 'SYGPU:'; the last line is 'SYGPU-SUMMARY {json}'
 ('SYGPU-PROBE {json}' for --probe, 'SYGPU-STAMP {json}' for the stamps). Exit code 0 only on pass, 1 on fail, 2 on usage errors.";
@@ -36,6 +44,8 @@ Progress lines start with 'SYGPU:'; the last line is 'SYGPU-SUMMARY {json}'
 pub enum Mode {
     /// The VFIO workload.
     Run,
+    /// The workload without IOMMU and VFIO.
+    NoIommu,
     /// The sysfs probe.
     Probe,
     /// Write (or check) a VRAM stamp.
@@ -71,6 +81,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         stamp_seed: 0,
         stamp_check: false,
     };
+    let mut modes: Vec<&str> = Vec::new();
     let mut it = args.iter().map(AsRef::as_ref);
     while let Some(a) = it.next() {
         let (key, inline) = match a.split_once('=') {
@@ -88,7 +99,14 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         };
         match key {
             "--quick" | "-q" => o.quick = true,
-            "--probe" => o.mode = Mode::Probe,
+            "--probe" => {
+                o.mode = Mode::Probe;
+                modes.push("--probe");
+            }
+            "--noiommu" => {
+                o.mode = Mode::NoIommu;
+                modes.push("--noiommu");
+            }
             "--stamp" | "--check-stamp" => {
                 let v = value(key)?;
                 o.stamp_seed = v
@@ -96,6 +114,11 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                     .map_err(|_| format!("{key} '{v}': want a number"))?;
                 o.stamp_check = key == "--check-stamp";
                 o.mode = Mode::Stamp;
+                modes.push(if o.stamp_check {
+                    "--check-stamp"
+                } else {
+                    "--stamp"
+                });
             }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
@@ -118,6 +141,9 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
             }
             _ => return Err(format!("unknown argument '{a}'")),
         }
+    }
+    if modes.contains(&"--noiommu") && modes.len() > 1 {
+        return Err(format!("{} cannot be combined", modes.join(" and ")));
     }
     if o.mode == Mode::Probe && o.quick {
         return Err("--quick applies to the VFIO run, not to --probe".into());
@@ -161,5 +187,37 @@ mod tests {
             (Mode::Stamp, 9, false)
         );
         assert!(parse(&["--stamp", "x"]).is_err());
+    }
+
+    #[test]
+    fn parses_noiommu() {
+        let o = parse(&[
+            "--noiommu",
+            "--quick",
+            "--bdf",
+            "00:03.0",
+            "--timeout",
+            "30",
+        ])
+        .expect("ok");
+        assert_eq!(o.mode, Mode::NoIommu);
+        assert!(o.quick);
+        assert_eq!(o.bdf.as_deref(), Some("0000:00:03.0"));
+        assert_eq!(o.timeout, Duration::from_secs(30));
+        let o = parse(&["--timeout=5", "--noiommu"]).expect("ok");
+        assert_eq!((o.mode, o.quick), (Mode::NoIommu, false));
+        for bad in [
+            &["--noiommu", "--probe"][..],
+            &["--probe", "--noiommu"],
+            &["--noiommu", "--stamp", "3"],
+            &["--check-stamp", "3", "--noiommu"],
+        ] {
+            assert!(
+                parse(bad).is_err_and(|e| e.contains("cannot be combined")),
+                "{bad:?}"
+            );
+        }
+        assert!(parse(&["--noiommu", "--timeout", "0"]).is_err());
+        assert!(USAGE.contains("--noiommu"));
     }
 }

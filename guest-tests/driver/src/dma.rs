@@ -1,5 +1,8 @@
 //! DMA memory: anonymous mappings ("windows") placed at chosen IOVAs, a stack allocator over
-//! that IOVA range, and volatile CPU access by IOVA. The device may read and write this memory
+//! that IOVA range, and volatile CPU access by IOVA. Without an IOMMU (`--noiommu`) the windows
+//! are hugepages at their physical addresses ([`Window::pinned`], [`crate::hugepage`]), which
+//! need not be adjacent: the allocator then hands out ranges inside one run of adjacent windows
+//! ([`DmaArena::runs`]), because only those are contiguous for the device. The device may read and write this memory
 //! at any time, so it is never borrowed as a Rust slice; every CPU access is a volatile copy.
 //!
 //! A window mapped into the IOMMU ([`DmaArena::map`]) is a [`switchyard_sys::DmaMapping`]: it
@@ -28,15 +31,28 @@ enum Memory {
     Plain(MmapRegion<()>),
     /// Mapped at `iova` into an IOMMU.
     Mapped(DmaMapping),
+    /// Physically contiguous, locked memory whose physical address is `iova` (no IOMMU).
+    Pinned(MmapRegion<()>),
     /// Taken out while changing state, or leaked by a failed unmap.
     Gone,
 }
 
 impl Window {
+    /// A window of memory the device reaches at bus address `bus` without an IOMMU: the
+    /// caller has checked that `region` is physically contiguous at `bus` and stays there
+    /// (locked hugepages).
+    pub fn pinned(bus: u64, region: MmapRegion<()>) -> Window {
+        Window {
+            iova: bus,
+            size: region.size(),
+            memory: Memory::Pinned(region),
+        }
+    }
+
     /// The memory, or an error if a failed unmap leaked it.
     pub fn region(&self) -> Result<&MmapRegion<()>, String> {
         match &self.memory {
-            Memory::Plain(r) => Ok(r),
+            Memory::Plain(r) | Memory::Pinned(r) => Ok(r),
             Memory::Mapped(m) => Ok(m.memory()),
             Memory::Gone => Err(format!(
                 "DMA window at IOVA {:#x} is gone (its unmap failed)",
@@ -56,14 +72,32 @@ impl Window {
     }
 }
 
-/// Contiguous IOVA space `[base, base + windows * window_size)` backed by separate mappings, so
-/// that transfers crossing a window boundary scatter across mappings.
+/// IOVA space backed by separate mappings ("windows"), so that transfers crossing a window
+/// boundary scatter across mappings. With an IOMMU it is one contiguous range `[base, base +
+/// windows * window_size)`; without one, the windows lie wherever their memory is, and each
+/// run of adjacent windows is a contiguous range of its own.
 #[derive(Debug)]
 pub struct DmaArena {
+    /// Sorted by IOVA, not overlapping.
     windows: Vec<Window>,
+    /// Runs of adjacent windows: `(start, end)`, ascending.
+    runs: Vec<(u64, u64)>,
     base: u64,
     size: u64,
     next: u64,
+}
+
+/// Merges sorted, non-overlapping `(start, len)` ranges into runs of adjacent ones:
+/// `(start, end)`.
+pub fn merge_runs(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for (start, len) in ranges {
+        match runs.last_mut() {
+            Some(last) if last.1 == start => last.1 = start + len,
+            _ => runs.push((start, start + len)),
+        }
+    }
+    runs
 }
 
 /// A saved allocation point ([`DmaArena::mark`]).
@@ -93,12 +127,61 @@ impl DmaArena {
                 memory: Memory::Plain(region),
             });
         }
+        let size = window_size * count as u64;
         Ok(DmaArena {
             windows,
+            runs: vec![(base, base + size)],
             base,
-            size: window_size * count as u64,
+            size,
             next: base,
         })
+    }
+
+    /// An arena over `windows` placed wherever they are (no IOMMU: at their physical
+    /// addresses); they are sorted here and must not overlap.
+    pub fn from_windows(mut windows: Vec<Window>) -> Result<DmaArena, String> {
+        windows.sort_by_key(|w| w.iova);
+        if windows.is_empty() {
+            return Err("no DMA windows".into());
+        }
+        for pair in windows.windows(2) {
+            if pair[0].iova + pair[0].size as u64 > pair[1].iova {
+                return Err(format!(
+                    "DMA windows at {:#x} and {:#x} overlap",
+                    pair[0].iova, pair[1].iova
+                ));
+            }
+        }
+        let runs = merge_runs(windows.iter().map(|w| (w.iova, w.size as u64)));
+        let base = runs[0].0;
+        let last = runs[runs.len() - 1].1;
+        Ok(DmaArena {
+            windows,
+            runs,
+            base,
+            size: last - base,
+            next: base,
+        })
+    }
+
+    /// Runs of adjacent windows, `(start, end)`, ascending: an allocation lies inside one.
+    pub fn runs(&self) -> &[(u64, u64)] {
+        &self.runs
+    }
+
+    /// Length of the longest run: the largest allocation possible.
+    pub fn largest_run(&self) -> u64 {
+        self.runs.iter().map(|(s, e)| e - s).max().unwrap_or(0)
+    }
+
+    /// Forgets the memory of every pinned window (no IOMMU): for when the device may still
+    /// write it (its queues did not stop) and nothing protects it.
+    pub fn leak(&mut self) {
+        for w in &mut self.windows {
+            if let Memory::Pinned(_) = w.memory {
+                std::mem::forget(std::mem::replace(&mut w.memory, Memory::Gone));
+            }
+        }
     }
 
     /// The windows.
@@ -151,9 +234,27 @@ impl DmaArena {
         self.base + self.size
     }
 
-    /// Allocates `len` bytes aligned to `align` (a power of two); returns the IOVA.
+    /// Allocates `len` bytes aligned to `align` (a power of two), inside one run; returns the
+    /// IOVA. Space left at the end of a run that is too small is skipped.
     pub fn alloc(&mut self, len: u64, align: u64) -> Result<u64, String> {
         let align = align.max(1);
+        if self.runs.len() > 1 {
+            for &(rs, re) in &self.runs {
+                if re <= self.next {
+                    continue;
+                }
+                let start = self.next.max(rs).div_ceil(align) * align;
+                if let Some(end) = start.checked_add(len).filter(|&e| e <= re) {
+                    self.next = end;
+                    return Ok(start);
+                }
+            }
+            return Err(format!(
+                "DMA arena exhausted: {len} bytes wanted, no run of adjacent windows has them free (runs {}, largest {} bytes)",
+                self.runs.len(),
+                self.largest_run()
+            ));
+        }
         let start = self.next.div_ceil(align) * align;
         let end = start
             .checked_add(len)
@@ -275,6 +376,73 @@ mod tests {
         assert_eq!(a.alloc(1, 1), Ok(0x1_0000_000a));
         assert!(a.alloc(0x8000, 1).is_err());
         assert!(DmaArena::new(0, 100, 1).is_err());
+    }
+
+    fn pinned(bus: u64, len: usize) -> Window {
+        Window::pinned(bus, MmapRegion::<()>::new(len).expect("mmap"))
+    }
+
+    #[test]
+    fn runs_merge_adjacent_windows() {
+        assert_eq!(
+            merge_runs([
+                (0x20_0000, 0x20_0000),
+                (0x40_0000, 0x20_0000),
+                (0x80_0000, 0x1000)
+            ]),
+            vec![(0x20_0000, 0x60_0000), (0x80_0000, 0x80_1000)]
+        );
+        assert_eq!(merge_runs([]), vec![]);
+    }
+
+    /// Hugepages at scattered physical addresses (given out of order): allocations stay
+    /// inside one run of adjacent pages, skipping a tail that is too short; mark/release
+    /// works across runs; accesses may cross adjacent windows but not a gap.
+    #[test]
+    fn allocation_across_hugepage_runs() {
+        const H: u64 = 0x1000; // stands in for 2 MiB
+        let mut a = DmaArena::from_windows(vec![
+            pinned(10 * H, H as usize),
+            pinned(3 * H, H as usize),
+            pinned(4 * H, H as usize),
+            pinned(20 * H, H as usize),
+        ])
+        .expect("arena");
+        assert_eq!(
+            a.runs(),
+            &[(3 * H, 5 * H), (10 * H, 11 * H), (20 * H, 21 * H)]
+        );
+        assert_eq!(a.largest_run(), 2 * H);
+        assert_eq!((a.base(), a.end()), (3 * H, 21 * H));
+        // Crosses the boundary between the two adjacent pages.
+        let x = a.alloc(H + 16, 64).expect("alloc");
+        assert_eq!(x, 3 * H);
+        let m = a.mark();
+        // 0xff0 bytes left in the first run: too few for 0x800 aligned to 0x1000, so the next
+        // run.
+        let y = a.alloc(0x800, 0x1000).expect("alloc");
+        assert_eq!(y, 10 * H);
+        let z = a.alloc(0x900, 8).expect("alloc");
+        assert_eq!(z, 20 * H, "0x800 left in the page at 10H is not enough");
+        assert!(
+            a.alloc(2 * H, 1)
+                .is_err_and(|e| e.contains("no run of adjacent windows"))
+        );
+        a.release(m);
+        assert_eq!(a.alloc(8, 8), Ok(3 * H + H + 16));
+        assert!(a.alloc(3 * H, 1).is_err(), "larger than every run");
+        // Data across the two adjacent windows.
+        let data: Vec<u8> = (0..0x100u32).map(|i| i as u8).collect();
+        a.write(4 * H - 0x80, &data).expect("write");
+        assert_eq!(a.read_vec(4 * H - 0x80, 0x100), Ok(data));
+        assert!(a.read_vec(5 * H - 8, 16).is_err(), "runs into the gap");
+        assert!(
+            DmaArena::from_windows(vec![pinned(0, 0x2000), pinned(0x1000, 0x1000)]).is_err(),
+            "overlap"
+        );
+        assert!(!a.windows().iter().any(Window::is_mapped));
+        a.leak();
+        assert!(a.read_vec(3 * H, 1).is_err(), "leaked windows are gone");
     }
 
     #[test]

@@ -1,13 +1,19 @@
 //! The softgpu driver proper: device bring-up over VFIO, rings, submission, and completion by
 //! interrupt (fence values in DMA memory, checked when the interrupt arrives: an MSI-X vector's
 //! eventfd, or in MSI mode the single MSI eventfd demultiplexed through `INT_STATUS`).
+//!
+//! The same [`Gpu`] runs without VFIO (`--noiommu`, [`crate::noiommu`]): it is built from its
+//! parts ([`Gpu::from_parts`]): config space through a [`DeviceAccess`] other than VFIO,
+//! hugepage DMA windows at their physical addresses, and polled delivery
+//! ([`crate::irq::Delivery::Polled`]), which waits exactly as MSI does but reads `INT_STATUS`
+//! itself.
 
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crate::cmd::{Addr, Cmd};
 use crate::dma::{DmaArena, Mark};
-use crate::irq::{Event, InterruptSource, IrqMode, WaitError};
+use crate::irq::{Delivery, Event, InterruptSource, IrqMode, WaitError};
 use crate::mmio::BarMap;
 use crate::pci;
 use crate::regs::*;
@@ -18,6 +24,37 @@ use crate::vfio::Vfio;
 pub const RING_ENTRIES: u32 = 256;
 /// First IOVA of the DMA arena (above 4 GiB, clear of the x86 MSI window).
 pub const DMA_BASE_IOVA: u64 = 0x1_0000_0000;
+/// An IOVA the driver never maps, for the bad-DMA test through an IOMMU.
+pub const UNMAPPED_IOVA: u64 = 0x7_0000_0000;
+
+/// How the driver reaches the device's config space and interrupt routing, besides its BAR
+/// mappings: VFIO ([`Vfio`]), or sysfs without VFIO ([`crate::noiommu::SysfsDevice`]).
+pub trait DeviceAccess: std::fmt::Debug {
+    /// Reads config space at `offset`.
+    fn cfg_read(&self, offset: u64, buf: &mut [u8]) -> Result<(), String>;
+    /// Writes config space at `offset`.
+    fn cfg_write(&self, offset: u64, data: &[u8]) -> Result<(), String>;
+    /// Tears the interrupt routing of `mode` down.
+    fn disable_irqs(&self, mode: IrqMode) -> Result<(), String>;
+    /// Undoes whatever else bring-up changed, at the end of [`Gpu::shutdown`].
+    fn release(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+impl DeviceAccess for Vfio {
+    fn cfg_read(&self, offset: u64, buf: &mut [u8]) -> Result<(), String> {
+        Vfio::cfg_read(self, offset, buf)
+    }
+
+    fn cfg_write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        Vfio::cfg_write(self, offset, data)
+    }
+
+    fn disable_irqs(&self, mode: IrqMode) -> Result<(), String> {
+        Vfio::disable_irqs(self, mode)
+    }
+}
 
 /// Counters for the summary.
 #[derive(Debug, Default, Clone)]
@@ -58,10 +95,11 @@ pub struct QueueFault {
     pub addr: u64,
     /// `Q_ERROR_OPCODE`.
     pub opcode: u32,
-    /// The vector that reported it: the queue's MSI-X error vector, or the MSI vector (0).
+    /// The vector that reported it: the queue's MSI-X error vector, or the MSI vector (0;
+    /// also 0 when polled).
     pub vector: u32,
-    /// The interrupt mode.
-    pub mode: IrqMode,
+    /// How it was delivered.
+    pub delivery: Delivery,
 }
 
 impl std::fmt::Display for QueueFault {
@@ -76,13 +114,14 @@ impl std::fmt::Display for QueueFault {
             self.index,
             self.addr,
             self.opcode,
-            match self.mode {
-                IrqMode::Msix => format!("error vector {}", self.vector),
-                IrqMode::Msi => format!(
+            match self.delivery {
+                Delivery::Msix => format!("error vector {}", self.vector),
+                Delivery::Msi => format!(
                     "MSI vector {}, INT_STATUS bit {}",
                     self.vector,
                     16 + self.queue
                 ),
+                Delivery::Polled => format!("polled INT_STATUS bit {}", 16 + self.queue),
             }
         )
     }
@@ -124,8 +163,9 @@ pub struct GpuOptions {
 /// Dropping it runs [`Gpu::shutdown`] (queues reset, bus mastering off, interrupts and DMA
 /// unmapped). Memory safety does not depend on that or on field order: each DMA window owns
 /// its IOMMU mapping and never frees memory the device could still reach. `dma` is declared
-/// before `vfio` so that its unmaps (if `shutdown` did not run them) happen while the
-/// container still has the device's group.
+/// before `dev` so that its unmaps (if `shutdown` did not run them) happen while the VFIO
+/// container still has the device's group. Without an IOMMU nothing stops the device from
+/// writing freed memory, so `shutdown` leaks the hugepages when a queue did not stop.
 pub struct Gpu {
     /// BAR0 (registers).
     pub bar0: BarMap,
@@ -133,10 +173,12 @@ pub struct Gpu {
     pub vram: BarMap,
     /// The interrupts (MSI-X or MSI eventfds).
     pub irqs: InterruptSource,
-    /// DMA memory ([`Gpu::dma`]), windows mapped through the device's IOMMU.
+    /// DMA memory ([`Gpu::dma`]), windows mapped through the device's IOMMU (or, without one,
+    /// hugepages at their physical addresses).
     dma: DmaArena,
-    /// The VFIO device (private, like `dma`: neither can be replaced from outside).
-    vfio: Vfio,
+    /// The VFIO device, or sysfs access without VFIO (private, like `dma`: neither can be
+    /// replaced from outside).
+    dev: Box<dyn DeviceAccess>,
     /// Queues the device has.
     pub nq: u32,
     /// VRAM bytes.
@@ -147,9 +189,41 @@ pub struct Gpu {
     pub timeout: Duration,
     /// Config space (first 256 bytes) as read at bring-up.
     pub config: Vec<u8>,
+    /// A bus address no DMA can reach (the bad-DMA test's target).
+    pub unmapped_addr: u64,
+    /// Whether the bus addresses right after the arena are unreachable for the device (with
+    /// an IOMMU; without one they are other guest RAM).
+    pub arena_edge_faults: bool,
     fence_slots: u64,
     queues: Vec<Queue>,
     irqs_enabled: bool,
+    shut_down: bool,
+}
+
+/// What [`Gpu::from_parts`] builds a device from: BARs mapped, device reset
+/// ([`Gpu::check_bars_and_reset`]), interrupt delivery and DMA memory ready.
+#[derive(Debug)]
+pub struct Parts {
+    /// BAR0.
+    pub bar0: BarMap,
+    /// The VRAM BAR.
+    pub vram: BarMap,
+    /// Interrupt delivery.
+    pub irqs: InterruptSource,
+    /// DMA memory (not to be mapped into an IOMMU).
+    pub dma: DmaArena,
+    /// Config space and the rest.
+    pub dev: Box<dyn DeviceAccess>,
+    /// `NUM_QUEUES`.
+    pub nq: u32,
+    /// `VRAM_SIZE`.
+    pub vram_size: u64,
+    /// Config space as read at bring-up.
+    pub config: Vec<u8>,
+    /// Bound of every wait.
+    pub timeout: Duration,
+    /// A bus address no DMA can reach.
+    pub unmapped_addr: u64,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -174,6 +248,61 @@ pub fn detect_irq_mode(vfio: &Vfio) -> Result<IrqMode, String> {
     IrqMode::detect(&ids)
 }
 
+/// Checks the softgpu's identity and its PM and PCI Express capabilities in `config` (the
+/// first 256 bytes of config space), logs them, and returns the interrupt mode its
+/// capabilities give.
+pub fn check_config(config: &[u8]) -> Result<IrqMode, String> {
+    let (ven, dev, class) = pci::identity(config);
+    if (ven, dev, class) != (PCI_VENDOR, PCI_DEVICE, PCI_CLASS) {
+        return Err(format!(
+            "config space says {ven:04x}:{dev:04x} class {class:06x}, not the softgpu"
+        ));
+    }
+    let caps = pci::capabilities(config)?;
+    let ids: Vec<u8> = caps.iter().map(|c| c.0).collect();
+    say!("config: {ven:04x}:{dev:04x} class {class:06x} capabilities {ids:02x?}");
+    for (want, name) in [(CAP_PM, "PM"), (CAP_PCIE, "PCI Express")] {
+        if !ids.contains(&want) {
+            return Err(format!(
+                "capability {name} ({want:#04x}) missing: {ids:02x?}"
+            ));
+        }
+    }
+    IrqMode::detect(&ids)
+}
+
+/// Sets Memory Space and Bus Master in the command register (from `config`) through `dev` and
+/// checks that both read back; returns the value read.
+pub fn enable_memory_and_master(dev: &dyn DeviceAccess, config: &[u8]) -> Result<u16, String> {
+    let cmd =
+        pci::le16(config, pci::PCI_COMMAND) | pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER;
+    dev.cfg_write(pci::PCI_COMMAND as u64, &cmd.to_le_bytes())?;
+    let mut b = [0u8; 2];
+    dev.cfg_read(pci::PCI_COMMAND as u64, &mut b)?;
+    let got = u16::from_le_bytes(b);
+    if got & (pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER)
+        != pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER
+    {
+        return Err(format!(
+            "command register reads {got:#06x} after writing {cmd:#06x}"
+        ));
+    }
+    Ok(got)
+}
+
+/// Checks that `MSIX_VECTOR_COUNT` agrees with the interrupt mode of the capability list.
+pub fn check_vector_count_register(bar0: &BarMap, mode: IrqMode) -> Result<(), String> {
+    let reg = bar0.r32(MSIX_VECTOR_COUNT);
+    if reg != mode.msix_vector_count() {
+        return Err(format!(
+            "MSIX_VECTOR_COUNT reads {reg} but the capability list says {} (expected {})",
+            mode.label(),
+            mode.msix_vector_count()
+        ));
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// Brings the device up: config checks, memory + bus master, BAR mmaps, device reset,
     /// interrupts (MSI-X: an eventfd per vector; MSI: one eventfd), DMA windows through the
@@ -181,23 +310,7 @@ impl Gpu {
     pub fn open(vfio: Vfio, opt: &GpuOptions) -> Result<Gpu, String> {
         let mut config = vec![0u8; 256];
         vfio.cfg_read(0, &mut config)?;
-        let (ven, dev, class) = pci::identity(&config);
-        if (ven, dev, class) != (PCI_VENDOR, PCI_DEVICE, PCI_CLASS) {
-            return Err(format!(
-                "config space says {ven:04x}:{dev:04x} class {class:06x}, not the softgpu"
-            ));
-        }
-        let caps = pci::capabilities(&config)?;
-        let ids: Vec<u8> = caps.iter().map(|c| c.0).collect();
-        say!("config: {ven:04x}:{dev:04x} class {class:06x} capabilities {ids:02x?}");
-        for (want, name) in [(CAP_PM, "PM"), (CAP_PCIE, "PCI Express")] {
-            if !ids.contains(&want) {
-                return Err(format!(
-                    "capability {name} ({want:#04x}) missing: {ids:02x?}"
-                ));
-            }
-        }
-        let mode = IrqMode::detect(&ids)?;
+        let mode = check_config(&config)?;
         say!(
             "interrupt mode: {} (capability {:#04x}{})",
             mode.label(),
@@ -214,20 +327,7 @@ impl Gpu {
 
         // Memory space + bus master before touching the BARs (vfio-pci refuses BAR mmap faults
         // while memory decoding is off).
-        let cmd = pci::le16(&config, pci::PCI_COMMAND)
-            | pci::PCI_COMMAND_MEMORY
-            | pci::PCI_COMMAND_MASTER;
-        vfio.cfg_write(pci::PCI_COMMAND as u64, &cmd.to_le_bytes())?;
-        let mut b = [0u8; 2];
-        vfio.cfg_read(pci::PCI_COMMAND as u64, &mut b)?;
-        let got = u16::from_le_bytes(b);
-        if got & (pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER)
-            != pci::PCI_COMMAND_MEMORY | pci::PCI_COMMAND_MASTER
-        {
-            return Err(format!(
-                "command register reads {got:#06x} after writing {cmd:#06x}"
-            ));
-        }
+        let got = enable_memory_and_master(&vfio, &config)?;
         say!("command register {got:#06x} (memory space, bus master)");
 
         let bar0 = vfio
@@ -239,6 +339,74 @@ impl Gpu {
         if bar0.mapped_len() < BAR0_SIZE {
             return Err(format!("BAR0 mapping is {} bytes", bar0.mapped_len()));
         }
+        let (nq, vram_size) = Self::check_bars_and_reset(&bar0, &vram)?;
+
+        let irqs = Self::enable_interrupts(&vfio, mode, &bar0)?;
+        let t = Instant::now();
+        let dma = DmaArena::new(DMA_BASE_IOVA, opt.dma_window, opt.dma_windows)?;
+        let iommu = vfio.iommu();
+        let mut gpu = Gpu {
+            bar0,
+            vram,
+            irqs,
+            dma,
+            dev: Box::new(vfio),
+            nq,
+            vram_size,
+            stats: Stats::default(),
+            timeout: opt.timeout,
+            config,
+            unmapped_addr: UNMAPPED_IOVA,
+            arena_edge_faults: true,
+            fence_slots: 0,
+            queues: Vec::new(),
+            irqs_enabled: true,
+            shut_down: false,
+        };
+        // If a later window fails to map, the earlier ones stay mapped until `shutdown` (run by
+        // `Drop` on the early return) or the arena's drop unmaps them: each window owns its
+        // IOMMU mapping (`switchyard_sys::DmaMapping`).
+        gpu.dma.map(&iommu)?;
+        say!(
+            "DMA: {} windows of {} MiB mapped at IOVA {:#x}..{:#x} through the IOMMU in {} ms",
+            gpu.dma.windows().len(),
+            opt.dma_window >> 20,
+            gpu.dma.base(),
+            gpu.dma.end(),
+            ms(t.elapsed())
+        );
+        gpu.setup_rings()?;
+        Ok(gpu)
+    }
+
+    /// A device without VFIO from its `parts` (see [`Parts`]): sets up every ring. Bad-DMA
+    /// tests use `parts.unmapped_addr` and skip the arena's edge (other guest RAM lies there).
+    pub fn from_parts(parts: Parts) -> Result<Gpu, String> {
+        let mut gpu = Gpu {
+            bar0: parts.bar0,
+            vram: parts.vram,
+            irqs: parts.irqs,
+            dma: parts.dma,
+            dev: parts.dev,
+            nq: parts.nq,
+            vram_size: parts.vram_size,
+            stats: Stats::default(),
+            timeout: parts.timeout,
+            config: parts.config,
+            unmapped_addr: parts.unmapped_addr,
+            arena_edge_faults: false,
+            fence_slots: 0,
+            queues: Vec::new(),
+            irqs_enabled: false,
+            shut_down: false,
+        };
+        gpu.setup_rings()?;
+        Ok(gpu)
+    }
+
+    /// Checks MAGIC through the BAR0 mapping, resets the device, reads `NUM_QUEUES` and
+    /// `VRAM_SIZE` and checks that the VRAM BAR covers VRAM. Returns `(queues, VRAM bytes)`.
+    pub fn check_bars_and_reset(bar0: &BarMap, vram: &BarMap) -> Result<(u32, u64), String> {
         let magic = bar0.r32(MAGIC);
         if magic != MAGIC_VALUE {
             return Err(format!(
@@ -251,52 +419,35 @@ impl Gpu {
         if !(1..=8).contains(&nq) {
             return Err(format!("NUM_QUEUES reads {nq}"));
         }
-        say!(
-            "mmap: BAR0 {} KiB, BAR2 {} MiB in {} piece(s); MAGIC ok, device reset; {nq} queue(s), VRAM {} MiB",
-            bar0.mapped_len() >> 10,
-            vram.mapped_len() >> 20,
-            vram.pieces(),
-            vram_size >> 20
-        );
+        if vram.is_file_io() {
+            say!(
+                "mmap: BAR0 {} KiB, BAR2 through pread/pwrite ({} MiB); MAGIC ok, device reset; {nq} queue(s), VRAM {} MiB",
+                bar0.mapped_len() >> 10,
+                vram.mapped_len() >> 20,
+                vram_size >> 20
+            );
+        } else {
+            say!(
+                "mmap: BAR0 {} KiB, BAR2 {} MiB in {} piece(s); MAGIC ok, device reset; {nq} queue(s), VRAM {} MiB",
+                bar0.mapped_len() >> 10,
+                vram.mapped_len() >> 20,
+                vram.pieces(),
+                vram_size >> 20
+            );
+        }
         if vram.mapped_len() < vram_size {
             return Err(format!(
                 "VRAM mapping covers {} of {vram_size} bytes",
                 vram.mapped_len()
             ));
         }
+        Ok((nq, vram_size))
+    }
 
-        let irqs = Self::enable_interrupts(&vfio, mode, &bar0)?;
-        let t = Instant::now();
-        let dma = DmaArena::new(DMA_BASE_IOVA, opt.dma_window, opt.dma_windows)?;
-        let mut gpu = Gpu {
-            bar0,
-            vram,
-            irqs,
-            dma,
-            vfio,
-            nq,
-            vram_size,
-            stats: Stats::default(),
-            timeout: opt.timeout,
-            config,
-            fence_slots: 0,
-            queues: Vec::new(),
-            irqs_enabled: true,
-        };
-        // If a later window fails to map, the earlier ones stay mapped until `shutdown` (run by
-        // `Drop` on the early return) or the arena's drop unmaps them: each window owns its
-        // IOMMU mapping (`switchyard_sys::DmaMapping`).
-        let iommu = gpu.vfio.iommu();
-        gpu.dma.map(&iommu)?;
-        say!(
-            "DMA: {} windows of {} MiB mapped at IOVA {:#x}..{:#x} through the IOMMU in {} ms",
-            gpu.dma.windows().len(),
-            opt.dma_window >> 20,
-            gpu.dma.base(),
-            gpu.dma.end(),
-            ms(t.elapsed())
-        );
-
+    /// The fence slots and every queue's ring: allocated, programmed, enabled and checked.
+    fn setup_rings(&mut self) -> Result<(), String> {
+        let gpu = self;
+        let nq = gpu.nq;
         gpu.fence_slots = gpu.dma.alloc(4096, 4096)?;
         for q in 0..nq {
             let ring = gpu.dma.alloc(u64::from(RING_ENTRIES) * 64, 4096)?;
@@ -327,12 +478,13 @@ impl Gpu {
             gpu.queues[0].ring,
             nq - 1,
             8 + nq - 1,
-            match mode {
-                IrqMode::Msix => "",
-                IrqMode::Msi => " (stored, unused in MSI mode)",
+            match gpu.irqs.delivery() {
+                Delivery::Msix => "",
+                Delivery::Msi => " (stored, unused in MSI mode)",
+                Delivery::Polled => " (stored, unused: completion is polled)",
             }
         );
-        Ok(gpu)
+        Ok(())
     }
 
     /// Routes the device's vectors to eventfds (`VFIO_DEVICE_SET_IRQS`) and checks that the
@@ -344,14 +496,7 @@ impl Gpu {
     ) -> Result<InterruptSource, String> {
         let nvec = vfio.vectors(mode);
         let want = mode.vectors();
-        let reg = bar0.r32(MSIX_VECTOR_COUNT);
-        if reg != mode.msix_vector_count() {
-            return Err(format!(
-                "MSIX_VECTOR_COUNT reads {reg} but the capability list says {} (expected {})",
-                mode.label(),
-                mode.msix_vector_count()
-            ));
-        }
+        check_vector_count_register(bar0, mode)?;
         if nvec < want || (mode == IrqMode::Msix && nvec != want) {
             return Err(format!(
                 "VFIO offers {nvec} {} vector(s), expected {want}",
@@ -537,7 +682,7 @@ impl Gpu {
             addr: self.bar0.r64(queue_reg(q, Q_ERROR_ADDR)),
             opcode: self.qr32(q, Q_ERROR_OPCODE),
             vector: self.irqs.vector_of(ev),
-            mode: self.irqs.mode(),
+            delivery: self.irqs.delivery(),
         }
     }
 
@@ -581,7 +726,7 @@ impl Gpu {
                     return Err(format!(
                         "timeout after {} s waiting for fence {seq} on queue {q} ({} vector {}, interrupt {}): fence slot {}, STATUS {}, HEAD {}, TAIL {}, INT_STATUS {:#x}",
                         self.timeout.as_secs(),
-                        self.irqs.mode().label(),
+                        self.irqs.delivery().label(),
                         self.irqs.vector_of(done),
                         if interrupted {
                             "received"
@@ -664,9 +809,10 @@ impl Gpu {
     /// MSI-X (MSI) off and removes the DMA mappings. Idempotent; errors are reported, not fatal.
     pub fn shutdown(&mut self) -> Vec<String> {
         let mut problems = Vec::new();
-        if !self.dma.windows().iter().any(|w| w.is_mapped()) && !self.irqs_enabled {
+        if self.shut_down {
             return problems;
         }
+        self.shut_down = true;
         for q in 0..self.nq {
             self.qw32(q, Q_CONTROL, Q_CONTROL_RESET);
         }
@@ -682,20 +828,25 @@ impl Gpu {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }
+        if !problems.is_empty() {
+            // Memory outside an IOMMU the device may still write: never freed.
+            self.dma.leak();
+        }
         let cmd = pci::le16(&self.config, pci::PCI_COMMAND) | pci::PCI_COMMAND_MEMORY;
-        if let Err(e) = self.vfio.cfg_write(
+        if let Err(e) = self.dev.cfg_write(
             pci::PCI_COMMAND as u64,
             &(cmd & !pci::PCI_COMMAND_MASTER).to_le_bytes(),
         ) {
             problems.push(e);
         }
         if self.irqs_enabled {
-            if let Err(e) = self.vfio.disable_irqs(self.irqs.mode()) {
+            if let Err(e) = self.dev.disable_irqs(self.irqs.mode()) {
                 problems.push(e);
             }
             self.irqs_enabled = false;
         }
         problems.extend(self.dma.unmap());
+        problems.extend(self.dev.release());
         problems
     }
 }

@@ -8,8 +8,13 @@
 //!   write 1 to clear), reads again until nothing new is latched, and turns the bits into
 //!   pending events (bit q: queue q completed, bit 16+q: queue q stopped on an error).
 //!
-//! Waiting blocks in `epoll_wait` on the eventfds. `INT_STATUS` is read only in response to a
-//! signal, never polled. MSI is edge-triggered (one message per raise, even when the bit is
+//! - **Polled** ([`Polled`], the no-IOMMU mode: without VFIO no interrupt reaches user space):
+//!   no eventfd. The waiter reads `INT_STATUS` itself, with a growing pause between reads (20 µs
+//!   to 1 ms), and demultiplexes the bits exactly as the MSI handler does. The device latches
+//!   `INT_STATUS` whether or not MSI-X/MSI is enabled, so every completion and error is seen.
+//!
+//! With MSI-X and MSI, waiting blocks in `epoll_wait` on the eventfds. `INT_STATUS` is read
+//! only in response to a signal, never polled. MSI is edge-triggered (one message per raise, even when the bit is
 //! already latched), so a raise that lands after the handler's last read still has its own
 //! message on the way and wakes the next wait: nothing is lost, at worst a message finds
 //! `INT_STATUS` already empty (counted as `empty`).
@@ -106,6 +111,29 @@ impl IrqMode {
     }
 }
 
+/// How events reach the driver: the device's interrupt mode through VFIO eventfds, or nothing
+/// at all (no VFIO): `INT_STATUS` polled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// MSI-X vectors, one eventfd each.
+    Msix,
+    /// The MSI vector, one eventfd.
+    Msi,
+    /// No interrupts: the waiter polls `INT_STATUS`.
+    Polled,
+}
+
+impl Delivery {
+    /// Human name for logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Delivery::Msix => "MSI-X",
+            Delivery::Msi => "MSI",
+            Delivery::Polled => "polled INT_STATUS",
+        }
+    }
+}
+
 /// Something a waiter waits for. Each carries both routings: the MSI-X vector the device sends
 /// it on, and (through its queue) the `INT_STATUS` bit that names it in MSI mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -184,6 +212,28 @@ fn drain_status(regs: &(impl IntRegs + ?Sized)) -> u32 {
         all |= st;
     }
     all
+}
+
+/// Counts each bit of `st` in `pending` (one entry per `INT_STATUS` bit).
+fn record_status(pending: &mut [u64], st: u32) {
+    for (bit, p) in pending.iter_mut().enumerate() {
+        if st & (1 << bit) != 0 {
+            *p += 1;
+        }
+    }
+}
+
+/// Consumes the pending `INT_STATUS` bit of the first of `events` that has one.
+fn take_by_status_bit(pending: &mut [u64], events: &[Event]) -> Option<Event> {
+    events.iter().copied().find(|ev| {
+        let p = &mut pending[ev.status_bit().trailing_zeros() as usize];
+        if *p > 0 {
+            *p = 0;
+            true
+        } else {
+            false
+        }
+    })
 }
 
 /// Non-blocking eventfds in one epoll set, with the signals counted per eventfd.
@@ -300,25 +350,51 @@ impl Msi {
         if st == 0 {
             self.empty += 1;
         }
-        for (bit, p) in self.pending.iter_mut().enumerate() {
-            if st & (1 << bit) != 0 {
-                *p += 1;
-            }
-        }
+        record_status(&mut self.pending, st);
         Ok(st)
     }
 
     /// Consumes the pending status bit of the first of `events` that has one.
     fn take(&mut self, events: &[Event]) -> Option<Event> {
-        events.iter().copied().find(|ev| {
-            let p = &mut self.pending[ev.status_bit().trailing_zeros() as usize];
-            if *p > 0 {
-                *p = 0;
-                true
-            } else {
-                false
-            }
-        })
+        take_by_status_bit(&mut self.pending, events)
+    }
+}
+
+/// No interrupts (no VFIO, so none reaches user space): the waiter reads `INT_STATUS` itself
+/// and demultiplexes it like the MSI handler. `count` is the number of reads that found bits.
+#[derive(Debug)]
+pub struct Polled {
+    /// The device's own interrupt mode (its capability list), unused for delivery.
+    device_mode: IrqMode,
+    /// Per `INT_STATUS` bit: reads that found it set, not yet handed to a waiter.
+    pending: Vec<u64>,
+    /// Reads that found bits (the one entry of [`InterruptSource::counts`]).
+    count: [u64; 1],
+    /// `INT_STATUS` reads in total.
+    reads: u64,
+}
+
+/// First pause between two `INT_STATUS` reads of a polled wait; it doubles up to
+/// [`POLL_MAX_PAUSE`].
+pub const POLL_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_micros(20);
+/// Longest pause between two `INT_STATUS` reads of a polled wait.
+pub const POLL_MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+
+impl Polled {
+    /// One poll: reads and acknowledges `INT_STATUS` until it reads 0, records the bits.
+    fn read(&mut self, regs: &(impl IntRegs + ?Sized)) -> u32 {
+        self.reads += 1;
+        let st = drain_status(regs);
+        if st != 0 {
+            self.count[0] += 1;
+        }
+        record_status(&mut self.pending, st);
+        st
+    }
+
+    /// Consumes the pending status bit of the first of `events` that has one.
+    fn take(&mut self, events: &[Event]) -> Option<Event> {
+        take_by_status_bit(&mut self.pending, events)
     }
 }
 
@@ -329,6 +405,8 @@ pub enum InterruptSource {
     Msix(Msix),
     /// One eventfd, demultiplexed through `INT_STATUS`.
     Msi(Msi),
+    /// No eventfd: `INT_STATUS` polled by the waiter.
+    Polled(Polled),
 }
 
 impl InterruptSource {
@@ -349,29 +427,65 @@ impl InterruptSource {
         })
     }
 
-    /// The mode.
+    /// Polled delivery for a device whose own interrupt mode is `device_mode`.
+    pub fn polled(device_mode: IrqMode) -> InterruptSource {
+        InterruptSource::Polled(Polled {
+            device_mode,
+            pending: vec![0; 32],
+            count: [0],
+            reads: 0,
+        })
+    }
+
+    /// The device's interrupt mode (from its capability list; with polled delivery the mode
+    /// it has but that is not used).
     pub fn mode(&self) -> IrqMode {
         match self {
             InterruptSource::Msix(_) => IrqMode::Msix,
             InterruptSource::Msi(_) => IrqMode::Msi,
+            InterruptSource::Polled(p) => p.device_mode,
         }
     }
 
-    fn efds(&self) -> &EventFds {
+    /// How events reach the driver.
+    pub fn delivery(&self) -> Delivery {
         match self {
-            InterruptSource::Msix(m) => &m.efds,
-            InterruptSource::Msi(m) => &m.efd,
+            InterruptSource::Msix(_) => Delivery::Msix,
+            InterruptSource::Msi(_) => Delivery::Msi,
+            InterruptSource::Polled(_) => Delivery::Polled,
         }
     }
 
-    /// The eventfds, vector order (for `VFIO_DEVICE_SET_IRQS`).
-    pub fn fds(&self) -> Vec<&EventFd> {
-        self.efds().fds.iter().collect()
+    /// `INT_STATUS` reads of polled waits (0 with interrupts).
+    pub fn status_polls(&self) -> u64 {
+        match self {
+            InterruptSource::Polled(p) => p.reads,
+            _ => 0,
+        }
     }
 
-    /// Signals received per vector (16 in MSI-X mode, 1 in MSI mode).
+    fn efds(&self) -> Option<&EventFds> {
+        match self {
+            InterruptSource::Msix(m) => Some(&m.efds),
+            InterruptSource::Msi(m) => Some(&m.efd),
+            InterruptSource::Polled(_) => None,
+        }
+    }
+
+    /// The eventfds, vector order (for `VFIO_DEVICE_SET_IRQS`; none when polled).
+    pub fn fds(&self) -> Vec<&EventFd> {
+        self.efds()
+            .map(|e| e.fds.iter().collect())
+            .unwrap_or_default()
+    }
+
+    /// Signals received per vector (16 in MSI-X mode, 1 in MSI mode); polled: one entry, the
+    /// `INT_STATUS` reads that found bits.
     pub fn counts(&self) -> &[u64] {
-        &self.efds().counts
+        match self {
+            InterruptSource::Polled(p) => &p.count,
+            _ => self.efds().map_or(&[], |e| &e.counts),
+        }
     }
 
     /// Total signals received.
@@ -382,7 +496,7 @@ impl InterruptSource {
     /// Signals whose handler found `INT_STATUS` empty (MSI mode; 0 in MSI-X mode).
     pub fn empty_signals(&self) -> u64 {
         match self {
-            InterruptSource::Msix(_) => 0,
+            InterruptSource::Msix(_) | InterruptSource::Polled(_) => 0,
             InterruptSource::Msi(m) => m.empty,
         }
     }
@@ -391,7 +505,7 @@ impl InterruptSource {
     pub fn vector_of(&self, ev: Event) -> u32 {
         match self {
             InterruptSource::Msix(_) => ev.msix_vector(),
-            InterruptSource::Msi(_) => 0,
+            InterruptSource::Msi(_) | InterruptSource::Polled(_) => 0,
         }
     }
 
@@ -407,6 +521,7 @@ impl InterruptSource {
                 Ok(0)
             }
             InterruptSource::Msi(m) => m.read(regs),
+            InterruptSource::Polled(p) => Ok(p.read(regs)),
         }
     }
 
@@ -417,6 +532,7 @@ impl InterruptSource {
         match self {
             InterruptSource::Msix(m) => m.pending.iter_mut().for_each(|p| *p = 0),
             InterruptSource::Msi(m) => m.pending.iter_mut().for_each(|p| *p = 0),
+            InterruptSource::Polled(m) => m.pending.iter_mut().for_each(|p| *p = 0),
         }
         Ok(st)
     }
@@ -428,7 +544,8 @@ impl InterruptSource {
     /// MSI-X: `events` are matched by vector (the first listed wins if two share one); the
     /// handler reads and acknowledges `INT_STATUS` once the event is there. MSI: the handler
     /// runs on every signal and `events` are matched by their `INT_STATUS` bit, so a FENCE's
-    /// own vector is irrelevant: it arrives as its queue's completion.
+    /// own vector is irrelevant: it arrives as its queue's completion. Polled: like MSI, but
+    /// the waiter reads `INT_STATUS` itself, pausing between reads.
     pub fn wait_any(
         &mut self,
         regs: &(impl IntRegs + ?Sized),
@@ -436,6 +553,23 @@ impl InterruptSource {
         deadline: Instant,
     ) -> Result<(Event, u32), WaitError> {
         let mut seen = 0;
+        if let InterruptSource::Polled(p) = self {
+            let mut pause = POLL_FIRST_PAUSE;
+            loop {
+                if let Some(ev) = p.take(events) {
+                    return Ok((ev, seen));
+                }
+                if Instant::now() >= deadline {
+                    return Err(WaitError::Timeout);
+                }
+                let st = p.read(regs);
+                seen |= st;
+                if st == 0 {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(POLL_MAX_PAUSE);
+                }
+            }
+        }
         loop {
             match self {
                 InterruptSource::Msix(m) => {
@@ -448,15 +582,18 @@ impl InterruptSource {
                         return Ok((ev, seen));
                     }
                 }
+                InterruptSource::Polled(_) => unreachable!("handled above"),
             }
             let ready = match self {
                 InterruptSource::Msix(m) => m.efds.block(deadline)?,
                 InterruptSource::Msi(m) => m.efd.block(deadline)?,
+                InterruptSource::Polled(_) => unreachable!("handled above"),
             };
             for v in ready {
                 match self {
                     InterruptSource::Msix(m) => m.read(v)?,
                     InterruptSource::Msi(m) => seen |= m.read(regs)?,
+                    InterruptSource::Polled(_) => unreachable!("handled above"),
                 }
             }
         }
@@ -534,6 +671,62 @@ mod tests {
         assert_eq!(IrqMode::Msi.vectors(), 1);
         assert_eq!(IrqMode::Msi.msix_vector_count(), 0);
         assert_eq!((IrqMode::Msix.name(), IrqMode::Msi.name()), ("msix", "msi"));
+    }
+
+    /// Polled: no eventfd; the waiter reads INT_STATUS itself, demultiplexes it like MSI,
+    /// keeps other queues' bits pending, sees a bit the device raises while it waits, and
+    /// gives up at the deadline.
+    #[test]
+    fn polled_reads_int_status_until_the_event() {
+        let regs = Arc::new(FakeRegs::default());
+        let mut irqs = InterruptSource::polled(IrqMode::Msix);
+        assert_eq!(irqs.delivery(), Delivery::Polled);
+        assert_eq!(irqs.mode(), IrqMode::Msix, "the device's own mode is kept");
+        assert!(irqs.fds().is_empty());
+        assert_eq!(irqs.counts(), &[0]);
+        regs.status
+            .store(int_completion(0) | int_error(2), Ordering::SeqCst);
+        let (ev, st) = irqs
+            .wait_any(regs.as_ref(), &[done(0, 5), err(0)], soon())
+            .expect("queue 0");
+        assert_eq!(ev, done(0, 5), "matched by INT_STATUS bit, not by vector");
+        assert_eq!(st, int_completion(0) | int_error(2));
+        assert_eq!(regs.acks(), vec![int_completion(0) | int_error(2)]);
+        // Queue 2's error stays pending for its waiter, without another read.
+        let reads = regs.reads.load(Ordering::SeqCst);
+        assert_eq!(
+            irqs.wait_any(regs.as_ref(), &[err(2)], soon()),
+            Ok((err(2), 0))
+        );
+        assert_eq!(regs.reads.load(Ordering::SeqCst), reads);
+        assert_eq!(irqs.vector_of(err(2)), 0);
+        // A bit raised while the waiter polls.
+        let r2 = regs.clone();
+        let raiser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            r2.status.fetch_or(int_completion(1), Ordering::SeqCst);
+        });
+        let t = Instant::now();
+        let got = irqs.wait_any(regs.as_ref(), &[done(1, 1)], soon());
+        raiser.join().expect("raiser");
+        assert_eq!(got.map(|(e, _)| e), Ok(done(1, 1)));
+        assert!(t.elapsed() >= Duration::from_millis(25));
+        assert!(irqs.status_polls() > 3, "{}", irqs.status_polls());
+        assert_eq!(irqs.counts(), &[2], "two reads found bits");
+        // Nothing raised: bounded by the deadline.
+        let t = Instant::now();
+        assert_eq!(
+            irqs.wait_any(
+                regs.as_ref(),
+                &[done(3, 3)],
+                Instant::now() + Duration::from_millis(50)
+            ),
+            Err(WaitError::Timeout)
+        );
+        assert!(t.elapsed() < Duration::from_secs(2));
+        // collect() reads once without waiting.
+        regs.status.store(int_completion(4), Ordering::SeqCst);
+        assert_eq!(irqs.collect(regs.as_ref()), Ok(int_completion(4)));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! sygpu-driver [--quick] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver --noiommu [--quick] [--bdf 0000:00:04.0] [--timeout SECONDS]
 //! sygpu-driver --probe [--bdf 0000:00:04.0]
 //! ```
 //!
@@ -16,9 +17,23 @@
 //! coherence between the CPU mapping and the engines, and a bad DMA address with recovery.
 //! `--probe` is the no-IOMMU check: sysfs and `resource0` only, no VFIO.
 //!
+//! `--noiommu` ([`noiommu`]) runs the same workload where VFIO cannot work (a vfio-user
+//! device under cloud-hypervisor, which puts no vfio-user device behind its virtio-iommu; the
+//! Debian 6.12 guest kernel has no VFIO no-IOMMU mode): the device is enabled and mapped
+//! through sysfs (`enable`, `config`, `resource0`, `resource2`), DMA memory is 2 MiB hugepages
+//! addressed by their physical addresses ([`hugepage`]: read from `/proc/self/pagemap`, so it
+//! needs root, and the guest kernel command line needs `hugepages=16`), and every wait polls
+//! `INT_STATUS` and the fence values, bounded by `--timeout` (no interrupt reaches user space
+//! without VFIO). The [`gpu::Gpu`] and the [`workload`] steps are shared: the two modes differ
+//! in their [`gpu::DeviceAccess`], their DMA windows ([`dma::DmaArena`]) and their interrupt
+//! delivery ([`irq::Delivery`]). Per-vector interrupt checks and the bad-DMA case that runs
+//! off the end of the DMA memory (other guest RAM without an IOMMU) are skipped, and the sizes
+//! shrink so every buffer fits one run of physically adjacent hugepages.
+//!
 //! Output: progress lines `SYGPU: ...`, then exactly one last line `SYGPU-SUMMARY {json}`
-//! ([`summary::Summary`]) or `SYGPU-PROBE {json}` ([`summary::ProbeSummary`]). Exit code 0 only
-//! on `"result":"pass"`.
+//! ([`summary::Summary`]; with `--noiommu` [`summary::NoIommuSummary`], which says
+//! `"iommu":"none","dma":"hugepage-physical","interrupts":"polled"`) or `SYGPU-PROBE {json}`
+//! ([`summary::ProbeSummary`]). Exit code 0 only on `"result":"pass"`.
 //!
 //! # Build (static, for a busybox initramfs)
 //!
@@ -34,8 +49,10 @@ pub mod cli;
 pub mod cmd;
 pub mod dma;
 pub mod gpu;
+pub mod hugepage;
 pub mod irq;
 pub mod mmio;
+pub mod noiommu;
 pub mod pci;
 pub mod probe;
 pub mod reference;
@@ -49,7 +66,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use summary::{Interrupts, Step, Summary};
+use summary::{Interrupts, Summary};
 
 /// The whole run is bounded by this many `--timeout`s (default 60 s -> 10 minutes).
 pub const WATCHDOG_TIMEOUTS: u32 = 10;
@@ -168,7 +185,115 @@ pub fn main_with(args: &[String]) -> i32 {
                 1
             }
         }
+        cli::Mode::NoIommu => {
+            let mode = if opts.quick { "quick" } else { "full" };
+            let start = Instant::now();
+            start_watchdog(opts.timeout * WATCHDOG_TIMEOUTS, move |reason| {
+                let mut s = summary::NoIommuSummary::new(mode);
+                s.duration_ms = start.elapsed().as_millis() as u64;
+                s.conclude(Some(reason));
+                s.line()
+            });
+            let s = run_noiommu(&opts);
+            if print_final(&s.line()) && s.passed() {
+                0
+            } else {
+                1
+            }
+        }
     }
+}
+
+/// The workload without IOMMU and VFIO ([`noiommu`]); never panics (a panic becomes a
+/// failed summary).
+pub fn run_noiommu(opts: &cli::Options) -> summary::NoIommuSummary {
+    let start = Instant::now();
+    let sizes = workload::Sizes::choose(opts.quick);
+    let mut sum = summary::NoIommuSummary::new(sizes.mode);
+    say!(
+        "start: sygpu-driver {} --noiommu mode={} timeout={}s (no IOMMU, no VFIO: hugepage DMA at physical addresses, polled completion)",
+        env!("CARGO_PKG_VERSION"),
+        sizes.mode,
+        opts.timeout.as_secs()
+    );
+    let failure = guarded(|| drive_noiommu(opts, sizes, &mut sum));
+    sum.duration_ms = start.elapsed().as_millis() as u64;
+    sum.conclude(failure);
+    say_done(sum.result, sum.duration_ms, sum.reason.as_deref());
+    sum
+}
+
+fn drive_noiommu(
+    opts: &cli::Options,
+    mut sizes: workload::Sizes,
+    sum: &mut summary::NoIommuSummary,
+) -> Result<(), String> {
+    let mut b = noiommu::Bringup::default();
+    let opened = noiommu::open(
+        &sysfs::Sysfs::system(),
+        opts.bdf.as_deref(),
+        opts.timeout,
+        &mut b,
+    );
+    sum.bdf = (!b.bdf.is_empty()).then(|| b.bdf.clone());
+    sum.device_irq_mode = b.device_irq_mode;
+    sum.vram_access = (!b.vram_access.is_empty()).then_some(b.vram_access);
+    sum.hugepages = summary::Hugepages {
+        page_bytes: hugepage::HUGEPAGE,
+        count: b.hugepages,
+        locked: b.hugepages_locked,
+        runs: b.runs,
+        largest_run_bytes: b.largest_run_bytes,
+    };
+    let mut gpu = opened?;
+    sum.queues = gpu.nq;
+    sum.vram_bytes = gpu.vram_size;
+    sizes.fit_vram(gpu.vram_size);
+    if sizes.fit_dma(b.largest_run_bytes) {
+        sum.sizes_shrunk = true;
+        say!(
+            "sizes shrunk to fit {} MiB of physically contiguous DMA memory: COPY {} KiB, FILL {} B, SAXPY/REDUCE n={}, GEMM {:?}, VRAM mapping {} KiB",
+            b.largest_run_bytes >> 20,
+            sizes.copy_bytes >> 10,
+            sizes.fill_bytes,
+            sizes.saxpy_n,
+            sizes.gemm,
+            sizes.vram_mmap_bytes >> 10
+        );
+        sum.skipped.push(format!(
+            "{} sizes: every DMA buffer must fit one run of adjacent hugepages (longest {} MiB)",
+            sizes.mode,
+            b.largest_run_bytes >> 20
+        ));
+    }
+    sum.skipped.push(
+        "per-vector interrupt delivery and completion-vector re-routing: no interrupts without VFIO".into(),
+    );
+    sum.skipped.push(
+        "bad DMA range running off the end of the DMA memory: without an IOMMU the guest RAM there is reachable".into(),
+    );
+    let out = workload::run(&mut gpu, &sizes);
+    sum.jobs_run = gpu.stats.jobs_run;
+    sum.jobs_verified = gpu.stats.jobs_verified;
+    sum.bytes_moved = gpu.stats.bytes_moved;
+    sum.fences = gpu.stats.fences;
+    sum.fence_polled_waits = gpu.stats.fence_irq_waits;
+    sum.status_polls = gpu.irqs.status_polls();
+    sum.error_test_ok = out.error_test_ok;
+    sum.vram_mmap_ok = out.vram_mmap_ok;
+    sum.steps = out.summary_steps();
+    let problems = gpu.shutdown();
+    drop(gpu);
+    if let Some(e) = out.failure {
+        return Err(e);
+    }
+    if !problems.is_empty() {
+        return Err(format!("shutdown: {}", problems.join("; ")));
+    }
+    say!(
+        "shutdown: queues reset, bus master off, device enable restored if this run set it, hugepages freed"
+    );
+    Ok(())
 }
 
 /// The message of a caught panic.
@@ -185,11 +310,7 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// The VFIO workload; never panics (a panic becomes a failed summary).
 pub fn run_vfio(opts: &cli::Options) -> Summary {
     let start = Instant::now();
-    let sizes = if opts.quick {
-        workload::Sizes::quick()
-    } else {
-        workload::Sizes::full()
-    };
+    let sizes = workload::Sizes::choose(opts.quick);
     let mut sum = Summary::new(sizes.mode);
     say!(
         "start: sygpu-driver {} mode={} timeout={}s",
@@ -197,23 +318,28 @@ pub fn run_vfio(opts: &cli::Options) -> Summary {
         sizes.mode,
         opts.timeout.as_secs()
     );
-    let failure = match catch_unwind(AssertUnwindSafe(|| drive(opts, sizes, &mut sum))) {
+    let failure = guarded(|| drive(opts, sizes, &mut sum));
+    sum.duration_ms = start.elapsed().as_millis() as u64;
+    sum.conclude(failure);
+    say_done(sum.result, sum.duration_ms, sum.reason.as_deref());
+    sum
+}
+
+/// Runs `body`; returns its error, or the message of its panic, if any.
+fn guarded(body: impl FnOnce() -> Result<(), String>) -> Option<String> {
+    match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => None,
         Ok(Err(e)) => Some(e),
         Err(p) => Some(format!("panic: {}", panic_message(p.as_ref()))),
-    };
-    sum.duration_ms = start.elapsed().as_millis() as u64;
-    sum.conclude(failure);
+    }
+}
+
+/// The `done:` progress line of a workload run.
+fn say_done(result: &str, ms: u64, reason: Option<&str>) {
     say!(
-        "done: {} in {} ms{}",
-        sum.result,
-        sum.duration_ms,
-        sum.reason
-            .as_deref()
-            .map(|r| format!(" ({r})"))
-            .unwrap_or_default()
+        "done: {result} in {ms} ms{}",
+        reason.map(|r| format!(" ({r})")).unwrap_or_default()
     );
-    sum
 }
 
 /// Length of the VRAM stamp.
@@ -228,11 +354,7 @@ pub fn run_stamp(opts: &cli::Options) -> summary::StampSummary {
         bytes: STAMP_BYTES,
         ..summary::StampSummary::default()
     };
-    let failure = match catch_unwind(AssertUnwindSafe(|| stamp(opts, &mut s))) {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e),
-        Err(p) => Some(format!("panic: {}", panic_message(p.as_ref()))),
-    };
+    let failure = guarded(|| stamp(opts, &mut s));
     s.duration_ms = start.elapsed().as_millis() as u64;
     s.result = if failure.is_none() && s.mapping_ok && s.engine_ok {
         "pass"
@@ -358,15 +480,7 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     };
     sum.error_test_ok = out.error_test_ok;
     sum.vram_mmap_ok = out.vram_mmap_ok;
-    sum.steps = out
-        .steps
-        .iter()
-        .map(|s| Step {
-            name: s.name.to_string(),
-            ok: s.ok,
-            ms: s.ms,
-        })
-        .collect();
+    sum.steps = out.summary_steps();
     say!(
         "interrupts per vector {:?} (total {})",
         sum.interrupts.per_vector,

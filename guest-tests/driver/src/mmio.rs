@@ -1,8 +1,10 @@
 //! A memory-mapped BAR (through a VFIO device fd or a sysfs `resourceN` file), accessed only
 //! with volatile loads and stores. Register accesses are single, naturally aligned 32- or
-//! 64-bit instructions, as the device requires.
+//! 64-bit instructions, as the device requires. A BAR that cannot be mapped may be reached
+//! through `pread`/`pwrite` on its file instead ([`BarMap::file_io`], bulk copies only).
 
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use vm_memory::mmap::MmapRegion;
@@ -16,10 +18,13 @@ struct Piece {
     region: MmapRegion<()>,
 }
 
-/// A BAR mapped in one or more pieces (one per sparse-mmap area).
+/// A BAR mapped in one or more pieces (one per sparse-mmap area), or reached through file
+/// reads and writes.
 #[derive(Debug)]
 pub struct BarMap {
     pieces: Vec<Piece>,
+    /// `pread`/`pwrite` on this file (offset = BAR offset) instead of a mapping, and its length.
+    file_io: Option<(File, u64)>,
 }
 
 /// An access outside every mapped piece.
@@ -57,11 +62,32 @@ impl BarMap {
                 region,
             });
         }
-        Ok(BarMap { pieces })
+        Ok(BarMap {
+            pieces,
+            file_io: None,
+        })
     }
 
-    /// Mapped bytes in total.
+    /// A BAR of `len` bytes reached through `pread`/`pwrite` on `file` (BAR offset = file
+    /// offset): only [`BarMap::read`] and [`BarMap::write`] work, register accessors read
+    /// all-ones.
+    pub fn file_io(file: File, len: u64) -> BarMap {
+        BarMap {
+            pieces: Vec::new(),
+            file_io: Some((file, len)),
+        }
+    }
+
+    /// Whether the BAR is reached through file reads and writes rather than a mapping.
+    pub fn is_file_io(&self) -> bool {
+        self.file_io.is_some()
+    }
+
+    /// Mapped bytes in total (with file I/O: the bytes reachable).
     pub fn mapped_len(&self) -> u64 {
+        if let Some((_, len)) = &self.file_io {
+            return *len;
+        }
         self.pieces.iter().map(|p| p.region.size() as u64).sum()
     }
 
@@ -116,6 +142,16 @@ impl BarMap {
 
     /// Copies bytes out of the BAR.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), Unmapped> {
+        if let Some((f, len)) = &self.file_io {
+            let unmapped = Unmapped {
+                offset,
+                len: buf.len(),
+            };
+            if offset + buf.len() as u64 > *len {
+                return Err(unmapped);
+            }
+            return f.read_exact_at(buf, offset).map_err(|_| unmapped);
+        }
         let (r, o) = self.locate(offset, buf.len())?;
         let s = r.get_slice(o, buf.len()).map_err(|_| Unmapped {
             offset,
@@ -127,6 +163,16 @@ impl BarMap {
 
     /// Copies bytes into the BAR.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Unmapped> {
+        if let Some((f, len)) = &self.file_io {
+            let unmapped = Unmapped {
+                offset,
+                len: data.len(),
+            };
+            if offset + data.len() as u64 > *len {
+                return Err(unmapped);
+            }
+            return f.write_all_at(data, offset).map_err(|_| unmapped);
+        }
         let (r, o) = self.locate(offset, data.len())?;
         let s = r.get_slice(o, data.len()).map_err(|_| Unmapped {
             offset,
@@ -167,5 +213,23 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&f, &mut all, 0).expect("read");
         assert_eq!(&all[4096..4100], &0x5059_4753u32.to_le_bytes());
         assert_eq!(&all[3 * 4096 + 3..3 * 4096 + 8], b"hello");
+    }
+
+    #[test]
+    fn file_io_fallback() {
+        let mut f = tempfile::tempfile().expect("tempfile");
+        f.write_all(&[0u8; 8192]).expect("write");
+        let bar = BarMap::file_io(f.try_clone().expect("clone"), 8192);
+        assert!(bar.is_file_io());
+        assert_eq!(bar.mapped_len(), 8192);
+        bar.write(4093, b"abcdef").expect("write");
+        let mut b = [0u8; 6];
+        bar.read(4093, &mut b).expect("read");
+        assert_eq!(&b, b"abcdef");
+        assert!(bar.read(8190, &mut b).is_err(), "past the end");
+        assert_eq!(bar.r32(0), u32::MAX, "no register access through file I/O");
+        let mut all = vec![0u8; 8192];
+        f.read_exact_at(&mut all, 0).expect("read");
+        assert_eq!(&all[4093..4099], b"abcdef");
     }
 }

@@ -38,7 +38,7 @@ pub fn probe_in(sys: &Sysfs, bdf: Option<&str>) -> ProbeSummary {
 }
 
 /// Reads 256 bytes of config space through the sysfs `config` file.
-fn read_config(f: &std::fs::File, path: &std::path::Path) -> Result<Vec<u8>, String> {
+pub(crate) fn read_config(f: &std::fs::File, path: &std::path::Path) -> Result<Vec<u8>, String> {
     let mut cfg = vec![0u8; 256];
     let n = f
         .read_at(&mut cfg, 0)

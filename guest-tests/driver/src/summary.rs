@@ -1,6 +1,41 @@
-//! The machine-readable last lines: `SYGPU-SUMMARY {json}` and `SYGPU-PROBE {json}`.
+//! The machine-readable last lines: `SYGPU-SUMMARY {json}` (the VFIO run, [`Summary`]; the
+//! no-IOMMU run, [`NoIommuSummary`]) and `SYGPU-PROBE {json}`.
 
 use serde::Serialize;
+
+/// `conclude`, `passed` and `line` of a workload summary (one with `result`, `reason`,
+/// `steps`, `jobs_run`, `jobs_verified`, `error_test_ok` and `vram_mmap_ok`).
+macro_rules! workload_summary {
+    ($t:ty) => {
+        impl $t {
+            /// Decides pass/fail: `failure` (the first error, if any) or any unmet criterion
+            /// fails.
+            pub fn conclude(&mut self, failure: Option<String>) {
+                let reason = failure.or_else(|| {
+                    unmet(
+                        &self.steps,
+                        self.jobs_run,
+                        self.jobs_verified,
+                        self.error_test_ok,
+                        self.vram_mmap_ok,
+                    )
+                });
+                self.result = if reason.is_none() { "pass" } else { "fail" };
+                self.reason = reason;
+            }
+
+            /// Whether the run passed.
+            pub fn passed(&self) -> bool {
+                self.result == "pass"
+            }
+
+            /// The `SYGPU-SUMMARY {json}` line.
+            pub fn line(&self) -> String {
+                json_line("SYGPU-SUMMARY", self)
+            }
+        }
+    };
+}
 
 /// Interrupts received.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
@@ -94,39 +129,134 @@ impl Summary {
             duration_ms: 0,
         }
     }
+}
 
-    /// Decides pass/fail: `failure` (the first error, if any) or any unmet criterion fails.
-    pub fn conclude(&mut self, failure: Option<String>) {
-        let reason = failure.or_else(|| {
-            if self.steps.is_empty() || self.steps.iter().any(|s| !s.ok) {
-                Some("not every step passed".into())
-            } else if self.jobs_run == 0 || self.jobs_verified != self.jobs_run {
-                Some(format!(
-                    "{} of {} jobs verified",
-                    self.jobs_verified, self.jobs_run
-                ))
-            } else if !self.error_test_ok {
-                Some("error test did not pass".into())
-            } else if !self.vram_mmap_ok {
-                Some("VRAM mmap test did not pass".into())
-            } else {
-                None
-            }
-        });
-        self.result = if reason.is_none() { "pass" } else { "fail" };
-        self.reason = reason;
-    }
+workload_summary!(Summary);
 
-    /// Whether the run passed.
-    pub fn passed(&self) -> bool {
-        self.result == "pass"
-    }
-
-    /// The `SYGPU-SUMMARY {json}` line.
-    pub fn line(&self) -> String {
-        json_line("SYGPU-SUMMARY", self)
+/// The first pass criterion of a workload run that is not met: every step passed, every job
+/// (at least one) verified, the error test and the VRAM mapping test passed.
+fn unmet(
+    steps: &[Step],
+    jobs_run: u64,
+    jobs_verified: u64,
+    error_test_ok: bool,
+    vram_mmap_ok: bool,
+) -> Option<String> {
+    if steps.is_empty() || steps.iter().any(|s| !s.ok) {
+        Some("not every step passed".into())
+    } else if jobs_run == 0 || jobs_verified != jobs_run {
+        Some(format!("{jobs_verified} of {jobs_run} jobs verified"))
+    } else if !error_test_ok {
+        Some("error test did not pass".into())
+    } else if !vram_mmap_ok {
+        Some("VRAM mmap test did not pass".into())
+    } else {
+        None
     }
 }
+
+/// The DMA memory of a no-IOMMU run.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Hugepages {
+    /// Bytes per hugepage (2 MiB).
+    pub page_bytes: u64,
+    /// Hugepages used.
+    pub count: usize,
+    /// `MAP_LOCKED` was accepted.
+    pub locked: bool,
+    /// Runs of physically adjacent hugepages.
+    pub runs: usize,
+    /// Bytes of the longest run (the largest DMA buffer possible).
+    pub largest_run_bytes: u64,
+}
+
+/// The result of a `--noiommu` run (`SYGPU-SUMMARY`). Field order is the JSON key order.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct NoIommuSummary {
+    /// `"pass"` or `"fail"`.
+    pub result: &'static str,
+    /// Why it failed (`null` on pass).
+    pub reason: Option<String>,
+    /// `"full"` or `"quick"`.
+    pub mode: &'static str,
+    /// `"none"`.
+    pub iommu: &'static str,
+    /// `"hugepage-physical"`: DMA memory is hugepages, bus address = physical address.
+    pub dma: &'static str,
+    /// `"polled"`: no interrupts; `INT_STATUS` and fence values are polled.
+    pub interrupts: &'static str,
+    /// PCI address used.
+    pub bdf: Option<String>,
+    /// Queues the device has (all were used).
+    pub queues: u32,
+    /// VRAM size.
+    pub vram_bytes: u64,
+    /// `"mmap"` (`resource2` mapped) or `"pread"` (file I/O on it); `null` before it was known.
+    pub vram_access: Option<&'static str>,
+    /// The device's own interrupt mode (`"msix"`/`"msi"`, from its capabilities), unused.
+    pub device_irq_mode: Option<&'static str>,
+    /// The DMA memory.
+    pub hugepages: Hugepages,
+    /// The sizes were shrunk so every buffer fits one run of adjacent hugepages.
+    pub sizes_shrunk: bool,
+    /// Data jobs submitted (COPY, FILL, SAXPY, GEMM, REDUCE).
+    pub jobs_run: u64,
+    /// Jobs whose results (or expected fault) were verified.
+    pub jobs_verified: u64,
+    /// Bytes the engines read plus wrote for the jobs.
+    pub bytes_moved: u64,
+    /// FENCEs submitted.
+    pub fences: u64,
+    /// Fence waits that ended with their queue's `INT_STATUS` completion bit (polled) and
+    /// the fence value in memory.
+    pub fence_polled_waits: u64,
+    /// `INT_STATUS` reads of the polled waits.
+    pub status_polls: u64,
+    /// Bad-DMA error test passed (the unmapped bus address case).
+    pub error_test_ok: bool,
+    /// VRAM mapping coherence test passed.
+    pub vram_mmap_ok: bool,
+    /// What did not run, and why.
+    pub skipped: Vec<String>,
+    /// Steps run, in order.
+    pub steps: Vec<Step>,
+    /// Wall time of the whole run.
+    pub duration_ms: u64,
+}
+
+impl NoIommuSummary {
+    /// An empty (failing until proven otherwise) summary.
+    pub fn new(mode: &'static str) -> NoIommuSummary {
+        NoIommuSummary {
+            result: "fail",
+            reason: None,
+            mode,
+            iommu: "none",
+            dma: "hugepage-physical",
+            interrupts: "polled",
+            bdf: None,
+            queues: 0,
+            vram_bytes: 0,
+            vram_access: None,
+            device_irq_mode: None,
+            hugepages: Hugepages::default(),
+            sizes_shrunk: false,
+            jobs_run: 0,
+            jobs_verified: 0,
+            bytes_moved: 0,
+            fences: 0,
+            fence_polled_waits: 0,
+            status_polls: 0,
+            error_test_ok: false,
+            vram_mmap_ok: false,
+            skipped: Vec::new(),
+            steps: Vec::new(),
+            duration_ms: 0,
+        }
+    }
+}
+
+workload_summary!(NoIommuSummary);
 
 /// The result of `--probe` (`SYGPU-PROBE`).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, Default)]
@@ -317,6 +447,38 @@ mod tests {
         s.conclude(Some("bad \"thing\"\nhere".into()));
         assert!(!s.line().contains('\n'));
         assert!(s.line().contains("bad \\\"thing\\\"\\nhere"));
+    }
+
+    #[test]
+    fn noiommu_line_format() {
+        let mut s = NoIommuSummary::new("quick");
+        assert!(
+            s.line().starts_with(
+                "SYGPU-SUMMARY {\"result\":\"fail\",\"reason\":null,\"mode\":\"quick\",\"iommu\":\"none\",\"dma\":\"hugepage-physical\",\"interrupts\":\"polled\","
+            ),
+            "{}",
+            s.line()
+        );
+        s.steps = vec![Step {
+            name: "copy".into(),
+            ok: true,
+            ms: 1,
+        }];
+        s.jobs_run = 3;
+        s.jobs_verified = 3;
+        s.error_test_ok = true;
+        s.conclude(None);
+        assert_eq!(s.reason.as_deref(), Some("VRAM mmap test did not pass"));
+        s.vram_mmap_ok = true;
+        s.conclude(None);
+        assert!(s.passed());
+        s.conclude(Some("step fill: timeout".into()));
+        assert!(!s.passed());
+        let v: serde_json::Value =
+            serde_json::from_str(s.line().strip_prefix("SYGPU-SUMMARY ").expect("tag"))
+                .expect("json");
+        assert_eq!(v["hugepages"]["count"], 0);
+        assert_eq!(v["reason"], "step fill: timeout");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::cmd::{Addr, Cmd};
 use crate::gpu::{Completion, Gpu, RING_ENTRIES};
-use crate::irq::{Event, IrqMode};
+use crate::irq::{Delivery, Event};
 use crate::reference as r;
 use crate::regs::*;
 use crate::say;
@@ -51,6 +51,11 @@ impl Sizes {
         }
     }
 
+    /// [`Sizes::quick`] or [`Sizes::full`].
+    pub fn choose(quick: bool) -> Sizes {
+        if quick { Sizes::quick() } else { Sizes::full() }
+    }
+
     /// Smaller sizes for slow TCG guests.
     pub fn quick() -> Sizes {
         Sizes {
@@ -64,6 +69,32 @@ impl Sizes {
             dma_window: 4 << 20,
             dma_windows: 2,
         }
+    }
+
+    /// Shrinks every DMA buffer to fit `run` bytes, the largest physically contiguous DMA
+    /// range without an IOMMU (one run of adjacent hugepages): halves the COPY, FILL, SAXPY
+    /// and VRAM-mapping lengths and the GEMM dimensions until each buffer fits. Returns whether
+    /// anything changed.
+    pub fn fit_dma(&mut self, run: u64) -> bool {
+        let before = self.clone();
+        let pad = 64;
+        while self.copy_bytes > 4096 && self.copy_bytes + pad > run {
+            self.copy_bytes /= 2;
+        }
+        while self.fill_bytes > 4096 && self.fill_bytes + pad > run {
+            self.fill_bytes = (self.fill_bytes - 3) / 2 + 3;
+        }
+        while self.saxpy_n > 1024 && 4 * self.saxpy_n as u64 > run {
+            self.saxpy_n /= 2;
+        }
+        let gemm_max = |(m, n, k): (usize, usize, usize)| 4 * (m * k).max(k * n).max(m * n) as u64;
+        while self.gemm.0 > 8 && gemm_max(self.gemm) > run {
+            self.gemm = (self.gemm.0 / 2, self.gemm.1 / 2, self.gemm.2 / 2);
+        }
+        while self.vram_mmap_bytes > 4096 && self.vram_mmap_bytes + pad > run {
+            self.vram_mmap_bytes /= 2;
+        }
+        *self != before
     }
 
     /// Shrinks the VRAM-resident parts to fit `vram` bytes of VRAM.
@@ -116,6 +147,20 @@ pub struct Outcome {
     pub vram_mmap_ok: bool,
     /// First failure.
     pub failure: Option<String>,
+}
+
+impl Outcome {
+    /// The steps as the summary lists them.
+    pub fn summary_steps(&self) -> Vec<crate::summary::Step> {
+        self.steps
+            .iter()
+            .map(|s| crate::summary::Step {
+                name: s.name.to_string(),
+                ok: s.ok,
+                ms: s.ms,
+            })
+            .collect()
+    }
 }
 
 fn check_bytes(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
@@ -235,13 +280,19 @@ fn step_identity(g: &mut Gpu, s: &Sizes) -> Result<String, String> {
 /// MSI-X: every vector must deliver its FENCE, and the NOP's interrupt goes through a re-routed
 /// `COMPLETION_VECTOR`. MSI: there is one vector, so each FENCE arrives as its queue's
 /// completion bit on it; per-vector delivery and re-routing are MSI-X only and skipped.
+/// Polled (no interrupts): as MSI, with `INT_STATUS` read by the waiter.
 fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
-    let mode = g.irqs.mode();
-    if mode == IrqMode::Msi {
-        say!(
+    let mode = g.irqs.delivery();
+    match mode {
+        Delivery::Msix => {}
+        Delivery::Msi => say!(
             "step vectors: MSI mode: per-vector routing (\"all {MSIX_VECTORS} vectors delivered\") and completion-vector re-routing are MSI-X only, skipped; FENCE vectors 0..{} are checked to arrive on the MSI vector as their queue's completion",
             MSIX_VECTORS - 1
-        );
+        ),
+        Delivery::Polled => say!(
+            "step vectors: polled (no interrupts without VFIO): per-vector routing and completion-vector re-routing skipped; FENCEs with vectors 0..{} are checked to latch their queue's INT_STATUS completion bit, seen by polling",
+            MSIX_VECTORS - 1
+        ),
     }
     for v in 0..MSIX_VECTORS {
         let q = v % g.nq;
@@ -266,8 +317,8 @@ fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
     // the fence must already be visible. MSI-X: through a re-routed completion vector.
     let q = g.nq - 1;
     let routed = match mode {
-        IrqMode::Msix => (q + 1) % 8,
-        IrqMode::Msi => q,
+        Delivery::Msix => (q + 1) % 8,
+        Delivery::Msi | Delivery::Polled => q,
     };
     if routed != q {
         g.qw32(q, Q_COMPLETION_VECTOR, routed);
@@ -280,8 +331,9 @@ fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
         vector: routed,
     };
     g.wait_event(&[nop], deadline).map_err(|e| match mode {
-        IrqMode::Msix => format!("re-routed completion vector {routed} of queue {q}: {e}"),
-        IrqMode::Msi => format!("NOP completion of queue {q} on the MSI vector: {e}"),
+        Delivery::Msix => format!("re-routed completion vector {routed} of queue {q}: {e}"),
+        Delivery::Msi => format!("NOP completion of queue {q} on the MSI vector: {e}"),
+        Delivery::Polled => format!("NOP completion of queue {q} in polled INT_STATUS: {e}"),
     })?;
     let v = g.dma().read_u64(g.fence_slot(q))?;
     ensure(v >= seq, || {
@@ -295,7 +347,7 @@ fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
         })?;
     }
     match mode {
-        IrqMode::Msix => {
+        Delivery::Msix => {
             let silent: Vec<usize> = (0..MSIX_VECTORS as usize)
                 .filter(|&v| g.irqs.counts()[v] == 0)
                 .collect();
@@ -306,9 +358,15 @@ fn step_vectors(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
                 "all {MSIX_VECTORS} vectors delivered; queue {q} completion re-routed to vector {routed}"
             ))
         }
-        IrqMode::Msi => Ok(format!(
+        Delivery::Msi => Ok(format!(
             "MSI: {MSIX_VECTORS} FENCEs (vectors 0..{}) each arrived as their queue's INT_STATUS completion bit on the MSI vector ({} signal(s)); NOP interrupt on queue {q} came after the earlier FENCE landed; per-vector routing and re-routing skipped (MSI-X only)",
             MSIX_VECTORS - 1,
+            g.irqs.counts()[0]
+        )),
+        Delivery::Polled => Ok(format!(
+            "polled: {MSIX_VECTORS} FENCEs (vectors 0..{}) each latched their queue's INT_STATUS completion bit ({} INT_STATUS reads, {} with bits); NOP completion on queue {q} came after the earlier FENCE landed; per-vector routing and re-routing skipped (no interrupts)",
+            MSIX_VECTORS - 1,
+            g.irqs.status_polls(),
             g.irqs.counts()[0]
         )),
     }
@@ -627,7 +685,7 @@ fn provoke(g: &mut Gpu, q: u32, bad: Cmd, want_addr: u64) -> Result<String, Stri
         || {
             format!(
                 "error interrupt not seen on {} vector {err_vec}",
-                g.irqs.mode().label()
+                g.irqs.delivery().label()
             )
         },
     )?;
@@ -662,22 +720,23 @@ fn provoke(g: &mut Gpu, q: u32, bad: Cmd, want_addr: u64) -> Result<String, Stri
         f.code,
         f.addr,
         f.index,
-        g.irqs.mode().label(),
-        match g.irqs.mode() {
-            IrqMode::Msix => String::new(),
-            IrqMode::Msi => format!(" (INT_STATUS bit {})", 16 + q),
+        g.irqs.delivery().label(),
+        match g.irqs.delivery() {
+            Delivery::Msix => String::new(),
+            Delivery::Msi | Delivery::Polled => format!(" (INT_STATUS bit {})", 16 + q),
         }
     ))
 }
 
 /// Bad DMA addresses: an IOVA the guest never mapped, and a range running off the end of the
 /// mapped arena. Each must fault without writing anything, interrupt on the error vector, and
-/// the queue must work again after RECOVER.
+/// the queue must work again after RECOVER. Without an IOMMU the first is a bus address that
+/// is neither RAM nor a device, and the second is skipped: past the arena lies other guest RAM.
 fn step_error(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
     // (a) Entirely unmapped destination, queue 0.
     let src = g.dma_alloc(4096, 4096)?;
     g.dma().write(src, &[0x5a; 64])?;
-    let bad = 0x7_0000_0000_u64;
+    let bad = g.unmapped_addr;
     let a = provoke(g, 0, Cmd::copy(Addr::Iova(src), Addr::Iova(bad), 64), bad)?;
     g.stats.jobs_verified += 1;
     let ok = g.dma_alloc(64, 64)?;
@@ -688,6 +747,11 @@ fn step_error(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
         &r::fill(16, 0xfeed_face),
     )?;
     g.stats.jobs_verified += 1;
+    if !g.arena_edge_faults {
+        return Ok(format!(
+            "unmapped bus address: {a}; job ran again; partly mapped range skipped (no IOMMU: the bus addresses past the DMA memory are other guest RAM, which the device reaches)"
+        ));
+    }
 
     // (b) A range whose second page lies past the end of the arena, on the last queue.
     let q = g.nq - 1;
@@ -750,10 +814,19 @@ fn step_final(g: &mut Gpu, _s: &Sizes) -> Result<String, String> {
     ensure(ds & DEV_STATUS_ERROR == 0, || format!("DEV_STATUS {ds:#x}"))?;
     g.collect_interrupts()?;
     Ok(format!(
-        "FENCE_COUNT {fc} matches; {irq_fences} fences each waited for by their interrupt ({}); all queues idle",
-        match g.irqs.mode() {
-            IrqMode::Msix => format!("{} MSI-X signals", g.irqs.total()),
-            IrqMode::Msi => format!(
+        "FENCE_COUNT {fc} matches; {irq_fences} fences each waited for by their {} ({}); all queues idle",
+        match g.irqs.delivery() {
+            Delivery::Polled => "INT_STATUS completion bit",
+            Delivery::Msix | Delivery::Msi => "interrupt",
+        },
+        match g.irqs.delivery() {
+            Delivery::Msix => format!("{} MSI-X signals", g.irqs.total()),
+            Delivery::Polled => format!(
+                "{} INT_STATUS reads, {} found bits",
+                g.irqs.status_polls(),
+                g.irqs.total()
+            ),
+            Delivery::Msi => format!(
                 "{} MSI signals, {} found INT_STATUS already drained",
                 g.irqs.total(),
                 g.irqs.empty_signals()
@@ -881,5 +954,28 @@ mod tests {
         let mut full = Sizes::full();
         full.fit_vram(64 << 20);
         assert_eq!(full, Sizes::full(), "64 MiB VRAM needs no shrinking");
+    }
+
+    /// Without an IOMMU every buffer must fit one run of adjacent 2 MiB hugepages.
+    #[test]
+    fn sizes_fit_a_hugepage() {
+        let mut q = Sizes::quick();
+        assert!(!q.fit_dma(2 << 20), "quick buffers fit one hugepage");
+        assert_eq!(q, Sizes::quick());
+        let mut f = Sizes::full();
+        assert!(!f.fit_dma(24 << 20), "a 24 MiB run holds the full sizes");
+        assert!(f.fit_dma(2 << 20));
+        assert_eq!(f.copy_bytes, 1 << 20);
+        assert_eq!(f.fill_bytes, (1 << 20) + 3);
+        assert_eq!(f.saxpy_n, 1 << 19);
+        assert_eq!(f.gemm, (256, 256, 256), "256x256 f32 is 256 KiB");
+        assert_eq!(f.vram_mmap_bytes, 1 << 20);
+        for b in [f.copy_bytes + 64, f.fill_bytes + 64, 4 * f.saxpy_n as u64] {
+            assert!(b <= 2 << 20);
+        }
+        // Two adjacent hugepages: SAXPY and COPY grow again.
+        let mut f = Sizes::full();
+        f.fit_dma(4 << 20);
+        assert_eq!((f.copy_bytes, f.saxpy_n), (2 << 20, 1 << 20));
     }
 }

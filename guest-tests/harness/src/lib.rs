@@ -443,6 +443,9 @@ pub struct GuestSpec {
     pub test: String,
     /// Its arguments (`sy.arg=`; whitespace is rejected by [`Guest::boot`]).
     pub args: Vec<String>,
+    /// More kernel command-line words (e.g. `hugepages=16`; whitespace is rejected by
+    /// [`Guest::boot`]).
+    pub kernel_args: Vec<String>,
     /// Add `intel-iommu,caching-mode=on` (needed for VFIO in the guest).
     pub iommu: bool,
     /// vfio-user devices present at boot.
@@ -471,6 +474,7 @@ impl GuestSpec {
         GuestSpec {
             test: test.to_owned(),
             args: vec![],
+            kernel_args: vec![],
             iommu: false,
             devices: vec![],
             root_ports: 0,
@@ -564,6 +568,7 @@ impl Guest {
     pub fn boot(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest> {
         for (what, v) in std::iter::once(("test name", &spec.test))
             .chain(spec.args.iter().map(|a| ("argument", a)))
+            .chain(spec.kernel_args.iter().map(|a| ("kernel argument", a)))
         {
             if v.is_empty() || v.chars().any(char::is_whitespace) {
                 return Err(HarnessError::BadSpec(format!(
@@ -580,6 +585,10 @@ impl Guest {
         let mut append = String::from("console=ttyS0 panic=-1 quiet");
         if spec.iommu {
             append.push_str(" intel_iommu=on");
+        }
+        for a in &spec.kernel_args {
+            append.push(' ');
+            append.push_str(a);
         }
         append.push_str(&format!(" sy.test={}", spec.test));
         for a in &spec.args {
@@ -712,6 +721,43 @@ impl Drop for Guest {
     }
 }
 
+/// Runs `body` with the environment and a fresh log dir for `name`; on failure prints the logs
+/// (they stay on disk) and fails the same way.
+pub fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &Path)) {
+    let env = GuestEnv::for_test();
+    let dir = env.log_dir(name).expect("log dir");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
+    if let Err(p) = r {
+        dump_logs(&dir);
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// Asserts that the running test binary has `booting` tests besides `this_test` and that all
+/// of them are `#[ignore]`d, so that a plain `cargo test` lists guest tests as ignored instead
+/// of passing them without booting anything.
+pub fn assert_guest_tests_ignored(this_test: &str, booting: usize) {
+    let list = |extra: &[&str]| {
+        let out = Command::new(std::env::current_exe().expect("test binary"))
+            .args(["--list", "--format", "terse"])
+            .args(extra)
+            .output()
+            .expect("list tests");
+        assert!(out.status.success(), "{out:?}");
+        let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_suffix(": test").map(str::to_owned))
+            .collect();
+        names.sort();
+        names
+    };
+    let all = list(&[]);
+    let ignored = list(&["--ignored"]);
+    let others: Vec<String> = all.iter().filter(|n| *n != this_test).cloned().collect();
+    assert_eq!(others.len(), booting, "{all:?}");
+    assert_eq!(ignored, others, "every guest-booting test is #[ignore]d");
+}
+
 /// Prints the logs in `dir` (for a failing test); they also stay on disk.
 pub fn dump_logs(dir: &Path) {
     eprintln!("--- logs kept in {} ---", dir.display());
@@ -780,12 +826,15 @@ mod tests {
             driver: none.clone(),
             work: none.clone(),
         };
-        for (test, args) in [
-            ("sygpu-driver", vec!["--bdf 0000:00:04.0"]),
-            ("a b", vec![]),
+        for (test, args, kernel_args) in [
+            ("sygpu-driver", vec!["--bdf 0000:00:04.0"], vec![]),
+            ("a b", vec![], vec![]),
+            ("sygpu-driver", vec![], vec!["hugepages=16 sy.shell"]),
+            ("sygpu-driver", vec![], vec![""]),
         ] {
             let mut spec = GuestSpec::new(test);
             spec.args = args.into_iter().map(String::from).collect();
+            spec.kernel_args = kernel_args.into_iter().map(String::from).collect();
             let err = Guest::boot(&env, &none, &spec).expect_err("rejected");
             assert!(matches!(err, HarnessError::BadSpec(_)), "{err}");
         }
