@@ -503,9 +503,15 @@ impl GuestSpec {
     }
 
     /// [`GuestSpec::nested`] with host hardware for VFIO in L1: QEMU's `intel-iommu` with
-    /// interrupt remapping (VFIO refuses a group without it) and `edus` emulated `edu`
-    /// devices (1234:11e8).
-    pub fn nested_with_devices(env: &GuestEnv, args: &[&str], edus: u32) -> Result<GuestSpec> {
+    /// interrupt remapping (VFIO refuses a group without it), `edus` emulated `edu` devices
+    /// (1234:11e8) and, with `igb`, an `igb` NIC on a PCIe root port: an SR-IOV physical
+    /// function (8086:10c9) whose VFs (8086:10ca) L1 can create.
+    pub fn nested_with_devices(
+        env: &GuestEnv,
+        args: &[&str],
+        edus: u32,
+        igb: bool,
+    ) -> Result<GuestSpec> {
         let mut s = GuestSpec::nested(env, args)?;
         s.qemu_args = vec![
             "-device".into(),
@@ -513,6 +519,14 @@ impl GuestSpec {
         ];
         for _ in 0..edus {
             s.qemu_args.extend(["-device".into(), "edu".into()]);
+        }
+        if igb {
+            s.qemu_args.extend([
+                "-device".into(),
+                "pcie-root-port,id=sy-igb-rp,chassis=90,slot=90".into(),
+                "-device".into(),
+                "igb,bus=sy-igb-rp".into(),
+            ]);
         }
         Ok(s)
     }

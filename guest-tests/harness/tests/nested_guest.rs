@@ -145,3 +145,54 @@ fn qemu_kvm_l2_runs_the_full_vfio_driver_on_the_softgpu_served_in_l1() {
         assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
     });
 }
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn physical_devices_in_l1_are_served_through_switchyard() {
+    with_logs("nested_passthrough", |env, dir| {
+        // L0 gives L1 a vIOMMU with interrupt remapping, two edus and an igb (SR-IOV PF).
+        let spec = GuestSpec::nested_with_devices(
+            env,
+            &["qemu-edu", "vf-probe", "qemu-edu-remove"],
+            2,
+            true,
+        )
+        .expect("L1 image");
+        let out = Guest::boot(env, dir, &spec)
+            .expect("boot L1")
+            .wait()
+            .expect("L1 finished");
+        let serial = &out.serial;
+        let all = results(&out);
+
+        // edu, owned by L1 through VFIO, served by switchyard to an L2 under QEMU/KVM: L2's
+        // driver sees edu, its factorial and MSI, and DMA into L2 memory both ways.
+        let e = result(&all, "qemu-edu", serial);
+        assert_eq!(e["ok"], true, "{e}");
+        let s = &e["edu_summary"];
+        assert_eq!(s["result"], "pass", "{s}");
+        assert_eq!(s["id"], "0x010000ed", "{s}");
+        assert_eq!(s["factorial_ok"], true, "{s}");
+        assert_eq!(s["dma_bytes_verified"], 4096, "{s}");
+        assert!(s["interrupts"].as_u64().is_some_and(|n| n >= 4), "{s}");
+
+        // An SR-IOV VF made and bound by the inventory, as a client sees it through switchyard.
+        let v = result(&all, "vf-probe", serial);
+        assert_eq!(v["ok"], true, "{v}");
+        let c = &v["client_view"];
+        assert_eq!(c["vendor"], "8086", "{c}");
+        assert_eq!(c["device"], "10ca", "igb VF: {c}");
+        assert!(c["msix_vectors"].as_u64().is_some_and(|n| n > 0), "{c}");
+        assert_eq!(c["msix_routed"], c["msix_vectors"], "{c}");
+        assert!(c["bar0_size"].as_u64().is_some_and(|n| n > 0), "{c}");
+
+        // The host device removed under load: no hang, a clean failure, nobody dies.
+        let r = result(&all, "qemu-edu-remove", serial);
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["removal"], "completed", "{r}");
+        assert_eq!(r["edu_summary"]["result"], "device-lost", "{r}");
+        assert_eq!(r["qemu_exit"], 0, "the VMM survived: {r}");
+        assert_eq!(r["server_alive_after_vm"], true, "{r}");
+        assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
+    });
+}

@@ -36,7 +36,7 @@ fn main() -> Result<()> {
     };
     let env = GuestEnv::discover()?;
     let dir = env.log_dir("nested_bench")?;
-    let spec = GuestSpec::nested_with_devices(&env, &[scenario], 2)?;
+    let spec = GuestSpec::nested_with_devices(&env, &[scenario], 2, false)?;
     eprintln!(
         "nested-bench: booting L1 ({scenario}); logs in {}",
         dir.display()
