@@ -24,6 +24,8 @@
 //!                cleanly, switchyard and QEMU survive
 //!   vf-probe     an igb VF created and bound by `switchyard inventory`, served by switchyard,
 //!                checked from the client side (identity, config space, regions, MSI-X)
+//!   irq-bench    edu's MSI to an eventfd: VFIO in L1 (floor), through switchyard with the
+//!                eventfds handed to VFIO, and relayed by the server (`-quick`: 50 rounds)
 //!   mmio-bench   MMIO read latency from L2: direct-assigned edu, a VMM-emulated register, the
 //!                softgpu over vfio-user (`-quick`: 200 reads instead of 2000)
 //! ```
@@ -47,7 +49,7 @@ mod procs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use switchyard_ch::{ChApi, UserDeviceConfig};
 use switchyard_qemu::{Accel, QemuCommand, VfioUserDevice};
@@ -712,6 +714,180 @@ fn vf_probe(dir: &Path) -> Result<Value> {
     }))
 }
 
+/// p50/p90/max of a set of durations, in µs.
+fn stats_us(mut v: Vec<f64>) -> Value {
+    if v.is_empty() {
+        return Value::Null;
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    json!({ "p50": at(0.5), "p90": at(0.9), "max": v[v.len() - 1], "n": v.len() })
+}
+
+/// Waits until a non-blocking eventfd is signalled (spinning on `read`), up to 5 s.
+fn wait_eventfd(fd: &std::fs::File) -> Result<()> {
+    use std::io::Read;
+    let t = Instant::now();
+    let mut buf = [0u8; 8];
+    loop {
+        match (&*fd).read(&mut buf) {
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                ensure!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "no interrupt within 5 s"
+                );
+                std::hint::spin_loop();
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn new_eventfd() -> Result<std::fs::File> {
+    Ok(std::fs::File::from(rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+    )?))
+}
+
+const EDU_IRQ_RAISE: u64 = 0x60;
+const EDU_IRQ_ACK: u64 = 0x64;
+const EDU_LIVENESS: u64 = 0x04;
+
+/// edu's MSI through switchyard as a VMM sees it: raise (a region write) → the client's eventfd.
+fn irq_through_switchyard(dir: &Path, bdf: &str, opts: &str, rounds: u32) -> Result<Value> {
+    use std::os::fd::AsFd;
+    let name = if opts.is_empty() {
+        "irq-direct"
+    } else {
+        "irq-relay"
+    };
+    let server = Server::start(
+        Path::new(SWITCHYARD),
+        dir,
+        name,
+        &format!("vfio,host={bdf}{opts}"),
+    )?;
+    let mut c = switchyard_client::Client::connect(&server.socket)?;
+    // Memory space on, then MSI enabled in the (emulated) capability, as a guest would.
+    let mut cfg = vec![0u8; 256];
+    c.region_read(7, 0, &mut cfg)?;
+    let cmd = u16::from_le_bytes([cfg[4], cfg[5]]) | 0x6;
+    c.region_write(7, 4, &cmd.to_le_bytes())?;
+    let mut p = cfg[0x34] & 0xfc;
+    let mut msi = None;
+    while p >= 0x40 && msi.is_none() {
+        if cfg[p as usize] == 0x05 {
+            msi = Some(u64::from(p));
+        }
+        p = cfg[p as usize + 1] & 0xfc;
+    }
+    let msi = msi.context("edu has no MSI capability in the client's view")?;
+    let ctl = u16::from_le_bytes([cfg[msi as usize + 2], cfg[msi as usize + 3]]) | 1;
+    c.region_write(7, msi + 2, &ctl.to_le_bytes())?;
+    let efd = new_eventfd()?;
+    c.set_irqs(
+        1,
+        switchyard_proto::consts::VFIO_IRQ_SET_DATA_EVENTFD
+            | switchyard_proto::consts::VFIO_IRQ_SET_ACTION_TRIGGER,
+        0,
+        1,
+        &[efd.as_fd()],
+    )?;
+    let (mut raise, mut write) = (vec![], vec![]);
+    for i in 0..rounds + 20 {
+        let t = Instant::now();
+        c.region_write(0, EDU_LIVENESS, &i.to_le_bytes())?;
+        let w = t.elapsed();
+        let t = Instant::now();
+        c.region_write(0, EDU_IRQ_RAISE, &1u32.to_le_bytes())?;
+        wait_eventfd(&efd)?;
+        let r = t.elapsed();
+        c.region_write(0, EDU_IRQ_ACK, &1u32.to_le_bytes())?;
+        if i >= 20 {
+            write.push(w.as_secs_f64() * 1e6);
+            raise.push(r.as_secs_f64() * 1e6);
+        }
+    }
+    drop(c);
+    Ok(json!({ "raise_to_eventfd_us": stats_us(raise), "write_rtt_us": stats_us(write) }))
+}
+
+/// Interrupt latency: edu's MSI delivered to an eventfd (1) by VFIO in L1 directly (the floor),
+/// (2) through switchyard with the client's eventfds handed to VFIO (`SET_IRQS` straight to the
+/// kernel: the interrupt never passes through the server), (3) through switchyard relaying
+/// (the kernel signals the server, a server thread signals the client). Each number includes the
+/// region write that raises the interrupt; the write's own round trip is measured beside it.
+fn irq_bench(dir: &Path, rounds: u32) -> Result<Value> {
+    use sygpu_driver::irq::IrqMode;
+    let edus = bind_vfio("1234:11e8")?;
+    ensure!(
+        edus.len() >= 2,
+        "irq-bench needs two edus (L0: nested_with_devices(.., 2, ..))"
+    );
+    // (1) VFIO directly in L1.
+    let sys = sygpu_driver::sysfs::Sysfs::system();
+    let dev = sys.read_device(&edus[0]).map_err(anyhow::Error::msg)?;
+    let group = dev.iommu_group.context("edu has no IOMMU group")?;
+    let vfio =
+        sygpu_driver::vfio::Vfio::open(&sys.device_dir(&edus[0]), group, Duration::from_secs(5))
+            .map_err(anyhow::Error::msg)?;
+    let bar = vfio.map_region(0).map_err(anyhow::Error::msg)?;
+    let mut cmd = [0u8; 2];
+    vfio.cfg_read(4, &mut cmd).map_err(anyhow::Error::msg)?;
+    let c = u16::from_le_bytes(cmd) | 0x6;
+    vfio.cfg_write(4, &c.to_le_bytes())
+        .map_err(anyhow::Error::msg)?;
+    let efd = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?;
+    vfio.enable_irqs(IrqMode::Msi, vec![&efd])
+        .map_err(anyhow::Error::msg)?;
+    let mut floor = vec![];
+    for i in 0..rounds + 20 {
+        let t = Instant::now();
+        bar.w32(EDU_IRQ_RAISE, 1);
+        let start = Instant::now();
+        loop {
+            match efd.read() {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    ensure!(
+                        start.elapsed() < Duration::from_secs(5),
+                        "no MSI from edu in L1"
+                    );
+                    std::hint::spin_loop();
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let r = t.elapsed();
+        bar.w32(EDU_IRQ_ACK, 1);
+        if i >= 20 {
+            floor.push(r.as_secs_f64() * 1e6);
+        }
+    }
+    vfio.disable_irqs(IrqMode::Msi)
+        .map_err(anyhow::Error::msg)?;
+    drop(vfio);
+    let direct = irq_through_switchyard(dir, &edus[1], "", rounds)?;
+    let relay = irq_through_switchyard(dir, &edus[1], ",irq=relay", rounds)?;
+    let socket = l1_socket_floor(rounds)?;
+    let p50 = |v: &Value| v["raise_to_eventfd_us"]["p50"].as_f64();
+    let floor_s = stats_us(floor);
+    Ok(json!({
+        "ok": true,
+        "rounds": rounds,
+        "vfio_in_l1_us": floor_s,
+        "switchyard_eventfd_to_vfio": direct,
+        "switchyard_relay": relay,
+        "l1_socket_rtt_ns": socket,
+        "relay_vs_direct_p50": match (p50(&relay), p50(&direct)) {
+            (Some(a), Some(b)) if b > 0.0 => json!(a / b),
+            _ => Value::Null,
+        },
+    }))
+}
+
 fn tail_text(s: &str, max: usize) -> &str {
     let mut start = s.len().saturating_sub(max);
     while !s.is_char_boundary(start) {
@@ -735,6 +911,8 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "qemu-edu" => qemu_edu(&dir),
             "qemu-edu-remove" => qemu_edu_remove(&dir),
             "vf-probe" => vf_probe(&dir),
+            "irq-bench" => irq_bench(&dir, 500),
+            "irq-bench-quick" => irq_bench(&dir, 50),
             "mmio-bench" => mmio_bench(&dir, 2000),
             "mmio-bench-quick" => mmio_bench(&dir, 200),
             other => bail!("unknown scenario `{other}`"),
