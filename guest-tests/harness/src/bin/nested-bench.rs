@@ -29,27 +29,45 @@ fn main() -> Result<()> {
         Some("--quick") => true,
         Some(other) => bail!("unknown argument `{other}` (nested-bench [--quick])"),
     };
-    let scenario = if quick {
-        "mmio-bench-quick"
+    let (mmio, irq) = if quick {
+        ("mmio-bench-quick", "irq-bench-quick")
     } else {
-        "mmio-bench"
+        ("mmio-bench", "irq-bench")
     };
     let env = GuestEnv::discover()?;
     let dir = env.log_dir("nested_bench")?;
-    let spec = GuestSpec::nested_with_devices(&env, &[scenario], 2, false)?;
+    let spec = GuestSpec::nested_with_devices(&env, &[mmio, irq], 2, false)?;
     eprintln!(
-        "nested-bench: booting L1 ({scenario}); logs in {}",
+        "nested-bench: booting L1 ({mmio}, {irq}); logs in {}",
         dir.display()
     );
     let out = Guest::boot(&env, &dir, &spec)?
         .wait()
         .with_context(|| format!("L1 did not finish cleanly; see {}", dir.display()))?;
-    let r: Value = out
-        .json_line("NESTED-RESULT ")
-        .with_context(|| format!("no NESTED-RESULT in {}", dir.join("serial.log").display()))?;
-    if r["ok"] != true {
-        bail!("the mmio benchmark failed in L1: {r}");
-    }
+    let results: Vec<Value> = out
+        .serial
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("NESTED-RESULT "))
+        .filter_map(|j| serde_json::from_str(j).ok())
+        .collect();
+    let find = |name: &str| -> Result<Value> {
+        let r = results
+            .iter()
+            .find(|r| r["scenario"] == name)
+            .cloned()
+            .with_context(|| {
+                format!(
+                    "no result for {name} in {}",
+                    dir.join("serial.log").display()
+                )
+            })?;
+        if r["ok"] != true {
+            bail!("{name} failed in L1: {r}");
+        }
+        Ok(r)
+    };
+    let r = find(mmio)?;
+    let q = find(irq)?;
     let rows = &r["rows"];
     let direct = rows["direct"]["read_ns"]["p50"]
         .as_f64()
@@ -95,10 +113,51 @@ fn main() -> Result<()> {
         (trapped - exit) / 1000.0,
         (trapped - exit) / sock
     );
+    let floor = q["vfio_in_l1_us"]["p50"].as_f64().unwrap_or(f64::NAN);
+    let sock = q["l1_socket_rtt_ns"]["p50"].as_f64().unwrap_or(f64::NAN) / 1000.0;
+    println!(
+        "\nedu's MSI to an eventfd, raised by a register write, {} rounds (L1 user space)\n",
+        q["rounds"]
+    );
+    println!("| path | raise → eventfd p50 µs | p90 µs | × VFIO in L1 | write round trip p50 µs |");
+    println!("|---|---:|---:|---:|---:|");
+    let row = |name: &str, v: &Value, write: &Value| {
+        let p50 = v["p50"].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {name} | {p50:.1} | {:.1} | {:.2} | {} |",
+            v["p90"].as_f64().unwrap_or(f64::NAN),
+            p50 / floor,
+            write["p50"]
+                .as_f64()
+                .map_or("–".to_owned(), |w| format!("{w:.1}"))
+        );
+    };
+    row(
+        "VFIO in L1 (the floor: MMIO write, the kernel signals the eventfd)",
+        &q["vfio_in_l1_us"],
+        &Value::Null,
+    );
+    row(
+        "switchyard, client eventfds handed to VFIO",
+        &q["switchyard_eventfd_to_vfio"]["raise_to_eventfd_us"],
+        &q["switchyard_eventfd_to_vfio"]["write_rtt_us"],
+    );
+    row(
+        "switchyard, interrupt relayed by a server thread",
+        &q["switchyard_relay"]["raise_to_eventfd_us"],
+        &q["switchyard_relay"]["write_rtt_us"],
+    );
+    println!(
+        "\nrelayed / handed to VFIO (p50): {:.2}; L1 AF_UNIX ping-pong p50 {sock:.1} µs",
+        q["relay_vs_direct_p50"].as_f64().unwrap_or(f64::NAN)
+    );
     let bench_dir = env.repo.join("target/bench");
     std::fs::create_dir_all(&bench_dir)?;
     let path = bench_dir.join("nested.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&r)?)?;
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&serde_json::json!({ "mmio": r, "irq": q }))?,
+    )?;
     println!("results: {}", path.display());
     Ok(())
 }
