@@ -197,6 +197,56 @@ impl GuestEnv {
             .map_err(HarnessError::Initramfs)
     }
 
+    /// A static binary for the guest: `$var` if set, else `target/x86_64-unknown-linux-gnu/
+    /// release/NAME` (what `RUSTFLAGS="-C target-feature=+crt-static" cargo build --release
+    /// -p PACKAGE --target x86_64-unknown-linux-gnu` makes).
+    pub fn static_binary(&self, name: &str, var: &str) -> Result<PathBuf> {
+        let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+            self.repo
+                .join("target/x86_64-unknown-linux-gnu/release")
+                .join(name)
+        });
+        if path.exists() {
+            Ok(path)
+        } else {
+            Err(HarnessError::Initramfs(format!(
+                "static {name} not found at {} (set {var} or build it: RUSTFLAGS=\"-C \
+                 target-feature=+crt-static\" cargo build --release --target \
+                 x86_64-unknown-linux-gnu)",
+                path.display()
+            )))
+        }
+    }
+
+    /// An initramfs `target/guest-tests/NAME.cpio.gz`: the base image plus `files` (each in
+    /// `/usr/bin`), built now (under a name of this process, then renamed into place).
+    pub fn initramfs_with(&self, name: &str, files: &[PathBuf]) -> Result<PathBuf> {
+        let out = self.work.join(format!("{name}.cpio.gz"));
+        let tmp = self
+            .work
+            .join(format!(".{name}.cpio.gz.{}.tmp", std::process::id()));
+        let mut cmd = Command::new(self.repo.join("images/build-initramfs.sh"));
+        cmd.arg(&tmp);
+        for f in files {
+            cmd.arg("--add").arg(f);
+        }
+        let status = cmd
+            .env("SWITCHYARD_CACHE", &self.cache)
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|e| HarnessError::Initramfs(format!("images/build-initramfs.sh: {e}")))?;
+        if !status.success() {
+            let _ = fs::remove_file(&tmp);
+            return Err(HarnessError::Initramfs(format!(
+                "images/build-initramfs.sh exited with {status}"
+            )));
+        }
+        fs::rename(&tmp, &out).map_err(|e| {
+            HarnessError::Io(format!("rename {} to {}", tmp.display(), out.display()), e)
+        })?;
+        Ok(out)
+    }
+
     /// A log directory for `test`, emptied.
     pub fn log_dir(&self, test: &str) -> Result<PathBuf> {
         let dir = self.work.join("logs").join(test);
@@ -359,6 +409,13 @@ pub struct GuestSpec {
     pub args: Vec<String>,
     /// Add `intel-iommu,caching-mode=on` (needed for VFIO in the guest).
     pub iommu: bool,
+    /// With `iommu`: also `intremap=on` (interrupt remapping, for nested VFIO).
+    pub intremap: bool,
+    /// Emulated devices present at boot (`-device SPEC`, e.g. `edu`).
+    pub emulated: Vec<String>,
+    /// The initramfs to boot instead of [`GuestEnv::initramfs`] (e.g. one from
+    /// [`GuestEnv::initramfs_with`]).
+    pub initrd: Option<PathBuf>,
     /// vfio-user devices present at boot.
     pub devices: Vec<VfioUserDevice>,
     /// PCIe root ports (for hot-plug).
@@ -378,6 +435,9 @@ impl GuestSpec {
             test: test.to_owned(),
             args: vec![],
             iommu: false,
+            intremap: false,
+            emulated: vec![],
+            initrd: None,
             devices: vec![],
             root_ports: 0,
             qmp: false,
@@ -444,7 +504,10 @@ impl Guest {
                 )));
             }
         }
-        let initrd = env.initramfs()?;
+        let initrd = match &spec.initrd {
+            Some(p) => p.clone(),
+            None => env.initramfs()?,
+        };
         let serial = dir.join("serial.log");
         let qemu_log = dir.join("qemu.log");
         let mut append = String::from("console=ttyS0 panic=-1 quiet");
@@ -463,7 +526,11 @@ impl Guest {
             .initrd(initrd)
             .append(append)
             .intel_iommu(spec.iommu)
+            .intel_iommu_intremap(spec.intremap)
             .root_ports(spec.root_ports);
+        for d in &spec.emulated {
+            q = q.device(d.clone());
+        }
         for d in &spec.devices {
             q = q.vfio_user_device(d.clone());
         }
