@@ -921,6 +921,15 @@ fn set_irqs(
     if set.count == 0 {
         // Only "disable everything" is meaningful with no vectors.
         if matches!((set.action, set.data), (IrqAction::Trigger, IrqData::None)) && set.start == 0 {
+            // A device that delivers its interrupts itself gives every vector back first (a
+            // physical device's kernel would otherwise keep signalling the client's eventfds).
+            let count = irq.count as usize;
+            if count > 0
+                && let Some(router) = dev.irq_router()
+            {
+                let none: Vec<Option<&File>> = vec![None; count];
+                router.route(set.index, 0, &none)?;
+            }
             irqs.disable(set.index).map_err(DeviceError::from)?;
             tracing::debug!(index = set.index, "interrupts disabled");
             return Ok(());

@@ -1,7 +1,7 @@
 //! `switchyard`: serve a device to a VMM over vfio-user.
 //!
 //! ```text
-//! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2]] [--swap-every-ms N]
+//! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2] | vfio,host=BDF[,bars=trap|mmap]] [--swap-every-ms N]
 //! switchyard daemon [--config FILE] [--state-dir DIR] [--run-dir DIR]
 //! switchyard ctl [--socket PATH] [--json] COMMAND
 //! ```
@@ -24,6 +24,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
+use switchyard_vfio::{VfioConfig, VfioPci};
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
@@ -105,6 +106,14 @@ struct ServeArgs {
     /// hot-unplug under QEMU 11.1, whose vfio-user-pci aborts when removing a device with
     /// MSI-X. vram_mmap=off: VRAM is trapped instead of mappable, so the device sees every
     /// write and migrates after pre-copy with a downtime independent of the VRAM size.
+    ///
+    /// Or a physical device: `vfio,host=DDDD:BB:DD.F[,bars=trap|mmap]`, a PCI device bound to
+    /// vfio-pci whose IOMMU group is viable (every device in it bound to vfio-pci or to no
+    /// driver). Its config space is virtualized, interrupts go from the kernel straight to the
+    /// client's eventfds and the client's DMA windows are mapped into its IOMMU (DMA_MAP needs
+    /// a file descriptor). bars=trap (default): every BAR access is a message; bars=mmap: the
+    /// client maps the BARs (MSI-X table excepted) directly, which cannot be moved to another
+    /// device without the guest's help.
     #[arg(long, value_name = "SPEC", default_value = "softgpu", value_parser = parse_device)]
     device: DeviceSpec,
 
@@ -160,6 +169,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 #[derive(Debug, Clone)]
 enum DeviceSpec {
     SoftGpu(SoftGpuConfig),
+    Vfio(VfioConfig),
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, String> {
@@ -168,8 +178,11 @@ fn parse_device(s: &str) -> Result<DeviceSpec, String> {
         "softgpu" => SoftGpuConfig::parse_options(options)
             .map(DeviceSpec::SoftGpu)
             .map_err(|e| e.to_string()),
+        "vfio" => VfioConfig::parse_options(options)
+            .map(DeviceSpec::Vfio)
+            .map_err(|e| e.to_string()),
         other => Err(format!(
-            "unknown device model `{other}`; available models: softgpu"
+            "unknown device model `{other}`; available models: softgpu, vfio"
         )),
     }
 }
@@ -266,16 +279,28 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.socket_mode = args.socket_mode;
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
     config.dirty_log_budget = args.dirty_log_budget;
-    let DeviceSpec::SoftGpu(gpu) = args.device;
-    let span = tracing::info_span!("device", model = "softgpu", socket = %args.socket.display());
+    let model = match &args.device {
+        DeviceSpec::SoftGpu(_) => "softgpu",
+        DeviceSpec::Vfio(_) => "vfio",
+    };
+    let span = tracing::info_span!("device", model, socket = %args.socket.display());
     let _g = span.enter();
-    tracing::info!(
-        vram = gpu.vram_size,
-        queues = gpu.queues,
-        "starting softgpu"
-    );
-    let mut server = Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
-        .with_context(|| format!("cannot serve on {}", args.socket.display()))?;
+    let server = match args.device {
+        DeviceSpec::SoftGpu(gpu) => {
+            tracing::info!(
+                vram = gpu.vram_size,
+                queues = gpu.queues,
+                "starting softgpu"
+            );
+            Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
+        }
+        DeviceSpec::Vfio(vfio) => {
+            tracing::info!(host = %vfio.host, bars = ?vfio.bars, "opening the VFIO device");
+            Server::new(config, |_ctx| VfioPci::open(&vfio))
+        }
+    };
+    let mut server =
+        server.with_context(|| format!("cannot serve on {}", args.socket.display()))?;
     let stop = server.stop_handle();
     let mut signals =
         Signals::new([SIGTERM, SIGINT, SIGHUP]).context("cannot install signal handlers")?;

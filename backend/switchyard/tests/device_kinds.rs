@@ -242,6 +242,22 @@ fn a_device_that_maps_its_own_iommu_and_routes_its_own_interrupts() {
         seen.lock().expect("lock").routed,
         [(VFIO_PCI_MSIX_IRQ_INDEX, 1, 2)]
     );
+    // Disabling the index (TRIGGER|DATA_NONE, count 0) takes every vector back from the device.
+    c.set_irqs(
+        VFIO_PCI_MSIX_IRQ_INDEX,
+        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+        0,
+        0,
+        &[],
+    )
+    .expect("disable");
+    assert_eq!(
+        seen.lock().expect("lock").routed,
+        [
+            (VFIO_PCI_MSIX_IRQ_INDEX, 1, 2),
+            (VFIO_PCI_MSIX_IRQ_INDEX, 0, 0)
+        ]
+    );
 
     // Unmaps: the device hears of each.
     c.dma_unmap(0, 0x100_0000, 0).expect("unmap both");

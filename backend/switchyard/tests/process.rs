@@ -190,6 +190,52 @@ fn exit_codes_bad_arguments_2_runtime_error_1() {
 }
 
 #[test]
+fn a_vfio_device_that_cannot_be_opened_is_named_and_bad_options_are_argument_errors() {
+    let out = run(&[
+        "serve",
+        "--socket",
+        "/tmp/x.sock",
+        "--device",
+        "vfio,bars=mmap",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        text(&out.stderr).contains("host=DDDD:BB:DD.F is required"),
+        "{out:?}"
+    );
+    let out = run(&[
+        "serve",
+        "--socket",
+        "/tmp/x.sock",
+        "--device",
+        "vfio,host=00:03.0,bars=fast",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        text(&out.stderr).contains("bars is trap or mmap"),
+        "{out:?}"
+    );
+    // No such device on this machine: a runtime error that names it, and no socket left.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("vfio.sock");
+    let out = Command::new(BIN)
+        .args(["serve", "--socket"])
+        .arg(&socket)
+        .args(["--device", "vfio,host=ffff:ff:1f.7"])
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("Cannot create the device") && err.contains("No PCI device ffff:ff:1f.7"),
+        "{err}"
+    );
+    assert!(!socket.exists());
+}
+
+#[test]
 fn sighup_finishes_like_sigterm_removes_the_socket_and_exits_0() {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("gpu.sock");

@@ -14,6 +14,10 @@
 //!   reference, because the device may write it concurrently.
 //! - [`dup_device_fd`]: an owned duplicate of a `VfioDevice`'s descriptor (the crate exposes
 //!   only `AsRawFd`), for positioned reads and writes of its regions.
+//! - [`set_irq_eventfds`], [`disable_irq`], [`reset_device`]: `VFIO_DEVICE_SET_IRQS` for any
+//!   vector range with any mix of eventfds and detached vectors (what a vfio-user client's
+//!   `SET_IRQS` asks for; `vfio-ioctls` only enables whole indexes from vector 0), and a reset
+//!   that reports its error.
 //! - [`sock`]: `SO_PEEK_OFF`, which rustix does not wrap: the kernel's count of peeked,
 //!   unconsumed bytes, with which a replacement server process learns whether the killed one
 //!   consumed what it had journaled.
@@ -30,4 +34,4 @@
 pub mod sock;
 mod vfio;
 
-pub use vfio::{DmaMapping, Error, dup_device_fd};
+pub use vfio::{DmaMapping, Error, disable_irq, dup_device_fd, reset_device, set_irq_eventfds};

@@ -6,6 +6,10 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
+use vfio_bindings::bindings::vfio::{
+    VFIO_BASE, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
+    VFIO_TYPE,
+};
 use vfio_ioctls::{VfioDevice, VfioError, VfioOps};
 use vm_memory::mmap::MmapRegion;
 
@@ -155,6 +159,93 @@ impl Drop for DmaMapping {
             let _ = self.release();
         }
     }
+}
+
+/// `VFIO_DEVICE_SET_IRQS` request number: `_IO(VFIO_TYPE, VFIO_BASE + 10)` (`linux/vfio.h`).
+const VFIO_DEVICE_SET_IRQS: libc::c_ulong =
+    ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 10);
+/// `VFIO_DEVICE_RESET` request number: `_IO(VFIO_TYPE, VFIO_BASE + 11)`.
+const VFIO_DEVICE_RESET: libc::c_ulong =
+    ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 11);
+
+/// Hands eventfds to the vectors `start..start + fds.len()` of interrupt `index` of `device`
+/// (`VFIO_DEVICE_SET_IRQS`, `DATA_EVENTFD | ACTION_TRIGGER`): the kernel signals them itself
+/// when the device raises the vector. `None` detaches a vector (the kernel's `-1`). With MSI
+/// and MSI-X, the first call enables the index with `start + fds.len()` vectors; later calls
+/// within that count change single vectors.
+///
+/// `vfio-ioctls` only offers whole-index `enable_irq` calls that start at vector 0 and take
+/// `EventFd`s, so a client's partial `SET_IRQS` could not be passed through as it is.
+pub fn set_irq_eventfds(
+    device: &VfioDevice,
+    index: u32,
+    start: u32,
+    fds: &[Option<BorrowedFd<'_>>],
+) -> io::Result<()> {
+    irq_set(
+        device,
+        VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+        index,
+        start,
+        fds.iter().map(|f| f.map_or(-1, |f| f.as_raw_fd())),
+    )
+}
+
+/// Disables interrupt `index` of `device` (`SET_IRQS` `DATA_NONE | ACTION_TRIGGER`, count 0):
+/// every vector's eventfd is released by the kernel and MSI/MSI-X is turned off in the device.
+pub fn disable_irq(device: &VfioDevice, index: u32) -> io::Result<()> {
+    irq_set(
+        device,
+        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+        index,
+        0,
+        std::iter::empty(),
+    )
+}
+
+fn irq_set(
+    device: &VfioDevice,
+    flags: u32,
+    index: u32,
+    start: u32,
+    fds: impl ExactSizeIterator<Item = i32>,
+) -> io::Result<()> {
+    // struct vfio_irq_set { argsz, flags, index, start, count; u8 data[] }: five u32 words and
+    // then, for DATA_EVENTFD, one s32 per vector. Built as u32 words so it is aligned.
+    let count = u32::try_from(fds.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let mut words: Vec<u32> = Vec::with_capacity(5 + fds.len());
+    let argsz = u32::try_from((5 + fds.len()) * 4)
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    words.extend([argsz, flags, index, start, count]);
+    words.extend(fds.map(|fd| fd as u32));
+    // SAFETY: the descriptor is `device`'s, open for the duration of the call. The argument is
+    // a `vfio_irq_set` header followed by `count` 32-bit descriptors, exactly `argsz` bytes,
+    // all initialized and owned by `words`, which outlives the call; the kernel only reads it.
+    // The eventfds named in it are borrowed by the caller for the duration of the call (the
+    // kernel takes its own references).
+    let ret = unsafe {
+        libc::ioctl(
+            device.as_raw_fd(),
+            VFIO_DEVICE_SET_IRQS as _,
+            words.as_ptr(),
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Resets `device` (`VFIO_DEVICE_RESET`); the kernel restores the config space it saved when
+/// the device was opened. Unlike `VfioDevice::reset`, the error is reported.
+pub fn reset_device(device: &VfioDevice) -> io::Result<()> {
+    // SAFETY: the descriptor is `device`'s, open for the duration of the call; the request
+    // takes no argument.
+    let ret = unsafe { libc::ioctl(device.as_raw_fd(), VFIO_DEVICE_RESET as _) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// An owned duplicate of `device`'s descriptor (close-on-exec), e.g. for `FileExt` reads and

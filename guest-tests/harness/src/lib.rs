@@ -270,6 +270,56 @@ impl GuestEnv {
         Ok(out)
     }
 
+    /// A static binary for the guest: `$var` if set, else `target/x86_64-unknown-linux-gnu/
+    /// release/NAME` (what `RUSTFLAGS="-C target-feature=+crt-static" cargo build --release
+    /// -p PACKAGE --target x86_64-unknown-linux-gnu` makes).
+    pub fn static_binary(&self, name: &str, var: &str) -> Result<PathBuf> {
+        let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+            self.repo
+                .join("target/x86_64-unknown-linux-gnu/release")
+                .join(name)
+        });
+        if path.exists() {
+            Ok(path)
+        } else {
+            Err(HarnessError::Initramfs(format!(
+                "static {name} not found at {} (set {var} or build it: RUSTFLAGS=\"-C \
+                 target-feature=+crt-static\" cargo build --release --target \
+                 x86_64-unknown-linux-gnu)",
+                path.display()
+            )))
+        }
+    }
+
+    /// An initramfs `target/guest-tests/NAME.cpio.gz`: the base image plus `files` (each in
+    /// `/usr/bin`), built now (under a name of this process, then renamed into place).
+    pub fn initramfs_with(&self, name: &str, files: &[PathBuf]) -> Result<PathBuf> {
+        let out = self.work.join(format!("{name}.cpio.gz"));
+        let tmp = self
+            .work
+            .join(format!(".{name}.cpio.gz.{}.tmp", std::process::id()));
+        let mut cmd = Command::new(self.repo.join("images/build-initramfs.sh"));
+        cmd.arg(&tmp);
+        for f in files {
+            cmd.arg("--add").arg(f);
+        }
+        let status = cmd
+            .env("SWITCHYARD_CACHE", &self.cache)
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|e| HarnessError::Initramfs(format!("images/build-initramfs.sh: {e}")))?;
+        if !status.success() {
+            let _ = fs::remove_file(&tmp);
+            return Err(HarnessError::Initramfs(format!(
+                "images/build-initramfs.sh exited with {status}"
+            )));
+        }
+        fs::rename(&tmp, &out).map_err(|e| {
+            HarnessError::Io(format!("rename {} to {}", tmp.display(), out.display()), e)
+        })?;
+        Ok(out)
+    }
+
     /// A log directory for `test`, emptied.
     pub fn log_dir(&self, test: &str) -> Result<PathBuf> {
         let dir = self.work.join("logs").join(test);
@@ -448,6 +498,13 @@ pub struct GuestSpec {
     pub kernel_args: Vec<String>,
     /// Add `intel-iommu,caching-mode=on` (needed for VFIO in the guest).
     pub iommu: bool,
+    /// With `iommu`: also `intremap=on` (interrupt remapping, for nested VFIO).
+    pub intremap: bool,
+    /// Emulated devices present at boot (`-device SPEC`, e.g. `edu`).
+    pub emulated: Vec<String>,
+    /// The initramfs to boot instead of [`GuestEnv::initramfs`] (e.g. one from
+    /// [`GuestEnv::initramfs_with`]).
+    pub initrd: Option<PathBuf>,
     /// vfio-user devices present at boot.
     pub devices: Vec<VfioUserDevice>,
     /// PCIe root ports (for hot-plug).
@@ -460,8 +517,6 @@ pub struct GuestSpec {
     pub smp: u32,
     /// CPU model (`-cpu`), QEMU's default when `None`.
     pub cpu: Option<String>,
-    /// The initramfs, [`GuestEnv::initramfs`] when `None`.
-    pub initramfs: Option<PathBuf>,
     /// More QEMU arguments (e.g. emulated devices for an L1 host: `-device edu`).
     pub qemu_args: Vec<String>,
     /// Overall timeout.
@@ -476,13 +531,15 @@ impl GuestSpec {
             args: vec![],
             kernel_args: vec![],
             iommu: false,
+            intremap: false,
+            emulated: vec![],
+            initrd: None,
             devices: vec![],
             root_ports: 0,
             qmp: false,
             memory_mib: 512,
             smp: 1,
             cpu: None,
-            initramfs: None,
             qemu_args: vec![],
             timeout: Duration::from_secs(240),
         }
@@ -497,7 +554,7 @@ impl GuestSpec {
         s.cpu = Some("EPYC".into());
         s.smp = 2;
         s.memory_mib = 3072;
-        s.initramfs = Some(env.nested_initramfs()?);
+        s.initrd = Some(env.nested_initramfs()?);
         s.timeout = Duration::from_secs(900);
         Ok(s)
     }
@@ -513,13 +570,9 @@ impl GuestSpec {
         igb: bool,
     ) -> Result<GuestSpec> {
         let mut s = GuestSpec::nested(env, args)?;
-        s.qemu_args = vec![
-            "-device".into(),
-            "intel-iommu,intremap=on,caching-mode=on".into(),
-        ];
-        for _ in 0..edus {
-            s.qemu_args.extend(["-device".into(), "edu".into()]);
-        }
+        s.iommu = true;
+        s.intremap = true;
+        s.emulated = vec!["edu".into(); edus as usize];
         if igb {
             s.qemu_args.extend([
                 "-device".into(),
@@ -590,7 +643,7 @@ impl Guest {
                 )));
             }
         }
-        let initrd = match &spec.initramfs {
+        let initrd = match &spec.initrd {
             Some(p) => p.clone(),
             None => env.initramfs()?,
         };
@@ -617,11 +670,15 @@ impl Guest {
             .initrd(initrd)
             .append(append)
             .intel_iommu(spec.iommu)
+            .intel_iommu_intremap(spec.intremap)
             .root_ports(spec.root_ports);
         if let Some(cpu) = &spec.cpu {
             q = q.cpu(cpu);
         }
         q = q.extra_args(&spec.qemu_args);
+        for d in &spec.emulated {
+            q = q.device(d.clone());
+        }
         for d in &spec.devices {
             q = q.vfio_user_device(d.clone());
         }

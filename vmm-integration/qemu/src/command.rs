@@ -184,7 +184,9 @@ pub struct QemuCommand {
     initrd: Option<PathBuf>,
     append: Option<String>,
     intel_iommu: bool,
+    intremap: bool,
     root_ports: u32,
+    devices: Vec<String>,
     vfio_user_devices: Vec<VfioUserDevice>,
     qmp_socket: Option<PathBuf>,
     extra_args: Vec<OsString>,
@@ -206,7 +208,9 @@ impl QemuCommand {
             initrd: None,
             append: None,
             intel_iommu: false,
+            intremap: false,
             root_ports: 0,
+            devices: Vec::new(),
             vfio_user_devices: Vec::new(),
             qmp_socket: None,
             extra_args: Vec::new(),
@@ -286,6 +290,23 @@ impl QemuCommand {
     #[must_use]
     pub fn intel_iommu(mut self, enabled: bool) -> Self {
         self.intel_iommu = enabled;
+        self
+    }
+
+    /// With [`QemuCommand::intel_iommu`]: also `intremap=on`, interrupt remapping (what a
+    /// guest that assigns devices with VFIO itself, nested, uses for their MSIs). Off by
+    /// default.
+    #[must_use]
+    pub fn intel_iommu_intremap(mut self, enabled: bool) -> Self {
+        self.intremap = enabled;
+        self
+    }
+
+    /// Adds a cold-plugged emulated device, `-device SPEC` (e.g. `edu`), after the IOMMU and
+    /// the root ports and before the `vfio-user-pci` devices.
+    #[must_use]
+    pub fn device(mut self, spec: impl Into<String>) -> Self {
+        self.devices.push(spec.into());
         self
     }
 
@@ -409,7 +430,11 @@ impl QemuCommand {
         // The IOMMU goes before any PCI device so that it is realized first.
         if self.intel_iommu {
             a.push("-device".into());
-            a.push("intel-iommu,caching-mode=on".into());
+            a.push(if self.intremap {
+                "intel-iommu,intremap=on,caching-mode=on".into()
+            } else {
+                "intel-iommu,caching-mode=on".into()
+            });
         }
         for n in 1..=self.root_ports {
             a.push("-device".into());
@@ -420,6 +445,10 @@ impl QemuCommand {
                 )
                 .into(),
             );
+        }
+        for dev in &self.devices {
+            a.push("-device".into());
+            a.push(dev.into());
         }
         for dev in &self.vfio_user_devices {
             a.push("-device".into());
@@ -577,6 +606,40 @@ mod tests {
                 .collect::<Vec<_>>(),
             args
         );
+    }
+
+    #[test]
+    fn intremap_and_plain_devices_for_nested_vfio() {
+        let args = QemuCommand::new("/q")
+            .intel_iommu(true)
+            .intel_iommu_intremap(true)
+            .root_ports(1)
+            .device("edu")
+            .vfio_user_device(VfioUserDevice::new("gpu0", "/tmp/g.sock"))
+            .args()
+            .expect("args");
+        let s = strs(&args);
+        let tail: Vec<&str> =
+            s[s.iter().position(|a| *a == "-device").expect("devices")..].to_vec();
+        assert_eq!(
+            tail,
+            [
+                "-device",
+                "intel-iommu,intremap=on,caching-mode=on",
+                "-device",
+                "pcie-root-port,id=rp1,chassis=1,slot=1,pref64-reserve=256M",
+                "-device",
+                "edu",
+                "-device",
+                r#"{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/g.sock"},"id":"gpu0"}"#,
+            ]
+        );
+        // intremap alone adds no IOMMU.
+        let args = QemuCommand::new("/q")
+            .intel_iommu_intremap(true)
+            .args()
+            .expect("args");
+        assert!(!strs(&args).iter().any(|a| a.contains("intel-iommu")));
     }
 
     #[test]

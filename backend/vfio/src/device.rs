@@ -1,0 +1,526 @@
+//! [`VfioPci`]: the device, its regions and the core traits.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use switchyard_device::{
+    CONFIG_REGION_INDEX, DeviceDescription, DeviceError, DirtySource, DmaObserver, IrqDesc,
+    IrqRouter, NUM_PCI_REGIONS, PciDevice, RegionDesc, RegionMmap, SparseArea,
+};
+use vfio_bindings::bindings::vfio::{VFIO_IRQ_INFO_EVENTFD, VFIO_REGION_INFO_FLAG_MMAP};
+use vfio_ioctls::{VfioContainer, VfioDevice, VfioOps, VfioRegionInfoCap};
+
+use crate::config::{MsixCap, RawConfig, VirtConfig};
+use crate::dma::Iommu;
+use crate::irq::{MsixTable, Router};
+use crate::{BarMode, Error, VfioConfig, sysfs};
+
+/// Page size for the MSI-X table's trapped pages.
+const PAGE: u64 = 4096;
+
+/// Where a VFIO region is in the device descriptor.
+#[derive(Debug, Clone, Copy, Default)]
+struct Region {
+    offset: u64,
+    size: u64,
+    flags: u32,
+}
+
+/// The device's config space through the VFIO config region.
+struct DeviceConfig<'a> {
+    fd: &'a File,
+    offset: u64,
+}
+
+impl RawConfig for DeviceConfig<'_> {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.fd.read_exact_at(buf, self.offset + offset)
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.fd.write_all_at(data, self.offset + offset)
+    }
+}
+
+/// What part of a BAR an access falls in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Device,
+    Table,
+    Pba,
+}
+
+/// Splits `[offset, offset+len)` of a BAR at the MSI-X table and PBA (if they are in it).
+fn split(offset: u64, len: u64, special: &[(u64, u64, Part)]) -> Vec<(u64, u64, Part)> {
+    let end = offset + len;
+    let mut out = Vec::new();
+    let mut at = offset;
+    while at < end {
+        let inside = special.iter().find(|(s, e, _)| *s <= at && at < *e);
+        let (stop, part) = match inside {
+            Some((_, e, p)) => ((*e).min(end), *p),
+            None => {
+                let next = special
+                    .iter()
+                    .filter(|(s, _, _)| *s > at)
+                    .map(|(s, _, _)| *s)
+                    .min()
+                    .unwrap_or(end);
+                (next.min(end), Part::Device)
+            }
+        };
+        out.push((at, stop - at, part));
+        at = stop;
+    }
+    out
+}
+
+/// A PCI device bound to vfio-pci, served to a vfio-user client (see the crate documentation).
+pub struct VfioPci {
+    bdf: String,
+    desc: DeviceDescription,
+    device: Arc<VfioDevice>,
+    fd: Arc<File>,
+    regions: Vec<Region>,
+    config: VirtConfig,
+    msix: Option<(MsixCap, MsixTable)>,
+    router: Router,
+    iommu: Arc<Iommu>,
+}
+
+impl std::fmt::Debug for VfioPci {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VfioPci")
+            .field("bdf", &self.bdf)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VfioPci {
+    /// Opens the device `config.host` (see the crate documentation for what is checked).
+    pub fn open(config: &VfioConfig) -> Result<VfioPci, Error> {
+        let bdf = sysfs::normalize_bdf(&config.host)?;
+        let span = tracing::info_span!("vfio", bdf = %bdf);
+        let _g = span.enter();
+        let group = sysfs::check_openable(&config.sysfs, &bdf)?;
+        let open_err = |source| Error::Open {
+            bdf: bdf.clone(),
+            group,
+            source,
+        };
+        // The legacy container/group API; iommufd (/dev/vfio/devices) is future work.
+        let container = Arc::new(VfioContainer::new(None).map_err(open_err)?);
+        let ops: Arc<dyn VfioOps> = container;
+        let path = sysfs::device_dir(&config.sysfs, &bdf);
+        let device = Arc::new(VfioDevice::new(&path, Arc::clone(&ops), false).map_err(open_err)?);
+        let fd = Arc::new(switchyard_sys::dup_device_fd(&device).map_err(Error::Dup)?);
+
+        let regions: Vec<Region> = (0..NUM_PCI_REGIONS)
+            .map(|i| Region {
+                offset: device.get_region_offset(i),
+                size: device.get_region_size(i),
+                flags: device.get_region_flags(i),
+            })
+            .collect();
+        let cfg_region = regions[CONFIG_REGION_INDEX as usize];
+        if cfg_region.size < 256 {
+            return Err(Error::NoConfig { bdf });
+        }
+        let mut bar_sizes = [0u64; 6];
+        for (i, s) in bar_sizes.iter_mut().enumerate() {
+            *s = regions[i].size;
+        }
+        let raw = DeviceConfig {
+            fd: &fd,
+            offset: cfg_region.offset,
+        };
+        let vconfig = VirtConfig::new(&raw, cfg_region.size.min(4096) as usize, bar_sizes)
+            .map_err(|source| Error::Config {
+                bdf: bdf.clone(),
+                source,
+            })?;
+        for (id, offset) in vconfig.hidden_capabilities() {
+            tracing::info!(id, offset, "capability hidden from the client");
+        }
+
+        let irq = |index: u32| {
+            device
+                .get_irq_info(index)
+                .filter(|i| i.flags & VFIO_IRQ_INFO_EVENTFD != 0)
+                .map_or(0, |i| i.count)
+        };
+        // Offer what both the kernel and the shadow's capabilities have.
+        let msi_count = if vconfig.msi().is_some() { irq(1) } else { 0 };
+        let msix_count = vconfig.msix().map_or(0, |m| irq(2).min(m.vectors));
+        let none = IrqDesc {
+            count: 0,
+            eventfd: false,
+            maskable: false,
+            automasked: false,
+            noresize: true,
+        };
+        let vectors = |count: u32, noresize: bool| {
+            if count == 0 {
+                none
+            } else {
+                IrqDesc {
+                    count,
+                    eventfd: true,
+                    maskable: false,
+                    automasked: false,
+                    noresize,
+                }
+            }
+        };
+        let irqs = vec![
+            none, // INTx: not supported.
+            vectors(msi_count, true),
+            vectors(msix_count, false),
+            none,
+            none,
+        ];
+
+        let msix = vconfig.msix().map(|m| (m, MsixTable::new(m.vectors)));
+        let mut descs = Vec::with_capacity(NUM_PCI_REGIONS as usize);
+        for (i, r) in regions.iter().enumerate().take(6) {
+            if r.size == 0 {
+                descs.push(RegionDesc::absent());
+                continue;
+            }
+            let mut d = RegionDesc::trapped(r.size);
+            if config.bars == BarMode::Mmap && r.flags & VFIO_REGION_INFO_FLAG_MMAP != 0 {
+                let areas = mmap_areas(&device, i as u32, r.size, msix.as_ref().map(|(m, _)| *m));
+                if !areas.is_empty() {
+                    tracing::info!(bar = i, areas = ?areas, "BAR offered for mmap");
+                    d.mmap = Some(RegionMmap {
+                        file: Arc::clone(&fd),
+                        file_offset: r.offset,
+                        areas,
+                    });
+                }
+            }
+            descs.push(d);
+        }
+        descs.push(RegionDesc::absent()); // ROM: hidden.
+        descs.push(RegionDesc::trapped(vconfig.size() as u64));
+        descs.push(RegionDesc::absent()); // VGA.
+        let resettable = sysfs::function(&config.sysfs, &bdf)
+            .map(|f| !f.reset_methods.is_empty())
+            .unwrap_or(true);
+        let desc = DeviceDescription {
+            name: "vfio-pci",
+            regions: descs,
+            irqs,
+            resettable,
+        };
+        tracing::info!(
+            group,
+            bars = ?vconfig.bar_sizes(),
+            msi = msi_count,
+            msix = msix_count,
+            resettable,
+            mode = ?config.bars,
+            "opened"
+        );
+        tracing::info!(
+            "dirty tracking: the device has none; every page mapped into its IOMMU is reported dirty"
+        );
+        let router = Router::new(Arc::clone(&device), msi_count, msix_count);
+        drop(_g);
+        Ok(VfioPci {
+            bdf,
+            desc,
+            device,
+            fd,
+            regions,
+            config: vconfig,
+            msix,
+            router,
+            iommu: Arc::new(Iommu::new(ops)),
+        })
+    }
+
+    /// The PCI address served.
+    pub fn bdf(&self) -> &str {
+        &self.bdf
+    }
+
+    /// The virtualized config space.
+    pub fn config(&self) -> &VirtConfig {
+        &self.config
+    }
+
+    fn raw(&self) -> DeviceConfig<'_> {
+        DeviceConfig {
+            fd: &self.fd,
+            offset: self.regions[CONFIG_REGION_INDEX as usize].offset,
+        }
+    }
+
+    fn bar(&self, region: u32, offset: u64, len: usize) -> switchyard_device::Result<Region> {
+        let r = self
+            .regions
+            .get(region as usize)
+            .filter(|r| region < 6 && r.size > 0)
+            .copied()
+            .ok_or(DeviceError::NoSuchRegion(region))?;
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > r.size)
+        {
+            return Err(DeviceError::OutOfRange {
+                region,
+                offset,
+                len,
+            });
+        }
+        Ok(r)
+    }
+
+    /// The MSI-X table and PBA ranges inside BAR `region`.
+    fn special(&self, region: u32) -> Vec<(u64, u64, Part)> {
+        let mut v = Vec::new();
+        if let Some((m, _)) = &self.msix {
+            if m.table_bar == region {
+                v.push((m.table_offset, m.table_offset + m.table_size(), Part::Table));
+            }
+            if m.pba_bar == region {
+                v.push((m.pba_offset, m.pba_offset + m.pba_size(), Part::Pba));
+            }
+        }
+        v
+    }
+
+    fn apply_msix_masks(&mut self) {
+        let fmask = self.config.msix_function_masked();
+        if let Some((_, table)) = &self.msix {
+            let masks = table.masks(fmask);
+            if let Err(e) = self.router.apply_msix_masks(&masks) {
+                tracing::warn!(error = %e, "cannot apply MSI-X masks");
+            }
+        }
+    }
+}
+
+/// The mmappable areas of BAR `index`: the kernel's sparse areas (or the whole BAR) minus the
+/// pages of the MSI-X table.
+fn mmap_areas(
+    device: &VfioDevice,
+    index: u32,
+    size: u64,
+    msix: Option<MsixCap>,
+) -> Vec<SparseArea> {
+    let mut areas: Vec<(u64, u64)> = device
+        .get_region_caps(index)
+        .into_iter()
+        .find_map(|c| match c {
+            VfioRegionInfoCap::SparseMmap(s) => Some(
+                s.areas
+                    .iter()
+                    .map(|a| (a.offset, a.offset + a.size))
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .unwrap_or_else(|| vec![(0, size)]);
+    if let Some(m) = msix.filter(|m| m.table_bar == index) {
+        let hole_start = m.table_offset / PAGE * PAGE;
+        let hole_end = (m.table_offset + m.table_size()).div_ceil(PAGE) * PAGE;
+        areas = areas
+            .into_iter()
+            .flat_map(|(s, e)| {
+                [(s, e.min(hole_start)), (s.max(hole_end), e)]
+                    .into_iter()
+                    .filter(|(a, b)| a < b)
+            })
+            .collect();
+    }
+    areas
+        .into_iter()
+        .map(|(s, e)| SparseArea {
+            offset: s,
+            size: e - s,
+        })
+        .collect()
+}
+
+impl PciDevice for VfioPci {
+    fn description(&self) -> &DeviceDescription {
+        &self.desc
+    }
+
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> switchyard_device::Result<()> {
+        if region == CONFIG_REGION_INDEX {
+            let raw = self.raw();
+            return self
+                .config
+                .read(&raw, offset, data)
+                .map_err(DeviceError::Io);
+        }
+        let r = self.bar(region, offset, data.len())?;
+        let special = self.special(region);
+        for (at, len, part) in split(offset, data.len() as u64, &special) {
+            let i = (at - offset) as usize;
+            let buf = &mut data[i..i + len as usize];
+            match part {
+                Part::Device => self.fd.read_exact_at(buf, r.offset + at)?,
+                Part::Table => {
+                    if let Some((m, t)) = &self.msix {
+                        t.read(at - m.table_offset, buf);
+                    }
+                }
+                Part::Pba => {
+                    let Some((m, _)) = self.msix else { continue };
+                    let base = at - m.pba_offset;
+                    for (k, b) in buf.iter_mut().enumerate() {
+                        let byte = base + k as u64;
+                        *b = 0;
+                        for bit in 0..8 {
+                            let v = (byte * 8 + bit) as usize;
+                            if v < m.vectors as usize && self.router.msix_pending(v) {
+                                *b |= 1 << bit;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        tracing::trace!(region, offset, len = data.len(), "read");
+        Ok(())
+    }
+
+    fn region_write(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &[u8],
+    ) -> switchyard_device::Result<()> {
+        if region == CONFIG_REGION_INDEX {
+            let raw = DeviceConfig {
+                fd: &self.fd,
+                offset: self.regions[CONFIG_REGION_INDEX as usize].offset,
+            };
+            let fx = self
+                .config
+                .write(&raw, offset, data)
+                .map_err(DeviceError::Io)?;
+            if fx.msix_control {
+                self.apply_msix_masks();
+            }
+            return Ok(());
+        }
+        let r = self.bar(region, offset, data.len())?;
+        let special = self.special(region);
+        let mut table_written = false;
+        for (at, len, part) in split(offset, data.len() as u64, &special) {
+            let i = (at - offset) as usize;
+            let buf = &data[i..i + len as usize];
+            match part {
+                Part::Device => self.fd.write_all_at(buf, r.offset + at)?,
+                Part::Table => {
+                    if let Some((m, t)) = &mut self.msix {
+                        t.write(at - m.table_offset, buf);
+                        table_written = true;
+                    }
+                }
+                Part::Pba => {} // Read-only.
+            }
+        }
+        if table_written {
+            self.apply_msix_masks();
+        }
+        tracing::trace!(region, offset, len = data.len(), "write");
+        Ok(())
+    }
+
+    fn reset(&mut self) -> switchyard_device::Result<()> {
+        if !self.desc.resettable {
+            return Err(DeviceError::Unsupported);
+        }
+        switchyard_sys::reset_device(&self.device).map_err(|e| {
+            tracing::warn!(error = %e, "VFIO_DEVICE_RESET failed");
+            DeviceError::Io(e)
+        })?;
+        let raw = self.raw();
+        self.config.reapply(&raw).map_err(DeviceError::Io)?;
+        tracing::info!("device reset; the client's COMMAND bits applied again");
+        Ok(())
+    }
+
+    fn client_disconnected(&mut self) {
+        // The server has dropped its eventfds; the kernel must not keep signalling ours.
+        self.router.disable_all();
+        // The DMA windows are gone from the IOMMU already: the server's unmap-all told the
+        // observer before the client's memory was released.
+        let left = self.iommu.windows();
+        if !left.is_empty() {
+            tracing::warn!(
+                windows = left.len(),
+                "DMA windows still mapped after the client left; unmapping"
+            );
+            self.iommu.clear();
+        }
+    }
+
+    fn dma_observer(&self) -> Option<Arc<dyn DmaObserver>> {
+        Some(Arc::clone(&self.iommu) as Arc<dyn DmaObserver>)
+    }
+
+    fn dirty_source(&self) -> Option<Arc<dyn DirtySource>> {
+        Some(Arc::clone(&self.iommu) as Arc<dyn DirtySource>)
+    }
+
+    fn irq_router(&mut self) -> Option<&mut dyn IrqRouter> {
+        Some(self)
+    }
+}
+
+impl IrqRouter for VfioPci {
+    fn route(
+        &mut self,
+        index: u32,
+        start: u32,
+        fds: &[Option<&File>],
+    ) -> switchyard_device::Result<()> {
+        self.router.route(index, start, fds)
+    }
+}
+
+impl Drop for VfioPci {
+    fn drop(&mut self) {
+        self.router.disable_all();
+        self.iommu.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accesses_split_at_the_msix_table_and_pba() {
+        let special = [(0x1000, 0x1080, Part::Table), (0x1800, 0x1808, Part::Pba)];
+        assert_eq!(split(0, 4, &special), [(0, 4, Part::Device)]);
+        assert_eq!(split(0x1000, 16, &special), [(0x1000, 16, Part::Table)]);
+        assert_eq!(
+            split(0xffc, 8, &special),
+            [(0xffc, 4, Part::Device), (0x1000, 4, Part::Table)]
+        );
+        assert_eq!(
+            split(0x107c, 0x790, &special),
+            [
+                (0x107c, 4, Part::Table),
+                (0x1080, 0x780, Part::Device),
+                (0x1800, 8, Part::Pba),
+                (0x1808, 4, Part::Device)
+            ]
+        );
+    }
+}
