@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 mod ctl;
+mod inventory;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -72,6 +73,11 @@ enum Command {
     /// Tables by default, --json for the API's JSON. An error from the daemon prints
     /// `error: MESSAGE` and exits 1; bad arguments exit 2.
     Ctl(ctl::CtlArgs),
+
+    /// The host's PCI functions (sysfs: ids, class, driver, IOMMU group, SR-IOV, NUMA node,
+    /// reset methods), and the changes a pool makes to them: `create-vfs PF N` (SR-IOV VFs,
+    /// left unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`).
+    Inventory(inventory::InventoryArgs),
 
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the
     /// daemon with its custody channel as standard input; not for direct use.
@@ -235,6 +241,7 @@ fn main() -> ExitCode {
         Command::Worker => worker(),
         Command::Daemon(args) => return daemon(args),
         Command::Ctl(args) => ctl::run(args),
+        Command::Inventory(args) => inventory::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
