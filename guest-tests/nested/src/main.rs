@@ -424,7 +424,9 @@ fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str]) -> 
         .initrd(L2_INITRAMFS)
         .append(append)
         .intel_iommu(true)
-        .vfio_user_device(VfioUserDevice::new("dev0", socket));
+        // A physical device's server pins all of L2's RAM for the IOMMU in the first DMA_MAP:
+        // seconds at TCG speed, past QEMU's 5 s default reply timeout.
+        .vfio_user_device(VfioUserDevice::new("dev0", socket).msg_timeout_ms(60_000));
     Vm::start_qemu(dir, name, cmd)
 }
 

@@ -54,6 +54,8 @@ pub struct VfioUserDevice {
     /// The bus to plug into, e.g. a root port id from [`root_port_id`]. `None` puts
     /// the device on the root complex (`pcie.0`), where it cannot be hot-unplugged.
     pub bus: Option<String>,
+    /// QEMU's reply timeout in ms (`x-msg-timeout`), QEMU's default (5000) when `None`.
+    pub msg_timeout_ms: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -63,6 +65,8 @@ struct DeviceJson<'a> {
     id: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     bus: Option<&'a str>,
+    #[serde(rename = "x-msg-timeout", skip_serializing_if = "Option::is_none")]
+    msg_timeout_ms: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -79,7 +83,17 @@ impl VfioUserDevice {
             id: id.into(),
             socket: socket.into(),
             bus: None,
+            msg_timeout_ms: None,
         }
+    }
+
+    /// How long QEMU waits for a reply, in ms (`x-msg-timeout`; QEMU's default is 5000). A
+    /// server that pins guest memory for a physical device's IOMMU in `DMA_MAP` can take longer
+    /// than that for a large guest on a slow host; QEMU then loses the conversation.
+    #[must_use]
+    pub fn msg_timeout_ms(mut self, ms: u32) -> Self {
+        self.msg_timeout_ms = Some(ms);
+        self
     }
 
     /// Plugs the device into `bus` (for hot-plug: a `pcie-root-port` id).
@@ -98,6 +112,7 @@ impl VfioUserDevice {
             socket: SocketJson { kind: "unix", path },
             id: &self.id,
             bus: self.bus.as_deref(),
+            msg_timeout_ms: self.msg_timeout_ms,
         })
     }
 
@@ -515,6 +530,14 @@ mod tests {
             "none",
             "-no-reboot",
         ]
+    }
+
+    #[test]
+    fn message_timeout_goes_into_the_device_json() {
+        let d = VfioUserDevice::new("gpu0", "/tmp/s.sock");
+        assert!(!d.to_json_string().expect("json").contains("x-msg-timeout"));
+        let j = d.msg_timeout_ms(30_000).to_json_value().expect("json");
+        assert_eq!(j["x-msg-timeout"], 30_000);
     }
 
     #[test]
