@@ -2,8 +2,10 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 
 use switchyard_device::{
     CONFIG_REGION_INDEX, DeviceDescription, DeviceError, DirtySource, DmaObserver, IrqDesc,
@@ -16,6 +18,7 @@ use crate::config::{MsixCap, RawConfig, VirtConfig};
 use crate::dma::Iommu;
 use crate::irq::{MsixTable, Router};
 use crate::{BarMode, Error, VfioConfig, sysfs};
+use switchyard_device::irq::IrqIndex;
 
 /// Page size for the MSI-X table's trapped pages.
 const PAGE: u64 = 4096;
@@ -77,17 +80,144 @@ fn split(offset: u64, len: u64, special: &[(u64, u64, Part)]) -> Vec<(u64, u64, 
     out
 }
 
+/// What holds the device open: dropped (interrupts off, every descriptor of the device closed)
+/// when the kernel asks for the device back, so its removal completes.
+struct Hw {
+    device: Arc<VfioDevice>,
+    fd: Arc<File>,
+    router: Router,
+}
+
+/// The device as the server thread and the request watcher share it: `None` once released.
+type SharedHw = Arc<Mutex<Option<Hw>>>;
+
+fn lock(hw: &SharedHw) -> MutexGuard<'_, Option<Hw>> {
+    hw.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The errno every access gets once the device is gone.
+fn gone() -> DeviceError {
+    DeviceError::Io(io::Error::from_raw_os_error(libc::ENODEV))
+}
+
+/// Releases the device (the kernel's `REQ`: an unbind or a hot-remove is waiting for it):
+/// interrupts off, DMA unmapped, descriptors closed; then tells the client through its REQ
+/// eventfd, if it gave one. Idempotent.
+fn release(bdf: &str, hw: &SharedHw, iommu: &Iommu, client_req: &Mutex<Option<File>>) {
+    let taken = lock(hw).take();
+    let Some(mut h) = taken else { return };
+    h.router.disable_all();
+    iommu.clear();
+    drop(h);
+    tracing::warn!(
+        bdf,
+        "the kernel asked for the device back (VFIO device request: unbind or removal): \
+         released; the endpoint is quarantined, every access fails with ENODEV"
+    );
+    if let Some(fd) = client_req
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+    {
+        use std::io::Write;
+        if let Err(e) = (&*fd).write_all(&1u64.to_ne_bytes()) {
+            tracing::debug!(error = %e, "cannot signal the client's REQ eventfd");
+        }
+    }
+}
+
+/// The thread that waits for the kernel's device request (VFIO `REQ` interrupt) and releases
+/// the device; stopped through its own eventfd when the device is dropped.
+struct ReqWatcher {
+    stop: File,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn eventfd() -> io::Result<File> {
+    Ok(File::from(rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )?))
+}
+
+impl ReqWatcher {
+    fn start(
+        bdf: String,
+        hw: SharedHw,
+        iommu: Arc<Iommu>,
+        client_req: Arc<Mutex<Option<File>>>,
+    ) -> io::Result<ReqWatcher> {
+        let req = eventfd()?;
+        {
+            let g = lock(&hw);
+            let h = g
+                .as_ref()
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::ENODEV))?;
+            switchyard_sys::set_irq_eventfds(
+                &h.device,
+                IrqIndex::Req as u32,
+                0,
+                &[Some(req.as_fd())],
+            )?;
+        }
+        let stop = eventfd()?;
+        let stop_r = stop.try_clone()?;
+        let thread = std::thread::Builder::new()
+            .name(format!("vfio-req {bdf}"))
+            .spawn(move || {
+                use rustix::event::{PollFd, PollFlags, poll};
+                loop {
+                    let mut fds = [
+                        PollFd::new(&req, PollFlags::IN),
+                        PollFd::new(&stop_r, PollFlags::IN),
+                    ];
+                    match poll(&mut fds, None) {
+                        Ok(_) => {}
+                        Err(rustix::io::Errno::INTR) => continue,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "device request watcher stops");
+                            return;
+                        }
+                    }
+                    if !fds[1].revents().is_empty() {
+                        return;
+                    }
+                    if !fds[0].revents().is_empty() {
+                        release(&bdf, &hw, &iommu, &client_req);
+                        return;
+                    }
+                }
+            })?;
+        Ok(ReqWatcher {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for ReqWatcher {
+    fn drop(&mut self) {
+        use std::io::Write;
+        let _ = (&self.stop).write_all(&1u64.to_ne_bytes());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// A PCI device bound to vfio-pci, served to a vfio-user client (see the crate documentation).
 pub struct VfioPci {
     bdf: String,
     desc: DeviceDescription,
-    device: Arc<VfioDevice>,
-    fd: Arc<File>,
+    hw: SharedHw,
     regions: Vec<Region>,
     config: VirtConfig,
     msix: Option<(MsixCap, MsixTable)>,
-    router: Router,
     iommu: Arc<Iommu>,
+    /// The client's REQ eventfd (signalled when the device is released under it).
+    client_req: Arc<Mutex<Option<File>>>,
+    /// `None` if the kernel offers no device request interrupt.
+    _watcher: Option<ReqWatcher>,
 }
 
 impl std::fmt::Debug for VfioPci {
@@ -174,12 +304,15 @@ impl VfioPci {
                 }
             }
         };
+        let err_count = irq(IrqIndex::Err as u32).min(1);
         let irqs = vec![
             none, // INTx: not supported.
             vectors(msi_count, true),
             vectors(msix_count, false),
-            none,
-            none,
+            // ERR: the client's eventfd goes to the kernel's error notification (AER).
+            vectors(err_count, true),
+            // REQ: signalled when the kernel takes the device back (see `release`).
+            vectors(1, true),
         ];
 
         let msix = vconfig.msix().map(|m| (m, MsixTable::new(m.vectors)));
@@ -228,17 +361,41 @@ impl VfioPci {
             "dirty tracking: the device has none; every page mapped into its IOMMU is reported dirty"
         );
         let router = Router::new(Arc::clone(&device), msi_count, msix_count);
+        let kernel_req = irq(IrqIndex::Req as u32) > 0;
+        let hw: SharedHw = Arc::new(Mutex::new(Some(Hw { device, fd, router })));
+        let iommu = Arc::new(Iommu::new(ops));
+        let client_req = Arc::new(Mutex::new(None));
+        let watcher = if kernel_req {
+            Some(
+                ReqWatcher::start(
+                    bdf.clone(),
+                    Arc::clone(&hw),
+                    Arc::clone(&iommu),
+                    Arc::clone(&client_req),
+                )
+                .map_err(|source| Error::ReqWatch {
+                    bdf: bdf.clone(),
+                    source,
+                })?,
+            )
+        } else {
+            tracing::warn!(
+                "the kernel offers no device request interrupt: an unbind or removal of the \
+                 device waits until this server exits"
+            );
+            None
+        };
         drop(_g);
         Ok(VfioPci {
             bdf,
             desc,
-            device,
-            fd,
+            hw,
             regions,
             config: vconfig,
             msix,
-            router,
-            iommu: Arc::new(Iommu::new(ops)),
+            iommu,
+            client_req,
+            _watcher: watcher,
         })
     }
 
@@ -252,11 +409,19 @@ impl VfioPci {
         &self.config
     }
 
-    fn raw(&self) -> DeviceConfig<'_> {
-        DeviceConfig {
-            fd: &self.fd,
-            offset: self.regions[CONFIG_REGION_INDEX as usize].offset,
-        }
+    /// Whether the kernel has taken the device back (the endpoint is quarantined).
+    pub fn released(&self) -> bool {
+        lock(&self.hw).is_none()
+    }
+
+    /// The device's descriptor and config offset, or ENODEV once released.
+    fn live_fd(&self) -> switchyard_device::Result<(Arc<File>, u64)> {
+        let g = lock(&self.hw);
+        let h = g.as_ref().ok_or_else(gone)?;
+        Ok((
+            Arc::clone(&h.fd),
+            self.regions[CONFIG_REGION_INDEX as usize].offset,
+        ))
     }
 
     fn bar(&self, region: u32, offset: u64, len: usize) -> switchyard_device::Result<Region> {
@@ -297,7 +462,9 @@ impl VfioPci {
         let fmask = self.config.msix_function_masked();
         if let Some((_, table)) = &self.msix {
             let masks = table.masks(fmask);
-            if let Err(e) = self.router.apply_msix_masks(&masks) {
+            let mut g = lock(&self.hw);
+            let Some(h) = g.as_mut() else { return };
+            if let Err(e) = h.router.apply_msix_masks(&masks) {
                 tracing::warn!(error = %e, "cannot apply MSI-X masks");
             }
         }
@@ -357,8 +524,12 @@ impl PciDevice for VfioPci {
         offset: u64,
         data: &mut [u8],
     ) -> switchyard_device::Result<()> {
+        let (fd, cfg_offset) = self.live_fd()?;
         if region == CONFIG_REGION_INDEX {
-            let raw = self.raw();
+            let raw = DeviceConfig {
+                fd: &fd,
+                offset: cfg_offset,
+            };
             return self
                 .config
                 .read(&raw, offset, data)
@@ -370,7 +541,7 @@ impl PciDevice for VfioPci {
             let i = (at - offset) as usize;
             let buf = &mut data[i..i + len as usize];
             match part {
-                Part::Device => self.fd.read_exact_at(buf, r.offset + at)?,
+                Part::Device => fd.read_exact_at(buf, r.offset + at)?,
                 Part::Table => {
                     if let Some((m, t)) = &self.msix {
                         t.read(at - m.table_offset, buf);
@@ -379,12 +550,14 @@ impl PciDevice for VfioPci {
                 Part::Pba => {
                     let Some((m, _)) = self.msix else { continue };
                     let base = at - m.pba_offset;
+                    let mut g = lock(&self.hw);
+                    let h = g.as_mut().ok_or_else(gone)?;
                     for (k, b) in buf.iter_mut().enumerate() {
                         let byte = base + k as u64;
                         *b = 0;
                         for bit in 0..8 {
                             let v = (byte * 8 + bit) as usize;
-                            if v < m.vectors as usize && self.router.msix_pending(v) {
+                            if v < m.vectors as usize && h.router.msix_pending(v) {
                                 *b |= 1 << bit;
                             }
                         }
@@ -402,10 +575,11 @@ impl PciDevice for VfioPci {
         offset: u64,
         data: &[u8],
     ) -> switchyard_device::Result<()> {
+        let (fd, cfg_offset) = self.live_fd()?;
         if region == CONFIG_REGION_INDEX {
             let raw = DeviceConfig {
-                fd: &self.fd,
-                offset: self.regions[CONFIG_REGION_INDEX as usize].offset,
+                fd: &fd,
+                offset: cfg_offset,
             };
             let fx = self
                 .config
@@ -423,7 +597,7 @@ impl PciDevice for VfioPci {
             let i = (at - offset) as usize;
             let buf = &data[i..i + len as usize];
             match part {
-                Part::Device => self.fd.write_all_at(buf, r.offset + at)?,
+                Part::Device => fd.write_all_at(buf, r.offset + at)?,
                 Part::Table => {
                     if let Some((m, t)) = &mut self.msix {
                         t.write(at - m.table_offset, buf);
@@ -444,11 +618,22 @@ impl PciDevice for VfioPci {
         if !self.desc.resettable {
             return Err(DeviceError::Unsupported);
         }
-        switchyard_sys::reset_device(&self.device).map_err(|e| {
-            tracing::warn!(error = %e, "VFIO_DEVICE_RESET failed");
-            DeviceError::Io(e)
-        })?;
-        let raw = self.raw();
+        let (fd, cfg_offset) = {
+            let g = lock(&self.hw);
+            let h = g.as_ref().ok_or_else(gone)?;
+            switchyard_sys::reset_device(&h.device).map_err(|e| {
+                tracing::warn!(error = %e, "VFIO_DEVICE_RESET failed");
+                DeviceError::Io(e)
+            })?;
+            (
+                Arc::clone(&h.fd),
+                self.regions[CONFIG_REGION_INDEX as usize].offset,
+            )
+        };
+        let raw = DeviceConfig {
+            fd: &fd,
+            offset: cfg_offset,
+        };
         self.config.reapply(&raw).map_err(DeviceError::Io)?;
         tracing::info!("device reset; the client's COMMAND bits applied again");
         Ok(())
@@ -456,7 +641,13 @@ impl PciDevice for VfioPci {
 
     fn client_disconnected(&mut self) {
         // The server has dropped its eventfds; the kernel must not keep signalling ours.
-        self.router.disable_all();
+        if let Some(h) = lock(&self.hw).as_mut() {
+            h.router.disable_all();
+            if self.desc.irqs[IrqIndex::Err as usize].count > 0 {
+                let _ = switchyard_sys::disable_irq(&h.device, IrqIndex::Err as u32);
+            }
+        }
+        *self.client_req.lock().unwrap_or_else(|e| e.into_inner()) = None;
         // The DMA windows are gone from the IOMMU already: the server's unmap-all told the
         // observer before the client's memory was released.
         let left = self.iommu.windows();
@@ -489,13 +680,37 @@ impl IrqRouter for VfioPci {
         start: u32,
         fds: &[Option<&File>],
     ) -> switchyard_device::Result<()> {
-        self.router.route(index, start, fds)
+        if index == IrqIndex::Req as u32 {
+            // Ours to signal (see `release`); kept even after the release, so a client that
+            // routes it late still learns nothing more is coming.
+            let fd = fds
+                .first()
+                .copied()
+                .flatten()
+                .map(File::try_clone)
+                .transpose()?;
+            *self.client_req.lock().unwrap_or_else(|e| e.into_inner()) = fd;
+            return Ok(());
+        }
+        let mut g = lock(&self.hw);
+        let h = g.as_mut().ok_or_else(gone)?;
+        if index == IrqIndex::Err as u32 {
+            let fd = fds.first().copied().flatten().map(AsFd::as_fd);
+            let r = match fd {
+                Some(fd) => switchyard_sys::set_irq_eventfds(&h.device, index, 0, &[Some(fd)]),
+                None => switchyard_sys::disable_irq(&h.device, index),
+            };
+            return r.map_err(DeviceError::Io);
+        }
+        h.router.route(index, start, fds)
     }
 }
 
 impl Drop for VfioPci {
     fn drop(&mut self) {
-        self.router.disable_all();
+        if let Some(h) = lock(&self.hw).as_mut() {
+            h.router.disable_all();
+        }
         self.iommu.clear();
     }
 }

@@ -198,6 +198,15 @@ pub enum Error {
     /// The device's descriptor could not be duplicated.
     #[error("Cannot duplicate the VFIO device descriptor")]
     Dup(#[source] switchyard_sys::Error),
+    /// The device request (`REQ`) interrupt could not be wired to its watcher thread.
+    #[error("Cannot watch for the kernel's device requests on {bdf}")]
+    ReqWatch {
+        /// The address.
+        bdf: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The device has no usable config region.
     #[error("VFIO device {bdf} has no config space region")]
     NoConfig {
