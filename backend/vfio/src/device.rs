@@ -117,13 +117,16 @@ impl VfioPci {
         let device = Arc::new(VfioDevice::new(&path, Arc::clone(&ops), false).map_err(open_err)?);
         let fd = Arc::new(switchyard_sys::dup_device_fd(&device).map_err(Error::Dup)?);
 
-        let regions: Vec<Region> = (0..NUM_PCI_REGIONS)
+        // BAR0-5, ROM, config; the VGA region (8) is never offered (and asking vfio-ioctls
+        // about a region the device lacks logs a warning).
+        let mut regions: Vec<Region> = (0..=CONFIG_REGION_INDEX)
             .map(|i| Region {
                 offset: device.get_region_offset(i),
                 size: device.get_region_size(i),
                 flags: device.get_region_flags(i),
             })
             .collect();
+        regions.resize(NUM_PCI_REGIONS as usize, Region::default());
         let cfg_region = regions[CONFIG_REGION_INDEX as usize];
         if cfg_region.size < 256 {
             return Err(Error::NoConfig { bdf });
