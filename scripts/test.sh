@@ -43,10 +43,13 @@ fi
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
-step "static in-guest driver"
+step "static in-guest binaries (driver; server and edu client for the passthrough guest)"
 RUSTFLAGS="-C target-feature=+crt-static" \
-  cargo build --release --locked -p sygpu-driver --target x86_64-unknown-linux-gnu
+  cargo build --release --locked -p sygpu-driver -p switchyard -p edu-client \
+  --target x86_64-unknown-linux-gnu
 export SYGPU_DRIVER=$PWD/target/x86_64-unknown-linux-gnu/release/sygpu-driver
+export SWITCHYARD_STATIC_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/switchyard
+export EDU_CLIENT=$PWD/target/x86_64-unknown-linux-gnu/release/edu-client
 
 step "unit, property and integration tests"
 cargo build --locked -p switchyard
