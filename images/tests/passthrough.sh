@@ -1,5 +1,6 @@
 #!/bin/sh
-# passthrough.sh [VID:DID] [BARS]  (default 1234:11e8, QEMU's edu; BARS trap|mmap, default trap)
+# passthrough.sh [VID:DID] [BARS] [CLIENT ARGS...]  (default 1234:11e8, QEMU's edu; BARS trap|mmap,
+# default trap; CLIENT ARGS go to edu-client before the socket, e.g. --msix)
 # The guest side of the physical-device (nested VFIO) test: binds the device to vfio-pci, serves
 # it with `switchyard serve --device vfio,host=BDF,bars=BARS` on a socket and drives it with
 # `edu-client` over vfio-user. Needs the vIOMMU (intel-iommu with intremap/caching-mode, guest
@@ -9,6 +10,7 @@
 # server's log between "PASSTHROUGH: server log begin/end".
 id=${1:-1234:11e8}
 bars=${2:-trap}
+if [ $# -ge 2 ]; then shift 2; else shift $#; fi
 vid=0x${id%:*}
 did=0x${id#*:}
 
@@ -35,7 +37,7 @@ if [ ! -S "$sock" ]; then
   exit 1
 fi
 echo "PASSTHROUGH: serving"
-edu-client "$sock"
+edu-client "$@" "$sock"
 rc=$?
 echo "PASSTHROUGH: client rc=$rc"
 kill -TERM "$pid"

@@ -17,6 +17,14 @@
 //! - with `bars=mmap`: BAR0 comes with the device's descriptor and a sparse area; the client
 //!   maps it and reaches edu's registers without a message (ID, liveness).
 //!
+//! `edu-client --msix SOCKET` instead probes a device with MSI-X behind a PCIe port (the guest
+//! test uses `virtio-rng-pci`): the PCI Express capability kept and vendor-specific ones
+//! hidden, no extended capability, the emulated MSI-X table (masked at power-on, written and
+//! read back), MSI-X eventfds handed to the kernel (all vectors, then one), a vector masked
+//! and unmasked through the table (its kernel eventfd parked and restored), the PBA, the
+//! sparse mmap areas leaving the table's page trapped, and DEVICE_RESET (FLR) with the config
+//! space still answering (`MSIX: <step> ok`, `MSIX-SUMMARY {json}`).
+//!
 //! Prints `EDU: <step> ok ...` per step and `EDU-SUMMARY {json}` at the end; exit 0 when every
 //! step passed, 1 at the first failure (`EDU: FAIL <step>: <why>`).
 
@@ -226,6 +234,168 @@ fn mmap_bar0(bar0: &switchyard_client::RegionDescription) -> Result<()> {
         ),
     );
     Ok(())
+}
+
+fn msix_ok(step: &str, detail: impl std::fmt::Display) {
+    println!("MSIX: {step} ok {detail}");
+}
+
+/// The `--msix` probe (see the crate documentation).
+fn run_msix(socket: &str) -> Result<serde_json::Value> {
+    let c = Client::connect(socket).map_err(|e| format!("connect {socket}: {e}"))?;
+    let mut d = Edu { c };
+    let info = d.c.device_info().map_err(|e| format!("device info: {e}"))?;
+    let cfg =
+        d.c.region_info(CONFIG)
+            .map_err(|e| format!("region 7: {e}"))?;
+    let ids = d.cfg_read32(0)?;
+    let caps = d.capabilities()?;
+    let find = |id: u8| caps.iter().find(|(i, _)| *i == id).map(|(_, o)| *o);
+    let msix_cap = find(0x11).ok_or_else(|| format!("no MSI-X capability in {caps:?}"))?;
+    ensure(find(0x10).is_some(), || {
+        format!("no PCI Express capability in {caps:?}")
+    })?;
+    ensure(find(0x09).is_none(), || {
+        format!("a vendor capability is visible: {caps:?}")
+    })?;
+    let ext = if cfg.info.size > 256 {
+        d.cfg_read32(0x100)?
+    } else {
+        0
+    };
+    ensure(ext == 0, || format!("extended capability header {ext:#x}"))?;
+    msix_ok(
+        "config",
+        format!(
+            "ids={ids:#010x} config={} caps={:?} ext={ext:#x}",
+            cfg.info.size,
+            caps.iter()
+                .map(|(id, o)| format!("{id:#04x}@{o:#x}"))
+                .collect::<Vec<_>>()
+        ),
+    );
+
+    let ctl = d.cfg_read16(msix_cap + 2)?;
+    let vectors = u32::from(ctl & 0x7ff) + 1;
+    let table = d.cfg_read32(msix_cap + 4)?;
+    let pba = d.cfg_read32(msix_cap + 8)?;
+    let (tbar, toff) = (table & 7, u64::from(table & !7));
+    let (pbar, poff) = (pba & 7, u64::from(pba & !7));
+    let irq = d.c.irq_info(2).map_err(|e| format!("irq info 2: {e}"))?;
+    ensure(irq.count == vectors && vectors >= 2, || {
+        format!("MSI-X irq info {irq:?}, capability says {vectors}")
+    })?;
+    ensure(ctl & 0xc000 == 0, || {
+        format!("MSI-X starts enabled: {ctl:#x}")
+    })?;
+    msix_ok(
+        "msix-cap",
+        format!("vectors={vectors} table=bar{tbar}+{toff:#x} pba=bar{pbar}+{poff:#x}"),
+    );
+    let treg =
+        d.c.region_info(tbar)
+            .map_err(|e| format!("region {tbar}: {e}"))?;
+    let mut sparse = "none".to_owned();
+    if treg.info.flags & VFIO_REGION_INFO_FLAG_MMAP != 0 {
+        let areas = treg.sparse_areas.clone().unwrap_or_default();
+        let page = toff / 4096 * 4096;
+        ensure(
+            !areas.is_empty()
+                && areas
+                    .iter()
+                    .all(|a| a.offset + a.size <= page || a.offset >= page + 4096),
+            || format!("the table page is offered for mmap: {areas:?}"),
+        )?;
+        sparse = format!("{areas:?}");
+    }
+    msix_ok("table-trapped", format!("bar{tbar} mmap areas {sparse}"));
+
+    // Memory space on; the table is emulated: masked at power-on, written and read back.
+    d.cfg_write(0x04, &0x0006u16.to_le_bytes())?;
+    let bar_read = |d: &mut Edu, off: u64| -> Result<u32> {
+        let mut b = [0u8; 4];
+        d.c.region_read(tbar, off, &mut b)
+            .map_err(|e| format!("table read {off:#x}: {e}"))?;
+        Ok(u32::from_le_bytes(b))
+    };
+    let bar_write = |d: &mut Edu, off: u64, v: u32| -> Result<()> {
+        d.c.region_write(tbar, off, &v.to_le_bytes())
+            .map_err(|e| format!("table write {off:#x}: {e}"))
+    };
+    let ctrl0 = bar_read(&mut d, toff + 12)?;
+    ensure(ctrl0 == 1, || {
+        format!("vector 0 control at power-on {ctrl0:#x}")
+    })?;
+    for v in 0..2u64 {
+        bar_write(&mut d, toff + 16 * v, 0xfee0_0000)?;
+        bar_write(&mut d, toff + 16 * v + 8, 0x40 + v as u32)?;
+        bar_write(&mut d, toff + 16 * v + 12, 0)?;
+    }
+    let data1 = bar_read(&mut d, toff + 16 + 8)?;
+    ensure(data1 == 0x41, || format!("vector 1 data reads {data1:#x}"))?;
+    d.cfg_write(msix_cap + 2, &0x8000u16.to_le_bytes())?;
+    msix_ok(
+        "table",
+        "masked at power-on, entries written and read back, MSI-X enabled",
+    );
+
+    let fds = [eventfd()?, eventfd()?];
+    let trigger = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+    d.c.set_irqs(2, trigger, 0, 2, &[fds[0].as_fd(), fds[1].as_fd()])
+        .map_err(|e| format!("SET_IRQS MSI-X 0..2: {e}"))?;
+    let extra = eventfd()?;
+    d.c.set_irqs(2, trigger, 1, 1, &[extra.as_fd()])
+        .map_err(|e| format!("SET_IRQS MSI-X 1: {e}"))?;
+    msix_ok(
+        "set-irqs",
+        "vectors 0..2 handed to the kernel, then vector 1 replaced",
+    );
+    // Mask vector 0 in the table (its kernel eventfd is parked), read the PBA, unmask.
+    bar_write(&mut d, toff + 12, 1)?;
+    let mut pending = [0u8; 8];
+    let pba_region = pbar;
+    d.c.region_read(pba_region, poff, &mut pending)
+        .map_err(|e| format!("PBA read: {e}"))?;
+    bar_write(&mut d, toff + 12, 0)?;
+    // The function mask parks every vector at once, and lifting it restores them.
+    d.cfg_write(msix_cap + 2, &0xc000u16.to_le_bytes())?;
+    d.cfg_write(msix_cap + 2, &0x8000u16.to_le_bytes())?;
+    msix_ok(
+        "mask",
+        format!(
+            "vector 0 masked/unmasked, function mask set/cleared, pba={:#x}",
+            u64::from_le_bytes(pending)
+        ),
+    );
+
+    let mut reset = false;
+    if info.flags & VFIO_DEVICE_FLAGS_RESET != 0 {
+        d.c.device_reset()
+            .map_err(|e| format!("DEVICE_RESET: {e}"))?;
+        let again = d.cfg_read32(0)?;
+        let cmd = d.cfg_read16(0x04)?;
+        ensure(again == ids && cmd & 0x0002 != 0, || {
+            format!("after reset: ids {again:#x} command {cmd:#x}")
+        })?;
+        reset = true;
+        msix_ok("reset", format!("ids={again:#010x} command={cmd:#06x}"));
+    }
+    d.c.set_irqs(
+        2,
+        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+        0,
+        0,
+        &[],
+    )
+    .map_err(|e| format!("SET_IRQS disable: {e}"))?;
+    msix_ok("disable", "");
+    Ok(serde_json::json!({
+        "result": "pass",
+        "ids": format!("{ids:#010x}"),
+        "vectors": vectors,
+        "config_size": cfg.info.size,
+        "reset": reset,
+    }))
 }
 
 fn run(socket: &str) -> Result<serde_json::Value> {
@@ -505,17 +675,27 @@ fn run(socket: &str) -> Result<serde_json::Value> {
 }
 
 fn main() -> std::process::ExitCode {
-    let Some(socket) = std::env::args().nth(1) else {
-        eprintln!("usage: edu-client SOCKET");
-        return std::process::ExitCode::from(2);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (msix, socket) = match args.as_slice() {
+        [s] => (false, s),
+        [flag, s] if flag == "--msix" => (true, s),
+        _ => {
+            eprintln!("usage: edu-client [--msix] SOCKET");
+            return std::process::ExitCode::from(2);
+        }
     };
-    match run(&socket) {
+    let (result, label) = if msix {
+        (run_msix(socket), "MSIX")
+    } else {
+        (run(socket), "EDU")
+    };
+    match result {
         Ok(summary) => {
-            println!("EDU-SUMMARY {summary}");
+            println!("{label}-SUMMARY {summary}");
             std::process::ExitCode::SUCCESS
         }
         Err(e) => {
-            println!("EDU: FAIL {e}");
+            println!("{label}: FAIL {e}");
             std::process::ExitCode::FAILURE
         }
     }

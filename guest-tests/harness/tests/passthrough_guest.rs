@@ -25,6 +25,19 @@ fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
 
 /// Boots the L1 guest with edu and runs the passthrough script with `bars`.
 fn run_passthrough(env: &GuestEnv, dir: &std::path::Path, bars: &str) -> GuestOutput {
+    run_guest(env, dir, &["1234:11e8", bars], |spec| {
+        spec.emulated = vec!["edu".into()];
+    })
+}
+
+/// Boots the L1 guest (vIOMMU with interrupt remapping) running the passthrough script with
+/// `args`; `adjust` adds the devices.
+fn run_guest(
+    env: &GuestEnv,
+    dir: &std::path::Path,
+    args: &[&str],
+    adjust: impl FnOnce(&mut GuestSpec),
+) -> GuestOutput {
     let switchyard = env
         .static_binary("switchyard", "SWITCHYARD_STATIC_BIN")
         .expect("static switchyard");
@@ -33,16 +46,16 @@ fn run_passthrough(env: &GuestEnv, dir: &std::path::Path, bars: &str) -> GuestOu
         .expect("static edu-client");
     let initrd = env
         .initramfs_with(
-            &format!("initramfs-passthrough-{bars}"),
+            &format!("initramfs-passthrough-{}", std::process::id()),
             &[switchyard, client],
         )
         .expect("initramfs");
     let mut spec = GuestSpec::new("passthrough");
-    spec.args = vec!["1234:11e8".into(), bars.into()];
+    spec.args = args.iter().map(|a| a.to_string()).collect();
     spec.iommu = true;
     spec.intremap = true;
-    spec.emulated = vec!["edu".into()];
     spec.initrd = Some(initrd);
+    adjust(&mut spec);
     let out = Guest::boot(env, dir, &spec)
         .expect("boot")
         .wait()
@@ -50,7 +63,9 @@ fn run_passthrough(env: &GuestEnv, dir: &std::path::Path, bars: &str) -> GuestOu
     // The key lines, for the test output (`--nocapture`).
     for l in out.serial.lines().map(str::trim).filter(|l| {
         l.starts_with("EDU")
+            || l.starts_with("MSIX")
             || l.starts_with("PASSTHROUGH:")
+            || l.contains("hidden")
             || l.contains("dirty tracking")
             || l.contains("vfio-bind")
     }) {
@@ -139,6 +154,59 @@ fn edu_behind_the_guest_iommu_is_served_with_mmapped_bars() {
             out.serial
                 .lines()
                 .any(|l| l.trim().starts_with("EDU: bar0-mmap ok")),
+            "{}",
+            out.serial
+        );
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_pcie_device_with_msix_gets_its_capabilities_filtered_and_msix_emulated() {
+    // virtio-rng-pci behind a PCIe root port: modern only (1af4:1044), PCI Express with FLR,
+    // MSI-X, and vendor-specific capabilities that the client must not see.
+    with_logs("passthrough_msix", |env, dir| {
+        let out = run_guest(env, dir, &["1af4:1044", "mmap", "--msix"], |spec| {
+            spec.root_ports = 1;
+            spec.emulated = vec!["virtio-rng-pci,bus=rp1".into()];
+        });
+        assert_eq!(
+            out.test_rc("passthrough"),
+            Some(0),
+            "the passthrough script failed:\n{}",
+            out.serial
+        );
+        let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
+        for step in [
+            "config",
+            "msix-cap",
+            "table-trapped",
+            "table",
+            "set-irqs",
+            "mask",
+            "reset",
+            "disable",
+        ] {
+            let prefix = format!("MSIX: {step} ok");
+            assert!(
+                lines.iter().any(|l| l.starts_with(&prefix)),
+                "no `{prefix}` line:\n{}",
+                out.serial
+            );
+        }
+        let summary = out.json_line("MSIX-SUMMARY").expect("MSIX-SUMMARY line");
+        assert_eq!(summary["result"], "pass", "{summary}");
+        assert_eq!(summary["config_size"], 4096, "{summary}");
+        assert_eq!(summary["reset"], true, "{summary}");
+        assert!(
+            lines.iter().any(|l| l.starts_with("SERVER: ")
+                && l.contains("capability hidden from the client")
+                && l.contains("id=9")),
+            "the server did not hide the vendor capabilities:\n{}",
+            out.serial
+        );
+        assert!(
+            lines.contains(&"PASSTHROUGH: server exit=0"),
             "{}",
             out.serial
         );
