@@ -112,7 +112,7 @@ impl VfioPci {
         };
         // The legacy container/group API; iommufd (/dev/vfio/devices) is future work.
         let container = Arc::new(VfioContainer::new(None).map_err(open_err)?);
-        let ops: Arc<dyn VfioOps> = container;
+        let ops: Arc<dyn VfioOps> = Arc::clone(&container) as Arc<dyn VfioOps>;
         let path = sysfs::device_dir(&config.sysfs, &bdf);
         let device = Arc::new(VfioDevice::new(&path, Arc::clone(&ops), false).map_err(open_err)?);
         let fd = Arc::new(switchyard_sys::dup_device_fd(&device).map_err(Error::Dup)?);
@@ -241,7 +241,7 @@ impl VfioPci {
             config: vconfig,
             msix,
             router,
-            iommu: Arc::new(Iommu::new(ops)),
+            iommu: Arc::new(Iommu::new(container)),
         })
     }
 
