@@ -12,6 +12,8 @@
 //! - DMA: a memfd DMA_MAPped at an IOVA below edu's 28-bit DMA mask; edu's DMA engine (src
 //!   0x80, dst 0x88, count 0x90, cmd 0x98) copies bytes into its buffer (0x40000) and back to
 //!   another place of the memfd, verified, with its completion interrupt;
+//! - a read-only DMA window (from a read-only descriptor): edu reads it, and its write to it is
+//!   blocked by the IOMMU (the bytes stay);
 //! - the DMA dirty report: every mapped page reads dirty (the device cannot track its writes);
 //! - a DMA_MAP without a file descriptor is refused with ENOTSUP;
 //! - with `bars=mmap`: BAR0 comes with the device's descriptor and a sparse area; the client
@@ -31,7 +33,7 @@
 #![forbid(unsafe_code)]
 
 use std::fs::File;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
@@ -62,6 +64,8 @@ const EDU_DMA_IRQ: u32 = 0x100;
 /// The client's DMA window: below edu's 28-bit DMA mask, 2 pages.
 const IOVA: u64 = 0x0010_0000;
 const WINDOW: u64 = 0x2000;
+/// A read-only window, one page.
+const IOVA_RO: u64 = 0x0020_0000;
 
 type Result<T> = std::result::Result<T, String>;
 
@@ -606,6 +610,55 @@ fn run(socket: &str) -> Result<serde_json::Value> {
     ok(
         "dma",
         format!("{len} bytes RAM->edu->RAM twice, both verified, completion MSIs received"),
+    );
+
+    // A read-only window (from a read-only descriptor): the device reads it, cannot write it.
+    let ro_mem = File::from(
+        rustix::fs::memfd_create("edu-ro", rustix::fs::MemfdFlags::CLOEXEC)
+            .map_err(|e| format!("memfd: {e}"))?,
+    );
+    ro_mem
+        .set_len(0x1000)
+        .map_err(|e| format!("memfd size: {e}"))?;
+    let pattern3: Vec<u8> = (0..1024u32).map(|i| (i * 13 + 1) as u8).collect();
+    ro_mem
+        .write_all_at(&pattern3, 0)
+        .map_err(|e| format!("memfd write: {e}"))?;
+    let ro_fd = File::open(format!("/proc/self/fd/{}", ro_mem.as_raw_fd()))
+        .map_err(|e| format!("reopen read-only: {e}"))?;
+    edu.c
+        .dma_map(
+            IOVA_RO,
+            0x1000,
+            VFIO_USER_F_DMA_REGION_READ,
+            Some((ro_fd.as_fd(), 0)),
+        )
+        .map_err(|e| format!("read-only DMA_MAP: {e}"))?;
+    edu.dma(IOVA_RO, EDU_BUFFER, len, false, &irq)?;
+    edu.dma(EDU_BUFFER, IOVA + 0x400, len, true, &irq)?;
+    let mut back3 = vec![0u8; pattern3.len()];
+    mem.read_exact_at(&mut back3, 0x400)
+        .map_err(|e| format!("memfd read: {e}"))?;
+    ensure(back3 == pattern3, || {
+        "read-only window: DMA read differs".into()
+    })?;
+    // Load edu's buffer with the first pattern (not the window's), then have edu write it into
+    // the read-only window: the IOMMU refuses the write and the window's bytes stay.
+    edu.dma(IOVA, EDU_BUFFER, len, false, &irq)?;
+    edu.dma(EDU_BUFFER, IOVA_RO, len, true, &irq)?;
+    let mut still = vec![0u8; pattern3.len()];
+    ro_mem
+        .read_exact_at(&mut still, 0)
+        .map_err(|e| format!("memfd read: {e}"))?;
+    ensure(still == pattern3, || {
+        "the device wrote a read-only window".into()
+    })?;
+    edu.c
+        .dma_unmap(IOVA_RO, 0x1000, 0)
+        .map_err(|e| format!("DMA_UNMAP read-only: {e}"))?;
+    ok(
+        "dma-read-only",
+        "read-only window read by the device; its write was blocked by the IOMMU",
     );
 
     // Dirty pages: DMA logging over the window reports every mapped page.

@@ -75,7 +75,7 @@ fn run_guest(
 }
 
 /// Every step the client checks, in order.
-const STEPS: [&str; 13] = [
+const STEPS: [&str; 14] = [
     "version",
     "device-info",
     "region-info",
@@ -86,6 +86,7 @@ const STEPS: [&str; 13] = [
     "msi",
     "dma-map",
     "dma",
+    "dma-read-only",
     "dirty",
     "dma-map-without-fd",
     "dma-unmap",
