@@ -52,18 +52,24 @@ enum Part {
     Pba,
 }
 
-/// Splits `[offset, offset+len)` of a BAR at the MSI-X table and PBA (if they are in it).
-fn split(offset: u64, len: u64, special: &[(u64, u64, Part)]) -> Vec<(u64, u64, Part)> {
+/// The MSI-X table and PBA ranges of one BAR (at most two).
+type Special = [Option<(u64, u64, Part)>; 2];
+
+/// Splits `[offset, offset+len)` of a BAR at the MSI-X table and PBA (if they are in it):
+/// (offset, length, part) pieces in order. Allocation-free (it runs on every BAR access).
+fn split(offset: u64, len: u64, special: Special) -> impl Iterator<Item = (u64, u64, Part)> {
     let end = offset + len;
-    let mut out = Vec::new();
     let mut at = offset;
-    while at < end {
-        let inside = special.iter().find(|(s, e, _)| *s <= at && at < *e);
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let ranges = special.iter().flatten();
+        let inside = ranges.clone().find(|(s, e, _)| *s <= at && at < *e);
         let (stop, part) = match inside {
             Some((_, e, p)) => ((*e).min(end), *p),
             None => {
-                let next = special
-                    .iter()
+                let next = ranges
                     .filter(|(s, _, _)| *s > at)
                     .map(|(s, _, _)| *s)
                     .min()
@@ -71,10 +77,10 @@ fn split(offset: u64, len: u64, special: &[(u64, u64, Part)]) -> Vec<(u64, u64, 
                 (next.min(end), Part::Device)
             }
         };
-        out.push((at, stop - at, part));
+        let piece = (at, stop - at, part);
         at = stop;
-    }
-    out
+        Some(piece)
+    })
 }
 
 /// A PCI device bound to vfio-pci, served to a vfio-user client (see the crate documentation).
@@ -283,14 +289,14 @@ impl VfioPci {
     }
 
     /// The MSI-X table and PBA ranges inside BAR `region`.
-    fn special(&self, region: u32) -> Vec<(u64, u64, Part)> {
-        let mut v = Vec::new();
+    fn special(&self, region: u32) -> Special {
+        let mut v = [None, None];
         if let Some((m, _)) = &self.msix {
             if m.table_bar == region {
-                v.push((m.table_offset, m.table_offset + m.table_size(), Part::Table));
+                v[0] = Some((m.table_offset, m.table_offset + m.table_size(), Part::Table));
             }
             if m.pba_bar == region {
-                v.push((m.pba_offset, m.pba_offset + m.pba_size(), Part::Pba));
+                v[1] = Some((m.pba_offset, m.pba_offset + m.pba_size(), Part::Pba));
             }
         }
         v
@@ -298,11 +304,10 @@ impl VfioPci {
 
     fn apply_msix_masks(&mut self) {
         let fmask = self.config.msix_function_masked();
-        if let Some((_, table)) = &self.msix {
-            let masks = table.masks(fmask);
-            if let Err(e) = self.router.apply_msix_masks(&masks) {
-                tracing::warn!(error = %e, "cannot apply MSI-X masks");
-            }
+        if let Some((_, table)) = &self.msix
+            && let Err(e) = self.router.apply_msix_masks(table, fmask)
+        {
+            tracing::warn!(error = %e, "cannot apply MSI-X masks");
         }
     }
 }
@@ -369,7 +374,7 @@ impl PciDevice for VfioPci {
         }
         let r = self.bar(region, offset, data.len())?;
         let special = self.special(region);
-        for (at, len, part) in split(offset, data.len() as u64, &special) {
+        for (at, len, part) in split(offset, data.len() as u64, special) {
             let i = (at - offset) as usize;
             let buf = &mut data[i..i + len as usize];
             match part {
@@ -422,7 +427,7 @@ impl PciDevice for VfioPci {
         let r = self.bar(region, offset, data.len())?;
         let special = self.special(region);
         let mut table_written = false;
-        for (at, len, part) in split(offset, data.len() as u64, &special) {
+        for (at, len, part) in split(offset, data.len() as u64, special) {
             let i = (at - offset) as usize;
             let buf = &data[i..i + len as usize];
             match part {
@@ -509,21 +514,29 @@ mod tests {
 
     #[test]
     fn accesses_split_at_the_msix_table_and_pba() {
-        let special = [(0x1000, 0x1080, Part::Table), (0x1800, 0x1808, Part::Pba)];
-        assert_eq!(split(0, 4, &special), [(0, 4, Part::Device)]);
-        assert_eq!(split(0x1000, 16, &special), [(0x1000, 16, Part::Table)]);
+        let special = [
+            Some((0x1000, 0x1080, Part::Table)),
+            Some((0x1800, 0x1808, Part::Pba)),
+        ];
+        let pieces = |o, l| split(o, l, special).collect::<Vec<_>>();
+        assert_eq!(pieces(0, 4), [(0, 4, Part::Device)]);
+        assert_eq!(pieces(0x1000, 16), [(0x1000, 16, Part::Table)]);
         assert_eq!(
-            split(0xffc, 8, &special),
+            pieces(0xffc, 8),
             [(0xffc, 4, Part::Device), (0x1000, 4, Part::Table)]
         );
         assert_eq!(
-            split(0x107c, 0x790, &special),
+            pieces(0x107c, 0x790),
             [
                 (0x107c, 4, Part::Table),
                 (0x1080, 0x780, Part::Device),
                 (0x1800, 8, Part::Pba),
                 (0x1808, 4, Part::Device)
             ]
+        );
+        assert_eq!(
+            split(0x10, 8, [None, None]).collect::<Vec<_>>(),
+            [(0x10, 8, Part::Device)]
         );
     }
 }
