@@ -64,6 +64,7 @@ fn run_guest(
     for l in out.serial.lines().map(str::trim).filter(|l| {
         l.starts_with("EDU")
             || l.starts_with("MSIX")
+            || l.starts_with("NVME")
             || l.starts_with("PASSTHROUGH:")
             || l.contains("hidden")
             || l.contains("dirty tracking")
@@ -206,6 +207,42 @@ fn a_pcie_device_with_msix_gets_its_capabilities_filtered_and_msix_emulated() {
             "the server did not hide the vendor capabilities:\n{}",
             out.serial
         );
+        assert!(
+            lines.contains(&"PASSTHROUGH: server exit=0"),
+            "{}",
+            out.serial
+        );
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn nvme_msix_interrupts_reach_the_client_and_a_masked_vector_is_held_pending() {
+    // QEMU's NVMe controller behind a PCIe root port: real MSI-X interrupts (admin command
+    // completions on vector 0), so delivery and the emulated per-vector mask are both seen.
+    with_logs("passthrough_nvme", |env, dir| {
+        let out = run_guest(env, dir, &["1b36:0010", "trap", "--nvme"], |spec| {
+            spec.root_ports = 1;
+            spec.emulated = vec!["nvme,serial=sy0001,bus=rp1".into()];
+        });
+        assert_eq!(
+            out.test_rc("passthrough"),
+            Some(0),
+            "the passthrough script failed:\n{}",
+            out.serial
+        );
+        let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
+        for step in ["enable", "msix", "mask", "disable"] {
+            let prefix = format!("NVME: {step} ok");
+            assert!(
+                lines.iter().any(|l| l.starts_with(&prefix)),
+                "no `{prefix}` line:\n{}",
+                out.serial
+            );
+        }
+        let summary = out.json_line("NVME-SUMMARY").expect("NVME-SUMMARY line");
+        assert_eq!(summary["result"], "pass", "{summary}");
+        assert_eq!(summary["vid"], "0x1b36", "{summary}");
         assert!(
             lines.contains(&"PASSTHROUGH: server exit=0"),
             "{}",
