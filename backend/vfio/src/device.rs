@@ -236,6 +236,11 @@ impl VfioPci {
         tracing::info!(
             "dirty tracking: the device has none; every page mapped into its IOMMU is reported dirty"
         );
+        let memlock = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+        tracing::info!(
+            memlock = %memlock.map_or_else(|| "unlimited".to_owned(), |b| b.to_string()),
+            "the client's DMA windows are pinned while mapped: they count against RLIMIT_MEMLOCK unless the server has CAP_IPC_LOCK"
+        );
         let router = Router::new(Arc::clone(&device), msi_count, msix_count);
         drop(_g);
         Ok(VfioPci {

@@ -131,7 +131,12 @@ impl DmaObserver for Iommu {
             DmaMapping::new_read_only(Arc::clone(&self.container), iova, memory)
         };
         let mapping = mapped.map_err(|e| {
-            tracing::warn!(iova, size, error = %e, "IOMMU map failed");
+            tracing::warn!(
+                iova,
+                size,
+                error = %e,
+                "IOMMU map failed (ENOMEM: is RLIMIT_MEMLOCK below the pinned DMA memory?)"
+            );
             DeviceError::Failed(Box::new(e))
         })?;
         tracing::debug!(

@@ -22,6 +22,10 @@
 //! points at this device's MMIO: it cannot move to another device without the guest's help
 //! (an unplug and replug), and the server no longer sees the accesses.
 //!
+//! **Pinned memory.** Every page of a mapped DMA window is pinned by the IOMMU driver and
+//! counts against the server's `RLIMIT_MEMLOCK` (unless it has `CAP_IPC_LOCK`): serving a VM
+//! needs a limit of at least its RAM, or maps fail with `ENOMEM`.
+//!
 //! **Not done (future work).** The iommufd/cdev interface (`/dev/vfio/devices/vfioN`; our guest
 //! kernel has no `IOMMUFD`) is not tried; MSI per-vector mask bits are shadowed but not enforced; no
 //! extended capability is offered; no migration and no swap of a passthrough device.
