@@ -43,12 +43,14 @@ fi
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
-step "static guest binaries (in-guest driver; switchyard and sy-nested for the nested L1 host)"
+step "static guest binaries (driver; server, sy-nested and edu-client for the nested and passthrough guests)"
 RUSTFLAGS="-C target-feature=+crt-static" \
-  cargo build --release --locked -p sygpu-driver -p switchyard -p sy-nested --target x86_64-unknown-linux-gnu
+  cargo build --release --locked -p sygpu-driver -p switchyard -p sy-nested -p edu-client \
+  --target x86_64-unknown-linux-gnu
 export SYGPU_DRIVER=$PWD/target/x86_64-unknown-linux-gnu/release/sygpu-driver
 export SWITCHYARD_STATIC_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/switchyard
 export SY_NESTED_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/sy-nested
+export EDU_CLIENT=$PWD/target/x86_64-unknown-linux-gnu/release/edu-client
 
 step "unit, property and integration tests"
 cargo build --locked -p switchyard

@@ -9,7 +9,9 @@
 //!   caller from freeing the memory while the device still reaches it. A `DmaMapping` holds the
 //!   memory and the IOMMU (an `Arc`, so the container outlives it), and when it is dropped it
 //!   removes the IOMMU mapping *before* it releases the memory; if the unmap fails, the memory
-//!   is leaked on purpose (a leak is safe, a freed page the device can still write is not). The
+//!   is leaked on purpose (a leak is safe, a freed page the device can still write is not).
+//!   [`DmaMapping::new_read_only`] maps memory the device may only read (a raw
+//!   `VFIO_IOMMU_MAP_DMA` with the read flag: `vfio-ioctls` maps read/write only). The
 //!   CPU only reaches the memory through vm-memory's volatile accessors, never as a Rust
 //!   reference, because the device may write it concurrently.
 //! - [`dup_device_fd`]: an owned duplicate of a `VfioDevice`'s descriptor (the crate exposes

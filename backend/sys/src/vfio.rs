@@ -7,10 +7,10 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
 use vfio_bindings::bindings::vfio::{
-    VFIO_BASE, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
-    VFIO_TYPE,
+    VFIO_BASE, VFIO_DMA_MAP_FLAG_READ, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD,
+    VFIO_IRQ_SET_DATA_NONE, VFIO_TYPE, vfio_iommu_type1_dma_map,
 };
-use vfio_ioctls::{VfioDevice, VfioError, VfioOps};
+use vfio_ioctls::{VfioContainer, VfioDevice, VfioError, VfioOps};
 use vm_memory::mmap::MmapRegion;
 
 /// Errors of this crate.
@@ -47,6 +47,17 @@ pub enum Error {
         /// What VFIO said.
         #[source]
         source: VfioError,
+    },
+    /// `VFIO_IOMMU_MAP_DMA` of a read-only mapping failed; nothing is mapped.
+    #[error("Read-only VFIO_IOMMU_MAP_DMA of {size:#x} bytes at IOVA {iova:#x} failed")]
+    MapReadOnly {
+        /// IOVA of the first byte.
+        iova: u64,
+        /// Length in bytes.
+        size: usize,
+        /// What the kernel said.
+        #[source]
+        source: io::Error,
     },
     /// `dup` of a VFIO descriptor failed.
     #[error("Duplicating the VFIO device descriptor failed")]
@@ -109,6 +120,56 @@ impl DmaMapping {
         })
     }
 
+    /// Maps all of `memory` at `iova` in `container` for the device to **read only**
+    /// (`VFIO_IOMMU_MAP_DMA` with `VFIO_DMA_MAP_FLAG_READ`), e.g. memory the client offers
+    /// read-only, which may be mapped `PROT_READ` here: the kernel pins it without asking for
+    /// write access. Owned and unmapped exactly as [`DmaMapping::new`]'s (`vfio-ioctls` only
+    /// maps read/write, hence the ioctl here).
+    pub fn new_read_only(
+        container: Arc<VfioContainer>,
+        iova: u64,
+        memory: MmapRegion<()>,
+    ) -> Result<DmaMapping, Error> {
+        if !memory.owned() {
+            return Err(Error::BorrowedMemory { iova });
+        }
+        let size = memory.size();
+        let map = vfio_iommu_type1_dma_map {
+            argsz: std::mem::size_of::<vfio_iommu_type1_dma_map>() as u32,
+            flags: VFIO_DMA_MAP_FLAG_READ,
+            vaddr: memory.as_ptr() as u64,
+            iova,
+            size: size as u64,
+        };
+        // SAFETY: the descriptor is `container`'s, open for the duration of the call; `map` is a
+        // complete `vfio_iommu_type1_dma_map` that the kernel only reads. The mapping lets the
+        // device read `[vaddr, vaddr + size)`, which must stay mapped in this process until the
+        // IOMMU mapping is removed: the region owns that range (checked above) and `self` owns
+        // the region, `Drop` and `unmap` remove the IOMMU mapping first and leak the region if
+        // that fails, and `self` keeps the container alive. The device cannot write the memory,
+        // and the CPU reaches it only through the region's volatile accessors.
+        let ret = unsafe {
+            libc::ioctl(
+                container.as_raw_fd(),
+                VFIO_IOMMU_MAP_DMA as _,
+                &map as *const vfio_iommu_type1_dma_map,
+            )
+        };
+        if ret < 0 {
+            return Err(Error::MapReadOnly {
+                iova,
+                size,
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(DmaMapping {
+            iommu: container,
+            iova,
+            size,
+            memory: Some(memory),
+        })
+    }
+
     /// IOVA of the first byte.
     pub fn iova(&self) -> u64 {
         self.iova
@@ -164,6 +225,9 @@ impl Drop for DmaMapping {
 /// `VFIO_DEVICE_SET_IRQS` request number: `_IO(VFIO_TYPE, VFIO_BASE + 10)` (`linux/vfio.h`).
 const VFIO_DEVICE_SET_IRQS: libc::c_ulong =
     ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 10);
+/// `VFIO_IOMMU_MAP_DMA` request number: `_IO(VFIO_TYPE, VFIO_BASE + 13)`.
+const VFIO_IOMMU_MAP_DMA: libc::c_ulong =
+    ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 13);
 /// `VFIO_DEVICE_RESET` request number: `_IO(VFIO_TYPE, VFIO_BASE + 11)`.
 const VFIO_DEVICE_RESET: libc::c_ulong =
     ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 11);

@@ -507,15 +507,32 @@ impl VirtConfig {
         Ok(start)
     }
 
-    /// Serves a client read: shadow bytes, with the live bits read from the device.
+    /// The pieces of `[start, start+len)` cut at dword boundaries (a register never crosses
+    /// one) that have a bit set in `mask`: (offset, length). Allocation-free.
+    fn dwords_with<'a>(
+        mask: &'a [u8],
+        start: usize,
+        len: usize,
+    ) -> impl Iterator<Item = (usize, usize)> + 'a {
+        let end = start + len;
+        let first = start & !3;
+        (first..end).step_by(4).filter_map(move |dw| {
+            let (a, b) = (dw.max(start), (dw + 4).min(end));
+            mask[a..b].iter().any(|&m| m != 0).then_some((a, b - a))
+        })
+    }
+
+    /// Serves a client read: shadow bytes, with the live bits read from the device (one
+    /// device read per register touched; nothing is allocated).
     pub fn read(&self, raw: &dyn RawConfig, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let start = self.check(offset, buf.len())?;
-        let range = start..start + buf.len();
-        buf.copy_from_slice(&self.shadow[range.clone()]);
-        if self.live[range.clone()].iter().any(|&m| m != 0) {
-            let mut dev = vec![0u8; buf.len()];
-            raw.read(offset, &mut dev)?;
-            for ((b, d), m) in buf.iter_mut().zip(&dev).zip(&self.live[range]) {
+        buf.copy_from_slice(&self.shadow[start..start + buf.len()]);
+        for (a, n) in Self::dwords_with(&self.live, start, buf.len()) {
+            let mut dev = [0u8; 4];
+            raw.read(a as u64, &mut dev[..n])?;
+            for (i, d) in dev[..n].iter().enumerate() {
+                let m = self.live[a + i];
+                let b = &mut buf[a - start + i];
                 *b = (*b & !m) | (d & m);
             }
         }
@@ -531,23 +548,21 @@ impl VirtConfig {
         data: &[u8],
     ) -> io::Result<ConfigEffects> {
         let start = self.check(offset, data.len())?;
-        let range = start..start + data.len();
         let msix_before = self
             .msix
             .map(|m| get16(&self.shadow, m.offset + 2) & 0xc000);
         let msi_before = self.msi_enabled();
-        if self.forward[range.clone()].iter().any(|&m| m != 0) {
-            // Read-modify-write of the forwarded bits, as whole registers.
-            let mut dev = vec![0u8; data.len()];
-            raw.read(offset, &mut dev)?;
-            let live = &self.live[range.clone()];
-            let fwd = &self.forward[range.clone()];
-            for (i, d) in dev.iter_mut().enumerate() {
+        // Read-modify-write of the forwarded bits, per register as the client wrote it.
+        for (a, n) in Self::dwords_with(&self.forward, start, data.len()) {
+            let mut dev = [0u8; 4];
+            raw.read(a as u64, &mut dev[..n])?;
+            for (i, d) in dev[..n].iter_mut().enumerate() {
+                let (fwd, live) = (self.forward[a + i], self.live[a + i]);
                 // Write-1-to-clear bits (live and forwarded) must not be written back as read.
-                let keep = !fwd[i] & !live[i];
-                *d = (*d & keep) | (data[i] & fwd[i]);
+                let keep = !fwd & !live;
+                *d = (*d & keep) | (data[a - start + i] & fwd);
             }
-            raw.write(offset, &dev)?;
+            raw.write(a as u64, &dev[..n])?;
         }
         for (i, &v) in data.iter().enumerate() {
             let o = start + i;

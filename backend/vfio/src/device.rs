@@ -55,18 +55,24 @@ enum Part {
     Pba,
 }
 
-/// Splits `[offset, offset+len)` of a BAR at the MSI-X table and PBA (if they are in it).
-fn split(offset: u64, len: u64, special: &[(u64, u64, Part)]) -> Vec<(u64, u64, Part)> {
+/// The MSI-X table and PBA ranges of one BAR (at most two).
+type Special = [Option<(u64, u64, Part)>; 2];
+
+/// Splits `[offset, offset+len)` of a BAR at the MSI-X table and PBA (if they are in it):
+/// (offset, length, part) pieces in order. Allocation-free (it runs on every BAR access).
+fn split(offset: u64, len: u64, special: Special) -> impl Iterator<Item = (u64, u64, Part)> {
     let end = offset + len;
-    let mut out = Vec::new();
     let mut at = offset;
-    while at < end {
-        let inside = special.iter().find(|(s, e, _)| *s <= at && at < *e);
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let ranges = special.iter().flatten();
+        let inside = ranges.clone().find(|(s, e, _)| *s <= at && at < *e);
         let (stop, part) = match inside {
             Some((_, e, p)) => ((*e).min(end), *p),
             None => {
-                let next = special
-                    .iter()
+                let next = ranges
                     .filter(|(s, _, _)| *s > at)
                     .map(|(s, _, _)| *s)
                     .min()
@@ -74,10 +80,10 @@ fn split(offset: u64, len: u64, special: &[(u64, u64, Part)]) -> Vec<(u64, u64, 
                 (next.min(end), Part::Device)
             }
         };
-        out.push((at, stop - at, part));
+        let piece = (at, stop - at, part);
         at = stop;
-    }
-    out
+        Some(piece)
+    })
 }
 
 /// What holds the device open: dropped (interrupts off, every descriptor of the device closed)
@@ -242,18 +248,21 @@ impl VfioPci {
         };
         // The legacy container/group API; iommufd (/dev/vfio/devices) is future work.
         let container = Arc::new(VfioContainer::new(None).map_err(open_err)?);
-        let ops: Arc<dyn VfioOps> = container;
+        let ops: Arc<dyn VfioOps> = Arc::clone(&container) as Arc<dyn VfioOps>;
         let path = sysfs::device_dir(&config.sysfs, &bdf);
         let device = Arc::new(VfioDevice::new(&path, Arc::clone(&ops), false).map_err(open_err)?);
         let fd = Arc::new(switchyard_sys::dup_device_fd(&device).map_err(Error::Dup)?);
 
-        let regions: Vec<Region> = (0..NUM_PCI_REGIONS)
+        // BAR0-5, ROM, config; the VGA region (8) is never offered (and asking vfio-ioctls
+        // about a region the device lacks logs a warning).
+        let mut regions: Vec<Region> = (0..=CONFIG_REGION_INDEX)
             .map(|i| Region {
                 offset: device.get_region_offset(i),
                 size: device.get_region_size(i),
                 flags: device.get_region_flags(i),
             })
             .collect();
+        regions.resize(NUM_PCI_REGIONS as usize, Region::default());
         let cfg_region = regions[CONFIG_REGION_INDEX as usize];
         if cfg_region.size < 256 {
             return Err(Error::NoConfig { bdf });
@@ -360,10 +369,15 @@ impl VfioPci {
         tracing::info!(
             "dirty tracking: the device has none; every page mapped into its IOMMU is reported dirty"
         );
+        let memlock = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+        tracing::info!(
+            memlock = %memlock.map_or_else(|| "unlimited".to_owned(), |b| b.to_string()),
+            "the client's DMA windows are pinned while mapped: they count against RLIMIT_MEMLOCK unless the server has CAP_IPC_LOCK"
+        );
         let router = Router::new(Arc::clone(&device), msi_count, msix_count);
         let kernel_req = irq(IrqIndex::Req as u32) > 0;
         let hw: SharedHw = Arc::new(Mutex::new(Some(Hw { device, fd, router })));
-        let iommu = Arc::new(Iommu::new(ops));
+        let iommu = Arc::new(Iommu::new(container));
         let client_req = Arc::new(Mutex::new(None));
         let watcher = if kernel_req {
             Some(
@@ -445,14 +459,14 @@ impl VfioPci {
     }
 
     /// The MSI-X table and PBA ranges inside BAR `region`.
-    fn special(&self, region: u32) -> Vec<(u64, u64, Part)> {
-        let mut v = Vec::new();
+    fn special(&self, region: u32) -> Special {
+        let mut v = [None, None];
         if let Some((m, _)) = &self.msix {
             if m.table_bar == region {
-                v.push((m.table_offset, m.table_offset + m.table_size(), Part::Table));
+                v[0] = Some((m.table_offset, m.table_offset + m.table_size(), Part::Table));
             }
             if m.pba_bar == region {
-                v.push((m.pba_offset, m.pba_offset + m.pba_size(), Part::Pba));
+                v[1] = Some((m.pba_offset, m.pba_offset + m.pba_size(), Part::Pba));
             }
         }
         v
@@ -461,10 +475,9 @@ impl VfioPci {
     fn apply_msix_masks(&mut self) {
         let fmask = self.config.msix_function_masked();
         if let Some((_, table)) = &self.msix {
-            let masks = table.masks(fmask);
             let mut g = lock(&self.hw);
             let Some(h) = g.as_mut() else { return };
-            if let Err(e) = h.router.apply_msix_masks(&masks) {
+            if let Err(e) = h.router.apply_msix_masks(table, fmask) {
                 tracing::warn!(error = %e, "cannot apply MSI-X masks");
             }
         }
@@ -537,7 +550,7 @@ impl PciDevice for VfioPci {
         }
         let r = self.bar(region, offset, data.len())?;
         let special = self.special(region);
-        for (at, len, part) in split(offset, data.len() as u64, &special) {
+        for (at, len, part) in split(offset, data.len() as u64, special) {
             let i = (at - offset) as usize;
             let buf = &mut data[i..i + len as usize];
             match part {
@@ -593,7 +606,7 @@ impl PciDevice for VfioPci {
         let r = self.bar(region, offset, data.len())?;
         let special = self.special(region);
         let mut table_written = false;
-        for (at, len, part) in split(offset, data.len() as u64, &special) {
+        for (at, len, part) in split(offset, data.len() as u64, special) {
             let i = (at - offset) as usize;
             let buf = &data[i..i + len as usize];
             match part {
@@ -721,21 +734,29 @@ mod tests {
 
     #[test]
     fn accesses_split_at_the_msix_table_and_pba() {
-        let special = [(0x1000, 0x1080, Part::Table), (0x1800, 0x1808, Part::Pba)];
-        assert_eq!(split(0, 4, &special), [(0, 4, Part::Device)]);
-        assert_eq!(split(0x1000, 16, &special), [(0x1000, 16, Part::Table)]);
+        let special = [
+            Some((0x1000, 0x1080, Part::Table)),
+            Some((0x1800, 0x1808, Part::Pba)),
+        ];
+        let pieces = |o, l| split(o, l, special).collect::<Vec<_>>();
+        assert_eq!(pieces(0, 4), [(0, 4, Part::Device)]);
+        assert_eq!(pieces(0x1000, 16), [(0x1000, 16, Part::Table)]);
         assert_eq!(
-            split(0xffc, 8, &special),
+            pieces(0xffc, 8),
             [(0xffc, 4, Part::Device), (0x1000, 4, Part::Table)]
         );
         assert_eq!(
-            split(0x107c, 0x790, &special),
+            pieces(0x107c, 0x790),
             [
                 (0x107c, 4, Part::Table),
                 (0x1080, 0x780, Part::Device),
                 (0x1800, 8, Part::Pba),
                 (0x1808, 4, Part::Device)
             ]
+        );
+        assert_eq!(
+            split(0x10, 8, [None, None]).collect::<Vec<_>>(),
+            [(0x10, 8, Part::Device)]
         );
     }
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use switchyard_device::{DeviceError, DirtySource, DmaObserver, DmaProt};
 use switchyard_sys::DmaMapping;
-use vfio_ioctls::VfioOps;
+use vfio_ioctls::{VfioContainer, VfioOps};
 use vm_memory::FileOffset;
 use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
 
@@ -14,11 +14,12 @@ use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
 const IOMMU_PAGE: u64 = 4096;
 
 /// The device's IOMMU, as the client's DMA windows see it: every window with a descriptor is
-/// mapped at IOVA = the client's DMA address, read/write, until it is unmapped. Also the
+/// mapped at IOVA = the client's DMA address (read/write, or read-only for a window the device
+/// may only read), until it is unmapped. Also the
 /// device's [`DirtySource`]: it cannot track its writes, so every page it can reach is
 /// reported dirty.
 pub struct Iommu {
-    container: Arc<dyn VfioOps>,
+    container: Arc<VfioContainer>,
     maps: Mutex<BTreeMap<u64, DmaMapping>>,
 }
 
@@ -37,7 +38,7 @@ fn refuse(errno: i32) -> DeviceError {
 
 impl Iommu {
     /// The IOMMU of `container` (a type1v2 VFIO container the device's group is in).
-    pub fn new(container: Arc<dyn VfioOps>) -> Iommu {
+    pub fn new(container: Arc<VfioContainer>) -> Iommu {
         Iommu {
             container,
             maps: Mutex::new(BTreeMap::new()),
@@ -85,13 +86,13 @@ impl DmaObserver for Iommu {
             );
             return Err(DeviceError::Unsupported);
         };
-        if !prot.write {
+        if !prot.read && !prot.write {
             tracing::warn!(
                 iova,
                 size,
-                "read-only DMA_MAP refused: the IOMMU map would let the device write it"
+                "DMA_MAP with neither read nor write access refused"
             );
-            return Err(refuse(libc::EACCES));
+            return Err(refuse(libc::EINVAL));
         }
         if !iova.is_multiple_of(IOMMU_PAGE)
             || !size.is_multiple_of(IOMMU_PAGE)
@@ -109,18 +110,41 @@ impl DmaObserver for Iommu {
         let len = usize::try_from(size).map_err(|_| refuse(libc::EINVAL))?;
         let file = file.try_clone().map_err(DeviceError::Io)?;
         // Our own shared mapping of the client's memory object: owned by the DmaMapping, so it
-        // outlives the IOMMU mapping whatever the server does with its own.
+        // outlives the IOMMU mapping whatever the server does with its own. A window the
+        // device may only read is mapped read-only here too (its file may be read-only) and
+        // read-only in the IOMMU.
+        let mmap_prot = if prot.write {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         let memory: MmapRegion<()> = MmapRegionBuilder::new(len)
             .with_file_offset(FileOffset::new(file, offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_prot(mmap_prot)
             .with_mmap_flags(libc::MAP_SHARED)
             .build()
             .map_err(|e| DeviceError::Failed(Box::new(e)))?;
-        let mapping = DmaMapping::new(Arc::clone(&self.container), iova, memory).map_err(|e| {
-            tracing::warn!(iova, size, error = %e, "IOMMU map failed");
+        let mapped = if prot.write {
+            let ops: Arc<dyn VfioOps> = Arc::clone(&self.container) as Arc<dyn VfioOps>;
+            DmaMapping::new(ops, iova, memory)
+        } else {
+            DmaMapping::new_read_only(Arc::clone(&self.container), iova, memory)
+        };
+        let mapping = mapped.map_err(|e| {
+            tracing::warn!(
+                iova,
+                size,
+                error = %e,
+                "IOMMU map failed (ENOMEM: is RLIMIT_MEMLOCK below the pinned DMA memory?)"
+            );
             DeviceError::Failed(Box::new(e))
         })?;
-        tracing::debug!(iova, size, "DMA window mapped into the IOMMU");
+        tracing::debug!(
+            iova,
+            size,
+            write = prot.write,
+            "DMA window mapped into the IOMMU"
+        );
         self.maps
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -58,12 +58,9 @@ impl MsixTable {
         }
     }
 
-    /// Which vectors are masked, given the function mask.
-    pub(crate) fn masks(&self, function_masked: bool) -> Vec<bool> {
-        self.entries
-            .iter()
-            .map(|e| self.written && (function_masked || e[3] & 1 != 0))
-            .collect()
+    /// Whether `vector` is masked, given the function mask.
+    pub(crate) fn masked(&self, vector: usize, function_masked: bool) -> bool {
+        self.written && (function_masked || self.entries.get(vector).is_none_or(|e| e[3] & 1 != 0))
     }
 }
 
@@ -225,11 +222,17 @@ impl Router {
         Ok(())
     }
 
-    /// Applies MSI-X masks (one per vector): newly masked vectors are parked, newly unmasked
-    /// ones get the client's eventfd back, plus one signal if they fired while parked.
-    pub(crate) fn apply_msix_masks(&mut self, masks: &[bool]) -> io::Result<()> {
-        for (v, &m) in masks.iter().enumerate() {
-            if self.masked.get(v).copied() == Some(m) {
+    /// Applies the MSI-X masks of `table` (and the function mask): newly masked vectors are
+    /// parked, newly unmasked ones get the client's eventfd back, plus one signal if they fired
+    /// while parked.
+    pub(crate) fn apply_msix_masks(
+        &mut self,
+        table: &MsixTable,
+        function_masked: bool,
+    ) -> io::Result<()> {
+        for v in 0..self.masked.len() {
+            let m = table.masked(v, function_masked);
+            if self.masked[v] == m {
                 continue;
             }
             if m && self.parked[v].is_none() {
@@ -285,10 +288,12 @@ mod tests {
     #[test]
     fn the_table_masks_apply_once_written() {
         let mut t = MsixTable::new(4);
-        assert_eq!(t.masks(true), [false; 4], "not written: nothing masked");
+        let masks = |t: &MsixTable, f| (0..4).map(|v| t.masked(v, f)).collect::<Vec<_>>();
+        assert_eq!(masks(&t, true), [false; 4], "not written: nothing masked");
         t.write(16 + 12, &[0, 0, 0, 0]);
-        assert_eq!(t.masks(false), [true, false, true, true]);
-        assert_eq!(t.masks(true), [true; 4]);
+        assert_eq!(masks(&t, false), [true, false, true, true]);
+        assert_eq!(masks(&t, true), [true; 4]);
+        assert!(t.masked(9, false), "past the table: masked");
         t.write(0, &0xfee0_0003u32.to_le_bytes());
         let mut b = [0u8; 4];
         t.read(0, &mut b);

@@ -12,7 +12,7 @@
 //! | BARs | trapped by default: `pread`/`pwrite` on the VFIO device descriptor at the region's offset. With [`BarMode::Mmap`] the mmappable BARs are offered as sparse mmap areas of the device descriptor itself (the client maps the device's MMIO directly), except the MSI-X table's pages, which stay trapped |
 //! | MSI-X table and PBA | emulated (the kernel refuses accesses to the real table): per-vector and function masks are enforced by parking a masked vector's kernel eventfd on one of ours and replaying it on unmask |
 //! | interrupts | [`IrqRouter`](switchyard_device::IrqRouter): the client's eventfds from `SET_IRQS` go straight to `VFIO_DEVICE_SET_IRQS`; interrupts never pass through the server. MSI and MSI-X only; INTx is reported absent |
-//! | DMA | [`DmaObserver`](switchyard_device::DmaObserver): every `DMA_MAP` with a descriptor is mapped (our own shared mapping of the client's file) into the device's IOMMU at IOVA = the client's DMA address, and unmapped on `DMA_UNMAP`, unmap-all and client exit, before the memory is released ([`switchyard_sys::DmaMapping`]). A map without a descriptor cannot reach the device and is refused (`ENOTSUP`) |
+//! | DMA | [`DmaObserver`](switchyard_device::DmaObserver): every `DMA_MAP` with a descriptor is mapped (our own shared mapping of the client's file) into the device's IOMMU at IOVA = the client's DMA address (read-only windows read-only), and unmapped on `DMA_UNMAP`, unmap-all and client exit, before the memory is released ([`switchyard_sys::DmaMapping`]). A map without a descriptor cannot reach the device and is refused (`ENOTSUP`) |
 //! | dirty pages | [`DirtySource`](switchyard_device::DirtySource): the device has no dirty tracking, so every mapped page is reported dirty (the conservative rule) |
 //! | reset | `VFIO_DEVICE_RESET` when the device supports it, then the client's COMMAND bits are written again |
 //!
@@ -22,9 +22,12 @@
 //! points at this device's MMIO: it cannot move to another device without the guest's help
 //! (an unplug and replug), and the server no longer sees the accesses.
 //!
+//! **Pinned memory.** Every page of a mapped DMA window is pinned by the IOMMU driver and
+//! counts against the server's `RLIMIT_MEMLOCK` (unless it has `CAP_IPC_LOCK`): serving a VM
+//! needs a limit of at least its RAM, or maps fail with `ENOMEM`.
+//!
 //! **Not done (future work).** The iommufd/cdev interface (`/dev/vfio/devices/vfioN`; our guest
-//! kernel has no `IOMMUFD`) is not tried; read-only DMA windows are refused (the container map
-//! here is always read/write); MSI per-vector mask bits are shadowed but not enforced; no
+//! kernel has no `IOMMUFD`) is not tried; MSI per-vector mask bits are shadowed but not enforced; no
 //! extended capability is offered; no migration and no swap of a passthrough device.
 
 #![warn(missing_docs)]

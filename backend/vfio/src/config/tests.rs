@@ -400,3 +400,23 @@ fn extended_space_offers_no_capability() {
     assert_eq!(c.size(), 4096);
     assert_eq!(rd32(&c, &raw, 0x100), 0);
 }
+
+#[test]
+fn the_device_sees_one_access_per_register_touched() {
+    let raw = fake();
+    let mut c = shadow(&raw);
+    wr16(&mut c, &raw, COMMAND, 0x0002);
+    assert_eq!(
+        *raw.writes.borrow(),
+        [(COMMAND as u64, 0x0402u16.to_le_bytes().to_vec())],
+        "a 16-bit COMMAND write is one 16-bit device write, STATUS untouched"
+    );
+    // A whole-space read reads only the live dword from the device.
+    let mut all = [0u8; 256];
+    c.read(&raw, 0, &mut all).expect("read");
+    assert_eq!(&all[..4], &0x11e8_1234u32.to_le_bytes());
+    // Writes elsewhere never reach the device.
+    raw.writes.borrow_mut().clear();
+    c.write(&raw, 0x08, &[0xff; 0xf8]).expect("write");
+    assert!(raw.writes.borrow().is_empty());
+}

@@ -1,0 +1,252 @@
+//! The physical-device backend (`switchyard serve --device vfio,host=BDF`) against a real
+//! device behind a real IOMMU: one TCG guest (L1) with a vIOMMU (`intel-iommu,intremap=on,
+//! caching-mode=on`) and QEMU's `edu` device. Inside it, `images/tests/passthrough.sh` binds
+//! edu to vfio-pci, serves it with the static `switchyard` and drives it with the static
+//! `edu-client` over vfio-user (config space, registers, MSI through an eventfd, edu's DMA
+//! engine on a DMA_MAPped memfd, the dirty report).
+//!
+//! `#[ignore]`d like every guest test; `scripts/test.sh` runs them with `--include-ignored`.
+//! Needs, besides the usual guest prerequisites, the static builds of both binaries:
+//! `RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p switchyard -p edu-client
+//! --target x86_64-unknown-linux-gnu` (or `SWITCHYARD_STATIC_BIN` / `EDU_CLIENT`).
+
+use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, dump_logs};
+
+/// Runs `body` with a fresh log dir; on failure prints the logs (they stay on disk).
+fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
+    let env = GuestEnv::for_test();
+    let dir = env.log_dir(name).expect("log dir");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
+    if let Err(p) = r {
+        dump_logs(&dir);
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// Boots the L1 guest with edu and runs the passthrough script with `bars`.
+fn run_passthrough(env: &GuestEnv, dir: &std::path::Path, bars: &str) -> GuestOutput {
+    run_guest(env, dir, &["1234:11e8", bars], |spec| {
+        spec.emulated = vec!["edu".into()];
+    })
+}
+
+/// Boots the L1 guest (vIOMMU with interrupt remapping) running the passthrough script with
+/// `args`; `adjust` adds the devices.
+fn run_guest(
+    env: &GuestEnv,
+    dir: &std::path::Path,
+    args: &[&str],
+    adjust: impl FnOnce(&mut GuestSpec),
+) -> GuestOutput {
+    let switchyard = env
+        .static_binary("switchyard", "SWITCHYARD_STATIC_BIN")
+        .expect("static switchyard");
+    let client = env
+        .static_binary("edu-client", "EDU_CLIENT")
+        .expect("static edu-client");
+    let initrd = env
+        .initramfs_with(
+            &format!("initramfs-passthrough-{}", std::process::id()),
+            &[switchyard, client],
+        )
+        .expect("initramfs");
+    let mut spec = GuestSpec::new("passthrough");
+    spec.args = args.iter().map(|a| a.to_string()).collect();
+    spec.iommu = true;
+    spec.intremap = true;
+    spec.initrd = Some(initrd);
+    adjust(&mut spec);
+    let out = Guest::boot(env, dir, &spec)
+        .expect("boot")
+        .wait()
+        .expect("guest finished");
+    // The key lines, for the test output (`--nocapture`).
+    for l in out.serial.lines().map(str::trim).filter(|l| {
+        l.starts_with("EDU")
+            || l.starts_with("MSIX")
+            || l.starts_with("NVME")
+            || l.starts_with("PASSTHROUGH:")
+            || l.contains("hidden")
+            || l.contains("dirty tracking")
+            || l.contains("vfio-bind")
+    }) {
+        eprintln!("{l}");
+    }
+    out
+}
+
+/// Every step the client checks, in order.
+const STEPS: [&str; 14] = [
+    "version",
+    "device-info",
+    "region-info",
+    "irq-info",
+    "config",
+    "liveness",
+    "factorial",
+    "msi",
+    "dma-map",
+    "dma",
+    "dma-read-only",
+    "dirty",
+    "dma-map-without-fd",
+    "dma-unmap",
+];
+
+fn assert_passed(out: &GuestOutput) -> serde_json::Value {
+    assert_eq!(
+        out.test_rc("passthrough"),
+        Some(0),
+        "the passthrough script failed:\n{}",
+        out.serial
+    );
+    let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
+    for step in STEPS {
+        let prefix = format!("EDU: {step} ok");
+        assert!(
+            lines.iter().any(|l| l.starts_with(&prefix)),
+            "no `{prefix}` line:\n{}",
+            out.serial
+        );
+    }
+    let summary = out.json_line("EDU-SUMMARY").expect("EDU-SUMMARY line");
+    assert_eq!(summary["result"], "pass", "{summary}");
+    assert_eq!(summary["ids"], "0x11e81234", "{summary}");
+    assert_eq!(summary["bar0_size"], 1 << 20, "{summary}");
+    assert_eq!(summary["dirty_pages"], 2, "{summary}");
+    // The server ran as a physical-device backend, said which dirty source it uses, and
+    // exited cleanly at SIGTERM.
+    let server = |needle: &str| {
+        lines
+            .iter()
+            .any(|l| l.starts_with("SERVER: ") && l.contains(needle))
+    };
+    assert!(server("opened"), "server log:\n{}", out.serial);
+    assert!(
+        server("dirty tracking: the device has none"),
+        "server log:\n{}",
+        out.serial
+    );
+    assert!(
+        lines.contains(&"PASSTHROUGH: server exit=0"),
+        "{}",
+        out.serial
+    );
+    summary
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn edu_behind_the_guest_iommu_is_served_with_trapped_bars() {
+    with_logs("passthrough_trap", |env, dir| {
+        let out = run_passthrough(env, dir, "trap");
+        let summary = assert_passed(&out);
+        assert_eq!(summary["bar0_mmap"], false, "{summary}");
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn edu_behind_the_guest_iommu_is_served_with_mmapped_bars() {
+    with_logs("passthrough_mmap", |env, dir| {
+        let out = run_passthrough(env, dir, "mmap");
+        let summary = assert_passed(&out);
+        assert_eq!(summary["bar0_mmap"], true, "{summary}");
+        assert!(
+            out.serial
+                .lines()
+                .any(|l| l.trim().starts_with("EDU: bar0-mmap ok")),
+            "{}",
+            out.serial
+        );
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_pcie_device_with_msix_gets_its_capabilities_filtered_and_msix_emulated() {
+    // virtio-rng-pci behind a PCIe root port: modern only (1af4:1044), PCI Express with FLR,
+    // MSI-X, and vendor-specific capabilities that the client must not see.
+    with_logs("passthrough_msix", |env, dir| {
+        let out = run_guest(env, dir, &["1af4:1044", "mmap", "--msix"], |spec| {
+            spec.root_ports = 1;
+            spec.emulated = vec!["virtio-rng-pci,bus=rp1".into()];
+        });
+        assert_eq!(
+            out.test_rc("passthrough"),
+            Some(0),
+            "the passthrough script failed:\n{}",
+            out.serial
+        );
+        let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
+        for step in [
+            "config",
+            "msix-cap",
+            "table-trapped",
+            "table",
+            "set-irqs",
+            "mask",
+            "reset",
+            "disable",
+        ] {
+            let prefix = format!("MSIX: {step} ok");
+            assert!(
+                lines.iter().any(|l| l.starts_with(&prefix)),
+                "no `{prefix}` line:\n{}",
+                out.serial
+            );
+        }
+        let summary = out.json_line("MSIX-SUMMARY").expect("MSIX-SUMMARY line");
+        assert_eq!(summary["result"], "pass", "{summary}");
+        assert_eq!(summary["config_size"], 4096, "{summary}");
+        assert_eq!(summary["reset"], true, "{summary}");
+        assert!(
+            lines.iter().any(|l| l.starts_with("SERVER: ")
+                && l.contains("capability hidden from the client")
+                && l.contains("id=9")),
+            "the server did not hide the vendor capabilities:\n{}",
+            out.serial
+        );
+        assert!(
+            lines.contains(&"PASSTHROUGH: server exit=0"),
+            "{}",
+            out.serial
+        );
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn nvme_msix_interrupts_reach_the_client_and_a_masked_vector_is_held_pending() {
+    // QEMU's NVMe controller behind a PCIe root port: real MSI-X interrupts (admin command
+    // completions on vector 0), so delivery and the emulated per-vector mask are both seen.
+    with_logs("passthrough_nvme", |env, dir| {
+        let out = run_guest(env, dir, &["1b36:0010", "trap", "--nvme"], |spec| {
+            spec.root_ports = 1;
+            spec.emulated = vec!["nvme,serial=sy0001,bus=rp1".into()];
+        });
+        assert_eq!(
+            out.test_rc("passthrough"),
+            Some(0),
+            "the passthrough script failed:\n{}",
+            out.serial
+        );
+        let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
+        for step in ["enable", "msix", "mask", "disable"] {
+            let prefix = format!("NVME: {step} ok");
+            assert!(
+                lines.iter().any(|l| l.starts_with(&prefix)),
+                "no `{prefix}` line:\n{}",
+                out.serial
+            );
+        }
+        let summary = out.json_line("NVME-SUMMARY").expect("NVME-SUMMARY line");
+        assert_eq!(summary["result"], "pass", "{summary}");
+        assert_eq!(summary["vid"], "0x1b36", "{summary}");
+        assert!(
+            lines.contains(&"PASSTHROUGH: server exit=0"),
+            "{}",
+            out.serial
+        );
+    });
+}

@@ -1,0 +1,49 @@
+#!/bin/sh
+# passthrough.sh [VID:DID] [BARS] [CLIENT ARGS...]  (default 1234:11e8, QEMU's edu; BARS trap|mmap,
+# default trap; CLIENT ARGS go to edu-client before the socket, e.g. --msix)
+# The guest side of the physical-device (nested VFIO) test: binds the device to vfio-pci, serves
+# it with `switchyard serve --device vfio,host=BDF,bars=BARS` on a socket and drives it with
+# `edu-client` over vfio-user. Needs the vIOMMU (intel-iommu with intremap/caching-mode, guest
+# intel_iommu=on) and both static binaries in the image (--add).
+# Markers: "PASSTHROUGH: bdf=B group=G", "PASSTHROUGH: serving", the client's "EDU: ..." lines
+# and "EDU-SUMMARY {json}", "PASSTHROUGH: client rc=R", "PASSTHROUGH: server exit=E", then the
+# server's log between "PASSTHROUGH: server log begin/end".
+id=${1:-1234:11e8}
+bars=${2:-trap}
+if [ $# -ge 2 ]; then shift 2; else shift $#; fi
+vid=0x${id%:*}
+did=0x${id#*:}
+
+. /tests/pci-lib.sh
+
+sh /tests/vfio-bind.sh "$id" || { echo "PASSTHROUGH: bind failed"; exit 1; }
+bdf=$(find_dev) || { echo "PASSTHROUGH: no device $id"; exit 1; }
+grp=$(basename "$(readlink "/sys/bus/pci/devices/$bdf/iommu_group")")
+echo "PASSTHROUGH: bdf=$bdf group=$grp"
+
+sock=/tmp/edu.sock
+RUST_LOG=${SY_RUST_LOG:-info} switchyard serve --socket "$sock" --device "vfio,host=$bdf,bars=$bars" \
+  2> /tmp/server.log &
+pid=$!
+t=0
+until [ -S "$sock" ]; do
+  kill -0 "$pid" 2>/dev/null || break
+  sleep 0.1; t=$((t + 1))
+  [ $t -gt 300 ] && break
+done
+if [ ! -S "$sock" ]; then
+  echo "PASSTHROUGH: server did not start"
+  echo "PASSTHROUGH: server log begin"; cat /tmp/server.log; echo "PASSTHROUGH: server log end"
+  exit 1
+fi
+echo "PASSTHROUGH: serving"
+edu-client "$@" "$sock"
+rc=$?
+echo "PASSTHROUGH: client rc=$rc"
+kill -TERM "$pid"
+wait "$pid"
+echo "PASSTHROUGH: server exit=$?"
+echo "PASSTHROUGH: server log begin"
+sed 's/^/SERVER: /' /tmp/server.log
+echo "PASSTHROUGH: server log end"
+exit "$rc"
