@@ -374,7 +374,12 @@ impl VfioPci {
             memlock = %memlock.map_or_else(|| "unlimited".to_owned(), |b| b.to_string()),
             "the client's DMA windows are pinned while mapped: they count against RLIMIT_MEMLOCK unless the server has CAP_IPC_LOCK"
         );
-        let router = Router::new(Arc::clone(&device), msi_count, msix_count);
+        let router = Router::new(Arc::clone(&device), msi_count, msix_count, config.irq).map_err(
+            |source| Error::Relay {
+                bdf: bdf.clone(),
+                source,
+            },
+        )?;
         let kernel_req = irq(IrqIndex::Req as u32) > 0;
         let hw: SharedHw = Arc::new(Mutex::new(Some(Hw { device, fd, router })));
         let iommu = Arc::new(Iommu::new(container));

@@ -8,11 +8,19 @@
 //! unmasked. As the core's `MsixState` does, masks apply only once the client writes the table
 //! itself: QEMU and cloud-hypervisor emulate the table on their side and mask by re-routing
 //! eventfds through `SET_IRQS`.
+//!
+//! [`IrqDelivery::Relay`] (`irq=relay`, for comparison and for clients whose eventfds cannot be
+//! given to the kernel) hands the kernel the server's own eventfds instead and a relay thread
+//! signals the client's: one more thread wake-up per interrupt (`scripts/bench-nested.sh`
+//! measures both).
 
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::IrqDelivery;
 
 use switchyard_device::{DeviceError, IrqIndex};
 use vfio_ioctls::VfioDevice;
@@ -87,6 +95,112 @@ pub(crate) struct Router {
     masked: Vec<bool>,
     /// MSI-X: a parked vector fired.
     pending: Vec<bool>,
+    /// `irq=relay`: the server's eventfds and the thread that forwards them.
+    relay: Option<Relay>,
+}
+
+/// The client's eventfds, as the relay thread sees them.
+type Targets = Arc<Mutex<[Vec<Option<File>>; 2]>>;
+
+/// `irq=relay`: the kernel signals `ours[slot][vector]`; a thread forwards each to the
+/// client's eventfd for that vector.
+struct Relay {
+    ours: [Vec<File>; 2],
+    targets: Targets,
+    stop: File,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn new_eventfd() -> io::Result<File> {
+    Ok(File::from(rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )?))
+}
+
+impl Relay {
+    fn start(counts: [u32; 2]) -> io::Result<Relay> {
+        let ours = [
+            (0..counts[0])
+                .map(|_| new_eventfd())
+                .collect::<io::Result<Vec<_>>>()?,
+            (0..counts[1])
+                .map(|_| new_eventfd())
+                .collect::<io::Result<Vec<_>>>()?,
+        ];
+        let targets: Targets = Arc::new(Mutex::new([
+            (0..counts[0]).map(|_| None).collect(),
+            (0..counts[1]).map(|_| None).collect(),
+        ]));
+        let stop = new_eventfd()?;
+        let watch: Vec<(usize, usize, File)> = ours
+            .iter()
+            .enumerate()
+            .flat_map(|(s, v)| v.iter().enumerate().map(move |(i, f)| (s, i, f)))
+            .map(|(s, i, f)| f.try_clone().map(|f| (s, i, f)))
+            .collect::<io::Result<_>>()?;
+        let stop_r = stop.try_clone()?;
+        let t = Arc::clone(&targets);
+        let thread = std::thread::Builder::new()
+            .name("vfio-irq-relay".into())
+            .spawn(move || relay_loop(&watch, &stop_r, &t))?;
+        tracing::info!(
+            vectors = counts[0] + counts[1],
+            "interrupts relayed by a server thread (irq=relay)"
+        );
+        Ok(Relay {
+            ours,
+            targets,
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn relay_loop(watch: &[(usize, usize, File)], stop: &File, targets: &Targets) {
+    use rustix::event::{PollFd, PollFlags, poll};
+    loop {
+        let mut fds: Vec<PollFd<'_>> = watch
+            .iter()
+            .map(|(_, _, f)| PollFd::new(f, PollFlags::IN))
+            .collect();
+        fds.push(PollFd::new(stop, PollFlags::IN));
+        match poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "interrupt relay stops");
+                return;
+            }
+        }
+        if fds.last().is_some_and(|f| !f.revents().is_empty()) {
+            return;
+        }
+        let ready: Vec<usize> = fds[..watch.len()]
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| !f.revents().is_empty())
+            .map(|(i, _)| i)
+            .collect();
+        let t = targets.lock().unwrap_or_else(|e| e.into_inner());
+        for i in ready {
+            let (s, v, f) = &watch[i];
+            if drain(f)
+                && let Some(Some(c)) = t[*s].get(*v)
+            {
+                signal(c);
+            }
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = (&self.stop).write_all(&1u64.to_ne_bytes());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl std::fmt::Debug for Router {
@@ -116,8 +230,18 @@ fn signal(fd: &File) {
 }
 
 impl Router {
-    pub(crate) fn new(device: Arc<VfioDevice>, msi: u32, msix: u32) -> Router {
-        Router {
+    pub(crate) fn new(
+        device: Arc<VfioDevice>,
+        msi: u32,
+        msix: u32,
+        delivery: IrqDelivery,
+    ) -> io::Result<Router> {
+        let relay = match delivery {
+            IrqDelivery::Direct => None,
+            IrqDelivery::Relay => Some(Relay::start([msi, msix])?),
+        };
+        Ok(Router {
+            relay,
             device,
             counts: [msi, msix],
             client: [
@@ -128,7 +252,7 @@ impl Router {
             parked: (0..msix).map(|_| None).collect(),
             masked: vec![false; msix as usize],
             pending: vec![false; msix as usize],
-        }
+        })
     }
 
     /// The eventfd the kernel should signal for vector `v` of slot `s`.
@@ -136,6 +260,9 @@ impl Router {
         let client = self.client[s].get(v)?.as_ref()?;
         if s == 1 && self.masked.get(v).copied().unwrap_or(false) {
             return self.parked.get(v)?.as_ref().map(|f| f.as_fd());
+        }
+        if let Some(r) = &self.relay {
+            return r.ours[s].get(v).map(|f| f.as_fd());
         }
         Some(client.as_fd())
     }
@@ -212,6 +339,7 @@ impl Router {
             self.client[s].splice(start..start + fds.len(), old);
             return Err(irq_error(index, e));
         }
+        self.sync_relay(s);
         tracing::debug!(
             index,
             start,
@@ -269,6 +397,17 @@ impl Router {
         self.pending.get(v).copied().unwrap_or(false)
     }
 
+    /// `irq=relay`: the relay thread's copy of the client's eventfds of slot `s`.
+    fn sync_relay(&self, s: usize) {
+        if let Some(r) = &self.relay {
+            let mut t = r.targets.lock().unwrap_or_else(|e| e.into_inner());
+            t[s] = self.client[s]
+                .iter()
+                .map(|f| f.as_ref().and_then(|f| f.try_clone().ok()))
+                .collect();
+        }
+    }
+
     /// Takes every eventfd back from the kernel (client gone, device closed).
     pub(crate) fn disable_all(&mut self) {
         for s in 0..2 {
@@ -276,6 +415,7 @@ impl Router {
             if let Err(e) = self.program(s, 0, 0) {
                 tracing::warn!(error = %e, "cannot disable the device's interrupts");
             }
+            self.sync_relay(s);
         }
         self.pending.iter_mut().for_each(|p| *p = false);
     }

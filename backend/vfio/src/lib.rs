@@ -57,13 +57,27 @@ pub enum BarMode {
     Mmap,
 }
 
-/// What to open: `host=0000:00:03.0[,bars=trap|mmap]`.
+/// How the device's interrupts reach the client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IrqDelivery {
+    /// The client's eventfds are handed to the kernel (`VFIO_DEVICE_SET_IRQS`): an interrupt
+    /// never passes through the server (the default).
+    #[default]
+    Direct,
+    /// The kernel signals the server's eventfds and a server thread signals the client's: one
+    /// more thread wake-up per interrupt (for comparison; `irq=relay`).
+    Relay,
+}
+
+/// What to open: `host=0000:00:03.0[,bars=trap|mmap][,irq=direct|relay]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VfioConfig {
     /// The PCI address (`DDDD:BB:DD.F`; `BB:DD.F` means domain 0).
     pub host: String,
     /// How BARs are offered.
     pub bars: BarMode,
+    /// How interrupts reach the client.
+    pub irq: IrqDelivery,
     /// Where sysfs is (`/sys`; a fake tree in tests).
     pub sysfs: PathBuf,
 }
@@ -74,14 +88,16 @@ impl VfioConfig {
         VfioConfig {
             host: host.into(),
             bars: BarMode::Trap,
+            irq: IrqDelivery::Direct,
             sysfs: PathBuf::from("/sys"),
         }
     }
 
-    /// Parses `host=BDF[,bars=trap|mmap]` (the part of `--device vfio,...` after the model).
+    /// Parses `host=BDF[,bars=trap|mmap][,irq=direct|relay]` (the part of `--device vfio,...` after the model).
     pub fn parse_options(options: &str) -> Result<VfioConfig, Error> {
         let mut host = None;
         let mut bars = BarMode::Trap;
+        let mut irq = IrqDelivery::Direct;
         for opt in options.split(',').map(str::trim).filter(|o| !o.is_empty()) {
             let (key, value) = opt.split_once('=').ok_or_else(|| Error::Option {
                 option: opt.to_owned(),
@@ -101,10 +117,22 @@ impl VfioConfig {
                         }
                     }
                 }
+                "irq" => {
+                    irq = match value {
+                        "direct" => IrqDelivery::Direct,
+                        "relay" => IrqDelivery::Relay,
+                        _ => {
+                            return Err(Error::Option {
+                                option: opt.to_owned(),
+                                problem: "irq is direct or relay",
+                            });
+                        }
+                    }
+                }
                 _ => {
                     return Err(Error::Option {
                         option: opt.to_owned(),
-                        problem: "unknown option (known: host, bars)",
+                        problem: "unknown option (known: host, bars, irq)",
                     });
                 }
             }
@@ -116,6 +144,7 @@ impl VfioConfig {
         Ok(VfioConfig {
             host,
             bars,
+            irq,
             sysfs: PathBuf::from("/sys"),
         })
     }
@@ -201,6 +230,15 @@ pub enum Error {
     /// The device's descriptor could not be duplicated.
     #[error("Cannot duplicate the VFIO device descriptor")]
     Dup(#[source] switchyard_sys::Error),
+    /// The interrupt relay (`irq=relay`) could not be started.
+    #[error("Cannot start the interrupt relay for {bdf}")]
+    Relay {
+        /// The address.
+        bdf: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The device request (`REQ`) interrupt could not be wired to its watcher thread.
     #[error("Cannot watch for the kernel's device requests on {bdf}")]
     ReqWatch {
@@ -253,7 +291,11 @@ mod tests {
         assert_eq!((c.host.as_str(), c.bars), ("0000:00:03.0", BarMode::Trap));
         let c = VfioConfig::parse_options("host=00:03.0,bars=mmap").expect("parse");
         assert_eq!((c.host.as_str(), c.bars), ("0000:00:03.0", BarMode::Mmap));
+        assert_eq!(c.irq, IrqDelivery::Direct);
+        let c = VfioConfig::parse_options("host=00:03.0,irq=relay").expect("parse");
+        assert_eq!(c.irq, IrqDelivery::Relay);
         for (bad, needle) in [
+            ("host=0000:00:03.0,irq=msi", "irq is direct or relay"),
             ("", "host=DDDD:BB:DD.F is required"),
             ("bars=mmap", "host=DDDD:BB:DD.F is required"),
             ("host=0000:00:03.0,bars=fast", "bars is trap or mmap"),
