@@ -33,6 +33,10 @@
 //! emulated table: no signal, the PBA bit set, and the interrupt delivered on unmask
 //! (`NVME: <step> ok`, `NVME-SUMMARY {json}`).
 //!
+//! `edu-client --abandon SOCKET` maps the DMA window and hands an MSI eventfd over, then exits
+//! without undoing either: the server must unmap the window from the IOMMU and take the
+//! eventfd back from the kernel when the client is gone (the next client maps the same IOVA).
+//!
 //! Prints `EDU: <step> ok ...` per step and `EDU-SUMMARY {json}` at the end; exit 0 when every
 //! step passed, 1 at the first failure (`EDU: FAIL <step>: <why>`).
 
@@ -252,6 +256,35 @@ fn msix_ok(step: &str, detail: impl std::fmt::Display) {
 
 fn nvme_ok(step: &str, detail: impl std::fmt::Display) {
     println!("NVME: {step} ok {detail}");
+}
+
+/// The `--abandon` run (see the crate documentation).
+fn run_abandon(socket: &str) -> Result<serde_json::Value> {
+    let mut c = Client::connect(socket).map_err(|e| format!("connect {socket}: {e}"))?;
+    let mem = File::from(
+        rustix::fs::memfd_create("edu-abandon", rustix::fs::MemfdFlags::CLOEXEC)
+            .map_err(|e| format!("memfd: {e}"))?,
+    );
+    mem.set_len(WINDOW)
+        .map_err(|e| format!("memfd size: {e}"))?;
+    c.dma_map(
+        IOVA,
+        WINDOW,
+        VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE,
+        Some((mem.as_fd(), 0)),
+    )
+    .map_err(|e| format!("DMA_MAP: {e}"))?;
+    let irq = eventfd()?;
+    c.set_irqs(
+        MSI_INDEX,
+        VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+        0,
+        1,
+        &[irq.as_fd()],
+    )
+    .map_err(|e| format!("SET_IRQS MSI: {e}"))?;
+    println!("ABANDON: left ok window {IOVA:#x}+{WINDOW:#x} mapped and the MSI eventfd set");
+    Ok(serde_json::json!({"result": "pass"}))
 }
 
 /// The `--nvme` run (see the crate documentation).
@@ -926,15 +959,18 @@ fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mode, socket) = match args.as_slice() {
         [s] => ("", s),
-        [flag, s] if flag == "--msix" || flag == "--nvme" => (flag.as_str(), s),
+        [flag, s] if ["--msix", "--nvme", "--abandon"].contains(&flag.as_str()) => {
+            (flag.as_str(), s)
+        }
         _ => {
-            eprintln!("usage: edu-client [--msix|--nvme] SOCKET");
+            eprintln!("usage: edu-client [--msix|--nvme|--abandon] SOCKET");
             return std::process::ExitCode::from(2);
         }
     };
     let (result, label) = match mode {
         "--msix" => (run_msix(socket), "MSIX"),
         "--nvme" => (run_nvme(socket), "NVME"),
+        "--abandon" => (run_abandon(socket), "ABANDON"),
         _ => (run(socket), "EDU"),
     };
     match result {

@@ -25,7 +25,7 @@ fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
 
 /// Boots the L1 guest with edu and runs the passthrough script with `bars`.
 fn run_passthrough(env: &GuestEnv, dir: &std::path::Path, bars: &str) -> GuestOutput {
-    run_guest(env, dir, &["1234:11e8", bars], |spec| {
+    run_guest(env, dir, &["1234:11e8", bars, "--abandon-first"], |spec| {
         spec.emulated = vec!["edu".into()];
     })
 }
@@ -65,6 +65,7 @@ fn run_guest(
         l.starts_with("EDU")
             || l.starts_with("MSIX")
             || l.starts_with("NVME")
+            || l.starts_with("ABANDON")
             || l.starts_with("PASSTHROUGH:")
             || l.contains("hidden")
             || l.contains("dirty tracking")
@@ -130,6 +131,40 @@ fn assert_passed(out: &GuestOutput) -> serde_json::Value {
     assert!(
         lines.contains(&"PASSTHROUGH: server exit=0"),
         "{}",
+        out.serial
+    );
+    // A first client left its window mapped and its eventfd set, then went away: the server
+    // unmapped the window from the IOMMU (the full run above mapped the same IOVA again) and
+    // took the MSI index back from the kernel.
+    assert!(
+        lines.contains(&"PASSTHROUGH: abandoning client rc=0"),
+        "{}",
+        out.serial
+    );
+    // The server cleans up before it logs the disconnection; the abandoning client itself
+    // unmapped and disabled nothing.
+    let server_line = |l: &&str, what: &str| l.starts_with("SERVER: ") && l.contains(what);
+    let first_in = lines
+        .iter()
+        .position(|l| server_line(l, "client connected"))
+        .expect("the first client in the server log");
+    let first_out = lines
+        .iter()
+        .position(|l| server_line(l, "client disconnected"))
+        .expect("the first client's disconnection in the server log");
+    let after = &lines[first_in..first_out];
+    assert!(
+        after
+            .iter()
+            .any(|l| l.contains("DMA window unmapped from the IOMMU")),
+        "no IOMMU unmap after the first client left:\n{}",
+        out.serial
+    );
+    assert!(
+        after
+            .iter()
+            .any(|l| l.contains("interrupt index disabled in the kernel")),
+        "MSI still enabled after the first client left:\n{}",
         out.serial
     );
     summary
