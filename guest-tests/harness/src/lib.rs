@@ -644,6 +644,18 @@ impl Drop for Guest {
     }
 }
 
+/// Runs `body` with the test environment and a fresh log directory for `name`; when it fails
+/// the logs are printed (they stay on disk either way).
+pub fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &Path)) {
+    let env = GuestEnv::for_test();
+    let dir = env.log_dir(name).expect("log dir");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
+    if let Err(p) = r {
+        dump_logs(&dir);
+        std::panic::resume_unwind(p);
+    }
+}
+
 /// Prints the logs in `dir` (for a failing test); they also stay on disk.
 pub fn dump_logs(dir: &Path) {
     eprintln!("--- logs kept in {} ---", dir.display());
