@@ -1,6 +1,8 @@
 #!/bin/sh
 # passthrough.sh [VID:DID] [BARS] [CLIENT ARGS...]  (default 1234:11e8, QEMU's edu; BARS trap|mmap,
-# default trap; CLIENT ARGS go to edu-client before the socket, e.g. --msix)
+# default trap; CLIENT ARGS go to edu-client before the socket, e.g. --msix; a first CLIENT ARG
+# --abandon-first runs `edu-client --abandon` first: a client that leaves its DMA window and
+# MSI eventfd behind)
 # The guest side of the physical-device (nested VFIO) test: binds the device to vfio-pci, serves
 # it with `switchyard serve --device vfio,host=BDF,bars=BARS` on a socket and drives it with
 # `edu-client` over vfio-user. Needs the vIOMMU (intel-iommu with intremap/caching-mode, guest
@@ -11,6 +13,8 @@
 id=${1:-1234:11e8}
 bars=${2:-trap}
 if [ $# -ge 2 ]; then shift 2; else shift $#; fi
+abandon=
+if [ "$1" = --abandon-first ]; then abandon=1; shift; fi
 vid=0x${id%:*}
 did=0x${id#*:}
 
@@ -22,7 +26,7 @@ grp=$(basename "$(readlink "/sys/bus/pci/devices/$bdf/iommu_group")")
 echo "PASSTHROUGH: bdf=$bdf group=$grp"
 
 sock=/tmp/edu.sock
-RUST_LOG=${SY_RUST_LOG:-info} switchyard serve --socket "$sock" --device "vfio,host=$bdf,bars=$bars" \
+RUST_LOG=${SY_RUST_LOG:-info,switchyard_vfio=debug} switchyard serve --socket "$sock" --device "vfio,host=$bdf,bars=$bars" \
   2> /tmp/server.log &
 pid=$!
 t=0
@@ -37,6 +41,10 @@ if [ ! -S "$sock" ]; then
   exit 1
 fi
 echo "PASSTHROUGH: serving"
+if [ -n "$abandon" ]; then
+  edu-client --abandon "$sock"
+  echo "PASSTHROUGH: abandoning client rc=$?"
+fi
 edu-client "$@" "$sock"
 rc=$?
 echo "PASSTHROUGH: client rc=$rc"

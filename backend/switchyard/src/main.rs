@@ -113,16 +113,17 @@ struct ServeArgs {
     /// MSI-X. vram_mmap=off: VRAM is trapped instead of mappable, so the device sees every
     /// write and migrates after pre-copy with a downtime independent of the VRAM size.
     ///
-    /// Or a physical device: `vfio,host=DDDD:BB:DD.F[,bars=trap|mmap][,irq=direct|relay]`, a PCI device bound to
-    /// vfio-pci whose IOMMU group is viable (every device in it bound to vfio-pci or to no
-    /// driver). Its config space is virtualized, interrupts go from the kernel straight to the
-    /// client's eventfds and the client's DMA windows are mapped into its IOMMU (DMA_MAP needs
-    /// a file descriptor; mapped windows are pinned and count against RLIMIT_MEMLOCK unless the
-    /// server has CAP_IPC_LOCK). bars=trap (default): every BAR access is a message; bars=mmap: the
-    /// client maps the BARs (MSI-X table excepted) directly, which cannot be moved to another
-    /// device without the guest's help. irq=relay: interrupts go through a server thread
-    /// (one more wake-up each; for comparison). When the kernel wants the device back (an
-    /// unbind or a hot-remove), the server releases it and every access fails with ENODEV.
+    /// Or a physical device: `vfio,host=DDDD:BB:DD.F[,bars=trap|mmap][,irq=direct|relay]`, a
+    /// PCI device bound to vfio-pci whose IOMMU group is viable (every other device in it bound
+    /// to vfio-pci, pci-stub, pcieport or to no driver). Its config space is virtualized,
+    /// interrupts go from the kernel straight to the client's eventfds and the client's DMA
+    /// windows are mapped into its IOMMU (DMA_MAP needs a file descriptor; mapped windows are
+    /// pinned and count against RLIMIT_MEMLOCK unless the server has CAP_IPC_LOCK). bars=trap
+    /// (default): every BAR access is a message; bars=mmap: the client maps the BARs (MSI-X
+    /// table excepted) directly, which cannot be moved to another device without the guest's
+    /// help. irq=relay: interrupts go through a server thread (one more wake-up each; for
+    /// comparison). When the kernel wants the device back (an unbind or a hot-remove), the
+    /// server releases it and every access fails with ENODEV.
     #[arg(long, value_name = "SPEC", default_value = "softgpu", value_parser = parse_device)]
     device: DeviceSpec,
 

@@ -2,7 +2,7 @@
 //!
 //! [`VfioPci::open`] takes a PCI address (`0000:00:03.0`), checks the device and its IOMMU
 //! group in sysfs ([`sysfs`]: bound to `vfio-pci`, every other device of the group bound to
-//! `vfio-pci` or to no driver), opens a type1v2 container and the group (`vfio-ioctls`), and
+//! `vfio-pci`, `pci-stub`, `pcieport` or to no driver), opens a type1v2 container and the group (`vfio-ioctls`), and
 //! reads the device's regions and interrupts. Then it serves the device through the core's
 //! traits:
 //!
@@ -189,7 +189,7 @@ pub enum Error {
     },
     /// Another device of the group is bound to a host driver.
     #[error(
-        "IOMMU group {group} is not viable: {other} is bound to {driver} (every device of the group must be bound to vfio-pci or to no driver)"
+        "IOMMU group {group} is not viable: {other} is bound to {driver} (every device of the group must be bound to vfio-pci, pci-stub, pcieport or to no driver)"
     )]
     GroupNotViable {
         /// The group.

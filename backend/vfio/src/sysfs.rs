@@ -180,9 +180,15 @@ pub fn group_devices(root: &Path, group: u32) -> Result<Vec<String>, Error> {
     Ok(v)
 }
 
+/// Drivers another device of the group may be bound to without making the group unviable:
+/// vfio-pci, and the two the kernel allows beside it (`pci-stub`, which does no DMA, and
+/// `pcieport`, which drives a bridge or port in the group). The kernel's own viability check
+/// (the group status when it is opened) has the last word.
+pub const GROUP_SAFE_DRIVERS: [&str; 3] = ["vfio-pci", "pci-stub", "pcieport"];
+
 /// Checks that `bdf` can be opened through VFIO: it exists, is bound to vfio-pci, has an IOMMU
-/// group, and every device of the group is bound to vfio-pci or to no driver. Returns the
-/// group.
+/// group, and every other device of the group is bound to no driver or to one of
+/// [`GROUP_SAFE_DRIVERS`]. Returns the group.
 pub fn check_openable(root: &Path, bdf: &str) -> Result<u32, Error> {
     let dir = device_dir(root, bdf);
     if !dir.exists() {
@@ -203,7 +209,7 @@ pub fn check_openable(root: &Path, bdf: &str) -> Result<u32, Error> {
     }
     for other in group_devices(root, group)? {
         if let Some(d) = driver(root, &other)
-            && d != "vfio-pci"
+            && !GROUP_SAFE_DRIVERS.contains(&d.as_str())
         {
             return Err(Error::GroupNotViable {
                 group,

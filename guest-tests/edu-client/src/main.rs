@@ -33,6 +33,10 @@
 //! emulated table: no signal, the PBA bit set, and the interrupt delivered on unmask
 //! (`NVME: <step> ok`, `NVME-SUMMARY {json}`).
 //!
+//! `edu-client --abandon SOCKET` maps the DMA window and hands an MSI eventfd over, then exits
+//! without undoing either: the server must unmap the window from the IOMMU and take the
+//! eventfd back from the kernel when the client is gone (the next client maps the same IOVA).
+//!
 //! Prints `EDU: <step> ok ...` per step and `EDU-SUMMARY {json}` at the end; exit 0 when every
 //! step passed, 1 at the first failure (`EDU: FAIL <step>: <why>`).
 
@@ -51,6 +55,7 @@ const BAR0: u32 = 0;
 const ROM: u32 = 6;
 const CONFIG: u32 = 7;
 const MSI_INDEX: u32 = 1;
+const MSIX_INDEX: u32 = 2;
 
 const EDU_ID: u64 = 0x00;
 const EDU_LIVENESS: u64 = 0x04;
@@ -138,6 +143,44 @@ impl Edu {
         Ok(u64::from_le_bytes(b))
     }
 
+    /// DMA_MAP of all of `file` (`size` bytes) at `iova`, read/write or read-only.
+    fn map(&mut self, iova: u64, size: u64, writable: bool, file: &File) -> Result<()> {
+        let mut flags = VFIO_USER_F_DMA_REGION_READ;
+        if writable {
+            flags |= VFIO_USER_F_DMA_REGION_WRITE;
+        }
+        self.c
+            .dma_map(iova, size, flags, Some((file.as_fd(), 0)))
+            .map_err(|e| format!("DMA_MAP {iova:#x}: {e}"))
+    }
+
+    /// SET_IRQS: `fds` become the eventfds of vectors `start..` of `index`.
+    fn set_eventfds(&mut self, index: u32, start: u32, fds: &[&File]) -> Result<()> {
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        self.c
+            .set_irqs(
+                index,
+                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+                start,
+                fds.len() as u32,
+                &borrowed,
+            )
+            .map_err(|e| format!("SET_IRQS {index} from {start}: {e}"))
+    }
+
+    /// SET_IRQS disabling `index`.
+    fn disable_irqs(&mut self, index: u32) -> Result<()> {
+        self.c
+            .set_irqs(
+                index,
+                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                0,
+                &[],
+            )
+            .map_err(|e| format!("SET_IRQS disable {index}: {e}"))
+    }
+
     /// Offsets of the capabilities, by ID, walking the list the client sees.
     fn capabilities(&mut self) -> Result<Vec<(u8, u64)>> {
         let mut caps = vec![];
@@ -172,6 +215,16 @@ impl Edu {
         self.wr32(EDU_IRQ_ACK, EDU_DMA_IRQ)?;
         Ok(())
     }
+}
+
+/// A memfd of `size` bytes.
+fn memfd(name: &str, size: u64) -> Result<File> {
+    let f = File::from(
+        rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)
+            .map_err(|e| format!("memfd: {e}"))?,
+    );
+    f.set_len(size).map_err(|e| format!("memfd size: {e}"))?;
+    Ok(f)
 }
 
 /// Waits until the (non-blocking) eventfd has a count, and returns it.
@@ -254,6 +307,18 @@ fn nvme_ok(step: &str, detail: impl std::fmt::Display) {
     println!("NVME: {step} ok {detail}");
 }
 
+/// The `--abandon` run (see the crate documentation).
+fn run_abandon(socket: &str) -> Result<serde_json::Value> {
+    let c = Client::connect(socket).map_err(|e| format!("connect {socket}: {e}"))?;
+    let mut d = Edu { c };
+    let mem = memfd("edu-abandon", WINDOW)?;
+    d.map(IOVA, WINDOW, true, &mem)?;
+    let irq = eventfd()?;
+    d.set_eventfds(MSI_INDEX, 0, &[&irq])?;
+    println!("ABANDON: left ok window {IOVA:#x}+{WINDOW:#x} mapped and the MSI eventfd set");
+    Ok(serde_json::json!({"result": "pass"}))
+}
+
 /// The `--nvme` run (see the crate documentation).
 fn run_nvme(socket: &str) -> Result<serde_json::Value> {
     const CAP: u64 = 0x00;
@@ -282,19 +347,8 @@ fn run_nvme(socket: &str) -> Result<serde_json::Value> {
     })?;
 
     // DMA: submission queue, completion queue, data page.
-    let mem = File::from(
-        rustix::fs::memfd_create("nvme-dma", rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| format!("memfd: {e}"))?,
-    );
-    mem.set_len(0x3000)
-        .map_err(|e| format!("memfd size: {e}"))?;
-    d.c.dma_map(
-        IOVA,
-        0x3000,
-        VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE,
-        Some((mem.as_fd(), 0)),
-    )
-    .map_err(|e| format!("DMA_MAP: {e}"))?;
+    let mem = memfd("nvme-dma", 0x3000)?;
+    d.map(IOVA, 0x3000, true, &mem)?;
 
     // MSI-X vector 0: written in the (emulated) table, enabled, its eventfd to the kernel.
     d.wr32(toff, 0xfee0_0000)?;
@@ -304,14 +358,7 @@ fn run_nvme(socket: &str) -> Result<serde_json::Value> {
     d.cfg_write(msix_cap + 2, &0x8000u16.to_le_bytes())?;
     d.cfg_write(0x04, &0x0006u16.to_le_bytes())?;
     let irq = eventfd()?;
-    d.c.set_irqs(
-        2,
-        VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-        0,
-        1,
-        &[irq.as_fd()],
-    )
-    .map_err(|e| format!("SET_IRQS MSI-X: {e}"))?;
+    d.set_eventfds(MSIX_INDEX, 0, &[&irq])?;
 
     // Controller: disable, admin queues of 4 entries, enable.
     let cap = d.rd64(CAP)?;
@@ -421,14 +468,7 @@ fn run_nvme(socket: &str) -> Result<serde_json::Value> {
 
     d.wr32(CC, 0)?;
     wait_rdy(&mut d, 0)?;
-    d.c.set_irqs(
-        2,
-        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
-        0,
-        0,
-        &[],
-    )
-    .map_err(|e| format!("SET_IRQS disable: {e}"))?;
+    d.disable_irqs(MSIX_INDEX)?;
     d.c.dma_unmap(IOVA, 0x3000, 0)
         .map_err(|e| format!("DMA_UNMAP: {e}"))?;
     nvme_ok("disable", "");
@@ -539,12 +579,9 @@ fn run_msix(socket: &str) -> Result<serde_json::Value> {
     );
 
     let fds = [eventfd()?, eventfd()?];
-    let trigger = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
-    d.c.set_irqs(2, trigger, 0, 2, &[fds[0].as_fd(), fds[1].as_fd()])
-        .map_err(|e| format!("SET_IRQS MSI-X 0..2: {e}"))?;
+    d.set_eventfds(MSIX_INDEX, 0, &[&fds[0], &fds[1]])?;
     let extra = eventfd()?;
-    d.c.set_irqs(2, trigger, 1, 1, &[extra.as_fd()])
-        .map_err(|e| format!("SET_IRQS MSI-X 1: {e}"))?;
+    d.set_eventfds(MSIX_INDEX, 1, &[&extra])?;
     msix_ok(
         "set-irqs",
         "vectors 0..2 handed to the kernel, then vector 1 replaced",
@@ -579,14 +616,7 @@ fn run_msix(socket: &str) -> Result<serde_json::Value> {
         reset = true;
         msix_ok("reset", format!("ids={again:#010x} command={cmd:#06x}"));
     }
-    d.c.set_irqs(
-        2,
-        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
-        0,
-        0,
-        &[],
-    )
-    .map_err(|e| format!("SET_IRQS disable: {e}"))?;
+    d.disable_irqs(MSIX_INDEX)?;
     msix_ok("disable", "");
     Ok(serde_json::json!({
         "result": "pass",
@@ -735,15 +765,7 @@ fn run(socket: &str) -> Result<serde_json::Value> {
     let enabled = edu.cfg_read16(msi_cap + 2)? & 1 != 0;
     ensure(enabled, || "MSI enable did not stick in the shadow".into())?;
     let irq = eventfd()?;
-    edu.c
-        .set_irqs(
-            MSI_INDEX,
-            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-            0,
-            1,
-            &[irq.as_fd()],
-        )
-        .map_err(|e| format!("SET_IRQS MSI: {e}"))?;
+    edu.set_eventfds(MSI_INDEX, 0, &[&irq])?;
     edu.wr32(EDU_IRQ_RAISE, 0x5)?;
     let t0 = Instant::now();
     let n = wait_eventfd(&irq, Duration::from_secs(5))?;
@@ -763,23 +785,11 @@ fn run(socket: &str) -> Result<serde_json::Value> {
     );
 
     // DMA through the device's IOMMU.
-    let mem = File::from(
-        rustix::fs::memfd_create("edu-dma", rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| format!("memfd: {e}"))?,
-    );
-    mem.set_len(WINDOW)
-        .map_err(|e| format!("memfd size: {e}"))?;
+    let mem = memfd("edu-dma", WINDOW)?;
     let pattern: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
     mem.write_all_at(&pattern, 0)
         .map_err(|e| format!("memfd write: {e}"))?;
-    edu.c
-        .dma_map(
-            IOVA,
-            WINDOW,
-            VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE,
-            Some((mem.as_fd(), 0)),
-        )
-        .map_err(|e| format!("DMA_MAP: {e}"))?;
+    edu.map(IOVA, WINDOW, true, &mem)?;
     ok("dma-map", format!("iova={IOVA:#x} size={WINDOW:#x}"));
     let len = pattern.len() as u64;
     // RAM → edu buffer, then edu buffer → the second page.
@@ -808,27 +818,14 @@ fn run(socket: &str) -> Result<serde_json::Value> {
     );
 
     // A read-only window (from a read-only descriptor): the device reads it, cannot write it.
-    let ro_mem = File::from(
-        rustix::fs::memfd_create("edu-ro", rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| format!("memfd: {e}"))?,
-    );
-    ro_mem
-        .set_len(0x1000)
-        .map_err(|e| format!("memfd size: {e}"))?;
+    let ro_mem = memfd("edu-ro", 0x1000)?;
     let pattern3: Vec<u8> = (0..1024u32).map(|i| (i * 13 + 1) as u8).collect();
     ro_mem
         .write_all_at(&pattern3, 0)
         .map_err(|e| format!("memfd write: {e}"))?;
     let ro_fd = File::open(format!("/proc/self/fd/{}", ro_mem.as_raw_fd()))
         .map_err(|e| format!("reopen read-only: {e}"))?;
-    edu.c
-        .dma_map(
-            IOVA_RO,
-            0x1000,
-            VFIO_USER_F_DMA_REGION_READ,
-            Some((ro_fd.as_fd(), 0)),
-        )
-        .map_err(|e| format!("read-only DMA_MAP: {e}"))?;
+    edu.map(IOVA_RO, 0x1000, false, &ro_fd)?;
     edu.dma(IOVA_RO, EDU_BUFFER, len, false, &irq)?;
     edu.dma(EDU_BUFFER, IOVA + 0x400, len, true, &irq)?;
     let mut back3 = vec![0u8; pattern3.len()];
@@ -900,15 +897,7 @@ fn run(socket: &str) -> Result<serde_json::Value> {
         .dma_unmap(IOVA, WINDOW, 0)
         .map_err(|e| format!("DMA_UNMAP: {e}"))?;
     ok("dma-unmap", "");
-    edu.c
-        .set_irqs(
-            MSI_INDEX,
-            VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
-            0,
-            0,
-            &[],
-        )
-        .map_err(|e| format!("SET_IRQS disable: {e}"))?;
+    edu.disable_irqs(MSI_INDEX)?;
     ok("msi-disable", "");
 
     Ok(serde_json::json!({
@@ -926,15 +915,18 @@ fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mode, socket) = match args.as_slice() {
         [s] => ("", s),
-        [flag, s] if flag == "--msix" || flag == "--nvme" => (flag.as_str(), s),
+        [flag, s] if ["--msix", "--nvme", "--abandon"].contains(&flag.as_str()) => {
+            (flag.as_str(), s)
+        }
         _ => {
-            eprintln!("usage: edu-client [--msix|--nvme] SOCKET");
+            eprintln!("usage: edu-client [--msix|--nvme|--abandon] SOCKET");
             return std::process::ExitCode::from(2);
         }
     };
     let (result, label) = match mode {
         "--msix" => (run_msix(socket), "MSIX"),
         "--nvme" => (run_nvme(socket), "NVME"),
+        "--abandon" => (run_abandon(socket), "ABANDON"),
         _ => (run(socket), "EDU"),
     };
     match result {

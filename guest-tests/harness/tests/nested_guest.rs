@@ -7,17 +7,7 @@
 //! `#[ignore]`d like every booting test; `scripts/test.sh` runs them with `--include-ignored`.
 
 use serde_json::Value;
-use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, dump_logs};
-
-fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
-    let env = GuestEnv::for_test();
-    let dir = env.log_dir(name).expect("log dir");
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
-    if let Err(p) = r {
-        dump_logs(&dir);
-        std::panic::resume_unwind(p);
-    }
-}
+use switchyard_guest_tests::{Guest, GuestOutput, GuestSpec, with_logs};
 
 /// Every `NESTED-RESULT {json}` line L1 printed, by scenario.
 fn results(out: &GuestOutput) -> Vec<Value> {

@@ -10,22 +10,11 @@
 //! `RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p switchyard -p edu-client
 //! --target x86_64-unknown-linux-gnu` (or `SWITCHYARD_STATIC_BIN` / `EDU_CLIENT`).
 
-use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, dump_logs};
-
-/// Runs `body` with a fresh log dir; on failure prints the logs (they stay on disk).
-fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
-    let env = GuestEnv::for_test();
-    let dir = env.log_dir(name).expect("log dir");
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
-    if let Err(p) = r {
-        dump_logs(&dir);
-        std::panic::resume_unwind(p);
-    }
-}
+use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, with_logs};
 
 /// Boots the L1 guest with edu and runs the passthrough script with `bars`.
 fn run_passthrough(env: &GuestEnv, dir: &std::path::Path, bars: &str) -> GuestOutput {
-    run_guest(env, dir, &["1234:11e8", bars], |spec| {
+    run_guest(env, dir, &["1234:11e8", bars, "--abandon-first"], |spec| {
         spec.emulated = vec!["edu".into()];
     })
 }
@@ -65,6 +54,7 @@ fn run_guest(
         l.starts_with("EDU")
             || l.starts_with("MSIX")
             || l.starts_with("NVME")
+            || l.starts_with("ABANDON")
             || l.starts_with("PASSTHROUGH:")
             || l.contains("hidden")
             || l.contains("dirty tracking")
@@ -93,7 +83,9 @@ const STEPS: [&str; 14] = [
     "dma-unmap",
 ];
 
-fn assert_passed(out: &GuestOutput) -> serde_json::Value {
+/// Checks that the script passed, the client printed `LABEL: STEP ok` for every step and a
+/// passing `LABEL-SUMMARY`, and the server exited cleanly at SIGTERM; returns the summary.
+fn assert_steps(out: &GuestOutput, label: &str, steps: &[&str]) -> serde_json::Value {
     assert_eq!(
         out.test_rc("passthrough"),
         Some(0),
@@ -101,35 +93,78 @@ fn assert_passed(out: &GuestOutput) -> serde_json::Value {
         out.serial
     );
     let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
-    for step in STEPS {
-        let prefix = format!("EDU: {step} ok");
+    for step in steps {
+        let prefix = format!("{label}: {step} ok");
         assert!(
             lines.iter().any(|l| l.starts_with(&prefix)),
             "no `{prefix}` line:\n{}",
             out.serial
         );
     }
-    let summary = out.json_line("EDU-SUMMARY").expect("EDU-SUMMARY line");
+    let key = format!("{label}-SUMMARY");
+    let summary = out
+        .json_line(&key)
+        .unwrap_or_else(|| panic!("no {key} line"));
     assert_eq!(summary["result"], "pass", "{summary}");
+    assert!(
+        lines.contains(&"PASSTHROUGH: server exit=0"),
+        "{}",
+        out.serial
+    );
+    summary
+}
+
+/// A line of the server's log (the script prints it with a `SERVER: ` prefix).
+fn server_line(l: &str, what: &str) -> bool {
+    l.starts_with("SERVER: ") && l.contains(what)
+}
+
+fn assert_passed(out: &GuestOutput) -> serde_json::Value {
+    let summary = assert_steps(out, "EDU", &STEPS);
+    let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
     assert_eq!(summary["ids"], "0x11e81234", "{summary}");
     assert_eq!(summary["bar0_size"], 1 << 20, "{summary}");
     assert_eq!(summary["dirty_pages"], 2, "{summary}");
     // The server ran as a physical-device backend, said which dirty source it uses, and
     // exited cleanly at SIGTERM.
-    let server = |needle: &str| {
-        lines
-            .iter()
-            .any(|l| l.starts_with("SERVER: ") && l.contains(needle))
-    };
+    let server = |needle: &str| lines.iter().any(|l| server_line(l, needle));
     assert!(server("opened"), "server log:\n{}", out.serial);
     assert!(
         server("dirty tracking: the device has none"),
         "server log:\n{}",
         out.serial
     );
+    // A first client left its window mapped and its eventfd set, then went away: the server
+    // unmapped the window from the IOMMU (the full run above mapped the same IOVA again) and
+    // took the MSI index back from the kernel.
     assert!(
-        lines.contains(&"PASSTHROUGH: server exit=0"),
+        lines.contains(&"PASSTHROUGH: abandoning client rc=0"),
         "{}",
+        out.serial
+    );
+    // The server cleans up before it logs the disconnection; the abandoning client itself
+    // unmapped and disabled nothing.
+    let first_in = lines
+        .iter()
+        .position(|l| server_line(l, "client connected"))
+        .expect("the first client in the server log");
+    let first_out = lines
+        .iter()
+        .position(|l| server_line(l, "client disconnected"))
+        .expect("the first client's disconnection in the server log");
+    let after = &lines[first_in..first_out];
+    assert!(
+        after
+            .iter()
+            .any(|l| l.contains("DMA window unmapped from the IOMMU")),
+        "no IOMMU unmap after the first client left:\n{}",
+        out.serial
+    );
+    assert!(
+        after
+            .iter()
+            .any(|l| l.contains("interrupt index disabled in the kernel")),
+        "MSI still enabled after the first client left:\n{}",
         out.serial
     );
     summary
@@ -172,44 +207,28 @@ fn a_pcie_device_with_msix_gets_its_capabilities_filtered_and_msix_emulated() {
             spec.root_ports = 1;
             spec.emulated = vec!["virtio-rng-pci,bus=rp1".into()];
         });
-        assert_eq!(
-            out.test_rc("passthrough"),
-            Some(0),
-            "the passthrough script failed:\n{}",
-            out.serial
+        let summary = assert_steps(
+            &out,
+            "MSIX",
+            &[
+                "config",
+                "msix-cap",
+                "table-trapped",
+                "table",
+                "set-irqs",
+                "mask",
+                "reset",
+                "disable",
+            ],
         );
-        let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
-        for step in [
-            "config",
-            "msix-cap",
-            "table-trapped",
-            "table",
-            "set-irqs",
-            "mask",
-            "reset",
-            "disable",
-        ] {
-            let prefix = format!("MSIX: {step} ok");
-            assert!(
-                lines.iter().any(|l| l.starts_with(&prefix)),
-                "no `{prefix}` line:\n{}",
-                out.serial
-            );
-        }
-        let summary = out.json_line("MSIX-SUMMARY").expect("MSIX-SUMMARY line");
-        assert_eq!(summary["result"], "pass", "{summary}");
         assert_eq!(summary["config_size"], 4096, "{summary}");
         assert_eq!(summary["reset"], true, "{summary}");
         assert!(
-            lines.iter().any(|l| l.starts_with("SERVER: ")
-                && l.contains("capability hidden from the client")
-                && l.contains("id=9")),
+            out.serial.lines().any(
+                |l| server_line(l.trim(), "capability hidden from the client")
+                    && l.contains("id=9")
+            ),
             "the server did not hide the vendor capabilities:\n{}",
-            out.serial
-        );
-        assert!(
-            lines.contains(&"PASSTHROUGH: server exit=0"),
-            "{}",
             out.serial
         );
     });
@@ -225,28 +244,7 @@ fn nvme_msix_interrupts_reach_the_client_and_a_masked_vector_is_held_pending() {
             spec.root_ports = 1;
             spec.emulated = vec!["nvme,serial=sy0001,bus=rp1".into()];
         });
-        assert_eq!(
-            out.test_rc("passthrough"),
-            Some(0),
-            "the passthrough script failed:\n{}",
-            out.serial
-        );
-        let lines: Vec<&str> = out.serial.lines().map(str::trim).collect();
-        for step in ["enable", "msix", "mask", "disable"] {
-            let prefix = format!("NVME: {step} ok");
-            assert!(
-                lines.iter().any(|l| l.starts_with(&prefix)),
-                "no `{prefix}` line:\n{}",
-                out.serial
-            );
-        }
-        let summary = out.json_line("NVME-SUMMARY").expect("NVME-SUMMARY line");
-        assert_eq!(summary["result"], "pass", "{summary}");
+        let summary = assert_steps(&out, "NVME", &["enable", "msix", "mask", "disable"]);
         assert_eq!(summary["vid"], "0x1b36", "{summary}");
-        assert!(
-            lines.contains(&"PASSTHROUGH: server exit=0"),
-            "{}",
-            out.serial
-        );
     });
 }

@@ -9,19 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use switchyard_daemon::{EndpointSpec, Supervisor};
-use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, Server, dump_logs};
+use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, Server, with_logs};
 use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
-
-/// Runs `body` with a fresh log dir; on failure prints the logs (they stay on disk).
-fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &std::path::Path)) {
-    let env = GuestEnv::for_test();
-    let dir = env.log_dir(name).expect("log dir");
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
-    if let Err(p) = r {
-        dump_logs(&dir);
-        std::panic::resume_unwind(p);
-    }
-}
 
 fn assert_device_listed(out: &GuestOutput) {
     assert!(

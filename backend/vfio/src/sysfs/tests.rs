@@ -120,6 +120,14 @@ fn a_device_bound_to_vfio_in_a_clean_group_is_openable() {
         Some(3),
     );
     sys.add("0000:00:03.1", ("0x1234", "0x11e9"), None, Some(3));
+    // A port or bridge of the group bound to its port driver does not spoil it (the kernel
+    // allows it too).
+    sys.add(
+        "0000:00:1c.0",
+        ("0x8086", "0xa110"),
+        Some("pcieport"),
+        Some(3),
+    );
     assert_eq!(check_openable(sys.root(), "0000:00:03.0").expect("ok"), 3);
 }
 
