@@ -224,6 +224,8 @@ pub struct VfioPci {
     client_req: Arc<Mutex<Option<File>>>,
     /// `None` if the kernel offers no device request interrupt.
     _watcher: Option<ReqWatcher>,
+    /// Whether the kernel offers the error notification (ERR) for the client's eventfd.
+    kernel_err: bool,
 }
 
 impl std::fmt::Debug for VfioPci {
@@ -313,13 +315,15 @@ impl VfioPci {
                 }
             }
         };
-        let err_count = irq(IrqIndex::Err as u32).min(1);
+        let kernel_err = irq(IrqIndex::Err as u32) > 0;
         let irqs = vec![
             none, // INTx: not supported.
             vectors(msi_count, true),
             vectors(msix_count, false),
-            // ERR: the client's eventfd goes to the kernel's error notification (AER).
-            vectors(err_count, true),
+            // ERR: the client's eventfd goes to the kernel's error notification (AER) when the
+            // kernel has one; otherwise no error is ever reported (the client keeps an eventfd
+            // that never fires, as for a device without AER on a host).
+            vectors(1, true),
             // REQ: signalled when the kernel takes the device back (see `release`).
             vectors(1, true),
         ];
@@ -415,6 +419,7 @@ impl VfioPci {
             iommu,
             client_req,
             _watcher: watcher,
+            kernel_err,
         })
     }
 
@@ -661,7 +666,7 @@ impl PciDevice for VfioPci {
         // The server has dropped its eventfds; the kernel must not keep signalling ours.
         if let Some(h) = lock(&self.hw).as_mut() {
             h.router.disable_all();
-            if self.desc.irqs[IrqIndex::Err as usize].count > 0 {
+            if self.kernel_err {
                 let _ = switchyard_sys::disable_irq(&h.device, IrqIndex::Err as u32);
             }
         }
@@ -713,6 +718,9 @@ impl IrqRouter for VfioPci {
         let mut g = lock(&self.hw);
         let h = g.as_mut().ok_or_else(gone)?;
         if index == IrqIndex::Err as u32 {
+            if !self.kernel_err {
+                return Ok(());
+            }
             let fd = fds.first().copied().flatten().map(AsFd::as_fd);
             let r = match fd {
                 Some(fd) => switchyard_sys::set_irq_eventfds(&h.device, index, 0, &[Some(fd)]),

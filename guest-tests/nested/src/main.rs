@@ -488,9 +488,16 @@ fn qemu_edu(dir: &Path) -> Result<Value> {
         println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
         println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
     }
+    // What QEMU said about the device (refused DMA maps show up here).
+    let qemu_log = std::fs::read_to_string(&vm.log).unwrap_or_default();
+    let qemu_errors: Vec<&str> = qemu_log
+        .lines()
+        .filter(|l| l.contains("error") || l.contains("warning"))
+        .take(8)
+        .collect();
     Ok(json!({
         "ok": ok, "host_bdf": bdf, "edu_rc": rc, "edu_summary": summary, "qemu_exit": exit,
-        "server_alive_after_vm": server_alive,
+        "server_alive_after_vm": server_alive, "qemu_messages": qemu_errors,
     }))
 }
 
