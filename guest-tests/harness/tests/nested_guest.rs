@@ -7,7 +7,9 @@
 //! `#[ignore]`d like every booting test; `scripts/test.sh` runs them with `--include-ignored`.
 
 use serde_json::Value;
-use switchyard_guest_tests::{Guest, GuestOutput, GuestSpec, with_logs};
+use switchyard_guest_tests::{
+    Guest, GuestOutput, GuestSpec, assert_guest_tests_ignored, with_logs,
+};
 
 /// Every `NESTED-RESULT {json}` line L1 printed, by scenario.
 fn results(out: &GuestOutput) -> Vec<Value> {
@@ -22,6 +24,15 @@ fn result<'a>(all: &'a [Value], scenario: &str, serial: &str) -> &'a Value {
     all.iter()
         .find(|v| v["scenario"] == scenario)
         .unwrap_or_else(|| panic!("no NESTED-RESULT for {scenario}:\n{serial}"))
+}
+
+/// Every test here boots L1, so each is ignored: a plain `cargo test` lists them as ignored.
+#[test]
+fn nested_tests_are_ignored_not_passed_under_plain_cargo_test() {
+    assert_guest_tests_ignored(
+        "nested_tests_are_ignored_not_passed_under_plain_cargo_test",
+        3,
+    );
 }
 
 #[test]

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use switchyard_daemon::{EndpointSpec, Supervisor};
-use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, Server, with_logs};
+use switchyard_guest_tests::{
+    Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_guest_tests_ignored, with_logs,
+};
 use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
 
 fn assert_device_listed(out: &GuestOutput) {
@@ -108,29 +110,10 @@ fn assert_error_recovery_enabled(dir: &std::path::Path) {
 /// ignored instead of passing it without booting anything.
 #[test]
 fn guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
-    let list = |extra: &[&str]| {
-        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--list", "--format", "terse"])
-            .args(extra)
-            .output()
-            .expect("list tests");
-        assert!(out.status.success(), "{out:?}");
-        let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.strip_suffix(": test").map(str::to_owned))
-            .collect();
-        names.sort();
-        names
-    };
-    let all = list(&[]);
-    let ignored = list(&["--ignored"]);
-    let booting: Vec<String> = all
-        .iter()
-        .filter(|n| *n != "guest_tests_are_ignored_not_passed_under_plain_cargo_test")
-        .cloned()
-        .collect();
-    assert_eq!(booting.len(), 10, "{all:?}");
-    assert_eq!(ignored, booting, "every guest-booting test is #[ignore]d");
+    assert_guest_tests_ignored(
+        "guest_tests_are_ignored_not_passed_under_plain_cargo_test",
+        10,
+    );
 }
 
 #[test]
