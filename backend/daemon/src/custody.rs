@@ -80,6 +80,46 @@ impl WorkerStats {
     }
 }
 
+/// What a worker serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "model", rename_all = "lowercase")]
+pub enum WorkerDevice {
+    /// A software GPU.
+    Softgpu(switchyard_softgpu::SoftGpuConfig),
+    /// A physical device bound to vfio-pci, passed through (`switchyard-vfio`).
+    Vfio {
+        /// Its PCI address.
+        host: String,
+        /// How its BARs are offered.
+        bars: switchyard_pool::Bars,
+    },
+}
+
+impl WorkerDevice {
+    /// What serves a pool device of this shape at this PCI address (`host`, passthrough only).
+    pub fn of(shape: &switchyard_pool::DeviceShape, host: Option<&str>) -> WorkerDevice {
+        match (shape.model, host) {
+            (switchyard_pool::Model::Vfio, Some(host)) => WorkerDevice::Vfio {
+                host: host.to_owned(),
+                bars: if shape.vram_mmap {
+                    switchyard_pool::Bars::Mmap
+                } else {
+                    switchyard_pool::Bars::Trap
+                },
+            },
+            _ => WorkerDevice::Softgpu(shape.softgpu_config()),
+        }
+    }
+
+    /// The softgpu's configuration; `None` for a passthrough device.
+    pub fn softgpu(&self) -> Option<switchyard_softgpu::SoftGpuConfig> {
+        match self {
+            WorkerDevice::Softgpu(c) => Some(*c),
+            WorkerDevice::Vfio { .. } => None,
+        }
+    }
+}
+
 /// How a worker starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -159,6 +199,14 @@ pub enum Note {
         /// Why.
         reason: String,
     },
+    /// The kernel took the passthrough device back (worker → supervisor): every access now
+    /// fails with ENODEV and the client was told through its REQ eventfd.
+    DeviceLost {
+        /// The device's PCI address.
+        host: String,
+        /// What happened.
+        reason: String,
+    },
     /// Start serving.
     Start {
         /// Fresh or resume.
@@ -168,7 +216,7 @@ pub enum Note {
         /// The socket path (logs).
         socket: String,
         /// The device.
-        device: switchyard_softgpu::SoftGpuConfig,
+        device: WorkerDevice,
         /// Where to offer the adoption socket (`<dir>/w<pid>.sock`), if anywhere.
         #[serde(default)]
         adopt_dir: Option<String>,

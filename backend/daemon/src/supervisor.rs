@@ -79,7 +79,7 @@ pub struct EndpointSpec {
     /// vfio-user socket path.
     pub socket: PathBuf,
     /// The device to serve.
-    pub device: switchyard_softgpu::SoftGpuConfig,
+    pub device: crate::custody::WorkerDevice,
 }
 
 /// How an endpoint's worker is doing.
@@ -101,6 +101,8 @@ pub struct WorkerStatus {
     pub failed: bool,
     /// The client has a migration stream of the device open: restarts and upgrades wait.
     pub migrating: bool,
+    /// The kernel took the passthrough device back: what and why.
+    pub device_lost: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -201,6 +203,16 @@ pub enum WorkerEvent {
     GaveUp {
         /// Endpoint.
         endpoint: String,
+    },
+    /// The kernel took the endpoint's passthrough device back (unbind, removal): the
+    /// endpoint fails every access with ENODEV; its board should take no new lease.
+    DeviceLost {
+        /// Endpoint.
+        endpoint: String,
+        /// The device's PCI address.
+        host: String,
+        /// What happened.
+        reason: String,
     },
 }
 
@@ -844,6 +856,16 @@ fn serve_notes(
                     "worker ready"
                 );
             }
+            Ok((Note::DeviceLost { host, reason }, _)) => {
+                tracing::error!(%host, %reason, "the endpoint's passthrough device is lost");
+                ep.status().device_lost = Some(format!("{host}: {reason}"));
+                ep.changed.notify_all();
+                sink(WorkerEvent::DeviceLost {
+                    endpoint: ep.spec.id.clone(),
+                    host,
+                    reason,
+                });
+            }
             Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
             Err(custody::ChannelError::Closed) => break,
             Err(e) => {
@@ -916,7 +938,7 @@ fn hand_over(
             mode,
             endpoint: ep.spec.id.clone(),
             socket: ep.spec.socket.display().to_string(),
-            device: ep.spec.device,
+            device: ep.spec.device.clone(),
             adopt_dir: adopt_dir.map(|d| d.display().to_string()),
         },
         &[],

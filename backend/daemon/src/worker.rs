@@ -22,6 +22,7 @@ use std::time::Instant;
 use switchyard_server::{DeviceSlot, MoveGuard};
 use switchyard_softgpu::VramRef;
 
+use crate::custody::WorkerDevice;
 use crate::custody::{
     self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, MoveReport, Note, StartMode, VRAM_ID,
     VRAM_NEXT_ID,
@@ -57,7 +58,7 @@ struct Start {
     mode: StartMode,
     endpoint: String,
     socket: PathBuf,
-    device: SoftGpuConfig,
+    device: WorkerDevice,
     held: BTreeMap<u64, OwnedFd>,
     adopt_dir: Option<PathBuf>,
 }
@@ -76,9 +77,10 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 device,
                 adopt_dir,
             } => {
-                device
-                    .validate()
-                    .map_err(|e| WorkerError::Device(format!("{device:?}"), Box::new(e)))?;
+                if let WorkerDevice::Softgpu(gpu) = &device {
+                    gpu.validate()
+                        .map_err(|e| WorkerError::Device(format!("{gpu:?}"), Box::new(e)))?;
+                }
                 let config = device;
                 return Ok(Start {
                     mode,
@@ -117,7 +119,14 @@ pub fn run(
     );
     let config = server_config(start.socket.clone());
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
-    let gpu = start.device;
+    let gpu = match start.device.clone() {
+        WorkerDevice::Softgpu(gpu) => gpu,
+        WorkerDevice::Vfio { host, bars } => {
+            // Nothing held is resumed: a held connection closes here (and at the supervisor).
+            start.held.clear();
+            return serve_passthrough(start.mode, &keeper, config, socket, host, bars);
+        }
+    };
     match start.mode {
         StartMode::Fresh => {
             let mut records = Continuity::records(&config.limits);
@@ -135,7 +144,7 @@ pub fn run(
                 .ok_or(WorkerError::Missing("the device's VRAM"))??;
             keeper.hold(&[VRAM_ID], &[vram.as_fd()])?;
             server.set_continuity(Arc::new(continuity));
-            spawn_control(&keeper, server.device_slot(), gpu)?;
+            spawn_control(&keeper, server.device_slot(), Some(gpu))?;
             spawn_stats(&keeper, &server)?;
             report_migrations(&keeper, &server);
             keeper.notify(&Note::Ready { resumed: false });
@@ -184,7 +193,7 @@ pub fn run(
             }
             keeper.release(&[VRAM_NEXT_ID]);
             drop(vram_held);
-            spawn_control(&keeper, server.device_slot(), gpu)?;
+            spawn_control(&keeper, server.device_slot(), Some(gpu))?;
             spawn_stats(&keeper, &server)?;
             report_migrations(&keeper, &server);
             keeper.notify(&Note::Ready {
@@ -210,6 +219,61 @@ pub fn run(
     Ok(())
 }
 
+/// Serves a passthrough device (`switchyard-vfio`), without crash continuity: its state is in
+/// the hardware, and the kernel resets the device when the last descriptor of a dead worker
+/// closes, so a replacement (`mode` [`StartMode::Resume`]) serves the device afresh to a new
+/// connection (the client of the dead worker was disconnected with it). When the kernel takes
+/// the device back (unbind, removal) the endpoint fails cleanly and the supervisor is told
+/// ([`Note::DeviceLost`]).
+fn serve_passthrough(
+    mode: StartMode,
+    keeper: &Arc<Keeper>,
+    config: ServerConfig,
+    socket: DeviceSocket,
+    host: String,
+    bars: switchyard_pool::Bars,
+) -> Result<(), WorkerError> {
+    let mut vfio = switchyard_vfio::VfioConfig::new(host);
+    vfio.bars = match bars {
+        switchyard_pool::Bars::Trap => switchyard_vfio::BarMode::Trap,
+        switchyard_pool::Bars::Mmap => switchyard_vfio::BarMode::Mmap,
+    };
+    if mode == StartMode::Resume {
+        // The held connection is closed (ours now, the supervisor's once it reads this).
+        keeper.release(&[CONNECTION_ID, BLACK_BOX_ID]);
+        tracing::warn!(
+            host = %vfio.host,
+            "replacing the worker of a passthrough device: its client is disconnected (the \
+             kernel reset the device when the last worker died); serving it afresh"
+        );
+    }
+    // Continuity for custody only: the supervisor holds the connection and the client's
+    // descriptors (and so knows a client is connected), nothing is resumed from it.
+    let bb = BlackBox::create(&Continuity::records(&config.limits))?;
+    keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
+    let continuity = Continuity::new(&bb, Box::new(KeeperCustody(keeper.clone())))?;
+    let device = switchyard_vfio::VfioPci::open(&vfio)
+        .map_err(|e| WorkerError::Device(vfio.host.clone(), Box::new(e)))?;
+    let bdf = device.bdf().to_owned();
+    let k = keeper.clone();
+    device.on_release(move || {
+        k.notify(&Note::DeviceLost {
+            host: bdf,
+            reason: "the kernel took the device back (an unbind or a removal)".into(),
+        });
+    });
+    let mut server = Server::with_socket(config, socket, |_ctx| {
+        Ok::<_, std::convert::Infallible>(device)
+    })?;
+    server.set_continuity(Arc::new(continuity));
+    spawn_control(keeper, server.device_slot(), None)?;
+    spawn_stats(keeper, &server)?;
+    keeper.notify(&Note::Ready { resumed: false });
+    tracing::info!(host = %vfio.host, "worker serving (passthrough device)");
+    server.run()?;
+    Ok(())
+}
+
 /// The identity of a held VRAM descriptor.
 fn identity(fd: &OwnedFd) -> Option<VramRef> {
     let st = rustix::fs::fstat(fd).ok()?;
@@ -225,7 +289,7 @@ fn identity(fd: &OwnedFd) -> Option<VramRef> {
 fn spawn_control(
     keeper: &Arc<Keeper>,
     slot: DeviceSlot,
-    config: SoftGpuConfig,
+    config: Option<SoftGpuConfig>,
 ) -> Result<(), WorkerError> {
     let keeper = keeper.clone();
     std::thread::Builder::new()
@@ -248,7 +312,10 @@ fn spawn_control(
                     Note::Move { to, detached } => {
                         let span = tracing::info_span!("move", to = %to, detached);
                         let _g = span.enter();
-                        match relocate(&slot, config, &keeper, detached) {
+                        let moved = config
+                            .ok_or(MoveError::NotSoftGpu)
+                            .and_then(|config| relocate(&slot, config, &keeper, detached));
+                        match moved {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
                                 Note::Moved { report }

@@ -19,6 +19,12 @@
 //!   { id = "gpu0.p1", vram = "128M", queues = 2 },
 //! ]
 //!
+//! [[boards]]
+//! id = "edu0"
+//! model = "vfio"         # a PCI device or VF bound to vfio-pci, passed through
+//! host = "0000:00:04.0"  # its PCI address (required for vfio, refused otherwise)
+//! bars = "trap"          # or "mmap": BARs offered for mmap (see switchyard-vfio); optional
+//!
 //! [[pools]]
 //! name = "default"
 //! boards = ["gpu0"]      # identical boards only
@@ -236,6 +242,50 @@ pub struct BoardConfig {
     /// Partitions; when present, only they are leasable, not the whole board.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionConfig>,
+    /// `model = "vfio"`: the device's PCI address (`DDDD:BB:DD.F` or `BB:DD.F`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// `model = "vfio"`: how BARs are offered, `trap` (default) or `mmap`.
+    #[serde(default, skip_serializing_if = "Bars::is_trap")]
+    pub bars: Bars,
+}
+
+/// How a passthrough board's BARs are offered to the client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Bars {
+    /// Every access is a message the server forwards (the default).
+    #[default]
+    Trap,
+    /// BARs the kernel lets us mmap are offered as sparse mmap areas (the MSI-X table's
+    /// pages excepted): the guest reaches the device directly.
+    Mmap,
+}
+
+impl Bars {
+    fn is_trap(&self) -> bool {
+        *self == Bars::Trap
+    }
+}
+
+/// Whether `s` is a PCI address: `DDDD:BB:DD.F` or `BB:DD.F`, hexadecimal, function 0-7.
+pub fn valid_pci_address(s: &str) -> bool {
+    let hex = |t: &str, n: usize| t.len() == n && t.bytes().all(|b| b.is_ascii_hexdigit());
+    let parts: Vec<&str> = s.split(':').collect();
+    let (domain, bus, rest) = match parts.as_slice() {
+        [d, b, r] => (Some(*d), *b, *r),
+        [b, r] => (None, *b, *r),
+        _ => return false,
+    };
+    let Some((dev, func)) = rest.split_once('.') else {
+        return false;
+    };
+    domain.is_none_or(|d| hex(d, 4))
+        && hex(bus, 2)
+        && hex(dev, 2)
+        && u8::from_str_radix(dev, 16).is_ok_and(|d| d < 32)
+        && func.len() == 1
+        && matches!(func.as_bytes()[0], b'0'..=b'7')
 }
 
 fn default_vram() -> ByteSize {
@@ -260,11 +310,39 @@ impl BoardConfig {
             vram_mmap: true,
             vram_reset: VramReset::Zero,
             partitions: Vec::new(),
+            host: None,
+            bars: Bars::Trap,
         }
     }
 
-    /// What a guest leasing the whole board sees.
+    /// A passthrough board for the device at `host`.
+    pub fn vfio(id: &str, host: &str, bars: Bars) -> Self {
+        Self {
+            model: Model::Vfio,
+            host: Some(host.to_owned()),
+            bars,
+            ..Self::softgpu(
+                id,
+                SoftGpuConfig::DEFAULT_VRAM,
+                SoftGpuConfig::DEFAULT_QUEUES,
+            )
+        }
+    }
+
+    /// What a guest leasing the whole board sees. A passthrough board's shape is its model
+    /// and BAR policy (VRAM and queues are the hardware's business: 0 here, so VRAM or queue
+    /// requirements never pick one).
     pub fn shape(&self) -> DeviceShape {
+        if self.model == Model::Vfio {
+            return DeviceShape {
+                model: Model::Vfio,
+                vram_size: 0,
+                queues: 0,
+                irq: IrqMode::Msix,
+                vram_mmap: self.bars == Bars::Mmap,
+                keep_vram_on_reset: false,
+            };
+        }
         DeviceShape {
             model: self.model,
             vram_size: self.vram.0,
@@ -423,6 +501,7 @@ impl PoolConfig {
             let key = format!("boards[{i}]");
             claim(&b.id, format!("{key}.id"))?;
             boards.insert(&b.id, i);
+            passthrough_check(&key, b)?;
             softgpu_check(&key, &b.shape())?;
             let (mut vram, mut queues) = (0u64, 0u64);
             for (j, p) in b.partitions.iter().enumerate() {
@@ -568,8 +647,44 @@ impl PoolConfig {
 }
 
 /// The softgpu's own check of a device's settings, reported at `key.vram`, `key.queues`.
+/// `host` and `bars` belong to passthrough boards, which have them right and no partitions.
+fn passthrough_check(key: &str, b: &BoardConfig) -> Result<(), PoolError> {
+    let problem = |field: &str, message: String| {
+        Err(PoolError::config(
+            format!("{key}{field}"),
+            ConfigProblem::Passthrough(message),
+        ))
+    };
+    match (b.model, &b.host) {
+        (Model::Vfio, None) => problem(
+            "",
+            "a vfio board needs `host`, the device's PCI address (e.g. \"0000:00:04.0\")".into(),
+        ),
+        (Model::Vfio, Some(h)) if !valid_pci_address(h) => problem(
+            ".host",
+            format!("invalid PCI address \"{h}\"; expected DDDD:BB:DD.F or BB:DD.F (hexadecimal)"),
+        ),
+        (Model::Vfio, Some(_)) if !b.partitions.is_empty() => problem(
+            ".partitions",
+            "a passthrough board cannot be partitioned (create SR-IOV VFs and list each as a board)"
+                .into(),
+        ),
+        (Model::Softgpu, Some(_)) => problem(
+            ".host",
+            "`host` is for passthrough boards (`model = \"vfio\"`)".into(),
+        ),
+        (Model::Softgpu, None) if b.bars != Bars::Trap => problem(
+            ".bars",
+            "`bars` is for passthrough boards (`model = \"vfio\"`); a softgpu has `vram_mmap`"
+                .into(),
+        ),
+        _ => Ok(()),
+    }
+}
+
 fn softgpu_check(key: &str, shape: &DeviceShape) -> Result<(), PoolError> {
     match shape.model {
+        Model::Vfio => Ok(()),
         Model::Softgpu => shape.softgpu_config().validate().map_err(|e| {
             let field = match e {
                 SoftGpuError::VramNotPowerOfTwo(_)

@@ -147,6 +147,16 @@ pub enum PoolError {
     /// The endpoint holds no device (detached), so it cannot be moved or detached.
     #[error("Endpoint \"{0}\" holds no device")]
     NotLeased(String),
+    /// A passthrough device's state is in the hardware: it cannot move under a guest.
+    #[error(
+        "Endpoint \"{endpoint}\" holds a passthrough device (\"{device}\"): its state is in the hardware, so it cannot move under the guest; detach it and attach another device instead"
+    )]
+    NotMovable {
+        /// The endpoint.
+        endpoint: String,
+        /// Its device.
+        device: String,
+    },
     /// The endpoint already holds a device, so it cannot be attached.
     #[error("Endpoint \"{endpoint}\" already holds device \"{device}\"; detach it first")]
     AlreadyLeased {
@@ -248,6 +258,7 @@ impl PoolError {
             | E::NoCompatibleDevice { .. }
             | E::SameDevice { .. }
             | E::NotLeased(_)
+            | E::NotMovable { .. }
             | E::AlreadyLeased { .. }
             | E::MoveInProgress { .. }
             | E::NoSuchMove { .. }
@@ -347,6 +358,8 @@ pub enum ConfigProblem {
     Placement(&'static str),
     /// A bad socket path.
     SocketPath(&'static str),
+    /// A passthrough board's settings (`host`, `bars`, partitions) are wrong.
+    Passthrough(String),
 }
 
 impl fmt::Display for ConfigProblem {
@@ -354,6 +367,7 @@ impl fmt::Display for ConfigProblem {
         use ConfigProblem as P;
         match self {
             P::Value(m) => f.write_str(m),
+            P::Passthrough(m) => f.write_str(m),
             P::SoftGpu(e) => write!(f, "{e}"),
             P::BadId(id) => write!(
                 f,

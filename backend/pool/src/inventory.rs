@@ -34,12 +34,17 @@ pub enum Model {
     /// Switchyard's software GPU (`switchyard-softgpu`).
     #[default]
     Softgpu,
+    /// A physical PCI device or SR-IOV VF bound to vfio-pci, passed through
+    /// (`switchyard-vfio`; the board's `host` names it). Its state is in the hardware: it can
+    /// be detached and attached, not moved under a guest.
+    Vfio,
 }
 
 impl fmt::Display for Model {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Model::Softgpu => "softgpu",
+            Model::Vfio => "vfio",
         })
     }
 }
@@ -160,6 +165,9 @@ pub(crate) struct BoardDef {
     pub id: String,
     pub shape: DeviceShape,
     pub partitions: Vec<PartitionDef>,
+    /// The PCI address of a passthrough board (`model = "vfio"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -174,6 +182,7 @@ impl BoardDef {
         Self {
             id: b.id.clone(),
             shape: b.shape(),
+            host: b.host.clone(),
             partitions: b
                 .partitions
                 .iter()
@@ -329,6 +338,9 @@ pub struct DeviceView {
     pub endpoint: Option<String>,
     /// The endpoint moving onto it.
     pub reserved_for: Option<String>,
+    /// The PCI address of a passthrough device (`model` `vfio`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 /// A board with its devices.
@@ -344,6 +356,33 @@ pub struct BoardView {
     pub pool: Option<String>,
     /// Its leasable devices: the board itself, or its partitions.
     pub devices: Vec<DeviceView>,
+    /// The PCI address of a passthrough board (`model` `vfio`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Where the dirty pages a migration copies come from.
+    pub dirty_tracking: DirtyTracking,
+}
+
+/// Where a device's dirty-page reports (`DMA_LOGGING_REPORT`) come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DirtyTracking {
+    /// The device logs its own writes page by page (the softgpu).
+    DeviceLog,
+    /// Every page mapped into the device's IOMMU is reported dirty (the conservative rule
+    /// QEMU applies): no VFIO device DMA logging and no iommufd dirty tracking is available
+    /// to a passthrough device here.
+    AllMapped,
+}
+
+impl DirtyTracking {
+    /// The source a device of `model` uses.
+    pub fn of(model: Model) -> DirtyTracking {
+        match model {
+            Model::Softgpu => DirtyTracking::DeviceLog,
+            Model::Vfio => DirtyTracking::AllMapped,
+        }
+    }
 }
 
 /// A named pool.
@@ -610,6 +649,12 @@ impl Inventory {
         }
         let from = self.dev_checked(from)?;
         let target = self.dev_checked(to)?;
+        if from.shape.model == Model::Vfio {
+            return Err(PoolError::NotMovable {
+                endpoint: endpoint.into(),
+                device: from.id.into(),
+            });
+        }
         // The shape first: an incompatible target is wrong whatever its state.
         if let Some(difference) = target.shape.difference(&from.shape) {
             return Err(PoolError::ShapeMismatch {
@@ -1203,6 +1248,8 @@ impl Inventory {
             state: b.state(),
             pool: self.pool_of(&b.def.id).map(str::to_owned),
             devices: self.devs_of(b).map(|d| self.device_view(d)).collect(),
+            host: b.def.host.clone(),
+            dirty_tracking: DirtyTracking::of(b.def.shape.model),
         }
     }
 
@@ -1223,6 +1270,7 @@ impl Inventory {
             state: d.board.state(),
             endpoint: lessee.map(|e| e.id.clone()),
             reserved_for: mover.map(|e| e.id.clone()),
+            host: d.board.def.host.clone(),
         }
     }
 }

@@ -70,14 +70,14 @@ mod inventory;
 mod store;
 
 pub use config::{
-    BoardConfig, ByteSize, DaemonConfig, EndpointConfig, NamedPoolConfig, PartitionConfig,
-    PoolConfig, VramReset,
+    Bars, BoardConfig, ByteSize, DaemonConfig, EndpointConfig, NamedPoolConfig, PartitionConfig,
+    PoolConfig, VramReset, valid_pci_address,
 };
 pub use error::{ConfigProblem, ErrorKind, PoolError};
 pub use event::{Event, EventKind};
 pub use inventory::{
-    BoardState, BoardView, DeviceShape, DeviceView, Endpoint, EndpointSpec, FailedEndpoint,
-    Inventory, MAX_ID_LEN, MAX_SOCKET_PATH, Model, MovePlan, OpenReport, Placement, PoolView,
-    Requirements, valid_id,
+    BoardState, BoardView, DeviceShape, DeviceView, DirtyTracking, Endpoint, EndpointSpec,
+    FailedEndpoint, Inventory, MAX_ID_LEN, MAX_SOCKET_PATH, Model, MovePlan, OpenReport, Placement,
+    PoolView, Requirements, valid_id,
 };
 pub use store::{Pool, STORE_FORMAT};

@@ -578,3 +578,50 @@ fn a_missing_file_is_reported_with_its_path() {
         "the io error is the source"
     );
 }
+
+#[test]
+fn passthrough_boards_need_a_pci_address_and_no_softgpu_settings() {
+    let c = PoolConfig::from_toml(
+        "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"0000:01:10.2\"\nbars = \"mmap\"\n",
+    )
+    .expect("a passthrough board");
+    let shape = c.boards[0].shape();
+    assert_eq!(shape.model, switchyard_pool::Model::Vfio);
+    assert!(shape.vram_mmap, "bars = mmap lets the guest map the BARs");
+    assert_eq!((shape.vram_size, shape.queues), (0, 0));
+    // The TOML round trip keeps host and bars.
+    let again = PoolConfig::from_toml(&c.to_toml()).expect("round trip");
+    assert_eq!(again, c);
+
+    let (_, msg) = refused_at("[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\n", "boards[0]");
+    assert!(msg.contains("needs `host`"), "{msg}");
+    for bad in ["0000:00:04", "00:20.0", "0:00:04.0", "00:04.8", "zz:04.0"] {
+        let text = format!("[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"{bad}\"\n");
+        let (_, msg) = refused_at(&text, "boards[0].host");
+        assert!(msg.contains("invalid PCI address"), "{bad}: {msg}");
+    }
+    let (_, msg) = refused_at(
+        "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\npartitions = [{ id = \"p\", vram = \"1M\", queues = 1 }]\n",
+        "boards[0].partitions",
+    );
+    assert!(msg.contains("cannot be partitioned"), "{msg}");
+    let (_, msg) = refused_at(
+        "[[boards]]\nid = \"g\"\nhost = \"00:04.0\"\n",
+        "boards[0].host",
+    );
+    assert!(msg.contains("passthrough boards"), "{msg}");
+    let (_, msg) = refused_at(
+        "[[boards]]\nid = \"g\"\nbars = \"mmap\"\n",
+        "boards[0].bars",
+    );
+    assert!(msg.contains("vram_mmap"), "{msg}");
+    // A pool does not mix a passthrough board with a softgpu, nor trapped with mapped BARs.
+    let (problem, msg) = refused_at(
+        "[[boards]]\nid = \"a\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\n[[boards]]\nid = \"b\"\nmodel = \"vfio\"\nhost = \"00:05.0\"\nbars = \"mmap\"\n[[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n",
+        "pools[0]",
+    );
+    assert!(
+        matches!(problem, ConfigProblem::NotHomogeneous { .. }),
+        "{msg}"
+    );
+}

@@ -660,3 +660,55 @@ fn views_list_boards_devices_and_holders() {
     assert_eq!(json["shape"]["irq"], "msi");
     assert_eq!(json["state"], "available");
 }
+
+const PASSTHROUGH: &str = r#"
+[[boards]]
+id = "edu0"
+model = "vfio"
+host = "0000:00:04.0"
+
+[[boards]]
+id = "edu1"
+model = "vfio"
+host = "00:05.0"
+
+[[boards]]
+id = "gpu0"
+
+[[pools]]
+name = "edus"
+boards = ["edu0", "edu1"]
+"#;
+
+#[test]
+fn passthrough_boards_are_leased_detached_and_attached_but_never_moved() {
+    let config = PoolConfig::from_toml(PASSTHROUGH).expect("config");
+    let (mut inv, _, _) = Inventory::from_config(&config).expect("inventory");
+    let edu0 = inv.board("edu0").expect("edu0");
+    assert_eq!(edu0.host.as_deref(), Some("0000:00:04.0"));
+    assert_eq!(edu0.shape.model, switchyard_pool::Model::Vfio);
+    assert_eq!(edu0.devices[0].host.as_deref(), Some("0000:00:04.0"));
+    assert_eq!(inv.board("gpu0").expect("gpu0").host, None);
+    // A VRAM requirement never picks a passthrough board: its VRAM is the hardware's business.
+    let mut wants_vram = in_pool("big", "edus");
+    wants_vram.min_vram = Some(1 << 20);
+    let e = refused(&mut inv, ErrorKind::Conflict, |i| {
+        i.create_endpoint(&wants_vram)
+    });
+    assert!(matches!(e, PoolError::NoCapacity { .. }), "{e}");
+    inv.create_endpoint(&in_pool("vm1", "edus")).expect("vm1");
+    assert_eq!(lease(&inv, "vm1").as_deref(), Some("edu0"));
+    // Its state is in the hardware: no move, no drain; detach and attach instead.
+    let e = refused(&mut inv, ErrorKind::Conflict, |i| {
+        i.plan_move("vm1", "edu1")
+    });
+    assert!(matches!(e, PoolError::NotMovable { .. }), "{e}");
+    assert!(e.to_string().contains("detach it"), "{e}");
+    let e = refused(&mut inv, ErrorKind::Conflict, |i| i.drain("edu0"));
+    assert!(matches!(e, PoolError::DrainRefused { .. }), "{e}");
+    inv.detach("vm1").expect("detach");
+    inv.create_endpoint(&on_device("vm2", "edu0"))
+        .expect("vm2 takes the detached device");
+    inv.attach("vm1", &Placement::default()).expect("attach");
+    assert_eq!(lease(&inv, "vm1").as_deref(), Some("edu1"));
+}

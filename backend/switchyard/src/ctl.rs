@@ -174,18 +174,34 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
             }
             let boards: Vec<BoardView> = reply.json()?;
             let mut rows = vec![row([
-                "BOARD", "DEVICE", "STATE", "POOL", "VRAM", "QUEUES", "IRQ", "ENDPOINT",
+                "BOARD", "DEVICE", "MODEL", "STATE", "POOL", "VRAM", "QUEUES", "IRQ", "ENDPOINT",
             ])];
             for b in &boards {
                 for d in &b.devices {
+                    // A passthrough device: its PCI address; VRAM and queues are the hardware's.
+                    let (model, vram, queues, irq) = match &d.host {
+                        Some(host) => (
+                            format!("{} {host}", d.shape.model),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                        ),
+                        None => (
+                            d.shape.model.to_string(),
+                            ByteSize(d.shape.vram_size).to_string(),
+                            d.shape.queues.to_string(),
+                            d.shape.irq.to_string(),
+                        ),
+                    };
                     rows.push(vec![
                         b.id.clone(),
                         d.id.clone(),
+                        model,
                         d.state.to_string(),
                         dash(b.pool.as_deref()),
-                        ByteSize(d.shape.vram_size).to_string(),
-                        d.shape.queues.to_string(),
-                        d.shape.irq.to_string(),
+                        vram,
+                        queues,
+                        irq,
                         match (&d.endpoint, &d.reserved_for) {
                             (Some(e), _) => e.clone(),
                             (None, Some(r)) => format!("(reserved: {r})"),

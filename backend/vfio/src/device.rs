@@ -109,7 +109,13 @@ fn gone() -> DeviceError {
 /// Releases the device (the kernel's `REQ`: an unbind or a hot-remove is waiting for it):
 /// interrupts off, DMA unmapped, descriptors closed; then tells the client through its REQ
 /// eventfd, if it gave one. Idempotent.
-fn release(bdf: &str, hw: &SharedHw, iommu: &Iommu, client_req: &Mutex<Option<File>>) {
+fn release(
+    bdf: &str,
+    hw: &SharedHw,
+    iommu: &Iommu,
+    client_req: &Mutex<Option<File>>,
+    hook: &ReleaseHook,
+) {
     let taken = lock(hw).take();
     let Some(mut h) = taken else { return };
     h.router.disable_all();
@@ -130,7 +136,13 @@ fn release(bdf: &str, hw: &SharedHw, iommu: &Iommu, client_req: &Mutex<Option<Fi
             tracing::debug!(error = %e, "cannot signal the client's REQ eventfd");
         }
     }
+    if let Some(f) = hook.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        f();
+    }
 }
+
+/// Called once when the device is released (see [`VfioPci::on_release`]).
+type ReleaseHook = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
 
 /// The thread that waits for the kernel's device request (VFIO `REQ` interrupt) and releases
 /// the device; stopped through its own eventfd when the device is dropped.
@@ -152,6 +164,7 @@ impl ReqWatcher {
         hw: SharedHw,
         iommu: Arc<Iommu>,
         client_req: Arc<Mutex<Option<File>>>,
+        hook: ReleaseHook,
     ) -> io::Result<ReqWatcher> {
         let req = eventfd()?;
         {
@@ -189,7 +202,7 @@ impl ReqWatcher {
                         return;
                     }
                     if !fds[0].revents().is_empty() {
-                        release(&bdf, &hw, &iommu, &client_req);
+                        release(&bdf, &hw, &iommu, &client_req, &hook);
                         return;
                     }
                 }
@@ -222,6 +235,8 @@ pub struct VfioPci {
     iommu: Arc<Iommu>,
     /// The client's REQ eventfd (signalled when the device is released under it).
     client_req: Arc<Mutex<Option<File>>>,
+    /// Run when the device is released.
+    release_hook: ReleaseHook,
     /// `None` if the kernel offers no device request interrupt.
     _watcher: Option<ReqWatcher>,
     /// Whether the kernel offers the error notification (ERR) for the client's eventfd.
@@ -388,6 +403,7 @@ impl VfioPci {
         let hw: SharedHw = Arc::new(Mutex::new(Some(Hw { device, fd, router })));
         let iommu = Arc::new(Iommu::new(container));
         let client_req = Arc::new(Mutex::new(None));
+        let release_hook: ReleaseHook = Arc::new(Mutex::new(None));
         let watcher = if kernel_req {
             Some(
                 ReqWatcher::start(
@@ -395,6 +411,7 @@ impl VfioPci {
                     Arc::clone(&hw),
                     Arc::clone(&iommu),
                     Arc::clone(&client_req),
+                    Arc::clone(&release_hook),
                 )
                 .map_err(|source| Error::ReqWatch {
                     bdf: bdf.clone(),
@@ -418,6 +435,7 @@ impl VfioPci {
             msix,
             iommu,
             client_req,
+            release_hook,
             _watcher: watcher,
             kernel_err,
         })
@@ -436,6 +454,18 @@ impl VfioPci {
     /// Whether the kernel has taken the device back (the endpoint is quarantined).
     pub fn released(&self) -> bool {
         lock(&self.hw).is_none()
+    }
+
+    /// Runs `f` once when the kernel takes the device back (see [`VfioPci::released`]), on
+    /// the request watcher's thread; at once if that has happened already.
+    pub fn on_release(&self, f: impl FnOnce() + Send + 'static) {
+        let mut hook = self.release_hook.lock().unwrap_or_else(|e| e.into_inner());
+        if self.released() {
+            drop(hook);
+            f();
+        } else {
+            *hook = Some(Box::new(f));
+        }
     }
 
     /// The device's descriptor and config offset, or ENODEV once released.

@@ -181,6 +181,10 @@ pub struct WorkerView {
     pub migrating: bool,
     /// Why the endpoint is not supervised, when it is not.
     pub detail: Option<String>,
+    /// The kernel took the endpoint's passthrough device back (unbind, removal): which and
+    /// why. Every access fails with ENODEV; detach the endpoint and attach another device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_lost: Option<String>,
 }
 
 impl WorkerView {
@@ -204,6 +208,7 @@ impl WorkerView {
             failed: st.failed,
             migrating: st.migrating,
             detail: None,
+            device_lost: st.device_lost.clone(),
         }
     }
 
@@ -218,6 +223,7 @@ impl WorkerView {
             failed: false,
             migrating: false,
             detail: Some(detail),
+            device_lost: None,
         }
     }
 }
@@ -440,7 +446,7 @@ impl Daemon {
         let worker = crate::EndpointSpec {
             id: spec.id.clone(),
             socket: endpoint.socket.clone(),
-            device: device.shape.softgpu_config(),
+            device: crate::custody::WorkerDevice::of(&device.shape, device.host.as_deref()),
         };
         self.supervisor.create(worker).map_err(supervisor_error)?;
         let st = self
@@ -571,7 +577,7 @@ impl Daemon {
             crate::EndpointSpec {
                 id: id.to_owned(),
                 socket: endpoint.socket.clone(),
-                device: device.shape.softgpu_config(),
+                device: crate::custody::WorkerDevice::of(&device.shape, device.host.as_deref()),
             }
         };
         self.supervisor.create(spec).map_err(supervisor_error)?;

@@ -121,6 +121,16 @@ pub enum WorkerLifecycle {
         /// The endpoint.
         endpoint: String,
     },
+    /// The kernel took the endpoint's passthrough device back (unbind, removal): every
+    /// access fails with ENODEV, the VMM was told (REQ), the board is quarantined.
+    DeviceLost {
+        /// The endpoint.
+        endpoint: String,
+        /// The device's PCI address.
+        host: String,
+        /// What happened.
+        reason: String,
+    },
 }
 
 impl WorkerLifecycle {
@@ -157,6 +167,15 @@ impl WorkerLifecycle {
                 status,
             },
             WorkerEvent::GaveUp { endpoint } => Self::GaveUp { endpoint },
+            WorkerEvent::DeviceLost {
+                endpoint,
+                host,
+                reason,
+            } => Self::DeviceLost {
+                endpoint,
+                host,
+                reason,
+            },
             WorkerEvent::Stats { .. } => return None,
         })
     }

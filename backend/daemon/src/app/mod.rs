@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use switchyard_control::{ControlError, ControlSocket, Metrics};
 use switchyard_pool::{Endpoint, Pool, PoolConfig, PoolError};
 
+use crate::custody::WorkerDevice;
 use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
 use events::{EventStream, WorkerLifecycle};
 use records::WorkerRecords;
@@ -228,6 +229,16 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     record_stats(&metrics, endpoint, board.as_deref(), stats);
                 }
                 crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
+                crate::WorkerEvent::DeviceLost { endpoint, .. } => {
+                    // Off the supervision thread: the pool's lock may be held by a request
+                    // waiting on this endpoint's supervisor.
+                    let (this, endpoint) = (this.clone(), endpoint.clone());
+                    std::thread::spawn(move || {
+                        if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
+                            d.quarantine_lost_device(&endpoint);
+                        }
+                    });
+                }
                 crate::WorkerEvent::Ready {
                     endpoint,
                     restart: Some(stall),
@@ -327,13 +338,37 @@ impl Daemon {
         lock(&self.unsupervised)
     }
 
+    /// The endpoint's passthrough device is gone: its board takes no new lease (the endpoint
+    /// keeps its lease until it is detached or deleted).
+    fn quarantine_lost_device(&self, endpoint: &str) {
+        let mut pool = self.pool();
+        let Some(board) = pool
+            .inventory()
+            .endpoint(endpoint)
+            .and_then(|e| e.device.clone())
+            .and_then(|d| pool.inventory().device(&d))
+            .map(|d| d.board)
+        else {
+            return;
+        };
+        match pool.quarantine(&board) {
+            Ok(events) => {
+                tracing::warn!(%board, %endpoint, "board quarantined: its device is lost");
+                self.events.pool(events);
+            }
+            Err(e) => {
+                tracing::error!(%board, error = %e, "cannot quarantine the board of a lost device")
+            }
+        }
+    }
+
     /// The worker's spec of a stored endpoint (none when it holds no device).
     pub(crate) fn spec(pool: &Pool, endpoint: &Endpoint) -> Option<EndpointSpec> {
         let device = pool.inventory().device(endpoint.device.as_deref()?)?;
         Some(EndpointSpec {
             id: endpoint.id.clone(),
             socket: endpoint.socket.clone(),
-            device: device.shape.softgpu_config(),
+            device: WorkerDevice::of(&device.shape, device.host.as_deref()),
         })
     }
 

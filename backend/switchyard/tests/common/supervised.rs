@@ -20,12 +20,12 @@ pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> Path
     sup.create(EndpointSpec {
         id: id.into(),
         socket: socket.clone(),
-        device: SoftGpuConfig {
+        device: switchyard_daemon::custody::WorkerDevice::Softgpu(SoftGpuConfig {
             vram_size: 16 << 20,
             queues: 2,
             vram_mmap,
             ..SoftGpuConfig::default()
-        },
+        }),
     })
     .expect("create endpoint");
     let st = sup
