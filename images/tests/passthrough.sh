@@ -2,7 +2,8 @@
 # passthrough.sh [VID:DID] [BARS] [CLIENT ARGS...]  (default 1234:11e8, QEMU's edu; BARS trap|mmap,
 # default trap; CLIENT ARGS go to edu-client before the socket, e.g. --msix; a first CLIENT ARG
 # --abandon-first runs `edu-client --abandon` first: a client that leaves its DMA window and
-# MSI eventfd behind)
+# MSI eventfd behind; a first CLIENT ARG --migrate serves a second such device too and runs
+# `edu-client --migrate` from the first to the second)
 # The guest side of the physical-device (nested VFIO) test: binds the device to vfio-pci, serves
 # it with `switchyard serve --device vfio,host=BDF,bars=BARS` on a socket and drives it with
 # `edu-client` over vfio-user. Needs the vIOMMU (intel-iommu with intremap/caching-mode, guest
@@ -45,8 +46,29 @@ if [ -n "$abandon" ]; then
   edu-client --abandon "$sock"
   echo "PASSTHROUGH: abandoning client rc=$?"
 fi
-edu-client "$@" "$sock"
-rc=$?
+if [ "$1" = --migrate ]; then
+  # A second server on the second such device: the migration's destination.
+  bdf2=$(for d in /sys/bus/pci/devices/*; do
+    [ "$(cat "$d/vendor")" = "$vid" ] && [ "$(cat "$d/device")" = "$did" ] && [ "${d##*/}" != "$bdf" ] && echo "${d##*/}"
+  done | head -n 1)
+  [ -n "$bdf2" ] || { echo "PASSTHROUGH: no second $id for --migrate"; exit 1; }
+  echo "PASSTHROUGH: destination bdf=$bdf2"
+  RUST_LOG=${SY_RUST_LOG:-info,switchyard_vfio=debug} switchyard serve --socket /tmp/edu2.sock \
+    --device "vfio,host=$bdf2,bars=$bars" 2> /tmp/server2.log &
+  pid2=$!
+  t=0
+  until [ -S /tmp/edu2.sock ] || [ $t -gt 300 ]; do sleep 0.1; t=$((t + 1)); done
+  edu-client --migrate "$sock" /tmp/edu2.sock
+  rc=$?
+  kill -TERM "$pid2"
+  wait "$pid2"
+  echo "PASSTHROUGH: destination server log begin"
+  sed 's/^/SERVER2: /' /tmp/server2.log
+  echo "PASSTHROUGH: destination server log end"
+else
+  edu-client "$@" "$sock"
+  rc=$?
+fi
 echo "PASSTHROUGH: client rc=$rc"
 kill -TERM "$pid"
 wait "$pid"

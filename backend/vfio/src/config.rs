@@ -578,6 +578,15 @@ impl VirtConfig {
         })
     }
 
+    /// Takes the client's bits (those it may write) from `saved`, another shadow of the same
+    /// size (a migration source's); the rest stays this device's. Nothing goes to the device
+    /// (see [`VirtConfig::reapply`]).
+    pub fn load_client_bits(&mut self, saved: &[u8]) {
+        for ((s, &v), &m) in self.shadow.iter_mut().zip(saved).zip(&self.wmask) {
+            *s = (*s & !m) | (v & m);
+        }
+    }
+
     /// Writes the forwarded state of the shadow (COMMAND's I/O, memory, bus-master bits) to the
     /// device again, after a reset put the device's own config back to what the kernel saved.
     /// The shadow itself (BAR addresses, MSI state) is the client's and stays as it is.

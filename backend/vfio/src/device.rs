@@ -21,6 +21,8 @@ use crate::{BarMode, Error, VfioConfig, sysfs};
 use switchyard_device::irq::IrqIndex;
 
 /// Page size for the MSI-X table's trapped pages.
+mod migration;
+
 const PAGE: u64 = 4096;
 
 /// Where a VFIO region is in the device descriptor.
@@ -237,6 +239,8 @@ pub struct VfioPci {
     client_req: Arc<Mutex<Option<File>>>,
     /// Run when the device is released.
     release_hook: ReleaseHook,
+    /// Migration streams (quiesce + reset + replay).
+    mig: migration::MigState,
     /// `None` if the kernel offers no device request interrupt.
     _watcher: Option<ReqWatcher>,
     /// Whether the kernel offers the error notification (ERR) for the client's eventfd.
@@ -436,6 +440,7 @@ impl VfioPci {
             iommu,
             client_req,
             release_hook,
+            mig: migration::MigState::default(),
             _watcher: watcher,
             kernel_err,
         })
@@ -715,6 +720,10 @@ impl PciDevice for VfioPci {
 
     fn dma_observer(&self) -> Option<Arc<dyn DmaObserver>> {
         Some(Arc::clone(&self.iommu) as Arc<dyn DmaObserver>)
+    }
+
+    fn migration(&mut self) -> Option<&mut dyn switchyard_device::Migratable> {
+        Some(self)
     }
 
     fn dirty_source(&self) -> Option<Arc<dyn DirtySource>> {

@@ -42,6 +42,11 @@ impl MsixTable {
         }
     }
 
+    /// Whether the client has written the table.
+    pub(crate) fn written(&self) -> bool {
+        self.written
+    }
+
     pub(crate) fn read(&self, offset: u64, buf: &mut [u8]) {
         for (i, b) in buf.iter_mut().enumerate() {
             let o = offset + i as u64;

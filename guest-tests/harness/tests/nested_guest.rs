@@ -152,13 +152,9 @@ fn qemu_kvm_l2_runs_the_full_vfio_driver_on_the_softgpu_served_in_l1() {
 fn physical_devices_in_l1_are_served_through_switchyard() {
     with_logs("nested_passthrough", |env, dir| {
         // L0 gives L1 a vIOMMU with interrupt remapping, two edus and an igb (SR-IOV PF).
-        let spec = GuestSpec::nested_with_devices(
-            env,
-            &["qemu-edu", "vf-probe", "qemu-edu-remove"],
-            2,
-            true,
-        )
-        .expect("L1 image");
+        let spec =
+            GuestSpec::nested_with_devices(env, &["qemu-edu", "vf-probe", "pool-edu"], 2, true)
+                .expect("L1 image");
         let out = Guest::boot(env, dir, &spec)
             .expect("boot L1")
             .wait()
@@ -187,13 +183,47 @@ fn physical_devices_in_l1_are_served_through_switchyard() {
         assert_eq!(c["msix_routed"], c["msix_vectors"], "{c}");
         assert!(c["bar0_size"].as_u64().is_some_and(|n| n > 0), "{c}");
 
-        // The host device removed under load: no hang, a clean failure, nobody dies.
-        let r = result(&all, "qemu-edu-remove", serial);
-        assert_eq!(r["ok"], true, "{r}");
-        assert_eq!(r["removal"], "completed", "{r}");
-        assert_eq!(r["edu_summary"]["result"], "device-lost", "{r}");
-        assert_eq!(r["qemu_exit"], 0, "the VMM survived: {r}");
-        assert_eq!(r["server_alive_after_vm"], true, "{r}");
+        // The pool daemon with both edus as passthrough boards.
+        let p = result(&all, "pool-edu", serial);
+        let boards = p["boards"].as_array().expect("boards");
+        assert_eq!(boards.len(), 2, "{p}");
+        for b in boards {
+            assert_eq!(b["shape"]["model"], "vfio", "{b}");
+            assert!(
+                b["host"].is_string(),
+                "the board names its PCI address: {b}"
+            );
+            assert_eq!(b["dirty_tracking"], "all_mapped", "{b}");
+        }
+        // edu0 drives an L2 of vm1, is detached, attached to vm2 and drives vm2's L2.
+        for vm in ["vm1_edu0", "vm2_edu0"] {
+            let v = &p[vm];
+            assert_eq!(v["rc"], 0, "{vm}: {p}");
+            assert_eq!(v["summary"]["result"], "pass", "{vm}: {v}");
+            assert_eq!(v["summary"]["factorial_ok"], true, "{vm}: {v}");
+            assert_eq!(v["summary"]["dma_bytes_verified"], 4096, "{vm}: {v}");
+            assert_eq!(v["qemu_exit"], 0, "{vm}: {v}");
+        }
+        assert_eq!(p["attached"]["id"], "edu0", "{p}");
+        assert!(
+            p["move_refused"]
+                .as_str()
+                .is_some_and(|m| m.contains("passthrough")),
+            "a passthrough endpoint is never moved under its guest: {p}"
+        );
+        // edu0 removed from L1 under load: no hang, a clean failure, nobody dies.
+        assert_eq!(p["removal"], "completed", "{p}");
+        assert_eq!(p["device_gone_from_l1"], true, "{p}");
+        assert_eq!(p["vm2_remove"]["summary"]["result"], "device-lost", "{p}");
+        assert_eq!(p["vm2_remove"]["qemu_exit"], 0, "the VMM survived: {p}");
+        assert!(p["vm2_worker"]["device_lost"].is_string(), "{p}");
+        let edu0 = p["boards_after"]
+            .as_array()
+            .and_then(|b| b.iter().find(|b| b["id"] == "edu0"))
+            .expect("edu0 after");
+        assert_eq!(edu0["state"], "quarantined", "{edu0}");
+        assert_eq!(p["daemon_alive"], true, "{p}");
+        assert_eq!(p["ok"], true, "{p}");
         assert_eq!(out.test_rc("nested"), Some(0), "{serial}");
     });
 }

@@ -55,6 +55,7 @@ fn run_guest(
             || l.starts_with("MSIX")
             || l.starts_with("NVME")
             || l.starts_with("ABANDON")
+            || l.starts_with("MIGRATE")
             || l.starts_with("PASSTHROUGH:")
             || l.contains("hidden")
             || l.contains("dirty tracking")
@@ -194,6 +195,45 @@ fn edu_behind_the_guest_iommu_is_served_with_mmapped_bars() {
             "{}",
             out.serial
         );
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_passthrough_device_migrates_by_quiesce_reset_and_replay() {
+    with_logs("passthrough_migrate", |env, dir| {
+        let out = run_guest(env, dir, &["1234:11e8", "trap", "--migrate"], |spec| {
+            spec.emulated = vec!["edu".into(), "edu".into()];
+        });
+        let serial = &out.serial;
+        let summary = out
+            .serial
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("MIGRATE-SUMMARY "))
+            .and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+            .unwrap_or_else(|| panic!("no MIGRATE-SUMMARY:\n{serial}"));
+        assert_eq!(summary["result"], "pass", "{summary}");
+        // The stream is the client's configuration: a config space and a flag, not device memory.
+        let bytes = summary["stream_bytes"].as_u64().expect("stream bytes");
+        assert!((256 + 16..=4096 + 64).contains(&bytes), "{summary}");
+        assert_eq!(summary["bar0"], "0xfe900000", "{summary}");
+        assert_eq!(
+            summary["dirty_pages"], 2,
+            "every mapped page is dirty: {summary}"
+        );
+        for step in ["source", "switchover", "replayed", "destination"] {
+            assert!(
+                serial
+                    .lines()
+                    .any(|l| l.trim().starts_with(&format!("MIGRATE: {step} ok"))),
+                "step {step}:\n{serial}"
+            );
+        }
+        assert!(
+            serial.contains("migration stream loaded: device reset"),
+            "the destination server replayed the stream:\n{serial}"
+        );
+        assert_eq!(out.test_rc("passthrough"), Some(0), "{serial}");
     });
 }
 

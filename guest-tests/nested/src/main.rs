@@ -20,8 +20,10 @@
 //!                full VFIO workload in L2 (MSI-X included)
 //!   qemu-edu     L1's edu (VFIO) served by switchyard's passthrough backend to an L2 under
 //!                QEMU; L2's sy-edu drives it through VFIO (registers, MSI, DMA)
-//!   qemu-edu-remove  that edu removed from L1 under load: no hang, the endpoint fails
-//!                cleanly, switchyard and QEMU survive
+//!   pool-edu     the pool daemon with both edus as passthrough boards: edu0 serves vm1's
+//!                L2, is detached and attached to vm2 and serves vm2's L2, then is removed
+//!                from L1 under load: no hang, the endpoint fails cleanly (device lost, board
+//!                quarantined), the daemon and QEMU survive; a move is refused
 //!   vf-probe     an igb VF created and bound by `switchyard inventory`, served by switchyard,
 //!                checked from the client side (identity, config space, regions, MSI-X)
 //!   irq-bench    edu's MSI to an eventfd: VFIO in L1 (floor), through switchyard with the
@@ -501,24 +503,10 @@ fn qemu_edu(dir: &Path) -> Result<Value> {
     }))
 }
 
-/// The device a passthrough endpoint serves is removed from L1 (`echo 1 > .../remove`) while an
-/// L2 under QEMU keeps it busy: the kernel asks switchyard to let go (VFIO's REQ interrupt), the
-/// removal completes instead of hanging, the endpoint fails cleanly (L2's driver sees the device
-/// stop answering), and neither switchyard nor QEMU dies: L2 powers off normally.
-fn qemu_edu_remove(dir: &Path) -> Result<Value> {
-    let edus = bind_vfio("1234:11e8")?;
-    let bdf = edus.last().context("no edu")?.clone();
-    let device = format!("vfio,host={bdf}");
-    let mut server = Server::start(Path::new(SWITCHYARD), dir, "edu-remove", &device)?;
-    let mut vm = qemu_l2(
-        dir,
-        "qemu-remove",
-        &server.socket.clone(),
-        "sy-edu",
-        &["--loop", "600"],
-    )?;
-    vm.wait_line("SY-EDU: loop rounds=", L2_TIMEOUT)?;
-    println!("NESTED: L2 keeps {bdf} busy; removing it from L1");
+/// Removes PCI function `bdf` from L1 (`echo 1 > .../remove`) on a thread of its own and
+/// waits up to 60 s: "completed", "failed: ..." or "hung ...", the time it took, and whether
+/// the function is gone from sysfs.
+fn remove_device(bdf: &str) -> (String, f64, bool) {
     let remove = PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/remove"));
     let (tx, rx) = std::sync::mpsc::channel();
     let t = Instant::now();
@@ -535,25 +523,175 @@ fn qemu_edu_remove(dir: &Path) -> Result<Value> {
     };
     println!("NESTED: removal of {bdf} {removal} after {remove_ms} ms");
     let gone = !Path::new(&format!("/sys/bus/pci/devices/{bdf}")).exists();
-    let (rc, summary, exit) = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
-    let server_alive = server.alive();
-    let log = server.log_text();
-    let ok = matches!(removed, Ok(Ok(())))
-        && gone
-        && rc == 3
-        && summary["result"] == "device-lost"
-        && exit == Some(0)
-        && server_alive;
-    if !ok {
-        println!("NESTED: server log tail:\n{}", tail_text(&log, 4000));
-        println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
+    (removal, remove_ms, gone)
+}
+
+/// The pool daemon in L1 with both edus as passthrough boards (one pool): the board view
+/// names them and their dirty-tracking source; an endpoint's L2 (QEMU/KVM) drives its edu, the
+/// endpoint is detached and the same edu attached to a second endpoint, whose L2 drives it
+/// too; then the edu is removed from L1 while that L2 keeps it busy: the removal completes,
+/// L2's driver sees the device lost, QEMU exits normally, the daemon reports the endpoint's
+/// device lost and quarantines the board, and a move of a passthrough endpoint is refused.
+fn pool_edu(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let [a, b] = [edus.first(), edus.get(1)].map(|e| e.cloned());
+    let (Some(a), Some(b)) = (a, b) else {
+        bail!("two edus are needed, L1 has {edus:?}");
+    };
+    let config = dir.join("pool.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[boards]]\nid = \"edu0\"\nmodel = \"vfio\"\nhost = \"{a}\"\n\n\
+             [[boards]]\nid = \"edu1\"\nmodel = \"vfio\"\nhost = \"{b}\"\n\n\
+             [[pools]]\nname = \"edus\"\nboards = [\"edu0\", \"edu1\"]\n"
+        ),
+    )?;
+    let mut daemon = Daemon::start(dir, Some(&config))?;
+    let r = pool_edu_with(dir, &mut daemon, [a, b]);
+    if r.is_err() {
+        println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 6000));
     }
+    r
+}
+
+fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result<Value> {
+    let control = daemon.control.clone();
+    let boards = ctl(&control, &["boards"])?;
+    let vm1 = ctl(&control, &["create", "vm1", "--pool", "edus"])?;
+    let vm2 = ctl(&control, &["create", "vm2", "--pool", "edus"])?;
+    let socket = |v: &Value| -> Result<PathBuf> {
+        Ok(PathBuf::from(
+            v["endpoint"]["socket"]
+                .as_str()
+                .context("the endpoint's socket")?,
+        ))
+    };
+    let (sock1, sock2) = (socket(&vm1)?, socket(&vm2)?);
+    let run_edu = |name: &str, socket: &Path| -> Result<(i32, Value, Option<i32>)> {
+        let mut vm = qemu_l2(dir, name, socket, "sy-edu", &[])?;
+        l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")
+    };
+    // The worker lets go of a client after QEMU exits (unpinning its DMA windows takes a
+    // while under TCG); detach waits for nobody.
+    let disconnected = |id: &str| {
+        procs::wait_for(Duration::from_secs(60), "the VMM disconnected", || {
+            let st = ctl(&control, &["endpoint", id])?;
+            Ok((st["worker"]["connected"] == false).then_some(()))
+        })
+    };
+    // The first VM uses edu0 and powers off.
+    let first = run_edu("vm1-edu0", &sock1)?;
+    disconnected("vm1")?;
+    let refused_move = ctl(&control, &["move", "vm1", "--to", "edu1"]).err();
+    // edu0 goes from vm1 to vm2.
+    ctl(&control, &["detach", "vm1"])?;
+    ctl(&control, &["detach", "vm2"])?;
+    let attached = ctl(&control, &["attach", "vm2", "--device", "edu0"])?;
+    let second = run_edu("vm2-edu0", &sock2)?;
+    disconnected("vm2")?;
+    // vm2's next boot keeps edu0 busy while it is removed from L1.
+    let mut vm = qemu_l2(dir, "vm2-remove", &sock2, "sy-edu", &["--loop", "600"])?;
+    vm.wait_line("SY-EDU: loop rounds=", L2_TIMEOUT)?;
+    println!("NESTED: L2 keeps {a} (edu0) busy; removing it from L1");
+    let (removal, remove_ms, gone) = remove_device(&a);
+    let third = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let lost = procs::wait_for(Duration::from_secs(20), "the board quarantined", || {
+        let boards = ctl(&control, &["boards"])?;
+        let quarantined = boards
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|b| b["id"] == "edu0" && b["state"] == "quarantined");
+        Ok(quarantined.then_some(boards))
+    });
+    let ep = ctl(&control, &["endpoint", "vm2"])?;
+    let daemon_alive = daemon.alive();
+    let pass =
+        |r: &(i32, Value, Option<i32>)| r.0 == 0 && r.1["result"] == "pass" && r.2 == Some(0);
+    let ok = pass(&first)
+        && pass(&second)
+        && refused_move.is_some()
+        && attached["lease"]["id"] == "edu0"
+        && removal == "completed"
+        && gone
+        && third.0 == 3
+        && third.1["result"] == "device-lost"
+        && third.2 == Some(0)
+        && lost.is_ok()
+        && ep["worker"]["device_lost"].is_string()
+        && daemon_alive;
+    if !ok {
+        println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 6000));
+    }
+    let view = |r: &(i32, Value, Option<i32>)| json!({"rc": r.0, "summary": r.1, "qemu_exit": r.2});
     Ok(json!({
-        "ok": ok, "host_bdf": bdf, "removal": removal, "remove_ms": remove_ms,
-        "device_gone_from_l1": gone, "edu_rc": rc, "edu_summary": summary, "qemu_exit": exit,
-        "server_alive_after_vm": server_alive,
-        "server_log_quarantine": log.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).take(5).collect::<Vec<_>>(),
+        "ok": ok, "hosts": [a, b], "boards": boards,
+        "vm1_edu0": view(&first), "vm2_edu0": view(&second),
+        "move_refused": refused_move.map(|e| format!("{e:#}")),
+        "attached": attached["lease"],
+        "removal": removal, "remove_ms": remove_ms, "device_gone_from_l1": gone,
+        "vm2_remove": view(&third),
+        "boards_after": lost.unwrap_or(Value::Null), "vm2_worker": ep["worker"],
+        "daemon_alive": daemon_alive,
     }))
+}
+
+/// A pool daemon in L1 (`switchyard daemon`, its log in `dir/daemon.log`); stopped (SIGTERM)
+/// when dropped.
+struct Daemon {
+    child: std::process::Child,
+    control: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts it with `config` (or the embedded default pool) and waits for its control API.
+    fn start(dir: &Path, config: Option<&Path>) -> Result<Daemon> {
+        let log = dir.join("daemon.log");
+        let out = std::fs::File::create(&log)?;
+        let mut cmd = std::process::Command::new(SWITCHYARD);
+        cmd.arg("daemon");
+        if let Some(c) = config {
+            cmd.arg("--config").arg(c);
+        }
+        let child = cmd
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .env("RUST_LOG", "info")
+            .env("SWITCHYARD_WORKER_EXE", SWITCHYARD)
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("start switchyard daemon")?;
+        let daemon = Daemon {
+            child,
+            control: dir.join("run/control.sock"),
+            log,
+        };
+        procs::wait_for(
+            Duration::from_secs(60),
+            "the daemon's control socket",
+            || Ok(ctl(&daemon.control, &["pools"]).is_ok().then_some(())),
+        )?;
+        Ok(daemon)
+    }
+
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
 }
 
 /// `switchyard ctl --socket SOCKET --json ARGS...`, parsed.
@@ -581,28 +719,10 @@ fn ctl(socket: &Path, args: &[&str]) -> Result<Value> {
 /// read returns the register's value (the VMM's socket never drops; the replacement worker
 /// serves the same connection) and cloud-hypervisor notices nothing.
 fn ch_pool(dir: &Path) -> Result<Value> {
-    let log_path = dir.join("daemon.log");
-    let log = std::fs::File::create(&log_path)?;
-    let mut daemon = std::process::Command::new(SWITCHYARD)
-        .arg("daemon")
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .arg("--run-dir")
-        .arg(dir.join("run"))
-        .env("RUST_LOG", "info")
-        .env("SWITCHYARD_WORKER_EXE", SWITCHYARD)
-        .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .spawn()
-        .context("start switchyard daemon")?;
-    let control = dir.join("run/control.sock");
+    let daemon = Daemon::start(dir, None)?;
+    let control = daemon.control.clone();
+    let log_path = daemon.log.clone();
     let r = (|| -> Result<Value> {
-        procs::wait_for(
-            Duration::from_secs(60),
-            "the daemon's control socket",
-            || Ok(ctl(&control, &["pools"]).is_ok().then_some(())),
-        )?;
         let created = ctl(&control, &["create", "vm1", "--pool", "default"])?;
         let socket = created["endpoint"]["socket"]
             .as_str()
@@ -658,10 +778,7 @@ fn ch_pool(dir: &Path) -> Result<Value> {
             "worker": st["worker"],
         }))
     })();
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &daemon.id().to_string()])
-        .status();
-    let _ = daemon.wait();
+    drop(daemon);
     r
 }
 
@@ -918,7 +1035,7 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "ch-pool" => ch_pool(&dir),
             "qemu-softgpu" => qemu_softgpu(&dir),
             "qemu-edu" => qemu_edu(&dir),
-            "qemu-edu-remove" => qemu_edu_remove(&dir),
+            "pool-edu" => pool_edu(&dir),
             "vf-probe" => vf_probe(&dir),
             "irq-bench" => irq_bench(&dir, 500),
             "irq-bench-quick" => irq_bench(&dir, 50),
@@ -930,13 +1047,15 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
         Ok(v) => v,
         Err(e) => json!({ "ok": false, "error": format!("{e:#}") }),
     };
-    if procs::SERVER_LOG.get().is_some() {
+    // Every log of the scenario when asked for, their tails when it failed.
+    let verbose = procs::SERVER_LOG.get().is_some();
+    if verbose || v["ok"] != json!(true) {
         for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
             let p = entry.path();
-            if p.extension().is_some_and(|e| e == "log") && !p.to_string_lossy().contains("serial")
-            {
-                println!("NESTED: ==== {} ====", p.display());
-                println!("{}", std::fs::read_to_string(&p).unwrap_or_default());
+            if p.extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                let shown = if verbose { &text[..] } else { tail_text(&text, 3000) };
+                println!("NESTED: ==== {} ====\n{shown}", p.display());
             }
         }
     }

@@ -175,6 +175,9 @@ pub struct WorkerView {
     /// Descriptors the daemon holds for the endpoint (listener, connection, DMA memory,
     /// eventfds, VRAM, black box).
     pub held: usize,
+    /// A VMM is connected to the endpoint's socket.
+    #[serde(default)]
+    pub connected: bool,
     /// The supervisor gave up restarting it.
     pub failed: bool,
     /// Its VMM has a migration stream open (restarts, upgrades and moves wait).
@@ -205,6 +208,7 @@ impl WorkerView {
             ready: st.ready,
             last_restart_ms: st.last_restart.map(ms),
             held: st.held,
+            connected: st.connected,
             failed: st.failed,
             migrating: st.migrating,
             detail: None,
@@ -220,6 +224,7 @@ impl WorkerView {
             ready: 0,
             last_restart_ms: None,
             held: 0,
+            connected: false,
             failed: false,
             migrating: false,
             detail: Some(detail),

@@ -420,3 +420,45 @@ fn the_device_sees_one_access_per_register_touched() {
     c.write(&raw, 0x08, &[0xff; 0xf8]).expect("write");
     assert!(raw.writes.borrow().is_empty());
 }
+
+#[test]
+fn a_migration_source_s_client_bits_are_replayed_and_the_device_s_own_bits_kept() {
+    let raw = fake();
+    let mut src = shadow(&raw);
+    wr32(&mut src, &raw, 0x10, 0xfe90_0000); // BAR0 address (1 MiB aligned)
+    wr16(&mut src, &raw, COMMAND, 0x0146);
+    wr16(&mut src, &raw, MSI + 2, 0x0001); // MSI enable
+    let saved = src.shadow().to_vec();
+
+    let dst_raw = fake();
+    let mut dst = shadow(&dst_raw);
+    let ids = rd32(&dst, &dst_raw, 0);
+    // A source that claims other read-only bits (ids, capability pointers) changes nothing of them.
+    let mut forged = saved.clone();
+    forged[0] ^= 0xff;
+    forged[0x34] ^= 0xff;
+    dst.load_client_bits(&forged);
+    assert_eq!(rd32(&dst, &dst_raw, 0), ids, "ids are the device's");
+    assert_eq!(
+        rd32(&dst, &dst_raw, 0x10),
+        0xfe90_0000,
+        "BAR address replayed"
+    );
+    assert_eq!(
+        rd16(&dst, &dst_raw, COMMAND),
+        0x0146,
+        "the client's COMMAND"
+    );
+    assert!(dst.msi_enabled(), "MSI enable replayed");
+    assert_eq!(
+        dst.shadow()[0x34],
+        src.shadow()[0x34],
+        "capability pointer kept"
+    );
+    assert!(
+        dst_raw.writes.borrow().is_empty(),
+        "loading touches only the shadow; reapply writes the device"
+    );
+    dst.reapply(&dst_raw).expect("reapply");
+    assert_eq!(get16(&dst_raw.bytes.borrow(), COMMAND) & 0x7, 0x6);
+}
