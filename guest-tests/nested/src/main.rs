@@ -1054,7 +1054,11 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             let p = entry.path();
             if p.extension().is_some_and(|e| e == "log") {
                 let text = std::fs::read_to_string(&p).unwrap_or_default();
-                let shown = if verbose { &text[..] } else { tail_text(&text, 3000) };
+                let shown = if verbose {
+                    &text[..]
+                } else {
+                    tail_text(&text, 3000)
+                };
                 println!("NESTED: ==== {} ====\n{shown}", p.display());
             }
         }

@@ -196,10 +196,11 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     tracing::info!(store = %store.display(), ?report, "pool opened");
     // No data path moves a device yet, so a move recorded as in progress cannot be: the
     // endpoint keeps its device.
-    let mut aborted = Vec::new();
+    // Passthrough boards whose device is not usable take no new lease.
+    let mut startup_events = check_passthrough_boards(&mut pool, Path::new("/sys"));
     for plan in &report.pending_moves {
         match pool.abort_move(plan) {
-            Ok(events) => aborted.extend(events),
+            Ok(events) => startup_events.extend(events),
             Err(e) => tracing::error!(?plan, "cannot abort a pending move: {e}"),
         }
     }
@@ -265,7 +266,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         records,
     });
     let _ = this.set(Arc::downgrade(&daemon));
-    daemon.events.pool(aborted);
+    daemon.events.pool(startup_events);
     daemon.start_all();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -421,6 +422,58 @@ impl Daemon {
     }
 }
 
+/// Checks every passthrough board against sysfs (under `root`) at start: a device that is
+/// missing, not bound to vfio-pci or in a group that is not viable, or (in a pool) of other
+/// vendor/device ids than the pool's first board, is quarantined with the reason logged, so
+/// that no new lease lands on it (an existing lease stays; its worker reports what fails).
+/// Returns the events.
+fn check_passthrough_boards(pool: &mut Pool, root: &Path) -> Vec<switchyard_pool::Event> {
+    use std::collections::btree_map::Entry;
+    let boards = pool.inventory().boards();
+    let mut events = Vec::new();
+    let mut pool_ids: BTreeMap<String, (String, (u16, u16))> = BTreeMap::new();
+    for b in &boards {
+        let Some(host) = &b.host else { continue };
+        let found = switchyard_vfio::sysfs::check_openable(root, host)
+            .and_then(|_| switchyard_vfio::sysfs::function(root, host));
+        let problem = match found {
+            Err(e) => Some(api::error_chain(&e)),
+            Ok(f) => {
+                tracing::info!(
+                    board = %b.id, host = %host, vendor = format!("{:04x}", f.vendor),
+                    device = format!("{:04x}", f.device), group = ?f.iommu_group,
+                    dirty_tracking = ?b.dirty_tracking, "passthrough board"
+                );
+                let ids = (f.vendor, f.device);
+                match b.pool.as_ref().map(|p| pool_ids.entry(p.clone())) {
+                    Some(Entry::Occupied(first)) if first.get().1 != ids => {
+                        let (reference, (v, d)) = first.get();
+                        Some(format!(
+                            "its device is {:04x}:{:04x}, the pool's first board {reference} is {v:04x}:{d:04x}",
+                            ids.0, ids.1
+                        ))
+                    }
+                    Some(Entry::Vacant(slot)) => {
+                        slot.insert((b.id.clone(), ids));
+                        None
+                    }
+                    _ => None,
+                }
+            }
+        };
+        if let Some(problem) = problem
+            && b.state == switchyard_pool::BoardState::Available
+        {
+            tracing::warn!(board = %b.id, host = %host, %problem, "passthrough board quarantined");
+            match pool.quarantine(&b.id) {
+                Ok(e) => events.extend(e),
+                Err(e) => tracing::error!(board = %b.id, error = %e, "cannot quarantine"),
+            }
+        }
+    }
+    events
+}
+
 #[cfg(test)]
 mod tests {
     /// A worker counts latencies in the server's buckets and the daemon adds them to its
@@ -432,5 +485,76 @@ mod tests {
             .map(|&ns| ns as f64 / 1e9)
             .collect();
         assert_eq!(server, switchyard_control::LATENCY_BUCKETS.to_vec());
+    }
+
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    /// A fake sysfs with the device `bdf` (`ids`) bound to vfio-pci, alone in IOMMU `group`.
+    fn add_device(root: &Path, bdf: &str, ids: (&str, &str), group: u32) {
+        let real = root.join("devices/pci0000:00").join(bdf);
+        let drv = root.join("bus/pci/drivers/vfio-pci");
+        let gdir = root.join("kernel/iommu_groups").join(group.to_string());
+        for d in [
+            &real,
+            &drv,
+            &gdir.join("devices"),
+            &root.join("bus/pci/devices"),
+        ] {
+            fs::create_dir_all(d).expect("mkdir");
+        }
+        symlink(&real, root.join("bus/pci/devices").join(bdf)).expect("link");
+        fs::write(real.join("vendor"), format!("{}\n", ids.0)).expect("w");
+        fs::write(real.join("device"), format!("{}\n", ids.1)).expect("w");
+        fs::write(real.join("class"), "0x00ff00\n").expect("w");
+        symlink(&drv, real.join("driver")).expect("link");
+        symlink(&gdir, real.join("iommu_group")).expect("link");
+        symlink(&real, gdir.join("devices").join(bdf)).expect("link");
+    }
+
+    #[test]
+    fn passthrough_boards_that_cannot_serve_are_quarantined_at_start() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sys = dir.path().join("sys");
+        add_device(&sys, "0000:00:03.0", ("0x1234", "0x11e8"), 3);
+        add_device(&sys, "0000:00:04.0", ("0x1234", "0x11e9"), 4);
+        let config = PoolConfig::from_toml(
+            r#"
+[[boards]]
+id = "edu0"
+model = "vfio"
+host = "0000:00:03.0"
+[[boards]]
+id = "odd"
+model = "vfio"
+host = "00:04.0"
+[[boards]]
+id = "gone"
+model = "vfio"
+host = "0000:00:05.0"
+[[boards]]
+id = "gpu0"
+[[pools]]
+name = "edus"
+boards = ["edu0", "odd"]
+"#,
+        )
+        .expect("config");
+        let (mut pool, _) = Pool::open(&config, &dir.path().join("pool.redb")).expect("pool");
+        let events = check_passthrough_boards(&mut pool, &sys);
+        let state = |id: &str| pool.inventory().board(id).expect("board").state;
+        use switchyard_pool::BoardState::{Available, Quarantined};
+        assert_eq!(state("edu0"), Available);
+        assert_eq!(
+            state("odd"),
+            Quarantined,
+            "other ids than the pool's first board"
+        );
+        assert_eq!(state("gone"), Quarantined, "no such device");
+        assert_eq!(state("gpu0"), Available, "a softgpu is not checked");
+        assert_eq!(events.len(), 2, "{events:?}");
+        // Already quarantined boards are left alone (no new events) at the next start.
+        assert!(check_passthrough_boards(&mut pool, &sys).is_empty());
     }
 }

@@ -120,7 +120,8 @@ impl VfioPci {
         tracing::info!(
             command = format!("{:#06x}", self.config.command()),
             msix_table = table.is_some(),
-            "migration stream loaded: device reset, the client's configuration replayed"
+            reset = self.desc.resettable,
+            "migration stream loaded: device reset (if it can be), the client's configuration replayed"
         );
         Ok(())
     }
