@@ -97,7 +97,7 @@ fi
 # 2. Fast path: a stamp that matches the recipe and flavour, and all outputs present.
 # ---------------------------------------------------------------------------------------------
 STAMP=$CACHE/stamp
-stamp_get() { sed -n "s/^$1=//p" "$STAMP" 2>/dev/null | head -1; }
+stamp_get() { sed -n "s/^$1=//p" "$STAMP" 2>/dev/null | sed -n 1p; }
 print_versions() {
   echo "  cache:          $CACHE ($(du -sh "$CACHE" 2>/dev/null | cut -f1))"
   echo "  qemu-system-x86 $(stamp_get qemu_version)  ($(stamp_get qemu_banner))"
@@ -131,7 +131,9 @@ install_ch() {
   done
   for f in "$src"/*.txt; do [ -e "$f" ] && install -m 644 "$f" "$CACHE/ch/"; done
   local v
-  v=$("$CACHE/ch/cloud-hypervisor" --version 2>&1 | head -1)
+  # `sed -n 1p`, not `head -1`: head exits after one line and the writer, still printing, dies
+  # of the closed pipe (cloud-hypervisor panics: exit 101), which pipefail makes fatal.
+  v=$("$CACHE/ch/cloud-hypervisor" --version 2>&1 | sed -n 1p)
   case $v in "$CH_VERSION_WANT"*) ;; *) die "$src/cloud-hypervisor says '$v', want $CH_VERSION_WANT*" ;; esac
   CH_BANNER=$v
 }
@@ -310,7 +312,7 @@ add_mod() {  # depth-first: dependencies (from .modinfo "depends=") first
   f=$(modfile "$name")
   [ -n "$f" ] || return 1
   modcat "$f" > "$NEW/modules/$name.ko" || die "cannot decompress $f"
-  deps=$(LC_ALL=C grep -aoE 'depends=[A-Za-z0-9_,-]*' "$NEW/modules/$name.ko" | head -1 | cut -d= -f2 | tr ',' ' ')
+  deps=$(LC_ALL=C grep -aoE 'depends=[A-Za-z0-9_,-]*' "$NEW/modules/$name.ko" | sed -n 1p | cut -d= -f2 | tr ',' ' ')
   for d in $deps; do add_mod "$d" || die "module $name needs $d, which $KPKG does not have"; done
   ORDER+=("$name")
 }
@@ -324,7 +326,7 @@ add_mod kvm_amd || die "$KPKG has no module kvm_amd"
 printf '%s\n' "${ORDER[@]}" > "$NEW/modules/nested-order"
 rm -rf "$NEW/kernel"
 
-QEMU_BANNER=$("$NEW/qemu" --version | head -1)
+QEMU_BANNER=$("$NEW/qemu" --version | sed -n 1p)
 "$NEW/qemu" -device help 2>&1 | grep '"vfio-user-pci"' >/dev/null || die "QEMU $QEMU_VERSION has no vfio-user-pci device"
 
 # Swap into place (stamp last).
