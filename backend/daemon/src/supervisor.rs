@@ -652,7 +652,10 @@ fn supervise(
     while !ep.stopping.load(Ordering::SeqCst) {
         let mode = {
             let held = ep.held();
-            if held.contains_key(&BLACK_BOX_ID) && held.contains_key(&VRAM_ID) {
+            // A softgpu resumes from its black box and VRAM, a passthrough device from its
+            // black box (the hardware is reset and the configuration replayed).
+            let passthrough = matches!(ep.spec.device, crate::custody::WorkerDevice::Vfio { .. });
+            if held.contains_key(&BLACK_BOX_ID) && (held.contains_key(&VRAM_ID) || passthrough) {
                 StartMode::Resume
             } else {
                 StartMode::Fresh

@@ -122,9 +122,8 @@ pub fn run(
     let gpu = match start.device.clone() {
         WorkerDevice::Softgpu(gpu) => gpu,
         WorkerDevice::Vfio { host, bars } => {
-            // Nothing held is resumed: a held connection closes here (and at the supervisor).
-            start.held.clear();
-            return serve_passthrough(start.mode, &keeper, config, socket, host, bars);
+            let held = std::mem::take(&mut start.held);
+            return serve_passthrough(start.mode, held, &keeper, config, socket, host, bars);
         }
     };
     match start.mode {
@@ -219,41 +218,73 @@ pub fn run(
     Ok(())
 }
 
-/// Serves a passthrough device (`switchyard-vfio`), without crash continuity: its state is in
-/// the hardware, and the kernel resets the device when the last descriptor of a dead worker
-/// closes, so a replacement (`mode` [`StartMode::Resume`]) serves the device afresh to a new
-/// connection (the client of the dead worker was disconnected with it). When the kernel takes
-/// the device back (unbind, removal) the endpoint fails cleanly and the supervisor is told
-/// ([`Note::DeviceLost`]).
+/// Black box record of a passthrough device's client configuration.
+const VFIO_RECORD: &str = "vfio.config";
+
+/// Serves a passthrough device (`switchyard-vfio`) with crash continuity by *reset + replay*:
+/// the device publishes the client's configuration (config-space bits, MSI-X table) into the
+/// black box after every change; the supervisor holds the connection and the client's
+/// descriptors. A replacement (`mode` [`StartMode::Resume`]) opens the device again (the
+/// kernel reset it when the dead worker's descriptors closed), replays the configuration,
+/// maps the client's DMA windows into the new IOMMU container, hands the client's eventfds
+/// to the kernel again and continues the connection: the VMM keeps its socket and the guest
+/// its device, which lost its internal state (as after a function reset). When the kernel
+/// takes the device back (unbind, removal) the endpoint fails cleanly and the supervisor is
+/// told ([`Note::DeviceLost`]).
 fn serve_passthrough(
     mode: StartMode,
+    mut held: BTreeMap<u64, OwnedFd>,
     keeper: &Arc<Keeper>,
     config: ServerConfig,
     socket: DeviceSocket,
     host: String,
     bars: switchyard_pool::Bars,
 ) -> Result<(), WorkerError> {
+    use switchyard_device::blackbox::RecordSpec;
     let mut vfio = switchyard_vfio::VfioConfig::new(host);
     vfio.bars = match bars {
         switchyard_pool::Bars::Trap => switchyard_vfio::BarMode::Trap,
         switchyard_pool::Bars::Mmap => switchyard_vfio::BarMode::Mmap,
     };
-    if mode == StartMode::Resume {
-        // The held connection is closed (ours now, the supervisor's once it reads this).
-        keeper.release(&[CONNECTION_ID, BLACK_BOX_ID]);
-        tracing::warn!(
-            host = %vfio.host,
-            "replacing the worker of a passthrough device: its client is disconnected (the \
-             kernel reset the device when the last worker died); serving it afresh"
-        );
-    }
-    // Continuity for custody only: the supervisor holds the connection and the client's
-    // descriptors (and so knows a client is connected), nothing is resumed from it.
-    let bb = BlackBox::create(&Continuity::records(&config.limits))?;
-    keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
-    let continuity = Continuity::new(&bb, Box::new(KeeperCustody(keeper.clone())))?;
-    let device = switchyard_vfio::VfioPci::open(&vfio)
+    let custody = || Box::new(KeeperCustody(keeper.clone()));
+    let (bb, continuity, resumed) = match mode {
+        StartMode::Fresh => {
+            // Nothing to continue: a connection held from before is closed.
+            if held.remove(&CONNECTION_ID).is_some() {
+                keeper.release(&[CONNECTION_ID]);
+            }
+            let mut records = Continuity::records(&config.limits);
+            records.push(RecordSpec::new(
+                VFIO_RECORD,
+                switchyard_vfio::VfioPci::MIRROR_CAPACITY,
+            ));
+            let bb = BlackBox::create(&records)?;
+            keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
+            let continuity = Continuity::new(&bb, custody())?;
+            (bb, continuity, None)
+        }
+        StartMode::Resume => {
+            let bb = BlackBox::open(
+                held.remove(&BLACK_BOX_ID)
+                    .ok_or(WorkerError::Missing("the black box"))?
+                    .into(),
+            )?;
+            let (continuity, resumed) = Continuity::resume(&bb, custody())?;
+            (bb, continuity, Some(resumed))
+        }
+    };
+    let mut device = switchyard_vfio::VfioPci::open(&vfio)
         .map_err(|e| WorkerError::Device(vfio.host.clone(), Box::new(e)))?;
+    let mirror = bb.record(VFIO_RECORD)?;
+    if resumed.is_some()
+        && let Some(saved) = mirror.read()?
+    {
+        match device.restore(&saved) {
+            Ok(()) => tracing::info!("the client's configuration replayed onto the reset device"),
+            Err(e) => tracing::error!(error = %e, "cannot replay the client's configuration"),
+        }
+    }
+    device.set_mirror(mirror);
     let bdf = device.bdf().to_owned();
     let k = keeper.clone();
     device.on_release(move || {
@@ -265,12 +296,50 @@ fn serve_passthrough(
     let mut server = Server::with_socket(config, socket, |_ctx| {
         Ok::<_, std::convert::Infallible>(device)
     })?;
+    // The tables after the device: its IOMMU sees every window mapped, its interrupt router
+    // every eventfd.
+    if let Some(resumed) = &resumed {
+        let slot = server.device_slot();
+        let fd = |id: u64| held.get(&id).and_then(|f| f.try_clone().ok());
+        let mut problems = Server::restore_tables(slot.context(), resumed, fd);
+        for (&(index, vector), &id) in &resumed.vectors {
+            let Some(file) = fd(id).map(std::fs::File::from) else {
+                continue;
+            };
+            let routed = slot.with_as::<switchyard_vfio::VfioPci, _>(|d| {
+                use switchyard_device::IrqRouter;
+                d.route(index, vector, &[Some(&file)])
+            });
+            if let Some(Err(e)) = routed {
+                problems.push(format!("interrupt {index}/{vector} to the device: {e}"));
+            }
+        }
+        for p in &problems {
+            tracing::error!(problem = %p, "could not restore all of the client's state");
+        }
+    }
     server.set_continuity(Arc::new(continuity));
     spawn_control(keeper, server.device_slot(), None)?;
     spawn_stats(keeper, &server)?;
-    keeper.notify(&Note::Ready { resumed: false });
-    tracing::info!(host = %vfio.host, "worker serving (passthrough device)");
-    server.run()?;
+    let connection = held.remove(&CONNECTION_ID);
+    keeper.notify(&Note::Ready {
+        resumed: connection.is_some(),
+    });
+    match (connection, &resumed) {
+        (Some(conn), Some(resumed)) => {
+            tracing::info!(
+                host = %vfio.host,
+                windows = resumed.windows.len(),
+                vectors = resumed.vectors.len(),
+                "worker resumed the connection (passthrough device reset and replayed)"
+            );
+            server.run_resumed(UnixStream::from(conn), resumed, held)?;
+        }
+        _ => {
+            tracing::info!(host = %vfio.host, "worker serving (passthrough device)");
+            server.run()?;
+        }
+    }
     Ok(())
 }
 

@@ -18,6 +18,7 @@ use crate::config::{MsixCap, RawConfig, VirtConfig};
 use crate::dma::Iommu;
 use crate::irq::{MsixTable, Router};
 use crate::{BarMode, Error, VfioConfig, sysfs};
+use switchyard_device::blackbox::Record;
 use switchyard_device::irq::IrqIndex;
 
 /// Page size for the MSI-X table's trapped pages.
@@ -241,6 +242,9 @@ pub struct VfioPci {
     release_hook: ReleaseHook,
     /// Migration streams (quiesce + reset + replay).
     mig: migration::MigState,
+    /// Where the client's configuration is published after every change (a worker's black
+    /// box), so that a replacement process can replay it ([`VfioPci::restore`]).
+    mirror: Option<Record>,
     /// `None` if the kernel offers no device request interrupt.
     _watcher: Option<ReqWatcher>,
     /// Whether the kernel offers the error notification (ERR) for the client's eventfd.
@@ -441,6 +445,7 @@ impl VfioPci {
             client_req,
             release_hook,
             mig: migration::MigState::default(),
+            mirror: None,
             _watcher: watcher,
             kernel_err,
         })
@@ -459,6 +464,39 @@ impl VfioPci {
     /// Whether the kernel has taken the device back (the endpoint is quarantined).
     pub fn released(&self) -> bool {
         lock(&self.hw).is_none()
+    }
+
+    /// Capacity a mirror record needs ([`VfioPci::set_mirror`]).
+    pub const MIRROR_CAPACITY: usize = migration::MAX_STREAM;
+
+    /// Publishes the client's configuration (config-space bits and MSI-X table, the migration
+    /// stream's contents) into `record` now and after every change.
+    pub fn set_mirror(&mut self, record: Record) {
+        self.mirror = Some(record);
+        self.publish();
+    }
+
+    fn publish(&mut self) {
+        if self.mirror.is_none() {
+            return;
+        }
+        let stream = self.save_stream();
+        if let Some(m) = &mut self.mirror
+            && let Err(e) = m.publish(&stream)
+        {
+            tracing::warn!(error = %e, "cannot mirror the client's configuration");
+        }
+    }
+
+    /// Replays a configuration a previous process published ([`VfioPci::set_mirror`]) onto
+    /// this freshly opened device: reset, the client's config bits and MSI-X table, bus
+    /// mastering as the client set it. The device's internal state is not restored (it was
+    /// reset when the previous process's descriptors closed).
+    pub fn restore(&mut self, saved: &[u8]) -> switchyard_device::Result<()> {
+        self.load_stream(saved)?;
+        self.set_bus_master(true)?;
+        self.publish();
+        Ok(())
     }
 
     /// Runs `f` once when the kernel takes the device back (see [`VfioPci::released`]), on
@@ -646,6 +684,7 @@ impl PciDevice for VfioPci {
             if fx.msix_control {
                 self.apply_msix_masks();
             }
+            self.publish();
             return Ok(());
         }
         let r = self.bar(region, offset, data.len())?;
@@ -667,6 +706,7 @@ impl PciDevice for VfioPci {
         }
         if table_written {
             self.apply_msix_masks();
+            self.publish();
         }
         tracing::trace!(region, offset, len = data.len(), "write");
         Ok(())

@@ -205,6 +205,10 @@ fn physical_devices_in_l1_are_served_through_switchyard() {
             assert_eq!(v["qemu_exit"], 0, "{vm}: {v}");
         }
         assert_eq!(p["attached"]["id"], "edu0", "{p}");
+        // vm2's worker was killed with QEMU connected: one restart, the connection continued.
+        let w = &p["vm2_worker_after_kill"];
+        assert_eq!(w["restarts"], 1, "{w}");
+        assert_eq!(w["state"], "running", "{w}");
         assert!(
             p["move_refused"]
                 .as_str()

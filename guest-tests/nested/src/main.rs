@@ -21,7 +21,8 @@
 //!   qemu-edu     L1's edu (VFIO) served by switchyard's passthrough backend to an L2 under
 //!                QEMU; L2's sy-edu drives it through VFIO (registers, MSI, DMA)
 //!   pool-edu     the pool daemon with both edus as passthrough boards: edu0 serves vm1's
-//!                L2, is detached and attached to vm2 and serves vm2's L2, then is removed
+//!                L2, is detached and attached to vm2 and serves vm2's L2 (whose worker is
+//!                killed with QEMU connected: reset + replay, the socket stays), then is removed
 //!                from L1 under load: no hang, the endpoint fails cleanly (device lost, board
 //!                quarantined), the daemon and QEMU survive; a move is refused
 //!   vf-probe     an igb VF created and bound by `switchyard inventory`, served by switchyard,
@@ -588,7 +589,23 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     ctl(&control, &["detach", "vm1"])?;
     ctl(&control, &["detach", "vm2"])?;
     let attached = ctl(&control, &["attach", "vm2", "--device", "edu0"])?;
-    let second = run_edu("vm2-edu0", &sock2)?;
+    // vm2's worker is killed once QEMU is connected (before L2's driver runs): the
+    // replacement resets edu0, replays the configuration, maps L2's memory again and
+    // continues QEMU's connection; L2 boots on and its driver passes.
+    let mut vm = qemu_l2(dir, "vm2-edu0", &sock2, "sy-edu", &[])?;
+    let victim = procs::wait_for(Duration::from_secs(120), "vm2's VMM connected", || {
+        let st = ctl(&control, &["endpoint", "vm2"])?;
+        let w = &st["worker"];
+        Ok((w["connected"] == true)
+            .then(|| w["pid"].as_u64())
+            .flatten())
+    })?;
+    std::process::Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()?;
+    println!("NESTED: killed vm2's worker {victim} with QEMU connected");
+    let second = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let after_kill = ctl(&control, &["endpoint", "vm2"])?["worker"].clone();
     disconnected("vm2")?;
     // vm2's next boot keeps edu0 busy while it is removed from L1.
     let mut vm = qemu_l2(dir, "vm2-remove", &sock2, "sy-edu", &["--loop", "600"])?;
@@ -613,6 +630,7 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
         && pass(&second)
         && refused_move.is_some()
         && attached["lease"]["id"] == "edu0"
+        && after_kill["restarts"] == 1
         && removal == "completed"
         && gone
         && third.0 == 3
@@ -628,6 +646,7 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     Ok(json!({
         "ok": ok, "hosts": [a, b], "boards": boards,
         "vm1_edu0": view(&first), "vm2_edu0": view(&second),
+        "killed_worker": victim, "vm2_worker_after_kill": after_kill,
         "move_refused": refused_move.map(|e| format!("{e:#}")),
         "attached": attached["lease"],
         "removal": removal, "remove_ms": remove_ms, "device_gone_from_l1": gone,

@@ -18,7 +18,7 @@ use crate::config::{COMMAND, RawConfig};
 /// Stream magic and version.
 const MAGIC: &[u8; 8] = b"SYVFIO01";
 /// The largest stream accepted: a 4 KiB config space and a 2048-vector MSI-X table.
-const MAX_STREAM: usize = 8 + 4 + 4 + 4096 + 1 + 4 + 2048 * 16;
+pub(super) const MAX_STREAM: usize = 8 + 4 + 4 + 4096 + 1 + 4 + 2048 * 16;
 
 /// The migration side of a [`VfioPci`].
 #[derive(Debug, Default)]
@@ -36,7 +36,7 @@ fn invalid(what: &str) -> DeviceError {
 
 impl VfioPci {
     /// Bus mastering on the hardware: off (quiesced) or as the client set it.
-    fn set_bus_master(&self, run: bool) -> Result<()> {
+    pub(super) fn set_bus_master(&self, run: bool) -> Result<()> {
         let (fd, cfg_offset) = self.live_fd()?;
         let raw = DeviceConfig {
             fd: &fd,
@@ -52,7 +52,7 @@ impl VfioPci {
     }
 
     /// `MAGIC`, vendor and device ids, the shadow, then the MSI-X table if the client wrote it.
-    fn save_stream(&self) -> Vec<u8> {
+    pub(super) fn save_stream(&self) -> Vec<u8> {
         let shadow = self.config.shadow();
         let mut v = Vec::with_capacity(64 + shadow.len());
         v.extend_from_slice(MAGIC);
@@ -74,7 +74,7 @@ impl VfioPci {
 
     /// Checks an incoming stream against this device and replays it: VFIO reset, the client's
     /// config bits and MSI-X table, bus mastering left off (the device is stopped).
-    fn load_stream(&mut self, s: &[u8]) -> Result<()> {
+    pub(super) fn load_stream(&mut self, s: &[u8]) -> Result<()> {
         let mut r = Reader(s);
         if r.take(8)? != MAGIC {
             return Err(invalid("not a switchyard passthrough stream"));
