@@ -154,6 +154,19 @@ impl Edu {
             .map_err(|e| format!("DMA_MAP {iova:#x}: {e}"))
     }
 
+    /// DMA_LOGGING_START over the window at [`IOVA`] with 4 KiB pages; the page size.
+    fn log_window(&mut self) -> Result<u64> {
+        self.c
+            .dma_logging_start(
+                4096,
+                &[DmaLoggingRange {
+                    iova: IOVA,
+                    length: WINDOW,
+                }],
+            )
+            .map_err(|e| format!("DMA_LOGGING_START: {e}"))
+    }
+
     /// SET_IRQS: `fds` become the eventfds of vectors `start..` of `index`.
     fn set_eventfds(&mut self, index: u32, start: u32, fds: &[&File]) -> Result<()> {
         let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
@@ -854,16 +867,7 @@ fn run(socket: &str) -> Result<serde_json::Value> {
     );
 
     // Dirty pages: DMA logging over the window reports every mapped page.
-    let page = edu
-        .c
-        .dma_logging_start(
-            4096,
-            &[DmaLoggingRange {
-                iova: IOVA,
-                length: WINDOW,
-            }],
-        )
-        .map_err(|e| format!("DMA_LOGGING_START: {e}"))?;
+    let page = edu.log_window()?;
     let bitmap = edu
         .c
         .dma_logging_report(IOVA, WINDOW, page)
@@ -970,16 +974,7 @@ fn run_migrate(src_socket: &str, dst_socket: &str) -> Result<serde_json::Value> 
     let msi_cap = configure(&mut src, &irq, &mem)?;
     dma_round_trip(&mut src, &mem, &irq, 3, 0x1000)?;
     mig_ok("source", "configured, DMA and MSI verified");
-    let page = src
-        .c
-        .dma_logging_start(
-            4096,
-            &[DmaLoggingRange {
-                iova: IOVA,
-                length: WINDOW,
-            }],
-        )
-        .map_err(|e| format!("DMA_LOGGING_START: {e}"))?;
+    let page = src.log_window()?;
     dma_round_trip(&mut src, &mem, &irq, 5, 0x1000)?;
 
     let dst = Edu {
