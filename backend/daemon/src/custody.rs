@@ -30,6 +30,10 @@ pub const VRAM_ID: u64 = 4;
 /// (then it is held as [`VRAM_ID`]).
 pub const VRAM_NEXT_ID: u64 = 5;
 
+/// Custody id of the softgpu's doorbell page backing (the guest may map it: a replacement
+/// must serve the same page).
+pub const DOORBELLS_ID: u64 = 6;
+
 /// What a move of the device to another board did (worker → supervisor).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MoveReport {

@@ -24,8 +24,8 @@ use switchyard_softgpu::VramRef;
 
 use crate::custody::WorkerDevice;
 use crate::custody::{
-    self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, MoveReport, Note, StartMode, VRAM_ID,
-    VRAM_NEXT_ID,
+    self, BLACK_BOX_ID, CONNECTION_ID, DOORBELLS_ID, LISTENER_ID, MoveReport, Note, StartMode,
+    VRAM_ID, VRAM_NEXT_ID,
 };
 use crate::keeper::{Keeper, KeeperCustody, adoption_path};
 
@@ -137,11 +137,16 @@ pub fn run(
             let mut server = Server::with_socket(config, socket, |ctx| {
                 SoftGpu::with_black_box(gpu, ctx, &bb2, None)
             })?;
-            let vram = server
+            let (vram, doorbells) = server
                 .device_slot()
-                .with_as::<SoftGpu, _>(|g| g.vram_file().try_clone())
+                .with_as::<SoftGpu, _>(|g| {
+                    Ok::<_, WorkerError>((
+                        g.vram_file().try_clone()?,
+                        g.doorbell_memfd().map_err(std::io::Error::other)?,
+                    ))
+                })
                 .ok_or(WorkerError::Missing("the device's VRAM"))??;
-            keeper.hold(&[VRAM_ID], &[vram.as_fd()])?;
+            keeper.hold(&[VRAM_ID, DOORBELLS_ID], &[vram.as_fd(), doorbells.as_fd()])?;
             server.set_continuity(Arc::new(continuity));
             spawn_control(&keeper, server.device_slot(), Some(gpu))?;
             spawn_stats(&keeper, &server)?;
@@ -168,6 +173,8 @@ pub fn run(
             let vram = if moved { next } else { current }
                 .ok_or(WorkerError::Missing("the device's VRAM"))?;
             let vram_held = vram.try_clone()?;
+            // Workers from before the doorbell page kept none: the device makes a new one.
+            let doorbells = start.held.remove(&DOORBELLS_ID).map(std::fs::File::from);
             let connection = start.held.remove(&CONNECTION_ID);
             let (continuity, resumed) =
                 Continuity::resume(&bb, Box::new(KeeperCustody(keeper.clone())))?;
@@ -178,7 +185,7 @@ pub fn run(
                 problems = Server::restore_tables(&ctx, &resumed, |id| {
                     held.get(&id).and_then(|f| f.try_clone().ok())
                 });
-                let (gpu, recovery) = SoftGpu::recover(gpu, ctx, &bb2, vram.into())?;
+                let (gpu, recovery) = SoftGpu::recover(gpu, ctx, &bb2, vram.into(), doorbells)?;
                 tracing::info!(queues = ?recovery.queues, resent_interrupts = recovery.resent, "device recovered");
                 Ok::<_, switchyard_softgpu::SoftGpuError>(gpu)
             })?;

@@ -78,6 +78,7 @@ impl DeviceShape {
             irq: self.irq,
             vram_mmap: self.vram_mmap,
             keep_vram_on_reset: self.keep_vram_on_reset,
+            spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
         }
     }
 

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 pub enum ConfigError {
     /// An option name the device does not know.
     #[error(
-        "Unknown softgpu option `{0}`; the options are `vram`, `queues`, `irq` and `vram_mmap`"
+        "Unknown softgpu option `{0}`; the options are `vram`, `queues`, `irq`, `vram_mmap`, `vram_reset` and `spin`"
     )]
     UnknownOption(String),
     /// An option without `=value`.
@@ -49,6 +49,12 @@ pub enum ConfigError {
     /// Queue count out of range.
     #[error("Queue count {0} is outside the supported range 1 to 8")]
     QueuesOutOfRange(u32),
+    /// A polling budget that is not a number.
+    #[error("Invalid polling budget `{0}`; expected a number of microseconds")]
+    BadSpin(String),
+    /// Polling budget out of range.
+    #[error("Polling budget {0} µs exceeds the maximum of 10000 µs")]
+    SpinTooLarge(u32),
 }
 
 /// How the device signals interrupts (the `irq=` option). See the crate documentation,
@@ -137,6 +143,17 @@ pub struct SoftGpuConfig {
     /// as it left it. A pool gives every new lease fresh VRAM either way.
     #[serde(default)]
     pub keep_vram_on_reset: bool,
+    /// The longest an engine polls for new work (a mapped doorbell's `DB_TAIL`, a trapped
+    /// doorbell) after it ran out, in µs, before it sleeps (`spin=`, default
+    /// [`SoftGpuConfig::DEFAULT_SPIN_US`]); the budget in use adapts between 0 and this (see
+    /// the crate documentation, "Mapped doorbells"). 0 never polls. A host setting, not part
+    /// of the device's identity: a state moves between devices whose budgets differ.
+    #[serde(default = "default_spin")]
+    pub spin_us: u32,
+}
+
+fn default_spin() -> u32 {
+    SoftGpuConfig::DEFAULT_SPIN_US
 }
 
 fn default_true() -> bool {
@@ -151,6 +168,7 @@ impl Default for SoftGpuConfig {
             irq: IrqMode::default(),
             vram_mmap: true,
             keep_vram_on_reset: false,
+            spin_us: Self::DEFAULT_SPIN_US,
         }
     }
 }
@@ -166,6 +184,22 @@ impl SoftGpuConfig {
     pub const DEFAULT_QUEUES: u32 = 2;
     /// Largest number of queues.
     pub const MAX_QUEUES: u32 = 8;
+    /// Default polling budget of an engine (µs).
+    pub const DEFAULT_SPIN_US: u32 = 50;
+    /// Largest polling budget (µs).
+    pub const MAX_SPIN_US: u32 = 10_000;
+
+    /// Whether a state saved by a device of `other` fits a device of this configuration:
+    /// equal but for host settings (`spin`).
+    pub fn same_device(&self, other: &SoftGpuConfig) -> bool {
+        SoftGpuConfig {
+            spin_us: 0,
+            ..*self
+        } == SoftGpuConfig {
+            spin_us: 0,
+            ..*other
+        }
+    }
 
     /// Checks the values.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -182,6 +216,9 @@ impl SoftGpuConfig {
         if !(1..=Self::MAX_QUEUES).contains(&self.queues) {
             return Err(ConfigError::QueuesOutOfRange(self.queues));
         }
+        if self.spin_us > Self::MAX_SPIN_US {
+            return Err(ConfigError::SpinTooLarge(self.spin_us));
+        }
         Ok(())
     }
 
@@ -195,8 +232,8 @@ impl SoftGpuConfig {
     }
 
     /// Parses a comma-separated option list: `vram=<n>[K|M|G]` (binary multiples, suffix case
-    /// insensitive), `queues=<n>`, `irq=msix|msi`, `vram_mmap=on|off` and
-    /// `vram_reset=zero|keep` (case insensitive).
+    /// insensitive), `queues=<n>`, `irq=msix|msi`, `vram_mmap=on|off`,
+    /// `vram_reset=zero|keep` (case insensitive) and `spin=<µs>`.
     /// Omitted options keep
     /// their defaults; an empty string is the default configuration; a leading `softgpu`
     /// device name is accepted and skipped.
@@ -204,6 +241,7 @@ impl SoftGpuConfig {
         let mut cfg = Self::default();
         let (mut seen_vram, mut seen_queues, mut seen_irq, mut seen_mmap, mut seen_reset) =
             (false, false, false, false, false);
+        let mut seen_spin = false;
         for (i, item) in s.split(',').map(str::trim).enumerate() {
             if item.is_empty() || (i == 0 && item == "softgpu") {
                 continue;
@@ -218,6 +256,7 @@ impl SoftGpuConfig {
                 "irq" => &mut seen_irq,
                 "vram_mmap" => &mut seen_mmap,
                 "vram_reset" => &mut seen_reset,
+                "spin" => &mut seen_spin,
                 _ => return Err(ConfigError::UnknownOption(key.to_owned())),
             };
             if value.is_empty() {
@@ -229,6 +268,11 @@ impl SoftGpuConfig {
             match key {
                 "vram" => cfg.vram_size = parse_size(value)?,
                 "irq" => cfg.irq = value.parse()?,
+                "spin" => {
+                    cfg.spin_us = value
+                        .parse()
+                        .map_err(|_| ConfigError::BadSpin(value.to_owned()))?;
+                }
                 "vram_mmap" => {
                     cfg.vram_mmap = match value.to_ascii_lowercase().as_str() {
                         "on" => true,
@@ -297,6 +341,11 @@ mod tests {
         let c: SoftGpuConfig = "softgpu,vram=64M,queues=2".parse().expect("full");
         assert_eq!(c.vram_size, 64 << 20);
         assert_eq!(c.queues, 2);
+        let c = SoftGpuConfig::parse_options("spin=0").expect("spin");
+        assert_eq!(c.spin_us, 0);
+        let c = SoftGpuConfig::parse_options("spin=10000").expect("largest spin");
+        assert_eq!(c.spin_us, SoftGpuConfig::MAX_SPIN_US);
+        assert!(c.same_device(&SoftGpuConfig::default()));
         let c = SoftGpuConfig::parse_options("queues=8, vram=1g").expect("spaces");
         assert_eq!((c.vram_size, c.queues), (1 << 30, 8));
         let c = SoftGpuConfig::parse_options("vram=2048K").expect("kib");
@@ -372,6 +421,10 @@ mod tests {
             ("vram=128G", ConfigError::VramTooLarge(128 << 30)),
             ("queues=0", ConfigError::QueuesOutOfRange(0)),
             ("queues=9", ConfigError::QueuesOutOfRange(9)),
+            ("spin=fast", ConfigError::BadSpin("fast".into())),
+            ("spin=-1", ConfigError::BadSpin("-1".into())),
+            ("spin=10001", ConfigError::SpinTooLarge(10_001)),
+            ("spin=5,spin=6", ConfigError::DuplicateOption("spin".into())),
             (
                 "vram_mmap=maybe",
                 ConfigError::BadSwitch("vram_mmap".into(), "maybe".into()),
@@ -393,7 +446,7 @@ mod tests {
         }
         assert_eq!(
             ConfigError::UnknownOption("x".into()).to_string(),
-            "Unknown softgpu option `x`; the options are `vram`, `queues`, `irq` and `vram_mmap`"
+            "Unknown softgpu option `x`; the options are `vram`, `queues`, `irq`, `vram_mmap`, `vram_reset` and `spin`"
         );
         assert_eq!(
             ConfigError::BadIrqMode("intx".into()).to_string(),

@@ -45,14 +45,16 @@
 
 use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use switchyard_device::config::ConfigSpace;
 use switchyard_device::msix::MsixSignal;
-use switchyard_device::{DmaSpace, Interrupts, IrqIndex, WaitControl};
+use switchyard_device::{DeviceContext, DmaSpace, Interrupts, IrqIndex, WaitControl};
 
 use crate::cmd::COMMAND_SIZE;
+use crate::doorbell::DoorbellPage;
 use crate::exec::{Done, ExecError, Executor, Irq, Outcome, Scratch};
 use crate::mirror::{Mirror, OWED_MSI};
 use crate::regs::*;
@@ -290,17 +292,25 @@ impl Regs {
         }
     }
 
+    /// Whether queue `q` would run a command if it had one: only work is missing (the
+    /// condition under which its engine polls, and asks for kicks).
+    fn runnable(&self, q: usize) -> bool {
+        let (Some(qs), Some(rt)) = (self.st.queues.get(q), self.rt.get(q)) else {
+            return false;
+        };
+        rt.paused == 0
+            && !self.halted
+            && !self.holds.any()
+            && !self.shutdown
+            && self.st.config_space.bus_master()
+            && qs.enabled
+            && qs.error_code == ERR_NONE
+    }
+
     fn next_job(&self, q: usize) -> Option<Job> {
         let qs = self.st.queues.get(q)?;
         let rt = self.rt.get(q)?;
-        if rt.paused > 0
-            || self.halted
-            || self.holds.any()
-            || !self.st.config_space.bus_master()
-            || !qs.enabled
-            || qs.error_code != ERR_NONE
-            || qs.head == qs.tail
-        {
+        if !self.runnable(q) || qs.head == qs.tail {
             return None;
         }
         let mask = qs.ring_size.checked_sub(1)?;
@@ -512,7 +522,10 @@ impl Regs {
             Q_RING_SIZE => qs.ring_size,
             Q_HEAD => qs.head,
             Q_TAIL | Q_DOORBELL => qs.tail,
-            Q_CONTROL => u32::from(qs.enabled) * Q_CONTROL_ENABLE,
+            Q_CONTROL => {
+                (u32::from(qs.enabled) * Q_CONTROL_ENABLE)
+                    | (u32::from(qs.mapped) * Q_CONTROL_MAPPED)
+            }
             Q_STATUS => self.queue_status(q),
             Q_ERROR_CODE => qs.error_code,
             Q_ERROR_INDEX => qs.error_index,
@@ -535,6 +548,10 @@ pub(crate) struct Shared {
     pub(crate) dma: Arc<DmaSpace>,
     pub(crate) irqs: Arc<Interrupts>,
     pub(crate) vram: Arc<Vram>,
+    /// The doorbell page (the slot's, like VRAM).
+    pub(crate) bells: Arc<DoorbellPage>,
+    /// Per queue: how a doorbell reaches a polling engine.
+    polls: Vec<Poll>,
     /// The server's remote waits, held while waiting for the engines.
     waits: Arc<WaitControl>,
     /// The power-on config space (sealed), also the source of write masks after a restore.
@@ -545,6 +562,49 @@ pub(crate) struct Shared {
     abort: Vec<AtomicBool>,
     #[cfg(test)]
     pub(crate) hook: TestHook,
+}
+
+/// How a doorbell reaches an engine that polls instead of sleeping.
+#[derive(Debug, Default)]
+struct Poll {
+    /// Bumped after every trapped doorbell or kick (once the tail is in the registers).
+    rung: AtomicU32,
+    /// The engine is polling: a doorbell needs no condvar wake-up (set and cleared under the
+    /// register lock, so a doorbell written under it sees the engine's choice).
+    polling: AtomicBool,
+}
+
+/// An engine's polling budget, adapted the way KVM adapts halt polling: a sleep that ended
+/// within the largest budget (polling a little longer would have caught the work) doubles it,
+/// from [`Budget::START`]; a longer sleep (polling was wasted) drops it to zero. Work found
+/// while polling keeps it. So a busy queue polls and never sleeps, a sporadic one sleeps at
+/// once, an idle one costs nothing.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    max: Duration,
+    now: Duration,
+}
+
+impl Budget {
+    /// The first budget after a sleep that polling would have caught.
+    pub(crate) const START: Duration = Duration::from_micros(10);
+
+    pub(crate) fn new(max: Duration) -> Self {
+        Self { max, now: max }
+    }
+
+    pub(crate) fn now(&self) -> Duration {
+        self.now
+    }
+
+    /// The engine slept for `slept` (woken by a doorbell, or anything else).
+    pub(crate) fn slept(&mut self, slept: Duration) {
+        if slept > self.max {
+            self.now = Duration::ZERO;
+        } else if self.now < self.max {
+            self.now = (self.now * 2).max(Self::START).min(self.max);
+        }
+    }
 }
 
 /// Parks engines in the middle of a command (at an abort checkpoint), for tests that need a
@@ -603,20 +663,25 @@ impl TestHook {
 impl Shared {
     pub(crate) fn new(
         config: SoftGpuConfig,
-        dma: Arc<DmaSpace>,
-        irqs: Arc<Interrupts>,
-        waits: Arc<WaitControl>,
+        ctx: DeviceContext,
         vram: Arc<Vram>,
+        bells: Arc<DoorbellPage>,
         config_def: ConfigSpace,
         holds: Holds,
     ) -> Self {
         let n = config.queues as usize;
-        let st = SoftGpuState::power_on(config, vram.identity(), &config_def);
+        let mut st = SoftGpuState::power_on(config, vram.identity(), &config_def);
+        st.doorbells = Some(bells.identity());
+        let DeviceContext {
+            dma, irqs, waits, ..
+        } = ctx;
         Self {
             config,
             dma,
             irqs,
             vram,
+            bells,
+            polls: (0..n).map(|_| Poll::default()).collect(),
             waits,
             config_def,
             regs: Mutex::new(Regs {
@@ -727,7 +792,12 @@ impl Shared {
 
     /// Replaces the whole state (restore); in-flight results are discarded. With `mirror`
     /// (a swap's hand-over), the state is mirrored there from now on, starting with this one.
-    pub(crate) fn load(&self, st: SoftGpuState, mirror: Option<Mirror>) {
+    ///
+    /// A state whose mapped tails come from another doorbell page (a migration) has them
+    /// written into this device's page; one from this page (a swap on the slot, a restart)
+    /// leaves the page alone: the guest may have written newer tails since.
+    pub(crate) fn load(&self, mut st: SoftGpuState, mirror: Option<Mirror>) {
+        self.adopt_doorbells(&mut st);
         self.with_quiesced(true, |g| {
             if mirror.is_some() {
                 g.mirror = mirror;
@@ -742,6 +812,66 @@ impl Shared {
         });
     }
 
+    /// Points `st` at this device's doorbell page, writing its mapped queues' tails there if
+    /// they come from another page (see [`Shared::load`]).
+    pub(crate) fn adopt_doorbells(&self, st: &mut SoftGpuState) {
+        let ours = self.bells.identity();
+        if st.doorbells != Some(ours) {
+            for (q, qs) in st.queues.iter().enumerate() {
+                if qs.mapped {
+                    self.bells.set_tail(q, qs.tail);
+                }
+            }
+            st.doorbells = Some(ours);
+        }
+    }
+
+    /// The state with the engines quiesced at a command boundary, the mapped queues' tails
+    /// taken from the doorbell page first (the latest the guest submitted).
+    pub(crate) fn snapshot(&self) -> SoftGpuState {
+        self.with_quiesced(false, |g| {
+            for q in 0..g.st.queues.len() {
+                self.take_page_tail(g, q);
+            }
+            g.st.clone()
+        })
+    }
+
+    /// Takes queue `q`'s tail from the doorbell page if the queue is mapped and the page
+    /// holds another one (checked like a `TAIL` write).
+    fn take_page_tail(&self, g: &mut Regs, q: usize) {
+        if let Some(qs) = g.st.queues.get(q)
+            && qs.mapped
+        {
+            let tail = self.bells.tail(q);
+            if tail != qs.tail {
+                g.doorbell(q, tail);
+            }
+        }
+    }
+
+    /// A kick of mapped queue `q` (a trapped `DB_TAIL` write): takes the page's tail and
+    /// wakes the engine once the caller drops the lock ([`Shared::wake_pending`]). Nothing
+    /// for a queue in trapped mode.
+    pub(crate) fn kick(&self, g: &mut Guard<'_>, q: usize) {
+        if g.st.queues.get(q).is_some_and(|qs| qs.mapped) {
+            self.take_page_tail(g, q);
+            g.pending_wake |= 1 << q;
+        }
+    }
+
+    /// [`Shared::take_page_tail`] through the lock guard, borrowing the registers mutably
+    /// (which makes the next flush compare the mirror) only when the tail changed.
+    fn take_page_tail_guarded(&self, g: &mut Guard<'_>, q: usize) {
+        let changed =
+            g.st.queues
+                .get(q)
+                .is_some_and(|qs| qs.mapped && self.bells.tail(q) != qs.tail);
+        if changed {
+            self.take_page_tail(g, q);
+        }
+    }
+
     /// Back to power-on: registers, queues, interrupt state, VRAM zeroed (unless the device
     /// keeps it, `vram_reset=keep`); with `pci` also the
     /// config space and MSI-X table (FLR, `DEVICE_RESET`), without (DEV_CONTROL.RESET) they are
@@ -749,6 +879,9 @@ impl Shared {
     pub(crate) fn reset<'a>(&'a self, g: Guard<'a>, pci: bool) -> Guard<'a> {
         let mut g = self.quiesce(g, self.all_queues(), true, true);
         let mut fresh = SoftGpuState::power_on(self.config, self.vram.identity(), &self.config_def);
+        fresh.doorbells = Some(self.bells.identity());
+        // Every queue leaves mapped mode: the page goes back to zeros.
+        self.bells.clear();
         if !pci {
             std::mem::swap(&mut fresh.config_space, &mut g.st.config_space);
             std::mem::swap(&mut fresh.msix, &mut g.st.msix);
@@ -876,7 +1009,12 @@ impl Shared {
             }
             Q_RING_SIZE if !qs.enabled => qs.ring_size = v,
             Q_TAIL | Q_DOORBELL => {
-                g.doorbell(q, v);
+                if qs.mapped {
+                    // A kick: the tail is the page's.
+                    self.take_page_tail(g, q);
+                } else {
+                    g.doorbell(q, v);
+                }
                 // Woken by `wake_pending` once the caller has dropped the register lock.
                 g.pending_wake |= 1 << q;
             }
@@ -922,6 +1060,16 @@ impl Shared {
             }
             qs.error_code = ERR_NONE;
         }
+        let mapped = v & Q_CONTROL_MAPPED != 0;
+        if mapped && (!qs.mapped || v & Q_CONTROL_RESET != 0) {
+            // Entering mapped mode (or a reset in it): the driver continues from TAIL.
+            self.bells.set_tail(q, qs.tail);
+        }
+        qs.mapped = mapped;
+        self.take_page_tail(g, q);
+        let Some(qs) = g.st.queues.get_mut(q) else {
+            return;
+        };
         let enable = v & Q_CONTROL_ENABLE != 0;
         if enable && !qs.enabled && qs.error_code == ERR_NONE {
             if !qs.ring_valid() {
@@ -955,20 +1103,71 @@ impl Shared {
             #[cfg(test)]
             hook: (&self.hook, q),
         };
+        let Some(poll) = self.polls.get(q) else {
+            return;
+        };
         let mut scratch = Scratch::default();
+        let mut budget = Budget::new(Duration::from_micros(u64::from(self.config.spin_us)));
+        // This engine polled since it last ran a command or slept.
+        let mut polled = false;
         let mut g = self.lock();
         loop {
             if g.shutdown {
                 return;
             }
+            self.take_page_tail_guarded(&mut g, q);
             #[cfg(test)]
             g.note_seen(q);
             let Some(job) = g.next_job(q) else {
+                let runnable = g.runnable(q);
+                let (mapped, tail) =
+                    g.st.queues
+                        .get(q)
+                        .map_or((false, 0), |qs| (qs.mapped, qs.tail));
+                if runnable && !polled && !budget.now().is_zero() {
+                    // Poll, without the lock, for a doorbell or a new DB_TAIL.
+                    polled = true;
+                    let rung = poll.rung.load(Ordering::Acquire);
+                    poll.polling.store(true, Ordering::SeqCst);
+                    drop(g);
+                    let deadline = Instant::now() + budget.now();
+                    while poll.rung.load(Ordering::Acquire) == rung
+                        && !(mapped && self.bells.tail(q) != tail)
+                        && Instant::now() < deadline
+                    {
+                        std::hint::spin_loop();
+                    }
+                    g = self.lock();
+                    poll.polling.store(false, Ordering::SeqCst);
+                    continue;
+                }
+                polled = false;
                 // Idle: release what a very large command grew before sleeping.
                 scratch.trim();
+                // A mapped queue asks for a kick, then looks at DB_TAIL once more: either it
+                // sees the driver's new tail or the driver sees the request (full fences on
+                // both sides).
+                let armed = runnable && mapped;
+                if armed {
+                    self.bells.set_need_kick(q, true);
+                    fence(Ordering::SeqCst);
+                    if self.bells.tail(q) != tail {
+                        self.bells.set_need_kick(q, false);
+                        continue;
+                    }
+                }
+                let slept = Instant::now();
                 g = g.wait(wake);
+                // A retired device shares the page with its successor: leave the flag alone.
+                if armed && !g.shutdown && !g.holds.retired {
+                    self.bells.set_need_kick(q, false);
+                }
+                if runnable {
+                    budget.slept(slept.elapsed());
+                }
                 continue;
             };
+            polled = false;
             if let Some(rt) = g.rt.get_mut(q) {
                 rt.busy = true;
             }
@@ -995,12 +1194,20 @@ impl Shared {
         std::mem::take(&mut g.pending_wake)
     }
 
-    /// Wakes the engines in `pending`; call after dropping the register lock.
+    /// Wakes the engines in `pending`; call after dropping the register lock. An engine that
+    /// polls only needs to see its counter move: no wake-up.
     pub(crate) fn wake_pending(&self, pending: u32) {
         for q in 0..self.wake.len() {
-            if pending & (1 << q) != 0
-                && let Some(cv) = self.wake.get(q)
-            {
+            if pending & (1 << q) == 0 {
+                continue;
+            }
+            if let Some(poll) = self.polls.get(q) {
+                poll.rung.fetch_add(1, Ordering::Release);
+                if poll.polling.load(Ordering::SeqCst) {
+                    continue;
+                }
+            }
+            if let Some(cv) = self.wake.get(q) {
                 cv.notify_one();
             }
         }

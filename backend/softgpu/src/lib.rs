@@ -25,7 +25,7 @@
 //!
 //! | index | what | size | access |
 //! |---|---|---|---|
-//! | 0 (BAR0) | registers, 32-bit non-prefetchable | 64 KiB | trapped; 4-byte aligned 4-byte accesses and 8-byte aligned 8-byte accesses (low half first) |
+//! | 0 (BAR0) | registers, 32-bit non-prefetchable | 64 KiB | trapped; 4-byte aligned 4-byte accesses and 8-byte aligned 8-byte accesses (low half first); the doorbell page `0x8000..0x9000` is also offered as a sparse mmap area (a memfd; see [Mapped doorbells](#mapped-doorbells)) |
 //! | 2 (BAR2) | VRAM, 64-bit prefetchable | `vram_size` | mmap (one sparse area covering the BAR, backed by a memfd; not offered with `vram_mmap=off`) and trapped reads/writes of any size and alignment |
 //! | 4 (BAR4) | MSI-X table at 0x0, PBA at 0x800, 32-bit non-prefetchable; absent (and BAR4 unimplemented) in MSI mode | 4 KiB | trapped; 4- or 8-byte aligned |
 //! | 7 | PCI config space | 4 KiB | trapped, any size |
@@ -48,8 +48,8 @@
 //! | offset | name | access | description |
 //! |---|---|---|---|
 //! | 0x000 | `MAGIC` | RO | `0x50475953` (bytes `"SYGP"`) |
-//! | 0x004 | `VERSION` | RO | `0x00010000` (major 1, minor 0) |
-//! | 0x008 | `FEATURES` | RO | `0xff`: bit 0 COPY, 1 FILL, 2 SAXPY, 3 GEMM, 4 REDUCE, 5 FENCE, 6 VRAM operands, 7 queue recovery |
+//! | 0x004 | `VERSION` | RO | `0x00010001` (major 1, minor 1) |
+//! | 0x008 | `FEATURES` | RO | `0x1ff`: bit 0 COPY, 1 FILL, 2 SAXPY, 3 GEMM, 4 REDUCE, 5 FENCE, 6 VRAM operands, 7 queue recovery, 8 doorbell page |
 //! | 0x00c | `NUM_QUEUES` | RO | number of queues (1–8) |
 //! | 0x010 | `VRAM_SIZE` | RO 64 | VRAM size in bytes |
 //! | 0x018 | `FENCE_COUNT` | RO 64 | incremented by every completed FENCE (all queues) |
@@ -75,8 +75,8 @@
 //! | 0x08 | `RING_SIZE` | RW | entries, power of two 1–65536; writes ignored while enabled |
 //! | 0x0c | `HEAD` | RO | free-running index of the next command to execute; slot = `index & (RING_SIZE-1)` |
 //! | 0x10 | `TAIL` | RW | free-running index one past the last submitted command; a write is a doorbell |
-//! | 0x14 | `DOORBELL` | RW | write: new tail, wakes the engine; read: tail |
-//! | 0x18 | `CONTROL` | RW | bit 0 ENABLE, bit 1 RESET (W1, reads 0), bit 2 RECOVER (W1, reads 0); see below |
+//! | 0x14 | `DOORBELL` | RW | write: new tail, wakes the engine (in mapped mode: a kick, value ignored); read: tail |
+//! | 0x18 | `CONTROL` | RW | bit 0 ENABLE, bit 1 RESET (W1, reads 0), bit 2 RECOVER (W1, reads 0), bit 3 MAPPED (mapped doorbell); see below |
 //! | 0x1c | `STATUS` | RO | 0 STOPPED, 1 IDLE, 2 RUNNING, 3 ERROR, 4 PAUSED (work pending, but bus mastering off or device halted/stopped) |
 //! | 0x20 | `ERROR_CODE` | RO | `ERR_*` below; 0 when not in error |
 //! | 0x24 | `ERROR_INDEX` | RO | free-running index of the faulting command (HEAD at the time of a ring error) |
@@ -93,6 +93,59 @@
 //! (wrapping u32 arithmetic); otherwise the write is refused and the queue enters ERROR with
 //! `ERR_BAD_DOORBELL`. Doorbells are accepted while the queue is disabled or in error (the
 //! commands run once it is enabled / recovered).
+//!
+//! # Mapped doorbells
+//!
+//! A trapped doorbell is a VM exit, a message to the server and a wake-up of the engine. With
+//! a mapped doorbell a submission is a store into memory the engine watches: the guest never
+//! exits, as with the doorbell pages and user-mode queues of real GPUs.
+//!
+//! **The page.** BAR0 `0x8000..0x9000` (`DOORBELL_PAGE`) is ordinary memory shared by the
+//! guest and the device: the server offers it as a sparse mmap area of BAR0 (a VMM maps it
+//! into the guest like VRAM; the rest of BAR0 stays trapped) and also serves trapped 4-byte
+//! accesses to it (a trapped write to `DB_TAIL` stores and kicks, so a client that does not
+//! map the page still works). Queue `q` has a 64-byte slot at `0x8000 + 0x40 * q`:
+//!
+//! | slot offset | name | written by | meaning |
+//! |---|---|---|---|
+//! | 0x0 | `DB_TAIL` | driver | the queue's tail, as a `TAIL` write would give it |
+//! | 0x4 | `DB_NEED_KICK` | device | non-zero: the engine sleeps, ring `DOORBELL` after publishing a tail |
+//!
+//! The rest of the page reads 0 and is reserved. Like VRAM, the page belongs to the device
+//! slot, not to one device object: swaps, moves and a pool worker's restart keep the very
+//! page the guest mapped; a migration carries the tails in the device state and the
+//! destination writes them into its own page.
+//!
+//! **Mode.** `CONTROL` bit 3 (`MAPPED`) selects the mode per queue; every `CONTROL` write
+//! sets it to the bit written (RESET and RECOVER are processed first). Entering mapped mode
+//! stores the queue's `TAIL` into `DB_TAIL`, so the driver continues from there. In mapped
+//! mode the device takes the tail from `DB_TAIL` (checked like a `TAIL` write: more than
+//! `RING_SIZE` commands in flight is `ERR_BAD_DOORBELL`, and the driver must correct `DB_TAIL`
+//! before `RECOVER`), a `TAIL`/`DOORBELL` write is a *kick* (the device re-reads `DB_TAIL`;
+//! the value written is ignored), and `TAIL` reads the last tail the device took. A queue
+//! RESET in mapped mode also writes 0 to `DB_TAIL`. A device reset clears the page.
+//!
+//! **Protocol and memory ordering.** To submit, the driver:
+//!
+//! 1. writes the commands into the ring;
+//! 2. makes them visible before the tail: a release fence (`sfence`/`dmb ishst`; on x86 the
+//!    stores are ordered, a compiler barrier suffices for write-back memory);
+//! 3. stores the new tail into `DB_TAIL` (one aligned 32-bit store);
+//! 4. issues a **full fence** (`mfence`, `lock`-prefixed op, `dmb ish`: store→load order);
+//! 5. reads `DB_NEED_KICK`; if it is non-zero, writes `DOORBELL` (any value).
+//!
+//! The engine, before it sleeps, sets `DB_NEED_KICK`, issues a full fence and reads `DB_TAIL`
+//! once more; if it changed it clears the flag and runs. So either the engine sees the new
+//! tail or the driver sees the flag (the Dekker pattern NVMe shadow doorbells and virtio's
+//! event index rely on): no submission is stranded. A kick that finds nothing new costs a
+//! trapped write, nothing else. The engine clears `DB_NEED_KICK` when it wakes.
+//!
+//! **Polling.** After running out of work an engine polls `DB_TAIL` for a bounded, adaptive
+//! budget before it sleeps (the `spin` option, default 50 µs; `spin=0` never polls): it grows
+//! when the next submission came soon after the engine went to sleep and shrinks to nothing
+//! when sleeps are long (the rule KVM's halt polling uses), so a busy queue never sleeps and
+//! an idle device burns no CPU. The same poll serves trapped doorbells: a `DOORBELL` write
+//! that finds its engine polling only bumps a counter, with no wake-up.
 //!
 //! **`CONTROL` writes** are processed in this order: RESET (if set) abandons the running
 //! command (results discarded), sets head = tail = 0, clears the error state and `COMPLETED`,
@@ -266,6 +319,7 @@
 pub mod cmd;
 mod config;
 mod device;
+mod doorbell;
 mod exec;
 mod mig;
 mod mirror;
@@ -359,6 +413,9 @@ pub enum SoftGpuError {
     /// it; a shrink would make its accesses fault).
     #[error("The VRAM memfd is not sealed against shrinking and growing")]
     VramNotSealed(#[source] std::io::Error),
+    /// The doorbell page's backing could not be created, checked or mapped.
+    #[error("Cannot use the doorbell page's backing")]
+    Doorbells(#[source] std::io::Error),
     /// The VRAM memfd handed to [`SoftGpu::recover`] is not the one the black box's device
     /// used.
     #[error("The VRAM memfd ({got:?}) is not the one the black box's device used ({saved:?})")]
@@ -592,7 +649,10 @@ impl SoftGpu {
     ///
     /// `vram` must be sealed against shrinking and growing, of `config.vram_size` bytes and
     /// the very memfd the black box's device used; it becomes the slot's VRAM object
-    /// `"softgpu.vram"`. The state is the last one published (hash-checked by the black box);
+    /// `"softgpu.vram"`. `doorbells` is the doorbell page's backing the dead process used
+    /// ([`SoftGpu::doorbell_memfd`]), which the guest may have mapped: the tails in it are
+    /// newer than the state's. Without it (a worker that kept none) the device makes a new
+    /// page and writes the mapped queues' tails into it. The state is the last one published (hash-checked by the black box);
     /// a black box written by a device of another configuration is refused
     /// ([`StateError::ConfigMismatch`], [`StateError::IrqModeMismatch`]).
     ///
@@ -621,9 +681,14 @@ impl SoftGpu {
         ctx: DeviceContext,
         bb: &Arc<BlackBox>,
         vram: File,
+        doorbells: Option<File>,
     ) -> Result<(SoftGpu, Recovery), SoftGpuError> {
         config.validate()?;
         check_sealed(&vram)?;
+        if let Some(file) = doorbells {
+            let page = doorbell::DoorbellPage::adopt(Arc::new(file))?;
+            ctx.memory.insert(doorbell::DOORBELL_OBJECT, Arc::new(page));
+        }
         let (mirror, saved) = mirror::Mirror::recover(bb, &config)?;
         let vram = Arc::new(vram::Vram::adopt(
             Arc::new(vram),
@@ -648,6 +713,7 @@ impl SoftGpu {
         };
         let gpu = Self::start(config, ctx, vram, holds)?;
         let mut queues = Vec::with_capacity(plans.len());
+        gpu.shared.adopt_doorbells(&mut st);
         {
             let mut g = gpu.shared.lock();
             g.st = st;
@@ -683,6 +749,16 @@ impl SoftGpu {
     ) -> Result<VramRef, SoftGpuError> {
         let (_, saved) = mirror::Mirror::recover(bb, config)?;
         Ok(saved.state.vram)
+    }
+
+    /// A new descriptor of the doorbell page's backing (for a pool daemon to keep, so that a
+    /// replacement process can [`SoftGpu::recover`] on the page the guest mapped).
+    pub fn doorbell_memfd(&self) -> Result<File, SoftGpuError> {
+        self.shared
+            .bells
+            .file()
+            .try_clone()
+            .map_err(SoftGpuError::Doorbells)
     }
 
     /// A new descriptor of the VRAM memfd (for a pool daemon to keep, so that a replacement
@@ -743,9 +819,23 @@ impl SoftGpu {
                 return Err(SoftGpuError::IrqCount { index, needed, got });
             }
         }
+        // The slot's doorbell page, like its VRAM: a successor keeps the page the guest mapped.
+        let bells = ctx
+            .memory
+            .get_or_try_insert(doorbell::DOORBELL_OBJECT, doorbell::DoorbellPage::create)?;
         let mut regions: Vec<RegionDesc> =
             (0..NUM_PCI_REGIONS).map(|_| RegionDesc::absent()).collect();
-        regions[BAR_REGS as usize] = RegionDesc::trapped(regs::BAR0_SIZE);
+        regions[BAR_REGS as usize] = RegionDesc {
+            mmap: Some(RegionMmap {
+                file: bells.file().clone(),
+                file_offset: 0,
+                areas: vec![SparseArea {
+                    offset: regs::DOORBELL_PAGE,
+                    size: regs::DOORBELL_PAGE_SIZE,
+                }],
+            }),
+            ..RegionDesc::trapped(regs::BAR0_SIZE)
+        };
         regions[BAR_VRAM as usize] = RegionDesc {
             size: config.vram_size,
             read: true,
@@ -802,10 +892,9 @@ impl SoftGpu {
         };
         let shared = Arc::new(Shared::new(
             config,
-            ctx.dma,
-            ctx.irqs,
-            ctx.waits,
+            ctx,
             vram,
+            bells,
             build_config_space(&config),
             holds,
         ));
@@ -879,7 +968,7 @@ impl SoftGpu {
 
     /// A snapshot of the device state, taken with the engines quiesced at a command boundary.
     pub fn snapshot(&self) -> SoftGpuState {
-        self.shared.with_quiesced(false, |g| g.st.clone())
+        self.shared.snapshot()
     }
 
     /// Validates and loads a state. Commands that were running are abandoned (their results

@@ -31,7 +31,7 @@
 //! | 40 | 4 | `INT_MASK` |
 //! | 44 | 4 | owed interrupts: bit v MSI-X vector v, bit 31 the MSI vector |
 //! | 48 | 8 | `FENCE_COUNT` |
-//! | 56 + 64 q | 64 | queue q: ring base (8), ring size (4), head (4), tail (4), flags (4: bit 0 enabled, bit 1 a command in flight), in-flight index (4), error code (4), error index (4), error opcode (4), error address (8), completion vector (4), error vector (4), completed (8) |
+//! | 56 + 64 q | 64 | queue q: ring base (8), ring size (4), head (4), tail (4), flags (4: bit 0 enabled, bit 1 a command in flight, bit 2 mapped doorbell), in-flight index (4), error code (4), error index (4), error opcode (4), error address (8), completion vector (4), error vector (4), completed (8) |
 
 use std::sync::Arc;
 
@@ -339,7 +339,7 @@ fn encode_hot(
         w.u32(q.ring_size);
         w.u32(q.head);
         w.u32(q.tail);
-        w.u32(u32::from(q.enabled) | u32::from(i.is_some()) << 1);
+        w.u32(u32::from(q.enabled) | u32::from(i.is_some()) << 1 | u32::from(q.mapped) << 2);
         w.u32(i.unwrap_or(0));
         w.u32(q.error_code);
         w.u32(q.error_index);
@@ -451,6 +451,7 @@ impl<'a> HotView<'a> {
                 completion_vector: self.u32(at + 48),
                 error_vector: self.u32(at + 52),
                 completed: self.u64(at + 56),
+                mapped: flags & 4 != 0,
             };
             *inflight = (flags & 2 != 0).then(|| self.u32(at + 24));
         }

@@ -17,6 +17,16 @@ impl PciDevice for SoftGpu {
         match region {
             BAR_REGS => {
                 Self::access_ok(BAR_REGS, regs::BAR0_SIZE, offset, data.len())?;
+                if let Some(page) = doorbell_offset(offset) {
+                    for (i, chunk) in data.chunks_exact_mut(4).enumerate() {
+                        let v = self
+                            .shared
+                            .bells
+                            .load(page + 4 * i, std::sync::atomic::Ordering::SeqCst);
+                        chunk.copy_from_slice(&v.to_le_bytes());
+                    }
+                    return Ok(());
+                }
                 let g = self.shared.lock();
                 for (i, chunk) in data.chunks_exact_mut(4).enumerate() {
                     chunk.copy_from_slice(&g.read32(offset + 4 * i as u64).to_le_bytes());
@@ -53,6 +63,10 @@ impl PciDevice for SoftGpu {
         match region {
             BAR_REGS => {
                 Self::access_ok(BAR_REGS, regs::BAR0_SIZE, offset, data.len())?;
+                if let Some(page) = doorbell_offset(offset) {
+                    self.doorbell_page_write(page, data);
+                    return Ok(());
+                }
                 let mut g = self.shared.lock();
                 for (i, chunk) in data.chunks_exact(4).enumerate() {
                     let v = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
@@ -121,7 +135,44 @@ impl PciDevice for SoftGpu {
     }
 }
 
+/// The offset in the doorbell page of a (checked) BAR0 access at `offset`, if it is one.
+fn doorbell_offset(offset: u64) -> Option<usize> {
+    let page = offset.checked_sub(regs::DOORBELL_PAGE)?;
+    (page < regs::DOORBELL_PAGE_SIZE).then_some(page as usize)
+}
+
 impl SoftGpu {
+    /// A trapped write into the doorbell page (a client that does not map it): stores the
+    /// words; a `DB_TAIL` of a queue is also a kick, as a mapped store followed by a
+    /// `DOORBELL` write would be.
+    fn doorbell_page_write(&self, page: usize, data: &[u8]) {
+        let mut kick = 0u32;
+        for (i, chunk) in data.chunks_exact(4).enumerate() {
+            let at = page + 4 * i;
+            let v = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+            self.shared
+                .bells
+                .store(at, v, std::sync::atomic::Ordering::SeqCst);
+            let q = at / regs::DB_STRIDE as usize;
+            if at % regs::DB_STRIDE as usize == regs::DB_TAIL as usize
+                && q < self.config.queues as usize
+            {
+                kick |= 1 << q;
+            }
+        }
+        if kick != 0 {
+            let mut g = self.shared.lock();
+            for q in 0..self.config.queues as usize {
+                if kick & (1 << q) != 0 {
+                    self.shared.kick(&mut g, q);
+                }
+            }
+            let wake = device::Shared::take_pending_wake(&mut g);
+            drop(g);
+            self.shared.wake_pending(wake);
+        }
+    }
+
     /// The device state as one serialized blob ([`SoftGpuState`], VRAM by reference).
     pub fn save_state(&mut self) -> Result<Vec<u8>, DeviceError> {
         self.snapshot()
@@ -201,12 +252,7 @@ impl Migratable for SoftGpu {
             return Err(DeviceError::BadState("no outgoing stream".into()));
         };
         let shared = &self.shared;
-        let mut state = || {
-            shared
-                .with_quiesced(false, |g| g.st.clone())
-                .to_bytes()
-                .map_err(std::io::Error::other)
-        };
+        let mut state = || shared.snapshot().to_bytes().map_err(std::io::Error::other);
         Ok(src.read(&shared.vram, &mut state, buf)?)
     }
 

@@ -31,8 +31,9 @@ pub const PCI_CLASS: u32 = 0x03_02_00;
 
 /// `MAGIC` value: the bytes `"SYGP"` in memory order.
 pub const MAGIC_VALUE: u32 = u32::from_le_bytes(*b"SYGP");
-/// `VERSION` value: major in bits 31:16, minor in bits 15:0.
-pub const VERSION_VALUE: u32 = 0x0001_0000;
+/// `VERSION` value: major in bits 31:16, minor in bits 15:0. Minor 1 added the doorbell page
+/// ([`FEATURE_DOORBELL_PAGE`]).
+pub const VERSION_VALUE: u32 = 0x0001_0001;
 
 /// Identification magic, reads [`MAGIC_VALUE`] (RO).
 pub const MAGIC: u64 = 0x000;
@@ -97,6 +98,9 @@ pub const FEATURE_FENCE: u32 = 1 << 5;
 pub const FEATURE_VRAM_OPERANDS: u32 = 1 << 6;
 /// Feature: queues recover from errors through `Q_CONTROL_RECOVER`.
 pub const FEATURE_RECOVER: u32 = 1 << 7;
+/// Feature: mapped doorbells: the doorbell page at [`DOORBELL_PAGE`] and
+/// [`Q_CONTROL_MAPPED`] (the crate documentation has the protocol).
+pub const FEATURE_DOORBELL_PAGE: u32 = 1 << 8;
 /// All features of this version.
 pub const FEATURES_VALUE: u32 = FEATURE_COPY
     | FEATURE_FILL
@@ -105,7 +109,8 @@ pub const FEATURES_VALUE: u32 = FEATURE_COPY
     | FEATURE_REDUCE
     | FEATURE_FENCE
     | FEATURE_VRAM_OPERANDS
-    | FEATURE_RECOVER;
+    | FEATURE_RECOVER
+    | FEATURE_DOORBELL_PAGE;
 
 /// `INT_STATUS` bit: queue `q` completed a command carrying `FLAG_IRQ`.
 pub const fn int_completion(q: u32) -> u32 {
@@ -177,6 +182,27 @@ pub const Q_COMPLETED_HI: u64 = 0x3c;
 /// Opcode of the faulting command (RO).
 pub const Q_ERROR_OPCODE: u64 = 0x40;
 
+/// Offset of the doorbell page in BAR0: one 4 KiB page offered to the client as a sparse mmap
+/// area of BAR0 (the rest of BAR0 stays trapped). Queue `q`'s slot is at
+/// [`doorbell_slot`]`(q, ...)`.
+pub const DOORBELL_PAGE: u64 = 0x8000;
+/// Size of the doorbell page.
+pub const DOORBELL_PAGE_SIZE: u64 = 0x1000;
+/// Distance between two queues' slots in the doorbell page (a cache line each).
+pub const DB_STRIDE: u64 = 0x40;
+/// Slot word: the queue's tail, written by the driver (a mapped doorbell). Read by the device
+/// while the queue is in mapped mode ([`Q_CONTROL_MAPPED`]).
+pub const DB_TAIL: u64 = 0x00;
+/// Slot word: non-zero while the queue's engine sleeps, written by the device. A driver that
+/// has published a tail reads it (after a full fence) and, if non-zero, rings `Q_DOORBELL`
+/// (a *kick*; the value written is ignored in mapped mode).
+pub const DB_NEED_KICK: u64 = 0x04;
+
+/// BAR0 offset of word `reg` (a `DB_*` constant) of queue `q`'s doorbell slot.
+pub const fn doorbell_slot(q: u32, reg: u64) -> u64 {
+    DOORBELL_PAGE + q as u64 * DB_STRIDE + reg
+}
+
 /// `Q_CONTROL` bit 0: queue enabled. Every write to `Q_CONTROL` sets the enable state to this
 /// bit, after processing `RESET` and `RECOVER`.
 pub const Q_CONTROL_ENABLE: u32 = 1 << 0;
@@ -186,6 +212,12 @@ pub const Q_CONTROL_RESET: u32 = 1 << 1;
 /// `Q_CONTROL` bit 2: write 1 to leave the error state. For command errors the head moves past
 /// the faulting command (`head = ERROR_INDEX + 1`). Reads 0.
 pub const Q_CONTROL_RECOVER: u32 = 1 << 2;
+
+/// `Q_CONTROL` bit 3: mapped doorbell. Every write to `Q_CONTROL` sets the mode to this bit
+/// (like [`Q_CONTROL_ENABLE`]). Setting it stores the queue's `TAIL` into its `DB_TAIL`
+/// slot; while it is set the device takes the tail from `DB_TAIL` and a `TAIL`/`DOORBELL`
+/// write is a kick (the value is ignored). Reads back as written.
+pub const Q_CONTROL_MAPPED: u32 = 1 << 3;
 
 /// Queue status: disabled.
 pub const Q_STATUS_STOPPED: u32 = 0;

@@ -80,6 +80,9 @@ pub struct QueueState {
     pub error_vector: u32,
     /// Commands completed.
     pub completed: u64,
+    /// Mapped doorbell (`Q_CONTROL.MAPPED`): the tail comes from the doorbell page.
+    #[serde(default)]
+    pub mapped: bool,
 }
 
 impl QueueState {
@@ -135,6 +138,11 @@ pub struct SoftGpuState {
     pub msix: MsixState,
     /// PCI configuration space.
     pub config_space: ConfigSpace,
+    /// The doorbell page the mapped queues' tails were taken from (its backing's identity):
+    /// a device loading this state on another page writes the tails into it; on the same page
+    /// (a swap, a restart) the page is newer than the state and is kept.
+    #[serde(default)]
+    pub doorbells: Option<VramRef>,
 }
 
 impl SoftGpuState {
@@ -151,6 +159,7 @@ impl SoftGpuState {
             queues: (0..config.queues).map(QueueState::power_on).collect(),
             msix: MsixState::new(config.irq.msix_vectors() as u16),
             config_space: cs.clone(),
+            doorbells: None,
         }
     }
 
@@ -194,7 +203,7 @@ impl SoftGpuState {
                 ours: config.irq,
             });
         }
-        if self.config != config || self.vram.size != vram_size {
+        if !self.config.same_device(&config) || self.vram.size != vram_size {
             return Err(StateError::ConfigMismatch {
                 saved_queues: self.config.queues,
                 saved_vram: self.vram.size,

@@ -111,6 +111,7 @@ const CONFIG: SoftGpuConfig = SoftGpuConfig {
     irq: switchyard_softgpu::IrqMode::Msix,
     vram_mmap: true,
     keep_vram_on_reset: false,
+    spin_us: switchyard_softgpu::SoftGpuConfig::DEFAULT_SPIN_US,
 };
 
 #[test]

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::driver::{Driver, guest};
+use common::driver::{DoorbellPage, Driver, guest};
 use common::ours::Ours;
 use common::supervised::{connect, endpoint, supervisor};
 use switchyard_daemon::Supervisor;
-use switchyard_softgpu::cmd::Command;
+use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
 
 /// Kills the endpoint's worker every `every` while `running`; returns how many it killed.
@@ -196,4 +196,53 @@ fn another_endpoint_keeps_running_while_one_worker_is_killed() {
         "b stalled for {worst:?} while a's worker was killed"
     );
     eprintln!("{rounds} rounds; slowest register round trip on b: {worst:?}");
+}
+
+/// Mapped doorbells across kills: the guest keeps the doorbell page it mapped from the first
+/// worker; every replacement serves that very page (it is in the supervisor's custody), so
+/// tails stored into it, kicked or not, keep running.
+#[test]
+fn mapped_doorbells_keep_working_across_worker_kills() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sup = Arc::new(supervisor());
+    let socket = endpoint(&sup, dir.path(), "ep", true);
+    let mut client = connect(&socket);
+    let page = DoorbellPage::map(&mut client);
+    let mut d = Driver::new(Ours(client));
+    d.setup_queue(0);
+    d.map_queue(0);
+
+    let running = Arc::new(AtomicBool::new(true));
+    let kills = killer(&sup, "ep", Duration::from_millis(150), running.clone());
+    let start = Instant::now();
+    let (mut round, mut kicks) = (0u64, 0u64);
+    while sup.status("ep").expect("status").restarts < 5 {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "five restarts take too long"
+        );
+        let off = (round % 64) * 4096;
+        let fill = (round as u32).wrapping_mul(0x0103_0507);
+        let cmds = [
+            Command::fill(Operand::Vram(off), 4096, fill),
+            Command::copy(Operand::Vram(off), guest(0x40_0000 + off), 4096),
+        ];
+        kicks += u64::from(d.submit_mapped(&page, 0, &cmds));
+        assert_eq!(d.wait_queue(0), Q_STATUS_IDLE, "round {round}");
+        let mut got = vec![0u8; 4096];
+        d.mem.read(0x40_0000 + off, &mut got);
+        assert!(
+            got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
+            "round {round}: result differs"
+        );
+        round += 1;
+    }
+    running.store(false, Ordering::SeqCst);
+    kills.join().expect("killer");
+    assert_eq!(
+        d.r32(queue_reg(0, Q_CONTROL)),
+        Q_CONTROL_ENABLE | Q_CONTROL_MAPPED,
+        "the queue is still in mapped mode"
+    );
+    eprintln!("{round} rounds over 5 restarts, {kicks} kicks");
 }

@@ -66,7 +66,21 @@ fn description_lists_regions_and_interrupts() {
     let d = h.gpu.description();
     assert_eq!(d.regions.len(), 9);
     assert_eq!(d.regions[0].size, 64 << 10);
-    assert!(d.regions[0].read && d.regions[0].write && d.regions[0].mmap.is_none());
+    assert!(d.regions[0].read && d.regions[0].write);
+    // BAR0 is trapped but for the doorbell page, whose backing holds it at its BAR0 offset.
+    let bells = d.regions[0].mmap.as_ref().expect("the doorbell page is mappable");
+    assert_eq!(bells.file_offset, 0);
+    assert_eq!(
+        bells.areas,
+        vec![switchyard_device::SparseArea {
+            offset: DOORBELL_PAGE,
+            size: DOORBELL_PAGE_SIZE
+        }]
+    );
+    assert_eq!(
+        bells.file.metadata().expect("stat").len(),
+        DOORBELL_PAGE + DOORBELL_PAGE_SIZE
+    );
     let vram = &d.regions[2];
     assert_eq!(vram.size, h.config.vram_size);
     let mmap = vram.mmap.as_ref().expect("VRAM is mappable");
@@ -131,8 +145,8 @@ fn register_table_reads() {
         .expect("magic");
     assert_eq!(&magic, b"SYGP");
     assert_eq!(h.rd32(MAGIC), 0x5047_5953);
-    assert_eq!(h.rd32(VERSION), 0x0001_0000);
-    assert_eq!(h.rd32(FEATURES), 0xff);
+    assert_eq!(h.rd32(VERSION), 0x0001_0001);
+    assert_eq!(h.rd32(FEATURES), 0x1ff);
     assert_eq!(h.rd32(NUM_QUEUES), 2);
     assert_eq!(h.rd32(VRAM_SIZE_LO), 4 << 20);
     assert_eq!(h.rd32(VRAM_SIZE_HI), 0);

@@ -74,6 +74,7 @@ fn small() -> SoftGpuConfig {
         irq: IrqMode::Msix,
         vram_mmap: true,
         keep_vram_on_reset: false,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
     }
 }
 

@@ -3,6 +3,7 @@
 //! programs the device only through region reads and writes.
 
 mod commands;
+mod doorbells;
 mod errors;
 mod identity;
 mod migration;
@@ -141,6 +142,7 @@ impl Harness {
             irq,
             vram_mmap: true,
             keep_vram_on_reset: false,
+            spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
         })
     }
 

@@ -110,6 +110,7 @@ fn start_checks_the_vectors_each_mode_needs() {
             irq,
             vram_mmap: true,
             keep_vram_on_reset: false,
+            spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
         };
         SoftGpu::new(config, ctx).map(|_| ())
     };

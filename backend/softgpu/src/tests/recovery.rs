@@ -77,10 +77,21 @@ fn recover(
     vram: File,
     windows: Vec<GuestWindow>,
 ) -> (Harness, Recovery) {
+    recover_with(config, bb, vram, None, windows)
+}
+
+/// [`recover`] with the dead device's doorbell page.
+fn recover_with(
+    config: SoftGpuConfig,
+    bb: &Arc<BlackBox>,
+    vram: File,
+    doorbells: Option<File>,
+    windows: Vec<GuestWindow>,
+) -> (Harness, Recovery) {
     let bb = BlackBox::open(dup(bb.file())).expect("reopen the black box");
     let mut recovery = None;
     let mut h = Harness::build(config, windows, |ctx| {
-        let (gpu, r) = SoftGpu::recover(config, ctx, &bb, vram).expect("recover");
+        let (gpu, r) = SoftGpu::recover(config, ctx, &bb, vram, doorbells).expect("recover");
         recovery = Some(r);
         gpu
     });
@@ -243,7 +254,7 @@ fn black_boxes_and_vram_of_other_devices_are_refused() {
     let bb = h.bb.clone().expect("mirrored");
     let vram = || h.gpu.vram_memfd().expect("VRAM");
     let refused = |config: SoftGpuConfig, bb: &Arc<BlackBox>, vram: File| -> SoftGpuError {
-        match SoftGpu::recover(config, h.ctx(), bb, vram) {
+        match SoftGpu::recover(config, h.ctx(), bb, vram, None) {
             Err(e) => e,
             Ok(_) => panic!("recovered with {config:?}"),
         }
@@ -303,7 +314,7 @@ fn black_boxes_and_vram_of_other_devices_are_refused() {
     let e = SoftGpu::with_black_box(config, h.ctx(), &bb, None).expect_err("in use");
     assert!(matches!(e, SoftGpuError::BlackBoxInUse), "{e:?}");
     // The positive control: the right black box and VRAM recover.
-    SoftGpu::recover(config, h.ctx(), &bb, vram()).expect("recovers");
+    SoftGpu::recover(config, h.ctx(), &bb, vram(), None).expect("recovers");
 }
 
 /// The process dies after it published a completion but before it sent the interrupt: the
@@ -470,6 +481,7 @@ fn kill_config() -> SoftGpuConfig {
         irq: IrqMode::Msix,
         vram_mmap: true,
         keep_vram_on_reset: false,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
     }
 }
 
@@ -660,4 +672,50 @@ fn a_device_killed_mid_command_resumes_in_a_new_process() {
         saxpy_ref(2.0, &x, &y)
     );
     assert_eq!(take_eventfd(&h.msix[8]).unwrap_or(0), 0, "no further error");
+}
+
+/// A mapped queue whose engine slept when its process died: the tail the guest stored
+/// afterwards (its kick lost with the process) is in the page the replacement is handed, and
+/// runs; handed no page, the replacement makes one holding the last published tail.
+#[test]
+fn a_replacement_takes_the_tails_the_guest_left_in_the_page() {
+    use super::doorbells::GuestPage;
+    let config = SoftGpuConfig {
+        spin_us: 0,
+        ..kill_config()
+    };
+    let fence = |v: u64| Command::fence(Operand::Guest(RAM1), v, None);
+    let read_fence =
+        |h: &Harness| u64::from_le_bytes(h.guest_read(RAM1, 8).try_into().expect("8 bytes"));
+    for keep_page in [true, false] {
+        let mut h = Harness::with_config(config);
+        h.init();
+        let page = GuestPage::map(&h.gpu);
+        h.qw(0, Q_CONTROL, Q_CONTROL_ENABLE | Q_CONTROL_MAPPED);
+        h.enqueue(0, &[fence(1)]);
+        page.publish(0, h.tails[0]);
+        h.qw(0, Q_DOORBELL, 0);
+        h.wait_idle(0);
+        wait_until("the engine sleeps", || page.need_kick(0));
+        h.enqueue(0, &[fence(2)]);
+        let tail = h.tails[0];
+        assert!(page.publish(0, tail));
+        let doorbells = h.gpu.doorbell_memfd().expect("page");
+        let (bb, vram, windows) = die(h);
+        let (mut r, _) = recover_with(config, &bb, vram, keep_page.then_some(doorbells), windows);
+        let page = GuestPage::map(&r.gpu);
+        if keep_page {
+            r.tails[0] = tail;
+            r.wait_idle(0);
+            assert_eq!(read_fence(&r), 2, "the tail left in the page ran");
+        } else {
+            assert_eq!(
+                page.tail(0),
+                tail - 1,
+                "a new page holds the published tail"
+            );
+            assert_eq!(read_fence(&r), 1);
+            assert_eq!(r.qr(0, Q_CONTROL), Q_CONTROL_ENABLE | Q_CONTROL_MAPPED);
+        }
+    }
 }

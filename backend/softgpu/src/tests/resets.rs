@@ -268,6 +268,7 @@ fn with_vram_reset_keep_no_reset_touches_vram() {
         irq: IrqMode::Msix,
         vram_mmap: true,
         keep_vram_on_reset: true,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
     });
     let stamp: Vec<u8> = (0..8192u32).map(|i| (i * 13 + 5) as u8).collect();
     h.vram_file_write(0x1000, &stamp);

@@ -115,6 +115,7 @@ fn restore_rejects_mismatched_or_broken_states() {
         irq: IrqMode::Msix,
         vram_mmap: true,
         keep_vram_on_reset: false,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
     });
     other.init();
     let three = other.gpu.save_state().expect("save");
@@ -125,6 +126,7 @@ fn restore_rejects_mismatched_or_broken_states() {
         irq: IrqMode::Msix,
         vram_mmap: true,
         keep_vram_on_reset: false,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
     });
     let big = bigger.gpu.save_state().expect("save");
     assert!(h.refused(&big).contains("8388608"));

@@ -171,8 +171,8 @@ impl<T: Transport> Driver<T> {
         self.tails[q as usize] = self.r32(queue_reg(q, Q_TAIL));
     }
 
-    /// Writes commands into the ring and rings the doorbell once.
-    pub fn submit(&mut self, q: u32, cmds: &[Command]) {
+    /// Writes commands into the ring (no doorbell); returns the new tail.
+    pub fn enqueue(&mut self, q: u32, cmds: &[Command]) -> u32 {
         let mut tail = self.tails[q as usize];
         for c in cmds {
             let slot = u64::from(tail & (RING_ENTRIES - 1));
@@ -181,7 +181,29 @@ impl<T: Transport> Driver<T> {
             tail = tail.wrapping_add(1);
         }
         self.tails[q as usize] = tail;
+        tail
+    }
+
+    /// Writes commands into the ring and rings the doorbell once.
+    pub fn submit(&mut self, q: u32, cmds: &[Command]) {
+        let tail = self.enqueue(q, cmds);
         self.w32(queue_reg(q, Q_DOORBELL), tail);
+    }
+
+    /// Puts queue `q` (set up) in mapped-doorbell mode.
+    pub fn map_queue(&mut self, q: u32) {
+        self.w32(queue_reg(q, Q_CONTROL), Q_CONTROL_ENABLE | Q_CONTROL_MAPPED);
+    }
+
+    /// Writes commands into the ring and publishes the tail through the doorbell page,
+    /// kicking when the device asks; returns whether it kicked.
+    pub fn submit_mapped(&mut self, page: &DoorbellPage, q: u32, cmds: &[Command]) -> bool {
+        let tail = self.enqueue(q, cmds);
+        let kick = page.publish(q, tail);
+        if kick {
+            self.w32(queue_reg(q, Q_DOORBELL), 0);
+        }
+        kick
     }
 
     /// Waits until the queue consumed everything or stopped on an error; returns its status.
@@ -262,4 +284,43 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
 /// Raw fd helper.
 pub fn raw(f: &File) -> i32 {
     f.as_raw_fd()
+}
+
+/// The client's mapping of BAR0's doorbell page, made from the region's sparse mmap area the
+/// way a VMM maps it for the guest.
+pub struct DoorbellPage(vm_memory::MmapRegion<()>);
+
+impl DoorbellPage {
+    pub fn map(client: &mut switchyard_client::Client) -> DoorbellPage {
+        let info = client.region_info(BAR_REGS).expect("BAR0 info");
+        let areas = info.sparse_areas.expect("BAR0 has sparse mmap areas");
+        assert_eq!(areas.len(), 1);
+        let (offset, size) = (areas[0].offset, areas[0].size);
+        assert_eq!((offset, size), (DOORBELL_PAGE, DOORBELL_PAGE_SIZE));
+        let file = info.fd.expect("BAR0's descriptor");
+        let region = vm_memory::MmapRegion::<()>::from_file(
+            vm_memory::FileOffset::new(file, info.info.offset + offset),
+            size as usize,
+        )
+        .expect("map the doorbell page");
+        DoorbellPage(region)
+    }
+
+    fn word(q: u32, reg: u64) -> usize {
+        (u64::from(q) * DB_STRIDE + reg) as usize
+    }
+
+    /// The driver's protocol: tail store, full fence, `DB_NEED_KICK` read.
+    pub fn publish(&self, q: u32, tail: u32) -> bool {
+        use std::sync::atomic::{Ordering, fence};
+        use vm_memory::{Bytes, VolatileMemory};
+        let page = self.0.as_volatile_slice();
+        fence(Ordering::Release);
+        page.store(tail, Self::word(q, DB_TAIL), Ordering::SeqCst)
+            .expect("store DB_TAIL");
+        fence(Ordering::SeqCst);
+        page.load::<u32>(Self::word(q, DB_NEED_KICK), Ordering::SeqCst)
+            .expect("load DB_NEED_KICK")
+            != 0
+    }
 }
