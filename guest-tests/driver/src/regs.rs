@@ -38,10 +38,14 @@ pub const MSIX_VECTORS: u32 = 16;
 
 /// `MAGIC` value: `"SYGP"` in memory order.
 pub const MAGIC_VALUE: u32 = u32::from_le_bytes(*b"SYGP");
-/// `VERSION` value (1.0).
-pub const VERSION_VALUE: u32 = 0x0001_0000;
-/// `FEATURES` value (all eight features).
-pub const FEATURES_VALUE: u32 = 0xff;
+/// `VERSION` value (1.1: minor 1 added the doorbell page).
+pub const VERSION_VALUE: u32 = 0x0001_0001;
+/// `FEATURES` bit 8: mapped doorbells (the doorbell page at [`DOORBELL_PAGE`] and
+/// [`Q_CONTROL_MAPPED`]).
+pub const FEATURE_DOORBELL_PAGE: u32 = 1 << 8;
+/// `FEATURES` value (all nine features: bits 0–7 the commands, VRAM operands and queue
+/// recovery, bit 8 [`FEATURE_DOORBELL_PAGE`]).
+pub const FEATURES_VALUE: u32 = 0x1ff;
 
 /// Identification magic (RO).
 pub const MAGIC: u64 = 0x000;
@@ -142,6 +146,32 @@ pub const Q_CONTROL_ENABLE: u32 = 1 << 0;
 pub const Q_CONTROL_RESET: u32 = 1 << 1;
 /// `Q_CONTROL`: leave the error state.
 pub const Q_CONTROL_RECOVER: u32 = 1 << 2;
+/// `Q_CONTROL`: mapped doorbell. Every `Q_CONTROL` write sets the mode to this bit, so a
+/// queue in mapped mode keeps it in every write (`RECOVER` included). While it is set the
+/// device takes the tail from the queue's `DB_TAIL` slot and a `Q_DOORBELL` write is a kick.
+pub const Q_CONTROL_MAPPED: u32 = 1 << 3;
+
+/// Offset of the doorbell page in BAR0 (ordinary memory shared with the device; the rest of
+/// BAR0 is trapped).
+pub const DOORBELL_PAGE: u64 = 0x8000;
+/// Size of the doorbell page.
+pub const DOORBELL_PAGE_SIZE: u64 = 0x1000;
+/// Distance between two queues' slots in the doorbell page.
+pub const DB_STRIDE: u64 = 0x40;
+/// Slot word written by the driver: the queue's tail.
+pub const DB_TAIL: u64 = 0x00;
+/// Slot word written by the device: non-zero while the engine sleeps (the driver then kicks
+/// with a `Q_DOORBELL` write after publishing a tail).
+pub const DB_NEED_KICK: u64 = 0x04;
+
+/// BAR0 offset of word `reg` (`DB_TAIL`, `DB_NEED_KICK`) of queue `q`'s doorbell slot.
+pub const fn doorbell_slot(q: u32, reg: u64) -> u64 {
+    DOORBELL_PAGE + q as u64 * DB_STRIDE + reg
+}
+
+// Every queue's slot (up to 8 queues) lies inside the doorbell page, which lies inside BAR0.
+const _: () = assert!(doorbell_slot(7, DB_NEED_KICK) + 4 <= DOORBELL_PAGE + DOORBELL_PAGE_SIZE);
+const _: () = assert!(DOORBELL_PAGE + DOORBELL_PAGE_SIZE <= BAR0_SIZE);
 
 /// Queue status: disabled.
 pub const Q_STATUS_STOPPED: u32 = 0;
@@ -241,6 +271,11 @@ mod tests {
             (Q_ERROR_VECTOR, dev::Q_ERROR_VECTOR),
             (Q_COMPLETED, dev::Q_COMPLETED_LO),
             (Q_ERROR_OPCODE, dev::Q_ERROR_OPCODE),
+            (DOORBELL_PAGE, dev::DOORBELL_PAGE),
+            (DOORBELL_PAGE_SIZE, dev::DOORBELL_PAGE_SIZE),
+            (DB_STRIDE, dev::DB_STRIDE),
+            (DB_TAIL, dev::DB_TAIL),
+            (DB_NEED_KICK, dev::DB_NEED_KICK),
         ];
         for (ours, theirs) in pairs {
             assert_eq!(ours, theirs, "register offset {ours:#x}");
@@ -249,13 +284,22 @@ mod tests {
             assert_eq!(queue_reg(q, Q_STATUS), dev::queue_reg(q, dev::Q_STATUS));
             assert_eq!(int_completion(q), dev::int_completion(q));
             assert_eq!(int_error(q), dev::int_error(q));
+            for reg in [DB_TAIL, DB_NEED_KICK] {
+                assert_eq!(doorbell_slot(q, reg), dev::doorbell_slot(q, reg));
+            }
         }
+        assert_eq!(FEATURE_DOORBELL_PAGE, dev::FEATURE_DOORBELL_PAGE);
+        assert_eq!(
+            FEATURES_VALUE & FEATURE_DOORBELL_PAGE,
+            FEATURE_DOORBELL_PAGE
+        );
         assert_eq!(DEV_CONTROL_RESET, dev::DEV_CONTROL_RESET);
         assert_eq!(DEV_STATUS_BUS_MASTER, dev::DEV_STATUS_BUS_MASTER);
         assert_eq!(DEV_STATUS_ERROR, dev::DEV_STATUS_ERROR);
         assert_eq!(Q_CONTROL_ENABLE, dev::Q_CONTROL_ENABLE);
         assert_eq!(Q_CONTROL_RESET, dev::Q_CONTROL_RESET);
         assert_eq!(Q_CONTROL_RECOVER, dev::Q_CONTROL_RECOVER);
+        assert_eq!(Q_CONTROL_MAPPED, dev::Q_CONTROL_MAPPED);
         assert_eq!(Q_STATUS_STOPPED, dev::Q_STATUS_STOPPED);
         assert_eq!(Q_STATUS_IDLE, dev::Q_STATUS_IDLE);
         assert_eq!(Q_STATUS_RUNNING, dev::Q_STATUS_RUNNING);
