@@ -1,15 +1,18 @@
-//! Command line: `sygpu-driver [--quick] [--bdf BDF] [--timeout SECONDS]`,
-//! `sygpu-driver --noiommu [--quick] [--bdf BDF] [--timeout SECONDS]`,
+//! Command line: `sygpu-driver [--quick] [--doorbell trapped|mapped] [--bdf BDF]
+//! [--timeout SECONDS]`, `sygpu-driver --noiommu [the same options]`,
 //! `sygpu-driver --probe [--bdf BDF]` or `sygpu-driver --stamp|--check-stamp SEED [--bdf BDF]`.
 
 use std::time::Duration;
 
+use crate::gpu::Doorbell;
 use crate::sysfs::is_bdf;
 
 /// Usage text.
 pub const USAGE: &str = "\
-usage: sygpu-driver [--quick] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
-       sygpu-driver --noiommu [--quick] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+usage: sygpu-driver [--quick] [--doorbell trapped|mapped]
+                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+       sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped]
+                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
        sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
 
@@ -25,6 +28,12 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               addresses (needs root and hugepages=16 on the kernel command line),
               completion polled through INT_STATUS and fence values (no interrupts);
               the bad DMA address is one /proc/iomem shows as neither RAM nor a device
+  --doorbell trapped|mapped
+              how the workload publishes a queue's tail (default trapped): a Q_DOORBELL
+              write (trapped by the VMM), or mapped: a store into the queue's slot of the
+              doorbell page in BAR0 (FEATURES bit 8), a full fence, and a Q_DOORBELL write
+              only as a kick when DB_NEED_KICK says the engine sleeps; the summary counts
+              the submissions and kicks
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -69,6 +78,8 @@ pub struct Options {
     pub stamp_seed: u64,
     /// Check the stamp rather than write it.
     pub stamp_check: bool,
+    /// How the workload publishes tails (`--doorbell`).
+    pub doorbell: Doorbell,
 }
 
 /// Parses the arguments (without the program name).
@@ -80,7 +91,9 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         timeout: Duration::from_secs(60),
         stamp_seed: 0,
         stamp_check: false,
+        doorbell: Doorbell::Trapped,
     };
+    let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
     let mut it = args.iter().map(AsRef::as_ref);
     while let Some(a) = it.next() {
@@ -120,6 +133,12 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                     "--stamp"
                 });
             }
+            "--doorbell" => {
+                let v = value("--doorbell")?;
+                o.doorbell = Doorbell::parse(&v)
+                    .ok_or_else(|| format!("--doorbell '{v}': want trapped or mapped"))?;
+                workload_options.push("--doorbell");
+            }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
                 let b = value("--bdf")?;
@@ -147,6 +166,14 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
     }
     if o.mode == Mode::Probe && o.quick {
         return Err("--quick applies to the VFIO run, not to --probe".into());
+    }
+    if matches!(o.mode, Mode::Probe | Mode::Stamp)
+        && let Some(opt) = workload_options.first()
+    {
+        return Err(format!(
+            "{opt} applies to the workload (VFIO or --noiommu), not to {}",
+            modes.last().copied().unwrap_or("--probe")
+        ));
     }
     Ok(o)
 }
@@ -187,6 +214,35 @@ mod tests {
             (Mode::Stamp, 9, false)
         );
         assert!(parse(&["--stamp", "x"]).is_err());
+        assert_eq!(o.doorbell, Doorbell::Trapped);
+    }
+
+    #[test]
+    fn parses_doorbell() {
+        let o = parse(&["--doorbell", "mapped"]).expect("ok");
+        assert_eq!((o.mode, o.doorbell), (Mode::Run, Doorbell::Mapped));
+        let o = parse(&["--doorbell=trapped"]).expect("ok");
+        assert_eq!(o.doorbell, Doorbell::Trapped);
+        let o = parse(&["--noiommu", "--doorbell", "mapped"]).expect("ok");
+        assert_eq!((o.mode, o.doorbell), (Mode::NoIommu, Doorbell::Mapped));
+        for bad in [
+            &["--doorbell"][..],
+            &["--doorbell", "shadow"],
+            &["--doorbell", "Mapped"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        for bad in [
+            &["--probe", "--doorbell", "mapped"][..],
+            &["--stamp", "3", "--doorbell", "mapped"],
+            &["--check-stamp", "3", "--doorbell", "trapped"],
+        ] {
+            assert!(
+                parse(bad).is_err_and(|e| e.contains("applies to the workload")),
+                "{bad:?}"
+            );
+        }
+        assert!(USAGE.contains("--doorbell trapped|mapped"));
     }
 
     #[test]

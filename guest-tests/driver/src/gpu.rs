@@ -27,6 +27,46 @@ pub const DMA_BASE_IOVA: u64 = 0x1_0000_0000;
 /// An IOVA the driver never maps, for the bad-DMA test through an IOMMU.
 pub const UNMAPPED_IOVA: u64 = 0x7_0000_0000;
 
+/// How the driver publishes a queue's new tail (the crate documentation of
+/// `switchyard-softgpu`, "Mapped doorbells").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Doorbell {
+    /// A `Q_DOORBELL` write: trapped by the VMM, a message to the server.
+    #[default]
+    Trapped,
+    /// A store of the tail into the queue's slot of the doorbell page (BAR0 memory the device
+    /// watches), then a trapped `Q_DOORBELL` write (a *kick*) only if the device says its
+    /// engine sleeps (`DB_NEED_KICK`).
+    Mapped,
+}
+
+impl Doorbell {
+    /// Both modes, trapped first.
+    pub const ALL: [Doorbell; 2] = [Doorbell::Trapped, Doorbell::Mapped];
+
+    /// `"trapped"` or `"mapped"` (the `--doorbell` value and the summary's `doorbell`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Doorbell::Trapped => "trapped",
+            Doorbell::Mapped => "mapped",
+        }
+    }
+
+    /// The mode named `s`.
+    pub fn parse(s: &str) -> Option<Doorbell> {
+        Doorbell::ALL.into_iter().find(|d| d.name() == s)
+    }
+
+    /// The `Q_CONTROL` bits of this mode (to OR into every `Q_CONTROL` write: the device takes
+    /// the mode from each write).
+    pub fn control_bits(self) -> u32 {
+        match self {
+            Doorbell::Trapped => 0,
+            Doorbell::Mapped => Q_CONTROL_MAPPED,
+        }
+    }
+}
+
 /// How the driver reaches the device's config space and interrupt routing, besides its BAR
 /// mappings: VFIO ([`Vfio`]), or sysfs without VFIO ([`crate::noiommu::SysfsDevice`]).
 pub trait DeviceAccess: std::fmt::Debug {
@@ -78,6 +118,12 @@ pub struct Stats {
     /// Interrupting fences of step attempts given up after an interruption: they ran, but
     /// nobody waited for them.
     pub abandoned_fence_waits: u64,
+    /// Tails published (one per [`Gpu::submit`]): trapped `Q_DOORBELL` writes, or mapped
+    /// stores into the doorbell page.
+    pub submissions: u64,
+    /// Of the mapped submissions, those that found `DB_NEED_KICK` set and kicked the engine
+    /// with a trapped `Q_DOORBELL` write.
+    pub kicks: u64,
 }
 
 /// A queue that stopped on an error, as its registers describe it.
@@ -145,6 +191,8 @@ struct Queue {
     seq: u64,
     /// (fence value, tail after it) of fences not yet seen complete.
     outstanding: Vec<(u64, u32)>,
+    /// How its tails are published.
+    doorbell: Doorbell,
 }
 
 /// Options for [`Gpu::open`].
@@ -156,6 +204,8 @@ pub struct GpuOptions {
     pub dma_windows: usize,
     /// Upper bound of every wait.
     pub timeout: Duration,
+    /// How every queue's tails are published.
+    pub doorbell: Doorbell,
 }
 
 /// The device, brought up and ready for commands.
@@ -196,6 +246,8 @@ pub struct Gpu {
     pub arena_edge_faults: bool,
     fence_slots: u64,
     queues: Vec<Queue>,
+    /// The mode [`Gpu::setup_rings`] puts every queue in.
+    doorbell: Doorbell,
     irqs_enabled: bool,
     shut_down: bool,
 }
@@ -224,6 +276,8 @@ pub struct Parts {
     pub timeout: Duration,
     /// A bus address no DMA can reach.
     pub unmapped_addr: u64,
+    /// How every queue's tails are published.
+    pub doorbell: Doorbell,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -360,6 +414,7 @@ impl Gpu {
             arena_edge_faults: true,
             fence_slots: 0,
             queues: Vec::new(),
+            doorbell: opt.doorbell,
             irqs_enabled: true,
             shut_down: false,
         };
@@ -397,6 +452,7 @@ impl Gpu {
             arena_edge_faults: false,
             fence_slots: 0,
             queues: Vec::new(),
+            doorbell: parts.doorbell,
             irqs_enabled: false,
             shut_down: false,
         };
@@ -448,6 +504,9 @@ impl Gpu {
     fn setup_rings(&mut self) -> Result<(), String> {
         let gpu = self;
         let nq = gpu.nq;
+        if gpu.doorbell == Doorbell::Mapped {
+            gpu.check_doorbell_page()?;
+        }
         gpu.fence_slots = gpu.dma.alloc(4096, 4096)?;
         for q in 0..nq {
             let ring = gpu.dma.alloc(u64::from(RING_ENTRIES) * 64, 4096)?;
@@ -457,12 +516,13 @@ impl Gpu {
                 done_upto: 0,
                 seq: 0,
                 outstanding: Vec::new(),
+                doorbell: Doorbell::Trapped,
             });
             gpu.bar0.w64(queue_reg(q, Q_RING_BASE), ring);
             gpu.bar0.w32(queue_reg(q, Q_RING_SIZE), RING_ENTRIES);
             gpu.bar0.w32(queue_reg(q, Q_COMPLETION_VECTOR), q);
             gpu.bar0.w32(queue_reg(q, Q_ERROR_VECTOR), 8 + q);
-            gpu.bar0.w32(queue_reg(q, Q_CONTROL), Q_CONTROL_ENABLE);
+            gpu.enable_queue(q, gpu.doorbell)?;
             let base = gpu.bar0.r64(queue_reg(q, Q_RING_BASE));
             let status = gpu.bar0.r32(queue_reg(q, Q_STATUS));
             let tail = gpu.bar0.r32(queue_reg(q, Q_TAIL));
@@ -474,7 +534,7 @@ impl Gpu {
             }
         }
         say!(
-            "rings: {nq} x {RING_ENTRIES} entries at IOVA {:#x}.., completion vectors 0..{}, error vectors 8..{}{}",
+            "rings: {nq} x {RING_ENTRIES} entries at IOVA {:#x}.., completion vectors 0..{}, error vectors 8..{}{}; {} doorbells{}",
             gpu.queues[0].ring,
             nq - 1,
             8 + nq - 1,
@@ -482,9 +542,67 @@ impl Gpu {
                 Delivery::Msix => "",
                 Delivery::Msi => " (stored, unused in MSI mode)",
                 Delivery::Polled => " (stored, unused: completion is polled)",
+            },
+            gpu.doorbell.name(),
+            match gpu.doorbell {
+                Doorbell::Trapped => String::new(),
+                Doorbell::Mapped => format!(
+                    " (tails stored at BAR0 {:#x}.. through the BAR0 mapping, stride {DB_STRIDE:#x}; Q_DOORBELL only as a kick when DB_NEED_KICK is set)",
+                    doorbell_slot(0, DB_TAIL)
+                ),
             }
         );
         Ok(())
+    }
+
+    /// Checks that the device offers mapped doorbells (`FEATURES` bit 8) and that the BAR0
+    /// mapping reaches its doorbell page.
+    pub fn check_doorbell_page(&self) -> Result<(), String> {
+        let features = self.bar0.r32(FEATURES);
+        if features & FEATURE_DOORBELL_PAGE == 0 {
+            return Err(format!(
+                "mapped doorbells requested, but FEATURES {features:#x} lacks bit 8 (doorbell page; VERSION {:#010x})",
+                self.bar0.r32(VERSION)
+            ));
+        }
+        if self.bar0.mapped_len() < DOORBELL_PAGE + DOORBELL_PAGE_SIZE {
+            return Err(format!(
+                "the BAR0 mapping ({} bytes) does not reach the doorbell page at {DOORBELL_PAGE:#x}",
+                self.bar0.mapped_len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Enables queue `q` with tails published the `doorbell` way (`Q_CONTROL` = ENABLE, plus
+    /// MAPPED in mapped mode) and checks the mode reads back; entering mapped mode, also that
+    /// the device stored the queue's tail into `DB_TAIL` (where the driver continues from).
+    /// The queue must have nothing in flight.
+    pub fn enable_queue(&mut self, q: u32, doorbell: Doorbell) -> Result<(), String> {
+        self.qw32(q, Q_CONTROL, Q_CONTROL_ENABLE | doorbell.control_bits());
+        self.queues[q as usize].doorbell = doorbell;
+        let ctl = self.qr32(q, Q_CONTROL);
+        if ctl & Q_CONTROL_MAPPED != doorbell.control_bits() {
+            return Err(format!(
+                "queue {q}: Q_CONTROL reads {ctl:#x} after enabling it with {} doorbells",
+                doorbell.name()
+            ));
+        }
+        if doorbell == Doorbell::Mapped {
+            let tail = self.queues[q as usize].tail;
+            let db = self.bar0.r32(doorbell_slot(q, DB_TAIL));
+            if db != tail {
+                return Err(format!(
+                    "queue {q}: DB_TAIL reads {db} after entering mapped mode, the queue's tail is {tail}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// How queue `q` publishes its tails.
+    pub fn doorbell(&self, q: u32) -> Doorbell {
+        self.queues[q as usize].doorbell
     }
 
     /// Routes the device's vectors to eventfds (`VFIO_DEVICE_SET_IRQS`) and checks that the
@@ -608,10 +726,36 @@ impl Gpu {
             }
         }
         self.queues[q as usize].tail = tail;
-        // The ring entries must be visible before the doorbell.
-        fence(Ordering::SeqCst);
-        self.qw32(q, Q_DOORBELL, tail);
+        self.publish_tail(q, tail);
         Ok(first)
+    }
+
+    /// Tells the device that queue `q`'s tail is now `tail` (the ring entries before it are
+    /// written): a trapped `Q_DOORBELL` write, or in mapped mode the doorbell page protocol
+    /// (crate documentation of `switchyard-softgpu`, "Mapped doorbells").
+    fn publish_tail(&mut self, q: u32, tail: u32) {
+        self.stats.submissions += 1;
+        match self.queues[q as usize].doorbell {
+            Doorbell::Trapped => {
+                // The ring entries must be visible before the doorbell.
+                fence(Ordering::SeqCst);
+                self.qw32(q, Q_DOORBELL, tail);
+            }
+            Doorbell::Mapped => {
+                // 1-2. The ring entries are visible before the tail (release).
+                fence(Ordering::Release);
+                // 3. One aligned 32-bit volatile store into the mapped doorbell page.
+                self.bar0.w32(doorbell_slot(q, DB_TAIL), tail);
+                // 4. Full fence (mfence): the tail store is ordered before the load below, so
+                //    either the engine sees the tail or this sees its DB_NEED_KICK.
+                fence(Ordering::SeqCst);
+                // 5. The engine sleeps: kick it (trapped; the value is ignored).
+                if self.bar0.r32(doorbell_slot(q, DB_NEED_KICK)) != 0 {
+                    self.stats.kicks += 1;
+                    self.qw32(q, Q_DOORBELL, tail);
+                }
+            }
+        }
     }
 
     /// Appends a FENCE that raises `vector` and returns its value.
@@ -802,7 +946,9 @@ impl Gpu {
     /// Leaves the error state: acknowledge, `RECOVER | ENABLE` (skips the faulting command).
     pub fn recover(&mut self, q: u32) {
         self.bar0.w32(INT_ACK, int_error(q));
-        self.qw32(q, Q_CONTROL, Q_CONTROL_RECOVER | Q_CONTROL_ENABLE);
+        // The mode bit too: every Q_CONTROL write sets the doorbell mode.
+        let mode = self.queues[q as usize].doorbell.control_bits();
+        self.qw32(q, Q_CONTROL, Q_CONTROL_RECOVER | Q_CONTROL_ENABLE | mode);
     }
 
     /// Stops every queue, waits (bounded) for the engines to let go, turns bus mastering and
@@ -856,5 +1002,151 @@ impl Drop for Gpu {
         for p in self.shutdown() {
             say!("shutdown: {p}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// Config space that reads zeros and takes every write.
+    #[derive(Debug)]
+    struct NoDevice;
+
+    impl DeviceAccess for NoDevice {
+        fn cfg_read(&self, _offset: u64, buf: &mut [u8]) -> Result<(), String> {
+            buf.fill(0);
+            Ok(())
+        }
+
+        fn cfg_write(&self, _offset: u64, _data: &[u8]) -> Result<(), String> {
+            Ok(())
+        }
+
+        fn disable_irqs(&self, _mode: IrqMode) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    /// BAR0 as a plain file (no device behind it: registers read what was last written) with
+    /// `features` in FEATURES and both queues IDLE (else STOPPED), and a [`Gpu`] on it with
+    /// `doorbell`.
+    fn gpu_on_a_file(
+        features: u32,
+        idle: bool,
+        doorbell: Doorbell,
+    ) -> (std::fs::File, Result<Gpu, String>) {
+        let mut f = tempfile::tempfile().expect("tempfile");
+        f.write_all(&vec![0u8; BAR0_SIZE as usize]).expect("write");
+        let bar0 = BarMap::map(&f, 0, &[(0, BAR0_SIZE)]).expect("map");
+        bar0.w32(FEATURES, features);
+        if idle {
+            for q in 0..2 {
+                bar0.w32(queue_reg(q, Q_STATUS), Q_STATUS_IDLE);
+            }
+        }
+        let vram = BarMap::map(&f, 0, &[(0, 4096)]).expect("map");
+        let gpu = Gpu::from_parts(Parts {
+            bar0,
+            vram,
+            irqs: InterruptSource::polled(IrqMode::Msix),
+            dma: DmaArena::new(DMA_BASE_IOVA, 1 << 20, 1).expect("arena"),
+            dev: Box::new(NoDevice),
+            nq: 2,
+            vram_size: 4096,
+            config: vec![0; 256],
+            timeout: Duration::from_secs(1),
+            unmapped_addr: UNMAPPED_IOVA,
+            doorbell,
+        });
+        (f, gpu)
+    }
+
+    /// Lets [`Gpu::shutdown`] find every queue stopped.
+    fn stop_queues(g: &Gpu) {
+        for q in 0..g.nq {
+            g.bar0.w32(queue_reg(q, Q_STATUS), Q_STATUS_STOPPED);
+        }
+    }
+
+    #[test]
+    fn mapped_doorbells_store_the_tail_and_kick_only_a_sleeping_engine() {
+        let (_f, g) = gpu_on_a_file(FEATURES_VALUE, true, Doorbell::Mapped);
+        let mut g = g.expect("gpu");
+        for q in 0..2 {
+            assert_eq!(g.doorbell(q), Doorbell::Mapped);
+            assert_eq!(
+                g.qr32(q, Q_CONTROL),
+                Q_CONTROL_ENABLE | Q_CONTROL_MAPPED,
+                "queue {q} enabled in mapped mode"
+            );
+        }
+        // The engine runs (DB_NEED_KICK 0): the tail goes to the page only.
+        g.submit(1, &[Cmd::nop(), Cmd::nop()]).expect("submit");
+        assert_eq!(g.bar0.r32(doorbell_slot(1, DB_TAIL)), 2);
+        assert_eq!(g.qr32(1, Q_DOORBELL), 0, "no trapped write");
+        assert_eq!((g.stats.submissions, g.stats.kicks), (1, 0));
+        // The engine sleeps: the tail, then a kick.
+        g.bar0.w32(doorbell_slot(1, DB_NEED_KICK), 1);
+        g.submit(1, &[Cmd::nop()]).expect("submit");
+        assert_eq!(g.bar0.r32(doorbell_slot(1, DB_TAIL)), 3);
+        assert_eq!(g.qr32(1, Q_DOORBELL), 3, "kicked");
+        assert_eq!((g.stats.submissions, g.stats.kicks), (2, 1));
+        // Queue 0's slot is its own.
+        assert_eq!(g.bar0.r32(doorbell_slot(0, DB_TAIL)), 0);
+        // RECOVER keeps the mode (every Q_CONTROL write sets it).
+        g.recover(1);
+        assert_eq!(
+            g.qr32(1, Q_CONTROL),
+            Q_CONTROL_RECOVER | Q_CONTROL_ENABLE | Q_CONTROL_MAPPED
+        );
+        // Back to trapped: Q_DOORBELL carries the tail, the page is left alone.
+        g.enable_queue(1, Doorbell::Trapped).expect("trapped");
+        g.bar0.w32(doorbell_slot(1, DB_NEED_KICK), 0);
+        g.submit(1, &[Cmd::nop()]).expect("submit");
+        assert_eq!(g.qr32(1, Q_DOORBELL), 4);
+        assert_eq!(g.bar0.r32(doorbell_slot(1, DB_TAIL)), 3);
+        assert_eq!((g.stats.submissions, g.stats.kicks), (3, 1));
+        // Entering mapped mode again: the device would have stored TAIL (4) into DB_TAIL; a
+        // page that does not hold it is refused.
+        assert!(
+            g.enable_queue(1, Doorbell::Mapped)
+                .is_err_and(|e| e.contains("DB_TAIL reads 3")),
+        );
+        stop_queues(&g);
+        assert!(g.shutdown().is_empty());
+    }
+
+    #[test]
+    fn trapped_doorbells_never_touch_the_page() {
+        let (_f, g) = gpu_on_a_file(FEATURES_VALUE, true, Doorbell::Trapped);
+        let mut g = g.expect("gpu");
+        assert_eq!(g.qr32(0, Q_CONTROL), Q_CONTROL_ENABLE);
+        g.bar0.w32(doorbell_slot(0, DB_NEED_KICK), 1);
+        g.submit(0, &[Cmd::nop()]).expect("submit");
+        assert_eq!(g.qr32(0, Q_DOORBELL), 1);
+        assert_eq!(g.bar0.r32(doorbell_slot(0, DB_TAIL)), 0);
+        assert_eq!((g.stats.submissions, g.stats.kicks), (1, 0));
+        g.recover(0);
+        assert_eq!(g.qr32(0, Q_CONTROL), Q_CONTROL_RECOVER | Q_CONTROL_ENABLE);
+        stop_queues(&g);
+        assert!(g.shutdown().is_empty());
+    }
+
+    #[test]
+    fn mapped_doorbells_need_the_feature() {
+        let (_f, g) = gpu_on_a_file(0xff, false, Doorbell::Mapped);
+        let e = g.expect_err("a version 1.0 device has no doorbell page");
+        assert!(e.contains("FEATURES 0xff lacks bit 8"), "{e}");
+        // Trapped doorbells work without it.
+        let (_f, g) = gpu_on_a_file(0xff, true, Doorbell::Trapped);
+        let g = g.expect("gpu");
+        stop_queues(&g);
+        drop(g);
+        for d in Doorbell::ALL {
+            assert_eq!(Doorbell::parse(d.name()), Some(d));
+        }
+        assert_eq!(Doorbell::parse("shadow"), None);
     }
 }

@@ -2,8 +2,8 @@
 //! inside a Linux guest, the way a GPU runtime would, over real PCI through Linux VFIO.
 //!
 //! ```text
-//! sygpu-driver [--quick] [--bdf 0000:00:04.0] [--timeout SECONDS]
-//! sygpu-driver --noiommu [--quick] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver [--quick] [--doorbell trapped|mapped] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--bdf 0000:00:04.0] [--timeout SECONDS]
 //! sygpu-driver --probe [--bdf 0000:00:04.0]
 //! ```
 //!
@@ -16,6 +16,11 @@
 //! queues at once, each result checked bit-for-bit, fences waited for by interrupt only, VRAM
 //! coherence between the CPU mapping and the engines, and a bad DMA address with recovery.
 //! `--probe` is the no-IOMMU check: sysfs and `resource0` only, no VFIO.
+//!
+//! `--doorbell mapped` publishes every submission through the device's doorbell page (BAR0
+//! `0x8000`, reached through the same BAR0 mapping as the registers): a store of the tail, a
+//! full fence, and a trapped `Q_DOORBELL` write only when the device says the queue's engine
+//! sleeps ([`gpu::Doorbell`]; the summary counts submissions and kicks).
 //!
 //! `--noiommu` ([`noiommu`]) runs the same workload where VFIO cannot work (a vfio-user
 //! device under cloud-hypervisor, which puts no vfio-user device behind its virtio-iommu; the
@@ -233,6 +238,7 @@ fn drive_noiommu(
         &sysfs::Sysfs::system(),
         opts.bdf.as_deref(),
         opts.timeout,
+        opts.doorbell,
         &mut b,
     );
     sum.bdf = (!b.bdf.is_empty()).then(|| b.bdf.clone());
@@ -273,6 +279,10 @@ fn drive_noiommu(
         "bad DMA range running off the end of the DMA memory: without an IOMMU the guest RAM there is reachable".into(),
     );
     let out = workload::run(&mut gpu, &sizes);
+    sum.doorbell = opts.doorbell.name();
+    sum.submissions = gpu.stats.submissions;
+    sum.kicks = gpu.stats.kicks;
+    say_doorbells(opts, &gpu);
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
     sum.bytes_moved = gpu.stats.bytes_moved;
@@ -294,6 +304,16 @@ fn drive_noiommu(
         "shutdown: queues reset, bus master off, device enable restored if this run set it, hugepages freed"
     );
     Ok(())
+}
+
+/// Says how the workload published its tails.
+fn say_doorbells(opts: &cli::Options, gpu: &gpu::Gpu) {
+    say!(
+        "doorbells: {}, {} submissions, {} kicks",
+        opts.doorbell.name(),
+        gpu.stats.submissions,
+        gpu.stats.kicks
+    );
 }
 
 /// The message of a caught panic.
@@ -450,6 +470,7 @@ fn gpu_options(opts: &cli::Options, sizes: &workload::Sizes) -> gpu::GpuOptions 
         dma_window: sizes.dma_window,
         dma_windows: sizes.dma_windows,
         timeout: opts.timeout,
+        doorbell: opts.doorbell,
     }
 }
 
@@ -467,6 +488,10 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     let irq_mode = gpu.irq_mode();
     sum.irq_mode = Some(irq_mode.name());
     let out = workload::run(&mut gpu, &sizes);
+    sum.doorbell = opts.doorbell.name();
+    sum.submissions = gpu.stats.submissions;
+    sum.kicks = gpu.stats.kicks;
+    say_doorbells(opts, &gpu);
     let _ = gpu.collect_interrupts();
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;

@@ -105,6 +105,7 @@ pub fn open(
     sys: &Sysfs,
     bdf: Option<&str>,
     timeout: Duration,
+    doorbell: gpu::Doorbell,
     bringup: &mut Bringup,
 ) -> Result<Gpu, String> {
     let dev = sys.find_softgpu(bdf)?;
@@ -263,6 +264,7 @@ pub fn open(
         config: cfg,
         timeout,
         unmapped_addr: unmapped,
+        doorbell,
     })
 }
 

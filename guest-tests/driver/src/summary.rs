@@ -89,6 +89,13 @@ pub struct Summary {
     /// Commands the device reported `ERR_INTERRUPTED` for (restarted under them); each
     /// interrupted step ran again.
     pub interrupted_by_restart: u64,
+    /// How the workload published its tails: `"trapped"` or `"mapped"` (`--doorbell`).
+    pub doorbell: &'static str,
+    /// Tails the workload published (one per submission).
+    pub submissions: u64,
+    /// Of those, with mapped doorbells, the ones that found the engine asleep
+    /// (`DB_NEED_KICK`) and kicked it with a trapped `Q_DOORBELL` write; 0 when trapped.
+    pub kicks: u64,
     /// Interrupts per vector.
     pub interrupts: Interrupts,
     /// Bad-DMA error test passed.
@@ -119,6 +126,9 @@ impl Summary {
             fences: 0,
             fence_irq_waits: 0,
             interrupted_by_restart: 0,
+            doorbell: "trapped",
+            submissions: 0,
+            kicks: 0,
             interrupts: Interrupts {
                 per_vector: vec![0; 16],
                 total: 0,
@@ -212,6 +222,12 @@ pub struct NoIommuSummary {
     pub fence_polled_waits: u64,
     /// `INT_STATUS` reads of the polled waits.
     pub status_polls: u64,
+    /// How the workload published its tails: `"trapped"` or `"mapped"` (`--doorbell`).
+    pub doorbell: &'static str,
+    /// Tails the workload published (one per submission).
+    pub submissions: u64,
+    /// Of those, with mapped doorbells, the ones that kicked a sleeping engine; 0 when trapped.
+    pub kicks: u64,
     /// Bad-DMA error test passed (the unmapped bus address case).
     pub error_test_ok: bool,
     /// VRAM mapping coherence test passed.
@@ -247,6 +263,9 @@ impl NoIommuSummary {
             fences: 0,
             fence_polled_waits: 0,
             status_polls: 0,
+            doorbell: "trapped",
+            submissions: 0,
+            kicks: 0,
             error_test_ok: false,
             vram_mmap_ok: false,
             skipped: Vec::new(),
@@ -392,6 +411,7 @@ mod tests {
             "SYGPU-SUMMARY {\"result\":\"pass\",\"reason\":null,\"mode\":\"quick\",\
              \"bdf\":\"0000:00:04.0\",\"iommu_group\":3,\"queues\":2,\"vram_bytes\":67108864,\
              \"irq_mode\":\"msix\",\"jobs_run\":5,\"jobs_verified\":5,\"bytes_moved\":1234,\"fences\":9,\"fence_irq_waits\":8,\"interrupted_by_restart\":0,\
+             \"doorbell\":\"trapped\",\"submissions\":0,\"kicks\":0,\
              \"interrupts\":{\"per_vector\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],\"total\":16},\
              \"error_test_ok\":true,\"vram_mmap_ok\":true,\
              \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"duration_ms\":42}"
@@ -416,6 +436,28 @@ mod tests {
         );
         // Unknown before the device was opened.
         assert!(Summary::new("full").line().contains("\"irq_mode\":null"));
+    }
+
+    #[test]
+    fn doorbell_counts_in_the_line() {
+        let mut s = passing();
+        s.doorbell = "mapped";
+        s.submissions = 120;
+        s.kicks = 31;
+        s.conclude(None);
+        assert!(s.passed());
+        assert!(
+            s.line()
+                .contains("\"doorbell\":\"mapped\",\"submissions\":120,\"kicks\":31,"),
+            "{}",
+            s.line()
+        );
+        let mut n = NoIommuSummary::new("quick");
+        n.doorbell = "mapped";
+        assert!(
+            n.line()
+                .contains("\"doorbell\":\"mapped\",\"submissions\":0,\"kicks\":0,")
+        );
     }
 
     #[test]
