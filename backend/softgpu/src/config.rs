@@ -184,8 +184,8 @@ impl SoftGpuConfig {
     pub const DEFAULT_QUEUES: u32 = 2;
     /// Largest number of queues.
     pub const MAX_QUEUES: u32 = 8;
-    /// Default polling budget of an engine (µs).
-    pub const DEFAULT_SPIN_US: u32 = 50;
+    /// Default polling budget of an engine (µs): KVM's default halt-polling budget.
+    pub const DEFAULT_SPIN_US: u32 = 200;
     /// Largest polling budget (µs).
     pub const MAX_SPIN_US: u32 = 10_000;
 

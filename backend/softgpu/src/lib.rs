@@ -141,7 +141,7 @@
 //! trapped write, nothing else. The engine clears `DB_NEED_KICK` when it wakes.
 //!
 //! **Polling.** After running out of work an engine polls `DB_TAIL` for a bounded, adaptive
-//! budget before it sleeps (the `spin` option, default 50 µs; `spin=0` never polls): it grows
+//! budget before it sleeps (the `spin` option, default 200 µs, as KVM's halt polling; `spin=0` never polls): it grows
 //! when the next submission came soon after the engine went to sleep and shrinks to nothing
 //! when sleeps are long (the rule KVM's halt polling uses), so a busy queue never sleeps and
 //! an idle device burns no CPU. The same poll serves trapped doorbells: a `DOORBELL` write
