@@ -83,8 +83,13 @@ impl Settings {
     }
 
     /// Latency plans: ≥ 10k samples in full mode.
-    fn latency_plan(&self) -> Plan {
+    pub(crate) fn latency_plan(&self) -> Plan {
         self.plan(QUICK, Plan::new(2000, 20_000, 100))
+    }
+
+    /// Plans of samples that each wait for an idle gap first (1 ms): fewer of them.
+    pub(crate) fn idle_plan(&self) -> Plan {
+        self.plan(Plan::new(10, 100, 5), Plan::new(100, 1000, 20))
     }
 }
 

@@ -11,6 +11,13 @@
 //!   sample is the time from just before the `write` to just after `poll` returns.
 //! * [`RoundTripThenWake`]: an [`Echo`] round trip, then an [`EventfdWake`]; the sample is the
 //!   sum of the two (the floor of "doorbell sent → interrupt eventfd readable").
+//! * [`Watcher`]: a helper thread that polls a shared word for a bounded time after each
+//!   request, then sleeps until the requester unparks it (the policy of an engine watching a
+//!   mapped doorbell, at no protocol cost); it answers by a store the requester spins on (the
+//!   floor of "tail stored → FENCE value seen"), or ([`Watcher::then_wake`]) by an eventfd
+//!   write once the requester has surely gone to sleep in `poll`, the delay subtracted (the
+//!   floor of "tail stored → interrupt eventfd readable" for a client that blocks: one
+//!   wake-up of a blocked thread by a thread on another CPU).
 //! * [`Memcpy`]: a single-thread `copy_from_slice` between two pre-faulted buffers.
 //! * [`Memcpy2`]: the same copy split over two threads, the calling one and a helper woken
 //!   per copy (the floor of a COPY split over two queues).
@@ -682,5 +689,129 @@ mod tests {
         let t = Some(Duration::from_millis(20));
         let e = wait_readable(&a, t).expect_err("nothing to read");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+    }
+}
+
+/// What a [`Watcher`] and its requester share.
+#[derive(Debug, Default)]
+struct Watched {
+    req: AtomicU64,
+    ack: AtomicU64,
+    sleeping: AtomicBool,
+    stop: AtomicBool,
+}
+
+/// A thread watching a shared word the way an engine watches a mapped doorbell: it polls for
+/// `budget` after each request, then announces that it sleeps, looks once more and parks;
+/// a requester that sees the announcement unparks it (the kick). It answers each request by
+/// storing its number into `ack` (and, for [`Watcher::then_wake`], an eventfd write).
+#[derive(Debug)]
+pub struct Watcher {
+    shared: Arc<Watched>,
+    /// The eventfd and the delay before its write.
+    wake: Option<(Arc<OwnedFd>, Duration)>,
+    seq: u64,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watcher {
+    /// A watcher answering by a store the requester spins on.
+    pub fn ping_pong(budget: Duration) -> Result<Watcher> {
+        Self::start(budget, None)
+    }
+
+    /// A watcher answering by an eventfd write `delay` after it saw the request (long enough
+    /// for the requester to be asleep in `poll`); [`Watcher::once`] subtracts the delay.
+    pub fn then_wake(budget: Duration, delay: Duration) -> Result<Watcher> {
+        let efd = Arc::new(rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?);
+        Self::start(budget, Some((efd, delay)))
+    }
+
+    fn start(budget: Duration, wake: Option<(Arc<OwnedFd>, Duration)>) -> Result<Watcher> {
+        let shared = Arc::new(Watched::default());
+        let (sh, wk) = (shared.clone(), wake.clone());
+        let thread = std::thread::Builder::new()
+            .name("floor-watcher".into())
+            .spawn(move || {
+                crate::pin::helper();
+                let mut seen = 0u64;
+                loop {
+                    let deadline = Instant::now() + budget;
+                    let mut req = sh.req.load(Ordering::Acquire);
+                    while req == seen && Instant::now() < deadline {
+                        std::hint::spin_loop();
+                        req = sh.req.load(Ordering::Acquire);
+                    }
+                    if req == seen {
+                        sh.sleeping.store(true, Ordering::SeqCst);
+                        std::sync::atomic::fence(Ordering::SeqCst);
+                        if sh.req.load(Ordering::SeqCst) == seen {
+                            std::thread::park();
+                        }
+                        sh.sleeping.store(false, Ordering::SeqCst);
+                        if sh.stop.load(Ordering::Acquire) {
+                            return;
+                        }
+                        continue;
+                    }
+                    seen = req;
+                    if let Some((efd, delay)) = &wk {
+                        let at = Instant::now() + *delay;
+                        while Instant::now() < at {
+                            std::hint::spin_loop();
+                        }
+                        if efd_write(efd).is_err() {
+                            return;
+                        }
+                    }
+                    sh.ack.store(req, Ordering::Release);
+                }
+            })
+            .context("spawn the watcher thread")?;
+        Ok(Watcher {
+            shared,
+            wake,
+            seq: 0,
+            thread: Some(thread),
+        })
+    }
+
+    fn request(&mut self) -> u64 {
+        self.seq += 1;
+        self.shared.req.store(self.seq, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.shared.sleeping.load(Ordering::SeqCst)
+            && let Some(t) = &self.thread
+        {
+            t.thread().unpark();
+        }
+        self.seq
+    }
+
+    /// One sample: the request stored → its answer seen (spinning), or for
+    /// [`Watcher::then_wake`] → `poll` on the eventfd returning, less the delay.
+    pub fn once(&mut self) -> Result<Duration> {
+        let t0 = Instant::now();
+        let n = self.request();
+        if let Some((efd, delay)) = self.wake.clone() {
+            wait_readable(&*efd, Some(Duration::from_secs(30)))?;
+            let elapsed = t0.elapsed();
+            efd_read(&efd)?;
+            return Ok(elapsed.saturating_sub(delay));
+        }
+        while self.shared.ack.load(Ordering::Acquire) != n {
+            std::hint::spin_loop();
+        }
+        Ok(t0.elapsed())
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
     }
 }

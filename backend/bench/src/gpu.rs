@@ -48,6 +48,8 @@ pub struct Gpu {
     tails: [u32; QUEUES as usize],
     /// The eventfd wired to MSI-X vector 0.
     pub irq: File,
+    /// BAR0's doorbell page, once mapped ([`Gpu::map_doorbells`]).
+    doorbells: Option<MmapRegion<()>>,
 }
 
 impl Gpu {
@@ -107,6 +109,7 @@ impl Gpu {
             mem,
             tails: [0; QUEUES as usize],
             irq,
+            doorbells: None,
         };
         // PCI command: memory space + bus master.
         let cmd = gpu.cfg16(0x04)? | 0x6;
@@ -221,6 +224,50 @@ impl Gpu {
                 .region_write(BAR_REGS, off, &tail.to_le_bytes())?;
         }
         Ok(())
+    }
+
+    /// Puts queue `q` in mapped-doorbell mode and maps BAR0's doorbell page (once) from the
+    /// region's sparse mmap area, as a VMM maps it into the guest.
+    pub fn map_doorbells(&mut self, q: u32) -> Result<()> {
+        if self.doorbells.is_none() {
+            let info = self.client.region_info(BAR_REGS).context("BAR0 info")?;
+            let area = info
+                .sparse_areas
+                .as_ref()
+                .and_then(|a| a.first().copied())
+                .context("BAR0 offers no mmap area")?;
+            if (area.offset, area.size) != (DOORBELL_PAGE, DOORBELL_PAGE_SIZE) {
+                bail!("BAR0's mmap area is not the doorbell page: {area:?}");
+            }
+            let file = info.fd.context("BAR0 came without a descriptor")?;
+            let page = MmapRegion::<()>::from_file(
+                FileOffset::new(file, info.info.offset + area.offset),
+                usize::try_from(area.size)?,
+            )
+            .context("mmap the doorbell page")?;
+            self.doorbells = Some(page);
+        }
+        self.w32(queue_reg(q, Q_CONTROL), Q_CONTROL_ENABLE | Q_CONTROL_MAPPED)?;
+        if self.r32(queue_reg(q, Q_CONTROL))? & Q_CONTROL_MAPPED == 0 {
+            bail!("queue {q} did not enter mapped mode");
+        }
+        Ok(())
+    }
+
+    /// Publishes queue `q`'s tail through the doorbell page (tail store, full fence, then the
+    /// `DB_NEED_KICK` read) and kicks if the device asks; returns whether it kicked.
+    pub fn publish(&mut self, q: u32, tail: u32) -> Result<bool> {
+        let page = self.doorbells.as_ref().context("doorbells not mapped")?;
+        let slot = usize::try_from(u64::from(q) * DB_STRIDE)?;
+        let s = page.as_volatile_slice();
+        std::sync::atomic::fence(Ordering::Release);
+        s.store(tail, slot + DB_TAIL as usize, Ordering::SeqCst)?;
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let kick = s.load::<u32>(slot + DB_NEED_KICK as usize, Ordering::SeqCst)? != 0;
+        if kick {
+            self.doorbell(q, tail, true)?;
+        }
+        Ok(kick)
     }
 
     /// Checks that no queue is in error (after a run).

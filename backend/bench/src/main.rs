@@ -13,6 +13,7 @@
 
 mod api;
 mod cases;
+mod doorbell;
 mod downtime;
 mod floors;
 mod gpu;
@@ -150,7 +151,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 14] = [
+    let all: [(&str, Case); 15] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -158,6 +159,7 @@ fn main() -> Result<()> {
         ("write-multi", cases::write_multi),
         ("copy", cases::copy),
         ("interrupt", cases::interrupt),
+        ("doorbell", doorbell::doorbell),
         ("dirty-report", cases::dirty_report),
         ("swap", downtime::swap),
         ("migration", downtime::migration),

@@ -149,7 +149,9 @@ impl Row {
         let ratio = floor.as_ref().map(|f| ours.p50 / f.p50);
         let peer_ratio = peer.as_ref().map(|p| ours.p50 / p.p50);
         let met = target.map(|t| {
-            let floor_ok = ratio.is_some_and(|r| {
+            // An absolute bound needs no floor.
+            let absolute = floor.is_none() && t.floor_ratio == 0.0 && t.plus > 0.0;
+            let floor_ok = (absolute && ours.p50 <= t.plus) || ratio.is_some_and(|r| {
                 if unit.higher_is_better() {
                     r >= t.floor_ratio
                 } else if t.plus > 0.0 {
