@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::driver::{Driver, guest};
+use common::driver::{DoorbellPage, Driver, guest};
 use common::ours::Ours;
 use common::supervised::{connect, endpoint};
 use switchyard_daemon::{MoveOutcome, Supervisor, SupervisorError};
@@ -266,4 +266,47 @@ fn a_mapped_vram_device_moves_while_no_client_is_connected() {
     assert_eq!(mapped, kept[..4096], "through the new memory object");
     d.setup_queue(0);
     d.run(0, &[Command::fill(Operand::Vram(0), 4096, 7)]);
+}
+
+/// A queue on mapped doorbells through transparent moves: the device moves to other VRAM, but
+/// the doorbell page the client mapped is the endpoint's, so tails stored into it keep
+/// reaching whichever device serves.
+#[test]
+fn mapped_doorbells_keep_working_through_transparent_moves() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sup = Arc::new(Supervisor::new(env!("CARGO_BIN_EXE_switchyard")));
+    let socket = endpoint(&sup, dir.path(), "ep", false);
+    let mut client = connect(&socket);
+    let page = DoorbellPage::map(&mut client);
+    let mut d = Driver::new(Ours(client));
+    d.setup_queue(0);
+    d.map_queue(0);
+    let boards = ["gpu1", "gpu2", "gpu0"];
+    for m in 0..6u64 {
+        for round in 0..8u64 {
+            let off = ((m * 8 + round) % 64) * 4096;
+            let fill = ((m << 8) | round) as u32;
+            let cmds = [
+                Command::fill(Operand::Vram(off), 4096, fill),
+                Command::copy(Operand::Vram(off), guest(0x40_0000 + off), 4096),
+            ];
+            d.submit_mapped(&page, 0, &cmds);
+            assert_eq!(d.wait_queue(0), Q_STATUS_IDLE, "move {m} round {round}");
+            let mut got = vec![0u8; 4096];
+            d.mem.read(0x40_0000 + off, &mut got);
+            assert!(
+                got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
+                "move {m} round {round}: result differs"
+            );
+        }
+        let to = boards[m as usize % 3];
+        match sup.move_device("ep", to, false, Duration::from_secs(30)) {
+            Ok(MoveOutcome::Moved(_)) => {}
+            other => panic!("move {m} to {to}: {other:?}"),
+        }
+    }
+    assert_eq!(
+        d.r32(queue_reg(0, Q_CONTROL)),
+        Q_CONTROL_ENABLE | Q_CONTROL_MAPPED
+    );
 }
