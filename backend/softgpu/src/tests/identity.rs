@@ -68,7 +68,10 @@ fn description_lists_regions_and_interrupts() {
     assert_eq!(d.regions[0].size, 64 << 10);
     assert!(d.regions[0].read && d.regions[0].write);
     // BAR0 is trapped but for the doorbell page, whose backing holds it at its BAR0 offset.
-    let bells = d.regions[0].mmap.as_ref().expect("the doorbell page is mappable");
+    let bells = d.regions[0]
+        .mmap
+        .as_ref()
+        .expect("the doorbell page is mappable");
     assert_eq!(bells.file_offset, 0);
     assert_eq!(
         bells.areas,
