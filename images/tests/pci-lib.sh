@@ -22,11 +22,16 @@ wait_dev() {
   done
 }
 
-# wait_gone PREFIX: waits (up to 5 min) until find_dev fails.
+# wait_gone PREFIX: waits (up to 5 min) until the device at $bdf (found by wait_dev) is
+# removed. It holds its config file open: once the device is removed, reads through that
+# descriptor fail even if a new device already sits at the same address (an unplug and
+# re-plug can be shorter than one poll), so a quick re-plug is not missed.
 wait_gone() {
+  exec 3< "/sys/bus/pci/devices/$bdf/config" || return 0
   t=0
-  while find_dev >/dev/null; do
+  while dd bs=1 count=1 skip=0 <&3 >/dev/null 2>&1; do
     sleep 0.2; t=$((t + 1))
     [ $t -gt 1500 ] && { echo "$1: timeout waiting for the removal"; exit 1; }
   done
+  exec 3<&-
 }
