@@ -1,17 +1,18 @@
-//! Command line: `sygpu-driver [--quick] [--doorbell trapped|mapped] [--bdf BDF]
+//! Command line: `sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N] [--bdf BDF]
 //! [--timeout SECONDS]`, `sygpu-driver --noiommu [the same options]`,
 //! `sygpu-driver --probe [--bdf BDF]` or `sygpu-driver --stamp|--check-stamp SEED [--bdf BDF]`.
 
 use std::time::Duration;
 
 use crate::gpu::Doorbell;
+use crate::latency::MAX_JOBS;
 use crate::sysfs::is_bdf;
 
 /// Usage text.
 pub const USAGE: &str = "\
-usage: sygpu-driver [--quick] [--doorbell trapped|mapped]
+usage: sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N]
                     [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
-       sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped]
+       sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N]
                     [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
        sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
@@ -34,6 +35,11 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               doorbell page in BAR0 (FEATURES bit 8), a full fence, and a Q_DOORBELL write
               only as a kick when DB_NEED_KICK says the engine sleeps; the summary counts
               the submissions and kicks
+  --latency N after the workload, measure on queue 0 with both doorbell modes (same run):
+              N NOP+FENCE jobs and N 4 KiB COPY+FENCE jobs one at a time (submission to
+              fence value seen in memory, polled: p50/p90 us), and N NOP+FENCE jobs back
+              to back (jobs/s); a table on the console, figures and mapped/trapped ratios
+              in the summary's latency object (N = 1..100000)
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -80,6 +86,8 @@ pub struct Options {
     pub stamp_check: bool,
     /// How the workload publishes tails (`--doorbell`).
     pub doorbell: Doorbell,
+    /// Jobs per figure of the latency measurement after the workload (`--latency N`).
+    pub latency: Option<usize>,
 }
 
 /// Parses the arguments (without the program name).
@@ -92,6 +100,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         stamp_seed: 0,
         stamp_check: false,
         doorbell: Doorbell::Trapped,
+        latency: None,
     };
     let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
@@ -138,6 +147,16 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                 o.doorbell = Doorbell::parse(&v)
                     .ok_or_else(|| format!("--doorbell '{v}': want trapped or mapped"))?;
                 workload_options.push("--doorbell");
+            }
+            "--latency" => {
+                let v = value("--latency")?;
+                let n: usize = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| (1..=MAX_JOBS).contains(&n))
+                    .ok_or_else(|| format!("--latency '{v}': want 1..{MAX_JOBS} jobs"))?;
+                o.latency = Some(n);
+                workload_options.push("--latency");
             }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
@@ -214,35 +233,42 @@ mod tests {
             (Mode::Stamp, 9, false)
         );
         assert!(parse(&["--stamp", "x"]).is_err());
-        assert_eq!(o.doorbell, Doorbell::Trapped);
+        assert_eq!((o.doorbell, o.latency), (Doorbell::Trapped, None));
     }
 
     #[test]
-    fn parses_doorbell() {
-        let o = parse(&["--doorbell", "mapped"]).expect("ok");
-        assert_eq!((o.mode, o.doorbell), (Mode::Run, Doorbell::Mapped));
-        let o = parse(&["--doorbell=trapped"]).expect("ok");
-        assert_eq!(o.doorbell, Doorbell::Trapped);
+    fn parses_doorbell_and_latency() {
+        let o = parse(&["--doorbell", "mapped", "--latency", "200"]).expect("ok");
+        assert_eq!(
+            (o.mode, o.doorbell, o.latency),
+            (Mode::Run, Doorbell::Mapped, Some(200))
+        );
+        let o = parse(&["--doorbell=trapped", "--latency=1"]).expect("ok");
+        assert_eq!((o.doorbell, o.latency), (Doorbell::Trapped, Some(1)));
         let o = parse(&["--noiommu", "--doorbell", "mapped"]).expect("ok");
         assert_eq!((o.mode, o.doorbell), (Mode::NoIommu, Doorbell::Mapped));
         for bad in [
             &["--doorbell"][..],
             &["--doorbell", "shadow"],
             &["--doorbell", "Mapped"],
+            &["--latency", "0"],
+            &["--latency", "100001"],
+            &["--latency", "x"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
         for bad in [
             &["--probe", "--doorbell", "mapped"][..],
+            &["--latency", "5", "--probe"],
             &["--stamp", "3", "--doorbell", "mapped"],
-            &["--check-stamp", "3", "--doorbell", "trapped"],
+            &["--check-stamp", "3", "--latency", "2"],
         ] {
             assert!(
                 parse(bad).is_err_and(|e| e.contains("applies to the workload")),
                 "{bad:?}"
             );
         }
-        assert!(USAGE.contains("--doorbell trapped|mapped"));
+        assert!(USAGE.contains("--doorbell trapped|mapped") && USAGE.contains("--latency N"));
     }
 
     #[test]

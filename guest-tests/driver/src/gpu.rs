@@ -781,6 +781,45 @@ impl Gpu {
         Ok(seq)
     }
 
+    /// Submits `cmd` and a FENCE without interrupt behind it with one doorbell; returns the
+    /// fence value (for [`Gpu::poll_fence`]).
+    pub fn submit_with_silent_fence(&mut self, q: u32, cmd: Cmd) -> Result<u64, String> {
+        let seq = self.queues[q as usize].seq + 1;
+        self.queues[q as usize].seq = seq;
+        self.stats.silent_fences += 1;
+        let fence_cmd = Cmd::fence(Addr::Iova(self.fence_slot(q)), seq, None);
+        self.submit(q, &[cmd, fence_cmd])?;
+        let tail = self.queues[q as usize].tail;
+        self.queues[q as usize].outstanding.push((seq, tail));
+        Ok(seq)
+    }
+
+    /// Spins until fence `seq` of queue `q` is in DMA memory, reading the fence slot only (no
+    /// interrupt, no register access), bounded by the timeout.
+    pub fn poll_fence(&mut self, q: u32, seq: u64) -> Result<(), String> {
+        let slot = self.fence_slot(q);
+        let deadline = Instant::now() + self.timeout;
+        let mut spins = 0u32;
+        while self.dma.read_u64(slot)? < seq {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(4096) && Instant::now() >= deadline {
+                return Err(format!(
+                    "timeout after {} s polling fence {seq} on queue {q} ({} doorbell): fence slot {}, STATUS {}, HEAD {}, TAIL {}, ERROR_CODE {}",
+                    self.timeout.as_secs(),
+                    self.doorbell(q).name(),
+                    self.dma.read_u64(slot).unwrap_or(u64::MAX),
+                    status_name(self.qr32(q, Q_STATUS)),
+                    self.qr32(q, Q_HEAD),
+                    self.qr32(q, Q_TAIL),
+                    error_name(self.qr32(q, Q_ERROR_CODE))
+                ));
+            }
+            std::hint::spin_loop();
+        }
+        // Acquire (and the bookkeeping of the outstanding fences).
+        self.fence_done(q, seq).map(|_| ())
+    }
+
     /// Submits `cmds` followed by a FENCE on the queue's completion vector; returns its value.
     pub fn submit_batch(&mut self, q: u32, cmds: &[Cmd]) -> Result<u64, String> {
         self.submit(q, cmds)?;

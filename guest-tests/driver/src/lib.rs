@@ -2,8 +2,8 @@
 //! inside a Linux guest, the way a GPU runtime would, over real PCI through Linux VFIO.
 //!
 //! ```text
-//! sygpu-driver [--quick] [--doorbell trapped|mapped] [--bdf 0000:00:04.0] [--timeout SECONDS]
-//! sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N] [--bdf 0000:00:04.0] [--timeout SECONDS]
 //! sygpu-driver --probe [--bdf 0000:00:04.0]
 //! ```
 //!
@@ -20,7 +20,8 @@
 //! `--doorbell mapped` publishes every submission through the device's doorbell page (BAR0
 //! `0x8000`, reached through the same BAR0 mapping as the registers): a store of the tail, a
 //! full fence, and a trapped `Q_DOORBELL` write only when the device says the queue's engine
-//! sleeps ([`gpu::Doorbell`]; the summary counts submissions and kicks).
+//! sleeps ([`gpu::Doorbell`]; the summary counts submissions and kicks). `--latency N` then
+//! measures small jobs with both doorbell modes in the same run ([`latency`]).
 //!
 //! `--noiommu` ([`noiommu`]) runs the same workload where VFIO cannot work (a vfio-user
 //! device under cloud-hypervisor, which puts no vfio-user device behind its virtio-iommu; the
@@ -56,6 +57,7 @@ pub mod dma;
 pub mod gpu;
 pub mod hugepage;
 pub mod irq;
+pub mod latency;
 pub mod mmio;
 pub mod noiommu;
 pub mod pci;
@@ -283,6 +285,8 @@ fn drive_noiommu(
     sum.submissions = gpu.stats.submissions;
     sum.kicks = gpu.stats.kicks;
     say_doorbells(opts, &gpu);
+    sum.steps = out.summary_steps();
+    let measured = measure_latency(opts, &mut gpu, &out, &mut sum.steps);
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
     sum.bytes_moved = gpu.stats.bytes_moved;
@@ -291,12 +295,12 @@ fn drive_noiommu(
     sum.status_polls = gpu.irqs.status_polls();
     sum.error_test_ok = out.error_test_ok;
     sum.vram_mmap_ok = out.vram_mmap_ok;
-    sum.steps = out.summary_steps();
     let problems = gpu.shutdown();
     drop(gpu);
     if let Some(e) = out.failure {
         return Err(e);
     }
+    sum.latency = measured?;
     if !problems.is_empty() {
         return Err(format!("shutdown: {}", problems.join("; ")));
     }
@@ -314,6 +318,46 @@ fn say_doorbells(opts: &cli::Options, gpu: &gpu::Gpu) {
         gpu.stats.submissions,
         gpu.stats.kicks
     );
+}
+
+/// With `--latency N` and a workload that passed: the latency measurement ([`latency::run`]),
+/// recorded as step `latency` in `steps` (its failure fails the run). Never panics (a panic
+/// is the step's failure).
+fn measure_latency(
+    opts: &cli::Options,
+    gpu: &mut gpu::Gpu,
+    out: &workload::Outcome,
+    steps: &mut Vec<summary::Step>,
+) -> Result<Option<summary::Latency>, String> {
+    let Some(jobs) = opts.latency else {
+        return Ok(None);
+    };
+    if out.failure.is_some() {
+        return Ok(None);
+    }
+    let t = Instant::now();
+    let mark = gpu.dma_mark();
+    let res = match catch_unwind(AssertUnwindSafe(|| latency::run(gpu, jobs))) {
+        Ok(r) => r,
+        Err(p) => Err(format!("panic: {}", panic_message(p.as_ref()))),
+    };
+    gpu.dma_release(mark);
+    let ms = t.elapsed().as_millis() as u64;
+    steps.push(summary::Step {
+        name: "latency".into(),
+        ok: res.is_ok(),
+        ms,
+    });
+    match res {
+        Ok(l) => {
+            say!("step latency: ok ({ms} ms)");
+            Ok(Some(l))
+        }
+        Err(e) => {
+            say!("step latency: FAIL ({ms} ms): {e}");
+            Err(format!("step latency: {e}"))
+        }
+    }
 }
 
 /// The message of a caught panic.
@@ -492,6 +536,8 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     sum.submissions = gpu.stats.submissions;
     sum.kicks = gpu.stats.kicks;
     say_doorbells(opts, &gpu);
+    sum.steps = out.summary_steps();
+    let measured = measure_latency(opts, &mut gpu, &out, &mut sum.steps);
     let _ = gpu.collect_interrupts();
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
@@ -505,7 +551,6 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     };
     sum.error_test_ok = out.error_test_ok;
     sum.vram_mmap_ok = out.vram_mmap_ok;
-    sum.steps = out.summary_steps();
     say!(
         "interrupts per vector {:?} (total {})",
         sum.interrupts.per_vector,
@@ -516,6 +561,7 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     if let Some(e) = out.failure {
         return Err(e);
     }
+    sum.latency = measured?;
     if !problems.is_empty() {
         return Err(format!("shutdown: {}", problems.join("; ")));
     }

@@ -58,7 +58,7 @@ pub struct Step {
 }
 
 /// The result of a full/quick run (`SYGPU-SUMMARY`). Field order is the JSON key order.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Summary {
     /// `"pass"` or `"fail"`.
     pub result: &'static str,
@@ -104,6 +104,8 @@ pub struct Summary {
     pub vram_mmap_ok: bool,
     /// Steps run, in order.
     pub steps: Vec<Step>,
+    /// The `--latency` figures (`null` without it).
+    pub latency: Option<Latency>,
     /// Wall time of the whole run.
     pub duration_ms: u64,
 }
@@ -136,6 +138,7 @@ impl Summary {
             error_test_ok: false,
             vram_mmap_ok: false,
             steps: Vec::new(),
+            latency: None,
             duration_ms: 0,
         }
     }
@@ -165,6 +168,65 @@ fn unmet(
     }
 }
 
+/// Two percentiles of a latency, in microseconds (0.1 µs resolution).
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+}
+
+/// The `--latency` figures of one doorbell mode.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LatencyMode {
+    /// NOP + FENCE: submission until the fence value is seen in guest memory.
+    pub nop_fence_us: Percentiles,
+    /// 4 KiB COPY + FENCE, the same way (the bytes checked after each job).
+    pub copy_4k_us: Percentiles,
+    /// NOP + FENCE jobs back to back (the next submitted when the previous fence is seen).
+    pub jobs_per_s: f64,
+    /// Tails published while measuring (warm-ups excluded).
+    pub submissions: u64,
+    /// Of those, the kicks (`DB_NEED_KICK` found set; always 0 when trapped).
+    pub kicks: u64,
+}
+
+/// Mapped over trapped, same run (below 1: mapped is faster for latencies; above 1: for
+/// jobs/s).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LatencyRatios {
+    /// NOP + FENCE p50.
+    pub nop_fence_p50: f64,
+    /// NOP + FENCE p90.
+    pub nop_fence_p90: f64,
+    /// 4 KiB COPY + FENCE p50.
+    pub copy_4k_p50: f64,
+    /// 4 KiB COPY + FENCE p90.
+    pub copy_4k_p90: f64,
+    /// Back-to-back jobs/s.
+    pub jobs_per_s: f64,
+}
+
+/// The `--latency` run ([`crate::latency`]): both doorbell modes on one queue, same run.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Latency {
+    /// Jobs per figure.
+    pub jobs: u64,
+    /// The queue measured.
+    pub queue: u32,
+    /// Bytes per COPY job.
+    pub copy_bytes: u64,
+    /// Wall time of the measurement.
+    pub ms: u64,
+    /// Trapped doorbells.
+    pub trapped: LatencyMode,
+    /// Mapped doorbells.
+    pub mapped: LatencyMode,
+    /// Mapped over trapped.
+    pub mapped_over_trapped: LatencyRatios,
+}
+
 /// The DMA memory of a no-IOMMU run.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
 pub struct Hugepages {
@@ -181,7 +243,7 @@ pub struct Hugepages {
 }
 
 /// The result of a `--noiommu` run (`SYGPU-SUMMARY`). Field order is the JSON key order.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct NoIommuSummary {
     /// `"pass"` or `"fail"`.
     pub result: &'static str,
@@ -236,6 +298,8 @@ pub struct NoIommuSummary {
     pub skipped: Vec<String>,
     /// Steps run, in order.
     pub steps: Vec<Step>,
+    /// The `--latency` figures (`null` without it).
+    pub latency: Option<Latency>,
     /// Wall time of the whole run.
     pub duration_ms: u64,
 }
@@ -270,6 +334,7 @@ impl NoIommuSummary {
             vram_mmap_ok: false,
             skipped: Vec::new(),
             steps: Vec::new(),
+            latency: None,
             duration_ms: 0,
         }
     }
@@ -414,7 +479,7 @@ mod tests {
              \"doorbell\":\"trapped\",\"submissions\":0,\"kicks\":0,\
              \"interrupts\":{\"per_vector\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],\"total\":16},\
              \"error_test_ok\":true,\"vram_mmap_ok\":true,\
-             \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"duration_ms\":42}"
+             \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"latency\":null,\"duration_ms\":42}"
         );
         assert!(!line.contains('\n'));
         let v: serde_json::Value =
@@ -439,25 +504,62 @@ mod tests {
     }
 
     #[test]
-    fn doorbell_counts_in_the_line() {
+    fn doorbell_and_latency_in_the_line() {
+        let mode = |p50: f64, kicks: u64| LatencyMode {
+            nop_fence_us: Percentiles {
+                p50,
+                p90: p50 + 1.0,
+            },
+            copy_4k_us: Percentiles {
+                p50: p50 + 5.0,
+                p90: p50 + 9.5,
+            },
+            jobs_per_s: 1e6 / p50,
+            submissions: 400,
+            kicks,
+        };
         let mut s = passing();
         s.doorbell = "mapped";
         s.submissions = 120;
         s.kicks = 31;
+        s.latency = Some(Latency {
+            jobs: 200,
+            queue: 0,
+            copy_bytes: 4096,
+            ms: 900,
+            trapped: mode(100.0, 0),
+            mapped: mode(40.0, 7),
+            mapped_over_trapped: LatencyRatios {
+                nop_fence_p50: 0.4,
+                nop_fence_p90: 0.41,
+                copy_4k_p50: 0.43,
+                copy_4k_p90: 0.46,
+                jobs_per_s: 2.5,
+            },
+        });
         s.conclude(None);
         assert!(s.passed());
+        let line = s.line();
         assert!(
-            s.line()
-                .contains("\"doorbell\":\"mapped\",\"submissions\":120,\"kicks\":31,"),
-            "{}",
-            s.line()
+            line.contains("\"doorbell\":\"mapped\",\"submissions\":120,\"kicks\":31,"),
+            "{line}"
         );
+        let v: serde_json::Value =
+            serde_json::from_str(line.strip_prefix("SYGPU-SUMMARY ").expect("tag")).expect("json");
+        let l = &v["latency"];
+        assert_eq!(l["jobs"], 200);
+        assert_eq!(l["trapped"]["nop_fence_us"]["p50"], 100.0);
+        assert_eq!(l["mapped"]["copy_4k_us"]["p90"], 49.5);
+        assert_eq!(l["mapped"]["jobs_per_s"], 25000.0);
+        assert_eq!(l["mapped"]["kicks"], 7);
+        assert_eq!(l["mapped_over_trapped"]["jobs_per_s"], 2.5);
         let mut n = NoIommuSummary::new("quick");
         n.doorbell = "mapped";
         assert!(
             n.line()
                 .contains("\"doorbell\":\"mapped\",\"submissions\":0,\"kicks\":0,")
         );
+        assert!(n.line().contains("\"latency\":null,\"duration_ms\":0}"));
     }
 
     #[test]
