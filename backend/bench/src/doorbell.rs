@@ -172,7 +172,9 @@ pub fn doorbell(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
             cs.push(Contender::new("value", move || {
                 d.borrow_mut().until_value(stall)
             }));
-            cs.push(Contender::new("irq", move || d.borrow_mut().until_irq(stall)));
+            cs.push(Contender::new("irq", move || {
+                d.borrow_mut().until_irq(stall)
+            }));
         }
         interleaved(&mut cs, plan)?
     };

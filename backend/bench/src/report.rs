@@ -151,17 +151,18 @@ impl Row {
         let met = target.map(|t| {
             // An absolute bound needs no floor.
             let absolute = floor.is_none() && t.floor_ratio == 0.0 && t.plus > 0.0;
-            let floor_ok = (absolute && ours.p50 <= t.plus) || ratio.is_some_and(|r| {
-                if unit.higher_is_better() {
-                    r >= t.floor_ratio
-                } else if t.plus > 0.0 {
-                    floor
-                        .as_ref()
-                        .is_some_and(|f| ours.p50 <= t.floor_ratio * f.p50 + t.plus)
-                } else {
-                    r <= t.floor_ratio
-                }
-            });
+            let floor_ok = (absolute && ours.p50 <= t.plus)
+                || ratio.is_some_and(|r| {
+                    if unit.higher_is_better() {
+                        r >= t.floor_ratio
+                    } else if t.plus > 0.0 {
+                        floor
+                            .as_ref()
+                            .is_some_and(|f| ours.p50 <= t.floor_ratio * f.p50 + t.plus)
+                    } else {
+                        r <= t.floor_ratio
+                    }
+                });
             let peer_ok = !t.beat_peer
                 || peer_ratio.is_none_or(|r| {
                     if unit.higher_is_better() {
