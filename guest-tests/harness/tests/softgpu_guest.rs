@@ -26,19 +26,31 @@ fn assert_device_listed(out: &GuestOutput) {
 }
 
 /// Boots a guest (vIOMMU) that runs the in-guest driver's full workload on the
-/// `vfio-user-pci` device at `socket`, and waits for it to power off.
+/// `vfio-user-pci` device at `socket` (with driver `args`), and waits for it to power off.
 fn run_driver_guest(
     env: &GuestEnv,
     dir: &std::path::Path,
     socket: &std::path::Path,
+    args: &[&str],
 ) -> GuestOutput {
     let mut spec = GuestSpec::new("sygpu-driver");
+    spec.args = args.iter().map(|a| (*a).to_owned()).collect();
     spec.iommu = true;
     spec.devices = vec![VfioUserDevice::new("gpu0", socket)];
     Guest::boot(env, dir, &spec)
         .expect("boot")
         .wait()
         .expect("guest finished")
+}
+
+/// Checks that a driver summary ran on mapped doorbells and that the device took tails from
+/// the page without being kicked for them (so the page QEMU maps is the one the device
+/// polls, across whatever happened to the device meanwhile).
+fn assert_mapped_doorbells(s: &serde_json::Value) {
+    assert_eq!(s["doorbell"], "mapped", "{s}");
+    let subs = s["submissions"].as_u64().expect("submissions");
+    let kicks = s["kicks"].as_u64().expect("kicks");
+    assert!(kicks < subs, "every one of {subs} submissions kicked: {s}");
 }
 
 /// Boots a guest (vIOMMU, one empty PCIe root port, a QMP socket) running the guest script
@@ -447,7 +459,8 @@ fn in_guest_vfio_driver_runs_the_full_workload_with_msi() {
 #[test]
 #[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn in_guest_vfio_driver_does_not_notice_the_device_being_swapped() {
-    let log = full_workload(
+    // On mapped doorbells: every successor polls the page QEMU mapped.
+    let run = full_workload(
         "driver-swaps",
         "softgpu,vram=64M,queues=2",
         &["--swap-every-ms", "20"],
@@ -455,9 +468,10 @@ fn in_guest_vfio_driver_does_not_notice_the_device_being_swapped() {
         "info,switchyard_server::slot=debug",
         16,
         "msix",
-        &[],
-    )
-    .server_log;
+        &["--doorbell", "mapped"],
+    );
+    assert_mapped_doorbells(&run.summary);
+    let log = run.server_log;
     let session = log
         .split_once("client connected")
         .and_then(|(_, after)| after.split_once("client disconnected"))
@@ -583,10 +597,12 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
                 kills
             })
         };
-        let out = run_driver_guest(env, dir, &socket);
+        // On mapped doorbells: every replacement must serve the page QEMU mapped.
+        let out = run_driver_guest(env, dir, &socket, &["--doorbell", "mapped"]);
         running.store(false, Ordering::SeqCst);
         let kills = killer.join().expect("killer");
         let s = assert_driver_passed(&out);
+        assert_mapped_doorbells(&s);
         let st = sup.status("vm1").expect("status");
         assert!(
             kills >= 3 && st.restarts >= kills,
@@ -765,10 +781,12 @@ fn in_guest_vfio_driver_runs_across_twenty_transparent_moves() {
                 downtimes
             })
         };
-        let out = run_driver_guest(env, dir, &socket);
+        // On mapped doorbells: the page stays with the endpoint while VRAM moves.
+        let out = run_driver_guest(env, dir, &socket, &["--doorbell", "mapped"]);
         running.store(false, Ordering::SeqCst);
         let downtimes = mover.join().expect("mover");
         let s = assert_driver_passed(&out);
+        assert_mapped_doorbells(&s);
         assert_eq!(
             downtimes.len(),
             20,
