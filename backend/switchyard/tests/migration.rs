@@ -11,7 +11,7 @@ use std::num::NonZeroU32;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use common::driver::{CONFIG, Driver, guest, wait_eventfd};
+use common::driver::{CONFIG, DoorbellPage, Driver, guest, wait_eventfd};
 use common::ours::Ours;
 use common::{GuestMemory, ServerProcess};
 use switchyard_client::migrate::{
@@ -409,4 +409,65 @@ fn a_refused_stream_leaves_the_source_running() {
     mig.start_pre_copy().expect("PRE_COPY");
     assert!(matches!(mig.abort(), Recovery::SourceRunning));
     assert_eq!(d.t.0.mig_state().expect("state"), VFIO_DEVICE_STATE_RUNNING);
+}
+
+/// A queue on mapped doorbells migrates with the tail the guest stored into the source's
+/// doorbell page and never rang (the vCPU stopped before it could): the tail travels in the
+/// device state, the destination writes it into its own page, and the command runs there.
+#[test]
+fn a_mapped_doorbell_tail_migrates_into_the_destination_page() {
+    let device = "softgpu,vram=16M,queues=2,spin=0";
+    let src_server = ServerProcess::start(device);
+    let dst_server = ServerProcess::start(device);
+    let mut src = connect(&src_server);
+    let src_page = DoorbellPage::map(&mut src);
+    let mut d = Driver::new(Ours(src));
+    d.setup_queue(0);
+    d.map_queue(0);
+    d.submit_mapped(&src_page, 0, &[Command::fence(guest(0x20_0000), 1, None)]);
+    assert_eq!(d.wait_queue(0), Q_STATUS_IDLE);
+    // Bus mastering off (the guest is being stopped), then a submission only in the page.
+    let cmd = d.cfg16(0x04) & !0x4;
+    d.t.0
+        .region_write(CONFIG, 0x04, &cmd.to_le_bytes())
+        .expect("bus master off");
+    let tail = d.enqueue(
+        0,
+        &[
+            Command::fill(Operand::Vram(0), 4096, 0x3c3c_3c3c),
+            Command::fence(guest(0x20_0000), 2, None),
+        ],
+    );
+    src_page.publish(0, tail);
+
+    let mut mig = Migration::new(d, connect(&dst_server)).with_chunk(CHUNK);
+    mig.prepare_destination().expect("RESUMING");
+    mig.start_pre_copy().expect("PRE_COPY");
+    round(&mut mig);
+    mig.switchover().expect("STOP_COPY, stream, RUNNING");
+    let (d, mut dst) = mig.into_parts();
+    let dst_page = DoorbellPage::map(&mut dst);
+    assert_eq!(
+        dst_page.tail(0),
+        tail,
+        "the destination page holds the tail"
+    );
+    let mut b = [0u8; 4];
+    dst.region_read(BAR_REGS, queue_reg(0, Q_CONTROL), &mut b)
+        .expect("read");
+    assert_eq!(
+        u32::from_le_bytes(b),
+        Q_CONTROL_ENABLE | Q_CONTROL_MAPPED,
+        "still in mapped mode"
+    );
+    // The destination VMM maps the same guest RAM; bus mastering back on runs the work.
+    let ram = GuestMemory {
+        file: d.mem.file.try_clone().expect("clone RAM"),
+        size: d.mem.size,
+    };
+    let mut d2 = Driver::with_memory(Ours(dst), ram);
+    d2.set_tail(0, tail);
+    assert_eq!(d2.wait_queue(0), Q_STATUS_IDLE);
+    assert_eq!(d2.mem.read_u64(0x20_0000), 2);
+    assert_eq!(d2.r32(queue_reg(0, Q_HEAD)), tail);
 }

@@ -190,6 +190,12 @@ impl<T: Transport> Driver<T> {
         self.w32(queue_reg(q, Q_DOORBELL), tail);
     }
 
+    /// Sets the driver's idea of queue `q`'s tail (a driver taking over a device, e.g. after
+    /// a migration).
+    pub fn set_tail(&mut self, q: u32, tail: u32) {
+        self.tails[q as usize] = tail;
+    }
+
     /// Puts queue `q` (set up) in mapped-doorbell mode.
     pub fn map_queue(&mut self, q: u32) {
         self.w32(queue_reg(q, Q_CONTROL), Q_CONTROL_ENABLE | Q_CONTROL_MAPPED);
@@ -308,6 +314,15 @@ impl DoorbellPage {
 
     fn word(q: u32, reg: u64) -> usize {
         (u64::from(q) * DB_STRIDE + reg) as usize
+    }
+
+    /// Queue `q`'s `DB_TAIL` as the page holds it.
+    pub fn tail(&self, q: u32) -> u32 {
+        use vm_memory::{Bytes, VolatileMemory};
+        self.0
+            .as_volatile_slice()
+            .load::<u32>(Self::word(q, DB_TAIL), std::sync::atomic::Ordering::SeqCst)
+            .expect("load DB_TAIL")
     }
 
     /// The driver's protocol: tail store, full fence, `DB_NEED_KICK` read.
