@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::driver::{DoorbellPage, Driver, guest};
+use common::driver::{Driver, guest};
 use common::ours::Ours;
 use common::supervised::{connect, endpoint};
 use switchyard_daemon::{MoveOutcome, Supervisor, SupervisorError};
@@ -276,28 +276,14 @@ fn mapped_doorbells_keep_working_through_transparent_moves() {
     let dir = tempfile::tempdir().expect("tempdir");
     let sup = Arc::new(Supervisor::new(env!("CARGO_BIN_EXE_switchyard")));
     let socket = endpoint(&sup, dir.path(), "ep", false);
-    let mut client = connect(&socket);
-    let page = DoorbellPage::map(&mut client);
-    let mut d = Driver::new(Ours(client));
-    d.setup_queue(0);
-    d.map_queue(0);
+    let (mut d, page) = common::supervised::mapped_driver(&socket);
     let boards = ["gpu1", "gpu2", "gpu0"];
     for m in 0..6u64 {
         for round in 0..8u64 {
             let off = ((m * 8 + round) % 64) * 4096;
             let fill = ((m << 8) | round) as u32;
-            let cmds = [
-                Command::fill(Operand::Vram(off), 4096, fill),
-                Command::copy(Operand::Vram(off), guest(0x40_0000 + off), 4096),
-            ];
-            d.submit_mapped(&page, 0, &cmds);
-            assert_eq!(d.wait_queue(0), Q_STATUS_IDLE, "move {m} round {round}");
-            let mut got = vec![0u8; 4096];
-            d.mem.read(0x40_0000 + off, &mut got);
-            assert!(
-                got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
-                "move {m} round {round}: result differs"
-            );
+            let what = format!("move {m} round {round}");
+            common::workload::mapped_fill_copy_round(&mut d, &page, off, fill, &what);
         }
         let to = boards[m as usize % 3];
         match sup.move_device("ep", to, false, Duration::from_secs(30)) {

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::driver::{DoorbellPage, Driver, guest};
+use common::driver::{Driver, guest};
 use common::ours::Ours;
 use common::supervised::{connect, endpoint, supervisor};
 use switchyard_daemon::Supervisor;
-use switchyard_softgpu::cmd::{Command, Operand};
+use switchyard_softgpu::cmd::Command;
 use switchyard_softgpu::regs::*;
 
 /// Kills the endpoint's worker every `every` while `running`; returns how many it killed.
@@ -206,11 +206,7 @@ fn mapped_doorbells_keep_working_across_worker_kills() {
     let dir = tempfile::tempdir().expect("tempdir");
     let sup = Arc::new(supervisor());
     let socket = endpoint(&sup, dir.path(), "ep", true);
-    let mut client = connect(&socket);
-    let page = DoorbellPage::map(&mut client);
-    let mut d = Driver::new(Ours(client));
-    d.setup_queue(0);
-    d.map_queue(0);
+    let (mut d, page) = common::supervised::mapped_driver(&socket);
 
     let running = Arc::new(AtomicBool::new(true));
     let kills = killer(&sup, "ep", Duration::from_millis(150), running.clone());
@@ -223,18 +219,10 @@ fn mapped_doorbells_keep_working_across_worker_kills() {
         );
         let off = (round % 64) * 4096;
         let fill = (round as u32).wrapping_mul(0x0103_0507);
-        let cmds = [
-            Command::fill(Operand::Vram(off), 4096, fill),
-            Command::copy(Operand::Vram(off), guest(0x40_0000 + off), 4096),
-        ];
-        kicks += u64::from(d.submit_mapped(&page, 0, &cmds));
-        assert_eq!(d.wait_queue(0), Q_STATUS_IDLE, "round {round}");
-        let mut got = vec![0u8; 4096];
-        d.mem.read(0x40_0000 + off, &mut got);
-        assert!(
-            got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
-            "round {round}: result differs"
-        );
+        let what = format!("round {round}");
+        kicks += u64::from(common::workload::mapped_fill_copy_round(
+            &mut d, &page, off, fill, &what,
+        ));
         round += 1;
     }
     running.store(false, Ordering::SeqCst);

@@ -46,3 +46,19 @@ pub fn connect(socket: &Path) -> Client {
     )
     .expect("connect")
 }
+
+/// A driver on the endpoint at `socket` with queue 0 set up on mapped doorbells, and the
+/// doorbell page it mapped (as a VMM maps it for the guest).
+pub fn mapped_driver(
+    socket: &Path,
+) -> (
+    super::driver::Driver<super::ours::Ours>,
+    super::driver::DoorbellPage,
+) {
+    let mut client = connect(socket);
+    let page = super::driver::DoorbellPage::map(&mut client);
+    let mut d = super::driver::Driver::new(super::ours::Ours(client));
+    d.setup_queue(0);
+    d.map_queue(0);
+    (d, page)
+}

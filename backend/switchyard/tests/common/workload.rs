@@ -274,3 +274,27 @@ pub fn fill_copy_round<T: Transport>(d: &mut Driver<T>, round: u64, q: u32) {
         .collect();
     assert!(got == want, "round {round} queue {q}: result differs");
 }
+
+/// One FILL (of VRAM at `off`, with `fill`) + COPY (to guest memory) on queue 0 submitted
+/// through the doorbell page, the result checked; returns whether the submission kicked.
+pub fn mapped_fill_copy_round<T: Transport>(
+    d: &mut Driver<T>,
+    page: &DoorbellPage,
+    off: u64,
+    fill: u32,
+    what: &str,
+) -> bool {
+    let cmds = [
+        Command::fill(Operand::Vram(off), 4096, fill),
+        Command::copy(Operand::Vram(off), guest(0x40_0000 + off), 4096),
+    ];
+    let kicked = d.submit_mapped(page, 0, &cmds);
+    assert_eq!(d.wait_queue(0), Q_STATUS_IDLE, "{what}");
+    let mut got = vec![0u8; 4096];
+    d.mem.read(0x40_0000 + off, &mut got);
+    assert!(
+        got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
+        "{what}: result differs"
+    );
+    kicked
+}
