@@ -436,13 +436,16 @@ const STATS_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
 /// [`STATS_PERIOD`], when something happened.
 fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError> {
     let (keeper, requests, slot) = (keeper.clone(), server.request_stats(), server.device_slot());
+    // The baseline is taken here, before the worker serves: taken by the thread, it could
+    // come after the first requests (a thread started late on a loaded machine) and they
+    // would never be reported.
+    let mut last = requests.snapshot();
+    let mut last_work = slot
+        .with_as::<SoftGpu, _>(|g| g.work_stats())
+        .unwrap_or_default();
     std::thread::Builder::new()
         .name("sy-worker-stats".into())
         .spawn(move || {
-            let mut last = requests.snapshot();
-            let mut last_work = slot
-                .with_as::<SoftGpu, _>(|g| g.work_stats())
-                .unwrap_or_default();
             loop {
                 std::thread::sleep(STATS_PERIOD);
                 let now = requests.snapshot();
