@@ -80,6 +80,14 @@ fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
         assert_eq!(s["jobs_verified"].as_u64(), Some(run), "{s}");
         assert_eq!(s["vram_mmap_ok"], true, "VRAM through the mapped BAR: {s}");
         assert_eq!(s["error_test_ok"], true, "bad DMA address: {s}");
+        // On mapped doorbells through the BAR0 page cloud-hypervisor offers L2: the device
+        // took tails it was not kicked for.
+        assert_eq!(s["doorbell"], "mapped", "{s}");
+        let (subs, kicks) = (
+            s["submissions"].as_u64().expect("submissions"),
+            s["kicks"].as_u64().expect("kicks"),
+        );
+        assert!(kicks < subs, "every one of {subs} submissions kicked: {s}");
 
         // Hot-add and removal through our REST client, twice: L2 sees the device come and go,
         // the driver runs on each plug, nothing dies.

@@ -147,6 +147,10 @@ fn ch_workload(dir: &Path, mode: DriverMode) -> Result<Value> {
     let mut server = Server::start(Path::new(SWITCHYARD), dir, "gpu-boot", DEVICE)?;
     let mut args = vec![];
     args.extend_from_slice(mode.args());
+    if mode == DriverMode::NoIommu {
+        // Submissions through the doorbell page cloud-hypervisor maps from BAR0's sparse area.
+        args.extend_from_slice(&["--doorbell", "mapped"]);
+    }
     let mut spec = l2_spec("boot", l2_cmdline("sygpu-driver", &args));
     spec.user_devices = vec![UserDeviceConfig::new(&server.socket).id("gpu0")];
     let mut vm = Vm::start(dir, spec)?;
