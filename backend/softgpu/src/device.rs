@@ -552,6 +552,8 @@ pub(crate) struct Shared {
     pub(crate) bells: Arc<DoorbellPage>,
     /// Per queue: how a doorbell reaches a polling engine.
     polls: Vec<Poll>,
+    /// Engines polling right now (at most [`MAX_POLLERS`]).
+    pollers: AtomicU32,
     /// The server's remote waits, held while waiting for the engines.
     waits: Arc<WaitControl>,
     /// The power-on config space (sealed), also the source of write masks after a restore.
@@ -563,6 +565,12 @@ pub(crate) struct Shared {
     #[cfg(test)]
     pub(crate) hook: TestHook,
 }
+
+/// How many of a device's engines may poll at once: one core at most, whatever the client
+/// submits (a client that kept every queue just busy enough would otherwise keep eight engines
+/// spinning on work it never sends). The other engines sleep at once; mapped doorbells reach
+/// them by kicks.
+const MAX_POLLERS: u32 = 1;
 
 /// How a doorbell reaches an engine that polls instead of sleeping.
 #[derive(Debug, Default)]
@@ -682,6 +690,7 @@ impl Shared {
             vram,
             bells,
             polls: (0..n).map(|_| Poll::default()).collect(),
+            pollers: AtomicU32::new(0),
             waits,
             config_def,
             regs: Mutex::new(Regs {
@@ -1124,7 +1133,7 @@ impl Shared {
                     g.st.queues
                         .get(q)
                         .map_or((false, 0), |qs| (qs.mapped, qs.tail));
-                if runnable && !polled && !budget.now().is_zero() {
+                if runnable && !polled && !budget.now().is_zero() && self.start_polling() {
                     // Poll, without the lock, for a doorbell or a new DB_TAIL.
                     polled = true;
                     let rung = poll.rung.load(Ordering::Acquire);
@@ -1137,6 +1146,7 @@ impl Shared {
                     {
                         std::hint::spin_loop();
                     }
+                    self.pollers.fetch_sub(1, Ordering::AcqRel);
                     g = self.lock();
                     poll.polling.store(false, Ordering::SeqCst);
                     continue;
@@ -1187,6 +1197,15 @@ impl Shared {
                 self.idle.notify_all();
             }
         }
+    }
+
+    /// Takes one of the [`MAX_POLLERS`] polling slots, if one is free.
+    fn start_polling(&self) -> bool {
+        self.pollers
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_POLLERS).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// Takes the set of engines that doorbells made runnable (under the lock).

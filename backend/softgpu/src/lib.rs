@@ -145,7 +145,9 @@
 //! when the next submission came soon after the engine went to sleep and shrinks to nothing
 //! when sleeps are long (the rule KVM's halt polling uses), so a busy queue never sleeps and
 //! an idle device burns no CPU. The same poll serves trapped doorbells: a `DOORBELL` write
-//! that finds its engine polling only bumps a counter, with no wake-up.
+//! that finds its engine polling only bumps a counter, with no wake-up. At most one engine of
+//! a device polls at a time (the others sleep at once and are reached by kicks), so whatever
+//! a client submits, a device's polling costs at most one core.
 //!
 //! **`CONTROL` writes** are processed in this order: RESET (if set) abandons the running
 //! command (results discarded), sets head = tail = 0, clears the error state and `COMPLETED`,
