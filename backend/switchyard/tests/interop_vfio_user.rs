@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::ServerProcess;
 use common::driver::{Driver, Transport};
+use switchyard_softgpu::regs::{DOORBELL_PAGE, DOORBELL_PAGE_SIZE};
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_REGION_INFO_FLAG_MMAP,
     VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
@@ -60,7 +61,20 @@ fn regions_and_irqs_as_seen_by_the_crate_client() {
         bar0.flags & (VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE),
         3
     );
-    assert!(bar0.file_offset.is_none(), "registers are trapped");
+    // Registers are trapped; only the doorbell page is offered for mmap.
+    assert_ne!(
+        bar0.flags & VFIO_REGION_INFO_FLAG_MMAP,
+        0,
+        "BAR0 has an mmap area"
+    );
+    assert!(bar0.file_offset.is_some(), "the doorbell page's fd");
+    assert_eq!(
+        bar0.sparse_areas
+            .iter()
+            .map(|a| (a.offset, a.size))
+            .collect::<Vec<_>>(),
+        vec![(DOORBELL_PAGE, DOORBELL_PAGE_SIZE)]
+    );
     let vram = c.region(2).expect("BAR2");
     assert_eq!(vram.size, 64 << 20);
     assert_ne!(
