@@ -588,25 +588,25 @@ struct Poll {
 /// while polling keeps it. So a busy queue polls and never sleeps, a sporadic one sleeps at
 /// once, an idle one costs nothing.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Budget {
+struct Budget {
     max: Duration,
     now: Duration,
 }
 
 impl Budget {
     /// The first budget after a sleep that polling would have caught.
-    pub(crate) const START: Duration = Duration::from_micros(10);
+    const START: Duration = Duration::from_micros(10);
 
-    pub(crate) fn new(max: Duration) -> Self {
+    fn new(max: Duration) -> Self {
         Self { max, now: max }
     }
 
-    pub(crate) fn now(&self) -> Duration {
+    fn now(&self) -> Duration {
         self.now
     }
 
     /// The engine slept for `slept` (woken by a doorbell, or anything else).
-    pub(crate) fn slept(&mut self, slept: Duration) {
+    fn slept(&mut self, slept: Duration) {
         if slept > self.max {
             self.now = Duration::ZERO;
         } else if self.now < self.max {

@@ -654,7 +654,8 @@ impl SoftGpu {
     /// `"softgpu.vram"`. `doorbells` is the doorbell page's backing the dead process used
     /// ([`SoftGpu::doorbell_memfd`]), which the guest may have mapped: the tails in it are
     /// newer than the state's. Without it (a worker that kept none) the device makes a new
-    /// page and writes the mapped queues' tails into it. The state is the last one published (hash-checked by the black box);
+    /// page and writes the mapped queues' tails into it. The state is the last one published
+    /// (hash-checked by the black box);
     /// a black box written by a device of another configuration is refused
     /// ([`StateError::ConfigMismatch`], [`StateError::IrqModeMismatch`]).
     ///
