@@ -25,6 +25,9 @@
 //!                killed with QEMU connected: reset + replay, the socket stays), then is removed
 //!                from L1 under load: no hang, the endpoint fails cleanly (device lost, board
 //!                quarantined), the daemon and QEMU survive; a move is refused
+//!   pool-edu-kills  (diagnosis, not in CI) one passthrough endpoint, L2 booted nine times,
+//!                its worker killed at delays from 0 to 1000 ms after QEMU connected (once
+//!                not at all): every boot must pass
 //!   vf-probe     an igb VF created and bound by `switchyard inventory`, served by switchyard,
 //!                checked from the client side (identity, config space, regions, MSI-X)
 //!   irq-bench    edu's MSI to an eventfd: VFIO in L1 (floor), through switchyard with the
@@ -74,6 +77,8 @@ const L2_CMDLINE: &str = "console=ttyS0 panic=-1 quiet sy.nomodules hugepages=16
 const L2_MEMORY_MIB: u64 = 512;
 /// Boot + workload of one L2 (TCG-speed CPU in L2, ~0.4 ms per trapped access).
 const L2_TIMEOUT: Duration = Duration::from_secs(300);
+/// Boot + `sy-edu` of one L2 (~25 s here; an L2 that takes this long is stuck).
+const EDU_TIMEOUT: Duration = Duration::from_secs(150);
 
 /// How L2 runs the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -419,6 +424,9 @@ fn mmio_bench(dir: &Path, count: u32) -> Result<Value> {
 /// drivers use VFIO like on the single-level guests; the vfio-user device is at `socket`.
 fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str]) -> Result<Vm> {
     let mut append = String::from("console=ttyS0 panic=-1 quiet intel_iommu=on");
+    if L2_VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
+        append = append.replace(" quiet", "");
+    }
     append.push_str(&format!(" sy.test={test}"));
     for a in args {
         append.push_str(&format!(" sy.arg={a}"));
@@ -439,7 +447,12 @@ fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str]) -> 
 
 /// Waits for an L2 test's rc line and its JSON summary line, then for the VMM to exit.
 fn l2_outcome(vm: &mut Vm, test: &str, summary: &str) -> Result<(i32, Value, Option<i32>)> {
-    let rc_line = vm.wait_line(&format!("GUEST: test {test} rc="), L2_TIMEOUT)?;
+    let timeout = if test == "sy-edu" {
+        EDU_TIMEOUT
+    } else {
+        L2_TIMEOUT
+    };
+    let rc_line = vm.wait_line(&format!("GUEST: test {test} rc="), timeout)?;
     let rc: i32 = rc_line
         .rsplit('=')
         .next()
@@ -613,7 +626,7 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     disconnected("vm2")?;
     // vm2's next boot keeps edu0 busy while it is removed from L1.
     let mut vm = qemu_l2(dir, "vm2-remove", &sock2, "sy-edu", &["--loop", "600"])?;
-    vm.wait_line("SY-EDU: loop rounds=", L2_TIMEOUT)?;
+    vm.wait_line("SY-EDU: loop rounds=", EDU_TIMEOUT)?;
     println!("NESTED: L2 keeps {a} (edu0) busy; removing it from L1");
     let (removal, remove_ms, gone) = remove_device(&a);
     let third = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
@@ -660,6 +673,91 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     }))
 }
 
+/// A stress form of `pool-edu`'s kill, for diagnosis: one passthrough endpoint whose L2 boots
+/// nine times, its worker killed at a range of delays after QEMU connected (once not at
+/// all); every boot must pass. Stops at the first failure, with the daemon's log.
+fn pool_edu_kills(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let a = edus.first().cloned().context("an edu")?;
+    let config = dir.join("pool.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[boards]]\nid = \"edu0\"\nmodel = \"vfio\"\nhost = \"{a}\"\n\n\
+             [[pools]]\nname = \"edus\"\nboards = [\"edu0\"]\n"
+        ),
+    )?;
+    let daemon = Daemon::start(dir, Some(&config))?;
+    let control = daemon.control.clone();
+    let vm = ctl(&control, &["create", "vm", "--pool", "edus"])?;
+    let socket = PathBuf::from(vm["endpoint"]["socket"].as_str().context("socket")?);
+    let delays = [
+        Some(0),
+        Some(0),
+        Some(50),
+        Some(150),
+        Some(400),
+        None,
+        Some(0),
+        Some(1000),
+        Some(0),
+    ];
+    let mut rounds = vec![];
+    let mut ok = true;
+    for (i, delay) in delays.iter().enumerate() {
+        let name = format!("vm-{i}");
+        let t = Instant::now();
+        let mut vm = qemu_l2(dir, &name, &socket, "sy-edu", &[])?;
+        let victim = procs::wait_for(Duration::from_secs(120), "the VMM connected", || {
+            let st = ctl(&control, &["endpoint", "vm"])?;
+            let w = &st["worker"];
+            Ok((w["connected"] == true)
+                .then(|| w["pid"].as_u64())
+                .flatten())
+        })?;
+        let connected_ms = t.elapsed().as_millis();
+        if let Some(d) = delay {
+            std::thread::sleep(Duration::from_millis(*d));
+            std::process::Command::new("kill")
+                .args(["-KILL", &victim.to_string()])
+                .status()?;
+        }
+        println!("NESTED: round {i}: connected after {connected_ms} ms, kill after {delay:?} ms");
+        let r = (|| -> Result<(i32, Value, Option<i32>)> {
+            let rc_line = vm.wait_line("GUEST: test sy-edu rc=", Duration::from_secs(150))?;
+            let rc: i32 = rc_line
+                .rsplit('=')
+                .next()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(-1);
+            let s = vm
+                .find_line("SY-EDU-SUMMARY ")
+                .map(|l| json_after(&l, "SY-EDU-SUMMARY "))
+                .transpose()?
+                .unwrap_or(Value::Null);
+            let st = vm.wait_exit(Duration::from_secs(60))?;
+            Ok((rc, s, st.code()))
+        })();
+        let pass = matches!(&r, Ok((0, s, Some(0))) if s["result"] == "pass");
+        println!("NESTED: round {i}: pass={pass} in {:?}: {r:?}", t.elapsed());
+        if !pass {
+            ok = false;
+            println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 20000));
+            println!("NESTED: qemu log:\n{}", tail(&vm.log, 4000));
+        }
+        drop(vm);
+        let _ = procs::wait_for(Duration::from_secs(60), "the VMM disconnected", || {
+            let st = ctl(&control, &["endpoint", "vm"])?;
+            Ok((st["worker"]["connected"] == false).then_some(()))
+        });
+        rounds.push(json!({"delay_ms": delay, "pass": pass, "connected_ms": connected_ms as u64}));
+        if !pass {
+            break;
+        }
+    }
+    Ok(json!({"ok": ok, "rounds": rounds}))
+}
+
 /// A pool daemon in L1 (`switchyard daemon`, its log in `dir/daemon.log`); stopped (SIGTERM)
 /// when dropped.
 struct Daemon {
@@ -683,7 +781,10 @@ impl Daemon {
             .arg(dir.join("state"))
             .arg("--run-dir")
             .arg(dir.join("run"))
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                procs::SERVER_LOG.get().map_or("info", String::as_str),
+            )
             .env("SWITCHYARD_WORKER_EXE", SWITCHYARD)
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone()?)
@@ -1059,6 +1160,7 @@ fn run(scenario: &str, mode: DriverMode) -> Value {
             "qemu-softgpu" => qemu_softgpu(&dir),
             "qemu-edu" => qemu_edu(&dir),
             "pool-edu" => pool_edu(&dir),
+            "pool-edu-kills" => pool_edu_kills(&dir),
             "vf-probe" => vf_probe(&dir),
             "irq-bench" => irq_bench(&dir, 500),
             "irq-bench-quick" => irq_bench(&dir, 50),

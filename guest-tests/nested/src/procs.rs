@@ -163,6 +163,8 @@ pub struct Vm {
     pub log: PathBuf,
     /// When cloud-hypervisor was started.
     pub started: Instant,
+    /// QEMU's QMP socket, for [`Vm::diagnose`].
+    qmp: Option<PathBuf>,
 }
 
 impl Vm {
@@ -205,8 +207,9 @@ impl Vm {
     pub fn start_qemu(dir: &Path, name: &str, cmd: QemuCommand) -> Result<Vm> {
         let serial = dir.join(format!("{name}-serial.log"));
         let log = dir.join(format!("{name}-qemu.log"));
+        let qmp = dir.join(format!("{name}-qmp.sock"));
         File::create(&serial)?;
-        let cmd = cmd.serial(Serial::File(serial.clone()));
+        let cmd = cmd.serial(Serial::File(serial.clone())).qmp_socket(&qmp);
         println!(
             "NESTED: start {} {}",
             cmd.binary().display(),
@@ -216,7 +219,9 @@ impl Vm {
                 .collect::<Vec<_>>()
                 .join(" ")
         );
-        Vm::spawn(name, cmd.command()?, serial, log)
+        let mut vm = Vm::spawn(name, cmd.command()?, serial, log)?;
+        vm.qmp = Some(qmp);
+        Ok(vm)
     }
 
     fn spawn(name: &str, mut cmd: Command, serial: PathBuf, log: PathBuf) -> Result<Vm> {
@@ -235,6 +240,7 @@ impl Vm {
             lines: Arc::clone(&lines),
             log,
             started: Instant::now(),
+            qmp: None,
         };
         let name = vm.name.clone();
         thread::spawn(move || follow(&serial, &name, &lines));
@@ -245,7 +251,94 @@ impl Vm {
     /// fails early when cloud-hypervisor exits without printing it.
     pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> Result<String> {
         let what = format!("L2[{}] line `{prefix}...`", self.name);
-        wait_for(timeout, &what, || {
+        let r = self.wait_line_inner(&what, prefix, timeout);
+        if r.is_err() && self.alive() {
+            self.diagnose();
+        }
+        r
+    }
+
+    /// Where a VMM that stopped making progress is: every thread's state and kernel stack in
+    /// L1, and (QEMU) the guest's registers with RIP resolved through L1's kallsyms (L1 and
+    /// L2 boot the same kernel without KASLR). QMP not answering means QEMU's main loop is
+    /// blocked (a vCPU holding the big lock, waiting for a reply).
+    pub fn diagnose(&self) {
+        let pid = self.child.id();
+        println!("NESTED: diagnosis of L2[{}] (VMM pid {pid}):", self.name);
+        let tasks = fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for t in tasks {
+            let p = t.path();
+            let read = |f: &str| fs::read_to_string(p.join(f)).unwrap_or_default();
+            let state = read("stat")
+                .rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next().map(str::to_owned))
+                .unwrap_or_default();
+            println!(
+                "NESTED:   task {} `{}` state={state} wchan={} syscall={}\n{}",
+                t.file_name().to_string_lossy(),
+                read("comm").trim(),
+                read("wchan").trim(),
+                read("syscall").trim(),
+                read("stack").trim_end()
+            );
+        }
+        let Some(qmp) = &self.qmp else { return };
+        let hmp = |q: &mut switchyard_qemu::Qmp, cmd: &str| {
+            q.execute(
+                "human-monitor-command",
+                Some(serde_json::json!({ "command-line": cmd })),
+            )
+            .map(|v| v.as_str().unwrap_or_default().to_owned())
+        };
+        let mut q = match switchyard_qemu::Qmp::connect(qmp, Duration::from_secs(5)) {
+            Ok(q) => q,
+            Err(e) => {
+                println!("NESTED:   no QMP (main loop blocked?): {e:#}");
+                return;
+            }
+        };
+        let text = match hmp(&mut q, "info registers") {
+            Ok(t) => t,
+            Err(e) => {
+                println!("NESTED:   QMP gave no registers (main loop blocked?): {e:#}");
+                return;
+            }
+        };
+        println!("NESTED:   L2 registers:\n{text}");
+        let reg = |name: &str| {
+            text.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+        };
+        let syms = Kallsyms::load();
+        for name in ["RIP=", "RDI=", "RBX="] {
+            if let Some(v) = reg(name) {
+                println!("NESTED:   L2 {name}{v:#x} = {}", syms.name(v));
+            }
+        }
+        // Kernel addresses on L2's stack: a rough backtrace.
+        if let Some(rsp) = reg("RSP=")
+            && let Ok(words) = hmp(&mut q, &format!("x /64gx {rsp:#x}"))
+        {
+            let trace: Vec<String> = words
+                .split_whitespace()
+                .filter_map(|w| u64::from_str_radix(w.strip_prefix("0x")?, 16).ok())
+                .filter(|v| (0xffff_ffff_8100_0000..0xffff_ffff_c000_0000).contains(v))
+                .map(|v| syms.name(v))
+                .collect();
+            println!(
+                "NESTED:   L2 stack (kernel addresses): {}",
+                trace.join(" < ")
+            );
+        }
+    }
+
+    fn wait_line_inner(&mut self, what: &str, prefix: &str, timeout: Duration) -> Result<String> {
+        wait_for(timeout, what, || {
             let exited = self.child.try_wait()?;
             if let Some(l) = self.find_line(prefix) {
                 return Ok(Some(l));
@@ -295,6 +388,36 @@ impl Vm {
 impl Drop for Vm {
     fn drop(&mut self) {
         let _ = terminate(&mut self.child, Duration::from_secs(2));
+    }
+}
+
+/// L1's `/proc/kallsyms` (L2 boots the same kernel, without KASLR: its addresses resolve too).
+struct Kallsyms(Vec<(u64, String)>);
+
+impl Kallsyms {
+    fn load() -> Kallsyms {
+        let text = fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        let mut v: Vec<(u64, String)> = text
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let a = u64::from_str_radix(f.next()?, 16).ok()?;
+                let _kind = f.next()?;
+                Some((a, f.next()?.to_owned()))
+            })
+            .filter(|&(a, _)| a != 0)
+            .collect();
+        v.sort();
+        Kallsyms(v)
+    }
+
+    /// `symbol+0xoff` for an address, `?` when none precedes it.
+    fn name(&self, addr: u64) -> String {
+        let i = self.0.partition_point(|(a, _)| *a <= addr);
+        match i.checked_sub(1).and_then(|i| self.0.get(i)) {
+            Some((a, n)) => format!("{n}+{:#x}", addr - a),
+            None => "?".into(),
+        }
     }
 }
 
