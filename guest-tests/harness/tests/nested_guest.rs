@@ -8,7 +8,7 @@
 
 use serde_json::Value;
 use switchyard_guest_tests::{
-    Guest, GuestOutput, GuestSpec, assert_guest_tests_ignored, with_logs,
+    GuestOutput, GuestSpec, assert_guest_tests_ignored, boot_nested, with_logs,
 };
 
 /// Every `NESTED-RESULT {json}` line L1 printed, by scenario.
@@ -41,10 +41,7 @@ fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
     with_logs("nested_cloud_hypervisor", |env, dir| {
         let spec = GuestSpec::nested(env, &["ch-viommu", "ch-workload", "ch-hotplug", "ch-pool"])
             .expect("L1 image");
-        let out = Guest::boot(env, dir, &spec)
-            .expect("boot L1")
-            .wait()
-            .expect("L1 finished");
+        let out = boot_nested(env, dir, &spec).expect("L1 finished");
         let serial = &out.serial;
         assert!(
             serial.lines().any(|l| l.starts_with("NESTED: kvm ready")),
@@ -128,10 +125,7 @@ fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
 fn qemu_kvm_l2_runs_the_full_vfio_driver_on_the_softgpu_served_in_l1() {
     with_logs("nested_qemu_kvm", |env, dir| {
         let spec = GuestSpec::nested(env, &["qemu-softgpu"]).expect("L1 image");
-        let out = Guest::boot(env, dir, &spec)
-            .expect("boot L1")
-            .wait()
-            .expect("L1 finished");
+        let out = boot_nested(env, dir, &spec).expect("L1 finished");
         let serial = &out.serial;
         let all = results(&out);
         // L1 plays the host for QEMU with KVM: L2 has a vIOMMU, so the driver runs its whole
@@ -163,10 +157,7 @@ fn physical_devices_in_l1_are_served_through_switchyard() {
         let spec =
             GuestSpec::nested_with_devices(env, &["qemu-edu", "vf-probe", "pool-edu"], 2, true)
                 .expect("L1 image");
-        let out = Guest::boot(env, dir, &spec)
-            .expect("boot L1")
-            .wait()
-            .expect("L1 finished");
+        let out = boot_nested(env, dir, &spec).expect("L1 finished");
         let serial = &out.serial;
         let all = results(&out);
 
