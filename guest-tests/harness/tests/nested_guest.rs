@@ -204,10 +204,18 @@ fn physical_devices_in_l1_are_served_through_switchyard() {
             assert_eq!(v["qemu_exit"], 0, "{vm}: {v}");
         }
         assert_eq!(p["attached"]["id"], "edu0", "{p}");
-        // vm2's worker was killed with QEMU connected: one restart, the connection continued.
+        // vm2's worker was killed twice: in QEMU's handshake, then with L2's driver paused
+        // between its checks (DMA windows and MSI set up). Each replacement reset + replayed
+        // edu0 and continued the connection; the second one mapped the windows and routed the
+        // MSI again, and the driver's checks after its pause went through them.
         let w = &p["vm2_worker_after_kill"];
-        assert_eq!(w["restarts"], 1, "{w}");
+        assert_eq!(w["restarts"], 2, "{w}");
         assert_eq!(w["state"], "running", "{w}");
+        assert_eq!(p["second_kill_before_resume"], true, "{p}");
+        assert_eq!(p["vm2_edu0"]["summary"]["after_pause_ok"], true, "{p}");
+        let r = &p["resumed_with"];
+        assert!(r["windows"].as_u64().is_some_and(|n| n > 0), "{r}");
+        assert!(r["vectors"].as_u64().is_some_and(|n| n > 0), "{r}");
         assert!(
             p["move_refused"]
                 .as_str()

@@ -22,7 +22,9 @@
 //!                QEMU; L2's sy-edu drives it through VFIO (registers, MSI, DMA)
 //!   pool-edu     the pool daemon with both edus as passthrough boards: edu0 serves vm1's
 //!                L2, is detached and attached to vm2 and serves vm2's L2 (whose worker is
-//!                killed with QEMU connected: reset + replay, the socket stays), then is removed
+//!                killed in QEMU's handshake, then again with L2's driver paused between its
+//!                checks: reset + replay, DMA windows and MSI restored, the socket stays;
+//!                the driver's checks after the pause pass), then is removed
 //!                from L1 under load: no hang, the endpoint fails cleanly (device lost, board
 //!                quarantined), the daemon and QEMU survive; a move is refused
 //!   pool-edu-kills  (diagnosis, not in CI) one passthrough endpoint, L2 booted nine times,
@@ -609,19 +611,34 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     // vm2's worker is killed once QEMU is connected (before L2's driver runs): the
     // replacement resets edu0, replays the configuration, maps L2's memory again and
     // continues QEMU's connection; L2 boots on and its driver passes.
-    let mut vm = qemu_l2(dir, "vm2-edu0", &sock2, "sy-edu", &[])?;
-    let victim = procs::wait_for(Duration::from_secs(120), "vm2's VMM connected", || {
+    let mut vm = qemu_l2(dir, "vm2-edu0", &sock2, "sy-edu", &["--pause", "8"])?;
+    let worker = || -> Result<Option<u64>> {
         let st = ctl(&control, &["endpoint", "vm2"])?;
         let w = &st["worker"];
         Ok((w["connected"] == true)
             .then(|| w["pid"].as_u64())
             .flatten())
-    })?;
-    std::process::Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()?;
+    };
+    let kill = |pid: u64| {
+        std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+    };
+    let victim = procs::wait_for(Duration::from_secs(120), "vm2's VMM connected", worker)?;
+    kill(victim)?;
     println!("NESTED: killed vm2's worker {victim} with QEMU connected");
+    // And again once L2's driver has its DMA windows and MSI set up: the replacement maps
+    // the windows from custody into a new IOMMU container and hands the MSI eventfd to VFIO;
+    // the driver's checks after its pause go through them.
+    vm.wait_line("SY-EDU: pause", EDU_TIMEOUT)?;
+    let victim2 = procs::wait_for(Duration::from_secs(20), "vm2's replacement worker", worker)?;
+    kill(victim2)?;
+    let before_resume = vm.find_line("SY-EDU: resumed").is_none();
+    println!(
+        "NESTED: killed vm2's worker {victim2} while L2's driver paused (before it resumed: {before_resume})"
+    );
     let second = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let resumed_with = last_resume(&daemon.log);
     let after_kill = ctl(&control, &["endpoint", "vm2"])?["worker"].clone();
     disconnected("vm2")?;
     // vm2's next boot keeps edu0 busy while it is removed from L1.
@@ -645,9 +662,13 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
         |r: &(i32, Value, Option<i32>)| r.0 == 0 && r.1["result"] == "pass" && r.2 == Some(0);
     let ok = pass(&first)
         && pass(&second)
+        && second.1["after_pause_ok"] == true
+        && before_resume
+        && resumed_with["windows"].as_u64().is_some_and(|n| n > 0)
+        && resumed_with["vectors"].as_u64().is_some_and(|n| n > 0)
         && refused_move.is_some()
         && attached["lease"]["id"] == "edu0"
-        && after_kill["restarts"] == 1
+        && after_kill["restarts"] == 2
         && removal == "completed"
         && gone
         && third.0 == 3
@@ -663,7 +684,8 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     Ok(json!({
         "ok": ok, "hosts": [a, b], "boards": boards,
         "vm1_edu0": view(&first), "vm2_edu0": view(&second),
-        "killed_worker": victim, "vm2_worker_after_kill": after_kill,
+        "killed_workers": [victim, victim2], "vm2_worker_after_kill": after_kill,
+        "second_kill_before_resume": before_resume, "resumed_with": resumed_with,
         "move_refused": refused_move.map(|e| format!("{e:#}")),
         "attached": attached["lease"],
         "removal": removal, "remove_ms": remove_ms, "device_gone_from_l1": gone,
@@ -671,6 +693,25 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
         "boards_after": lost.unwrap_or(Value::Null), "vm2_worker": ep["worker"],
         "daemon_alive": daemon_alive,
     }))
+}
+
+/// What the last passthrough replacement in a daemon log resumed with: `{"windows": n,
+/// "vectors": n}` from its "worker resumed the connection" line (null when none).
+fn last_resume(log: &Path) -> Value {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let Some(line) = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("worker resumed the connection (passthrough"))
+    else {
+        return Value::Null;
+    };
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    json!({"windows": field("windows="), "vectors": field("vectors=")})
 }
 
 /// A stress form of `pool-edu`'s kill, for diagnosis: one passthrough endpoint whose L2 boots

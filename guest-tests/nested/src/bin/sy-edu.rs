@@ -6,8 +6,12 @@
 //! buffer, with the bytes compared.
 //!
 //! ```text
-//! sy-edu [--bdf B] [--timeout SECONDS] [--loop SECONDS]
+//! sy-edu [--bdf B] [--timeout SECONDS] [--pause SECONDS] [--loop SECONDS]
 //! ```
+//!
+//! `--pause`: after the checks, with DMA buffers mapped and MSI enabled, print
+//! `SY-EDU: pause`, wait that long (the host may replace the server meanwhile), print
+//! `SY-EDU: resumed` and run factorials with their MSI and the DMA round trip again.
 //!
 //! `--loop`: after the checks, keep the device busy (liveness + factorial with its MSI, round
 //! after round) for that long: the load under which a test removes the device on the host.
@@ -152,10 +156,57 @@ fn dma_buffer(vfio: &Vfio, iova: u64) -> Result<DmaMapping> {
         .with_context(|| format!("VFIO_IOMMU_MAP_DMA at {iova:#x}"))
 }
 
+/// guest memory (`out`, a pattern from `seed`) -> edu's buffer -> other guest memory (`inb`,
+/// cleared first), each with its MSI; the bytes compared. Returns both transfer times.
+fn dma_round_trip(
+    edu: &mut Edu,
+    out: &DmaMapping,
+    inb: &DmaMapping,
+    seed: u8,
+) -> Result<(Duration, Duration)> {
+    let pattern: Vec<u8> = (0..DMA_LEN)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect();
+    out.memory()
+        .get_slice(0, DMA_LEN)
+        .context("buffer slice")?
+        .copy_from(&pattern);
+    inb.memory()
+        .get_slice(0, DMA_LEN)
+        .context("buffer slice")?
+        .copy_from(&[0u8; DMA_LEN]);
+    let dma = |edu: &mut Edu, src: u64, dst: u64, cmd: u64, what: &str| -> Result<Duration> {
+        edu.bar.w64(REG_DMA_SRC, src);
+        edu.bar.w64(REG_DMA_DST, dst);
+        edu.bar.w64(REG_DMA_COUNT, DMA_LEN as u64);
+        edu.bar.w64(REG_DMA_CMD, cmd | DMA_START | DMA_IRQ);
+        let took = edu.wait_irq(IRQ_DMA, what)?;
+        ensure!(
+            edu.bar.r64(REG_DMA_CMD) & DMA_START == 0,
+            "{what}: DMA still running after its MSI"
+        );
+        Ok(took)
+    };
+    let to_dev = dma(edu, IOVA_OUT, EDU_BUF, 0, "DMA guest memory -> edu")?;
+    let to_ram = dma(edu, EDU_BUF, IOVA_IN, DMA_TO_RAM, "DMA edu -> guest memory")?;
+    let mut got = vec![0u8; DMA_LEN];
+    inb.memory()
+        .get_slice(0, DMA_LEN)
+        .context("buffer slice")?
+        .copy_to(&mut got);
+    let diff = got.iter().zip(&pattern).filter(|(a, b)| a != b).count();
+    ensure!(
+        diff == 0,
+        "DMA round trip: {diff} of {DMA_LEN} bytes differ"
+    );
+    Ok((to_dev, to_ram))
+}
+
 fn run(
     bdf: Option<&str>,
     timeout: Duration,
     loop_for: Option<Duration>,
+    pause: Option<Duration>,
     s: &mut serde_json::Map<String, Value>,
 ) -> Result<()> {
     let sys = Sysfs::system();
@@ -227,53 +278,26 @@ fn run(
     // DMA: guest memory -> edu's buffer -> other guest memory.
     let out = dma_buffer(&vfio, IOVA_OUT)?;
     let inb = dma_buffer(&vfio, IOVA_IN)?;
-    let pattern: Vec<u8> = (0..DMA_LEN)
-        .map(|i| (i as u8).wrapping_mul(31) ^ 0x5a)
-        .collect();
-    out.memory()
-        .get_slice(0, DMA_LEN)
-        .context("buffer slice")?
-        .copy_from(&pattern);
-    inb.memory()
-        .get_slice(0, DMA_LEN)
-        .context("buffer slice")?
-        .copy_from(&[0u8; DMA_LEN]);
-    let dma = |edu: &mut Edu, src: u64, dst: u64, cmd: u64, what: &str| -> Result<Duration> {
-        edu.bar.w64(REG_DMA_SRC, src);
-        edu.bar.w64(REG_DMA_DST, dst);
-        edu.bar.w64(REG_DMA_COUNT, DMA_LEN as u64);
-        edu.bar.w64(REG_DMA_CMD, cmd | DMA_START | DMA_IRQ);
-        let took = edu.wait_irq(IRQ_DMA, what)?;
-        ensure!(
-            edu.bar.r64(REG_DMA_CMD) & DMA_START == 0,
-            "{what}: DMA still running after its MSI"
-        );
-        Ok(took)
-    };
-    let to_dev = dma(&mut edu, IOVA_OUT, EDU_BUF, 0, "DMA guest memory -> edu")?;
-    let to_ram = dma(
-        &mut edu,
-        EDU_BUF,
-        IOVA_IN,
-        DMA_TO_RAM,
-        "DMA edu -> guest memory",
-    )?;
-    let mut got = vec![0u8; DMA_LEN];
-    inb.memory()
-        .get_slice(0, DMA_LEN)
-        .context("buffer slice")?
-        .copy_to(&mut got);
-    let diff = got.iter().zip(&pattern).filter(|(a, b)| a != b).count();
-    ensure!(
-        diff == 0,
-        "DMA round trip: {diff} of {DMA_LEN} bytes differ"
-    );
+    let (to_dev, to_ram) = dma_round_trip(&mut edu, &out, &inb, 0x5a)?;
     s.insert("dma_bytes_verified".into(), json!(DMA_LEN));
     s.insert(
         "dma_ms".into(),
         json!([to_dev.as_secs_f64() * 1e3, to_ram.as_secs_f64() * 1e3]),
     );
     say!("DMA {DMA_LEN} bytes both ways verified ({to_dev:?}, {to_ram:?})");
+    if let Some(p) = pause {
+        // Everything is set up (DMA windows, MSI): the host may replace the server now. The
+        // same checks again then show the device reached through the replacement.
+        say!("pause {p:?} (the host may replace the server now)");
+        std::thread::sleep(p);
+        say!("resumed");
+        for n in 0..3 {
+            load_round(&mut edu, n).context("after the pause")?;
+        }
+        dma_round_trip(&mut edu, &out, &inb, 0xa5).context("after the pause")?;
+        s.insert("after_pause_ok".into(), json!(true));
+        say!("after the pause: factorials with MSI and DMA both ways verified");
+    }
     if let Some(d) = loop_for {
         say!("loop start ({d:?})");
         edu.timeout = timeout.min(Duration::from_secs(5));
@@ -314,6 +338,7 @@ fn main() {
     let mut bdf = None;
     let mut timeout = Duration::from_secs(30);
     let mut loop_for = None;
+    let mut pause = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
@@ -332,15 +357,24 @@ fn main() {
                     std::process::exit(2);
                 }
             },
+            ("--pause", Some(t)) => match t.parse() {
+                Ok(secs) => pause = Some(Duration::from_secs(secs)),
+                Err(_) => {
+                    eprintln!("sy-edu: bad --pause `{t}`");
+                    std::process::exit(2);
+                }
+            },
             _ => {
-                eprintln!("usage: sy-edu [--bdf B] [--timeout SECONDS] [--loop SECONDS]");
+                eprintln!(
+                    "usage: sy-edu [--bdf B] [--timeout SECONDS] [--pause SECONDS] [--loop SECONDS]"
+                );
                 std::process::exit(2);
             }
         }
     }
     let mut s = serde_json::Map::new();
     let started = Instant::now();
-    let r = run(bdf.as_deref(), timeout, loop_for, &mut s);
+    let r = run(bdf.as_deref(), timeout, loop_for, pause, &mut s);
     s.insert(
         "duration_ms".into(),
         json!(started.elapsed().as_millis() as u64),
