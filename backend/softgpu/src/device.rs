@@ -627,6 +627,9 @@ pub(crate) struct TestHook {
     changed: Condvar,
     /// Flushes publish but send no interrupt (a process that dies right after publishing).
     pub(crate) mute: AtomicBool,
+    /// Every poll window this many µs instead of the adaptive budget (0: the budget), so a
+    /// test can know that an engine is still polling.
+    pub(crate) poll_us: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(test)]
@@ -1095,6 +1098,11 @@ impl Shared {
             // Takes effect at the next command boundary; STATUS reads RUNNING until then.
             qs.enabled = false;
         }
+        // A polling engine looks again too (it polls with the mode it saw: a queue turned
+        // mapped must not wait for the window to end before its page tail is seen).
+        if let Some(poll) = self.polls.get(q) {
+            poll.rung.fetch_add(1, Ordering::Release);
+        }
         if let Some(cv) = self.wake.get(q) {
             cv.notify_one();
         }
@@ -1133,15 +1141,22 @@ impl Shared {
                     g.st.queues
                         .get(q)
                         .map_or((false, 0), |qs| (qs.mapped, qs.tail));
-                if runnable && !polled && !budget.now().is_zero() && self.start_polling() {
+                let window = budget.now();
+                #[cfg(test)]
+                let window = match self.hook.poll_us.load(Ordering::Relaxed) {
+                    0 => window,
+                    us => Duration::from_micros(us),
+                };
+                if runnable && !polled && !window.is_zero() && self.start_polling() {
                     // Poll, without the lock, for a doorbell or a new DB_TAIL.
                     polled = true;
                     let rung = poll.rung.load(Ordering::Acquire);
                     poll.polling.store(true, Ordering::SeqCst);
                     drop(g);
-                    let deadline = Instant::now() + budget.now();
+                    let deadline = Instant::now() + window;
                     while poll.rung.load(Ordering::Acquire) == rung
                         && !(mapped && self.bells.tail(q) != tail)
+                        && !abort.load(Ordering::Relaxed)
                         && Instant::now() < deadline
                     {
                         std::hint::spin_loop();
@@ -1230,5 +1245,40 @@ impl Shared {
                 cv.notify_one();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use std::time::Duration;
+
+    use super::Budget;
+
+    const MAX: Duration = Duration::from_micros(200);
+
+    #[test]
+    fn the_budget_starts_full_collapses_after_a_long_sleep_and_doubles_back() {
+        let mut b = Budget::new(MAX);
+        assert_eq!(b.now(), MAX);
+        // A sleep longer than the largest budget: polling would not have caught the work.
+        b.slept(MAX + Duration::from_micros(1));
+        assert_eq!(b.now(), Duration::ZERO);
+        // Sleeps that a budget would have caught: from START, doubling, up to the largest.
+        let mut seen = vec![];
+        for _ in 0..6 {
+            b.slept(Duration::from_micros(5));
+            seen.push(b.now().as_micros());
+        }
+        assert_eq!(seen, [10, 20, 40, 80, 160, 200]);
+        // A short sleep at the largest budget keeps it.
+        b.slept(Duration::from_micros(5));
+        assert_eq!(b.now(), MAX);
+    }
+
+    #[test]
+    fn a_zero_budget_never_polls() {
+        let mut b = Budget::new(Duration::ZERO);
+        b.slept(Duration::ZERO);
+        assert_eq!(b.now(), Duration::ZERO);
     }
 }
