@@ -91,10 +91,17 @@ fn split(offset: u64, len: u64, special: Special) -> impl Iterator<Item = (u64, 
 
 /// What holds the device open: dropped (interrupts off, every descriptor of the device closed)
 /// when the kernel asks for the device back, so its removal completes.
+///
+/// Fields drop in declaration order, and the order matters: `VfioDevice`'s drop (vfio-ioctls)
+/// closes its descriptor and then reads the device's `iommu_group` link in sysfs, unwrapping
+/// the result. If that descriptor were the device's last one, a removal waiting for it would
+/// go on at once and could delete the link first: a panic. So the router's and our own
+/// references to the `VfioDevice` go first and `fd` (our duplicate of the device descriptor)
+/// last, keeping the device, and its sysfs directory, until the `VfioDevice` is gone.
 struct Hw {
+    router: Router,
     device: Arc<VfioDevice>,
     fd: Arc<File>,
-    router: Router,
 }
 
 /// The device as the server thread and the request watcher share it: `None` once released.
@@ -123,7 +130,13 @@ fn release(
     let Some(mut h) = taken else { return };
     h.router.disable_all();
     iommu.clear();
-    drop(h);
+    // A panic in a library's drop must not keep the supervisor from hearing of the release.
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(h))).is_err() {
+        tracing::error!(
+            bdf,
+            "closing the device panicked (vfio-ioctls); it is closed anyway"
+        );
+    }
     tracing::warn!(
         bdf,
         "the kernel asked for the device back (VFIO device request: unbind or removal): \
