@@ -56,44 +56,42 @@ pub fn boot_nested(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest
             }
             thread::sleep(Duration::from_secs(1));
         }
-        let out = match fault {
-            Some(_) => {
+        let fault = match fault {
+            Some(fault) => {
                 // A moment to finish printing (or to reboot), then L1 is stopped.
                 let grace = Instant::now();
                 while guest.exited().is_none() && grace.elapsed() < Duration::from_secs(15) {
                     thread::sleep(Duration::from_millis(200));
                 }
                 drop(guest);
-                None
+                fault
             }
-            None => Some(guest.wait()),
+            None => {
+                let out = guest.wait();
+                let serial = fs::read_to_string(dir.join("serial.log")).unwrap_or_default();
+                match nested_fault(&serial) {
+                    Some(fault) => fault,
+                    None => return out,
+                }
+            }
         };
-        let fault = fault.or_else(|| {
-            nested_fault(&fs::read_to_string(dir.join("serial.log")).unwrap_or_default())
-        });
-        match (fault, out) {
-            (Some(fault), _) if attempt < NESTED_ATTEMPTS => {
-                let kept = dir.join(format!("serial.attempt-{attempt}.log"));
-                let _ = fs::rename(dir.join("serial.log"), &kept);
-                // Past the test harness's capture: said even when a later boot passes.
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "NESTED-FAULT: L1 boot {attempt} of {NESTED_ATTEMPTS} hit a fault of the \
-                     nested virtualization, not of the code under test: {fault}; its console is \
-                     kept in {}; booting L1 again",
-                    kept.display()
-                );
-                attempt += 1;
-            }
-            (Some(fault), _) => {
-                return Err(HarnessError::Unclean(format!(
-                    "all {NESTED_ATTEMPTS} L1 boots hit a fault of the nested virtualization; \
-                     the last: {fault}"
-                )));
-            }
-            (None, Some(out)) => return out,
-            (None, None) => unreachable!("a boot stopped early had a fault"),
+        if attempt == NESTED_ATTEMPTS {
+            return Err(HarnessError::Unclean(format!(
+                "all {NESTED_ATTEMPTS} L1 boots hit a fault of the nested virtualization; \
+                 the last: {fault}"
+            )));
         }
+        let kept = dir.join(format!("serial.attempt-{attempt}.log"));
+        let _ = fs::rename(dir.join("serial.log"), &kept);
+        // Past the test harness's capture: said even when a later boot passes.
+        let _ = writeln!(
+            std::io::stderr(),
+            "NESTED-FAULT: L1 boot {attempt} of {NESTED_ATTEMPTS} hit a fault of the nested \
+             virtualization, not of the code under test: {fault}; its console is kept in {}; \
+             booting L1 again",
+            kept.display()
+        );
+        attempt += 1;
     }
 }
 
@@ -121,14 +119,14 @@ pub fn nested_fault(serial: &str) -> Option<String> {
         if !(text.contains("] BUG: ") || text.contains("] Oops: ")) {
             continue;
         }
-        let block = lines.iter().skip(i).take(80).filter(|b| {
+        let prefix = format!("{who}: ");
+        let mut block = lines.iter().skip(i).take(80).filter(|b| {
             if who == "L1" {
                 !b.starts_with("L2[")
             } else {
-                b.starts_with(&format!("{who}: "))
+                b.starts_with(&prefix)
             }
         });
-        let mut block = block;
         if block.any(|b| PF_HANDLER_FAULTED.iter().any(|f| b.contains(f))) {
             return Some(format!(
                 "{who}'s kernel crashed in its own page fault handler: {text}"
@@ -137,23 +135,18 @@ pub fn nested_fault(serial: &str) -> Option<String> {
     }
     // L2 spinning in its kernel with interrupts off, its VMM alive (the diagnosis sy-nested
     // prints when an L2 stops making progress).
-    let mut start = 0;
-    while let Some(pos) = lines[start..]
+    lines
         .iter()
-        .position(|l| l.starts_with("NESTED: diagnosis of L2["))
-    {
-        let block_start = start + pos;
-        let block: Vec<&str> = lines[block_start + 1..]
-            .iter()
-            .take_while(|l| !l.starts_with("NESTED: diagnosis of") && !l.starts_with("NESTED-"))
-            .copied()
-            .collect();
-        if let Some(f) = l2_spinning(lines[block_start], &block) {
-            return Some(f);
-        }
-        start = block_start + 1;
-    }
-    None
+        .enumerate()
+        .filter(|(_, l)| l.starts_with("NESTED: diagnosis of L2["))
+        .find_map(|(i, header)| {
+            let block: Vec<&str> = lines[i + 1..]
+                .iter()
+                .take_while(|l| !l.starts_with("NESTED: diagnosis of") && !l.starts_with("NESTED-"))
+                .copied()
+                .collect();
+            l2_spinning(header, &block)
+        })
 }
 
 /// One diagnosis block: the vCPU thread running (`state=R`), registers read over QMP with

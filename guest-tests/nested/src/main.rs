@@ -767,21 +767,7 @@ fn pool_edu_kills(dir: &Path) -> Result<Value> {
                 .status()?;
         }
         println!("NESTED: round {i}: connected after {connected_ms} ms, kill after {delay:?} ms");
-        let r = (|| -> Result<(i32, Value, Option<i32>)> {
-            let rc_line = vm.wait_line("GUEST: test sy-edu rc=", Duration::from_secs(150))?;
-            let rc: i32 = rc_line
-                .rsplit('=')
-                .next()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(-1);
-            let s = vm
-                .find_line("SY-EDU-SUMMARY ")
-                .map(|l| json_after(&l, "SY-EDU-SUMMARY "))
-                .transpose()?
-                .unwrap_or(Value::Null);
-            let st = vm.wait_exit(Duration::from_secs(60))?;
-            Ok((rc, s, st.code()))
-        })();
+        let r = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ");
         let pass = matches!(&r, Ok((0, s, Some(0))) if s["result"] == "pass");
         println!("NESTED: round {i}: pass={pass} in {:?}: {r:?}", t.elapsed());
         if !pass {
