@@ -5,6 +5,8 @@
 //! control_socket = "/run/switchyard/control.sock"
 //! state_dir = "/var/lib/switchyard"          # the store, pool.redb, lives here
 //! endpoint_dir = "/run/switchyard/endpoints" # endpoint sockets: <endpoint_dir>/<id>.sock
+//! fds_per_endpoint = 1024                    # fds a client may keep in custody; 64-65536
+//! fd_reserve = 256                           # fds the daemon keeps for itself; 64-65536
 //!
 //! [[boards]]
 //! id = "gpu0"
@@ -37,12 +39,16 @@
 //! # socket = "/path/vm1.sock"   # default <endpoint_dir>/<id>.sock
 //! ```
 //!
+//! The three paths are absolute, without NUL bytes; the control socket and every endpoint
+//! socket fit a UNIX socket path (107 bytes).
+//!
 //! Errors name the key: a value the parser refuses is reported at its path (`boards[1].vram`,
 //! with the line), a semantic problem at the path of the entry that has it
 //! (`pools[0].boards[2]: unknown board "gpu9"`).
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -50,7 +56,7 @@ use switchyard_softgpu::{ConfigError as SoftGpuError, IrqMode, SoftGpuConfig};
 use utoipa::ToSchema;
 
 use crate::error::{ConfigProblem, PoolError, Size, binary_unit};
-use crate::inventory::{DeviceShape, Model, valid_id};
+use crate::inventory::{DeviceShape, MAX_SOCKET_PATH, Model, valid_id};
 
 /// A byte count written as an integer or a string with an optional `K`, `M` or `G` suffix
 /// (binary multiples, case insensitive): `67108864`, `"64M"`, `"1G"`.
@@ -164,7 +170,7 @@ pub struct PoolConfig {
     pub endpoints: Vec<EndpointConfig>,
 }
 
-/// `[daemon]`: paths.
+/// `[daemon]`: paths and descriptor budgets.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DaemonConfig {
@@ -180,6 +186,15 @@ pub struct DaemonConfig {
     #[serde(default = "default_endpoint_dir")]
     #[schema(value_type = String)]
     pub endpoint_dir: PathBuf,
+    /// Descriptors a client of one endpoint may keep in the daemon's custody: DMA memory fds,
+    /// interrupt eventfds and those of a message in flight; a message that would exceed it is
+    /// refused with EMFILE. 64 to 65536 (default 1024).
+    #[serde(default = "default_fds_per_endpoint")]
+    pub fds_per_endpoint: u32,
+    /// Descriptors the daemon keeps for itself: API connections, the store, starting workers.
+    /// 64 to 65536 (default 256).
+    #[serde(default = "default_fd_reserve")]
+    pub fd_reserve: u32,
 }
 
 fn default_control_socket() -> PathBuf {
@@ -191,6 +206,12 @@ fn default_state_dir() -> PathBuf {
 fn default_endpoint_dir() -> PathBuf {
     PathBuf::from("/run/switchyard/endpoints")
 }
+fn default_fds_per_endpoint() -> u32 {
+    DaemonConfig::DEFAULT_FDS_PER_ENDPOINT
+}
+fn default_fd_reserve() -> u32 {
+    DaemonConfig::DEFAULT_FD_RESERVE
+}
 
 impl Default for DaemonConfig {
     fn default() -> Self {
@@ -198,6 +219,8 @@ impl Default for DaemonConfig {
             control_socket: default_control_socket(),
             state_dir: default_state_dir(),
             endpoint_dir: default_endpoint_dir(),
+            fds_per_endpoint: default_fds_per_endpoint(),
+            fd_reserve: default_fd_reserve(),
         }
     }
 }
@@ -205,11 +228,91 @@ impl Default for DaemonConfig {
 impl DaemonConfig {
     /// File name of the store inside `state_dir`.
     pub const STORE_FILE: &'static str = "pool.redb";
+    /// Default of `fds_per_endpoint`.
+    pub const DEFAULT_FDS_PER_ENDPOINT: u32 = 1024;
+    /// Default of `fd_reserve`.
+    pub const DEFAULT_FD_RESERVE: u32 = 256;
+    /// What `fds_per_endpoint` and `fd_reserve` may be.
+    pub const FD_SETTING_RANGE: RangeInclusive<u32> = 64..=65536;
 
     /// `<state_dir>/pool.redb`.
     pub fn store_path(&self) -> PathBuf {
         self.state_dir.join(Self::STORE_FILE)
     }
+
+    /// Checks the paths (absolute, no NUL byte; the control socket and the endpoint sockets
+    /// fit a UNIX socket path) and the descriptor budgets, naming the key (`daemon.state_dir`).
+    fn validate(&self) -> Result<(), PoolError> {
+        let key = |name: &str| format!("daemon.{name}");
+        for (name, path) in [
+            ("control_socket", &self.control_socket),
+            ("state_dir", &self.state_dir),
+            ("endpoint_dir", &self.endpoint_dir),
+        ] {
+            path_check(path).map_err(|p| PoolError::config(key(name), p))?;
+        }
+        socket_length_check(&self.control_socket)
+            .map_err(|p| PoolError::config(key("control_socket"), p))?;
+        // The shortest endpoint socket, that of a one-character id, must fit; longer ids are
+        // checked where their endpoint is created.
+        let shortest = self.endpoint_dir.join("x.sock");
+        if shortest.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(PoolError::config(
+                key("endpoint_dir"),
+                ConfigProblem::Path(format!(
+                    "endpoint sockets (`<endpoint_dir>/<id>.sock`) would be {} bytes or more, \
+                     over the {MAX_SOCKET_PATH} a UNIX socket path can have",
+                    shortest.as_os_str().len()
+                )),
+            ));
+        }
+        for (name, value) in [
+            ("fds_per_endpoint", self.fds_per_endpoint),
+            ("fd_reserve", self.fd_reserve),
+        ] {
+            if !Self::FD_SETTING_RANGE.contains(&value) {
+                return Err(PoolError::config(
+                    key(name),
+                    ConfigProblem::OutOfRange {
+                        value: value.into(),
+                        min: (*Self::FD_SETTING_RANGE.start()).into(),
+                        max: (*Self::FD_SETTING_RANGE.end()).into(),
+                    },
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A path of the configuration: not empty, no NUL byte, absolute.
+fn path_check(path: &Path) -> Result<(), ConfigProblem> {
+    if path.as_os_str().is_empty() {
+        return Err(ConfigProblem::Path("the path is empty".into()));
+    }
+    if path.as_os_str().as_encoded_bytes().contains(&0) {
+        return Err(ConfigProblem::Path(format!(
+            "the path {path:?} contains a NUL byte"
+        )));
+    }
+    if !path.is_absolute() {
+        return Err(ConfigProblem::Path(format!(
+            "the path {path:?} is relative; give an absolute path"
+        )));
+    }
+    Ok(())
+}
+
+/// A socket path fits `sun_path` (107 bytes and the NUL).
+fn socket_length_check(path: &Path) -> Result<(), ConfigProblem> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(ConfigProblem::Path(format!(
+            "the socket path {path:?} is {len} bytes, over the {MAX_SOCKET_PATH} a UNIX socket \
+             path can have"
+        )));
+    }
+    Ok(())
 }
 
 /// `[[boards]]`: one board.
@@ -473,10 +576,11 @@ impl PoolConfig {
         toml::to_string(self).unwrap_or_default()
     }
 
-    /// Checks everything the types do not: ids, softgpu values, partitions against their
-    /// board, pools (boards exist, one pool per board, identical boards) and endpoints. The
-    /// first problem is returned, named by its key path.
+    /// Checks everything the types do not: `[daemon]` paths and budgets, ids, softgpu values,
+    /// partitions against their board, pools (boards exist, one pool per board, identical
+    /// boards) and endpoints. The first problem is returned, named by its key path.
     pub fn validate(&self) -> Result<(), PoolError> {
+        self.daemon.validate()?;
         // One namespace for boards, partitions, pools and endpoints.
         let mut ids: HashMap<String, String> = HashMap::new();
         let mut claim = |id: &str, key: String| -> Result<(), PoolError> {
@@ -633,13 +737,33 @@ impl PoolConfig {
                     }
                 }
             }
-            if let Some(socket) = &e.socket
-                && !socket.is_absolute()
-            {
-                return Err(PoolError::config(
-                    format!("{key}.socket"),
-                    ConfigProblem::SocketPath("a socket path must be absolute"),
-                ));
+            match &e.socket {
+                Some(socket) => {
+                    let skey = format!("{key}.socket");
+                    if !socket.is_absolute() {
+                        return Err(PoolError::config(
+                            skey,
+                            ConfigProblem::SocketPath("a socket path must be absolute"),
+                        ));
+                    }
+                    path_check(socket)
+                        .and_then(|()| socket_length_check(socket))
+                        .map_err(|p| PoolError::config(skey, p))?;
+                }
+                None => {
+                    let socket = self.daemon.endpoint_dir.join(format!("{}.sock", e.id));
+                    let len = socket.as_os_str().len();
+                    if len > MAX_SOCKET_PATH {
+                        return Err(PoolError::config(
+                            format!("{key}.id"),
+                            ConfigProblem::Path(format!(
+                                "its socket {socket:?} (`<endpoint_dir>/<id>.sock`) is {len} \
+                                 bytes, over the {MAX_SOCKET_PATH} a UNIX socket path can have; \
+                                 shorten the id or `daemon.endpoint_dir`, or give `socket`"
+                            )),
+                        ));
+                    }
+                }
             }
         }
         Ok(())

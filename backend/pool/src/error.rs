@@ -360,14 +360,27 @@ pub enum ConfigProblem {
     SocketPath(&'static str),
     /// A passthrough board's settings (`host`, `bars`, partitions) are wrong.
     Passthrough(String),
+    /// A bad path: empty, relative, with a NUL byte, or too long for a UNIX socket.
+    Path(String),
+    /// A number outside its range.
+    OutOfRange {
+        /// The value given.
+        value: u64,
+        /// The least allowed.
+        min: u64,
+        /// The most allowed.
+        max: u64,
+    },
 }
 
 impl fmt::Display for ConfigProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         use ConfigProblem as P;
         match self {
-            P::Value(m) => f.write_str(m),
-            P::Passthrough(m) => f.write_str(m),
+            P::Value(m) | P::Passthrough(m) | P::Path(m) => f.write_str(m),
+            P::OutOfRange { value, min, max } => {
+                write!(f, "{value} is out of range; expected {min} to {max}")
+            }
             P::SoftGpu(e) => write!(f, "{e}"),
             P::BadId(id) => write!(
                 f,

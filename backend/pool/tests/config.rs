@@ -625,3 +625,124 @@ fn passthrough_boards_need_a_pci_address_and_no_softgpu_settings() {
         "{msg}"
     );
 }
+
+/// A `[daemon]` table with `line`, before two boards (a file `refused_at` can check).
+fn daemon(line: &str) -> String {
+    format!("[daemon]\n{line}\n{TWO_BOARDS}")
+}
+
+/// An absolute path of exactly `len` bytes.
+fn path_of(len: usize) -> String {
+    format!("/{}", "d".repeat(len - 1))
+}
+
+#[test]
+fn daemon_paths_are_absolute_without_nul_bytes() {
+    for key in ["control_socket", "state_dir", "endpoint_dir"] {
+        let at = format!("daemon.{key}");
+        for (value, needle) in [
+            ("\"\"", "empty"),
+            ("\"run/x\"", "relative"),
+            ("\"./x\"", "relative"),
+            ("\"/run/a\\u0000b\"", "NUL"),
+        ] {
+            let (p, msg) = refused_at(&daemon(&format!("{key} = {value}")), &at);
+            assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
+            assert!(msg.contains(needle), "{key} = {value}: {msg}");
+        }
+    }
+    // An endpoint's own socket has no NUL byte either.
+    let (p, msg) = refused_at(
+        &format!(
+            "{TWO_BOARDS}[[endpoints]]\nid = \"vm1\"\npool = \"default\"\nsocket = \"/run/a\\u0000.sock\"\n"
+        ),
+        "endpoints[0].socket",
+    );
+    assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
+    assert!(msg.contains("NUL"), "{msg}");
+}
+
+#[test]
+fn sockets_fit_a_unix_socket_path() {
+    // The control socket: 107 bytes fit, 108 do not.
+    PoolConfig::from_toml(&daemon(&format!("control_socket = \"{}\"", path_of(107))))
+        .expect("107 bytes");
+    let (p, msg) = refused_at(
+        &daemon(&format!("control_socket = \"{}\"", path_of(108))),
+        "daemon.control_socket",
+    );
+    assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
+    assert!(msg.contains("108 bytes") && msg.contains("107"), "{msg}");
+
+    // The endpoint directory must leave room for `/<id>.sock` of a one-character id ...
+    PoolConfig::from_toml(&daemon(&format!("endpoint_dir = \"{}\"", path_of(100))))
+        .expect("100 bytes: `/x.sock` fits");
+    for len in [101, 120, 300] {
+        let (p, msg) = refused_at(
+            &daemon(&format!("endpoint_dir = \"{}\"", path_of(len))),
+            "daemon.endpoint_dir",
+        );
+        assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
+        assert!(msg.contains("107"), "{msg}");
+    }
+    // ... and every endpoint of the file gets its socket: `<endpoint_dir>/<id>.sock`.
+    let dir = path_of(60);
+    let ep = |id: &str, extra: &str| {
+        format!(
+            "[daemon]\nendpoint_dir = \"{dir}\"\n{TWO_BOARDS}[[endpoints]]\nid = \"{id}\"\npool = \"default\"\n{extra}"
+        )
+    };
+    PoolConfig::from_toml(&ep(&"v".repeat(41), "")).expect("60 + 1 + 41 + 5 = 107 bytes");
+    let (p, msg) = refused_at(&ep(&"v".repeat(42), ""), "endpoints[0].id");
+    assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
+    assert!(
+        msg.contains("108 bytes") && msg.contains("daemon.endpoint_dir"),
+        "{msg}"
+    );
+    // A socket of its own is checked instead.
+    PoolConfig::from_toml(&ep(&"v".repeat(42), "socket = \"/run/vm.sock\"\n"))
+        .expect("its own socket");
+    let (p, msg) = refused_at(
+        &ep("vm1", &format!("socket = \"{}\"\n", path_of(108))),
+        "endpoints[0].socket",
+    );
+    assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
+}
+
+#[test]
+fn descriptor_budgets_have_defaults_and_ranges() {
+    let c = PoolConfig::from_toml("").expect("empty");
+    assert_eq!(
+        (c.daemon.fds_per_endpoint, c.daemon.fd_reserve),
+        (1024, 256)
+    );
+    assert_eq!(c.daemon, switchyard_pool::DaemonConfig::default());
+    let c = PoolConfig::from_toml("[daemon]\nfds_per_endpoint = 64\nfd_reserve = 65536\n")
+        .expect("the bounds");
+    assert_eq!(
+        (c.daemon.fds_per_endpoint, c.daemon.fd_reserve),
+        (64, 65536)
+    );
+    assert_eq!(PoolConfig::from_toml(&c.to_toml()).expect("round trip"), c);
+    for key in ["fds_per_endpoint", "fd_reserve"] {
+        let at = format!("daemon.{key}");
+        for value in [0u64, 63, 65537, 1 << 31] {
+            let (p, msg) = refused_at(&daemon(&format!("{key} = {value}")), &at);
+            assert_eq!(
+                p,
+                ConfigProblem::OutOfRange {
+                    value,
+                    min: 64,
+                    max: 65536
+                },
+                "{msg}"
+            );
+            assert!(msg.contains("expected 64 to 65536"), "{msg}");
+        }
+        let (e, msg) = refused(&daemon(&format!("{key} = -1")));
+        assert!(
+            matches!(&e, PoolError::Config { key: k, problem: ConfigProblem::Value(_), .. } if *k == at),
+            "{msg}"
+        );
+    }
+}
