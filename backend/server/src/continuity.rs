@@ -37,7 +37,7 @@
 //! instants between the peek and the custody `sendmsg` come again with the bytes when they are
 //! read again. See ARCHITECTURE.md ("What survives which failure").
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -154,6 +154,16 @@ struct Inner {
     vectors: BTreeMap<(u32, u32), u64>,
     /// How many table entries refer to each custody id.
     refs: BTreeMap<u64, u32>,
+    /// Every message descriptor this process put into custody and has not released: what
+    /// the tables refer to, the descriptors of messages received and not yet settled, and
+    /// those a replacement took over. All of it goes when the client does.
+    outstanding: BTreeSet<u64>,
+    /// At most this many in [`Inner::outstanding`]: descriptors of a read that would pass it
+    /// are refused (closed, never held) and their message fails with EMFILE.
+    budget: Option<usize>,
+    /// Reads whose descriptors were refused by the budget (see [`Continuity::held_count`]).
+    over_budget: u64,
+    refused: LogLimiter,
     scratch: Vec<u8>,
     failures: LogLimiter,
 }
@@ -288,6 +298,13 @@ impl Continuity {
                 windows: BTreeMap::new(),
                 vectors: BTreeMap::new(),
                 refs: BTreeMap::new(),
+                outstanding: BTreeSet::new(),
+                budget: None,
+                over_budget: 0,
+                refused: LogLimiter::new(
+                    "descriptors refused by the custody budget",
+                    std::time::Duration::from_secs(5),
+                ),
                 scratch: Vec::new(),
                 failures: LogLimiter::new(
                     "crash continuity degraded",
@@ -309,9 +326,44 @@ impl Continuity {
         }
     }
 
-    /// Puts descriptors that just arrived into custody; returns their ids.
-    pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Vec<u64> {
+    /// Caps the client's descriptors in custody at `budget` (see [`Continuity::hold`]).
+    pub fn set_budget(&self, budget: Option<usize>) {
+        self.lock().budget = budget;
+    }
+
+    /// `(descriptors of the client in custody, reads refused by the budget)`.
+    pub fn held_count(&self) -> (usize, u64) {
+        let g = self.lock();
+        (g.outstanding.len(), g.over_budget)
+    }
+
+    /// A replacement took over `ids` from the supervisor (message descriptors it holds):
+    /// they are this process's to release from now on.
+    pub fn took_over(&self, ids: impl IntoIterator<Item = u64>) {
         let mut g = self.lock();
+        g.outstanding
+            .extend(ids.into_iter().filter(|id| *id >= FIRST_MESSAGE_ID));
+    }
+
+    /// Puts descriptors that just arrived into custody; returns their ids, or `None` when
+    /// they would take the client past its budget: then nothing is held (the caller closes
+    /// them and the message they came with is refused).
+    pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Option<Vec<u64>> {
+        let mut g = self.lock();
+        if let Some(budget) = g.budget
+            && g.outstanding.len().saturating_add(fds.len()) > budget
+        {
+            g.over_budget += 1;
+            if g.refused.allow() {
+                tracing::warn!(
+                    held = g.outstanding.len(),
+                    arriving = fds.len(),
+                    budget,
+                    "the client's descriptors would pass its custody budget; the message is refused (EMFILE)"
+                );
+            }
+            return None;
+        }
         let first = g.next_id;
         g.next_id += fds.len() as u64;
         let ids: Vec<u64> = (first..g.next_id).collect();
@@ -319,10 +371,11 @@ impl Continuity {
         // in the journal carries.
         g.publish_log_head();
         let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
-        if let Err(e) = g.custody.hold(&ids, &borrowed) {
-            g.degraded("cannot hand descriptors to the supervisor", &e);
+        match g.custody.hold(&ids, &borrowed) {
+            Ok(()) => g.outstanding.extend(ids.iter().copied()),
+            Err(e) => g.degraded("cannot hand descriptors to the supervisor", &e),
         }
-        ids
+        Some(ids)
     }
 
     /// Publishes the receive journal of `framer`.
@@ -403,23 +456,29 @@ impl Continuity {
     }
 
     /// Sends the prepared reply to `sock` from the reply area (`sendfile` at the file's
-    /// position), all of it (a socket send timeout bounds each wait).
-    pub(crate) fn send_reply(&self, sock: &std::os::unix::net::UnixStream) -> io::Result<()> {
+    /// position), all of it within `timeout` (a client that does not read is given up on
+    /// then, however many partial sends it let through).
+    pub(crate) fn send_reply(
+        &self,
+        sock: &std::os::unix::net::UnixStream,
+        timeout: std::time::Duration,
+    ) -> io::Result<()> {
         let mut g = self.lock();
         let Some((at, len)) = g.pending_reply else {
             return Err(io::Error::other("no prepared reply"));
         };
-        sendfile_all(sock, g.replies.file(), len)?;
+        sendfile_all(sock, g.replies.file(), len, timeout)?;
         g.reply_pos = Some(g.replies.file_offset() + at + len);
         Ok(())
     }
 
     /// In a replacement: sends what of the last reply had not left when the process died
-    /// (the file position says how much had). Returns the bytes sent.
+    /// (the file position says how much had), within `timeout`. Returns the bytes sent.
     pub fn resend_unsent(
         &self,
         resumed: &Resumed,
         sock: &std::os::unix::net::UnixStream,
+        timeout: std::time::Duration,
     ) -> io::Result<u64> {
         let Some((at, len)) = resumed.pending_reply else {
             return Ok(0);
@@ -439,7 +498,7 @@ impl Continuity {
             )));
         }
         let unsent = end - pos;
-        sendfile_all(sock, g.replies.file(), unsent)?;
+        sendfile_all(sock, g.replies.file(), unsent, timeout)?;
         Ok(unsent)
     }
 
@@ -577,12 +636,17 @@ impl Continuity {
     /// released.
     pub(crate) fn client_gone(&self) {
         let mut g = self.lock();
-        let all: Vec<u64> = g
+        // Everything still held for this client: what the tables refer to, and descriptors of
+        // messages that were never handled (cut short, unframeable, refused) or that a
+        // framer dropped.
+        let all: BTreeSet<u64> = g
             .windows
             .values()
             .filter_map(|w| w.fd)
             .chain(g.vectors.values().copied())
+            .chain(g.outstanding.iter().copied())
             .collect();
+        let all: Vec<u64> = all.into_iter().collect();
         g.windows.clear();
         g.vectors.clear();
         g.refs.clear();
@@ -607,6 +671,9 @@ impl Inner {
     fn release(&mut self, ids: &[u64]) {
         if ids.is_empty() {
             return;
+        }
+        for id in ids {
+            self.outstanding.remove(id);
         }
         if let Err(e) = self.custody.release(ids) {
             self.degraded("cannot release descriptors held by the supervisor", &e);
@@ -707,22 +774,52 @@ impl Inner {
 }
 
 /// Sends `len` bytes of `file` from its position to `sock` (`sendfile`, which advances the
-/// position as the bytes leave).
+/// position as the bytes leave), within `timeout` in all.
+///
+/// The socket's send timeout (`SO_SNDTIMEO`, set to `timeout` by the connection) bounds one
+/// wait; a client that reads a little now and then would reset it with every partial send,
+/// so after a partial send the socket's timeout is lowered to what is left of `timeout` (and
+/// put back afterwards).
 fn sendfile_all(
     sock: &std::os::unix::net::UnixStream,
     file: &std::fs::File,
     len: u64,
+    timeout: std::time::Duration,
 ) -> io::Result<()> {
+    use rustix::net::sockopt::{Timeout, set_socket_timeout};
+    let deadline = std::time::Instant::now() + timeout;
     let mut left = usize::try_from(len).map_err(io::Error::other)?;
-    while left > 0 {
-        match rustix::fs::sendfile(sock, file, None, left) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => left -= n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
+    let mut shortened = false;
+    let result = loop {
+        if left == 0 {
+            break Ok(());
         }
+        match rustix::fs::sendfile(sock, file, None, left) {
+            Ok(0) => break Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                left -= n;
+                if left > 0 {
+                    let rest = deadline.saturating_duration_since(std::time::Instant::now());
+                    if rest.is_zero() {
+                        break Err(io::ErrorKind::TimedOut.into());
+                    }
+                    // Zero would mean "no timeout".
+                    let rest = rest.max(std::time::Duration::from_millis(1));
+                    if let Err(e) = set_socket_timeout(sock, Timeout::Send, Some(rest)) {
+                        break Err(e.into());
+                    }
+                    shortened = true;
+                }
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => break Err(io::ErrorKind::TimedOut.into()),
+            Err(e) => break Err(e.into()),
+        }
+    };
+    if shortened && let Err(e) = set_socket_timeout(sock, Timeout::Send, Some(timeout)) {
+        tracing::warn!(error = %e, "cannot restore the reply send timeout (SO_SNDTIMEO)");
     }
-    Ok(())
+    result
 }
 
 /// A change of the tables, as the log records it.

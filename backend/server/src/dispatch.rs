@@ -50,7 +50,7 @@ fn send(
     };
     conn.done();
     let r = match through_area {
-        Some(c) => c.send_reply(writer),
+        Some(c) => c.send_reply(writer, server.config.send_timeout),
         None => send_bounded(writer, out, &fds, limit),
     };
     drop(fds);

@@ -227,13 +227,17 @@ impl Dispatcher {
     /// Handles one message: a request (its reply, or error reply, is then in
     /// [`Dispatcher::reply`]) or a reply of the client to a server→client request.
     pub(crate) fn handle(&mut self, device_slot: &DeviceSlot, msg: Message<'_>) -> Outcome {
+        let fd_ids =
+            (self.continuity.is_some() && !msg.fd_ids.is_empty()).then(|| msg.fd_ids.clone());
         if msg.header.is_reply() {
             self.route_reply(&msg);
+            // A reply never keeps descriptors (a client may attach some anyway).
+            if let (Some(c), Some(ids)) = (&self.continuity, fd_ids) {
+                c.settle(&ids);
+            }
             return Outcome::Nothing;
         }
         let (msg_id, cmd, no_reply) = (msg.header.msg_id, msg.header.cmd, msg.header.no_reply());
-        let fd_ids =
-            (self.continuity.is_some() && !msg.fd_ids.is_empty()).then(|| msg.fd_ids.clone());
         let result = self.request(device_slot, msg);
         self.replaying = false;
         if let (Some(c), Some(ids)) = (&self.continuity, fd_ids) {

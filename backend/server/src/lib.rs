@@ -112,6 +112,20 @@ pub struct ServerConfig {
     pub send_timeout: Duration,
     /// Bytes all DMA dirty logs may take together ([`DmaSpace::set_log_budget`]).
     pub dirty_log_budget: u64,
+    /// With crash continuity, the client's descriptors a supervisor keeps for it (DMA memory
+    /// fds, interrupt eventfds, those of messages in flight): a message whose descriptors
+    /// would pass it is refused with EMFILE, and `max_dma_maps` is sized from it instead of
+    /// from this process's own open files (which a replacement counts twice while it
+    /// restores the client's windows). `None`: no budget, `max_dma_maps` is what this
+    /// process can hold.
+    pub fd_budget: Option<u32>,
+}
+
+/// The part of a descriptor budget kept for interrupt eventfds and a message's descriptors
+/// in flight: the rest is what `max_dma_maps` advertises ([`ServerConfig::fd_budget`]).
+pub fn dma_maps_within(budget: u32) -> u32 {
+    let others = (budget / 4).min(2048 + transport::MAX_FDS_PER_READ as u32);
+    budget.saturating_sub(others).max(1)
 }
 
 impl ServerConfig {
@@ -128,6 +142,7 @@ impl ServerConfig {
             client_dma_timeout: Duration::from_secs(5),
             send_timeout: DEFAULT_SEND_TIMEOUT,
             dirty_log_budget: switchyard_device::dma::DEFAULT_LOG_BUDGET,
+            fd_budget: None,
         }
     }
 }
@@ -215,7 +230,13 @@ impl Server {
         D: PciDevice,
         E: std::error::Error + Send + Sync + 'static,
     {
-        let holdable = holdable_dma_maps(config.limits.max_msg_fds);
+        let holdable = match config.fd_budget {
+            // The supervisor sized the budget against its limit and this process's (the
+            // same): what this process holds right now (a replacement holds the client's
+            // descriptors twice while it restores them) does not count.
+            Some(budget) => dma_maps_within(budget),
+            None => holdable_dma_maps(config.limits.max_msg_fds),
+        };
         if holdable < config.limits.max_dma_maps {
             tracing::info!(
                 configured = config.limits.max_dma_maps,
@@ -269,7 +290,24 @@ impl Server {
     /// From now on, descriptors the client sends go into custody and the server publishes
     /// what a replacement needs (see [`continuity`]).
     pub fn set_continuity(&mut self, continuity: Arc<continuity::Continuity>) {
+        continuity.set_budget(self.config.fd_budget.map(|b| b as usize));
         self.continuity = Some(continuity);
+    }
+
+    /// A replacement whose client left while no process served it (the supervisor holds no
+    /// connection): whatever the supervisor still holds for that client (`fds`: message
+    /// descriptors by custody id, tables restored from them) is released, as when a client
+    /// leaves; then it serves like [`Server::run`].
+    pub fn run_resumed_without_client(
+        &mut self,
+        fds: std::collections::BTreeMap<u64, std::os::fd::OwnedFd>,
+    ) -> Result<(), ServerError> {
+        if let Some(c) = &self.continuity {
+            c.took_over(fds.keys().copied());
+        }
+        drop(fds);
+        self.client_gone();
+        self.run()
     }
 
     /// Rebuilds the client's DMA windows and interrupt routing a replaced process had, from
@@ -337,6 +375,11 @@ impl Server {
     ) -> Result<(), ServerError> {
         let max_msg =
             switchyard_proto::Limits::server(self.config.limits.max_data_xfer_size).max_msg_size;
+        // Everything held for the client is this process's to release from now on: what the
+        // journal and the tables need when they are done with it, the rest below.
+        if let Some(c) = &self.continuity {
+            c.took_over(fds.keys().copied());
+        }
         let mut framer = if resumed.rx.is_empty() {
             transport::Framer::new(max_msg)
         } else {
@@ -351,7 +394,7 @@ impl Server {
         }
         // The reply the killed process was sending: whatever of it had not left goes first.
         if let Some(c) = &self.continuity {
-            match c.resend_unsent(resumed, &stream) {
+            match c.resend_unsent(resumed, &stream, self.config.send_timeout) {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(
                     bytes = n,

@@ -110,6 +110,9 @@ pub struct Framer {
     pending_fds: Vec<OwnedFd>,
     /// Custody ids of `pending_fds` (empty without custody).
     pending_ids: Vec<u64>,
+    /// Custody ids of descriptors this framer dropped unclaimed: no message will settle
+    /// them, so the connection releases them ([`Framer::take_dropped_ids`]).
+    dropped_ids: Vec<u64>,
     /// The message handed out by [`Framer::next_message`] and not yet [`Framer::done`]:
     /// its offset, and its descriptors' custody ids and truncation.
     in_flight: Option<InFlight>,
@@ -139,6 +142,7 @@ impl Framer {
             end: 0,
             pending_fds: Vec::with_capacity(MAX_FDS_PER_READ),
             pending_ids: Vec::new(),
+            dropped_ids: Vec::new(),
             in_flight: None,
             unconsumed: 0,
             pending_trunc: false,
@@ -183,7 +187,7 @@ impl Framer {
                 self.pending_fds.clear();
             }
             if !got_fds {
-                self.pending_ids.clear();
+                self.drop_pending_ids();
             }
             got_fds = true;
             self.pending_fds.push(fd);
@@ -193,7 +197,7 @@ impl Framer {
             // Whatever arrived is incomplete: the message it belongs to is refused.
             if !got_fds {
                 self.pending_fds.clear();
-                self.pending_ids.clear();
+                self.drop_pending_ids();
             }
             self.pending_trunc = true;
             got_fds = true;
@@ -443,10 +447,20 @@ impl Framer {
                 "dropping unattributable descriptors"
             );
             self.pending_fds.clear();
-            self.pending_ids.clear();
+            self.drop_pending_ids();
             self.pending_trunc = false;
         }
         (Vec::new(), Vec::new(), false)
+    }
+
+    fn drop_pending_ids(&mut self) {
+        self.dropped_ids.append(&mut self.pending_ids);
+    }
+
+    /// Custody ids of descriptors dropped unclaimed since the last call (see
+    /// [`Framer::filled`]): the journal no longer names them.
+    pub fn take_dropped_ids(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.dropped_ids)
     }
 
     fn compact(&mut self) {
@@ -550,6 +564,10 @@ impl Connection {
         self.framer.done();
         if let Some(c) = &self.continuity {
             c.publish_rx(&self.framer);
+            let dropped = self.framer.take_dropped_ids();
+            if !dropped.is_empty() {
+                c.release(&dropped);
+            }
         }
     }
 
@@ -636,15 +654,27 @@ impl Connection {
         if got.bytes == 0 {
             return Ok(0);
         }
+        let mut truncated = got.fds_truncated;
         let ids = if self.read_fds.is_empty() {
             Vec::new()
+        } else if let Some(ids) = c.hold(&self.read_fds) {
+            ids
         } else {
-            c.hold(&self.read_fds)
+            // Past the client's custody budget: the descriptors are closed, never held, and
+            // their message is refused as one whose descriptors the kernel dropped (EMFILE).
+            self.read_fds.clear();
+            truncated = true;
+            Vec::new()
         };
         self.framer
-            .filled_with_ids(got.bytes, self.read_fds.drain(..), &ids, got.fds_truncated);
+            .filled_with_ids(got.bytes, self.read_fds.drain(..), &ids, truncated);
         self.framer.set_unconsumed(got.bytes);
         c.publish_rx(&self.framer);
+        // Descriptors the framer dropped are no longer in the journal just published.
+        let dropped = self.framer.take_dropped_ids();
+        if !dropped.is_empty() {
+            c.release(&dropped);
+        }
         // Consume what was peeked. The kernel installs the descriptors again: the copies from
         // the peek are the ones kept, these are closed.
         discard(&self.stream, got.bytes, false)?;

@@ -42,7 +42,7 @@ fn fds(n: usize) -> Vec<OwnedFd> {
 #[test]
 fn tables_and_session_survive_into_a_replacement() {
     let (bb, c, held) = setup();
-    let ids = c.hold(&fds(3));
+    let ids = c.hold(&fds(3)).expect("within budget");
     assert_eq!(
         ids,
         vec![FIRST_MESSAGE_ID, FIRST_MESSAGE_ID + 1, FIRST_MESSAGE_ID + 2]
@@ -97,7 +97,7 @@ fn tables_and_session_survive_into_a_replacement() {
 #[test]
 fn descriptors_are_released_when_nothing_refers_to_them() {
     let (_bb, c, held) = setup();
-    let ids = c.hold(&fds(2));
+    let ids = c.hold(&fds(2)).expect("within budget");
     c.dma_mapped(WindowRecord {
         iova: 0x1000,
         size: 0x1000,
@@ -114,14 +114,14 @@ fn descriptors_are_released_when_nothing_refers_to_them() {
     assert!(held.lock().expect("lock").is_empty());
 
     // An eventfd replaced by another, then the index disabled.
-    let a = c.hold(&fds(1));
+    let a = c.hold(&fds(1)).expect("within budget");
     c.irqs_set(2, 0, &[Some(a[0])]);
-    let b = c.hold(&fds(1));
+    let b = c.hold(&fds(1)).expect("within budget");
     c.irqs_set(2, 0, &[Some(b[0])]);
     assert_eq!(*held.lock().expect("lock"), vec![b[0]]);
     c.irqs_set(2, 0, &[None]);
     assert!(held.lock().expect("lock").is_empty());
-    let d = c.hold(&fds(2));
+    let d = c.hold(&fds(2)).expect("within budget");
     c.irqs_set(2, 3, &[Some(d[0]), Some(d[1])]);
     c.irqs_disabled(2);
     assert!(held.lock().expect("lock").is_empty());
@@ -130,7 +130,7 @@ fn descriptors_are_released_when_nothing_refers_to_them() {
 #[test]
 fn a_client_that_leaves_takes_everything_with_it() {
     let (bb, c, held) = setup();
-    let ids = c.hold(&fds(2));
+    let ids = c.hold(&fds(2)).expect("within budget");
     c.version(0, 1, b"{}");
     c.dma_mapped(WindowRecord {
         iova: 0,
@@ -149,9 +149,67 @@ fn a_client_that_leaves_takes_everything_with_it() {
     unmaps_remove_only_the_windows_inside_their_range();
 }
 
+#[test]
+fn descriptors_of_messages_never_handled_go_with_the_client() {
+    // Held when they arrived; their message was cut short, could not be framed or was never
+    // settled: nothing refers to them, and the client leaving releases them all.
+    let (_bb, c, held) = setup();
+    let kept = c.hold(&fds(1)).expect("within budget");
+    c.dma_mapped(WindowRecord {
+        iova: 0,
+        size: 0x1000,
+        offset: 0,
+        read: true,
+        write: true,
+        fd: Some(kept[0]),
+    });
+    c.settle(&kept);
+    let never_handled = c.hold(&fds(16)).expect("within budget");
+    assert_eq!(held.lock().expect("lock").len(), 17);
+    assert_eq!(c.held_count().0, 17);
+    c.client_gone();
+    assert!(held.lock().expect("lock").is_empty());
+    assert_eq!(c.held_count().0, 0);
+    assert!(never_handled.iter().all(|id| *id >= FIRST_MESSAGE_ID));
+}
+
+#[test]
+fn the_budget_refuses_a_read_that_would_pass_it_and_holds_nothing_of_it() {
+    let (_bb, c, held) = setup();
+    c.set_budget(Some(4));
+    let a = c.hold(&fds(3)).expect("within budget");
+    assert!(c.hold(&fds(2)).is_none(), "3 + 2 > 4");
+    assert_eq!(
+        *held.lock().expect("lock"),
+        a,
+        "nothing of the refused read is held"
+    );
+    assert_eq!(c.held_count(), (3, 1));
+    let b = c.hold(&fds(1)).expect("3 + 1 fits");
+    c.settle(&a);
+    c.settle(&b);
+    assert!(held.lock().expect("lock").is_empty());
+    assert!(
+        c.hold(&fds(4)).is_some(),
+        "released descriptors free the budget"
+    );
+}
+
+#[test]
+fn a_replacement_releases_what_it_took_over_when_the_client_leaves() {
+    let (_bb, c, held) = setup();
+    c.took_over([CONNECTION_ID, FIRST_MESSAGE_ID + 7, FIRST_MESSAGE_ID + 9]);
+    held.lock()
+        .expect("lock")
+        .extend([FIRST_MESSAGE_ID + 7, FIRST_MESSAGE_ID + 9]);
+    assert_eq!(c.held_count().0, 2, "only message descriptors count");
+    c.client_gone();
+    assert!(held.lock().expect("lock").is_empty());
+}
+
 fn unmaps_remove_only_the_windows_inside_their_range() {
     let (_bb, c, held) = setup();
-    let ids = c.hold(&fds(2));
+    let ids = c.hold(&fds(2)).expect("within budget");
     for (i, id) in ids.iter().enumerate() {
         c.dma_mapped(WindowRecord {
             iova: i as u64 * 0x1000,
