@@ -612,6 +612,18 @@ impl Continuity {
         g.release(&released);
     }
 
+    /// A replacement could not restore these windows and vectors ([`crate::Unrestored`]):
+    /// they leave the tables, and their descriptors custody, as if the client had unmapped
+    /// and de-assigned them (the supervisor is told separately, loudly).
+    pub fn forget(&self, lost: &crate::Unrestored) {
+        for &(iova, size) in &lost.windows {
+            self.dma_unmapped(iova, size);
+        }
+        for &(index, vector) in &lost.vectors {
+            self.irqs_set(index, vector, &[None]);
+        }
+    }
+
     /// A message with descriptors `ids` has been handled: those no table refers to are
     /// released.
     pub(crate) fn settle(&self, ids: &[u64]) {

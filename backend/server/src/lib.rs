@@ -121,6 +121,17 @@ pub struct ServerConfig {
     pub fd_budget: Option<u32>,
 }
 
+/// What a replacement could not restore of the client's tables ([`Server::restore_tables`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Unrestored {
+    /// One line per window or vector lost.
+    pub problems: Vec<String>,
+    /// Windows lost `(iova, size)`.
+    pub windows: Vec<(u64, u64)>,
+    /// Interrupt vectors lost `(index, vector)`.
+    pub vectors: Vec<(u32, u32)>,
+}
+
 /// The part of a descriptor budget kept for interrupt eventfds and a message's descriptors
 /// in flight: the rest is what `max_dma_maps` advertises ([`ServerConfig::fd_budget`]).
 pub fn dma_maps_within(budget: u32) -> u32 {
@@ -313,13 +324,16 @@ impl Server {
     /// Rebuilds the client's DMA windows and interrupt routing a replaced process had, from
     /// `resumed` and the descriptors its supervisor held (`fd(id)`); call before building
     /// nothing else on the context. A window whose memory can no longer be mapped is left
-    /// out (the device then faults on it) and reported.
+    /// out (the device then faults on it) and reported, and so is an eventfd that cannot be
+    /// set: drop them from the continuity's tables ([`continuity::Continuity::forget`]) and
+    /// tell the supervisor.
     pub fn restore_tables(
         ctx: &DeviceContext,
         resumed: &continuity::Resumed,
         mut fd: impl FnMut(u64) -> Option<std::os::fd::OwnedFd>,
-    ) -> Vec<String> {
-        let mut problems = Vec::new();
+    ) -> Unrestored {
+        let mut lost = Unrestored::default();
+        let problems = &mut lost.problems;
         for w in &resumed.windows {
             let prot = switchyard_device::DmaProt {
                 read: w.read,
@@ -334,12 +348,14 @@ impl Server {
                             "DMA window {:#x}+{:#x}: its memory fd (custody id {id}) is gone",
                             w.iova, w.size
                         ));
+                        lost.windows.push((w.iova, w.size));
                         continue;
                     }
                 },
             };
             if let Err(e) = ctx.dma.map(w.iova, w.size, prot, backing) {
                 problems.push(format!("DMA window {:#x}+{:#x}: {e}", w.iova, w.size));
+                lost.windows.push((w.iova, w.size));
             }
         }
         for (&(index, vector), &id) in &resumed.vectors {
@@ -350,14 +366,18 @@ impl Server {
                             .set_triggers(index, vector, vec![Some(std::fs::File::from(f))])
                     {
                         problems.push(format!("interrupt {index}/{vector}: {e}"));
+                        lost.vectors.push((index, vector));
                     }
                 }
-                None => problems.push(format!(
-                    "interrupt {index}/{vector}: its eventfd (custody id {id}) is gone"
-                )),
+                None => {
+                    problems.push(format!(
+                        "interrupt {index}/{vector}: its eventfd (custody id {id}) is gone"
+                    ));
+                    lost.vectors.push((index, vector));
+                }
             }
         }
-        problems
+        lost
     }
 
     /// Serves `stream`, a connection a replaced process was serving, from where it stopped
