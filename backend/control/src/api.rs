@@ -130,6 +130,18 @@ pub struct ErrorDetail {
 
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
+        // The server's body read timeout ([`crate::BODY_READ_TIMEOUT`]), under axum's layers.
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&r);
+        while let Some(e) = source {
+            if let Some(timeout @ crate::ControlError::BodyTimeout(_)) = e.downcast_ref() {
+                return Self::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body_timeout",
+                    timeout.to_string(),
+                );
+            }
+            source = e.source();
+        }
         let code = match &r {
             JsonRejection::JsonSyntaxError(_) => "malformed_json",
             JsonRejection::JsonDataError(_) => "invalid_body",
@@ -156,7 +168,8 @@ impl From<PathRejection> for ApiError {
 /// A JSON body in (extractor) or out (response), like `axum::Json`, but a refused request body
 /// becomes an [`ApiError`]: `malformed_json` (400), `invalid_body` (422: a missing field, a
 /// wrong type), `unsupported_media_type` (415: no `Content-Type: application/json`),
-/// `unreadable_body` (the body could not be read, e.g. 413 past the size limit).
+/// `unreadable_body` (the body could not be read, e.g. 413 past the size limit), `body_timeout`
+/// (408: the body did not arrive within the server's [`crate::BODY_READ_TIMEOUT`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Json<T>(pub T);
 

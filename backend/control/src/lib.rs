@@ -5,7 +5,8 @@
 //!
 //! - **Serving** ([`ControlSocket`], [`serve`]): the socket (mode 0600; a stale file from a
 //!   crashed daemon is replaced, a live server is refused; removed at shutdown) and an HTTP/1.1
-//!   accept loop (tokio + hyper) that runs an axum router, with a bounded graceful shutdown.
+//!   accept loop (tokio + hyper) that runs an axum router, with a bounded graceful shutdown,
+//!   header and body read timeouts and a cap on connections ([`Limits`]).
 //! - **Errors** ([`ApiError`], [`ErrorBody`], the [`Json`], [`Query`] and [`Path`]
 //!   extractors, [`json_fallbacks`]): every failed request, whether refused by a handler, an
 //!   extractor (malformed JSON, wrong content type, missing field) or the router (404, 405),
@@ -87,7 +88,10 @@ pub use openapi::{
     CONTROL_TAG, ControlApi, Health, UPDATE_ENV, check_openapi_file, check_openapi_file_with,
     health, metrics,
 };
-pub use server::{ControlSocket, MAX_SOCKET_PATH, SHUTDOWN_GRACE, serve};
+pub use server::{
+    BODY_READ_TIMEOUT, ControlSocket, HEADER_READ_TIMEOUT, Limits, MAX_CONNECTIONS,
+    MAX_SOCKET_PATH, SHUTDOWN_GRACE, serve,
+};
 
 /// Errors of the control plane (the server, the client, the events hub and the OpenAPI check).
 #[derive(Debug, thiserror::Error)]
@@ -163,6 +167,12 @@ pub enum ControlError {
         /// The last published number.
         last: u64,
     },
+    /// A request's body did not arrive within the server's body read timeout.
+    #[error("The request body did not arrive within {0:?}")]
+    BodyTimeout(std::time::Duration),
+    /// Reading a request's body failed.
+    #[error("Cannot read the request body")]
+    ReadBody(#[source] hyper::Error),
     /// An event was published after the hub was closed.
     #[error("The events hub is closed")]
     EventsClosed,

@@ -1,6 +1,15 @@
 //! The control socket: binding (mode 0600, stale files replaced, live servers refused) and the
 //! HTTP/1.1 accept loop that serves an axum router on it.
+//!
+//! No client can hold the server: a request's headers and its body must each arrive within a
+//! timeout ([`HEADER_READ_TIMEOUT`], [`BODY_READ_TIMEOUT`]), and at most [`MAX_CONNECTIONS`]
+//! connections are served at once. When they are all open, a new one closes the connection
+//! that has waited longest for a request (one idle between requests, or still sending its
+//! headers); when every one has a request in progress (a handler running, or a reply still
+//! being sent, an events stream say), the new one gets 503 `too_many_connections` at once and
+//! is closed. See [`Limits`].
 
+use std::collections::HashMap;
 use std::fs;
 use std::future::Future;
 use std::io;
@@ -8,15 +17,23 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener as StdUnixListener, UnixStream as StdUnixStream};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::body::Bytes;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper::service::Service as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::UnixListener;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
 use crate::ControlError;
+use crate::api::JSON;
 
 /// The longest path AF_UNIX binds (`sun_path` is 108 bytes with the terminating NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
@@ -25,8 +42,43 @@ pub const MAX_SOCKET_PATH: usize = 107;
 /// cut (an events stream whose hub is not closed never finishes by itself).
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-/// How long a client may take to send a request's headers.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client may take to send a request's headers. hyper starts the clock when it
+/// waits for a request, so this is also how long a connection may stay idle between requests.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a client may take to send a request's body, counted from the end of its headers.
+/// A body still arriving then is cut: a handler reading it fails (the JSON extractor answers
+/// 408 `body_timeout`) and the connection is closed.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections served at once (see the module documentation for what happens past it).
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// What a client of a [`ControlSocket`] may hold. The default is [`HEADER_READ_TIMEOUT`],
+/// [`BODY_READ_TIMEOUT`] and [`MAX_CONNECTIONS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// How long a request's headers may take, and a connection may stay idle.
+    pub header_read_timeout: Duration,
+    /// How long a request's body may take after its headers.
+    pub body_read_timeout: Duration,
+    /// Connections served at once (at least 1).
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            body_read_timeout: BODY_READ_TIMEOUT,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// The body of the reply to a connection past [`Limits::max_connections`] when none can be
+/// closed (an `ErrorBody`).
+const TOO_MANY_CONNECTIONS: &str = r#"{"error":{"code":"too_many_connections","message":"Every control connection is busy; try again later"}}"#;
 
 /// A bound control socket, not yet serving. The socket file is removed when this is dropped
 /// (or [`ControlSocket::serve`] returns), if the file at the path is still the one bound here.
@@ -36,6 +88,7 @@ pub struct ControlSocket {
     path: PathBuf,
     /// Device and inode of the socket file bound here.
     ident: (u64, u64),
+    limits: Limits,
 }
 
 impl ControlSocket {
@@ -97,7 +150,14 @@ impl ControlSocket {
             listener,
             path: path.to_owned(),
             ident: (meta.dev(), meta.ino()),
+            limits: Limits::default(),
         })
+    }
+
+    /// Serves with these limits instead of the default ones.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// The socket path.
@@ -109,8 +169,8 @@ impl ControlSocket {
     /// connection is accepted any more; open connections finish the request in progress
     /// (within [`SHUTDOWN_GRACE`], after which they are cut) and `serve` returns.
     ///
-    /// Each connection is HTTP/1.1 with keep-alive. Must run inside a tokio runtime (with
-    /// I/O and time enabled).
+    /// Each connection is HTTP/1.1 with keep-alive, within the socket's [`Limits`]. Must run
+    /// inside a tokio runtime (with I/O and time enabled).
     pub async fn serve<F>(self, router: axum::Router, shutdown: F) -> Result<(), ControlError>
     where
         F: Future<Output = ()> + Send,
@@ -124,16 +184,40 @@ impl ControlSocket {
                 source,
             })?;
         tracing::info!(socket = %self.path.display(), "control API listening");
+        let limits = self.limits;
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut connections = JoinSet::new();
+        let mut slots: HashMap<tokio::task::Id, Arc<Slot>> = HashMap::new();
+        let mut accepted_count = 0u64;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
-                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                Some(done) = connections.join_next_with_id(), if !connections.is_empty() => {
+                    let id = match done {
+                        Ok((id, ())) => id,
+                        Err(e) => e.id(),
+                    };
+                    slots.remove(&id);
+                }
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => {
-                        connections.spawn(serve_connection(stream, router.clone(), stop_rx.clone()));
+                        let open = slots.values().filter(|s| !s.is_closing()).count();
+                        if open >= limits.max_connections.max(1) && !close_longest_idle(&slots) {
+                            refuse(&stream);
+                            continue;
+                        }
+                        accepted_count += 1;
+                        let slot = Arc::new(Slot::new(accepted_count));
+                        let task = serve_connection(
+                            stream,
+                            router.clone(),
+                            limits,
+                            Arc::clone(&slot),
+                            stop_rx.clone(),
+                        );
+                        let handle = connections.spawn(task);
+                        slots.insert(handle.id(), slot);
                     }
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
@@ -185,15 +269,184 @@ where
     ControlSocket::bind(path)?.serve(router, shutdown).await
 }
 
+/// A served connection, as the accept loop sees it.
+#[derive(Debug)]
+struct Slot {
+    /// The order it was accepted in.
+    number: u64,
+    /// Requests in progress (from their headers to the end of their reply), or [`CLOSING`].
+    state: Arc<AtomicUsize>,
+    /// Tells the connection to close.
+    close: Notify,
+}
+
+/// [`Slot::state`] of a connection told to close.
+const CLOSING: usize = 1 << (usize::BITS - 1);
+
+impl Slot {
+    fn new(number: u64) -> Self {
+        Self {
+            number,
+            state: Arc::new(AtomicUsize::new(0)),
+            close: Notify::new(),
+        }
+    }
+
+    fn is_closing(&self) -> bool {
+        self.state.load(Ordering::Acquire) & CLOSING != 0
+    }
+}
+
+/// Tells the connection that has waited longest for a request (none in progress) to close.
+/// Whether there was one.
+fn close_longest_idle(slots: &HashMap<tokio::task::Id, Arc<Slot>>) -> bool {
+    let mut idle: Vec<&Arc<Slot>> = slots
+        .values()
+        .filter(|s| s.state.load(Ordering::Acquire) == 0)
+        .collect();
+    idle.sort_by_key(|s| s.number);
+    // A request may start in between: the first that is still idle when it is marked.
+    for slot in idle {
+        if slot
+            .state
+            .compare_exchange(0, CLOSING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            tracing::debug!("control connections at the limit; closing an idle one");
+            slot.close.notify_one();
+            return true;
+        }
+    }
+    false
+}
+
+/// Answers 503 on a connection past the limit, without reading it, and closes it (the
+/// reply fits the empty socket buffer; a client that is gone already is no matter).
+fn refuse(stream: &tokio::net::UnixStream) {
+    tracing::debug!("every control connection is busy; one more refused");
+    let reply = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {JSON}\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n{TOO_MANY_CONNECTIONS}",
+        TOO_MANY_CONNECTIONS.len()
+    );
+    let _ = stream.try_write(reply.as_bytes());
+}
+
+/// Counts a request in progress on its connection until dropped (with the reply's body).
+#[derive(Debug)]
+struct InProgress(Arc<AtomicUsize>);
+
+impl InProgress {
+    fn new(state: &Arc<AtomicUsize>) -> Self {
+        state.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(state))
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A reply's body that keeps its request counted as in progress.
+struct ReplyBody {
+    inner: axum::body::Body,
+    _request: InProgress,
+}
+
+impl HttpBody for ReplyBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request's body that fails with [`ControlError::BodyTimeout`] when it is not all there
+/// by its deadline.
+struct RequestBody {
+    inner: Incoming,
+    /// `None` for a request without a body.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    timeout: Duration,
+}
+
+impl RequestBody {
+    fn new(inner: Incoming, timeout: Duration) -> Self {
+        let deadline = (!inner.is_end_stream()).then(|| Box::pin(tokio::time::sleep(timeout)));
+        Self {
+            inner,
+            deadline,
+            timeout,
+        }
+    }
+}
+
+impl HttpBody for RequestBody {
+    type Data = Bytes;
+    type Error = ControlError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ControlError>>> {
+        let timeout = self.timeout;
+        if let Some(deadline) = &mut self.deadline
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return Poll::Ready(Some(Err(ControlError::BodyTimeout(timeout))));
+        }
+        Pin::new(&mut self.inner)
+            .poll_frame(cx)
+            .map_err(ControlError::ReadBody)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 async fn serve_connection(
     stream: tokio::net::UnixStream,
     router: axum::Router,
+    limits: Limits,
+    slot: Arc<Slot>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let service = TowerToHyperService::new(router);
+    let router = TowerToHyperService::new(router);
+    let state = Arc::clone(&slot.state);
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let request = InProgress::new(&state);
+        let req = req.map(|body| RequestBody::new(body, limits.body_read_timeout));
+        let reply = router.call(req);
+        async move {
+            let reply = reply.await?;
+            Ok::<_, std::convert::Infallible>(reply.map(|inner| ReplyBody {
+                inner,
+                _request: request,
+            }))
+        }
+    });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .header_read_timeout(limits.header_read_timeout)
         .serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
     let result = tokio::select! {
@@ -202,6 +455,8 @@ async fn serve_connection(
             conn.as_mut().graceful_shutdown();
             conn.await
         }
+        // Idle (no request in progress) and the server needs the slot: closed at once.
+        () = slot.close.notified() => Ok(()),
     };
     if let Err(e) = result {
         tracing::debug!("control connection ended: {e}");

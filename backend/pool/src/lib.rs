@@ -80,4 +80,4 @@ pub use inventory::{
     FailedEndpoint, Inventory, MAX_ID_LEN, MAX_SOCKET_PATH, Model, MovePlan, OpenReport, Placement,
     PoolView, Requirements, valid_id,
 };
-pub use store::{Pool, STORE_FORMAT};
+pub use store::{History, Pool, STORE_FORMAT};

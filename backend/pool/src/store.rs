@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use redb::{Database, ReadableTable, TableDefinition, TableError};
 use serde::Serialize;
@@ -34,7 +35,7 @@ pub const STORE_FORMAT: u64 = 1;
 /// copy replace the inventory. A refused mutation or a failed commit leaves both the file
 /// and the inventory as they were. The queries are on [`Pool::inventory`].
 pub struct Pool {
-    db: Database,
+    db: Arc<Database>,
     path: PathBuf,
     inv: Inventory,
 }
@@ -63,7 +64,7 @@ impl Pool {
         write(&db, &stored, &inv.snapshot(), &events)?;
         Ok((
             Self {
-                db,
+                db: Arc::new(db),
                 path: path.into(),
                 inv,
             },
@@ -83,26 +84,14 @@ impl Pool {
 
     /// Events with `seq > since_seq`, oldest first, at most `limit`.
     pub fn history(&self, since_seq: u64, limit: usize) -> Result<Vec<Event>, PoolError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| PoolError::store("read", e))?;
-        let table = match txn.open_table(EVENTS) {
-            Ok(t) => t,
-            Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-            Err(e) => return Err(PoolError::store("read", e)),
-        };
-        let start = since_seq.saturating_add(1);
-        let mut out = Vec::new();
-        for item in table
-            .range(start..)
-            .map_err(|e| PoolError::store("read", e))?
-            .take(limit)
-        {
-            let (seq, bytes) = item.map_err(|e| PoolError::store("read", e))?;
-            out.push(decode(&format!("event {}", seq.value()), bytes.value())?);
+        read_history(&self.db, since_seq, limit)
+    }
+
+    /// A handle that reads the history page by page without the pool (see [`History`]).
+    pub fn history_reader(&self) -> History {
+        History {
+            db: Arc::clone(&self.db),
         }
-        Ok(out)
     }
 
     /// [`Inventory::create_endpoint`], committed.
@@ -192,6 +181,52 @@ impl Pool {
         }
         Ok((value, events))
     }
+}
+
+/// The store's event history, read without the [`Pool`]: a reader never waits for a mutation
+/// (or for whoever holds the pool), and sees what was committed when its read began.
+///
+/// Read it in pages ([`History::page`]): each page is one read transaction of at most `limit`
+/// events, so a reader of a long history holds one page at a time. The handle keeps the store
+/// open (and locked) while it exists: drop every one before opening the file again.
+#[derive(Clone)]
+pub struct History {
+    db: Arc<Database>,
+}
+
+impl fmt::Debug for History {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("History").finish_non_exhaustive()
+    }
+}
+
+impl History {
+    /// Events with `seq > since_seq`, oldest first, at most `limit`: [`Pool::history`] in one
+    /// read transaction.
+    pub fn page(&self, since_seq: u64, limit: usize) -> Result<Vec<Event>, PoolError> {
+        read_history(&self.db, since_seq, limit)
+    }
+}
+
+/// Events with `seq > since_seq`, oldest first, at most `limit`, in one read transaction.
+fn read_history(db: &Database, since_seq: u64, limit: usize) -> Result<Vec<Event>, PoolError> {
+    let txn = db.begin_read().map_err(|e| PoolError::store("read", e))?;
+    let table = match txn.open_table(EVENTS) {
+        Ok(t) => t,
+        Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+        Err(e) => return Err(PoolError::store("read", e)),
+    };
+    let start = since_seq.saturating_add(1);
+    let mut out = Vec::with_capacity(limit.min(1024));
+    for item in table
+        .range(start..)
+        .map_err(|e| PoolError::store("read", e))?
+        .take(limit)
+    {
+        let (seq, bytes) = item.map_err(|e| PoolError::store("read", e))?;
+        out.push(decode(&format!("event {}", seq.value()), bytes.value())?);
+    }
+    Ok(out)
 }
 
 fn encode<T: Serialize>(what: &str, value: &T) -> Result<Vec<u8>, PoolError> {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use switchyard_control::{ControlClient, ControlError, ControlSocket};
+use switchyard_control::{ControlClient, ControlError, ControlSocket, Limits};
 use tokio::sync::oneshot;
 
 /// A server running `router` until stopped (or dropped).
@@ -20,7 +20,16 @@ pub struct TestServer {
 impl TestServer {
     /// Binds `path` (errors are the bind's) and serves `router` on it.
     pub fn start(path: &Path, router: axum::Router) -> Result<Self, ControlError> {
-        let socket = ControlSocket::bind(path)?;
+        Self::start_with_limits(path, router, Limits::default())
+    }
+
+    /// [`TestServer::start`] with these limits.
+    pub fn start_with_limits(
+        path: &Path,
+        router: axum::Router,
+        limits: Limits,
+    ) -> Result<Self, ControlError> {
+        let socket = ControlSocket::bind(path)?.with_limits(limits);
         let (stop, stopped) = oneshot::channel::<()>();
         let thread = thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()

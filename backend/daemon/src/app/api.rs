@@ -40,18 +40,15 @@
 //! refused request changes nothing: the pool checks a mutation on a copy before the data path
 //! acts, and the store is changed last (or the data path undone).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
 use axum::extract::{FromRef, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use switchyard_control::{
-    ApiError, ControlApi, ErrorBody, Json, Metrics, NDJSON_CONTENT_TYPE, Path, Query, Received,
-    StreamNotice,
+    ApiError, ControlApi, ErrorBody, Json, Metrics, NDJSON_CONTENT_TYPE, Path, Query,
 };
 use switchyard_pool::{
     BoardView, DeviceView, Endpoint, EndpointSpec as PoolEndpointSpec, ErrorKind, MovePlan,
@@ -60,7 +57,7 @@ use switchyard_pool::{
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::routes;
 
-use super::events::{DaemonEvent, SEQ_STRIDE, ms};
+use super::events::{DaemonEvent, MAX_STREAMS, ms};
 use super::{Daemon, Unsupervised};
 use crate::custody::MoveReport;
 use crate::supervisor::{MoveOutcome, SupervisorError, WorkerStatus};
@@ -71,8 +68,6 @@ const READY_TIMEOUT: Duration = Duration::from_secs(20);
 const UNPLUG_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a move may take (pre-copy of a large, busy VRAM included).
 const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
-/// Most pool events one `GET /events` reads from the store.
-const HISTORY_LIMIT: usize = 100_000;
 
 const TAG: &str = "pool";
 
@@ -1231,13 +1226,6 @@ async fn drain_board(
     blocking(&s, move |d| d.drain(&id)).await.map(Json)
 }
 
-fn line<T: Serialize>(value: &T) -> Bytes {
-    let mut v =
-        serde_json::to_vec(value).unwrap_or_else(|_| br#"{"type":"lagged","missed":1}"#.to_vec());
-    v.push(b'\n');
-    Bytes::from(v)
-}
-
 /// `GET /events`.
 #[utoipa::path(get, path = "/events", tag = TAG, operation_id = "events",
     summary = "Pool and worker lifecycle events, newline-delimited JSON",
@@ -1251,7 +1239,7 @@ fn line<T: Serialize>(value: &T) -> Bytes {
     responses(
         (status = 200, description = "One JSON value per line", body = DaemonEvent, content_type = "application/x-ndjson"),
         (status = 400, description = "A bad query string", body = ErrorBody),
-        (status = 503, description = "The daemon is shutting down", body = ErrorBody)))]
+        (status = 503, description = "The daemon is shutting down (shutting_down), or too many events streams are open (too_many_streams)", body = ErrorBody)))]
 async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Response {
     let d = s.0.clone();
     if d.events.is_closed() {
@@ -1262,39 +1250,26 @@ async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Resp
         )
         .into_response();
     }
-    let resume = d.events.subscribe(q.since);
-    let mut lines: Vec<Bytes> = Vec::new();
-    if let Some((since, before)) = resume.from_store {
-        let history = blocking(&s, move |d| {
-            d.pool()
-                .history(since / SEQ_STRIDE, HISTORY_LIMIT)
-                .map_err(pool_error)
-        })
-        .await;
-        match history {
-            Ok(events) => lines.extend(
-                events
-                    .into_iter()
-                    .map(DaemonEvent::from_pool)
-                    .filter(|e| e.seq > since && e.seq < before)
-                    .map(|e| line(&e)),
-            ),
-            Err(e) => return e.into_response(),
-        }
-    }
-    lines.extend(resume.recent.iter().map(line));
-    let head = futures_util::stream::iter(lines.into_iter().map(Ok::<_, Infallible>));
-    let body = if q.follow.unwrap_or(true) {
-        let live = futures_util::stream::unfold(resume.live, |mut sub| async move {
-            let item = match sub.recv().await? {
-                Received::Event(e) => line(&e),
-                Received::Lagged { missed } => line(&StreamNotice::Lagged { missed }),
-            };
-            Some((Ok::<_, Infallible>(item), sub))
-        });
-        Body::from_stream(futures_util::StreamExt::chain(head, live))
-    } else {
-        Body::from_stream(head)
+    let Some(slot) = d.events.open_stream() else {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_streams",
+            format!("{MAX_STREAMS} events streams are open; close one or try again later"),
+        )
+        .into_response();
     };
+    // The store's history is read page by page as the body is sent (`EventStream::body`).
+    let history = match d.events.history() {
+        Some(h) => h,
+        None => match blocking(&s, |d| Ok(d.pool().history_reader())).await {
+            Ok(h) => {
+                d.events.set_history(h.clone());
+                h
+            }
+            Err(e) => return e.into_response(),
+        },
+    };
+    let cursor = d.events.cursor(q.since, q.follow.unwrap_or(true));
+    let body = d.events.body(cursor, history, slot);
     ([(header::CONTENT_TYPE, NDJSON_CONTENT_TYPE)], body).into_response()
 }

@@ -10,28 +10,47 @@
 //! so the worker events of a new daemon never reuse the numbers of an old one. `GET
 //! /events?since=SEQ` therefore resumes from any `seq` a client has seen: pool events come from
 //! the store (all of them, however old), worker events from the daemon's memory (the last
-//! [`REPLAY`] events of this daemon; older worker events, and those of earlier daemons, are
-//! gone). More than 999 999 worker events between two pool events are not numbered (dropped
-//! with a log line).
+//! [`REPLAY`] worker events of this daemon; older worker events, and those of earlier daemons,
+//! are gone). More than 999 999 worker events between two pool events are not numbered
+//! (dropped with a log line).
+//!
+//! # Streaming
+//!
+//! A reader holds one page at a time, whatever the length of the history: the history is read
+//! [`PAGE`] events at a time (one store read transaction, merged with the worker events in
+//! memory) when the body has sent the previous page on, so a reader that stops reading stops
+//! the reads too. Once it has every event published so far it takes the live feed, under the
+//! lock that publishing takes: no event is missed or sent twice at the seam. Worker events
+//! dropped from memory before a slow reader got to them are reported where they were
+//! (`{"type":"lagged","missed":N}`), as the live feed reports a reader that falls behind. At
+//! most [`MAX_STREAMS`] streams are open at once.
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::body::{Body, Bytes};
 use serde::{Deserialize, Serialize};
-use switchyard_control::{Events, Sequenced, Subscription};
-use switchyard_pool::Event as PoolEvent;
+use switchyard_control::{Events, Received, Sequenced, StreamNotice, Subscription};
+use switchyard_pool::{Event as PoolEvent, History};
 use utoipa::ToSchema;
 
 use crate::WorkerEvent;
 
 /// `seq` of pool event `P` is `P × SEQ_STRIDE`; worker events number the gaps.
 pub const SEQ_STRIDE: u64 = 1_000_000;
-/// Events this daemon keeps in memory for resuming subscribers (pool events beyond it are
-/// read from the store).
+/// Worker events this daemon keeps in memory for resuming subscribers (pool events are read
+/// from the store).
 pub const REPLAY: usize = 4096;
 /// How far a live subscriber may fall behind before it is told it lagged.
 const CHANNEL: usize = 1024;
+/// Events a reader of the history takes at a time: at most this many pool events per store
+/// read transaction, and as many worker events from memory.
+pub const PAGE: usize = 256;
+/// Events streams open at once (`GET /events`); one more is refused (503). Half the control
+/// socket's connections, so that streams cannot take them all.
+pub const MAX_STREAMS: usize = 32;
 
 /// Where an event comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -194,55 +213,84 @@ pub(crate) fn now_unix_ms() -> u64 {
 }
 
 struct State {
+    /// `seq` of the last event published.
     last: u64,
-    recent: VecDeque<DaemonEvent>,
+    /// The last [`REPLAY`] worker events (pool events are in the store).
+    workers: VecDeque<DaemonEvent>,
+    /// Worker events dropped from the front of `workers` so far: the number, over this
+    /// daemon's life, of the worker event `workers[0]` ([`Cursor`] counts the same way).
+    evicted: u64,
 }
 
-/// The daemon's event stream: numbering, the in-memory replay and the live hub.
+/// The daemon's event stream: numbering, the worker events in memory, the live hub and the
+/// readers of the history.
 pub struct EventStream {
     hub: Events<DaemonEvent>,
     state: Mutex<State>,
+    /// The store's history, once a reader needed it.
+    history: OnceLock<History>,
+    /// Streams open.
+    streams: AtomicUsize,
 }
 
 impl std::fmt::Debug for EventStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EventStream")
             .field("hub", &self.hub)
+            .field("streams", &self.streams.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
 
-/// What a subscriber gets (see [`EventStream::subscribe`]).
+/// A reader's place in the stream ([`EventStream::cursor`]): what it has been given so far.
+#[derive(Debug, Clone)]
+pub struct Cursor {
+    /// Every event up to this `seq` has been handed out (or reported lost).
+    seq: u64,
+    /// The number of the next worker event to hand out (see `State::evicted`).
+    worker: u64,
+    /// `follow=false`: the last `seq` to hand out (the last event when the reader came).
+    end: Option<u64>,
+}
+
+/// What [`EventStream::next_page`] hands out.
 #[derive(Debug)]
-pub struct Resume {
-    /// Pool events to read from the store first: those with `since < seq < before`.
-    pub from_store: Option<(u64, u64)>,
-    /// Events in memory after `since`.
-    pub recent: Vec<DaemonEvent>,
-    /// Live events after `recent`.
-    pub live: Subscription<DaemonEvent>,
+pub enum Step {
+    /// The next events in order, with a lag notice first when worker events were dropped from
+    /// memory before the reader got them. May be empty.
+    Page(Vec<Received<DaemonEvent>>),
+    /// The reader has every event published so far: the events after them.
+    Live(Subscription<DaemonEvent>),
+    /// `follow=false`: every event up to the end was handed out.
+    End,
+}
+
+/// One of the [`MAX_STREAMS`] stream slots ([`EventStream::open_stream`]), free again when
+/// dropped.
+#[derive(Debug)]
+pub struct StreamSlot(Arc<EventStream>);
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl EventStream {
-    /// A stream whose worker events follow pool event `last_pool_seq`; `recent` (the end of
-    /// the store's history, oldest first) fills the replay.
-    pub fn new(last_pool_seq: u64, recent: Vec<PoolEvent>) -> Self {
-        let stream = Self {
-            // The hub's own replay is not used: resuming is done here (`subscribe`).
+    /// A stream whose worker events follow pool event `last_pool_seq`. `_recent` (the end of
+    /// the store's history) is not needed any more: readers read pool events from the store.
+    pub fn new(last_pool_seq: u64, _recent: Vec<PoolEvent>) -> Self {
+        Self {
+            // The hub's own replay is not used: readers catch up here (`next_page`).
             hub: Events::new(1, CHANNEL),
             state: Mutex::new(State {
-                last: 0,
-                recent: VecDeque::with_capacity(REPLAY),
+                last: last_pool_seq.saturating_mul(SEQ_STRIDE),
+                workers: VecDeque::with_capacity(REPLAY),
+                evicted: 0,
             }),
-        };
-        {
-            let mut st = stream.state();
-            for e in recent {
-                stream.push(&mut st, DaemonEvent::from_pool(e));
-            }
-            st.last = st.last.max(last_pool_seq.saturating_mul(SEQ_STRIDE));
+            history: OnceLock::new(),
+            streams: AtomicUsize::new(0),
         }
-        stream
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -251,16 +299,19 @@ impl EventStream {
 
     fn push(&self, st: &mut State, event: DaemonEvent) {
         st.last = event.seq;
-        if st.recent.len() == REPLAY {
-            st.recent.pop_front();
+        if event.source == EventSource::Worker {
+            if st.workers.len() == REPLAY {
+                st.workers.pop_front();
+                st.evicted += 1;
+            }
+            st.workers.push_back(event.clone());
         }
-        st.recent.push_back(event.clone());
         if let Err(e) = self.hub.publish(event) {
             tracing::debug!("event not streamed: {e}");
         }
     }
 
-    /// Publishes the events of a pool mutation.
+    /// Publishes the events of a pool mutation (committed to the store before this).
     pub fn pool(&self, events: Vec<PoolEvent>) {
         let mut st = self.state();
         for e in events {
@@ -298,32 +349,175 @@ impl EventStream {
         self.push(&mut st, e);
     }
 
-    /// The events after `since` (`None`: from now on), in three parts: pool events older than
-    /// the memory (to read from the store), the events in memory, and the live ones.
-    pub fn subscribe(&self, since: Option<u64>) -> Resume {
+    /// Where a reader of the events after `since` starts (`None`: the events from now on).
+    /// With `follow` false, it ends at the last event published now.
+    pub fn cursor(&self, since: Option<u64>, follow: bool) -> Cursor {
         let st = self.state();
-        // Under the state lock: nothing is published between the copy and the subscription.
-        let live = self.hub.subscribe(None);
-        let Some(since) = since else {
-            return Resume {
-                from_store: None,
-                recent: Vec::new(),
-                live,
-            };
-        };
-        let floor = st.recent.front().map_or(st.last + 1, |e| e.seq);
-        let from_store = (since + 1 < floor).then_some((since, floor));
-        let recent = st
-            .recent
-            .iter()
-            .filter(|e| e.seq > since)
-            .cloned()
-            .collect();
-        Resume {
-            from_store,
-            recent,
-            live,
+        let seq = since.map_or(st.last, |s| s.min(st.last));
+        Cursor {
+            seq,
+            worker: st.evicted + st.workers.partition_point(|e| e.seq <= seq) as u64,
+            end: (!follow).then_some(st.last),
         }
+    }
+
+    /// The next step of the reader at `cursor`, which it advances: the next page of events
+    /// (pool events read with `read_pool(after_pool_seq, limit)`, the store's
+    /// [`History::page`]), the live feed once it has every event published, or the end.
+    pub fn next_page<E>(
+        &self,
+        cursor: &mut Cursor,
+        read_pool: impl FnOnce(u64, usize) -> Result<Vec<PoolEvent>, E>,
+    ) -> Result<Step, E> {
+        let (bound, lost, workers) = {
+            let st = self.state();
+            let bound = cursor.end.map_or(st.last, |end| end.min(st.last));
+            if cursor.seq >= bound {
+                return Ok(match cursor.end {
+                    Some(_) => Step::End,
+                    // Under the state lock, which publishing takes: every event after
+                    // `cursor.seq` is published after this subscription.
+                    None => Step::Live(self.hub.subscribe(None)),
+                });
+            }
+            let lost = st.evicted.saturating_sub(cursor.worker);
+            cursor.worker = cursor.worker.max(st.evicted);
+            let from = usize::try_from(cursor.worker - st.evicted)
+                .unwrap_or(usize::MAX)
+                .min(st.workers.len());
+            let workers: Vec<DaemonEvent> = st
+                .workers
+                .range(from..)
+                .take_while(|e| e.seq <= bound)
+                .take(PAGE)
+                .cloned()
+                .collect();
+            (bound, lost, workers)
+        };
+        // Committed before published: every pool event up to `bound` is in the store.
+        let pool: Vec<DaemonEvent> = read_pool(cursor.seq / SEQ_STRIDE, PAGE)?
+            .into_iter()
+            .map(DaemonEvent::from_pool)
+            .collect();
+        // A list cut at PAGE may go on past its last event: the page ends there.
+        let mut cut = bound;
+        for list in [&pool, &workers] {
+            if list.len() == PAGE
+                && let Some(last) = list.last()
+            {
+                cut = cut.min(last.seq);
+            }
+        }
+        let mut page = Vec::with_capacity(pool.len() + workers.len() + 1);
+        if lost > 0 {
+            page.push(Received::Lagged { missed: lost });
+        }
+        let mut pool = pool.into_iter().filter(|e| e.seq <= cut).peekable();
+        let mut workers = workers.into_iter().filter(|e| e.seq <= cut).peekable();
+        loop {
+            let take_worker = match (pool.peek(), workers.peek()) {
+                (Some(p), Some(w)) => w.seq < p.seq,
+                (Some(_), None) => false,
+                (None, Some(_)) => true,
+                (None, None) => break,
+            };
+            let next = if take_worker {
+                cursor.worker += 1;
+                workers.next()
+            } else {
+                pool.next()
+            };
+            page.extend(next.map(Received::Event));
+        }
+        cursor.seq = cut;
+        Ok(Step::Page(page))
+    }
+
+    /// A stream slot, or `None` when [`MAX_STREAMS`] are open.
+    pub fn open_stream(self: &Arc<Self>) -> Option<StreamSlot> {
+        self.streams
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_STREAMS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| StreamSlot(Arc::clone(self)))
+    }
+
+    /// The store's history, if a reader has set it ([`EventStream::set_history`]).
+    pub fn history(&self) -> Option<History> {
+        self.history.get().cloned()
+    }
+
+    /// Keeps the store's history for readers.
+    pub fn set_history(&self, history: History) {
+        let _ = self.history.set(history);
+    }
+
+    /// The body of `GET /events` for the reader at `cursor`, which holds `slot` until it
+    /// ends: newline-delimited JSON, one event (or lag notice) per line. Each page of the
+    /// history is read (off the runtime thread) when the body has sent the previous one on;
+    /// a store that fails mid-stream cuts the body (the client sees it unterminated).
+    pub fn body(self: &Arc<Self>, cursor: Cursor, history: History, slot: StreamSlot) -> Body {
+        enum Phase {
+            History(Cursor),
+            Live(Subscription<DaemonEvent>),
+            /// Cut (the error was the last item).
+            Cut,
+        }
+        struct Reader {
+            events: Arc<EventStream>,
+            history: History,
+            phase: Phase,
+            page: std::vec::IntoIter<Received<DaemonEvent>>,
+            _slot: StreamSlot,
+        }
+        let reader = Reader {
+            events: Arc::clone(self),
+            history,
+            phase: Phase::History(cursor),
+            page: Vec::new().into_iter(),
+            _slot: slot,
+        };
+        let lines = futures_util::stream::unfold(reader, |mut r| async move {
+            loop {
+                if let Some(item) = r.page.next() {
+                    return Some((Ok(line(&item)), r));
+                }
+                let mut cursor = match &mut r.phase {
+                    Phase::Live(sub) => {
+                        let item = sub.recv().await?;
+                        return Some((Ok(line(&item)), r));
+                    }
+                    Phase::History(cursor) => cursor.clone(),
+                    Phase::Cut => return None,
+                };
+                let (events, history) = (Arc::clone(&r.events), r.history.clone());
+                let step = tokio::task::spawn_blocking(move || {
+                    let step = events.next_page(&mut cursor, |since, n| history.page(since, n));
+                    (cursor, step)
+                })
+                .await;
+                match step {
+                    Ok((cursor, Ok(Step::Page(page)))) => {
+                        r.phase = Phase::History(cursor);
+                        r.page = page.into_iter();
+                    }
+                    Ok((_, Ok(Step::Live(sub)))) => r.phase = Phase::Live(sub),
+                    Ok((_, Ok(Step::End))) => return None,
+                    Ok((_, Err(e))) => {
+                        tracing::warn!("events stream cut: cannot read the history: {e}");
+                        r.phase = Phase::Cut;
+                        return Some((Err(std::io::Error::other(e)), r));
+                    }
+                    Err(e) => {
+                        tracing::warn!("events stream cut: {e}");
+                        r.phase = Phase::Cut;
+                        return Some((Err(std::io::Error::other(e)), r));
+                    }
+                }
+            }
+        });
+        Body::from_stream(lines)
     }
 
     /// Whether [`EventStream::close`] was called.
@@ -334,5 +528,247 @@ impl EventStream {
     /// Ends every live subscription (the daemon stops).
     pub fn close(&self) {
         self.hub.close();
+    }
+}
+
+/// One line of the stream: the event, or `{"type":"lagged","missed":N}`.
+fn line(item: &Received<DaemonEvent>) -> Bytes {
+    let encoded = match item {
+        Received::Event(e) => serde_json::to_vec(e),
+        Received::Lagged { missed } => {
+            serde_json::to_vec(&StreamNotice::Lagged { missed: *missed })
+        }
+    };
+    let mut v = encoded.unwrap_or_else(|_| br#"{"type":"lagged","missed":1}"#.to_vec());
+    v.push(b'\n');
+    Bytes::from(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::Mutex;
+
+    use switchyard_pool::EventKind;
+
+    use super::*;
+
+    /// A stream and the store's history it publishes after (pool events are committed first).
+    struct Fixture {
+        stream: Arc<EventStream>,
+        store: Mutex<Vec<PoolEvent>>,
+        /// Every `seq` published, in order.
+        published: Mutex<Vec<u64>>,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            Self {
+                stream: Arc::new(EventStream::new(0, Vec::new())),
+                store: Mutex::new(Vec::new()),
+                published: Mutex::new(Vec::new()),
+            }
+        }
+
+        fn pool_event(&self) {
+            let mut store = self.store.lock().expect("store");
+            let e = PoolEvent {
+                seq: store.len() as u64 + 1,
+                at_unix_ms: 0,
+                kind: EventKind::BoardQuarantined {
+                    board: "gpu0".into(),
+                },
+            };
+            store.push(e.clone());
+            drop(store);
+            self.stream.pool(vec![e]);
+            let last = self.stream.state().last;
+            self.published.lock().expect("published").push(last);
+        }
+
+        fn worker_event(&self) {
+            self.stream.worker(WorkerLifecycle::GaveUp {
+                endpoint: "vm".into(),
+            });
+            let last = self.stream.state().last;
+            self.published.lock().expect("published").push(last);
+        }
+
+        /// `n` events: pool events, each followed by 0 to 3 worker events.
+        fn history(&self, n: usize) {
+            let mut i = 0;
+            while i < n {
+                self.pool_event();
+                i += 1;
+                for _ in 0..(i % 4).min(n - i) {
+                    self.worker_event();
+                    i += 1;
+                }
+            }
+        }
+
+        fn read(&self, since: u64, limit: usize) -> Result<Vec<PoolEvent>, Infallible> {
+            let store = self.store.lock().expect("store");
+            let reads = store.iter().filter(|e| e.seq > since).take(limit);
+            Ok(reads.cloned().collect())
+        }
+
+        fn next(&self, cursor: &mut Cursor) -> Step {
+            let step = self.stream.next_page(cursor, |s, n| self.read(s, n));
+            step.unwrap_or_else(|e| match e {})
+        }
+    }
+
+    fn seqs(page: &[Received<DaemonEvent>]) -> Vec<u64> {
+        page.iter()
+            .map(|r| match r {
+                Received::Event(e) => e.seq,
+                Received::Lagged { missed } => panic!("lagged {missed}"),
+            })
+            .collect()
+    }
+
+    /// Everything the live subscription has now.
+    fn drain(sub: &mut Subscription<DaemonEvent>) -> Vec<u64> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let mut out = Vec::new();
+        rt.block_on(async {
+            while let Ok(Some(r)) =
+                tokio::time::timeout(Duration::from_millis(10), sub.recv()).await
+            {
+                match r {
+                    Received::Event(e) => out.push(e.seq),
+                    Received::Lagged { missed } => panic!("lagged {missed}"),
+                }
+            }
+        });
+        out
+    }
+
+    #[test]
+    fn pages_then_live_give_every_event_once_in_order() {
+        let f = Fixture::new();
+        f.history(3000);
+        let mut cursor = f.stream.cursor(Some(0), true);
+        let mut got = Vec::new();
+        let mut pages = 0;
+        let mut sub = loop {
+            match f.next(&mut cursor) {
+                Step::Page(page) => {
+                    assert!(page.len() <= 2 * PAGE, "a page of {}", page.len());
+                    got.extend(seqs(&page));
+                    pages += 1;
+                    // Events published while the reader reads the history: between pages,
+                    // and at the seam (a page that catches up is followed by two more).
+                    if pages <= 20 {
+                        f.pool_event();
+                        f.worker_event();
+                    }
+                }
+                Step::Live(sub) => break sub,
+                Step::End => panic!("a following reader ended"),
+            }
+        };
+        assert!(pages >= 3000 / (2 * PAGE), "{pages} pages");
+        f.worker_event();
+        f.pool_event();
+        got.extend(drain(&mut sub));
+        assert_eq!(got, *f.published.lock().expect("published"));
+    }
+
+    #[test]
+    fn a_reader_resumes_after_any_seq() {
+        let f = Fixture::new();
+        f.history(1200);
+        let all = f.published.lock().expect("published").clone();
+        for since in [all[0], all[1], all[517], all[1198], all[1199], all[700] + 1] {
+            let mut cursor = f.stream.cursor(Some(since), false);
+            let mut got = Vec::new();
+            while let Step::Page(page) = f.next(&mut cursor) {
+                got.extend(seqs(&page));
+            }
+            let expected: Vec<u64> = all.iter().copied().filter(|&s| s > since).collect();
+            assert_eq!(got, expected, "since {since}");
+        }
+    }
+
+    #[test]
+    fn follow_false_ends_at_the_last_event_when_the_reader_came() {
+        let f = Fixture::new();
+        f.history(600);
+        let until = f.published.lock().expect("published").clone();
+        let mut cursor = f.stream.cursor(Some(0), false);
+        let mut got = Vec::new();
+        loop {
+            match f.next(&mut cursor) {
+                Step::Page(page) => {
+                    got.extend(seqs(&page));
+                    if got.len() < 2000 {
+                        f.pool_event();
+                        f.worker_event();
+                    }
+                }
+                Step::End => break,
+                Step::Live(_) => panic!("follow=false went live"),
+            }
+        }
+        assert_eq!(got, until);
+        // No history: the end at once; no `since`: nothing before now.
+        let mut none = f.stream.cursor(None, false);
+        assert!(matches!(f.next(&mut none), Step::End));
+    }
+
+    #[test]
+    fn worker_events_dropped_before_a_slow_reader_got_them_are_reported() {
+        let f = Fixture::new();
+        f.history(400);
+        let mut cursor = f.stream.cursor(Some(0), true);
+        let Step::Page(first) = f.next(&mut cursor) else {
+            panic!("no page")
+        };
+        let mut got = seqs(&first);
+        // The reader stalls while more worker events than memory holds are published.
+        for _ in 0..REPLAY + 10 {
+            f.worker_event();
+        }
+        f.pool_event();
+        let mut missed = 0;
+        let sub = loop {
+            match f.next(&mut cursor) {
+                Step::Page(page) => {
+                    for r in page {
+                        match r {
+                            Received::Event(e) => got.push(e.seq),
+                            Received::Lagged { missed: n } => missed += n,
+                        }
+                    }
+                }
+                Step::Live(sub) => break sub,
+                Step::End => panic!("ended"),
+            }
+        };
+        drop(sub);
+        let published = f.published.lock().expect("published").clone();
+        assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order");
+        assert!(got.iter().all(|s| published.contains(s)));
+        // Every pool event (the store has them all), and a count of what is gone.
+        let pool = published.iter().filter(|s| *s % SEQ_STRIDE == 0);
+        assert!(pool.into_iter().all(|s| got.contains(s)));
+        assert!(missed > 0);
+        assert_eq!(got.len() as u64 + missed, published.len() as u64);
+    }
+
+    #[test]
+    fn streams_past_the_cap_are_refused_until_one_ends() {
+        let f = Fixture::new();
+        let slots: Vec<StreamSlot> = (0..MAX_STREAMS)
+            .map(|_| f.stream.open_stream().expect("a slot"))
+            .collect();
+        assert!(f.stream.open_stream().is_none());
+        drop(slots);
+        assert!(f.stream.open_stream().is_some());
     }
 }
