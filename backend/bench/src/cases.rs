@@ -78,7 +78,7 @@ impl Settings {
 
     /// Per-repetition plan: 4 × 5000 = 20k samples per contender in full mode, in short
     /// interleaved blocks.
-    fn rep_plan(&self) -> Plan {
+    pub(crate) fn rep_plan(&self) -> Plan {
         self.plan(QUICK, Plan::new(1000, 5000, 25))
     }
 
@@ -184,17 +184,17 @@ fn timed_access(
 }
 
 /// One connected Switchyard variant.
-struct Variant {
+pub(crate) struct Variant {
     label: String,
     spin: bool,
     // Before `server`: a variant dropped on an error path disconnects before the server stops.
-    client: Client,
-    server: Switchyard,
+    pub(crate) client: Client,
+    pub(crate) server: Switchyard,
 }
 
 impl Variant {
     /// Starts `kind` blocking (`spin: None`) or with adaptive polling, and connects to it.
-    fn start(
+    pub(crate) fn start(
         dir: &Path,
         kind: DeviceKind,
         spin: Option<Duration>,
@@ -229,7 +229,7 @@ fn four_variants(dir: &Path, s: &Settings, tag: &str) -> Result<Vec<Variant>> {
         .collect()
 }
 
-fn shutdown_all(vs: Vec<Variant>) -> Result<()> {
+pub(crate) fn shutdown_all(vs: Vec<Variant>) -> Result<()> {
     for v in vs {
         v.shutdown()?;
     }
@@ -237,7 +237,7 @@ fn shutdown_all(vs: Vec<Variant>) -> Result<()> {
 }
 
 /// Appends each contender's samples of one repetition to the pooled samples.
-fn pool(pooled: &mut Vec<Vec<u64>>, results: Vec<Vec<u64>>) {
+pub(crate) fn pool(pooled: &mut Vec<Vec<u64>>, results: Vec<Vec<u64>>) {
     if pooled.is_empty() {
         *pooled = results;
     } else {

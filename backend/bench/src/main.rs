@@ -13,6 +13,7 @@
 
 mod api;
 mod cases;
+mod custody;
 mod doorbell;
 mod downtime;
 mod floors;
@@ -56,7 +57,8 @@ struct Cli {
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
-    /// write-multi, copy, interrupt, dirty-report, swap, migration, journal, restart, move, api.
+    /// write-multi, copy, interrupt, doorbell, dirty-report, swap, migration, journal, custody,
+    /// restart, move, api.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The `switchyard` binary whose `switchyard worker` processes the restart case kills
@@ -151,7 +153,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 15] = [
+    let all: [(&str, Case); 16] = [
         ("round-trip", cases::round_trip),
         ("decompose", cases::decompose),
         ("size-sweep", cases::size_sweep),
@@ -164,6 +166,7 @@ fn main() -> Result<()> {
         ("swap", downtime::swap),
         ("migration", downtime::migration),
         ("journal", cases::journal),
+        ("custody", custody::custody),
         ("restart", restart::restart),
         ("move", moves::moves),
         ("api", api::api),

@@ -100,7 +100,8 @@ impl Target {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     /// Group: `round-trip`, `decompose`, `size-sweep`, `posted`, `write-multi`, `copy`,
-    /// `interrupt`, `dirty-report`, `swap`, `migration`, `journal`, `restart`, `move`, `api`.
+    /// `interrupt`, `doorbell`, `dirty-report`, `swap`, `migration`, `journal`, `custody`,
+    /// `restart`, `move`, `api`.
     pub group: String,
     /// Human-readable case name.
     pub case: String,

@@ -9,7 +9,8 @@
 //! Both register files have region 0 of 4 KiB and region 1 of 1 MiB (for the size sweep).
 //!
 //! The softgpu can also be served with crash continuity on ([`DeviceKind::SoftGpuJournal`]),
-//! as a pool worker serves it, with a custody keeper thread in the supervisor's place.
+//! as a pool worker serves it, with a custody keeper thread in the supervisor's place, and
+//! with the pool's per-client descriptor budget on top ([`DeviceKind::SoftGpuJournalBudget`]).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -202,7 +203,15 @@ pub enum DeviceKind {
     /// pair whose other end a keeper thread drains and keeps the descriptors of, as the
     /// supervisor does).
     SoftGpuJournal,
+    /// [`DeviceKind::SoftGpuJournal`] with the per-client descriptor budget the pool daemon
+    /// gives every worker by default (`ServerConfig::fd_budget` = [`BENCH_FD_BUDGET`]): the
+    /// custody account is checked against it on every read that carries descriptors.
+    SoftGpuJournalBudget,
 }
+
+/// The descriptor budget of [`DeviceKind::SoftGpuJournalBudget`]: the pool's default
+/// `[daemon] fds_per_endpoint`.
+pub const BENCH_FD_BUDGET: u32 = 1024;
 
 impl DeviceKind {
     /// Short name for tables.
@@ -211,6 +220,7 @@ impl DeviceKind {
             DeviceKind::SoftGpu => "softgpu",
             DeviceKind::RegFile => "regfile",
             DeviceKind::SoftGpuJournal => "softgpu+journal",
+            DeviceKind::SoftGpuJournalBudget => "softgpu+journal+budget",
         }
     }
 }
@@ -283,8 +293,12 @@ fn keep(sock: &OwnedFd, received: &AtomicUsize) -> Result<()> {
 }
 
 /// A softgpu server with crash continuity, built as `switchyard worker` builds a fresh one
-/// (`switchyard_daemon::worker`): black box and VRAM into custody, then the continuity.
-fn journaled_softgpu(config: ServerConfig, gpu: SoftGpuConfig) -> Result<(Server, Keeper)> {
+/// (`switchyard_daemon::worker`): black box and VRAM into custody, then the continuity (which
+/// takes `config.fd_budget` as the client's custody budget).
+fn journaled_softgpu(
+    config: ServerConfig,
+    gpu: SoftGpuConfig,
+) -> Result<(Server, Keeper, Arc<Continuity>)> {
     let mut records = Continuity::records(&config.limits);
     records.extend(SoftGpu::black_box_records(&gpu));
     let bb = BlackBox::create(&records).context("create the black box")?;
@@ -315,8 +329,9 @@ fn journaled_softgpu(config: ServerConfig, gpu: SoftGpuConfig) -> Result<(Server
         .context("dup the VRAM fd")?;
     custody::send(&ours, &Note::Hold { ids: vec![VRAM_ID] }, &[vram.as_fd()])
         .context("VRAM into custody")?;
-    server.set_continuity(Arc::new(continuity));
-    Ok((server, keeper))
+    let continuity = Arc::new(continuity);
+    server.set_continuity(continuity.clone());
+    Ok((server, keeper, continuity))
 }
 
 /// A Switchyard server running [`Server::run`] on a thread.
@@ -327,6 +342,8 @@ pub struct Switchyard {
     thread: Option<JoinHandle<Result<()>>>,
     /// The custody keeper of a [`DeviceKind::SoftGpuJournal`] server.
     keeper: Option<Keeper>,
+    /// The crash continuity of a [`DeviceKind::SoftGpuJournal`] server (its custody account).
+    continuity: Option<Arc<Continuity>>,
 }
 
 impl Switchyard {
@@ -342,10 +359,14 @@ impl Switchyard {
                     .context("start the softgpu server")?;
                 spawn(name, server)
             }
-            DeviceKind::SoftGpuJournal => {
-                let (server, keeper) = journaled_softgpu(config, bench_gpu())?;
+            DeviceKind::SoftGpuJournal | DeviceKind::SoftGpuJournalBudget => {
+                if kind == DeviceKind::SoftGpuJournalBudget {
+                    config.fd_budget = Some(BENCH_FD_BUDGET);
+                }
+                let (server, keeper, continuity) = journaled_softgpu(config, bench_gpu())?;
                 let mut sy = spawn(name, server)?;
                 sy.keeper = Some(keeper);
+                sy.continuity = Some(continuity);
                 Ok(sy)
             }
             DeviceKind::RegFile => {
@@ -397,6 +418,12 @@ impl Switchyard {
             .map_or(0, |k| k.received.load(Ordering::Relaxed))
     }
 
+    /// The server's custody account: (the client's descriptors in custody, reads refused by
+    /// the budget); `None` without crash continuity.
+    pub fn custody_account(&self) -> Option<(usize, u64)> {
+        self.continuity.as_ref().map(|c| c.held_count())
+    }
+
     /// Stops the server and reports how its thread ended.
     pub fn shutdown(mut self) -> Result<()> {
         self.stop_and_join()
@@ -411,7 +438,9 @@ impl Switchyard {
                 .and_then(|r| r),
             None => Ok(()),
         };
-        // The server (and with it the custody channel) is gone: the keeper sees it close.
+        // The server (and with it the custody channel) is gone once our handle on its
+        // continuity is too: the keeper sees the channel close.
+        self.continuity = None;
         let keeper = self.keeper.as_mut().map_or(Ok(()), Keeper::join);
         server.and(keeper)
     }
@@ -439,6 +468,7 @@ fn spawn(name: &str, mut server: Server) -> Result<Switchyard> {
         stop,
         thread: Some(thread),
         keeper: None,
+        continuity: None,
     })
 }
 
