@@ -288,8 +288,8 @@ impl Supervisor {
             return Err(SupervisorError::Exists(spec.id));
         }
         let path = crate::keeper::adoption_path(dir, pid);
-        let (channel, mut held) =
-            adopt_from(&path, &spec.id).map_err(|e| failed(format!("{}: {e}", path.display())))?;
+        let (channel, mut held) = adopt_from(&path, &spec.id, pid)
+            .map_err(|e| failed(format!("{}: {e}", path.display())))?;
         let listener = held
             .remove(&LISTENER_ID)
             .ok_or_else(|| failed("the worker did not hand over the listening socket".into()))?;
@@ -883,12 +883,24 @@ fn serve_notes(
 }
 
 /// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
-/// and everything held.
+/// and everything held. The socket must be one (not a symbolic link) and served by the
+/// recorded worker `pid` itself, running as our uid: the record that named the pid is not
+/// proof enough.
 fn adopt_from(
     path: &Path,
     endpoint: &str,
+    pid: u32,
 ) -> Result<(OwnedFd, BTreeMap<u64, OwnedFd>), custody::ChannelError> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    use std::os::unix::fs::FileTypeExt;
+    let refused = |reason: String| custody::ChannelError::Io(std::io::Error::other(reason));
+    let kind = std::fs::symlink_metadata(path)?.file_type();
+    if kind.is_symlink() {
+        return Err(refused("the adoption socket is a symbolic link".into()));
+    }
+    if !kind.is_socket() {
+        return Err(refused("the adoption socket is not a socket".into()));
+    }
     let sock = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -898,6 +910,21 @@ fn adopt_from(
     .map_err(std::io::Error::from)?;
     let addr = SocketAddrUnix::new(path).map_err(std::io::Error::from)?;
     rustix::net::connect(&sock, &addr).map_err(std::io::Error::from)?;
+    let peer = rustix::net::sockopt::socket_peercred(&sock).map_err(std::io::Error::from)?;
+    let ours = rustix::process::geteuid();
+    if peer.uid != ours {
+        return Err(refused(format!(
+            "the adoption socket's server runs as uid {}, not as the daemon's uid {}",
+            peer.uid.as_raw(),
+            ours.as_raw()
+        )));
+    }
+    if u32::try_from(peer.pid.as_raw_nonzero().get()) != Ok(pid) {
+        return Err(refused(format!(
+            "the adoption socket is served by process {}, not by the recorded worker {pid}",
+            peer.pid.as_raw_nonzero()
+        )));
+    }
     custody::send(
         &sock,
         &Note::Adopt {
@@ -946,4 +973,61 @@ fn hand_over(
         },
         &[],
     )
+}
+
+#[cfg(test)]
+mod adopt_from_tests {
+    use super::*;
+
+    /// An adoption socket served by this process: it answers one `Adopt` with `Adopted`.
+    fn serve(path: &Path) -> std::thread::JoinHandle<Option<Note>> {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        let _ = std::fs::remove_file(path);
+        rustix::net::bind(&sock, &SocketAddrUnix::new(path).expect("addr")).expect("bind");
+        rustix::net::listen(&sock, 4).expect("listen");
+        std::thread::spawn(move || {
+            let conn = rustix::net::accept(&sock).expect("accept");
+            let (note, _) = custody::recv(&conn, &mut Vec::new()).ok()?;
+            let pid = std::process::id();
+            custody::send(&conn, &Note::Adopted { pid }, &[]).expect("send");
+            Some(note)
+        })
+    }
+
+    #[test]
+    fn only_the_recorded_process_on_a_real_socket_is_adopted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w.sock");
+        let server = serve(&path);
+        let me = std::process::id();
+        // The record names another process than the one serving the socket.
+        let e = adopt_from(&path, "ep", me + 1).expect_err("another process");
+        let wanted = format!(
+            "served by process {me}, not by the recorded worker {}",
+            me + 1
+        );
+        assert!(format!("{e:?}").contains(&wanted), "{e:?}");
+        let asked = server.join().expect("server");
+        assert!(asked.is_none(), "nothing was asked: {asked:?}");
+        // A symbolic link to a genuine socket is not followed.
+        let server = serve(&path);
+        let link = dir.path().join("link.sock");
+        std::os::unix::fs::symlink(&path, &link).expect("symlink");
+        let e = adopt_from(&link, "ep", me).expect_err("a link");
+        assert!(format!("{e:?}").contains("symbolic link"), "{e:?}");
+        // Positive control: the recorded process on the socket itself.
+        let (_channel, held) = adopt_from(&path, "ep", me).expect("adopted");
+        assert!(held.is_empty());
+        assert!(matches!(
+            server.join().expect("server"),
+            Some(Note::Adopt { endpoint }) if endpoint == "ep"
+        ));
+    }
 }

@@ -28,7 +28,7 @@ pub mod records;
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -69,6 +69,18 @@ pub enum DaemonError {
     /// A directory cannot be created.
     #[error("Cannot create the directory {0}")]
     Dir(PathBuf, #[source] io::Error),
+    /// A directory or file the daemon uses cannot be looked at.
+    #[error("Cannot inspect {0}")]
+    Inspect(PathBuf, #[source] io::Error),
+    /// A directory or file the daemon uses, or a directory above it, could be controlled by
+    /// another user (exit status 1: the configuration is fine, the file system is not).
+    #[error("Refusing to use {path}, which another user could control: {problem}")]
+    Unsafe {
+        /// The offending path.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: PathProblem,
+    },
     /// The store cannot be opened.
     #[error("Cannot open the pool store {0}")]
     Store(PathBuf, #[source] Box<PoolError>),
@@ -84,7 +96,8 @@ pub enum DaemonError {
 }
 
 impl DaemonError {
-    /// The exit status for this error: 2 for a bad configuration, 1 otherwise.
+    /// The exit status for this error: 2 for a bad configuration, 1 otherwise (an unsafe
+    /// directory included: the fix is on the file system, not in the configuration).
     pub fn exit_code(&self) -> u8 {
         match self {
             DaemonError::Config(..) => 2,
@@ -160,17 +173,190 @@ pub fn resolve_config(options: &DaemonOptions) -> Result<PoolConfig, DaemonError
     Ok(config)
 }
 
-/// Creates `dir` (and its parents) with mode 0700 when absent.
-fn private_dir(dir: &Path) -> Result<(), DaemonError> {
-    if dir.is_dir() {
-        return Ok(());
+/// What makes a path of the daemon's unsafe ([`DaemonError::Unsafe`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathProblem {
+    /// A symbolic link where the daemon's own directory or file must be (whoever can change
+    /// the link chooses where the daemon writes).
+    Symlink,
+    /// Not a directory.
+    NotDir,
+    /// Not a regular file.
+    NotFile,
+    /// Owned by another user.
+    Owner {
+        /// Its owner.
+        uid: u32,
+        /// The daemon's effective uid.
+        ours: u32,
+    },
+    /// Writable by its group or by others.
+    Writable {
+        /// Its mode.
+        mode: u32,
+    },
+    /// A directory above the daemon's (or a link on the way) owned by another user than
+    /// root and the daemon's.
+    ParentOwner {
+        /// Its owner.
+        uid: u32,
+    },
+    /// A directory above the daemon's writable by its group or by others without the sticky
+    /// bit (they can rename the daemon's directory away and put theirs in its place).
+    ParentWritable {
+        /// Its mode.
+        mode: u32,
+    },
+}
+
+impl std::fmt::Display for PathProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PathProblem::Symlink => f.write_str("it is a symbolic link"),
+            PathProblem::NotDir => f.write_str("it is not a directory"),
+            PathProblem::NotFile => f.write_str("it is not a regular file"),
+            PathProblem::Owner { uid, ours } => {
+                write!(
+                    f,
+                    "it is owned by uid {uid}, not by the daemon's uid {ours}"
+                )
+            }
+            PathProblem::Writable { mode } => {
+                write!(f, "it is writable by group or others (mode {mode:04o})")
+            }
+            PathProblem::ParentOwner { uid } => write!(
+                f,
+                "a directory on the way to the daemon's is owned by uid {uid}, neither root nor the daemon's uid"
+            ),
+            PathProblem::ParentWritable { mode } => write!(
+                f,
+                "a directory on the way to the daemon's is writable by group or others and not sticky (mode {mode:04o})"
+            ),
+        }
     }
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .and_then(|()| fs::set_permissions(dir, fs::Permissions::from_mode(0o700)))
-        .map_err(|e| DaemonError::Dir(dir.to_owned(), e))
+}
+
+fn euid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+fn unsafe_path(path: &Path, problem: PathProblem) -> DaemonError {
+    DaemonError::Unsafe {
+        path: path.to_owned(),
+        problem,
+    }
+}
+
+/// Checks that `meta` (of `path`, not followed) is the daemon's own: not a symbolic link,
+/// a directory (`dir`) or a regular file, owned by the daemon's uid, writable by nobody else.
+fn check_own(path: &Path, meta: &fs::Metadata, dir: bool) -> Result<(), DaemonError> {
+    use std::os::unix::fs::MetadataExt;
+    let ft = meta.file_type();
+    if ft.is_symlink() {
+        return Err(unsafe_path(path, PathProblem::Symlink));
+    }
+    if dir && !ft.is_dir() {
+        return Err(unsafe_path(path, PathProblem::NotDir));
+    }
+    if !dir && !ft.is_file() {
+        return Err(unsafe_path(path, PathProblem::NotFile));
+    }
+    let ours = euid();
+    if meta.uid() != ours {
+        let uid = meta.uid();
+        return Err(unsafe_path(path, PathProblem::Owner { uid, ours }));
+    }
+    if meta.mode() & 0o022 != 0 {
+        let mode = meta.mode() & 0o7777;
+        return Err(unsafe_path(path, PathProblem::Writable { mode }));
+    }
+    Ok(())
+}
+
+/// Checks the directories above `path` (those that exist), as written and as resolved:
+/// each is owned by root or the daemon's uid and writable by nobody else unless sticky (like
+/// `/tmp`: others cannot rename what is not theirs); a symbolic link on the way is owned by
+/// root or the daemon's uid. Otherwise another user could replace the daemon's directory
+/// under it (`/tmp/sy` created by someone else, with the daemon's `/tmp/sy/run` in it).
+fn check_ancestors(path: &Path) -> Result<(), DaemonError> {
+    use std::os::unix::fs::MetadataExt;
+    let ours = euid();
+    let check = |dir: &Path, meta: &fs::Metadata| {
+        let uid = meta.uid();
+        if uid != 0 && uid != ours {
+            return Err(unsafe_path(dir, PathProblem::ParentOwner { uid }));
+        }
+        let mode = meta.mode() & 0o7777;
+        if meta.is_dir() && mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(unsafe_path(dir, PathProblem::ParentWritable { mode }));
+        }
+        Ok(())
+    };
+    let absolute = std::path::absolute(path).map_err(|e| DaemonError::Inspect(path.into(), e))?;
+    let mut deepest = None;
+    for dir in absolute.ancestors().skip(1) {
+        match fs::symlink_metadata(dir) {
+            Ok(meta) => {
+                check(dir, &meta)?;
+                deepest.get_or_insert(dir);
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(DaemonError::Inspect(dir.into(), e)),
+        }
+    }
+    // Where the links lead.
+    if let Some(deepest) = deepest {
+        let resolved =
+            fs::canonicalize(deepest).map_err(|e| DaemonError::Inspect(deepest.into(), e))?;
+        for dir in resolved.ancestors() {
+            let meta =
+                fs::symlink_metadata(dir).map_err(|e| DaemonError::Inspect(dir.into(), e))?;
+            check(dir, &meta)?;
+        }
+    }
+    Ok(())
+}
+
+/// Makes sure `dir` is the daemon's private directory: created (with its missing parents)
+/// with mode 0700 when absent; when present, refused unless it is a directory (not a
+/// symbolic link) owned by the daemon's uid and writable by nobody else. The directories
+/// above it must be safe too ([`check_ancestors`]).
+fn private_dir(dir: &Path) -> Result<(), DaemonError> {
+    check_ancestors(dir)?;
+    match fs::symlink_metadata(dir) {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if let Some(parent) = dir.parent()
+                && !parent.as_os_str().is_empty()
+            {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(parent)
+                    .map_err(|e| DaemonError::Dir(parent.to_owned(), e))?;
+            }
+            // Not recursive: whatever appeared there meanwhile is checked below, not taken.
+            match fs::DirBuilder::new().mode(0o700).create(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(DaemonError::Dir(dir.to_owned(), e)),
+            }
+        }
+        Err(e) => return Err(DaemonError::Inspect(dir.to_owned(), e)),
+    }
+    let meta = fs::symlink_metadata(dir).map_err(|e| DaemonError::Inspect(dir.to_owned(), e))?;
+    check_own(dir, &meta, true)?;
+    check_ancestors(dir)
+}
+
+/// The store file, when it exists, must be a regular file of the daemon's (never a symbolic
+/// link, even a dangling one: opening it would create a file where the link points).
+fn check_store(path: &Path) -> Result<(), DaemonError> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) => check_own(path, &meta, false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(DaemonError::Inspect(path.to_owned(), e)),
+    }
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
@@ -178,19 +364,29 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let config = resolve_config(options)?;
     let d = &config.daemon;
     let workers_dir = d.state_dir.join("workers");
-    for dir in [&d.state_dir, &d.endpoint_dir, &workers_dir] {
+    // Every directory the daemon keeps things in is its own and private (or it refuses to
+    // start): another user must not serve its sockets, forge its records or aim its store.
+    // The control socket's directory before the endpoints' (usually its parent), so that
+    // each is reported as itself.
+    let control_dir = d
+        .control_socket
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty());
+    let dirs = [
+        Some(d.state_dir.as_path()),
+        Some(workers_dir.as_path()),
+        control_dir,
+        Some(d.endpoint_dir.as_path()),
+    ];
+    for dir in dirs.into_iter().flatten() {
         private_dir(dir)?;
-    }
-    if let Some(parent) = d.control_socket.parent()
-        && !parent.as_os_str().is_empty()
-    {
-        private_dir(parent)?;
     }
     let exe = match std::env::var_os(WORKER_EXE_ENV) {
         Some(exe) => PathBuf::from(exe),
         None => std::env::current_exe().map_err(DaemonError::Exe)?,
     };
     let store = d.store_path();
+    check_store(&store)?;
     let (mut pool, report) =
         Pool::open(&config, &store).map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
     tracing::info!(store = %store.display(), ?report, "pool opened");
@@ -213,7 +409,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     for b in pool.inventory().boards() {
         metrics.board(&b.id);
     }
-    let records = WorkerRecords::new(workers_dir.clone());
+    let records = WorkerRecords::new(workers_dir.clone(), records::WorkerIdentity::of(&exe));
     // Where the sink finds the daemon (for a worker's board), once it exists.
     let this: Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>> = Arc::default();
     let sink = {

@@ -1,0 +1,533 @@
+//! `switchyard daemon` against another local user (issue 21, item 4): run and state
+//! directories it did not create and that another user owns or can write, or symbolic links
+//! where its directories and store must be, are refused before it starts (exit 1, naming the
+//! path and what is wrong); a forged worker record (naming a live process that is not its
+//! worker) never gets that process adopted or killed, neither at start nor at `ctl delete`.
+//!
+//! The owner cases chown to uid 65534 and need root (as CI runs them); elsewhere they are
+//! skipped with a note.
+
+use std::fs;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use switchyard_control::ControlClient;
+use switchyard_daemon::custody::{self, LISTENER_ID, Note};
+
+const EXE: &str = env!("CARGO_BIN_EXE_switchyard");
+const NOBODY: u32 = 65534;
+
+fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+fn daemon_command(state: &Path, run: &Path) -> Command {
+    let mut cmd = Command::new(EXE);
+    cmd.arg("daemon")
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--run-dir")
+        .arg(run)
+        .env("RUST_LOG", "info")
+        .env("SWITCHYARD_WORKER_EXE", EXE)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    cmd
+}
+
+/// Runs a daemon that must refuse to start; its exit status and stderr, or what it said if
+/// it started.
+fn refused(state: &Path, run: &Path) -> Result<(Option<i32>, String), String> {
+    let mut child = daemon_command(state, run)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the daemon");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline || run.join("control.sock").exists() {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("wait");
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            return Err(format!("the daemon started:\n{stderr}"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out: Output = child.wait_with_output().expect("output");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    Ok((out.status.code(), stderr))
+}
+
+fn mkdir(path: &Path, mode: u32) {
+    fs::create_dir_all(path).expect("mkdir");
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+fn chown(path: &Path, uid: u32) {
+    std::os::unix::fs::lchown(path, Some(uid), Some(uid)).expect("chown");
+}
+
+#[test]
+fn hostile_run_and_state_directories_are_refused_naming_the_path() {
+    struct Case {
+        name: &'static str,
+        needs_root: bool,
+        /// Prepares `base`; returns the offending path and what the error must say.
+        prepare: fn(&Path) -> (PathBuf, &'static str),
+    }
+    let cases = [
+        Case {
+            name: "a run directory of another user",
+            needs_root: true,
+            prepare: |b| {
+                mkdir(&b.join("run"), 0o700);
+                chown(&b.join("run"), NOBODY);
+                (b.join("run"), "owned by uid 65534, not by the daemon's uid")
+            },
+        },
+        Case {
+            name: "a state directory of another user",
+            needs_root: true,
+            prepare: |b| {
+                mkdir(&b.join("state"), 0o700);
+                chown(&b.join("state"), NOBODY);
+                (b.join("state"), "owned by uid 65534")
+            },
+        },
+        Case {
+            name: "workers/ of another user",
+            needs_root: true,
+            prepare: |b| {
+                mkdir(&b.join("state/workers"), 0o700);
+                chown(&b.join("state/workers"), NOBODY);
+                (b.join("state/workers"), "owned by uid 65534")
+            },
+        },
+        Case {
+            // The README's old walkthrough: `/tmp/sy` pre-created by someone else, the
+            // daemon's directories inside it.
+            name: "the directory above run/ and state/ of another user",
+            needs_root: true,
+            prepare: |b| {
+                mkdir(&b.join("sy"), 0o755);
+                chown(&b.join("sy"), NOBODY);
+                (
+                    b.join("sy"),
+                    "a directory on the way to the daemon's is owned by uid 65534",
+                )
+            },
+        },
+        Case {
+            name: "a state directory anyone can write",
+            needs_root: false,
+            prepare: |b| {
+                mkdir(&b.join("state"), 0o777);
+                (b.join("state"), "writable by group or others (mode 0777)")
+            },
+        },
+        Case {
+            name: "a group-writable run directory",
+            needs_root: false,
+            prepare: |b| {
+                mkdir(&b.join("run"), 0o770);
+                (
+                    b.join("run"),
+                    "it is writable by group or others (mode 0770)",
+                )
+            },
+        },
+        Case {
+            name: "endpoints/ as a symbolic link",
+            needs_root: false,
+            prepare: |b| {
+                mkdir(&b.join("run"), 0o700);
+                mkdir(&b.join("elsewhere"), 0o700);
+                std::os::unix::fs::symlink(b.join("elsewhere"), b.join("run/endpoints"))
+                    .expect("symlink");
+                (b.join("run/endpoints"), "it is a symbolic link")
+            },
+        },
+        Case {
+            name: "the state directory as a symbolic link",
+            needs_root: false,
+            prepare: |b| {
+                mkdir(&b.join("elsewhere"), 0o700);
+                std::os::unix::fs::symlink(b.join("elsewhere"), b.join("state")).expect("symlink");
+                (b.join("state"), "it is a symbolic link")
+            },
+        },
+        Case {
+            name: "endpoints/ as a file",
+            needs_root: false,
+            prepare: |b| {
+                mkdir(&b.join("run"), 0o700);
+                fs::write(b.join("run/endpoints"), "").expect("file");
+                (b.join("run/endpoints"), "it is not a directory")
+            },
+        },
+        Case {
+            name: "a dangling pool.redb symbolic link",
+            needs_root: false,
+            prepare: |b| {
+                mkdir(&b.join("state"), 0o700);
+                std::os::unix::fs::symlink(b.join("chosen"), b.join("state/pool.redb"))
+                    .expect("symlink");
+                (b.join("state/pool.redb"), "it is a symbolic link")
+            },
+        },
+    ];
+    let mut failures = Vec::new();
+    for case in &cases {
+        if case.needs_root && !is_root() {
+            eprintln!("skipped (needs root): {}", case.name);
+            continue;
+        }
+        let base = tempfile::tempdir().expect("tempdir");
+        let (path, problem) = (case.prepare)(base.path());
+        let (state, run) = if case.name.contains("above") {
+            (base.path().join("sy/state"), base.path().join("sy/run"))
+        } else {
+            (base.path().join("state"), base.path().join("run"))
+        };
+        let named = format!(
+            "Refusing to use {}, which another user could control",
+            path.display()
+        );
+        let failure = match refused(&state, &run) {
+            Err(started) => Some(started),
+            Ok((code, stderr)) if code != Some(1) => Some(format!("exit {code:?}: {stderr}")),
+            Ok((_, stderr)) if !stderr.contains(&named) || !stderr.contains(problem) => {
+                Some(format!("wanted {named:?} and {problem:?} in:\n{stderr}"))
+            }
+            Ok(_) if base.path().join("chosen").exists() => Some("the link was followed".into()),
+            Ok(_) if case.name.contains("above") && run.exists() => {
+                Some("a directory was created in another user's directory".into())
+            }
+            Ok(_) => None,
+        };
+        if let Some(f) = failure {
+            failures.push(format!("{}: {f}", case.name));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
+
+    // Positive control: fresh directories are created private, and the daemon starts.
+    let base = tempfile::tempdir().expect("tempdir");
+    let (state, run) = (base.path().join("a/state"), base.path().join("b/run"));
+    let mut d = Running::launch(&state, &run, base.path());
+    for dir in [
+        base.path().join("a"),
+        state.clone(),
+        state.join("workers"),
+        run.clone(),
+        run.join("endpoints"),
+    ] {
+        let meta = fs::symlink_metadata(&dir).expect("created");
+        assert!(meta.is_dir(), "{}", dir.display());
+        assert_eq!(meta.mode() & 0o7777, 0o700, "{}", dir.display());
+        assert_eq!(meta.uid(), rustix::process::geteuid().as_raw());
+    }
+    assert!(
+        fs::symlink_metadata(state.join("pool.redb"))
+            .expect("store")
+            .is_file()
+    );
+    // ... and starts again on the directories it made.
+    d.kill9();
+    let _d = Running::launch(&state, &run, base.path());
+}
+
+/// A daemon that runs; dropping it kills it and the workers it was seen to start.
+struct Running {
+    child: Option<Child>,
+    run: PathBuf,
+    log: PathBuf,
+    workers: Vec<u32>,
+}
+
+impl Running {
+    fn launch(state: &Path, run: &Path, logs: &Path) -> Self {
+        let log = logs.join("daemon.log");
+        let stderr = fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log");
+        let child = daemon_command(state, run)
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn the daemon");
+        let mut d = Self {
+            child: Some(child),
+            run: run.to_owned(),
+            log,
+            workers: Vec::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(c) = ControlClient::connect(d.socket())
+                && c.get("/health").is_ok()
+            {
+                return d;
+            }
+            if let Some(status) = d.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("the daemon exited ({status}):\n{}", d.log());
+            }
+            assert!(Instant::now() < deadline, "no answer:\n{}", d.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.run.join("control.sock")
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(EXE)
+            .arg("ctl")
+            .arg("--socket")
+            .arg(self.socket())
+            .args(args)
+            .output()
+            .expect("run ctl")
+    }
+
+    fn endpoint(&mut self, id: &str) -> Value {
+        let v = ControlClient::connect(self.socket())
+            .expect("connect")
+            .get(&format!("/v1/endpoints/{id}"))
+            .expect("get endpoint")
+            .body;
+        if let Some(pid) = v.pointer("/worker/pid").and_then(Value::as_u64) {
+            self.workers.push(pid as u32);
+        }
+        v
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- daemon log ---\n{}", self.log());
+        }
+        self.kill9();
+        for &pid in &self.workers {
+            if is_worker(pid) {
+                kill(pid);
+            }
+        }
+    }
+}
+
+/// Whether `pid` is a running `switchyard worker` of the binary under test.
+fn is_worker(pid: u32) -> bool {
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    start_time(pid).is_some()
+        && cmdline.ends_with(b"\0worker\0")
+        && cmdline.starts_with(EXE.as_bytes())
+}
+
+fn kill(pid: u32) {
+    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+    }
+}
+
+/// Field 22 of `/proc/PID/stat`, for a process that runs (not a zombie).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z") | Some(&"X") | None) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// `sleep 60`: a live process of the test's, not a worker; killed when dropped.
+struct Sleeper(Child);
+
+impl Sleeper {
+    fn spawn() -> Self {
+        Self(Command::new("sleep").arg("60").spawn().expect("sleep"))
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn alive(&mut self) -> bool {
+        self.0.try_wait().expect("wait").is_none()
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A fake adoption socket (`<workers>/w<pid>.sock`, served by the test) that hands over a
+/// listening socket and says `Adopted` to whoever asks, then closes the channel: a daemon
+/// that believed the forged record would supervise `pid` and kill it when the channel ends.
+/// Reports the note it was asked with.
+fn fake_adoption_socket(workers: &Path, pid: u32, scratch: &Path) -> mpsc::Receiver<Note> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .expect("socket");
+    let path = workers.join(format!("w{pid}.sock"));
+    rustix::net::bind(&sock, &SocketAddrUnix::new(&path).expect("addr")).expect("bind");
+    rustix::net::listen(&sock, 4).expect("listen");
+    let listener =
+        std::os::unix::net::UnixListener::bind(scratch.join("fake.sock")).expect("listener");
+    let (tx, rx) = mpsc::channel();
+    // Detached: with the fix nobody connects and it waits until the test process ends.
+    std::thread::spawn(move || {
+        let Ok(conn) = rustix::net::accept(&sock) else {
+            return;
+        };
+        let Ok((note, _)) = custody::recv(&conn, &mut Vec::new()) else {
+            return;
+        };
+        let _ = tx.send(note);
+        let _ = custody::send(
+            &conn,
+            &Note::Fds {
+                ids: vec![LISTENER_ID],
+            },
+            &[listener.as_fd()],
+        );
+        let _ = custody::send(&conn, &Note::Adopted { pid }, &[]);
+    });
+    rx
+}
+
+#[test]
+fn a_forged_worker_record_never_gets_a_process_killed() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let (state, run) = (base.path().join("state"), base.path().join("run"));
+    let workers = state.join("workers");
+    // Two endpoints with leases in the store; then no daemon and none of its workers.
+    let mut d = Running::launch(&state, &run, base.path());
+    for id in ["vm1", "vm2"] {
+        let out = d.ctl(&["create", id, "--pool", "default"]);
+        assert!(out.status.success(), "{out:?}");
+    }
+    let old: Vec<u32> = ["vm1", "vm2"]
+        .iter()
+        .map(|id| d.endpoint(id)["worker"]["pid"].as_u64().expect("a worker") as u32)
+        .collect();
+    d.kill9();
+    for &pid in &old {
+        kill(pid);
+    }
+    for &pid in &old {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while start_time(pid).is_some() {
+            assert!(Instant::now() < deadline, "worker {pid} still runs");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    // Records rewritten to name processes that are not workers, with their true start
+    // times. vm1's also has a fake adoption socket; vm2's socket is served by someone else,
+    // so the daemon leaves vm2 orphaned.
+    let mut a = Sleeper::spawn();
+    let mut b = Sleeper::spawn();
+    for (id, s) in [("vm1", &a), ("vm2", &b)] {
+        let start = start_time(s.pid()).expect("sleep runs");
+        fs::write(
+            workers.join(format!("{id}.pid")),
+            format!("{} {start}\n", s.pid()),
+        )
+        .expect("forge the record");
+    }
+    let asked = fake_adoption_socket(&workers, a.pid(), base.path());
+    let vm2_socket = run.join("endpoints/vm2.sock");
+    let _ = fs::remove_file(&vm2_socket);
+    let _squatter = std::os::unix::net::UnixListener::bind(&vm2_socket).expect("bind vm2's socket");
+
+    let mut d = Running::launch(&state, &run, base.path());
+    // At start: neither process adopted nor killed, the records reported.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let vm1 = loop {
+        let vm1 = d.endpoint("vm1");
+        if vm1["worker"]["state"] == "running" || Instant::now() > deadline {
+            break vm1;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        vm1["worker"]["state"], "running",
+        "a worker of its own: {vm1}"
+    );
+    let vm1_pid = vm1["worker"]["pid"].as_u64().expect("pid") as u32;
+    assert_ne!(vm1_pid, a.pid(), "{vm1}");
+    assert!(is_worker(vm1_pid), "{vm1}");
+    assert_eq!(d.endpoint("vm2")["worker"]["state"], "orphaned");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        a.alive(),
+        "the process named by vm1's forged record was killed"
+    );
+    assert!(
+        b.alive(),
+        "the process named by vm2's forged record was killed"
+    );
+    assert!(
+        asked.try_recv().is_err(),
+        "the daemon asked the forged record's process for adoption"
+    );
+    let log = d.log();
+    for s in [&a, &b] {
+        assert!(
+            log.contains(&format!("pid={}", s.pid()))
+                && log.contains("not a worker of this daemon"),
+            "the forged record is reported:\n{log}"
+        );
+    }
+
+    // `ctl delete` of the orphan: refused (its server is unknown), nothing killed.
+    let out = d.ctl(&["delete", "vm2"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("does not know"),
+        "{out:?}"
+    );
+    // `ctl delete` of vm1 stops the daemon's own worker only.
+    let out = d.ctl(&["delete", "vm1"]);
+    assert!(out.status.success(), "{out:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while is_worker(vm1_pid) {
+        assert!(
+            Instant::now() < deadline,
+            "vm1's worker {vm1_pid} still runs"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        a.alive() && b.alive(),
+        "a process named by a forged record was killed"
+    );
+}
