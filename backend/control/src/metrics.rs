@@ -14,6 +14,8 @@
 //! | `switchyard_endpoint_restarts_total` | counter | (data-path process restarts) |
 //! | `switchyard_endpoint_worker_restarts_total` | counter | `endpoint` |
 //! | `switchyard_endpoint_last_restart_seconds` | gauge | `endpoint` (death of a worker to its replacement serving) |
+//! | `switchyard_endpoint_state_lost_total` | counter | `endpoint` (replacements that could not restore all of the client's DMA windows and eventfds) |
+//! | `switchyard_endpoint_resets_total` | counter | `endpoint` (the daemon let go of the client's or the device's state after failed starts) |
 //! | `switchyard_upgrades_total` | counter | |
 //!
 //! Recording goes through handles ([`EndpointMetrics`], [`BoardMetrics`]) that a hot path
@@ -186,6 +188,8 @@ struct Families {
     downtime: Family<BoardLabel, F64Gauge>,
     endpoint_restarts: Family<EndpointLabel, Counter>,
     last_restart: Family<EndpointLabel, F64Gauge>,
+    state_lost: Family<EndpointLabel, Counter>,
+    resets: Family<EndpointLabel, Counter>,
     restarts: Counter,
     upgrades: Counter,
 }
@@ -231,6 +235,8 @@ impl Metrics {
             downtime: Family::default(),
             endpoint_restarts: Family::default(),
             last_restart: Family::default(),
+            state_lost: Family::default(),
+            resets: Family::default(),
             restarts: Counter::default(),
             upgrades: Counter::default(),
         };
@@ -283,6 +289,16 @@ impl Metrics {
             f.last_restart.clone(),
         );
         registry.register(
+            "endpoint_state_lost",
+            "Replacements of an endpoint's data-path process that could not restore all of the client's DMA windows and eventfds",
+            f.state_lost.clone(),
+        );
+        registry.register(
+            "endpoint_resets",
+            "Times the daemon let go of an endpoint's client or device state after its data-path processes kept failing to start",
+            f.resets.clone(),
+        );
+        registry.register(
             "upgrades",
             "Binary upgrades under running endpoints",
             f.upgrades.clone(),
@@ -310,6 +326,8 @@ impl Metrics {
                 latency: f.latency.get_or_create_owned(&label),
                 restarts: f.endpoint_restarts.get_or_create_owned(&label),
                 last_restart: f.last_restart.get_or_create_owned(&label),
+                state_lost: f.state_lost.get_or_create_owned(&label),
+                resets: f.resets.get_or_create_owned(&label),
                 messages: f.messages.clone(),
                 by_command: std::array::from_fn(|_| OnceLock::new()),
             }),
@@ -347,6 +365,8 @@ impl Metrics {
         f.latency.remove(&label);
         f.endpoint_restarts.remove(&label);
         f.last_restart.remove(&label);
+        f.state_lost.remove(&label);
+        f.resets.remove(&label);
         for command in Command::ALL {
             if m.inner.by_command[command_index(command)].get().is_some() {
                 f.messages.remove(&CommandLabels {
@@ -425,6 +445,8 @@ struct EndpointInner {
     latency: BucketHistogram,
     restarts: Counter,
     last_restart: F64Gauge,
+    state_lost: Counter,
+    resets: Counter,
     messages: Family<CommandLabels, Counter>,
     by_command: [OnceLock<Counter>; Command::ALL.len()],
 }
@@ -476,6 +498,16 @@ impl EndpointMetrics {
         if let Some(stall) = stall {
             self.inner.last_restart.set(stall.as_secs_f64());
         }
+    }
+
+    /// Counts a replacement that could not restore all of the client's state.
+    pub fn state_lost(&self) {
+        self.inner.state_lost.inc();
+    }
+
+    /// Counts the daemon letting go of the client's or the device's state.
+    pub fn reset(&self) {
+        self.inner.resets.inc();
     }
 
     fn counter(&self, command: Command) -> &Counter {

@@ -224,6 +224,17 @@ pub enum Note {
         /// Where to offer the adoption socket (`<dir>/w<pid>.sock`), if anywhere.
         #[serde(default)]
         adopt_dir: Option<String>,
+        /// The client's descriptor budget (`switchyard_server::ServerConfig::fd_budget`);
+        /// none from a supervisor that has none.
+        #[serde(default)]
+        fd_budget: Option<u32>,
+    },
+    /// A replacement could not restore all of what the client had been told succeeded (a
+    /// DMA window, an interrupt eventfd): it serves, but the client's state is not whole
+    /// (worker → supervisor; the endpoint is reported degraded).
+    StateLost {
+        /// What was lost, one line each.
+        problems: Vec<String>,
     },
 }
 

@@ -51,6 +51,24 @@ pub enum SupervisorError {
         /// Why.
         reason: String,
     },
+    /// One more endpoint would break the daemon's descriptor plan ([`FdPlan`]).
+    #[error(
+        "No room for endpoint `{endpoint}`: {endpoints} endpoints of {per_endpoint} client descriptors each (plus {own} of their own) and {reserve} kept for the daemon fill its open-file limit of {limit}"
+    )]
+    NoRoom {
+        /// Endpoint.
+        endpoint: String,
+        /// Endpoints supervised now (the most the plan allows).
+        endpoints: u64,
+        /// Client descriptors per endpoint.
+        per_endpoint: u32,
+        /// The endpoint's own descriptors (listener, connection, VRAM, black box, ...).
+        own: u32,
+        /// Kept for the daemon itself.
+        reserve: u32,
+        /// The daemon's open-file limit.
+        limit: u64,
+    },
     /// The worker refused or failed the move; the device runs where it was.
     #[error("Endpoint `{endpoint}` was not moved: {reason}")]
     MoveFailed {
@@ -59,6 +77,74 @@ pub enum SupervisorError {
         /// The worker's error chain, or what happened to the worker.
         reason: String,
     },
+}
+
+/// How the daemon's descriptors are shared: `reserve` for itself (the control API, the
+/// store, starting workers), then per endpoint its own ([`FdPlan::ENDPOINT_OWN`]: listener,
+/// connection, black box, VRAM, doorbells, the custody channel) and its client's budget
+/// (`per_endpoint`). Endpoints are admitted while the sum fits `limit` (the open-file
+/// limit), so no client, within its budget, can make the daemon run out of descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct FdPlan {
+    /// The daemon's open-file limit (`RLIMIT_NOFILE`, soft; raised to the hard limit at
+    /// start).
+    pub limit: u64,
+    /// Descriptors kept for the daemon itself.
+    pub reserve: u32,
+    /// Each endpoint's client budget.
+    pub per_endpoint: u32,
+}
+
+impl FdPlan {
+    /// An endpoint's own descriptors in the daemon, beyond its client's.
+    pub const ENDPOINT_OWN: u32 = 16;
+    /// What a worker needs besides its client's descriptors (its threads, the device, the
+    /// black box, the socket).
+    pub const WORKER_OWN: u64 = 512;
+
+    /// The plan under this process's open-file limit now.
+    pub fn current(reserve: u32, per_endpoint: u32) -> Self {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        Self {
+            limit,
+            reserve,
+            per_endpoint,
+        }
+    }
+
+    /// How many endpoints fit.
+    pub fn endpoints(&self) -> u64 {
+        let each = u64::from(self.per_endpoint) + u64::from(Self::ENDPOINT_OWN);
+        self.limit.saturating_sub(u64::from(self.reserve)) / each
+    }
+
+    /// Why the plan cannot work, if it cannot: not one endpoint fits, or a worker (which
+    /// has the same limit and holds up to three copies of its client's descriptors while a
+    /// replacement restores them: the supervisor's, its ledger's and the device's) could
+    /// not hold a full budget.
+    pub fn problem(&self) -> Option<String> {
+        let worker = 3 * u64::from(self.per_endpoint) + Self::WORKER_OWN;
+        if self.endpoints() == 0 {
+            Some(format!(
+                "not one endpoint fits: {} reserved plus {} + {} per endpoint exceed the open-file limit of {}",
+                self.reserve,
+                self.per_endpoint,
+                Self::ENDPOINT_OWN,
+                self.limit
+            ))
+        } else if worker > self.limit {
+            Some(format!(
+                "a worker needs up to {worker} descriptors for a budget of {} (three copies while it restores its client, plus {}), over the open-file limit of {}",
+                self.per_endpoint,
+                Self::WORKER_OWN,
+                self.limit
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 /// How a move ended ([`Supervisor::move_device`]).
@@ -95,6 +181,15 @@ pub struct WorkerStatus {
     pub last_restart: Option<Duration>,
     /// Descriptors held for the endpoint (listener included).
     pub held: usize,
+    /// Of those, the client's: DMA memory fds, interrupt eventfds and the descriptors of
+    /// messages in flight (what the budget counts).
+    pub client_fds: usize,
+    /// Descriptors a worker tried to put in custody past the endpoint's budget (refused:
+    /// a worker keeps its client within the budget, so this stays 0 unless one does not).
+    pub refused_fds: u64,
+    /// What a replacement could not restore of the client's state (DMA windows, eventfds
+    /// the client had been told succeeded); empty when whole.
+    pub state_lost: Vec<String>,
     /// A client (VMM) is connected: its connection is held.
     pub connected: bool,
     /// The supervisor gave up restarting (a crash loop); the client was disconnected.
@@ -143,20 +238,41 @@ impl Endpoint {
     }
 
     /// Changes the held descriptors, then the status that counts them.
-    fn change_held(&self, f: impl FnOnce(&mut BTreeMap<u64, OwnedFd>)) {
+    fn change_held<R>(&self, f: impl FnOnce(&mut BTreeMap<u64, OwnedFd>) -> R) -> R {
         let mut held = self.held();
-        f(&mut held);
+        let r = f(&mut held);
         let (n, connected) = (held.len(), held.contains_key(&CONNECTION_ID));
+        let client = client_fds(&held);
         drop(held);
         let mut st = self.status();
         st.held = n;
         st.connected = connected;
+        st.client_fds = client;
+        r
     }
 }
+
+/// How many of `held` are the client's descriptors (custody ids the worker assigns to the
+/// descriptors of messages; see `switchyard_server::continuity::FIRST_MESSAGE_ID`).
+fn client_fds(held: &BTreeMap<u64, OwnedFd>) -> usize {
+    held.range(switchyard_server::continuity::FIRST_MESSAGE_ID..)
+        .count()
+}
+
+/// Descriptors a worker may put in custody beyond its budget before the supervisor refuses
+/// them: one read's worth, which a worker counts against its budget only once it has them.
+pub const BUDGET_SLACK: usize = switchyard_server::transport::MAX_FDS_PER_READ;
 
 /// Crash-loop policy: this many workers dying without reporting ready, in a row, and the
 /// supervisor gives up on the endpoint.
 const MAX_FAILED_STARTS: u32 = 8;
+/// After this many failed starts in a row, the client's connection and descriptors are
+/// dropped: what a client sent (too many descriptors, a state that crashes its restore) must
+/// not fail the endpoint for good. The next worker resumes the device without a client.
+const DROP_CLIENT_AFTER: u32 = 3;
+/// After this many, the device's own state goes too (black box, VRAM, doorbell page): the
+/// next worker starts a fresh device.
+const START_FRESH_AFTER: u32 = 5;
 /// Pause between starts once starts fail.
 const FAILED_START_PAUSE: Duration = Duration::from_millis(250);
 
@@ -204,6 +320,22 @@ pub enum WorkerEvent {
         /// Endpoint.
         endpoint: String,
     },
+    /// Workers kept dying before serving: the supervisor let go of what the next one would
+    /// have restored (the client's connection and descriptors; then the device's state).
+    Reset {
+        /// Endpoint.
+        endpoint: String,
+        /// What was let go, and why.
+        what: String,
+    },
+    /// A replacement could not restore all of the client's state (windows or eventfds the
+    /// client had been told succeeded).
+    StateLost {
+        /// Endpoint.
+        endpoint: String,
+        /// What was lost.
+        problems: Vec<String>,
+    },
     /// The kernel took the endpoint's passthrough device back (unbind, removal): the
     /// endpoint fails every access with ENODEV; its board should take no new lease.
     DeviceLost {
@@ -226,6 +358,10 @@ pub struct Supervisor {
     sink: EventSink,
     /// Where workers offer their adoption sockets (see [`crate::keeper`]).
     adopt_dir: Option<PathBuf>,
+    /// Each endpoint's client descriptor budget ([`Supervisor::with_fd_plan`]).
+    fd_budget: Option<u32>,
+    /// How many endpoints may be supervised at once.
+    fd_plan: Option<FdPlan>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -257,7 +393,59 @@ impl Supervisor {
             endpoints: Mutex::new(BTreeMap::new()),
             sink,
             adopt_dir: None,
+            fd_budget: None,
+            fd_plan: None,
         }
+    }
+
+    /// Shares the process's descriptors by `plan`: each endpoint's client gets
+    /// `plan.per_endpoint` ([`Supervisor::with_fd_budget`]), and an endpoint is created or
+    /// adopted only while [`FdPlan::endpoints`] allows ([`SupervisorError::NoRoom`]).
+    pub fn with_fd_plan(mut self, plan: FdPlan) -> Self {
+        self.fd_budget = Some(plan.per_endpoint);
+        self.fd_plan = Some(plan);
+        self
+    }
+
+    /// The plan set by [`Supervisor::with_fd_plan`].
+    pub fn fd_plan(&self) -> Option<FdPlan> {
+        self.fd_plan
+    }
+
+    fn check_room(
+        &self,
+        endpoints: &BTreeMap<String, Arc<Endpoint>>,
+        id: &str,
+    ) -> Result<(), SupervisorError> {
+        let Some(plan) = self.fd_plan else {
+            return Ok(());
+        };
+        let max = plan.endpoints();
+        if endpoints.len() as u64 >= max {
+            return Err(SupervisorError::NoRoom {
+                endpoint: id.to_owned(),
+                endpoints: endpoints.len() as u64,
+                per_endpoint: plan.per_endpoint,
+                own: FdPlan::ENDPOINT_OWN,
+                reserve: plan.reserve,
+                limit: plan.limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Caps each endpoint's client at `budget` descriptors in custody (DMA memory fds,
+    /// interrupt eventfds, a message's descriptors in flight): its worker refuses a message
+    /// that would pass it (EMFILE to the client) and advertises `max_dma_maps` within it;
+    /// the supervisor refuses holds past it (plus one read: [`BUDGET_SLACK`]).
+    pub fn with_fd_budget(mut self, budget: u32) -> Self {
+        self.fd_budget = Some(budget);
+        self
+    }
+
+    /// The budget set by [`Supervisor::with_fd_budget`].
+    pub fn fd_budget(&self) -> Option<u32> {
+        self.fd_budget
     }
 
     /// Has every worker offer an adoption socket in `dir` (a private directory), so that a
@@ -287,6 +475,7 @@ impl Supervisor {
         if endpoints.contains_key(&spec.id) {
             return Err(SupervisorError::Exists(spec.id));
         }
+        self.check_room(&endpoints, &spec.id)?;
         let path = crate::keeper::adoption_path(dir, pid);
         let (channel, mut held) = adopt_from(&path, &spec.id, pid)
             .map_err(|e| failed(format!("{}: {e}", path.display())))?;
@@ -298,6 +487,7 @@ impl Supervisor {
             spec.socket.clone(),
         );
         let connected = held.contains_key(&CONNECTION_ID);
+        let client = client_fds(&held);
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
             socket,
@@ -305,6 +495,7 @@ impl Supervisor {
                 pid: Some(pid),
                 ready: 1,
                 held: held.len(),
+                client_fds: client,
                 connected,
                 ..WorkerStatus::default()
             }),
@@ -319,6 +510,7 @@ impl Supervisor {
         });
         let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
         let adopt_dir = self.adopt_dir.clone();
+        let budget = self.fd_budget;
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
@@ -326,7 +518,10 @@ impl Supervisor {
                     &ep2,
                     &exe,
                     &sink,
-                    adopt_dir.as_deref(),
+                    Launch {
+                        adopt_dir: adopt_dir.as_deref(),
+                        fd_budget: budget,
+                    },
                     Some((channel, pid)),
                 );
             })
@@ -354,6 +549,7 @@ impl Supervisor {
         if endpoints.contains_key(&spec.id) {
             return Err(SupervisorError::Exists(spec.id));
         }
+        self.check_room(&endpoints, &spec.id)?;
         let socket = DeviceSocket::bind(&spec.socket, 0o600)
             .map_err(|e| SupervisorError::Bind(spec.id.clone(), e))?;
         let ep = Arc::new(Endpoint {
@@ -373,9 +569,16 @@ impl Supervisor {
         let ep2 = ep.clone();
         let sink = self.sink.clone();
         let adopt_dir = self.adopt_dir.clone();
+        let budget = self.fd_budget;
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
-            .spawn(move || supervise(&ep2, &exe, &sink, adopt_dir.as_deref(), None))
+            .spawn(move || {
+                let launch = Launch {
+                    adopt_dir: adopt_dir.as_deref(),
+                    fd_budget: budget,
+                };
+                supervise(&ep2, &exe, &sink, launch, None);
+            })
             .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
         *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
         endpoints.insert(spec.id, ep);
@@ -613,24 +816,60 @@ fn kill(pid: Option<u32>) {
     }
 }
 
+/// What every worker of a supervisor is started with.
+#[derive(Debug, Clone, Copy)]
+struct Launch<'a> {
+    adopt_dir: Option<&'a Path>,
+    fd_budget: Option<u32>,
+}
+
 /// Supervises `ep`: first the adopted worker `adopted` (its channel and pid) if any, then
 /// workers it starts itself, replacing each that dies.
 fn supervise(
     ep: &Endpoint,
     exe: &Path,
     sink: &EventSink,
-    adopt_dir: Option<&Path>,
+    launch: Launch<'_>,
     adopted: Option<(OwnedFd, u32)>,
 ) {
     let span = tracing::info_span!("endpoint", id = %ep.spec.id);
     let _g = span.enter();
+    let adopt_dir = launch.adopt_dir;
     let mut failed_starts = 0u32;
     let mut died_at: Option<Instant> = None;
     let mut recent: VecDeque<Instant> = VecDeque::new();
     if let Some((channel, pid)) = adopted {
-        serve_notes(ep, &channel, pid, None, Instant::now(), sink, &|| {
+        // The adopted ledger against the budget: a worker of an older daemon may hold more
+        // for its client than this one allows (descriptors of messages it never handled).
+        // A replacement keeps what the tables and the journal refer to and releases the rest.
+        let client = ep.status().client_fds;
+        if let Some(budget) = launch.fd_budget
+            && client > budget as usize
+        {
+            let what = format!(
+                "the adopted worker holds {client} client descriptors, over the budget of \
+                 {budget}: replaced, so that what no DMA window, eventfd or message in flight \
+                 refers to is released"
+            );
+            tracing::warn!(pid, client, budget, "{what}");
+            sink(WorkerEvent::Reset {
+                endpoint: ep.spec.id.clone(),
+                what,
+            });
             kill(Some(pid));
-        });
+        }
+        serve_notes(
+            ep,
+            &channel,
+            pid,
+            None,
+            Instant::now(),
+            sink,
+            launch,
+            &|| {
+                kill(Some(pid));
+            },
+        );
         // Not our child: it cannot be waited for. It closed its channel by dying (or is
         // made to): a replacement must not serve next to it.
         kill(Some(pid));
@@ -661,7 +900,7 @@ fn supervise(
                 StartMode::Fresh
             }
         };
-        let ready = match run_worker(ep, exe, mode, died_at, sink, adopt_dir) {
+        let ready = match run_worker(ep, exe, mode, died_at, sink, launch) {
             Ok(ready) => ready,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start a worker");
@@ -680,9 +919,10 @@ fn supervise(
             if failed_starts >= MAX_FAILED_STARTS {
                 tracing::error!(
                     attempts = failed_starts,
-                    "workers keep dying before they serve; giving the endpoint up (its client is disconnected)"
+                    "workers keep dying before they serve; giving the endpoint up (its client is disconnected, new connections are refused)"
                 );
-                ep.held().retain(|id, _| *id == LISTENER_ID);
+                ep.change_held(|held| held.clear());
+                refuse_connections(&ep.socket);
                 let mut st = ep.status();
                 st.failed = true;
                 ep.changed.notify_all();
@@ -691,6 +931,17 @@ fn supervise(
                     endpoint: ep.spec.id.clone(),
                 });
                 return;
+            }
+            let fresh = failed_starts >= START_FRESH_AFTER;
+            if let Some(what) = let_go(ep, failed_starts >= DROP_CLIENT_AFTER, fresh) {
+                tracing::warn!(
+                    attempts = failed_starts,
+                    "workers keep dying before they serve: {what}"
+                );
+                sink(WorkerEvent::Reset {
+                    endpoint: ep.spec.id.clone(),
+                    what,
+                });
             }
             std::thread::sleep(FAILED_START_PAUSE);
         }
@@ -706,6 +957,44 @@ fn supervise(
     }
 }
 
+/// After failed starts: lets go of the client (`client`: its connection and descriptors),
+/// or of everything (`fresh`: the device's state too), so that the next worker starts
+/// without what kept its predecessors from serving. Returns what was let go, if anything.
+fn let_go(ep: &Endpoint, client: bool, fresh: bool) -> Option<String> {
+    ep.change_held(|held| {
+        if fresh && !held.is_empty() {
+            held.clear();
+            return Some(
+                "the device's state and its client were let go; the next worker starts a fresh device"
+                    .to_owned(),
+            );
+        }
+        let first = switchyard_server::continuity::FIRST_MESSAGE_ID;
+        let client_ids = held.range(first..).count() + usize::from(held.contains_key(&CONNECTION_ID));
+        if client && client_ids > 0 {
+            held.retain(|id, _| *id < first && *id != CONNECTION_ID);
+            return Some(format!(
+                "the client's connection and {} of its descriptors were let go; the next worker resumes the device without a client",
+                client_ids
+            ));
+        }
+        None
+    })
+}
+
+/// A given-up endpoint refuses connections (they would hang: no worker accepts them). The
+/// socket stays bound, so its path is not taken by anyone else; connections already queued
+/// are closed.
+fn refuse_connections(socket: &DeviceSocket) {
+    let listener = socket.listener();
+    if let Err(e) = rustix::net::shutdown(listener, rustix::net::Shutdown::Both) {
+        tracing::warn!(error = %e, "cannot shut the endpoint's socket; connections will hang");
+    }
+    if listener.set_nonblocking(true).is_ok() {
+        while listener.accept().is_ok() {}
+    }
+}
+
 /// Starts one worker and serves its custody notes until it dies. Returns whether it
 /// reported ready.
 fn run_worker(
@@ -714,8 +1003,9 @@ fn run_worker(
     mode: StartMode,
     died_at: Option<Instant>,
     sink: &EventSink,
-    adopt_dir: Option<&Path>,
+    launch: Launch<'_>,
 ) -> std::io::Result<bool> {
+    let adopt_dir = launch.adopt_dir;
     let (ours, theirs) = custody::pair()?;
     let mut child: Child = Command::new(exe)
         .arg("worker")
@@ -738,14 +1028,16 @@ fn run_worker(
         resume: mode == StartMode::Resume,
     });
     let started = Instant::now();
-    let handed = hand_over(ep, &ours, mode, adopt_dir);
+    let handed = hand_over(ep, &ours, mode, launch);
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = ours.try_clone().ok();
     let mut ready = false;
     if let Err(e) = handed {
         tracing::error!(error = %e, "cannot hand the endpoint's descriptors to the worker");
         let _ = child.kill();
     } else {
-        ready = serve_notes(ep, &ours, pid, died_at, started, sink, &|| kill(Some(pid)));
+        ready = serve_notes(ep, &ours, pid, died_at, started, sink, launch, &|| {
+            kill(Some(pid));
+        });
     }
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
     end_move_on_death(ep);
@@ -792,6 +1084,7 @@ fn wait_gone(pid: u32, timeout: Duration) {
 /// Serves worker `pid`'s custody notes on `channel` until the channel closes. Returns
 /// whether it reported ready (an adopted worker did before). `kill` ends a worker that
 /// breaks the protocol.
+#[allow(clippy::too_many_arguments)]
 fn serve_notes(
     ep: &Endpoint,
     channel: &OwnedFd,
@@ -799,20 +1092,63 @@ fn serve_notes(
     died_at: Option<Instant>,
     started: Instant,
     sink: &EventSink,
+    launch: Launch<'_>,
     kill: &dyn Fn(),
 ) -> bool {
     let mut ready = false;
     let mut buf = Vec::new();
+    let limit = launch
+        .fd_budget
+        .map(|b| (b as usize).saturating_add(BUDGET_SLACK));
+    let over_budget = switchyard_device::ratelimit::LogLimiter::new(
+        "worker holds refused past the endpoint's budget",
+        Duration::from_secs(5),
+    );
     loop {
         match custody::recv(channel, &mut buf) {
-            Ok((Note::Hold { ids }, fds)) => ep.change_held(|held| {
-                for (id, fd) in ids.into_iter().zip(fds) {
-                    if id == VRAM_NEXT_ID {
-                        ep.mv().target = file_identity(&fd);
+            Ok((Note::Hold { ids }, fds)) => {
+                let refused = ep.change_held(|held| {
+                    let first = switchyard_server::continuity::FIRST_MESSAGE_ID;
+                    let mut client = held.range(first..).count();
+                    let mut refused = 0u64;
+                    for (id, fd) in ids.into_iter().zip(fds) {
+                        if id == VRAM_NEXT_ID {
+                            ep.mv().target = file_identity(&fd);
+                        }
+                        if id >= first && !held.contains_key(&id) {
+                            if limit.is_some_and(|l| client >= l) {
+                                // The worker should have refused the message: the daemon's
+                                // own limit is what the budget protects.
+                                refused += 1;
+                                continue;
+                            }
+                            client += 1;
+                        }
+                        held.insert(id, fd);
                     }
-                    held.insert(id, fd);
+                    refused
+                });
+                if refused > 0 {
+                    ep.status().refused_fds += refused;
+                    if over_budget.allow() {
+                        tracing::error!(
+                            pid,
+                            refused,
+                            budget = ?launch.fd_budget,
+                            "the worker put client descriptors in custody past the endpoint's budget; refused"
+                        );
+                    }
                 }
-            }),
+            }
+            Ok((Note::StateLost { problems }, _)) => {
+                tracing::error!(?problems, "the replacement lost part of the client's state");
+                ep.status().state_lost = problems.clone();
+                ep.changed.notify_all();
+                sink(WorkerEvent::StateLost {
+                    endpoint: ep.spec.id.clone(),
+                    problems,
+                });
+            }
             Ok((Note::Migration { streaming }, _)) => {
                 ep.status().migrating = streaming;
                 ep.changed.notify_all();
@@ -829,13 +1165,20 @@ fn serve_notes(
                 ep.mv().reply = Some(Err(Some(error)));
                 ep.mv_changed.notify_all();
             }
-            Ok((Note::Release { ids }, _)) => ep.change_held(|held| {
-                for id in ids {
-                    if id != LISTENER_ID {
-                        held.remove(&id);
+            Ok((Note::Release { ids }, _)) => {
+                let client_left = ids.contains(&CONNECTION_ID);
+                ep.change_held(|held| {
+                    for id in ids {
+                        if id != LISTENER_ID {
+                            held.remove(&id);
+                        }
                     }
+                });
+                if client_left {
+                    // What a replacement lost was the client's; a new client starts whole.
+                    ep.status().state_lost.clear();
                 }
-            }),
+            }
             Ok((Note::Ready { resumed }, _)) => {
                 ready = true;
                 let restart = died_at.map(|t| t.elapsed());
@@ -950,7 +1293,7 @@ fn hand_over(
     ep: &Endpoint,
     sock: &OwnedFd,
     mode: StartMode,
-    adopt_dir: Option<&Path>,
+    launch: Launch<'_>,
 ) -> Result<(), custody::ChannelError> {
     let held = ep.held();
     let listener = ep.socket.listener().as_fd();
@@ -969,7 +1312,8 @@ fn hand_over(
             endpoint: ep.spec.id.clone(),
             socket: ep.spec.socket.display().to_string(),
             device: ep.spec.device.clone(),
-            adopt_dir: adopt_dir.map(|d| d.display().to_string()),
+            adopt_dir: launch.adopt_dir.map(|d| d.display().to_string()),
+            fd_budget: launch.fd_budget,
         },
         &[],
     )
@@ -1029,5 +1373,49 @@ mod adopt_from_tests {
             server.join().expect("server"),
             Some(Note::Adopt { endpoint }) if endpoint == "ep"
         ));
+    }
+}
+
+#[cfg(test)]
+mod fd_plan_tests {
+    use super::FdPlan;
+
+    fn plan(limit: u64, reserve: u32, per_endpoint: u32) -> FdPlan {
+        FdPlan {
+            limit,
+            reserve,
+            per_endpoint,
+        }
+    }
+
+    #[test]
+    fn endpoints_fit_the_limit_after_the_reserve_at_their_full_budget() {
+        // (limit - reserve) / (budget + the endpoint's own 16)
+        assert_eq!(plan(1024, 256, 64).endpoints(), 9);
+        assert_eq!(plan(1024, 256, 128).endpoints(), 5);
+        assert_eq!(plan(524_288, 256, 1024).endpoints(), 503);
+        assert_eq!(
+            plan(200, 256, 64).endpoints(),
+            0,
+            "a reserve over the limit"
+        );
+        assert_eq!(
+            plan(u64::MAX, 256, 1024).endpoints(),
+            (u64::MAX - 256) / 1040
+        );
+    }
+
+    #[test]
+    fn a_plan_that_fits_no_endpoint_or_no_worker_says_why() {
+        assert_eq!(plan(1024, 256, 64).problem(), None);
+        let none = plan(1024, 1000, 64).problem().expect("no endpoint fits");
+        assert!(none.contains("not one endpoint fits"), "{none}");
+        // One endpoint fits the daemon, but a worker restoring 1024 descriptors three
+        // times over does not fit the same limit.
+        let worker = plan(2048, 256, 1024)
+            .problem()
+            .expect("a worker does not fit");
+        assert!(worker.contains("3584"), "{worker}");
+        assert_eq!(plan(4096, 256, 1024).problem(), None);
     }
 }

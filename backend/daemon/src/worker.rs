@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use switchyard_device::blackbox::BlackBox;
-use switchyard_server::continuity::Continuity;
+use switchyard_server::continuity::{self, Continuity};
 use switchyard_server::{DeviceSocket, Server, ServerConfig};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
@@ -61,6 +61,7 @@ struct Start {
     device: WorkerDevice,
     held: BTreeMap<u64, OwnedFd>,
     adopt_dir: Option<PathBuf>,
+    fd_budget: Option<u32>,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -76,6 +77,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 socket,
                 device,
                 adopt_dir,
+                fd_budget,
             } => {
                 if let WorkerDevice::Softgpu(gpu) = &device {
                     gpu.validate()
@@ -89,6 +91,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     device: config,
                     held,
                     adopt_dir: adopt_dir.map(PathBuf::from),
+                    fd_budget,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -117,7 +120,8 @@ pub fn run(
             .remove(&LISTENER_ID)
             .ok_or(WorkerError::Missing("the listening socket"))?,
     );
-    let config = server_config(start.socket.clone());
+    let mut config = server_config(start.socket.clone());
+    config.fd_budget = start.fd_budget;
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
     let gpu = match start.device.clone() {
         WorkerDevice::Softgpu(gpu) => gpu,
@@ -180,18 +184,24 @@ pub fn run(
                 Continuity::resume(&bb, Box::new(KeeperCustody(keeper.clone())))?;
             let held = &start.held;
             let bb2 = bb.clone();
-            let mut problems = Vec::new();
+            let mut problems = switchyard_server::Unrestored::default();
+            // Without a connection the client is gone: its tables are not restored (the
+            // supervisor may have let go of their descriptors) but released.
+            let no_client = continuity::Resumed::default();
+            let tables = if connection.is_some() {
+                &resumed
+            } else {
+                &no_client
+            };
             let mut server = Server::with_socket(config, socket, |ctx| {
-                problems = Server::restore_tables(&ctx, &resumed, |id| {
+                problems = Server::restore_tables(&ctx, tables, |id| {
                     held.get(&id).and_then(|f| f.try_clone().ok())
                 });
                 let (gpu, recovery) = SoftGpu::recover(gpu, ctx, &bb2, vram.into(), doorbells)?;
                 tracing::info!(queues = ?recovery.queues, resent_interrupts = recovery.resent, "device recovered");
                 Ok::<_, switchyard_softgpu::SoftGpuError>(gpu)
             })?;
-            for p in &problems {
-                tracing::error!(problem = %p, "could not restore all of the client's state");
-            }
+            report_lost_state(&keeper, &continuity, problems);
             server.set_continuity(Arc::new(continuity));
             // Whatever VRAM the device runs on is the one held as its VRAM from now on.
             if moved {
@@ -217,7 +227,7 @@ pub fn run(
                 }
                 None => {
                     tracing::info!("worker resumed (no client connected)");
-                    server.run()?;
+                    server.run_resumed_without_client(start.held)?;
                 }
             }
         }
@@ -304,11 +314,14 @@ fn serve_passthrough(
         Ok::<_, std::convert::Infallible>(device)
     })?;
     // The tables after the device: its IOMMU sees every window mapped, its interrupt router
-    // every eventfd.
-    if let Some(resumed) = &resumed {
+    // every eventfd. Without a connection the client is gone: nothing to restore.
+    let connection = held.remove(&CONNECTION_ID);
+    if let Some(resumed) = &resumed
+        && connection.is_some()
+    {
         let slot = server.device_slot();
         let fd = |id: u64| held.get(&id).and_then(|f| f.try_clone().ok());
-        let mut problems = Server::restore_tables(slot.context(), resumed, fd);
+        let mut lost = Server::restore_tables(slot.context(), resumed, fd);
         for (&(index, vector), &id) in &resumed.vectors {
             let Some(file) = fd(id).map(std::fs::File::from) else {
                 continue;
@@ -318,17 +331,16 @@ fn serve_passthrough(
                 d.route(index, vector, &[Some(&file)])
             });
             if let Some(Err(e)) = routed {
-                problems.push(format!("interrupt {index}/{vector} to the device: {e}"));
+                lost.problems
+                    .push(format!("interrupt {index}/{vector} to the device: {e}"));
+                lost.vectors.push((index, vector));
             }
         }
-        for p in &problems {
-            tracing::error!(problem = %p, "could not restore all of the client's state");
-        }
+        report_lost_state(keeper, &continuity, lost);
     }
     server.set_continuity(Arc::new(continuity));
     spawn_control(keeper, server.device_slot(), None)?;
     spawn_stats(keeper, &server)?;
-    let connection = held.remove(&CONNECTION_ID);
     keeper.notify(&Note::Ready {
         resumed: connection.is_some(),
     });
@@ -342,12 +354,37 @@ fn serve_passthrough(
             );
             server.run_resumed(UnixStream::from(conn), resumed, held)?;
         }
+        (None, Some(_)) => {
+            tracing::info!(host = %vfio.host, "worker resumed (no client connected)");
+            server.run_resumed_without_client(held)?;
+        }
         _ => {
             tracing::info!(host = %vfio.host, "worker serving (passthrough device)");
             server.run()?;
         }
     }
     Ok(())
+}
+
+/// A replacement that could not restore all of the client's state says so, to its log and
+/// to the supervisor ([`Note::StateLost`]): the client was told those windows and eventfds
+/// succeeded, so the loss must be visible, never only a log line. What was lost leaves the
+/// tables (and its descriptors custody).
+fn report_lost_state(
+    keeper: &Keeper,
+    continuity: &Continuity,
+    lost: switchyard_server::Unrestored,
+) {
+    if lost.problems.is_empty() {
+        return;
+    }
+    for p in &lost.problems {
+        tracing::error!(problem = %p, "could not restore all of the client's state");
+    }
+    continuity.forget(&lost);
+    keeper.notify(&Note::StateLost {
+        problems: lost.problems,
+    });
 }
 
 /// The identity of a held VRAM descriptor.

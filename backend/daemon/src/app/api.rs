@@ -183,10 +183,21 @@ pub struct WorkerView {
     /// why. Every access fails with ENODEV; detach the endpoint and attach another device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_lost: Option<String>,
+    /// Of `held`, the client's descriptors (DMA memory, eventfds, a message's in flight).
+    #[serde(default)]
+    pub client_fds: usize,
+    /// How many the client may have (`[daemon] fds_per_endpoint`); a message past it is
+    /// refused with EMFILE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd_budget: Option<u32>,
+    /// What a replacement could not restore of the client's state (DMA windows, eventfds
+    /// it had been told succeeded): the endpoint is degraded until its client leaves.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state_lost: Vec<String>,
 }
 
 impl WorkerView {
-    fn supervised(st: &WorkerStatus) -> Self {
+    fn supervised(st: &WorkerStatus, fd_budget: Option<u32>) -> Self {
         let state = if st.failed {
             WorkerState::Failed
         } else if st.pid.is_none() {
@@ -208,6 +219,9 @@ impl WorkerView {
             migrating: st.migrating,
             detail: None,
             device_lost: st.device_lost.clone(),
+            client_fds: st.client_fds,
+            fd_budget,
+            state_lost: st.state_lost.clone(),
         }
     }
 
@@ -224,6 +238,9 @@ impl WorkerView {
             migrating: false,
             detail: Some(detail),
             device_lost: None,
+            client_fds: 0,
+            fd_budget: None,
+            state_lost: Vec::new(),
         }
     }
 }
@@ -357,8 +374,44 @@ fn supervisor_error(e: SupervisorError) -> ApiError {
         SupervisorError::Bind(_, S::SocketInUse(_) | S::SocketPathTaken(_)) => {
             ApiError::conflict("socket_in_use", error_chain(&e))
         }
+        SupervisorError::NoRoom { .. } => ApiError::conflict("no_room", error_chain(&e)),
+        // Out of descriptors, memory or processes: a resource, not a bug; the request may
+        // succeed later.
+        SupervisorError::Bind(..) | SupervisorError::Spawn(..) if is_resource_error(&e) => {
+            ApiError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "resources",
+                error_chain(&e),
+            )
+        }
         _ => ApiError::internal(error_chain(&e)),
     }
+}
+
+/// Whether an error chain ends in the system running out of something (descriptors,
+/// memory, processes).
+fn is_resource_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        use rustix::io::Errno;
+        if let Some(code) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error)
+            && [
+                Errno::MFILE,
+                Errno::NFILE,
+                Errno::NOMEM,
+                Errno::AGAIN,
+                Errno::NOSPC,
+            ]
+            .iter()
+            .any(|e| e.raw_os_error() == code)
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 fn unknown_endpoint(id: &str) -> ApiError {
@@ -399,7 +452,7 @@ impl Daemon {
             };
         }
         match self.supervisor.status(&endpoint.id) {
-            Ok(st) => WorkerView::supervised(&st),
+            Ok(st) => WorkerView::supervised(&st, self.supervisor.fd_budget()),
             Err(_) if endpoint.device.is_none() => WorkerView::unsupervised(
                 WorkerState::NoLease,
                 None,
@@ -869,7 +922,7 @@ impl Daemon {
         Ok(WorkerReplaced {
             endpoint: id.to_owned(),
             replaced_pid,
-            worker: WorkerView::supervised(&st),
+            worker: WorkerView::supervised(&st, self.supervisor.fd_budget()),
         })
     }
 }
@@ -1038,9 +1091,10 @@ async fn get_endpoint(
         (status = 201, description = "Created; the socket accepts a VMM", body = EndpointStatus),
         (status = 400, description = "Malformed JSON", body = ErrorBody),
         (status = 404, description = "Unknown pool or device", body = ErrorBody),
-        (status = 409, description = "Id in use, device busy, no capacity, socket in use", body = ErrorBody),
+        (status = 409, description = "Id in use, device busy, no capacity, socket in use; `no_room`: one more endpoint at its full descriptor budget would not fit the daemon's open-file limit (the message has the numbers)", body = ErrorBody),
         (status = 422, description = "Invalid id, placement, socket path or requirements", body = ErrorBody),
-        (status = 500, description = "The worker did not start", body = ErrorBody)))]
+        (status = 500, description = "The worker did not start", body = ErrorBody),
+        (status = 503, description = "`resources`: the system is out of descriptors, memory or processes right now; nothing was created", body = ErrorBody)))]
 async fn create_endpoint(
     State(s): State<AppState>,
     Json(spec): Json<PoolEndpointSpec>,
@@ -1200,9 +1254,10 @@ async fn detach_endpoint(
     responses(
         (status = 200, description = "Attached and serving", body = EndpointStatus),
         (status = 404, description = "No such endpoint, device or pool", body = ErrorBody),
-        (status = 409, description = "The endpoint holds a device; no free device fits", body = ErrorBody),
+        (status = 409, description = "The endpoint holds a device; no free device fits; `no_room`: the daemon's descriptor plan has no room for another endpoint", body = ErrorBody),
         (status = 422, description = "A bad body", body = ErrorBody),
-        (status = 502, description = "The VMM failed to plug the device in (the endpoint is attached)", body = ErrorBody)))]
+        (status = 502, description = "The VMM failed to plug the device in (the endpoint is attached)", body = ErrorBody),
+        (status = 503, description = "`resources`: the system is out of descriptors, memory or processes right now", body = ErrorBody)))]
 async fn attach_endpoint(
     State(s): State<AppState>,
     Path(id): Path<String>,

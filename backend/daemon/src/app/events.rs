@@ -135,10 +135,29 @@ pub enum WorkerLifecycle {
         /// How it ended, e.g. `signal: 9 (SIGKILL)`.
         status: String,
     },
-    /// Workers kept dying before serving; the endpoint's client was disconnected.
+    /// Workers kept dying before serving; the endpoint's client was disconnected and the
+    /// endpoint refuses connections.
     GaveUp {
         /// The endpoint.
         endpoint: String,
+    },
+    /// Workers kept dying before serving, or an adopted worker held more than the budget:
+    /// the daemon let go of what the next worker would have restored (the client's
+    /// connection and descriptors; then the device's state).
+    Reset {
+        /// The endpoint.
+        endpoint: String,
+        /// What was let go, and why.
+        what: String,
+    },
+    /// A replacement could not restore all of the client's state: DMA windows or interrupt
+    /// eventfds the client had been told succeeded are gone (the endpoint is `degraded`
+    /// until its client leaves).
+    StateLost {
+        /// The endpoint.
+        endpoint: String,
+        /// What was lost, one line each.
+        problems: Vec<String>,
     },
     /// The kernel took the endpoint's passthrough device back (unbind, removal): every
     /// access fails with ENODEV, the VMM was told (REQ), the board is quarantined.
@@ -186,6 +205,8 @@ impl WorkerLifecycle {
                 status,
             },
             WorkerEvent::GaveUp { endpoint } => Self::GaveUp { endpoint },
+            WorkerEvent::Reset { endpoint, what } => Self::Reset { endpoint, what },
+            WorkerEvent::StateLost { endpoint, problems } => Self::StateLost { endpoint, problems },
             WorkerEvent::DeviceLost {
                 endpoint,
                 host,

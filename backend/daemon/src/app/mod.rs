@@ -93,6 +93,12 @@ pub enum DaemonError {
     /// The control socket failed.
     #[error("The control API failed")]
     Control(#[from] ControlError),
+    /// `[daemon] fds_per_endpoint` and `fd_reserve` do not fit the open-file limit (exit
+    /// status 2).
+    #[error(
+        "Cannot share the daemon's descriptors by `daemon.fds_per_endpoint` and `daemon.fd_reserve`: {0}"
+    )]
+    FdPlan(String),
 }
 
 impl DaemonError {
@@ -100,7 +106,7 @@ impl DaemonError {
     /// directory included: the fix is on the file system, not in the configuration).
     pub fn exit_code(&self) -> u8 {
         match self {
-            DaemonError::Config(..) => 2,
+            DaemonError::Config(..) | DaemonError::FdPlan(..) => 2,
             _ => 1,
         }
     }
@@ -362,6 +368,15 @@ fn check_store(path: &Path) -> Result<(), DaemonError> {
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let config = resolve_config(options)?;
+    // Checked before anything is created: the open-file limit (raised to the hard limit by
+    // the binary) must hold the reserve and at least one endpoint at its full budget.
+    let fd_plan = crate::supervisor::FdPlan::current(
+        config.daemon.fd_reserve,
+        config.daemon.fds_per_endpoint,
+    );
+    if let Some(problem) = fd_plan.problem() {
+        return Err(DaemonError::FdPlan(problem));
+    }
     let d = &config.daemon;
     let workers_dir = d.state_dir.join("workers");
     // Every directory the daemon keeps things in is its own and private (or it refuses to
@@ -444,6 +459,10 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     metrics.endpoint_restarted();
                     metrics.endpoint(endpoint).restarted(Some(*stall));
                 }
+                crate::WorkerEvent::StateLost { endpoint, .. } => {
+                    metrics.endpoint(endpoint).state_lost();
+                }
+                crate::WorkerEvent::Reset { endpoint, .. } => metrics.endpoint(endpoint).reset(),
                 _ => {}
             }
             if let Some(e) = WorkerLifecycle::of(e) {
@@ -452,9 +471,19 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         })
     };
     let control = ControlSocket::bind(&d.control_socket)?;
+    tracing::info!(
+        limit = fd_plan.limit,
+        reserve = fd_plan.reserve,
+        per_endpoint = fd_plan.per_endpoint,
+        endpoint_own = crate::supervisor::FdPlan::ENDPOINT_OWN,
+        endpoints = fd_plan.endpoints(),
+        "descriptor plan"
+    );
     let daemon = Arc::new(Daemon {
         pool: Mutex::new(pool),
-        supervisor: Supervisor::with_events(exe, sink).with_adoption_dir(&workers_dir),
+        supervisor: Supervisor::with_events(exe, sink)
+            .with_adoption_dir(&workers_dir)
+            .with_fd_plan(fd_plan),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         events,
