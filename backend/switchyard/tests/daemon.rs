@@ -5,252 +5,26 @@
 //!
 //! Workers outlive their daemon by design (guests keep their devices), so every test kills
 //! the daemon and then every worker it recorded (`<state>/workers/*.pid`), by pid, when it
-//! ends ([`Daemon`]'s drop).
+//! ends (`common::daemon::Daemon`'s drop).
 
 mod common;
 
-use std::fs::File;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use common::daemon::{Daemon, EXE, api_status, connect, is_worker, socket_of};
 use common::driver::Driver;
 use common::ours::Ours;
 use serde_json::{Value, json};
-use switchyard_client::{Client, ClientConfig};
-use switchyard_control::{ControlClient, ControlError};
+use switchyard_control::ControlError;
 use switchyard_softgpu::cmd::{Command as GpuCommand, Operand};
 use switchyard_softgpu::regs::SCRATCH;
-
-const EXE: &str = env!("CARGO_BIN_EXE_switchyard");
-
-/// A daemon on a private state and run directory. Dropping it kills the daemon and every
-/// worker it ever recorded.
-struct Daemon {
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-    /// Every worker pid seen (the records are rewritten by each replacement).
-    seen: Vec<u32>,
-    /// `--config` file, if any.
-    config: Option<PathBuf>,
-}
-
-impl Daemon {
-    fn start() -> Self {
-        let mut d = Self {
-            child: None,
-            dir: tempfile::tempdir().expect("tempdir"),
-            seen: Vec::new(),
-            config: None,
-        };
-        d.launch();
-        d
-    }
-
-    /// A daemon with this configuration file.
-    fn start_with_config(toml: &str) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = dir.path().join("pool.toml");
-        std::fs::write(&config, toml).expect("write the configuration");
-        let mut d = Self {
-            child: None,
-            dir,
-            seen: Vec::new(),
-            config: Some(config),
-        };
-        d.launch();
-        d
-    }
-
-    fn state(&self) -> PathBuf {
-        self.dir.path().join("state")
-    }
-    fn run_dir(&self) -> PathBuf {
-        self.dir.path().join("run")
-    }
-    fn socket(&self) -> PathBuf {
-        self.run_dir().join("control.sock")
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
-    }
-
-    /// Starts (or restarts) the daemon and waits until its API answers.
-    fn launch(&mut self) {
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("daemon.log"))
-            .expect("log");
-        let mut cmd = Command::new(EXE);
-        cmd.arg("daemon");
-        if let Some(c) = &self.config {
-            cmd.arg("--config").arg(c);
-        }
-        let child = cmd
-            .arg("--state-dir")
-            .arg(self.state())
-            .arg("--run-dir")
-            .arg(self.run_dir())
-            .env("RUST_LOG", "info")
-            .env("SWITCHYARD_WORKER_EXE", EXE)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn the daemon");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(c) = ControlClient::connect(self.socket())
-                && c.get("/health").is_ok()
-            {
-                return;
-            }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                panic!("the daemon exited ({status}):\n{}", self.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon does not answer:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn client(&self) -> ControlClient {
-        ControlClient::connect(self.socket()).expect("connect to the daemon")
-    }
-
-    fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(EXE)
-            .arg("ctl")
-            .arg("--socket")
-            .arg(self.socket())
-            .args(args)
-            .output()
-            .expect("run ctl")
-    }
-
-    /// `ctl ARGS` that must succeed; its stdout.
-    fn ctl_ok(&self, args: &[&str]) -> String {
-        let out = self.ctl(args);
-        assert!(
-            out.status.success(),
-            "ctl {args:?}: {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).expect("utf-8")
-    }
-
-    fn endpoint(&mut self, id: &str) -> Value {
-        let v = self
-            .client()
-            .get(&format!("/v1/endpoints/{id}"))
-            .expect("get endpoint")
-            .body;
-        if let Some(pid) = v.pointer("/worker/pid").and_then(Value::as_u64) {
-            self.seen.push(pid as u32);
-        }
-        v
-    }
-
-    fn events(&self) -> Vec<Value> {
-        self.client()
-            .stream("/events?since=0&follow=false")
-            .expect("events")
-            .map(|l| serde_json::from_str(&l.expect("line")).expect("json"))
-            .collect()
-    }
-
-    fn worker_pids(&self) -> Vec<u32> {
-        let mut pids = self.seen.clone();
-        if let Ok(dir) = std::fs::read_dir(self.state().join("workers")) {
-            for f in dir.flatten() {
-                if let Some(pid) = std::fs::read_to_string(f.path())
-                    .ok()
-                    .and_then(|t| t.split_whitespace().next()?.parse().ok())
-                {
-                    pids.push(pid);
-                }
-            }
-        }
-        pids
-    }
-}
-
-/// Whether `pid` is a running `switchyard worker` (not a zombie).
-fn is_worker(pid: u32) -> bool {
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let zombie = stat
-        .rfind(')')
-        .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
-    !zombie && cmdline.ends_with(b"\0worker\0") && cmdline.starts_with(EXE.as_bytes())
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- daemon log ---\n{}", self.log());
-        }
-        self.kill9();
-        for pid in self.worker_pids() {
-            if is_worker(pid)
-                && let Some(p) = rustix::process::Pid::from_raw(pid as i32)
-            {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-            }
-        }
-    }
-}
-
-fn api_status(r: Result<switchyard_control::JsonReply, ControlError>) -> (u16, String) {
-    match r {
-        Err(ControlError::Api { status, code, .. }) => (status, code),
-        other => panic!("expected an API error, got {other:?}"),
-    }
-}
-
-fn connect(socket: &Path) -> Driver<Ours> {
-    let client = Client::connect_with(
-        socket,
-        ClientConfig {
-            timeout: Some(Duration::from_secs(5)),
-            ..ClientConfig::default()
-        },
-    )
-    .expect("connect to the endpoint");
-    Driver::new(Ours(client))
-}
 
 /// FILL a VRAM range, COPY it to guest memory, check the bytes (queue 0).
 fn round(d: &mut Driver<Ours>, round: u64) {
     common::workload::fill_copy_round(d, round, 0);
-}
-
-fn socket_of(endpoint: &Value) -> PathBuf {
-    PathBuf::from(
-        endpoint
-            .pointer("/endpoint/socket")
-            .and_then(Value::as_str)
-            .expect("socket"),
-    )
 }
 
 #[test]
@@ -621,7 +395,7 @@ fn refused_requests_change_nothing() {
     assert_eq!(snapshot(&d), before, "malformed JSON changed something");
 
     // A socket path another server holds: refused by the data path, nothing stored.
-    let taken = d.dir.path().join("taken.sock");
+    let taken = d.dir().join("taken.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&taken).expect("bind");
     let (status, code) = api_status(c.post(
         "/v1/endpoints",
@@ -799,7 +573,7 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
 
     // A SIGTERM leaves the workers running too.
     let vm3_pid = d.endpoint("vm3")["worker"]["pid"].as_u64().expect("pid") as u32;
-    let child = d.child.take().expect("daemon");
+    let child = d.take_child().expect("daemon");
     let status = common::signal_and_wait(child, rustix::process::Signal::TERM, String::new);
     assert!(status.success(), "{status}");
     assert!(is_worker(vm3_pid), "the worker outlives a stopped daemon");

@@ -4,8 +4,10 @@
 //! path and what is wrong); a forged worker record (naming a live process that is not its
 //! worker) never gets that process adopted or killed, neither at start nor at `ctl delete`.
 //!
-//! The owner cases chown to uid 65534 and need root (as CI runs them); elsewhere they are
-//! skipped with a note.
+//! The owner cases chown to uid 65534 and need root (as the README's test command and CI run
+//! them); without it they fail, never skip.
+
+mod common;
 
 use std::fs;
 use std::os::fd::AsFd;
@@ -15,8 +17,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-use switchyard_control::ControlClient;
+use common::daemon::Daemon;
 use switchyard_daemon::custody::{self, LISTENER_ID, Note};
 
 const EXE: &str = env!("CARGO_BIN_EXE_switchyard");
@@ -182,10 +183,13 @@ fn hostile_run_and_state_directories_are_refused_naming_the_path() {
     ];
     let mut failures = Vec::new();
     for case in &cases {
-        if case.needs_root && !is_root() {
-            eprintln!("skipped (needs root): {}", case.name);
-            continue;
-        }
+        // Never skipped (a skipped case would read as passing): the README's test command
+        // and CI run as root.
+        assert!(
+            !case.needs_root || is_root(),
+            "{}: needs root, to make a directory of another user",
+            case.name
+        );
         let base = tempfile::tempdir().expect("tempdir");
         let (path, problem) = (case.prepare)(base.path());
         let (state, run) = if case.name.contains("above") {
@@ -218,7 +222,7 @@ fn hostile_run_and_state_directories_are_refused_naming_the_path() {
     // Positive control: fresh directories are created private, and the daemon starts.
     let base = tempfile::tempdir().expect("tempdir");
     let (state, run) = (base.path().join("a/state"), base.path().join("b/run"));
-    let mut d = Running::launch(&state, &run, base.path());
+    let mut d = started(&state, &run);
     for dir in [
         base.path().join("a"),
         state.clone(),
@@ -238,100 +242,14 @@ fn hostile_run_and_state_directories_are_refused_naming_the_path() {
     );
     // ... and starts again on the directories it made.
     d.kill9();
-    let _d = Running::launch(&state, &run, base.path());
+    let _d = started(&state, &run);
 }
 
-/// A daemon that runs; dropping it kills it and the workers it was seen to start.
-struct Running {
-    child: Option<Child>,
-    run: PathBuf,
-    log: PathBuf,
-    workers: Vec<u32>,
-}
-
-impl Running {
-    fn launch(state: &Path, run: &Path, logs: &Path) -> Self {
-        let log = logs.join("daemon.log");
-        let stderr = fs::File::options()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
-        let child = daemon_command(state, run)
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn the daemon");
-        let mut d = Self {
-            child: Some(child),
-            run: run.to_owned(),
-            log,
-            workers: Vec::new(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(c) = ControlClient::connect(d.socket())
-                && c.get("/health").is_ok()
-            {
-                return d;
-            }
-            if let Some(status) = d.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                panic!("the daemon exited ({status}):\n{}", d.log());
-            }
-            assert!(Instant::now() < deadline, "no answer:\n{}", d.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.run.join("control.sock")
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(EXE)
-            .arg("ctl")
-            .arg("--socket")
-            .arg(self.socket())
-            .args(args)
-            .output()
-            .expect("run ctl")
-    }
-
-    fn endpoint(&mut self, id: &str) -> Value {
-        let v = ControlClient::connect(self.socket())
-            .expect("connect")
-            .get(&format!("/v1/endpoints/{id}"))
-            .expect("get endpoint")
-            .body;
-        if let Some(pid) = v.pointer("/worker/pid").and_then(Value::as_u64) {
-            self.workers.push(pid as u32);
-        }
-        v
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- daemon log ---\n{}", self.log());
-        }
-        self.kill9();
-        for &pid in &self.workers {
-            if is_worker(pid) {
-                kill(pid);
-            }
-        }
-    }
+/// A daemon on these directories, started; dropping it kills it and its workers.
+fn started(state: &Path, run: &Path) -> Daemon {
+    let mut d = Daemon::new().with_dirs(state, run);
+    d.launch();
+    d
 }
 
 /// Whether `pid` is a running `switchyard worker` of the binary under test.
@@ -428,7 +346,7 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
     let (state, run) = (base.path().join("state"), base.path().join("run"));
     let workers = state.join("workers");
     // Two endpoints with leases in the store; then no daemon and none of its workers.
-    let mut d = Running::launch(&state, &run, base.path());
+    let mut d = started(&state, &run);
     for id in ["vm1", "vm2"] {
         let out = d.ctl(&["create", id, "--pool", "default"]);
         assert!(out.status.success(), "{out:?}");
@@ -467,7 +385,7 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
     let _ = fs::remove_file(&vm2_socket);
     let _squatter = std::os::unix::net::UnixListener::bind(&vm2_socket).expect("bind vm2's socket");
 
-    let mut d = Running::launch(&state, &run, base.path());
+    let mut d = started(&state, &run);
     // At start: neither process adopted nor killed, the records reported.
     let deadline = Instant::now() + Duration::from_secs(10);
     let vm1 = loop {

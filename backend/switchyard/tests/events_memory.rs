@@ -3,17 +3,15 @@
 //! history is read from the store page by page as the body is sent), streams past the cap
 //! are refused with 503, and the API keeps answering meanwhile.
 
-use std::fs::File;
+mod common;
+
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::daemon::Daemon;
 use serde_json::Value;
-use switchyard_control::ControlClient;
-
-const EXE: &str = env!("CARGO_BIN_EXE_switchyard");
 
 /// Pool events in the history (quarantine and unquarantine of one board, alternately): more
 /// than the daemon keeps in memory, so the history comes from the store.
@@ -24,70 +22,15 @@ const READERS: usize = 32;
 /// history as lines is about 1.3 MB per reader (about 40 MB for all); a page is tens of KB.
 const BOUND_KB: u64 = 12 * 1024;
 
-struct Daemon {
-    child: Child,
-    dir: tempfile::TempDir,
-}
-
-impl Daemon {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = dir.path().join("pool.toml");
-        std::fs::write(&config, "[[boards]]\nid = \"gpu0\"\nvram = \"16M\"\n").expect("config");
-        let log = File::create(dir.path().join("daemon.log")).expect("log");
-        let child = Command::new(EXE)
-            .arg("daemon")
-            .arg("--config")
-            .arg(&config)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--run-dir")
-            .arg(dir.path().join("run"))
-            .env("RUST_LOG", "info")
-            .env("SWITCHYARD_WORKER_EXE", EXE)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn the daemon");
-        let d = Self { child, dir };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !ControlClient::connect(d.socket()).is_ok_and(|c| c.get("/health").is_ok()) {
-            assert!(Instant::now() < deadline, "the daemon does not answer");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("run").join("control.sock")
-    }
-
-    fn client(&self) -> ControlClient {
-        ControlClient::connect(self.socket()).expect("connect to the daemon")
-    }
-
-    /// The daemon's resident memory, KiB.
-    fn rss_kb(&self) -> u64 {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmRSS")
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let log = std::fs::read_to_string(self.dir.path().join("daemon.log"));
-            eprintln!("--- daemon log ---\n{}", log.unwrap_or_default());
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The daemon's resident memory, KiB.
+fn rss_kb(d: &Daemon) -> u64 {
+    let pid = d.pid().expect("the daemon runs");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
 }
 
 /// Sends `GET path` on a new connection and reads the reply's head (status line and headers)
@@ -108,7 +51,7 @@ fn request_head(socket: &PathBuf, path: &str) -> (UnixStream, String) {
 
 #[test]
 fn stalled_readers_of_a_long_history_cost_bounded_memory() {
-    let d = Daemon::start();
+    let d = Daemon::start_with_config("[[boards]]\nid = \"gpu0\"\nvram = \"16M\"\n");
     let c = d.client();
     for i in 0..HISTORY / 2 {
         for op in ["quarantine", "unquarantine"] {
@@ -129,7 +72,7 @@ fn stalled_readers_of_a_long_history_cost_bounded_memory() {
     let seqs = read_all();
     assert!(seqs.len() > HISTORY, "{} events", seqs.len());
     assert!(seqs.windows(2).all(|w| w[0] < w[1]), "out of order");
-    let before = d.rss_kb();
+    let before = rss_kb(&d);
 
     let mut readers = Vec::new();
     for _ in 0..READERS {
@@ -139,7 +82,7 @@ fn stalled_readers_of_a_long_history_cost_bounded_memory() {
     }
     // Every stream has filled its socket and stalled.
     std::thread::sleep(Duration::from_secs(1));
-    let stalled = d.rss_kb();
+    let stalled = rss_kb(&d);
     eprintln!(
         "daemon VmRSS: {before} kB before, {stalled} kB with {READERS} stalled readers of \
          {HISTORY} events"
@@ -161,7 +104,7 @@ fn stalled_readers_of_a_long_history_cost_bounded_memory() {
 
     drop(readers);
     std::thread::sleep(Duration::from_millis(500));
-    eprintln!("daemon VmRSS: {} kB after the readers closed", d.rss_kb());
+    eprintln!("daemon VmRSS: {} kB after the readers closed", rss_kb(&d));
     // The streams' slots are free again.
     let (_s, head) = request_head(&d.socket(), "/events?since=0");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");

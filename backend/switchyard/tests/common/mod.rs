@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod daemon;
 pub mod driver;
 pub mod ours;
 pub mod raw;

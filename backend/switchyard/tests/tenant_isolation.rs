@@ -1,0 +1,613 @@
+//! Tenants of one pool daemon cannot hurt each other or the daemon (issue 21), against real
+//! `switchyard daemon` and `switchyard worker` processes:
+//!
+//! - descriptors sent with messages the worker never handles (a header it cannot frame, a
+//!   message cut short by closing the socket) leave custody with their connection, and stay
+//!   gone across a `ctl restart` and a daemon restart (adoption);
+//! - a client flooding its endpoint with descriptors is refused past its budget (ENOSPC for
+//!   windows past `max_dma_maps`, EMFILE past the budget) while another endpoint's client
+//!   runs verified jobs with no restart and no lost window;
+//! - under a 1024 open-file limit the daemon admits endpoints by its descriptor plan (409
+//!   with the numbers past it) and stays healthy with every endpoint at its budget;
+//! - a replacement restores every window the server accepted; one that cannot (the budget
+//!   was lowered under an adopted worker) says so: event, endpoint state, metric;
+//! - workers that cannot start make the daemon let go of the client, then of the device
+//!   state, then give the endpoint up, after which its socket refuses connections.
+
+mod common;
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::GuestMemory;
+use common::daemon::{Daemon, api_status, connect, fd_count, socket_of};
+use common::raw::{Raw, message};
+use serde_json::{Value, json};
+use switchyard_client::{Client, ClientConfig};
+use switchyard_proto::consts::*;
+use switchyard_softgpu::cmd::{Command as GpuCommand, Operand};
+
+const DMA_MAP: u16 = 2;
+
+fn eventfds(n: usize) -> Vec<File> {
+    (0..n)
+        .map(|_| switchyard_device::irq::new_eventfd().expect("eventfd"))
+        .collect()
+}
+
+fn borrowed(files: &[File]) -> Vec<BorrowedFd<'_>> {
+    files.iter().map(|f| f.as_fd()).collect()
+}
+
+/// `(held, client_fds, connected, worker pid)` of an endpoint.
+fn custody(d: &mut Daemon, id: &str) -> (u64, u64, bool, Option<u32>) {
+    let w = d.endpoint(id)["worker"].clone();
+    (
+        w["held"].as_u64().expect("held"),
+        w["client_fds"].as_u64().expect("client_fds"),
+        w["connected"].as_bool().unwrap_or(false),
+        w["pid"].as_u64().map(|p| p as u32),
+    )
+}
+
+/// Waits until the endpoint's supervisor counts `want` client descriptors (a hold reaches it
+/// a little after the message it came with was answered); returns the last count.
+fn client_fds_reach(d: &mut Daemon, id: &str, want: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = custody(d, id).1;
+        if n == want || Instant::now() > deadline {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until the endpoint holds `held` descriptors with no client connected.
+fn settles_at(d: &mut Daemon, id: &str, held: u64) -> (u64, u64, bool, Option<u32>) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let now = custody(d, id);
+        if (now.0 == held && !now.2) || Instant::now() > deadline {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A connection that negotiated. The server takes one client at a time and refuses (closes)
+/// a second one: right after a leak connection closed, the next may come before the server
+/// has seen the close, so it tries again.
+fn negotiated(socket: &Path) -> Raw {
+    let mut version = Vec::new();
+    switchyard_proto::encode_version_request(
+        &mut version,
+        0,
+        0,
+        &switchyard_proto::Capabilities::default(),
+    )
+    .expect("encode");
+    for _ in 0..200 {
+        let mut r = Raw::connect(socket);
+        if switchyard_endpoint::send_all(&r.s, &version, &[]).is_ok()
+            && r.recv().is_some_and(|(h, _)| !h.is_error())
+        {
+            return r;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the endpoint refuses every connection");
+}
+
+/// The leak connections of the attack run: half send a header that cannot be framed
+/// (`msg_size` 0xFFFFFFFF) with 16 eventfds, half a DMA_MAP cut short (its header and part
+/// of its body, with 16 eventfds) and close.
+fn leak_connections(socket: &Path, n: usize) {
+    for i in 0..n {
+        let fds = eventfds(16);
+        let mut r = negotiated(socket);
+        let id = r.id();
+        let mut m = message(id, DMA_MAP, 0, &[0u8; 32]);
+        if i % 2 == 0 {
+            m[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+            r.send(&m[..16], &borrowed(&fds));
+            // An error reply may come, then the server closes.
+            while r.recv().is_some() {}
+        } else {
+            r.send(&m[..24], &borrowed(&fds));
+        }
+    }
+}
+
+#[test]
+fn descriptors_of_messages_never_handled_leave_with_their_connection() {
+    let mut d = Daemon::start();
+    d.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    let socket = socket_of(&d.endpoint("vm1"));
+    // One ordinary client first, so that whatever a first client costs is in the baseline.
+    drop(negotiated(&socket));
+    let (base, _, _, pid) = settles_at(&mut d, "vm1", 3);
+    assert_eq!(base, 3, "black box, VRAM, doorbell page");
+    let worker = pid.expect("worker");
+    let daemon = d.pid().expect("daemon");
+    let (worker_fds, daemon_fds) = (fd_count(worker), fd_count(daemon));
+
+    leak_connections(&socket, 20);
+    let (held, client, connected, _) = settles_at(&mut d, "vm1", base);
+    assert_eq!(
+        (held, client, connected),
+        (base, 0, false),
+        "20 leak connections of 16 descriptors each"
+    );
+    // The processes' own descriptors are back where they were (give the last connection's
+    // close a moment on a loaded machine).
+    let back = |pid: u32, base: usize| {
+        common::wait_for(Duration::from_secs(10), || {
+            (fd_count(pid) <= base + 2).then_some(())
+        })
+        .is_some()
+    };
+    assert!(
+        back(worker, worker_fds),
+        "worker: {} > {worker_fds}",
+        fd_count(worker)
+    );
+    assert!(
+        back(daemon, daemon_fds),
+        "daemon: {} > {daemon_fds}",
+        fd_count(daemon)
+    );
+
+    // A replacement and a restarted daemon start from the same custody.
+    d.ctl_ok(&["restart", "vm1"]);
+    leak_connections(&socket, 6);
+    assert_eq!(settles_at(&mut d, "vm1", base).0, base, "after ctl restart");
+    let pid = custody(&mut d, "vm1").3;
+    d.kill9();
+    d.launch();
+    let (held, client, _, adopted) = settles_at(&mut d, "vm1", base);
+    assert_eq!((held, client), (base, 0), "after the daemon's restart");
+    assert_eq!(adopted, pid, "the worker was adopted");
+    // And the endpoint serves.
+    let mut c = driver(&socket);
+    c.setup_queue(0);
+    common::workload::fill_copy_round(&mut c, 1, 0);
+}
+
+const TWO_BOARDS_SMALL_BUDGET: &str = "[daemon]\nfds_per_endpoint = 64\n\
+     [[boards]]\nid = \"a\"\nvram = \"16M\"\n[[boards]]\nid = \"b\"\nvram = \"16M\"\n";
+
+/// A 4 KiB window of `mem` at `iova`.
+fn map_window(
+    c: &mut Client,
+    iova: u64,
+    mem: &GuestMemory,
+) -> Result<(), switchyard_client::ClientError> {
+    let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
+    c.dma_map(iova, 4096, flags, Some((mem.file.as_fd(), 0)))
+}
+
+/// `n` 4 KiB windows, each of a memfd of its own, every 64 KiB from `base`; all must be
+/// accepted. Returns their memory.
+fn map_windows(c: &mut Client, base: u64, n: u64) -> Vec<GuestMemory> {
+    (0..n)
+        .map(|i| {
+            let mem = GuestMemory::new(4096);
+            map_window(c, base + i * 0x10000, &mem).expect("a window within max_dma_maps");
+            mem
+        })
+        .collect()
+}
+
+/// Our client, connected (again while the server still finishes a previous client: see
+/// [`negotiated`]).
+fn client(socket: &Path) -> Client {
+    let config = ClientConfig {
+        timeout: Some(Duration::from_secs(5)),
+        ..ClientConfig::default()
+    };
+    for _ in 0..200 {
+        if let Ok(c) = Client::connect_with(socket, config.clone()) {
+            return c;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the endpoint refuses every connection");
+}
+
+/// The test driver on [`client`].
+fn driver(socket: &Path) -> common::driver::Driver<common::ours::Ours> {
+    common::driver::Driver::new(common::ours::Ours(client(socket)))
+}
+
+#[test]
+fn a_tenant_flooding_its_budget_is_refused_and_another_runs_undisturbed() {
+    let mut d = Daemon::start_with_config(TWO_BOARDS_SMALL_BUDGET);
+    d.ctl_ok(&["create", "victim", "--device", "a"]);
+    d.ctl_ok(&["create", "attacker", "--device", "b"]);
+    let (victim, attacker) = (d.endpoint("victim"), d.endpoint("attacker"));
+    let mut v = connect(&socket_of(&victim));
+    v.setup_queue(0);
+    // The driver's two windows and 16 MSI-X eventfds.
+    assert_eq!(client_fds_reach(&mut d, "victim", 18), 18);
+
+    // The victim runs verified FILL + COPY rounds through both of its windows meanwhile.
+    let stop = Arc::new(AtomicBool::new(false));
+    let runner = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                common::workload::fill_copy_round(&mut v, rounds, 0);
+                rounds += 1;
+            }
+            (rounds, v)
+        })
+    };
+
+    let asocket = socket_of(&attacker);
+    let mut a = client(&asocket);
+    let max_maps = u64::from(a.negotiated_caps().max_dma_maps);
+    assert_eq!(
+        max_maps, 48,
+        "64 descriptors less a quarter for eventfds and a message"
+    );
+    // Windows up to max_dma_maps, then ENOSPC.
+    let mut mapped = 0u64;
+    let mut refused = Vec::new();
+    for i in 0..80u64 {
+        match map_window(&mut a, 0x1_0000_0000 + i * 0x10000, &GuestMemory::new(4096)) {
+            Ok(()) => mapped += 1,
+            Err(e) => refused.push(e.remote_errno().expect("an error reply")),
+        }
+    }
+    assert_eq!(mapped, max_maps);
+    assert!(refused.iter().all(|e| *e == libc::ENOSPC), "{refused:?}");
+    // Eventfds until the budget: the rest of it, then EMFILE (and the client stays served).
+    let mut set = 0u32;
+    let mut emfile = 0;
+    for start in 0..4u32 {
+        let fds = eventfds(8);
+        match a.set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            start * 8,
+            8,
+            &borrowed(&fds),
+        ) {
+            Ok(()) => set += 8,
+            Err(e) => {
+                assert_eq!(e.remote_errno(), Some(libc::EMFILE), "{e}");
+                emfile += 1;
+            }
+        }
+    }
+    assert!(
+        emfile > 0,
+        "past 64 descriptors ({mapped} windows, {set} eventfds)"
+    );
+    let (_, client_fds, _, _) = custody(&mut d, "attacker");
+    assert!(
+        client_fds <= 64,
+        "{client_fds} client descriptors in custody"
+    );
+    // Leak connections on top, from a second attacker connection's point of view: refused
+    // while the first is connected (one client at a time), so they queue; the first leaves.
+    drop(a);
+    leak_connections(&asocket, 10);
+
+    stop.store(true, Ordering::SeqCst);
+    // The victim stays connected (its descriptors held) until the checks below are done.
+    let (rounds, _victim_client) = runner.join().expect("the victim's rounds all verified");
+    assert!(rounds > 0);
+    let victim_now = d.endpoint("victim");
+    assert_eq!(victim_now["worker"]["restarts"], 0, "{victim_now}");
+    assert_eq!(victim_now["worker"]["state"], "running");
+    assert_eq!(
+        custody(&mut d, "victim").1,
+        18,
+        "the victim's windows and eventfds are all held"
+    );
+    let attacker_now = d.endpoint("attacker");
+    assert_eq!(attacker_now["worker"]["restarts"], 0, "{attacker_now}");
+    assert_eq!(
+        attacker_now["worker"]["refused_fds"].as_u64().unwrap_or(0),
+        0
+    );
+    // The attacker's endpoint serves its next client.
+    let mut again = driver(&asocket);
+    again.setup_queue(0);
+    common::workload::fill_copy_round(&mut again, 7, 0);
+}
+
+/// Ten boards: more endpoints than the plan below admits.
+fn ten_boards() -> String {
+    let mut toml = "[daemon]\nfds_per_endpoint = 64\nfd_reserve = 256\n".to_owned();
+    for b in 0..10 {
+        toml += &format!("[[boards]]\nid = \"b{b}\"\nvram = \"16M\"\n");
+    }
+    toml
+}
+
+/// Holds `budget` descriptors of `socket`'s endpoint: windows to `max_dma_maps`, then
+/// eventfds until refused. Returns the client (connected: it keeps them).
+fn fill_budget(socket: &Path) -> (Client, Vec<GuestMemory>) {
+    let mut c = client(socket);
+    let max = u64::from(c.negotiated_caps().max_dma_maps);
+    let mems = map_windows(&mut c, 0x1_0000_0000, max);
+    // The device's 16 MSI-X vectors.
+    for start in (0..16u32).step_by(8) {
+        let fds = eventfds(8);
+        match c.set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            start,
+            8,
+            &borrowed(&fds),
+        ) {
+            Ok(()) => {}
+            Err(e) if e.remote_errno() == Some(libc::EMFILE) => break,
+            Err(e) => panic!("eventfds {start}..{}: {e}", start + 8),
+        }
+    }
+    (c, mems)
+}
+
+#[test]
+fn under_a_1024_descriptor_limit_endpoints_are_admitted_by_the_plan() {
+    let mut d = Daemon::new().with_config(&ten_boards()).with_nofile(1024);
+    d.launch();
+    // (1024 - 256) / (64 + 16) = 9 endpoints.
+    for b in 0..9 {
+        d.ctl_ok(&["create", &format!("vm{b}"), "--device", &format!("b{b}")]);
+    }
+    let refused = d
+        .client()
+        .post("/v1/endpoints", &json!({"id": "vm9", "device": "b9"}));
+    let message = match &refused {
+        Err(switchyard_control::ControlError::Api { message, .. }) => message.clone(),
+        _ => String::new(),
+    };
+    assert_eq!(api_status(refused), (409, "no_room".to_owned()));
+    for n in ["9 endpoints", "64", "256", "1024"] {
+        assert!(message.contains(n), "{message:?} names {n}");
+    }
+    assert_eq!(d.endpoint("vm0")["worker"]["fd_budget"], 64);
+
+    // Every client at its budget (48 windows, max_dma_maps, and 16 eventfds): the daemon
+    // still answers and stays within its limit.
+    let mut held = Vec::new();
+    for b in 0..9 {
+        let socket = socket_of(&d.endpoint(&format!("vm{b}")));
+        held.push(fill_budget(&socket));
+    }
+    for b in 0..9 {
+        assert_eq!(client_fds_reach(&mut d, &format!("vm{b}"), 64), 64, "vm{b}");
+        let ep = d.endpoint(&format!("vm{b}"));
+        assert_eq!(ep["worker"]["state"], "running", "{ep}");
+    }
+    let daemon_fds = fd_count(d.pid().expect("daemon"));
+    assert!(
+        daemon_fds <= 1024 - 256,
+        "{daemon_fds} descriptors open in the daemon, its reserve not kept"
+    );
+    // A message past the budget is refused, and the endpoint serves on.
+    let (c, _mems) = held.first_mut().expect("vm0");
+    let fds = eventfds(1);
+    let e = c
+        .set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            0,
+            1,
+            &borrowed(&fds),
+        )
+        .expect_err("past the budget");
+    assert_eq!(e.remote_errno(), Some(libc::EMFILE), "{e}");
+    // A restart of a full endpoint restores all of it.
+    d.ctl_ok(&["restart", "vm0"]);
+    let ep = d.endpoint("vm0");
+    assert_eq!(ep["worker"]["state"], "running", "{ep}");
+    assert!(ep["worker"]["state_lost"].is_null(), "{ep}");
+    assert_eq!(client_fds_reach(&mut d, "vm0", 64), 64);
+    drop(held);
+    // Deleting one makes room for another.
+    d.ctl_ok(&["delete", "vm8"]);
+    d.ctl_ok(&["create", "vm9", "--device", "b9"]);
+}
+
+#[test]
+fn a_replacement_restores_every_window_the_server_accepted() {
+    // Under a 1024 limit the worker used to advertise what it could hold fresh (about 470
+    // windows) and a replacement, holding every descriptor twice while it restored them,
+    // kept one. Now `max_dma_maps` comes from the budget, and a replacement restores it all.
+    let config = "[daemon]\nfds_per_endpoint = 160\n\
+         [[boards]]\nid = \"a\"\nvram = \"16M\"\n";
+    let mut d = Daemon::new().with_config(config).with_nofile(1024);
+    d.launch();
+    d.ctl_ok(&["create", "vm", "--device", "a"]);
+    let socket = socket_of(&d.endpoint("vm"));
+    let mut drv = connect(&socket);
+    drv.setup_queue(0);
+    let max = u64::from(drv.t.0.negotiated_caps().max_dma_maps);
+    assert_eq!(max, 120);
+    // The driver has two windows; the rest of max_dma_maps are 4 KiB windows of their own.
+    let mems = map_windows(&mut drv.t.0, 0x10_0000_0000, max - 2);
+    d.ctl_ok(&["restart", "vm"]);
+    let ep = d.endpoint("vm");
+    assert!(ep["worker"]["state_lost"].is_null(), "{ep}");
+    assert_eq!(ep["worker"]["restarts"], 1);
+    // Every window is there: a FILL + COPY into each of the last 8 (and the driver's).
+    for (k, i) in (max - 10..max - 2).enumerate() {
+        let iova = 0x10_0000_0000 + i * 0x10000;
+        let fill = 0x5100_0000 | k as u32;
+        drv.run(
+            0,
+            &[
+                GpuCommand::fill(Operand::Vram(0x2000), 4096, fill),
+                GpuCommand::copy(Operand::Vram(0x2000), Operand::Guest(iova), 4096),
+            ],
+        );
+        let mut got = vec![0u8; 4096];
+        mems[i as usize].read(0, &mut got);
+        assert!(
+            got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
+            "window {i} after the restart"
+        );
+    }
+    common::workload::fill_copy_round(&mut drv, 3, 0);
+    let log = d.log();
+    assert!(
+        log.contains(&format!("windows={max}")),
+        "the replacement's log names {max} windows"
+    );
+    assert!(!log.contains("could not restore"), "{log}");
+}
+
+#[test]
+fn a_lowered_budget_replaces_an_adopted_worker_and_what_it_cannot_restore_is_reported() {
+    let budget = |n: u32| {
+        format!("[daemon]\nfds_per_endpoint = {n}\n[[boards]]\nid = \"a\"\nvram = \"16M\"\n")
+    };
+    let mut d = Daemon::new().with_config(&budget(160));
+    d.launch();
+    d.ctl_ok(&["create", "vm", "--device", "a"]);
+    let socket = socket_of(&d.endpoint("vm"));
+    let mut drv = connect(&socket);
+    drv.setup_queue(0);
+    // Kept mapped (the memory lives as long as the client).
+    let _mems = map_windows(&mut drv.t.0, 0x10_0000_0000, 100);
+    assert_eq!(
+        client_fds_reach(&mut d, "vm", 2 + 100 + 16),
+        2 + 100 + 16,
+        "windows and MSI-X eventfds in custody"
+    );
+    // The operator lowers the budget and restarts the daemon: the adopted worker holds more
+    // than the new budget, so it is replaced; the replacement restores 48 windows of 102.
+    d.kill9();
+    d.set_config(&budget(64));
+    d.launch();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ep = loop {
+        let ep = d.endpoint("vm");
+        if !ep["worker"]["state_lost"].is_null() || Instant::now() > deadline {
+            break ep;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let lost = ep["worker"]["state_lost"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(lost.len() >= 102 - 48, "{ep}");
+    assert_eq!(ep["worker"]["state"], "running", "{ep}");
+    let events = d.events();
+    let worker_events: Vec<&Value> = events.iter().filter_map(|e| e.get("worker")).collect();
+    assert!(
+        worker_events.iter().any(|w| w["event"] == "reset"
+            && w["what"]
+                .as_str()
+                .is_some_and(|t| t.contains("over the budget"))),
+        "{worker_events:?}"
+    );
+    assert!(
+        worker_events.iter().any(|w| w["event"] == "state_lost"),
+        "{worker_events:?}"
+    );
+    let metrics = d.client().get_text("/metrics").expect("metrics");
+    assert!(
+        metrics.contains("switchyard_endpoint_state_lost_total{endpoint=\"vm\"} 1"),
+        "{metrics}"
+    );
+    // The client keeps its device: the driver's own windows were restored first.
+    common::workload::fill_copy_round(&mut drv, 9, 0);
+    // A new client starts whole.
+    drop(drv);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d.endpoint("vm")["worker"]["state_lost"].is_null() {
+        assert!(
+            Instant::now() < deadline,
+            "state_lost stays after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The endpoint's socket refuses a connection (instead of letting it hang).
+fn refuses(socket: &Path) -> bool {
+    match UnixStream::connect(socket) {
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionRefused,
+        Ok(s) => {
+            // Accepted by no one: the first read times out, or the socket is closed at once.
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+            let mut b = [0u8; 1];
+            matches!(std::io::Read::read(&mut &s, &mut b), Ok(0))
+        }
+    }
+}
+
+#[test]
+fn workers_that_cannot_start_let_go_of_the_client_then_the_device_then_the_endpoint() {
+    // Workers start from a copy of the binary, replaced by one that fails at once.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = dir.path().join("switchyard");
+    std::fs::copy(common::daemon::EXE, &exe).expect("copy the binary");
+    let mut d = Daemon::new()
+        .with_config("[[boards]]\nid = \"a\"\nvram = \"16M\"\n")
+        .with_worker_exe(exe.clone());
+    d.launch();
+    d.ctl_ok(&["create", "vm", "--device", "a"]);
+    let socket = socket_of(&d.endpoint("vm"));
+    let mut c = connect(&socket);
+    c.setup_queue(0);
+    let failing = dir.path().join("failing");
+    std::fs::write(&failing, "#!/bin/sh\nexit 3\n").expect("script");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    std::fs::rename(&failing, &exe).expect("replace the worker binary");
+    let _ = d.ctl(&["restart", "vm"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ep = loop {
+        let ep = d.endpoint("vm");
+        if ep["worker"]["state"] == "failed" || Instant::now() > deadline {
+            break ep;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(ep["worker"]["state"], "failed", "{ep}");
+    assert_eq!(
+        ep["worker"]["held"], 0,
+        "nothing is held for a given-up endpoint: {ep}"
+    );
+    assert!(refuses(&socket), "a given-up endpoint refuses connections");
+    // The event follows the state (the supervisor sets one, then reports the other).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let events = d.events();
+        let kinds: Vec<&Value> = events
+            .iter()
+            .filter_map(|e| e.get("worker"))
+            .filter(|w| w["endpoint"] == "vm")
+            .collect();
+        let text = serde_json::to_string(&kinds).expect("json");
+        if text.contains("gave_up") || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let client = text.find("the client's connection").expect("client let go");
+    let fresh = text.find("fresh device").expect("device state let go");
+    let gave_up = text.find("gave_up").expect("gave up");
+    assert!(client < fresh && fresh < gave_up, "{text}");
+    // Letting go of the client is not losing its state: no client is there to lose it.
+    assert!(!text.contains("state_lost"), "{text}");
+    drop(c);
+}
