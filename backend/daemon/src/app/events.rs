@@ -298,9 +298,9 @@ impl Drop for StreamSlot {
 }
 
 impl EventStream {
-    /// A stream whose worker events follow pool event `last_pool_seq`. `_recent` (the end of
-    /// the store's history) is not needed any more: readers read pool events from the store.
-    pub fn new(last_pool_seq: u64, _recent: Vec<PoolEvent>) -> Self {
+    /// A stream whose worker events follow pool event `last_pool_seq` (readers read pool
+    /// events from the store).
+    pub fn new(last_pool_seq: u64) -> Self {
         Self {
             // The hub's own replay is not used: readers catch up here (`next_page`).
             hub: Events::new(1, CHANNEL),
@@ -585,7 +585,7 @@ mod tests {
     impl Fixture {
         fn new() -> Self {
             Self {
-                stream: Arc::new(EventStream::new(0, Vec::new())),
+                stream: Arc::new(EventStream::new(0)),
                 store: Mutex::new(Vec::new()),
                 published: Mutex::new(Vec::new()),
             }

@@ -44,9 +44,6 @@ use records::WorkerRecords;
 /// it at the binary under test); default: this executable.
 pub const WORKER_EXE_ENV: &str = "SWITCHYARD_WORKER_EXE";
 
-/// Pool events replayed from the store into memory at start.
-const STARTUP_REPLAY: usize = 256;
-
 /// `switchyard daemon`'s options; each overrides its `[daemon]` key.
 #[derive(Debug, Clone, Default)]
 pub struct DaemonOptions {
@@ -416,10 +413,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         }
     }
     let last = pool.inventory().next_seq().saturating_sub(1);
-    let recent = pool
-        .history(last.saturating_sub(STARTUP_REPLAY as u64), STARTUP_REPLAY)
-        .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
-    let events = Arc::new(EventStream::new(last, recent));
+    let events = Arc::new(EventStream::new(last));
     let metrics = Metrics::new();
     for b in pool.inventory().boards() {
         metrics.board(&b.id);
