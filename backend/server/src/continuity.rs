@@ -326,7 +326,8 @@ impl Continuity {
         }
     }
 
-    /// Caps the client's descriptors in custody at `budget` (a read past it is refused: nothing of it is held and its message fails with EMFILE).
+    /// Caps the client's descriptors in custody at `budget`: a read past it is refused,
+    /// nothing of it is held and its message fails with EMFILE.
     pub fn set_budget(&self, budget: Option<usize>) {
         self.lock().budget = budget;
     }

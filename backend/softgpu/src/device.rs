@@ -1149,7 +1149,6 @@ impl Shared {
                 };
                 if runnable && !polled && !window.is_zero() && self.start_polling() {
                     // Poll, without the lock, for a doorbell or a new DB_TAIL.
-                    polled = true;
                     let rung = poll.rung.load(Ordering::Acquire);
                     poll.polling.store(true, Ordering::SeqCst);
                     drop(g);
@@ -1161,6 +1160,12 @@ impl Shared {
                     {
                         std::hint::spin_loop();
                     }
+                    // A window that ended on a doorbell, a control write (a queue turned
+                    // mapped) or a new tail may be followed by another if that brought no work:
+                    // only a window that ran out (or an abort) sends the engine to sleep. Else a
+                    // control write landing in a window would have the engine ask the driver
+                    // for a kick it does not need.
+                    polled = Instant::now() >= deadline || abort.load(Ordering::Relaxed);
                     self.pollers.fetch_sub(1, Ordering::AcqRel);
                     g = self.lock();
                     poll.polling.store(false, Ordering::SeqCst);
@@ -1212,6 +1217,14 @@ impl Shared {
                 self.idle.notify_all();
             }
         }
+    }
+
+    /// Whether engine `q` is polling right now.
+    #[cfg(test)]
+    pub(crate) fn is_polling(&self, q: usize) -> bool {
+        self.polls
+            .get(q)
+            .is_some_and(|p| p.polling.load(Ordering::SeqCst))
     }
 
     /// Takes one of the [`MAX_POLLERS`] polling slots, if one is free.

@@ -168,6 +168,39 @@ fn a_polling_engine_takes_tails_without_kicks() {
 }
 
 #[test]
+fn a_queue_turned_mapped_while_its_engine_polls_needs_no_kick() {
+    // The control write that turns the queue mapped ends the engine's poll window (so the
+    // page is looked at now); the engine, having found no work, polls again instead of going
+    // to sleep and asking the driver for a kick it does not need.
+    let mut h = Harness::with_config(config(SoftGpuConfig::MAX_SPIN_US));
+    h.init();
+    h.qw(1, Q_CONTROL, 0);
+    h.gpu
+        .shared
+        .hook
+        .poll_us
+        .store(30_000_000, Ordering::Relaxed);
+    // A trapped doorbell with nothing new wakes the engine into a 30 s window.
+    let tail = h.tails[0];
+    h.qw(0, Q_DOORBELL, tail);
+    wait_until("the engine polls", || h.gpu.shared.is_polling(0));
+    let page = GuestPage::map(&h.gpu);
+    map_queue(&mut h, 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !page.need_kick(0),
+        "the engine went to sleep on the control write"
+    );
+    assert!(!submit_mapped(
+        &mut h,
+        &page,
+        0,
+        &[fence_cmd(FENCE_SLOT, 3)]
+    ));
+    wait_until("the fence", || fence_value(&h) == 3);
+}
+
+#[test]
 fn mapped_and_trapped_queues_work_side_by_side() {
     let mut h = Harness::with_config(config(50));
     h.init();
