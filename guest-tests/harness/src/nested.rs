@@ -22,7 +22,14 @@
 //!   VMM answers QMP and its vCPU thread is running guest code, not waiting for a vfio-user
 //!   reply.
 //!
-//! [`boot_nested`] boots L1 again after either signature (at most [`NESTED_ATTEMPTS`] boots in
+//! * An L2 triple-faults (its VMM says so: cloud-hypervisor's `Guest likely triple-faulted`,
+//!   KVM's shutdown exit) right after its driver finished with the device: the driver's last
+//!   words are `SYGPU: shutdown: ... bus master off` and `SYGPU: done: pass`, and the L2 says
+//!   nothing more before it reboots. With bus mastering off the device cannot write guest
+//!   memory (the softgpu's engines are gated by it), so nothing of ours can have corrupted the
+//!   CPU state a triple fault needs (seen once in CI's cloud-hypervisor hot-plug scenario).
+//!
+//! [`boot_nested`] boots L1 again after any of these signatures (at most [`NESTED_ATTEMPTS`] boots in
 //! all), says so on stderr (`NESTED-FAULT:`, shown even when the test passes) and keeps each
 //! failed boot's console as `serial.attempt-N.log`. Anything else fails at once: wrong
 //! results, other kernel crashes, a VMM waiting on the server, an L2 stopped in user space or
@@ -133,6 +140,9 @@ pub fn nested_fault(serial: &str) -> Option<String> {
             ));
         }
     }
+    if let Some(f) = l2_triple_fault_after_its_driver(&lines) {
+        return Some(f);
+    }
     // L2 spinning in its kernel with interrupts off, its VMM alive (the diagnosis sy-nested
     // prints when an L2 stops making progress).
     lines
@@ -147,6 +157,51 @@ pub fn nested_fault(serial: &str) -> Option<String> {
                 .collect();
             l2_spinning(header, &block)
         })
+}
+
+/// What cloud-hypervisor logs when KVM reports its guest's shutdown (a triple fault).
+const TRIPLE_FAULT: &str = "Guest likely triple-faulted";
+
+/// An L2 whose VMM reported a triple fault (in the VMM log sy-nested prints, `<dir>/NAME-ch.log`)
+/// and whose console's last words before it said nothing more were its driver's, done with the
+/// device and bus mastering off (see the module docs).
+fn l2_triple_fault_after_its_driver(lines: &[&str]) -> Option<String> {
+    let mut section: Option<&str> = None;
+    for l in lines {
+        if let Some(path) = l
+            .strip_prefix("NESTED: ==== ")
+            .and_then(|r| r.strip_suffix(" ===="))
+        {
+            section = path
+                .rsplit('/')
+                .next()
+                .and_then(|f| f.strip_suffix("-ch.log"));
+            continue;
+        }
+        let Some(name) = section.filter(|_| l.contains(TRIPLE_FAULT)) else {
+            continue;
+        };
+        let prefix = format!("L2[{name}]: ");
+        let said: Vec<&str> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix(prefix.as_str()))
+            .collect();
+        // The driver's shutdown, then its verdict, then nothing but a new boot.
+        let done = said
+            .iter()
+            .rposition(|t| t.starts_with("SYGPU: done: pass"))?;
+        let shut_down = done
+            .checked_sub(1)
+            .and_then(|i| said.get(i))
+            .is_some_and(|t| t.starts_with("SYGPU: shutdown:") && t.contains("bus master off"));
+        let then = said.get(done + 1);
+        if shut_down && then.is_none_or(|t| t.starts_with("GUEST: boot ")) {
+            return Some(format!(
+                "L2[{name}] triple-faulted after its driver had turned bus mastering off and finished"
+            ));
+        }
+    }
+    None
 }
 
 /// One diagnosis block: the vCPU thread running (`state=R`), registers read over QMP with
@@ -176,7 +231,7 @@ fn l2_spinning(header: &str, block: &[&str]) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::nested_fault;
+    use super::{TRIPLE_FAULT, nested_fault};
 
     /// L1, CI: the KVM vCPU thread of an L2's QEMU.
     const L1_OOPS: &str = "\
@@ -254,6 +309,58 @@ NESTED-RESULT {\"ok\":false}
             f.contains("L2[vm-1]") && f.contains("native_queued_spin_lock_slowpath"),
             "{f}"
         );
+    }
+
+    /// CI, the cloud-hypervisor hot-plug scenario: the L2 triple-faulted right after its
+    /// driver's second round.
+    const L2_TRIPLE: &str = "\
+L2[hot]: HOTPLUG: present round=2 bdf=0000:00:02.0
+L2[hot]: SYGPU: step final: ok (7 ms): FENCE_COUNT 26 matches; all queues idle
+L2[hot]: SYGPU: doorbells: trapped, 36 submissions, 0 kicks
+L2[hot]: SYGPU: shutdown: queues reset, bus master off, device enable restored if this run set it, hugepages freed
+L2[hot]: SYGPU: done: pass in 1468 ms
+[   33.814571] kvm: kvm [216]: vcpu0, guest rIP: 0xffffffff81099068 Unhandled WRMSR(0xc0010007) = 0xffff
+NESTED: diagnosis of L2[hot] (VMM pid 216):
+NESTED:   task 216 `cloud-hyperviso` state=S wchan=futex_wait_queue syscall=202
+NESTED: ==== /tmp/nested/ch-hotplug/hot-ch.log ====
+cloud-hypervisor:   0.684886s: <vcpu0> WARN:vmm/src/cpu.rs:278 -- Kernel lacks CONFIG_SCHED_CORE support - no SMT isolation
+cloud-hypervisor:  12.135395s: <vcpu0> ERROR:hypervisor/src/kvm/mod.rs:2587 -- Guest likely triple-faulted
+NESTED: ==== /tmp/nested/ch-hotplug/hot-serial.log ====
+SYGPU: done: pass in 943 ms
+NESTED-RESULT {\"ok\":false,\"scenario\":\"ch-hotplug\"}
+";
+
+    #[test]
+    fn an_l2_triple_faulting_after_its_driver_finished_is_a_nested_fault() {
+        let f = nested_fault(L2_TRIPLE).expect("a fault");
+        assert!(f.starts_with("L2[hot] triple-faulted"), "{f}");
+        let rebooted = L2_TRIPLE.replace(
+            "[   33.814571]",
+            "L2[hot]: GUEST: boot kernel=6.12 test=hotplug\n[   33.814571]",
+        );
+        assert!(nested_fault(&rebooted).is_some(), "then a new boot");
+    }
+
+    #[test]
+    fn an_l2_triple_faulting_while_its_device_could_write_is_not() {
+        // The driver still ran (no verdict), failed, or bus mastering was still on; or the L2
+        // said more after its driver: any of these and the device may have been the cause.
+        let running = L2_TRIPLE.replace("L2[hot]: SYGPU: done: pass in 1468 ms\n", "");
+        assert_eq!(nested_fault(&running), None);
+        let failed = L2_TRIPLE.replace("SYGPU: done: pass", "SYGPU: done: FAIL");
+        assert_eq!(nested_fault(&failed), None);
+        let bus_master = L2_TRIPLE.replace("bus master off, ", "");
+        assert_eq!(nested_fault(&bus_master), None);
+        let more = L2_TRIPLE.replace(
+            "[   33.814571]",
+            "L2[hot]: HOTPLUG: run round=2 rc=0\n[   33.814571]",
+        );
+        assert_eq!(nested_fault(&more), None);
+        // No triple fault reported, or reported for another L2.
+        let no_triple = L2_TRIPLE.replace(TRIPLE_FAULT, "Guest shut down");
+        assert_eq!(nested_fault(&no_triple), None);
+        let other = L2_TRIPLE.replace("hot-ch.log", "vm-ch.log");
+        assert_eq!(nested_fault(&other), None);
     }
 
     #[test]
