@@ -165,18 +165,12 @@ pub fn custody(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
             .iter()
             .map(|&kind| Variant::start(dir, kind, None, s, &tag))
             .collect::<Result<Vec<_>>>()?;
-        // Positive control: the budget reached the server's configuration (it sizes
-        // `max_dma_maps`; `Server::set_continuity` gives it to the custody account).
-        let within = switchyard_server::dma_maps_within(BENCH_FD_BUDGET);
-        let advertised = vs
-            .get(1)
-            .context("custody: no budget server")?
-            .client
-            .negotiated_caps()
-            .max_dma_maps;
-        if advertised > within {
+        // Positive control: the budget reached the server's custody account (through
+        // `ServerConfig::fd_budget` and `Server::set_continuity`), and only that server's.
+        let budgets: Vec<Option<usize>> = vs.iter().map(|v| v.server.custody_budget()).collect();
+        if budgets != [None, Some(BENCH_FD_BUDGET as usize)] {
             bail!(
-                "custody: the budget server advertises max_dma_maps {advertised}, more than its budget of {BENCH_FD_BUDGET} allows ({within}): the budget is not configured"
+                "custody: budgets {budgets:?}, expected none and {BENCH_FD_BUDGET}: the budget is not configured"
             );
         }
         for (&op, pooled) in OPS.iter().zip(pooled.iter_mut()) {

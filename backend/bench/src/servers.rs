@@ -424,6 +424,11 @@ impl Switchyard {
         self.continuity.as_ref().map(|c| c.held_count())
     }
 
+    /// The client's descriptor budget of the server's crash continuity, if any.
+    pub fn custody_budget(&self) -> Option<usize> {
+        self.continuity.as_ref().and_then(|c| c.budget())
+    }
+
     /// Stops the server and reports how its thread ended.
     pub fn shutdown(mut self) -> Result<()> {
         self.stop_and_join()

@@ -37,7 +37,7 @@
 //! instants between the peek and the custody `sendmsg` come again with the bytes when they are
 //! read again. See ARCHITECTURE.md ("What survives which failure").
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -158,6 +158,15 @@ struct Inner {
     /// the tables refer to, the descriptors of messages received and not yet settled, and
     /// those a replacement took over. All of it goes when the client does.
     outstanding: BTreeSet<u64>,
+    /// Regular files (guest memory) among them, by identity `(st_dev, st_ino)`: a descriptor
+    /// of a file already in custody is not put there again but shares its custody id, so that
+    /// a VMM mapping its guest RAM as thousands of windows (a vIOMMU maps page by page, each
+    /// DMA_MAP with its own descriptor of the same memfd) costs one descriptor, not thousands.
+    files: HashMap<(u64, u64), u64>,
+    /// The identity of each id in [`Inner::files`].
+    file_of: HashMap<u64, (u64, u64)>,
+    /// Messages received and not settled yet that carry each id (an id shared by several).
+    pending: HashMap<u64, u32>,
     /// At most this many in [`Inner::outstanding`]: descriptors of a read that would pass it
     /// are refused (closed, never held) and their message fails with EMFILE.
     budget: Option<usize>,
@@ -299,6 +308,9 @@ impl Continuity {
                 vectors: BTreeMap::new(),
                 refs: BTreeMap::new(),
                 outstanding: BTreeSet::new(),
+                files: HashMap::new(),
+                file_of: HashMap::new(),
+                pending: HashMap::new(),
                 budget: None,
                 over_budget: 0,
                 refused: LogLimiter::new(
@@ -332,48 +344,104 @@ impl Continuity {
         self.lock().budget = budget;
     }
 
+    /// The budget set by [`Continuity::set_budget`].
+    pub fn budget(&self) -> Option<usize> {
+        self.lock().budget
+    }
+
     /// `(descriptors of the client in custody, reads refused by the budget)`.
     pub fn held_count(&self) -> (usize, u64) {
         let g = self.lock();
         (g.outstanding.len(), g.over_budget)
     }
 
-    /// A replacement took over `ids` from the supervisor (message descriptors it holds):
-    /// they are this process's to release from now on.
-    pub fn took_over(&self, ids: impl IntoIterator<Item = u64>) {
+    /// A replacement took over `held` from the supervisor (message descriptors by custody
+    /// id): they are this process's to release from now on.
+    pub fn took_over(&self, held: &BTreeMap<u64, OwnedFd>) {
         let mut g = self.lock();
-        g.outstanding
-            .extend(ids.into_iter().filter(|id| *id >= FIRST_MESSAGE_ID));
+        for (&id, fd) in held.range(FIRST_MESSAGE_ID..) {
+            g.outstanding.insert(id);
+            if let Some(file) = regular_file(fd.as_fd()) {
+                g.files.entry(file).or_insert(id);
+                g.file_of.insert(id, file);
+            }
+        }
     }
 
-    /// Puts descriptors that just arrived into custody; returns their ids, or `None` when
-    /// they would take the client past its budget: then nothing is held (the caller closes
-    /// them and the message they came with is refused).
+    /// A replacement's framer holds `ids` for messages of the journal (one per descriptor):
+    /// they stay in custody until those messages are settled.
+    pub fn journaled(&self, ids: &[u64]) {
+        let mut g = self.lock();
+        for id in ids {
+            *g.pending.entry(*id).or_default() += 1;
+        }
+    }
+
+    /// Puts descriptors that just arrived into custody; returns their ids (a file already in
+    /// custody keeps its id: see [`Inner::files`]), or `None` when the new ones would take the
+    /// client past its budget: then nothing is held (the caller closes them and the message
+    /// they came with is refused).
     pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Option<Vec<u64>> {
         let mut g = self.lock();
+        // Which descriptors are new to custody, and the id of each.
+        let mut ids = Vec::with_capacity(fds.len());
+        let mut fresh: Vec<(u64, BorrowedFd<'_>, Option<(u64, u64)>)> = Vec::new();
+        let mut next = g.next_id;
+        for fd in fds {
+            let file = regular_file(fd.as_fd());
+            let known = file.and_then(|f| {
+                g.files.get(&f).copied().or_else(|| {
+                    fresh
+                        .iter()
+                        .find(|(_, _, other)| *other == Some(f))
+                        .map(|(id, _, _)| *id)
+                })
+            });
+            match known {
+                Some(id) => ids.push(id),
+                None => {
+                    ids.push(next);
+                    fresh.push((next, fd.as_fd(), file));
+                    next += 1;
+                }
+            }
+        }
         if let Some(budget) = g.budget
-            && g.outstanding.len().saturating_add(fds.len()) > budget
+            && g.outstanding.len().saturating_add(fresh.len()) > budget
         {
             g.over_budget += 1;
             if g.refused.allow() {
                 tracing::warn!(
                     held = g.outstanding.len(),
-                    arriving = fds.len(),
+                    arriving = fresh.len(),
                     budget,
                     "the client's descriptors would pass its custody budget; the message is refused (EMFILE)"
                 );
             }
             return None;
         }
-        let first = g.next_id;
-        g.next_id += fds.len() as u64;
-        let ids: Vec<u64> = (first..g.next_id).collect();
+        for id in &ids {
+            *g.pending.entry(*id).or_default() += 1;
+        }
+        if fresh.is_empty() {
+            return Some(ids);
+        }
+        g.next_id = next;
         // The next id survives a restart, so that a replacement never reuses an id a message
         // in the journal carries.
         g.publish_log_head();
-        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
-        match g.custody.hold(&ids, &borrowed) {
-            Ok(()) => g.outstanding.extend(ids.iter().copied()),
+        let new_ids: Vec<u64> = fresh.iter().map(|(id, _, _)| *id).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = fresh.iter().map(|(_, fd, _)| *fd).collect();
+        match g.custody.hold(&new_ids, &borrowed) {
+            Ok(()) => {
+                for (id, _, file) in &fresh {
+                    g.outstanding.insert(*id);
+                    if let Some(file) = file {
+                        g.files.insert(*file, *id);
+                        g.file_of.insert(*id, *file);
+                    }
+                }
+            }
             Err(e) => g.degraded("cannot hand descriptors to the supervisor", &e),
         }
         Some(ids)
@@ -555,7 +623,7 @@ impl Continuity {
             }
         }
         g.log_op(&encode_op(Op::Unmap { iova, size }));
-        g.release(&released);
+        g.release_unused(&released);
     }
 
     /// Every window was unmapped.
@@ -565,7 +633,7 @@ impl Continuity {
         g.windows.clear();
         let released: Vec<u64> = ids.into_iter().filter(|id| g.unref(*id)).collect();
         g.log_op(&encode_op(Op::UnmapAll));
-        g.release(&released);
+        g.release_unused(&released);
     }
 
     /// Vectors `start..` of `index` now have these eventfds (`None`: de-assigned).
@@ -595,7 +663,7 @@ impl Continuity {
             };
             g.log_op(&encode_op(op));
         }
-        g.release(&released);
+        g.release_unused(&released);
     }
 
     /// Every vector of `index` was disabled.
@@ -610,7 +678,7 @@ impl Continuity {
         g.vectors.retain(|(i, _), _| *i != index);
         let released: Vec<u64> = ids.into_iter().filter(|id| g.unref(*id)).collect();
         g.log_op(&encode_op(Op::IrqDisable { index }));
-        g.release(&released);
+        g.release_unused(&released);
     }
 
     /// A replacement could not restore these windows and vectors ([`crate::Unrestored`]):
@@ -632,12 +700,15 @@ impl Continuity {
             return;
         }
         let mut g = self.lock();
-        let unused: Vec<u64> = ids
-            .iter()
-            .copied()
-            .filter(|id| !g.refs.contains_key(id))
-            .collect();
-        g.release(&unused);
+        for id in ids {
+            if let Some(n) = g.pending.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    g.pending.remove(id);
+                }
+            }
+        }
+        g.release_unused(ids);
     }
 
     /// Releases ids a replacement found held but unreferenced.
@@ -687,10 +758,26 @@ impl Inner {
         }
         for id in ids {
             self.outstanding.remove(id);
+            self.pending.remove(id);
+            if let Some(file) = self.file_of.remove(id) {
+                self.files.remove(&file);
+            }
         }
         if let Err(e) = self.custody.release(ids) {
             self.degraded("cannot release descriptors held by the supervisor", &e);
         }
+    }
+
+    /// Releases those of `ids` that no table refers to and no unsettled message carries
+    /// (each once).
+    fn release_unused(&mut self, ids: &[u64]) {
+        let unused: BTreeSet<u64> = ids
+            .iter()
+            .copied()
+            .filter(|id| !self.refs.contains_key(id) && !self.pending.contains_key(id))
+            .collect();
+        let unused: Vec<u64> = unused.into_iter().collect();
+        self.release(&unused);
     }
 
     /// Drops one reference to custody id `id`; true if none is left.
@@ -784,6 +871,15 @@ impl Inner {
             self.degraded("cannot publish the session", &e);
         }
     }
+}
+
+/// The identity `(st_dev, st_ino)` of `fd` if it is a regular file (guest memory). Other
+/// kinds are never shared: every eventfd has the same (anonymous) inode.
+fn regular_file(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
+    let st = rustix::fs::fstat(fd).ok()?;
+    rustix::fs::FileType::from_raw_mode(st.st_mode)
+        .is_file()
+        .then_some((st.st_dev, st.st_ino))
 }
 
 /// Sends `len` bytes of `file` from its position to `sock` (`sendfile`, which advances the

@@ -70,17 +70,21 @@ pub enum ServerError {
 pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How many DMA windows this process can really hold: each may cost one mapping (bounded by
-/// `vm.max_map_count`) and one open file (bounded by `RLIMIT_NOFILE`), beyond what the process
-/// already uses and a reserve for everything else (device threads, the sockets, a message's
-/// descriptors in flight).
-fn holdable_dma_maps(max_msg_fds: u32) -> u32 {
+/// `vm.max_map_count`) and, unless `files` is false, one open file (bounded by
+/// `RLIMIT_NOFILE`), beyond what the process already uses and a reserve for everything else
+/// (device threads, the sockets, a message's descriptors in flight).
+fn holdable_dma_maps(max_msg_fds: u32, files: bool) -> u32 {
     const RESERVE: u64 = 512;
     let count = |path: &str| std::fs::read_dir(path).map(|d| d.count() as u64).ok();
     let open_files = count("/proc/self/fd").unwrap_or(RESERVE);
     let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
         .current
         .unwrap_or(u64::MAX);
-    let by_files = nofile.saturating_sub(open_files + RESERVE + 2 * u64::from(max_msg_fds));
+    let by_files = if files {
+        nofile.saturating_sub(open_files + RESERVE + 2 * u64::from(max_msg_fds))
+    } else {
+        u64::MAX
+    };
     let max_map_count = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
@@ -112,12 +116,12 @@ pub struct ServerConfig {
     pub send_timeout: Duration,
     /// Bytes all DMA dirty logs may take together ([`DmaSpace::set_log_budget`]).
     pub dirty_log_budget: u64,
-    /// With crash continuity, the client's descriptors a supervisor keeps for it (DMA memory
-    /// fds, interrupt eventfds, those of messages in flight): a message whose descriptors
-    /// would pass it is refused with EMFILE, and `max_dma_maps` is sized from it instead of
-    /// from this process's own open files (which a replacement counts twice while it
-    /// restores the client's windows). `None`: no budget, `max_dma_maps` is what this
-    /// process can hold.
+    /// With crash continuity, the client's descriptors a supervisor keeps for it (its DMA
+    /// memory files, each once however many windows it has, interrupt eventfds, those of
+    /// messages in flight): a message whose new descriptors would pass it is refused with
+    /// EMFILE, and `max_dma_maps` no longer counts this process's own open files (which a
+    /// replacement holds twice while it restores them). `None`: no budget, `max_dma_maps` is
+    /// what this process can hold.
     pub fd_budget: Option<u32>,
 }
 
@@ -130,13 +134,6 @@ pub struct Unrestored {
     pub windows: Vec<(u64, u64)>,
     /// Interrupt vectors lost `(index, vector)`.
     pub vectors: Vec<(u32, u32)>,
-}
-
-/// The part of a descriptor budget kept for interrupt eventfds and a message's descriptors
-/// in flight: the rest is what `max_dma_maps` advertises ([`ServerConfig::fd_budget`]).
-pub fn dma_maps_within(budget: u32) -> u32 {
-    let others = (budget / 4).min(2048 + transport::MAX_FDS_PER_READ as u32);
-    budget.saturating_sub(others).max(1)
 }
 
 impl ServerConfig {
@@ -241,13 +238,10 @@ impl Server {
         D: PciDevice,
         E: std::error::Error + Send + Sync + 'static,
     {
-        let holdable = match config.fd_budget {
-            // The supervisor sized the budget against its limit and this process's (the
-            // same): what this process holds right now (a replacement holds the client's
-            // descriptors twice while it restores them) does not count.
-            Some(budget) => dma_maps_within(budget),
-            None => holdable_dma_maps(config.limits.max_msg_fds),
-        };
+        // With a budget, the client's files are counted by it (and windows of one file are
+        // one descriptor in custody and one mapping here), not by what this process holds now
+        // (a replacement holds the client's descriptors twice while it restores them).
+        let holdable = holdable_dma_maps(config.limits.max_msg_fds, config.fd_budget.is_none());
         if holdable < config.limits.max_dma_maps {
             tracing::info!(
                 configured = config.limits.max_dma_maps,
@@ -314,7 +308,7 @@ impl Server {
         fds: std::collections::BTreeMap<u64, std::os::fd::OwnedFd>,
     ) -> Result<(), ServerError> {
         if let Some(c) = &self.continuity {
-            c.took_over(fds.keys().copied());
+            c.took_over(&fds);
         }
         drop(fds);
         self.client_gone();
@@ -391,20 +385,23 @@ impl Server {
         &mut self,
         stream: std::os::unix::net::UnixStream,
         resumed: &continuity::Resumed,
-        mut fds: std::collections::BTreeMap<u64, std::os::fd::OwnedFd>,
+        fds: std::collections::BTreeMap<u64, std::os::fd::OwnedFd>,
     ) -> Result<(), ServerError> {
         let max_msg =
             switchyard_proto::Limits::server(self.config.limits.max_data_xfer_size).max_msg_size;
         // Everything held for the client is this process's to release from now on: what the
         // journal and the tables need when they are done with it, the rest below.
         if let Some(c) = &self.continuity {
-            c.took_over(fds.keys().copied());
+            c.took_over(&fds);
         }
         let mut framer = if resumed.rx.is_empty() {
             transport::Framer::new(max_msg)
         } else {
-            transport::Framer::resume(max_msg, &resumed.rx, |id| fds.remove(&id))
-                .map_err(|e| ServerError::Resume(Box::new(e)))?
+            // A descriptor may come with several messages (one file, one custody id).
+            transport::Framer::resume(max_msg, &resumed.rx, |id| {
+                fds.get(&id).and_then(|f| f.try_clone().ok())
+            })
+            .map_err(|e| ServerError::Resume(Box::new(e)))?
         };
         // A read the killed process peeked but had not consumed (see `settle_peeked`).
         match transport::Connection::settle_peeked(&stream, framer.unconsumed()) {
@@ -433,11 +430,17 @@ impl Server {
         );
         framer.set_unconsumed(0);
         if let Some(c) = &self.continuity {
+            // The journal's messages carry these until they are settled; the rest no table
+            // refers to is released.
+            let journaled = framer.held_ids();
+            c.journaled(&journaled);
             let leftover: Vec<u64> = fds
                 .keys()
                 .copied()
                 .filter(|id| {
-                    *id >= continuity::FIRST_MESSAGE_ID && !resumed.referenced.contains(id)
+                    *id >= continuity::FIRST_MESSAGE_ID
+                        && !resumed.referenced.contains(id)
+                        && !journaled.contains(id)
                 })
                 .collect();
             c.release(&leftover);

@@ -378,6 +378,16 @@ impl Framer {
         Ok(f)
     }
 
+    /// Custody ids of the descriptors this framer holds for messages not handled yet (the
+    /// message in flight's and those of the last read), one per descriptor.
+    pub fn held_ids(&self) -> Vec<u64> {
+        self.in_flight
+            .iter()
+            .flat_map(|f| f.ids.iter().copied())
+            .chain(self.pending_ids.iter().copied())
+            .collect()
+    }
+
     /// Message ids and commands of the complete messages buffered (for logs).
     pub fn buffered_ids(&self) -> Vec<(u16, u16)> {
         let mut out = Vec::new();

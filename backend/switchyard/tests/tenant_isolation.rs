@@ -4,13 +4,15 @@
 //! - descriptors sent with messages the worker never handles (a header it cannot frame, a
 //!   message cut short by closing the socket) leave custody with their connection, and stay
 //!   gone across a `ctl restart` and a daemon restart (adoption);
-//! - a client flooding its endpoint with descriptors is refused past its budget (ENOSPC for
-//!   windows past `max_dma_maps`, EMFILE past the budget) while another endpoint's client
-//!   runs verified jobs with no restart and no lost window;
+//! - a client flooding its endpoint with descriptors is refused past its budget (EMFILE),
+//!   while windows of a file already in custody cost nothing (a vIOMMU maps guest RAM page by
+//!   page) and another endpoint's client runs verified jobs with no restart and no lost window;
 //! - under a 1024 open-file limit the daemon admits endpoints by its descriptor plan (409
 //!   with the numbers past it) and stays healthy with every endpoint at its budget;
-//! - a replacement restores every window the server accepted; one that cannot (the budget
-//!   was lowered under an adopted worker) says so: event, endpoint state, metric;
+//! - a replacement restores every window the server accepted (2,000 of one memfd under a
+//!   1024 open-file limit); an adopted worker over a lowered budget is replaced and keeps its
+//!   client whole; what a replacement cannot restore (memory the client shrank under it) is
+//!   reported: event, endpoint state, metric;
 //! - workers that cannot start make the daemon let go of the client, then of the device
 //!   state, then give the endpoint up, after which its socket refuses connections.
 
@@ -182,26 +184,47 @@ fn descriptors_of_messages_never_handled_leave_with_their_connection() {
 const TWO_BOARDS_SMALL_BUDGET: &str = "[daemon]\nfds_per_endpoint = 64\n\
      [[boards]]\nid = \"a\"\nvram = \"16M\"\n[[boards]]\nid = \"b\"\nvram = \"16M\"\n";
 
-/// A 4 KiB window of `mem` at `iova`.
+/// A 4 KiB window of `mem` at `iova`, from `offset` in it.
 fn map_window(
     c: &mut Client,
     iova: u64,
     mem: &GuestMemory,
+    offset: u64,
 ) -> Result<(), switchyard_client::ClientError> {
     let flags = VFIO_USER_F_DMA_REGION_READ | VFIO_USER_F_DMA_REGION_WRITE;
-    c.dma_map(iova, 4096, flags, Some((mem.file.as_fd(), 0)))
+    c.dma_map(iova, 4096, flags, Some((mem.file.as_fd(), offset)))
 }
 
-/// `n` 4 KiB windows, each of a memfd of its own, every 64 KiB from `base`; all must be
-/// accepted. Returns their memory.
-fn map_windows(c: &mut Client, base: u64, n: u64) -> Vec<GuestMemory> {
-    (0..n)
-        .map(|i| {
-            let mem = GuestMemory::new(4096);
-            map_window(c, base + i * 0x10000, &mem).expect("a window within max_dma_maps");
-            mem
-        })
-        .collect()
+/// Windows of 4 KiB memfds of their own, every 64 KiB from `base`, until the server refuses
+/// one (its errno must be EMFILE: the budget); returns their memory.
+fn map_files_until_refused(c: &mut Client, base: u64) -> Vec<GuestMemory> {
+    let mut mems = Vec::new();
+    loop {
+        let mem = GuestMemory::new(4096);
+        let iova = base + mems.len() as u64 * 0x10000;
+        match map_window(c, iova, &mem, 0) {
+            Ok(()) => mems.push(mem),
+            Err(e) => {
+                assert_eq!(e.remote_errno(), Some(libc::EMFILE), "{e}");
+                return mems;
+            }
+        }
+        assert!(mems.len() <= 4096, "no budget refuses");
+    }
+}
+
+/// One eventfd on MSI-X vector 0: its errno if refused.
+fn set_one_eventfd(c: &mut Client) -> Option<i32> {
+    let fds = eventfds(1);
+    c.set_irqs(
+        VFIO_PCI_MSIX_IRQ_INDEX,
+        VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+        0,
+        1,
+        &borrowed(&fds),
+    )
+    .err()
+    .map(|e| e.remote_errno().expect("an error reply"))
 }
 
 /// Our client, connected (again while the server still finishes a previous client: see
@@ -233,8 +256,8 @@ fn a_tenant_flooding_its_budget_is_refused_and_another_runs_undisturbed() {
     let (victim, attacker) = (d.endpoint("victim"), d.endpoint("attacker"));
     let mut v = connect(&socket_of(&victim));
     v.setup_queue(0);
-    // The driver's two windows and 16 MSI-X eventfds.
-    assert_eq!(client_fds_reach(&mut d, "victim", 18), 18);
+    // The driver's guest memory (two windows of one memfd) and 16 MSI-X eventfds.
+    assert_eq!(client_fds_reach(&mut d, "victim", 17), 17);
 
     // The victim runs verified FILL + COPY rounds through both of its windows meanwhile.
     let stop = Arc::new(AtomicBool::new(false));
@@ -252,45 +275,23 @@ fn a_tenant_flooding_its_budget_is_refused_and_another_runs_undisturbed() {
 
     let asocket = socket_of(&attacker);
     let mut a = client(&asocket);
-    let max_maps = u64::from(a.negotiated_caps().max_dma_maps);
+    // Guest RAM first (one memfd: one descriptor), then memfds of their own, one descriptor
+    // each, until the budget of 64 is spent: EMFILE.
+    let ram = GuestMemory::new(512 * 4096);
+    map_window(&mut a, 0x1_0000_0000, &ram, 0).expect("guest RAM");
+    let files = map_files_until_refused(&mut a, 0x2_0000_0000);
+    assert_eq!(files.len(), 63, "64 descriptors: guest RAM and 63 files");
     assert_eq!(
-        max_maps, 48,
-        "64 descriptors less a quarter for eventfds and a message"
+        set_one_eventfd(&mut a),
+        Some(libc::EMFILE),
+        "an eventfd is one more"
     );
-    // Windows up to max_dma_maps, then ENOSPC.
-    let mut mapped = 0u64;
-    let mut refused = Vec::new();
-    for i in 0..80u64 {
-        match map_window(&mut a, 0x1_0000_0000 + i * 0x10000, &GuestMemory::new(4096)) {
-            Ok(()) => mapped += 1,
-            Err(e) => refused.push(e.remote_errno().expect("an error reply")),
-        }
+    // Windows of a file in custody need no descriptor: the RAM mapped page by page, as a
+    // vIOMMU does, is never refused.
+    for page in 1..512u64 {
+        map_window(&mut a, 0x1_0000_0000 + page * 0x1000, &ram, page * 4096)
+            .expect("a window of guest RAM already in custody");
     }
-    assert_eq!(mapped, max_maps);
-    assert!(refused.iter().all(|e| *e == libc::ENOSPC), "{refused:?}");
-    // Eventfds until the budget: the rest of it, then EMFILE (and the client stays served).
-    let mut set = 0u32;
-    let mut emfile = 0;
-    for start in 0..4u32 {
-        let fds = eventfds(8);
-        match a.set_irqs(
-            VFIO_PCI_MSIX_IRQ_INDEX,
-            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-            start * 8,
-            8,
-            &borrowed(&fds),
-        ) {
-            Ok(()) => set += 8,
-            Err(e) => {
-                assert_eq!(e.remote_errno(), Some(libc::EMFILE), "{e}");
-                emfile += 1;
-            }
-        }
-    }
-    assert!(
-        emfile > 0,
-        "past 64 descriptors ({mapped} windows, {set} eventfds)"
-    );
     let (_, client_fds, _, _) = custody(&mut d, "attacker");
     assert!(
         client_fds <= 64,
@@ -310,7 +311,7 @@ fn a_tenant_flooding_its_budget_is_refused_and_another_runs_undisturbed() {
     assert_eq!(victim_now["worker"]["state"], "running");
     assert_eq!(
         custody(&mut d, "victim").1,
-        18,
+        17,
         "the victim's windows and eventfds are all held"
     );
     let attacker_now = d.endpoint("attacker");
@@ -334,27 +335,12 @@ fn ten_boards() -> String {
     toml
 }
 
-/// Holds `budget` descriptors of `socket`'s endpoint: windows to `max_dma_maps`, then
-/// eventfds until refused. Returns the client (connected: it keeps them).
+/// Spends the budget of `socket`'s endpoint: windows of memfds of their own until EMFILE;
+/// then an eventfd is refused too. Returns the client (connected: it keeps them).
 fn fill_budget(socket: &Path) -> (Client, Vec<GuestMemory>) {
     let mut c = client(socket);
-    let max = u64::from(c.negotiated_caps().max_dma_maps);
-    let mems = map_windows(&mut c, 0x1_0000_0000, max);
-    // The device's 16 MSI-X vectors.
-    for start in (0..16u32).step_by(8) {
-        let fds = eventfds(8);
-        match c.set_irqs(
-            VFIO_PCI_MSIX_IRQ_INDEX,
-            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-            start,
-            8,
-            &borrowed(&fds),
-        ) {
-            Ok(()) => {}
-            Err(e) if e.remote_errno() == Some(libc::EMFILE) => break,
-            Err(e) => panic!("eventfds {start}..{}: {e}", start + 8),
-        }
-    }
+    let mems = map_files_until_refused(&mut c, 0x1_0000_0000);
+    assert_eq!(set_one_eventfd(&mut c), Some(libc::EMFILE));
     (c, mems)
 }
 
@@ -379,8 +365,8 @@ fn under_a_1024_descriptor_limit_endpoints_are_admitted_by_the_plan() {
     }
     assert_eq!(d.endpoint("vm0")["worker"]["fd_budget"], 64);
 
-    // Every client at its budget (48 windows, max_dma_maps, and 16 eventfds): the daemon
-    // still answers and stays within its limit.
+    // Every client at its budget (64 memfds): the daemon still answers and stays within its
+    // limit.
     let mut held = Vec::new();
     for b in 0..9 {
         let socket = socket_of(&d.endpoint(&format!("vm{b}")));
@@ -398,17 +384,7 @@ fn under_a_1024_descriptor_limit_endpoints_are_admitted_by_the_plan() {
     );
     // A message past the budget is refused, and the endpoint serves on.
     let (c, _mems) = held.first_mut().expect("vm0");
-    let fds = eventfds(1);
-    let e = c
-        .set_irqs(
-            VFIO_PCI_MSIX_IRQ_INDEX,
-            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-            0,
-            1,
-            &borrowed(&fds),
-        )
-        .expect_err("past the budget");
-    assert_eq!(e.remote_errno(), Some(libc::EMFILE), "{e}");
+    assert_eq!(set_one_eventfd(c), Some(libc::EMFILE));
     // A restart of a full endpoint restores all of it.
     d.ctl_ok(&["restart", "vm0"]);
     let ep = d.endpoint("vm0");
@@ -423,54 +399,72 @@ fn under_a_1024_descriptor_limit_endpoints_are_admitted_by_the_plan() {
 
 #[test]
 fn a_replacement_restores_every_window_the_server_accepted() {
-    // Under a 1024 limit the worker used to advertise what it could hold fresh (about 470
-    // windows) and a replacement, holding every descriptor twice while it restored them,
-    // kept one. Now `max_dma_maps` comes from the budget, and a replacement restores it all.
-    let config = "[daemon]\nfds_per_endpoint = 160\n\
-         [[boards]]\nid = \"a\"\nvram = \"16M\"\n";
+    // A vIOMMU maps guest RAM page by page, each DMA_MAP with a descriptor of the same memfd.
+    // Under a 1024 open-file limit, 2,000 such windows used to be 2,000 descriptors in the
+    // daemon and in custody (a worker advertised what it could hold fresh, about 470, and a
+    // replacement, holding every descriptor twice, kept one). Now they are one descriptor, and
+    // a replacement restores every window.
+    let config = "[daemon]\nfds_per_endpoint = 160\n[[boards]]\nid = \"a\"\nvram = \"16M\"\n";
     let mut d = Daemon::new().with_config(config).with_nofile(1024);
     d.launch();
     d.ctl_ok(&["create", "vm", "--device", "a"]);
     let socket = socket_of(&d.endpoint("vm"));
-    let mut drv = connect(&socket);
+    let mut drv = driver(&socket);
     drv.setup_queue(0);
-    let max = u64::from(drv.t.0.negotiated_caps().max_dma_maps);
-    assert_eq!(max, 120);
-    // The driver has two windows; the rest of max_dma_maps are 4 KiB windows of their own.
-    let mems = map_windows(&mut drv.t.0, 0x10_0000_0000, max - 2);
+    const PAGES: u64 = 2000;
+    let ram = GuestMemory::new(PAGES * 4096);
+    for page in 0..PAGES {
+        map_window(
+            &mut drv.t.0,
+            0x10_0000_0000 + page * 0x10000,
+            &ram,
+            page * 4096,
+        )
+        .expect("a window of one memfd");
+    }
+    // The driver's memory, its 16 eventfds and the RAM.
+    assert_eq!(client_fds_reach(&mut d, "vm", 18), 18);
     d.ctl_ok(&["restart", "vm"]);
     let ep = d.endpoint("vm");
     assert!(ep["worker"]["state_lost"].is_null(), "{ep}");
     assert_eq!(ep["worker"]["restarts"], 1);
-    // Every window is there: a FILL + COPY into each of the last 8 (and the driver's).
-    for (k, i) in (max - 10..max - 2).enumerate() {
-        let iova = 0x10_0000_0000 + i * 0x10000;
+    assert_eq!(client_fds_reach(&mut d, "vm", 18), 18);
+    // Every window is there: a FILL + COPY into the first, some in between and the last.
+    for (k, page) in [0, 1, 999, 1000, PAGES - 2, PAGES - 1]
+        .into_iter()
+        .enumerate()
+    {
         let fill = 0x5100_0000 | k as u32;
         drv.run(
             0,
             &[
                 GpuCommand::fill(Operand::Vram(0x2000), 4096, fill),
-                GpuCommand::copy(Operand::Vram(0x2000), Operand::Guest(iova), 4096),
+                GpuCommand::copy(
+                    Operand::Vram(0x2000),
+                    Operand::Guest(0x10_0000_0000 + page * 0x10000),
+                    4096,
+                ),
             ],
         );
         let mut got = vec![0u8; 4096];
-        mems[i as usize].read(0, &mut got);
+        ram.read(page * 4096, &mut got);
         assert!(
             got.chunks_exact(4).all(|c| c == fill.to_le_bytes()),
-            "window {i} after the restart"
+            "window {page} after the restart"
         );
     }
     common::workload::fill_copy_round(&mut drv, 3, 0);
     let log = d.log();
     assert!(
-        log.contains(&format!("windows={max}")),
-        "the replacement's log names {max} windows"
+        log.contains(&format!("windows={}", PAGES + 2)),
+        "the replacement's log names {} windows",
+        PAGES + 2
     );
     assert!(!log.contains("could not restore"), "{log}");
 }
 
 #[test]
-fn a_lowered_budget_replaces_an_adopted_worker_and_what_it_cannot_restore_is_reported() {
+fn a_lowered_budget_replaces_an_adopted_worker_which_keeps_its_client_whole() {
     let budget = |n: u32| {
         format!("[daemon]\nfds_per_endpoint = {n}\n[[boards]]\nid = \"a\"\nvram = \"16M\"\n")
     };
@@ -478,36 +472,44 @@ fn a_lowered_budget_replaces_an_adopted_worker_and_what_it_cannot_restore_is_rep
     d.launch();
     d.ctl_ok(&["create", "vm", "--device", "a"]);
     let socket = socket_of(&d.endpoint("vm"));
-    let mut drv = connect(&socket);
+    let mut drv = driver(&socket);
     drv.setup_queue(0);
-    // Kept mapped (the memory lives as long as the client).
-    let _mems = map_windows(&mut drv.t.0, 0x10_0000_0000, 100);
-    assert_eq!(
-        client_fds_reach(&mut d, "vm", 2 + 100 + 16),
-        2 + 100 + 16,
-        "windows and MSI-X eventfds in custody"
-    );
+    // 100 memfds of their own, the driver's memory (one memfd) and its 16 eventfds.
+    let mems: Vec<GuestMemory> = (0..100u64)
+        .map(|i| {
+            let mem = GuestMemory::new(4096);
+            map_window(&mut drv.t.0, 0x10_0000_0000 + i * 0x10000, &mem, 0).expect("a file");
+            mem
+        })
+        .collect();
+    assert_eq!(client_fds_reach(&mut d, "vm", 117), 117);
     // The operator lowers the budget and restarts the daemon: the adopted worker holds more
-    // than the new budget, so it is replaced; the replacement restores 48 windows of 102.
+    // than the new budget, so it is replaced (what no table refers to would be released);
+    // the client keeps everything it was granted, and gets EMFILE for anything new.
     d.kill9();
     d.set_config(&budget(64));
     d.launch();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let ep = loop {
-        let ep = d.endpoint("vm");
-        if !ep["worker"]["state_lost"].is_null() || Instant::now() > deadline {
-            break ep;
+    loop {
+        let w = d.endpoint("vm")["worker"].clone();
+        if w["restarts"] == 1 && w["state"] == "running" {
+            break;
         }
+        assert!(
+            Instant::now() < deadline,
+            "the adopted worker was not replaced: {w}"
+        );
         std::thread::sleep(Duration::from_millis(50));
-    };
-    let lost = ep["worker"]["state_lost"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    assert!(lost.len() >= 102 - 48, "{ep}");
+    }
+    let ep = d.endpoint("vm");
     assert_eq!(ep["worker"]["state"], "running", "{ep}");
-    let events = d.events();
-    let worker_events: Vec<&Value> = events.iter().filter_map(|e| e.get("worker")).collect();
+    assert!(ep["worker"]["state_lost"].is_null(), "{ep}");
+    assert_eq!(client_fds_reach(&mut d, "vm", 117), 117);
+    let worker_events: Vec<Value> = d
+        .events()
+        .iter()
+        .filter_map(|e| e.get("worker").cloned())
+        .collect();
     assert!(
         worker_events.iter().any(|w| w["event"] == "reset"
             && w["what"]
@@ -515,6 +517,55 @@ fn a_lowered_budget_replaces_an_adopted_worker_and_what_it_cannot_restore_is_rep
                 .is_some_and(|t| t.contains("over the budget"))),
         "{worker_events:?}"
     );
+    common::workload::fill_copy_round(&mut drv, 9, 0);
+    for (i, mem) in mems.iter().enumerate().step_by(33) {
+        let iova = 0x10_0000_0000 + i as u64 * 0x10000;
+        drv.run(
+            0,
+            &[
+                GpuCommand::fill(Operand::Vram(0x2000), 4096, 0x77),
+                GpuCommand::copy(Operand::Vram(0x2000), Operand::Guest(iova), 4096),
+            ],
+        );
+        let mut got = vec![0u8; 4096];
+        mem.read(0, &mut got);
+        assert!(
+            got.chunks_exact(4).all(|c| c == 0x77u32.to_le_bytes()),
+            "file {i}"
+        );
+    }
+    assert_eq!(set_one_eventfd(&mut drv.t.0), Some(libc::EMFILE));
+}
+
+#[test]
+fn what_a_replacement_cannot_restore_is_reported_and_the_device_stays() {
+    let mut d = Daemon::start_with_config("[[boards]]\nid = \"a\"\nvram = \"16M\"\n");
+    d.ctl_ok(&["create", "vm", "--device", "a"]);
+    let socket = socket_of(&d.endpoint("vm"));
+    let mut drv = driver(&socket);
+    drv.setup_queue(0);
+    // A window of memory the client then shrinks under the server: a replacement can no
+    // longer map it (it would lie past the file's end).
+    let shrinking = GuestMemory::unsealed(8192);
+    map_window(&mut drv.t.0, 0x10_0000_0000, &shrinking, 4096).expect("a window");
+    shrinking.file.set_len(0).expect("shrink");
+    d.ctl_ok(&["restart", "vm"]);
+    let ep = d.endpoint("vm");
+    let lost = ep["worker"]["state_lost"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(lost.len(), 1, "{ep}");
+    assert!(
+        lost[0].as_str().is_some_and(|l| l.contains("0x1000000000")),
+        "{ep}"
+    );
+    assert_eq!(ep["worker"]["state"], "running", "{ep}");
+    let worker_events: Vec<Value> = d
+        .events()
+        .iter()
+        .filter_map(|e| e.get("worker").cloned())
+        .collect();
     assert!(
         worker_events.iter().any(|w| w["event"] == "state_lost"),
         "{worker_events:?}"
@@ -524,7 +575,7 @@ fn a_lowered_budget_replaces_an_adopted_worker_and_what_it_cannot_restore_is_rep
         metrics.contains("switchyard_endpoint_state_lost_total{endpoint=\"vm\"} 1"),
         "{metrics}"
     );
-    // The client keeps its device: the driver's own windows were restored first.
+    // The device and the rest of the client's state are there.
     common::workload::fill_copy_round(&mut drv, 9, 0);
     // A new client starts whole.
     drop(drv);

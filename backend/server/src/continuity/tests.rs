@@ -113,16 +113,20 @@ fn descriptors_are_released_when_nothing_refers_to_them() {
     c.dma_unmapped(0, 0x4000);
     assert!(held.lock().expect("lock").is_empty());
 
-    // An eventfd replaced by another, then the index disabled.
+    // An eventfd replaced by another, then the index disabled (each message settled once
+    // handled, as the dispatcher does).
     let a = c.hold(&fds(1)).expect("within budget");
     c.irqs_set(2, 0, &[Some(a[0])]);
+    c.settle(&a);
     let b = c.hold(&fds(1)).expect("within budget");
     c.irqs_set(2, 0, &[Some(b[0])]);
+    c.settle(&b);
     assert_eq!(*held.lock().expect("lock"), vec![b[0]]);
     c.irqs_set(2, 0, &[None]);
     assert!(held.lock().expect("lock").is_empty());
     let d = c.hold(&fds(2)).expect("within budget");
     c.irqs_set(2, 3, &[Some(d[0]), Some(d[1])]);
+    c.settle(&d);
     c.irqs_disabled(2);
     assert!(held.lock().expect("lock").is_empty());
 }
@@ -198,13 +202,93 @@ fn the_budget_refuses_a_read_that_would_pass_it_and_holds_nothing_of_it() {
 #[test]
 fn a_replacement_releases_what_it_took_over_when_the_client_leaves() {
     let (_bb, c, held) = setup();
-    c.took_over([CONNECTION_ID, FIRST_MESSAGE_ID + 7, FIRST_MESSAGE_ID + 9]);
+    let mut taken: BTreeMap<u64, OwnedFd> = BTreeMap::new();
+    for (id, fd) in [CONNECTION_ID, FIRST_MESSAGE_ID + 7, FIRST_MESSAGE_ID + 9]
+        .into_iter()
+        .zip(fds(3))
+    {
+        taken.insert(id, fd);
+    }
+    c.took_over(&taken);
     held.lock()
         .expect("lock")
         .extend([FIRST_MESSAGE_ID + 7, FIRST_MESSAGE_ID + 9]);
     assert_eq!(c.held_count().0, 2, "only message descriptors count");
     c.client_gone();
     assert!(held.lock().expect("lock").is_empty());
+}
+
+/// `n` descriptors of one memfd (what a VMM sends with each DMA_MAP of its guest RAM).
+fn memfd_copies(n: usize) -> Vec<OwnedFd> {
+    let mem = memfd::MemfdOptions::default()
+        .create("guest-ram")
+        .expect("memfd")
+        .into_file();
+    (0..n)
+        .map(|_| OwnedFd::from(mem.try_clone().expect("dup")))
+        .collect()
+}
+
+fn window(iova: u64, fd: u64) -> WindowRecord {
+    WindowRecord {
+        iova,
+        size: 0x1000,
+        offset: iova,
+        read: true,
+        write: true,
+        fd: Some(fd),
+    }
+}
+
+#[test]
+fn windows_of_one_file_share_one_descriptor_in_custody() {
+    let (_bb, c, held) = setup();
+    c.set_budget(Some(2));
+    // Three DMA_MAPs of one memfd, each with its own descriptor, the second pipelined
+    // behind the first: one custody id, held once, within a budget of 2.
+    let a = c.hold(&memfd_copies(1)).expect("within budget");
+    let b = c
+        .hold(&memfd_copies(1))
+        .expect("another memfd: a second descriptor");
+    assert!(c.hold(&memfd_copies(1)).is_none(), "a third file");
+    c.settle(&a);
+    c.settle(&b);
+    assert!(
+        held.lock().expect("lock").is_empty(),
+        "a and b were settled unused"
+    );
+    let ram = memfd_copies(3);
+    let first = c.hold(&ram[..1]).expect("new");
+    let second = c
+        .hold(&ram[1..2])
+        .expect("the same file: no new descriptor");
+    assert_eq!(first, second);
+    let e = c.hold(&fds(1)).expect("an eventfd: a second descriptor");
+    assert!(c.hold(&fds(1)).is_none(), "a third");
+    c.settle(&e);
+    assert_eq!(*held.lock().expect("lock"), first);
+    c.dma_mapped(window(0x1000, first[0]));
+    c.settle(&first);
+    // The second message is still unsettled: its id stays even if the window goes.
+    c.dma_unmapped(0x1000, 0x1000);
+    assert_eq!(*held.lock().expect("lock"), first);
+    c.dma_mapped(window(0x2000, second[0]));
+    c.settle(&second);
+    let third = c.hold(&ram[2..]).expect("the same file");
+    assert_eq!(third, first);
+    c.dma_mapped(window(0x3000, third[0]));
+    c.settle(&third);
+    assert_eq!(c.held_count().0, 1);
+    c.dma_unmapped(0x2000, 0x1000);
+    assert_eq!(*held.lock().expect("lock"), first, "a window still uses it");
+    c.dma_unmapped(0x3000, 0x1000);
+    assert!(
+        held.lock().expect("lock").is_empty(),
+        "no window and no message uses it"
+    );
+    // Eventfds are never taken for one another (they all share one anonymous inode).
+    let e = c.hold(&fds(2)).expect("within budget");
+    assert_ne!(e[0], e[1]);
 }
 
 fn unmaps_remove_only_the_windows_inside_their_range() {
@@ -220,6 +304,7 @@ fn unmaps_remove_only_the_windows_inside_their_range() {
             fd: Some(*id),
         });
     }
+    c.settle(&ids);
     // A range that straddles the second window removes only the first.
     c.dma_unmapped(0, 0x1800);
     assert_eq!(*held.lock().expect("lock"), vec![ids[1]]);
