@@ -70,6 +70,14 @@ fn client_fds_reach(d: &mut Daemon, id: &str, want: u64) -> u64 {
     }
 }
 
+/// The worker events of the daemon's stream.
+fn worker_events(d: &Daemon) -> Vec<Value> {
+    d.events()
+        .iter()
+        .filter_map(|e| e.get("worker").cloned())
+        .collect()
+}
+
 /// Waits until the endpoint holds `held` descriptors with no client connected.
 fn settles_at(d: &mut Daemon, id: &str, held: u64) -> (u64, u64, bool, Option<u32>) {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -505,11 +513,7 @@ fn a_lowered_budget_replaces_an_adopted_worker_which_keeps_its_client_whole() {
     assert_eq!(ep["worker"]["state"], "running", "{ep}");
     assert!(ep["worker"]["state_lost"].is_null(), "{ep}");
     assert_eq!(client_fds_reach(&mut d, "vm", 117), 117);
-    let worker_events: Vec<Value> = d
-        .events()
-        .iter()
-        .filter_map(|e| e.get("worker").cloned())
-        .collect();
+    let worker_events = worker_events(&d);
     assert!(
         worker_events.iter().any(|w| w["event"] == "reset"
             && w["what"]
@@ -561,11 +565,7 @@ fn what_a_replacement_cannot_restore_is_reported_and_the_device_stays() {
         "{ep}"
     );
     assert_eq!(ep["worker"]["state"], "running", "{ep}");
-    let worker_events: Vec<Value> = d
-        .events()
-        .iter()
-        .filter_map(|e| e.get("worker").cloned())
-        .collect();
+    let worker_events = worker_events(&d);
     assert!(
         worker_events.iter().any(|w| w["event"] == "state_lost"),
         "{worker_events:?}"

@@ -140,20 +140,27 @@ fn a_sleeping_engine_asks_for_a_kick_and_a_kick_runs_the_work() {
     wait_until("the engine asks for a kick again", || page.need_kick(0));
 }
 
-#[test]
-fn a_polling_engine_takes_tails_without_kicks() {
-    // Poll windows of 30 s instead of the adaptive budget (whose windows a loaded machine can
-    // outlast): the engine is polling whenever a tail is published, so no submission may ask
-    // for a kick, and each one runs.
+/// A device whose engine 0 polls in windows of 30 s (a test hook) instead of the adaptive
+/// budget, whose windows a loaded machine can outlast; queue 1 off (one engine of a device
+/// polls at a time, and it would be a contender).
+fn polling_harness() -> Harness {
     let mut h = Harness::with_config(config(SoftGpuConfig::MAX_SPIN_US));
     h.init();
-    // Queue 1 off: one engine of a device polls at a time, and it would be a contender.
     h.qw(1, Q_CONTROL, 0);
     h.gpu
         .shared
         .hook
         .poll_us
         .store(30_000_000, Ordering::Relaxed);
+    h
+}
+
+#[test]
+fn a_polling_engine_takes_tails_without_kicks() {
+    // Poll windows of 30 s instead of the adaptive budget (whose windows a loaded machine can
+    // outlast): the engine is polling whenever a tail is published, so no submission may ask
+    // for a kick, and each one runs.
+    let mut h = polling_harness();
     let page = GuestPage::map(&h.gpu);
     map_queue(&mut h, 0);
     let jobs = 40u64;
@@ -172,14 +179,7 @@ fn a_queue_turned_mapped_while_its_engine_polls_needs_no_kick() {
     // The control write that turns the queue mapped ends the engine's poll window (so the
     // page is looked at now); the engine, having found no work, polls again instead of going
     // to sleep and asking the driver for a kick it does not need.
-    let mut h = Harness::with_config(config(SoftGpuConfig::MAX_SPIN_US));
-    h.init();
-    h.qw(1, Q_CONTROL, 0);
-    h.gpu
-        .shared
-        .hook
-        .poll_us
-        .store(30_000_000, Ordering::Relaxed);
+    let mut h = polling_harness();
     // A trapped doorbell with nothing new wakes the engine into a 30 s window.
     let tail = h.tails[0];
     h.qw(0, Q_DOORBELL, tail);
