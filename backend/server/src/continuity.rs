@@ -162,9 +162,9 @@ struct Inner {
     /// of a file already in custody is not put there again but shares its custody id, so that
     /// a VMM mapping its guest RAM as thousands of windows (a vIOMMU maps page by page, each
     /// DMA_MAP with its own descriptor of the same memfd) costs one descriptor, not thousands.
-    files: HashMap<(u64, u64), u64>,
+    files: HashMap<FileId, u64>,
     /// The identity of each id in [`Inner::files`].
-    file_of: HashMap<u64, (u64, u64)>,
+    file_of: HashMap<u64, FileId>,
     /// Messages received and not settled yet that carry each id (an id shared by several).
     pending: HashMap<u64, u32>,
     /// At most this many in [`Inner::outstanding`]: descriptors of a read that would pass it
@@ -385,7 +385,7 @@ impl Continuity {
         let mut g = self.lock();
         // Which descriptors are new to custody, and the id of each.
         let mut ids = Vec::with_capacity(fds.len());
-        let mut fresh: Vec<(u64, BorrowedFd<'_>, Option<(u64, u64)>)> = Vec::new();
+        let mut fresh: Vec<(u64, BorrowedFd<'_>, Option<FileId>)> = Vec::new();
         let mut next = g.next_id;
         for fd in fds {
             let file = regular_file(fd.as_fd());
@@ -873,9 +873,12 @@ impl Inner {
     }
 }
 
-/// The identity `(st_dev, st_ino)` of `fd` if it is a regular file (guest memory). Other
-/// kinds are never shared: every eventfd has the same (anonymous) inode.
-fn regular_file(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
+/// A file's identity: `(st_dev, st_ino)`.
+type FileId = (u64, u64);
+
+/// The identity of `fd` if it is a regular file (guest memory). Other kinds are never
+/// shared: every eventfd has the same (anonymous) inode.
+fn regular_file(fd: BorrowedFd<'_>) -> Option<FileId> {
     let st = rustix::fs::fstat(fd).ok()?;
     rustix::fs::FileType::from_raw_mode(st.st_mode)
         .is_file()
