@@ -111,7 +111,7 @@ pub struct Framer {
     /// Custody ids of `pending_fds` (empty without custody).
     pending_ids: Vec<u64>,
     /// Custody ids of descriptors this framer dropped unclaimed: no message will settle
-    /// them, so the connection releases them ([`Framer::take_dropped_ids`]).
+    /// them, so the connection settles them ([`Framer::take_dropped_ids`]).
     dropped_ids: Vec<u64>,
     /// The message handed out by [`Framer::next_message`] and not yet [`Framer::done`]:
     /// its offset, and its descriptors' custody ids and truncation.
@@ -576,7 +576,7 @@ impl Connection {
             c.publish_rx(&self.framer);
             let dropped = self.framer.take_dropped_ids();
             if !dropped.is_empty() {
-                c.release(&dropped);
+                c.settle(&dropped);
             }
         }
     }
@@ -683,7 +683,7 @@ impl Connection {
         // Descriptors the framer dropped are no longer in the journal just published.
         let dropped = self.framer.take_dropped_ids();
         if !dropped.is_empty() {
-            c.release(&dropped);
+            c.settle(&dropped);
         }
         // Consume what was peeked. The kernel installs the descriptors again: the copies from
         // the peek are the ones kept, these are closed.
