@@ -970,12 +970,11 @@ fn let_go(ep: &Endpoint, client: bool, fresh: bool) -> Option<String> {
             );
         }
         let first = switchyard_server::continuity::FIRST_MESSAGE_ID;
-        let client_ids = held.range(first..).count() + usize::from(held.contains_key(&CONNECTION_ID));
-        if client && client_ids > 0 {
+        let descriptors = held.range(first..).count();
+        if client && (descriptors > 0 || held.contains_key(&CONNECTION_ID)) {
             held.retain(|id, _| *id < first && *id != CONNECTION_ID);
             return Some(format!(
-                "the client's connection and {} of its descriptors were let go; the next worker resumes the device without a client",
-                client_ids
+                "the client's connection and its {descriptors} descriptors were let go; the next worker resumes the device without a client"
             ));
         }
         None
