@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 use switchyard_device::MemoryObjects;
 
 use crate::mig::PAGE;
+use crate::recover::check_sealed;
 use crate::vram::Vram;
-use crate::{Migration, SoftGpu, SoftGpuError, StateError, VRAM_OBJECT, check_sealed};
+use crate::{Migration, SoftGpu, SoftGpuError, StateError, VRAM_OBJECT};
 
 /// What a relocation copied.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
