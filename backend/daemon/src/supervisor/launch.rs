@@ -1,0 +1,277 @@
+//! Starting workers: the supervision loop of an endpoint, which starts a worker, hands it
+//! what is held, and replaces it when it dies (with the crash-loop policy's stages).
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use switchyard_server::DeviceSocket;
+
+use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, Note, StartMode, VRAM_ID};
+
+use super::ledger::serve_notes;
+use super::{Endpoint, EventSink, WorkerEvent, kill};
+
+/// Crash-loop policy: this many workers dying without reporting ready, in a row, and the
+/// supervisor gives up on the endpoint.
+const MAX_FAILED_STARTS: u32 = 8;
+/// After this many failed starts in a row, the client's connection and descriptors are
+/// dropped: what a client sent (too many descriptors, a state that crashes its restore) must
+/// not fail the endpoint for good. The next worker resumes the device without a client.
+const DROP_CLIENT_AFTER: u32 = 3;
+/// After this many, the device's own state goes too (black box, VRAM, doorbell page): the
+/// next worker starts a fresh device.
+const START_FRESH_AFTER: u32 = 5;
+/// Pause between starts once starts fail.
+const FAILED_START_PAUSE: Duration = Duration::from_millis(250);
+
+/// What every worker of a supervisor is started with.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Launch<'a> {
+    pub(super) adopt_dir: Option<&'a Path>,
+    pub(super) fd_budget: Option<u32>,
+}
+
+/// Supervises `ep`: first the adopted worker `adopted` (its channel and pid) if any, then
+/// workers it starts itself, replacing each that dies.
+pub(super) fn supervise(
+    ep: &Endpoint,
+    exe: &Path,
+    sink: &EventSink,
+    launch: Launch<'_>,
+    adopted: Option<(OwnedFd, u32)>,
+) {
+    let span = tracing::info_span!("endpoint", id = %ep.spec.id);
+    let _g = span.enter();
+    let mut failed_starts = 0u32;
+    let mut died_at: Option<Instant> = None;
+    let mut recent: VecDeque<Instant> = VecDeque::new();
+    if let Some((channel, pid)) = adopted {
+        super::adopt::supervise_adopted(ep, sink, launch, channel, pid);
+        died_at = Some(Instant::now());
+    }
+    while !ep.stopping.load(Ordering::SeqCst) {
+        let mode = {
+            let held = ep.held();
+            // A softgpu resumes from its black box and VRAM, a passthrough device from its
+            // black box (the hardware is reset and the configuration replayed).
+            let passthrough = matches!(ep.spec.device, crate::custody::WorkerDevice::Vfio { .. });
+            if held.contains_key(&BLACK_BOX_ID) && (held.contains_key(&VRAM_ID) || passthrough) {
+                StartMode::Resume
+            } else {
+                StartMode::Fresh
+            }
+        };
+        let ready = match run_worker(ep, exe, mode, died_at, sink, launch) {
+            Ok(ready) => ready,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start a worker");
+                false
+            }
+        };
+        died_at = Some(Instant::now());
+        ep.status().pid = None;
+        if ep.stopping.load(Ordering::SeqCst) {
+            break;
+        }
+        if ready {
+            failed_starts = 0;
+        } else {
+            failed_starts += 1;
+            if failed_starts >= MAX_FAILED_STARTS {
+                tracing::error!(
+                    attempts = failed_starts,
+                    "workers keep dying before they serve; giving the endpoint up (its client is disconnected, new connections are refused)"
+                );
+                ep.change_held(|held| held.clear());
+                refuse_connections(&ep.socket);
+                let mut st = ep.status();
+                st.failed = true;
+                ep.changed.notify_all();
+                drop(st);
+                sink(WorkerEvent::GaveUp {
+                    endpoint: ep.spec.id.clone(),
+                });
+                return;
+            }
+            let fresh = failed_starts >= START_FRESH_AFTER;
+            if let Some(what) = let_go(ep, failed_starts >= DROP_CLIENT_AFTER, fresh) {
+                tracing::warn!(
+                    attempts = failed_starts,
+                    "workers keep dying before they serve: {what}"
+                );
+                sink(WorkerEvent::Reset {
+                    endpoint: ep.spec.id.clone(),
+                    what,
+                });
+            }
+            std::thread::sleep(FAILED_START_PAUSE);
+        }
+        recent.push_back(Instant::now());
+        while recent.len() > 10 {
+            recent.pop_front();
+        }
+        let mut st = ep.status();
+        st.restarts += 1;
+        ep.changed.notify_all();
+        drop(st);
+        tracing::warn!(mode = ?StartMode::Resume, "worker gone; starting a replacement");
+    }
+}
+
+/// After failed starts: lets go of the client (`client`: its connection and descriptors),
+/// or of everything (`fresh`: the device's state too), so that the next worker starts
+/// without what kept its predecessors from serving. Returns what was let go, if anything.
+fn let_go(ep: &Endpoint, client: bool, fresh: bool) -> Option<String> {
+    ep.change_held(|held| {
+        if fresh && !held.is_empty() {
+            held.clear();
+            return Some(
+                "the device's state and its client were let go; the next worker starts a fresh device"
+                    .to_owned(),
+            );
+        }
+        let first = switchyard_server::continuity::FIRST_MESSAGE_ID;
+        let descriptors = held.range(first..).count();
+        if client && (descriptors > 0 || held.contains_key(&CONNECTION_ID)) {
+            held.retain(|id, _| *id < first && *id != CONNECTION_ID);
+            return Some(format!(
+                "the client's connection and its {descriptors} descriptors were let go; the next worker resumes the device without a client"
+            ));
+        }
+        None
+    })
+}
+
+/// A given-up endpoint refuses connections (they would hang: no worker accepts them). The
+/// socket stays bound, so its path is not taken by anyone else; connections already queued
+/// are closed.
+fn refuse_connections(socket: &DeviceSocket) {
+    let listener = socket.listener();
+    if let Err(e) = rustix::net::shutdown(listener, rustix::net::Shutdown::Both) {
+        tracing::warn!(error = %e, "cannot shut the endpoint's socket; connections will hang");
+    }
+    if listener.set_nonblocking(true).is_ok() {
+        while listener.accept().is_ok() {}
+    }
+}
+
+/// Starts one worker and serves its custody notes until it dies. Returns whether it
+/// reported ready.
+fn run_worker(
+    ep: &Endpoint,
+    exe: &Path,
+    mode: StartMode,
+    died_at: Option<Instant>,
+    sink: &EventSink,
+    launch: Launch<'_>,
+) -> std::io::Result<bool> {
+    let adopt_dir = launch.adopt_dir;
+    let (ours, theirs) = custody::pair()?;
+    let mut child: Child = Command::new(exe)
+        .arg("worker")
+        .stdin(Stdio::from(theirs))
+        // Its own process group: a terminal's Ctrl-C to the daemon does not reach it.
+        .process_group(0)
+        .spawn()?;
+    let pid = child.id();
+    {
+        let mut st = ep.status();
+        st.pid = Some(pid);
+        if ep.stopping.load(Ordering::SeqCst) {
+            // `delete` ran between the check in `supervise` and the spawn.
+            let _ = child.kill();
+        }
+    }
+    sink(WorkerEvent::Started {
+        endpoint: ep.spec.id.clone(),
+        pid,
+        resume: mode == StartMode::Resume,
+    });
+    let started = Instant::now();
+    let handed = hand_over(ep, &ours, mode, launch);
+    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = ours.try_clone().ok();
+    let mut ready = false;
+    if let Err(e) = handed {
+        tracing::error!(error = %e, "cannot hand the endpoint's descriptors to the worker");
+        let _ = child.kill();
+    } else {
+        ready = serve_notes(ep, &ours, pid, died_at, started, sink, launch, &|| {
+            kill(Some(pid));
+        });
+    }
+    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    end_move_on_death(ep);
+    // A restart abandons a migration (its replacement starts RUNNING).
+    ep.status().migrating = false;
+    let status = child.wait()?;
+    if let Some(dir) = adopt_dir {
+        let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
+    }
+    tracing::info!(pid, %status, "worker exited");
+    sink(WorkerEvent::Exited {
+        endpoint: ep.spec.id.clone(),
+        pid,
+        status: status.to_string(),
+    });
+    Ok(ready)
+}
+
+/// A move waiting for the worker that just died learns it.
+pub(super) fn end_move_on_death(ep: &Endpoint) {
+    let mut mv = ep.mv();
+    if mv.active && mv.reply.is_none() {
+        mv.reply = Some(Err(None));
+        ep.mv_changed.notify_all();
+    }
+}
+
+/// Waits (bounded) until `pid` no longer runs (gone, or a zombie).
+pub(super) fn wait_gone(pid: u32, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let zombie = stat
+            .rfind(')')
+            .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+        if stat.is_empty() || zombie {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    tracing::error!(pid, "the worker does not die");
+}
+
+fn hand_over(
+    ep: &Endpoint,
+    sock: &OwnedFd,
+    mode: StartMode,
+    launch: Launch<'_>,
+) -> Result<(), custody::ChannelError> {
+    let held = ep.held();
+    let listener = ep.socket.listener().as_fd();
+    let mut all: Vec<(u64, BorrowedFd<'_>)> = vec![(LISTENER_ID, listener)];
+    all.extend(held.iter().map(|(id, fd)| (*id, fd.as_fd())));
+    for batch in all.chunks(custody::MAX_FDS) {
+        let ids = batch.iter().map(|(id, _)| *id).collect();
+        let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
+        custody::send(sock, &Note::Fds { ids }, &fds)?;
+    }
+    drop(held);
+    custody::send(
+        sock,
+        &Note::Start {
+            mode,
+            endpoint: ep.spec.id.clone(),
+            socket: ep.spec.socket.display().to_string(),
+            device: ep.spec.device.clone(),
+            adopt_dir: launch.adopt_dir.map(|d| d.display().to_string()),
+            fd_budget: launch.fd_budget,
+        },
+        &[],
+    )
+}

@@ -1,0 +1,661 @@
+//! The supervisor: for each endpoint, the listening socket, a worker process serving it, and
+//! a duplicate of every descriptor the worker put into custody. When a worker dies (a crash,
+//! `kill -9`, an upgrade), a replacement starts with the same descriptors and resumes the
+//! connection; the guest sees a stall.
+
+mod adopt;
+mod launch;
+mod ledger;
+mod plan;
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use switchyard_server::DeviceSocket;
+
+use crate::custody::{self, CONNECTION_ID, MoveReport, Note, VRAM_ID};
+
+use launch::{Launch, supervise};
+pub use plan::FdPlan;
+
+/// Supervisor errors.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    /// An endpoint of that name exists.
+    #[error("Endpoint `{0}` already exists")]
+    Exists(String),
+    /// No endpoint of that name.
+    #[error("No endpoint `{0}`")]
+    NotFound(String),
+    /// Binding the endpoint's socket failed.
+    #[error("Cannot bind the socket of endpoint `{0}`")]
+    Bind(String, #[source] switchyard_server::ServerError),
+    /// Starting a thread or process failed.
+    #[error("Cannot start the worker of endpoint `{0}`")]
+    Spawn(String, #[source] std::io::Error),
+    /// The endpoint is moving already.
+    #[error("Endpoint `{0}` is being moved already")]
+    Moving(String),
+    /// No worker serves the endpoint right now (it is restarting, or was given up).
+    #[error("No worker serves endpoint `{0}` right now")]
+    NoWorker(String),
+    /// A running worker could not be adopted.
+    #[error("Cannot adopt worker {pid} of endpoint `{endpoint}`: {reason}")]
+    Adopt {
+        /// Endpoint.
+        endpoint: String,
+        /// The worker's pid.
+        pid: u32,
+        /// Why.
+        reason: String,
+    },
+    /// One more endpoint would break the daemon's descriptor plan ([`FdPlan`]).
+    #[error(
+        "No room for endpoint `{endpoint}`: {endpoints} endpoints of {per_endpoint} client descriptors each (plus {own} of their own) and {reserve} kept for the daemon fill its open-file limit of {limit}"
+    )]
+    NoRoom {
+        /// Endpoint.
+        endpoint: String,
+        /// Endpoints supervised now (the most the plan allows).
+        endpoints: u64,
+        /// Client descriptors per endpoint.
+        per_endpoint: u32,
+        /// The endpoint's own descriptors (listener, connection, VRAM, black box, ...).
+        own: u32,
+        /// Kept for the daemon itself.
+        reserve: u32,
+        /// The daemon's open-file limit.
+        limit: u64,
+    },
+    /// The worker refused or failed the move; the device runs where it was.
+    #[error("Endpoint `{endpoint}` was not moved: {reason}")]
+    MoveFailed {
+        /// Endpoint.
+        endpoint: String,
+        /// The worker's error chain, or what happened to the worker.
+        reason: String,
+    },
+}
+
+/// How a move ended ([`Supervisor::move_device`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MoveOutcome {
+    /// The worker moved the device.
+    Moved(MoveReport),
+    /// The worker died during the move and its replacement runs the device on the new
+    /// VRAM (no report: the final copy had been done).
+    MovedAcrossRestart,
+}
+
+/// What an endpoint serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointSpec {
+    /// Name.
+    pub id: String,
+    /// vfio-user socket path.
+    pub socket: PathBuf,
+    /// The device to serve.
+    pub device: crate::custody::WorkerDevice,
+}
+
+/// How an endpoint's worker is doing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerStatus {
+    /// Process id of the current worker, if one runs.
+    pub pid: Option<u32>,
+    /// Workers started after the first (restarts, upgrades).
+    pub restarts: u64,
+    /// Workers that reported ready.
+    pub ready: u64,
+    /// From the death of the last worker to its replacement reporting ready.
+    pub last_restart: Option<Duration>,
+    /// Descriptors held for the endpoint (listener included).
+    pub held: usize,
+    /// Of those, the client's: DMA memory fds, interrupt eventfds and the descriptors of
+    /// messages in flight (what the budget counts).
+    pub client_fds: usize,
+    /// Descriptors a worker tried to put in custody past the endpoint's budget (refused:
+    /// a worker keeps its client within the budget, so this stays 0 unless one does not).
+    pub refused_fds: u64,
+    /// What a replacement could not restore of the client's state (DMA windows, eventfds
+    /// the client had been told succeeded); empty when whole.
+    pub state_lost: Vec<String>,
+    /// A client (VMM) is connected: its connection is held.
+    pub connected: bool,
+    /// The supervisor gave up restarting (a crash loop); the client was disconnected.
+    pub failed: bool,
+    /// The client has a migration stream of the device open: restarts and upgrades wait.
+    pub migrating: bool,
+    /// The kernel took the passthrough device back: what and why.
+    pub device_lost: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct MoveSlot {
+    active: bool,
+    /// The worker's answer; `Err(None)`: the worker died before answering.
+    reply: Option<Result<MoveReport, Option<String>>>,
+    /// Identity of the VRAM the move copies to, once it is in custody.
+    target: Option<(u64, u64)>,
+}
+
+struct Endpoint {
+    spec: EndpointSpec,
+    socket: DeviceSocket,
+    held: Mutex<BTreeMap<u64, OwnedFd>>,
+    status: Mutex<WorkerStatus>,
+    changed: Condvar,
+    stopping: AtomicBool,
+    /// Bumped to ask the current worker to be replaced by a fresh process (upgrade).
+    generation: AtomicU64,
+    /// The current worker's end of its custody channel, for requests.
+    channel: Mutex<Option<OwnedFd>>,
+    /// The move in progress, if any.
+    mv: Mutex<MoveSlot>,
+    mv_changed: Condvar,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Endpoint {
+    fn mv(&self) -> MutexGuard<'_, MoveSlot> {
+        self.mv.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn status(&self) -> MutexGuard<'_, WorkerStatus> {
+        self.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn held(&self) -> MutexGuard<'_, BTreeMap<u64, OwnedFd>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Changes the held descriptors, then the status that counts them.
+    fn change_held<R>(&self, f: impl FnOnce(&mut BTreeMap<u64, OwnedFd>) -> R) -> R {
+        let mut held = self.held();
+        let r = f(&mut held);
+        let (n, connected) = (held.len(), held.contains_key(&CONNECTION_ID));
+        let client = client_fds(&held);
+        drop(held);
+        let mut st = self.status();
+        st.held = n;
+        st.connected = connected;
+        st.client_fds = client;
+        r
+    }
+}
+
+/// How many of `held` are the client's descriptors (custody ids the worker assigns to the
+/// descriptors of messages; see `switchyard_server::continuity::FIRST_MESSAGE_ID`).
+fn client_fds(held: &BTreeMap<u64, OwnedFd>) -> usize {
+    held.range(switchyard_server::continuity::FIRST_MESSAGE_ID..)
+        .count()
+}
+
+/// Descriptors a worker may put in custody beyond its budget before the supervisor refuses
+/// them: one read's worth, which a worker counts against its budget only once it has them.
+pub const BUDGET_SLACK: usize = switchyard_server::transport::MAX_FDS_PER_READ;
+
+/// Something that happened to an endpoint's worker (for the daemon's events and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerEvent {
+    /// A worker process started.
+    Started {
+        /// Endpoint.
+        endpoint: String,
+        /// Its pid.
+        pid: u32,
+        /// It resumes a device (a restart) rather than creating one.
+        resume: bool,
+    },
+    /// The worker serves.
+    Ready {
+        /// Endpoint.
+        endpoint: String,
+        /// Its pid.
+        pid: u32,
+        /// It continued a client connection.
+        resumed_connection: bool,
+        /// From the previous worker's death to this one's readiness, if it replaced one.
+        restart: Option<Duration>,
+    },
+    /// A worker exited.
+    Exited {
+        /// Endpoint.
+        endpoint: String,
+        /// Its pid.
+        pid: u32,
+        /// How it ended (`exit status: 0`, `signal: 9 (SIGKILL)`, ...).
+        status: String,
+    },
+    /// What the worker served since its last report (about every second).
+    Stats {
+        /// Endpoint.
+        endpoint: String,
+        /// The report.
+        stats: crate::custody::WorkerStats,
+    },
+    /// Workers kept dying before serving; the endpoint's client was disconnected.
+    GaveUp {
+        /// Endpoint.
+        endpoint: String,
+    },
+    /// Workers kept dying before serving: the supervisor let go of what the next one would
+    /// have restored (the client's connection and descriptors; then the device's state).
+    Reset {
+        /// Endpoint.
+        endpoint: String,
+        /// What was let go, and why.
+        what: String,
+    },
+    /// A replacement could not restore all of the client's state (windows or eventfds the
+    /// client had been told succeeded).
+    StateLost {
+        /// Endpoint.
+        endpoint: String,
+        /// What was lost.
+        problems: Vec<String>,
+    },
+    /// The kernel took the endpoint's passthrough device back (unbind, removal): the
+    /// endpoint fails every access with ENODEV; its board should take no new lease.
+    DeviceLost {
+        /// Endpoint.
+        endpoint: String,
+        /// The device's PCI address.
+        host: String,
+        /// What happened.
+        reason: String,
+    },
+}
+
+/// Receives [`WorkerEvent`]s (called from supervision threads; keep it short).
+pub type EventSink = Arc<dyn Fn(WorkerEvent) + Send + Sync>;
+
+/// Supervises endpoint workers. See the [module](self) documentation.
+pub struct Supervisor {
+    exe: PathBuf,
+    endpoints: Mutex<BTreeMap<String, Arc<Endpoint>>>,
+    sink: EventSink,
+    /// Where workers offer their adoption sockets (see [`crate::keeper`]).
+    adopt_dir: Option<PathBuf>,
+    /// Each endpoint's client descriptor budget ([`Supervisor::with_fd_plan`]).
+    fd_budget: Option<u32>,
+    /// How many endpoints may be supervised at once.
+    fd_plan: Option<FdPlan>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("exe", &self.exe)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Supervisor {
+    /// A supervisor that starts workers as `exe worker`.
+    pub fn new(exe: impl Into<PathBuf>) -> Self {
+        Self::with_events(exe, Arc::new(|_| {}))
+    }
+
+    /// [`Supervisor::new`] that reports what happens to workers to `sink`.
+    pub fn with_events(exe: impl Into<PathBuf>, sink: EventSink) -> Self {
+        Self {
+            exe: exe.into(),
+            endpoints: Mutex::new(BTreeMap::new()),
+            sink,
+            adopt_dir: None,
+            fd_budget: None,
+            fd_plan: None,
+        }
+    }
+
+    /// Shares the process's descriptors by `plan`: each endpoint's client gets
+    /// `plan.per_endpoint` ([`Supervisor::with_fd_budget`]), and an endpoint is created or
+    /// adopted only while [`FdPlan::endpoints`] allows ([`SupervisorError::NoRoom`]).
+    pub fn with_fd_plan(mut self, plan: FdPlan) -> Self {
+        self.fd_budget = Some(plan.per_endpoint);
+        self.fd_plan = Some(plan);
+        self
+    }
+
+    /// The plan set by [`Supervisor::with_fd_plan`].
+    pub fn fd_plan(&self) -> Option<FdPlan> {
+        self.fd_plan
+    }
+
+    fn check_room(
+        &self,
+        endpoints: &BTreeMap<String, Arc<Endpoint>>,
+        id: &str,
+    ) -> Result<(), SupervisorError> {
+        let Some(plan) = self.fd_plan else {
+            return Ok(());
+        };
+        let max = plan.endpoints();
+        if endpoints.len() as u64 >= max {
+            return Err(SupervisorError::NoRoom {
+                endpoint: id.to_owned(),
+                endpoints: endpoints.len() as u64,
+                per_endpoint: plan.per_endpoint,
+                own: FdPlan::ENDPOINT_OWN,
+                reserve: plan.reserve,
+                limit: plan.limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Caps each endpoint's client at `budget` descriptors in custody (DMA memory fds,
+    /// interrupt eventfds, a message's descriptors in flight): its worker refuses a message
+    /// that would pass it (EMFILE to the client) and advertises `max_dma_maps` within it;
+    /// the supervisor refuses holds past it (plus one read: [`BUDGET_SLACK`]).
+    pub fn with_fd_budget(mut self, budget: u32) -> Self {
+        self.fd_budget = Some(budget);
+        self
+    }
+
+    /// The budget set by [`Supervisor::with_fd_budget`].
+    pub fn fd_budget(&self) -> Option<u32> {
+        self.fd_budget
+    }
+
+    /// Has every worker offer an adoption socket in `dir` (a private directory), so that a
+    /// supervisor of a later daemon can [`Supervisor::adopt`] it.
+    pub fn with_adoption_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.adopt_dir = Some(dir.into());
+        self
+    }
+    fn endpoints(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Endpoint>>> {
+        self.endpoints.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn get(&self, id: &str) -> Result<Arc<Endpoint>, SupervisorError> {
+        self.endpoints()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))
+    }
+
+    /// Binds the endpoint's socket (listening when this returns) and starts its worker.
+    pub fn create(&self, spec: EndpointSpec) -> Result<(), SupervisorError> {
+        let mut endpoints = self.endpoints();
+        if endpoints.contains_key(&spec.id) {
+            return Err(SupervisorError::Exists(spec.id));
+        }
+        self.check_room(&endpoints, &spec.id)?;
+        let socket = DeviceSocket::bind(&spec.socket, 0o600)
+            .map_err(|e| SupervisorError::Bind(spec.id.clone(), e))?;
+        let ep = Arc::new(Endpoint {
+            spec: spec.clone(),
+            socket,
+            held: Mutex::new(BTreeMap::new()),
+            status: Mutex::new(WorkerStatus::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            channel: Mutex::new(None),
+            mv: Mutex::new(MoveSlot::default()),
+            mv_changed: Condvar::new(),
+            thread: Mutex::new(None),
+        });
+        let exe = self.exe.clone();
+        let ep2 = ep.clone();
+        let sink = self.sink.clone();
+        let adopt_dir = self.adopt_dir.clone();
+        let budget = self.fd_budget;
+        let thread = std::thread::Builder::new()
+            .name(format!("sy-sup-{}", spec.id))
+            .spawn(move || {
+                let launch = Launch {
+                    adopt_dir: adopt_dir.as_deref(),
+                    fd_budget: budget,
+                };
+                supervise(&ep2, &exe, &sink, launch, None);
+            })
+            .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
+        *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
+        endpoints.insert(spec.id, ep);
+        Ok(())
+    }
+
+    /// Stops the endpoint: its worker is killed and every descriptor closed (the client sees
+    /// the connection close), the socket file removed.
+    pub fn delete(&self, id: &str) -> Result<(), SupervisorError> {
+        let ep = self
+            .endpoints()
+            .remove(id)
+            .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))?;
+        {
+            // Under the status lock: a worker started concurrently either is seen here or
+            // sees `stopping` (see `run_worker`).
+            let st = ep.status();
+            ep.stopping.store(true, Ordering::SeqCst);
+            kill(st.pid);
+        }
+        if let Some(t) = ep.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        ep.held().clear();
+        Ok(())
+    }
+
+    /// Kills the endpoint's worker with SIGKILL (a crash drill); the supervisor replaces it.
+    /// Returns the pid killed.
+    pub fn kill_worker(&self, id: &str) -> Result<Option<u32>, SupervisorError> {
+        let ep = self.get(id)?;
+        let pid = ep.status().pid;
+        kill(pid);
+        Ok(pid)
+    }
+
+    /// Replaces the endpoint's worker with a new process of the supervisor's executable (an
+    /// upgrade when the file changed): the old one is killed at once and the new one resumes
+    /// from what is held.
+    pub fn upgrade(&self, id: &str) -> Result<(), SupervisorError> {
+        let ep = self.get(id)?;
+        ep.generation.fetch_add(1, Ordering::SeqCst);
+        kill(ep.status().pid);
+        Ok(())
+    }
+
+    /// Moves the endpoint's device onto a new VRAM (another board) under its running client:
+    /// the worker pre-copies VRAM while the device runs, then swaps to a device on the new
+    /// VRAM (`to` names the board, for the logs). One move per endpoint at a time; waits up
+    /// to `timeout` for the worker's answer.
+    ///
+    /// If the worker dies during the move, the replacement runs the device on whichever VRAM
+    /// its state names: waits for it (within `timeout`) and reports
+    /// [`MoveOutcome::MovedAcrossRestart`] or [`SupervisorError::MoveFailed`] accordingly.
+    ///
+    /// `detached`: the endpoint's client is gone (its VMM unplugged the device for a
+    /// guest-visible move): VRAM the guest could map moves too; refused if a client is
+    /// connected when the device switches.
+    pub fn move_device(
+        &self,
+        id: &str,
+        to: &str,
+        detached: bool,
+        timeout: Duration,
+    ) -> Result<MoveOutcome, SupervisorError> {
+        let ep = self.get(id)?;
+        let deadline = Instant::now() + timeout;
+        {
+            let mut mv = ep.mv();
+            if mv.active {
+                return Err(SupervisorError::Moving(id.to_owned()));
+            }
+            *mv = MoveSlot {
+                active: true,
+                ..MoveSlot::default()
+            };
+        }
+        let result = self.run_move(&ep, to, detached, deadline);
+        let mut mv = ep.mv();
+        mv.active = false;
+        mv.reply = None;
+        result
+    }
+
+    /// Whether a move of the endpoint is in progress.
+    pub fn is_moving(&self, id: &str) -> Result<bool, SupervisorError> {
+        Ok(self.get(id)?.mv().active)
+    }
+
+    fn run_move(
+        &self,
+        ep: &Endpoint,
+        to: &str,
+        detached: bool,
+        deadline: Instant,
+    ) -> Result<MoveOutcome, SupervisorError> {
+        let id = &ep.spec.id;
+        let failed = |reason: String| SupervisorError::MoveFailed {
+            endpoint: id.clone(),
+            reason,
+        };
+        let ready_before = ep.status().ready;
+        let sent = {
+            let channel = ep.channel.lock().unwrap_or_else(|p| p.into_inner());
+            let ch = channel
+                .as_ref()
+                .ok_or_else(|| SupervisorError::NoWorker(id.clone()))?;
+            custody::send(
+                ch,
+                &Note::Move {
+                    to: to.to_owned(),
+                    detached,
+                },
+                &[],
+            )
+        };
+        sent.map_err(|e| failed(format!("cannot ask the worker: {e}")))?;
+        let mut mv = ep.mv();
+        while mv.reply.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(failed("the worker did not answer in time".into()));
+            }
+            mv = ep
+                .mv_changed
+                .wait_timeout(mv, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        let reply = mv.reply.take();
+        let target = mv.target;
+        drop(mv);
+        match reply {
+            Some(Ok(report)) => Ok(MoveOutcome::Moved(report)),
+            Some(Err(Some(reason))) => Err(failed(reason)),
+            _ => {
+                // The worker died: where does its replacement run the device?
+                let left = deadline.saturating_duration_since(Instant::now());
+                let st = self.wait_ready(id, ready_before + 1, left)?;
+                if st.ready <= ready_before {
+                    return Err(failed(
+                        "the worker died during the move and no replacement is serving yet".into(),
+                    ));
+                }
+                let current = ep.held().get(&VRAM_ID).and_then(file_identity);
+                if target.is_some() && current == target {
+                    Ok(MoveOutcome::MovedAcrossRestart)
+                } else {
+                    Err(failed(
+                        "the worker died during the move; its replacement runs the device where it was"
+                            .into(),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// The endpoint's worker status.
+    pub fn status(&self, id: &str) -> Result<WorkerStatus, SupervisorError> {
+        Ok(self.get(id)?.status().clone())
+    }
+
+    /// Waits until the endpoint has had `ready` workers report ready (or `timeout`).
+    pub fn wait_ready(
+        &self,
+        id: &str,
+        ready: u64,
+        timeout: Duration,
+    ) -> Result<WorkerStatus, SupervisorError> {
+        let ep = self.get(id)?;
+        let deadline = Instant::now() + timeout;
+        let mut st = ep.status();
+        while st.ready < ready && !st.failed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = ep
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(st.clone())
+    }
+
+    /// Names of the endpoints.
+    pub fn list(&self) -> Vec<String> {
+        self.endpoints().keys().cloned().collect()
+    }
+
+    /// Stops supervising every endpoint **without** killing its worker, for a daemon that
+    /// exits while guests keep their devices: each worker keeps serving its connection (its
+    /// custody notes fail from then on, and it runs without a supervisor: a crash of it is
+    /// no longer repaired), the socket files stay in place, and a worker that dies after this
+    /// is not replaced. Returns each endpoint with the pid of its worker at that moment.
+    ///
+    /// The endpoints' descriptors and supervision threads are left to the end of the process
+    /// (they are not closed here, so that no socket file is removed): call this just before
+    /// exiting. A supervisor dropped afterwards has nothing left to kill.
+    pub fn release_all(&self) -> Vec<(String, Option<u32>)> {
+        let released = std::mem::take(&mut *self.endpoints());
+        let mut out = Vec::with_capacity(released.len());
+        for (id, ep) in released {
+            let pid = {
+                let st = ep.status();
+                ep.stopping.store(true, Ordering::SeqCst);
+                st.pid
+            };
+            out.push((id, pid));
+            // Dropping the last reference would close the listening socket and remove its
+            // file; the process ends soon and releases everything then.
+            std::mem::forget(ep);
+        }
+        out
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        for id in self.list() {
+            let _ = self.delete(&id);
+        }
+    }
+}
+
+/// `(st_dev, st_ino)` of a held descriptor.
+fn file_identity(fd: &OwnedFd) -> Option<(u64, u64)> {
+    rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
+}
+
+fn kill(pid: Option<u32>) {
+    if let Some(pid) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
