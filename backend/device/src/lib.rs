@@ -22,6 +22,7 @@ pub mod config;
 pub mod dirty;
 pub mod dma;
 pub mod irq;
+pub mod kind;
 pub mod msix;
 pub mod ratelimit;
 mod traits;
@@ -33,7 +34,8 @@ pub use dma::{DmaError, DmaProt, DmaSpace, RemoteDma};
 pub use irq::{Interrupts, IrqError, IrqIndex};
 pub use traits::{
     AsAny, DirtySource, DmaObserver, IrqRouter, Migratable, PciDevice, Quiesce, QuiesceGuard,
-    SuccessorFactory, Swappable,
+    Recoverable, Relocatable, Relocation, RelocationStats, SuccessorFactory, Swappable, Telemetry,
+    WorkCounters,
 };
 
 /// VFIO region index of the PCI configuration space.

@@ -13,6 +13,14 @@
 //! | [`DmaObserver`] | told about every DMA map and unmap before it takes effect (a passthrough device programs its IOMMU there) |
 //! | [`DirtySource`] | dirty bits ORed into DMA logging reports (a VFIO dirty log, say) |
 //! | [`IrqRouter`] | takes the client's interrupt eventfds itself (VFIO `SET_IRQS`, so interrupts never cross the server) |
+//!
+//! And the groups a pool daemon's worker uses, above the server:
+//!
+//! | group | what the worker does with it |
+//! |---|---|
+//! | [`Recoverable`] | names the memory objects a replacement process must be handed (the device mirrors the rest into its black box; [`DeviceKind::recover`](crate::kind::DeviceKind::recover) rebuilds it) |
+//! | [`Relocatable`] | moves the device onto new memory under its client (a pool's move to another board): pre-copy rounds, a parked successor, the slot's swap |
+//! | [`Telemetry`] | work counters for the daemon's metrics |
 
 use std::any::Any;
 use std::fs::File;
@@ -90,6 +98,22 @@ pub trait PciDevice: Send + AsAny {
 
     /// The device's own interrupt routing, if it delivers interrupts itself.
     fn irq_router(&mut self) -> Option<&mut dyn IrqRouter> {
+        None
+    }
+
+    /// What a replacement process needs beyond the black box, if the device can be
+    /// recovered in one.
+    fn recoverable(&self) -> Option<&dyn Recoverable> {
+        None
+    }
+
+    /// Relocation onto new memory under a connected client, if the device can move.
+    fn relocatable(&mut self) -> Option<&mut dyn Relocatable> {
+        None
+    }
+
+    /// Work counters, if the device keeps any.
+    fn telemetry(&self) -> Option<&dyn Telemetry> {
         None
     }
 }
@@ -214,4 +238,79 @@ pub trait IrqRouter: Send {
     /// `SET_IRQS` assigned (`Some`) or removed (`None`) the eventfds of vectors
     /// `start..start + fds.len()` of interrupt `index`.
     fn route(&mut self, index: u32, start: u32, fds: &[Option<&File>]) -> Result<()>;
+}
+
+/// A device a replacement process can rebuild ([`DeviceKind::recover`](crate::kind::DeviceKind::recover)):
+/// its state is mirrored into the worker's black box, and the memory objects the client maps
+/// (which a replacement must serve again, the very same files) are named here for custody.
+pub trait Recoverable {
+    /// The slot's memory objects a replacement needs, by their [`MemoryObjects`](crate::MemoryObjects)
+    /// names, each with a new descriptor of its backing file.
+    fn held_objects(&self) -> Result<Vec<(String, File)>>;
+}
+
+/// What a relocation copied, for the operator's report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RelocationStats {
+    /// Pre-copy rounds run (the first copies every byte in use).
+    pub rounds: u32,
+    /// Bytes copied by all rounds, the final one included.
+    pub bytes: u64,
+    /// Bytes copied by the last pre-copy round.
+    pub last_round_bytes: u64,
+    /// Bytes copied by the final round, with the device stopped.
+    pub final_bytes: u64,
+    /// How long the final round took.
+    pub final_copy: std::time::Duration,
+}
+
+/// A device that can move onto new memory under its client: a copy runs while the device
+/// does ([`Relocation::round`]), then a parked successor on the new memory takes the slot
+/// through the server's swap, which hands the state over and copies the rest.
+pub trait Relocatable: Send {
+    /// Starts a relocation onto new memory this call creates. `detached`: no client is
+    /// connected (memory the guest could map moves too).
+    fn begin_relocation(&self, detached: bool) -> Result<Box<dyn Relocation>>;
+
+    /// On a successor built by [`Relocation::successor`] and not yet swapped in: one more
+    /// pre-copy round (what was written while it was built); the bytes copied.
+    fn relocation_round(&mut self) -> Result<u64>;
+
+    /// What the relocation that built this device copied (after the swap).
+    fn relocation_stats(&self) -> Option<RelocationStats>;
+}
+
+/// A relocation in progress ([`Relocatable::begin_relocation`]). Dropped before the swap, it
+/// leaves the source untouched.
+pub trait Relocation: Send {
+    /// The new memory objects, by the names the device will hold them under once it runs on
+    /// them: custody holds them (as pending) before anything runs on them.
+    fn targets(&self) -> Result<Vec<(String, File)>>;
+
+    /// One pre-copy round: copies what changed since the last (everything in use, the first
+    /// time); the bytes copied.
+    fn round(&mut self) -> Result<u64>;
+
+    /// Rounds so far.
+    fn rounds(&self) -> u32;
+
+    /// Builds the parked successor on the new memory, on the slot's context.
+    fn successor(self: Box<Self>, ctx: DeviceContext) -> Result<Box<dyn PciDevice>>;
+}
+
+/// Counters of the work a device did (commands, bytes produced, failures), monotonic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkCounters {
+    /// Commands completed.
+    pub commands: u64,
+    /// Bytes the completed commands produced.
+    pub bytes: u64,
+    /// Commands that failed.
+    pub errors: u64,
+}
+
+/// A device that counts its work.
+pub trait Telemetry {
+    /// The counters now.
+    fn work(&self) -> WorkCounters;
 }

@@ -324,6 +324,7 @@ mod device;
 mod doorbell;
 mod error;
 mod exec;
+mod kind;
 mod mig;
 mod mirror;
 mod pci;
@@ -352,6 +353,7 @@ use switchyard_device::{
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
 pub use error::SoftGpuError;
+pub use kind::SoftGpuKind;
 pub use mig::{MigStreamError, SourceStats};
 pub use mirror::{COLD_RECORD, HOT_RECORD};
 pub use recover::{QueueRecovery, Recovery};

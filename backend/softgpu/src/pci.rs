@@ -133,6 +133,18 @@ impl PciDevice for SoftGpu {
     fn swappable(&mut self) -> Option<&mut dyn Swappable> {
         Some(self)
     }
+
+    fn recoverable(&self) -> Option<&dyn switchyard_device::Recoverable> {
+        Some(self)
+    }
+
+    fn relocatable(&mut self) -> Option<&mut dyn switchyard_device::Relocatable> {
+        Some(self)
+    }
+
+    fn telemetry(&self) -> Option<&dyn switchyard_device::Telemetry> {
+        Some(self)
+    }
 }
 
 /// The offset in the doorbell page of a (checked) BAR0 access at `offset`, if it is one.

@@ -783,6 +783,10 @@ impl PciDevice for VfioPci {
         Some(Arc::clone(&self.iommu) as Arc<dyn DirtySource>)
     }
 
+    fn recoverable(&self) -> Option<&dyn switchyard_device::Recoverable> {
+        Some(self)
+    }
+
     fn irq_router(&mut self) -> Option<&mut dyn IrqRouter> {
         Some(self)
     }

@@ -11,10 +11,12 @@
 //! | config space | a shadow ([`config::VirtConfig`]): BAR sizing and addresses, ROM hidden, capabilities filtered, MSI/MSI-X emulated; COMMAND's memory/bus-master bits reach the device |
 //! | BARs | trapped by default: `pread`/`pwrite` on the VFIO device descriptor at the region's offset. With [`BarMode::Mmap`] the mmappable BARs are offered as sparse mmap areas of the device descriptor itself (the client maps the device's MMIO directly), except the MSI-X table's pages, which stay trapped |
 //! | MSI-X table and PBA | emulated (the kernel refuses accesses to the real table): per-vector and function masks are enforced by parking a masked vector's kernel eventfd on one of ours and replaying it on unmask |
-//! | interrupts | [`IrqRouter`](switchyard_device::IrqRouter): the client's eventfds from `SET_IRQS` go straight to `VFIO_DEVICE_SET_IRQS`; interrupts never pass through the server. MSI and MSI-X only; INTx is reported absent |
+//! | interrupts | [`IrqRouter`](switchyard_device::IrqRouter): the client's eventfds from `SET_IRQS` go straight to `VFIO_DEVICE_SET_IRQS`; interrupts never pass through the server (unless [`IrqDelivery::Relay`], for comparison). MSI and MSI-X only; INTx is reported absent |
 //! | DMA | [`DmaObserver`](switchyard_device::DmaObserver): every `DMA_MAP` with a descriptor is mapped (our own shared mapping of the client's file) into the device's IOMMU at IOVA = the client's DMA address (read-only windows read-only), and unmapped on `DMA_UNMAP`, unmap-all and client exit, before the memory is released ([`switchyard_sys::DmaMapping`]). A map without a descriptor cannot reach the device and is refused (`ENOTSUP`) |
 //! | dirty pages | [`DirtySource`](switchyard_device::DirtySource): the device has no dirty tracking, so every mapped page is reported dirty (the conservative rule) |
 //! | reset | `VFIO_DEVICE_RESET` when the device supports it, then the client's COMMAND bits are written again |
+//! | migration | [`Migratable`](switchyard_device::Migratable), VFIO migration v2 by *quiesce + reset + replay* (STOP_COPY only, no PRE_COPY): STOP clears bus mastering on the hardware; the stream carries the client's config-space bits and MSI-X table, which the destination replays onto its reset device. What lives inside the hardware is not carried: the guest's driver finds the device reset inside |
+//! | continuity | the same configuration published into a black box record after every change and replayed by a replacement process onto the device it opens again (the kernel reset it): a pool worker that dies is replaced under the client |
 //!
 //! **Trapped or mapped BARs.** A trapped BAR costs a round trip per access but the device stays
 //! behind the server, so it could in principle be swapped for another device (or a software
@@ -26,9 +28,11 @@
 //! counts against the server's `RLIMIT_MEMLOCK` (unless it has `CAP_IPC_LOCK`): serving a VM
 //! needs a limit of at least its RAM, or maps fail with `ENOMEM`.
 //!
-//! **Not done (future work).** The iommufd/cdev interface (`/dev/vfio/devices/vfioN`; our guest
-//! kernel has no `IOMMUFD`) is not tried; MSI per-vector mask bits are shadowed but not enforced; no
-//! extended capability is offered; no migration and no swap of a passthrough device.
+//! **Not done.** The iommufd/cdev interface (`/dev/vfio/devices/vfioN`; our guest kernel has no
+//! `IOMMUFD`) is not tried; the kernel's own migration v2 and dirty tracking (for devices whose
+//! variant driver has them) are not used; MSI per-vector mask bits are shadowed but not
+//! enforced; no extended capability is offered; a passthrough device is not
+//! [`Swappable`](switchyard_device::Swappable) (it cannot be swapped or moved under a client).
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -38,12 +42,14 @@ pub mod config;
 mod device;
 mod dma;
 mod irq;
+mod kind;
 pub mod sysfs;
 
 use std::path::PathBuf;
 
 pub use device::VfioPci;
 pub use dma::Iommu;
+pub use kind::VfioKind;
 
 /// How the BARs are offered to the client.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

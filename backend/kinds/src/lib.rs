@@ -1,0 +1,181 @@
+//! The device-kind registry: every kind of device Switchyard serves, by name.
+//!
+//! `switchyard serve --device KIND,opts`, a pool board's `model = "KIND"` and the daemon's
+//! workers all parse and build through here, and know nothing else of the kinds: a new kind
+//! is a crate implementing [`DeviceKind`] (see `switchyard_device::kind`) plus one line in
+//! [`KINDS`].
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+use serde::{Deserialize, Serialize};
+use switchyard_device::kind::{DeviceKind, KindError, KindOptions, Profile, parse_kv};
+
+/// Every kind, in the order help texts list them.
+pub static KINDS: &[&dyn DeviceKind] =
+    &[&switchyard_softgpu::SoftGpuKind, &switchyard_vfio::VfioKind];
+
+/// The kind called `name`.
+pub fn get(name: &str) -> Option<&'static dyn DeviceKind> {
+    KINDS.iter().copied().find(|k| k.name() == name)
+}
+
+/// The kinds' names, comma-separated (for messages).
+pub fn names() -> String {
+    KINDS
+        .iter()
+        .map(|k| k.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Why a device could not be described.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    /// No such kind.
+    #[error("Unknown device kind `{kind}`; the kinds are {known}")]
+    UnknownKind {
+        /// What was asked for.
+        kind: String,
+        /// The known kinds.
+        known: String,
+    },
+    /// The kind refuses the options.
+    #[error("{kind}: {source}")]
+    Options {
+        /// The kind.
+        kind: &'static str,
+        /// Why.
+        #[source]
+        source: KindError,
+    },
+}
+
+/// A device to serve: a kind and its canonical options ([`DeviceKind::check`]). What a
+/// worker is told to build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// The kind's name.
+    pub kind: String,
+    /// Its canonical options.
+    pub options: KindOptions,
+}
+
+impl DeviceSpec {
+    /// Checks `options` for `kind`: the spec (canonical options) and the pool's profile.
+    pub fn new(kind: &str, options: &KindOptions) -> Result<(DeviceSpec, Profile), SpecError> {
+        let k = get(kind).ok_or_else(|| SpecError::UnknownKind {
+            kind: kind.to_owned(),
+            known: names(),
+        })?;
+        let (options, profile) = k.check(options).map_err(|source| SpecError::Options {
+            kind: k.name(),
+            source,
+        })?;
+        Ok((
+            DeviceSpec {
+                kind: k.name().to_owned(),
+                options,
+            },
+            profile,
+        ))
+    }
+
+    /// Parses the command line's `KIND[,name=value...]`.
+    pub fn parse(s: &str) -> Result<DeviceSpec, SpecError> {
+        let (kind, options) = s.split_once(',').unwrap_or((s, ""));
+        let kind = kind.trim();
+        let options = parse_kv(options).map_err(|source| SpecError::Options {
+            kind: get(kind).map_or("device", |k| k.name()),
+            source,
+        })?;
+        Ok(Self::new(kind, &options)?.0)
+    }
+
+    /// The kind (checked when the spec was made; a spec decoded from elsewhere may name a
+    /// kind this build does not have).
+    pub fn kind(&self) -> Result<&'static dyn DeviceKind, SpecError> {
+        get(&self.kind).ok_or_else(|| SpecError::UnknownKind {
+            kind: self.kind.clone(),
+            known: names(),
+        })
+    }
+
+    /// Re-checks a spec decoded from elsewhere (a custody note, a store).
+    pub fn check(&self) -> Result<(DeviceSpec, Profile), SpecError> {
+        Self::new(&self.kind, &self.options)
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    /// `KIND,name=value,...`, the command line's form.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.kind)?;
+        for (k, v) in &self.options {
+            match v {
+                serde_json::Value::String(s) => write!(f, ",{k}={s}")?,
+                serde_json::Value::Bool(b) => write!(f, ",{k}={}", if *b { "on" } else { "off" })?,
+                other => write!(f, ",{k}={other}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Help text listing every kind and its options.
+pub fn help() -> String {
+    let mut s = String::new();
+    for k in KINDS {
+        s.push_str(&format!("{}: {}\n", k.name(), k.summary()));
+        for line in k.options_help().lines() {
+            s.push_str("    ");
+            s.push_str(line.trim_start());
+            s.push('\n');
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_well_formed() {
+        let mut seen = std::collections::BTreeSet::new();
+        for k in KINDS {
+            let n = k.name();
+            assert!(
+                !n.is_empty()
+                    && n.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+                "{n}"
+            );
+            assert!(seen.insert(n), "{n} registered twice");
+        }
+    }
+
+    #[test]
+    fn the_command_line_form_parses_checks_and_prints_back() {
+        let spec = DeviceSpec::parse("softgpu,vram=128M,queues=4,irq=msi").expect("parses");
+        assert_eq!(spec.kind, "softgpu");
+        assert_eq!(spec.options["vram"], 128u64 << 20);
+        let again = DeviceSpec::parse(&spec.to_string()).expect("its own form parses");
+        assert_eq!(again, spec);
+        let e = DeviceSpec::parse("softgpu,vram=3M").expect_err("not a power of two");
+        assert!(e.to_string().contains("`vram`"), "{e}");
+        let e = DeviceSpec::parse("gpu9").expect_err("unknown");
+        assert!(e.to_string().contains("softgpu, vfio"), "{e}");
+        let e = DeviceSpec::parse("vfio,bars=mmap").expect_err("no host");
+        assert!(e.to_string().contains("`host`"), "{e}");
+    }
+
+    #[test]
+    fn a_spec_survives_json() {
+        let spec = DeviceSpec::parse("vfio,host=00:04.0,bars=mmap").expect("parses");
+        assert_eq!(spec.options["host"], "0000:00:04.0");
+        let json = serde_json::to_string(&spec).expect("encodes");
+        let back: DeviceSpec = serde_json::from_str(&json).expect("decodes");
+        assert_eq!(back.check().expect("checks").0, spec);
+    }
+}

@@ -1,0 +1,171 @@
+//! Passthrough as a device kind (`vfio`): a PCI device or SR-IOV VF bound to vfio-pci.
+//!
+//! Its state is in the hardware, so a replacement process recovers it by *reset + replay*:
+//! the device publishes the client's configuration (config-space bits, the MSI-X table) into
+//! the black box after every change, and [`VfioKind::recover`](DeviceKind::recover) opens
+//! the device again (the kernel reset it when the dead process's descriptors closed) and
+//! replays it. The client's DMA windows and eventfds reach the new IOMMU container and the
+//! kernel through the device's DMA observer and interrupt router, which the server feeds
+//! with everything in its tables when the device takes the slot.
+
+use std::fs::File;
+
+use switchyard_device::blackbox::RecordSpec;
+use switchyard_device::kind::{Build, DeviceKind, DirtyLog, KindError, KindOptions, Profile, opt};
+use switchyard_device::{DeviceError, PciDevice, Recoverable};
+
+use crate::{BarMode, IrqDelivery, VfioConfig, VfioPci, sysfs};
+
+/// The passthrough kind.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct VfioKind;
+
+/// The black-box record of the client's configuration.
+const RECORD: &str = "vfio.config";
+
+impl VfioKind {
+    /// The configuration `options` describe.
+    pub fn config(options: &KindOptions) -> Result<VfioConfig, KindError> {
+        opt::only(options, &["host", "bars", "irq"])?;
+        let host = opt::str(options, "host")?
+            .ok_or_else(|| {
+                KindError::option(
+                    "host",
+                    "required: the device's PCI address (e.g. \"0000:00:04.0\")",
+                )
+            })
+            .and_then(|h| {
+                sysfs::normalize_bdf(h).map_err(|_| {
+                    KindError::option(
+                        "host",
+                        format!("`{h}` is not a PCI address; expected DDDD:BB:DD.F or BB:DD.F (hexadecimal)"),
+                    )
+                })
+            })?;
+        let mut c = VfioConfig::new(host);
+        c.bars = match opt::str(options, "bars")? {
+            None | Some("trap") => BarMode::Trap,
+            Some("mmap") => BarMode::Mmap,
+            Some(b) => {
+                return Err(KindError::option(
+                    "bars",
+                    format!("`{b}` is not `trap` or `mmap`"),
+                ));
+            }
+        };
+        c.irq = match opt::str(options, "irq")? {
+            None | Some("direct") => IrqDelivery::Direct,
+            Some("relay") => IrqDelivery::Relay,
+            Some(i) => {
+                return Err(KindError::option(
+                    "irq",
+                    format!("`{i}` is not `direct` or `relay`"),
+                ));
+            }
+        };
+        Ok(c)
+    }
+
+    /// The canonical options of `config`.
+    pub fn options(config: &VfioConfig) -> KindOptions {
+        let mut o = KindOptions::new();
+        o.insert("host".into(), config.host.clone().into());
+        let bars = match config.bars {
+            BarMode::Trap => "trap",
+            BarMode::Mmap => "mmap",
+        };
+        o.insert("bars".into(), bars.into());
+        let irq = match config.irq {
+            IrqDelivery::Direct => "direct",
+            IrqDelivery::Relay => "relay",
+        };
+        o.insert("irq".into(), irq.into());
+        o
+    }
+
+    fn open(options: &KindOptions, b: &Build, replay: bool) -> Result<VfioPci, KindError> {
+        let c = Self::config(options)?;
+        let mut device = VfioPci::open(&c).map_err(|e| KindError::build("vfio", e))?;
+        if let Some(bb) = &b.black_box {
+            let mirror = bb.record(RECORD).map_err(|e| KindError::build("vfio", e))?;
+            if replay {
+                match mirror.read() {
+                    Ok(Some(saved)) => match device.restore(&saved) {
+                        Ok(()) => tracing::info!(
+                            "the client's configuration replayed onto the reset device"
+                        ),
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot replay the client's configuration")
+                        }
+                    },
+                    Ok(None) => {}
+                    Err(e) => tracing::error!(error = %e, "cannot read the client's configuration"),
+                }
+            }
+            device.set_mirror(mirror);
+        }
+        if let Some(lost) = b.lost.clone() {
+            device.on_release(move || {
+                lost("the kernel took the device back (an unbind or a removal)".into())
+            });
+        }
+        Ok(device)
+    }
+}
+
+impl DeviceKind for VfioKind {
+    fn name(&self) -> &'static str {
+        "vfio"
+    }
+
+    fn summary(&self) -> &'static str {
+        "a PCI device or SR-IOV VF bound to vfio-pci, passed through"
+    }
+
+    fn options_help(&self) -> &'static str {
+        "host=DDDD:BB:DD.F   the device's PCI address (required)\n\
+         bars=trap|mmap      BARs trapped, or offered for mmap where the kernel allows (trap)\n\
+         irq=direct|relay    interrupts handed to the kernel, or relayed by a thread (direct)"
+    }
+
+    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
+        let c = Self::config(options)?;
+        let profile = Profile {
+            // The hardware's business: requirements on VRAM or queues never pick one.
+            vram: 0,
+            queues: 0,
+            partitionable: false,
+            movable: false,
+            msix: true,
+            dirty_log: DirtyLog::AllMapped,
+            exclusive: Some(c.host.clone()),
+        };
+        Ok((Self::options(&c), profile))
+    }
+
+    fn partition(&self, board: &KindOptions, _vram: u64, _queues: u32) -> KindOptions {
+        board.clone()
+    }
+
+    fn black_box_records(&self, _options: &KindOptions) -> Vec<RecordSpec> {
+        vec![RecordSpec::new(RECORD, VfioPci::MIRROR_CAPACITY)]
+    }
+
+    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Ok(Box::new(Self::open(options, &b, false)?))
+    }
+
+    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        if b.black_box.is_none() {
+            return Err(KindError::NoRecovery("vfio"));
+        }
+        Ok(Box::new(Self::open(options, &b, true)?))
+    }
+}
+
+impl Recoverable for VfioPci {
+    /// Nothing: the hardware is reset and the configuration replayed.
+    fn held_objects(&self) -> Result<Vec<(String, File)>, DeviceError> {
+        Ok(Vec::new())
+    }
+}
