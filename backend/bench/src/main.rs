@@ -13,19 +13,28 @@
 
 mod api;
 mod cases;
+mod copy;
 mod custody;
+mod decompose;
+mod dirty_report;
 mod doorbell;
 mod downtime;
 mod floors;
 mod gpu;
+mod interrupt;
+mod journal;
 mod moves;
 mod pin;
+mod posted;
 mod profile;
 mod report;
 mod restart;
+mod round_trip;
 mod servers;
+mod size_sweep;
 mod stats;
 mod svg;
+mod write_multi;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -154,18 +163,18 @@ fn main() -> Result<()> {
     );
     let dir = tempfile::tempdir().context("tempdir")?;
     let all: [(&str, Case); 16] = [
-        ("round-trip", cases::round_trip),
-        ("decompose", cases::decompose),
-        ("size-sweep", cases::size_sweep),
-        ("posted", cases::posted),
-        ("write-multi", cases::write_multi),
-        ("copy", cases::copy),
-        ("interrupt", cases::interrupt),
+        ("round-trip", round_trip::round_trip),
+        ("decompose", decompose::decompose),
+        ("size-sweep", size_sweep::size_sweep),
+        ("posted", posted::posted),
+        ("write-multi", write_multi::write_multi),
+        ("copy", copy::copy),
+        ("interrupt", interrupt::interrupt),
         ("doorbell", doorbell::doorbell),
-        ("dirty-report", cases::dirty_report),
+        ("dirty-report", dirty_report::dirty_report),
         ("swap", downtime::swap),
         ("migration", downtime::migration),
-        ("journal", cases::journal),
+        ("journal", journal::journal),
         ("custody", custody::custody),
         ("restart", restart::restart),
         ("move", moves::moves),
