@@ -216,6 +216,16 @@ impl std::fmt::Debug for dyn DeviceKind {
     }
 }
 
+/// A set of kinds by name (the registry, `switchyard-kinds`; tests bring their own): what a
+/// pool checks its boards against without depending on any kind.
+pub trait KindCatalog: Send + Sync {
+    /// The kind called `name`.
+    fn kind(&self, name: &str) -> Option<&dyn DeviceKind>;
+
+    /// The kinds' names, comma-separated (for messages).
+    fn names(&self) -> String;
+}
+
 /// Parses `k=v,k2=v2` (the command line's form) into options whose values are strings;
 /// [`DeviceKind::check`] interprets them ([`opt`]'s readers accept strings). An empty string
 /// is no options.

@@ -9,7 +9,7 @@
 #![warn(missing_docs)]
 
 use serde::{Deserialize, Serialize};
-use switchyard_device::kind::{DeviceKind, KindError, KindOptions, Profile, parse_kv};
+use switchyard_device::kind::{DeviceKind, KindCatalog, KindError, KindOptions, Profile, parse_kv};
 
 /// Every kind, in the order help texts list them.
 pub static KINDS: &[&dyn DeviceKind] =
@@ -27,6 +27,20 @@ pub fn names() -> String {
         .map(|k| k.name())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// The registry as a [`KindCatalog`] (what a pool checks its boards against).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Registry;
+
+impl KindCatalog for Registry {
+    fn kind(&self, name: &str) -> Option<&dyn DeviceKind> {
+        get(name)
+    }
+
+    fn names(&self) -> String {
+        names()
+    }
 }
 
 /// Why a device could not be described.
