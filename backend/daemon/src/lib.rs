@@ -2,10 +2,14 @@
 //! descriptor making up the guest's view of its device.
 //!
 //! - [`supervisor`]: per endpoint, the listening socket, the worker process, and the held
-//!   descriptors (client connection, DMA memory fds, interrupt eventfds, the VRAM memfd, the
-//!   black box); a dead worker is replaced and resumes the connection.
-//! - [`worker`]: `switchyard worker`, the process that serves one endpoint.
+//!   descriptors (client connection, DMA memory fds, interrupt eventfds, the VRAM and doorbell
+//!   page memfds, the black box the worker created); a dead worker is replaced and resumes the
+//!   connection.
+//! - [`worker`]: `switchyard worker`, the process that serves one endpoint (a softgpu, or a
+//!   passthrough device over `switchyard-vfio`).
 //! - [`custody`]: the channel between them.
+//! - [`keeper`]: the worker's ledger of what it put in custody, offered to a new supervisor so
+//!   that a restarted daemon adopts its running workers.
 //! - [`app`]: `switchyard daemon`, the pool daemon around them: the pool's store, a worker per
 //!   leased endpoint, the control API.
 //!

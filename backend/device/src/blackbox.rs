@@ -1,10 +1,11 @@
 //! A black box: shared memory into which a process that serves a device mirrors what a
 //! replacement process needs to carry on after it was killed.
 //!
-//! The pool daemon creates one per endpoint (a sealed memfd) and keeps it; the process that
-//! serves the endpoint maps it, and the device and the server *publish* their state into named
-//! [`Record`]s as it changes. When that process dies (`kill -9`, a crash, an upgrade), the
-//! daemon hands the same memfd to its replacement, which reads the records and resumes.
+//! The process that serves an endpoint (a pool daemon's worker) creates one (a sealed memfd)
+//! when it starts on a fresh device and hands it to the daemon's custody; the device and the
+//! server *publish* their state into named [`Record`]s as it changes. When that process dies
+//! (`kill -9`, a crash, an upgrade), the daemon hands the same memfd to its replacement, which
+//! opens it ([`BlackBox::open`]), reads the records and resumes.
 //!
 //! A record is double-buffered: [`Record::publish`] writes the copy that is not current, then
 //! makes it current with one atomic store of a generation counter. A process killed in the

@@ -4,11 +4,13 @@
 //!
 //! # The model
 //!
-//! - A **board** is a GPU the daemon can serve (today a softgpu with its VRAM size, queues,
-//!   interrupt mode and VRAM mappability; tomorrow a physical GPU or VF). Its state is
-//!   [`BoardState::Available`], [`BoardState::Quarantined`] (no new leases; the leases it has
-//!   stay until moved) or [`BoardState::Missing`] (gone from the configuration but still
-//!   leased, so kept and reported rather than dropped).
+//! - A **board** is a device the daemon can serve: a softgpu ([`Model::Softgpu`], with its VRAM
+//!   size, queues, interrupt mode and VRAM mappability) or a physical PCI device or SR-IOV VF
+//!   bound to vfio-pci ([`Model::Vfio`], named by its `host` address; what the guest made of
+//!   it lives in the hardware, so it is detached and attached, never moved under a guest). A
+//!   board's state is [`BoardState::Available`], [`BoardState::Quarantined`] (no new leases;
+//!   the leases it has stay until moved) or [`BoardState::Missing`] (gone from the
+//!   configuration but still leased, so kept and reported rather than dropped).
 //! - A board may be cut into **partitions** (GPU-P style): each a VRAM slice and a share of
 //!   the queues, with the board's interrupt mode and mappability. The partitions' VRAM and
 //!   queues fit in the board's.

@@ -10,7 +10,7 @@
 //!   hot-path helpers such as [`region_read_reply_buffer`]).
 //! * [`Capabilities`], [`negotiate`], [`negotiate_version`]: VERSION JSON.
 //!
-//! No I/O, no threads, no `unsafe`. See `DESIGN.md`.
+//! No I/O, no threads, no `unsafe`. Where the codec sits in Switchyard: `ARCHITECTURE.md`.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -24,9 +24,10 @@
 //!   unconsumed bytes, with which a replacement server process learns whether the killed one
 //!   consumed what it had journaled.
 //!
-//! Users: the in-guest driver (`guest-tests/driver`) maps its DMA windows with it, so every
-//! guest test exercises this code against a real IOMMU (the guest's `intel-iommu`); the
-//! passthrough backend maps the client's memory into a physical device's IOMMU with it.
+//! Users: the in-guest drivers (`guest-tests/driver`, `sy-edu` in `guest-tests/nested`) map
+//! their DMA windows with it, so every guest test exercises this code against a real IOMMU
+//! (the guest's `intel-iommu`); the passthrough backend maps the client's memory into a
+//! physical device's IOMMU with it; the server reads `SO_PEEK_OFF` with it (crash continuity).
 //!
 //! Every `unsafe` block carries a `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks`
 //! is denied in the workspace).

@@ -3,7 +3,7 @@
 //! * [`QemuCommand`]: a typed builder for the QEMU command line the project's
 //!   guest harness uses (TCG, q35 with shared memfd RAM, PVH kernel, optional
 //!   VT-d, PCIe root ports for hot-plug, `vfio-user-pci` devices in JSON form,
-//!   QMP on a unix socket). See `docs/guest-harness.md` §3.3 and §5.
+//!   QMP on a unix socket); `guest-tests/harness` is its user.
 //! * [`Qmp`]: a small synchronous QMP client (std I/O with timeouts) with
 //!   helpers for hot-plugging and unplugging `vfio-user-pci` devices and for
 //!   inspecting the guest's PCI topology.
