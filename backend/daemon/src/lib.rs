@@ -21,6 +21,7 @@
 
 pub mod app;
 pub mod custody;
+pub mod error_chain;
 pub mod keeper;
 pub mod supervisor;
 pub mod worker;

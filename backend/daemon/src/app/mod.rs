@@ -611,7 +611,7 @@ impl Daemon {
                             endpoint = id,
                             pid,
                             "the worker of an earlier daemon still serves this endpoint but cannot be adopted; left alone (orphaned): {}",
-                            api::error_chain(&e)
+                            crate::error_chain::error_chain(&e)
                         );
                         unsupervised.insert(id, Unsupervised::Orphaned { pid: Some(pid) });
                     }
@@ -632,7 +632,7 @@ impl Daemon {
                     unsupervised.insert(id, Unsupervised::Orphaned { pid: None });
                 }
                 Err(e) => {
-                    let error = api::error_chain(&e);
+                    let error = crate::error_chain::error_chain(&e);
                     tracing::error!(endpoint = id, "cannot start the worker: {error}");
                     unsupervised.insert(id, Unsupervised::NotStarted { error });
                 }
@@ -656,7 +656,7 @@ fn check_passthrough_boards(pool: &mut Pool, root: &Path) -> Vec<switchyard_pool
         let found = switchyard_vfio::sysfs::check_openable(root, host)
             .and_then(|_| switchyard_vfio::sysfs::function(root, host));
         let problem = match found {
-            Err(e) => Some(api::error_chain(&e)),
+            Err(e) => Some(crate::error_chain::error_chain(&e)),
             Ok(f) => {
                 tracing::info!(
                     board = %b.id, host = %host, vendor = format!("{:04x}", f.vendor),

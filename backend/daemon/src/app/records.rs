@@ -210,7 +210,7 @@ impl WorkerRecords {
                 endpoint,
                 pid,
                 "the worker record names a process that is not a worker of this daemon; ignored: {}",
-                crate::app::api::error_chain(&e)
+                crate::error_chain::error_chain(&e)
             );
             return None;
         }

@@ -1,0 +1,562 @@
+//! The daemon's operations behind the routes: each checks on a copy of the pool, acts on
+//! the data path, then changes the store (or undoes what it did).
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use switchyard_control::ApiError;
+use switchyard_pool::{Endpoint, EndpointSpec as PoolEndpointSpec, MovePlan, Placement};
+
+use super::super::events::ms;
+use super::super::{Daemon, Unsupervised};
+use super::views::{
+    DrainResult, EndpointStatus, FailedMove, MoveResult, VmmLink, WorkerReplaced, WorkerState,
+    WorkerView,
+};
+use super::{
+    MOVE_TIMEOUT, READY_TIMEOUT, UNPLUG_TIMEOUT, error_chain, pool_error, supervisor_error,
+    unknown_endpoint,
+};
+use crate::supervisor::{MoveOutcome, SupervisorError, WorkerStatus};
+
+impl Daemon {
+    fn worker_view(&self, endpoint: &Endpoint) -> WorkerView {
+        if let Some(u) = self.unsupervised().get(&endpoint.id) {
+            return match u {
+                Unsupervised::Orphaned { pid } => WorkerView::unsupervised(
+                    WorkerState::Orphaned,
+                    *pid,
+                    match pid {
+                        Some(pid) => format!(
+                            "Worker {pid} of an earlier daemon still serves the socket; not supervised by this daemon"
+                        ),
+                        None => "Another process serves the socket; not supervised by this daemon"
+                            .to_owned(),
+                    },
+                ),
+                Unsupervised::NotStarted { error } => {
+                    WorkerView::unsupervised(WorkerState::NotStarted, None, error.clone())
+                }
+            };
+        }
+        match self.supervisor.status(&endpoint.id) {
+            Ok(st) => WorkerView::supervised(&st, self.supervisor.fd_budget()),
+            Err(_) if endpoint.device.is_none() => WorkerView::unsupervised(
+                WorkerState::NoLease,
+                None,
+                "The endpoint holds no device".to_owned(),
+            ),
+            Err(e) => WorkerView::unsupervised(WorkerState::NotStarted, None, error_chain(&e)),
+        }
+    }
+
+    pub(super) fn endpoint_status(
+        &self,
+        pool: &switchyard_pool::Pool,
+        endpoint: &Endpoint,
+    ) -> EndpointStatus {
+        EndpointStatus {
+            lease: endpoint
+                .device
+                .as_deref()
+                .and_then(|d| pool.inventory().device(d)),
+            worker: self.worker_view(endpoint),
+            vmm: self.vmms().get(&endpoint.id).cloned(),
+            endpoint: endpoint.clone(),
+        }
+    }
+
+    pub(super) fn status_of(&self, id: &str) -> Result<EndpointStatus, ApiError> {
+        let pool = self.pool();
+        let endpoint = pool
+            .inventory()
+            .endpoint(id)
+            .ok_or_else(|| unknown_endpoint(id))?;
+        Ok(self.endpoint_status(&pool, endpoint))
+    }
+
+    pub(super) fn create(&self, spec: PoolEndpointSpec) -> Result<EndpointStatus, ApiError> {
+        let mut pool = self.pool();
+        // Everything the pool refuses is refused before a worker starts.
+        let mut dry = pool.inventory().clone();
+        dry.create_endpoint(&spec).map_err(pool_error)?;
+        let endpoint = dry
+            .endpoint(&spec.id)
+            .ok_or_else(|| ApiError::internal("The checked endpoint is missing"))?;
+        let device = endpoint
+            .device
+            .as_deref()
+            .and_then(|d| dry.device(d))
+            .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
+        let worker = crate::EndpointSpec {
+            id: spec.id.clone(),
+            socket: endpoint.socket.clone(),
+            device: crate::custody::WorkerDevice::of(&device.shape, device.host.as_deref()),
+        };
+        self.supervisor.create(worker).map_err(supervisor_error)?;
+        let st = self
+            .supervisor
+            .wait_ready(&spec.id, 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        if st.ready < 1 {
+            let _ = self.supervisor.delete(&spec.id);
+            self.records.remove(&spec.id);
+            return Err(ApiError::internal(format!(
+                "The worker of endpoint \"{}\" did not start serving (see the daemon's log); nothing was created",
+                spec.id
+            )));
+        }
+        match pool.create_endpoint(&spec) {
+            Ok(events) => self.events.pool(events),
+            Err(e) => {
+                let _ = self.supervisor.delete(&spec.id);
+                self.records.remove(&spec.id);
+                return Err(pool_error(e));
+            }
+        }
+        self.metrics.endpoint(&spec.id);
+        let endpoint = pool
+            .inventory()
+            .endpoint(&spec.id)
+            .ok_or_else(|| ApiError::internal("The created endpoint is missing"))?;
+        Ok(self.endpoint_status(&pool, endpoint))
+    }
+
+    pub(super) fn delete(&self, id: &str) -> Result<(), ApiError> {
+        let mut pool = self.pool();
+        let mut dry = pool.inventory().clone();
+        dry.delete_endpoint(id).map_err(pool_error)?;
+        let socket = pool.inventory().endpoint(id).map(|e| e.socket.clone());
+        if let Some(Unsupervised::Orphaned { pid }) = self.unsupervised().get(id).cloned() {
+            // The orphan must stop serving the socket before the endpoint is gone.
+            let live = self.records.live(id);
+            match (pid, live) {
+                (Some(pid), Some(live)) if pid == live => kill(pid),
+                _ => {
+                    return Err(ApiError::conflict(
+                        "orphaned",
+                        format!(
+                            "Endpoint \"{id}\" is served by a process this daemon does not know; stop it first"
+                        ),
+                    ));
+                }
+            }
+            if let Some(socket) = &socket {
+                remove_stale_socket(socket);
+            }
+        }
+        match self.supervisor.delete(id) {
+            Ok(()) | Err(SupervisorError::NotFound(_)) => {}
+            Err(e) => return Err(supervisor_error(e)),
+        }
+        self.unsupervised().remove(id);
+        self.vmms().remove(id);
+        self.records.remove(id);
+        let events = pool.delete_endpoint(id).map_err(pool_error)?;
+        self.events.pool(events);
+        self.metrics.remove_endpoint(id);
+        Ok(())
+    }
+
+    /// Unplugs the endpoint's device from its VM (if one uses it), stops its worker and
+    /// frees its board.
+    pub(super) fn detach(&self, id: &str) -> Result<EndpointStatus, ApiError> {
+        {
+            let pool = self.pool();
+            let mut dry = pool.inventory().clone();
+            dry.detach(id).map_err(pool_error)?;
+        }
+        if matches!(
+            self.unsupervised().get(id),
+            Some(Unsupervised::Orphaned { .. })
+        ) {
+            return Err(ApiError::conflict(
+                "orphaned",
+                format!("Endpoint \"{id}\" is served by a worker this daemon does not supervise"),
+            ));
+        }
+        self.refuse_while_moving(id)?;
+        let connected = self.supervisor.status(id).is_ok_and(|st| st.connected);
+        if connected {
+            let link = self.vmms().get(id).cloned().ok_or_else(|| {
+                ApiError::conflict(
+                    "connected",
+                    format!(
+                        "A VM uses endpoint \"{id}\": register its VMM (PUT /v1/endpoints/{id}/vmm) so that the device can be unplugged first"
+                    ),
+                )
+            })?;
+            let mut qmp = qmp_of(id, &link)?;
+            qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
+                .map_err(|e| vmm_error(id, &link, "the guest did not release the device", &e))?;
+            self.wait_disconnected(id);
+        }
+        match self.supervisor.delete(id) {
+            Ok(()) | Err(SupervisorError::NotFound(_)) => {}
+            Err(e) => return Err(supervisor_error(e)),
+        }
+        self.records.remove(id);
+        let mut pool = self.pool();
+        let events = pool.detach(id).map_err(pool_error)?;
+        self.events.pool(events);
+        let endpoint = pool
+            .inventory()
+            .endpoint(id)
+            .ok_or_else(|| unknown_endpoint(id))?;
+        Ok(self.endpoint_status(&pool, endpoint))
+    }
+
+    /// Leases a device to a detached endpoint, starts its worker and plugs the device into
+    /// the endpoint's VM if its VMM is registered.
+    pub(super) fn attach(&self, id: &str, to: &Placement) -> Result<EndpointStatus, ApiError> {
+        let spec = {
+            let pool = self.pool();
+            let mut dry = pool.inventory().clone();
+            dry.attach(id, to).map_err(pool_error)?;
+            let endpoint = dry.endpoint(id).ok_or_else(|| unknown_endpoint(id))?;
+            let device = endpoint
+                .device
+                .as_deref()
+                .and_then(|d| dry.device(d))
+                .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
+            crate::EndpointSpec {
+                id: id.to_owned(),
+                socket: endpoint.socket.clone(),
+                device: crate::custody::WorkerDevice::of(&device.shape, device.host.as_deref()),
+            }
+        };
+        self.supervisor.create(spec).map_err(supervisor_error)?;
+        let st = self
+            .supervisor
+            .wait_ready(id, 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        let undo = |e: ApiError| {
+            let _ = self.supervisor.delete(id);
+            self.records.remove(id);
+            e
+        };
+        if st.ready < 1 {
+            return Err(undo(ApiError::internal(format!(
+                "The worker of endpoint \"{id}\" did not start serving (see the daemon's log); nothing was attached"
+            ))));
+        }
+        {
+            let mut pool = self.pool();
+            let events = pool.attach(id, to).map_err(|e| undo(pool_error(e)))?;
+            self.events.pool(events);
+        }
+        self.unsupervised().remove(id);
+        if let Some(link) = self.vmms().get(id).cloned() {
+            let socket = self.status_of(id)?.endpoint.socket;
+            let mut device = switchyard_qemu::VfioUserDevice::new(&link.device_id, &socket);
+            device.bus = link.bus.clone();
+            qmp_of(id, &link)?
+                .device_add(&device)
+                .map_err(|e| vmm_error(id, &link, "the device cannot be plugged in", &e))?;
+        }
+        self.status_of(id)
+    }
+
+    /// Waits (bounded) until the endpoint's client has left.
+    fn wait_disconnected(&self, id: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.supervisor.status(id).is_ok_and(|st| st.connected)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The endpoint's worker, refused unless it is supervised and serving.
+    fn serving(&self, id: &str) -> Result<WorkerStatus, ApiError> {
+        let view = {
+            let pool = self.pool();
+            let endpoint = pool
+                .inventory()
+                .endpoint(id)
+                .ok_or_else(|| unknown_endpoint(id))?;
+            self.worker_view(endpoint)
+        };
+        if view.state != WorkerState::Running {
+            let detail = view.detail.map(|d| format!(": {d}")).unwrap_or_default();
+            return Err(ApiError::conflict(
+                "busy",
+                format!(
+                    "The worker of endpoint \"{id}\" is {}, not running{detail}",
+                    serde_json::to_value(view.state)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default()
+                ),
+            ));
+        }
+        self.supervisor.status(id).map_err(supervisor_error)
+    }
+
+    fn refuse_while_migrating(&self, id: &str) -> Result<(), ApiError> {
+        if self.supervisor.status(id).is_ok_and(|st| st.migrating) {
+            return Err(ApiError::conflict(
+                "migrating",
+                format!(
+                    "Endpoint \"{id}\" is being migrated (its VMM has a migration stream open); try again when the migration is over"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn refuse_while_moving(&self, id: &str) -> Result<(), ApiError> {
+        if self.supervisor.is_moving(id).unwrap_or(false) {
+            return Err(ApiError::conflict(
+                "moving",
+                format!("Endpoint \"{id}\" is being moved; try again when the move is done"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses moves the data path cannot make (before anything is reserved).
+    fn check_movable(&self, plan: &MovePlan) -> Result<(), ApiError> {
+        if !plan.shape.vram_mmap {
+            return Ok(());
+        }
+        if !self.vmms().contains_key(&plan.endpoint) {
+            return Err(ApiError::conflict(
+                "mapped_vram",
+                format!(
+                    "Endpoint \"{}\" lets its guest map VRAM (vram_mmap = true): a mapping cannot be re-pointed under the guest, so it moves guest-visibly through its VMM; register the VMM first (PUT /v1/endpoints/{}/vmm)",
+                    plan.endpoint, plan.endpoint
+                ),
+            ));
+        }
+        if plan.shape.irq == switchyard_softgpu::IrqMode::Msix {
+            return Err(ApiError::conflict(
+                "mapped_vram",
+                format!(
+                    "Endpoint \"{}\" uses MSI-X: QEMU 11.1 aborts the VM on device_del of a vfio-user device with MSI-X, so it is not unplugged for a guest-visible move (irq = \"msi\" boards are)",
+                    plan.endpoint
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn move_endpoint(&self, id: &str, to: &str) -> Result<MoveResult, ApiError> {
+        self.serving(id)?;
+        self.refuse_while_moving(id)?;
+        self.refuse_while_migrating(id)?;
+        let plan = {
+            let mut pool = self.pool();
+            let checked = pool.inventory().check_move(id, to).map_err(pool_error)?;
+            self.check_movable(&checked)?;
+            let (plan, events) = pool.plan_move(id, to).map_err(pool_error)?;
+            self.events.pool(events);
+            plan
+        };
+        self.execute_move(plan)
+    }
+
+    /// Runs a planned move on the data path, then commits it (or releases the target).
+    fn execute_move(&self, plan: MovePlan) -> Result<MoveResult, ApiError> {
+        let vmm = plan
+            .shape
+            .vram_mmap
+            .then(|| self.vmms().get(&plan.endpoint).cloned())
+            .flatten();
+        let (outcome, visible_downtime) = match &vmm {
+            None => (
+                self.supervisor
+                    .move_device(&plan.endpoint, &plan.to_board, false, MOVE_TIMEOUT),
+                None,
+            ),
+            Some(link) => match self.move_unplugged(&plan, link) {
+                Ok((outcome, downtime)) => (outcome, Some(downtime)),
+                Err(e) => {
+                    let mut pool = self.pool();
+                    match pool.abort_move(&plan) {
+                        Ok(events) => self.events.pool(events),
+                        Err(e) => {
+                            tracing::error!(?plan, "cannot release a failed move's target: {e}")
+                        }
+                    }
+                    return Err(e);
+                }
+            },
+        };
+        let mut pool = self.pool();
+        let report = match outcome {
+            Ok(MoveOutcome::Moved(report)) => Some(report),
+            Ok(MoveOutcome::MovedAcrossRestart) => None,
+            Err(e) => {
+                match pool.abort_move(&plan) {
+                    Ok(events) => self.events.pool(events),
+                    Err(e) => tracing::error!(?plan, "cannot release a failed move's target: {e}"),
+                }
+                return Err(match e {
+                    SupervisorError::MoveFailed { .. } | SupervisorError::Moving(_) => {
+                        ApiError::conflict("move_failed", error_chain(&e))
+                    }
+                    e => supervisor_error(e),
+                });
+            }
+        };
+        let events = pool.commit_move(&plan).map_err(pool_error)?;
+        self.events.pool(events);
+        let downtime = visible_downtime.or_else(|| {
+            report
+                .as_ref()
+                .map(|r| Duration::from_micros(r.downtime_us))
+        });
+        if let Some(d) = downtime {
+            self.metrics.board(&plan.from_board).moved(d);
+        }
+        let endpoint = pool
+            .inventory()
+            .endpoint(&plan.endpoint)
+            .ok_or_else(|| unknown_endpoint(&plan.endpoint))?;
+        Ok(MoveResult {
+            guest_visible: vmm.is_some(),
+            endpoint: self.endpoint_status(&pool, endpoint),
+            downtime_ms: downtime.map(ms),
+            report,
+            plan,
+        })
+    }
+
+    /// A guest-visible move: the VMM unplugs the device (QMP `device_del`, the guest lets
+    /// go), the worker moves it with nobody connected, and the VMM plugs it back
+    /// (`device_add` of the same socket), whatever the move's outcome. Errors before the
+    /// unplug change nothing; the device is plugged back after one that happens later.
+    /// Returns the move's outcome and the time from `device_del` to `device_add`.
+    fn move_unplugged(
+        &self,
+        plan: &MovePlan,
+        link: &VmmLink,
+    ) -> Result<(Result<MoveOutcome, SupervisorError>, Duration), ApiError> {
+        use switchyard_qemu::VfioUserDevice;
+        let vmm_error =
+            |what: &str, e: &dyn std::error::Error| vmm_error(&plan.endpoint, link, what, e);
+        let mut qmp = qmp_of(&plan.endpoint, link)?;
+        let socket = self
+            .pool()
+            .inventory()
+            .endpoint(&plan.endpoint)
+            .map(|e| e.socket.clone())
+            .ok_or_else(|| unknown_endpoint(&plan.endpoint))?;
+        let mut device = VfioUserDevice::new(&link.device_id, &socket);
+        device.bus = link.bus.clone();
+        let t0 = std::time::Instant::now();
+        qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
+            .map_err(|e| vmm_error("the guest did not release the device", &e))?;
+        // QEMU closes the vfio-user connection when it unrealizes the device.
+        self.wait_disconnected(&plan.endpoint);
+        let outcome =
+            self.supervisor
+                .move_device(&plan.endpoint, &plan.to_board, true, MOVE_TIMEOUT);
+        let plugged = qmp.device_add(&device);
+        let downtime = t0.elapsed();
+        if let Err(e) = plugged {
+            tracing::error!(endpoint = plan.endpoint, error = %e, "cannot plug the device back");
+            return Err(vmm_error(
+                "the device was moved but cannot be plugged back",
+                &e,
+            ));
+        }
+        Ok((outcome, downtime))
+    }
+
+    pub(super) fn drain(&self, board: &str) -> Result<DrainResult, ApiError> {
+        let plans = {
+            let mut pool = self.pool();
+            for plan in pool.plan_drain(board).map_err(pool_error)? {
+                self.check_movable(&plan)?;
+                self.refuse_while_moving(&plan.endpoint)?;
+                self.refuse_while_migrating(&plan.endpoint)?;
+            }
+            let (plans, events) = pool.drain(board).map_err(pool_error)?;
+            self.events.pool(events);
+            plans
+        };
+        let mut out = DrainResult {
+            board: board.to_owned(),
+            moved: Vec::new(),
+            failed: Vec::new(),
+        };
+        for plan in plans {
+            match self.execute_move(plan.clone()) {
+                Ok(r) => out.moved.push(r),
+                Err(e) => out.failed.push(FailedMove {
+                    plan,
+                    error: e.message,
+                }),
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn replace(&self, id: &str, upgrade: bool) -> Result<WorkerReplaced, ApiError> {
+        self.refuse_while_moving(id)?;
+        self.refuse_while_migrating(id)?;
+        let before = self.serving(id)?;
+        let replaced_pid = before
+            .pid
+            .ok_or_else(|| ApiError::conflict("busy", "The worker is being replaced"))?;
+        if upgrade {
+            self.supervisor.upgrade(id).map_err(supervisor_error)?;
+            self.metrics.upgraded();
+        } else {
+            self.supervisor.kill_worker(id).map_err(supervisor_error)?;
+        }
+        let st = self
+            .supervisor
+            .wait_ready(id, before.ready + 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        Ok(WorkerReplaced {
+            endpoint: id.to_owned(),
+            replaced_pid,
+            worker: WorkerView::supervised(&st, self.supervisor.fd_budget()),
+        })
+    }
+}
+
+/// A QMP connection to an endpoint's VMM.
+fn qmp_of(endpoint: &str, link: &VmmLink) -> Result<switchyard_qemu::Qmp, ApiError> {
+    switchyard_qemu::Qmp::connect(&link.qmp, Duration::from_secs(10))
+        .map_err(|e| vmm_error(endpoint, link, "cannot reach the VMM", &e))
+}
+
+/// A failure of an endpoint's VMM (502).
+fn vmm_error(endpoint: &str, link: &VmmLink, what: &str, e: &dyn std::error::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "vmm",
+        format!(
+            "Endpoint \"{endpoint}\": {what} through QMP at {}: {e}",
+            link.qmp.display()
+        ),
+    )
+}
+
+fn kill(pid: u32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+/// Removes the socket file at `path` once nothing accepts on it (a killed orphan's).
+fn remove_stale_socket(path: &std::path::Path) {
+    use std::os::unix::fs::FileTypeExt;
+    for _ in 0..100 {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                    let _ = std::fs::remove_file(path);
+                }
+                return;
+            }
+            Err(_) => return,
+            // Still accepting: the process is dying.
+            Ok(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}

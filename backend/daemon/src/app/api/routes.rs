@@ -1,0 +1,407 @@
+//! The routes: each handler parses its request and runs its operation on the blocking
+//! pool.
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use switchyard_control::{ApiError, ControlApi, ErrorBody, Json, NDJSON_CONTENT_TYPE, Path, Query};
+use switchyard_pool::{
+    BoardView, EndpointSpec as PoolEndpointSpec, Placement, PoolError, PoolView,
+};
+use utoipa_axum::routes;
+
+use super::super::events::{DaemonEvent, MAX_STREAMS};
+use super::views::{
+    DrainResult, EndpointStatus, EventsQuery, MoveRequest, MoveResult, VmmLink, WorkerReplaced,
+};
+use super::{AppState, TAG, blocking, pool_error};
+
+/// The documented routes (without a state: for the document alone, see [`super::openapi`]).
+pub(super) fn api() -> ControlApi<AppState> {
+    ControlApi::new("Switchyard pool daemon", env!("CARGO_PKG_VERSION"))
+        .description(
+            "HTTP/JSON on the daemon's UNIX socket (`switchyard ctl` is its client). Every error \
+             reply is an ErrorBody: {\"error\": {\"code\": ..., \"message\": ...}} with a 4xx or \
+             5xx status; a refused request changes nothing. GET /openapi.json serves this \
+             document. Moves and drains are transparent to the guest with trapped VRAM \
+             (vram_mmap = false) and guest-visible through a registered VMM otherwise; detach \
+             and attach are not offered yet.",
+        )
+        .health()
+        .metrics()
+        .routes(routes!(events))
+        .routes(routes!(list_boards))
+        .routes(routes!(get_board))
+        .routes(routes!(quarantine))
+        .routes(routes!(unquarantine))
+        .routes(routes!(list_pools))
+        .routes(routes!(list_endpoints, create_endpoint))
+        .routes(routes!(get_endpoint, delete_endpoint))
+        .routes(routes!(restart_endpoint))
+        .routes(routes!(upgrade_endpoint))
+        .routes(routes!(move_endpoint))
+        .routes(routes!(register_vmm, forget_vmm))
+        .routes(routes!(detach_endpoint))
+        .routes(routes!(attach_endpoint))
+        .routes(routes!(drain_board))
+}
+
+// ---- handlers ----
+
+/// `GET /v1/boards`.
+#[utoipa::path(get, path = "/v1/boards", tag = TAG, operation_id = "list_boards",
+    summary = "Every board with its devices and their holders",
+    responses((status = 200, description = "The boards, in configuration order", body = Vec<BoardView>)))]
+async fn list_boards(State(s): State<AppState>) -> Json<Vec<BoardView>> {
+    Json(s.0.pool().inventory().boards())
+}
+
+/// `GET /v1/boards/{id}`.
+#[utoipa::path(get, path = "/v1/boards/{id}", tag = TAG, operation_id = "get_board",
+    summary = "One board",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board", body = BoardView),
+        (status = 404, description = "No such board", body = ErrorBody)))]
+async fn get_board(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<BoardView>, ApiError> {
+    s.0.pool()
+        .inventory()
+        .board(&id)
+        .map(Json)
+        .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
+}
+
+async fn set_quarantine(s: AppState, id: String, on: bool) -> Result<Json<BoardView>, ApiError> {
+    blocking(&s, move |d| {
+        let mut pool = d.pool();
+        let events = if on {
+            pool.quarantine(&id)
+        } else {
+            pool.unquarantine(&id)
+        }
+        .map_err(pool_error)?;
+        d.events.pool(events);
+        pool.inventory()
+            .board(&id)
+            .map(Json)
+            .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
+    })
+    .await
+}
+
+/// `POST /v1/boards/{id}/quarantine`.
+#[utoipa::path(post, path = "/v1/boards/{id}/quarantine", tag = TAG, operation_id = "quarantine",
+    summary = "Take no new leases on the board (its leases stay)",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board, quarantined (already quarantined: unchanged)", body = BoardView),
+        (status = 404, description = "No such board", body = ErrorBody)))]
+async fn quarantine(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<BoardView>, ApiError> {
+    set_quarantine(s, id, true).await
+}
+
+/// `POST /v1/boards/{id}/unquarantine`.
+#[utoipa::path(post, path = "/v1/boards/{id}/unquarantine", tag = TAG, operation_id = "unquarantine",
+    summary = "Let a quarantined board take leases again",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board, available (already available: unchanged)", body = BoardView),
+        (status = 404, description = "No such board", body = ErrorBody)))]
+async fn unquarantine(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<BoardView>, ApiError> {
+    set_quarantine(s, id, false).await
+}
+
+/// `GET /v1/pools`.
+#[utoipa::path(get, path = "/v1/pools", tag = TAG, operation_id = "list_pools",
+    summary = "Every pool with its capacity",
+    responses((status = 200, description = "The pools", body = Vec<PoolView>)))]
+async fn list_pools(State(s): State<AppState>) -> Json<Vec<PoolView>> {
+    Json(s.0.pool().inventory().pools())
+}
+
+/// `GET /v1/endpoints`.
+#[utoipa::path(get, path = "/v1/endpoints", tag = TAG, operation_id = "list_endpoints",
+    summary = "Every endpoint with its lease and its worker",
+    responses((status = 200, description = "The endpoints, by id", body = Vec<EndpointStatus>)))]
+async fn list_endpoints(State(s): State<AppState>) -> Json<Vec<EndpointStatus>> {
+    let d = &s.0;
+    let pool = d.pool();
+    Json(
+        pool.inventory()
+            .endpoints()
+            .map(|e| d.endpoint_status(&pool, e))
+            .collect(),
+    )
+}
+
+/// `GET /v1/endpoints/{id}`.
+#[utoipa::path(get, path = "/v1/endpoints/{id}", tag = TAG, operation_id = "get_endpoint",
+    summary = "One endpoint with its lease and its worker",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "The endpoint", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody)))]
+async fn get_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    s.0.status_of(&id).map(Json)
+}
+
+/// `POST /v1/endpoints`.
+#[utoipa::path(post, path = "/v1/endpoints", tag = TAG, operation_id = "create_endpoint",
+    summary = "Create an endpoint: lease a device and start the worker serving its socket",
+    description = "The lease is checked first; then the worker starts and serves the socket; \
+        only then is the endpoint stored. A refused request (or a worker that does not start) \
+        leaves nothing behind.",
+    request_body = PoolEndpointSpec,
+    responses(
+        (status = 201, description = "Created; the socket accepts a VMM", body = EndpointStatus),
+        (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 404, description = "Unknown pool or device", body = ErrorBody),
+        (status = 409, description = "Id in use, device busy, no capacity, socket in use; `no_room`: one more endpoint at its full descriptor budget would not fit the daemon's open-file limit (the message has the numbers)", body = ErrorBody),
+        (status = 422, description = "Invalid id, placement, socket path or requirements", body = ErrorBody),
+        (status = 500, description = "The worker did not start", body = ErrorBody),
+        (status = 503, description = "`resources`: the system is out of descriptors, memory or processes right now; nothing was created", body = ErrorBody)))]
+async fn create_endpoint(
+    State(s): State<AppState>,
+    Json(spec): Json<PoolEndpointSpec>,
+) -> Result<(StatusCode, Json<EndpointStatus>), ApiError> {
+    blocking(&s, move |d| d.create(spec))
+        .await
+        .map(|st| (StatusCode::CREATED, Json(st)))
+}
+
+/// `DELETE /v1/endpoints/{id}`.
+#[utoipa::path(delete, path = "/v1/endpoints/{id}", tag = TAG, operation_id = "delete_endpoint",
+    summary = "Stop the endpoint's worker (the VM's connection closes) and delete the endpoint",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "A move in progress, or an unknown process serves it", body = ErrorBody)))]
+async fn delete_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    blocking(&s, move |d| d.delete(&id))
+        .await
+        .map(|()| StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/endpoints/{id}/restart`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/restart", tag = TAG, operation_id = "restart_endpoint",
+    summary = "Crash drill: SIGKILL the worker; a replacement resumes the guest's connection",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned), or a move or a migration is in progress", body = ErrorBody)))]
+async fn restart_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<WorkerReplaced>, ApiError> {
+    blocking(&s, move |d| d.replace(&id, false)).await.map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/upgrade`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/upgrade", tag = TAG, operation_id = "upgrade_endpoint",
+    summary = "Replace the worker with the executable now on disk, under the running guest",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned), or a move or a migration is in progress", body = ErrorBody)))]
+async fn upgrade_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<WorkerReplaced>, ApiError> {
+    blocking(&s, move |d| d.replace(&id, true)).await.map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/move`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/move", tag = TAG, operation_id = "move_endpoint",
+    summary = "Move the endpoint's device to another board under the running guest",
+    description = "With trapped VRAM (vram_mmap = false) the move is transparent: VRAM is \
+        copied while the guest runs, then the device stops for the last changes and its state \
+        (the downtime) and runs on the target. A device the guest maps moves guest-visibly \
+        through its registered VMM (PUT /v1/endpoints/{id}/vmm): unplugged, moved, plugged back.",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    request_body = MoveRequest,
+    responses(
+        (status = 200, description = "Moved; the lease follows", body = MoveResult),
+        (status = 404, description = "No such endpoint or device", body = ErrorBody),
+        (status = 409, description = "The target is busy, quarantined or another shape; the guest maps VRAM; a move, restart or migration is in progress; the data path failed (the device stays)", body = ErrorBody),
+        (status = 422, description = "A bad body", body = ErrorBody)))]
+async fn move_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<MoveRequest>,
+) -> Result<Json<MoveResult>, ApiError> {
+    blocking(&s, move |d| d.move_endpoint(&id, &req.to))
+        .await
+        .map(Json)
+}
+
+/// `PUT /v1/endpoints/{id}/vmm`.
+#[utoipa::path(put, path = "/v1/endpoints/{id}/vmm", tag = TAG, operation_id = "register_vmm",
+    summary = "Register the endpoint's VMM (QEMU's QMP socket and the device's id), for guest-visible moves",
+    description = "Kept in memory: a restarted daemon needs it registered again.",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    request_body = VmmLink,
+    responses(
+        (status = 200, description = "Registered (replacing an earlier registration)", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 422, description = "A bad body: an empty device id, a relative QMP path", body = ErrorBody)))]
+async fn register_vmm(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(link): Json<VmmLink>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| {
+        if link.device_id.is_empty() || !link.qmp.is_absolute() {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                "The VMM needs an absolute QMP socket path and a non-empty device id",
+            ));
+        }
+        d.status_of(&id)?;
+        d.vmms().insert(id.clone(), link);
+        d.status_of(&id)
+    })
+    .await
+    .map(Json)
+}
+
+/// `DELETE /v1/endpoints/{id}/vmm`.
+#[utoipa::path(delete, path = "/v1/endpoints/{id}/vmm", tag = TAG, operation_id = "forget_vmm",
+    summary = "Forget the endpoint's VMM",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 204, description = "Forgotten"),
+        (status = 404, description = "No such endpoint, or no VMM registered", body = ErrorBody)))]
+async fn forget_vmm(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    blocking(&s, move |d| {
+        d.status_of(&id)?;
+        match d.vmms().remove(&id) {
+            Some(_) => Ok(StatusCode::NO_CONTENT),
+            None => Err(ApiError::not_found(
+                "not_found",
+                format!("Endpoint \"{id}\" has no VMM registered"),
+            )),
+        }
+    })
+    .await
+}
+
+/// `POST /v1/endpoints/{id}/detach`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/detach", tag = TAG, operation_id = "detach_endpoint",
+    summary = "Take the endpoint's device away: unplugged from its VM through the registered VMM, worker stopped, board free",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Detached: the endpoint holds no device", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 409, description = "No device to detach; a VM uses it and no VMM is registered; a move in progress", body = ErrorBody),
+        (status = 502, description = "The VMM failed (the device stays)", body = ErrorBody)))]
+async fn detach_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| d.detach(&id)).await.map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/attach`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/attach", tag = TAG, operation_id = "attach_endpoint",
+    summary = "Lease a device to a detached endpoint (a device, a pool, or its own pool), start its worker on fresh VRAM, plug it into its VM through the registered VMM",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    request_body = Placement,
+    responses(
+        (status = 200, description = "Attached and serving", body = EndpointStatus),
+        (status = 404, description = "No such endpoint, device or pool", body = ErrorBody),
+        (status = 409, description = "The endpoint holds a device; no free device fits; `no_room`: the daemon's descriptor plan has no room for another endpoint", body = ErrorBody),
+        (status = 422, description = "A bad body", body = ErrorBody),
+        (status = 502, description = "The VMM failed to plug the device in (the endpoint is attached)", body = ErrorBody),
+        (status = 503, description = "`resources`: the system is out of descriptors, memory or processes right now", body = ErrorBody)))]
+async fn attach_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(to): Json<Placement>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| d.attach(&id, &to)).await.map(Json)
+}
+
+/// `POST /v1/boards/{id}/drain`.
+#[utoipa::path(post, path = "/v1/boards/{id}/drain", tag = TAG, operation_id = "drain_board",
+    summary = "Quarantine the board and move every endpoint off it, under the running guests",
+    params(("id" = String, Path, description = "The board's id")),
+    responses(
+        (status = 200, description = "The board is quarantined; the moves made and those that failed", body = DrainResult),
+        (status = 404, description = "No such board", body = ErrorBody),
+        (status = 409, description = "Not every endpoint can move (no free device of its shape, mapped VRAM, a move in progress): nothing was done", body = ErrorBody)))]
+async fn drain_board(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<DrainResult>, ApiError> {
+    blocking(&s, move |d| d.drain(&id)).await.map(Json)
+}
+
+/// `GET /events`.
+#[utoipa::path(get, path = "/events", tag = TAG, operation_id = "events",
+    summary = "Pool and worker lifecycle events, newline-delimited JSON",
+    description = "One DaemonEvent per line: `type` is `pool` (the `pool` member: a pool event, \
+        durable, also in the store's history) or `worker` (the `worker` member: a worker process \
+        started, served, exited or was given up; not persisted). `seq` increases across daemon \
+        restarts: a pool event P has seq P×1000000, worker events number the gaps. A \
+        `{\"type\":\"lagged\",\"missed\":N}` line stands where N events were dropped (a slow \
+        reader). With `follow=false` the body ends after the events already there.",
+    params(EventsQuery),
+    responses(
+        (status = 200, description = "One JSON value per line", body = DaemonEvent, content_type = "application/x-ndjson"),
+        (status = 400, description = "A bad query string", body = ErrorBody),
+        (status = 503, description = "The daemon is shutting down (shutting_down), or too many events streams are open (too_many_streams)", body = ErrorBody)))]
+async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Response {
+    let d = s.0.clone();
+    if d.events.is_closed() {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "The daemon is shutting down",
+        )
+        .into_response();
+    }
+    let Some(slot) = d.events.open_stream() else {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_streams",
+            format!("{MAX_STREAMS} events streams are open; close one or try again later"),
+        )
+        .into_response();
+    };
+    // The store's history is read page by page as the body is sent (`EventStream::body`).
+    let history = match d.events.history() {
+        Some(h) => h,
+        None => match blocking(&s, |d| Ok(d.pool().history_reader())).await {
+            Ok(h) => {
+                d.events.set_history(h.clone());
+                h
+            }
+            Err(e) => return e.into_response(),
+        },
+    };
+    let cursor = d.events.cursor(q.since, q.follow.unwrap_or(true));
+    let body = d.events.body(cursor, history, slot);
+    ([(header::CONTENT_TYPE, NDJSON_CONTENT_TYPE)], body).into_response()
+}
