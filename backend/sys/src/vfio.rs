@@ -7,8 +7,8 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
 use vfio_bindings::bindings::vfio::{
-    VFIO_BASE, VFIO_DMA_MAP_FLAG_READ, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD,
-    VFIO_IRQ_SET_DATA_NONE, VFIO_TYPE, vfio_iommu_type1_dma_map,
+    VFIO_DMA_MAP_FLAG_READ, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD,
+    VFIO_IRQ_SET_DATA_NONE, vfio_iommu_type1_dma_map,
 };
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioError, VfioOps};
 use vm_memory::mmap::MmapRegion;
@@ -151,7 +151,7 @@ impl DmaMapping {
         let ret = unsafe {
             libc::ioctl(
                 container.as_raw_fd(),
-                VFIO_IOMMU_MAP_DMA as _,
+                nr::VFIO_IOMMU_MAP_DMA() as _,
                 &map as *const vfio_iommu_type1_dma_map,
             )
         };
@@ -222,15 +222,19 @@ impl Drop for DmaMapping {
     }
 }
 
-/// `VFIO_DEVICE_SET_IRQS` request number: `_IO(VFIO_TYPE, VFIO_BASE + 10)` (`linux/vfio.h`).
-const VFIO_DEVICE_SET_IRQS: libc::c_ulong =
-    ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 10);
-/// `VFIO_IOMMU_MAP_DMA` request number: `_IO(VFIO_TYPE, VFIO_BASE + 13)`.
-const VFIO_IOMMU_MAP_DMA: libc::c_ulong =
-    ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 13);
-/// `VFIO_DEVICE_RESET` request number: `_IO(VFIO_TYPE, VFIO_BASE + 11)`.
-const VFIO_DEVICE_RESET: libc::c_ulong =
-    ((VFIO_TYPE as libc::c_ulong) << 8) | (VFIO_BASE as libc::c_ulong + 11);
+/// The request numbers of the ioctls this crate issues itself, as `linux/vfio.h` defines them
+/// (`_IO(VFIO_TYPE, VFIO_BASE + n)`), made by `vmm-sys-util`'s `_IO` (`ioctl_io_nr!`) from the
+/// bindings' `VFIO_TYPE` and `VFIO_BASE`; a test pins each against the header's value.
+mod nr {
+    use vfio_bindings::bindings::vfio::{VFIO_BASE, VFIO_TYPE};
+
+    // `VFIO_DEVICE_SET_IRQS`: `_IO(VFIO_TYPE, VFIO_BASE + 10)`.
+    vmm_sys_util::ioctl_io_nr!(VFIO_DEVICE_SET_IRQS, VFIO_TYPE.into(), VFIO_BASE + 10);
+    // `VFIO_DEVICE_RESET`: `_IO(VFIO_TYPE, VFIO_BASE + 11)`.
+    vmm_sys_util::ioctl_io_nr!(VFIO_DEVICE_RESET, VFIO_TYPE.into(), VFIO_BASE + 11);
+    // `VFIO_IOMMU_MAP_DMA`: `_IO(VFIO_TYPE, VFIO_BASE + 13)`.
+    vmm_sys_util::ioctl_io_nr!(VFIO_IOMMU_MAP_DMA, VFIO_TYPE.into(), VFIO_BASE + 13);
+}
 
 /// Hands eventfds to the vectors `start..start + fds.len()` of interrupt `index` of `device`
 /// (`VFIO_DEVICE_SET_IRQS`, `DATA_EVENTFD | ACTION_TRIGGER`): the kernel signals them itself
@@ -290,7 +294,7 @@ fn irq_set(
     let ret = unsafe {
         libc::ioctl(
             device.as_raw_fd(),
-            VFIO_DEVICE_SET_IRQS as _,
+            nr::VFIO_DEVICE_SET_IRQS() as _,
             words.as_ptr(),
         )
     };
@@ -305,7 +309,7 @@ fn irq_set(
 pub fn reset_device(device: &VfioDevice) -> io::Result<()> {
     // SAFETY: the descriptor is `device`'s, open for the duration of the call; the request
     // takes no argument.
-    let ret = unsafe { libc::ioctl(device.as_raw_fd(), VFIO_DEVICE_RESET as _) };
+    let ret = unsafe { libc::ioctl(device.as_raw_fd(), nr::VFIO_DEVICE_RESET() as _) };
     if ret < 0 {
         return Err(io::Error::last_os_error());
     }

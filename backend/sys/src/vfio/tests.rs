@@ -233,3 +233,41 @@ fn borrowed_memory_is_refused_before_anything_is_mapped() {
     assert!(iommu.calls().is_empty());
     drop(owner);
 }
+
+/// `_IOC(dir, type, nr, size)` of the kernel's `asm-generic/ioctl.h`: the direction in bits
+/// 30–31, the size in bits 16–29, the type in bits 8–15, the number in bits 0–7.
+fn header_ioc(
+    dir: libc::c_ulong,
+    ty: libc::c_ulong,
+    nr: libc::c_ulong,
+    size: libc::c_ulong,
+) -> libc::c_ulong {
+    (dir << 30) | (size << 16) | (ty << 8) | nr
+}
+
+/// `_IOC_NONE`: `_IO` requests carry no data.
+const IOC_NONE: libc::c_ulong = 0;
+
+#[test]
+fn the_request_numbers_are_the_kernel_headers() {
+    // `linux/vfio.h`: `#define VFIO_TYPE (';')`, `#define VFIO_BASE 100`.
+    assert_eq!(vfio_bindings::bindings::vfio::VFIO_TYPE, b';');
+    assert_eq!(vfio_bindings::bindings::vfio::VFIO_BASE, 100);
+    for (name, got, n, header) in [
+        // `#define VFIO_DEVICE_SET_IRQS _IO(VFIO_TYPE, VFIO_BASE + 10)`
+        (
+            "VFIO_DEVICE_SET_IRQS",
+            nr::VFIO_DEVICE_SET_IRQS(),
+            10,
+            0x3B6E,
+        ),
+        // `#define VFIO_DEVICE_RESET _IO(VFIO_TYPE, VFIO_BASE + 11)`
+        ("VFIO_DEVICE_RESET", nr::VFIO_DEVICE_RESET(), 11, 0x3B6F),
+        // `#define VFIO_IOMMU_MAP_DMA _IO(VFIO_TYPE, VFIO_BASE + 13)`
+        ("VFIO_IOMMU_MAP_DMA", nr::VFIO_IOMMU_MAP_DMA(), 13, 0x3B71),
+    ] {
+        // `_IO(type, nr)` is `_IOC(_IOC_NONE, type, nr, 0)`.
+        assert_eq!(got, header_ioc(IOC_NONE, 0x3B, 100 + n, 0), "{name}");
+        assert_eq!(got, header, "{name}");
+    }
+}
