@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use switchyard_endpoint::{SendLimit, send_bounded};
 
+use crate::client_dma::ClientDma;
 use crate::dispatcher::{Dispatcher, Outcome, SocketClientDma};
 use crate::transport::{Connection, TransportError};
 use crate::{Server, ServerError};
@@ -65,12 +66,31 @@ pub(crate) struct Resume {
     pub(crate) version: Option<(u16, u16, Vec<u8>)>,
 }
 
+/// How a connection ended.
+pub(crate) struct Ended {
+    /// Whether it ended with an error.
+    pub(crate) result: Result<(), ServerError>,
+    /// The client's server→client DMA, if it negotiated: `Server::client_gone` closes it.
+    pub(crate) client_dma: Option<Arc<ClientDma>>,
+}
+
+/// Serves `stream` until the client leaves, the stream cannot be framed any more or the
+/// server stops. The client's DMA windows, eventfds and device state are left as they are:
+/// the caller tears the client down (`Server::client_gone`).
 pub(crate) fn serve_connection(
     server: &mut Server,
     stream: UnixStream,
     resume: Option<Resume>,
-) -> Result<(), ServerError> {
-    let writer = Arc::new(stream.try_clone().map_err(ServerError::Accept)?);
+) -> Ended {
+    let writer = match stream.try_clone() {
+        Ok(w) => Arc::new(w),
+        Err(e) => {
+            return Ended {
+                result: Err(ServerError::Accept(e)),
+                client_dma: None,
+            };
+        }
+    };
     let send_lock = Arc::new(Mutex::new(()));
     let mut d = Dispatcher::new(
         server.config.limits.clone(),
@@ -142,6 +162,8 @@ pub(crate) fn serve_connection(
             server.stats.record(cmd, t0.elapsed());
         }
     };
-    d.disconnect(&server.slot);
-    result
+    Ended {
+        result,
+        client_dma: d.disconnect(),
+    }
 }

@@ -295,15 +295,12 @@ impl Dispatcher {
         }
     }
 
-    /// The client is gone: its DMA requests fail and the limiters report what they held back.
-    pub(crate) fn disconnect(&mut self, device_slot: &DeviceSlot) {
-        if let Some(cd) = self.client_dma.take() {
-            // Park the engines first (`Server::client_gone` does the rest): a command waiting
-            // for this client is then cancelled and runs again for the next client, instead of
-            // failing on the closed connection and latching an error.
-            device_slot.lock().device.client_disconnected();
-            cd.close();
-        }
+    /// The client is gone: the limiters report what they held back, and the client's DMA
+    /// handle (if it negotiated) goes to the teardown, `Server::client_gone`, which closes it
+    /// once the device is parked (a command waiting for this client is then cancelled and runs
+    /// again for the next client, instead of failing on the closed connection and latching an
+    /// error).
+    pub(crate) fn disconnect(&mut self) -> Option<Arc<ClientDma>> {
         for l in [
             &self.posted_failures,
             &self.unsolicited_replies,
@@ -311,6 +308,7 @@ impl Dispatcher {
         ] {
             l.flush();
         }
+        self.client_dma.take()
     }
 
     /// Builds the next reply in the bulk buffer (see `bulk_out`).

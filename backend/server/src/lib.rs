@@ -25,6 +25,8 @@ mod slot;
 pub mod stats;
 #[cfg(test)]
 mod test_utils;
+#[cfg(test)]
+mod tests;
 pub mod transport;
 
 use std::io;
@@ -311,7 +313,7 @@ impl Server {
             c.took_over(&fds);
         }
         drop(fds);
-        self.client_gone();
+        self.client_gone(None);
         self.run()
     }
 
@@ -452,7 +454,7 @@ impl Server {
         if let Ok(s) = stream.try_clone() {
             self.stop.set_active(Some(s));
         }
-        let result = dispatch::serve_connection(
+        let ended = dispatch::serve_connection(
             self,
             stream,
             Some(dispatch::Resume {
@@ -461,8 +463,8 @@ impl Server {
             }),
         );
         self.stop.set_active(None);
-        self.client_gone();
-        match result {
+        self.client_gone(ended.client_dma);
+        match ended.result {
             Ok(()) => tracing::info!("client disconnected"),
             Err(e) => tracing::warn!(error = %e, "client connection ended with an error"),
         }
@@ -476,11 +478,6 @@ impl Server {
     /// A handle that stops [`Server::run`] from another thread.
     pub fn stop_handle(&self) -> StopHandle {
         self.stop.clone()
-    }
-
-    /// The client's DMA windows and interrupt routing, as lent to the device.
-    fn ctx(&self) -> &DeviceContext {
-        self.slot.context()
     }
 
     /// A handle on the device for other threads: inspect it, or swap it for another backing
@@ -516,10 +513,10 @@ impl Server {
             if let Some(c) = &self.continuity {
                 c.connection(&stream);
             }
-            let result = dispatch::serve_connection(self, stream, None);
+            let ended = dispatch::serve_connection(self, stream, None);
             self.stop.set_active(None);
-            self.client_gone();
-            match result {
+            self.client_gone(ended.client_dma);
+            match ended.result {
                 Ok(()) => tracing::info!("client disconnected"),
                 Err(e) => tracing::warn!(error = %e, "client connection ended with an error"),
             }
@@ -535,9 +532,26 @@ impl Server {
 
     /// Spec rule on client loss: drop DMA windows, eventfds and the dirty-logging session,
     /// keep device state. A migration in progress is abandoned (the device runs again).
-    fn client_gone(&mut self) {
-        self.ctx().dma.set_remote(None);
-        self.ctx().waits.set(None);
+    /// `client_dma` is the client's server→client DMA, if it negotiated.
+    ///
+    /// The device is told once ([`PciDevice::client_disconnected`]), when its windows and
+    /// eventfds are gone, as the trait documents. Until then a device that can be parked (its
+    /// [`Quiesce`](switchyard_device::Quiesce), from [`PciDevice::swappable`]) is parked, so
+    /// that its own activity never finds a window gone before it knows the client is (a
+    /// command it runs then must not fail and latch an error for the next client). The
+    /// client's remote waits are held first: a command waiting for this client's reply is
+    /// cancelled (it runs again later) instead of keeping the park waiting for a reply that
+    /// will not come, and the DMA to the client is closed only under the park.
+    fn client_gone(&mut self, client_dma: Option<Arc<client_dma::ClientDma>>) {
+        let ctx = self.slot.context();
+        let waits = ctx.waits.hold();
+        let quiesce = self.slot.lock().device.swappable().map(|s| s.quiesce());
+        let parked = quiesce.as_ref().map(|q| q.park());
+        if let Some(cd) = client_dma {
+            cd.close();
+        }
+        ctx.dma.set_remote(None);
+        ctx.waits.set(None);
         {
             let mut slot = self.slot.lock();
             if slot.mig != MigState::Running {
@@ -549,12 +563,17 @@ impl Server {
                 slot.mig = MigState::Running;
                 slot.mig_changed(before);
             }
+        }
+        ctx.dma.stop_logging();
+        ctx.dma.unmap_all();
+        ctx.irqs.clear();
+        {
+            let mut slot = self.slot.lock();
             slot.device.client_disconnected();
             slot.connected = false;
         }
-        self.ctx().dma.stop_logging();
-        self.ctx().dma.unmap_all();
-        self.ctx().irqs.clear();
+        drop(parked);
+        drop(waits);
         if let Some(c) = &self.continuity {
             c.client_gone();
         }
