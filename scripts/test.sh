@@ -31,10 +31,18 @@ if grep -rn --include='*.rs' '#\[error("[a-z]' backend vmm-integration guest-tes
   exit 1
 fi
 
-step "unsafe code lives only in backend/sys (every other crate root forbids it)"
-missing=$(find backend vmm-integration guest-tests -path '*/target' -prune -o \
-  \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*.rs' \) -print |
-  grep -v '^backend/sys/' | xargs grep -L '^#!\[forbid(unsafe_code)\]' || true)
+step "unsafe code lives only in backend/sys (every other crate root, test and example forbids it)"
+# Integration tests and examples are crate roots of their own: tests/NAME.rs, tests/NAME/main.rs,
+# examples/NAME.rs and examples/NAME/main.rs of every crate (backend/CRATE, ...).
+missing=$(
+  {
+    find backend vmm-integration guest-tests -path '*/target' -prune -o \
+      \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*.rs' \) -print
+    find backend vmm-integration guest-tests -mindepth 3 -maxdepth 3 \
+      \( -path '*/tests/*.rs' -o -path '*/examples/*.rs' \) -print
+    find backend vmm-integration guest-tests -mindepth 4 -maxdepth 4 \
+      \( -path '*/tests/*/main.rs' -o -path '*/examples/*/main.rs' \) -print
+  } | grep -v '^backend/sys/' | xargs grep -L '^#!\[forbid(unsafe_code)\]' || true)
 if [ -n "$missing" ]; then
   echo "test.sh: error: these crate roots lack #![forbid(unsafe_code)]:" $missing >&2
   exit 1

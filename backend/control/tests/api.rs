@@ -1,5 +1,6 @@
 //! Requests over a real UNIX socket: success, the JSON error shape of every refusal (handler,
 //! extractor, router), and `GET /health` and `GET /metrics`.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The events hub: ordering, replay "since", lag reporting, closing; and the NDJSON stream over
 //! a real socket with two subscribers that keep up and one that lags.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -3,6 +3,7 @@
 //! closed, while other clients are served), an idle connection is closed after the header
 //! read timeout, and past the connection cap an idle connection makes room for a new one,
 //! or, when every connection has a request in progress, the new one gets 503 at once.
+#![forbid(unsafe_code)]
 
 mod common;
 

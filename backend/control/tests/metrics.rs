@@ -1,5 +1,6 @@
 //! The metrics text: every family with its labels after observations, the latency buckets,
 //! and removal of an endpoint's or a board's series.
+#![forbid(unsafe_code)]
 
 use std::time::Duration;
 

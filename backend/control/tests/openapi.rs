@@ -1,6 +1,7 @@
 //! The OpenAPI document of this crate's routes: committed and checked against the code
 //! (`UPDATE_OPENAPI=1 cargo test -p switchyard-control --test openapi` rewrites it), what it
 //! documents is what the router serves, and the drift check's failures.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The control socket's file: its mode, a stale file replaced, a live server or another file
 //! refused, removal at shutdown, and shutdown with connections open.
+#![forbid(unsafe_code)]
 
 mod common;
 

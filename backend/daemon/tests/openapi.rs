@@ -1,6 +1,7 @@
 //! The committed OpenAPI document of the daemon's control API (`docs/control-api.json`) is
 //! the code's. After an intended API change: `UPDATE_OPENAPI=1 cargo test -p
 //! switchyard-daemon --test openapi`, and commit the file.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 

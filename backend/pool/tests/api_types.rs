@@ -1,5 +1,6 @@
 //! What the control API layer relies on: the public types publish OpenAPI schemas, errors
 //! and the pool cross threads.
+#![forbid(unsafe_code)]
 
 use switchyard_pool::{
     BoardView, ByteSize, DeviceView, Endpoint, EndpointSpec, ErrorKind, Event, EventKind, MovePlan,

@@ -1,5 +1,6 @@
 //! The configuration file: parsing, the embedded default, and every validation error with the
 //! key path it names.
+#![forbid(unsafe_code)]
 
 use switchyard_pool::{ConfigProblem, ErrorKind, PoolConfig, PoolError};
 use switchyard_softgpu::{ConfigError as SoftGpuError, IrqMode};

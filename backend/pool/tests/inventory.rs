@@ -1,5 +1,6 @@
 //! The in-memory model: lease selection, moves and their shape checks, detach/attach, drain
 //! planning, quarantine, and refusals that change nothing.
+#![forbid(unsafe_code)]
 
 mod common;
 use common::{in_pool, on_device};

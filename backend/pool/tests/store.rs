@@ -1,6 +1,7 @@
 //! The store: reopening restores the state exactly, refused operations leave the file
 //! untouched, the configuration is reconciled, and a process killed with SIGKILL while it
 //! commits restarts into a prefix of its committed mutations.
+#![forbid(unsafe_code)]
 
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};

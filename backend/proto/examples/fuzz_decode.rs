@@ -10,6 +10,7 @@
 //! deterministic for a seed. A panic is a failure (non-zero exit); on panic
 //! the offending input is printed as hex (feed it to
 //! `fuzzing::decode_all` to reproduce).
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

@@ -6,6 +6,7 @@
 //! Workers outlive their daemon by design (guests keep their devices), so every test kills
 //! the daemon and then every worker it recorded (`<state>/workers/*.pid`), by pid, when it
 //! ends (`common::daemon::Daemon`'s drop).
+#![forbid(unsafe_code)]
 
 mod common;
 

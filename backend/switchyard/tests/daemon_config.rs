@@ -2,6 +2,7 @@
 //! before it creates anything (an endpoint directory too long for its sockets used to be
 //! accepted and its endpoints silently not created; a relative control socket was accepted; an
 //! empty `state_dir` or a NUL byte in a path exited 1 without naming the key).
+#![forbid(unsafe_code)]
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -6,6 +6,7 @@
 //!
 //! The owner cases chown to uid 65534 and need root (as the README's test command and CI run
 //! them); without it they fail, never skip.
+#![forbid(unsafe_code)]
 
 mod common;
 

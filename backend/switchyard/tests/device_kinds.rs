@@ -2,6 +2,7 @@
 //! passthrough) device needs from the core — told about every DMA map and unmap before it takes
 //! effect (to program an IOMMU), a dirty log of its own ORed into reports, interrupt eventfds
 //! handed to it, no migration and no swap — served by a real server and driven by our client.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! events: readers that stop reading cost the daemon a bounded amount of memory each (the
 //! history is read from the store page by page as the body is sent), streams past the cap
 //! are refused with 503, and the API keeps answering meanwhile.
+#![forbid(unsafe_code)]
 
 mod common;
 

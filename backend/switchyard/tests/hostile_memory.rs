@@ -3,6 +3,7 @@
 //! server's memory, descriptors the kernel drops at the open-file limit, and a client that
 //! stops reading its replies. The server must survive each, fail only what the client broke,
 //! and keep serving.
+#![forbid(unsafe_code)]
 
 mod common;
 

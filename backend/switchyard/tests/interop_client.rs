@@ -1,6 +1,7 @@
 //! Our VMM-side client (`switchyard-client`) against a real `switchyard serve` process: the
 //! full workload, plus what the `vfio_user` crate cannot do — error replies, posted and
 //! multi writes, message-based DMA, dirty bitmaps, interrupt masking, FLR, BAR sizing.
+#![forbid(unsafe_code)]
 
 mod common;
 

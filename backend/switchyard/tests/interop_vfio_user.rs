@@ -1,5 +1,6 @@
 //! Interoperability with the published `vfio_user` crate's `Client` — the client library
 //! cloud-hypervisor uses — against a real `switchyard serve` process.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Interrupt eventfds against a real server: only eventfds are accepted, the client's file
 //! flags are never touched, a saturated blocking eventfd never stalls the device, and the ERR
 //! index a VMM needs for error recovery is offered.
+#![forbid(unsafe_code)]
 
 mod common;
 

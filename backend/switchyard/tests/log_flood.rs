@@ -2,6 +2,7 @@
 //! once and then counted (one summary line per interval and when the client goes), and the
 //! slow path of guest RAM that is not shared (device DMA through messages) is named once per
 //! client.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Malformed and hostile input: every bad request gets an error reply with a real errno and the
 //! server keeps serving (the same connection where it can be framed, the next client otherwise).
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! way a VMM drives it (through `switchyard_client::migrate`): MIG_DEVICE_STATE transitions,
 //! MIG_DATA_READ from the source and MIG_DATA_WRITE to the destination, with the guest RAM
 //! staying in the same memfd.
+#![forbid(unsafe_code)]
 
 mod common;
 

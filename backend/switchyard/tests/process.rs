@@ -1,6 +1,7 @@
 //! The `switchyard` process itself: arguments and exit codes, signals, the socket file's life
 //! (path lengths, a path taken over by another server), the open-file limit, and how much it
 //! logs. Every test runs a real `switchyard` process.
+#![forbid(unsafe_code)]
 
 mod common;
 

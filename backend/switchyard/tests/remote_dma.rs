@@ -3,6 +3,7 @@
 //! only the connection thread can route back. DEVICE_RESET and migration STOP, served by that
 //! same thread, must not wait for that reply (the client's DMA timeout, 5 s), and the command
 //! must not latch a DMA error or fire the error vector.
+#![forbid(unsafe_code)]
 
 mod common;
 

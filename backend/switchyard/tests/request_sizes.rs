@@ -1,5 +1,6 @@
 //! Requests whose payload is larger than the command's fixed struct, as kernel-style clients
 //! send them (the whole `argsz` buffer): accepted like libvfio-user accepts them.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Swapping the backing device under a connected client: the client keeps its socket, DMA
 //! windows, eventfds and VRAM mapping, its queues keep completing, and nothing it can observe
 //! changes except that register accesses wait during the swap.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -15,6 +15,7 @@
 //!   reported: event, endpoint state, metric;
 //! - workers that cannot start make the daemon let go of the client, then of the device
 //!   state, then give the endpoint up, after which its socket refuses connections.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! pre-copies VRAM while the device runs, then swaps to a device on the new VRAM. The client
 //! here is a real vfio-user client on the endpoint's socket, running a workload through the
 //! moves; nothing it observes may change.
+#![forbid(unsafe_code)]
 
 mod common;
 

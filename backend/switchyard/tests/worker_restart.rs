@@ -3,6 +3,7 @@
 //! box, and a replacement `switchyard worker` resumes the connection. The client here is a
 //! real vfio-user client driving the softgpu over its socket while the worker is SIGKILLed
 //! under it.
+#![forbid(unsafe_code)]
 
 mod common;
 

@@ -23,6 +23,8 @@
 //! - [`sock`]: `SO_PEEK_OFF`, which rustix does not wrap: the kernel's count of peeked,
 //!   unconsumed bytes, with which a replacement server process learns whether the killed one
 //!   consumed what it had journaled.
+//! - [`alloc_count`]: a global allocator that counts a thread's allocations, for the tests
+//!   that check a hot path does not allocate (a `GlobalAlloc` is an `unsafe impl`).
 //!
 //! Users: the in-guest drivers (`guest-tests/driver`, `sy-edu` in `guest-tests/nested`) map
 //! their DMA windows with it, so every guest test exercises this code against a real IOMMU
@@ -34,6 +36,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod alloc_count;
 pub mod sock;
 mod vfio;
 

@@ -1,4 +1,5 @@
 //! The demo binary's output handling (no guest is booted here).
+#![forbid(unsafe_code)]
 
 use std::os::fd::OwnedFd;
 use std::process::{Command, Stdio};

@@ -5,6 +5,7 @@
 //!
 //! One L1 boot runs several scenarios (an L1 session costs ~10 s before any L2 runs).
 //! `#[ignore]`d like every booting test; `scripts/test.sh` runs them with `--include-ignored`.
+#![forbid(unsafe_code)]
 
 use serde_json::Value;
 use switchyard_guest_tests::{

@@ -7,6 +7,7 @@
 //!
 //! Ignored under a plain `cargo test` (it boots QEMU); `scripts/test.sh` runs it:
 //! `cargo test -p switchyard-guest-tests -- --include-ignored`.
+#![forbid(unsafe_code)]
 
 use switchyard_guest_tests::{Guest, GuestSpec, Server, assert_guest_tests_ignored, with_logs};
 use switchyard_qemu::VfioUserDevice;

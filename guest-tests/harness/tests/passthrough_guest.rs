@@ -9,6 +9,7 @@
 //! Needs, besides the usual guest prerequisites, the static builds of both binaries:
 //! `RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p switchyard -p edu-client
 //! --target x86_64-unknown-linux-gnu` (or `SWITCHYARD_STATIC_BIN` / `EDU_CLIENT`).
+#![forbid(unsafe_code)]
 
 use switchyard_guest_tests::{Guest, GuestEnv, GuestOutput, GuestSpec, with_logs};
 

@@ -3,6 +3,7 @@
 //!
 //! They are `#[ignore]`d (a plain `cargo test` lists them as ignored, never as passed);
 //! `scripts/test.sh` runs them: `cargo test -p switchyard-guest-tests -- --include-ignored`.
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

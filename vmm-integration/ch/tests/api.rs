@@ -1,5 +1,6 @@
 //! `ChApi` tests against a fake cloud-hypervisor API socket (a thread that
 //! speaks HTTP/1.1 on a unix socket in a tempdir).
+#![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

@@ -1,4 +1,5 @@
 //! The client against an in-test fake vfio-user server built on the proto crate.
+#![forbid(unsafe_code)]
 
 use std::fs::File;
 use std::io::Write;

@@ -10,6 +10,7 @@
 //! With `PROBE_KERNEL` and `PROBE_INITRD` set, the guest boots that kernel
 //! instead (serial to a file) and the probe waits for the guest's own
 //! `SHUTDOWN` instead of sending `quit`.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::process::Stdio;

@@ -1,4 +1,5 @@
 //! QMP client tests against a scripted fake QMP server on a unix socket.
+#![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

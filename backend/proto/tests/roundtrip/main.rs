@@ -3,6 +3,7 @@
 //!
 //! The owned mirrors live in `requests` and `replies`, the strategies for each command
 //! family in their own module; the strategy helpers they share live here.
+#![forbid(unsafe_code)]
 
 mod dma;
 mod features;

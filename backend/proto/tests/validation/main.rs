@@ -2,6 +2,7 @@
 //! capabilities parsing and negotiation.
 //!
 //! One module per command family; the helpers shared between them live here.
+#![forbid(unsafe_code)]
 
 mod device_info;
 mod dma;
