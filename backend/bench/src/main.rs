@@ -23,6 +23,7 @@ mod floors;
 mod gpu;
 mod interrupt;
 mod journal;
+mod migration;
 mod moves;
 mod pin;
 mod posted;
@@ -34,6 +35,7 @@ mod servers;
 mod size_sweep;
 mod stats;
 mod svg;
+mod swap;
 mod write_multi;
 
 use std::path::PathBuf;
@@ -172,8 +174,8 @@ fn main() -> Result<()> {
         ("interrupt", interrupt::interrupt),
         ("doorbell", doorbell::doorbell),
         ("dirty-report", dirty_report::dirty_report),
-        ("swap", downtime::swap),
-        ("migration", downtime::migration),
+        ("swap", swap::swap),
+        ("migration", migration::migration),
         ("journal", journal::journal),
         ("custody", custody::custody),
         ("restart", restart::restart),
