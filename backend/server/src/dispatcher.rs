@@ -2,65 +2,43 @@
 //! takes a framed message, decodes it, dispatches it to the DMA space / interrupt table /
 //! device model, and builds the reply (bytes and descriptors) in its own reused buffers. It
 //! holds no socket; the caller sends the reply (see `dispatch::serve_connection`).
+//!
+//! One handler per command, grouped by family; one `match` on the decoded request
+//! (`Dispatcher::request`) picks it:
+//!
+//! | module | commands |
+//! |---|---|
+//! | `version` | VERSION, and a replaced process's session resumed |
+//! | `dma` | DMA_MAP, DMA_UNMAP |
+//! | `device` | DEVICE_GET_INFO, DEVICE_GET_REGION_INFO, DEVICE_GET_REGION_IO_FDS, REGION_READ, REGION_WRITE, REGION_WRITE_MULTI, DEVICE_RESET |
+//! | `irqs` | DEVICE_GET_IRQ_INFO, DEVICE_SET_IRQS |
+//! | `feature` | DEVICE_FEATURE (probes, MIGRATION, MIG_DEVICE_STATE), MIG_DATA_READ, MIG_DATA_WRITE |
+//! | `dirty` | DEVICE_FEATURE DMA_LOGGING_START, _STOP, _REPORT |
 
-use std::fs::File;
+mod device;
+mod dirty;
+mod dma;
+mod feature;
+mod irqs;
+mod version;
+
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use switchyard_device::ratelimit::{LOG_INTERVAL, LogLimiter};
-use switchyard_device::{
-    DeviceError, DmaError, DmaProt, DmaSpace, Interrupts, IrqIndex, PciDevice, RegionDesc,
-};
-use switchyard_proto::consts::*;
 use switchyard_proto::{
-    Capabilities, DeviceFeatureHeader, DeviceFeatureReply, DeviceInfo, DmaLoggingControl,
-    FeatureReply, FeatureRequest, Header, IrqAction, IrqData, IrqInfo, Limits, MigDeviceState,
-    MigState, MigrationFeature, ProtoError, RegionCapsBuilder, RegionInfo, Reply, Request,
-    ServerLimits, SetIrqs, SparseMmapArea, dirty_bitmap_size, dma_logging_report_reply_buffer,
-    encode_error_reply, encode_region_write_reply, encode_version_reply,
-    mig_data_read_reply_buffer, negotiate_version, region_read_reply_buffer,
-    truncate_mig_data_read_reply,
+    Capabilities, DeviceFeatureHeader, DeviceFeatureReply, FeatureReply, Header, Limits,
+    ProtoError, Reply, Request, ServerLimits, encode_error_reply,
 };
 
 use crate::client_dma::{ClientDma, Routed};
-use crate::continuity::{Continuity, WindowRecord};
-use crate::migration;
+use crate::continuity::Continuity;
+use crate::error::{RequestError, invalid};
 use crate::transport::Message;
 use crate::{DeviceSlot, Slot};
-
-/// Why a request failed: an errno for the reply, and a message for the log.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum RequestError {
-    #[error(transparent)]
-    Proto(#[from] ProtoError),
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    #[error(transparent)]
-    Dma(#[from] DmaError),
-    #[error("{what}")]
-    Invalid { what: &'static str, errno: i32 },
-}
-
-impl RequestError {
-    fn errno(&self) -> i32 {
-        match self {
-            RequestError::Proto(e) => e.errno(),
-            RequestError::Device(e) => e.errno(),
-            RequestError::Dma(e) => e.errno(),
-            RequestError::Invalid { errno, .. } => *errno,
-        }
-    }
-}
-
-fn invalid(what: &'static str) -> RequestError {
-    RequestError::Invalid {
-        what,
-        errno: libc::EINVAL,
-    }
-}
 
 /// Where the [`ClientDma`] of a client comes from: created when the client has negotiated its
 /// version (it needs the client's transfer size), it sends server→client requests on its own.
@@ -169,54 +147,6 @@ impl Dispatcher {
     /// Publishes tables and session into `continuity` from now on.
     pub(crate) fn set_continuity(&mut self, continuity: Option<Arc<Continuity>>) {
         self.continuity = continuity;
-    }
-
-    /// Continues a session a replaced process negotiated: the same VERSION request is
-    /// negotiated again (the same server limits give the same result), without a reply; the
-    /// next request is handled as a replay.
-    pub(crate) fn resume_session(
-        &mut self,
-        device_slot: &DeviceSlot,
-        version: Option<&(u16, u16, Vec<u8>)>,
-    ) -> Result<(), RequestError> {
-        if let Some((major, minor, data)) = version {
-            self.negotiate(device_slot, 0, *major, *minor, data)?;
-            // The reply is not sent again: the client has it.
-            self.out.clear();
-        }
-        self.replaying = true;
-        Ok(())
-    }
-
-    fn negotiate(
-        &mut self,
-        device_slot: &DeviceSlot,
-        id: u16,
-        major: u16,
-        minor: u16,
-        data: &[u8],
-    ) -> Result<(), RequestError> {
-        let n = negotiate_version(major, minor, data, &self.server_limits)?;
-        encode_version_reply(&mut self.out, id, &n.reply)?;
-        tracing::info!(
-            client_major = major,
-            client_minor = minor,
-            max_msg_fds = n.client.max_msg_fds,
-            max_data_xfer_size = n.client.max_data_xfer_size,
-            "version negotiated"
-        );
-        let cd = self
-            .client_dma_source
-            .connect(n.client.max_data_xfer_size as usize)
-            .map_err(DeviceError::Io)?;
-        device_slot.context().dma.set_remote(Some(cd.clone()));
-        device_slot.context().waits.set(Some(cd.clone()));
-        self.client_dma = Some(cd);
-        self.negotiated = Some(n.client);
-        if let Some(c) = &self.continuity {
-            c.version(major, minor, data);
-        }
-        Ok(())
     }
 
     /// The limits messages are framed and decoded with (`max_msg_size`).
@@ -375,655 +305,65 @@ impl Dispatcher {
             });
         }
         let id = h.msg_id;
+        let ctx = device_slot.context();
         let mut guard = device_slot.lock();
         let slot: &mut Slot = &mut guard;
-        let dev: &mut dyn PciDevice = &mut *slot.device;
         match req {
             Request::RegionRead {
                 offset,
-                region: index,
+                region,
                 count,
-            } => {
-                let r = region(dev, index)?;
-                if !r.read {
-                    return Err(invalid("region is not readable"));
-                }
-                check_range(r, index, offset, count as usize)?;
-                tracing::trace!(region = index, offset, count, "region read");
-                let buf = region_read_reply_buffer(&mut self.out, id, offset, index, count)?;
-                dev.region_read(index, offset, buf)?;
-            }
+            } => self.region_read(&mut *slot.device, id, offset, region, count),
             Request::RegionWrite {
                 offset,
-                region: index,
+                region,
                 data,
-            } => {
-                let r = region(dev, index)?;
-                if !r.write {
-                    return Err(invalid("region is not writable"));
-                }
-                check_range(r, index, offset, data.len())?;
-                tracing::trace!(region = index, offset, count = data.len(), "region write");
-                dev.region_write(index, offset, data)?;
-                encode_region_write_reply(&mut self.out, id, offset, index, data.len() as u32)?;
-            }
-            Request::Version(v) => {
-                if self.negotiated.is_some() {
-                    return Err(invalid("version already negotiated"));
-                }
-                self.negotiate(device_slot, id, v.major, v.minor, v.data)?;
-            }
-            Request::DmaMap(m) => {
-                if m.flags & VFIO_USER_F_DMA_REGION_FILE_IO != 0 {
-                    return Err(RequestError::Invalid {
-                        what: "file I/O DMA access mode is not supported",
-                        errno: libc::ENOTSUP,
-                    });
-                }
-                let prot = DmaProt {
-                    read: m.flags & VFIO_USER_F_DMA_REGION_READ != 0,
-                    write: m.flags & VFIO_USER_F_DMA_REGION_WRITE != 0,
-                };
-                let fd_id = msg.fd_ids.first().copied();
-                let record = WindowRecord {
-                    iova: m.address,
-                    size: m.size,
-                    offset: if msg.fds.is_empty() { 0 } else { m.offset },
-                    read: prot.read,
-                    write: prot.write,
-                    fd: None,
-                };
-                if self.replaying
-                    && let Some(c) = &self.continuity
-                    && c.has_window(&record, fd_id)
-                {
-                    // The replaced process mapped it and published it, then died before the
-                    // reply: the client still waits for that reply.
-                    tracing::info!(
-                        iova = m.address,
-                        size = m.size,
-                        "replayed DMA map: already mapped"
-                    );
-                    reply_empty(&mut self.out, id, Reply::DmaMap)?;
-                    return Ok(());
-                }
-                let backing = match msg.fds.into_iter().next() {
-                    Some(fd) => {
-                        if m.offset % 4096 != 0 {
-                            return Err(invalid("DMA map file offset is not page aligned"));
-                        }
-                        Some((File::from(fd), m.offset))
-                    }
-                    None if m.flags & VFIO_USER_F_DMA_REGION_MMAP != 0 => {
-                        return Err(invalid("mmap DMA access mode without a file descriptor"));
-                    }
-                    None => None,
-                };
-                let mmapped = backing.is_some();
-                device_slot
-                    .context()
-                    .dma
-                    .map(m.address, m.size, prot, backing)?;
-                if let Some(c) = &self.continuity {
-                    c.dma_mapped(WindowRecord {
-                        fd: fd_id.filter(|_| mmapped),
-                        ..record
-                    });
-                }
-                tracing::debug!(
-                    iova = m.address,
-                    size = m.size,
-                    flags = m.flags,
-                    mmapped,
-                    "DMA map"
-                );
-                reply_empty(&mut self.out, id, Reply::DmaMap)?;
-            }
-            Request::DmaUnmap { unmap, bitmap } => {
-                if unmap.flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
-                    device_slot.context().dma.unmap_all();
-                    if let Some(c) = &self.continuity {
-                        c.dma_unmapped_all();
-                    }
-                    tracing::debug!("DMA unmap all");
-                    Reply::DmaUnmap {
-                        unmap,
-                        bitmap: None,
-                    }
-                    .encode(id, &mut self.out)?;
-                } else if let Some(bh) = bitmap {
-                    let buf = switchyard_proto::dma_unmap_bitmap_reply_buffer(
-                        &mut self.out,
-                        id,
-                        &unmap,
-                        bh.pgsize,
-                    )?;
-                    // Bits and windows go together, under one lock: no write falls in between.
-                    let n = device_slot.context().dma.unmap_take_dirty(
-                        unmap.address,
-                        unmap.size,
-                        bh.pgsize,
-                        buf,
-                    )?;
-                    if let Some(c) = &self.continuity {
-                        c.dma_unmapped(unmap.address, unmap.size);
-                    }
-                    tracing::debug!(
-                        iova = unmap.address,
-                        size = unmap.size,
-                        windows = n,
-                        "DMA unmap with dirty bitmap"
-                    );
-                } else {
-                    let n = device_slot.context().dma.unmap(unmap.address, unmap.size)?;
-                    if let Some(c) = &self.continuity {
-                        c.dma_unmapped(unmap.address, unmap.size);
-                    }
-                    tracing::debug!(
-                        iova = unmap.address,
-                        size = unmap.size,
-                        windows = n,
-                        "DMA unmap"
-                    );
-                    Reply::DmaUnmap {
-                        unmap,
-                        bitmap: None,
-                    }
-                    .encode(id, &mut self.out)?;
-                }
-            }
-            Request::DeviceGetInfo { .. } => {
-                let d = dev.description();
-                let mut flags = VFIO_DEVICE_FLAGS_PCI;
-                if d.resettable {
-                    flags |= VFIO_DEVICE_FLAGS_RESET;
-                }
-                let info = DeviceInfo {
-                    argsz: DeviceInfo::SIZE as u32,
-                    flags,
-                    num_regions: d.regions.len() as u32,
-                    num_irqs: d.irqs.len() as u32,
-                };
-                Reply::DeviceGetInfo(info).encode(id, &mut self.out)?;
-            }
+            } => self.region_write(&mut *slot.device, id, offset, region, data),
+            Request::Version(v) => self.version(device_slot, id, v),
+            Request::DmaMap(m) => self.dma_map(&ctx.dma, id, m, msg.fds, &msg.fd_ids),
+            Request::DmaUnmap { unmap, bitmap } => self.dma_unmap(&ctx.dma, id, unmap, bitmap),
+            Request::DeviceGetInfo { .. } => self.device_get_info(&*slot.device, id),
             Request::DeviceGetRegionInfo { argsz, index } => {
-                let d = dev.description();
-                let r = d
-                    .regions
-                    .get(index as usize)
-                    .ok_or_else(|| invalid("no such region"))?;
-                let mut info = RegionInfo {
-                    argsz: REGION_INFO_SIZE as u32,
-                    flags: 0,
-                    index,
-                    cap_offset: 0,
-                    size: r.size,
-                    offset: 0,
-                };
-                if r.read {
-                    info.flags |= VFIO_REGION_INFO_FLAG_READ;
-                }
-                if r.write {
-                    info.flags |= VFIO_REGION_INFO_FLAG_WRITE;
-                }
-                let mut send_fd = None;
-                let mut builder = RegionCapsBuilder::new(&mut self.caps);
-                if let Some(mm) = &r.mmap {
-                    info.flags |= VFIO_REGION_INFO_FLAG_MMAP;
-                    info.offset = mm.file_offset;
-                    if !mm.areas.is_empty() {
-                        let areas: Vec<SparseMmapArea> = mm
-                            .areas
-                            .iter()
-                            .map(|a| SparseMmapArea {
-                                offset: a.offset,
-                                size: a.size,
-                            })
-                            .collect();
-                        builder.sparse_mmap(&areas)?;
-                    }
-                    send_fd = Some(mm.file.clone());
-                }
-                let fits = builder.finish_info(&mut info, argsz)?;
-                // Like libvfio-user, the fd travels only with a complete reply (caps included).
-                if !fits {
-                    send_fd = None;
-                }
-                let caps: &[u8] = if fits { &self.caps } else { &[] };
-                Reply::DeviceGetRegionInfo { info, caps }.encode(id, &mut self.out)?;
-                if let Some(f) = send_fd {
-                    self.out_fds
-                        .push(f.as_fd().try_clone_to_owned().map_err(DeviceError::Io)?);
-                }
+                self.device_get_region_info(&*slot.device, id, argsz, index)
             }
             Request::DeviceGetRegionIoFds { index, .. } => {
-                region(dev, index)?;
-                // No region of ours has ioeventfd-capable sub-regions (QEMU does not use them).
-                Reply::DeviceGetRegionIoFds {
-                    argsz: 16,
-                    index,
-                    count: 0,
-                    entries: switchyard_proto::IoFdEntries::Spec(Default::default()),
-                }
-                .encode(id, &mut self.out)?;
+                self.device_get_region_io_fds(&*slot.device, id, index)
             }
             Request::DeviceGetIrqInfo { index, .. } => {
-                let d = dev.description();
-                let irq = d
-                    .irqs
-                    .get(index as usize)
-                    .ok_or_else(|| invalid("no such interrupt index"))?;
-                let mut flags = 0;
-                if irq.eventfd {
-                    flags |= VFIO_IRQ_INFO_EVENTFD;
-                }
-                if irq.maskable {
-                    flags |= VFIO_IRQ_INFO_MASKABLE;
-                }
-                if irq.automasked {
-                    flags |= VFIO_IRQ_INFO_AUTOMASKED;
-                }
-                if irq.noresize {
-                    flags |= VFIO_IRQ_INFO_NORESIZE;
-                }
-                let info = IrqInfo {
-                    argsz: IrqInfo::SIZE as u32,
-                    flags,
-                    index,
-                    count: irq.count,
-                };
-                Reply::DeviceGetIrqInfo(info).encode(id, &mut self.out)?;
+                self.device_get_irq_info(&*slot.device, id, index)
             }
             Request::DeviceSetIrqs(set) => {
-                let eventfds = matches!(
-                    (set.action, set.data),
-                    (IrqAction::Trigger, IrqData::Eventfd)
-                );
-                let fd_ids = msg.fd_ids.clone();
-                let disable = set.count == 0;
-                set_irqs(
-                    dev,
-                    &device_slot.context().irqs,
-                    set,
-                    msg.fds,
-                    &self.bad_irq_fds,
-                )?;
-                if let Some(c) = &self.continuity {
-                    if disable {
-                        c.irqs_disabled(set.index);
-                    } else if eventfds {
-                        let ids: Vec<Option<u64>> = if fd_ids.is_empty() {
-                            vec![None; set.count as usize]
-                        } else {
-                            fd_ids.into_iter().map(Some).collect()
-                        };
-                        c.irqs_set(set.index, set.start, &ids);
-                    }
-                }
-                dev.irqs_changed(set.index);
-                reply_empty(&mut self.out, id, Reply::DeviceSetIrqs)?;
+                self.device_set_irqs(&mut *slot.device, &ctx.irqs, id, set, msg.fds, &msg.fd_ids)
             }
-            Request::DeviceReset => {
-                tracing::info!("device reset");
-                if slot.mig != MigState::Running {
-                    // A reset ends any migration (and is the way out of ERROR).
-                    let before = slot.mig;
-                    if let Some(m) = dev.migration() {
-                        m.abort();
-                    }
-                    slot.mig = MigState::Running;
-                    // (Fields, not `Slot::mig_changed`: `dev` borrows the device.)
-                    if let Some(hook) = &slot.mig_hook
-                        && before != MigState::Running
-                    {
-                        hook(slot.mig);
-                    }
-                }
-                dev.reset()?;
-                reply_empty(&mut self.out, id, Reply::DeviceReset)?;
-            }
+            Request::DeviceReset => self.device_reset(slot, id),
             Request::RegionWriteMulti(entries) => {
-                let mut done = 0u64;
-                for e in entries.iter() {
-                    let r = region(dev, e.region)?;
-                    let data = e
-                        .data
-                        .get(..e.count as usize)
-                        .ok_or_else(|| invalid("write-multi count"))?;
-                    check_range(r, e.region, e.offset, data.len())?;
-                    dev.region_write(e.region, e.offset, data)?;
-                    done += 1;
-                }
-                Reply::RegionWriteMulti { wr_cnt: done }.encode(id, &mut self.out)?;
+                self.region_write_multi(&mut *slot.device, id, entries)
             }
-            Request::DeviceFeature(f) => {
-                if matches!(f.op, FeatureRequest::DmaLoggingReport(_)) {
-                    self.use_bulk_buffer();
-                }
-                device_feature(slot, &device_slot.context().dma, &mut self.out, id, f.op)?
-            }
-            Request::MigDataRead { size, .. } => {
-                if !matches!(slot.mig, MigState::PreCopy | MigState::StopCopy) {
-                    return Err(invalid("MIG_DATA_READ outside PRE_COPY and STOP_COPY"));
-                }
-                if size > self.server_limits.max_data_xfer_size {
-                    return Err(invalid("MIG_DATA_READ larger than max_data_xfer_size"));
-                }
-                self.use_bulk_buffer();
-                let buf = mig_data_read_reply_buffer(&mut self.out, id, size)?;
-                let n = dev
-                    .migration()
-                    .ok_or_else(|| invalid("the device does not migrate"))?
-                    .read(buf)?;
-                let n = u32::try_from(n)
-                    .ok()
-                    .filter(|&n| n <= size)
-                    .ok_or_else(|| invalid("device produced more migration data than asked"))?;
-                truncate_mig_data_read_reply(&mut self.out, n)?;
-                tracing::trace!(size, n, "MIG_DATA_READ");
-            }
-            Request::MigDataWrite { data, .. } => {
-                if slot.mig != MigState::Resuming {
-                    return Err(invalid("MIG_DATA_WRITE outside RESUMING"));
-                }
-                dev.migration()
-                    .ok_or_else(|| invalid("the device does not migrate"))?
-                    .write(data)?;
-                tracing::trace!(n = data.len(), "MIG_DATA_WRITE");
-                reply_empty(&mut self.out, id, Reply::MigDataWrite(None))?;
-            }
+            Request::DeviceFeature(f) => self.device_feature(slot, &ctx.dma, id, f.op),
+            Request::MigDataRead { size, .. } => self.mig_data_read(slot, id, size),
+            Request::MigDataWrite { data, .. } => self.mig_data_write(slot, id, data),
             Request::DmaRead { .. } | Request::DmaWrite { .. } => {
                 // Rejected by the decoder's direction check; kept for exhaustiveness.
-                return Err(invalid("server-to-client command sent by the client"));
+                Err(invalid("server-to-client command sent by the client"))
             }
         }
-        Ok(())
     }
 }
 
-fn region<D: PciDevice + ?Sized>(dev: &D, index: u32) -> Result<&RegionDesc, RequestError> {
-    dev.description()
-        .regions
-        .get(index as usize)
-        .filter(|r| r.size > 0)
-        .ok_or_else(|| RequestError::Device(DeviceError::NoSuchRegion(index)))
-}
-
-fn check_range(r: &RegionDesc, index: u32, offset: u64, len: usize) -> Result<(), RequestError> {
-    let end = offset.checked_add(len as u64);
-    if end.is_none_or(|e| e > r.size) {
-        return Err(DeviceError::OutOfRange {
-            region: index,
-            offset,
-            len,
-        }
-        .into());
-    }
-    Ok(())
-}
-
-/// DEVICE_FEATURE: DMA dirty logging (START / STOP / REPORT and their PROBEs) and, for a
-/// device that can migrate, MIGRATION and MIG_DEVICE_STATE; otherwise those answer `ENOTTY`
-/// ("not supported", as the kernel does).
-fn device_feature(
-    slot: &mut Slot,
-    dma: &DmaSpace,
-    out: &mut Vec<u8>,
-    id: u16,
-    op: FeatureRequest<'_>,
-) -> Result<(), RequestError> {
-    let not_supported = RequestError::Invalid {
-        what: "device feature not supported",
-        errno: libc::ENOTTY,
-    };
-    let reply = |out: &mut Vec<u8>, op: FeatureReply<'_>| {
-        let argsz = (DeviceFeatureHeader::SIZE + op.data_len()) as u32;
-        reply_empty(
-            out,
-            id,
-            Reply::DeviceFeature(DeviceFeatureReply { argsz, op }),
-        )
-    };
-    let mig_caps = slot.device.migration().map(|m| m.caps());
-    match op {
-        FeatureRequest::Probe { feature, get, set } => {
-            let (can_get, can_set) = match feature {
-                VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
-                    (false, true)
-                }
-                VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
-                VFIO_DEVICE_FEATURE_MIGRATION if mig_caps.is_some() => (true, false),
-                VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if mig_caps.is_some() => (true, true),
-                _ => return Err(not_supported),
-            };
-            if (get && !can_get) || (set && !can_set) {
-                return Err(invalid("device feature does not support that operation"));
-            }
-            reply(out, FeatureReply::Probe { feature, get, set })
-        }
-        FeatureRequest::DmaLoggingStart(c) => {
-            // Every window is logged whatever the ranges say; still, nonsense is refused.
-            if c.ranges
-                .iter()
-                .any(|r| r.length == 0 || r.iova.checked_add(r.length - 1).is_none())
-            {
-                return Err(invalid("DMA logging range is empty or wraps"));
-            }
-            let page_size = dma.start_logging(c.page_size)?;
-            tracing::info!(
-                page_size,
-                ranges = c.ranges.len(),
-                "DMA dirty logging started"
-            );
-            reply(
-                out,
-                FeatureReply::DmaLoggingStart(DmaLoggingControl { page_size, ..c }),
-            )
-        }
-        FeatureRequest::DmaLoggingStop => {
-            dma.stop_logging();
-            tracing::info!("DMA dirty logging stopped");
-            reply(out, FeatureReply::DmaLoggingStop)
-        }
-        FeatureRequest::DmaLoggingReport(r) => {
-            // The bitmap is built in place in the reply (whose bitmap area is not zeroed:
-            // `report_dirty` writes every byte of it); the decoder checked that the client's
-            // argsz has room for it.
-            if dirty_bitmap_size(r.length, r.page_size)? > u64::from(MAX_DATA_XFER_SIZE_LIMIT) {
-                return Err(RequestError::Invalid {
-                    what: "DMA logging report bitmap too large for one message",
-                    errno: libc::E2BIG,
-                });
-            }
-            let buf = dma_logging_report_reply_buffer(out, id, &r)?;
-            dma.report_dirty(r.iova, r.length, r.page_size, buf)?;
-            tracing::trace!(
-                iova = r.iova,
-                length = r.length,
-                page_size = r.page_size,
-                "DMA logging report"
-            );
-            Ok(())
-        }
-        FeatureRequest::GetMigration => {
-            let caps = mig_caps.ok_or(not_supported)?;
-            let mut flags = VFIO_MIGRATION_STOP_COPY;
-            if caps.precopy {
-                flags |= VFIO_MIGRATION_PRE_COPY;
-            }
-            reply(out, FeatureReply::GetMigration(MigrationFeature { flags }))
-        }
-        FeatureRequest::GetMigDeviceState => {
-            mig_caps.ok_or(not_supported)?;
-            reply(
-                out,
-                FeatureReply::GetMigDeviceState(MigDeviceState {
-                    device_state: slot.mig as u32,
-                    data_fd: u32::MAX,
-                }),
-            )
-        }
-        FeatureRequest::SetMigDeviceState(st) => {
-            mig_caps.ok_or(not_supported)?;
-            let target = MigState::try_from(st.device_state)?;
-            if slot.moving && !matches!(target, MigState::Running | MigState::Stop) {
-                // A move reads the same device state and write log.
-                return Err(RequestError::Invalid {
-                    what: "the device is being moved to another backing",
-                    errno: libc::EBUSY,
-                });
-            }
-            let before = slot.mig;
-            let moved = migration::transition(&mut *slot.device, &mut slot.mig, target);
-            slot.mig_changed(before);
-            moved?;
-            reply(
-                out,
-                FeatureReply::SetMigDeviceState(MigDeviceState {
-                    device_state: slot.mig as u32,
-                    data_fd: u32::MAX,
-                }),
-            )
-        }
-        FeatureRequest::Other { .. } => Err(not_supported),
-    }
-}
-
+/// Encodes `r`, a reply without data of the server's own to fill.
 fn reply_empty(out: &mut Vec<u8>, id: u16, r: Reply<'_>) -> Result<(), RequestError> {
     r.encode(id, out)?;
     Ok(())
 }
 
-/// What `/proc/self/fd/N` links to for an eventfd: the kernel's name for its anonymous inode
-/// (what lsof shows). A real file links to an absolute path and a pipe or socket to
-/// `pipe:[ino]`/`socket:[ino]`, so no other file can pose as one.
-const EVENTFD_LINK: &str = "anon_inode:[eventfd]";
-
-/// What `fd` is, as procfs names it (compare with [`EVENTFD_LINK`]).
-fn fd_kind(fd: &OwnedFd) -> std::io::Result<std::path::PathBuf> {
-    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-}
-
-fn set_irqs(
-    dev: &mut dyn PciDevice,
-    irqs: &Interrupts,
-    set: SetIrqs<'_>,
-    fds: Vec<OwnedFd>,
-    bad_fds: &LogLimiter,
-) -> Result<(), RequestError> {
-    let d = dev.description();
-    let irq = d
-        .irqs
-        .get(set.index as usize)
-        .ok_or_else(|| invalid("no such interrupt index"))?;
-    let in_range = set
-        .start
-        .checked_add(set.count)
-        .is_some_and(|e| e <= irq.count);
-    if set.count == 0 {
-        // Only "disable everything" is meaningful with no vectors.
-        if matches!((set.action, set.data), (IrqAction::Trigger, IrqData::None)) && set.start == 0 {
-            // A device that delivers its interrupts itself gives every vector back first (a
-            // physical device's kernel would otherwise keep signalling the client's eventfds).
-            let count = irq.count as usize;
-            if count > 0
-                && let Some(router) = dev.irq_router()
-            {
-                let none: Vec<Option<&File>> = vec![None; count];
-                router.route(set.index, 0, &none)?;
-            }
-            irqs.disable(set.index).map_err(DeviceError::from)?;
-            tracing::debug!(index = set.index, "interrupts disabled");
-            return Ok(());
-        }
-        return Err(invalid(
-            "zero-count SET_IRQS must be TRIGGER|DATA_NONE at start 0",
-        ));
-    }
-    if !in_range {
-        return Err(invalid("interrupt vectors out of range"));
-    }
-    match (set.action, set.data) {
-        (IrqAction::Trigger, IrqData::Eventfd) => {
-            let files: Vec<Option<File>> = if fds.is_empty() {
-                (0..set.count).map(|_| None).collect()
-            } else {
-                if fds.len() != set.count as usize {
-                    return Err(invalid("eventfd count does not match vector count"));
-                }
-                // Only eventfds: anything else (a pipe, /dev/null, a file) would have the
-                // device write into it, and may block or fail on every interrupt. Every fd is
-                // checked before any vector changes. Their flags stay as the client set them
-                // (`Interrupts` never blocks on a blocking eventfd).
-                for (i, fd) in (set.start..).zip(&fds) {
-                    let kind = fd_kind(fd);
-                    if !kind.as_ref().is_ok_and(|k| k.as_os_str() == EVENTFD_LINK) {
-                        if bad_fds.allow() {
-                            let cause = match &kind {
-                                Ok(k) => format!("the file is {}", k.display()),
-                                Err(e) => format!("cannot tell what the file is: {e}"),
-                            };
-                            tracing::warn!(
-                                index = set.index,
-                                vector = i,
-                                cause,
-                                "SET_IRQS refused a file that is not an eventfd"
-                            );
-                        }
-                        return Err(invalid("interrupt file descriptor is not an eventfd"));
-                    }
-                }
-                fds.into_iter().map(|fd| Some(File::from(fd))).collect()
-            };
-            // A device that delivers its interrupts itself gets them first: if it refuses,
-            // nothing has changed. The server keeps its own copy for a successor.
-            if let Some(router) = dev.irq_router() {
-                let refs: Vec<Option<&File>> = files.iter().map(Option::as_ref).collect();
-                router.route(set.index, set.start, &refs)?;
-            }
-            irqs.set_triggers(set.index, set.start, files)
-                .map_err(DeviceError::from)?;
-            tracing::debug!(
-                index = set.index,
-                start = set.start,
-                count = set.count,
-                "eventfds set"
-            );
-        }
-        (IrqAction::Trigger, IrqData::None) => {
-            let index =
-                IrqIndex::from_raw(set.index).ok_or_else(|| invalid("no such interrupt index"))?;
-            for v in set.start..set.start + set.count {
-                irqs.trigger(index, v).map_err(DeviceError::from)?;
-            }
-        }
-        (IrqAction::Trigger, IrqData::Bool(bools)) => {
-            let index =
-                IrqIndex::from_raw(set.index).ok_or_else(|| invalid("no such interrupt index"))?;
-            for (v, &b) in (set.start..set.start + set.count).zip(bools) {
-                if b != 0 {
-                    irqs.trigger(index, v).map_err(DeviceError::from)?;
-                }
-            }
-        }
-        (IrqAction::Mask | IrqAction::Unmask, IrqData::None) => {
-            let masked = set.action == IrqAction::Mask;
-            irqs.set_masked(set.index, set.start, set.count, masked, None)
-                .map_err(DeviceError::from)?;
-        }
-        (IrqAction::Mask | IrqAction::Unmask, IrqData::Bool(bools)) => {
-            let masked = set.action == IrqAction::Mask;
-            irqs.set_masked(set.index, set.start, set.count, masked, Some(bools))
-                .map_err(DeviceError::from)?;
-        }
-        (IrqAction::Mask | IrqAction::Unmask, IrqData::Eventfd) => {
-            return Err(RequestError::Invalid {
-                what: "mask/unmask eventfds are not supported",
-                errno: libc::ENOTSUP,
-            });
-        }
-    }
-    Ok(())
+/// Encodes a DEVICE_FEATURE reply carrying `op`.
+fn feature_reply(out: &mut Vec<u8>, id: u16, op: FeatureReply<'_>) -> Result<(), RequestError> {
+    let argsz = (DeviceFeatureHeader::SIZE + op.data_len()) as u32;
+    reply_empty(
+        out,
+        id,
+        Reply::DeviceFeature(DeviceFeatureReply { argsz, op }),
+    )
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ mod client_dma;
 pub mod continuity;
 mod dispatch;
 mod dispatcher;
+mod error;
 mod listener;
 mod migration;
 mod slot;

@@ -8,7 +8,7 @@
 use switchyard_device::{MigArc, MigrationCaps, PciDevice};
 use switchyard_proto::MigState;
 
-use crate::dispatcher::RequestError;
+use crate::error::RequestError;
 
 /// The next direct arc from `cur` towards `target`, and the state it reaches; `None` if
 /// `target` cannot be reached from `cur` (ERROR, P2P states, STOP_COPY → PRE_COPY, PRE_COPY

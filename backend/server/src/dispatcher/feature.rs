@@ -1,0 +1,184 @@
+//! DEVICE_FEATURE, and the migration it carries: the probes, MIGRATION and MIG_DEVICE_STATE
+//! (the state machine itself is `crate::migration`), and the migration stream (MIG_DATA_READ,
+//! MIG_DATA_WRITE). The DMA logging features are `dirty`'s.
+//!
+//! For a device that cannot migrate, the migration features answer `ENOTTY` ("not
+//! supported", as the kernel does).
+
+use switchyard_device::DmaSpace;
+use switchyard_proto::consts::*;
+use switchyard_proto::{
+    FeatureReply, FeatureRequest, MigDeviceState, MigState, MigrationFeature, Reply,
+    mig_data_read_reply_buffer, truncate_mig_data_read_reply,
+};
+
+use super::{Dispatcher, feature_reply, reply_empty};
+use crate::Slot;
+use crate::error::{RequestError, invalid};
+use crate::migration;
+
+/// A feature the device does not have.
+fn not_supported() -> RequestError {
+    RequestError::Invalid {
+        what: "device feature not supported",
+        errno: libc::ENOTTY,
+    }
+}
+
+impl Dispatcher {
+    /// DEVICE_FEATURE: one handler per feature and operation.
+    pub(super) fn device_feature(
+        &mut self,
+        slot: &mut Slot,
+        dma: &DmaSpace,
+        id: u16,
+        op: FeatureRequest<'_>,
+    ) -> Result<(), RequestError> {
+        match op {
+            FeatureRequest::Probe { feature, get, set } => {
+                self.feature_probe(slot, id, feature, get, set)
+            }
+            FeatureRequest::DmaLoggingStart(c) => self.dma_logging_start(dma, id, c),
+            FeatureRequest::DmaLoggingStop => self.dma_logging_stop(dma, id),
+            FeatureRequest::DmaLoggingReport(r) => self.dma_logging_report(dma, id, &r),
+            FeatureRequest::GetMigration => self.get_migration(slot, id),
+            FeatureRequest::GetMigDeviceState => self.get_mig_device_state(slot, id),
+            FeatureRequest::SetMigDeviceState(st) => self.set_mig_device_state(slot, id, st),
+            FeatureRequest::Other { .. } => Err(not_supported()),
+        }
+    }
+
+    /// DEVICE_FEATURE PROBE: which operations a feature supports.
+    fn feature_probe(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        feature: u16,
+        get: bool,
+        set: bool,
+    ) -> Result<(), RequestError> {
+        let migrates = slot.device.migration().is_some();
+        let (can_get, can_set) = match feature {
+            VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
+                (false, true)
+            }
+            VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
+            VFIO_DEVICE_FEATURE_MIGRATION if migrates => (true, false),
+            VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if migrates => (true, true),
+            _ => return Err(not_supported()),
+        };
+        if (get && !can_get) || (set && !can_set) {
+            return Err(invalid("device feature does not support that operation"));
+        }
+        feature_reply(&mut self.out, id, FeatureReply::Probe { feature, get, set })
+    }
+
+    /// DEVICE_FEATURE GET MIGRATION: the flows the device supports.
+    fn get_migration(&mut self, slot: &mut Slot, id: u16) -> Result<(), RequestError> {
+        let caps = slot
+            .device
+            .migration()
+            .map(|m| m.caps())
+            .ok_or_else(not_supported)?;
+        let mut flags = VFIO_MIGRATION_STOP_COPY;
+        if caps.precopy {
+            flags |= VFIO_MIGRATION_PRE_COPY;
+        }
+        feature_reply(
+            &mut self.out,
+            id,
+            FeatureReply::GetMigration(MigrationFeature { flags }),
+        )
+    }
+
+    /// DEVICE_FEATURE GET MIG_DEVICE_STATE.
+    fn get_mig_device_state(&mut self, slot: &mut Slot, id: u16) -> Result<(), RequestError> {
+        slot.device.migration().ok_or_else(not_supported)?;
+        feature_reply(
+            &mut self.out,
+            id,
+            FeatureReply::GetMigDeviceState(MigDeviceState {
+                device_state: slot.mig as u32,
+                data_fd: u32::MAX,
+            }),
+        )
+    }
+
+    /// DEVICE_FEATURE SET MIG_DEVICE_STATE: the device walks to the requested state.
+    fn set_mig_device_state(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        st: MigDeviceState,
+    ) -> Result<(), RequestError> {
+        slot.device.migration().ok_or_else(not_supported)?;
+        let target = MigState::try_from(st.device_state)?;
+        if slot.moving && !matches!(target, MigState::Running | MigState::Stop) {
+            // A move reads the same device state and write log.
+            return Err(RequestError::Invalid {
+                what: "the device is being moved to another backing",
+                errno: libc::EBUSY,
+            });
+        }
+        let before = slot.mig;
+        let moved = migration::transition(&mut *slot.device, &mut slot.mig, target);
+        slot.mig_changed(before);
+        moved?;
+        feature_reply(
+            &mut self.out,
+            id,
+            FeatureReply::SetMigDeviceState(MigDeviceState {
+                device_state: slot.mig as u32,
+                data_fd: u32::MAX,
+            }),
+        )
+    }
+
+    /// MIG_DATA_READ: the next bytes of the outgoing stream, read by the device straight
+    /// into the reply.
+    pub(super) fn mig_data_read(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        size: u32,
+    ) -> Result<(), RequestError> {
+        if !matches!(slot.mig, MigState::PreCopy | MigState::StopCopy) {
+            return Err(invalid("MIG_DATA_READ outside PRE_COPY and STOP_COPY"));
+        }
+        if size > self.server_limits.max_data_xfer_size {
+            return Err(invalid("MIG_DATA_READ larger than max_data_xfer_size"));
+        }
+        self.use_bulk_buffer();
+        let buf = mig_data_read_reply_buffer(&mut self.out, id, size)?;
+        let n = slot
+            .device
+            .migration()
+            .ok_or_else(|| invalid("the device does not migrate"))?
+            .read(buf)?;
+        let n = u32::try_from(n)
+            .ok()
+            .filter(|&n| n <= size)
+            .ok_or_else(|| invalid("device produced more migration data than asked"))?;
+        truncate_mig_data_read_reply(&mut self.out, n)?;
+        tracing::trace!(size, n, "MIG_DATA_READ");
+        Ok(())
+    }
+
+    /// MIG_DATA_WRITE: the next bytes of the incoming stream.
+    pub(super) fn mig_data_write(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        data: &[u8],
+    ) -> Result<(), RequestError> {
+        if slot.mig != MigState::Resuming {
+            return Err(invalid("MIG_DATA_WRITE outside RESUMING"));
+        }
+        slot.device
+            .migration()
+            .ok_or_else(|| invalid("the device does not migrate"))?
+            .write(data)?;
+        tracing::trace!(n = data.len(), "MIG_DATA_WRITE");
+        reply_empty(&mut self.out, id, Reply::MigDataWrite(None))
+    }
+}
