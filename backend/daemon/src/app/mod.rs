@@ -402,6 +402,9 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let (mut pool, report) =
         Pool::open(&config, &store).map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
     tracing::info!(store = %store.display(), ?report, "pool opened");
+    // The stream starts after the history as loaded: the events of what is done below
+    // (quarantines, aborted moves) are published after it, in order.
+    let last = pool.inventory().next_seq().saturating_sub(1);
     // No data path moves a device yet, so a move recorded as in progress cannot be: the
     // endpoint keeps its device.
     // Passthrough boards whose device is not usable take no new lease.
@@ -412,7 +415,6 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
             Err(e) => tracing::error!(?plan, "cannot abort a pending move: {e}"),
         }
     }
-    let last = pool.inventory().next_seq().saturating_sub(1);
     let events = Arc::new(EventStream::new(last));
     let metrics = Metrics::new();
     for b in pool.inventory().boards() {
