@@ -98,6 +98,10 @@ impl Supervisor {
     }
 }
 
+/// The status of an adopted worker's [`WorkerEvent::Exited`]: the worker is not the daemon's
+/// child, so its exit status is not the daemon's to read.
+const ADOPTED_EXIT_STATUS: &str = "unknown (an adopted worker, not the daemon's child)";
+
 /// Supervises the adopted worker `pid` (its custody `channel`) until it dies: not our
 /// child, so it is not waited for; a replacement is started by [`supervise`] afterwards.
 pub(super) fn supervise_adopted(
@@ -149,6 +153,13 @@ pub(super) fn supervise_adopted(
         let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
     }
     tracing::info!(pid, "adopted worker gone");
+    // The same event as for a worker of this supervisor's own (`run_worker`), so that the
+    // events count every worker that ended; its exit status went to its parent.
+    sink(WorkerEvent::Exited {
+        endpoint: ep.spec.id.clone(),
+        pid,
+        status: ADOPTED_EXIT_STATUS.to_owned(),
+    });
     ep.status().pid = None;
     if !ep.stopping.load(Ordering::SeqCst) {
         let mut st = ep.status();
