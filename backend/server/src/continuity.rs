@@ -46,7 +46,7 @@ use switchyard_device::blackbox::{Area, BlackBox, BlackBoxError, Record, RecordS
 use switchyard_device::ratelimit::LogLimiter;
 use switchyard_proto::ServerLimits;
 
-use crate::transport::Framer;
+use crate::transport::framer::{Framer, MAX_FDS_PER_READ};
 
 /// Record names of the server.
 pub const RX_RECORD: &str = "server.rx";
@@ -187,7 +187,7 @@ impl Continuity {
     /// The records a black box needs for a server with `limits` (add the device's).
     pub fn records(limits: &ServerLimits) -> Vec<RecordSpec> {
         let max_msg = switchyard_proto::Limits::server(limits.max_data_xfer_size).max_msg_size;
-        let ids = 2 * crate::transport::MAX_FDS_PER_READ * 8;
+        let ids = 2 * MAX_FDS_PER_READ * 8;
         vec![
             RecordSpec::new(RX_RECORD, max_msg as usize + ids + 64),
             RecordSpec::new(

@@ -11,7 +11,8 @@ use switchyard_endpoint::{SendLimit, send_bounded};
 
 use crate::client_dma::ClientDma;
 use crate::dispatcher::{Dispatcher, Outcome, SocketClientDma};
-use crate::transport::{Connection, TransportError};
+use crate::transport::connection::Connection;
+use crate::transport::framer::{Framer, TransportError};
 use crate::{Server, ServerError};
 
 /// Sends the dispatcher's reply within the server's send limit, then releases it.
@@ -62,7 +63,7 @@ fn send(
 /// A connection a replaced process was serving: its framer rebuilt from the receive journal
 /// and the VERSION request it negotiated.
 pub(crate) struct Resume {
-    pub(crate) framer: crate::transport::Framer,
+    pub(crate) framer: Framer,
     pub(crate) version: Option<(u16, u16, Vec<u8>)>,
 }
 

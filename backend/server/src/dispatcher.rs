@@ -37,7 +37,7 @@ use switchyard_proto::{
 use crate::client_dma::{ClientDma, Routed};
 use crate::continuity::Continuity;
 use crate::error::{RequestError, invalid};
-use crate::transport::Message;
+use crate::transport::framer::{MAX_FDS_PER_READ, Message};
 use crate::{DeviceSlot, Slot};
 
 /// Where the [`ClientDma`] of a client comes from: created when the client has negotiated its
@@ -287,7 +287,7 @@ impl Dispatcher {
         if msg.fds_truncated {
             // Never reinterpret a message whose descriptors were dropped (a DMA_MAP would become
             // message-based, a SET_IRQS would de-assign vectors).
-            let errno = if msg.fds.len() >= crate::transport::MAX_FDS_PER_READ {
+            let errno = if msg.fds.len() >= MAX_FDS_PER_READ {
                 libc::E2BIG
             } else {
                 libc::EMFILE

@@ -1,0 +1,248 @@
+//! The socket half of the transport: [`Connection`] reads a vfio-user stream socket
+//! (`recvmsg`, adaptive polling, and with crash continuity peek, journal, consume) and feeds a
+//! [`Framer`].
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
+use crate::continuity::Continuity;
+
+/// A framed vfio-user connection: a [`Framer`] fed by `recvmsg` on the stream.
+#[derive(Debug)]
+pub struct Connection {
+    stream: UnixStream,
+    framer: Framer,
+    /// Descriptors of the read in progress, handed to the framer (allocated once).
+    read_fds: Vec<OwnedFd>,
+    spin: Duration,
+    /// Crash continuity: descriptors go into custody as they arrive, and the receive journal
+    /// is published after every read and every answered message.
+    continuity: Option<Arc<Continuity>>,
+}
+
+impl Connection {
+    /// Wraps a connected stream. `max_msg_size` bounds a whole message (header included);
+    /// `spin` is the adaptive polling budget (zero disables it).
+    pub fn new(stream: UnixStream, max_msg_size: u32, spin: Duration) -> Self {
+        Self {
+            stream,
+            framer: Framer::new(max_msg_size),
+            read_fds: Vec::with_capacity(MAX_FDS_PER_READ),
+            spin,
+            continuity: None,
+        }
+    }
+
+    /// A connection that continues where a replaced process stopped: `framer` comes from
+    /// [`Framer::resume`].
+    pub(crate) fn resumed(stream: UnixStream, framer: Framer, spin: Duration) -> Self {
+        Self {
+            stream,
+            framer,
+            read_fds: Vec::with_capacity(MAX_FDS_PER_READ),
+            spin,
+            continuity: None,
+        }
+    }
+
+    /// Keeps descriptors in custody and publishes the receive journal into `continuity`.
+    /// Turns on the socket's peek offset (`SO_PEEK_OFF`), through which a replacement learns
+    /// whether the last read was consumed (see [`Connection::recv_journaled`]).
+    pub(crate) fn set_continuity(&mut self, continuity: Option<Arc<Continuity>>) {
+        if continuity.is_some()
+            && let Err(e) = switchyard_sys::sock::set_peek_offset(self.stream.as_fd(), 0)
+        {
+            tracing::warn!(error = %e, "no SO_PEEK_OFF: a restart may replay or lose the last read");
+        }
+        self.continuity = continuity;
+    }
+
+    /// Settles a read a killed process left half done. The socket's peek offset (`off`) says
+    /// how many bytes it had peeked and not consumed; the journal (`journaled`) says how many
+    /// of its own bytes were peeked and not yet known consumed. They agree (`off ==
+    /// journaled`): the journal has the bytes, which leave the socket. The journal does not
+    /// have them (`journaled == 0`: killed between the peek and the publish): the offset goes
+    /// back to zero and they are read again. `off == 0`: nothing to do. Returns the bytes
+    /// consumed.
+    pub(crate) fn settle_peeked(stream: &UnixStream, journaled: usize) -> io::Result<usize> {
+        let off = usize::try_from(switchyard_sys::sock::peek_offset(stream.as_fd())?).unwrap_or(0);
+        if off == 0 {
+            return Ok(0);
+        }
+        if off != journaled {
+            if journaled != 0 {
+                tracing::warn!(
+                    off,
+                    journaled,
+                    "peek offset and journal disagree; reading again"
+                );
+            }
+            switchyard_sys::sock::set_peek_offset(stream.as_fd(), 0)?;
+            return Ok(0);
+        }
+        discard(stream, off, true)
+    }
+
+    /// The crash continuity this connection publishes into, if any.
+    pub(crate) fn continuity(&self) -> Option<&Arc<Continuity>> {
+        self.continuity.as_ref()
+    }
+
+    /// The framer (for the continuity's journal).
+    pub(crate) fn framer(&self) -> &Framer {
+        &self.framer
+    }
+
+    /// The message last received has been answered: it leaves the journal.
+    pub fn done(&mut self) {
+        self.framer.done();
+        if let Some(c) = &self.continuity {
+            c.publish_rx(&self.framer);
+            let dropped = self.framer.take_dropped_ids();
+            if !dropped.is_empty() {
+                c.settle(&dropped);
+            }
+        }
+    }
+
+    /// The underlying stream (for `try_clone` / shutdown).
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+
+    /// Receives the next complete message.
+    ///
+    /// A header whose size is invalid makes the connection unusable (the stream can no longer
+    /// be framed): it is reported as [`TransportError::BadHeader`] after which the caller should
+    /// reply with an error if it can and drop the connection.
+    pub fn recv(&mut self) -> Result<Message<'_>, TransportError> {
+        // Whatever came before has been answered.
+        self.framer.done();
+        while !self.framer.ready()? {
+            self.fill()?;
+        }
+        // `ready` said a message is complete.
+        self.framer.next_message()?.ok_or(TransportError::Truncated)
+    }
+
+    fn fill(&mut self) -> Result<(), TransportError> {
+        // Adaptive polling: non-blocking reads (MSG_DONTWAIT, no fcntl round trips) until the
+        // budget is spent, then one blocking read.
+        let deadline = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
+        loop {
+            let spinning = deadline.is_some_and(|d| Instant::now() < d);
+            match self.recv_once(spinning) {
+                Ok(0) => {
+                    return Err(if self.framer.partial() == 0 {
+                        TransportError::Closed
+                    } else {
+                        TransportError::Truncated
+                    });
+                }
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && spinning => {
+                    std::hint::spin_loop();
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn recv_once(&mut self, dontwait: bool) -> io::Result<usize> {
+        if let Some(c) = self.continuity.clone() {
+            return self.recv_journaled(&c, dontwait);
+        }
+        let fds = &mut self.read_fds;
+        fds.clear();
+        let got = switchyard_endpoint::recv(
+            &self.stream,
+            self.framer.buffer_mut(),
+            MAX_FDS_PER_READ,
+            dontwait,
+            |fd| fds.push(fd),
+        )?;
+        self.framer
+            .filled(got.bytes, self.read_fds.drain(..), got.fds_truncated);
+        Ok(got.bytes)
+    }
+
+    /// A read that the journal records before the socket forgets it: peek (the bytes stay in
+    /// the socket), put the descriptors into custody, publish the journal, and only then
+    /// consume the bytes. A kill before the publish leaves the bytes in the socket only; after
+    /// it, in the journal and, until the consume, also in the socket — which the kernel's
+    /// per-socket peek offset (`SO_PEEK_OFF`, shared with the supervisor's descriptor) tells
+    /// the replacement, so it consumes them instead of reading them twice
+    /// ([`Connection::settle_peeked`]). SIGKILL takes effect when a syscall returns, so the
+    /// offset and the socket always agree.
+    fn recv_journaled(&mut self, c: &Continuity, dontwait: bool) -> io::Result<usize> {
+        let fds = &mut self.read_fds;
+        fds.clear();
+        let got = switchyard_endpoint::peek(
+            &self.stream,
+            self.framer.buffer_mut(),
+            MAX_FDS_PER_READ,
+            dontwait,
+            |fd| fds.push(fd),
+        )?;
+        if got.bytes == 0 {
+            return Ok(0);
+        }
+        let mut truncated = got.fds_truncated;
+        let ids = if self.read_fds.is_empty() {
+            Vec::new()
+        } else if let Some(ids) = c.hold(&self.read_fds) {
+            ids
+        } else {
+            // Past the client's custody budget: the descriptors are closed, never held, and
+            // their message is refused as one whose descriptors the kernel dropped (EMFILE).
+            self.read_fds.clear();
+            truncated = true;
+            Vec::new()
+        };
+        self.framer
+            .filled_with_ids(got.bytes, self.read_fds.drain(..), &ids, truncated);
+        self.framer.set_unconsumed(got.bytes);
+        c.publish_rx(&self.framer);
+        // Descriptors the framer dropped are no longer in the journal just published.
+        let dropped = self.framer.take_dropped_ids();
+        if !dropped.is_empty() {
+            c.settle(&dropped);
+        }
+        // Consume what was peeked. The kernel installs the descriptors again: the copies from
+        // the peek are the ones kept, these are closed.
+        discard(&self.stream, got.bytes, false)?;
+        self.framer.set_unconsumed(0);
+        c.publish_rx(&self.framer);
+        Ok(got.bytes)
+    }
+}
+
+/// Reads and drops `n` bytes (and the descriptors that come with them) from `stream`;
+/// returns how many there were (fewer at end of stream, or with `nonblocking` when the socket
+/// has fewer).
+fn discard(stream: &UnixStream, n: usize, nonblocking: bool) -> io::Result<usize> {
+    let mut left = n;
+    let mut sink = [0u8; 4096];
+    while left > 0 {
+        let chunk = left.min(sink.len());
+        match switchyard_endpoint::recv(
+            stream,
+            &mut sink[..chunk],
+            MAX_FDS_PER_READ,
+            nonblocking,
+            drop,
+        ) {
+            Ok(r) if r.bytes == 0 => break,
+            Ok(r) => left -= r.bytes,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n - left)
+}
