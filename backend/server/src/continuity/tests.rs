@@ -1,5 +1,6 @@
 //! The tables, the session and custody bookkeeping, against a recording supervisor.
 
+use std::os::fd::OwnedFd;
 use std::sync::Mutex as StdMutex;
 
 use super::*;
