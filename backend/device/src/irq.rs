@@ -243,6 +243,22 @@ impl Interrupts {
         f(slice)
     }
 
+    /// Every vector with an eventfd, as `(index, vector, a new descriptor of the eventfd)`
+    /// (to hand them to a device that routes interrupts itself when it takes the slot). An
+    /// eventfd that cannot be duplicated is left out.
+    pub fn triggers(&self) -> Vec<(u32, u32, File)> {
+        let idx = self.indexes.read().unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::new();
+        for (i, state) in (0u32..).zip(idx.iter()) {
+            for (v, vector) in (0u32..).zip(&state.vectors) {
+                if let Some(f) = vector.trigger.as_ref().and_then(|f| f.try_clone().ok()) {
+                    out.push((i, v, f));
+                }
+            }
+        }
+        out
+    }
+
     /// Assigns (`Some`) or de-assigns (`None`) trigger eventfds for `start..start+fds.len()`.
     pub fn set_triggers(
         &self,

@@ -22,6 +22,7 @@ mod dispatcher;
 mod error;
 mod listener;
 mod migration;
+mod resume;
 mod slot;
 pub mod stats;
 #[cfg(test)]
@@ -215,7 +216,9 @@ impl Server {
         D: PciDevice,
         E: std::error::Error + Send + Sync + 'static,
     {
-        Self::build(config, None, build)
+        Self::build(config, None, |ctx| {
+            build(ctx).map(|d| Box::new(d) as Box<dyn PciDevice>)
+        })
     }
 
     /// [`Server::new`] on a socket that is already listening (e.g. one a supervisor keeps
@@ -229,16 +232,17 @@ impl Server {
         D: PciDevice,
         E: std::error::Error + Send + Sync + 'static,
     {
-        Self::build(config, Some(socket), build)
+        Self::build(config, Some(socket), |ctx| {
+            build(ctx).map(|d| Box::new(d) as Box<dyn PciDevice>)
+        })
     }
 
-    fn build<D, E>(
+    fn build<E>(
         mut config: ServerConfig,
         socket: Option<DeviceSocket>,
-        build: impl FnOnce(DeviceContext) -> Result<D, E>,
+        build: impl FnOnce(DeviceContext) -> Result<Box<dyn PciDevice>, E>,
     ) -> Result<Self, ServerError>
     where
-        D: PciDevice,
         E: std::error::Error + Send + Sync + 'static,
     {
         // With a budget, the client's files are counted by it (and windows of one file are
@@ -261,8 +265,7 @@ impl Server {
             memory: Default::default(),
         };
         ctx.dma.set_log_budget(config.dirty_log_budget);
-        let device: Box<dyn PciDevice> =
-            Box::new(build(ctx.clone()).map_err(|e| ServerError::Device(Box::new(e)))?);
+        let device = build(ctx.clone()).map_err(|e| ServerError::Device(Box::new(e)))?;
         ctx.dma.set_observer(device.dma_observer());
         ctx.dma.set_dirty_source(device.dirty_source());
         ctx.irqs.reconfigure(&device.description().irq_counts());

@@ -541,6 +541,41 @@ impl DmaSpace {
         }
     }
 
+    /// Tells the installed observer about every window already in the table, as if each
+    /// were mapped now (a device that takes a slot whose tables were restored before it was
+    /// built: its IOMMU must see them all before it serves). A window the observer refuses
+    /// is removed from the table (the others stay); returned with the refusal.
+    pub fn replay_to_observer(&self) -> Vec<(u64, u64, DmaError)> {
+        let Some(o) = self.observer() else {
+            return Vec::new();
+        };
+        let mut refused = Vec::new();
+        let removed: Vec<Mapping> = {
+            let mut table = self.write_table();
+            let mut kept = Vec::with_capacity(table.maps.len());
+            let mut removed = Vec::new();
+            for m in std::mem::take(&mut table.maps) {
+                let file = match &m.backing {
+                    Backing::Fd(w) => w.file(),
+                    Backing::Message => None,
+                };
+                match o.mapping(m.iova, m.size, m.prot, file) {
+                    Ok(()) => kept.push(m),
+                    Err(e) => {
+                        refused.push((m.iova, m.size, DmaError::Observer(Box::new(e))));
+                        removed.push(m);
+                    }
+                }
+            }
+            table.maps = kept;
+            removed
+        };
+        // Not `removed()`: the observer never accepted these.
+        self.forget_logs(&removed);
+        drop(removed);
+        refused
+    }
+
     /// Installs (or removes) the device's observer of maps and unmaps (see [`DmaObserver`]).
     pub fn set_observer(&self, observer: Option<Arc<dyn DmaObserver>>) {
         *self.observer.write().unwrap_or_else(|p| p.into_inner()) = observer;
