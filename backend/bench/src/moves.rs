@@ -64,11 +64,11 @@ const WARM: Duration = Duration::from_millis(20);
 /// How long a check waits for the device (a correctness limit, not a timing).
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// One move as the worker does it: the move guard, a new VRAM, [`move_device_in_slot`].
-fn move_once(slot: &DeviceSlot, config: SoftGpuConfig) -> Result<MoveReport> {
+/// One move as the worker does it: the move guard, then [`move_device_in_slot`] (which
+/// creates the new VRAM).
+fn move_once(slot: &DeviceSlot, _config: SoftGpuConfig) -> Result<MoveReport> {
     let moving = slot.begin_move().context("begin the move")?;
-    let target = SoftGpu::create_vram(&config).context("create the new VRAM")?;
-    let report = move_device_in_slot(slot, &moving, config, target, false).context("move")?;
+    let report = move_device_in_slot(slot, &moving, false).context("move")?;
     Ok(report)
 }
 

@@ -336,7 +336,7 @@ pub fn restart(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         sup.create(EndpointSpec {
             id: ENDPOINT.into(),
             socket: socket.clone(),
-            device: switchyard_daemon::custody::WorkerDevice::Softgpu(gpu_config),
+            device: switchyard_kinds::softgpu(&gpu_config),
         })
         .context("create the endpoint")?;
         let st = sup.wait_ready(ENDPOINT, 1, READY_TIMEOUT)?;

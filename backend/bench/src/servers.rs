@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use switchyard_client::Client;
-use switchyard_daemon::custody::{self, BLACK_BOX_ID, ChannelCustody, Note, VRAM_ID};
+use switchyard_daemon::custody::{self, BLACK_BOX_ID, ChannelCustody, Note};
 use switchyard_device::blackbox::BlackBox;
 use switchyard_device::{
     DeviceDescription, DeviceError, DmaSpace, IrqDesc, NUM_PCI_REGIONS, PciDevice, RegionDesc,
@@ -327,8 +327,14 @@ fn journaled_softgpu(
         .with_as::<SoftGpu, _>(|g| g.vram_file().try_clone())
         .context("the device is not a softgpu")?
         .context("dup the VRAM fd")?;
-    custody::send(&ours, &Note::Hold { ids: vec![VRAM_ID] }, &[vram.as_fd()])
-        .context("VRAM into custody")?;
+    custody::send(
+        &ours,
+        &Note::HoldObjects {
+            names: vec!["softgpu.vram".into()],
+        },
+        &[vram.as_fd()],
+    )
+    .context("VRAM into custody")?;
     let continuity = Arc::new(continuity);
     server.set_continuity(continuity.clone());
     Ok((server, keeper, continuity))

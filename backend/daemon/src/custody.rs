@@ -23,16 +23,22 @@ pub const LISTENER_ID: u64 = 1;
 pub const CONNECTION_ID: u64 = switchyard_server::continuity::CONNECTION_ID;
 /// Custody id of the black box memfd.
 pub const BLACK_BOX_ID: u64 = 3;
-/// Custody id of the device's VRAM memfd.
-pub const VRAM_ID: u64 = 4;
+/// Custody ids under which workers before custody by name held their (softgpu) memory
+/// objects, with those objects' names: what a worker of an earlier release puts in custody
+/// (an upgrade adopts it) is held by name.
+pub const LEGACY_OBJECT_IDS: [(u64, &str); 3] = [
+    (4, "softgpu.vram"),
+    (5, "softgpu.vram@next"),
+    (6, "softgpu.doorbells"),
+];
 
-/// Custody id of the VRAM memfd a move is copying the device to, until the device runs on it
-/// (then it is held as [`VRAM_ID`]).
-pub const VRAM_NEXT_ID: u64 = 5;
-
-/// Custody id of the softgpu's doorbell page backing (the guest may map it: a replacement
-/// must serve the same page).
-pub const DOORBELLS_ID: u64 = 6;
+/// The name a legacy custody id stands for, if it is one ([`LEGACY_OBJECT_IDS`]).
+pub fn legacy_object(id: u64) -> Option<&'static str> {
+    LEGACY_OBJECT_IDS
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map(|(_, name)| *name)
+}
 
 /// What a move of the device to another board did (worker → supervisor).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -84,43 +90,15 @@ impl WorkerStats {
     }
 }
 
-/// What a worker serves.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "model", rename_all = "lowercase")]
-pub enum WorkerDevice {
-    /// A software GPU.
-    Softgpu(switchyard_softgpu::SoftGpuConfig),
-    /// A physical device bound to vfio-pci, passed through (`switchyard-vfio`).
-    Vfio {
-        /// Its PCI address.
-        host: String,
-        /// How its BARs are offered.
-        bars: switchyard_pool::Bars,
-    },
-}
+/// What a worker serves: a device kind and its options (`switchyard-kinds`).
+pub use switchyard_kinds::DeviceSpec;
 
-impl WorkerDevice {
-    /// What serves a pool device of this shape at this PCI address (`host`, passthrough only).
-    pub fn of(shape: &switchyard_pool::DeviceShape, host: Option<&str>) -> WorkerDevice {
-        match (shape.model, host) {
-            (switchyard_pool::Model::Vfio, Some(host)) => WorkerDevice::Vfio {
-                host: host.to_owned(),
-                bars: if shape.vram_mmap {
-                    switchyard_pool::Bars::Mmap
-                } else {
-                    switchyard_pool::Bars::Trap
-                },
-            },
-            _ => WorkerDevice::Softgpu(shape.softgpu_config()),
-        }
-    }
-
-    /// The softgpu's configuration; `None` for a passthrough device.
-    pub fn softgpu(&self) -> Option<switchyard_softgpu::SoftGpuConfig> {
-        match self {
-            WorkerDevice::Softgpu(c) => Some(*c),
-            WorkerDevice::Vfio { .. } => None,
-        }
+/// What serves a pool device of this shape: its kind and canonical options (`host`, the
+/// passthrough device's PCI address, is among them).
+pub fn device_spec(shape: &switchyard_pool::DeviceShape, _host: Option<&str>) -> DeviceSpec {
+    DeviceSpec {
+        kind: shape.model.clone(),
+        options: shape.options.clone(),
     }
 }
 
@@ -133,6 +111,10 @@ pub enum StartMode {
     /// A replacement: everything comes from custody.
     Resume,
 }
+
+/// A batch of memory objects by name: what [`Note::HoldObjects`] and [`Note::Objects`]
+/// attach, one descriptor per name.
+pub type ObjectNames = Vec<String>;
 
 /// One datagram.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,10 +130,34 @@ pub enum Note {
         /// Custody ids.
         ids: Vec<u64>,
     },
+    /// Keep the attached descriptors as the slot's memory objects under these names (the
+    /// device's [`Recoverable::held_objects`](switchyard_device::Recoverable::held_objects),
+    /// or a relocation's targets under their pending names), replacing what was held
+    /// under a name.
+    HoldObjects {
+        /// One per attached descriptor.
+        names: ObjectNames,
+    },
+    /// Close the memory objects held under these names.
+    ReleaseObjects {
+        /// Object names.
+        names: ObjectNames,
+    },
+    /// Memory objects held for this endpoint, by name: handed to a starting worker (after
+    /// its [`Note::Fds`], before [`Note::Start`]) and by a worker to an adopting supervisor.
+    Objects {
+        /// One per attached descriptor.
+        names: ObjectNames,
+    },
     /// The worker serves (`resumed`: it continued a connection).
     Ready {
         /// It continued a connection.
         resumed: bool,
+        /// How its replacement must start, should it die: [`StartMode::Resume`] when the
+        /// device can be recovered from what is in custody now. `None` from workers of
+        /// earlier releases (the supervisor then infers it from what is held).
+        #[serde(default)]
+        replacement: Option<StartMode>,
     },
     /// Held descriptors, handed to a starting worker.
     Fds {
@@ -197,16 +203,20 @@ pub enum Note {
     Adopted {
         /// The worker's pid.
         pid: u32,
+        /// How its replacement must start ([`Note::Ready`]'s `replacement`).
+        #[serde(default)]
+        replacement: Option<StartMode>,
     },
     /// The worker refused to be adopted.
     AdoptRefused {
         /// Why.
         reason: String,
     },
-    /// The kernel took the passthrough device back (worker → supervisor): every access now
-    /// fails with ENODEV and the client was told through its REQ eventfd.
+    /// The device's backing is gone for good, e.g. the kernel took a passthrough device
+    /// back (worker → supervisor): every access now fails with ENODEV and the client was
+    /// told through its REQ eventfd.
     DeviceLost {
-        /// The device's PCI address.
+        /// What is lost: the device's host resource (a PCI address) or its description.
         host: String,
         /// What happened.
         reason: String,
@@ -220,7 +230,7 @@ pub enum Note {
         /// The socket path (logs).
         socket: String,
         /// The device.
-        device: WorkerDevice,
+        device: DeviceSpec,
         /// Where to offer the adoption socket (`<dir>/w<pid>.sock`), if anywhere.
         #[serde(default)]
         adopt_dir: Option<String>,
@@ -301,6 +311,7 @@ pub fn recv(sock: impl AsFd, buf: &mut Vec<u8>) -> Result<(Note, Vec<OwnedFd>), 
     let note: Note = serde_json::from_slice(&buf[..got.bytes]).map_err(ChannelError::Malformed)?;
     let named = match &note {
         Note::Hold { ids } | Note::Fds { ids } => ids.len(),
+        Note::HoldObjects { names } | Note::Objects { names } => names.len(),
         _ => 0,
     };
     if got.fds_truncated || named != fds.len() {

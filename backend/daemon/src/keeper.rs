@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use switchyard_server::continuity::Custody;
 
-use crate::custody::{self, ChannelError, MAX_FDS, Note};
+use crate::custody::{self, ChannelError, MAX_FDS, Note, StartMode};
 
 /// How long an adoption connection may take to send its request.
 const ADOPT_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -37,6 +37,10 @@ struct Inner {
     /// Bumped at every new channel.
     generation: u64,
     ledger: BTreeMap<u64, OwnedFd>,
+    /// Memory objects in custody, by name.
+    objects: BTreeMap<String, OwnedFd>,
+    /// How a replacement must start (told to an adopting supervisor).
+    replacement: Option<StartMode>,
 }
 
 /// See the [module](self) documentation.
@@ -55,15 +59,21 @@ impl std::fmt::Debug for Keeper {
 }
 
 impl Keeper {
-    /// A keeper for `endpoint` on `channel`, with what the supervisor handed over at start.
+    /// A keeper for `endpoint` on `channel`, with what the supervisor handed over at start
+    /// (by custody id, and memory objects by name).
     pub fn new(
         endpoint: &str,
         channel: OwnedFd,
         handed: &BTreeMap<u64, OwnedFd>,
+        objects: &BTreeMap<String, OwnedFd>,
     ) -> io::Result<Self> {
         let mut ledger = BTreeMap::new();
         for (id, fd) in handed {
             ledger.insert(*id, fd.try_clone()?);
+        }
+        let mut held_objects = BTreeMap::new();
+        for (name, fd) in objects {
+            held_objects.insert(name.clone(), fd.try_clone()?);
         }
         Ok(Self {
             endpoint: endpoint.to_owned(),
@@ -71,6 +81,8 @@ impl Keeper {
                 channel: Some(Arc::new(channel)),
                 generation: 1,
                 ledger,
+                objects: held_objects,
+                replacement: None,
             }),
             changed: Condvar::new(),
         })
@@ -120,9 +132,57 @@ impl Keeper {
         }
     }
 
+    /// Puts memory objects into custody under `names` (replacing what was held under a
+    /// name).
+    pub fn hold_objects(&self, objects: &[(String, std::fs::File)]) -> io::Result<()> {
+        let mut copies = Vec::with_capacity(objects.len());
+        for (_, f) in objects {
+            copies.push(OwnedFd::from(f.try_clone()?));
+        }
+        let mut g = self.lock();
+        for ((name, _), fd) in objects.iter().zip(copies) {
+            g.objects.insert(name.clone(), fd);
+        }
+        for batch in objects.chunks(MAX_FDS) {
+            let names = batch.iter().map(|(n, _)| n.clone()).collect();
+            let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, f)| f.as_fd()).collect();
+            Self::send_locked(&mut g, &Note::HoldObjects { names }, &fds);
+        }
+        Ok(())
+    }
+
+    /// The names of the memory objects in custody.
+    pub fn object_names(&self) -> Vec<String> {
+        self.lock().objects.keys().cloned().collect()
+    }
+
+    /// Takes the memory objects `names` out of custody.
+    pub fn release_objects(&self, names: &[String]) {
+        if names.is_empty() {
+            return;
+        }
+        let mut g = self.lock();
+        for n in names {
+            g.objects.remove(n);
+        }
+        Self::send_locked(
+            &mut g,
+            &Note::ReleaseObjects {
+                names: names.to_vec(),
+            },
+            &[],
+        );
+    }
+
     /// Sends a note without descriptors (ready, move outcomes) to the current supervisor.
+    /// A [`Note::Ready`] also records how a replacement must start, for an adopting
+    /// supervisor.
     pub fn notify(&self, note: &Note) {
-        Self::send_locked(&mut self.lock(), note, &[]);
+        let mut g = self.lock();
+        if let Note::Ready { replacement, .. } = note {
+            g.replacement = *replacement;
+        }
+        Self::send_locked(&mut g, note, &[]);
     }
 
     /// The current channel (to read requests from), waiting for an adoption while there is
@@ -174,14 +234,22 @@ impl Keeper {
             let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
             custody::send(&sock, &Note::Fds { ids }, &fds)?;
         }
+        let objects: Vec<(&String, BorrowedFd<'_>)> =
+            g.objects.iter().map(|(n, fd)| (n, fd.as_fd())).collect();
+        for batch in objects.chunks(MAX_FDS) {
+            let names = batch.iter().map(|(n, _)| (*n).clone()).collect();
+            let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
+            custody::send(&sock, &Note::Objects { names }, &fds)?;
+        }
         custody::send(
             &sock,
             &Note::Adopted {
                 pid: std::process::id(),
+                replacement: g.replacement,
             },
             &[],
         )?;
-        let held = g.ledger.len();
+        let held = g.ledger.len() + g.objects.len();
         g.channel = Some(Arc::new(sock));
         g.generation += 1;
         drop(g);
@@ -289,12 +357,22 @@ mod tests {
 
     /// What a supervisor receives from an adoption on `ours`.
     fn adopted_ledger(ours: &OwnedFd) -> (BTreeMap<u64, OwnedFd>, Note) {
+        let (held, _, note) = adopted(ours);
+        (held, note)
+    }
+
+    /// What a supervisor receives from an adoption on `ours`, memory objects included.
+    fn adopted(
+        ours: &OwnedFd,
+    ) -> (BTreeMap<u64, OwnedFd>, BTreeMap<String, OwnedFd>, Note) {
         let mut held = BTreeMap::new();
+        let mut objects = BTreeMap::new();
         let mut buf = Vec::new();
         loop {
             match custody::recv(ours, &mut buf).expect("recv") {
                 (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
-                (note, _) => return (held, note),
+                (Note::Objects { names }, fds) => objects.extend(names.into_iter().zip(fds)),
+                (note, _) => return (held, objects, note),
             }
         }
     }
@@ -304,7 +382,9 @@ mod tests {
         let (sup1, worker1) = custody::pair().expect("pair");
         let (a, b, c) = (memfd(), memfd(), memfd());
         let handed = BTreeMap::from([(1, a.try_clone().expect("dup"))]);
-        let keeper = Keeper::new("ep", worker1, &handed).expect("keeper");
+        let (vram, next, bells) = (memfd(), memfd(), memfd());
+        let objects = BTreeMap::from([("k.vram".to_owned(), vram.try_clone().expect("dup"))]);
+        let keeper = Keeper::new("ep", worker1, &handed, &objects).expect("keeper");
         keeper
             .hold(&[10, 11], &[b.as_fd(), c.as_fd()])
             .expect("hold");
@@ -323,6 +403,18 @@ mod tests {
         let d = memfd();
         keeper.hold(&[12], &[d.as_fd()]).expect("hold unsupervised");
         keeper.release(&[11]);
+        let file = |fd: &OwnedFd| std::fs::File::from(fd.try_clone().expect("dup"));
+        keeper
+            .hold_objects(&[
+                ("k.vram@next".to_owned(), file(&next)),
+                ("k.bells".to_owned(), file(&bells)),
+            ])
+            .expect("hold objects unsupervised");
+        keeper.release_objects(&["k.vram@next".to_owned()]);
+        keeper.notify(&Note::Ready {
+            resumed: false,
+            replacement: Some(StartMode::Resume),
+        });
         // Another endpoint's supervisor is refused.
         let (sup3, worker3) = custody::pair().expect("pair");
         keeper.adopt(worker3, "other").expect("answered");
@@ -330,10 +422,19 @@ mod tests {
         // The right one gets the ledger and becomes the channel.
         let (sup4, worker4) = custody::pair().expect("pair");
         keeper.adopt(worker4, "ep").expect("adopt");
-        let (held, last) = adopted_ledger(&sup4);
-        assert!(matches!(last, Note::Adopted { pid } if pid == std::process::id()));
+        let (held, objects, last) = adopted(&sup4);
+        assert_eq!(
+            last,
+            Note::Adopted {
+                pid: std::process::id(),
+                replacement: Some(StartMode::Resume),
+            },
+            "the adopting supervisor learns how a replacement starts"
+        );
         let got: Vec<(u64, u64)> = held.iter().map(|(id, fd)| (*id, ino(fd))).collect();
         assert_eq!(got, vec![(1, ino(&a)), (12, ino(&d))]);
+        let got: Vec<(&str, u64)> = objects.iter().map(|(n, fd)| (n.as_str(), ino(fd))).collect();
+        assert_eq!(got, vec![("k.bells", ino(&bells)), ("k.vram", ino(&vram))]);
         assert!(keeper.supervised());
         keeper.release(&[12]);
         let mut buf = Vec::new();
@@ -347,7 +448,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = adoption_path(dir.path(), 1);
         let (sup1, worker1) = custody::pair().expect("pair");
-        let keeper = Arc::new(Keeper::new("ep", worker1, &BTreeMap::new()).expect("keeper"));
+        let keeper = Arc::new(
+            Keeper::new("ep", worker1, &BTreeMap::new(), &BTreeMap::new()).expect("keeper"),
+        );
         keeper
             .serve_adoptions(path.clone())
             .expect("adoption socket");

@@ -11,21 +11,15 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
-
-use switchyard_device::blackbox::BlackBox;
-use switchyard_server::continuity::{self, Continuity};
-use switchyard_server::{DeviceSocket, Server, ServerConfig};
-use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
-
 use std::time::Instant;
 
-use switchyard_server::{DeviceSlot, MoveGuard};
-use switchyard_softgpu::VramRef;
+use switchyard_device::blackbox::BlackBox;
+use switchyard_device::kind::{Build, KindError, LostHook, PENDING_SUFFIX, pending_object};
+use switchyard_server::continuity::{self, Continuity};
+use switchyard_server::{DeviceSlot, DeviceSocket, MoveGuard, Server, ServerConfig};
 
-use crate::custody::WorkerDevice;
 use crate::custody::{
-    self, BLACK_BOX_ID, CONNECTION_ID, DOORBELLS_ID, LISTENER_ID, MoveReport, Note, StartMode,
-    VRAM_ID, VRAM_NEXT_ID,
+    self, BLACK_BOX_ID, CONNECTION_ID, DeviceSpec, LISTENER_ID, MoveReport, Note, StartMode,
 };
 use crate::keeper::{Keeper, KeeperCustody, adoption_path};
 
@@ -58,19 +52,22 @@ struct Start {
     mode: StartMode,
     endpoint: String,
     socket: PathBuf,
-    device: WorkerDevice,
+    device: DeviceSpec,
     held: BTreeMap<u64, OwnedFd>,
+    objects: BTreeMap<String, OwnedFd>,
     adopt_dir: Option<PathBuf>,
     fd_budget: Option<u32>,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
     let mut held = BTreeMap::new();
+    let mut objects = BTreeMap::new();
     let mut buf = Vec::new();
     loop {
         let (note, fds) = custody::recv(channel, &mut buf)?;
         match note {
             Note::Fds { ids } => held.extend(ids.into_iter().zip(fds)),
+            Note::Objects { names } => objects.extend(names.into_iter().zip(fds)),
             Note::Start {
                 mode,
                 endpoint,
@@ -79,17 +76,18 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 adopt_dir,
                 fd_budget,
             } => {
-                if let WorkerDevice::Softgpu(gpu) = &device {
-                    gpu.validate()
-                        .map_err(|e| WorkerError::Device(format!("{gpu:?}"), Box::new(e)))?;
-                }
-                let config = device;
+                // A spec is checked where it is made; a worker checks it again (a note is
+                // only JSON).
+                let (device, _) = device
+                    .check()
+                    .map_err(|e| WorkerError::Device(e.to_string(), Box::new(e)))?;
                 return Ok(Start {
                     mode,
                     endpoint,
                     socket: socket.into(),
-                    device: config,
+                    device,
                     held,
+                    objects,
                     adopt_dir: adopt_dir.map(PathBuf::from),
                     fd_budget,
                 });
@@ -100,14 +98,26 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
 }
 
 /// Runs a worker on the custody channel `channel` (its standard input).
+///
+/// One path for every device kind (`switchyard-kinds`): a fresh worker creates the black
+/// box with the kind's records, builds the device ([`DeviceKind::build`]) and puts the
+/// memory objects it names ([`Recoverable`]) into custody; a replacement rebuilds the
+/// client's tables, then the device from the black box and those objects
+/// ([`DeviceKind::recover`]), and continues the connection (see
+/// [`Server::resume`]).
 pub fn run(
     channel: OwnedFd,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
 ) -> Result<(), WorkerError> {
     let mut start = receive_start(&channel)?;
-    let span = tracing::info_span!("endpoint", id = %start.endpoint);
+    let span = tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.kind);
     let _g = span.enter();
-    let keeper = Arc::new(Keeper::new(&start.endpoint, channel, &start.held)?);
+    let keeper = Arc::new(Keeper::new(
+        &start.endpoint,
+        channel,
+        &start.held,
+        &start.objects,
+    )?);
     if let Some(dir) = &start.adopt_dir {
         let path = adoption_path(dir, std::process::id());
         if let Err(e) = keeper.serve_adoptions(path.clone()) {
@@ -123,41 +133,48 @@ pub fn run(
     let mut config = server_config(start.socket.clone());
     config.fd_budget = start.fd_budget;
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
-    let gpu = match start.device.clone() {
-        WorkerDevice::Softgpu(gpu) => gpu,
-        WorkerDevice::Vfio { host, bars } => {
-            let held = std::mem::take(&mut start.held);
-            return serve_passthrough(start.mode, held, &keeper, config, socket, host, bars);
-        }
+    let spec = start.device.clone();
+    let kind = spec
+        .kind()
+        .map_err(|e| WorkerError::Device(spec.to_string(), Box::new(e)))?;
+    let custody = || Box::new(KeeperCustody(keeper.clone()));
+    let lost: LostHook = {
+        let k = keeper.clone();
+        let what = spec
+            .options
+            .get("host")
+            .and_then(|h| h.as_str())
+            .map_or_else(|| spec.to_string(), str::to_owned);
+        Arc::new(move |reason: String| {
+            k.notify(&Note::DeviceLost {
+                host: what.clone(),
+                reason,
+            });
+        })
     };
-    match start.mode {
+    let device_error = |e: KindError| WorkerError::Device(spec.to_string(), Box::new(e));
+    let (mut server, continuity, resumed, connection) = match start.mode {
         StartMode::Fresh => {
+            // Nothing to continue: a connection held from before is closed.
+            if start.held.remove(&CONNECTION_ID).is_some() {
+                keeper.release(&[CONNECTION_ID]);
+            }
             let mut records = Continuity::records(&config.limits);
-            records.extend(SoftGpu::black_box_records(&gpu));
+            records.extend(kind.black_box_records(&spec.options));
             let bb = BlackBox::create(&records)?;
             keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
-            let continuity = Continuity::new(&bb, Box::new(KeeperCustody(keeper.clone())))?;
-            let bb2 = bb.clone();
-            let mut server = Server::with_socket(config, socket, |ctx| {
-                SoftGpu::with_black_box(gpu, ctx, &bb2, None)
+            let continuity = Continuity::new(&bb, custody())?;
+            let black_box = Some(bb.clone());
+            let server = Server::with_device(config, socket, |ctx| {
+                let build = Build {
+                    ctx,
+                    black_box,
+                    objects: BTreeMap::new(),
+                    lost: Some(lost),
+                };
+                kind.build(&spec.options, build).map_err(device_error)
             })?;
-            let (vram, doorbells) = server
-                .device_slot()
-                .with_as::<SoftGpu, _>(|g| {
-                    Ok::<_, WorkerError>((
-                        g.vram_file().try_clone()?,
-                        g.doorbell_memfd().map_err(std::io::Error::other)?,
-                    ))
-                })
-                .ok_or(WorkerError::Missing("the device's VRAM"))??;
-            keeper.hold(&[VRAM_ID, DOORBELLS_ID], &[vram.as_fd(), doorbells.as_fd()])?;
-            server.set_continuity(Arc::new(continuity));
-            spawn_control(&keeper, server.device_slot(), Some(gpu))?;
-            spawn_stats(&keeper, &server)?;
-            report_migrations(&keeper, &server);
-            keeper.notify(&Note::Ready { resumed: false });
-            tracing::info!(socket = %start.socket.display(), "worker serving (fresh device)");
-            server.run()?;
+            (server, continuity, None, None)
         }
         StartMode::Resume => {
             let bb = BlackBox::open(
@@ -167,24 +184,8 @@ pub fn run(
                     .ok_or(WorkerError::Missing("the black box"))?
                     .into(),
             )?;
-            // Two VRAMs are held when the last worker died during a move: the black box
-            // says which one the device ran on.
-            let saved = SoftGpu::black_box_vram(&gpu, &bb)
-                .map_err(|e| WorkerError::Device(format!("{gpu:?}"), Box::new(e)))?;
-            let current = start.held.remove(&VRAM_ID);
-            let next = start.held.remove(&VRAM_NEXT_ID);
-            let moved = next.as_ref().and_then(identity) == Some(saved);
-            let vram = if moved { next } else { current }
-                .ok_or(WorkerError::Missing("the device's VRAM"))?;
-            let vram_held = vram.try_clone()?;
-            // Workers from before the doorbell page kept none: the device makes a new one.
-            let doorbells = start.held.remove(&DOORBELLS_ID).map(std::fs::File::from);
+            let (continuity, resumed) = Continuity::resume(&bb, custody())?;
             let connection = start.held.remove(&CONNECTION_ID);
-            let (continuity, resumed) =
-                Continuity::resume(&bb, Box::new(KeeperCustody(keeper.clone())))?;
-            let held = &start.held;
-            let bb2 = bb.clone();
-            let mut problems = switchyard_server::Unrestored::default();
             // Without a connection the client is gone: its tables are not restored (the
             // supervisor may have let go of their descriptors) but released.
             let no_client = continuity::Resumed::default();
@@ -193,177 +194,87 @@ pub fn run(
             } else {
                 &no_client
             };
-            let mut server = Server::with_socket(config, socket, |ctx| {
-                problems = Server::restore_tables(&ctx, tables, |id| {
-                    held.get(&id).and_then(|f| f.try_clone().ok())
-                });
-                let (gpu, recovery) = SoftGpu::recover(gpu, ctx, &bb2, vram.into(), doorbells)?;
-                tracing::info!(queues = ?recovery.queues, resent_interrupts = recovery.resent, "device recovered");
-                Ok::<_, switchyard_softgpu::SoftGpuError>(gpu)
-            })?;
-            report_lost_state(&keeper, &continuity, problems);
-            server.set_continuity(Arc::new(continuity));
-            // Whatever VRAM the device runs on is the one held as its VRAM from now on.
-            if moved {
-                keeper.hold(&[VRAM_ID], &[vram_held.as_fd()])?;
-            }
-            keeper.release(&[VRAM_NEXT_ID]);
-            drop(vram_held);
-            spawn_control(&keeper, server.device_slot(), Some(gpu))?;
-            spawn_stats(&keeper, &server)?;
-            report_migrations(&keeper, &server);
-            keeper.notify(&Note::Ready {
-                resumed: connection.is_some(),
-            });
-            match connection {
-                Some(conn) => {
-                    tracing::info!(
-                        windows = resumed.windows.len(),
-                        vectors = resumed.vectors.len(),
-                        journal_bytes = resumed.rx.len(),
-                        "worker resumed the connection"
-                    );
-                    server.run_resumed(UnixStream::from(conn), &resumed, start.held)?;
-                }
-                None => {
-                    tracing::info!("worker resumed (no client connected)");
-                    server.run_resumed_without_client(start.held)?;
-                }
-            }
+            let objects = std::mem::take(&mut start.objects)
+                .into_iter()
+                .map(|(name, fd)| (name, std::fs::File::from(fd)))
+                .collect();
+            let black_box = Some(bb.clone());
+            let held = &start.held;
+            let (server, lost) = Server::resume(
+                config,
+                socket,
+                tables,
+                |id| held.get(&id).and_then(|f| f.try_clone().ok()),
+                |ctx| {
+                    let build = Build {
+                        ctx,
+                        black_box,
+                        objects,
+                        lost: Some(lost),
+                    };
+                    kind.recover(&spec.options, build).map_err(device_error)
+                },
+            )?;
+            report_lost_state(&keeper, &continuity, lost);
+            (server, continuity, Some(resumed), connection)
+        }
+    };
+    server.set_continuity(Arc::new(continuity));
+    let replacement = hold_objects(&keeper, &server)?;
+    spawn_control(&keeper, server.device_slot())?;
+    spawn_stats(&keeper, &server)?;
+    report_migrations(&keeper, &server);
+    keeper.notify(&Note::Ready {
+        resumed: connection.is_some(),
+        replacement: Some(replacement),
+    });
+    match (connection, &resumed) {
+        (Some(conn), Some(resumed)) => {
+            tracing::info!(
+                windows = resumed.windows.len(),
+                vectors = resumed.vectors.len(),
+                journal_bytes = resumed.rx.len(),
+                "worker resumed the connection"
+            );
+            server.run_resumed(UnixStream::from(conn), resumed, start.held)?;
+        }
+        (_, Some(_)) => {
+            tracing::info!("worker resumed (no client connected)");
+            server.run_resumed_without_client(start.held)?;
+        }
+        _ => {
+            tracing::info!(socket = %start.socket.display(), "worker serving (fresh device)");
+            server.run()?;
         }
     }
     Ok(())
 }
 
-/// Black box record of a passthrough device's client configuration.
-const VFIO_RECORD: &str = "vfio.config";
-
-/// Serves a passthrough device (`switchyard-vfio`) with crash continuity by *reset + replay*:
-/// the device publishes the client's configuration (config-space bits, MSI-X table) into the
-/// black box after every change; the supervisor holds the connection and the client's
-/// descriptors. A replacement (`mode` [`StartMode::Resume`]) opens the device again (the
-/// kernel reset it when the dead worker's descriptors closed), replays the configuration,
-/// maps the client's DMA windows into the new IOMMU container, hands the client's eventfds
-/// to the kernel again and continues the connection: the VMM keeps its socket and the guest
-/// its device, which lost its internal state (as after a function reset). When the kernel
-/// takes the device back (unbind, removal) the endpoint fails cleanly and the supervisor is
-/// told ([`Note::DeviceLost`]).
-fn serve_passthrough(
-    mode: StartMode,
-    mut held: BTreeMap<u64, OwnedFd>,
-    keeper: &Arc<Keeper>,
-    config: ServerConfig,
-    socket: DeviceSocket,
-    host: String,
-    bars: switchyard_pool::Bars,
-) -> Result<(), WorkerError> {
-    use switchyard_device::blackbox::RecordSpec;
-    let mut vfio = switchyard_vfio::VfioConfig::new(host);
-    vfio.bars = match bars {
-        switchyard_pool::Bars::Trap => switchyard_vfio::BarMode::Trap,
-        switchyard_pool::Bars::Mmap => switchyard_vfio::BarMode::Mmap,
-    };
-    let custody = || Box::new(KeeperCustody(keeper.clone()));
-    let (bb, continuity, resumed) = match mode {
-        StartMode::Fresh => {
-            // Nothing to continue: a connection held from before is closed.
-            if held.remove(&CONNECTION_ID).is_some() {
-                keeper.release(&[CONNECTION_ID]);
-            }
-            let mut records = Continuity::records(&config.limits);
-            records.push(RecordSpec::new(
-                VFIO_RECORD,
-                switchyard_vfio::VfioPci::MIRROR_CAPACITY,
-            ));
-            let bb = BlackBox::create(&records)?;
-            keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
-            let continuity = Continuity::new(&bb, custody())?;
-            (bb, continuity, None)
-        }
-        StartMode::Resume => {
-            let bb = BlackBox::open(
-                held.remove(&BLACK_BOX_ID)
-                    .ok_or(WorkerError::Missing("the black box"))?
-                    .into(),
-            )?;
-            let (continuity, resumed) = Continuity::resume(&bb, custody())?;
-            (bb, continuity, Some(resumed))
-        }
-    };
-    let mut device = switchyard_vfio::VfioPci::open(&vfio)
-        .map_err(|e| WorkerError::Device(vfio.host.clone(), Box::new(e)))?;
-    let mirror = bb.record(VFIO_RECORD)?;
-    if resumed.is_some()
-        && let Some(saved) = mirror.read()?
-    {
-        match device.restore(&saved) {
-            Ok(()) => tracing::info!("the client's configuration replayed onto the reset device"),
-            Err(e) => tracing::error!(error = %e, "cannot replay the client's configuration"),
-        }
-    }
-    device.set_mirror(mirror);
-    let bdf = device.bdf().to_owned();
-    let k = keeper.clone();
-    device.on_release(move || {
-        k.notify(&Note::DeviceLost {
-            host: bdf,
-            reason: "the kernel took the device back (an unbind or a removal)".into(),
-        });
+/// Puts the memory objects the device names ([`Recoverable::held_objects`]) into custody
+/// under their names, and lets go of any pending one (a relocation's target that a
+/// predecessor died with: the device runs on one of the two, now held under its name).
+/// Returns how a replacement must start: resumed when the device can be recovered.
+fn hold_objects(keeper: &Keeper, server: &Server) -> Result<StartMode, WorkerError> {
+    let objects = server.device_slot().with(|d| {
+        d.recoverable()
+            .map(|r| r.held_objects())
+            .transpose()
     });
-    let mut server = Server::with_socket(config, socket, |_ctx| {
-        Ok::<_, std::convert::Infallible>(device)
-    })?;
-    // The tables after the device: its IOMMU sees every window mapped, its interrupt router
-    // every eventfd. Without a connection the client is gone: nothing to restore.
-    let connection = held.remove(&CONNECTION_ID);
-    if let Some(resumed) = &resumed
-        && connection.is_some()
-    {
-        let slot = server.device_slot();
-        let fd = |id: u64| held.get(&id).and_then(|f| f.try_clone().ok());
-        let mut lost = Server::restore_tables(slot.context(), resumed, fd);
-        for (&(index, vector), &id) in &resumed.vectors {
-            let Some(file) = fd(id).map(std::fs::File::from) else {
-                continue;
-            };
-            let routed = slot.with_as::<switchyard_vfio::VfioPci, _>(|d| {
-                use switchyard_device::IrqRouter;
-                d.route(index, vector, &[Some(&file)])
-            });
-            if let Some(Err(e)) = routed {
-                lost.problems
-                    .push(format!("interrupt {index}/{vector} to the device: {e}"));
-                lost.vectors.push((index, vector));
-            }
+    let objects = objects.map_err(|e| WorkerError::Device("the device's memory objects".into(), Box::new(e)))?;
+    let mode = match objects {
+        Some(objects) => {
+            keeper.hold_objects(&objects)?;
+            StartMode::Resume
         }
-        report_lost_state(keeper, &continuity, lost);
-    }
-    server.set_continuity(Arc::new(continuity));
-    spawn_control(keeper, server.device_slot(), None)?;
-    spawn_stats(keeper, &server)?;
-    keeper.notify(&Note::Ready {
-        resumed: connection.is_some(),
-    });
-    match (connection, &resumed) {
-        (Some(conn), Some(resumed)) => {
-            tracing::info!(
-                host = %vfio.host,
-                windows = resumed.windows.len(),
-                vectors = resumed.vectors.len(),
-                "worker resumed the connection (passthrough device reset and replayed)"
-            );
-            server.run_resumed(UnixStream::from(conn), resumed, held)?;
-        }
-        (None, Some(_)) => {
-            tracing::info!(host = %vfio.host, "worker resumed (no client connected)");
-            server.run_resumed_without_client(held)?;
-        }
-        _ => {
-            tracing::info!(host = %vfio.host, "worker serving (passthrough device)");
-            server.run()?;
-        }
-    }
-    Ok(())
+        None => StartMode::Fresh,
+    };
+    let pending: Vec<String> = keeper
+        .object_names()
+        .into_iter()
+        .filter(|n| n.ends_with(PENDING_SUFFIX))
+        .collect();
+    keeper.release_objects(&pending);
+    Ok(mode)
 }
 
 /// A replacement that could not restore all of the client's state says so, to its log and
@@ -387,23 +298,9 @@ fn report_lost_state(
     });
 }
 
-/// The identity of a held VRAM descriptor.
-fn identity(fd: &OwnedFd) -> Option<VramRef> {
-    let st = rustix::fs::fstat(fd).ok()?;
-    Some(VramRef {
-        size: u64::try_from(st.st_size).ok()?,
-        dev: st.st_dev,
-        ino: st.st_ino,
-    })
-}
-
 /// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time,
 /// from whichever supervisor is attached (a new one after an adoption).
-fn spawn_control(
-    keeper: &Arc<Keeper>,
-    slot: DeviceSlot,
-    config: Option<SoftGpuConfig>,
-) -> Result<(), WorkerError> {
+fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerError> {
     let keeper = keeper.clone();
     std::thread::Builder::new()
         .name("sy-worker-ctl".into())
@@ -425,16 +322,14 @@ fn spawn_control(
                     Note::Move { to, detached } => {
                         let span = tracing::info_span!("move", to = %to, detached);
                         let _g = span.enter();
-                        let moved = config
-                            .ok_or(MoveError::NotSoftGpu)
-                            .and_then(|config| relocate(&slot, config, &keeper, detached));
+                        let moved = relocate(&slot, &keeper, detached);
                         match moved {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
                                 Note::Moved { report }
                             }
                             Err(e) => {
-                                let error = crate::app::api::error_chain(&e);
+                                let error = crate::error_chain::error_chain(&e);
                                 tracing::warn!(%error, "move failed; the device stays");
                                 Note::MoveFailed { error }
                             }
@@ -477,18 +372,18 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
     // come after the first requests (a thread started late on a loaded machine) and they
     // would never be reported.
     let mut last = requests.snapshot();
-    let mut last_work = slot
-        .with_as::<SoftGpu, _>(|g| g.work_stats())
-        .unwrap_or_default();
+    let work = move || {
+        slot.with(|d| d.telemetry().map(|t| t.work()))
+            .unwrap_or_default()
+    };
+    let mut last_work = work();
     std::thread::Builder::new()
         .name("sy-worker-stats".into())
         .spawn(move || {
             loop {
                 std::thread::sleep(STATS_PERIOD);
                 let now = requests.snapshot();
-                let work = slot
-                    .with_as::<SoftGpu, _>(|g| g.work_stats())
-                    .unwrap_or_default();
+                let work = work();
                 let d = now.since(&last);
                 let stats = crate::custody::WorkerStats {
                     messages: (0u16..)
@@ -523,100 +418,110 @@ pub enum MoveError {
     /// The server refused (a migration or another move in progress) or the swap failed.
     #[error("The device cannot be moved now")]
     Swap(#[from] switchyard_server::SwapError),
-    /// The device is not a softgpu.
-    #[error("The device is not a softgpu")]
-    NotSoftGpu,
+    /// The device cannot relocate (its kind offers no [`Relocatable`]).
+    #[error("This kind of device cannot be moved under its client")]
+    NotMovable,
     /// The device refused or failed the copy.
     #[error("The device cannot be relocated")]
-    Device(#[from] switchyard_softgpu::SoftGpuError),
-    /// The custody channel failed (the new VRAM could not be put in custody).
-    #[error("Cannot put the new VRAM in custody")]
-    Custody(#[from] custody::ChannelError),
-    /// An I/O operation failed.
-    #[error("I/O failed")]
-    Io(#[from] std::io::Error),
+    Device(#[from] switchyard_device::DeviceError),
+    /// The new memory could not be put in custody.
+    #[error("Cannot put the new memory in custody")]
+    Custody(#[source] std::io::Error),
 }
 
-/// Moves the device in `slot` onto a new VRAM: pre-copy while it runs, then a swap to a
-/// successor on the new VRAM (see `switchyard_softgpu`'s relocation).
-fn relocate(
-    slot: &DeviceSlot,
-    config: SoftGpuConfig,
-    keeper: &Keeper,
-    detached: bool,
-) -> Result<MoveReport, MoveError> {
+/// Moves the device in `slot` onto new memory ([`move_in_slot`]), the new memory in custody
+/// under its pending name until the device runs on it, then under its name.
+fn relocate(slot: &DeviceSlot, keeper: &Keeper, detached: bool) -> Result<MoveReport, MoveError> {
     let moving = slot.begin_move()?;
-    let target = SoftGpu::create_vram(&config)?;
-    // Held before the device can run on it, so that a replacement finds it.
-    keeper.hold(&[VRAM_NEXT_ID], &[target.as_fd()])?;
-    let result = move_device_in_slot(slot, &moving, config, target.try_clone()?, detached);
+    let mut pending = Vec::new();
+    let mut targets = Vec::new();
+    let result = move_in_slot(slot, &moving, detached, |objects| {
+        // Held before the device can run on them, so that a replacement finds them.
+        let held: Vec<(String, std::fs::File)> = objects
+            .iter()
+            .map(|(name, f)| Ok((pending_object(name), f.try_clone()?)))
+            .collect::<std::io::Result<_>>()
+            .map_err(MoveError::Custody)?;
+        pending = held.iter().map(|(n, _)| n.clone()).collect();
+        keeper.hold_objects(&held).map_err(MoveError::Custody)?;
+        targets = objects
+            .iter()
+            .map(|(name, f)| Ok((name.clone(), f.try_clone()?)))
+            .collect::<std::io::Result<_>>()
+            .map_err(MoveError::Custody)?;
+        Ok(())
+    });
     if result.is_ok() {
-        keeper.hold(&[VRAM_ID], &[target.as_fd()])?;
+        keeper.hold_objects(&targets).map_err(MoveError::Custody)?;
     }
-    keeper.release(&[VRAM_NEXT_ID]);
+    keeper.release_objects(&pending);
     drop(moving);
     result
 }
 
-/// Moves the softgpu in `slot` onto `target` (a new VRAM memfd of `config`'s size, zeroed and
-/// sealed: [`SoftGpu::create_vram`]) under its client, the sequence a worker runs for a
-/// [`Note::Move`]: pre-copy rounds while the device runs until one copies at most 256 KiB
-/// or 12 rounds ran, the successor built on `target` (parked), one more round for what was
-/// written while it was built, the engines parked (the
-/// commands running finish), then [`DeviceSlot::swap`], which copies the pages written since
-/// the last round and hands the state over. Downtime: from the engines parked to the swap
-/// done. `_moving` is the slot's move guard ([`DeviceSlot::begin_move`]), held by the caller
-/// for the whole move (a worker also puts `target` into custody around it).
-///
-/// `detached`: no client is connected (the VMM unplugged the device for a guest-visible
-/// move), so VRAM the guest could map moves too ([`SoftGpu::begin_detached_relocation`],
-/// [`DeviceSlot::swap_detached`], which refuses if a client connected meanwhile).
-///
-/// On an error the device keeps running on its VRAM; `target` is not used.
+/// Moves the device in `slot` onto new memory under its client (see [`move_in_slot`]),
+/// without custody: what `switchyard-bench` measures.
 pub fn move_device_in_slot(
     slot: &DeviceSlot,
-    _moving: &MoveGuard,
-    config: SoftGpuConfig,
-    target: std::fs::File,
+    moving: &MoveGuard,
     detached: bool,
+) -> Result<MoveReport, MoveError> {
+    move_in_slot(slot, moving, detached, |_| Ok(()))
+}
+
+/// Moves the device in `slot` onto new memory under its client, the sequence a worker runs
+/// for a [`Note::Move`] ([`Relocatable`]): the relocation creates the new memory
+/// (`on_targets` sees it before anything runs on it), then pre-copy rounds while the device
+/// runs until one copies at most 256 KiB or 12 rounds ran, the successor built on the new
+/// memory (parked), one more round for what was written while it was built, the engines
+/// parked (the commands running finish), then [`DeviceSlot::swap`], which copies the pages
+/// written since the last round and hands the state over. Downtime: from the engines parked
+/// to the swap done. `_moving` is the slot's move guard ([`DeviceSlot::begin_move`]), held
+/// by the caller for the whole move.
+///
+/// `detached`: no client is connected (the VMM unplugged the device for a guest-visible
+/// move), so memory the guest could map moves too ([`DeviceSlot::swap_detached`], which
+/// refuses if a client connected meanwhile).
+///
+/// On an error the device keeps running where it was; the new memory is not used.
+pub fn move_in_slot(
+    slot: &DeviceSlot,
+    _moving: &MoveGuard,
+    detached: bool,
+    on_targets: impl FnOnce(&[(String, std::fs::File)]) -> Result<(), MoveError>,
 ) -> Result<MoveReport, MoveError> {
     let t0 = Instant::now();
     let mut relocation = slot
-        .with_as::<SoftGpu, _>(|g| {
-            if detached {
-                g.begin_detached_relocation(target)
-            } else {
-                g.begin_relocation(target)
-            }
-        })
-        .ok_or(MoveError::NotSoftGpu)??;
+        .with(|d| d.relocatable().map(|r| r.begin_relocation(detached)))
+        .ok_or(MoveError::NotMovable)??;
+    on_targets(&relocation.targets()?)?;
     loop {
         let n = relocation.round()?;
-        let rounds = relocation.stats().rounds;
-        if n <= SETTLED_BYTES || rounds >= MAX_ROUNDS {
+        if n <= SETTLED_BYTES || relocation.rounds() >= MAX_ROUNDS {
             break;
         }
     }
-    let mut next = SoftGpu::relocated(config, slot.context().clone(), relocation)?;
+    let mut next = relocation.successor(slot.context().clone())?;
     // Building the successor (its engine threads) takes a while: catch up on what was written
     // meanwhile, so that the stop copies only what the parking lets through.
-    next.relocation_round()?;
+    next.relocatable()
+        .ok_or(MoveError::NotMovable)?
+        .relocation_round()?;
     let precopy = t0.elapsed();
     let quiesce = slot.prepare_swap()?.quiesce;
     let t_park = Instant::now();
     let parked = quiesce.park();
     let t_stop = Instant::now();
     let swapped = if detached {
-        slot.swap_detached(Box::new(next))
+        slot.swap_detached(next)
     } else {
-        slot.swap(Box::new(next))
+        slot.swap(next)
     };
     drop(parked);
     let swapped = swapped?;
     let downtime = t_stop.elapsed();
     let stats = slot
-        .with_as::<SoftGpu, _>(|g| g.relocation_stats())
-        .flatten()
+        .with(|d| d.relocatable().and_then(|r| r.relocation_stats()))
         .unwrap_or_default();
     // The old device's threads are joined outside the slot.
     drop(swapped.old);

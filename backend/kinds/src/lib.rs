@@ -136,6 +136,14 @@ impl std::fmt::Display for DeviceSpec {
     }
 }
 
+/// The spec of a softgpu of `config` (for tests and benchmarks that build one directly).
+pub fn softgpu(config: &switchyard_softgpu::SoftGpuConfig) -> DeviceSpec {
+    DeviceSpec {
+        kind: "softgpu".into(),
+        options: switchyard_softgpu::SoftGpuKind::options(config),
+    }
+}
+
 /// Help text listing every kind and its options.
 pub fn help() -> String {
     let mut s = String::new();

@@ -1,7 +1,7 @@
 //! `switchyard`: serve a device to a VMM over vfio-user.
 //!
 //! ```text
-//! switchyard serve --socket PATH [--device softgpu[,vram=64M][,queues=2] | vfio,host=BDF[,bars=trap|mmap][,irq=direct|relay]] [--swap-every-ms N]
+//! switchyard serve --socket PATH [--device KIND[,name=value...]] [--swap-every-ms N]
 //! switchyard daemon [--config FILE] [--state-dir DIR] [--run-dir DIR]
 //! switchyard ctl [--socket PATH] [--json] COMMAND
 //! ```
@@ -24,8 +24,8 @@ use clap::{Parser, Subcommand};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
-use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
-use switchyard_vfio::{VfioConfig, VfioPci};
+use switchyard_device::kind::Build;
+use switchyard_kinds::DeviceSpec;
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
@@ -106,25 +106,14 @@ struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
 
-    /// Device to serve: `softgpu[,vram=SIZE][,queues=N][,irq=msix|msi][,vram_mmap=on|off]`.
-    /// SIZE is a power of two with an optional K/M/G suffix (default 64M); N is 1..=8 command
-    /// queues (default 2). irq=msi (default msix): one MSI vector, no MSI-X; use it for PCIe
-    /// hot-unplug under QEMU 11.1, whose vfio-user-pci aborts when removing a device with
-    /// MSI-X. vram_mmap=off: VRAM is trapped instead of mappable, so the device sees every
-    /// write and migrates after pre-copy with a downtime independent of the VRAM size.
-    ///
-    /// Or a physical device: `vfio,host=DDDD:BB:DD.F[,bars=trap|mmap][,irq=direct|relay]`, a
-    /// PCI device bound to vfio-pci whose IOMMU group is viable (every other device in it bound
-    /// to vfio-pci, pci-stub, pcieport or to no driver). Its config space is virtualized,
-    /// interrupts go from the kernel straight to the client's eventfds and the client's DMA
-    /// windows are mapped into its IOMMU (DMA_MAP needs a file descriptor; mapped windows are
-    /// pinned and count against RLIMIT_MEMLOCK unless the server has CAP_IPC_LOCK). bars=trap
-    /// (default): every BAR access is a message; bars=mmap: the client maps the BARs (MSI-X
-    /// table excepted) directly, which cannot be moved to another device without the guest's
-    /// help. irq=relay: interrupts go through a server thread (one more wake-up each; for
-    /// comparison). When the kernel wants the device back (an unbind or a hot-remove), the
-    /// server releases it and every access fails with ENODEV.
-    #[arg(long, value_name = "SPEC", default_value = "softgpu", value_parser = parse_device)]
+    /// Device to serve: `KIND[,name=value...]` (`--help` lists the kinds and their options).
+    #[arg(
+        long,
+        value_name = "SPEC",
+        default_value = "softgpu",
+        value_parser = parse_device,
+        long_help = device_help()
+    )]
     device: DeviceSpec,
 
     /// Permissions of the socket file, in octal.
@@ -175,26 +164,22 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is too large"))
 }
 
-/// A parsed `--device` value.
-#[derive(Debug, Clone)]
-enum DeviceSpec {
-    SoftGpu(SoftGpuConfig),
-    Vfio(VfioConfig),
+fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    DeviceSpec::parse(s).map_err(|e| e.to_string())
 }
 
-fn parse_device(s: &str) -> Result<DeviceSpec, String> {
-    let (model, options) = s.split_once(',').unwrap_or((s, ""));
-    match model.trim() {
-        "softgpu" => SoftGpuConfig::parse_options(options)
-            .map(DeviceSpec::SoftGpu)
-            .map_err(|e| e.to_string()),
-        "vfio" => VfioConfig::parse_options(options)
-            .map(DeviceSpec::Vfio)
-            .map_err(|e| e.to_string()),
-        other => Err(format!(
-            "unknown device model `{other}`; available models: softgpu, vfio"
-        )),
-    }
+/// `--device`'s long help: the first paragraph of its doc comment, then every kind of the
+/// registry with its options.
+fn device_help() -> String {
+    format!(
+        "Device to serve: `KIND[,name=value...]`, a kind and its options.\n\n{}\n\
+         softgpu irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, \
+         whose vfio-user-pci aborts when removing a device with MSI-X; vram_mmap=off traps \
+         VRAM so the device sees every write. vfio needs a PCI device bound to vfio-pci whose \
+         IOMMU group is viable; its DMA windows are pinned (RLIMIT_MEMLOCK unless \
+         CAP_IPC_LOCK); when the kernel wants the device back, every access fails with ENODEV.",
+        switchyard_kinds::help()
+    )
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -290,26 +275,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.socket_mode = args.socket_mode;
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
     config.dirty_log_budget = args.dirty_log_budget;
-    let model = match &args.device {
-        DeviceSpec::SoftGpu(_) => "softgpu",
-        DeviceSpec::Vfio(_) => "vfio",
-    };
-    let span = tracing::info_span!("device", model, socket = %args.socket.display());
+    let spec = args.device;
+    let kind = spec.kind()?;
+    let span = tracing::info_span!("device", model = %spec.kind, socket = %args.socket.display());
     let _g = span.enter();
-    let server = match args.device {
-        DeviceSpec::SoftGpu(gpu) => {
-            tracing::info!(
-                vram = gpu.vram_size,
-                queues = gpu.queues,
-                "starting softgpu"
-            );
-            Server::new(config, |ctx| SoftGpu::new(gpu, ctx))
-        }
-        DeviceSpec::Vfio(vfio) => {
-            tracing::info!(host = %vfio.host, bars = ?vfio.bars, "opening the VFIO device");
-            Server::new(config, |_ctx| VfioPci::open(&vfio))
-        }
-    };
+    tracing::info!(device = %spec, "starting the device");
+    let server = Server::new_boxed(config, |ctx| kind.build(&spec.options, Build::new(ctx)));
     let mut server =
         server.with_context(|| format!("cannot serve on {}", args.socket.display()))?;
     let stop = server.stop_handle();

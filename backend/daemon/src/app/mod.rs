@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use switchyard_control::{ControlError, ControlSocket, Metrics};
 use switchyard_pool::{Endpoint, Pool, PoolConfig, PoolError};
 
-use crate::custody::WorkerDevice;
+use crate::custody::device_spec;
 use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
 use events::{EventStream, WorkerLifecycle};
 use records::WorkerRecords;
@@ -152,7 +152,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The configuration with the options applied.
 pub fn resolve_config(options: &DaemonOptions) -> Result<PoolConfig, DaemonError> {
     let mut config = match &options.config {
-        Some(path) => PoolConfig::load(path)
+        Some(path) => PoolConfig::load(path, &switchyard_kinds::Registry)
             .map_err(|e| DaemonError::Config(path.display().to_string(), Box::new(e)))?,
         None => PoolConfig::default(),
     };
@@ -164,7 +164,7 @@ pub fn resolve_config(options: &DaemonOptions) -> Result<PoolConfig, DaemonError
         config.daemon.endpoint_dir = dir.join("endpoints");
     }
     // The paths may have changed what is valid (endpoint sockets of the configuration).
-    config.validate().map_err(|e| {
+    config.validate(&switchyard_kinds::Registry).map_err(|e| {
         DaemonError::Config(
             options.config.as_ref().map_or_else(
                 || "(embedded default)".to_owned(),
@@ -400,7 +400,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let store = d.store_path();
     check_store(&store)?;
     let (mut pool, report) =
-        Pool::open(&config, &store).map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
+        Pool::open(&config, &switchyard_kinds::Registry, &store)
+            .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
     tracing::info!(store = %store.display(), ?report, "pool opened");
     // The stream starts after the history as loaded: the events of what is done below
     // (quarantines, aborted moves) are published after it, in order.
@@ -590,7 +591,7 @@ impl Daemon {
         Some(EndpointSpec {
             id: endpoint.id.clone(),
             socket: endpoint.socket.clone(),
-            device: WorkerDevice::of(&device.shape, device.host.as_deref()),
+            device: device_spec(&device.shape, device.host.as_deref()),
         })
     }
 
@@ -760,9 +761,15 @@ id = "gpu0"
 name = "edus"
 boards = ["edu0", "odd"]
 "#,
+            &switchyard_kinds::Registry,
         )
         .expect("config");
-        let (mut pool, _) = Pool::open(&config, &dir.path().join("pool.redb")).expect("pool");
+        let (mut pool, _) = Pool::open(
+            &config,
+            &switchyard_kinds::Registry,
+            &dir.path().join("pool.redb"),
+        )
+        .expect("pool");
         let events = check_passthrough_boards(&mut pool, &sys);
         let state = |id: &str| pool.inventory().board(id).expect("board").state;
         use switchyard_pool::BoardState::{Available, Quarantined};

@@ -42,8 +42,20 @@ impl Supervisor {
         }
         self.check_room(&endpoints, &spec.id)?;
         let path = crate::keeper::adoption_path(dir, pid);
-        let (channel, mut held) = adopt_from(&path, &spec.id, pid)
+        let Adoption {
+            channel,
+            mut held,
+            objects,
+            replacement,
+        } = adopt_from(&path, &spec.id, pid)
             .map_err(|e| failed(format!("{}: {e}", path.display())))?;
+        // A worker of an earlier release holds its memory objects by id.
+        let mut objects = objects;
+        for (id, name) in crate::custody::LEGACY_OBJECT_IDS {
+            if let Some(fd) = held.remove(&id) {
+                objects.insert(name.to_owned(), fd);
+            }
+        }
         let listener = held
             .remove(&LISTENER_ID)
             .ok_or_else(|| failed("the worker did not hand over the listening socket".into()))?;
@@ -59,12 +71,14 @@ impl Supervisor {
             status: Mutex::new(WorkerStatus {
                 pid: Some(pid),
                 ready: 1,
-                held: held.len(),
+                held: held.len() + objects.len(),
                 client_fds: client,
                 connected,
                 ..WorkerStatus::default()
             }),
             held: Mutex::new(held),
+            objects: Mutex::new(objects),
+            replacement: Mutex::new(replacement),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
             generation: AtomicU64::new(0),
@@ -168,6 +182,19 @@ pub(super) fn supervise_adopted(
     }
 }
 
+/// What an adoption hands over.
+#[derive(Debug)]
+struct Adoption {
+    /// The custody channel from now on.
+    channel: OwnedFd,
+    /// Held descriptors by custody id.
+    held: BTreeMap<u64, OwnedFd>,
+    /// Memory objects by name.
+    objects: BTreeMap<String, OwnedFd>,
+    /// How the worker's replacement must start, as it said.
+    replacement: Option<crate::custody::StartMode>,
+}
+
 /// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
 /// and everything held. The socket must be one (not a symbolic link) and served by the
 /// recorded worker `pid` itself, running as our uid: the record that named the pid is not
@@ -176,7 +203,7 @@ fn adopt_from(
     path: &Path,
     endpoint: &str,
     pid: u32,
-) -> Result<(OwnedFd, BTreeMap<u64, OwnedFd>), custody::ChannelError> {
+) -> Result<Adoption, custody::ChannelError> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     use std::os::unix::fs::FileTypeExt;
     let refused = |reason: String| custody::ChannelError::Io(std::io::Error::other(reason));
@@ -219,11 +246,20 @@ fn adopt_from(
         &[],
     )?;
     let mut held = BTreeMap::new();
+    let mut objects = BTreeMap::new();
     let mut buf = Vec::new();
     loop {
         match custody::recv(&sock, &mut buf)? {
             (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
-            (Note::Adopted { .. }, _) => return Ok((sock, held)),
+            (Note::Objects { names }, fds) => objects.extend(names.into_iter().zip(fds)),
+            (Note::Adopted { replacement, .. }, _) => {
+                return Ok(Adoption {
+                    channel: sock,
+                    held,
+                    objects,
+                    replacement,
+                });
+            }
             (Note::AdoptRefused { reason }, _) => {
                 return Err(custody::ChannelError::Io(std::io::Error::other(reason)));
             }
@@ -253,7 +289,15 @@ mod adopt_from_tests {
             let conn = rustix::net::accept(&sock).expect("accept");
             let (note, _) = custody::recv(&conn, &mut Vec::new()).ok()?;
             let pid = std::process::id();
-            custody::send(&conn, &Note::Adopted { pid }, &[]).expect("send");
+            custody::send(
+                &conn,
+                &Note::Adopted {
+                    pid,
+                    replacement: None,
+                },
+                &[],
+            )
+            .expect("send");
             Some(note)
         })
     }
@@ -280,7 +324,7 @@ mod adopt_from_tests {
         let e = adopt_from(&link, "ep", me).expect_err("a link");
         assert!(format!("{e:?}").contains("symbolic link"), "{e:?}");
         // Positive control: the recorded process on the socket itself.
-        let (_channel, held) = adopt_from(&path, "ep", me).expect("adopted");
+        let held = adopt_from(&path, "ep", me).expect("adopted").held;
         assert!(held.is_empty());
         assert!(matches!(
             server.join().expect("server"),

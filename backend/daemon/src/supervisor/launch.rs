@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID, Note, StartMode, VRAM_ID};
+use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, StartMode};
 
 use super::ledger::serve_notes;
 use super::{Endpoint, EventSink, WorkerEvent, kill};
@@ -55,17 +55,12 @@ pub(super) fn supervise(
         died_at = Some(Instant::now());
     }
     while !ep.stopping.load(Ordering::SeqCst) {
-        let mode = {
-            let held = ep.held();
-            // A softgpu resumes from its black box and VRAM, a passthrough device from its
-            // black box (the hardware is reset and the configuration replayed).
-            let passthrough = matches!(ep.spec.device, crate::custody::WorkerDevice::Vfio { .. });
-            if held.contains_key(&BLACK_BOX_ID) && (held.contains_key(&VRAM_ID) || passthrough) {
-                StartMode::Resume
-            } else {
-                StartMode::Fresh
-            }
-        };
+        let mode = ep.start_mode();
+        if mode == StartMode::Fresh {
+            // Until it reports ready, what a fresh worker left in custody is no device to
+            // resume: its replacement starts fresh too.
+            ep.record_replacement(StartMode::Fresh);
+        }
         let ready = match run_worker(ep, exe, mode, died_at, sink, launch) {
             Ok(ready) => ready,
             Err(e) => {
@@ -88,6 +83,7 @@ pub(super) fn supervise(
                     "workers keep dying before they serve; giving the endpoint up (its client is disconnected, new connections are refused)"
                 );
                 ep.change_held(|held| held.clear());
+                ep.change_objects(|objects| objects.clear());
                 refuse_connections(&ep.socket);
                 let mut st = ep.status();
                 st.failed = true;
@@ -119,7 +115,7 @@ pub(super) fn supervise(
         st.restarts += 1;
         ep.changed.notify_all();
         drop(st);
-        tracing::warn!(mode = ?StartMode::Resume, "worker gone; starting a replacement");
+        tracing::warn!(mode = ?ep.start_mode(), "worker gone; starting a replacement");
     }
 }
 
@@ -127,8 +123,12 @@ pub(super) fn supervise(
 /// or of everything (`fresh`: the device's state too), so that the next worker starts
 /// without what kept its predecessors from serving. Returns what was let go, if anything.
 fn let_go(ep: &Endpoint, client: bool, fresh: bool) -> Option<String> {
+    if fresh {
+        ep.record_replacement(StartMode::Fresh);
+    }
+    let objects = fresh && ep.change_objects(|objects| std::mem::take(objects).len()) > 0;
     ep.change_held(|held| {
-        if fresh && !held.is_empty() {
+        if fresh && (objects || !held.is_empty()) {
             held.clear();
             return Some(
                 "the device's state and its client were let go; the next worker starts a fresh device"
@@ -262,6 +262,16 @@ fn hand_over(
         custody::send(sock, &Note::Fds { ids }, &fds)?;
     }
     drop(held);
+    let objects = ep.objects();
+    let all: Vec<(&String, BorrowedFd<'_>)> =
+        objects.iter().map(|(n, fd)| (n, fd.as_fd())).collect();
+    for batch in all.chunks(custody::MAX_FDS) {
+        let names = batch.iter().map(|(n, _)| (*n).clone()).collect();
+        let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
+        custody::send(sock, &Note::Objects { names }, &fds)?;
+    }
+    drop(all);
+    drop(objects);
     custody::send(
         sock,
         &Note::Start {

@@ -4,7 +4,7 @@
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, VRAM_NEXT_ID};
+use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, legacy_object};
 
 use super::launch::Launch;
 use super::{BUDGET_SLACK, Endpoint, EventSink, WorkerEvent, file_identity};
@@ -35,14 +35,19 @@ pub(super) fn serve_notes(
     loop {
         match custody::recv(channel, &mut buf) {
             Ok((Note::Hold { ids }, fds)) => {
+                let mut pairs: Vec<(u64, OwnedFd)> = Vec::with_capacity(ids.len());
+                for (id, fd) in ids.into_iter().zip(fds) {
+                    // A worker of an earlier release holds its memory objects by id.
+                    match legacy_object(id) {
+                        Some(name) => hold_object(ep, name.to_owned(), fd),
+                        None => pairs.push((id, fd)),
+                    }
+                }
                 let refused = ep.change_held(|held| {
                     let first = switchyard_server::continuity::FIRST_MESSAGE_ID;
                     let mut client = held.range(first..).count();
                     let mut refused = 0u64;
-                    for (id, fd) in ids.into_iter().zip(fds) {
-                        if id == VRAM_NEXT_ID {
-                            ep.mv().target = file_identity(&fd);
-                        }
+                    for (id, fd) in pairs {
                         if id >= first && !held.contains_key(&id) {
                             if limit.is_some_and(|l| client >= l) {
                                 // The worker should have refused the message: the daemon's
@@ -93,7 +98,25 @@ pub(super) fn serve_notes(
                 ep.mv().reply = Some(Err(Some(error)));
                 ep.mv_changed.notify_all();
             }
+            Ok((Note::HoldObjects { names }, fds)) => {
+                for (name, fd) in names.into_iter().zip(fds) {
+                    hold_object(ep, name, fd);
+                }
+            }
+            Ok((Note::ReleaseObjects { names }, _)) => ep.change_objects(|objects| {
+                for name in &names {
+                    objects.remove(name);
+                }
+            }),
             Ok((Note::Release { ids }, _)) => {
+                let legacy: Vec<&str> = ids.iter().filter_map(|id| legacy_object(*id)).collect();
+                if !legacy.is_empty() {
+                    ep.change_objects(|objects| {
+                        for name in legacy {
+                            objects.remove(name);
+                        }
+                    });
+                }
                 let client_left = ids.contains(&CONNECTION_ID);
                 ep.change_held(|held| {
                     for id in ids {
@@ -107,8 +130,14 @@ pub(super) fn serve_notes(
                     ep.status().state_lost.clear();
                 }
             }
-            Ok((Note::Ready { resumed }, _)) => {
+            Ok((Note::Ready {
+                resumed,
+                replacement,
+            }, _)) => {
                 ready = true;
+                if let Some(mode) = replacement {
+                    ep.record_replacement(mode);
+                }
                 let restart = died_at.map(|t| t.elapsed());
                 let mut st = ep.status();
                 st.ready += 1;
@@ -151,4 +180,18 @@ pub(super) fn serve_notes(
         }
     }
     ready
+}
+
+/// Holds `fd` as the memory object `name`. A pending object (a relocation's target,
+/// [`switchyard_device::kind::pending_object`]) is what a move copies to: its identity tells,
+/// should the worker die, whether its replacement runs the device there.
+fn hold_object(ep: &Endpoint, name: String, fd: OwnedFd) {
+    if let Some(base) = name.strip_suffix(switchyard_device::kind::PENDING_SUFFIX)
+        && let Some(identity) = file_identity(&fd)
+    {
+        ep.mv().target = Some((base.to_owned(), identity));
+    }
+    ep.change_objects(|objects| {
+        objects.insert(name, fd);
+    });
 }

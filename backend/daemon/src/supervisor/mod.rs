@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, CONNECTION_ID, MoveReport, Note, VRAM_ID};
+use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, MoveReport, Note, StartMode};
 
 use launch::{Launch, supervise};
 pub use plan::FdPlan;
@@ -100,7 +100,7 @@ pub struct EndpointSpec {
     /// vfio-user socket path.
     pub socket: PathBuf,
     /// The device to serve.
-    pub device: crate::custody::WorkerDevice,
+    pub device: crate::custody::DeviceSpec,
 }
 
 /// How an endpoint's worker is doing.
@@ -140,14 +140,20 @@ struct MoveSlot {
     active: bool,
     /// The worker's answer; `Err(None)`: the worker died before answering.
     reply: Option<Result<MoveReport, Option<String>>>,
-    /// Identity of the VRAM the move copies to, once it is in custody.
-    target: Option<(u64, u64)>,
+    /// The memory object the move copies to, once it is in custody: the name the device
+    /// will hold it under and its identity.
+    target: Option<(String, (u64, u64))>,
 }
 
 struct Endpoint {
     spec: EndpointSpec,
     socket: DeviceSocket,
     held: Mutex<BTreeMap<u64, OwnedFd>>,
+    /// The slot's memory objects (VRAM, a doorbell page...), by name.
+    objects: Mutex<BTreeMap<String, OwnedFd>>,
+    /// How the next worker starts, as the last one to report ready said (`None`: a worker
+    /// of an earlier release, which did not say).
+    replacement: Mutex<Option<StartMode>>,
     status: Mutex<WorkerStatus>,
     changed: Condvar,
     stopping: AtomicBool,
@@ -171,12 +177,43 @@ impl Endpoint {
     fn held(&self) -> MutexGuard<'_, BTreeMap<u64, OwnedFd>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
+    fn objects(&self) -> MutexGuard<'_, BTreeMap<String, OwnedFd>> {
+        self.objects.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How a worker started now must start: as recorded ([`Note::Ready`]'s
+    /// `replacement`), or, for a worker of an earlier release that did not say, from its
+    /// black box being held.
+    fn start_mode(&self) -> StartMode {
+        let recorded = *self.replacement.lock().unwrap_or_else(|p| p.into_inner());
+        recorded.unwrap_or_else(|| {
+            if self.held().contains_key(&BLACK_BOX_ID) {
+                StartMode::Resume
+            } else {
+                StartMode::Fresh
+            }
+        })
+    }
+
+    fn record_replacement(&self, mode: StartMode) {
+        *self.replacement.lock().unwrap_or_else(|p| p.into_inner()) = Some(mode);
+    }
+
+    /// Changes the held memory objects, then the status that counts them.
+    fn change_objects<R>(&self, f: impl FnOnce(&mut BTreeMap<String, OwnedFd>) -> R) -> R {
+        let mut objects = self.objects();
+        let r = f(&mut objects);
+        drop(objects);
+        self.change_held(|_| ());
+        r
+    }
 
     /// Changes the held descriptors, then the status that counts them.
     fn change_held<R>(&self, f: impl FnOnce(&mut BTreeMap<u64, OwnedFd>) -> R) -> R {
         let mut held = self.held();
         let r = f(&mut held);
-        let (n, connected) = (held.len(), held.contains_key(&CONNECTION_ID));
+        let objects = self.objects().len();
+        let (n, connected) = (held.len() + objects, held.contains_key(&CONNECTION_ID));
         let client = client_fds(&held);
         drop(held);
         let mut st = self.status();
@@ -400,6 +437,8 @@ impl Supervisor {
             spec: spec.clone(),
             socket,
             held: Mutex::new(BTreeMap::new()),
+            objects: Mutex::new(BTreeMap::new()),
+            replacement: Mutex::new(Some(StartMode::Fresh)),
             status: Mutex::new(WorkerStatus::default()),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
@@ -553,7 +592,7 @@ impl Supervisor {
                 .0;
         }
         let reply = mv.reply.take();
-        let target = mv.target;
+        let target = mv.target.take();
         drop(mv);
         match reply {
             Some(Ok(report)) => Ok(MoveOutcome::Moved(report)),
@@ -567,8 +606,10 @@ impl Supervisor {
                         "the worker died during the move and no replacement is serving yet".into(),
                     ));
                 }
-                let current = ep.held().get(&VRAM_ID).and_then(file_identity);
-                if target.is_some() && current == target {
+                let current = target
+                    .as_ref()
+                    .and_then(|(name, _)| ep.objects().get(name).and_then(file_identity));
+                if current.is_some() && current == target.map(|(_, id)| id) {
                     Ok(MoveOutcome::MovedAcrossRestart)
                 } else {
                     Err(failed(

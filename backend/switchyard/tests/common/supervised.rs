@@ -20,7 +20,7 @@ pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> Path
     sup.create(EndpointSpec {
         id: id.into(),
         socket: socket.clone(),
-        device: switchyard_daemon::custody::WorkerDevice::Softgpu(SoftGpuConfig {
+        device: switchyard_kinds::softgpu(&SoftGpuConfig {
             vram_size: 16 << 20,
             queues: 2,
             vram_mmap,

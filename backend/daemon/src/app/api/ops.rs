@@ -91,7 +91,7 @@ impl Daemon {
         let worker = crate::EndpointSpec {
             id: spec.id.clone(),
             socket: endpoint.socket.clone(),
-            device: crate::custody::WorkerDevice::of(&device.shape, device.host.as_deref()),
+            device: crate::custody::device_spec(&device.shape, device.host.as_deref()),
         };
         self.supervisor.create(worker).map_err(supervisor_error)?;
         let st = self
@@ -222,7 +222,7 @@ impl Daemon {
             crate::EndpointSpec {
                 id: id.to_owned(),
                 socket: endpoint.socket.clone(),
-                device: crate::custody::WorkerDevice::of(&device.shape, device.host.as_deref()),
+                device: crate::custody::device_spec(&device.shape, device.host.as_deref()),
             }
         };
         self.supervisor.create(spec).map_err(supervisor_error)?;
@@ -317,7 +317,7 @@ impl Daemon {
 
     /// Refuses moves the data path cannot make (before anything is reserved).
     fn check_movable(&self, plan: &MovePlan) -> Result<(), ApiError> {
-        if !plan.shape.vram_mmap {
+        if !maps_vram(plan) {
             return Ok(());
         }
         if !self.vmms().contains_key(&plan.endpoint) {
@@ -329,7 +329,7 @@ impl Daemon {
                 ),
             ));
         }
-        if plan.shape.irq == switchyard_softgpu::IrqMode::Msix {
+        if plan.shape.profile.msix {
             return Err(ApiError::conflict(
                 "mapped_vram",
                 format!(
@@ -358,9 +358,7 @@ impl Daemon {
 
     /// Runs a planned move on the data path, then commits it (or releases the target).
     fn execute_move(&self, plan: MovePlan) -> Result<MoveResult, ApiError> {
-        let vmm = plan
-            .shape
-            .vram_mmap
+        let vmm = maps_vram(&plan)
             .then(|| self.vmms().get(&plan.endpoint).cloned())
             .flatten();
         let (outcome, visible_downtime) = match &vmm {
@@ -559,4 +557,10 @@ fn remove_stale_socket(path: &std::path::Path) {
             Ok(_) => std::thread::sleep(Duration::from_millis(10)),
         }
     }
+}
+
+/// Whether the guest may map the device's VRAM (the softgpu's `vram_mmap`): a mapping cannot
+/// be re-pointed under the guest, so such a device moves guest-visibly, through its VMM.
+fn maps_vram(plan: &MovePlan) -> bool {
+    plan.shape.options.get("vram_mmap") == Some(&serde_json::Value::Bool(true))
 }
