@@ -17,15 +17,12 @@ pub const MAX_NOTE: usize = 64 << 10;
 /// Most descriptors per datagram (below the kernel's `SCM_MAX_FD`).
 pub const MAX_FDS: usize = 200;
 
-/// Custody id of the endpoint's listening socket.
-pub const LISTENER_ID: u64 = 1;
-/// Custody id of the client connection (the server's `CONNECTION_ID`).
-pub const CONNECTION_ID: u64 = switchyard_server::continuity::CONNECTION_ID;
-/// Custody id of the black box memfd.
-pub const BLACK_BOX_ID: u64 = 3;
+pub use switchyard_server::continuity::{BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID};
+
 /// Custody ids under which workers before custody by name held their (softgpu) memory
 /// objects, with those objects' names: what a worker of an earlier release puts in custody
-/// (an upgrade adopts it) is held by name.
+/// (an upgrade adopts it) is held by name. The ids are
+/// [`RETIRED_IDS`](switchyard_server::continuity::RETIRED_IDS).
 pub const LEGACY_OBJECT_IDS: [(u64, &str); 3] = [
     (4, "softgpu.vram"),
     (5, "softgpu.vram@next"),
@@ -38,6 +35,16 @@ pub fn legacy_object(id: u64) -> Option<&'static str> {
         .iter()
         .find(|(i, _)| *i == id)
         .map(|(_, name)| *name)
+}
+
+#[cfg(test)]
+mod legacy_tests {
+    #[test]
+    fn legacy_object_ids_are_the_retired_ids() {
+        for (id, _) in super::LEGACY_OBJECT_IDS {
+            assert!(switchyard_server::continuity::RETIRED_IDS.contains(&id), "{id}");
+        }
+    }
 }
 
 /// What a move of the device to another board did (worker → supervisor).
