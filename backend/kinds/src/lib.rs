@@ -12,8 +12,11 @@ use serde::{Deserialize, Serialize};
 use switchyard_device::kind::{DeviceKind, KindCatalog, KindError, KindOptions, Profile, parse_kv};
 
 /// Every kind, in the order help texts list them.
-pub static KINDS: &[&dyn DeviceKind] =
-    &[&switchyard_softgpu::SoftGpuKind, &switchyard_vfio::VfioKind];
+pub static KINDS: &[&dyn DeviceKind] = &[
+    &switchyard_softgpu::SoftGpuKind,
+    &switchyard_vfio::VfioKind,
+    &switchyard_scratchpad::ScratchpadKind,
+];
 
 /// The kind called `name`.
 pub fn get(name: &str) -> Option<&'static dyn DeviceKind> {
