@@ -147,15 +147,18 @@ pub enum PoolError {
     /// The endpoint holds no device (detached), so it cannot be moved or detached.
     #[error("Endpoint \"{0}\" holds no device")]
     NotLeased(String),
-    /// A passthrough device's state is in the hardware: it cannot move under a guest.
+    /// The device's kind cannot move it under a guest (a passthrough device's state is in
+    /// the hardware).
     #[error(
-        "Endpoint \"{endpoint}\" holds a passthrough device (\"{device}\"): its state is in the hardware, so it cannot move under the guest; detach it and attach another device instead"
+        "Endpoint \"{endpoint}\" holds device \"{device}\", a {model} device, which cannot move under the guest (a passthrough device's state is in the hardware); detach it and attach another device instead"
     )]
     NotMovable {
         /// The endpoint.
         endpoint: String,
         /// Its device.
         device: String,
+        /// The device's kind.
+        model: String,
     },
     /// The endpoint already holds a device, so it cannot be attached.
     #[error("Endpoint \"{endpoint}\" already holds device \"{device}\"; detach it first")]
@@ -301,8 +304,30 @@ impl PoolError {
 pub enum ConfigProblem {
     /// The parser refused the value (wrong type, unknown key, bad size, ...).
     Value(String),
-    /// The softgpu refuses these settings.
-    SoftGpu(switchyard_softgpu::ConfigError),
+    /// The board's kind refuses its options (the key names the option, or the board when
+    /// the combination is at fault).
+    Kind {
+        /// The kind.
+        model: String,
+        /// What it says is wrong.
+        message: String,
+    },
+    /// A board names a kind the catalog does not have.
+    UnknownModel {
+        /// The model given.
+        model: String,
+        /// The known kinds, comma-separated.
+        known: String,
+    },
+    /// A board of a kind that does not split has partitions.
+    NotPartitionable(String),
+    /// A host resource (a PCI address) that another board already holds.
+    ResourceTaken {
+        /// The resource.
+        resource: String,
+        /// The board that holds it.
+        board: String,
+    },
     /// A bad id.
     BadId(String),
     /// An id used twice; `first` is the key of its first use.
@@ -358,8 +383,6 @@ pub enum ConfigProblem {
     Placement(&'static str),
     /// A bad socket path.
     SocketPath(&'static str),
-    /// A passthrough board's settings (`host`, `bars`, partitions) are wrong.
-    Passthrough(String),
     /// A bad path: empty, relative, with a NUL byte, or too long for a UNIX socket.
     Path(String),
     /// A number outside its range.
@@ -377,11 +400,24 @@ impl fmt::Display for ConfigProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         use ConfigProblem as P;
         match self {
-            P::Value(m) | P::Passthrough(m) | P::Path(m) => f.write_str(m),
+            P::Value(m) | P::Path(m) => f.write_str(m),
             P::OutOfRange { value, min, max } => {
                 write!(f, "{value} is out of range; expected {min} to {max}")
             }
-            P::SoftGpu(e) => write!(f, "{e}"),
+            P::Kind { model, message } => write!(f, "{model}: {message}"),
+            P::UnknownModel { model, known } => {
+                write!(f, "unknown model \"{model}\"; the models are {known}")
+            }
+            P::NotPartitionable(model) => write!(
+                f,
+                "a {model} board cannot be partitioned (list each device as a board of its own)"
+            ),
+            P::ResourceTaken { resource, board } => {
+                write!(
+                    f,
+                    "board \"{board}\" already holds \"{resource}\"; a device is one board only"
+                )
+            }
             P::BadId(id) => write!(
                 f,
                 "invalid id \"{id}\"; ids are 1 to 64 characters of A-Z, a-z, 0-9, `_`, `.` and `-`"

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::inventory::MovePlan;
+use crate::view::MovePlan;
 
 /// One lifecycle change. `seq` increases by one per event over the pool's whole life (it
 /// survives restarts), so `history(since_seq)` resumes a stream without gaps.

@@ -4,23 +4,26 @@
 //!
 //! # The model
 //!
-//! - A **board** is a device the daemon can serve: a softgpu ([`Model::Softgpu`], with its VRAM
-//!   size, queues, interrupt mode and VRAM mappability) or a physical PCI device or SR-IOV VF
-//!   bound to vfio-pci ([`Model::Vfio`], named by its `host` address; what the guest made of
-//!   it lives in the hardware, so it is detached and attached, never moved under a guest). A
-//!   board's state is [`BoardState::Available`], [`BoardState::Quarantined`] (no new leases;
-//!   the leases it has stay until moved) or [`BoardState::Missing`] (gone from the
-//!   configuration but still leased, so kept and reported rather than dropped).
-//! - A board may be cut into **partitions** (GPU-P style): each a VRAM slice and a share of
-//!   the queues, with the board's interrupt mode and mappability. The partitions' VRAM and
-//!   queues fit in the board's.
+//! - A **board** is a device the daemon can serve, of a device **kind** (its `model`): a
+//!   softgpu, or a physical PCI device or SR-IOV VF bound to vfio-pci (named by its `host`
+//!   address; what the guest made of it lives in the hardware, so it is detached and
+//!   attached, never moved under a guest). The pool knows kinds only through the kind API
+//!   of `switchyard-device` ([`KindCatalog`]): the kind checks a board's options and gives
+//!   the pool its [`Profile`] (VRAM and queues, whether it splits into partitions or moves,
+//!   where its dirty pages come from, a host resource it holds alone). A board's state is
+//!   [`BoardState::Available`], [`BoardState::Quarantined`] (no new leases; the leases it has
+//!   stay until moved) or [`BoardState::Missing`] (gone from the configuration but still
+//!   leased, so kept and reported rather than dropped).
+//! - A board of a kind that splits may be cut into **partitions** (GPU-P style): each a VRAM
+//!   slice and a share of the queues, with the board's other options. The partitions' VRAM
+//!   and queues fit in the board's.
 //! - A **device** is what is leased: a whole board when it has no partitions, otherwise each
 //!   partition (a partitioned board is not leasable whole). A device's [`DeviceShape`]
-//!   (model, VRAM, queues, irq, vram_mmap) is everything a guest sees: devices of one shape
-//!   are interchangeable under a running guest.
-//! - A **pool** is a named set of identical boards (same model, VRAM, queues, irq,
-//!   vram_mmap and partition layout, as Windows DDA pools), listed in the order leases prefer
-//!   them. A board is in at most one pool.
+//!   (model and the kind's canonical options) is everything a guest sees: devices of one
+//!   shape are interchangeable under a running guest.
+//! - A **pool** is a named set of identical boards (same model, options and partition
+//!   layout, as Windows DDA pools), listed in the order leases prefer them. A board is in at
+//!   most one pool.
 //! - An **endpoint** is a vfio-user socket a VM connects to (`<endpoint_dir>/<id>.sock`
 //!   unless given), with requirements (least VRAM and queues) and a **lease**: the device it
 //!   serves, or none when detached. A lease is chosen from a pool (the first free device on
@@ -65,21 +68,26 @@
 //! (64 MiB, 2 queues) in one pool `default`.
 #![forbid(unsafe_code)]
 
+mod board;
 pub mod config;
 mod error;
 mod event;
 mod inventory;
+mod shape;
 mod store;
+mod view;
 
 pub use config::{
-    Bars, BoardConfig, ByteSize, DaemonConfig, EndpointConfig, NamedPoolConfig, PartitionConfig,
-    PoolConfig, VramReset, valid_pci_address,
+    BoardConfig, ByteSize, DEFAULT_MODEL, DaemonConfig, EndpointConfig, NamedPoolConfig,
+    PartitionConfig, PoolConfig,
 };
 pub use error::{ConfigProblem, ErrorKind, PoolError};
 pub use event::{Event, EventKind};
-pub use inventory::{
-    BoardState, BoardView, DeviceShape, DeviceView, DirtyTracking, Endpoint, EndpointSpec,
-    FailedEndpoint, Inventory, MAX_ID_LEN, MAX_SOCKET_PATH, Model, MovePlan, OpenReport, Placement,
-    PoolView, Requirements, valid_id,
-};
+pub use inventory::Inventory;
+pub use shape::{DeviceShape, DirtyTracking};
 pub use store::{History, Pool, STORE_FORMAT};
+pub use switchyard_device::kind::{KindCatalog, KindOptions, Profile};
+pub use view::{
+    BoardState, BoardView, DeviceView, Endpoint, EndpointSpec, FailedEndpoint, MAX_ID_LEN,
+    MAX_SOCKET_PATH, MovePlan, OpenReport, Placement, PoolView, Requirements, valid_id,
+};

@@ -1,7 +1,7 @@
 //! The store: the inventory's state and its event history in one redb file, written in one
 //! transaction per mutation.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,10 +10,14 @@ use redb::{Database, ReadableTable, TableDefinition, TableError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use switchyard_device::kind::KindCatalog;
+
+use crate::board::Snapshot;
 use crate::config::PoolConfig;
 use crate::error::PoolError;
 use crate::event::Event;
-use crate::inventory::{EndpointSpec, Inventory, MovePlan, OpenReport, Placement, Snapshot};
+use crate::inventory::Inventory;
+use crate::view::{EndpointSpec, MovePlan, OpenReport, Placement};
 
 /// Board records (`BoardRecord` as JSON) by board id.
 const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
@@ -56,11 +60,19 @@ impl Pool {
     /// when unleased and kept as `missing` otherwise, and configured endpoints are created
     /// when absent. The reconciliation is committed (with an `opened` event) before this
     /// returns. The file is locked: one `Pool` per file.
-    pub fn open(config: &PoolConfig, path: &Path) -> Result<(Self, OpenReport), PoolError> {
-        config.validate()?;
+    ///
+    /// Each board's options are checked by its kind in `kinds`, the stored boards' too: a
+    /// store written before device kinds (softgpu settings in each shape, a passthrough
+    /// board's `host` on the board) loads, its boards with the options their kind gives them.
+    pub fn open(
+        config: &PoolConfig,
+        kinds: &dyn KindCatalog,
+        path: &Path,
+    ) -> Result<(Self, OpenReport), PoolError> {
+        config.validate(kinds)?;
         let db = Database::create(path).map_err(|e| PoolError::store("open", e))?;
         let stored = read_snapshot(&db)?;
-        let (inv, events, report) = Inventory::restore(config, stored.clone())?;
+        let (inv, events, report) = Inventory::restore(config, kinds, stored.clone())?;
         write(&db, &stored, &inv.snapshot(), &events)?;
         Ok((
             Self {
@@ -265,45 +277,53 @@ fn read_snapshot(db: &Database) -> Result<Snapshot, PoolError> {
         Err(TableError::TableDoesNotExist(_)) => snap.next_seq = 1,
         Err(e) => return Err(read(e.into())),
     }
-    snap.boards = read_map(&txn, BOARDS, "board")?;
-    snap.endpoints = read_map(&txn, ENDPOINTS, "endpoint")?;
+    (snap.boards, snap.outdated) = read_map(&txn, BOARDS, "board")?;
+    (snap.endpoints, _) = read_map(&txn, ENDPOINTS, "endpoint")?;
     Ok(snap)
 }
 
-/// A table of JSON records by id; empty when it does not exist yet.
-fn read_map<T: DeserializeOwned>(
+/// A table of JSON records by id (empty when it does not exist yet), and the ids of those
+/// stored in another form than the one they encode to now (an older version's).
+fn read_map<T: DeserializeOwned + Serialize>(
     txn: &redb::ReadTransaction,
     table: TableDefinition<&str, &[u8]>,
     what: &str,
-) -> Result<BTreeMap<String, T>, PoolError> {
+) -> Result<(BTreeMap<String, T>, BTreeSet<String>), PoolError> {
     let read = |e: redb::Error| PoolError::store("read", e);
     let mut map = BTreeMap::new();
+    let mut outdated = BTreeSet::new();
     let t = match txn.open_table(table) {
         Ok(t) => t,
-        Err(TableError::TableDoesNotExist(_)) => return Ok(map),
+        Err(TableError::TableDoesNotExist(_)) => return Ok((map, outdated)),
         Err(e) => return Err(read(e.into())),
     };
     for item in t.iter().map_err(|e| read(e.into()))? {
         let (k, v) = item.map_err(|e| read(e.into()))?;
         let id = k.value().to_owned();
-        let record = decode(&format!("{what} \"{id}\""), v.value())?;
+        let what = format!("{what} \"{id}\"");
+        let stored: serde_json::Value = decode(&what, v.value())?;
+        let record: T = decode(&what, v.value())?;
+        if serde_json::to_value(&record).ok().as_ref() != Some(&stored) {
+            outdated.insert(id.clone());
+        }
         map.insert(id, record);
     }
-    Ok(map)
+    Ok((map, outdated))
 }
 
-/// Writes the records of `new` that differ from `old` and removes those gone.
+/// Writes the records of `new` that differ from `old` (or are `outdated` in the file) and
+/// removes those gone.
 fn write_diff<T: PartialEq + Serialize>(
     txn: &redb::WriteTransaction,
     table: TableDefinition<&str, &[u8]>,
-    old: &BTreeMap<String, T>,
+    (old, outdated): (&BTreeMap<String, T>, &BTreeSet<String>),
     new: &BTreeMap<String, T>,
     what: &str,
 ) -> Result<(), PoolError> {
     let fail = |e: redb::Error| PoolError::store("commit to", e);
     let mut t = txn.open_table(table).map_err(|e| fail(e.into()))?;
     for (id, record) in new {
-        if old.get(id) != Some(record) {
+        if old.get(id) != Some(record) || outdated.contains(id) {
             let bytes = encode(&format!("{what} \"{id}\""), record)?;
             t.insert(id.as_str(), bytes.as_slice())
                 .map_err(|e| fail(e.into()))?;
@@ -320,8 +340,11 @@ fn write(db: &Database, old: &Snapshot, new: &Snapshot, events: &[Event]) -> Res
     let fail = |e: redb::Error| PoolError::store("commit to", e);
     let txn = db.begin_write().map_err(|e| fail(e.into()))?;
     {
-        write_diff(&txn, BOARDS, &old.boards, &new.boards, "board")?;
-        write_diff(&txn, ENDPOINTS, &old.endpoints, &new.endpoints, "endpoint")?;
+        let current = BTreeSet::new();
+        let boards = (&old.boards, &old.outdated);
+        write_diff(&txn, BOARDS, boards, &new.boards, "board")?;
+        let endpoints = (&old.endpoints, &current);
+        write_diff(&txn, ENDPOINTS, endpoints, &new.endpoints, "endpoint")?;
         let mut history = txn.open_table(EVENTS).map_err(|e| fail(e.into()))?;
         for event in events {
             let bytes = encode(&format!("event {}", event.seq), event)?;

@@ -2,8 +2,10 @@
 //! key path it names.
 #![forbid(unsafe_code)]
 
-use switchyard_pool::{ConfigProblem, ErrorKind, PoolConfig, PoolError};
-use switchyard_softgpu::{ConfigError as SoftGpuError, IrqMode};
+mod common;
+use common::KINDS;
+use serde_json::json;
+use switchyard_pool::{ConfigProblem, DeviceShape, ErrorKind, Inventory, PoolConfig, PoolError};
 
 const TWO_BOARDS: &str = r#"
 [[boards]]
@@ -21,9 +23,15 @@ name = "default"
 boards = ["gpu0", "gpu1"]
 "#;
 
+/// The shape of board `id` as its kind checked it.
+fn shape_of(c: &PoolConfig, id: &str) -> DeviceShape {
+    let (inv, _, _) = Inventory::from_config(c, KINDS).expect("inventory");
+    inv.board(id).expect("board").shape
+}
+
 /// Parses `text`, expecting a refusal; returns the error and its message.
 fn refused(text: &str) -> (PoolError, String) {
-    let e = PoolConfig::from_toml(text).expect_err("configuration must be refused");
+    let e = PoolConfig::from_toml(text, KINDS).expect_err("configuration must be refused");
     let msg = e.to_string();
     assert!(
         msg.starts_with(|c: char| c.is_ascii_uppercase()),
@@ -89,30 +97,50 @@ id = "vm2"
 device = "gpu1.p1"
 socket = "/tmp/vm2.sock"
 "#,
+        KINDS,
     )
     .expect("valid");
     assert_eq!(
         c.daemon.store_path().to_str(),
         Some("/tmp/sy/state/pool.redb")
     );
-    assert_eq!(c.boards[0].vram.0, 256 << 20);
-    assert_eq!(c.boards[0].irq, IrqMode::Msi);
-    assert!(!c.boards[0].vram_mmap);
+    // The model and partitions are the pool's; every other key is the kind's option.
+    assert_eq!(c.boards[0].model, "softgpu");
+    assert_eq!(c.boards[1].model, "softgpu", "the default model");
+    assert_eq!(c.boards[0].options["vram"], "256M");
+    assert_eq!(c.boards[0].options["irq"], "msi");
+    assert_eq!(c.boards[0].options["vram_mmap"], false);
+    assert_eq!(c.boards[0].options.len(), 4, "{:?}", c.boards[0].options);
+    // The kind's check makes them canonical.
+    let shape = shape_of(&c, "gpu1");
+    assert_eq!((shape.vram(), shape.queues()), (256 << 20, 4));
+    assert_eq!(shape.options["vram"], 256u64 << 20);
+    assert_eq!(shape.option_text("irq").as_deref(), Some("msi"));
+    assert_eq!(shape, shape_of(&c, "gpu0"), "256m and 256M are one size");
     assert_eq!(c.boards[0].partitions[1].vram.0, 128 << 20);
     assert_eq!(c.boards[1].partitions[1].vram.0, 128 << 20);
     assert_eq!(c.endpoints[0].min_vram.map(|s| s.0), Some(64 << 20));
     assert_eq!(c.endpoints[1].device.as_deref(), Some("gpu1.p1"));
     // The TOML it writes reads back the same.
-    assert_eq!(PoolConfig::from_toml(&c.to_toml()).expect("round trip"), c);
+    assert_eq!(
+        PoolConfig::from_toml(&c.to_toml(), KINDS).expect("round trip"),
+        c
+    );
 }
 
 #[test]
 fn defaults_fill_the_optional_keys() {
-    let c = PoolConfig::from_toml("[[boards]]\nid = \"g\"\n").expect("minimal");
+    let c = PoolConfig::from_toml("[[boards]]\nid = \"g\"\n", KINDS).expect("minimal");
     let b = &c.boards[0];
-    assert_eq!((b.vram.0, b.queues), (64 << 20, 2));
-    assert_eq!(b.irq, IrqMode::Msix);
-    assert!(b.vram_mmap && b.partitions.is_empty());
+    assert_eq!(b.model, "softgpu");
+    assert!(b.options.is_empty() && b.partitions.is_empty());
+    // The kind fills in its defaults.
+    let shape = shape_of(&c, "g");
+    assert_eq!((shape.vram(), shape.queues()), (64 << 20, 2));
+    assert_eq!(
+        serde_json::Value::Object(shape.options),
+        json!({"vram": 64 << 20, "queues": 2, "irq": "msix", "vram_mmap": true, "vram_reset": "zero"})
+    );
     assert_eq!(
         c.daemon.endpoint_dir.to_str(),
         Some("/run/switchyard/endpoints")
@@ -122,7 +150,7 @@ fn defaults_fill_the_optional_keys() {
         Some("/run/switchyard/control.sock")
     );
     assert_eq!(
-        PoolConfig::from_toml("").expect("empty"),
+        PoolConfig::from_toml("", KINDS).expect("empty"),
         PoolConfig {
             boards: vec![],
             pools: vec![],
@@ -134,11 +162,13 @@ fn defaults_fill_the_optional_keys() {
 #[test]
 fn the_embedded_default_is_two_softgpus_in_one_pool() {
     let c = PoolConfig::default();
-    c.validate().expect("the default is valid");
+    c.validate(KINDS).expect("the default is valid");
     let ids: Vec<&str> = c.boards.iter().map(|b| b.id.as_str()).collect();
     assert_eq!(ids, ["gpu0", "gpu1"]);
     for b in &c.boards {
-        assert_eq!((b.vram.0, b.queues), (64 << 20, 2));
+        let shape = shape_of(&c, &b.id);
+        assert_eq!(shape.model, "softgpu");
+        assert_eq!((shape.vram(), shape.queues()), (64 << 20, 2));
     }
     assert_eq!(c.pools.len(), 1);
     assert_eq!(c.pools[0].name, "default");
@@ -146,69 +176,39 @@ fn the_embedded_default_is_two_softgpus_in_one_pool() {
     assert!(c.endpoints.is_empty());
     let text = c.to_toml();
     assert!(text.contains("vram = \"64M\""), "{text}");
-    assert_eq!(PoolConfig::from_toml(&text).expect("round trip"), c);
+    assert_eq!(PoolConfig::from_toml(&text, KINDS).expect("round trip"), c);
 }
 
 #[test]
 fn values_the_parser_refuses_name_their_key_and_line() {
     let text = TWO_BOARDS.replace(
-        "id = \"gpu1\"\nvram = \"64M\"",
-        "id = \"gpu1\"\nvram = \"12X\"",
+        "queues = 2\n\n[[pools]]",
+        "queues = 2\nmodel = 3\n\n[[pools]]",
     );
     let (e, msg) = refused(&text);
     assert!(
-        matches!(&e, PoolError::Config { key, line: Some(9), problem: ConfigProblem::Value(m) }
-            if key == "boards[1].vram" && m.contains("12X")),
+        matches!(&e, PoolError::Config { key, line: Some(11), problem: ConfigProblem::Value(m) }
+            if key == "boards[1].model" && m.contains("integer")),
         "{e:?}"
     );
-    assert!(msg.contains("`boards[1].vram` (line 9)"), "{msg}");
+    assert!(msg.contains("`boards[1].model` (line 11)"), "{msg}");
 
     let cases: &[(&str, &str, &str)] = &[
-        (
-            "[[boards]]\nid = \"g\"\nqueues = \"four\"",
-            "boards[0].queues",
-            "string",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\nqueues = -1",
-            "boards[0].queues",
-            "-1",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\nirq = \"intx\"",
-            "boards[0].irq",
-            "intx",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\nmodel = \"rtx\"",
-            "boards[0].model",
-            "rtx",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\nvram = -5",
-            "boards[0].vram",
-            "negative",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\nvram = \"99999999999G\"",
-            "boards[0].vram",
-            "99999999999G",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\nvram_mmap = \"on\"",
-            "boards[0].vram_mmap",
-            "boolean",
-        ),
-        (
-            "[[boards]]\nid = \"g\"\ncolour = \"red\"",
-            "boards[0].colour",
-            "colour",
-        ),
         ("[[boards]]\nvram = \"1M\"", "boards[0]", "id"),
+        (
+            "[[boards]]\nid = \"g\"\nmodel = 3",
+            "boards[0].model",
+            "integer",
+        ),
         (
             "[[boards]]\nid = \"g\"\npartitions = [{ id = \"p\", vram = \"1M\", queues = 1, x = 1 }]",
             "boards[0].partitions[0].x",
             "x",
+        ),
+        (
+            "[[boards]]\nid = \"g\"\npartitions = [{ id = \"p\", vram = \"12X\", queues = 1 }]",
+            "boards[0].partitions[0].vram",
+            "12X",
         ),
         ("[daemon]\nstate = \"/x\"", "daemon.state", "state"),
         (
@@ -240,6 +240,78 @@ fn values_the_parser_refuses_name_their_key_and_line() {
 }
 
 #[test]
+fn the_kind_checks_its_options_at_their_key_and_line() {
+    // gpu1's vram, on line 9 of the file.
+    let text = TWO_BOARDS.replace(
+        "id = \"gpu1\"\nvram = \"64M\"",
+        "id = \"gpu1\"\nvram = \"12X\"",
+    );
+    let (e, msg) = refused(&text);
+    assert!(
+        matches!(&e, PoolError::Config { key, line: Some(9), problem: ConfigProblem::Kind { model, message } }
+            if key == "boards[1].vram" && model == "softgpu" && message.contains("12X")),
+        "{e:?}"
+    );
+    assert!(
+        msg.contains("`boards[1].vram` (line 9): softgpu: "),
+        "{msg}"
+    );
+
+    let cases: &[(&str, &str, &str)] = &[
+        ("queues = \"four\"", "queues", "four"),
+        ("queues = -1", "queues", "-1"),
+        ("queues = 9", "queues", "outside 1 to 8"),
+        ("irq = \"intx\"", "irq", "intx"),
+        ("vram = -5", "vram", "-5"),
+        ("vram = \"99999999999G\"", "vram", "99999999999G"),
+        ("vram = \"3M\"", "vram", "not a power of two"),
+        ("vram = \"512K\"", "vram", "outside 1 MiB"),
+        ("vram_mmap = 3", "vram_mmap", "on/off"),
+        ("vram_reset = \"wipe\"", "vram_reset", "wipe"),
+        (
+            "colour = \"red\"",
+            "colour",
+            "unknown option; known: vram, queues",
+        ),
+    ];
+    for (line, option, needle) in cases {
+        let text = format!("[[boards]]\nid = \"g\"\n{line}\n");
+        let key = format!("boards[0].{option}");
+        let (p, msg) = refused_at(&text, &key);
+        assert!(
+            matches!(&p, ConfigProblem::Kind { model, message } if model == "softgpu" && message.contains(needle)),
+            "{line}: {msg}"
+        );
+        assert!(msg.contains(&format!("`{key}` (line 3)")), "{line}: {msg}");
+    }
+    // An unknown model is reported at `model`, with the known ones.
+    let (p, msg) = refused_at(
+        "[[boards]]\nid = \"g\"\nmodel = \"rtx\"\n",
+        "boards[0].model",
+    );
+    assert_eq!(
+        p,
+        ConfigProblem::UnknownModel {
+            model: "rtx".into(),
+            known: "softgpu, vfio".into()
+        }
+    );
+    assert!(
+        msg.ends_with("(line 3): unknown model \"rtx\"; the models are softgpu, vfio"),
+        "{msg}"
+    );
+    // The options are the kind's: another kind refuses the softgpu's.
+    let (p, msg) = refused_at(
+        "[[boards]]\nid = \"g\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\nvram = \"64M\"\n",
+        "boards[0].vram",
+    );
+    assert!(
+        matches!(&p, ConfigProblem::Kind { model, message } if model == "vfio" && message.contains("unknown option")),
+        "{msg}"
+    );
+}
+
+#[test]
 fn bad_toml_is_a_syntax_error_with_its_line() {
     let (e, msg) = refused("[[boards]]\nid = \"g\"\nvram = \n");
     assert!(
@@ -253,69 +325,39 @@ fn bad_toml_is_a_syntax_error_with_its_line() {
 }
 
 #[test]
-fn softgpu_values_are_checked_at_their_key() {
-    let cases: &[(&str, &str, SoftGpuError)] = &[
-        (
-            "vram = \"3M\"",
-            "boards[1].vram",
-            SoftGpuError::VramNotPowerOfTwo(3 << 20),
-        ),
-        (
-            "vram = \"512K\"",
-            "boards[1].vram",
-            SoftGpuError::VramTooSmall(512 << 10),
-        ),
-        (
-            "vram = \"128G\"",
-            "boards[1].vram",
-            SoftGpuError::VramTooLarge(128 << 30),
-        ),
-        (
-            "queues = 0",
-            "boards[1].queues",
-            SoftGpuError::QueuesOutOfRange(0),
-        ),
-        (
-            "queues = 9",
-            "boards[1].queues",
-            SoftGpuError::QueuesOutOfRange(9),
-        ),
-    ];
-    for (line, key, want) in cases {
-        let text = format!("{TWO_BOARDS}\n[[boards]]\nid = \"gpu2\"\n{line}\n")
-            // gpu2 is boards[2]; keep the asserted index at 1 by dropping gpu0's pool use.
-            .replace("boards = [\"gpu0\", \"gpu1\"]", "boards = []");
-        let text = text.replacen(
-            "id = \"gpu0\"\nvram = \"64M\"\nqueues = 2\n\n[[boards]]\n",
-            "",
-            1,
-        );
-        let (problem, msg) = refused_at(&text, key);
-        assert_eq!(problem, ConfigProblem::SoftGpu(want.clone()), "{msg}");
-        assert!(msg.contains(&want.to_string()), "{msg}");
-    }
-}
-
-#[test]
 fn partitions_are_checked_against_their_board() {
     let board = |parts: &str| {
         format!("[[boards]]\nid = \"gpu0\"\nvram = \"256M\"\nqueues = 4\npartitions = [{parts}]\n")
     };
-    // Each partition is a valid softgpu configuration.
+    // Each partition's options (the board's, with its own VRAM and queues) are checked by
+    // the kind, at the partition's key.
     let (p, msg) = refused_at(
         &board(r#"{ id = "a", vram = "96M", queues = 2 }"#),
         "boards[0].partitions[0].vram",
     );
-    assert_eq!(
-        p,
-        ConfigProblem::SoftGpu(SoftGpuError::VramNotPowerOfTwo(96 << 20)),
+    assert!(
+        matches!(&p, ConfigProblem::Kind { message, .. } if message.contains("not a power of two")),
         "{msg}"
     );
-    let (p, _) = refused_at(
+    let (p, msg) = refused_at(
         &board(r#"{ id = "a", vram = "64M", queues = 2 }, { id = "b", vram = "64M", queues = 0 }"#),
         "boards[0].partitions[1].queues",
     );
-    assert_eq!(p, ConfigProblem::SoftGpu(SoftGpuError::QueuesOutOfRange(0)));
+    assert!(
+        matches!(&p, ConfigProblem::Kind { message, .. } if message.contains("0 queues")),
+        "{msg}"
+    );
+    // A partition has the board's other options.
+    let c = PoolConfig::from_toml(
+        &board(r#"{ id = "a", vram = "64M", queues = 2 }"#)
+            .replace("queues = 4", "queues = 4\nirq = \"msi\""),
+        KINDS,
+    )
+    .expect("a partition");
+    let (inv, _, _) = Inventory::from_config(&c, KINDS).expect("inventory");
+    let a = inv.device("a").expect("partition").shape;
+    assert_eq!((a.vram(), a.queues()), (64 << 20, 2));
+    assert_eq!(a.option_text("irq").as_deref(), Some("msi"));
     // Sums fit in the board.
     let (p, msg) = refused_at(
         &board(
@@ -344,9 +386,12 @@ fn partitions_are_checked_against_their_board() {
     );
     assert!(msg.contains("5 of queues but the board has 4"), "{msg}");
     // Exactly full is fine (positive control).
-    PoolConfig::from_toml(&board(
-        r#"{ id = "a", vram = "128M", queues = 2 }, { id = "b", vram = "128M", queues = 2 }"#,
-    ))
+    PoolConfig::from_toml(
+        &board(
+            r#"{ id = "a", vram = "128M", queues = 2 }, { id = "b", vram = "128M", queues = 2 }"#,
+        ),
+        KINDS,
+    )
     .expect("partitions filling the board");
 }
 
@@ -357,7 +402,7 @@ fn ids_are_checked_and_unique_across_every_kind() {
     let long = "g".repeat(65);
     refused_at(&format!("[[boards]]\nid = \"{long}\"\n"), "boards[0].id");
     refused_at("[[boards]]\nid = \"\"\n", "boards[0].id");
-    PoolConfig::from_toml(&format!("[[boards]]\nid = \"{}\"\n", "g".repeat(64)))
+    PoolConfig::from_toml(&format!("[[boards]]\nid = \"{}\"\n", "g".repeat(64)), KINDS)
         .expect("64 characters");
     refused_at(
         "[[boards]]\nid = \"g\"\npartitions = [{ id = \"a/b\", vram = \"1M\", queues = 1 }]",
@@ -454,6 +499,7 @@ fn pools_must_be_homogeneous() {
     let cases: &[(&str, &str)] = &[
         ("vram_mmap = false", "vram_mmap (false vs true)"),
         ("irq = \"msi\"", "irq (msi vs msix)"),
+        ("vram_reset = \"keep\"", "vram_reset (keep vs zero)"),
     ];
     for (line, diff) in cases {
         let (p, msg) = refused_at(&with_gpu1(line), "pools[0]");
@@ -524,10 +570,13 @@ fn pools_must_be_homogeneous() {
     );
     assert!(msg.contains("in partitions[0].queues (1 vs 2)"), "{msg}");
     // Identical layouts with other ids are one pool (positive control).
-    PoolConfig::from_toml(&parted(
-        r#"{ id = "a0", vram = "128M", queues = 2 }"#,
-        r#"{ id = "b0", vram = "128M", queues = 2 }"#,
-    ))
+    PoolConfig::from_toml(
+        &parted(
+            r#"{ id = "a0", vram = "128M", queues = 2 }"#,
+            r#"{ id = "b0", vram = "128M", queues = 2 }"#,
+        ),
+        KINDS,
+    )
     .expect("identical layouts");
 }
 
@@ -565,13 +614,14 @@ fn endpoints_name_one_existing_target() {
                   [[endpoints]]\nid = \"vm\"\ndevice = \"g\"\n";
     let (p, _) = refused_at(parted, "endpoints[0].device");
     assert_eq!(p, ConfigProblem::NotLeasable("g".into()));
-    PoolConfig::from_toml(&parted.replace("device = \"g\"", "device = \"g.p\""))
+    PoolConfig::from_toml(&parted.replace("device = \"g\"", "device = \"g.p\""), KINDS)
         .expect("a partition");
 }
 
 #[test]
 fn a_missing_file_is_reported_with_its_path() {
-    let e = PoolConfig::load(std::path::Path::new("/nonexistent/pool.toml")).expect_err("missing");
+    let e = PoolConfig::load(std::path::Path::new("/nonexistent/pool.toml"), KINDS)
+        .expect_err("missing");
     assert!(matches!(e, PoolError::ConfigRead(..)));
     assert!(e.to_string().contains("/nonexistent/pool.toml"), "{e}");
     assert!(
@@ -581,48 +631,91 @@ fn a_missing_file_is_reported_with_its_path() {
 }
 
 #[test]
-fn passthrough_boards_need_a_pci_address_and_no_softgpu_settings() {
+fn passthrough_boards_are_checked_by_their_kind() {
     let c = PoolConfig::from_toml(
-        "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"0000:01:10.2\"\nbars = \"mmap\"\n",
+        "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"01:10.2\"\nbars = \"mmap\"\n",
+        KINDS,
     )
     .expect("a passthrough board");
-    let shape = c.boards[0].shape();
-    assert_eq!(shape.model, switchyard_pool::Model::Vfio);
-    assert!(shape.vram_mmap, "bars = mmap lets the guest map the BARs");
-    assert_eq!((shape.vram_size, shape.queues), (0, 0));
+    let shape = shape_of(&c, "vf0");
+    assert_eq!(shape.model, "vfio");
+    assert_eq!(shape.option_text("host").as_deref(), Some("0000:01:10.2"));
+    assert_eq!(shape.option_text("bars").as_deref(), Some("mmap"));
+    assert_eq!((shape.vram(), shape.queues()), (0, 0));
+    assert!(!shape.profile.movable && !shape.profile.partitionable);
     // The TOML round trip keeps host and bars.
-    let again = PoolConfig::from_toml(&c.to_toml()).expect("round trip");
+    let again = PoolConfig::from_toml(&c.to_toml(), KINDS).expect("round trip");
     assert_eq!(again, c);
 
-    let (_, msg) = refused_at("[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\n", "boards[0]");
-    assert!(msg.contains("needs `host`"), "{msg}");
-    for bad in ["0000:00:04", "00:20.0", "0:00:04.0", "00:04.8", "zz:04.0"] {
-        let text = format!("[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"{bad}\"\n");
-        let (_, msg) = refused_at(&text, "boards[0].host");
-        assert!(msg.contains("invalid PCI address"), "{bad}: {msg}");
-    }
+    let (p, msg) = refused_at(
+        "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\n",
+        "boards[0].host",
+    );
+    assert!(matches!(p, ConfigProblem::Kind { .. }), "{msg}");
+    assert!(msg.contains("required"), "{msg}");
     let (_, msg) = refused_at(
+        "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"zz\"\n",
+        "boards[0].host",
+    );
+    assert!(msg.contains("not a PCI address"), "{msg}");
+    let (p, msg) = refused_at(
         "[[boards]]\nid = \"vf0\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\npartitions = [{ id = \"p\", vram = \"1M\", queues = 1 }]\n",
         "boards[0].partitions",
     );
-    assert!(msg.contains("cannot be partitioned"), "{msg}");
+    assert_eq!(p, ConfigProblem::NotPartitionable("vfio".into()));
+    assert!(msg.contains("a vfio board cannot be partitioned"), "{msg}");
     let (_, msg) = refused_at(
         "[[boards]]\nid = \"g\"\nhost = \"00:04.0\"\n",
         "boards[0].host",
     );
-    assert!(msg.contains("passthrough boards"), "{msg}");
-    let (_, msg) = refused_at(
-        "[[boards]]\nid = \"g\"\nbars = \"mmap\"\n",
-        "boards[0].bars",
+    assert!(msg.contains("softgpu: unknown option"), "{msg}");
+    // One board per device, however its address is written.
+    let (p, msg) = refused_at(
+        "[[boards]]\nid = \"a\"\nmodel = \"vfio\"\nhost = \"0000:00:04.0\"\n\
+         [[boards]]\nid = \"b\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\n",
+        "boards[1].host",
     );
-    assert!(msg.contains("vram_mmap"), "{msg}");
-    // A pool does not mix a passthrough board with a softgpu, nor trapped with mapped BARs.
+    assert_eq!(
+        p,
+        ConfigProblem::ResourceTaken {
+            resource: "0000:00:04.0".into(),
+            board: "a".into()
+        }
+    );
+    assert!(
+        msg.ends_with(
+            "(line 8): board \"a\" already holds \"0000:00:04.0\"; a device is one board only"
+        ),
+        "{msg}"
+    );
+    // A pool of passthrough boards: their addresses differ (which device, not what it looks
+    // like), their BAR policy must not.
+    let pair = |bars_b: &str| {
+        format!(
+            "[[boards]]\nid = \"a\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\n\
+             [[boards]]\nid = \"b\"\nmodel = \"vfio\"\nhost = \"00:05.0\"\n{bars_b}\n\
+             [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n"
+        )
+    };
+    PoolConfig::from_toml(&pair(""), KINDS).expect("two devices, one pool");
+    let (problem, msg) = refused_at(&pair("bars = \"mmap\""), "pools[0]");
+    assert_eq!(
+        problem,
+        ConfigProblem::NotHomogeneous {
+            board: "b".into(),
+            reference: "a".into(),
+            difference: "bars (mmap vs trap)".into(),
+        },
+        "{msg}"
+    );
+    // Nor does a pool mix kinds.
     let (problem, msg) = refused_at(
-        "[[boards]]\nid = \"a\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\n[[boards]]\nid = \"b\"\nmodel = \"vfio\"\nhost = \"00:05.0\"\nbars = \"mmap\"\n[[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n",
+        "[[boards]]\nid = \"a\"\nmodel = \"vfio\"\nhost = \"00:04.0\"\n[[boards]]\nid = \"b\"\n\
+         [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n",
         "pools[0]",
     );
     assert!(
-        matches!(problem, ConfigProblem::NotHomogeneous { .. }),
+        matches!(&problem, ConfigProblem::NotHomogeneous { difference, .. } if difference == "model (softgpu vs vfio)"),
         "{msg}"
     );
 }
@@ -666,8 +759,11 @@ fn daemon_paths_are_absolute_without_nul_bytes() {
 #[test]
 fn sockets_fit_a_unix_socket_path() {
     // The control socket: 107 bytes fit, 108 do not.
-    PoolConfig::from_toml(&daemon(&format!("control_socket = \"{}\"", path_of(107))))
-        .expect("107 bytes");
+    PoolConfig::from_toml(
+        &daemon(&format!("control_socket = \"{}\"", path_of(107))),
+        KINDS,
+    )
+    .expect("107 bytes");
     let (p, msg) = refused_at(
         &daemon(&format!("control_socket = \"{}\"", path_of(108))),
         "daemon.control_socket",
@@ -676,8 +772,11 @@ fn sockets_fit_a_unix_socket_path() {
     assert!(msg.contains("108 bytes") && msg.contains("107"), "{msg}");
 
     // The endpoint directory must leave room for `/<id>.sock` of a one-character id ...
-    PoolConfig::from_toml(&daemon(&format!("endpoint_dir = \"{}\"", path_of(100))))
-        .expect("100 bytes: `/x.sock` fits");
+    PoolConfig::from_toml(
+        &daemon(&format!("endpoint_dir = \"{}\"", path_of(100))),
+        KINDS,
+    )
+    .expect("100 bytes: `/x.sock` fits");
     for len in [101, 120, 300] {
         let (p, msg) = refused_at(
             &daemon(&format!("endpoint_dir = \"{}\"", path_of(len))),
@@ -693,7 +792,7 @@ fn sockets_fit_a_unix_socket_path() {
             "[daemon]\nendpoint_dir = \"{dir}\"\n{TWO_BOARDS}[[endpoints]]\nid = \"{id}\"\npool = \"default\"\n{extra}"
         )
     };
-    PoolConfig::from_toml(&ep(&"v".repeat(41), "")).expect("60 + 1 + 41 + 5 = 107 bytes");
+    PoolConfig::from_toml(&ep(&"v".repeat(41), ""), KINDS).expect("60 + 1 + 41 + 5 = 107 bytes");
     let (p, msg) = refused_at(&ep(&"v".repeat(42), ""), "endpoints[0].id");
     assert!(matches!(p, ConfigProblem::Path(_)), "{msg}");
     assert!(
@@ -701,7 +800,7 @@ fn sockets_fit_a_unix_socket_path() {
         "{msg}"
     );
     // A socket of its own is checked instead.
-    PoolConfig::from_toml(&ep(&"v".repeat(42), "socket = \"/run/vm.sock\"\n"))
+    PoolConfig::from_toml(&ep(&"v".repeat(42), "socket = \"/run/vm.sock\"\n"), KINDS)
         .expect("its own socket");
     let (p, msg) = refused_at(
         &ep("vm1", &format!("socket = \"{}\"\n", path_of(108))),
@@ -712,19 +811,25 @@ fn sockets_fit_a_unix_socket_path() {
 
 #[test]
 fn descriptor_budgets_have_defaults_and_ranges() {
-    let c = PoolConfig::from_toml("").expect("empty");
+    let c = PoolConfig::from_toml("", KINDS).expect("empty");
     assert_eq!(
         (c.daemon.fds_per_endpoint, c.daemon.fd_reserve),
         (1024, 256)
     );
     assert_eq!(c.daemon, switchyard_pool::DaemonConfig::default());
-    let c = PoolConfig::from_toml("[daemon]\nfds_per_endpoint = 64\nfd_reserve = 65536\n")
-        .expect("the bounds");
+    let c = PoolConfig::from_toml(
+        "[daemon]\nfds_per_endpoint = 64\nfd_reserve = 65536\n",
+        KINDS,
+    )
+    .expect("the bounds");
     assert_eq!(
         (c.daemon.fds_per_endpoint, c.daemon.fd_reserve),
         (64, 65536)
     );
-    assert_eq!(PoolConfig::from_toml(&c.to_toml()).expect("round trip"), c);
+    assert_eq!(
+        PoolConfig::from_toml(&c.to_toml(), KINDS).expect("round trip"),
+        c
+    );
     for key in ["fds_per_endpoint", "fd_reserve"] {
         let at = format!("daemon.{key}");
         for value in [0u64, 63, 65537, 1 << 31] {

@@ -3,7 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod common;
-use common::{in_pool, on_device};
+use common::{KINDS, in_pool, on_device};
 use switchyard_pool::{
     BoardState, EndpointSpec, ErrorKind, EventKind, Inventory, MovePlan, Placement, PoolConfig,
     PoolError,
@@ -59,8 +59,8 @@ boards = ["s0", "s1"]
 "#;
 
 fn inventory() -> Inventory {
-    let config = PoolConfig::from_toml(CONFIG).expect("config");
-    let (inv, events, report) = Inventory::from_config(&config).expect("inventory");
+    let config = PoolConfig::from_toml(CONFIG, KINDS).expect("config");
+    let (inv, events, report) = Inventory::from_config(&config, KINDS).expect("inventory");
     assert!(report.failed_endpoints.is_empty());
     assert!(matches!(
         events.last().map(|e| &e.kind),
@@ -345,7 +345,7 @@ fn moves_keep_the_shape_and_reserve_the_target() {
         (plan.from_board.as_str(), plan.to_board.as_str()),
         ("a0", "a1")
     );
-    assert_eq!(plan.shape.vram_size, 256 << 20);
+    assert_eq!(plan.shape.vram(), 256 << 20);
     assert_eq!(
         ev[0].kind,
         EventKind::MoveStarted {
@@ -560,9 +560,10 @@ fn drain_prefers_the_boards_own_pool() {
         "[[boards]]\nid = \"x0\"\n[[boards]]\nid = \"z0\"\n[[boards]]\nid = \"y0\"\n\
          [[boards]]\nid = \"y1\"\n[[pools]]\nname = \"other\"\nboards = [\"z0\"]\n\
          [[pools]]\nname = \"y\"\nboards = [\"y0\", \"y1\"]\n",
+        KINDS,
     )
     .expect("config");
-    let (mut inv, _, _) = Inventory::from_config(&config).expect("inventory");
+    let (mut inv, _, _) = Inventory::from_config(&config, KINDS).expect("inventory");
     inv.create_endpoint(&on_device("vm", "y0")).expect("vm");
     assert_eq!(inv.plan_drain("y0").expect("plan")[0].to, "y1");
     // Then the other pools, then boards in no pool.
@@ -646,20 +647,27 @@ fn views_list_boards_devices_and_holders() {
     assert_eq!(ids, ["a0", "a1", "p0", "p1", "s0", "s1", "loose", "msi0"]);
     let p1 = &boards[3];
     assert_eq!(p1.pool.as_deref(), Some("parts"));
-    assert_eq!(p1.shape.vram_size, 256 << 20);
+    assert_eq!(p1.shape.vram(), 256 << 20);
     let devs: Vec<(&str, Option<&str>)> = p1
         .devices
         .iter()
         .map(|d| (d.id.as_str(), d.endpoint.as_deref()))
         .collect();
     assert_eq!(devs, [("p1.0", None), ("p1.1", Some("vm1"))]);
-    assert_eq!(p1.devices[1].shape.vram_size, 128 << 20);
-    assert_eq!(p1.devices[1].shape.softgpu_config().queues, 2);
+    assert_eq!(p1.devices[1].shape.vram(), 128 << 20);
+    assert_eq!(p1.devices[1].shape.queues(), 2);
+    // A partition's options are the board's with its own VRAM and queues.
+    assert_eq!(p1.devices[1].shape.options["vram"], 128u64 << 20);
+    assert_eq!(p1.devices[1].shape.options["irq"], "msix");
     assert!(!boards[0].devices[0].partition);
     assert_eq!(boards[6].pool, None);
     let json = serde_json::to_value(&boards[7]).expect("json");
-    assert_eq!(json["shape"]["irq"], "msi");
+    assert_eq!(json["shape"]["model"], "softgpu");
+    assert_eq!(json["shape"]["options"]["irq"], "msi");
+    assert_eq!(json["shape"]["profile"]["vram"], 256u64 << 20);
+    assert_eq!(json["shape"]["profile"]["msix"], false);
     assert_eq!(json["state"], "available");
+    assert_eq!(json["dirty_tracking"], "device_log");
 }
 
 const PASSTHROUGH: &str = r#"
@@ -683,12 +691,21 @@ boards = ["edu0", "edu1"]
 
 #[test]
 fn passthrough_boards_are_leased_detached_and_attached_but_never_moved() {
-    let config = PoolConfig::from_toml(PASSTHROUGH).expect("config");
-    let (mut inv, _, _) = Inventory::from_config(&config).expect("inventory");
+    let config = PoolConfig::from_toml(PASSTHROUGH, KINDS).expect("config");
+    let (mut inv, _, _) = Inventory::from_config(&config, KINDS).expect("inventory");
     let edu0 = inv.board("edu0").expect("edu0");
     assert_eq!(edu0.host.as_deref(), Some("0000:00:04.0"));
-    assert_eq!(edu0.shape.model, switchyard_pool::Model::Vfio);
+    assert_eq!(edu0.shape.model, "vfio");
+    assert_eq!(
+        edu0.dirty_tracking,
+        switchyard_pool::DirtyTracking::AllMapped
+    );
     assert_eq!(edu0.devices[0].host.as_deref(), Some("0000:00:04.0"));
+    assert_eq!(
+        inv.board("edu1").expect("edu1").host.as_deref(),
+        Some("0000:00:05.0"),
+        "the kind's canonical address"
+    );
     assert_eq!(inv.board("gpu0").expect("gpu0").host, None);
     // A VRAM requirement never picks a passthrough board: its VRAM is the hardware's business.
     let mut wants_vram = in_pool("big", "edus");

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 mod common;
-use common::{in_pool, on_device};
+use common::{KINDS, in_pool, on_device};
 use switchyard_pool::{
     BoardState, EndpointSpec, ErrorKind, EventKind, Placement, Pool, PoolConfig, PoolError,
 };
@@ -36,11 +36,11 @@ boards = ["gpu0", "gpu1", "gpu2"]
 "#;
 
 fn config(text: &str) -> PoolConfig {
-    PoolConfig::from_toml(text).expect("config")
+    PoolConfig::from_toml(text, KINDS).expect("config")
 }
 
 fn open(text: &str, path: &Path) -> Pool {
-    Pool::open(&config(text), path).expect("open").0
+    Pool::open(&config(text), KINDS, path).expect("open").0
 }
 
 fn store() -> (tempfile::TempDir, PathBuf) {
@@ -90,7 +90,7 @@ fn reopening_restores_every_lease_exactly() {
     let seq = pool.inventory().next_seq();
     drop(pool);
 
-    let (pool, report) = Pool::open(&config(CONFIG), &path).expect("reopen");
+    let (pool, report) = Pool::open(&config(CONFIG), KINDS, &path).expect("reopen");
     assert_eq!(state(&pool), before);
     assert_eq!(lease(&pool, "vm1").as_deref(), Some("gpu2"));
     assert_eq!(lease(&pool, "vm2").as_deref(), Some("gpu1"));
@@ -155,7 +155,7 @@ fn a_refused_operation_leaves_the_file_unchanged() {
 fn the_store_is_locked_to_one_pool() {
     let (_dir, path) = store();
     let _pool = open(CONFIG, &path);
-    let e = Pool::open(&config(CONFIG), &path).expect_err("second open");
+    let e = Pool::open(&config(CONFIG), KINDS, &path).expect_err("second open");
     assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
     assert!(
         e.to_string().starts_with("Cannot open the pool store"),
@@ -173,7 +173,7 @@ fn reconcile_adds_new_boards_and_keeps_quarantines() {
         "boards = [\"gpu0\", \"gpu1\", \"gpu2\"]",
         "boards = [\"gpu0\", \"gpu1\", \"gpu2\", \"gpu3\"]",
     );
-    let (pool, report) = Pool::open(&config(&more), &path).expect("reopen");
+    let (pool, report) = Pool::open(&config(&more), KINDS, &path).expect("reopen");
     assert_eq!(report.added_boards, ["gpu3"]);
     let gpu3 = pool.inventory().board("gpu3").expect("gpu3");
     assert_eq!(
@@ -206,7 +206,7 @@ fn reconcile_keeps_a_removed_board_while_it_is_leased() {
         .expect("prefix")
         .replace("[[boards]]\nid = \"gpu2\"\n", "")
         + "[[pools]]\nname = \"default\"\nboards = [\"gpu0\", \"gpu1\"]\n";
-    let (mut pool, report) = Pool::open(&config(&fewer), &path).expect("reopen");
+    let (mut pool, report) = Pool::open(&config(&fewer), KINDS, &path).expect("reopen");
     assert_eq!(report.missing_boards, ["big"]);
     assert_eq!(report.removed_boards, ["gpu2"]);
     let big = pool.inventory().board("big").expect("kept");
@@ -237,16 +237,16 @@ fn reconcile_keeps_a_removed_board_while_it_is_leased() {
     );
     // Still missing after another restart; once unleased, forgotten at the next.
     drop(pool);
-    let (mut pool, report) = Pool::open(&config(&fewer), &path).expect("reopen");
+    let (mut pool, report) = Pool::open(&config(&fewer), KINDS, &path).expect("reopen");
     assert_eq!(report.missing_boards, ["big"]);
     pool.detach("vm1").expect("detach");
     drop(pool);
-    let (pool, report) = Pool::open(&config(&fewer), &path).expect("reopen");
+    let (pool, report) = Pool::open(&config(&fewer), KINDS, &path).expect("reopen");
     assert_eq!(report.removed_boards, ["big"]);
     assert!(pool.inventory().board("big").is_none());
     // And a board that returns is available again.
     drop(pool);
-    let (pool, report) = Pool::open(&config(CONFIG), &path).expect("reopen");
+    let (pool, report) = Pool::open(&config(CONFIG), KINDS, &path).expect("reopen");
     assert_eq!(report.added_boards, ["gpu2", "big"]);
     assert_eq!(
         pool.inventory().board("big").expect("big").state,
@@ -268,7 +268,7 @@ fn reconcile_refuses_a_kept_board_whose_id_is_reused() {
         .expect("prefix")
         .to_owned()
         + "[[boards]]\nid = \"big.0\"\n[[pools]]\nname = \"default\"\nboards = [\"gpu0\"]\n";
-    let e = Pool::open(&config(&reused), &path).expect_err("collision");
+    let e = Pool::open(&config(&reused), KINDS, &path).expect_err("collision");
     assert_eq!(e.kind(), ErrorKind::Conflict);
     assert!(
         e.to_string()
@@ -287,13 +287,13 @@ fn a_missing_board_that_returns_is_reported() {
     let without = CONFIG
         .replace("[[boards]]\nid = \"gpu2\"\n", "")
         .replace("\"gpu1\", \"gpu2\"", "\"gpu1\"");
-    let (pool, _) = Pool::open(&config(&without), &path).expect("reopen");
+    let (pool, _) = Pool::open(&config(&without), KINDS, &path).expect("reopen");
     assert_eq!(
         pool.inventory().board("gpu2").expect("gpu2").state,
         BoardState::Missing
     );
     drop(pool);
-    let (pool, _) = Pool::open(&config(CONFIG), &path).expect("reopen");
+    let (pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("reopen");
     assert_eq!(
         pool.inventory().board("gpu2").expect("gpu2").state,
         BoardState::Available
@@ -324,7 +324,7 @@ fn reconcile_refuses_a_leased_device_that_changed_or_vanished() {
     );
     // (gpu1 is then unlike its pool: take it out of the pool.)
     let bigger = bigger.replace("\"gpu0\", \"gpu1\", \"gpu2\"", "\"gpu0\", \"gpu2\"");
-    let e = Pool::open(&config(&bigger), &path).expect_err("changed");
+    let e = Pool::open(&config(&bigger), KINDS, &path).expect_err("changed");
     assert_eq!(e.kind(), ErrorKind::Conflict);
     assert!(
         e.to_string().contains(
@@ -333,7 +333,7 @@ fn reconcile_refuses_a_leased_device_that_changed_or_vanished() {
         "{e}"
     );
     let one_part = CONFIG.replace(", { id = \"big.1\", vram = \"128M\", queues = 2 }", "");
-    let e = Pool::open(&config(&one_part), &path).expect_err("vanished");
+    let e = Pool::open(&config(&one_part), KINDS, &path).expect_err("vanished");
     assert!(
         e.to_string().contains(
             "endpoint \"vm2\" holds device \"big.1\", which the configuration no longer has"
@@ -353,7 +353,7 @@ fn configured_endpoints_are_created_only_when_absent() {
         "{CONFIG}[[endpoints]]\nid = \"vm1\"\npool = \"default\"\n\
          [[endpoints]]\nid = \"vm2\"\ndevice = \"big.0\"\nmin_vram = \"256M\"\n"
     );
-    let (mut pool, report) = Pool::open(&config(&with), &path).expect("open");
+    let (mut pool, report) = Pool::open(&config(&with), KINDS, &path).expect("open");
     assert_eq!(report.created_endpoints, ["vm1"]);
     assert_eq!(report.failed_endpoints.len(), 1);
     assert_eq!(report.failed_endpoints[0].endpoint, "vm2");
@@ -369,13 +369,13 @@ fn configured_endpoints_are_created_only_when_absent() {
     pool.commit_move(&plan).expect("commit");
     drop(pool);
     // Present: kept as it is (moved), not re-created.
-    let (mut pool, report) = Pool::open(&config(&with), &path).expect("reopen");
+    let (mut pool, report) = Pool::open(&config(&with), KINDS, &path).expect("reopen");
     assert!(report.created_endpoints.is_empty());
     assert_eq!(lease(&pool, "vm1").as_deref(), Some("gpu1"));
     // Deleted: created again at the next start.
     pool.delete_endpoint("vm1").expect("delete");
     drop(pool);
-    let (pool, report) = Pool::open(&config(&with), &path).expect("reopen");
+    let (pool, report) = Pool::open(&config(&with), KINDS, &path).expect("reopen");
     assert_eq!(report.created_endpoints, ["vm1"]);
     assert_eq!(lease(&pool, "vm1").as_deref(), Some("gpu0"));
 }
@@ -406,7 +406,7 @@ fn step(pool: &mut Pool, i: u64) {
                     d.state == BoardState::Available
                         && d.endpoint.is_none()
                         && d.reserved_for.is_none()
-                        && d.shape.vram_size == 64 << 20
+                        && d.shape.vram() == 64 << 20
                 })
                 .map(|d| d.id);
             match free {
@@ -533,7 +533,8 @@ fn crash_once(kill_after: u64, then_ms: u64) {
     child.wait().expect("reap");
     let acked = acked.expect("the child committed steps");
 
-    let (crashed, _) = Pool::open(&config(CRASH_CONFIG), &path).expect("reopen after SIGKILL");
+    let (crashed, _) =
+        Pool::open(&config(CRASH_CONFIG), KINDS, &path).expect("reopen after SIGKILL");
     assert_consistent(&crashed);
     let mut history = crashed.history(0, usize::MAX).expect("history");
     assert!(matches!(

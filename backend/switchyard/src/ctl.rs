@@ -7,7 +7,7 @@ use anyhow::Context;
 use serde_json::Value;
 use switchyard_control::{ControlClient, ControlError};
 use switchyard_daemon::app::api::{DrainResult, EndpointStatus, MoveResult, WorkerReplaced};
-use switchyard_pool::{BoardView, ByteSize, EndpointSpec, PoolView};
+use switchyard_pool::{BoardView, ByteSize, DeviceShape, EndpointSpec, PoolView};
 
 #[derive(Debug, clap::Args)]
 pub struct CtlArgs {
@@ -178,21 +178,24 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
             ])];
             for b in &boards {
                 for d in &b.devices {
-                    // A passthrough device: its PCI address; VRAM and queues are the hardware's.
-                    let (model, vram, queues, irq) = match &d.host {
-                        Some(host) => (
-                            format!("{} {host}", d.shape.model),
-                            "-".into(),
-                            "-".into(),
-                            "-".into(),
-                        ),
-                        None => (
-                            d.shape.model.to_string(),
-                            ByteSize(d.shape.vram_size).to_string(),
-                            d.shape.queues.to_string(),
-                            d.shape.irq.to_string(),
-                        ),
+                    // A passthrough device: its PCI address; VRAM and queues are the hardware's
+                    // (0: none the pool accounts). The interrupt mode where the kind has one.
+                    let model = match &d.host {
+                        Some(host) => format!("{} {host}", d.shape.model),
+                        None => d.shape.model.clone(),
                     };
+                    let (vram, queues) = (d.shape.vram(), d.shape.queues());
+                    let vram = if vram == 0 {
+                        "-".into()
+                    } else {
+                        ByteSize(vram).to_string()
+                    };
+                    let queues = if queues == 0 {
+                        "-".into()
+                    } else {
+                        queues.to_string()
+                    };
+                    let irq = d.shape.option_text("irq").unwrap_or_else(|| "-".into());
                     rows.push(vec![
                         b.id.clone(),
                         d.id.clone(),
@@ -489,6 +492,32 @@ fn table(rows: &[Vec<String>]) {
     }
 }
 
+/// A shape on one line: the model, then VRAM and queues, then the kind's other options,
+/// e.g. `softgpu vram=64M queues=2 irq=msix spin=200 vram_mmap=true vram_reset=zero`.
+fn shape_text(shape: &DeviceShape) -> String {
+    let mut text = shape.model.clone();
+    let first = ["vram", "queues"];
+    let names = first
+        .iter()
+        .copied()
+        .filter(|n| shape.options.contains_key(*n))
+        .chain(
+            shape
+                .options
+                .keys()
+                .map(String::as_str)
+                .filter(|n| !first.contains(n)),
+        );
+    for name in names {
+        let value = match (name, shape.options.get(name).and_then(Value::as_u64)) {
+            ("vram", Some(bytes)) => ByteSize(bytes).to_string(),
+            _ => shape.option_text(name).unwrap_or_default(),
+        };
+        text.push_str(&format!(" {name}={value}"));
+    }
+    text
+}
+
 fn print_endpoint(e: &EndpointStatus) {
     let w = &e.worker;
     let lines = [
@@ -501,16 +530,7 @@ fn print_endpoint(e: &EndpointStatus) {
             "shape",
             e.lease.as_ref().map_or_else(
                 || "-".to_owned(),
-                |l| {
-                    format!(
-                        "{} vram={} queues={} irq={} vram_mmap={}",
-                        l.shape.model,
-                        ByteSize(l.shape.vram_size),
-                        l.shape.queues,
-                        l.shape.irq,
-                        l.shape.vram_mmap
-                    )
-                },
+                |l| shape_text(&l.shape),
             ),
         ),
         ("worker", state_name(&w.state)),
@@ -564,4 +584,36 @@ fn event_line(v: &Value) -> String {
         }
     }
     out.trim_end().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_pool::Profile;
+
+    #[test]
+    fn a_shape_shows_vram_and_queues_first_then_the_kinds_options() {
+        let Value::Object(options) = serde_json::json!({
+            "irq": "msi", "queues": 2, "spin": 200, "vram": 64 << 20, "vram_mmap": false
+        }) else {
+            unreachable!("an object")
+        };
+        let shape = DeviceShape {
+            model: "softgpu".into(),
+            options,
+            profile: Profile {
+                vram: 64 << 20,
+                queues: 2,
+                partitionable: true,
+                movable: true,
+                msix: false,
+                dirty_log: Default::default(),
+                exclusive: None,
+            },
+        };
+        assert_eq!(
+            shape_text(&shape),
+            "softgpu vram=64M queues=2 irq=msi spin=200 vram_mmap=false"
+        );
+    }
 }

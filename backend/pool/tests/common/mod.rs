@@ -1,5 +1,9 @@
 //! Helpers shared by the test files.
+#![allow(dead_code)] // each test file uses some
 
+pub mod kinds;
+
+pub use kinds::KINDS;
 use switchyard_pool::EndpointSpec;
 
 /// An endpoint leasing from `pool`.

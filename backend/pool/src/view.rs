@@ -1,0 +1,225 @@
+//! The pool's leaf types: ids, requirements, endpoints, move plans and the views of boards,
+//! devices and pools that queries return. They import neither the configuration nor the
+//! inventory, which both use them.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::shape::{DeviceShape, DirtyTracking};
+
+/// Longest id.
+pub const MAX_ID_LEN: usize = 64;
+/// Longest socket path in bytes (`sun_path` holds 108 bytes with the terminating NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Whether `id` is 1 to 64 characters of `A-Z a-z 0-9 _ . -`.
+pub fn valid_id(id: &str) -> bool {
+    (1..=MAX_ID_LEN).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// A board's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BoardState {
+    /// Takes new leases.
+    Available,
+    /// Takes no new leases; existing leases stay until moved (`quarantine`, `drain`).
+    Quarantined,
+    /// No longer in the configuration but still leased: kept (and reported) until its
+    /// endpoints are moved, detached or deleted; forgotten at the next open once unleased.
+    Missing,
+}
+
+impl fmt::Display for BoardState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BoardState::Available => "available",
+            BoardState::Quarantined => "quarantined",
+            BoardState::Missing => "missing",
+        })
+    }
+}
+
+/// What an endpoint's device must have.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Requirements {
+    /// Least VRAM, bytes (0: any).
+    #[serde(default)]
+    pub min_vram: u64,
+    /// Least queues (0: any).
+    #[serde(default)]
+    pub min_queues: u32,
+}
+
+/// An endpoint: the vfio-user socket a VM connects to, and its lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Endpoint {
+    /// The endpoint's id.
+    pub id: String,
+    /// Its socket path.
+    #[schema(value_type = String)]
+    pub socket: PathBuf,
+    /// What its device must have (checked at create and attach; a move keeps the shape).
+    pub requirements: Requirements,
+    /// The pool it leases from (set when created or attached through a pool; `attach`
+    /// without a target uses it).
+    pub pool: Option<String>,
+    /// The leased device; none when detached.
+    pub device: Option<String>,
+    /// The device reserved for a move in progress.
+    pub moving_to: Option<String>,
+    /// Creation time, milliseconds since the Unix epoch.
+    pub created_unix_ms: u64,
+}
+
+/// A request to create an endpoint. Give exactly one of `pool` and `device`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointSpec {
+    /// The endpoint's id: 1 to 64 characters of `A-Z a-z 0-9 _ . -`, unique among endpoints,
+    /// boards, partitions and pools.
+    pub id: String,
+    /// Lease the first free device of this pool that meets the requirements ...
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// ... or this device.
+    #[serde(default)]
+    pub device: Option<String>,
+    /// Least VRAM, bytes.
+    #[serde(default)]
+    pub min_vram: Option<u64>,
+    /// Least queues.
+    #[serde(default)]
+    pub min_queues: Option<u32>,
+    /// Socket path (absolute); default `<endpoint_dir>/<id>.sock`.
+    #[serde(default)]
+    #[schema(value_type = Option<String>)]
+    pub socket: Option<PathBuf>,
+}
+
+/// Where `attach` finds a device: a pool, a device, or (neither) the endpoint's own pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Placement {
+    /// A pool to lease from.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// A device to lease.
+    #[serde(default)]
+    pub device: Option<String>,
+}
+
+/// A checked move of an endpoint's lease to another device of the same shape. Between
+/// [`Inventory::plan_move`](crate::Inventory::plan_move) and
+/// [`Inventory::commit_move`](crate::Inventory::commit_move) the target is reserved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct MovePlan {
+    /// The endpoint.
+    pub endpoint: String,
+    /// Its current device.
+    pub from: String,
+    /// Board of `from`.
+    pub from_board: String,
+    /// The target device.
+    pub to: String,
+    /// Board of `to`.
+    pub to_board: String,
+    /// The shape both devices have.
+    pub shape: DeviceShape,
+}
+
+/// A leasable device: a board without partitions, or a partition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DeviceView {
+    /// The device's id (the board's id for a whole board).
+    pub id: String,
+    /// Its board.
+    pub board: String,
+    /// Whether it is a partition.
+    pub partition: bool,
+    /// What a guest sees.
+    pub shape: DeviceShape,
+    /// Its board's state.
+    pub state: BoardState,
+    /// The endpoint leasing it.
+    pub endpoint: Option<String>,
+    /// The endpoint moving onto it.
+    pub reserved_for: Option<String>,
+    /// The host resource the device holds alone (its kind's [`exclusive`] resource: a
+    /// passthrough device's PCI address).
+    ///
+    /// [`exclusive`]: switchyard_device::kind::Profile::exclusive
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+/// A board with its devices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BoardView {
+    /// The board's id.
+    pub id: String,
+    /// The whole board's shape (VRAM and queues of the board, shared by the partitions).
+    pub shape: DeviceShape,
+    /// Its state.
+    pub state: BoardState,
+    /// The pool it belongs to.
+    pub pool: Option<String>,
+    /// Its leasable devices: the board itself, or its partitions.
+    pub devices: Vec<DeviceView>,
+    /// The host resource the board holds alone (its kind's [`exclusive`] resource: a
+    /// passthrough board's PCI address).
+    ///
+    /// [`exclusive`]: switchyard_device::kind::Profile::exclusive
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Where the dirty pages a migration copies come from.
+    pub dirty_tracking: DirtyTracking,
+}
+
+/// A named pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct PoolView {
+    /// The pool's name.
+    pub name: String,
+    /// Its boards.
+    pub boards: Vec<String>,
+    /// Leasable devices of its boards.
+    pub devices: usize,
+    /// Of those, the free ones on available boards.
+    pub free: usize,
+}
+
+/// What [`Pool::open`](crate::Pool::open) (or
+/// [`Inventory::from_config`](crate::Inventory::from_config)) did to reconcile the store with the
+/// configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct OpenReport {
+    /// Boards of the configuration the store did not know.
+    pub added_boards: Vec<String>,
+    /// Boards gone from the configuration and unleased: forgotten.
+    pub removed_boards: Vec<String>,
+    /// Boards gone from the configuration but leased: kept as `missing`.
+    pub missing_boards: Vec<String>,
+    /// Endpoints of the configuration created now.
+    pub created_endpoints: Vec<String>,
+    /// Endpoints of the configuration that could not be created, with the reason.
+    pub failed_endpoints: Vec<FailedEndpoint>,
+    /// Moves that were in progress when the pool was last closed (or killed): the daemon
+    /// must finish (`commit_move`) or abandon (`abort_move`) each.
+    pub pending_moves: Vec<MovePlan>,
+}
+
+/// A configured endpoint that could not be created at open.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct FailedEndpoint {
+    /// The endpoint.
+    pub endpoint: String,
+    /// Why (the error's message).
+    pub error: String,
+}
