@@ -1,7 +1,7 @@
 //! The codec's error type.
 
+use crate::command::Command;
 use crate::errno;
-use crate::header::Command;
 
 /// An error found while decoding or encoding a vfio-user message.
 ///

@@ -17,6 +17,7 @@
 
 mod caps;
 mod check;
+mod command;
 pub mod consts;
 pub mod errno;
 mod error;
@@ -32,8 +33,9 @@ pub use caps::{
     Capabilities, MigrationCap, Negotiated, ServerLimits, TwinSocketCap, negotiate,
     negotiate_version, version_json_text,
 };
+pub use command::{Command, Direction};
 pub use error::ProtoError;
-pub use header::{Command, Direction, Header};
+pub use header::Header;
 pub use payload::{
     DeviceFeatureReply, DeviceFeatureRequest, DirtyBitmap, DmaLoggingControl, FeatureFlags,
     FeatureReply, FeatureRequest, IoFdEntries, IrqAction, IrqData, MigState, RegionCap,
