@@ -1,5 +1,10 @@
 //! What a guest sees of a device: its kind, the kind's canonical options and the pool's view of
 //! them ([`Profile`]). A leaf module: the configuration, the events and the inventory use it.
+//!
+//! A shape is made by the kind ([`DeviceShape::of`]). A record written before device kinds
+//! (`{model, vram_size, queues, irq, vram_mmap, keep_vram_on_reset}`) still decodes: its
+//! options are those the softgpu (or, for `model = "vfio"`, passthrough) board had, and
+//! [`Pool::open`](crate::Pool::open) has the kind check them again.
 
 use std::collections::BTreeSet;
 
@@ -12,17 +17,9 @@ use crate::error::Size;
 use crate::view::Requirements;
 
 /// What a guest sees of a device: two devices of the same shape are interchangeable under a
-/// running guest (a move keeps the shape).
-///
-/// A shape is made by the kind ([`DeviceShape::of`]): `options` are what the kind's check
-/// returned (canonical: equal options build the same device), `profile` what the pool needs
-/// to know of such a device (VRAM and queues for requirements and partitions, whether it can
-/// move, where its dirty pages come from, the host resource it holds).
-///
-/// A record written before device kinds (`{model, vram_size, queues, irq, vram_mmap,
-/// keep_vram_on_reset}`) still decodes: its options are those the softgpu (or, for
-/// `model = "vfio"`, passthrough) board had, and [`Pool::open`](crate::Pool::open) has the
-/// kind check them again.
+/// running guest (a move keeps the shape). The device's kind makes it from the board's
+/// options: `options` are what the kind's check returned (canonical: equal options build the
+/// same device), `profile` what the pool knows of such a device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(from = "ShapeRecord")]
 pub struct DeviceShape {

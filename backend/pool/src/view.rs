@@ -116,8 +116,7 @@ pub struct Placement {
 }
 
 /// A checked move of an endpoint's lease to another device of the same shape. Between
-/// [`Inventory::plan_move`](crate::Inventory::plan_move) and
-/// [`Inventory::commit_move`](crate::Inventory::commit_move) the target is reserved.
+/// `Inventory::plan_move` and `Inventory::commit_move` the target is reserved.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct MovePlan {
     /// The endpoint.
@@ -151,10 +150,8 @@ pub struct DeviceView {
     pub endpoint: Option<String>,
     /// The endpoint moving onto it.
     pub reserved_for: Option<String>,
-    /// The host resource the device holds alone (its kind's [`exclusive`] resource: a
+    /// The host resource the device holds alone (its kind's `exclusive` resource: a
     /// passthrough device's PCI address).
-    ///
-    /// [`exclusive`]: switchyard_device::kind::Profile::exclusive
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
 }
@@ -172,10 +169,8 @@ pub struct BoardView {
     pub pool: Option<String>,
     /// Its leasable devices: the board itself, or its partitions.
     pub devices: Vec<DeviceView>,
-    /// The host resource the board holds alone (its kind's [`exclusive`] resource: a
+    /// The host resource the board holds alone (its kind's `exclusive` resource: a
     /// passthrough board's PCI address).
-    ///
-    /// [`exclusive`]: switchyard_device::kind::Profile::exclusive
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
     /// Where the dirty pages a migration copies come from.
@@ -195,8 +190,7 @@ pub struct PoolView {
     pub free: usize,
 }
 
-/// What [`Pool::open`](crate::Pool::open) (or
-/// [`Inventory::from_config`](crate::Inventory::from_config)) did to reconcile the store with the
+/// What `Pool::open` (or `Inventory::from_config`) did to reconcile the store with the
 /// configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct OpenReport {

@@ -528,10 +528,9 @@ fn print_endpoint(e: &EndpointStatus) {
         ("board", dash(e.lease.as_ref().map(|l| l.board.as_str()))),
         (
             "shape",
-            e.lease.as_ref().map_or_else(
-                || "-".to_owned(),
-                |l| shape_text(&l.shape),
-            ),
+            e.lease
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |l| shape_text(&l.shape)),
         ),
         ("worker", state_name(&w.state)),
         ("pid", dash(w.pid.map(|p| p.to_string()).as_deref())),

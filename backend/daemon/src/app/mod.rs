@@ -399,9 +399,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     };
     let store = d.store_path();
     check_store(&store)?;
-    let (mut pool, report) =
-        Pool::open(&config, &switchyard_kinds::Registry, &store)
-            .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
+    let (mut pool, report) = Pool::open(&config, &switchyard_kinds::Registry, &store)
+        .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
     tracing::info!(store = %store.display(), ?report, "pool opened");
     // The stream starts after the history as loaded: the events of what is done below
     // (quarantines, aborted moves) are published after it, in order.
