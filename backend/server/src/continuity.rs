@@ -51,7 +51,7 @@ use switchyard_device::blackbox::{Area, BlackBox, BlackBoxError, Record, RecordS
 use switchyard_device::ratelimit::LogLimiter;
 use switchyard_proto::ServerLimits;
 
-use crate::transport::framer::MAX_FDS_PER_READ;
+use crate::framer::MAX_FDS_PER_READ;
 
 mod ids;
 mod journal;

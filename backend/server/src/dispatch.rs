@@ -11,8 +11,8 @@ use switchyard_endpoint::{SendLimit, send_bounded};
 
 use crate::client_dma::ClientDma;
 use crate::dispatcher::{Dispatcher, Outcome, SocketClientDma};
+use crate::framer::{Framer, TransportError};
 use crate::transport::connection::Connection;
-use crate::transport::framer::{Framer, TransportError};
 use crate::{Server, ServerError};
 
 /// Sends the dispatcher's reply within the server's send limit, then releases it.

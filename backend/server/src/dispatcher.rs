@@ -37,7 +37,7 @@ use switchyard_proto::{
 use crate::client_dma::{ClientDma, Routed};
 use crate::continuity::Continuity;
 use crate::error::{RequestError, invalid};
-use crate::transport::framer::{MAX_FDS_PER_READ, Message};
+use crate::framer::{MAX_FDS_PER_READ, Message};
 use crate::{DeviceSlot, Slot};
 
 /// Where the [`ClientDma`] of a client comes from: created when the client has negotiated its

@@ -20,6 +20,7 @@ pub mod continuity;
 mod dispatch;
 mod dispatcher;
 mod error;
+mod framer;
 mod listener;
 mod migration;
 mod resume;

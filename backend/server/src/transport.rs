@@ -3,7 +3,8 @@
 //!
 //! Two halves:
 //!
-//! - `framer`, sans-IO ([`Framer`]): fed the bytes and descriptors of each read, it returns
+//! - the framer, sans-IO ([`Framer`], the crate's `framer` module, a leaf that continuity
+//!   uses too; re-exported here): fed the bytes and descriptors of each read, it returns
 //!   complete messages, so any loop that reads a socket can use it; it also writes and reads
 //!   back the receive journal crash continuity keeps ([`Framer::journal`]).
 //! - `connection`, the socket I/O ([`Connection`]): the blocking loop that feeds a framer with
@@ -21,10 +22,9 @@
 //! thread to be woken up.
 
 pub(crate) mod connection;
-pub(crate) mod framer;
 
+pub use crate::framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
 pub use connection::Connection;
-pub use framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
 
 #[cfg(test)]
 mod tests;

@@ -4,7 +4,7 @@
 use std::io;
 
 use super::{Continuity, Resumed};
-use crate::transport::framer::Framer;
+use crate::framer::Framer;
 
 impl Continuity {
     /// Publishes the receive journal of `framer`.

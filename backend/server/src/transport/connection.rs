@@ -8,8 +8,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
 use crate::continuity::Continuity;
+use crate::framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
 
 /// A framed vfio-user connection: a [`Framer`] fed by `recvmsg` on the stream.
 #[derive(Debug)]

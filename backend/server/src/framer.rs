@@ -1,4 +1,4 @@
-//! The sans-IO half of the transport: [`Framer`] turns the bytes and descriptors of each read
+//! The sans-IO half of the transport (re-exported from [`crate::transport`]): [`Framer`] turns the bytes and descriptors of each read
 //! into messages, and keeps (and resumes from) the receive journal. No socket here: the
 //! connection (or a test) does the reads.
 
