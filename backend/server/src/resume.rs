@@ -247,7 +247,7 @@ mod tests {
             noresize: false,
         };
         let (server, lost) = Server::resume(
-            ServerConfig::new(&dir.path().join("s.sock")),
+            ServerConfig::new(dir.path().join("s.sock")),
             socket,
             &tables,
             |id| held.get(&id).and_then(|f| f.try_clone().ok()),
