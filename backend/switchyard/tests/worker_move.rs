@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::driver::{Driver, guest};
 use common::ours::Ours;
-use common::supervised::{connect, endpoint};
-use switchyard_daemon::{MoveOutcome, Supervisor, SupervisorError};
+use common::supervised::{connect, endpoint, supervisor};
+use switchyard_daemon::{MoveOutcome, SupervisorError};
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::regs::*;
 
@@ -30,7 +30,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 #[test]
 fn twenty_moves_under_a_workload_change_nothing_the_client_sees() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let sup = Arc::new(Supervisor::new(env!("CARGO_BIN_EXE_switchyard")));
+    let sup = Arc::new(supervisor());
     let socket = endpoint(&sup, dir.path(), "ep", false);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.setup_queue(0);
@@ -143,7 +143,7 @@ fn twenty_moves_under_a_workload_change_nothing_the_client_sees() {
 #[test]
 fn a_mapped_vram_endpoint_is_not_moved_and_keeps_serving() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let sup = Supervisor::new(env!("CARGO_BIN_EXE_switchyard"));
+    let sup = supervisor();
     let socket = endpoint(&sup, dir.path(), "ep", true);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.w32(SCRATCH, 0x1234);
@@ -166,7 +166,7 @@ fn a_mapped_vram_endpoint_is_not_moved_and_keeps_serving() {
 #[test]
 fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let sup = Arc::new(Supervisor::new(env!("CARGO_BIN_EXE_switchyard")));
+    let sup = Arc::new(supervisor());
     let socket = endpoint(&sup, dir.path(), "ep", false);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.setup_queue(0);
@@ -218,7 +218,7 @@ fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
 fn a_mapped_vram_device_moves_while_no_client_is_connected() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().expect("tempdir");
-    let sup = Supervisor::new(env!("CARGO_BIN_EXE_switchyard"));
+    let sup = supervisor();
     let socket = endpoint(&sup, dir.path(), "ep", true);
     let mut d = Driver::new(Ours(connect(&socket)));
     let kept = pattern(11, 2 << 20);
@@ -275,7 +275,7 @@ fn a_mapped_vram_device_moves_while_no_client_is_connected() {
 #[test]
 fn mapped_doorbells_keep_working_through_transparent_moves() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let sup = Arc::new(Supervisor::new(env!("CARGO_BIN_EXE_switchyard")));
+    let sup = Arc::new(supervisor());
     let socket = endpoint(&sup, dir.path(), "ep", false);
     let (mut d, page) = common::supervised::mapped_driver(&socket);
     let boards = ["gpu1", "gpu2", "gpu0"];

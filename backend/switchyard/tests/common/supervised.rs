@@ -1,6 +1,8 @@
 //! Endpoints served by real `switchyard worker` processes under a `Supervisor` in the test
 //! process (no daemon), and the client a VMM would be.
 
+use std::fs::Permissions;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -8,9 +10,34 @@ use switchyard_client::{Client, ClientConfig};
 use switchyard_daemon::{EndpointSpec, Supervisor};
 use switchyard_softgpu::SoftGpuConfig;
 
-/// A supervisor that starts this build's `switchyard worker`.
+/// A supervisor that starts this build's `switchyard worker`, its logs kept out of the test's
+/// output ([`quiet_worker`]).
 pub fn supervisor() -> Supervisor {
-    Supervisor::new(env!("CARGO_BIN_EXE_switchyard"))
+    Supervisor::new(quiet_worker())
+}
+
+/// This build's `switchyard` behind a wrapper that appends its stderr (a worker's logs) to a
+/// file. A worker is a process of its own: the test harness captures what the test's threads
+/// print, not what a child writes to the stderr it inherited, so every worker would print its
+/// logs into the test run's output. The file's path is printed through the harness (shown with
+/// a failing test's output); the file stays in `CARGO_TARGET_TMPDIR`.
+pub fn quiet_worker() -> PathBuf {
+    let dir = tempfile::Builder::new()
+        .prefix("workers-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .expect("a directory for the worker logs")
+        .keep();
+    let log = dir.join("workers.log");
+    let exe = dir.join("switchyard");
+    let script = format!(
+        "#!/bin/sh\nexec '{}' \"$@\" 2>>'{}'\n",
+        env!("CARGO_BIN_EXE_switchyard"),
+        log.display()
+    );
+    std::fs::write(&exe, script).expect("write the worker wrapper");
+    std::fs::set_permissions(&exe, Permissions::from_mode(0o755)).expect("chmod the wrapper");
+    eprintln!("worker logs: {}", log.display());
+    exe
 }
 
 /// Endpoint `id` (socket `<dir>/<id>.sock`) serving a 16 MiB, 2-queue softgpu with VRAM
