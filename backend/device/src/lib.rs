@@ -30,7 +30,7 @@ mod traits;
 use std::fs::File;
 use std::sync::Arc;
 
-pub use dma::{DmaError, DmaProt, DmaSpace, RemoteDma};
+pub use dma::{DmaError, DmaSpace, RemoteDma};
 pub use irq::{Interrupts, IrqError, IrqIndex};
 pub use traits::{
     AsAny, DirtySource, DmaObserver, IrqRouter, Migratable, PciDevice, Quiesce, QuiesceGuard,
@@ -108,6 +108,29 @@ impl DeviceError {
 
 /// Result type of device operations.
 pub type Result<T> = std::result::Result<T, DeviceError>;
+
+/// Access permissions of a DMA window (defined here, not in [`dma`], because the
+/// [`DmaObserver`] capability names it too; also at `dma::DmaProt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmaProt {
+    /// The device may read the window.
+    pub read: bool,
+    /// The device may write the window.
+    pub write: bool,
+}
+
+impl DmaProt {
+    /// Read and write.
+    pub const READ_WRITE: DmaProt = DmaProt {
+        read: true,
+        write: true,
+    };
+    /// Read only.
+    pub const READ_ONLY: DmaProt = DmaProt {
+        read: true,
+        write: false,
+    };
+}
 
 /// A sparse mmappable area of a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -55,6 +55,7 @@ mod remote;
 #[cfg(test)]
 mod tests;
 
+pub use crate::DmaProt;
 pub use crate::dirty::DIRTY_PAGE_SIZE;
 use crate::{DirtySource, DmaObserver};
 pub use backing::MAP_BUDGET;
@@ -301,28 +302,6 @@ impl DmaError {
 
 /// Result type of DMA operations.
 pub type Result<T> = std::result::Result<T, DmaError>;
-
-/// Access permissions of a DMA window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DmaProt {
-    /// The device may read the window.
-    pub read: bool,
-    /// The device may write the window.
-    pub write: bool,
-}
-
-impl DmaProt {
-    /// Read and write.
-    pub const READ_WRITE: DmaProt = DmaProt {
-        read: true,
-        write: true,
-    };
-    /// Read only.
-    pub const READ_ONLY: DmaProt = DmaProt {
-        read: true,
-        write: false,
-    };
-}
 
 enum Backing {
     Fd(Arc<FdWindow>),
