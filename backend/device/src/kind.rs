@@ -4,7 +4,7 @@
 //!
 //! A kind is one crate implementing [`DeviceKind`] plus one line in the registry
 //! (`switchyard-kinds`): the server, the pool and the daemon know kinds only through this
-//! trait and the capability groups of [`PciDevice`](crate::PciDevice).
+//! trait and the capability groups of [`PciDevice`].
 //!
 //! Options travel in one canonical form, a JSON object ([`KindOptions`]): parsed from the
 //! command line's `k=v,...` ([`parse_kv`]), read from a pool board's TOML table, checked and
@@ -126,7 +126,8 @@ pub struct Build {
     /// device mirrors what a replacement needs into it. `None` outside a worker.
     pub black_box: Option<Arc<BlackBox>>,
     /// Memory objects a supervisor held for the slot, by name (see
-    /// [`Recoverable::held_objects`]); empty for a fresh device.
+    /// [`Recoverable::held_objects`](crate::Recoverable::held_objects)); empty for a fresh
+    /// device.
     pub objects: BTreeMap<String, File>,
     /// Called when the device's backing is lost for good.
     pub lost: Option<LostHook>,
