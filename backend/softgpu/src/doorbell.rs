@@ -17,8 +17,8 @@ use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{Bytes, FileOffset, MmapRegion, VolatileMemory};
 
 use crate::SoftGpuError;
+use crate::identity::VramRef;
 use crate::regs::{DB_NEED_KICK, DB_STRIDE, DB_TAIL, DOORBELL_PAGE, DOORBELL_PAGE_SIZE};
-use crate::vram::VramRef;
 
 /// The slot's memory object holding the doorbell page (see
 /// [`switchyard_device::DeviceContext::memory`]).

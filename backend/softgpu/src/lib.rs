@@ -324,6 +324,7 @@ mod device;
 mod doorbell;
 mod error;
 mod exec;
+mod identity;
 mod kind;
 mod mig;
 mod mirror;
@@ -353,6 +354,7 @@ use switchyard_device::{
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};
 pub use error::SoftGpuError;
+pub use identity::VramRef;
 pub use kind::SoftGpuKind;
 pub use mig::{MigStreamError, SourceStats};
 pub use mirror::{COLD_RECORD, HOT_RECORD};
@@ -360,7 +362,6 @@ pub use recover::{QueueRecovery, Recovery};
 pub use relocate::{Relocation, RelocationStats};
 pub use state::{QueueState, STATE_FORMAT, SoftGpuState, StateError};
 pub use swap::{EngineControl, Parked};
-pub use vram::VramRef;
 
 use device::{Holds, Shared};
 

@@ -4,8 +4,8 @@ use serde::{Deserialize, Serialize};
 use switchyard_device::config::ConfigSpace;
 use switchyard_device::msix::MsixState;
 
+use crate::identity::VramRef;
 use crate::regs;
-use crate::vram::VramRef;
 use crate::{IrqMode, SoftGpuConfig};
 
 /// Version of the [`SoftGpuState`] format.

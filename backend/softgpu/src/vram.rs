@@ -8,34 +8,11 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::{Deserialize, Serialize};
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
 
 use crate::SoftGpuError;
-
-/// Identity of the VRAM backing: saved with the device state instead of the contents.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VramRef {
-    /// Size in bytes.
-    pub size: u64,
-    /// Device number of the backing file (`st_dev`).
-    pub dev: u64,
-    /// Inode number of the backing file (`st_ino`).
-    pub ino: u64,
-}
-
-impl VramRef {
-    /// The identity of `file` as VRAM.
-    pub fn of(file: &File) -> std::io::Result<VramRef> {
-        let meta = file.metadata()?;
-        Ok(VramRef {
-            size: meta.len(),
-            dev: meta.dev(),
-            ino: meta.ino(),
-        })
-    }
-}
+use crate::identity::VramRef;
 
 /// A slice of VRAM.
 pub(crate) type VramSlice<'a> = VolatileSlice<'a, ()>;
