@@ -36,12 +36,11 @@
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use switchyard_device::DmaSpace;
 use switchyard_device::blackbox::{BlackBox, BlackBoxError, Record, RecordSpec};
 
-use crate::cmd::{self, COMMAND_SIZE, Command, Operand};
+use crate::cmd::COMMAND_SIZE;
 use crate::state::{QueueState, SoftGpuState, StateError};
-use crate::{IrqMode, QueueRecovery, SoftGpuConfig, SoftGpuError};
+use crate::{IrqMode, SoftGpuConfig, SoftGpuError};
 
 /// Name of the record of the hot state (queue registers, interrupt state, in-flight markers).
 pub const HOT_RECORD: &str = "softgpu.hot";
@@ -464,92 +463,4 @@ pub(crate) fn slot_iova(qs: &QueueState, index: u32) -> u64 {
     let mask = qs.ring_size.saturating_sub(1);
     qs.ring_base
         .wrapping_add(u64::from(index & mask) * COMMAND_SIZE as u64)
-}
-
-/// What recovery does with each queue's command in flight (see [`crate::SoftGpu::recover`]):
-/// reads it from the ring through `dma` and tells whether it can run again.
-pub(crate) fn plan_replays(
-    st: &SoftGpuState,
-    inflight: &[Option<u32>],
-    dma: &DmaSpace,
-) -> Result<Vec<QueueRecovery>, SoftGpuError> {
-    st.queues
-        .iter()
-        .zip(inflight)
-        .map(|(qs, inflight)| {
-            let Some(index) = *inflight else {
-                return Ok(QueueRecovery::Idle);
-            };
-            // HEAD moves only when a command completes, which clears the marker in the same
-            // publish.
-            if index != qs.head {
-                return Err(StateError::Inconsistent(
-                    "a command in flight is not at its queue's head",
-                )
-                .into());
-            }
-            let slot = slot_iova(qs, index);
-            let remote = dma.mappings().iter().any(|m| {
-                !m.mmapped
-                    && slot < m.iova.saturating_add(m.size)
-                    && m.iova < slot.saturating_add(COMMAND_SIZE as u64)
-            });
-            if remote {
-                // Reading it would wait for the client, whose replies the thread building the
-                // device may be the one to route: not knowing the command, assume the worst.
-                return Ok(QueueRecovery::Interrupted {
-                    index,
-                    opcode: None,
-                });
-            }
-            let mut raw = [0u8; COMMAND_SIZE];
-            if dma.read(slot, &mut raw).is_err() {
-                // The engine fails to fetch it again and latches ERR_RING_FETCH as usual.
-                return Ok(QueueRecovery::Replayed { index });
-            }
-            let c = Command::decode(&raw);
-            Ok(if replayable(&c) {
-                QueueRecovery::Replayed { index }
-            } else {
-                QueueRecovery::Interrupted {
-                    index,
-                    opcode: Some(c.opcode),
-                }
-            })
-        })
-        .collect()
-}
-
-/// Whether running `c` again from its start, after it ran partly, gives the result of
-/// running it once: its outputs do not overlap its inputs (or it faults before it writes
-/// anything).
-pub(crate) fn replayable(c: &Command) -> bool {
-    if c.flags & !cmd::FLAG_IRQ != 0 || c.reserved != 0 {
-        // Refused before anything is written.
-        return true;
-    }
-    let range = |i: usize, len: u64| (c.operand(i), len);
-    let overlap = |(a, la): (Operand, u64), (b, lb): (Operand, u64)| {
-        a.is_vram() == b.is_vram()
-            && la > 0
-            && lb > 0
-            && a.addr() < b.addr().saturating_add(lb)
-            && b.addr() < a.addr().saturating_add(la)
-    };
-    let [a0, a1, a2] = c.arg;
-    match c.opcode {
-        cmd::OP_NOP | cmd::OP_FILL | cmd::OP_FENCE => true,
-        cmd::OP_COPY => !overlap(range(0, a0), range(1, a0)),
-        // y is read and written.
-        cmd::OP_SAXPY => a0 == 0,
-        cmd::OP_GEMM => {
-            let (m, n, k) = (a0, a1, a2);
-            let out = range(2, m.saturating_mul(n).saturating_mul(4));
-            !overlap(out, range(0, m.saturating_mul(k).saturating_mul(4)))
-                && !overlap(out, range(1, k.saturating_mul(n).saturating_mul(4)))
-        }
-        cmd::OP_REDUCE => !overlap(range(1, 4), range(0, a0.saturating_mul(4))),
-        // An unknown opcode faults before anything is written.
-        _ => true,
-    }
 }

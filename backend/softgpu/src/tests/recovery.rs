@@ -383,7 +383,7 @@ fn commands_in_flight_are_replayed_or_interrupted() {
         if let Some(c) = c {
             h.guest_write(Harness::ring(0) + 5 * COMMAND_SIZE as u64, &c.encode());
         }
-        crate::mirror::plan_replays(st, &[Some(5), None], &h.dma).map_err(|e| e.to_string())
+        crate::recover::plan_replays(st, &[Some(5), None], &h.dma).map_err(|e| e.to_string())
     };
     let copy = Command::copy(g(DATA), g(DATA + 0x1000), 0x1000);
     let saxpy = Command::saxpy(16, 2.0, g(DATA), g(DATA + 0x1000));
@@ -435,7 +435,7 @@ fn commands_in_flight_are_replayed_or_interrupted() {
 
 #[test]
 fn replayability_follows_operand_overlap() {
-    use crate::mirror::replayable;
+    use crate::recover::replayable;
     let r = |c: Command| replayable(&c);
     assert!(r(Command::nop()));
     assert!(r(Command::fill(g(0x1000), 4096, 1)));
