@@ -3,7 +3,8 @@
 # default trap; CLIENT ARGS go to edu-client before the socket, e.g. --msix; a first CLIENT ARG
 # --abandon-first runs `edu-client --abandon` first: a client that leaves its DMA window and
 # MSI eventfd behind; a first CLIENT ARG --migrate serves a second such device too and runs
-# `edu-client --migrate` from the first to the second)
+# `edu-client --migrate` from the first to the second; a first CLIENT ARG --conformance starts no
+# server and runs `edu-client --conformance BDF`, the device conformance suite in that process)
 # The guest side of the physical-device (nested VFIO) test: binds the device to vfio-pci, serves
 # it with `switchyard serve --device vfio,host=BDF,bars=BARS` on a socket and drives it with
 # `edu-client` over vfio-user. Needs the vIOMMU (intel-iommu with intremap/caching-mode, guest
@@ -25,6 +26,15 @@ sh /tests/vfio-bind.sh "$id" || { echo "PASSTHROUGH: bind failed"; exit 1; }
 bdf=$(find_dev) || { echo "PASSTHROUGH: no device $id"; exit 1; }
 grp=$(basename "$(readlink "/sys/bus/pci/devices/$bdf/iommu_group")")
 echo "PASSTHROUGH: bdf=$bdf group=$grp"
+
+if [ "$1" = --conformance ]; then
+  # No server: edu-client runs the device conformance suite on the passthrough kind in its own
+  # process (`CONFORMANCE: <check> ok|FAIL`, `CONFORMANCE-SUMMARY {json}`).
+  edu-client --conformance "$bdf"
+  rc=$?
+  echo "PASSTHROUGH: conformance rc=$rc"
+  exit "$rc"
+fi
 
 sock=/tmp/edu.sock
 RUST_LOG=${SY_RUST_LOG:-info,switchyard_vfio=debug} switchyard serve --socket "$sock" --device "vfio,host=$bdf,bars=$bars" \

@@ -231,6 +231,10 @@ enum Fault {
     RecoversFresh,
     /// Telemetry counters that go backwards.
     CountersGoBackwards,
+    /// The profile says the device moves; it cannot.
+    ProfileSaysMovable,
+    /// The device has MSI-X vectors its profile does not mention.
+    UndeclaredMsix,
 }
 
 /// Everything the suite did to the devices of one subject, in order.
@@ -281,7 +285,7 @@ impl DeviceKind for RecordingKind {
                 vram: 0,
                 queues: 0,
                 partitionable: false,
-                movable: false,
+                movable: self.fault == Fault::ProfileSaysMovable,
                 msix: false,
                 dirty_log: DirtyLog::AllMapped,
                 exclusive: None,
@@ -397,9 +401,19 @@ impl Recording {
             }
             None => (definition.clone(), vec![0; BAR0 as usize]),
         };
+        let mut desc = description("recording-mock");
+        if kind.fault == Fault::UndeclaredMsix {
+            desc.irqs[2] = IrqDesc {
+                count: 4,
+                eventfd: true,
+                maskable: true,
+                automasked: false,
+                noresize: false,
+            };
+        }
         let mut d = Self {
             kind: kind.clone(),
-            desc: description("recording-mock"),
+            desc,
             definition,
             config,
             bar0,
@@ -899,6 +913,20 @@ fn counters_that_go_backwards_fail_capabilities() {
         &recording_with(Fault::CountersGoBackwards).0,
         "capabilities",
         "the work counters went backwards",
+    );
+}
+
+#[test]
+fn a_profile_that_disagrees_with_the_device_fails_capabilities() {
+    fails_only(
+        &recording_with(Fault::ProfileSaysMovable).0,
+        "capabilities",
+        "the profile says movable = true, the subject declares relocation No",
+    );
+    fails_only(
+        &recording_with(Fault::UndeclaredMsix).0,
+        "capabilities",
+        "the profile says msix = false, the device has MSI-X vectors",
     );
 }
 

@@ -37,6 +37,12 @@
 //! without undoing either: the server must unmap the window from the IOMMU and take the
 //! eventfd back from the kernel when the client is gone (the next client maps the same IOVA).
 //!
+//! `edu-client --conformance BDF` is not a client: it runs the device conformance suite
+//! (`switchyard-conformance`) on the passthrough kind itself, in this process, on the device
+//! at BDF (bound to vfio-pci, no server holding it): `CONFORMANCE: <check> ok` or
+//! `CONFORMANCE: <check> FAIL <why>` per check, then `CONFORMANCE-SUMMARY {json}`; exit 0
+//! only when every check passed.
+//!
 //! Prints `EDU: <step> ok ...` per step and `EDU-SUMMARY {json}` at the end; exit 0 when every
 //! step passed, 1 at the first failure (`EDU: FAIL <step>: <why>`).
 
@@ -48,6 +54,7 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use switchyard_client::Client;
+use switchyard_conformance::{Groups, Moves, Subject};
 use switchyard_proto::DmaLoggingRange;
 use switchyard_proto::consts::*;
 
@@ -1046,8 +1053,53 @@ fn run_migrate(src_socket: &str, dst_socket: &str) -> Result<serde_json::Value> 
     }))
 }
 
+/// What the passthrough kind offers besides the core: migration (quiesce, reset and replay)
+/// and recovery in a replacement process (reset and replay); no swap, no relocation (its state
+/// is in the hardware), no work counters.
+const VFIO_GROUPS: Groups = Groups {
+    migration: true,
+    swap: false,
+    recovery: true,
+    relocation: Moves::No,
+    telemetry: false,
+};
+
+/// `--conformance BDF`: the conformance suite on `vfio,host=BDF`, every check whatever fails.
+fn run_conformance(bdf: &str) -> std::process::ExitCode {
+    let subject = Subject::kind_kv(switchyard_vfio::VfioKind, &format!("host={bdf}"))
+        .named(format!("vfio({bdf})"))
+        .declares(VFIO_GROUPS);
+    let results = switchyard_conformance::run_all(&subject);
+    let mut failed = Vec::new();
+    for (check, r) in &results {
+        match r {
+            Ok(()) => println!("CONFORMANCE: {check} ok"),
+            Err(why) => {
+                println!("CONFORMANCE: {check} FAIL {}", why.replace('\n', " | "));
+                failed.push(*check);
+            }
+        }
+    }
+    let summary = serde_json::json!({
+        "result": if failed.is_empty() { "pass" } else { "fail" },
+        "checks": results.len(),
+        "failed": failed,
+    });
+    println!("CONFORMANCE-SUMMARY {summary}");
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, bdf] = args.as_slice()
+        && flag == "--conformance"
+    {
+        return run_conformance(bdf);
+    }
     if let [flag, src, dst] = args.as_slice()
         && flag == "--migrate"
     {
@@ -1068,7 +1120,9 @@ fn main() -> std::process::ExitCode {
             (flag.as_str(), s)
         }
         _ => {
-            eprintln!("usage: edu-client [--msix|--nvme|--abandon] SOCKET | --migrate SRC DST");
+            eprintln!(
+                "usage: edu-client [--msix|--nvme|--abandon] SOCKET | --migrate SRC DST | --conformance BDF"
+            );
             return std::process::ExitCode::from(2);
         }
     };

@@ -57,6 +57,7 @@ fn run_guest(
             || l.starts_with("NVME")
             || l.starts_with("ABANDON")
             || l.starts_with("MIGRATE")
+            || l.starts_with("CONFORMANCE")
             || l.starts_with("PASSTHROUGH:")
             || l.contains("hidden")
             || l.contains("dirty tracking")
@@ -287,5 +288,43 @@ fn nvme_msix_interrupts_reach_the_client_and_a_masked_vector_is_held_pending() {
         });
         let summary = assert_steps(&out, "NVME", &["enable", "msix", "mask", "disable"]);
         assert_eq!(summary["vid"], "0x1b36", "{summary}");
+    });
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_passthrough_device_passes_the_device_conformance_suite() {
+    // `edu-client --conformance BDF` runs every check of `switchyard-conformance` on the
+    // passthrough kind (`vfio,host=BDF`) in its own process, on edu bound to vfio-pci behind
+    // the guest's IOMMU: region bounds, config space, reset, client gone, migration (quiesce,
+    // reset and replay, into the same edu opened again), recovery (reset and replay), and no
+    // swap, relocation or telemetry.
+    with_logs("passthrough_conformance", |env, dir| {
+        let out = run_guest(env, dir, &["1234:11e8", "trap", "--conformance"], |spec| {
+            spec.emulated = vec!["edu".into()];
+        });
+        let serial = &out.serial;
+        let lines: Vec<&str> = serial.lines().map(str::trim).collect();
+        let failed: Vec<&str> = lines
+            .iter()
+            .copied()
+            .filter(|l| l.starts_with("CONFORMANCE: ") && l.contains(" FAIL "))
+            .collect();
+        assert!(failed.is_empty(), "checks failed:\n{}", failed.join("\n"));
+        for (check, _) in switchyard_conformance::CHECKS {
+            let line = format!("CONFORMANCE: {check} ok");
+            assert!(lines.contains(&line.as_str()), "no `{line}`:\n{serial}");
+        }
+        let summary = out
+            .json_line("CONFORMANCE-SUMMARY")
+            .unwrap_or_else(|| panic!("no CONFORMANCE-SUMMARY:\n{serial}"));
+        assert_eq!(summary["result"], "pass", "{summary}");
+        assert_eq!(
+            summary["checks"],
+            switchyard_conformance::CHECKS.len(),
+            "{summary}"
+        );
+        assert!(lines.contains(&"PASSTHROUGH: conformance rc=0"), "{serial}");
+        assert_eq!(out.test_rc("passthrough"), Some(0), "{serial}");
     });
 }
