@@ -289,6 +289,8 @@ impl DeviceKind for RecordingKind {
                 msix: false,
                 dirty_log: DirtyLog::AllMapped,
                 exclusive: None,
+                host_settings: Vec::new(),
+                client_maps_memory: false,
             },
         ))
     }

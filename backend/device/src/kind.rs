@@ -112,6 +112,16 @@ pub struct Profile {
     pub dirty_log: DirtyLog,
     /// A host resource only one board may name (a PCI address), if any.
     pub exclusive: Option<String>,
+    /// Options that are this host's settings rather than what the guest sees (a polling
+    /// budget, how interrupts are delivered): two devices that differ only in them are
+    /// interchangeable (one pool; a move between them).
+    #[serde(default)]
+    pub host_settings: Vec<String>,
+    /// The client may map memory a relocation replaces (VRAM the guest maps): no protocol
+    /// message re-points a mapping, so such a device moves guest-visibly, the VMM unplugging
+    /// and re-plugging it.
+    #[serde(default)]
+    pub client_maps_memory: bool,
 }
 
 /// A callback for the device to say its backing is gone for good (a passthrough device the

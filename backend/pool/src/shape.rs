@@ -99,6 +99,10 @@ impl DeviceShape {
             if self.is_identity(name) && other.is_identity(name) {
                 continue;
             }
+            if self.profile.host_settings.contains(name) || other.profile.host_settings.contains(name)
+            {
+                continue;
+            }
             let (a, b) = (self.options.get(name), other.options.get(name));
             if a != b {
                 let text = |v: Option<&Value>| v.map_or_else(|| "unset".to_owned(), value_text);
@@ -233,6 +237,8 @@ impl From<LegacyShape> for DeviceShape {
                     msix: true,
                     dirty_log: DirtyLog::AllMapped,
                     exclusive: None,
+                    host_settings: Vec::new(),
+                    client_maps_memory: false,
                 },
             };
         }
@@ -254,6 +260,8 @@ impl From<LegacyShape> for DeviceShape {
                 msix,
                 dirty_log: DirtyLog::DeviceLog,
                 exclusive: None,
+                host_settings: Vec::new(),
+                client_maps_memory: false,
             },
         }
     }

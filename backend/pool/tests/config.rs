@@ -493,6 +493,20 @@ fn pools_name_existing_boards_once() {
 }
 
 #[test]
+fn boards_that_differ_only_in_a_host_setting_are_one_pool() {
+    let text = TWO_BOARDS.replacen("id = \"gpu1\"\n", "id = \"gpu1\"\nspin = 50\n", 1);
+    let c = PoolConfig::from_toml(&text, KINDS).expect("a host setting is not the guest's view");
+    assert_eq!(
+        shape_of(&c, "gpu0").difference(&shape_of(&c, "gpu1")),
+        None,
+        "{:?} vs {:?}",
+        shape_of(&c, "gpu0"),
+        shape_of(&c, "gpu1")
+    );
+    assert_ne!(shape_of(&c, "gpu0").options, shape_of(&c, "gpu1").options);
+}
+
+#[test]
 fn pools_must_be_homogeneous() {
     let with_gpu1 =
         |line: &str| TWO_BOARDS.replacen("id = \"gpu1\"\n", &format!("id = \"gpu1\"\n{line}\n"), 1);

@@ -60,6 +60,8 @@ impl DeviceKind for ScratchpadKind {
             msix: false,
             dirty_log: DirtyLog::DeviceLog,
             exclusive: None,
+            host_settings: Vec::new(),
+            client_maps_memory: false,
         };
         Ok((Self::options(size), profile))
     }

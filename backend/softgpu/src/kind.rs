@@ -126,6 +126,8 @@ impl DeviceKind for SoftGpuKind {
             msix: c.irq == IrqMode::Msix,
             dirty_log: DirtyLog::DeviceLog,
             exclusive: None,
+            host_settings: vec!["spin".into()],
+            client_maps_memory: c.vram_mmap,
         };
         Ok((Self::options(&c), profile))
     }

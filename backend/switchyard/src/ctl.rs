@@ -608,6 +608,8 @@ mod tests {
                 msix: false,
                 dirty_log: Default::default(),
                 exclusive: None,
+                host_settings: Vec::new(),
+                client_maps_memory: false,
             },
         };
         assert_eq!(

@@ -139,6 +139,8 @@ impl DeviceKind for VfioKind {
             msix: true,
             dirty_log: DirtyLog::AllMapped,
             exclusive: Some(c.host.clone()),
+            host_settings: vec!["irq".into()],
+            client_maps_memory: false,
         };
         Ok((Self::options(&c), profile))
     }

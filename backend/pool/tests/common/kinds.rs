@@ -47,7 +47,7 @@ impl DeviceKind for TestGpu {
     fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
         opt::only(
             options,
-            &["vram", "queues", "irq", "vram_mmap", "vram_reset"],
+            &["vram", "queues", "irq", "vram_mmap", "vram_reset", "spin"],
         )?;
         let vram = opt::size(options, "vram")?.unwrap_or(64 << 20);
         if !vram.is_power_of_two() {
@@ -84,7 +84,12 @@ impl DeviceKind for TestGpu {
                 format!("`{reset}` is not `zero` or `keep`"),
             ));
         }
+        // A host setting (as the softgpu's polling budget): not what the guest sees.
+        let spin = opt::u64(options, "spin")?;
         let mut canonical = KindOptions::new();
+        if let Some(spin) = spin {
+            canonical.insert("spin".into(), spin.into());
+        }
         canonical.insert("vram".into(), vram.into());
         canonical.insert("queues".into(), queues.into());
         canonical.insert("irq".into(), irq.into());
@@ -98,6 +103,8 @@ impl DeviceKind for TestGpu {
             msix: irq == "msix",
             dirty_log: DirtyLog::DeviceLog,
             exclusive: None,
+            host_settings: vec!["spin".into()],
+            client_maps_memory: mmap,
         };
         Ok((canonical, profile))
     }
@@ -152,6 +159,8 @@ impl DeviceKind for TestPassthrough {
             msix: true,
             dirty_log: DirtyLog::AllMapped,
             exclusive: Some(host),
+            host_settings: Vec::new(),
+            client_maps_memory: false,
         };
         Ok((canonical, profile))
     }
