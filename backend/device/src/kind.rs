@@ -165,6 +165,21 @@ impl std::fmt::Debug for Build {
     }
 }
 
+/// Where a kind looks at the host (a test points it at a fake sysfs tree).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    /// The sysfs mount (`/sys`).
+    pub sysfs: std::path::PathBuf,
+}
+
+impl Default for Host {
+    fn default() -> Self {
+        Self {
+            sysfs: "/sys".into(),
+        }
+    }
+}
+
 /// The custody name of a memory object a relocation copies to, until the device runs on it
 /// (then it is held under `name` itself).
 pub fn pending_object(name: &str) -> String {
@@ -198,6 +213,15 @@ pub trait DeviceKind: Send + Sync + 'static {
         options.insert("vram".into(), vram.into());
         options.insert("queues".into(), queues.into());
         options
+    }
+
+    /// Checks that a device of (checked) `options` can be served on this host now, without
+    /// opening it (a pool daemon asks at start; a board whose device cannot be is taken out
+    /// of service with the reason). `Ok(Some(identity))`: what the device is (e.g. its PCI
+    /// vendor and device ids), which the boards of one pool must share. The default: any
+    /// host serves it, no identity beyond the options.
+    fn probe(&self, _options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
+        Ok(None)
     }
 
     /// The black-box records a device of these options mirrors into (empty: none).

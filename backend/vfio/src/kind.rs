@@ -11,7 +11,9 @@
 use std::fs::File;
 
 use switchyard_device::blackbox::RecordSpec;
-use switchyard_device::kind::{Build, DeviceKind, DirtyLog, KindError, KindOptions, Profile, opt};
+use switchyard_device::kind::{
+    Build, DeviceKind, DirtyLog, Host, KindError, KindOptions, Profile, opt,
+};
 use switchyard_device::{DeviceError, PciDevice, Recoverable};
 
 use crate::{BarMode, IrqDelivery, VfioConfig, VfioPci, sysfs};
@@ -147,6 +149,30 @@ impl DeviceKind for VfioKind {
 
     fn partition(&self, board: &KindOptions, _vram: u64, _queues: u32) -> KindOptions {
         board.clone()
+    }
+
+    /// The device exists, is bound to vfio-pci and its IOMMU group is viable; its identity
+    /// is its `vendor:device` ids.
+    fn probe(&self, options: &KindOptions, host: &Host) -> Result<Option<String>, String> {
+        let c = Self::config(options).map_err(|e| e.to_string())?;
+        let chain = |e: &dyn std::error::Error| {
+            let mut s = e.to_string();
+            let mut source = e.source();
+            while let Some(cause) = source {
+                s.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            s
+        };
+        let f = sysfs::check_openable(&host.sysfs, &c.host)
+            .and_then(|_| sysfs::function(&host.sysfs, &c.host))
+            .map_err(|e| chain(&e))?;
+        tracing::info!(
+            host = %c.host, vendor = format!("{:04x}", f.vendor),
+            device = format!("{:04x}", f.device), group = ?f.iommu_group,
+            "passthrough device usable"
+        );
+        Ok(Some(format!("{:04x}:{:04x}", f.vendor, f.device)))
     }
 
     fn black_box_records(&self, _options: &KindOptions) -> Vec<RecordSpec> {

@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use switchyard_control::{ControlError, ControlSocket, Metrics};
+use switchyard_device::kind::Host;
 use switchyard_pool::{Endpoint, Pool, PoolConfig, PoolError};
 
 use crate::custody::device_spec;
@@ -407,8 +408,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let last = pool.inventory().next_seq().saturating_sub(1);
     // No data path moves a device yet, so a move recorded as in progress cannot be: the
     // endpoint keeps its device.
-    // Passthrough boards whose device is not usable take no new lease.
-    let mut startup_events = check_passthrough_boards(&mut pool, Path::new("/sys"));
+    // Boards whose device is not usable (a passthrough device gone) take no new lease.
+    let mut startup_events = check_boards(&mut pool, &Host::default());
     for plan in &report.pending_moves {
         match pool.abort_move(plan) {
             Ok(events) => startup_events.extend(events),
@@ -643,49 +644,45 @@ impl Daemon {
     }
 }
 
-/// Checks every passthrough board against sysfs (under `root`) at start: a device that is
-/// missing, not bound to vfio-pci or in a group that is not viable, or (in a pool) of other
-/// vendor/device ids than the pool's first board, is quarantined with the reason logged, so
-/// that no new lease lands on it (an existing lease stays; its worker reports what fails).
-/// Returns the events.
-fn check_passthrough_boards(pool: &mut Pool, root: &Path) -> Vec<switchyard_pool::Event> {
+/// Checks every board's device at start through its kind ([`DeviceKind::probe`]: a
+/// passthrough device missing, not bound to vfio-pci or in a group that is not viable, say),
+/// and, in a pool, that it is what the pool's first board is (the kind's identity: a
+/// passthrough device's vendor/device ids). A board that fails is quarantined with the
+/// reason logged, so that no new lease lands on it (an existing lease stays; its worker
+/// reports what fails). Returns the events.
+///
+/// [`DeviceKind::probe`]: switchyard_device::kind::DeviceKind::probe
+fn check_boards(pool: &mut Pool, host: &Host) -> Vec<switchyard_pool::Event> {
     use std::collections::btree_map::Entry;
+    use switchyard_device::kind::KindCatalog;
     let boards = pool.inventory().boards();
     let mut events = Vec::new();
-    let mut pool_ids: BTreeMap<String, (String, (u16, u16))> = BTreeMap::new();
+    let mut pool_ids: BTreeMap<String, (String, String)> = BTreeMap::new();
     for b in &boards {
-        let Some(host) = &b.host else { continue };
-        let found = switchyard_vfio::sysfs::check_openable(root, host)
-            .and_then(|_| switchyard_vfio::sysfs::function(root, host));
-        let problem = match found {
-            Err(e) => Some(crate::error_chain::error_chain(&e)),
-            Ok(f) => {
-                tracing::info!(
-                    board = %b.id, host = %host, vendor = format!("{:04x}", f.vendor),
-                    device = format!("{:04x}", f.device), group = ?f.iommu_group,
-                    dirty_tracking = ?b.dirty_tracking, "passthrough board"
-                );
-                let ids = (f.vendor, f.device);
-                match b.pool.as_ref().map(|p| pool_ids.entry(p.clone())) {
-                    Some(Entry::Occupied(first)) if first.get().1 != ids => {
-                        let (reference, (v, d)) = first.get();
-                        Some(format!(
-                            "its device is {:04x}:{:04x}, the pool's first board {reference} is {v:04x}:{d:04x}",
-                            ids.0, ids.1
-                        ))
-                    }
-                    Some(Entry::Vacant(slot)) => {
-                        slot.insert((b.id.clone(), ids));
-                        None
-                    }
-                    _ => None,
+        let Some(kind) = switchyard_kinds::Registry.kind(&b.shape.model) else {
+            continue;
+        };
+        let problem = match kind.probe(&b.shape.options, host) {
+            Err(e) => Some(e),
+            Ok(None) => None,
+            Ok(Some(identity)) => match b.pool.as_ref().map(|p| pool_ids.entry(p.clone())) {
+                Some(Entry::Occupied(first)) if first.get().1 != identity => {
+                    let (reference, theirs) = first.get();
+                    Some(format!(
+                        "its device is {identity}, the pool's first board {reference} is {theirs}"
+                    ))
                 }
-            }
+                Some(Entry::Vacant(slot)) => {
+                    slot.insert((b.id.clone(), identity));
+                    None
+                }
+                _ => None,
+            },
         };
         if let Some(problem) = problem
             && b.state == switchyard_pool::BoardState::Available
         {
-            tracing::warn!(board = %b.id, host = %host, %problem, "passthrough board quarantined");
+            tracing::warn!(board = %b.id, model = %b.shape.model, %problem, "board quarantined");
             match pool.quarantine(&b.id) {
                 Ok(e) => events.extend(e),
                 Err(e) => tracing::error!(board = %b.id, error = %e, "cannot quarantine"),
@@ -769,7 +766,12 @@ boards = ["edu0", "odd"]
             &dir.path().join("pool.redb"),
         )
         .expect("pool");
-        let events = check_passthrough_boards(&mut pool, &sys);
+        let events = check_boards(
+            &mut pool,
+            &Host {
+                sysfs: sys.to_path_buf(),
+            },
+        );
         let state = |id: &str| pool.inventory().board(id).expect("board").state;
         use switchyard_pool::BoardState::{Available, Quarantined};
         assert_eq!(state("edu0"), Available);
@@ -782,6 +784,14 @@ boards = ["edu0", "odd"]
         assert_eq!(state("gpu0"), Available, "a softgpu is not checked");
         assert_eq!(events.len(), 2, "{events:?}");
         // Already quarantined boards are left alone (no new events) at the next start.
-        assert!(check_passthrough_boards(&mut pool, &sys).is_empty());
+        assert!(
+            check_boards(
+                &mut pool,
+                &Host {
+                    sysfs: sys.to_path_buf()
+                }
+            )
+            .is_empty()
+        );
     }
 }
