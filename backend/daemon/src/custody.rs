@@ -42,7 +42,10 @@ mod legacy_tests {
     #[test]
     fn legacy_object_ids_are_the_retired_ids() {
         for (id, _) in super::LEGACY_OBJECT_IDS {
-            assert!(switchyard_server::continuity::RETIRED_IDS.contains(&id), "{id}");
+            assert!(
+                switchyard_server::continuity::RETIRED_IDS.contains(&id),
+                "{id}"
+            );
         }
     }
 }
@@ -70,6 +73,49 @@ pub struct MoveReport {
     pub held_us: u64,
     /// The final copy, microseconds.
     pub final_copy_us: u64,
+}
+
+/// How a worker's last move stands ([`LastMove`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoveState {
+    /// The data path is still running.
+    Running,
+    /// The data path finished: the device runs on the target's memory.
+    Moved {
+        /// What it took; none when the worker died during the move and its replacement
+        /// runs the device on the target (a supervisor's conclusion, not a worker's report).
+        #[serde(default)]
+        report: Option<MoveReport>,
+    },
+    /// The move was refused or failed: the device runs where it was.
+    Failed {
+        /// Why (an error chain).
+        error: String,
+    },
+}
+
+/// The last move a worker ran ([`Note::Move`]) and how it stands: what a worker tells an
+/// adopting supervisor ([`Note::Adopted`]), so that a move its last supervisor did not live
+/// to see the end of is settled by what the data path did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastMove {
+    /// Where to ([`Note::Move`]'s `to`).
+    pub to: String,
+    /// How it stands.
+    pub state: MoveState,
+}
+
+impl LastMove {
+    /// Whether this is a finished move to `to`: the device runs there.
+    pub fn moved_to(&self, to: &str) -> bool {
+        self.to == to && matches!(self.state, MoveState::Moved { .. })
+    }
+
+    /// Whether the data path is still running.
+    pub fn running(&self) -> bool {
+        self.state == MoveState::Running
+    }
 }
 
 /// A worker's report of what it served since its last one ([`Note::Stats`]).
@@ -173,7 +219,8 @@ pub enum Note {
     },
     /// Move the device onto another board's VRAM (supervisor → worker; one at a time).
     Move {
-        /// The board (logs).
+        /// Where to: the daemon names the target device (a whole board's id is the
+        /// board's). The worker remembers it with the outcome ([`LastMove`]).
         to: String,
         /// The VMM has unplugged the device (no client): VRAM the guest could map is moved
         /// too, with one copy (a guest-visible move).
@@ -213,6 +260,11 @@ pub enum Note {
         /// How its replacement must start ([`Note::Ready`]'s `replacement`).
         #[serde(default)]
         replacement: Option<StartMode>,
+        /// Its last move and how it stands (a worker waits for a running one to end before
+        /// it hands over, within a bound: [`crate::keeper::ADOPT_MOVE_WAIT`]). `None` when
+        /// it moved nothing, and from workers of earlier releases.
+        #[serde(default)]
+        last_move: Option<LastMove>,
     },
     /// The worker refused to be adopted.
     AdoptRefused {

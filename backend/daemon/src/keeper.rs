@@ -12,6 +12,15 @@
 //! While no supervisor is attached, holds and releases change the ledger only. The ledger
 //! and the channel change under one lock, so an adopting supervisor gets exactly the
 //! descriptors it must hold, and every later note.
+//!
+//! The keeper also remembers the worker's last move ([`LastMove`]): a supervisor that dies
+//! while its worker moves the device (a daemon killed during `ctl move`) never hears the
+//! outcome, so the worker tells the next one at adoption. An adoption that arrives while a
+//! move runs waits for it to end, up to [`ADOPT_MOVE_WAIT`]; past that the worker hands over
+//! with the move still running ([`MoveState::Running`]), and its outcome follows on the new
+//! channel ([`Note::Moved`] or [`Note::MoveFailed`]) when the data path ends. Outcome and
+//! answer are one step under the lock, so a supervisor learns the outcome exactly once:
+//! from the answer, or from the adoption.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -21,10 +30,15 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use switchyard_server::continuity::Custody;
 
-use crate::custody::{self, ChannelError, MAX_FDS, Note, StartMode};
+use crate::custody::{self, ChannelError, LastMove, MAX_FDS, MoveState, Note, StartMode};
 
 /// How long an adoption connection may take to send its request.
 const ADOPT_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long an adoption waits for a running move to end (the daemon's own wait for a move's
+/// answer). Past it the worker hands over with the move running, and reports the outcome
+/// on the new channel when the data path ends.
+pub const ADOPT_MOVE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The adoption socket of worker `pid` in `dir`.
 pub fn adoption_path(dir: &Path, pid: u32) -> PathBuf {
@@ -41,6 +55,8 @@ struct Inner {
     objects: BTreeMap<String, OwnedFd>,
     /// How a replacement must start (told to an adopting supervisor).
     replacement: Option<StartMode>,
+    /// The last move and how it stands (told to an adopting supervisor).
+    last_move: Option<LastMove>,
 }
 
 /// See the [module](self) documentation.
@@ -48,6 +64,8 @@ pub struct Keeper {
     endpoint: String,
     inner: Mutex<Inner>,
     changed: Condvar,
+    /// How long an adoption waits for a running move ([`ADOPT_MOVE_WAIT`]).
+    move_wait: std::time::Duration,
 }
 
 impl std::fmt::Debug for Keeper {
@@ -83,9 +101,18 @@ impl Keeper {
                 ledger,
                 objects: held_objects,
                 replacement: None,
+                last_move: None,
             }),
             changed: Condvar::new(),
+            move_wait: ADOPT_MOVE_WAIT,
         })
+    }
+
+    /// Waits at most `wait` for a running move when adopted (instead of
+    /// [`ADOPT_MOVE_WAIT`]).
+    pub fn with_move_wait(mut self, wait: std::time::Duration) -> Self {
+        self.move_wait = wait;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -185,6 +212,53 @@ impl Keeper {
         Self::send_locked(&mut g, note, &[]);
     }
 
+    /// A move to `to` asked on the channel of `generation` begins ([`MoveState::Running`]).
+    /// Refused (`false`: the move must not run) when that channel is no longer the current
+    /// one: a new supervisor adopted the worker meanwhile, and neither asked for the move
+    /// nor would hear of it.
+    pub fn begin_move(&self, generation: u64, to: &str) -> bool {
+        let mut g = self.lock();
+        if g.generation != generation {
+            return false;
+        }
+        g.last_move = Some(LastMove {
+            to: to.to_owned(),
+            state: MoveState::Running,
+        });
+        true
+    }
+
+    /// The move begun by [`Keeper::begin_move`] ended with `answer` ([`Note::Moved`] or
+    /// [`Note::MoveFailed`]): recorded, and sent to the current supervisor in the same step,
+    /// so that an adopting one learns the outcome either from the adoption or from the
+    /// answer, never from both or neither.
+    pub fn end_move(&self, answer: &Note) {
+        let mut g = self.lock();
+        let state = match answer {
+            Note::Moved { report } => MoveState::Moved {
+                report: Some(report.clone()),
+            },
+            Note::MoveFailed { error } => MoveState::Failed {
+                error: error.clone(),
+            },
+            other => {
+                tracing::error!(?other, "not a move's answer; the move's outcome is unknown");
+                return;
+            }
+        };
+        if let Some(m) = &mut g.last_move {
+            m.state = state;
+        }
+        Self::send_locked(&mut g, answer, &[]);
+        drop(g);
+        self.changed.notify_all();
+    }
+
+    /// The last move and how it stands.
+    pub fn last_move(&self) -> Option<LastMove> {
+        self.lock().last_move.clone()
+    }
+
     /// The current channel (to read requests from), waiting for an adoption while there is
     /// none; with its generation.
     pub fn channel(&self) -> (u64, Arc<OwnedFd>) {
@@ -212,7 +286,13 @@ impl Keeper {
     }
 
     /// Hands the ledger to a new supervisor on `sock` (after its [`Note::Adopt`]) and makes
-    /// `sock` the channel. Refused while a supervisor is attached.
+    /// `sock` the channel. Refused while a supervisor is attached (a channel whose peer has
+    /// hung up is none: the worker's request thread may be busy with a move and not have
+    /// read the close yet).
+    ///
+    /// While a move runs, waits for it to end (at most the keeper's move wait,
+    /// [`ADOPT_MOVE_WAIT`]), so that [`Note::Adopted`] says how it ended; past the wait it
+    /// hands over with the move running, and the outcome follows on `sock`.
     pub fn adopt(&self, sock: OwnedFd, endpoint: &str) -> Result<(), ChannelError> {
         let mut g = self.lock();
         let refuse = |reason: String| -> Result<(), ChannelError> {
@@ -224,7 +304,27 @@ impl Keeper {
                 self.endpoint
             ));
         }
-        if g.channel.is_some() {
+        let attached = |g: &Inner| g.channel.as_ref().is_some_and(|ch| !hung_up(ch));
+        if attached(&g) {
+            return refuse("this worker has a supervisor".into());
+        }
+        let deadline = std::time::Instant::now() + self.move_wait;
+        while g.last_move.as_ref().is_some_and(LastMove::running) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    wait_s = self.move_wait.as_secs_f64(),
+                    "a move still runs: adopted with the move running; its outcome follows on the new channel"
+                );
+                break;
+            }
+            g = self
+                .changed
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        if attached(&g) {
             return refuse("this worker has a supervisor".into());
         }
         let all: Vec<(u64, BorrowedFd<'_>)> =
@@ -246,15 +346,17 @@ impl Keeper {
             &Note::Adopted {
                 pid: std::process::id(),
                 replacement: g.replacement,
+                last_move: g.last_move.clone(),
             },
             &[],
         )?;
         let held = g.ledger.len() + g.objects.len();
         g.channel = Some(Arc::new(sock));
         g.generation += 1;
+        let last_move = g.last_move.clone();
         drop(g);
         self.changed.notify_all();
-        tracing::info!(held, "adopted by a new supervisor");
+        tracing::info!(held, ?last_move, "adopted by a new supervisor");
         Ok(())
     }
 
@@ -328,6 +430,22 @@ impl Keeper {
     }
 }
 
+/// Whether the peer of `channel` has closed its end (a supervisor that died).
+fn hung_up(channel: &OwnedFd) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut fds = [PollFd::new(channel, PollFlags::RDHUP)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut fds, Some(&zero)) {
+        Ok(_) => fds[0]
+            .revents()
+            .intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR),
+        Err(_) => false,
+    }
+}
+
 /// [`Custody`] through a [`Keeper`].
 #[derive(Debug, Clone)]
 pub struct KeeperCustody(pub Arc<Keeper>);
@@ -362,9 +480,7 @@ mod tests {
     }
 
     /// What a supervisor receives from an adoption on `ours`, memory objects included.
-    fn adopted(
-        ours: &OwnedFd,
-    ) -> (BTreeMap<u64, OwnedFd>, BTreeMap<String, OwnedFd>, Note) {
+    fn adopted(ours: &OwnedFd) -> (BTreeMap<u64, OwnedFd>, BTreeMap<String, OwnedFd>, Note) {
         let mut held = BTreeMap::new();
         let mut objects = BTreeMap::new();
         let mut buf = Vec::new();
@@ -428,12 +544,16 @@ mod tests {
             Note::Adopted {
                 pid: std::process::id(),
                 replacement: Some(StartMode::Resume),
+                last_move: None,
             },
             "the adopting supervisor learns how a replacement starts"
         );
         let got: Vec<(u64, u64)> = held.iter().map(|(id, fd)| (*id, ino(fd))).collect();
         assert_eq!(got, vec![(1, ino(&a)), (12, ino(&d))]);
-        let got: Vec<(&str, u64)> = objects.iter().map(|(n, fd)| (n.as_str(), ino(fd))).collect();
+        let got: Vec<(&str, u64)> = objects
+            .iter()
+            .map(|(n, fd)| (n.as_str(), ino(fd)))
+            .collect();
         assert_eq!(got, vec![("k.bells", ino(&bells)), ("k.vram", ino(&vram))]);
         assert!(keeper.supervised());
         keeper.release(&[12]);
@@ -500,5 +620,131 @@ mod tests {
         custody::send(&adopter, &mv, &[]).expect("send");
         let got = reader.join().expect("reader");
         assert_eq!(got.ok(), Some(mv));
+    }
+
+    /// A keeper whose first supervisor (`sup1`, returned) asked for a move to `to`, begun.
+    fn moving(to: &str, wait: std::time::Duration) -> (Arc<Keeper>, OwnedFd) {
+        let (sup1, worker1) = custody::pair().expect("pair");
+        let keeper = Arc::new(
+            Keeper::new("ep", worker1, &BTreeMap::new(), &BTreeMap::new())
+                .expect("keeper")
+                .with_move_wait(wait),
+        );
+        let (generation, _) = keeper.channel();
+        assert!(keeper.begin_move(generation, to));
+        (keeper, sup1)
+    }
+
+    fn moved(downtime_us: u64) -> Note {
+        Note::Moved {
+            report: crate::custody::MoveReport {
+                downtime_us,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn an_adoption_during_a_move_waits_for_it_and_says_how_it_ended() {
+        let (keeper, sup1) = moving("gpu1", std::time::Duration::from_secs(30));
+        // The supervisor that asked dies; the worker's request thread, busy moving, has not
+        // read the close: the hung-up channel does not refuse the adoption.
+        drop(sup1);
+        assert!(keeper.supervised());
+        // (A process another test forks meanwhile may hold a copy of `sup1` until it execs.)
+        let (_, old) = keeper.channel();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !hung_up(&old) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the channel does not read hung up"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let (sup2, worker2) = custody::pair().expect("pair");
+        let adopting = {
+            let keeper = keeper.clone();
+            std::thread::spawn(move || keeper.adopt(worker2, "ep"))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!adopting.is_finished(), "the adoption waits for the move");
+        keeper.end_move(&moved(42));
+        adopting.join().expect("adopting").expect("adopted");
+        let (_, last) = adopted_ledger(&sup2);
+        let Note::Adopted { last_move, .. } = last else {
+            panic!("{last:?}")
+        };
+        let last_move = last_move.expect("the last move");
+        assert!(last_move.moved_to("gpu1"), "{last_move:?}");
+        assert_eq!(
+            last_move.state,
+            MoveState::Moved {
+                report: Some(crate::custody::MoveReport {
+                    downtime_us: 42,
+                    ..Default::default()
+                })
+            }
+        );
+        // The outcome is told once: no answer follows on the new channel.
+        keeper.release(&[9]);
+        let (note, _) = custody::recv(&sup2, &mut Vec::new()).expect("recv");
+        assert_eq!(note, Note::Release { ids: vec![9] });
+    }
+
+    #[test]
+    fn past_the_move_wait_the_adoption_says_the_move_runs_and_its_outcome_follows() {
+        let (keeper, sup1) = moving("gpu1", std::time::Duration::from_millis(100));
+        drop(sup1);
+        keeper.lost(1);
+        let (sup2, worker2) = custody::pair().expect("pair");
+        keeper.adopt(worker2, "ep").expect("adopted");
+        let (_, last) = adopted_ledger(&sup2);
+        let Note::Adopted { last_move, .. } = last else {
+            panic!("{last:?}")
+        };
+        assert_eq!(
+            last_move.map(|m| m.state),
+            Some(MoveState::Running),
+            "handed over with the move running"
+        );
+        let failed = Note::MoveFailed {
+            error: "no room".into(),
+        };
+        keeper.end_move(&failed);
+        let (note, _) = custody::recv(&sup2, &mut Vec::new()).expect("recv");
+        assert_eq!(note, failed, "the outcome follows on the new channel");
+    }
+
+    #[test]
+    fn a_move_asked_by_a_supervisor_gone_before_it_began_does_not_run() {
+        let (sup1, worker1) = custody::pair().expect("pair");
+        let keeper =
+            Keeper::new("ep", worker1, &BTreeMap::new(), &BTreeMap::new()).expect("keeper");
+        let (old, _) = keeper.channel();
+        // The request thread read a Move from the first channel, but a new supervisor
+        // adopted the worker before the move began: it would never hear of it.
+        drop(sup1);
+        keeper.lost(old);
+        let (sup2, worker2) = custody::pair().expect("pair");
+        keeper.adopt(worker2, "ep").expect("adopted");
+        assert!(matches!(adopted_ledger(&sup2).1, Note::Adopted { .. }));
+        assert!(!keeper.begin_move(old, "gpu1"));
+        assert_eq!(keeper.last_move(), None);
+        let (current, _) = keeper.channel();
+        assert!(keeper.begin_move(current, "gpu1"));
+    }
+
+    #[test]
+    fn an_adopted_note_of_an_earlier_release_has_no_last_move() {
+        let note: Note =
+            serde_json::from_str(r#"{"adopted":{"pid":7,"replacement":"resume"}}"#).expect("note");
+        assert_eq!(
+            note,
+            Note::Adopted {
+                pid: 7,
+                replacement: Some(StartMode::Resume),
+                last_move: None,
+            }
+        );
     }
 }

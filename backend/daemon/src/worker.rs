@@ -105,6 +105,10 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
 /// client's tables, then the device from the black box and those objects
 /// ([`DeviceKind::recover`]), and continues the connection (see
 /// [`Server::resume`]).
+///
+/// [`DeviceKind::build`]: switchyard_device::kind::DeviceKind::build
+/// [`DeviceKind::recover`]: switchyard_device::kind::DeviceKind::recover
+/// [`Recoverable`]: switchyard_device::Recoverable
 pub fn run(
     channel: OwnedFd,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
@@ -255,12 +259,11 @@ pub fn run(
 /// predecessor died with: the device runs on one of the two, now held under its name).
 /// Returns how a replacement must start: resumed when the device can be recovered.
 fn hold_objects(keeper: &Keeper, server: &Server) -> Result<StartMode, WorkerError> {
-    let objects = server.device_slot().with(|d| {
-        d.recoverable()
-            .map(|r| r.held_objects())
-            .transpose()
-    });
-    let objects = objects.map_err(|e| WorkerError::Device("the device's memory objects".into(), Box::new(e)))?;
+    let objects = server
+        .device_slot()
+        .with(|d| d.recoverable().map(|r| r.held_objects()).transpose());
+    let objects = objects
+        .map_err(|e| WorkerError::Device("the device's memory objects".into(), Box::new(e)))?;
     let mode = match objects {
         Some(objects) => {
             keeper.hold_objects(&objects)?;
@@ -318,12 +321,19 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                         continue;
                     }
                 };
-                let reply = match note {
+                match note {
                     Note::Move { to, detached } => {
                         let span = tracing::info_span!("move", to = %to, detached);
                         let _g = span.enter();
-                        let moved = relocate(&slot, &keeper, detached);
-                        match moved {
+                        // The keeper remembers the move and its outcome, for a supervisor
+                        // that adopts this worker after the one that asked died.
+                        if !keeper.begin_move(generation, &to) {
+                            tracing::warn!(
+                                "a move asked by a supervisor that is gone (the worker was adopted since); not run"
+                            );
+                            continue;
+                        }
+                        let answer = match relocate(&slot, &keeper, detached) {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
                                 Note::Moved { report }
@@ -333,14 +343,11 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                                 tracing::warn!(%error, "move failed; the device stays");
                                 Note::MoveFailed { error }
                             }
-                        }
+                        };
+                        keeper.end_move(&answer);
                     }
-                    other => {
-                        tracing::warn!(?other, "unexpected custody note; ignored");
-                        continue;
-                    }
-                };
-                keeper.notify(&reply);
+                    other => tracing::warn!(?other, "unexpected custody note; ignored"),
+                }
             }
         })?;
     Ok(())
@@ -418,7 +425,8 @@ pub enum MoveError {
     /// The server refused (a migration or another move in progress) or the swap failed.
     #[error("The device cannot be moved now")]
     Swap(#[from] switchyard_server::SwapError),
-    /// The device cannot relocate (its kind offers no [`Relocatable`]).
+    /// The device cannot relocate (its kind offers no
+    /// [`Relocatable`](switchyard_device::Relocatable)).
     #[error("This kind of device cannot be moved under its client")]
     NotMovable,
     /// The device refused or failed the copy.
@@ -470,11 +478,12 @@ pub fn move_device_in_slot(
 }
 
 /// Moves the device in `slot` onto new memory under its client, the sequence a worker runs
-/// for a [`Note::Move`] ([`Relocatable`]): the relocation creates the new memory
-/// (`on_targets` sees it before anything runs on it), then pre-copy rounds while the device
-/// runs until one copies at most 256 KiB or 12 rounds ran, the successor built on the new
-/// memory (parked), one more round for what was written while it was built, the engines
-/// parked (the commands running finish), then [`DeviceSlot::swap`], which copies the pages
+/// for a [`Note::Move`] ([`Relocatable`](switchyard_device::Relocatable)): the relocation
+/// creates the new memory (`on_targets` sees it before anything runs on it), then pre-copy
+/// rounds while the device runs until one copies at most 256 KiB or 12 rounds ran, the
+/// successor built on the new memory (parked), one more round for what was written while it
+/// was built, the engines parked (the commands running finish), then [`DeviceSlot::swap`],
+/// which copies the pages
 /// written since the last round and hands the state over. Downtime: from the engines parked
 /// to the swap done. `_moving` is the slot's move guard ([`DeviceSlot::begin_move`]), held
 /// by the caller for the whole move.

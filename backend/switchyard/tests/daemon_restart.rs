@@ -48,7 +48,12 @@ fn a_restarted_daemon_publishes_the_abort_of_a_move_left_in_progress_in_order() 
     })
     .expect("the daemon's configuration");
     {
-        let (mut pool, _) = Pool::open(&config, &config.daemon.store_path()).expect("the store");
+        let (mut pool, _) = Pool::open(
+            &config,
+            &switchyard_kinds::Registry,
+            &config.daemon.store_path(),
+        )
+        .expect("the store");
         let free: Vec<String> = pool
             .inventory()
             .boards()

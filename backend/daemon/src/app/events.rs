@@ -216,7 +216,8 @@ impl WorkerLifecycle {
                 host,
                 reason,
             },
-            WorkerEvent::Stats { .. } => return None,
+            // The pool's events say what came of it (`lease_moved`, `move_aborted`).
+            WorkerEvent::Stats { .. } | WorkerEvent::AdoptedMoveEnded { .. } => return None,
         })
     }
 }

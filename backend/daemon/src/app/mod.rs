@@ -18,11 +18,14 @@
 //! everything the worker holds for its guest and supervises it as if it had started it. A
 //! worker that cannot be adopted (one without an adoption socket) is reported `orphaned`
 //! (with its pid) and left alone; restart, upgrade and moves are refused for it, delete
-//! kills it. Moves and drains are transparent (trapped VRAM only); detach and attach have
-//! no data path yet, so the API does not offer them.
+//! kills it. A move an earlier daemon left in progress is settled by what the adopted worker
+//! did: committed if its data path finished, aborted otherwise (`pending`). Moves and
+//! drains are transparent (trapped VRAM only); detach and attach have no data path yet, so
+//! the API does not offer them.
 
 pub mod api;
 pub mod events;
+mod pending;
 pub mod records;
 
 use std::collections::BTreeMap;
@@ -404,18 +407,11 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
     tracing::info!(store = %store.display(), ?report, "pool opened");
     // The stream starts after the history as loaded: the events of what is done below
-    // (quarantines, aborted moves) are published after it, in order.
+    // (quarantines, then the moves left in progress, settled once their workers are
+    // adopted: `start_all`) are published after it, in order.
     let last = pool.inventory().next_seq().saturating_sub(1);
-    // No data path moves a device yet, so a move recorded as in progress cannot be: the
-    // endpoint keeps its device.
     // Boards whose device is not usable (a passthrough device gone) take no new lease.
-    let mut startup_events = check_boards(&mut pool, &Host::default());
-    for plan in &report.pending_moves {
-        match pool.abort_move(plan) {
-            Ok(events) => startup_events.extend(events),
-            Err(e) => tracing::error!(?plan, "cannot abort a pending move: {e}"),
-        }
-    }
+    let startup_events = check_boards(&mut pool, &Host::default());
     let events = Arc::new(EventStream::new(last));
     let metrics = Metrics::new();
     for b in pool.inventory().boards() {
@@ -460,6 +456,15 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     metrics.endpoint(endpoint).state_lost();
                 }
                 crate::WorkerEvent::Reset { endpoint, .. } => metrics.endpoint(endpoint).reset(),
+                crate::WorkerEvent::AdoptedMoveEnded { endpoint } => {
+                    // Off the supervision thread, as for a lost device.
+                    let (this, endpoint) = (this.clone(), endpoint.clone());
+                    std::thread::spawn(move || {
+                        if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
+                            d.adopted_move_ended(&endpoint);
+                        }
+                    });
+                }
                 _ => {}
             }
             if let Some(e) = WorkerLifecycle::of(e) {
@@ -596,31 +601,45 @@ impl Daemon {
     }
 
     /// At daemon start: a worker for every endpoint with a lease, unless a worker of an
-    /// earlier daemon still serves it.
+    /// earlier daemon still serves it (then adopted). A move the store has in progress (an
+    /// earlier daemon died during it) is settled once the endpoint's worker is adopted, by
+    /// what the worker says of it ([`pending`]); without an adopted worker, aborted.
     fn start_all(&self) {
-        let pool = self.pool();
+        let mut pool = self.pool();
         let mut unsupervised = self.unsupervised();
-        for endpoint in pool.inventory().endpoints() {
-            let Some(spec) = Self::spec(&pool, endpoint) else {
-                continue;
-            };
-            let id = endpoint.id.clone();
+        let specs: Vec<EndpointSpec> = pool
+            .inventory()
+            .endpoints()
+            .filter_map(|e| Self::spec(&pool, e))
+            .collect();
+        for spec in specs {
+            let id = spec.id.clone();
             if let Some(pid) = self.records.live(&id) {
                 // A worker of an earlier daemon still serves the endpoint: adopt it.
-                match self.supervisor.adopt(spec, pid) {
-                    Ok(()) => {}
+                let served = match self.supervisor.adopt(spec, pid) {
+                    Ok(()) => pending::Served::Adopted,
                     Err(e) => {
+                        let error = crate::error_chain::error_chain(&e);
                         tracing::warn!(
                             endpoint = id,
                             pid,
-                            "the worker of an earlier daemon still serves this endpoint but cannot be adopted; left alone (orphaned): {}",
-                            crate::error_chain::error_chain(&e)
+                            "the worker of an earlier daemon still serves this endpoint but cannot be adopted; left alone (orphaned): {error}"
                         );
-                        unsupervised.insert(id, Unsupervised::Orphaned { pid: Some(pid) });
+                        unsupervised.insert(id.clone(), Unsupervised::Orphaned { pid: Some(pid) });
+                        pending::Served::NotAdopted(format!(
+                            "its worker {pid} cannot be adopted, so what it did is unknown: {error}"
+                        ))
                     }
-                }
+                };
+                self.settle_pending_move(&mut pool, &id, &served);
                 continue;
             }
+            // No worker of an earlier daemon: the device starts afresh where the lease is.
+            let none = pending::Served::NotAdopted(
+                "no worker of an earlier daemon serves the endpoint; its device starts afresh"
+                    .to_owned(),
+            );
+            self.settle_pending_move(&mut pool, &id, &none);
             match self.supervisor.create(spec) {
                 Ok(()) => tracing::info!(endpoint = id, "worker started"),
                 Err(SupervisorError::Bind(

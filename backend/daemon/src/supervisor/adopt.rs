@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note};
+use crate::custody::{self, CONNECTION_ID, LISTENER_ID, LastMove, Note};
 
 use super::launch::{Launch, end_move_on_death, supervise, wait_gone};
 use super::ledger::serve_notes;
 use super::{
     Endpoint, EndpointSpec, EventSink, MoveSlot, Supervisor, SupervisorError, WorkerEvent,
-    WorkerStatus, client_fds, kill,
+    WorkerStatus, client_fds, file_identity, kill,
 };
 
 impl Supervisor {
@@ -47,6 +47,7 @@ impl Supervisor {
             mut held,
             objects,
             replacement,
+            last_move,
         } = adopt_from(&path, &spec.id, pid)
             .map_err(|e| failed(format!("{}: {e}", path.display())))?;
         // A worker of an earlier release holds its memory objects by id.
@@ -65,6 +66,18 @@ impl Supervisor {
         );
         let connected = held.contains_key(&CONNECTION_ID);
         let client = client_fds(&held);
+        // A move still running: what it copies to (held under its pending name) tells, should
+        // the worker die before it answers, whether its replacement runs the device there.
+        let mut mv = MoveSlot::default();
+        if last_move.as_ref().is_some_and(LastMove::running) {
+            mv.target = objects.iter().find_map(|(name, fd)| {
+                let base = name.strip_suffix(switchyard_device::kind::PENDING_SUFFIX)?;
+                Some((base.to_owned(), file_identity(fd)?))
+            });
+        }
+        if let Some(m) = &last_move {
+            tracing::info!(endpoint = spec.id, pid, last_move = ?m, "the adopted worker's last move");
+        }
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
             socket,
@@ -83,8 +96,9 @@ impl Supervisor {
             stopping: AtomicBool::new(false),
             generation: AtomicU64::new(0),
             channel: Mutex::new(channel.try_clone().ok()),
-            mv: Mutex::new(MoveSlot::default()),
+            mv: Mutex::new(mv),
             mv_changed: Condvar::new(),
+            adopted_move: Mutex::new(last_move),
             thread: Mutex::new(None),
         });
         let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
@@ -193,17 +207,15 @@ struct Adoption {
     objects: BTreeMap<String, OwnedFd>,
     /// How the worker's replacement must start, as it said.
     replacement: Option<crate::custody::StartMode>,
+    /// Its last move, as it said.
+    last_move: Option<LastMove>,
 }
 
 /// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
 /// and everything held. The socket must be one (not a symbolic link) and served by the
 /// recorded worker `pid` itself, running as our uid: the record that named the pid is not
 /// proof enough.
-fn adopt_from(
-    path: &Path,
-    endpoint: &str,
-    pid: u32,
-) -> Result<Adoption, custody::ChannelError> {
+fn adopt_from(path: &Path, endpoint: &str, pid: u32) -> Result<Adoption, custody::ChannelError> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     use std::os::unix::fs::FileTypeExt;
     let refused = |reason: String| custody::ChannelError::Io(std::io::Error::other(reason));
@@ -252,12 +264,20 @@ fn adopt_from(
         match custody::recv(&sock, &mut buf)? {
             (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
             (Note::Objects { names }, fds) => objects.extend(names.into_iter().zip(fds)),
-            (Note::Adopted { replacement, .. }, _) => {
+            (
+                Note::Adopted {
+                    replacement,
+                    last_move,
+                    ..
+                },
+                _,
+            ) => {
                 return Ok(Adoption {
                     channel: sock,
                     held,
                     objects,
                     replacement,
+                    last_move,
                 });
             }
             (Note::AdoptRefused { reason }, _) => {
@@ -294,6 +314,7 @@ mod adopt_from_tests {
                 &Note::Adopted {
                     pid,
                     replacement: None,
+                    last_move: None,
                 },
                 &[],
             )

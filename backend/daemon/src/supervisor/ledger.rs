@@ -4,7 +4,7 @@
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, legacy_object};
+use crate::custody::{self, CONNECTION_ID, LISTENER_ID, MoveState, Note, legacy_object};
 
 use super::launch::Launch;
 use super::{BUDGET_SLACK, Endpoint, EventSink, WorkerEvent, file_identity};
@@ -91,10 +91,24 @@ pub(super) fn serve_notes(
                 stats,
             }),
             Ok((Note::Moved { report }, _)) => {
+                adopted_move_ended(
+                    ep,
+                    sink,
+                    MoveState::Moved {
+                        report: Some(report.clone()),
+                    },
+                );
                 ep.mv().reply = Some(Ok(report));
                 ep.mv_changed.notify_all();
             }
             Ok((Note::MoveFailed { error }, _)) => {
+                adopted_move_ended(
+                    ep,
+                    sink,
+                    MoveState::Failed {
+                        error: error.clone(),
+                    },
+                );
                 ep.mv().reply = Some(Err(Some(error)));
                 ep.mv_changed.notify_all();
             }
@@ -130,14 +144,18 @@ pub(super) fn serve_notes(
                     ep.status().state_lost.clear();
                 }
             }
-            Ok((Note::Ready {
-                resumed,
-                replacement,
-            }, _)) => {
+            Ok((
+                Note::Ready {
+                    resumed,
+                    replacement,
+                },
+                _,
+            )) => {
                 ready = true;
                 if let Some(mode) = replacement {
                     ep.record_replacement(mode);
                 }
+                adopted_move_replaced(ep, sink);
                 let restart = died_at.map(|t| t.elapsed());
                 let mut st = ep.status();
                 st.ready += 1;
@@ -180,6 +198,50 @@ pub(super) fn serve_notes(
         }
     }
     ready
+}
+
+/// The adopted worker's move that was still running when it was adopted ended (`state`): the
+/// supervisor keeps it ([`Supervisor::adopted_move`](super::Supervisor::adopted_move)) and
+/// says so ([`WorkerEvent::AdoptedMoveEnded`]). Any other move's answer changes nothing here.
+fn adopted_move_ended(ep: &Endpoint, sink: &EventSink, state: MoveState) {
+    {
+        let mut adopted = ep.adopted_move();
+        let Some(m) = adopted.as_mut().filter(|m| m.running()) else {
+            return;
+        };
+        tracing::info!(
+            to = m.to,
+            ?state,
+            "the move the adopted worker was running ended"
+        );
+        m.state = state;
+    }
+    sink(WorkerEvent::AdoptedMoveEnded {
+        endpoint: ep.spec.id.clone(),
+    });
+}
+
+/// A replacement reports ready while the move the adopted worker was running never ended
+/// (the worker died during it): the replacement runs the device on whichever memory its
+/// state names, so the move went through if that is the move's target (held under its
+/// pending name when the worker was adopted).
+fn adopted_move_replaced(ep: &Endpoint, sink: &EventSink) {
+    if !ep.adopted_move().as_ref().is_some_and(|m| m.running()) {
+        return;
+    }
+    let target = ep.mv().target.clone();
+    let current = target
+        .as_ref()
+        .and_then(|(name, _)| ep.objects().get(name).and_then(file_identity));
+    let state = if current.is_some() && current == target.map(|(_, id)| id) {
+        MoveState::Moved { report: None }
+    } else {
+        MoveState::Failed {
+            error: "the worker died during the move; its replacement runs the device where it was"
+                .to_owned(),
+        }
+    };
+    adopted_move_ended(ep, sink, state);
 }
 
 /// Holds `fd` as the memory object `name`. A pending object (a relocation's target,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, MoveReport, Note, StartMode};
+use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LastMove, MoveReport, Note, StartMode};
 
 use launch::{Launch, supervise};
 pub use plan::FdPlan;
@@ -164,6 +164,9 @@ struct Endpoint {
     /// The move in progress, if any.
     mv: Mutex<MoveSlot>,
     mv_changed: Condvar,
+    /// What an adopted worker said of its last move ([`Note::Adopted`]), brought up to date
+    /// when a move it was still running ends ([`WorkerEvent::AdoptedMoveEnded`]).
+    adopted_move: Mutex<Option<LastMove>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -179,6 +182,10 @@ impl Endpoint {
     }
     fn objects(&self) -> MutexGuard<'_, BTreeMap<String, OwnedFd>> {
         self.objects.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn adopted_move(&self) -> MutexGuard<'_, Option<LastMove>> {
+        self.adopted_move.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// How a worker started now must start: as recorded ([`Note::Ready`]'s
@@ -304,6 +311,13 @@ pub enum WorkerEvent {
         host: String,
         /// What happened.
         reason: String,
+    },
+    /// A move that an adopted worker was still running when adopted has ended (the worker
+    /// answered, or died and its replacement runs the device on one side):
+    /// [`Supervisor::adopted_move`] says how.
+    AdoptedMoveEnded {
+        /// Endpoint.
+        endpoint: String,
     },
 }
 
@@ -446,6 +460,7 @@ impl Supervisor {
             channel: Mutex::new(None),
             mv: Mutex::new(MoveSlot::default()),
             mv_changed: Condvar::new(),
+            adopted_move: Mutex::new(None),
             thread: Mutex::new(None),
         });
         let exe = self.exe.clone();
@@ -619,6 +634,13 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// What the endpoint's adopted worker said of its last move when adopted ([`Supervisor::adopt`]),
+    /// up to date if it was still running then ([`WorkerEvent::AdoptedMoveEnded`]); `None`
+    /// when the worker was not adopted, moved nothing, or is of a release that does not say.
+    pub fn adopted_move(&self, id: &str) -> Result<Option<LastMove>, SupervisorError> {
+        Ok(self.get(id)?.adopted_move().clone())
     }
 
     /// The endpoint's worker status.

@@ -356,19 +356,27 @@ impl Daemon {
         self.execute_move(plan)
     }
 
-    /// Runs a planned move on the data path, then commits it (or releases the target).
+    /// Runs a planned move on the data path, then commits it (or releases the target): the
+    /// lease follows the device. The worker is told the target device (`plan.to`), which
+    /// it remembers with the outcome for a daemon that adopts it after this one died
+    /// ([`super::super::pending`]).
     fn execute_move(&self, plan: MovePlan) -> Result<MoveResult, ApiError> {
         let vmm = maps_vram(&plan)
             .then(|| self.vmms().get(&plan.endpoint).cloned())
             .flatten();
-        let (outcome, visible_downtime) = match &vmm {
+        let (outcome, visible_downtime, not_plugged) = match &vmm {
             None => (
                 self.supervisor
-                    .move_device(&plan.endpoint, &plan.to_board, false, MOVE_TIMEOUT),
+                    .move_device(&plan.endpoint, &plan.to, false, MOVE_TIMEOUT),
+                None,
                 None,
             ),
             Some(link) => match self.move_unplugged(&plan, link) {
-                Ok((outcome, downtime)) => (outcome, Some(downtime)),
+                Ok(u) => (
+                    u.outcome,
+                    Some(u.downtime),
+                    u.plugged.err().map(|e| (link, u.socket, e)),
+                ),
                 Err(e) => {
                     let mut pool = self.pool();
                     match pool.abort_move(&plan) {
@@ -390,6 +398,20 @@ impl Daemon {
                     Ok(events) => self.events.pool(events),
                     Err(e) => tracing::error!(?plan, "cannot release a failed move's target: {e}"),
                 }
+                if let Some((link, socket, plug)) = &not_plugged {
+                    // The device stays where it was, but the guest lost it.
+                    return Err(not_plugged_back(
+                        &plan,
+                        link,
+                        socket,
+                        &format!(
+                            "the move failed ({}; the device stays on board {})",
+                            error_chain(&e),
+                            plan.from_board
+                        ),
+                        plug,
+                    ));
+                }
                 return Err(match e {
                     SupervisorError::MoveFailed { .. } | SupervisorError::Moving(_) => {
                         ApiError::conflict("move_failed", error_chain(&e))
@@ -398,6 +420,7 @@ impl Daemon {
                 });
             }
         };
+        // The data path moved the device: the lease follows it, plugged back or not.
         let events = pool.commit_move(&plan).map_err(pool_error)?;
         self.events.pool(events);
         let downtime = visible_downtime.or_else(|| {
@@ -407,6 +430,18 @@ impl Daemon {
         });
         if let Some(d) = downtime {
             self.metrics.board(&plan.from_board).moved(d);
+        }
+        if let Some((link, socket, plug)) = &not_plugged {
+            return Err(not_plugged_back(
+                &plan,
+                link,
+                socket,
+                &format!(
+                    "the device moved to board {} (the lease follows it)",
+                    plan.to_board
+                ),
+                plug,
+            ));
         }
         let endpoint = pool
             .inventory()
@@ -424,13 +459,10 @@ impl Daemon {
     /// A guest-visible move: the VMM unplugs the device (QMP `device_del`, the guest lets
     /// go), the worker moves it with nobody connected, and the VMM plugs it back
     /// (`device_add` of the same socket), whatever the move's outcome. Errors before the
-    /// unplug change nothing; the device is plugged back after one that happens later.
-    /// Returns the move's outcome and the time from `device_del` to `device_add`.
-    fn move_unplugged(
-        &self,
-        plan: &MovePlan,
-        link: &VmmLink,
-    ) -> Result<(Result<MoveOutcome, SupervisorError>, Duration), ApiError> {
+    /// move (`Err`: the unplug failed) change nothing; once the worker was asked, what the
+    /// data path did and whether the plug-back worked are returned, for the lease to follow
+    /// the device either way.
+    fn move_unplugged(&self, plan: &MovePlan, link: &VmmLink) -> Result<Unplugged, ApiError> {
         use switchyard_qemu::VfioUserDevice;
         let vmm_error =
             |what: &str, e: &dyn std::error::Error| vmm_error(&plan.endpoint, link, what, e);
@@ -448,19 +480,25 @@ impl Daemon {
             .map_err(|e| vmm_error("the guest did not release the device", &e))?;
         // QEMU closes the vfio-user connection when it unrealizes the device.
         self.wait_disconnected(&plan.endpoint);
-        let outcome =
-            self.supervisor
-                .move_device(&plan.endpoint, &plan.to_board, true, MOVE_TIMEOUT);
+        let outcome = self
+            .supervisor
+            .move_device(&plan.endpoint, &plan.to, true, MOVE_TIMEOUT);
         let plugged = qmp.device_add(&device);
         let downtime = t0.elapsed();
-        if let Err(e) = plugged {
-            tracing::error!(endpoint = plan.endpoint, error = %e, "cannot plug the device back");
-            return Err(vmm_error(
-                "the device was moved but cannot be plugged back",
-                &e,
-            ));
+        if let Err(e) = &plugged {
+            tracing::error!(
+                endpoint = plan.endpoint,
+                moved = outcome.is_ok(),
+                error = %e,
+                "cannot plug the device back"
+            );
         }
-        Ok((outcome, downtime))
+        Ok(Unplugged {
+            outcome,
+            downtime,
+            plugged,
+            socket,
+        })
     }
 
     pub(super) fn drain(&self, board: &str) -> Result<DrainResult, ApiError> {
@@ -517,6 +555,47 @@ impl Daemon {
     }
 }
 
+/// What a guest-visible move did ([`Daemon::move_unplugged`]).
+struct Unplugged {
+    /// The data path's outcome.
+    outcome: Result<MoveOutcome, SupervisorError>,
+    /// From `device_del` to `device_add`.
+    downtime: Duration,
+    /// Whether the device was plugged back.
+    plugged: Result<(), switchyard_qemu::QemuError>,
+    /// The endpoint's socket (what `device_add` plugs).
+    socket: std::path::PathBuf,
+}
+
+/// The device of a guest-visible move was not plugged back (502): what became of the move
+/// (`what`), the QMP error, and how to plug the device in.
+fn not_plugged_back(
+    plan: &MovePlan,
+    link: &VmmLink,
+    socket: &std::path::Path,
+    what: &str,
+    e: &switchyard_qemu::QemuError,
+) -> ApiError {
+    let bus = link
+        .bus
+        .as_deref()
+        .map(|b| format!(", bus \"{b}\""))
+        .unwrap_or_default();
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "vmm",
+        format!(
+            "Endpoint \"{}\": {what}, but could not be plugged back through QMP at {}: {e}. \
+             The guest has no device until it is plugged in: the VMM's device_add of a \
+             vfio-user-pci device with id \"{}\" on socket {}{bus}",
+            plan.endpoint,
+            link.qmp.display(),
+            link.device_id,
+            socket.display()
+        ),
+    )
+}
+
 /// A QMP connection to an endpoint's VMM.
 fn qmp_of(endpoint: &str, link: &VmmLink) -> Result<switchyard_qemu::Qmp, ApiError> {
     switchyard_qemu::Qmp::connect(&link.qmp, Duration::from_secs(10))
@@ -559,8 +638,9 @@ fn remove_stale_socket(path: &std::path::Path) {
     }
 }
 
-/// Whether the guest may map the device's VRAM (the softgpu's `vram_mmap`): a mapping cannot
-/// be re-pointed under the guest, so such a device moves guest-visibly, through its VMM.
+/// Whether the guest may map memory the move replaces (a softgpu's VRAM with `vram_mmap`):
+/// a mapping cannot be re-pointed under the guest, so such a device moves guest-visibly,
+/// through its VMM.
 fn maps_vram(plan: &MovePlan) -> bool {
-    plan.shape.options.get("vram_mmap") == Some(&serde_json::Value::Bool(true))
+    plan.shape.profile.client_maps_memory
 }
