@@ -99,7 +99,8 @@ impl DeviceShape {
             if self.is_identity(name) && other.is_identity(name) {
                 continue;
             }
-            if self.profile.host_settings.contains(name) || other.profile.host_settings.contains(name)
+            if self.profile.host_settings.contains(name)
+                || other.profile.host_settings.contains(name)
             {
                 continue;
             }

@@ -23,9 +23,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_device::kind::Build;
 use switchyard_kinds::DeviceSpec;
+use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
