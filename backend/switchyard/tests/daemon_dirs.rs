@@ -336,7 +336,12 @@ fn fake_adoption_socket(workers: &Path, pid: u32, scratch: &Path) -> mpsc::Recei
             },
             &[listener.as_fd()],
         );
-        let _ = custody::send(&conn, &Note::Adopted { pid }, &[]);
+        let adopted = Note::Adopted {
+            pid,
+            replacement: None,
+            last_move: None,
+        };
+        let _ = custody::send(&conn, &adopted, &[]);
     });
     rx
 }

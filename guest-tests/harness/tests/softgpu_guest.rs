@@ -565,13 +565,11 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
         sup.create(EndpointSpec {
             id: "vm1".into(),
             socket: socket.clone(),
-            device: switchyard_daemon::custody::WorkerDevice::Softgpu(
-                switchyard_softgpu::SoftGpuConfig {
-                    vram_size: 64 << 20,
-                    queues: 2,
-                    ..Default::default()
-                },
-            ),
+            device: switchyard_kinds::softgpu(&switchyard_softgpu::SoftGpuConfig {
+                vram_size: 64 << 20,
+                queues: 2,
+                ..Default::default()
+            }),
         })
         .expect("endpoint");
         let st = sup
