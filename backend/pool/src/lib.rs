@@ -75,6 +75,7 @@ mod event;
 mod inventory;
 mod shape;
 mod store;
+mod units;
 mod view;
 
 pub use config::{

@@ -13,8 +13,7 @@ use serde_json::Value;
 use switchyard_device::kind::{DeviceKind, DirtyLog, KindError, KindOptions, Profile};
 use utoipa::ToSchema;
 
-use crate::error::Size;
-use crate::view::Requirements;
+use crate::units::Size;
 
 /// What a guest sees of a device: two devices of the same shape are interchangeable under a
 /// running guest (a move keeps the shape). The device's kind makes it from the board's
@@ -266,4 +265,15 @@ impl From<LegacyShape> for DeviceShape {
             },
         }
     }
+}
+
+/// What an endpoint's device must have.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Requirements {
+    /// Least VRAM, bytes (0: any).
+    #[serde(default)]
+    pub min_vram: u64,
+    /// Least queues (0: any).
+    #[serde(default)]
+    pub min_queues: u32,
 }

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+pub use crate::shape::Requirements;
 use crate::shape::{DeviceShape, DirtyTracking};
 
 /// Longest id.
@@ -44,17 +45,6 @@ impl fmt::Display for BoardState {
             BoardState::Missing => "missing",
         })
     }
-}
-
-/// What an endpoint's device must have.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct Requirements {
-    /// Least VRAM, bytes (0: any).
-    #[serde(default)]
-    pub min_vram: u64,
-    /// Least queues (0: any).
-    #[serde(default)]
-    pub min_queues: u32,
 }
 
 /// An endpoint: the vfio-user socket a VM connects to, and its lease.

@@ -8,8 +8,9 @@ use toml::de::{DeTable, DeValue};
 
 use super::{BoardConfig, PoolConfig, path_check, socket_length_check};
 use crate::board::{BoardDef, PartitionDef};
-use crate::error::{ConfigProblem, PoolError, Size};
+use crate::error::{ConfigProblem, PoolError};
 use crate::shape::DeviceShape;
+use crate::units::Size;
 use crate::view::{MAX_SOCKET_PATH, valid_id};
 
 impl PoolConfig {

@@ -58,7 +58,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use switchyard_device::kind::{KindCatalog, KindOptions};
 use utoipa::ToSchema;
 
-use crate::error::{ConfigProblem, PoolError, binary_unit};
+use crate::error::{ConfigProblem, PoolError};
+use crate::units::binary_unit;
 use crate::view::MAX_SOCKET_PATH;
 
 mod check;
