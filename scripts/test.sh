@@ -48,6 +48,18 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 
+step "no import cycles between a crate's modules (scripts/check-module-cycles.py)"
+python3 scripts/check-module-cycles.py
+
+step "no source file over 900 lines (tests and the in-guest driver excepted)"
+long=$(find backend vmm-integration guest-tests -path '*/target' -prune -o -name '*.rs' \
+    -path '*/src/*' -not -path 'guest-tests/driver/*' -not -path '*/tests/*' \
+    -not -name 'tests.rs' -print | xargs wc -l | awk '$2 != "total" && $1 > 900 {print $2 " (" $1 ")"}')
+if [ -n "$long" ]; then
+  echo "test.sh: error: split these files along their seams:" $long >&2
+  exit 1
+fi
+
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
