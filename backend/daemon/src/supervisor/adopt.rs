@@ -4,19 +4,17 @@
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
 use crate::custody::{self, CONNECTION_ID, LISTENER_ID, LastMove, Note};
 
-use super::launch::{Launch, end_move_on_death, supervise, wait_gone};
-use super::ledger::serve_notes;
+use super::launch::{Launch, supervise};
 use super::{
-    Endpoint, EndpointSpec, EventSink, MoveSlot, Supervisor, SupervisorError, WorkerEvent,
-    WorkerStatus, client_fds, file_identity, kill,
+    Endpoint, EndpointSpec, MoveSlot, Supervisor, SupervisorError, WorkerStatus, client_fds,
+    file_identity,
 };
 
 impl Supervisor {
@@ -123,76 +121,6 @@ impl Supervisor {
         endpoints.insert(spec.id.clone(), ep);
         tracing::info!(endpoint = spec.id, pid, "worker adopted");
         Ok(())
-    }
-}
-
-/// The status of an adopted worker's [`WorkerEvent::Exited`]: the worker is not the daemon's
-/// child, so its exit status is not the daemon's to read.
-const ADOPTED_EXIT_STATUS: &str = "unknown (an adopted worker, not the daemon's child)";
-
-/// Supervises the adopted worker `pid` (its custody `channel`) until it dies: not our
-/// child, so it is not waited for; a replacement is started by [`supervise`] afterwards.
-pub(super) fn supervise_adopted(
-    ep: &Endpoint,
-    sink: &EventSink,
-    launch: Launch<'_>,
-    channel: OwnedFd,
-    pid: u32,
-) {
-    let adopt_dir = launch.adopt_dir;
-    // The adopted ledger against the budget: a worker of an older daemon may hold more
-    // for its client than this one allows (descriptors of messages it never handled).
-    // A replacement keeps what the tables and the journal refer to and releases the rest.
-    let client = ep.status().client_fds;
-    if let Some(budget) = launch.fd_budget
-        && client > budget as usize
-    {
-        let what = format!(
-            "the adopted worker holds {client} client descriptors, over the budget of \
-             {budget}: replaced, so that what no DMA window, eventfd or message in flight \
-             refers to is released"
-        );
-        tracing::warn!(pid, client, budget, "{what}");
-        sink(WorkerEvent::Reset {
-            endpoint: ep.spec.id.clone(),
-            what,
-        });
-        kill(Some(pid));
-    }
-    serve_notes(
-        ep,
-        &channel,
-        pid,
-        None,
-        Instant::now(),
-        sink,
-        launch,
-        &|| {
-            kill(Some(pid));
-        },
-    );
-    // Not our child: it cannot be waited for. It closed its channel by dying (or is
-    // made to): a replacement must not serve next to it.
-    kill(Some(pid));
-    wait_gone(pid, Duration::from_secs(5));
-    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    end_move_on_death(ep);
-    if let Some(dir) = adopt_dir {
-        let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
-    }
-    tracing::info!(pid, "adopted worker gone");
-    // The same event as for a worker of this supervisor's own (`run_worker`), so that the
-    // events count every worker that ended; its exit status went to its parent.
-    sink(WorkerEvent::Exited {
-        endpoint: ep.spec.id.clone(),
-        pid,
-        status: ADOPTED_EXIT_STATUS.to_owned(),
-    });
-    ep.status().pid = None;
-    if !ep.stopping.load(Ordering::SeqCst) {
-        let mut st = ep.status();
-        st.restarts += 1;
-        ep.changed.notify_all();
     }
 }
 

@@ -13,6 +13,7 @@ use switchyard_server::DeviceSocket;
 
 use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, StartMode};
 
+pub(super) use super::common::Launch;
 use super::ledger::serve_notes;
 use super::{Endpoint, EventSink, WorkerEvent, kill};
 
@@ -29,13 +30,6 @@ const START_FRESH_AFTER: u32 = 5;
 /// Pause between starts once starts fail.
 const FAILED_START_PAUSE: Duration = Duration::from_millis(250);
 
-/// What every worker of a supervisor is started with.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Launch<'a> {
-    pub(super) adopt_dir: Option<&'a Path>,
-    pub(super) fd_budget: Option<u32>,
-}
-
 /// Supervises `ep`: first the adopted worker `adopted` (its channel and pid) if any, then
 /// workers it starts itself, replacing each that dies.
 pub(super) fn supervise(
@@ -51,7 +45,7 @@ pub(super) fn supervise(
     let mut died_at: Option<Instant> = None;
     let mut recent: VecDeque<Instant> = VecDeque::new();
     if let Some((channel, pid)) = adopted {
-        super::adopt::supervise_adopted(ep, sink, launch, channel, pid);
+        supervise_adopted(ep, sink, launch, channel, pid);
         died_at = Some(Instant::now());
     }
     while !ep.stopping.load(Ordering::SeqCst) {
@@ -284,4 +278,74 @@ fn hand_over(
         },
         &[],
     )
+}
+
+/// The status of an adopted worker's [`WorkerEvent::Exited`]: the worker is not the daemon's
+/// child, so its exit status is not the daemon's to read.
+const ADOPTED_EXIT_STATUS: &str = "unknown (an adopted worker, not the daemon's child)";
+
+/// Supervises the adopted worker `pid` (its custody `channel`) until it dies: not our
+/// child, so it is not waited for; a replacement is started by [`supervise`] afterwards.
+fn supervise_adopted(
+    ep: &Endpoint,
+    sink: &EventSink,
+    launch: Launch<'_>,
+    channel: OwnedFd,
+    pid: u32,
+) {
+    let adopt_dir = launch.adopt_dir;
+    // The adopted ledger against the budget: a worker of an older daemon may hold more
+    // for its client than this one allows (descriptors of messages it never handled).
+    // A replacement keeps what the tables and the journal refer to and releases the rest.
+    let client = ep.status().client_fds;
+    if let Some(budget) = launch.fd_budget
+        && client > budget as usize
+    {
+        let what = format!(
+            "the adopted worker holds {client} client descriptors, over the budget of \
+             {budget}: replaced, so that what no DMA window, eventfd or message in flight \
+             refers to is released"
+        );
+        tracing::warn!(pid, client, budget, "{what}");
+        sink(WorkerEvent::Reset {
+            endpoint: ep.spec.id.clone(),
+            what,
+        });
+        kill(Some(pid));
+    }
+    serve_notes(
+        ep,
+        &channel,
+        pid,
+        None,
+        Instant::now(),
+        sink,
+        launch,
+        &|| {
+            kill(Some(pid));
+        },
+    );
+    // Not our child: it cannot be waited for. It closed its channel by dying (or is
+    // made to): a replacement must not serve next to it.
+    kill(Some(pid));
+    wait_gone(pid, Duration::from_secs(5));
+    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    end_move_on_death(ep);
+    if let Some(dir) = adopt_dir {
+        let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
+    }
+    tracing::info!(pid, "adopted worker gone");
+    // The same event as for a worker of this supervisor's own (`run_worker`), so that the
+    // events count every worker that ended; its exit status went to its parent.
+    sink(WorkerEvent::Exited {
+        endpoint: ep.spec.id.clone(),
+        pid,
+        status: ADOPTED_EXIT_STATUS.to_owned(),
+    });
+    ep.status().pid = None;
+    if !ep.stopping.load(Ordering::SeqCst) {
+        let mut st = ep.status();
+        st.restarts += 1;
+        ep.changed.notify_all();
+    }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::custody::{self, CONNECTION_ID, LISTENER_ID, MoveState, Note, legacy_object};
 
-use super::launch::Launch;
+use super::common::Launch;
 use super::{BUDGET_SLACK, Endpoint, EventSink, WorkerEvent, file_identity};
 
 /// Serves worker `pid`'s custody notes on `channel` until the channel closes. Returns

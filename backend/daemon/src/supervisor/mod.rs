@@ -4,6 +4,7 @@
 //! connection; the guest sees a stall.
 
 mod adopt;
+mod common;
 mod launch;
 mod ledger;
 mod plan;
