@@ -1,0 +1,427 @@
+//! The pool daemon in L1 (`switchyard daemon`, driven through `switchyard ctl`): a
+//! cloud-hypervisor L2 on a softgpu endpoint whose worker is killed again and again
+//! (`ch-pool`), the edus as passthrough boards moved between endpoints, their workers killed
+//! and one removed from L1 under load (`pool-edu`), and the kill-delay stress form
+//! (`pool-edu-kills`).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use switchyard_ch::UserDeviceConfig;
+
+use crate::l2::{l2_cmdline, l2_outcome, l2_spec};
+use crate::procs::{self, Vm, tail};
+use crate::qemu::qemu_l2;
+use crate::{EDU_TIMEOUT, L2_TIMEOUT, SWITCHYARD, bind_vfio, ms};
+
+/// Removes PCI function `bdf` from L1 (`echo 1 > .../remove`) on a thread of its own and
+/// waits up to 60 s: "completed", "failed: ..." or "hung ...", the time it took, and whether
+/// the function is gone from sysfs.
+fn remove_device(bdf: &str) -> (String, f64, bool) {
+    let remove = PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/remove"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = Instant::now();
+    std::thread::spawn(move || {
+        let r = std::fs::write(&remove, "1");
+        let _ = tx.send(r);
+    });
+    let removed = rx.recv_timeout(Duration::from_secs(60));
+    let remove_ms = ms(t.elapsed());
+    let removal = match &removed {
+        Ok(Ok(())) => "completed".to_owned(),
+        Ok(Err(e)) => format!("failed: {e}"),
+        Err(_) => "hung (still blocked after 60 s)".to_owned(),
+    };
+    println!("NESTED: removal of {bdf} {removal} after {remove_ms} ms");
+    let gone = !Path::new(&format!("/sys/bus/pci/devices/{bdf}")).exists();
+    (removal, remove_ms, gone)
+}
+
+/// The pool daemon in L1 with both edus as passthrough boards (one pool): the board view
+/// names them and their dirty-tracking source; an endpoint's L2 (QEMU/KVM) drives its edu, the
+/// endpoint is detached and the same edu attached to a second endpoint, whose L2 drives it
+/// too; then the edu is removed from L1 while that L2 keeps it busy: the removal completes,
+/// L2's driver sees the device lost, QEMU exits normally, the daemon reports the endpoint's
+/// device lost and quarantines the board, and a move of a passthrough endpoint is refused.
+pub fn pool_edu(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let [a, b] = [edus.first(), edus.get(1)].map(|e| e.cloned());
+    let (Some(a), Some(b)) = (a, b) else {
+        bail!("two edus are needed, L1 has {edus:?}");
+    };
+    let config = dir.join("pool.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[boards]]\nid = \"edu0\"\nmodel = \"vfio\"\nhost = \"{a}\"\n\n\
+             [[boards]]\nid = \"edu1\"\nmodel = \"vfio\"\nhost = \"{b}\"\n\n\
+             [[pools]]\nname = \"edus\"\nboards = [\"edu0\", \"edu1\"]\n"
+        ),
+    )?;
+    let mut daemon = Daemon::start(dir, Some(&config))?;
+    let r = pool_edu_with(dir, &mut daemon, [a, b]);
+    if r.is_err() {
+        println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 6000));
+    }
+    r
+}
+
+fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result<Value> {
+    let control = daemon.control.clone();
+    let boards = ctl(&control, &["boards"])?;
+    let vm1 = ctl(&control, &["create", "vm1", "--pool", "edus"])?;
+    let vm2 = ctl(&control, &["create", "vm2", "--pool", "edus"])?;
+    let socket = |v: &Value| -> Result<PathBuf> {
+        Ok(PathBuf::from(
+            v["endpoint"]["socket"]
+                .as_str()
+                .context("the endpoint's socket")?,
+        ))
+    };
+    let (sock1, sock2) = (socket(&vm1)?, socket(&vm2)?);
+    let run_edu = |name: &str, socket: &Path| -> Result<(i32, Value, Option<i32>)> {
+        let mut vm = qemu_l2(dir, name, socket, "sy-edu", &[])?;
+        l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")
+    };
+    // The worker lets go of a client after QEMU exits (unpinning its DMA windows takes a
+    // while under TCG); detach waits for nobody.
+    let disconnected = |id: &str| {
+        procs::wait_for(Duration::from_secs(60), "the VMM disconnected", || {
+            let st = ctl(&control, &["endpoint", id])?;
+            Ok((st["worker"]["connected"] == false).then_some(()))
+        })
+    };
+    // The first VM uses edu0 and powers off.
+    let first = run_edu("vm1-edu0", &sock1)?;
+    disconnected("vm1")?;
+    let refused_move = ctl(&control, &["move", "vm1", "--to", "edu1"]).err();
+    // edu0 goes from vm1 to vm2.
+    ctl(&control, &["detach", "vm1"])?;
+    ctl(&control, &["detach", "vm2"])?;
+    let attached = ctl(&control, &["attach", "vm2", "--device", "edu0"])?;
+    // vm2's worker is killed once QEMU is connected (before L2's driver runs): the
+    // replacement resets edu0, replays the configuration, maps L2's memory again and
+    // continues QEMU's connection; L2 boots on and its driver passes.
+    let mut vm = qemu_l2(dir, "vm2-edu0", &sock2, "sy-edu", &["--pause", "8"])?;
+    let worker = || -> Result<Option<u64>> {
+        let st = ctl(&control, &["endpoint", "vm2"])?;
+        let w = &st["worker"];
+        Ok((w["connected"] == true)
+            .then(|| w["pid"].as_u64())
+            .flatten())
+    };
+    let kill = |pid: u64| {
+        std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+    };
+    let victim = procs::wait_for(Duration::from_secs(120), "vm2's VMM connected", worker)?;
+    kill(victim)?;
+    println!("NESTED: killed vm2's worker {victim} with QEMU connected");
+    // And again once L2's driver has its DMA windows and MSI set up: the replacement maps
+    // the windows from custody into a new IOMMU container and hands the MSI eventfd to VFIO;
+    // the driver's checks after its pause go through them.
+    vm.wait_line("SY-EDU: pause", EDU_TIMEOUT)?;
+    let victim2 = procs::wait_for(Duration::from_secs(20), "vm2's replacement worker", worker)?;
+    kill(victim2)?;
+    let before_resume = vm.find_line("SY-EDU: resumed").is_none();
+    println!(
+        "NESTED: killed vm2's worker {victim2} while L2's driver paused (before it resumed: {before_resume})"
+    );
+    let second = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let resumed_with = last_resume(&daemon.log);
+    let after_kill = ctl(&control, &["endpoint", "vm2"])?["worker"].clone();
+    disconnected("vm2")?;
+    // vm2's next boot keeps edu0 busy while it is removed from L1.
+    let mut vm = qemu_l2(dir, "vm2-remove", &sock2, "sy-edu", &["--loop", "600"])?;
+    vm.wait_line("SY-EDU: loop rounds=", EDU_TIMEOUT)?;
+    println!("NESTED: L2 keeps {a} (edu0) busy; removing it from L1");
+    let (removal, remove_ms, gone) = remove_device(&a);
+    let third = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let lost = procs::wait_for(Duration::from_secs(20), "the board quarantined", || {
+        let boards = ctl(&control, &["boards"])?;
+        let quarantined = boards
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|b| b["id"] == "edu0" && b["state"] == "quarantined");
+        Ok(quarantined.then_some(boards))
+    });
+    let ep = ctl(&control, &["endpoint", "vm2"])?;
+    let daemon_alive = daemon.alive();
+    let pass =
+        |r: &(i32, Value, Option<i32>)| r.0 == 0 && r.1["result"] == "pass" && r.2 == Some(0);
+    let ok = pass(&first)
+        && pass(&second)
+        && second.1["after_pause_ok"] == true
+        && before_resume
+        && resumed_with["windows"].as_u64().is_some_and(|n| n > 0)
+        && resumed_with["vectors"].as_u64().is_some_and(|n| n > 0)
+        && refused_move.is_some()
+        && attached["lease"]["id"] == "edu0"
+        && after_kill["restarts"] == 2
+        && removal == "completed"
+        && gone
+        && third.0 == 3
+        && third.1["result"] == "device-lost"
+        && third.2 == Some(0)
+        && lost.is_ok()
+        && ep["worker"]["device_lost"].is_string()
+        && daemon_alive;
+    if !ok {
+        println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 6000));
+    }
+    let view = |r: &(i32, Value, Option<i32>)| json!({"rc": r.0, "summary": r.1, "qemu_exit": r.2});
+    Ok(json!({
+        "ok": ok, "hosts": [a, b], "boards": boards,
+        "vm1_edu0": view(&first), "vm2_edu0": view(&second),
+        "killed_workers": [victim, victim2], "vm2_worker_after_kill": after_kill,
+        "second_kill_before_resume": before_resume, "resumed_with": resumed_with,
+        "move_refused": refused_move.map(|e| format!("{e:#}")),
+        "attached": attached["lease"],
+        "removal": removal, "remove_ms": remove_ms, "device_gone_from_l1": gone,
+        "vm2_remove": view(&third),
+        "boards_after": lost.unwrap_or(Value::Null), "vm2_worker": ep["worker"],
+        "daemon_alive": daemon_alive,
+    }))
+}
+
+/// What the last passthrough replacement in a daemon log resumed with: `{"windows": n,
+/// "vectors": n}` from its "worker resumed the connection" line (null when none).
+fn last_resume(log: &Path) -> Value {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let Some(line) = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("worker resumed the connection (passthrough"))
+    else {
+        return Value::Null;
+    };
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    json!({"windows": field("windows="), "vectors": field("vectors=")})
+}
+
+/// A stress form of `pool-edu`'s kill, for diagnosis: one passthrough endpoint whose L2 boots
+/// nine times, its worker killed at a range of delays after QEMU connected (once not at
+/// all); every boot must pass. Stops at the first failure, with the daemon's log.
+pub fn pool_edu_kills(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let a = edus.first().cloned().context("an edu")?;
+    let config = dir.join("pool.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[boards]]\nid = \"edu0\"\nmodel = \"vfio\"\nhost = \"{a}\"\n\n\
+             [[pools]]\nname = \"edus\"\nboards = [\"edu0\"]\n"
+        ),
+    )?;
+    let daemon = Daemon::start(dir, Some(&config))?;
+    let control = daemon.control.clone();
+    let vm = ctl(&control, &["create", "vm", "--pool", "edus"])?;
+    let socket = PathBuf::from(vm["endpoint"]["socket"].as_str().context("socket")?);
+    let delays = [
+        Some(0),
+        Some(0),
+        Some(50),
+        Some(150),
+        Some(400),
+        None,
+        Some(0),
+        Some(1000),
+        Some(0),
+    ];
+    let mut rounds = vec![];
+    let mut ok = true;
+    for (i, delay) in delays.iter().enumerate() {
+        let name = format!("vm-{i}");
+        let t = Instant::now();
+        let mut vm = qemu_l2(dir, &name, &socket, "sy-edu", &[])?;
+        let victim = procs::wait_for(Duration::from_secs(120), "the VMM connected", || {
+            let st = ctl(&control, &["endpoint", "vm"])?;
+            let w = &st["worker"];
+            Ok((w["connected"] == true)
+                .then(|| w["pid"].as_u64())
+                .flatten())
+        })?;
+        let connected_ms = t.elapsed().as_millis();
+        if let Some(d) = delay {
+            std::thread::sleep(Duration::from_millis(*d));
+            std::process::Command::new("kill")
+                .args(["-KILL", &victim.to_string()])
+                .status()?;
+        }
+        println!("NESTED: round {i}: connected after {connected_ms} ms, kill after {delay:?} ms");
+        let r = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ");
+        let pass = matches!(&r, Ok((0, s, Some(0))) if s["result"] == "pass");
+        println!("NESTED: round {i}: pass={pass} in {:?}: {r:?}", t.elapsed());
+        if !pass {
+            ok = false;
+            println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 20000));
+            println!("NESTED: qemu log:\n{}", tail(&vm.log, 4000));
+        }
+        drop(vm);
+        let _ = procs::wait_for(Duration::from_secs(60), "the VMM disconnected", || {
+            let st = ctl(&control, &["endpoint", "vm"])?;
+            Ok((st["worker"]["connected"] == false).then_some(()))
+        });
+        rounds.push(json!({"delay_ms": delay, "pass": pass, "connected_ms": connected_ms as u64}));
+        if !pass {
+            break;
+        }
+    }
+    Ok(json!({"ok": ok, "rounds": rounds}))
+}
+
+/// A pool daemon in L1 (`switchyard daemon`, its log in `dir/daemon.log`); stopped (SIGTERM)
+/// when dropped.
+struct Daemon {
+    child: std::process::Child,
+    control: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts it with `config` (or the embedded default pool) and waits for its control API.
+    fn start(dir: &Path, config: Option<&Path>) -> Result<Daemon> {
+        let log = dir.join("daemon.log");
+        let out = std::fs::File::create(&log)?;
+        let mut cmd = std::process::Command::new(SWITCHYARD);
+        cmd.arg("daemon");
+        if let Some(c) = config {
+            cmd.arg("--config").arg(c);
+        }
+        let child = cmd
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .env(
+                "RUST_LOG",
+                procs::SERVER_LOG.get().map_or("info", String::as_str),
+            )
+            .env("SWITCHYARD_WORKER_EXE", SWITCHYARD)
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("start switchyard daemon")?;
+        let daemon = Daemon {
+            child,
+            control: dir.join("run/control.sock"),
+            log,
+        };
+        procs::wait_for(
+            Duration::from_secs(60),
+            "the daemon's control socket",
+            || Ok(ctl(&daemon.control, &["pools"]).is_ok().then_some(())),
+        )?;
+        Ok(daemon)
+    }
+
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// `switchyard ctl --socket SOCKET --json ARGS...`, parsed.
+fn ctl(socket: &Path, args: &[&str]) -> Result<Value> {
+    let out = std::process::Command::new(SWITCHYARD)
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--json")
+        .args(args)
+        .output()
+        .context("run switchyard ctl")?;
+    if !out.status.success() {
+        bail!(
+            "switchyard ctl {args:?}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("ctl JSON")
+}
+
+/// The pool daemon in L1 serves a cloud-hypervisor L2 whose user space reads a softgpu register
+/// thousands of times while the endpoint's worker is killed (SIGKILL) again and again: every
+/// read returns the register's value (the VMM's socket never drops; the replacement worker
+/// serves the same connection) and cloud-hypervisor notices nothing.
+pub fn ch_pool(dir: &Path) -> Result<Value> {
+    let daemon = Daemon::start(dir, None)?;
+    let control = daemon.control.clone();
+    let log_path = daemon.log.clone();
+    let r = (|| -> Result<Value> {
+        let created = ctl(&control, &["create", "vm1", "--pool", "default"])?;
+        let socket = created["endpoint"]["socket"]
+            .as_str()
+            .context("the endpoint's socket")?
+            .to_owned();
+        // Twice this many reads (timed one by one, then as a batch): ~10 s at ~1 ms each.
+        let reads = "4000";
+        let args = [
+            "--id",
+            "1234:5347",
+            "--count",
+            reads,
+            "--expect",
+            "0x50475953",
+            "--label",
+            "pool",
+        ];
+        let mut spec = l2_spec("pool", l2_cmdline("sy-mmio", &args));
+        spec.user_devices = vec![UserDeviceConfig::new(&socket).id("gpu0")];
+        let mut vm = Vm::start(dir, spec)?;
+        vm.wait_line("GUEST: test sy-mmio start", L2_TIMEOUT)?;
+        let mut kills = 0u32;
+        let mut last_pid = None;
+        while kills < 3 && vm.find_line("SY-MMIO ").is_none() {
+            std::thread::sleep(Duration::from_millis(1000));
+            let st = ctl(&control, &["endpoint", "vm1"])?;
+            let w = &st["worker"];
+            let pid = w["pid"].as_u64();
+            // Kill only a worker that serves (the previous replacement is ready).
+            if w["ready"].as_u64() > Some(u64::from(kills)) && pid.is_some() && pid != last_pid {
+                let pid = pid.unwrap_or_default().to_string();
+                std::process::Command::new("kill")
+                    .args(["-KILL", &pid])
+                    .status()?;
+                println!("NESTED: killed worker {pid} (kill {})", kills + 1);
+                kills += 1;
+                last_pid = st["worker"]["pid"].as_u64();
+            }
+        }
+        let (rc, summary, exit) = l2_outcome(&mut vm, "sy-mmio", "SY-MMIO ")?;
+        let st = ctl(&control, &["endpoint", "vm1"])?;
+        let ok = rc == 0
+            && exit == Some(0)
+            && kills >= 2
+            && summary["mismatches"] == 0
+            && st["worker"]["restarts"].as_u64() >= Some(u64::from(kills));
+        if !ok {
+            println!("NESTED: daemon log tail:\n{}", tail(&log_path, 4000));
+        }
+        Ok(json!({
+            "ok": ok, "kills": kills, "reads": summary["count"], "mismatches": summary["mismatches"],
+            "read_ns": summary["read_ns"], "sy_mmio_rc": rc, "ch_exit": exit,
+            "worker": st["worker"],
+        }))
+    })();
+    drop(daemon);
+    r
+}

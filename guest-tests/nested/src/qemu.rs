@@ -1,0 +1,97 @@
+//! L2s under QEMU with KVM and a vIOMMU, so L2's user-space drivers use VFIO: the softgpu's
+//! full driver workload (`qemu-softgpu`) and L1's edu through switchyard's passthrough backend
+//! (`qemu-edu`).
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde_json::{Value, json};
+use switchyard_qemu::{Accel, QemuCommand, VfioUserDevice};
+
+use crate::l2::{L2_VERBOSE, l2_outcome};
+use crate::procs::{Server, Vm, tail};
+use crate::{
+    DEVICE, L2_INITRAMFS, L2_KERNEL, L2_MEMORY_MIB, QEMU, SWITCHYARD, bind_vfio, tail_text,
+};
+
+/// An L2 under QEMU (`-accel kvm`, in L1) with a vIOMMU (`intel-iommu`), so L2's user-space
+/// drivers use VFIO like on the single-level guests; the vfio-user device is at `socket`.
+pub fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str]) -> Result<Vm> {
+    // `nox2apic`: an L2 in x2APIC mode (its vIOMMU remaps interrupts) hit faults of L0's SVM
+    // emulation in most L1 boots (kernels crashing in their page fault handler, an L2 spinning
+    // with interrupts off); with the xAPIC, L2s have not (guest-tests/harness/src/nested.rs).
+    let mut append = String::from("console=ttyS0 panic=-1 quiet intel_iommu=on nox2apic");
+    if L2_VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
+        append = append.replace(" quiet", "");
+    }
+    append.push_str(&format!(" sy.test={test}"));
+    for a in args {
+        append.push_str(&format!(" sy.arg={a}"));
+    }
+    let cmd = QemuCommand::new(QEMU)
+        .accel(Accel::Kvm)
+        .cpu("host")
+        .memory_mib(L2_MEMORY_MIB)
+        .kernel(L2_KERNEL)
+        .initrd(L2_INITRAMFS)
+        .append(append)
+        .intel_iommu(true)
+        // A physical device's server pins all of L2's RAM for the IOMMU in the first DMA_MAP:
+        // seconds at TCG speed, past QEMU's 5 s default reply timeout.
+        .vfio_user_device(VfioUserDevice::new("dev0", socket).msg_timeout_ms(60_000));
+    Vm::start_qemu(dir, name, cmd)
+}
+/// The softgpu served in L1 to an L2 under QEMU with KVM and a vIOMMU: the in-guest driver's
+/// full VFIO workload (DMA through L2's IOMMU, MSI-X, VRAM through the mapped BAR).
+pub fn qemu_softgpu(dir: &Path) -> Result<Value> {
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "gpu-qemu", DEVICE)?;
+    let mut vm = qemu_l2(
+        dir,
+        "qemu",
+        &server.socket.clone(),
+        "sygpu-driver",
+        &["--quick"],
+    )?;
+    let (rc, summary, exit) = l2_outcome(&mut vm, "sygpu-driver", "SYGPU-SUMMARY ")?;
+    let server_alive = server.alive();
+    let log = server.log_text();
+    let ok = rc == 0 && exit == Some(0) && server_alive && summary["result"] == "pass";
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
+        println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
+    }
+    Ok(json!({
+        "ok": ok, "driver_rc": rc, "driver_summary": summary, "qemu_exit": exit,
+        "server_alive_after_vm": server_alive, "l2_total_s": vm.started.elapsed().as_secs_f64(),
+    }))
+}
+
+/// QEMU's edu, owned by L1 through VFIO and served by switchyard's passthrough backend to an L2
+/// under QEMU: L2's `sy-edu` drives it through VFIO in L2 (registers, factorial, MSI through
+/// the eventfds switchyard hands to VFIO, DMA into L2 memory both ways).
+pub fn qemu_edu(dir: &Path) -> Result<Value> {
+    let edus = bind_vfio("1234:11e8")?;
+    let bdf = edus.last().context("no edu")?.clone();
+    let device = format!("vfio,host={bdf}");
+    let mut server = Server::start(Path::new(SWITCHYARD), dir, "edu-qemu", &device)?;
+    let mut vm = qemu_l2(dir, "qemu-edu", &server.socket.clone(), "sy-edu", &[])?;
+    let (rc, summary, exit) = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let server_alive = server.alive();
+    let log = server.log_text();
+    let ok = rc == 0 && exit == Some(0) && server_alive && summary["result"] == "pass";
+    if !ok {
+        println!("NESTED: server log tail:\n{}", tail_text(&log, 3000));
+        println!("NESTED: QEMU log tail:\n{}", tail(&vm.log, 3000));
+    }
+    // What QEMU said about the device (refused DMA maps show up here).
+    let qemu_log = std::fs::read_to_string(&vm.log).unwrap_or_default();
+    let qemu_errors: Vec<&str> = qemu_log
+        .lines()
+        .filter(|l| l.contains("error") || l.contains("warning"))
+        .take(8)
+        .collect();
+    Ok(json!({
+        "ok": ok, "host_bdf": bdf, "edu_rc": rc, "edu_summary": summary, "qemu_exit": exit,
+        "server_alive_after_vm": server_alive, "qemu_messages": qemu_errors,
+    }))
+}
