@@ -2,6 +2,7 @@
 //! recording device kind with migration, swap, recovery and telemetry (no relocation) that
 //! logs what the suite did to it. Each mock also comes with faults, one per check, each of
 //! which that check (and only that check) must catch: the suite can fail.
+#![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,6 +1,7 @@
 //! A pool store written before device kinds opens with the daemon's kinds (the registry):
 //! the softgpu and passthrough boards it recorded get the canonical options of their kind,
 //! the same the configuration's boards get, so their leases are kept.
+#![forbid(unsafe_code)]
 
 use redb::{Database, TableDefinition};
 use serde_json::json;

@@ -1,6 +1,7 @@
 //! The device conformance suite (`switchyard-conformance`) on the softgpu kind, in both
 //! interrupt modes and both VRAM policies: VRAM the guest may map moves only detached (a
 //! client mapping cannot be re-pointed), VRAM it may not map moves under the client.
+#![forbid(unsafe_code)]
 
 use switchyard_conformance::{Groups, Moves, Subject, conformance_tests};
 use switchyard_softgpu::SoftGpuKind;

@@ -10,6 +10,7 @@
 //!
 //! Workers outlive their daemon by design, so every test kills the daemon and then every
 //! worker it recorded when it ends (`common::daemon::Daemon`'s drop).
+#![forbid(unsafe_code)]
 
 mod common;
 
