@@ -195,7 +195,7 @@ fn last_resume(log: &Path) -> Value {
     let Some(line) = text
         .lines()
         .rev()
-        .find(|l| l.contains("worker resumed the connection (passthrough"))
+        .find(|l| l.contains("worker resumed the connection"))
     else {
         return Value::Null;
     };
