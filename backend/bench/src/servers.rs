@@ -273,6 +273,7 @@ impl Keeper {
 
 fn keep(sock: &OwnedFd, received: &AtomicUsize) -> Result<()> {
     let mut held: BTreeMap<u64, OwnedFd> = BTreeMap::new();
+    let mut objects: BTreeMap<String, OwnedFd> = BTreeMap::new();
     let mut buf = Vec::new();
     loop {
         match custody::recv(sock, &mut buf) {
@@ -280,9 +281,18 @@ fn keep(sock: &OwnedFd, received: &AtomicUsize) -> Result<()> {
                 received.fetch_add(fds.len(), Ordering::Relaxed);
                 held.extend(ids.into_iter().zip(fds));
             }
+            Ok((Note::HoldObjects { names }, fds)) => {
+                received.fetch_add(fds.len(), Ordering::Relaxed);
+                objects.extend(names.into_iter().zip(fds));
+            }
             Ok((Note::Release { ids }, _)) => {
                 for id in ids {
                     held.remove(&id);
+                }
+            }
+            Ok((Note::ReleaseObjects { names }, _)) => {
+                for name in names {
+                    objects.remove(&name);
                 }
             }
             Ok((other, _)) => bail!("unexpected custody note {other:?}"),
