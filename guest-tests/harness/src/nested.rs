@@ -28,6 +28,11 @@
 //!   nothing more before it reboots. With bus mastering off the device cannot write guest
 //!   memory (the softgpu's engines are gated by it), so nothing of ours can have corrupted the
 //!   CPU state a triple fault needs (seen once in CI's cloud-hypervisor hot-plug scenario).
+//! * L1's kernel panics with `corrupted stack end detected inside scheduler` in a KVM vCPU
+//!   thread (`Comm: vcpu0`) of an L2's VMM: the kernel stack of the thread that runs the L2 was
+//!   overwritten below its end. User space (a VMM, Switchyard) cannot write a kernel stack; the
+//!   thread was in KVM's world switch (seen once in CI's cloud-hypervisor pool scenario, right
+//!   after its L2 started).
 //!
 //! [`boot_nested`] boots L1 again after any of these signatures (at most [`NESTED_ATTEMPTS`] boots in
 //! all), says so on stderr (`NESTED-FAULT:`, shown even when the test passes) and keeps each
@@ -143,6 +148,9 @@ pub fn nested_fault(serial: &str) -> Option<String> {
     if let Some(f) = l2_triple_fault_after_its_driver(&lines) {
         return Some(f);
     }
+    if let Some(f) = l1_vcpu_stack_corrupted(&lines) {
+        return Some(f);
+    }
     // L2 spinning in its kernel with interrupts off, its VMM alive (the diagnosis sy-nested
     // prints when an L2 stops making progress).
     lines
@@ -157,6 +165,26 @@ pub fn nested_fault(serial: &str) -> Option<String> {
                 .collect();
             l2_spinning(header, &block)
         })
+}
+
+/// L1's kernel stack-end check firing in a KVM vCPU thread (see the module docs).
+fn l1_vcpu_stack_corrupted(lines: &[&str]) -> Option<String> {
+    const PANIC: &str = "Kernel panic - not syncing: corrupted stack end detected inside scheduler";
+    lines.iter().enumerate().find_map(|(i, l)| {
+        if l.starts_with("L2[") || !l.contains(PANIC) {
+            return None;
+        }
+        let comm = lines[i + 1..]
+            .iter()
+            .take(3)
+            .find_map(|b| b.split_once(" Comm: "))
+            .and_then(|(_, rest)| rest.split_whitespace().next())?;
+        comm.starts_with("vcpu").then(|| {
+            format!(
+                "L1's kernel found the stack of {comm} (an L2's vCPU thread, in KVM) corrupted: {l}"
+            )
+        })
+    })
 }
 
 /// What cloud-hypervisor logs when KVM reports its guest's shutdown (a triple fault).
@@ -232,6 +260,30 @@ fn l2_spinning(header: &str, block: &[&str]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::{TRIPLE_FAULT, nested_fault};
+
+    /// L1, CI: an L2's cloud-hypervisor vCPU thread, right after the L2 started.
+    const L1_VCPU_STACK: &str = "\
+NESTED: start /usr/bin/cloud-hypervisor --kernel /l2/vmlinux --user-device socket=/tmp/vm1.sock,id=gpu0
+[   45.175589] Kernel panic - not syncing: corrupted stack end detected inside scheduler
+[   45.176519] CPU: 0 UID: 0 PID: 245 Comm: vcpu0 Not tainted 6.12.117+deb13-amd64 #1  Debian 6.12.117-1
+[   45.177025] Hardware name: QEMU Standard PC (Q35 + ICH9, 2009), BIOS 1.17.0-debian-1.17.0-1~bpo13+1 04/01/2014
+[   45.179203]  panic+0x118/0x2db
+";
+
+    #[test]
+    fn a_corrupted_vcpu_thread_stack_in_l1_is_a_nested_fault_and_only_in_a_vcpu_thread() {
+        let f = nested_fault(L1_VCPU_STACK).expect("a nested fault");
+        assert!(f.contains("vcpu0"), "{f}");
+        // The same panic in any other thread (Switchyard's, a VMM's main thread) is not.
+        let other = L1_VCPU_STACK.replace("Comm: vcpu0", "Comm: switchyard");
+        assert_eq!(nested_fault(&other), None);
+        // Nor in an L2's kernel.
+        let l2: String = L1_VCPU_STACK
+            .lines()
+            .map(|l| format!("L2[pool]: {l}\n"))
+            .collect();
+        assert_eq!(nested_fault(&l2), None);
+    }
 
     /// L1, CI: the KVM vCPU thread of an L2's QEMU.
     const L1_OOPS: &str = "\
