@@ -7,13 +7,14 @@ use anyhow::Context;
 use serde_json::Value;
 use switchyard_control::{ControlClient, ControlError};
 use switchyard_daemon::app::api::{DrainResult, EndpointStatus, MoveResult, WorkerReplaced};
-use switchyard_pool::{BoardView, ByteSize, DeviceShape, EndpointSpec, PoolView};
+use switchyard_pool::{BoardState, BoardView, ByteSize, DeviceShape, EndpointSpec, PoolView};
 
 #[derive(Debug, clap::Args)]
 pub struct CtlArgs {
     /// The daemon's control socket.
     #[arg(
         long,
+        global = true,
         value_name = "PATH",
         default_value = "/run/switchyard/control.sock"
     )]
@@ -200,7 +201,13 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
                         b.id.clone(),
                         d.id.clone(),
                         model,
-                        d.state.to_string(),
+                        // A device on an available board is `leased` or `reserved` (for a
+                        // move) when it is not free.
+                        match (d.state, &d.endpoint, &d.reserved_for) {
+                            (BoardState::Available, Some(_), _) => "leased".into(),
+                            (BoardState::Available, None, Some(_)) => "reserved".into(),
+                            (state, ..) => state.to_string(),
+                        },
                         dash(b.pool.as_deref()),
                         vram,
                         queues,

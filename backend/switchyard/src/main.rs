@@ -36,8 +36,8 @@ Exit codes: 0 clean shutdown (SIGTERM, SIGINT or SIGHUP: the message in progress
 and the socket removed), 1 runtime error (e.g. the socket cannot be bound, the device cannot be
 created), 2 bad arguments (a one-line error; no arguments at all print the usage).";
 
-/// Switchyard: a vfio-user backend that serves PCI devices (the software GPU today) to VMs
-/// over a UNIX socket. Point QEMU at the socket with
+/// Switchyard: a vfio-user backend serving software and physical GPUs to VMs: one device on a
+/// UNIX socket (`serve`), or a pool of them (`daemon`, `ctl`). Point QEMU at a socket with
 /// `-device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":"PATH"}}'` (guest RAM
 /// must be a shared memory backend, e.g. `memory-backend-memfd,share=on`), or cloud-hypervisor
 /// with `--user-device socket=PATH` and `--memory ...,shared=on`.
@@ -211,7 +211,11 @@ fn main() -> ExitCode {
                 .lines()
                 .take_while(|l| !l.starts_with("Usage:"))
                 .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .filter(|l| {
+                    !l.is_empty()
+                        && !l.starts_with("tip:")
+                        && !l.starts_with("For more information")
+                })
                 .collect();
             eprintln!("{} (see `switchyard --help`)", line.join(" "));
             return ExitCode::from(2);

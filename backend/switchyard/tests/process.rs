@@ -180,6 +180,10 @@ fn exit_codes_bad_arguments_2_runtime_error_1() {
     let err = text(&out.stderr);
     assert_eq!(err.lines().count(), 1, "one line: {err}");
     assert!(err.contains("Unknown device kind `nonsense`"), "{err}");
+    assert!(
+        !err.contains("For more information"),
+        "one hint, ours, not clap's run into the message: {err}"
+    );
 
     let dir = tempfile::tempdir().expect("tempdir");
     let missing = dir.path().join("no-such-dir/gpu.sock");
