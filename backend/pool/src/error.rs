@@ -70,7 +70,8 @@ pub enum PoolError {
         /// Why it is refused.
         reason: &'static str,
     },
-    /// A request that names both or neither of a pool and a device.
+    /// A request that names both or neither of a pool and a device (neither is fine when the
+    /// configuration has one pool).
     #[error("Give either a pool or a device{0}")]
     BadPlacement(&'static str),
 
@@ -109,7 +110,7 @@ pub enum PoolError {
         state: crate::BoardState,
     },
     /// No free, available device of the pool meets the requirements.
-    #[error("No free device in pool \"{pool}\" has at least {} of VRAM and {min_queues} queues", Size(*.min_vram))]
+    #[error("No free device in pool \"{pool}\"{}", wanted(*.min_vram, *.min_queues))]
     NoCapacity {
         /// The pool.
         pool: String,
@@ -469,5 +470,16 @@ impl fmt::Display for Line {
             Some(l) => write!(f, " (line {l})"),
             None => Ok(()),
         }
+    }
+}
+
+/// What a refused lease asked for, for [`PoolError::NoCapacity`]: ` has at least 1 GiB of
+/// VRAM and 4 queues`, one of the two, or nothing when it asked for neither.
+fn wanted(min_vram: u64, min_queues: u32) -> String {
+    match (min_vram, min_queues) {
+        (0, 0) => String::new(),
+        (v, 0) => format!(" has at least {} of VRAM", Size(v)),
+        (0, q) => format!(" has at least {q} queues"),
+        (v, q) => format!(" has at least {} of VRAM and {q} queues", Size(v)),
     }
 }

@@ -126,7 +126,7 @@ fn pool_leases_go_to_the_first_free_device_meeting_the_requirements() {
     let e = refused(&mut inv, ErrorKind::Conflict, |i| i.create_endpoint(&spec));
     assert_eq!(
         e.to_string(),
-        "No free device in pool \"parts\" has at least 256 MiB of VRAM and 0 queues"
+        "No free device in pool \"parts\" has at least 256 MiB of VRAM"
     );
     let spec = EndpointSpec {
         min_queues: Some(3),
@@ -247,6 +247,7 @@ fn endpoint_ids_sockets_and_placement_are_checked() {
         id: "vm2".into(),
         ..EndpointSpec::default()
     };
+    // Several pools: which one is the caller's to say.
     refused(&mut inv, ErrorKind::Invalid, |i| {
         i.create_endpoint(&neither)
     });
@@ -278,6 +279,29 @@ fn endpoint_ids_sockets_and_placement_are_checked() {
     assert_eq!(
         inv.endpoint("vm3").expect("vm3").socket.to_str(),
         Some("/tmp/own.sock")
+    );
+}
+
+#[test]
+fn with_one_pool_an_endpoint_needs_no_placement() {
+    let config = PoolConfig::from_toml(
+        "[[boards]]\nid = \"g0\"\n[[boards]]\nid = \"g1\"\n[[pools]]\nname = \"only\"\nboards = [\"g0\", \"g1\"]\n",
+        KINDS,
+    )
+    .expect("config");
+    let (mut inv, _, _) = Inventory::from_config(&config, KINDS).expect("inventory");
+    let spec = EndpointSpec {
+        id: "vm1".into(),
+        ..EndpointSpec::default()
+    };
+    inv.create_endpoint(&spec)
+        .expect("leases from the only pool");
+    assert_eq!(lease(&inv, "vm1").as_deref(), Some("g0"));
+    let e = inv.endpoint("vm1").expect("endpoint");
+    assert_eq!(
+        e.pool.as_deref(),
+        Some("only"),
+        "attach falls back on it later"
     );
 }
 

@@ -181,7 +181,13 @@ impl Inventory {
             min_vram: spec.min_vram.unwrap_or(0),
             min_queues: spec.min_queues.unwrap_or(0),
         };
-        let device = match (&spec.pool, &spec.device) {
+        // Neither: the pool, when there is only one.
+        let only_pool = match (&spec.pool, &spec.device, self.pools.as_slice()) {
+            (None, None, [(name, _)]) => Some(name.clone()),
+            _ => None,
+        };
+        let pool_name = spec.pool.clone().or(only_pool);
+        let device = match (&pool_name, &spec.device) {
             (Some(_), Some(_)) => return Err(PoolError::BadPlacement(", not both")),
             (None, None) => return Err(PoolError::BadPlacement("")),
             (Some(pool), None) => self.select(pool, &requirements)?,
@@ -191,7 +197,7 @@ impl Inventory {
             id: spec.id.clone(),
             socket: socket.clone(),
             requirements,
-            pool: spec.pool.clone(),
+            pool: pool_name,
             device: Some(device.clone()),
             moving_to: None,
             created_unix_ms: now_unix_ms(),

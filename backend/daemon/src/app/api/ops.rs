@@ -182,7 +182,7 @@ impl Daemon {
                 ApiError::conflict(
                     "connected",
                     format!(
-                        "A VM uses endpoint \"{id}\": register its VMM (PUT /v1/endpoints/{id}/vmm) so that the device can be unplugged first"
+                        "A VM uses endpoint \"{id}\": register its VMM (`switchyard ctl vmm {id} --qmp PATH --device-id ID`, or PUT /v1/endpoints/{id}/vmm) so that the device can be unplugged first"
                     ),
                 )
             })?;
@@ -324,8 +324,8 @@ impl Daemon {
             return Err(ApiError::conflict(
                 "mapped_vram",
                 format!(
-                    "Endpoint \"{}\" lets its guest map VRAM (vram_mmap = true): a mapping cannot be re-pointed under the guest, so it moves guest-visibly through its VMM; register the VMM first (PUT /v1/endpoints/{}/vmm)",
-                    plan.endpoint, plan.endpoint
+                    "Endpoint \"{0}\" lets its guest map VRAM (vram_mmap = true): a mapping cannot be re-pointed under the guest, so it moves guest-visibly through its VMM; register the VMM first (`switchyard ctl vmm {0} --qmp PATH --device-id ID`, or PUT /v1/endpoints/{0}/vmm)",
+                    plan.endpoint
                 ),
             ));
         }
