@@ -265,6 +265,11 @@ pub enum Note {
         /// it moved nothing, and from workers of earlier releases.
         #[serde(default)]
         last_move: Option<LastMove>,
+        /// Workers the endpoint had started before this one ([`Note::Start`]'s `restarts`),
+        /// so that an adopting daemon counts on from there. `None` from workers of earlier
+        /// releases.
+        #[serde(default)]
+        restarts: Option<u64>,
     },
     /// The worker refused to be adopted.
     AdoptRefused {
@@ -297,6 +302,10 @@ pub enum Note {
         /// none from a supervisor that has none.
         #[serde(default)]
         fd_budget: Option<u32>,
+        /// Workers the endpoint started before this one (its restarts so far), for a daemon
+        /// that adopts this worker later to count on.
+        #[serde(default)]
+        restarts: u64,
     },
     /// A replacement could not restore all of what the client had been told succeeded (a
     /// DMA window, an interrupt eventfd): it serves, but the client's state is not whole

@@ -57,6 +57,8 @@ struct Inner {
     replacement: Option<StartMode>,
     /// The last move and how it stands (told to an adopting supervisor).
     last_move: Option<LastMove>,
+    /// The endpoint's restarts before this worker (told to an adopting supervisor).
+    restarts: u64,
 }
 
 /// See the [module](self) documentation.
@@ -102,6 +104,7 @@ impl Keeper {
                 objects: held_objects,
                 replacement: None,
                 last_move: None,
+                restarts: 0,
             }),
             changed: Condvar::new(),
             move_wait: ADOPT_MOVE_WAIT,
@@ -176,6 +179,12 @@ impl Keeper {
             Self::send_locked(&mut g, &Note::HoldObjects { names }, &fds);
         }
         Ok(())
+    }
+
+    /// Records the endpoint's restarts before this worker ([`Note::Start`]), for an adopting
+    /// supervisor.
+    pub fn set_restarts(&self, restarts: u64) {
+        self.lock().restarts = restarts;
     }
 
     /// The names of the memory objects in custody.
@@ -347,6 +356,7 @@ impl Keeper {
                 pid: std::process::id(),
                 replacement: g.replacement,
                 last_move: g.last_move.clone(),
+                restarts: Some(g.restarts),
             },
             &[],
         )?;
@@ -501,6 +511,7 @@ mod tests {
         let (vram, next, bells) = (memfd(), memfd(), memfd());
         let objects = BTreeMap::from([("k.vram".to_owned(), vram.try_clone().expect("dup"))]);
         let keeper = Keeper::new("ep", worker1, &handed, &objects).expect("keeper");
+        keeper.set_restarts(3);
         keeper
             .hold(&[10, 11], &[b.as_fd(), c.as_fd()])
             .expect("hold");
@@ -545,8 +556,9 @@ mod tests {
                 pid: std::process::id(),
                 replacement: Some(StartMode::Resume),
                 last_move: None,
+                restarts: Some(3),
             },
-            "the adopting supervisor learns how a replacement starts"
+            "the adopting supervisor learns how a replacement starts and the restarts so far"
         );
         let got: Vec<(u64, u64)> = held.iter().map(|(id, fd)| (*id, ino(fd))).collect();
         assert_eq!(got, vec![(1, ino(&a)), (12, ino(&d))]);
@@ -744,6 +756,7 @@ mod tests {
                 pid: 7,
                 replacement: Some(StartMode::Resume),
                 last_move: None,
+                restarts: None,
             }
         );
     }

@@ -57,6 +57,7 @@ struct Start {
     objects: BTreeMap<String, OwnedFd>,
     adopt_dir: Option<PathBuf>,
     fd_budget: Option<u32>,
+    restarts: u64,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -75,6 +76,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 device,
                 adopt_dir,
                 fd_budget,
+                restarts,
             } => {
                 // A spec is checked where it is made; a worker checks it again (a note is
                 // only JSON).
@@ -90,6 +92,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     objects,
                     adopt_dir: adopt_dir.map(PathBuf::from),
                     fd_budget,
+                    restarts,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -122,6 +125,7 @@ pub fn run(
         &start.held,
         &start.objects,
     )?);
+    keeper.set_restarts(start.restarts);
     if let Some(dir) = &start.adopt_dir {
         let path = adoption_path(dir, std::process::id());
         if let Err(e) = keeper.serve_adoptions(path.clone()) {

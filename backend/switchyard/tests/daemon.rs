@@ -58,6 +58,28 @@ fn default_pool_endpoints_and_restarts_under_a_workload() {
     let vm1 = d.endpoint("vm1");
     assert_eq!(vm1["endpoint"]["device"], "gpu0");
     assert_eq!(vm1["worker"]["state"], "running");
+    // `--socket` after the subcommand as well; a leased device says so.
+    let out = Command::new(EXE)
+        .args(["ctl", "boards", "--socket"])
+        .arg(d.socket())
+        .output()
+        .expect("ctl boards --socket");
+    assert!(out.status.success(), "{out:?}");
+    let boards = String::from_utf8_lossy(&out.stdout);
+    for gpu in ["gpu0", "gpu1"] {
+        let line = boards.lines().find(|l| l.starts_with(gpu)).expect(gpu);
+        assert!(line.contains(" leased "), "{line}");
+    }
+    // One pool: `create` needs no --pool; when nothing is free the refusal names no
+    // requirement nobody asked for.
+    let out = d.ctl(&["create", "vm3"]);
+    assert!(!out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("No free device in pool \"default\""), "{err}");
+    assert!(
+        !err.contains("0 bytes") && !err.contains("0 queues"),
+        "{err}"
+    );
     let vm2 = d.endpoint("vm2");
 
     let mut a = connect(&socket_of(&vm1));
@@ -548,6 +570,12 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
     assert_eq!(d.endpoint("vm2")["worker"]["state"], "orphaned");
     assert_eq!(d.endpoint("vm1")["worker"]["state"], "running");
     assert_eq!(d.endpoint("vm1")["worker"]["pid"], vm1["worker"]["pid"]);
+    // The restart count goes on from the last daemon's (it was 1, the `ctl restart`).
+    assert_eq!(
+        d.endpoint("vm1")["worker"]["restarts"],
+        vm1["worker"]["restarts"]
+    );
+    assert_eq!(vm1["worker"]["restarts"], 1, "{vm1}");
     let out = d.ctl(&["restart", "vm2"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("orphaned"));

@@ -340,6 +340,7 @@ fn fake_adoption_socket(workers: &Path, pid: u32, scratch: &Path) -> mpsc::Recei
             pid,
             replacement: None,
             last_move: None,
+            restarts: None,
         };
         let _ = custody::send(&conn, &adopted, &[]);
     });

@@ -46,6 +46,7 @@ impl Supervisor {
             objects,
             replacement,
             last_move,
+            restarts,
         } = adopt_from(&path, &spec.id, pid)
             .map_err(|e| failed(format!("{}: {e}", path.display())))?;
         // A worker of an earlier release holds its memory objects by id.
@@ -81,7 +82,9 @@ impl Supervisor {
             socket,
             status: Mutex::new(WorkerStatus {
                 pid: Some(pid),
-                ready: 1,
+                // The count goes on from the last daemon's: the worker has been ready.
+                restarts,
+                ready: restarts + 1,
                 held: held.len() + objects.len(),
                 client_fds: client,
                 connected,
@@ -137,6 +140,8 @@ struct Adoption {
     replacement: Option<crate::custody::StartMode>,
     /// Its last move, as it said.
     last_move: Option<LastMove>,
+    /// The endpoint's restarts before the worker (0 from workers of earlier releases).
+    restarts: u64,
 }
 
 /// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
@@ -196,11 +201,13 @@ fn adopt_from(path: &Path, endpoint: &str, pid: u32) -> Result<Adoption, custody
                 Note::Adopted {
                     replacement,
                     last_move,
+                    restarts,
                     ..
                 },
                 _,
             ) => {
                 return Ok(Adoption {
+                    restarts: restarts.unwrap_or(0),
                     channel: sock,
                     held,
                     objects,
@@ -243,6 +250,7 @@ mod adopt_from_tests {
                     pid,
                     replacement: None,
                     last_move: None,
+                    restarts: None,
                 },
                 &[],
             )

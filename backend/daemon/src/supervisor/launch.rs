@@ -275,6 +275,7 @@ fn hand_over(
             device: ep.spec.device.clone(),
             adopt_dir: launch.adopt_dir.map(|d| d.display().to_string()),
             fd_budget: launch.fd_budget,
+            restarts: ep.status().restarts,
         },
         &[],
     )

@@ -37,7 +37,8 @@ pub struct WorkerView {
     pub state: WorkerState,
     /// The current worker's pid (an orphan's when it is known).
     pub pid: Option<u32>,
-    /// Workers started after the first (crashes, restarts, upgrades) under this daemon.
+    /// Workers started after the first (crashes, restarts, upgrades), counted on across
+    /// daemon restarts (an adopted worker says how many came before it).
     pub restarts: u64,
     /// Workers that reported serving.
     pub ready: u64,
