@@ -1,6 +1,7 @@
 //! The custody ledger: a worker's notes on its channel (what it holds and releases, its
 //! readiness, stats, moves), kept in the endpoint's held descriptors and status.
 
+use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
@@ -39,7 +40,9 @@ pub(super) fn serve_notes(
                 for (id, fd) in ids.into_iter().zip(fds) {
                     // A worker of an earlier release holds its memory objects by id.
                     match legacy_object(id) {
-                        Some(name) => hold_object(ep, name.to_owned(), fd),
+                        Some(name) => {
+                            hold_object(ep, name.to_owned(), fd);
+                        }
                         None => pairs.push((id, fd)),
                     }
                 }
@@ -113,8 +116,22 @@ pub(super) fn serve_notes(
                 ep.mv_changed.notify_all();
             }
             Ok((Note::HoldObjects { names }, fds)) => {
+                let mut refused = 0u64;
                 for (name, fd) in names.into_iter().zip(fds) {
-                    hold_object(ep, name, fd);
+                    if !hold_object(ep, name, fd) {
+                        refused += 1;
+                    }
+                }
+                if refused > 0 {
+                    ep.status().refused_fds += refused;
+                    if over_budget.allow() {
+                        tracing::error!(
+                            pid,
+                            refused,
+                            limit = MAX_OBJECTS,
+                            "the worker put more memory objects in custody than any device has; refused"
+                        );
+                    }
                 }
             }
             Ok((Note::ReleaseObjects { names }, _)) => ep.change_objects(|objects| {
@@ -247,13 +264,58 @@ fn adopted_move_replaced(ep: &Endpoint, sink: &EventSink) {
 /// Holds `fd` as the memory object `name`. A pending object (a relocation's target,
 /// [`switchyard_device::kind::pending_object`]) is what a move copies to: its identity tells,
 /// should the worker die, whether its replacement runs the device there.
-fn hold_object(ep: &Endpoint, name: String, fd: OwnedFd) {
-    if let Some(base) = name.strip_suffix(switchyard_device::kind::PENDING_SUFFIX)
-        && let Some(identity) = file_identity(&fd)
-    {
-        ep.mv().target = Some((base.to_owned(), identity));
+/// Returns false, holding nothing, when the endpoint holds [`MAX_OBJECTS`] other objects
+/// already (a worker that does is broken: a device names a few).
+fn hold_object(ep: &Endpoint, name: String, fd: OwnedFd) -> bool {
+    let target = name
+        .strip_suffix(switchyard_device::kind::PENDING_SUFFIX)
+        .and_then(|base| Some((base.to_owned(), file_identity(&fd)?)));
+    let held = ep.change_objects(|objects| admit_object(objects, name, fd));
+    if held && let Some(target) = target {
+        ep.mv().target = Some(target);
     }
-    ep.change_objects(|objects| {
-        objects.insert(name, fd);
-    });
+    held
+}
+
+/// Puts `fd` under `name` in `objects`, replacing what was there, unless that would make more
+/// than [`MAX_OBJECTS`] (then `fd` is closed and nothing changes).
+fn admit_object(objects: &mut BTreeMap<String, OwnedFd>, name: String, fd: OwnedFd) -> bool {
+    if objects.len() >= MAX_OBJECTS && !objects.contains_key(&name) {
+        return false;
+    }
+    objects.insert(name, fd);
+    true
+}
+
+/// Most memory objects one endpoint's custody holds (a device names a few: VRAM, a doorbell
+/// page; twice that during a move).
+pub(super) const MAX_OBJECTS: usize = 64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd() -> OwnedFd {
+        rustix::fs::memfd_create("ledger-test", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd")
+    }
+
+    #[test]
+    fn custody_holds_a_bounded_number_of_memory_objects_and_replaces_by_name() {
+        let mut objects = BTreeMap::new();
+        for i in 0..MAX_OBJECTS {
+            assert!(admit_object(&mut objects, format!("k.o{i}"), memfd()));
+        }
+        assert!(!admit_object(
+            &mut objects,
+            "k.one-too-many".into(),
+            memfd()
+        ));
+        assert_eq!(objects.len(), MAX_OBJECTS);
+        // A name already held is replaced, even at the bound.
+        let next = memfd();
+        let ino = rustix::fs::fstat(&next).expect("fstat").st_ino;
+        assert!(admit_object(&mut objects, "k.o0".into(), next));
+        let held = rustix::fs::fstat(&objects["k.o0"]).expect("fstat").st_ino;
+        assert_eq!(held, ino);
+    }
 }
