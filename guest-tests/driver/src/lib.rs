@@ -78,12 +78,11 @@ use summary::{Interrupts, Summary};
 /// The whole run is bounded by this many `--timeout`s (default 60 s -> 10 minutes).
 pub const WATCHDOG_TIMEOUTS: u32 = 10;
 
-/// Prints one progress line `SYGPU: ...` (flushed, newlines folded).
+/// Prints one progress line `SYGPU: ...` (newlines folded). `println!`, not a write to a
+/// locked stdout: stdout is line-buffered, so the line is flushed whole, and the unit tests'
+/// harness captures it instead of printing it among the test results.
 pub fn emit(line: &str) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "SYGPU: {}", line.replace('\n', " "));
-    let _ = out.flush();
+    println!("SYGPU: {}", line.replace('\n', " "));
 }
 
 /// `say!("fmt", args)`: a progress line.
@@ -105,10 +104,7 @@ fn print_final(line: &str) -> bool {
     {
         return false;
     }
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
+    println!("{line}");
     true
 }
 
