@@ -10,7 +10,9 @@
 #   modules/load-order module names in dependency order (insmod order)
 #   modules/nested-order the KVM modules (ccp, kvm, kvm_amd) an L1 guest loads to be a host,
 #                      in insmod order (their .ko files are in modules/ too)
-#   ch/                cloud-hypervisor and ch-remote (static v54), copied from SWITCHYARD_CH_DIR
+#   ch/                cloud-hypervisor and ch-remote (static v54), copied from SWITCHYARD_CH_DIR;
+#                      optional (docs/cloud-hypervisor.md): when none is found, ch/ is removed, a
+#                      WARNING line names the tests that will NOT RUN, and everything else works
 #   busybox            busybox-static from trixie
 #   stamp              recipe + exact package versions; a matching stamp makes a re-run a no-op
 #
@@ -29,7 +31,9 @@
 #   DEBIAN_MIRROR              Debian mirror URI (default: the first Debian URI in /etc/apt sources)
 #   SWITCHYARD_CH_DIR          directory with static cloud-hypervisor v54 + ch-remote (default: the
 #                              first of <repo>/../shared/tools/cloud-hypervisor and
-#                              /work/shared/tools/cloud-hypervisor that exists); no registry ships them
+#                              /work/shared/tools/cloud-hypervisor that has them; none: go without);
+#                              `off`: go without it. No registry ships them: docs/cloud-hypervisor.md
+#   CI                         true or 1: a missing cloud-hypervisor is an error (CI runs every test)
 set -euo pipefail
 
 RECIPE=2                       # bump when the cache layout or contents change
@@ -49,7 +53,9 @@ for a in "$@"; do
 done
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-CACHE=${SWITCHYARD_CACHE:-$REPO/.cache/vmtools}
+# shellcheck source=scripts/lib/cloud-hypervisor.sh
+. "$REPO/scripts/lib/cloud-hypervisor.sh"
+CACHE=$(sy_cache "$REPO")
 KFLAVOR=${SWITCHYARD_KFLAVOR:-amd64}
 case $KFLAVOR in amd64|cloud-amd64) ;; *) die "SWITCHYARD_KFLAVOR must be amd64 or cloud-amd64, not '$KFLAVOR'" ;; esac
 mkdir -p "$CACHE"
@@ -105,7 +111,11 @@ print_versions() {
   echo "  busybox-static  $(stamp_get busybox_version)"
   echo "  guest modules   $(tr '\n' ' ' < "$CACHE/modules/load-order" 2>/dev/null)"
   echo "  nested modules  $(tr '\n' ' ' < "$CACHE/modules/nested-order" 2>/dev/null)"
-  echo "  cloud-hypervisor ${CH_BANNER:-?} (+ ch-remote) in $CACHE/ch"
+  if [ -n "$CH_BANNER" ]; then
+    echo "  cloud-hypervisor $CH_BANNER (+ ch-remote) in $CACHE/ch"
+  else
+    echo "  cloud-hypervisor: not installed ($CH_ABSENT; NOT RUN: $(sy_ch_not_run); see docs/cloud-hypervisor.md)"
+  fi
   echo "  mirror          $(stamp_get mirror) (trixie, trixie-backports)"
 }
 outputs_ok() {
@@ -113,18 +123,40 @@ outputs_ok() {
     [ -s "$CACHE/modules/load-order" ] && [ -s "$CACHE/modules/nested-order" ] &&
     [ -d "$CACHE/prefix/usr/bin" ]
 }
-# cloud-hypervisor: not in any package registry we reach, so it comes as static binaries from a
-# tools directory; copied into the cache (checked on every run, cheap) so tests use one path.
+# cloud-hypervisor (optional, docs/cloud-hypervisor.md): not in any package registry we reach, so
+# it comes as static binaries from a tools directory; copied into the cache (checked on every run,
+# cheap) so tests use one path. A cloud-hypervisor that is found but is not v54 is an error.
 CH_VERSION_WANT="cloud-hypervisor v54."
+CH_BANNER=""
+CH_ABSENT=""
+ch_absent() {  # ch_absent WHY: go without it (an error under CI); say loudly what will not run
+  case ${CI:-} in
+    true|1) die "cloud-hypervisor v54 + ch-remote: $1; with CI=${CI} every test runs, those that need them too: set SWITCHYARD_CH_DIR (docs/cloud-hypervisor.md)" ;;
+  esac
+  rm -rf "$CACHE/ch"   # a stale copy would make the tests expect it
+  CH_ABSENT=$1
+  echo "setup.sh: WARNING: cloud-hypervisor NOT installed ($1); these will NOT RUN: $(sy_ch_not_run); to run them set SWITCHYARD_CH_DIR to a directory with static cloud-hypervisor v54 + ch-remote (docs/cloud-hypervisor.md)" >&2
+}
 install_ch() {
-  local src=${SWITCHYARD_CH_DIR:-} d
+  local src=${SWITCHYARD_CH_DIR:-} d looked=""
+  if [ "$src" = off ]; then
+    ch_absent "disabled by SWITCHYARD_CH_DIR=off"
+    return 0
+  fi
   if [ -z "$src" ]; then
     for d in "$REPO/../shared/tools/cloud-hypervisor" /work/shared/tools/cloud-hypervisor; do
-      [ -x "$d/cloud-hypervisor" ] && { src=$d; break; }
+      d=$(realpath -m "$d")
+      looked+="${looked:+, }$d"
+      [ -e "$d/cloud-hypervisor" ] && { src=$d; break; }
     done
+    if [ -z "$src" ]; then
+      ch_absent "not found: SWITCHYARD_CH_DIR is unset and none in $looked"
+      return 0
+    fi
   fi
-  [ -n "$src" ] && [ -x "$src/cloud-hypervisor" ] && [ -x "$src/ch-remote" ] ||
-    die "cloud-hypervisor v54 + ch-remote not found (looked in \${SWITCHYARD_CH_DIR:-<repo>/../shared/tools/cloud-hypervisor, /work/shared/tools/cloud-hypervisor}); set SWITCHYARD_CH_DIR"
+  if ! [ -x "$src/cloud-hypervisor" ] || ! [ -x "$src/ch-remote" ]; then
+    die "$src has no executable cloud-hypervisor and ch-remote (set SWITCHYARD_CH_DIR to a directory with both, or to off to go without; docs/cloud-hypervisor.md)"
+  fi
   mkdir -p "$CACHE/ch"
   for f in cloud-hypervisor ch-remote; do
     cmp -s "$src/$f" "$CACHE/ch/$f" 2>/dev/null || install -m 755 "$src/$f" "$CACHE/ch/$f"
@@ -134,7 +166,7 @@ install_ch() {
   # `sed -n 1p`, not `head -1`: head exits after one line and the writer, still printing, dies
   # of the closed pipe (cloud-hypervisor panics: exit 101), which pipefail makes fatal.
   v=$("$CACHE/ch/cloud-hypervisor" --version 2>&1 | sed -n 1p)
-  case $v in "$CH_VERSION_WANT"*) ;; *) die "$src/cloud-hypervisor says '$v', want $CH_VERSION_WANT*" ;; esac
+  case $v in "$CH_VERSION_WANT"*) ;; *) rm -rf "$CACHE/ch"; die "$src/cloud-hypervisor says '$v', want $CH_VERSION_WANT* (docs/cloud-hypervisor.md)" ;; esac
   CH_BANNER=$v
 }
 want_ok() {  # pins requested through the environment match the stamp
