@@ -10,6 +10,8 @@
 #   --strip            strip the symbols of every ELF program --add puts in /usr/bin or /usr/sbin
 #   --nested           an L1 image that plays a host: the KVM modules (/lib/modules/nested/, loaded
 #                      by /tests/nested.sh) and cloud-hypervisor + ch-remote (/usr/bin) from the cache
+#                      when it has them (optional, docs/cloud-hypervisor.md: without them the image
+#                      is built all the same, and its L2s run only under QEMU)
 # Environment:
 #   SWITCHYARD_CACHE   cache filled by scripts/setup.sh (default <repo>/.cache/vmtools)
 #   SOURCE_DATE_EPOCH  mtime of every file in the archive (default 0)
@@ -73,16 +75,22 @@ while read -r m; do
 done < "$CACHE/modules/load-order"
 install -m 644 "$CACHE/modules/load-order" "$R/lib/modules/load-order"
 
-# An L1 that hosts L2 guests: KVM modules (not loaded by /init) and cloud-hypervisor.
+# An L1 that hosts L2 guests: KVM modules (not loaded by /init) and cloud-hypervisor when the
+# cache has it (the L2s under QEMU need none; sy-nested fails the cloud-hypervisor scenarios
+# in an image without it).
 if [ $NESTED = 1 ]; then
-  [ -s "$CACHE/modules/nested-order" ] && [ -x "$CACHE/ch/cloud-hypervisor" ] ||
-    die "$CACHE has no nested-order or ch/cloud-hypervisor: run scripts/setup.sh"
+  [ -s "$CACHE/modules/nested-order" ] || die "$CACHE has no modules/nested-order: run scripts/setup.sh"
   mkdir -p "$R/lib/modules/nested"
   while read -r m; do
     install -m 644 "$CACHE/modules/$m.ko" "$R/lib/modules/nested/$m.ko"
   done < "$CACHE/modules/nested-order"
   install -m 644 "$CACHE/modules/nested-order" "$R/lib/modules/nested/nested-order"
-  install -m 755 "$CACHE/ch/cloud-hypervisor" "$CACHE/ch/ch-remote" "$R/usr/bin/"
+  if [ -x "$CACHE/ch/cloud-hypervisor" ] && [ -x "$CACHE/ch/ch-remote" ]; then
+    install -m 755 "$CACHE/ch/cloud-hypervisor" "$CACHE/ch/ch-remote" "$R/usr/bin/"
+  else
+    echo "build-initramfs.sh: note: $CACHE has no ch/cloud-hypervisor: the L1 image has none" \
+      "(its cloud-hypervisor scenarios fail; docs/cloud-hypervisor.md)" >&2
+  fi
 fi
 
 # QEMU inside the guest: the binary, the shared libraries its loader resolves (from the cache's

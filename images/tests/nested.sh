@@ -2,7 +2,8 @@
 # nested.sh SY-NESTED-ARG... — L1 side of the nested tests: this guest plays the host.
 # Loads KVM (nested SVM: L0 must give this guest `-cpu EPYC`), checks /dev/kvm, then runs
 # sy-nested (guest-tests/nested), which starts switchyard and cloud-hypervisor and boots L2s.
-# Needs an image built with build-initramfs.sh --nested (KVM modules, cloud-hypervisor).
+# Needs an image built with build-initramfs.sh --nested (KVM modules; cloud-hypervisor, which the
+# ch-* and mmio-bench scenarios need, when the setup cache had it: docs/cloud-hypervisor.md).
 order=/lib/modules/nested/nested-order
 [ -r $order ] || { echo "NESTED: no $order (image not built with --nested)"; exit 1; }
 while read -r m; do
