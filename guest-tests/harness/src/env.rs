@@ -29,6 +29,16 @@ pub struct GuestEnv {
 
 const SETUP_HINT: &str = "run scripts/setup.sh (or scripts/test.sh, which sets everything up)";
 
+const CH_HINT: &str = "this test needs the static cloud-hypervisor v54 and ch-remote, which \
+     scripts/setup.sh copies into the setup cache from SWITCHYARD_CH_DIR (no package registry \
+     ships them; scripts/test.sh leaves the test out without them); see docs/cloud-hypervisor.md";
+
+/// Whether a nested scenario of `sy-nested` runs its L2s under cloud-hypervisor: the `ch-*`
+/// scenarios and `mmio-bench` (guest-tests/nested says the same on the L1 side).
+pub fn needs_cloud_hypervisor(scenario: &str) -> bool {
+    scenario.starts_with("ch-") || scenario.starts_with("mmio-bench")
+}
+
 fn must_exist(what: &'static str, path: PathBuf, hint: &'static str) -> Result<PathBuf> {
     if path.exists() {
         Ok(path)
@@ -90,6 +100,20 @@ impl GuestEnv {
             driver,
             work,
         })
+    }
+
+    /// The setup cache's cloud-hypervisor (`ch/cloud-hypervisor`, `ch-remote` beside it), which
+    /// the nested scenarios that run L2s under it need ([`needs_cloud_hypervisor`]). It is
+    /// optional in `scripts/setup.sh`; a test that needs it and runs without it fails with this
+    /// error, which names docs/cloud-hypervisor.md.
+    pub fn cloud_hypervisor(&self) -> Result<PathBuf> {
+        let ch = must_exist(
+            "cloud-hypervisor",
+            self.cache.join("ch/cloud-hypervisor"),
+            CH_HINT,
+        )?;
+        must_exist("ch-remote", self.cache.join("ch/ch-remote"), CH_HINT)?;
+        Ok(ch)
     }
 
     /// The environment for a test; a missing prerequisite fails the test with a message saying
@@ -304,5 +328,56 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("run scripts/setup.sh"), "{msg}");
         assert!(!msg.contains("SKIP"), "no skip switch is offered: {msg}");
+    }
+
+    #[test]
+    fn a_cache_without_cloud_hypervisor_fails_the_tests_that_need_it() {
+        let cache = std::env::temp_dir().join(format!("sy-ch-cache.{}", std::process::id()));
+        let env = GuestEnv {
+            repo: PathBuf::from("/nonexistent"),
+            cache: cache.clone(),
+            qemu: cache.join("qemu"),
+            vmlinux: cache.join("vmlinux"),
+            switchyard: PathBuf::from("/nonexistent/switchyard"),
+            driver: PathBuf::from("/nonexistent/sygpu-driver"),
+            work: cache.join("work"),
+        };
+        let err = env.cloud_hypervisor().expect_err("no ch/ in the cache");
+        let msg = err.to_string();
+        assert!(msg.starts_with("cloud-hypervisor not found at "), "{msg}");
+        assert!(msg.contains("docs/cloud-hypervisor.md"), "{msg}");
+        fs::create_dir_all(cache.join("ch")).expect("mkdir");
+        fs::write(cache.join("ch/cloud-hypervisor"), "").expect("write");
+        let msg = env
+            .cloud_hypervisor()
+            .expect_err("no ch-remote")
+            .to_string();
+        assert!(msg.starts_with("ch-remote not found at "), "{msg}");
+        fs::write(cache.join("ch/ch-remote"), "").expect("write");
+        let found = env.cloud_hypervisor();
+        let _ = fs::remove_dir_all(&cache);
+        assert_eq!(
+            found.expect("both there"),
+            cache.join("ch/cloud-hypervisor")
+        );
+
+        for s in [
+            "ch-workload",
+            "ch-hotplug",
+            "ch-viommu",
+            "ch-pool",
+            "mmio-bench-quick",
+        ] {
+            assert!(needs_cloud_hypervisor(s), "{s}");
+        }
+        for s in [
+            "qemu-softgpu",
+            "qemu-edu",
+            "pool-edu",
+            "vf-probe",
+            "irq-bench-quick",
+        ] {
+            assert!(!needs_cloud_hypervisor(s), "{s}");
+        }
     }
 }

@@ -72,8 +72,13 @@ impl GuestSpec {
 
     /// An L1 guest that plays the host ([`GuestEnv::nested_initramfs`]): runs
     /// `/tests/nested.sh` with `args` (the `sy-nested` scenarios), `-cpu EPYC` (SVM with nested
-    /// paging under TCG), 2 vCPUs, 3 GiB, 15 minutes.
+    /// paging under TCG), 2 vCPUs, 3 GiB, 15 minutes. Scenarios that need cloud-hypervisor
+    /// ([`needs_cloud_hypervisor`](crate::needs_cloud_hypervisor)) fail here, before any boot,
+    /// when the setup cache has none ([`GuestEnv::cloud_hypervisor`]).
     pub fn nested(env: &GuestEnv, args: &[&str]) -> Result<GuestSpec> {
+        if args.iter().any(|a| crate::needs_cloud_hypervisor(a)) {
+            env.cloud_hypervisor()?;
+        }
         let mut s = GuestSpec::new("nested");
         s.args = args.iter().map(|a| (*a).to_owned()).collect();
         s.cpu = Some("EPYC".into());

@@ -38,6 +38,10 @@
 //!                softgpu over vfio-user (`-quick`: 200 reads instead of 2000)
 //! ```
 //!
+//! The `ch-*` and `mmio-bench` scenarios run L2s under `/usr/bin/cloud-hypervisor`, which an L1
+//! image has only when the setup cache had it (optional: docs/cloud-hypervisor.md); without it
+//! they fail at once, saying so. The others need only QEMU.
+//!
 //! Output: `NESTED: ...` progress lines, `L2[vm]: ...` for every line of an L2 serial console,
 //! and one `NESTED-RESULT {json}` line per scenario (`"ok"`, timings, what L2 reported). Exit
 //! code 0 only if every scenario passed.
@@ -60,7 +64,7 @@ mod procs;
 mod qemu;
 mod vf;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -146,12 +150,32 @@ fn tail_text(s: &str, max: usize) -> &str {
     &s[start..]
 }
 
+/// Whether `scenario` runs its L2s under cloud-hypervisor: the `ch-*` scenarios and
+/// `mmio-bench` (the harness's `needs_cloud_hypervisor` says the same on the L0 side).
+fn needs_cloud_hypervisor(scenario: &str) -> bool {
+    scenario.starts_with("ch-") || scenario.starts_with("mmio-bench")
+}
+
+/// Fails a scenario that needs cloud-hypervisor in an L1 image without it
+/// (`build-initramfs.sh --nested` from a setup cache that had none): never a pass.
+fn check_cloud_hypervisor(scenario: &str, binary: &Path) -> Result<()> {
+    if needs_cloud_hypervisor(scenario) && !binary.exists() {
+        bail!(
+            "scenario {scenario} needs cloud-hypervisor, and this L1 image has no {} (the setup \
+             cache had none: set SWITCHYARD_CH_DIR and run scripts/setup.sh; see \
+             docs/cloud-hypervisor.md)",
+            binary.display()
+        );
+    }
+    Ok(())
+}
+
 fn run(scenario: &str, mode: DriverMode) -> Value {
     let dir = PathBuf::from(WORK).join(scenario);
     let started = Instant::now();
     println!("NESTED: {scenario} start");
-    let r = std::fs::create_dir_all(&dir)
-        .map_err(anyhow::Error::from)
+    let r = check_cloud_hypervisor(scenario, Path::new(CLOUD_HYPERVISOR))
+        .and_then(|()| std::fs::create_dir_all(&dir).map_err(anyhow::Error::from))
         .and_then(|()| match scenario {
             "ch-workload" => ch::ch_workload(&dir, mode),
             "ch-hotplug" => ch::ch_hotplug(&dir, mode, 2),
@@ -237,4 +261,35 @@ fn main() {
         println!("NESTED-RESULT {v}");
     }
     std::process::exit(if all_ok { 0 } else { 1 });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cloud_hypervisor_scenario_fails_in_an_image_without_it() {
+        let none = Path::new("/nonexistent/cloud-hypervisor");
+        for s in [
+            "ch-workload",
+            "ch-hotplug",
+            "ch-viommu",
+            "ch-pool",
+            "mmio-bench-quick",
+        ] {
+            let e = check_cloud_hypervisor(s, none).expect_err(s).to_string();
+            assert!(e.contains("docs/cloud-hypervisor.md"), "{e}");
+        }
+        for s in [
+            "qemu-softgpu",
+            "qemu-edu",
+            "pool-edu",
+            "vf-probe",
+            "irq-bench",
+        ] {
+            check_cloud_hypervisor(s, none).expect(s);
+        }
+        let present = std::env::current_exe().expect("test binary");
+        check_cloud_hypervisor("ch-workload", &present).expect("present");
+    }
 }
