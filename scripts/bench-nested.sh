@@ -6,9 +6,18 @@
 #
 #   scripts/bench-nested.sh            # 2000 reads per path
 #   scripts/bench-nested.sh --quick    # CI: 200 reads per path, timings never asserted
+#
+# Needs cloud-hypervisor in the setup cache (optional in scripts/setup.sh: docs/cloud-hypervisor.md);
+# without it this fails at once (scripts/test.sh does not run it then, and says so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/cloud-hypervisor.sh
+. scripts/lib/cloud-hypervisor.sh
 scripts/setup.sh >/dev/null
+if ! sy_ch_installed "$(sy_cache "$PWD")"; then
+  echo "bench-nested.sh: error: the L2 under test runs under cloud-hypervisor, which is not installed in $(sy_cache "$PWD") (set SWITCHYARD_CH_DIR and run scripts/setup.sh; see docs/cloud-hypervisor.md)" >&2
+  exit 1
+fi
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked -p sygpu-driver -p switchyard -p sy-nested --target x86_64-unknown-linux-gnu
 cargo build --release --locked -p switchyard -p switchyard-guest-tests --bin nested-bench
