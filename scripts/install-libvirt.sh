@@ -57,11 +57,11 @@ add_qemu_user() {
   local gid_opt=() uid_opt=()
   getent group kvm >/dev/null || groupadd --system kvm || die "groupadd kvm failed"
   if ! getent group libvirt-qemu >/dev/null; then
-    getent group $QEMU_ID >/dev/null || gid_opt=(--gid $QEMU_ID)
+    getent group $QEMU_ID >/dev/null || gid_opt=(--gid "$QEMU_ID")
     groupadd --system "${gid_opt[@]}" libvirt-qemu || die "groupadd libvirt-qemu failed"
   fi
   if ! getent passwd libvirt-qemu >/dev/null; then
-    getent passwd $QEMU_ID >/dev/null || uid_opt=(--uid $QEMU_ID)
+    getent passwd $QEMU_ID >/dev/null || uid_opt=(--uid "$QEMU_ID")
     # (useradd warns that 64055 is above SYS_UID_MAX: Debian allocates it on purpose.)
     useradd --system "${uid_opt[@]}" --gid kvm --groups libvirt-qemu --home-dir /var/lib/libvirt \
       --no-create-home --shell /usr/sbin/nologin --comment "Libvirt Qemu" libvirt-qemu 2>/dev/null ||
