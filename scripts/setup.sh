@@ -11,7 +11,8 @@
 #   modules/nested-order the KVM modules (ccp, kvm, kvm_amd) an L1 guest loads to be a host,
 #                      in insmod order (their .ko files are in modules/ too)
 #   ch/                cloud-hypervisor and ch-remote (static v54), copied from SWITCHYARD_CH_DIR;
-#                      optional (docs/cloud-hypervisor.md): when none is found, ch/ is removed, a
+#                      optional (docs/cloud-hypervisor.md): when none is found and the cache has
+#                      none from an earlier run (or with SWITCHYARD_CH_DIR=off: ch/ is removed), a
 #                      WARNING line names the tests that will NOT RUN, and everything else works
 #   busybox            busybox-static from trixie
 #   stamp              recipe + exact package versions; a matching stamp makes a re-run a no-op
@@ -31,7 +32,8 @@
 #   DEBIAN_MIRROR              Debian mirror URI (default: the first Debian URI in /etc/apt sources)
 #   SWITCHYARD_CH_DIR          directory with static cloud-hypervisor v54 + ch-remote (default: the
 #                              first of <repo>/../shared/tools/cloud-hypervisor and
-#                              /work/shared/tools/cloud-hypervisor that has them; none: go without);
+#                              /work/shared/tools/cloud-hypervisor that has them, else the copy an
+#                              earlier run installed in the cache; none: go without);
 #                              `off`: go without it. No registry ships them: docs/cloud-hypervisor.md
 #   CI                         true or 1: a missing cloud-hypervisor is an error (CI runs every test)
 set -euo pipefail
@@ -149,6 +151,12 @@ install_ch() {
       looked+="${looked:+, }$d"
       [ -e "$d/cloud-hypervisor" ] && { src=$d; break; }
     done
+    if [ -z "$src" ] && [ -x "$CACHE/ch/cloud-hypervisor" ] && [ -x "$CACHE/ch/ch-remote" ]; then
+      # Installed by an earlier run from SWITCHYARD_CH_DIR: kept (set SWITCHYARD_CH_DIR=off to
+      # drop it), so that variable is needed once, not on every run.
+      src=$CACHE/ch
+      log "cloud-hypervisor: none in $looked; keeping the copy installed earlier in $CACHE/ch"
+    fi
     if [ -z "$src" ]; then
       ch_absent "not found: SWITCHYARD_CH_DIR is unset and none in $looked"
       return 0
@@ -161,7 +169,9 @@ install_ch() {
   for f in cloud-hypervisor ch-remote; do
     cmp -s "$src/$f" "$CACHE/ch/$f" 2>/dev/null || install -m 755 "$src/$f" "$CACHE/ch/$f"
   done
-  for f in "$src"/*.txt; do [ -e "$f" ] && install -m 644 "$f" "$CACHE/ch/"; done
+  if [ "$src" != "$CACHE/ch" ]; then
+    for f in "$src"/*.txt; do [ -e "$f" ] && install -m 644 "$f" "$CACHE/ch/"; done
+  fi
   local v
   # `sed -n 1p`, not `head -1`: head exits after one line and the writer, still printing, dies
   # of the closed pipe (cloud-hypervisor panics: exit 101), which pipefail makes fatal.
