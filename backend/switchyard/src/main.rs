@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! switchyard serve --socket PATH [--device KIND[,name=value...]] [--swap-every-ms N]
-//! switchyard daemon [--config FILE] [--state-dir DIR] [--run-dir DIR]
+//! switchyard daemon [--config FILE] [--state-dir DIR] [--run-dir DIR] [--socket-group GROUP]
 //! switchyard ctl [--socket PATH] [--json] COMMAND
 //! ```
 //!
@@ -64,8 +64,11 @@ enum Command {
     ///
     /// Without --config the embedded default pool is used (two 64 MiB softgpu boards in pool
     /// `default`). At SIGTERM/SIGINT the API stops and the endpoints' workers are left
-    /// running, so guests keep their devices. Exit codes: 0 after a signal, 1 runtime error,
-    /// 2 bad arguments or a bad configuration (the error names the key).
+    /// running, so guests keep their devices; the next daemon adopts them. Under systemd
+    /// (switchyard.service) the directories come from $RUNTIME_DIRECTORY, $STATE_DIRECTORY
+    /// and $CONFIGURATION_DIRECTORY/pool.toml unless given here, and readiness is reported on
+    /// $NOTIFY_SOCKET (Type=notify). Exit codes: 0 after a signal, 1 runtime error, 2 bad
+    /// arguments or a bad configuration (the error names the key).
     Daemon(DaemonArgs),
 
     /// Control a running pool daemon (a client of its API).
@@ -87,17 +90,24 @@ enum Command {
 
 #[derive(Debug, clap::Args)]
 struct DaemonArgs {
-    /// The pool configuration (TOML); default: the embedded default pool.
+    /// The pool configuration (TOML); default: $CONFIGURATION_DIRECTORY/pool.toml if
+    /// systemd set the variable and the file exists, else the embedded default pool.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Where the store (pool.redb) lives; overrides `[daemon] state_dir` (default
-    /// /var/lib/switchyard).
+    /// Where the store (pool.redb) lives; default: $STATE_DIRECTORY if systemd set it, else
+    /// `[daemon] state_dir` (default /var/lib/switchyard).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
-    /// Where the sockets live: DIR/control.sock and DIR/endpoints/ID.sock; overrides
-    /// `[daemon] control_socket` and `endpoint_dir` (default /run/switchyard).
+    /// Where the sockets live: DIR/control.sock and DIR/endpoints/ID.sock; default:
+    /// $RUNTIME_DIRECTORY if systemd set it, else `[daemon] control_socket` and
+    /// `endpoint_dir` (default /run/switchyard).
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
+    /// Let the members of GROUP use the control socket and the endpoint sockets (mode 0660,
+    /// group GROUP) and pass through their directories (g+rx); a group that does not exist
+    /// is an error. Default: the daemon's user only (0600).
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -331,7 +341,9 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         config: args.config,
         state_dir: args.state_dir,
         run_dir: args.run_dir,
-    };
+        socket_group: args.socket_group,
+    }
+    .with_systemd_dirs(|name| std::env::var_os(name));
     match switchyard_daemon::app::run(&options) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -46,6 +46,7 @@ fn a_restarted_daemon_publishes_the_abort_of_a_move_left_in_progress_in_order() 
         config: None,
         state_dir: Some(d.state()),
         run_dir: Some(d.run_dir()),
+        ..DaemonOptions::default()
     })
     .expect("the daemon's configuration");
     {

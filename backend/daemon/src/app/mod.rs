@@ -23,10 +23,12 @@
 //! drains are transparent (trapped VRAM only); detach and attach have no data path yet, so
 //! the API does not offer them.
 
+mod access;
 pub mod api;
 pub mod events;
 mod pending;
 pub mod records;
+pub mod systemd;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -59,6 +61,9 @@ pub struct DaemonOptions {
     /// sockets `<run_dir>/endpoints/<id>.sock` (`[daemon] control_socket` and
     /// `endpoint_dir`).
     pub run_dir: Option<PathBuf>,
+    /// The group whose members may use the control and endpoint sockets (0660) and pass
+    /// through their directories; none: the daemon's user only (0600).
+    pub socket_group: Option<String>,
 }
 
 /// Why the daemon could not start or stopped with an error.
@@ -100,6 +105,20 @@ pub enum DaemonError {
         "Cannot share the daemon's descriptors by `daemon.fds_per_endpoint` and `daemon.fd_reserve`: {0}"
     )]
     FdPlan(String),
+    /// The socket group does not exist (exit status 2).
+    #[error(
+        "The socket group `{group}` does not exist (not in {}); create it (`systemd-sysusers`, `addgroup --system {group}`) or name another",
+        file.display()
+    )]
+    NoGroup {
+        /// The group named.
+        group: String,
+        /// Where it was looked up.
+        file: PathBuf,
+    },
+    /// A socket or directory cannot be given to the socket group.
+    #[error("Cannot give {0} to the socket group")]
+    Share(PathBuf, #[source] io::Error),
 }
 
 impl DaemonError {
@@ -107,7 +126,7 @@ impl DaemonError {
     /// directory included: the fix is on the file system, not in the configuration).
     pub fn exit_code(&self) -> u8 {
         match self {
-            DaemonError::Config(..) | DaemonError::FdPlan(..) => 2,
+            DaemonError::Config(..) | DaemonError::FdPlan(..) | DaemonError::NoGroup { .. } => 2,
             _ => 1,
         }
     }
@@ -378,6 +397,9 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     if let Some(problem) = fd_plan.problem() {
         return Err(DaemonError::FdPlan(problem));
     }
+    // Before anything is created too: a group that does not exist is a bad argument.
+    let access = access::socket_access(options.socket_group.as_deref())?;
+    let notifier = Arc::new(systemd::Notifier::from_env(|k| std::env::var_os(k)));
     let d = &config.daemon;
     let workers_dir = d.state_dir.join("workers");
     // Every directory the daemon keeps things in is its own and private (or it refuses to
@@ -397,6 +419,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     for dir in dirs.into_iter().flatten() {
         private_dir(dir)?;
     }
+    // The socket group passes through the sockets' directories (never the state's).
+    access::share_dirs(access, [control_dir, Some(d.endpoint_dir.as_path())])?;
     let exe = match std::env::var_os(WORKER_EXE_ENV) {
         Some(exe) => PathBuf::from(exe),
         None => std::env::current_exe().map_err(DaemonError::Exe)?,
@@ -473,6 +497,9 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         })
     };
     let control = ControlSocket::bind(&d.control_socket)?;
+    access
+        .apply(&d.control_socket)
+        .map_err(|e| DaemonError::Share(d.control_socket.clone(), e))?;
     tracing::info!(
         limit = fd_plan.limit,
         reserve = fd_plan.reserve,
@@ -485,7 +512,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         pool: Mutex::new(pool),
         supervisor: Supervisor::with_events(exe, sink)
             .with_adoption_dir(&workers_dir)
-            .with_fd_plan(fd_plan),
+            .with_fd_plan(fd_plan)
+            .with_socket_access(access),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         events,
@@ -494,6 +522,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     });
     let _ = this.set(Arc::downgrade(&daemon));
     daemon.events.pool(startup_events);
+    notifier.status("Starting: adopting the running workers, starting the others");
     daemon.start_all();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -506,12 +535,19 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
             .map_err(DaemonError::Runtime)?;
         let events = daemon.events.clone();
+        // The control socket listens (connections wait in its backlog until `serve` takes
+        // them, right below), every surviving worker is adopted, the signals are caught.
+        notifier.ready(&daemon.serving_status(&d.control_socket));
+        let stopping = notifier.clone();
         control
             .serve(router, async move {
                 tokio::select! {
                     _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
                     _ = int.recv() => tracing::info!("SIGINT: shutting down"),
                 }
+                stopping.stopping(
+                    "Stopping: the endpoints' workers are left running for the next daemon",
+                );
                 events.close();
             })
             .await

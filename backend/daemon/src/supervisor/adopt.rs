@@ -63,6 +63,15 @@ impl Supervisor {
             std::os::unix::net::UnixListener::from(listener),
             spec.socket.clone(),
         );
+        if let Err(e) = self.access.apply(&spec.socket) {
+            tracing::warn!(
+                endpoint = spec.id,
+                socket = %spec.socket.display(),
+                "cannot give the adopted endpoint's socket its access (mode {:o}, group {:?}): {e}",
+                self.access.mode(),
+                self.access.group
+            );
+        }
         let connected = held.contains_key(&CONNECTION_ID);
         let client = client_fds(&held);
         // A move still running: what it copies to (held under its pending name) tells, should

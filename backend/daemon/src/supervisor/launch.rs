@@ -171,6 +171,9 @@ fn run_worker(
         .stdin(Stdio::from(theirs))
         // Its own process group: a terminal's Ctrl-C to the daemon does not reach it.
         .process_group(0)
+        // systemd's notification socket is the daemon's (NotifyAccess=main): a worker, which
+        // outlives the daemon, has nothing to tell the service manager.
+        .env_remove("NOTIFY_SOCKET")
         .spawn()?;
     let pid = child.id();
     {

@@ -3,6 +3,7 @@
 //! `kill -9`, an upgrade), a replacement starts with the same descriptors and resumes the
 //! connection; the guest sees a stall.
 
+mod access;
 mod adopt;
 mod common;
 mod launch;
@@ -21,6 +22,7 @@ use switchyard_server::DeviceSocket;
 
 use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LastMove, MoveReport, Note, StartMode};
 
+pub use access::SocketAccess;
 use launch::{Launch, supervise};
 pub use plan::FdPlan;
 
@@ -336,6 +338,8 @@ pub struct Supervisor {
     fd_budget: Option<u32>,
     /// How many endpoints may be supervised at once.
     fd_plan: Option<FdPlan>,
+    /// Who may connect to the endpoint sockets.
+    access: SocketAccess,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -369,7 +373,16 @@ impl Supervisor {
             adopt_dir: None,
             fd_budget: None,
             fd_plan: None,
+            access: SocketAccess::default(),
         }
+    }
+
+    /// Gives every endpoint socket `access` (default: the daemon's user only, 0600): the
+    /// sockets it binds, and those of the workers it adopts (an earlier daemon may have
+    /// given them other access, or none).
+    pub fn with_socket_access(mut self, access: SocketAccess) -> Self {
+        self.access = access;
+        self
     }
 
     /// Shares the process's descriptors by `plan`: each endpoint's client gets
@@ -446,8 +459,21 @@ impl Supervisor {
             return Err(SupervisorError::Exists(spec.id));
         }
         self.check_room(&endpoints, &spec.id)?;
-        let socket = DeviceSocket::bind(&spec.socket, 0o600)
+        let socket = DeviceSocket::bind(&spec.socket, self.access.mode())
             .map_err(|e| SupervisorError::Bind(spec.id.clone(), e))?;
+        // Before the endpoint is announced: a client told of it can connect.
+        self.access.apply(&spec.socket).map_err(|e| {
+            SupervisorError::Bind(
+                spec.id.clone(),
+                switchyard_server::ServerError::Bind(
+                    spec.socket.clone(),
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("cannot give the socket to its group: {e}"),
+                    ),
+                ),
+            )
+        })?;
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
             socket,

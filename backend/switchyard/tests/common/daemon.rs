@@ -33,6 +33,8 @@ pub struct Daemon {
     worker_exe: Option<PathBuf>,
     /// `--state-dir` and `--run-dir`, if not `state` and `run` in the private directory.
     dirs: Option<(PathBuf, PathBuf)>,
+    /// More arguments of `switchyard daemon`.
+    args: Vec<String>,
 }
 
 impl Daemon {
@@ -46,7 +48,14 @@ impl Daemon {
             nofile: None,
             worker_exe: None,
             dirs: None,
+            args: Vec::new(),
         }
+    }
+
+    /// Runs `switchyard daemon` with these arguments too.
+    pub fn with_args(mut self, args: &[&str]) -> Self {
+        self.args = args.iter().map(|a| (*a).to_owned()).collect();
+        self
     }
 
     pub fn start() -> Self {
@@ -146,6 +155,7 @@ impl Daemon {
             .arg(self.state())
             .arg("--run-dir")
             .arg(self.run_dir())
+            .args(&self.args)
             .env("RUST_LOG", "info")
             .env("SWITCHYARD_WORKER_EXE", worker_exe)
             .stdin(Stdio::null())
