@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 mod ctl;
+mod generate;
 mod inventory;
 
 use std::path::PathBuf;
@@ -20,7 +21,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_device::kind::Build;
@@ -86,6 +87,10 @@ enum Command {
     /// daemon with its custody channel as standard input; not for direct use.
     #[command(hide = true)]
     Worker,
+
+    /// Man pages and shell completions, from these definitions (for packaging).
+    #[command(hide = true)]
+    Generate(generate::GenerateArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -245,6 +250,7 @@ fn main() -> ExitCode {
         Command::Daemon(args) => return daemon(args),
         Command::Ctl(args) => ctl::run(args),
         Command::Inventory(args) => inventory::run(args),
+        Command::Generate(args) => generate::run(args, Cli::command()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
