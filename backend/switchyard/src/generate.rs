@@ -47,10 +47,9 @@ pub fn run(args: GenerateArgs, cmd: clap::Command) -> anyhow::Result<()> {
             man_pages(&cmd, &out, &mut written)?;
         }
         What::Completions { out } => {
-            let mut cmd = cmd;
-            let name = cmd.get_name().to_owned();
+            let mut cmd = visible(&cmd);
             for shell in [Shell::Bash, Shell::Zsh, Shell::Fish] {
-                let path = clap_complete::generate_to(shell, &mut cmd, &name, &out)
+                let path = clap_complete::generate_to(shell, &mut cmd, NAME, &out)
                     .with_context(|| format!("cannot write the {shell} completions"))?;
                 written.push(path);
             }
@@ -60,6 +59,24 @@ pub fn run(args: GenerateArgs, cmd: clap::Command) -> anyhow::Result<()> {
         println!("{}", path.display());
     }
     Ok(())
+}
+
+/// The command's name.
+const NAME: &str = "switchyard";
+
+/// `cmd` without its hidden subcommands (`worker`, `generate`), which clap_complete would
+/// offer otherwise. The root has no arguments of its own but `--help` and `--version`.
+fn visible(cmd: &clap::Command) -> clap::Command {
+    debug_assert_eq!(cmd.get_name(), NAME);
+    debug_assert!(cmd.get_arguments().next().is_none());
+    let subcommands = cmd.get_subcommands().filter(|s| !s.is_hide_set()).cloned();
+    let mut root = clap::Command::new(NAME)
+        .version(env!("CARGO_PKG_VERSION"))
+        .subcommands(subcommands);
+    if let Some(about) = cmd.get_about() {
+        root = root.about(about.clone());
+    }
+    root
 }
 
 /// The page of `cmd`, then those of its visible subcommands, recursively.
