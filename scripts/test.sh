@@ -93,6 +93,9 @@ export SWITCHYARD_STATIC_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/switch
 export SY_NESTED_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/sy-nested
 export EDU_CLIENT=$PWD/target/x86_64-unknown-linux-gnu/release/edu-client
 
+step "package: build the .deb from the static binary, unpack it into a scratch root, verify the unit (docs/packaging.md)"
+scripts/check-package.sh "$(scripts/package.sh --binary "$SWITCHYARD_STATIC_BIN" | tail -n 1)"
+
 step "unit, property and integration tests"
 cargo build --locked -p switchyard
 export SWITCHYARD_BIN=$PWD/target/debug/switchyard
