@@ -94,7 +94,8 @@ export SY_NESTED_BIN=$PWD/target/x86_64-unknown-linux-gnu/release/sy-nested
 export EDU_CLIENT=$PWD/target/x86_64-unknown-linux-gnu/release/edu-client
 
 step "package: build the .deb from the static binary, unpack it into a scratch root, verify the unit (docs/packaging.md)"
-scripts/check-package.sh "$(scripts/package.sh --binary "$SWITCHYARD_STATIC_BIN" | tail -n 1)"
+deb=$(scripts/package.sh --binary "$SWITCHYARD_STATIC_BIN" | tail -n 1)
+scripts/check-package.sh "$deb"
 
 step "unit, property and integration tests"
 cargo build --locked -p switchyard
