@@ -154,14 +154,41 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is not a size (a number with an optional K/M/G suffix)"))
 }
 
+/// How long `ctl` waits for the daemon's answer: longer than what the daemon itself waits
+/// for (a guest releasing its device, then a move: 120 s each).
+const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Runs the command; API errors come back as [`ControlError::Api`].
 pub fn run(args: CtlArgs) -> anyhow::Result<()> {
-    let client = ControlClient::connect(&args.socket).with_context(|| {
-        format!(
-            "is the daemon running? (`switchyard daemon`; --socket {})",
-            args.socket.display()
-        )
-    })?;
+    let client = ControlClient::connect(&args.socket)
+        .with_context(|| {
+            format!(
+                "is the daemon running? (`switchyard daemon`; --socket {})",
+                args.socket.display()
+            )
+        })?
+        .with_timeout(Some(ANSWER_TIMEOUT));
+    command(args, &client).map_err(|e| {
+        let timed_out = e.chain().any(|c| {
+            c.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                )
+            })
+        });
+        if timed_out {
+            e.context(format!(
+                "the daemon did not answer within {} s",
+                ANSWER_TIMEOUT.as_secs()
+            ))
+        } else {
+            e
+        }
+    })
+}
+
+fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
     let json = args.json;
     let show = |v: &Value| -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(v)?);
@@ -352,8 +379,12 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
             if json {
                 return show(&reply.body);
             }
+            let bus = bus
+                .as_ref()
+                .map(|b| format!(", bus {b}"))
+                .unwrap_or_default();
             println!(
-                "endpoint {id}: VMM registered (QMP {}, device {device_id})",
+                "endpoint {id}: VMM registered (QMP {}, device {device_id}{bus})",
                 qmp.display()
             );
         }
