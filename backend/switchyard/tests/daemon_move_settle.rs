@@ -388,3 +388,52 @@ fn a_guest_visible_move_that_cannot_plug_the_device_back_is_committed_and_says_s
     }
     assert!(got == kept, "the guest's VRAM moved with the device");
 }
+
+/// `attach` of an endpoint whose VMM is registered plugs the device in through QMP: it
+/// answers (here the fake VMM refuses the plug: 502 naming its error), it does not hang on
+/// the VMM registry's lock.
+#[test]
+fn attach_with_a_registered_vmm_answers_and_names_the_failed_plug() {
+    let mut d = Daemon::start_with_config(MAPPED_MSI_BOARDS);
+    d.ctl_ok(&["create", "vm1", "--device", "a"]);
+    let socket = socket_of(&d.endpoint("vm1"));
+    let guest = Mutex::new(Some(client(&socket)));
+    let qmp = d.dir().join("qmp.sock");
+    let commands = fake_qmp(&qmp, move || {
+        guest.lock().expect("lock").take();
+    });
+    d.client()
+        .put(
+            "/v1/endpoints/vm1/vmm",
+            &json!({"qmp": qmp, "device_id": "gpu-dev0", "bus": "rp1"}),
+        )
+        .expect("register the VMM");
+    d.client()
+        .post("/v1/endpoints/vm1/detach", &json!({}))
+        .expect("detach");
+
+    let answer = d
+        .client()
+        .with_timeout(Some(Duration::from_secs(20)))
+        .post("/v1/endpoints/vm1/attach", &json!({ "device": "b" }));
+    let Err(ControlError::Api {
+        status, message, ..
+    }) = answer
+    else {
+        panic!("the fake VMM refuses the plug: an error, not {answer:?}");
+    };
+    assert_eq!(status, 502, "{message}");
+    assert!(
+        message.contains("fake VMM: no free slot on bus rp1"),
+        "{message}"
+    );
+    let executed: Vec<String> = commands
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter_map(|c| c["execute"].as_str().map(str::to_owned))
+        .filter(|c| c != "qmp_capabilities")
+        .collect();
+    assert!(executed == ["device_del", "device_add"], "{executed:?}");
+    assert_eq!(lease_board(&mut d, "vm1"), "b");
+}

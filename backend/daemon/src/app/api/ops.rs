@@ -246,7 +246,9 @@ impl Daemon {
             self.events.pool(events);
         }
         self.unsupervised().remove(id);
-        if let Some(link) = self.vmms().get(id).cloned() {
+        // The registry's lock is not held across `status_of`, which takes it again.
+        let link = self.vmms().get(id).cloned();
+        if let Some(link) = link {
             let socket = self.status_of(id)?.endpoint.socket;
             let mut device = switchyard_qemu::VfioUserDevice::new(&link.device_id, &socket);
             device.bus = link.bus.clone();

@@ -25,7 +25,7 @@ pub(super) fn api() -> ControlApi<AppState> {
              5xx status; a refused request changes nothing. GET /openapi.json serves this \
              document. Moves and drains are transparent to the guest with trapped VRAM \
              (vram_mmap = false) and guest-visible through a registered VMM otherwise; detach \
-             and attach are not offered yet.",
+             and attach unplug and plug the device through a registered VMM.",
         )
         .health()
         .metrics()
