@@ -127,7 +127,8 @@ impl Daemon {
         let mut dry = pool.inventory().clone();
         dry.delete_endpoint(id).map_err(pool_error)?;
         let socket = pool.inventory().endpoint(id).map(|e| e.socket.clone());
-        if let Some(Unsupervised::Orphaned { pid }) = self.unsupervised().get(id).cloned() {
+        let unsupervised = self.unsupervised().get(id).cloned();
+        if let Some(Unsupervised::Orphaned { pid }) = unsupervised {
             // The orphan must stop serving the socket before the endpoint is gone.
             let live = self.records.live(id);
             match (pid, live) {
