@@ -168,7 +168,13 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
             )
         })?
         .with_timeout(Some(ANSWER_TIMEOUT));
-    command(args, &client).map_err(|e| {
+    let done = command(args, &client);
+    if let Err(e) = &done
+        && e.chain().any(|c| c.is::<StdoutClosed>())
+    {
+        return Ok(());
+    }
+    done.map_err(|e| {
         let timed_out = e.chain().any(|c| {
             c.downcast_ref::<std::io::Error>().is_some_and(|io| {
                 matches!(
@@ -188,10 +194,40 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
     })
 }
 
+/// Standard output closed by its reader (`ctl boards | head -1`): the command stops there,
+/// and that is not an error.
+#[derive(Debug)]
+struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Standard output is closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// Writes to standard output and flushes (events are followed line by line); a closed
+/// pipe is [`StdoutClosed`], not a panic as with `println!`.
+fn out(args: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    let mut o = std::io::stdout().lock();
+    match o.write_fmt(args).and_then(|()| o.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(StdoutClosed.into()),
+        r => Ok(r?),
+    }
+}
+
+/// `println!` through [`out`], returning its error from the enclosing function.
+macro_rules! outln {
+    ($($t:tt)*) => {
+        out(format_args!("{}\n", format_args!($($t)*)))?
+    };
+}
+
 fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
     let json = args.json;
     let show = |v: &Value| -> anyhow::Result<()> {
-        println!("{}", serde_json::to_string_pretty(v)?);
+        outln!("{}", serde_json::to_string_pretty(v)?);
         Ok(())
     };
     match args.command {
@@ -247,7 +283,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                     ]);
                 }
             }
-            table(&rows);
+            table(&rows)?;
         }
         CtlCommand::Pools => {
             let reply = client.get("/v1/pools")?;
@@ -264,7 +300,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                     p.free.to_string(),
                 ]);
             }
-            table(&rows);
+            table(&rows)?;
         }
         CtlCommand::Endpoints => {
             let reply = client.get("/v1/endpoints")?;
@@ -286,14 +322,14 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                     e.endpoint.socket.display().to_string(),
                 ]);
             }
-            table(&rows);
+            table(&rows)?;
         }
         CtlCommand::Endpoint { id } => {
             let reply = client.get(&format!("/v1/endpoints/{}", segment(&id)?))?;
             if json {
                 return show(&reply.body);
             }
-            print_endpoint(&reply.json()?);
+            print_endpoint(&reply.json()?)?;
         }
         CtlCommand::Create {
             id,
@@ -315,12 +351,12 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
             if json {
                 return show(&reply.body);
             }
-            print_endpoint(&reply.json()?);
+            print_endpoint(&reply.json()?)?;
         }
         CtlCommand::Delete { id } => {
             client.delete(&format!("/v1/endpoints/{}", segment(&id)?))?;
             if !json {
-                println!("endpoint {id} deleted");
+                outln!("endpoint {id} deleted");
             }
         }
         CtlCommand::Quarantine { ref board } | CtlCommand::Unquarantine { ref board } => {
@@ -334,7 +370,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                 return show(&reply.body);
             }
             let b: BoardView = reply.json()?;
-            println!("board {}: {}", b.id, b.state);
+            outln!("board {}: {}", b.id, b.state);
         }
         CtlCommand::Restart { ref id } | CtlCommand::Upgrade { ref id } => {
             let verb = if matches!(args.command, CtlCommand::Restart { .. }) {
@@ -347,7 +383,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                 return show(&reply.body);
             }
             let r: WorkerReplaced = reply.json()?;
-            println!(
+            outln!(
                 "endpoint {}: worker {} replaced by {} ({}), stall {}",
                 r.endpoint,
                 r.replaced_pid,
@@ -364,7 +400,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
             if json {
                 return show(&reply.body);
             }
-            println!("{}", move_line(&reply.json()?));
+            outln!("{}", move_line(&reply.json()?));
         }
         CtlCommand::Vmm {
             ref id,
@@ -383,7 +419,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                 .as_ref()
                 .map(|b| format!(", bus {b}"))
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "endpoint {id}: VMM registered (QMP {}, device {device_id}{bus})",
                 qmp.display()
             );
@@ -393,7 +429,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
             if json {
                 return show(&reply.body);
             }
-            println!("endpoint {id}: detached (no device)");
+            outln!("endpoint {id}: detached (no device)");
         }
         CtlCommand::Attach {
             ref id,
@@ -405,7 +441,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
             if json {
                 return show(&reply.body);
             }
-            print_endpoint(&reply.json()?);
+            print_endpoint(&reply.json()?)?;
         }
         CtlCommand::Drain { ref board } => {
             let reply = client.post(&format!("/v1/boards/{}/drain", segment(board)?), &())?;
@@ -413,19 +449,21 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                 return show(&reply.body);
             }
             let r: DrainResult = reply.json()?;
-            println!(
+            outln!(
                 "board {}: quarantined; {} endpoint(s) moved, {} failed",
                 r.board,
                 r.moved.len(),
                 r.failed.len()
             );
             for m in &r.moved {
-                println!("  {}", move_line(m));
+                outln!("  {}", move_line(m));
             }
             for f in &r.failed {
-                println!(
+                outln!(
                     "  endpoint {}: not moved to {}: {}",
-                    f.plan.endpoint, f.plan.to, f.error
+                    f.plan.endpoint,
+                    f.plan.to,
+                    f.error
                 );
             }
             if !r.failed.is_empty() {
@@ -434,21 +472,19 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
         }
         CtlCommand::Events { since, follow } => {
             let path = format!("/events?since={since}&follow={follow}");
-            let mut out = std::io::stdout().lock();
             for line in client.stream(&path)? {
                 let line = line?;
                 if json {
-                    writeln!(out, "{line}")?;
+                    outln!("{line}");
                 } else {
                     let v: Value = serde_json::from_str(&line)
                         .map_err(ControlError::BadReplyBody)
                         .context("an event line is not JSON")?;
-                    writeln!(out, "{}", event_line(&v))?;
+                    outln!("{}", event_line(&v));
                 }
-                out.flush()?;
             }
         }
-        CtlCommand::Metrics => print!("{}", client.get_text("/metrics")?),
+        CtlCommand::Metrics => out(format_args!("{}", client.get_text("/metrics")?))?,
     }
     Ok(())
 }
@@ -507,7 +543,7 @@ fn state_name<T: serde::Serialize>(state: &T) -> String {
         .unwrap_or_default()
 }
 
-fn table(rows: &[Vec<String>]) {
+fn table(rows: &[Vec<String>]) -> anyhow::Result<()> {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| {
@@ -526,8 +562,9 @@ fn table(rows: &[Vec<String>]) {
                 line.push_str(&format!("{cell:<w$}  ", w = widths[c]));
             }
         }
-        println!("{}", line.trim_end());
+        outln!("{}", line.trim_end());
     }
+    Ok(())
 }
 
 /// A shape on one line: the model, then VRAM and queues, then the kind's other options,
@@ -556,7 +593,7 @@ fn shape_text(shape: &DeviceShape) -> String {
     text
 }
 
-fn print_endpoint(e: &EndpointStatus) {
+fn print_endpoint(e: &EndpointStatus) -> anyhow::Result<()> {
     let w = &e.worker;
     let lines = [
         ("endpoint", e.endpoint.id.clone()),
@@ -581,11 +618,12 @@ fn print_endpoint(e: &EndpointStatus) {
         ("held fds", w.held.to_string()),
     ];
     for (k, v) in lines {
-        println!("{:<14}{v}", format!("{k}:"));
+        outln!("{:<14}{v}", format!("{k}:"));
     }
     if let Some(detail) = &w.detail {
-        println!("{:<14}{detail}", "detail:");
+        outln!("{:<14}{detail}", "detail:");
     }
+    Ok(())
 }
 
 /// `SEQ  pool|worker  TYPE  key=value ...`.

@@ -936,3 +936,37 @@ fn restarts_upgrades_and_moves_wait_while_the_vmm_migrates_the_device() {
     d.ctl_ok(&["restart", "vm1"]);
     round(&mut c1, 1);
 }
+
+/// `ctl ... | head -1`: a reader that stops reading ends the command quietly (exit 0, no
+/// panic about a broken pipe), for tables, metrics and a followed event stream alike.
+#[test]
+fn ctl_output_into_a_closed_pipe_ends_quietly() {
+    let d = Daemon::start();
+    let socket = d.socket();
+    for args in [
+        &["boards"][..],
+        &["metrics"],
+        &["events", "--follow"],
+        &["--json", "pools"],
+    ] {
+        let mut child = Command::new(EXE)
+            .arg("ctl")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn ctl");
+        // The reader goes away before ctl writes anything.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("ctl ends");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "ctl {args:?}: {:?} {stderr}",
+            out.status
+        );
+        assert!(!stderr.contains("panicked"), "ctl {args:?}: {stderr}");
+    }
+}
