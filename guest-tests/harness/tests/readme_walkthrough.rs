@@ -255,7 +255,8 @@ fn the_readme_pool_walkthrough_runs_as_written() {
             &file,
             format!(
                 "# The README's walkthrough blocks (guest-tests/harness/tests/readme_walkthrough.rs)\n\
-                 trap 'echo \"walkthrough.sh: line $LINENO: exit $?: $BASH_COMMAND\" >&2' ERR\n\
+                 trap 'echo \"walkthrough.sh: exit $?: $BASH_COMMAND (line $LINENO${{FUNCNAME:+ of \
+                 ${{FUNCNAME[0]}}, called at line ${{BASH_LINENO[0]}}}})\" >&2' ERR\n\
                  {script}"
             ),
         )
