@@ -98,19 +98,22 @@ enum CtlCommand {
         to: String,
     },
     /// Register the VMM of an endpoint whose guest maps VRAM, so that moves of it are made
-    /// guest-visibly (QMP device_del, move, device_add).
+    /// guest-visibly (QMP device_del, move, device_add); `--forget` unregisters it.
     Vmm {
         /// The endpoint's id.
         id: String,
         /// QEMU's QMP socket.
-        #[arg(long, value_name = "PATH")]
-        qmp: PathBuf,
+        #[arg(long, value_name = "PATH", required_unless_present = "forget")]
+        qmp: Option<PathBuf>,
         /// The vfio-user-pci device's id in QEMU.
-        #[arg(long, value_name = "ID")]
-        device_id: String,
+        #[arg(long, value_name = "ID", required_unless_present = "forget")]
+        device_id: Option<String>,
         /// The pcie-root-port it is plugged into.
         #[arg(long, value_name = "BUS")]
         bus: Option<String>,
+        /// Forget the endpoint's VMM (moves are then refused while a VM maps VRAM).
+        #[arg(long, conflicts_with_all = ["qmp", "device_id", "bus"])]
+        forget: bool,
     },
     /// Take an endpoint's device away (unplugged from its VM through the registered VMM);
     /// its board is free.
@@ -404,9 +407,20 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
         }
         CtlCommand::Vmm {
             ref id,
-            ref qmp,
-            ref device_id,
+            forget: true,
+            ..
+        } => {
+            client.delete(&format!("/v1/endpoints/{}/vmm", segment(id)?))?;
+            if !json {
+                outln!("endpoint {id}: VMM forgotten");
+            }
+        }
+        CtlCommand::Vmm {
+            ref id,
+            qmp: Some(ref qmp),
+            device_id: Some(ref device_id),
             ref bus,
+            ..
         } => {
             let qmp = std::path::absolute(qmp)
                 .with_context(|| format!("the QMP path {}", qmp.display()))?;
@@ -423,6 +437,10 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                 "endpoint {id}: VMM registered (QMP {}, device {device_id}{bus})",
                 qmp.display()
             );
+        }
+        CtlCommand::Vmm { .. } => {
+            // clap requires both unless --forget.
+            anyhow::bail!("ctl vmm needs --qmp and --device-id, or --forget");
         }
         CtlCommand::Detach { ref id } => {
             let reply = client.post(&format!("/v1/endpoints/{}/detach", segment(id)?), &())?;

@@ -970,3 +970,43 @@ fn ctl_output_into_a_closed_pipe_ends_quietly() {
         assert!(!stderr.contains("panicked"), "ctl {args:?}: {stderr}");
     }
 }
+
+/// `ctl vmm` registers an endpoint's VMM and `ctl vmm --forget` unregisters it; forgetting
+/// twice is an error, and a registration without its QMP socket is a usage error.
+#[test]
+fn ctl_vmm_registers_and_forgets_a_vmm() {
+    let mut d = Daemon::start();
+    d.ctl_ok(&["create", "vm1"]);
+    let qmp = d.dir().join("qmp.sock");
+    let qmp = qmp.to_str().expect("utf-8 path");
+    let out = d.ctl_ok(&[
+        "vmm",
+        "vm1",
+        "--qmp",
+        qmp,
+        "--device-id",
+        "gpu0",
+        "--bus",
+        "rp1",
+    ]);
+    assert!(
+        out.contains("VMM registered") && out.contains("bus rp1"),
+        "{out}"
+    );
+    assert_eq!(d.endpoint("vm1")["vmm"]["device_id"], "gpu0");
+
+    let out = d.ctl_ok(&["vmm", "vm1", "--forget"]);
+    assert!(out.contains("VMM forgotten"), "{out}");
+    assert!(d.endpoint("vm1")["vmm"].is_null());
+
+    let again = d.ctl(&["vmm", "vm1", "--forget"]);
+    assert_eq!(again.status.code(), Some(1), "{again:?}");
+    let usage = d.ctl(&["vmm", "vm1", "--device-id", "gpu0"]);
+    assert_eq!(usage.status.code(), Some(2), "{usage:?}");
+    assert!(
+        String::from_utf8_lossy(&usage.stderr).contains("--qmp"),
+        "{usage:?}"
+    );
+    let both = d.ctl(&["vmm", "vm1", "--forget", "--qmp", qmp]);
+    assert_eq!(both.status.code(), Some(2), "{both:?}");
+}
