@@ -16,6 +16,7 @@ pub struct CtlArgs {
         long,
         global = true,
         value_name = "PATH",
+        env = "SWITCHYARD_CONTROL_SOCKET",
         default_value = "/run/switchyard/control.sock"
     )]
     socket: PathBuf,

@@ -1010,3 +1010,27 @@ fn ctl_vmm_registers_and_forgets_a_vmm() {
     let both = d.ctl(&["vmm", "vm1", "--forget", "--qmp", qmp]);
     assert_eq!(both.status.code(), Some(2), "{both:?}");
 }
+
+/// `SWITCHYARD_CONTROL_SOCKET` names the control socket when `--socket` does not.
+#[test]
+fn ctl_takes_the_socket_from_the_environment() {
+    let d = Daemon::start();
+    let out = Command::new(EXE)
+        .args(["ctl", "boards"])
+        .env("SWITCHYARD_CONTROL_SOCKET", d.socket())
+        .output()
+        .expect("run ctl");
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("gpu0"),
+        "{out:?}"
+    );
+    // --socket wins over the environment.
+    let out = Command::new(EXE)
+        .args(["ctl", "boards", "--socket"])
+        .arg(d.socket())
+        .env("SWITCHYARD_CONTROL_SOCKET", "/nonexistent/control.sock")
+        .output()
+        .expect("run ctl");
+    assert!(out.status.success(), "{out:?}");
+}
