@@ -349,7 +349,13 @@ fn a_cold_record_newer_than_the_hot_one_is_a_whole_state() {
     workload(&mut h, 1);
     h.wr32(SCRATCH, 1);
     let mut state = h.gpu.snapshot();
+    // `die` leaves the engine threads running (a test cannot kill its own process): parked
+    // here, none of them publishes a hot record after the cold one below, as none would
+    // after a real death. (Unparked, an engine's late flush of the workload named the new
+    // cold generation under load and won.)
+    let parked = h.gpu.engine_control().park();
     let (bb, vram, windows) = die(h);
+    std::mem::forget(parked);
     // What a flush publishing both would have written first.
     state.scratch = 2;
     let cold = crate::mirror::Cold {
