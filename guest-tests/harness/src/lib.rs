@@ -88,25 +88,45 @@ pub fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &Path)) {
 /// of them are `#[ignore]`d, so that a plain `cargo test` lists guest tests as ignored instead
 /// of passing them without booting anything.
 pub fn assert_guest_tests_ignored(this_test: &str, booting: usize) {
-    let list = |extra: &[&str]| {
-        let out = Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--list", "--format", "terse"])
-            .args(extra)
-            .output()
-            .expect("list tests");
-        assert!(out.status.success(), "{out:?}");
-        let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.strip_suffix(": test").map(str::to_owned))
-            .collect();
-        names.sort();
-        names
-    };
-    let all = list(&[]);
-    let ignored = list(&["--ignored"]);
+    let all = list_tests(false);
+    let ignored = list_tests(true);
     let others: Vec<String> = all.iter().filter(|n| *n != this_test).cloned().collect();
     assert_eq!(others.len(), booting, "{all:?}");
     assert_eq!(ignored, others, "every guest-booting test is #[ignore]d");
+}
+
+/// The names of the running test binary's tests (`ignored`: only the `#[ignore]`d ones),
+/// sorted.
+pub fn list_tests(ignored: bool) -> Vec<String> {
+    let out = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--list", "--format", "terse"])
+        .args(ignored.then_some("--ignored"))
+        .output()
+        .expect("list tests");
+    assert!(out.status.success(), "{out:?}");
+    let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test").map(str::to_owned))
+        .collect();
+    names.sort();
+    names
+}
+
+/// The in-guest driver's full workload passed, by its `SYGPU-SUMMARY` JSON: result pass,
+/// every job run (at least 5) verified bit-exact, the error test and the VRAM mapping
+/// checks passed.
+pub fn assert_full_workload(summary: &serde_json::Value) {
+    let s = summary;
+    assert_eq!(s["result"], "pass", "{s}");
+    let run = s["jobs_run"].as_u64().expect("jobs_run");
+    assert!(run >= 5, "{s}");
+    assert_eq!(
+        s["jobs_verified"].as_u64(),
+        Some(run),
+        "every job verified bit-exact: {s}"
+    );
+    assert_eq!(s["error_test_ok"], true, "{s}");
+    assert_eq!(s["vram_mmap_ok"], true, "{s}");
 }
 
 /// Prints the logs in `dir` (for a failing test); they also stay on disk.

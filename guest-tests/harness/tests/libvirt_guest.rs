@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use switchyard_guest_tests::{GuestEnv, complete_lines, find_line, wait_until, with_logs};
+use switchyard_guest_tests::{
+    GuestEnv, assert_full_workload, complete_lines, find_line, list_tests, wait_until, with_logs,
+};
 
 /// The documented domain XML.
 const TEMPLATE: &str = include_str!("../../../vmm-integration/libvirt/switchyard-guest.xml");
@@ -184,22 +186,8 @@ fn the_domain_template_renders_with_every_value_escaped() {
 /// (`assert_guest_tests_ignored` wants every other test ignored: the template tests are not.)
 #[test]
 fn only_the_guest_test_is_ignored() {
-    let list = |extra: &[&str]| {
-        let out = Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--list", "--format", "terse"])
-            .args(extra)
-            .output()
-            .expect("list tests");
-        assert!(out.status.success(), "{out:?}");
-        let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.strip_suffix(": test").map(str::to_owned))
-            .collect();
-        names.sort();
-        names
-    };
     assert_eq!(
-        list(&[]),
+        list_tests(false),
         [
             "libvirt_runs_the_driver_workload_across_a_worker_restart",
             "only_the_guest_test_is_ignored",
@@ -208,7 +196,7 @@ fn only_the_guest_test_is_ignored() {
         ]
     );
     assert_eq!(
-        list(&["--ignored"]),
+        list_tests(true),
         ["libvirt_runs_the_driver_workload_across_a_worker_restart"]
     );
 }
@@ -736,16 +724,7 @@ fn libvirt_runs_the_driver_workload_across_a_worker_restart() {
         let s: serde_json::Value = find_line(text, "SYGPU-SUMMARY")
             .and_then(|l| serde_json::from_str(l["SYGPU-SUMMARY".len()..].trim()).ok())
             .unwrap_or_else(|| panic!("no summary:\n{text}"));
-        assert_eq!(s["result"], "pass", "{s}");
-        let run = s["jobs_run"].as_u64().expect("jobs_run");
-        assert!(run >= 5, "{s}");
-        assert_eq!(
-            s["jobs_verified"].as_u64(),
-            Some(run),
-            "every job verified: {s}"
-        );
-        assert_eq!(s["error_test_ok"], true, "{s}");
-        assert_eq!(s["vram_mmap_ok"], true, "{s}");
+        assert_full_workload(&s);
         assert_eq!(s["doorbell"], "mapped", "{s}");
         assert!(
             s["steps"]

@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, Signal};
-use switchyard_guest_tests::{assert_guest_tests_ignored, with_logs};
+use switchyard_guest_tests::{assert_full_workload, assert_guest_tests_ignored, with_logs};
 
 /// The line that marks a walkthrough block (a ```` ```sh ```` fence on the next line).
 const MARKER: &str = "<!-- walkthrough -->";
@@ -355,16 +355,7 @@ fn the_readme_pool_walkthrough_runs_as_written() {
             .collect();
         assert_eq!(summaries.len(), 3, "one summary per round:\n{guest}");
         for s in &summaries {
-            assert_eq!(s["result"], "pass", "{s}");
-            let run = s["jobs_run"].as_u64().expect("jobs_run");
-            assert!(run >= 5, "{s}");
-            assert_eq!(
-                s["jobs_verified"].as_u64(),
-                Some(run),
-                "every job bit-exact: {s}"
-            );
-            assert_eq!(s["error_test_ok"], true, "{s}");
-            assert_eq!(s["vram_mmap_ok"], true, "{s}");
+            assert_full_workload(s);
             assert_eq!(s["irq_mode"], "msi", "{s}");
         }
         assert!(!guest.contains("hardware error"), "QEMU:\n{guest}");

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use switchyard_daemon::{EndpointSpec, Supervisor};
 use switchyard_guest_tests::{
-    Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_guest_tests_ignored, with_logs,
+    Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_full_workload,
+    assert_guest_tests_ignored, with_logs,
 };
 use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
 use switchyard_softgpu::regs::{DOORBELL_PAGE, DOORBELL_PAGE_SIZE, Q_DOORBELL, queue_reg};
@@ -89,17 +90,8 @@ fn assert_driver_passed(out: &GuestOutput) -> serde_json::Value {
     let s = out
         .json_line("SYGPU-SUMMARY")
         .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
-    assert_eq!(s["result"], "pass", "{s}");
+    assert_full_workload(&s);
     assert_eq!(out.test_rc("sygpu-driver"), Some(0));
-    let run = s["jobs_run"].as_u64().expect("jobs_run");
-    assert!(run >= 5, "{s}");
-    assert_eq!(
-        s["jobs_verified"].as_u64(),
-        Some(run),
-        "every job verified: {s}"
-    );
-    assert_eq!(s["error_test_ok"], true, "{s}");
-    assert_eq!(s["vram_mmap_ok"], true, "{s}");
     s
 }
 
