@@ -84,6 +84,8 @@ done
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/lib/cloud-hypervisor.sh
 . "$REPO/scripts/lib/cloud-hypervisor.sh"
+# shellcheck source=scripts/lib/debian.sh
+. "$REPO/scripts/lib/debian.sh"
 SETUP_CACHE=$(sy_cache "$REPO")
 PATCHES=$REPO/vmm-integration/qemu/patches
 CACHE=${SWITCHYARD_QEMU_BUILD_CACHE:-$HOME/.cache/switchyard/qemu}
@@ -128,22 +130,13 @@ for p in $HOST_PKGS; do
 done
 if [ ${#need[@]} -gt 0 ]; then
   log "host packages needed: $HOST_PKGS; installing missing: ${need[*]}"
-  [ "$(id -u)" = 0 ] || die "missing host packages (${need[*]}) and not root: apt-get install ${need[*]}"
-  apt-get -qq update >/dev/null 2>&1 || die "apt-get update (host) failed"
-  DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends "${need[@]}" >/dev/null 2>&1 ||
-    die "apt-get install ${need[*]} (host) failed"
+  sy_apt_install "${need[@]}"
 fi
 
 # ---------------------------------------------------------------------------------------------
 # 2. Source: Debian's source package through a private apt configuration (deb-src).
 # ---------------------------------------------------------------------------------------------
-if [ -z "${DEBIAN_MIRROR:-}" ]; then
-  DEBIAN_MIRROR=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
-    sed -n -E 's/^URIs:[[:space:]]*//p; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?//p' |
-    awk '{print $1}' | grep -E '^https?://[^ ]*/debian/?$' | head -1 || true)
-fi
-[ -n "$DEBIAN_MIRROR" ] || die "no Debian mirror found in /etc/apt sources; set DEBIAN_MIRROR"
-DEBIAN_MIRROR=${DEBIAN_MIRROR%/}
+sy_debian_mirror
 APTD=$CACHE/apt
 mkdir -p "$APTD"/lists/partial "$APTD"/cache/archives/partial
 cat > "$APTD/trixie-src.sources" <<EOF

@@ -57,6 +57,8 @@ done
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/lib/cloud-hypervisor.sh
 . "$REPO/scripts/lib/cloud-hypervisor.sh"
+# shellcheck source=scripts/lib/debian.sh
+. "$REPO/scripts/lib/debian.sh"
 CACHE=$(sy_cache "$REPO")
 KFLAVOR=${SWITCHYARD_KFLAVOR:-amd64}
 case $KFLAVOR in amd64|cloud-amd64) ;; *) die "SWITCHYARD_KFLAVOR must be amd64 or cloud-amd64, not '$KFLAVOR'" ;; esac
@@ -82,23 +84,14 @@ all_pkgs+=(debian-archive-keyring)
 [ -s $KEYRING ] && [ -e /usr/share/keyrings/debian-archive-trixie-stable.gpg ] || need_pkgs+=(debian-archive-keyring)
 
 # Mirror: the URI the machine's own apt sources name for Debian.
-if [ -z "${DEBIAN_MIRROR:-}" ]; then
-  DEBIAN_MIRROR=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
-    sed -n -E 's/^URIs:[[:space:]]*//p; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?//p' |
-    awk '{print $1}' | grep -E '^https?://[^ ]*/debian/?$' | head -1 || true)
-fi
-[ -n "$DEBIAN_MIRROR" ] || die "no Debian mirror found in /etc/apt sources; set DEBIAN_MIRROR"
-DEBIAN_MIRROR=${DEBIAN_MIRROR%/}
+sy_debian_mirror
 case $DEBIAN_MIRROR in https://*)
   all_pkgs+=(ca-certificates); [ -e /etc/ssl/certs/ca-certificates.crt ] || need_pkgs+=(ca-certificates) ;;
 esac
 
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   log "host packages needed: ${all_pkgs[*]}; installing missing: ${need_pkgs[*]}"
-  [ "$(id -u)" = 0 ] || die "missing host packages (${need_pkgs[*]}) and not root: apt-get install ${need_pkgs[*]}"
-  apt-get -qq update >/dev/null 2>&1 || die "apt-get update (host) failed"
-  DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends "${need_pkgs[@]}" >/dev/null 2>&1 ||
-    die "apt-get install ${need_pkgs[*]} (host) failed"
+  sy_apt_install "${need_pkgs[@]}"
 fi
 
 # ---------------------------------------------------------------------------------------------
