@@ -315,6 +315,23 @@ fn client(socket: &Path) -> Client {
     .expect("connect to the endpoint")
 }
 
+/// Registers a fake VMM ([`fake_qmp`], device `gpu-dev0` on `rp1`) for `vm1`, whose guest
+/// (`guest`) lets go of the device when the VMM unplugs it. Returns the commands it gets.
+fn register_fake_vmm(d: &Daemon, guest: Client) -> Arc<Mutex<Vec<Value>>> {
+    let guest = Mutex::new(Some(guest));
+    let qmp = d.dir().join("qmp.sock");
+    let commands = fake_qmp(&qmp, move || {
+        guest.lock().expect("lock").take();
+    });
+    d.client()
+        .put(
+            "/v1/endpoints/vm1/vmm",
+            &json!({"qmp": qmp, "device_id": "gpu-dev0", "bus": "rp1"}),
+        )
+        .expect("register the VMM");
+    commands
+}
+
 #[test]
 fn a_guest_visible_move_that_cannot_plug_the_device_back_is_committed_and_says_so() {
     let mut d = Daemon::start_with_config(MAPPED_MSI_BOARDS);
@@ -328,18 +345,7 @@ fn a_guest_visible_move_that_cannot_plug_the_device_back_is_committed_and_says_s
             .region_write(BAR_VRAM, (1 << 20) + (i as u64) * (64 << 10), chunk)
             .expect("write VRAM");
     }
-    // The guest lets go of the device when its VMM unplugs it.
-    let guest = Mutex::new(Some(guest));
-    let qmp = d.dir().join("qmp.sock");
-    let commands = fake_qmp(&qmp, move || {
-        guest.lock().expect("lock").take();
-    });
-    d.client()
-        .put(
-            "/v1/endpoints/vm1/vmm",
-            &json!({"qmp": qmp, "device_id": "gpu-dev0", "bus": "rp1"}),
-        )
-        .expect("register the VMM");
+    let commands = register_fake_vmm(&d, guest);
 
     let answer = d
         .client()
@@ -397,17 +403,7 @@ fn attach_with_a_registered_vmm_answers_and_names_the_failed_plug() {
     let mut d = Daemon::start_with_config(MAPPED_MSI_BOARDS);
     d.ctl_ok(&["create", "vm1", "--device", "a"]);
     let socket = socket_of(&d.endpoint("vm1"));
-    let guest = Mutex::new(Some(client(&socket)));
-    let qmp = d.dir().join("qmp.sock");
-    let commands = fake_qmp(&qmp, move || {
-        guest.lock().expect("lock").take();
-    });
-    d.client()
-        .put(
-            "/v1/endpoints/vm1/vmm",
-            &json!({"qmp": qmp, "device_id": "gpu-dev0", "bus": "rp1"}),
-        )
-        .expect("register the VMM");
+    let commands = register_fake_vmm(&d, client(&socket));
     d.client()
         .post("/v1/endpoints/vm1/detach", &json!({}))
         .expect("detach");
