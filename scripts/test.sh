@@ -19,6 +19,29 @@ cd "$(dirname "$0")/.."
 step() { printf '\n==> %s [%ds]\n' "$*" "$((SECONDS - start))"; }
 start=$SECONDS
 
+# bounded MINUTES WHAT COMMAND...: runs COMMAND, failing it (and saying so) if it is still
+# running after MINUTES, so that a hang fails the suite in bounded time instead of holding CI
+# until CI is killed without a word. Each guest test also has a watchdog of its own that says
+# where it hangs (guest-tests/harness/src/watchdog.rs); this is the fence behind it.
+bounded() {
+  local minutes=$1 what=$2 rc=0 pid
+  shift 2
+  # timeout runs COMMAND in a process group of its own, so that a hang's every process is
+  # stopped; that group is not the terminal's, so a Ctrl-C (or a TERM) to this script is passed
+  # to timeout, which passes it to the group.
+  timeout --kill-after=30 "${minutes}m" "$@" &
+  pid=$!
+  trap 'kill -INT "$pid" 2>/dev/null; wait "$pid"; exit 130' INT
+  trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid"; exit 143' TERM
+  wait "$pid" || rc=$?
+  trap - INT TERM
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "test.sh: error: $what still running after $minutes minutes: a hang; stopped" \
+      "(the test running is the last one named above)" >&2
+  fi
+  return "$rc"
+}
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -100,7 +123,8 @@ scripts/check-package.sh "$deb"
 step "unit, property and integration tests"
 cargo build --locked -p switchyard
 export SWITCHYARD_BIN=$PWD/target/debug/switchyard
-cargo test --workspace --locked --exclude switchyard-guest-tests
+bounded 30 "the unit, property and integration tests" \
+  cargo test --workspace --locked --exclude switchyard-guest-tests
 
 step "guest tests (QEMU 11.1, TCG; one guest at a time)"
 # The guest tests are #[ignore]d so that a plain `cargo test` shows them as ignored instead of
@@ -120,7 +144,8 @@ NOT_RUN=$SY_CH_NOT_RUN${SY_CH_NOT_RUN:+ (cloud-hypervisor not installed; docs/cl
 NOT_RUN+=${LIBVIRT_NOT_RUN:+${NOT_RUN:+, }$LIBVIRT_NOT_RUN (libvirt not installed; scripts/install-libvirt.sh)}
 guest_out=$(mktemp)
 trap 'rm -f "$guest_out"' EXIT
-cargo test --locked -p switchyard-guest-tests -- --test-threads=1 --include-ignored \
+bounded 50 "the guest tests" \
+  cargo test --locked -p switchyard-guest-tests -- --test-threads=1 --include-ignored \
   "${SKIP[@]}" 2>&1 | tee "$guest_out"
 if grep -Eq '; [1-9][0-9]* ignored;' "$guest_out"; then
   echo "test.sh: error: some guest tests did not run (ignored); see above" >&2
@@ -128,9 +153,9 @@ if grep -Eq '; [1-9][0-9]* ignored;' "$guest_out"; then
 fi
 
 step "benchmarks, short mode (checks they run; timings are never asserted)"
-scripts/bench.sh --quick
+bounded 20 "scripts/bench.sh --quick" scripts/bench.sh --quick
 if [ -z "$SY_CH_NOT_RUN" ]; then
-  scripts/bench-nested.sh --quick
+  bounded 20 "scripts/bench-nested.sh --quick" scripts/bench-nested.sh --quick
 else
   echo "test.sh: scripts/bench-nested.sh NOT RUN (it needs cloud-hypervisor; see above)"
 fi

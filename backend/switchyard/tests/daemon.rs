@@ -1034,3 +1034,84 @@ fn ctl_takes_the_socket_from_the_environment() {
         .expect("run ctl");
     assert!(out.status.success(), "{out:?}");
 }
+
+/// A request stuck on a VMM that never answers does not hold a daemon told to stop: the
+/// control connections and then the request get their grace periods, the request is cut (its
+/// client gets no reply), the daemon exits cleanly and says so, and the worker keeps running.
+/// (The VMM greets and then ignores `device_del`: the detach would wait 120 s for it.)
+#[test]
+fn a_stopping_daemon_cuts_a_request_stuck_on_a_silent_vmm() {
+    let mut d = Daemon::start();
+    d.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    let e1 = d.endpoint("vm1");
+    let worker = e1["worker"]["pid"].as_u64().expect("pid") as u32;
+    let mut guest = connect(&socket_of(&e1));
+    guest.setup_queue(0);
+    let qmp = d.dir().join("qmp.sock");
+    let commands = silent_qmp(&qmp);
+    d.client()
+        .put(
+            "/v1/endpoints/vm1/vmm",
+            &json!({"qmp": qmp, "device_id": "gpu-dev0"}),
+        )
+        .expect("register the VMM");
+    let api = d.client();
+    let detach = std::thread::spawn(move || api.post("/v1/endpoints/vm1/detach", &()));
+    let asked = common::wait_for(Duration::from_secs(10), || {
+        commands
+            .lock()
+            .expect("lock")
+            .iter()
+            .any(|c| c == "device_del")
+            .then_some(())
+    });
+    assert!(asked.is_some(), "the detach never asked the VMM to unplug");
+    let child = d.take_child().expect("daemon");
+    let status = common::signal_and_wait(child, rustix::process::Signal::TERM, || d.log());
+    assert!(status.success(), "{status}\n{}", d.log());
+    assert!(
+        d.log()
+            .contains("requests still running after the shutdown grace period; cut"),
+        "{}",
+        d.log()
+    );
+    let reply = detach.join().expect("the detach thread");
+    assert!(reply.is_err(), "the cut request was answered: {reply:?}");
+    assert!(is_worker(worker), "the worker outlives the stopped daemon");
+    round(&mut guest, 1);
+}
+
+/// A QMP server on `path` that greets, accepts `qmp_capabilities` and never answers anything
+/// else; returns the commands it got.
+fn silent_qmp(path: &std::path::Path) -> Arc<std::sync::Mutex<Vec<String>>> {
+    use std::io::{BufRead, Write};
+    let listener = std::os::unix::net::UnixListener::bind(path).expect("bind the QMP socket");
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = got.clone();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let greeting = json!({"QMP": {"version": {"qemu": {"major": 11, "minor": 1,
+                "micro": 0}, "package": "silent"}, "capabilities": []}});
+            let _ = writeln!(conn, "{greeting}");
+            let reader = std::io::BufReader::new(conn.try_clone().expect("clone"));
+            for line in reader.lines() {
+                let Ok(req) = line.map(|l| serde_json::from_str::<Value>(&l)) else {
+                    break;
+                };
+                let Ok(req) = req else { break };
+                let command = req["execute"].as_str().unwrap_or_default().to_owned();
+                seen.lock().expect("lock").push(command.clone());
+                if command == "qmp_capabilities" {
+                    let _ = writeln!(conn, "{}", json!({"return": {}, "id": req["id"]}));
+                } else {
+                    break;
+                }
+            }
+            // Never answered, never closed.
+            held.push(conn);
+        }
+    });
+    got
+}

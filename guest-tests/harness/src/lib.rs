@@ -2,7 +2,8 @@
 //!
 //! It starts `switchyard serve` on a fresh socket and waits until it listens, boots QEMU under
 //! TCG (never KVM: `/dev/kvm` on our machines is PVM and cannot boot a stock kernel) with guest
-//! RAM as a shared memfd, reads the guest's serial console from a file, enforces timeouts,
+//! RAM as a shared memfd, reads the guest's serial console from a file, enforces timeouts (and
+//! a watchdog per test, which says where a hung test waits and fails it: [`with_logs`]),
 //! kills only the processes it started, and keeps the guest, server and QEMU logs of every
 //! test under `target/guest-tests/logs/<test>/` (printed when the test fails).
 //!
@@ -24,16 +25,18 @@ mod error;
 mod guest;
 mod nested;
 mod server;
+mod watchdog;
 
 pub use env::{GuestEnv, NestedBinaries, needs_cloud_hypervisor};
 pub use error::{HarnessError, Result};
 pub use guest::{Guest, GuestOutput, GuestSpec};
 pub use nested::{NESTED_ATTEMPTS, boot_nested, nested_fault};
 pub use server::Server;
+pub use watchdog::TEST_LIMIT;
 
 use std::fs;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 /// The complete lines of `text`: everything up to and including its last `'\n'` (nothing if it
@@ -65,6 +68,29 @@ pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
     }
 }
 
+/// Stops `child` as a service manager would: SIGTERM, up to `grace` for it to exit, then
+/// SIGKILL. Returns its exit status if it exited within `grace`, `None` if it had to be killed
+/// (or was already reaped).
+pub fn stop_child(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
+    if let Ok(Some(st)) = child.try_wait() {
+        return Some(st);
+    }
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_child(child),
+        rustix::process::Signal::TERM,
+    );
+    let stopped = wait_until(grace, "the process to stop", || {
+        child.try_wait().ok().flatten()
+    });
+    match stopped {
+        Ok(st) => Some(st),
+        Err(_) => {
+            kill_child(child);
+            None
+        }
+    }
+}
+
 fn kill_child(child: &mut Child) {
     if matches!(child.try_wait(), Ok(None)) {
         let _ = child.kill();
@@ -73,11 +99,21 @@ fn kill_child(child: &mut Child) {
 }
 
 /// Runs `body` with the environment and a fresh log dir for `name`; on failure prints the logs
-/// (they stay on disk) and fails the same way.
+/// (they stay on disk) and fails the same way. A test still running after [`TEST_LIMIT`] is a
+/// hang: see [`with_logs_within`].
 pub fn with_logs(name: &str, body: impl FnOnce(&GuestEnv, &Path)) {
+    with_logs_within(name, TEST_LIMIT, body);
+}
+
+/// [`with_logs`] for a test that may take up to `limit`. When `limit` passes the test's
+/// binary prints where the test and the processes it started wait, prints the logs, kills those
+/// processes and exits failed, so a hang fails the suite in bounded time and says where.
+pub fn with_logs_within(name: &str, limit: Duration, body: impl FnOnce(&GuestEnv, &Path)) {
     let env = GuestEnv::for_test();
     let dir = env.log_dir(name).expect("log dir");
+    let watchdog = watchdog::Watchdog::arm(name, &dir, limit);
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&env, &dir)));
+    drop(watchdog);
     if let Err(p) = r {
         dump_logs(&dir);
         std::panic::resume_unwind(p);
@@ -131,7 +167,12 @@ pub fn assert_full_workload(summary: &serde_json::Value) {
 
 /// Prints the logs in `dir` (for a failing test); they also stay on disk.
 pub fn dump_logs(dir: &Path) {
-    eprintln!("--- logs kept in {} ---", dir.display());
+    eprint!("{}", logs_text(dir));
+}
+
+/// The last 80 lines of each log in `dir`, each under its file name.
+fn logs_text(dir: &Path) -> String {
+    let mut out = format!("--- logs kept in {} ---\n", dir.display());
     if let Ok(rd) = fs::read_dir(dir) {
         let mut files: Vec<_> = rd.flatten().map(|e| e.path()).collect();
         files.sort();
@@ -139,13 +180,19 @@ pub fn dump_logs(dir: &Path) {
             if f.extension().is_some_and(|e| e == "log") {
                 let text = fs::read_to_string(&f).unwrap_or_default();
                 let tail: Vec<&str> = text.lines().rev().take(80).collect();
-                eprintln!("=== {} (last {} lines) ===", f.display(), tail.len());
+                out.push_str(&format!(
+                    "=== {} (last {} lines) ===\n",
+                    f.display(),
+                    tail.len()
+                ));
                 for l in tail.iter().rev() {
-                    eprintln!("{l}");
+                    out.push_str(l);
+                    out.push('\n');
                 }
             }
         }
     }
+    out
 }
 
 #[cfg(test)]

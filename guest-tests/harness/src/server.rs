@@ -3,9 +3,9 @@
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::{GuestEnv, HarnessError, Result, kill_child, wait_until};
+use crate::{GuestEnv, HarnessError, Result, kill_child, stop_child, wait_until};
 
 /// A `switchyard serve` process started by the harness.
 #[derive(Debug)]
@@ -91,18 +91,7 @@ impl Server {
     /// SIGTERM and wait; returns the exit status.
     pub fn terminate(&mut self) -> Option<ExitStatus> {
         let mut c = self.child.take()?;
-        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(st)) = c.try_wait() {
-                return Some(st);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        kill_child(&mut c);
-        None
+        stop_child(&mut c, Duration::from_secs(10))
     }
 }
 

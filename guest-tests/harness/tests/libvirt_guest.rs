@@ -18,7 +18,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use switchyard_guest_tests::{
-    GuestEnv, assert_full_workload, complete_lines, find_line, list_tests, wait_until, with_logs,
+    GuestEnv, assert_full_workload, complete_lines, find_line, list_tests, stop_child, wait_until,
+    with_logs,
 };
 
 /// The documented domain XML.
@@ -455,16 +456,8 @@ impl Drop for Libvirtd {
             let _ = std::fs::copy(self.qemu_log(&name), self.log_dir.join("qemu.log"));
             let _ = self.virsh(&["undefine", &name]);
         }
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(&self.child),
-            rustix::process::Signal::TERM,
-        );
-        let stopped = wait_until(Duration::from_secs(15), "libvirtd to stop", || {
-            self.child.try_wait().ok().flatten()
-        });
-        if stopped.is_err() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        if stop_child(&mut self.child, Duration::from_secs(15)).is_none() {
+            eprintln!("libvirt: libvirtd did not stop within 15 s of SIGTERM (killed)");
         }
     }
 }
@@ -559,17 +552,7 @@ impl Drop for PoolDaemon {
         for id in std::mem::take(&mut self.endpoints) {
             let _ = self.ctl(&["delete", &id]);
         }
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(&self.child),
-            rustix::process::Signal::TERM,
-        );
-        let stopped = wait_until(Duration::from_secs(15), "the daemon to stop", || {
-            self.child.try_wait().ok().flatten()
-        });
-        if stopped.is_err() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        let stopped = stop_child(&mut self.child, Duration::from_secs(15)).is_some();
         for pid in std::mem::take(&mut self.workers) {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let worker = cmdline
@@ -584,6 +567,9 @@ impl Drop for PoolDaemon {
                 eprintln!("pool: killing worker {pid:?} left running");
                 let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
             }
+        }
+        if !stopped && !std::thread::panicking() {
+            panic!("the pool daemon did not stop within 15 s of SIGTERM (killed)");
         }
     }
 }

@@ -11,8 +11,15 @@
 
 use serde_json::Value;
 use switchyard_guest_tests::{
-    GuestOutput, GuestSpec, assert_guest_tests_ignored, boot_nested, with_logs,
+    GuestOutput, GuestSpec, NESTED_ATTEMPTS, assert_guest_tests_ignored, boot_nested,
+    with_logs_within,
 };
+
+/// How long a nested test may run before its watchdog calls it a hang: an L1 boot takes one
+/// to two minutes, and a boot that hits a fault of the nested virtualization is booted again
+/// (up to [`NESTED_ATTEMPTS`] boots).
+const NESTED_TEST_LIMIT: std::time::Duration =
+    std::time::Duration::from_secs(6 * 60 * NESTED_ATTEMPTS as u64);
 
 /// Every `NESTED-RESULT {json}` line L1 printed, by scenario.
 fn results(out: &GuestOutput) -> Vec<Value> {
@@ -41,7 +48,7 @@ fn nested_tests_are_ignored_not_passed_under_plain_cargo_test() {
 #[test]
 #[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
-    with_logs("nested_cloud_hypervisor", |env, dir| {
+    with_logs_within("nested_cloud_hypervisor", NESTED_TEST_LIMIT, |env, dir| {
         // cloud-hypervisor is optional in the setup (docs/cloud-hypervisor.md): scripts/test.sh
         // leaves this test out without it; run anyway, it fails here, never passes.
         if let Err(e) = env.cloud_hypervisor() {
@@ -131,7 +138,7 @@ fn cloud_hypervisor_l2_guests_use_the_softgpu_served_in_l1() {
 #[test]
 #[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn qemu_kvm_l2_runs_the_full_vfio_driver_on_the_softgpu_served_in_l1() {
-    with_logs("nested_qemu_kvm", |env, dir| {
+    with_logs_within("nested_qemu_kvm", NESTED_TEST_LIMIT, |env, dir| {
         let spec = GuestSpec::nested(env, &["qemu-softgpu"]).expect("L1 image");
         let out = boot_nested(env, dir, &spec).expect("L1 finished");
         let serial = &out.serial;
@@ -160,7 +167,7 @@ fn qemu_kvm_l2_runs_the_full_vfio_driver_on_the_softgpu_served_in_l1() {
 #[test]
 #[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn physical_devices_in_l1_are_served_through_switchyard() {
-    with_logs("nested_passthrough", |env, dir| {
+    with_logs_within("nested_passthrough", NESTED_TEST_LIMIT, |env, dir| {
         // L0 gives L1 a vIOMMU with interrupt remapping, two edus and an igb (SR-IOV PF).
         let spec =
             GuestSpec::nested_with_devices(env, &["qemu-edu", "vf-probe", "pool-edu"], 2, true)

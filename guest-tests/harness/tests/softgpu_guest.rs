@@ -12,7 +12,7 @@ use std::time::Duration;
 use switchyard_daemon::{EndpointSpec, Supervisor};
 use switchyard_guest_tests::{
     Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_full_workload,
-    assert_guest_tests_ignored, with_logs,
+    assert_guest_tests_ignored, stop_child, with_logs,
 };
 use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
 use switchyard_softgpu::regs::{DOORBELL_PAGE, DOORBELL_PAGE_SIZE, Q_DOORBELL, queue_reg};
@@ -715,11 +715,11 @@ impl Drop for PoolDaemon {
                 let _ = c.delete(&format!("/v1/endpoints/{id}"));
             }
         }
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(&self.child),
-            rustix::process::Signal::TERM,
-        );
-        let _ = self.child.wait();
+        if stop_child(&mut self.child, Duration::from_secs(15)).is_none()
+            && !std::thread::panicking()
+        {
+            panic!("the pool daemon did not stop within 15 s of SIGTERM (killed)");
+        }
     }
 }
 

@@ -46,6 +46,9 @@ use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
 use events::{EventStream, WorkerLifecycle};
 use records::WorkerRecords;
 
+/// How long requests still running when the daemon stops may take to finish.
+const BLOCKING_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The environment variable naming the executable started as `<exe> worker` (tests point
 /// it at the binary under test); default: this executable.
 pub const WORKER_EXE_ENV: &str = "SWITCHYARD_WORKER_EXE";
@@ -553,6 +556,18 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
             .await
             .map_err(DaemonError::from)
     });
+    // A request still working on the blocking pool (a move waits up to its timeout) would
+    // hold the process here forever when the runtime is dropped: it gets a grace period,
+    // then is cut like a crash would cut it (the store commits atomically; a pending move
+    // is settled by the next daemon).
+    let stopping = std::time::Instant::now();
+    runtime.shutdown_timeout(BLOCKING_GRACE);
+    if stopping.elapsed() >= BLOCKING_GRACE {
+        tracing::warn!(
+            grace_s = BLOCKING_GRACE.as_secs(),
+            "requests still running after the shutdown grace period; cut"
+        );
+    }
     // Stop supervising, but leave every worker running: guests keep their devices.
     for (endpoint, pid) in daemon.supervisor.release_all() {
         tracing::info!(
