@@ -102,6 +102,7 @@ pub(crate) fn serve_connection(
         }),
     );
     d.set_continuity(server.continuity.clone());
+    d.set_dirty_log(server.config.dirty_log);
     server.slot.lock().connected = true;
     let mut conn = match resume {
         None => Connection::new(stream, d.limits().max_msg_size, server.config.poll_spin),

@@ -113,6 +113,8 @@ pub(crate) struct Dispatcher {
     /// The next request is the one a replaced process was handling: requests that a first
     /// attempt may already have applied succeed again (see [`crate::continuity`]).
     replaying: bool,
+    /// What DMA dirty logging offers ([`crate::DirtyLog`]).
+    dirty_log: crate::DirtyLog,
 }
 
 impl Dispatcher {
@@ -141,7 +143,13 @@ impl Dispatcher {
             ),
             continuity: None,
             replaying: false,
+            dirty_log: crate::DirtyLog::On,
         }
+    }
+
+    /// Offers DMA dirty logging as `mode` says.
+    pub(crate) fn set_dirty_log(&mut self, mode: crate::DirtyLog) {
+        self.dirty_log = mode;
     }
 
     /// Publishes tables and session into `continuity` from now on.

@@ -121,6 +121,8 @@ pub struct ServerConfig {
     pub send_timeout: Duration,
     /// Bytes all DMA dirty logs may take together ([`DmaSpace::set_log_budget`]).
     pub dirty_log_budget: u64,
+    /// Whether DMA dirty logging is offered, and whether its reports tell the truth.
+    pub dirty_log: DirtyLog,
     /// With crash continuity, the client's descriptors a supervisor keeps for it (its DMA
     /// memory files, each once however many windows it has, interrupt eventfds, those of
     /// messages in flight): a message whose new descriptors would pass it is refused with
@@ -128,6 +130,23 @@ pub struct ServerConfig {
     /// replacement holds twice while it restores them). `None`: no budget, `max_dma_maps` is
     /// what this process can hold.
     pub fd_budget: Option<u32>,
+}
+
+/// What the server offers of DMA dirty logging (DEVICE_FEATURE DMA_LOGGING_START, _STOP,
+/// _REPORT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirtyLog {
+    /// Offered: every report names the pages the device wrote since the last one.
+    #[default]
+    On,
+    /// Not offered (the features answer ENOTTY, as a device without logging would): a VMM
+    /// must track the device's writes another way or refuse to migrate.
+    Off,
+    /// Fault injection, for tests: offered, started and stopped as usual, but every report
+    /// says that nothing is dirty, like a device whose logging is broken. A migration then
+    /// loses what the device wrote to guest memory after the VMM copied it, which is how a
+    /// test proves that it depends on the log.
+    Blind,
 }
 
 /// What a replacement could not restore of the client's tables ([`Server::restore_tables`]).
@@ -155,6 +174,7 @@ impl ServerConfig {
             client_dma_timeout: Duration::from_secs(5),
             send_timeout: DEFAULT_SEND_TIMEOUT,
             dirty_log_budget: switchyard_device::dma::DEFAULT_LOG_BUDGET,
+            dirty_log: DirtyLog::On,
             fd_budget: None,
         }
     }

@@ -26,7 +26,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_device::kind::Build;
 use switchyard_kinds::DeviceSpec;
-use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
+use switchyard_server::{DeviceSlot, DirtyLog, Server, ServerConfig, StopHandle};
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
@@ -151,6 +151,22 @@ struct ServeArgs {
     /// logging, is refused with ENOMEM. SIZE takes a K/M/G suffix.
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_bytes)]
     dirty_log_budget: u64,
+
+    /// DMA dirty logging (what a VMM's live migration learns the device's writes to guest
+    /// memory from): `on`; `off`, not offered (a VMM must refuse to migrate or resend all
+    /// of guest memory); `blind`, fault injection for tests: offered, but every report says
+    /// nothing is dirty, so a migration loses what the device wrote after the VMM copied it.
+    #[arg(long, value_name = "MODE", default_value = "on", value_parser = parse_dirty_log)]
+    dirty_log: DirtyLog,
+}
+
+fn parse_dirty_log(s: &str) -> Result<DirtyLog, String> {
+    match s {
+        "on" => Ok(DirtyLog::On),
+        "off" => Ok(DirtyLog::Off),
+        "blind" => Ok(DirtyLog::Blind),
+        _ => Err(format!("`{s}`: want on, off or blind")),
+    }
 }
 
 /// `SIZE` with an optional K/M/G/T suffix (powers of 1024).
@@ -295,6 +311,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.socket_mode = args.socket_mode;
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
     config.dirty_log_budget = args.dirty_log_budget;
+    config.dirty_log = args.dirty_log;
     let spec = args.device;
     let kind = spec.kind()?;
     let span = tracing::info_span!("device", model = %spec.kind, socket = %args.socket.display());

@@ -376,3 +376,46 @@ fn config_space_bar_sizing_and_flr() {
         "FLR cleared memory/bus-master enable"
     );
 }
+
+/// `serve --dirty-log off`: the logging features are not offered (ENOTTY, as a device without
+/// logging answers). `--dirty-log blind` (fault injection): offered and started, but a report
+/// after the device wrote guest memory says nothing is dirty.
+#[test]
+fn dirty_logging_can_be_withheld_or_blinded() {
+    let server = ServerProcess::start_with(&["--device", "softgpu", "--dirty-log", "off"]);
+    let mut c = connect(&server);
+    for (feature, get, set) in [
+        (VFIO_DEVICE_FEATURE_DMA_LOGGING_START, false, true),
+        (VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, true, false),
+    ] {
+        let e = c.feature_probe(feature, get, set).expect_err("not offered");
+        assert_eq!(e.remote_errno(), Some(libc::ENOTTY));
+    }
+    let e = c.dma_logging_start(4096, &[]).expect_err("not offered");
+    assert_eq!(e.remote_errno(), Some(libc::ENOTTY));
+    drop(c);
+
+    let server = ServerProcess::start_with(&["--device", "softgpu", "--dirty-log", "blind"]);
+    let mut d = Driver::new(Ours(connect(&server)));
+    d.setup_queue(0);
+    let c = &mut d.t.0;
+    c.feature_probe(VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, true, false)
+        .expect("offered");
+    assert_eq!(c.dma_logging_start(4096, &[]).expect("start"), 4096);
+    d.run(0, &[Command::fill(guest(0x31_0000), 4096 * 2, 2)]);
+    assert_eq!(
+        d.read_f32s(0x31_0000, 1)[0].to_bits(),
+        2,
+        "the device wrote guest memory"
+    );
+    let c = &mut d.t.0;
+    let report = c
+        .dma_logging_report(GUEST_IOVA, WINDOW_SIZE, 4096)
+        .expect("report");
+    assert!(
+        set_pages(&report).is_empty(),
+        "blind: {:?}",
+        set_pages(&report)
+    );
+    c.dma_logging_stop().expect("stop");
+}

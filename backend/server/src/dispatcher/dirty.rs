@@ -66,6 +66,10 @@ impl Dispatcher {
         }
         let buf = dma_logging_report_reply_buffer(&mut self.out, id, r)?;
         dma.report_dirty(r.iova, r.length, r.page_size, buf)?;
+        if self.dirty_log == crate::DirtyLog::Blind {
+            // Read and cleared as usual, then withheld (fault injection; see `DirtyLog`).
+            buf.fill(0);
+        }
         tracing::trace!(
             iova = r.iova,
             length = r.length,

@@ -38,6 +38,13 @@ impl Dispatcher {
             FeatureRequest::Probe { feature, get, set } => {
                 self.feature_probe(slot, id, feature, get, set)
             }
+            FeatureRequest::DmaLoggingStart(_)
+            | FeatureRequest::DmaLoggingStop
+            | FeatureRequest::DmaLoggingReport(_)
+                if self.dirty_log == crate::DirtyLog::Off =>
+            {
+                Err(not_supported())
+            }
             FeatureRequest::DmaLoggingStart(c) => self.dma_logging_start(dma, id, c),
             FeatureRequest::DmaLoggingStop => self.dma_logging_stop(dma, id),
             FeatureRequest::DmaLoggingReport(r) => self.dma_logging_report(dma, id, &r),
@@ -58,11 +65,14 @@ impl Dispatcher {
         set: bool,
     ) -> Result<(), RequestError> {
         let migrates = slot.device.migration().is_some();
+        let logs = self.dirty_log != crate::DirtyLog::Off;
         let (can_get, can_set) = match feature {
-            VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
+            VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP
+                if logs =>
+            {
                 (false, true)
             }
-            VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
+            VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT if logs => (true, false),
             VFIO_DEVICE_FEATURE_MIGRATION if migrates => (true, false),
             VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if migrates => (true, true),
             _ => return Err(not_supported()),
