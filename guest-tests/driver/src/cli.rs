@@ -1,19 +1,20 @@
-//! Command line: `sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N] [--bdf BDF]
-//! [--timeout SECONDS]`, `sygpu-driver --noiommu [the same options]`,
+//! Command line: `sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N]
+//! [--soak SECONDS] [--bdf BDF] [--timeout SECONDS]`, `sygpu-driver --noiommu [the same options]`,
 //! `sygpu-driver --probe [--bdf BDF]` or `sygpu-driver --stamp|--check-stamp SEED [--bdf BDF]`.
 
 use std::time::Duration;
 
 use crate::gpu::Doorbell;
 use crate::latency::MAX_JOBS;
+use crate::soak::MAX_SECONDS;
 use crate::sysfs::is_bdf;
 
 /// Usage text.
 pub const USAGE: &str = "\
 usage: sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N]
-                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+                    [--soak SECONDS] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N]
-                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+                    [--soak SECONDS] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
        sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
 
@@ -40,6 +41,20 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               fence value seen in memory, polled: p50/p90 us), and N NOP+FENCE jobs back
               to back (jobs/s); a table on the console, figures and mapped/trapped ratios
               in the summary's latency object (N = 1..100000)
+  --soak S    after the workload (and --latency) keep the device busy for S seconds
+              (1..600), e.g. while the VM is live-migrated. Prints
+                SYGPU: soak start seconds=S
+              then loops: on every queue a small job (COPY guest->VRAM->guest, FILL,
+              SAXPY+REDUCE or GEMM) checked bit-exact when it completes; and the device,
+              never the CPU, reads a 4 MiB guest DMA region back by COPY into a second
+              buffer (the CPU checks it holds the previous iteration's pattern) and then
+              rewrites the whole region with FILLs whose pattern changes every iteration.
+              About once a second:
+                SYGPU: soak progress t=SECS jobs=N region_writes=N
+              At the end, with the device idle, the CPU checks the whole region against
+              the last pattern; the summary's soak object counts the jobs and the stale
+              4 KiB pages. Every wait stays bounded by --timeout; the watchdog allows S
+              seconds more
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -88,6 +103,8 @@ pub struct Options {
     pub doorbell: Doorbell,
     /// Jobs per figure of the latency measurement after the workload (`--latency N`).
     pub latency: Option<usize>,
+    /// Seconds of device work after the workload (`--soak S`, [`crate::soak`]).
+    pub soak: Option<u64>,
 }
 
 /// Parses the arguments (without the program name).
@@ -101,6 +118,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         stamp_check: false,
         doorbell: Doorbell::Trapped,
         latency: None,
+        soak: None,
     };
     let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
@@ -157,6 +175,16 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                     .ok_or_else(|| format!("--latency '{v}': want 1..{MAX_JOBS} jobs"))?;
                 o.latency = Some(n);
                 workload_options.push("--latency");
+            }
+            "--soak" => {
+                let v = value("--soak")?;
+                let s: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|&s| (1..=MAX_SECONDS).contains(&s))
+                    .ok_or_else(|| format!("--soak '{v}': want 1..{MAX_SECONDS} seconds"))?;
+                o.soak = Some(s);
+                workload_options.push("--soak");
             }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
@@ -269,6 +297,45 @@ mod tests {
             );
         }
         assert!(USAGE.contains("--doorbell trapped|mapped") && USAGE.contains("--latency N"));
+    }
+
+    #[test]
+    fn parses_soak() {
+        let none: [&str; 0] = [];
+        assert_eq!(parse(&none).map(|o| o.soak), Ok(None));
+        let o = parse(&["--noiommu", "--soak", "30"]).expect("ok");
+        assert_eq!((o.mode, o.soak), (Mode::NoIommu, Some(30)));
+        let o = parse(&["--soak=1", "--quick", "--latency", "5"]).expect("ok");
+        assert_eq!((o.mode, o.soak, o.latency), (Mode::Run, Some(1), Some(5)));
+        assert_eq!(parse(&["--soak", "600"]).map(|o| o.soak), Ok(Some(600)));
+        // Only the last one counts, as with the other options.
+        assert_eq!(
+            parse(&["--soak", "5", "--soak", "7"]).map(|o| o.soak),
+            Ok(Some(7))
+        );
+        for bad in [
+            &["--soak"][..],
+            &["--soak", "0"],
+            &["--soak", "601"],
+            &["--soak", "-1"],
+            &["--soak", "1.5"],
+            &["--soak", "x"],
+            &["--soak="],
+        ] {
+            assert!(parse(bad).is_err_and(|e| e.contains("--soak")), "{bad:?}");
+        }
+        for bad in [
+            &["--probe", "--soak", "10"][..],
+            &["--soak", "10", "--probe"],
+            &["--stamp", "3", "--soak", "10"],
+            &["--soak=2", "--check-stamp", "3"],
+        ] {
+            assert!(
+                parse(bad).is_err_and(|e| e.contains("--soak applies to the workload")),
+                "{bad:?}"
+            );
+        }
+        assert!(USAGE.contains("[--soak SECONDS]") && USAGE.contains("soak start seconds=S"));
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! inside a Linux guest, the way a GPU runtime would, over real PCI through Linux VFIO.
 //!
 //! ```text
-//! sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N] [--bdf 0000:00:04.0] [--timeout SECONDS]
-//! sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N] [--soak SECONDS] [--bdf 0000:00:04.0] [--timeout SECONDS]
+//! sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N] [--soak SECONDS] [--bdf 0000:00:04.0] [--timeout SECONDS]
 //! sygpu-driver --probe [--bdf 0000:00:04.0]
 //! ```
 //!
@@ -22,6 +22,10 @@
 //! full fence, and a trapped `Q_DOORBELL` write only when the device says the queue's engine
 //! sleeps ([`gpu::Doorbell`]; the summary counts submissions and kicks). `--latency N` then
 //! measures small jobs with both doorbell modes in the same run ([`latency`]).
+//!
+//! `--soak S` then keeps the device busy for `S` seconds (e.g. while the VM is live-migrated):
+//! verified jobs on every queue, and a guest memory region only the device writes, read back
+//! and checked every iteration and at the end ([`soak`]; the summary's `soak` object).
 //!
 //! `--noiommu` ([`noiommu`]) runs the same workload where VFIO cannot work (a vfio-user
 //! device under cloud-hypervisor, which puts no vfio-user device behind its virtio-iommu; the
@@ -64,6 +68,7 @@ pub mod pci;
 pub mod probe;
 pub mod reference;
 pub mod regs;
+pub mod soak;
 pub mod summary;
 pub mod sysfs;
 pub mod vfio;
@@ -75,8 +80,14 @@ use std::time::{Duration, Instant};
 
 use summary::{Interrupts, Summary};
 
-/// The whole run is bounded by this many `--timeout`s (default 60 s -> 10 minutes).
+/// The whole run is bounded by this many `--timeout`s (default 60 s -> 10 minutes), plus the
+/// `--soak` seconds ([`watchdog_limit`]).
 pub const WATCHDOG_TIMEOUTS: u32 = 10;
+
+/// The bound of a workload run: [`WATCHDOG_TIMEOUTS`] `--timeout`s plus the `--soak` time.
+pub fn watchdog_limit(opts: &cli::Options) -> Duration {
+    opts.timeout * WATCHDOG_TIMEOUTS + Duration::from_secs(opts.soak.unwrap_or(0))
+}
 
 /// Prints one progress line `SYGPU: ...` (newlines folded). `println!`, not a write to a
 /// locked stdout: stdout is line-buffered, so the line is flushed whole, and the unit tests'
@@ -175,7 +186,7 @@ pub fn main_with(args: &[String]) -> i32 {
         cli::Mode::Run => {
             let mode = if opts.quick { "quick" } else { "full" };
             let start = Instant::now();
-            start_watchdog(opts.timeout * WATCHDOG_TIMEOUTS, move |reason| {
+            start_watchdog(watchdog_limit(&opts), move |reason| {
                 let mut s = Summary::new(mode);
                 s.duration_ms = start.elapsed().as_millis() as u64;
                 s.conclude(Some(reason));
@@ -191,7 +202,7 @@ pub fn main_with(args: &[String]) -> i32 {
         cli::Mode::NoIommu => {
             let mode = if opts.quick { "quick" } else { "full" };
             let start = Instant::now();
-            start_watchdog(opts.timeout * WATCHDOG_TIMEOUTS, move |reason| {
+            start_watchdog(watchdog_limit(&opts), move |reason| {
                 let mut s = summary::NoIommuSummary::new(mode);
                 s.duration_ms = start.elapsed().as_millis() as u64;
                 s.conclude(Some(reason));
@@ -283,6 +294,9 @@ fn drive_noiommu(
     say_doorbells(opts, &gpu);
     sum.steps = out.summary_steps();
     let measured = measure_latency(opts, &mut gpu, &out, &mut sum.steps);
+    let ready = out.failure.is_none() && measured.is_ok();
+    let (soaked, soak_failure) = run_soak(opts, &mut gpu, ready, &mut sum.steps);
+    sum.soak = soaked;
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
     sum.bytes_moved = gpu.stats.bytes_moved;
@@ -297,6 +311,9 @@ fn drive_noiommu(
         return Err(e);
     }
     sum.latency = measured?;
+    if let Some(e) = soak_failure {
+        return Err(e);
+    }
     if !problems.is_empty() {
         return Err(format!("shutdown: {}", problems.join("; ")));
     }
@@ -354,6 +371,45 @@ fn measure_latency(
             Err(format!("step latency: {e}"))
         }
     }
+}
+
+/// With `--soak S` and a workload (and latency measurement) that passed: the soak
+/// ([`soak::run`]), recorded as step `soak` in `steps`. Returns its summary and its failure
+/// (which fails the run). Never panics (a panic is the step's failure).
+fn run_soak(
+    opts: &cli::Options,
+    gpu: &mut gpu::Gpu,
+    ready: bool,
+    steps: &mut Vec<summary::Step>,
+) -> (Option<summary::Soak>, Option<String>) {
+    let Some(seconds) = opts.soak.filter(|_| ready) else {
+        return (None, None);
+    };
+    let t = Instant::now();
+    let (soak, failure) = match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds))) {
+        Ok(r) => r,
+        Err(p) => {
+            let s = summary::Soak {
+                seconds,
+                ..summary::Soak::default()
+            };
+            (
+                s,
+                Some(format!("soak: panic: {}", panic_message(p.as_ref()))),
+            )
+        }
+    };
+    let ms = t.elapsed().as_millis() as u64;
+    steps.push(summary::Step {
+        name: "soak".into(),
+        ok: failure.is_none(),
+        ms,
+    });
+    match &failure {
+        None => say!("step soak: ok ({ms} ms)"),
+        Some(e) => say!("step soak: FAIL ({ms} ms): {e}"),
+    }
+    (Some(soak), failure)
 }
 
 /// The message of a caught panic.
@@ -505,10 +561,16 @@ fn open_gpu(opts: &cli::Options, sizes: &workload::Sizes) -> Result<(gpu::Gpu, S
     Ok((gpu, dev.bdf))
 }
 
+/// The options of [`gpu::Gpu::open`]; with `--soak`, DMA windows enough for the soak's
+/// buffers besides the rings (up to 8 queues; the workload's buffers are freed by then).
 fn gpu_options(opts: &cli::Options, sizes: &workload::Sizes) -> gpu::GpuOptions {
+    let soak_windows = match opts.soak {
+        Some(_) => (soak::dma_bytes(8) + (1 << 20)).div_ceil(sizes.dma_window) as usize,
+        None => 0,
+    };
     gpu::GpuOptions {
         dma_window: sizes.dma_window,
-        dma_windows: sizes.dma_windows,
+        dma_windows: sizes.dma_windows.max(soak_windows),
         timeout: opts.timeout,
         doorbell: opts.doorbell,
     }
@@ -534,6 +596,9 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
     say_doorbells(opts, &gpu);
     sum.steps = out.summary_steps();
     let measured = measure_latency(opts, &mut gpu, &out, &mut sum.steps);
+    let ready = out.failure.is_none() && measured.is_ok();
+    let (soaked, soak_failure) = run_soak(opts, &mut gpu, ready, &mut sum.steps);
+    sum.soak = soaked;
     let _ = gpu.collect_interrupts();
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
@@ -558,6 +623,9 @@ fn drive(opts: &cli::Options, mut sizes: workload::Sizes, sum: &mut Summary) -> 
         return Err(e);
     }
     sum.latency = measured?;
+    if let Some(e) = soak_failure {
+        return Err(e);
+    }
     if !problems.is_empty() {
         return Err(format!("shutdown: {}", problems.join("; ")));
     }

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 /// `conclude`, `passed` and `line` of a workload summary (one with `result`, `reason`,
-/// `steps`, `jobs_run`, `jobs_verified`, `error_test_ok` and `vram_mmap_ok`).
+/// `steps`, `jobs_run`, `jobs_verified`, `error_test_ok`, `vram_mmap_ok` and `soak`).
 macro_rules! workload_summary {
     ($t:ty) => {
         impl $t {
@@ -19,6 +19,12 @@ macro_rules! workload_summary {
                         self.error_test_ok,
                         self.vram_mmap_ok,
                     )
+                    .or_else(|| {
+                        self.soak
+                            .as_ref()
+                            .filter(|s| !s.ok)
+                            .map(|_| "soak did not pass".to_owned())
+                    })
                 });
                 self.result = if reason.is_none() { "pass" } else { "fail" };
                 self.reason = reason;
@@ -106,6 +112,8 @@ pub struct Summary {
     pub steps: Vec<Step>,
     /// The `--latency` figures (`null` without it).
     pub latency: Option<Latency>,
+    /// The `--soak` run (`null` without it).
+    pub soak: Option<Soak>,
     /// Wall time of the whole run.
     pub duration_ms: u64,
 }
@@ -139,6 +147,7 @@ impl Summary {
             vram_mmap_ok: false,
             steps: Vec::new(),
             latency: None,
+            soak: None,
             duration_ms: 0,
         }
     }
@@ -227,6 +236,36 @@ pub struct Latency {
     pub mapped_over_trapped: LatencyRatios,
 }
 
+/// The `--soak S` run ([`crate::soak`]). Field order is the JSON key order.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Soak {
+    /// The `S` asked for.
+    pub seconds: u64,
+    /// Data jobs of the verified mix (COPY guest -> VRAM -> guest, FILL, SAXPY + REDUCE,
+    /// GEMM) submitted; the region's FILLs and read-back COPYs are not among them (they are
+    /// in the summary's `jobs_run`, as every soak job is).
+    pub jobs: u64,
+    /// Of those, the ones whose results matched the CPU reference bit for bit.
+    pub jobs_verified: u64,
+    /// Bytes of the device-dirtied region.
+    pub region_bytes: u64,
+    /// Times the device rewrote the whole region (one per iteration).
+    pub region_writes: u64,
+    /// 4 KiB pages of the region found not holding the pattern of the device's last write
+    /// to them: in the read-backs during the loop and in the CPU check of the whole region
+    /// after the device went idle (a page counts once per check that found it).
+    pub region_stale_pages: u64,
+    /// Iterations that read the region back (COPY into a second buffer) before rewriting
+    /// it; the CPU checked each read-back against the previous write's pattern.
+    pub region_readbacks: u64,
+    /// Of `region_stale_pages`, those found in the read-backs.
+    pub readback_stale_pages: u64,
+    /// Wall time of the loop and the final check.
+    pub ms: u64,
+    /// Every job verified, at least one region write, no stale page, nothing failed.
+    pub ok: bool,
+}
+
 /// The DMA memory of a no-IOMMU run.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
 pub struct Hugepages {
@@ -300,6 +339,8 @@ pub struct NoIommuSummary {
     pub steps: Vec<Step>,
     /// The `--latency` figures (`null` without it).
     pub latency: Option<Latency>,
+    /// The `--soak` run (`null` without it).
+    pub soak: Option<Soak>,
     /// Wall time of the whole run.
     pub duration_ms: u64,
 }
@@ -335,6 +376,7 @@ impl NoIommuSummary {
             skipped: Vec::new(),
             steps: Vec::new(),
             latency: None,
+            soak: None,
             duration_ms: 0,
         }
     }
@@ -479,7 +521,7 @@ mod tests {
              \"doorbell\":\"trapped\",\"submissions\":0,\"kicks\":0,\
              \"interrupts\":{\"per_vector\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],\"total\":16},\
              \"error_test_ok\":true,\"vram_mmap_ok\":true,\
-             \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"latency\":null,\"duration_ms\":42}"
+             \"steps\":[{\"name\":\"identity\",\"ok\":true,\"ms\":3}],\"latency\":null,\"soak\":null,\"duration_ms\":42}"
         );
         assert!(!line.contains('\n'));
         let v: serde_json::Value =
@@ -559,7 +601,57 @@ mod tests {
             n.line()
                 .contains("\"doorbell\":\"mapped\",\"submissions\":0,\"kicks\":0,")
         );
-        assert!(n.line().contains("\"latency\":null,\"duration_ms\":0}"));
+        assert!(
+            n.line()
+                .contains("\"latency\":null,\"soak\":null,\"duration_ms\":0}")
+        );
+    }
+
+    #[test]
+    fn soak_in_the_line() {
+        let soak = Soak {
+            seconds: 30,
+            jobs: 400,
+            jobs_verified: 400,
+            region_bytes: 4 << 20,
+            region_writes: 180,
+            region_stale_pages: 0,
+            region_readbacks: 179,
+            readback_stale_pages: 0,
+            ms: 30_012,
+            ok: true,
+        };
+        let mut s = passing();
+        s.soak = Some(soak.clone());
+        s.conclude(None);
+        assert!(s.passed());
+        assert!(
+            s.line().contains(
+                "\"soak\":{\"seconds\":30,\"jobs\":400,\"jobs_verified\":400,\"region_bytes\":4194304,\
+                 \"region_writes\":180,\"region_stale_pages\":0,\"region_readbacks\":179,\
+                 \"readback_stale_pages\":0,\"ms\":30012,\"ok\":true},\"duration_ms\":42}"
+            ),
+            "{}",
+            s.line()
+        );
+        // A soak that did not pass fails the run even without a failure message.
+        let mut n = NoIommuSummary::new("full");
+        n.steps = s.steps.clone();
+        (n.jobs_run, n.jobs_verified, n.error_test_ok, n.vram_mmap_ok) = (5, 5, true, true);
+        n.soak = Some(Soak {
+            region_stale_pages: 3,
+            ok: false,
+            ..soak
+        });
+        n.conclude(None);
+        assert_eq!(n.reason.as_deref(), Some("soak did not pass"));
+        n.conclude(Some("soak: 3 of 1024 4 KiB pages ...".into()));
+        assert!(!n.passed());
+        let v: serde_json::Value =
+            serde_json::from_str(n.line().strip_prefix("SYGPU-SUMMARY ").expect("tag"))
+                .expect("json");
+        assert_eq!(v["soak"]["region_stale_pages"], 3);
+        assert_eq!(v["soak"]["ok"], false);
     }
 
     #[test]

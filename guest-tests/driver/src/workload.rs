@@ -163,7 +163,7 @@ impl Outcome {
     }
 }
 
-fn check_bytes(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
+pub(crate) fn check_bytes(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
     match r::first_byte_mismatch(got, want) {
         None => Ok(()),
         Some(i) => Err(format!(
@@ -175,7 +175,7 @@ fn check_bytes(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
     }
 }
 
-fn check_f32(what: &str, got: &[f32], want: &[f32]) -> Result<(), String> {
+pub(crate) fn check_f32(what: &str, got: &[f32], want: &[f32]) -> Result<(), String> {
     match r::first_f32_mismatch(got, want) {
         None => Ok(()),
         Some((i, g, w)) => Err(format!(
@@ -195,7 +195,7 @@ fn read_f32(g: &Gpu, iova: u64, n: usize) -> Result<Vec<f32>, String> {
     Ok(r::f32_from_bytes(&g.dma().read_vec(iova, 4 * n)?))
 }
 
-fn mib(b: u64) -> String {
+pub(crate) fn mib(b: u64) -> String {
     if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{} MiB", b >> 20)
     } else if b >= 1 << 10 {
