@@ -11,12 +11,14 @@
 #
 # The unpatched QEMU of scripts/setup.sh stays the default for every test; nothing here
 # replaces it. Firmware (SeaBIOS, the PVH/linuxboot option ROMs) comes from setup.sh's cache,
-# which the wrapper passes with -L, as setup.sh's own wrapper does.
+# which the wrapper passes with -L, as setup.sh's own wrapper does. The build is shared by
+# every clone (outside them); each clone's setup cache gets its own wrapper.
 #
 # Output ($CACHE is ${SWITCHYARD_QEMU_BUILD_CACHE:-$HOME/.cache/switchyard/qemu}):
 #   $CACHE/qemu-patched/bin/qemu-system-x86_64   the patched binary (host libraries)
-#   $CACHE/qemu-patched/qemu                     wrapper adding -L <setup cache firmware>
 #   $CACHE/qemu-patched/stamp                    version, patch hashes, key, build time
+#   <setup cache>/qemu-migration                 wrapper: the binary with -L <this clone's
+#                                                firmware> (what the migration tests run)
 # The last line printed is the wrapper's path.
 #
 # Usage: scripts/build-qemu.sh [--rebuild] [--jobs N] [--print-path] [--configure-only]
@@ -108,16 +110,31 @@ patch_sums() { (cd "$PATCHES" && sha256sum -- "${PATCH_FILES[@]##*/}"); }
 KEY=$( { echo "recipe=$RECIPE want=$WANT"; printf '%s\n' "${CONFIGURE_FLAGS[@]}"; patch_sums; } |
   sha256sum | cut -c1-16)
 stamp_get() { sed -n "s/^$1=//p" "$OUT/stamp" 2>/dev/null | sed -n 1p; }
-current() { [ -x "$OUT/bin/qemu-system-x86_64" ] && [ -x "$OUT/qemu" ] && [ "$(stamp_get key)" = "$KEY" ]; }
+current() { [ -x "$OUT/bin/qemu-system-x86_64" ] && [ "$(stamp_get key)" = "$KEY" ]; }
+WRAPPER=$SETUP_CACHE/qemu-migration
+# The clone's wrapper: the shared binary with this clone's firmware (setup.sh's prefix).
+write_wrapper() {
+  local fw="" d
+  for d in "$SETUP_CACHE/prefix/usr/share/qemu" "$SETUP_CACHE/prefix/usr/share/seabios"; do
+    [ -d "$d" ] && fw+=" -L \"$d\""
+  done
+  [ -n "$fw" ] || die "no firmware in $SETUP_CACHE: run scripts/setup.sh first"
+  printf '%s\n' '#!/bin/sh' \
+    "# The patched QEMU $(stamp_get version) (vmm-integration/qemu/patches, key $KEY; scripts/build-qemu.sh)." \
+    "exec \"$OUT/bin/qemu-system-x86_64\"$fw \"\$@\"" > "$WRAPPER.new"
+  chmod 755 "$WRAPPER.new"
+  mv "$WRAPPER.new" "$WRAPPER"
+}
 
 if [ $PRINT = 1 ]; then
-  current || exit 1
-  echo "$OUT/qemu"
+  current && [ -x "$WRAPPER" ] || exit 1
+  echo "$WRAPPER"
   exit 0
 fi
 if [ $REBUILD = 0 ] && current; then
   log "up to date: QEMU $(stamp_get version) + ${#PATCH_FILES[@]} patches (key $KEY; built in $(stamp_get build_seconds) s on $(stamp_get built))"
-  echo "$OUT/qemu"
+  write_wrapper
+  echo "$WRAPPER"
   exit 0
 fi
 
@@ -250,18 +267,6 @@ BUILD_S=$(( $(date +%s) - T2 ))
 rm -rf "$OUT.new"
 mkdir -p "$OUT.new/bin"
 install -m 755 "$B/qemu-system-x86_64" "$OUT.new/bin/"
-# Firmware: setup.sh's extracted prefix (Debian's seabios and qemu-system-data files).
-FW=""
-for d in "$SETUP_CACHE/prefix/usr/share/qemu" "$SETUP_CACHE/prefix/usr/share/seabios"; do
-  [ -d "$d" ] && FW+=" -L \"$d\""
-done
-[ -n "$FW" ] || echo "build-qemu.sh: WARNING: no firmware in $SETUP_CACHE (run scripts/setup.sh): the wrapper passes no -L" >&2
-cat > "$OUT.new/qemu" <<EOF
-#!/bin/sh
-# The patched QEMU $VERSION (vmm-integration/qemu/patches, key $KEY), with setup.sh's firmware.
-exec "\$(dirname "\$(readlink -f "\$0")")/bin/qemu-system-x86_64"$FW "\$@"
-EOF
-chmod 755 "$OUT.new/qemu"
 cat > "$OUT.new/stamp" <<EOF
 key=$KEY
 recipe=$RECIPE
@@ -278,5 +283,6 @@ rm -rf "$OUT"
 mv "$OUT.new" "$OUT"
 # Keep the source download (a rebuild after a patch change reuses it), drop the build tree.
 rm -rf "$WORK"
+write_wrapper
 log "built QEMU $VERSION + ${#PATCH_FILES[@]} patches: compile $BUILD_S s with $JOBS jobs, $(( $(date +%s) - T0 )) s in all"
-echo "$OUT/qemu"
+echo "$WRAPPER"

@@ -107,6 +107,9 @@ elif ! scripts/install-libvirt.sh --check; then
   echo "test.sh: NOT RUN (libvirt not installed, not root to install it): $LIBVIRT_TEST; run scripts/install-libvirt.sh as root"
 fi
 
+step "patched QEMU for the live-migration guest tests (scripts/build-qemu.sh: Debian's source + vmm-integration/qemu/patches; about 5 minutes on 2 cores the first time, then cached outside the clone)"
+scripts/build-qemu.sh
+
 step "static guest binaries (driver; server, sy-nested and edu-client for the nested and passthrough guests)"
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked -p sygpu-driver -p switchyard -p sy-nested -p edu-client \

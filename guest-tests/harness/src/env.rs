@@ -116,6 +116,18 @@ impl GuestEnv {
         Ok(ch)
     }
 
+    /// The patched QEMU whose `vfio-user-pci` live-migrates a device (issue 24's patches in
+    /// vmm-integration/qemu/patches): the setup cache's `qemu-migration` wrapper, which
+    /// `scripts/build-qemu.sh` writes (scripts/test.sh runs it).
+    pub fn migration_qemu(&self) -> Result<PathBuf> {
+        must_exist(
+            "patched QEMU (live migration)",
+            self.cache.join("qemu-migration"),
+            "run scripts/build-qemu.sh (scripts/test.sh does; about 5 minutes on 2 cores, then \
+             cached outside the clone)",
+        )
+    }
+
     /// The environment for a test; a missing prerequisite fails the test with a message saying
     /// how to set it up.
     pub fn for_test() -> GuestEnv {

@@ -46,6 +46,14 @@ pub struct GuestSpec {
     pub qemu_args: Vec<String>,
     /// Overall timeout.
     pub timeout: Duration,
+    /// The QEMU to run instead of [`GuestEnv::qemu`] (e.g. [`GuestEnv::migration_qemu`]).
+    pub qemu: Option<PathBuf>,
+    /// Wait for an incoming live migration on this unix socket (`-incoming unix:PATH`)
+    /// instead of booting.
+    pub incoming: Option<PathBuf>,
+    /// Names this guest's files (`serial-NAME.log`, `qemu-NAME.log`, `qmp-NAME.sock`), for
+    /// tests with several QEMU processes; `None`: `serial.log`, `qemu.log`, `qmp.sock`.
+    pub name: Option<String>,
 }
 
 impl GuestSpec {
@@ -67,6 +75,9 @@ impl GuestSpec {
             cpu: None,
             qemu_args: vec![],
             timeout: Duration::from_secs(240),
+            qemu: None,
+            incoming: None,
+            name: None,
         }
     }
 
@@ -177,8 +188,12 @@ impl Guest {
             Some(p) => p.clone(),
             None => env.initramfs()?,
         };
-        let serial = dir.join("serial.log");
-        let qemu_log = dir.join("qemu.log");
+        let file = |stem: &str, ext: &str| match &spec.name {
+            Some(n) => dir.join(format!("{stem}-{n}.{ext}")),
+            None => dir.join(format!("{stem}.{ext}")),
+        };
+        let serial = file("serial", "log");
+        let qemu_log = file("qemu", "log");
         let mut append = String::from("console=ttyS0 panic=-1 quiet");
         if spec.iommu {
             append.push_str(" intel_iommu=on");
@@ -191,8 +206,9 @@ impl Guest {
         for a in &spec.args {
             append.push_str(&format!(" sy.arg={a}"));
         }
-        let qmp = spec.qmp.then(|| dir.join("qmp.sock"));
-        let mut q = QemuCommand::new(&env.qemu)
+        let qmp = spec.qmp.then(|| file("qmp", "sock"));
+        let binary = spec.qemu.as_ref().unwrap_or(&env.qemu);
+        let mut q = QemuCommand::new(binary)
             .memory_mib(spec.memory_mib)
             .smp(spec.smp)
             .serial(Serial::File(serial.clone()))
@@ -206,6 +222,11 @@ impl Guest {
             q = q.cpu(cpu);
         }
         q = q.extra_args(&spec.qemu_args);
+        if let Some(path) = &spec.incoming {
+            let mut uri = std::ffi::OsString::from("unix:");
+            uri.push(path);
+            q = q.extra_arg("-incoming").extra_arg(uri);
+        }
         for d in &spec.emulated {
             q = q.device(d.clone());
         }
@@ -223,7 +244,7 @@ impl Guest {
             .stdout(Stdio::null())
             .stderr(err)
             .spawn()
-            .map_err(|e| HarnessError::Io(format!("spawn {}", env.qemu.display()), e))?;
+            .map_err(|e| HarnessError::Io(format!("spawn {}", binary.display()), e))?;
         Ok(Guest {
             child: Some(child),
             serial,

@@ -37,8 +37,33 @@ impl Server {
         extra: &[&str],
         rust_log: &str,
     ) -> Result<Server> {
-        let socket = dir.join("gpu.sock");
-        let log = dir.join("server.log");
+        let (socket, log) = (dir.join("gpu.sock"), dir.join("server.log"));
+        Self::spawn(env, socket, log, device, extra, rust_log)
+    }
+
+    /// Like [`Server::start_with`] for one of several servers of a test: socket `NAME.sock`,
+    /// log `server-NAME.log`.
+    pub fn start_named(
+        env: &GuestEnv,
+        dir: &Path,
+        name: &str,
+        device: &str,
+        extra: &[&str],
+    ) -> Result<Server> {
+        let rust_log = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+        let socket = dir.join(format!("{name}.sock"));
+        let log = dir.join(format!("server-{name}.log"));
+        Self::spawn(env, socket, log, device, extra, &rust_log)
+    }
+
+    fn spawn(
+        env: &GuestEnv,
+        socket: PathBuf,
+        log: PathBuf,
+        device: &str,
+        extra: &[&str],
+        rust_log: &str,
+    ) -> Result<Server> {
         let err =
             File::create(&log).map_err(|e| HarnessError::Io("create server log".into(), e))?;
         let child = Command::new(&env.switchyard)

@@ -1,0 +1,314 @@
+//! Live migration of a running guest holding a Switchyard device, under the patched QEMU
+//! (vmm-integration/qemu/patches, built by `scripts/build-qemu.sh`): two `switchyard serve`
+//! softgpu servers, a source QEMU (TCG, no vIOMMU: QEMU refuses to migrate a VFIO device
+//! behind one) running the in-guest driver, a destination QEMU started with
+//! `-incoming unix:...`, and QMP `migrate` while the driver keeps the device busy
+//! (`sygpu-driver --noiommu --soak SECONDS`: verified jobs on every queue, and a guest-memory
+//! region that only the device writes, re-read by the CPU after every write).
+//!
+//! What is checked: the migration completes (QEMU's own status, downtime and the device's
+//! share of the stream), the driver's output continues on the destination's console and its
+//! summary there says every job before, during and after the switchover was bit-exact; with a
+//! source server whose dirty log is blind (`serve --dirty-log blind`) the same run loses the
+//! device's writes, which proves that QEMU took the device-dirtied pages from the device's log;
+//! a `migrate_cancel` leaves the source running its workload; a destination whose device does
+//! not match is refused and the source runs on.
+//!
+//! Ignored under a plain `cargo test` (they boot QEMU); `scripts/test.sh` runs them.
+#![forbid(unsafe_code)]
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use switchyard_guest_tests::{
+    Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_guest_tests_ignored, wait_until,
+    with_logs,
+};
+use switchyard_qemu::{Qmp, VfioUserDevice};
+
+/// Hugepages the guest kernel reserves at boot (`sygpu_driver::hugepage::HUGEPAGES_WANTED`).
+const HUGEPAGES: u32 = 16;
+/// How long the driver keeps the device busy; the migration starts once it has started.
+const SOAK_SECONDS: u32 = 12;
+/// The device both servers serve unless a test says otherwise.
+const DEVICE: &str = "softgpu,vram=64M,queues=2";
+
+#[test]
+fn migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
+    assert_guest_tests_ignored(
+        "migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
+        5,
+    );
+}
+
+/// One side of a migration: its server, its QEMU and QMP.
+struct Side {
+    server: Server,
+    guest: Guest,
+    qmp: Qmp,
+}
+
+/// Boots the source guest on the patched QEMU against a fresh server serving `device` (with
+/// `serve_args`), running the driver's soak with `driver_args`; returns once the soak started.
+fn boot_source(
+    env: &GuestEnv,
+    dir: &Path,
+    device: &str,
+    serve_args: &[&str],
+    driver_args: &[&str],
+) -> Side {
+    let server = Server::start_named(env, dir, "src", device, serve_args).expect("source server");
+    let mut spec = spec(env, "src", &server.socket);
+    spec.args = soak_args(driver_args);
+    let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
+    let qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
+        .expect("the source's QMP");
+    guest
+        .wait_for_line("SYGPU: soak start")
+        .expect("the driver starts its soak");
+    Side { server, guest, qmp }
+}
+
+/// Starts the destination QEMU, waiting on `incoming`, against a fresh server with `device`;
+/// `driver_args` as the source's (the same command line, plus `-incoming`).
+fn start_destination(
+    env: &GuestEnv,
+    dir: &Path,
+    device: &str,
+    driver_args: &[&str],
+    incoming: &Path,
+) -> Side {
+    let server = Server::start_named(env, dir, "dst", device, &[]).expect("destination server");
+    let mut spec = spec(env, "dst", &server.socket);
+    spec.args = soak_args(driver_args);
+    spec.incoming = Some(incoming.to_owned());
+    let guest = Guest::boot(env, dir, &spec).expect("start the destination");
+    let qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
+        .expect("the destination's QMP");
+    wait_until(
+        Duration::from_secs(30),
+        "the incoming migration socket",
+        || incoming.exists().then_some(()),
+    )
+    .expect("the destination listens");
+    Side { server, guest, qmp }
+}
+
+/// The driver's arguments: the no-IOMMU soak, then `extra`.
+fn soak_args(extra: &[&str]) -> Vec<String> {
+    ["--noiommu", "--soak", &SOAK_SECONDS.to_string()]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A guest of this file: no vIOMMU, hugepages for the driver's DMA, the device of `socket`,
+/// QMP, the patched QEMU, files named `name`.
+fn spec(env: &GuestEnv, name: &str, socket: &Path) -> GuestSpec {
+    let mut spec = GuestSpec::new("sygpu-driver");
+    spec.kernel_args = vec![format!("hugepages={HUGEPAGES}")];
+    spec.devices = vec![VfioUserDevice::new("gpu0", socket)];
+    spec.qmp = true;
+    spec.qemu = Some(env.migration_qemu().expect("the patched QEMU"));
+    spec.name = Some(name.to_owned());
+    spec.timeout = Duration::from_secs(300);
+    spec
+}
+
+/// `migrate` to `uri`, then `query-migrate` until it ends; returns its last status object.
+fn migrate(qmp: &mut Qmp, uri: &str) -> Value {
+    qmp.execute("migrate", Some(json!({ "uri": uri })))
+        .expect("migrate");
+    let started = Instant::now();
+    loop {
+        let st = qmp.execute("query-migrate", None).expect("query-migrate");
+        if matches!(
+            st["status"].as_str(),
+            Some("completed" | "failed" | "cancelled")
+        ) {
+            return st;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the migration did not end in 120 s: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The driver's summary in `out`, which must say pass, with the soak's figures.
+fn soak_summary(out: &GuestOutput) -> Value {
+    let s = out
+        .json_line("SYGPU-SUMMARY")
+        .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
+    assert_eq!(s["result"], "pass", "{s}");
+    assert_eq!(out.test_rc("sygpu-driver"), Some(0), "{s}");
+    let soak = &s["soak"];
+    assert_eq!(soak["ok"], true, "{s}");
+    let jobs = soak["jobs"].as_u64().expect("soak jobs");
+    assert!(jobs > 0, "{s}");
+    assert_eq!(soak["jobs_verified"].as_u64(), Some(jobs), "{s}");
+    assert!(soak["region_writes"].as_u64().unwrap_or(0) > 1, "{s}");
+    assert_eq!(soak["region_stale_pages"], 0, "{s}");
+    s
+}
+
+/// A whole live migration under the soak: returns QEMU's final migration status and the
+/// driver's summary, as printed on the destination's console.
+fn soak_across_migration(
+    name: &str,
+    device: &str,
+    source_serve_args: &[&str],
+    driver_args: &[&str],
+) -> (Value, GuestOutput, String) {
+    let mut result = None;
+    with_logs(name, |env, dir| {
+        let mut src = boot_source(env, dir, device, source_serve_args, driver_args);
+        let incoming = dir.join("migration.sock");
+        let dst = start_destination(env, dir, device, driver_args, &incoming);
+        // Some jobs before the switchover.
+        std::thread::sleep(Duration::from_secs(2));
+        let st = migrate(&mut src.qmp, &format!("unix:{}", incoming.display()));
+        assert_eq!(st["status"], "completed", "{st}");
+        // The source stops (postmigrate); the guest runs on in the destination.
+        let status = src.qmp.query_status().expect("source status");
+        assert_eq!(status.status, "postmigrate", "{status:?}");
+        let _ = src.qmp.quit();
+        drop(src.guest);
+        let out = dst.guest.wait().expect("the destination guest finished");
+        let src_serial =
+            std::fs::read_to_string(dir.join("serial-src.log")).expect("the source console");
+        let dst_log = dst.server.log_text();
+        result = Some((st, out, src_serial + &dst_log));
+    });
+    result.expect("ran")
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn the_driver_runs_on_across_a_live_migration_with_mapped_vram_and_doorbells() {
+    let (st, out, before) =
+        soak_across_migration("migrate-mapped", DEVICE, &[], &["--doorbell", "mapped"]);
+    assert_migrated(&st, &out, &before);
+    let s = soak_summary(&out);
+    assert_eq!(s["doorbell"], "mapped", "{s}");
+    assert_eq!(s["vram_access"], "mmap", "{s}");
+}
+
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn the_driver_runs_on_across_a_live_migration_with_trapped_vram() {
+    let device = format!("{DEVICE},vram_mmap=off");
+    let (st, out, before) = soak_across_migration("migrate-trapped", &device, &[], &[]);
+    assert_migrated(&st, &out, &before);
+    let s = soak_summary(&out);
+    assert_eq!(s["doorbell"], "trapped", "{s}");
+}
+
+/// The same soak with the source's dirty log blind (`serve --dirty-log blind`: DMA logging
+/// is offered and started, but every report is empty): the pages the device wrote after QEMU
+/// copied them never reach the destination, and the driver there reads stale data. This is
+/// what makes the two tests above a proof that QEMU used the device's log.
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn with_a_blind_dirty_log_the_device_writes_are_lost() {
+    let (st, out, _) =
+        soak_across_migration("migrate-blind-log", DEVICE, &["--dirty-log", "blind"], &[]);
+    assert_eq!(st["status"], "completed", "{st}");
+    let s = out
+        .json_line("SYGPU-SUMMARY")
+        .unwrap_or_else(|| panic!("no summary:\n{}", out.serial));
+    assert_eq!(s["result"], "fail", "a blind log lost nothing: {s}");
+    let stale = s["soak"]["region_stale_pages"].as_u64().unwrap_or(0)
+        + (s["soak"]["jobs"].as_u64().unwrap_or(0)
+            - s["soak"]["jobs_verified"].as_u64().unwrap_or(0));
+    assert!(stale > 0, "the failure is not stale device writes: {s}");
+    eprintln!("blind dirty log: {}", s["soak"]);
+}
+
+/// `migrate_cancel` during the migration: the source guest keeps running its workload and
+/// finishes it there, bit-exact; the destination gives up.
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_cancelled_migration_leaves_the_source_running() {
+    with_logs("migrate-cancel", |env, dir| {
+        let mut src = boot_source(env, dir, DEVICE, &[], &[]);
+        let incoming = dir.join("migration.sock");
+        let dst = start_destination(env, dir, DEVICE, &[], &incoming);
+        // Throttled so that it is still running when cancelled.
+        src.qmp
+            .execute(
+                "migrate-set-parameters",
+                Some(json!({ "max-bandwidth": 4 << 20 })),
+            )
+            .expect("throttle");
+        src.qmp
+            .execute(
+                "migrate",
+                Some(json!({ "uri": format!("unix:{}", incoming.display()) })),
+            )
+            .expect("migrate");
+        std::thread::sleep(Duration::from_secs(1));
+        src.qmp.execute("migrate_cancel", None).expect("cancel");
+        let st = wait_until(Duration::from_secs(60), "the cancel", || {
+            let st = src.qmp.execute("query-migrate", None).ok()?;
+            matches!(st["status"].as_str(), Some("cancelled")).then_some(st)
+        })
+        .expect("cancelled");
+        assert_eq!(st["status"], "cancelled", "{st}");
+        drop(dst);
+        let out = src.guest.wait().expect("the source guest finished");
+        let s = soak_summary(&out);
+        eprintln!("cancelled migration: source soak {}", s["soak"]);
+        assert!(src.server.alive());
+    });
+}
+
+/// A destination whose device does not match the source's (half the VRAM) refuses the
+/// device's state: the migration fails and the source guest runs on, bit-exact.
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_destination_with_another_device_is_refused_and_the_source_runs_on() {
+    with_logs("migrate-mismatch", |env, dir| {
+        let mut src = boot_source(env, dir, DEVICE, &[], &[]);
+        let incoming = dir.join("migration.sock");
+        let mut dst = start_destination(env, dir, "softgpu,vram=32M,queues=2", &[], &incoming);
+        let st = migrate(&mut src.qmp, &format!("unix:{}", incoming.display()));
+        assert_eq!(st["status"], "failed", "{st}");
+        let status = src.qmp.query_status().expect("source status");
+        assert!(status.running, "the source is not running: {status:?}");
+        let _ = dst.guest.exited();
+        let refused = dst.server.log_text();
+        assert!(
+            refused.contains("VRAM") || refused.contains("vram"),
+            "the destination server does not say why:\n{refused}"
+        );
+        let out = src.guest.wait().expect("the source guest finished");
+        soak_summary(&out);
+    });
+}
+
+/// The migration completed, QEMU reports a downtime and the device's share of the stream, and
+/// the driver's output went on in the destination (its summary is there, the soak's start only
+/// on the source).
+fn assert_migrated(st: &Value, out: &GuestOutput, before: &str) {
+    assert_eq!(st["status"], "completed", "{st}");
+    let downtime = st["downtime"].as_u64().expect("downtime");
+    eprintln!(
+        "migration: total {} ms, downtime {downtime} ms, RAM {} bytes transferred, {st}",
+        st["total-time"], st["ram"]["transferred"]
+    );
+    assert!(before.contains("SYGPU: soak start"), "{before}");
+    assert!(
+        !out.serial.contains("SYGPU: soak start"),
+        "the destination booted the guest instead of receiving it:\n{}",
+        out.serial
+    );
+    assert!(
+        out.serial.contains("SYGPU: soak progress"),
+        "{}",
+        out.serial
+    );
+}
