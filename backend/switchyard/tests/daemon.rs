@@ -886,55 +886,86 @@ fn detach_and_attach_hand_a_board_from_one_endpoint_to_another() {
     }
 }
 
+/// Both ends of a migration: the source's device streams its state out (PRE_COPY), the
+/// destination's takes it in (RESUMING). While a stream is open, restarts, upgrades, moves
+/// and drains of that endpoint are refused with a reason and change nothing; once the device
+/// is RUNNING again they go.
 #[test]
 fn restarts_upgrades_and_moves_wait_while_the_vmm_migrates_the_device() {
     use switchyard_proto::MigState;
     let mut d = Daemon::start_with_config(THREE_TRAPPED_BOARDS);
-    d.ctl_ok(&["create", "vm1", "--pool", "trapped"]);
-    let e1 = d.endpoint("vm1");
-    let mut c1 = connect(&socket_of(&e1));
-    c1.setup_queue(0);
-    round(&mut c1, 0);
-    let pid = e1["worker"]["pid"].clone();
-    // The VMM opens a migration stream (PRE_COPY): the worker tells its supervisor.
-    c1.t.0
-        .set_mig_state(MigState::PreCopy as u32)
-        .expect("PRE_COPY");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while d.endpoint("vm1")["worker"]["migrating"] != true {
-        assert!(Instant::now() < deadline, "the migration is not reported");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let c = d.client();
-    let before = snapshot(&d);
-    for (what, r) in [
-        ("restart", c.post("/v1/endpoints/vm1/restart", &())),
-        ("upgrade", c.post("/v1/endpoints/vm1/upgrade", &())),
-        (
-            "move",
-            c.post("/v1/endpoints/vm1/move", &json!({ "to": "gpu1" })),
-        ),
-        ("drain", c.post("/v1/boards/gpu0/drain", &())),
+    for (id, state, other) in [
+        ("vm1", MigState::PreCopy, "gpu1"),
+        ("vm2", MigState::Resuming, "gpu2"),
     ] {
-        assert_eq!(api_status(r), (409, "migrating".into()), "{what}");
-    }
-    assert_eq!(snapshot(&d), before, "refusals changed something");
-    assert_eq!(d.endpoint("vm1")["worker"]["pid"], pid, "never restarted");
-    // The migration is over (back to RUNNING): everything goes again.
-    c1.t.0
-        .set_mig_state(MigState::Running as u32)
-        .expect("RUNNING");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while d.endpoint("vm1")["worker"]["migrating"] != false {
-        assert!(
-            Instant::now() < deadline,
-            "the end of the migration is not reported"
+        d.ctl_ok(&["create", id, "--pool", "trapped"]);
+        let e = d.endpoint(id);
+        let board = lease_board(&mut d, id);
+        let mut c = connect(&socket_of(&e));
+        c.setup_queue(0);
+        round(&mut c, 0);
+        let pid = e["worker"]["pid"].clone();
+        // The VMM opens a migration stream: the worker tells its supervisor.
+        c.t.0.set_mig_state(state as u32).expect("migration state");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.endpoint(id)["worker"]["migrating"] != true {
+            assert!(
+                Instant::now() < deadline,
+                "{id}: the migration is not reported"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let api = d.client();
+        let before = snapshot(&d);
+        for (what, r) in [
+            (
+                "restart",
+                api.post(&format!("/v1/endpoints/{id}/restart"), &()),
+            ),
+            (
+                "upgrade",
+                api.post(&format!("/v1/endpoints/{id}/upgrade"), &()),
+            ),
+            (
+                "move",
+                api.post(&format!("/v1/endpoints/{id}/move"), &json!({ "to": other })),
+            ),
+            ("drain", api.post(&format!("/v1/boards/{board}/drain"), &())),
+        ] {
+            assert_eq!(api_status(r), (409, "migrating".into()), "{id} {what}");
+        }
+        assert_eq!(snapshot(&d), before, "{id}: refusals changed something");
+        assert_eq!(
+            d.endpoint(id)["worker"]["pid"],
+            pid,
+            "{id}: never restarted"
         );
-        std::thread::sleep(Duration::from_millis(10));
+        // The migration is over: the source's device is RUNNING again; the destination's VMM
+        // gave up (an incoming migration that failed), which abandons it. Everything goes
+        // again.
+        let c = if state == MigState::PreCopy {
+            c.t.0
+                .set_mig_state(MigState::Running as u32)
+                .expect("RUNNING");
+            Some(c)
+        } else {
+            drop(c);
+            None
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.endpoint(id)["worker"]["migrating"] != false {
+            assert!(
+                Instant::now() < deadline,
+                "{id}: the end of the migration is not reported"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        d.ctl_ok(&["move", id, "--to", other]);
+        d.ctl_ok(&["restart", id]);
+        if let Some(mut c) = c {
+            round(&mut c, 1);
+        }
     }
-    d.ctl_ok(&["move", "vm1", "--to", "gpu1"]);
-    d.ctl_ok(&["restart", "vm1"]);
-    round(&mut c1, 1);
 }
 
 /// `ctl ... | head -1`: a reader that stops reading ends the command quietly (exit 0, no

@@ -24,6 +24,7 @@ mod env;
 mod error;
 mod guest;
 mod nested;
+mod pool;
 mod server;
 mod watchdog;
 
@@ -31,6 +32,7 @@ pub use env::{GuestEnv, NestedBinaries, needs_cloud_hypervisor};
 pub use error::{HarnessError, Result};
 pub use guest::{Guest, GuestOutput, GuestSpec};
 pub use nested::{NESTED_ATTEMPTS, boot_nested, nested_fault};
+pub use pool::PoolDaemon;
 pub use server::Server;
 pub use watchdog::TEST_LIMIT;
 

@@ -12,7 +12,8 @@
 //! source server whose dirty log is blind (`serve --dirty-log blind`) the same run loses the
 //! device's writes, which proves that QEMU took the device-dirtied pages from the device's log;
 //! a `migrate_cancel` leaves the source running its workload; a destination whose device does
-//! not match is refused and the source runs on.
+//! not match is refused and the source runs on; a pool endpoint's worker killed on the source
+//! during pre-copy loses no job.
 //!
 //! Ignored under a plain `cargo test` (they boot QEMU); `scripts/test.sh` runs them.
 #![forbid(unsafe_code)]
@@ -22,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use switchyard_guest_tests::{
-    Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_guest_tests_ignored, wait_until,
-    with_logs,
+    Guest, GuestEnv, GuestOutput, GuestSpec, PoolDaemon, Server, assert_guest_tests_ignored,
+    wait_until, with_logs,
 };
 use switchyard_qemu::{Qmp, VfioUserDevice};
 
@@ -38,7 +39,7 @@ const DEVICE: &str = "softgpu,vram=64M,queues=2";
 fn migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
     assert_guest_tests_ignored(
         "migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
-        5,
+        6,
     );
 }
 
@@ -311,4 +312,93 @@ fn assert_migrated(st: &Value, out: &GuestOutput, before: &str) {
         "{}",
         out.serial
     );
+}
+
+/// A worker kill on the source during pre-copy. The source device is a pool daemon's
+/// endpoint; its worker is killed (SIGKILL) while QEMU copies RAM, and the daemon's
+/// replacement resumes the connection with the device running (a restart abandons a
+/// migration). Either the migration fails and the guest keeps its device on the source, or it
+/// completes; either way the driver's soak finishes bit-exact wherever the guest runs, and no
+/// VM hangs.
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_source_worker_killed_during_pre_copy_loses_no_job() {
+    with_logs("migrate-worker-kill", |env, dir| {
+        let mut daemon = PoolDaemon::start(
+            env,
+            dir,
+            "[[boards]]\nid = \"gpu0\"\nvram = \"64M\"\nqueues = 2\n\
+             [[pools]]\nname = \"p\"\nboards = [\"gpu0\"]\n",
+        );
+        let socket = daemon.create("vm1", "p");
+        let mut spec = spec(env, "src", &socket);
+        spec.args = soak_args(&[]);
+        let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
+        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
+            .expect("the source's QMP");
+        guest
+            .wait_for_line("SYGPU: soak start")
+            .expect("the driver starts its soak");
+        let incoming = dir.join("migration.sock");
+        let dst = start_destination(env, dir, DEVICE, &[], &incoming);
+        // Throttled: RAM takes seconds to copy, the kill lands in pre-copy.
+        qmp.execute(
+            "migrate-set-parameters",
+            Some(json!({ "max-bandwidth": 16 << 20 })),
+        )
+        .expect("throttle");
+        qmp.execute(
+            "migrate",
+            Some(json!({ "uri": format!("unix:{}", incoming.display()) })),
+        )
+        .expect("migrate");
+        let api = daemon.api();
+        let worker = wait_until(
+            Duration::from_secs(30),
+            "the source's migration stream",
+            || {
+                let st = api.get("/v1/endpoints/vm1").ok()?.body;
+                (st["worker"]["migrating"] == true).then(|| st["worker"]["pid"].as_i64())?
+            },
+        )
+        .expect("the source worker streams the device's state");
+        let pid =
+            rustix::process::Pid::from_raw(i32::try_from(worker).expect("pid")).expect("a pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill");
+        let started = Instant::now();
+        let st = loop {
+            let st = qmp.execute("query-migrate", None).expect("query-migrate");
+            if matches!(
+                st["status"].as_str(),
+                Some("completed" | "failed" | "cancelled")
+            ) {
+                break st;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "the migration did not end in 120 s after the kill: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let after = api.get("/v1/endpoints/vm1").expect("endpoint").body;
+        assert_eq!(after["worker"]["restarts"], 1, "{after}");
+        let out = match st["status"].as_str() {
+            Some("completed") => {
+                let _ = qmp.quit();
+                drop(guest);
+                dst.guest.wait().expect("the destination guest finished")
+            }
+            _ => {
+                let status = qmp.query_status().expect("source status");
+                assert!(status.running, "the source stopped: {status:?} after {st}");
+                drop(dst);
+                guest.wait().expect("the source guest finished")
+            }
+        };
+        let s = soak_summary(&out);
+        eprintln!(
+            "worker killed during pre-copy: migration {}, soak {}",
+            st["status"], s["soak"]
+        );
+    });
 }

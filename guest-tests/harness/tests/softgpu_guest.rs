@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use switchyard_daemon::{EndpointSpec, Supervisor};
 use switchyard_guest_tests::{
-    Guest, GuestEnv, GuestOutput, GuestSpec, Server, assert_full_workload,
-    assert_guest_tests_ignored, stop_child, with_logs,
+    Guest, GuestEnv, GuestOutput, GuestSpec, PoolDaemon, Server, assert_full_workload,
+    assert_guest_tests_ignored, with_logs,
 };
 use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
 use switchyard_softgpu::regs::{DOORBELL_PAGE, DOORBELL_PAGE_SIZE, Q_DOORBELL, queue_reg};
@@ -613,114 +613,6 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
             st.last_restart
         );
     });
-}
-
-/// A `switchyard daemon` on `dir` with `config` (empty: the embedded default); dropping it
-/// deletes its endpoints (their workers stop, orphans included) and stops it.
-struct PoolDaemon {
-    child: std::process::Child,
-    socket: std::path::PathBuf,
-    endpoints: Vec<String>,
-}
-
-impl PoolDaemon {
-    fn start(env: &GuestEnv, dir: &std::path::Path, config: &str) -> Self {
-        let file = dir.join("pool.toml");
-        std::fs::write(&file, config).expect("write the pool configuration");
-        let log = std::fs::File::create(dir.join("daemon.log")).expect("daemon log");
-        let mut cmd = std::process::Command::new(&env.switchyard);
-        cmd.arg("daemon");
-        if !config.is_empty() {
-            cmd.arg("--config").arg(&file);
-        }
-        let child = cmd
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--run-dir")
-            .arg(dir.join("run"))
-            .env("RUST_LOG", "info")
-            .env("SWITCHYARD_WORKER_EXE", &env.switchyard)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start the daemon");
-        let mut d = Self {
-            child,
-            socket: dir.join("run/control.sock"),
-            endpoints: Vec::new(),
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while d.client().and_then(|c| c.get("/health").ok()).is_none() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the daemon does not answer"
-            );
-            if let Ok(Some(st)) = d.child.try_wait() {
-                panic!("the daemon exited: {st}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        d
-    }
-
-    fn client(&self) -> Option<switchyard_control::ControlClient> {
-        switchyard_control::ControlClient::connect(&self.socket).ok()
-    }
-
-    fn api(&self) -> switchyard_control::ControlClient {
-        self.client().expect("connect to the daemon")
-    }
-
-    /// Creates an endpoint leased from `pool`; returns its socket.
-    fn create(&mut self, id: &str, pool: &str) -> std::path::PathBuf {
-        let reply = self
-            .api()
-            .post(
-                "/v1/endpoints",
-                &serde_json::json!({ "id": id, "pool": pool }),
-            )
-            .expect("create the endpoint");
-        self.endpoints.push(id.to_owned());
-        std::path::PathBuf::from(
-            reply.body["endpoint"]["socket"]
-                .as_str()
-                .expect("the endpoint's socket"),
-        )
-    }
-}
-
-impl PoolDaemon {
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn restart(&mut self, env: &GuestEnv, dir: &std::path::Path) {
-        let endpoints = std::mem::take(&mut self.endpoints);
-        let config = std::fs::read_to_string(dir.join("pool.toml")).expect("configuration");
-        std::fs::rename(dir.join("daemon.log"), dir.join("daemon.1.log")).expect("keep the log");
-        // The old child is reaped; the new one takes its place.
-        let fresh = PoolDaemon::start(env, dir, &config);
-        let old = std::mem::replace(self, fresh);
-        std::mem::forget(old);
-        self.endpoints = endpoints;
-    }
-}
-
-impl Drop for PoolDaemon {
-    fn drop(&mut self) {
-        if let Some(c) = self.client() {
-            for id in &self.endpoints {
-                let _ = c.delete(&format!("/v1/endpoints/{id}"));
-            }
-        }
-        if stop_child(&mut self.child, Duration::from_secs(15)).is_none()
-            && !std::thread::panicking()
-        {
-            panic!("the pool daemon did not stop within 15 s of SIGTERM (killed)");
-        }
-    }
 }
 
 /// The move test: the in-guest VFIO driver runs its whole workload while the pool
