@@ -192,6 +192,8 @@ struct Families {
     resets: Family<EndpointLabel, Counter>,
     restarts: Counter,
     upgrades: Counter,
+    migrations_completed: Counter,
+    migrations_aborted: Counter,
 }
 
 struct Inner {
@@ -239,6 +241,8 @@ impl Metrics {
             resets: Family::default(),
             restarts: Counter::default(),
             upgrades: Counter::default(),
+            migrations_completed: Counter::default(),
+            migrations_aborted: Counter::default(),
         };
         let mut registry = Registry::with_prefix("switchyard");
         let f = &families;
@@ -302,6 +306,16 @@ impl Metrics {
             "upgrades",
             "Binary upgrades under running endpoints",
             f.upgrades.clone(),
+        );
+        registry.register(
+            "migrations_completed",
+            "Live migrations onto an incoming endpoint that completed (the destination runs)",
+            f.migrations_completed.clone(),
+        );
+        registry.register(
+            "migrations_aborted",
+            "Live migrations onto an incoming endpoint that ended without the destination running",
+            f.migrations_aborted.clone(),
         );
         Self {
             inner: Arc::new(Inner {
@@ -404,6 +418,16 @@ impl Metrics {
     /// Counts an upgrade of the running binary (one endpoint's or the whole daemon's).
     pub fn upgraded(&self) {
         self.inner.families.upgrades.inc();
+    }
+
+    /// Counts a live migration onto an incoming endpoint: completed, or aborted.
+    pub fn migration_ended(&self, completed: bool) {
+        let f = &self.inner.families;
+        if completed {
+            f.migrations_completed.inc();
+        } else {
+            f.migrations_aborted.inc();
+        }
     }
 
     /// Every metric in the OpenMetrics text format ([`OPENMETRICS_CONTENT_TYPE`]).

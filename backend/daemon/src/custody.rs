@@ -242,6 +242,14 @@ pub enum Note {
     Migration {
         /// A stream is open.
         streaming: bool,
+        /// The device's migration state now (`running`, `stop`, `pre_copy`, `stop_copy`,
+        /// `resuming`, `error`); absent from workers of earlier releases.
+        #[serde(default)]
+        state: Option<String>,
+        /// What changed it: `request` (the VMM's MIG_DEVICE_STATE), `reset` (DEVICE_RESET),
+        /// `client_gone` (the VMM went away); absent from workers of earlier releases.
+        #[serde(default)]
+        cause: Option<String>,
     },
     /// What the worker served since its last report (worker → supervisor, every second
     /// while it serves; for the daemon's metrics).
@@ -418,5 +426,20 @@ impl Custody for ChannelCustody {
                 .map_err(io::Error::other)?;
         }
         Ok(())
+    }
+}
+
+/// The name a [`Note::Migration`] gives a device's migration state.
+pub fn mig_state_name(state: switchyard_proto::MigState) -> &'static str {
+    use switchyard_proto::MigState;
+    match state {
+        MigState::Error => "error",
+        MigState::Stop => "stop",
+        MigState::Running => "running",
+        MigState::StopCopy => "stop_copy",
+        MigState::Resuming => "resuming",
+        MigState::RunningP2p => "running_p2p",
+        MigState::PreCopy => "pre_copy",
+        MigState::PreCopyP2p => "pre_copy_p2p",
     }
 }

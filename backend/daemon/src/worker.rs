@@ -361,15 +361,26 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
 fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
     use switchyard_proto::MigState;
     let keeper = keeper.clone();
-    server
-        .device_slot()
-        .set_migration_hook(Arc::new(move |state: MigState| {
+    server.device_slot().set_migration_hook(Arc::new(
+        move |change: switchyard_server::MigChange| {
             let streaming = matches!(
-                state,
+                change.to,
                 MigState::PreCopy | MigState::StopCopy | MigState::Resuming
             );
-            keeper.notify(&Note::Migration { streaming });
-        }));
+            keeper.notify(&Note::Migration {
+                streaming,
+                state: Some(crate::custody::mig_state_name(change.to).to_owned()),
+                cause: Some(
+                    match change.cause {
+                        switchyard_server::MigCause::Request => "request",
+                        switchyard_server::MigCause::Reset => "reset",
+                        switchyard_server::MigCause::ClientGone => "client_gone",
+                    }
+                    .to_owned(),
+                ),
+            });
+        },
+    ));
 }
 
 /// How often a worker reports what it served.

@@ -38,7 +38,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
-pub use slot::{DeviceSlot, MigrationHook, MoveGuard, SwapError, SwapPlan, SwapReport};
+pub use slot::{
+    DeviceSlot, MigCause, MigChange, MigrationHook, MoveGuard, SwapError, SwapPlan, SwapReport,
+};
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
 use switchyard_proto::{MigState, ProtoError, ServerLimits};
 
@@ -216,12 +218,16 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// Tells the hook if `mig` is no longer `before`.
-    pub(crate) fn mig_changed(&self, before: MigState) {
+    /// Tells the hook if `mig` is no longer `before` (changed by `cause`).
+    pub(crate) fn mig_changed(&self, before: MigState, cause: slot::MigCause) {
         if self.mig != before
             && let Some(hook) = &self.mig_hook
         {
-            hook(self.mig);
+            hook(slot::MigChange {
+                from: before,
+                to: self.mig,
+                cause,
+            });
         }
     }
 }
@@ -586,7 +592,7 @@ impl Server {
                     m.abort();
                 }
                 slot.mig = MigState::Running;
-                slot.mig_changed(before);
+                slot.mig_changed(before, slot::MigCause::ClientGone);
             }
         }
         ctx.dma.stop_logging();

@@ -82,7 +82,29 @@ impl std::fmt::Debug for SwapPlan {
 
 /// Told the device's migration state (`MIG_DEVICE_STATE`) each time it changes, under the
 /// slot's lock (keep it short).
-pub type MigrationHook = Arc<dyn Fn(MigState) + Send + Sync>;
+pub type MigrationHook = Arc<dyn Fn(MigChange) + Send + Sync>;
+
+/// A change of the device's migration state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigChange {
+    /// The state before.
+    pub from: MigState,
+    /// The state now.
+    pub to: MigState,
+    /// What changed it.
+    pub cause: MigCause,
+}
+
+/// What changed a device's migration state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigCause {
+    /// The client's DEVICE_FEATURE SET MIG_DEVICE_STATE (a failed arc leaves ERROR).
+    Request,
+    /// The client's DEVICE_RESET (a migration in progress is abandoned).
+    Reset,
+    /// The client went away (a migration in progress is abandoned).
+    ClientGone,
+}
 
 /// A shared handle on the server's device.
 #[derive(Clone)]

@@ -61,6 +61,11 @@ enum CtlCommand {
         /// The endpoint's socket path (default `<endpoint_dir>/<id>.sock`).
         #[arg(long, value_name = "PATH")]
         endpoint_socket: Option<PathBuf>,
+        /// The destination endpoint of a live migration of endpoint SRC's VM: a free device
+        /// of SRC's shape from SRC's pool. When the migration completes SRC is deleted (its
+        /// lease released); when it is aborted this endpoint is.
+        #[arg(long, value_name = "SRC", conflicts_with_all = ["pool", "device", "min_vram", "min_queues"])]
+        incoming_for: Option<String>,
     },
     /// Stop an endpoint's worker (the VM's connection closes) and delete it.
     Delete {
@@ -337,11 +342,27 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
         }
         CtlCommand::Create {
             id,
+            endpoint_socket,
+            incoming_for: Some(source),
+            ..
+        } => {
+            let reply = client.post(
+                &format!("/v1/endpoints/{}/incoming", segment(&source)?),
+                &serde_json::json!({ "id": id, "socket": endpoint_socket }),
+            )?;
+            if json {
+                return show(&reply.body);
+            }
+            print_endpoint(&reply.json()?)?;
+        }
+        CtlCommand::Create {
+            id,
             pool,
             device,
             min_vram,
             min_queues,
             endpoint_socket,
+            incoming_for: None,
         } => {
             let spec = EndpointSpec {
                 id,
@@ -641,6 +662,9 @@ fn print_endpoint(e: &EndpointStatus) -> anyhow::Result<()> {
     }
     if let Some(detail) = &w.detail {
         outln!("{:<14}{detail}", "detail:");
+    }
+    if let Some(source) = &e.incoming_for {
+        outln!("{:<14}live migration of {source}", "incoming:");
     }
     Ok(())
 }

@@ -13,12 +13,13 @@
 //! device's writes, which proves that QEMU took the device-dirtied pages from the device's log;
 //! a `migrate_cancel` leaves the source running its workload; a destination whose device does
 //! not match is refused and the source runs on; a pool endpoint's worker killed on the source
-//! during pre-copy loses no job.
+//! during pre-copy loses no job; a migration between two endpoints of a pool daemon hands the
+//! lease over to the incoming endpoint.
 //!
 //! Ignored under a plain `cargo test` (they boot QEMU); `scripts/test.sh` runs them.
 #![forbid(unsafe_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -31,7 +32,7 @@ use switchyard_qemu::{Qmp, VfioUserDevice};
 /// Hugepages the guest kernel reserves at boot (`sygpu_driver::hugepage::HUGEPAGES_WANTED`).
 const HUGEPAGES: u32 = 16;
 /// How long the driver keeps the device busy; the migration starts once it has started.
-const SOAK_SECONDS: u32 = 12;
+const SOAK_SECONDS: u32 = 20;
 /// The device both servers serve unless a test says otherwise.
 const DEVICE: &str = "softgpu,vram=64M,queues=2";
 
@@ -39,7 +40,7 @@ const DEVICE: &str = "softgpu,vram=64M,queues=2";
 fn migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
     assert_guest_tests_ignored(
         "migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
-        6,
+        7,
     );
 }
 
@@ -400,5 +401,91 @@ fn a_source_worker_killed_during_pre_copy_loses_no_job() {
             "worker killed during pre-copy: migration {}, soak {}",
             st["status"], s["soak"]
         );
+    });
+}
+
+/// A live migration between two endpoints of one pool daemon, as an operator runs it: the
+/// source VM's endpoint, an incoming endpoint for it (`POST /v1/endpoints/{id}/incoming`,
+/// `ctl create DST --incoming-for SRC`) on a free board of the same shape, QEMU's migration
+/// between them. When the destination runs, the daemon commits: the incoming endpoint keeps
+/// its lease, and once the source QEMU quits the source endpoint is deleted and its board
+/// freed (event `migrated`, metric `switchyard_migrations_completed`).
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_migration_between_two_pool_endpoints_hands_the_lease_over() {
+    with_logs("migrate-pool", |env, dir| {
+        let mut daemon = PoolDaemon::start(
+            env,
+            dir,
+            "[[boards]]\nid = \"gpu0\"\nvram = \"64M\"\nqueues = 2\n\
+             [[boards]]\nid = \"gpu1\"\nvram = \"64M\"\nqueues = 2\n\
+             [[pools]]\nname = \"p\"\nboards = [\"gpu0\", \"gpu1\"]\n",
+        );
+        let socket = daemon.create("vm1", "p");
+        let mut sspec = spec(env, "src", &socket);
+        sspec.args = soak_args(&[]);
+        let mut guest = Guest::boot(env, dir, &sspec).expect("boot the source");
+        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
+            .expect("the source's QMP");
+        guest
+            .wait_for_line("SYGPU: soak start")
+            .expect("the driver starts its soak");
+        let api = daemon.api();
+        let incoming = api
+            .post("/v1/endpoints/vm1/incoming", &json!({ "id": "vm1-in" }))
+            .expect("the incoming endpoint")
+            .body;
+        assert_eq!(incoming["incoming_for"], "vm1", "{incoming}");
+        assert_eq!(incoming["lease"]["board"], "gpu1", "{incoming}");
+        daemon.endpoints.push("vm1-in".into());
+        let dst_socket = PathBuf::from(incoming["endpoint"]["socket"].as_str().expect("socket"));
+        let mut dspec = spec(env, "dst", &dst_socket);
+        dspec.args = soak_args(&[]);
+        let migration = dir.join("migration.sock");
+        dspec.incoming = Some(migration.clone());
+        let dst = Guest::boot(env, dir, &dspec).expect("start the destination");
+        wait_until(
+            Duration::from_secs(30),
+            "the incoming migration socket",
+            || migration.exists().then_some(()),
+        )
+        .expect("the destination listens");
+        std::thread::sleep(Duration::from_secs(2));
+        let st = migrate(&mut qmp, &format!("unix:{}", migration.display()));
+        assert_eq!(st["status"], "completed", "{st}");
+        wait_until(
+            Duration::from_secs(30),
+            "the daemon commits the migration",
+            || {
+                let e = api.get("/v1/endpoints/vm1-in").ok()?.body;
+                e.get("incoming_for").is_none().then_some(())
+            },
+        )
+        .expect("committed");
+        // The source QEMU quits, as after any migration: the source endpoint goes.
+        let _ = qmp.quit();
+        drop(guest);
+        wait_until(
+            Duration::from_secs(70),
+            "the source endpoint is deleted",
+            || api.get("/v1/endpoints/vm1").is_err().then_some(()),
+        )
+        .expect("the source's lease released");
+        let boards = api.get("/v1/boards").expect("boards").body;
+        let gpu0 = boards
+            .as_array()
+            .and_then(|b| b.iter().find(|b| b["id"] == "gpu0"))
+            .expect("gpu0");
+        assert!(gpu0["devices"][0]["endpoint"].is_null(), "{gpu0}");
+        let metrics = api.get_text("/metrics").expect("metrics");
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l == "switchyard_migrations_completed_total 1"),
+            "{metrics}"
+        );
+        let out = dst.wait().expect("the destination guest finished");
+        let s = soak_summary(&out);
+        eprintln!("pool migration: {}, soak {}", st["downtime"], s["soak"]);
     });
 }

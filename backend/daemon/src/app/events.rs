@@ -141,6 +141,36 @@ pub enum WorkerLifecycle {
         /// The endpoint.
         endpoint: String,
     },
+    /// The endpoint's device changed migration state (its VMM migrates it out or in):
+    /// `pre_copy`, `stop_copy`, `resuming`, `stop`, `running`, `error`.
+    Migration {
+        /// The endpoint.
+        endpoint: String,
+        /// The new state.
+        state: String,
+        /// What changed it: `request` (the VMM), `reset` (a device reset abandoned the
+        /// migration), `client_gone` (the VMM went away, which abandons it).
+        cause: String,
+    },
+    /// A live migration onto an incoming endpoint (`POST /v1/endpoints/{id}/incoming`)
+    /// completed: the destination's device loaded the state and runs; its lease is kept and
+    /// the source endpoint is deleted (its lease released) once its VMM let go of it.
+    Migrated {
+        /// The destination endpoint.
+        endpoint: String,
+        /// The source endpoint.
+        source: String,
+    },
+    /// A live migration onto an incoming endpoint ended without the destination running:
+    /// the destination endpoint is deleted (its lease released); the source serves on.
+    MigrationAborted {
+        /// The destination endpoint.
+        endpoint: String,
+        /// The source endpoint.
+        source: String,
+        /// The destination's last migration state.
+        state: String,
+    },
     /// Workers kept dying before serving, or an adopted worker held more than the budget:
     /// the daemon let go of what the next worker would have restored (the client's
     /// connection and descriptors; then the device's state).
@@ -205,6 +235,15 @@ impl WorkerLifecycle {
                 status,
             },
             WorkerEvent::GaveUp { endpoint } => Self::GaveUp { endpoint },
+            WorkerEvent::Migration {
+                endpoint,
+                state,
+                cause,
+            } => Self::Migration {
+                endpoint,
+                state,
+                cause,
+            },
             WorkerEvent::Reset { endpoint, what } => Self::Reset { endpoint, what },
             WorkerEvent::StateLost { endpoint, problems } => Self::StateLost { endpoint, problems },
             WorkerEvent::DeviceLost {

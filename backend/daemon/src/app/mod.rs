@@ -158,6 +158,8 @@ pub struct Daemon {
     /// Endpoints' VMMs, as registered (`PUT /v1/endpoints/{id}/vmm`; not stored: a restarted
     /// daemon needs them registered again).
     vmms: Mutex<BTreeMap<String, api::VmmLink>>,
+    /// Incoming endpoints of live migrations, with their sources (in memory only).
+    incoming: Mutex<BTreeMap<String, api::incoming::Incoming>>,
     events: Arc<EventStream>,
     metrics: Metrics,
     records: WorkerRecords,
@@ -447,11 +449,25 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let records = WorkerRecords::new(workers_dir.clone(), records::WorkerIdentity::of(&exe));
     // Where the sink finds the daemon (for a worker's board), once it exists.
     let this: Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>> = Arc::default();
+    let migrations =
+        api::incoming::follow_migrations(this.clone()).map_err(DaemonError::Runtime)?;
     let sink = {
         let (events, metrics, records) = (events.clone(), metrics.clone(), records.clone());
         let this = this.clone();
         Arc::new(move |e: crate::WorkerEvent| {
             match &e {
+                crate::WorkerEvent::Migration {
+                    endpoint,
+                    state,
+                    cause,
+                } => {
+                    let change = (endpoint.clone(), state.clone(), cause.clone());
+                    let _ = lock(&migrations).send(change);
+                }
+                crate::WorkerEvent::Exited { endpoint, .. } => {
+                    let change = (endpoint.clone(), "exited".into(), String::new());
+                    let _ = lock(&migrations).send(change);
+                }
                 crate::WorkerEvent::Stats { endpoint, stats } => {
                     let board = this.get().and_then(std::sync::Weak::upgrade).and_then(|d| {
                         let pool = d.pool();
@@ -519,6 +535,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
             .with_socket_access(access),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
+        incoming: Mutex::new(BTreeMap::new()),
         events,
         metrics,
         records,

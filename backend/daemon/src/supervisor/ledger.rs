@@ -85,9 +85,23 @@ pub(super) fn serve_notes(
                     problems,
                 });
             }
-            Ok((Note::Migration { streaming }, _)) => {
+            Ok((
+                Note::Migration {
+                    streaming,
+                    state,
+                    cause,
+                },
+                _,
+            )) => {
                 ep.status().migrating = streaming;
                 ep.changed.notify_all();
+                if let Some(state) = state {
+                    sink(WorkerEvent::Migration {
+                        endpoint: ep.spec.id.clone(),
+                        state,
+                        cause: cause.unwrap_or_default(),
+                    });
+                }
             }
             Ok((Note::Stats(stats), _)) => sink(WorkerEvent::Stats {
                 endpoint: ep.spec.id.clone(),

@@ -289,6 +289,15 @@ pub enum WorkerEvent {
         /// Endpoint.
         endpoint: String,
     },
+    /// The device's migration state changed (its VMM migrates it, out or in).
+    Migration {
+        /// Endpoint.
+        endpoint: String,
+        /// The new state ([`crate::custody::mig_state_name`]).
+        state: String,
+        /// What changed it (`request`, `reset`, `client_gone`; empty: not said).
+        cause: String,
+    },
     /// Workers kept dying before serving: the supervisor let go of what the next one would
     /// have restored (the client's connection and descriptors; then the device's state).
     Reset {

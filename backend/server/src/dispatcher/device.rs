@@ -190,7 +190,7 @@ impl Dispatcher {
                 m.abort();
             }
             slot.mig = MigState::Running;
-            slot.mig_changed(before);
+            slot.mig_changed(before, crate::MigCause::Reset);
         }
         slot.device.reset()?;
         reply_empty(&mut self.out, id, Reply::DeviceReset)

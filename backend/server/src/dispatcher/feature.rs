@@ -132,7 +132,7 @@ impl Dispatcher {
         }
         let before = slot.mig;
         let moved = migration::transition(&mut *slot.device, &mut slot.mig, target);
-        slot.mig_changed(before);
+        slot.mig_changed(before, crate::MigCause::Request);
         moved?;
         feature_reply(
             &mut self.out,

@@ -39,6 +39,7 @@
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
 //! refused request changes nothing: the pool checks a mutation on a copy before the data path
 //! acts, and the store is changed last (or the data path undone).
+pub(crate) mod incoming;
 mod ops;
 mod routes;
 mod views;

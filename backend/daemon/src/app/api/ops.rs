@@ -62,6 +62,7 @@ impl Daemon {
                 .and_then(|d| pool.inventory().device(d)),
             worker: self.worker_view(endpoint),
             vmm: self.vmms().get(&endpoint.id).cloned(),
+            incoming_for: self.incoming_source(&endpoint.id),
             endpoint: endpoint.clone(),
         }
     }

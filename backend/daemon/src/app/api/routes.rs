@@ -11,6 +11,7 @@ use switchyard_pool::{
 use utoipa_axum::routes;
 
 use super::super::events::{DaemonEvent, MAX_STREAMS};
+use super::incoming::IncomingSpec;
 use super::views::{
     DrainResult, EndpointStatus, EventsQuery, MoveRequest, MoveResult, VmmLink, WorkerReplaced,
 };
@@ -37,6 +38,7 @@ pub(super) fn api() -> ControlApi<AppState> {
         .routes(routes!(list_pools))
         .routes(routes!(list_endpoints, create_endpoint))
         .routes(routes!(get_endpoint, delete_endpoint))
+        .routes(routes!(create_incoming_endpoint))
         .routes(routes!(restart_endpoint))
         .routes(routes!(upgrade_endpoint))
         .routes(routes!(move_endpoint))
@@ -196,6 +198,36 @@ async fn delete_endpoint(
     blocking(&s, move |d| d.delete(&id))
         .await
         .map(|()| StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/endpoints/{id}/incoming`.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/incoming", tag = TAG, operation_id = "create_incoming_endpoint",
+    summary = "Create the destination endpoint of a live migration of this endpoint's VM",
+    description = "Leases a free device of the source's shape (from the source's pool) and \
+        starts a worker serving a fresh device on the new endpoint's socket, for the destination \
+        VMM (QEMU `-incoming`) to load the source's device state into. When the destination's \
+        device has loaded the stream and runs, the migration is complete: the destination keeps \
+        its lease and the source endpoint is deleted once its VMM let go (event `migrated`). \
+        When the destination gives up or fails to load, the destination endpoint is deleted and \
+        the source serves on (event `migration_aborted`). Kept in memory: a daemon restarted \
+        during a migration leaves both endpoints as they are.",
+    params(("id" = String, Path, description = "The source endpoint's id")),
+    request_body = IncomingSpec,
+    responses(
+        (status = 201, description = "Created; the socket accepts the destination VMM", body = EndpointStatus),
+        (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 404, description = "No such source endpoint", body = ErrorBody),
+        (status = 409, description = "The source has no device, already has an incoming endpoint or is one; no free device of its shape; id or socket in use", body = ErrorBody),
+        (status = 422, description = "Invalid id or socket path", body = ErrorBody),
+        (status = 500, description = "The worker did not start", body = ErrorBody)))]
+async fn create_incoming_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(spec): Json<IncomingSpec>,
+) -> Result<(StatusCode, Json<EndpointStatus>), ApiError> {
+    blocking(&s, move |d| d.create_incoming(&id, spec))
+        .await
+        .map(|st| (StatusCode::CREATED, Json(st)))
 }
 
 /// `POST /v1/endpoints/{id}/restart`.

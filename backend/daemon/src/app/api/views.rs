@@ -133,6 +133,10 @@ pub struct EndpointStatus {
     pub worker: WorkerView,
     /// Its VMM, if registered.
     pub vmm: Option<VmmLink>,
+    /// For the destination endpoint of a live migration not yet over: the source endpoint
+    /// (`POST /v1/endpoints/{id}/incoming`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incoming_for: Option<String>,
 }
 
 /// The outcome of a restart or an upgrade.

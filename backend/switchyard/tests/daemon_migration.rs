@@ -1,0 +1,173 @@
+//! Live migration between two endpoints of one pool daemon: `ctl create DST --incoming-for
+//! SRC` leases a device of the source's shape, and the daemon follows the destination's
+//! migration states. The migration is driven by our VMM-side client's `Migration`, over the
+//! guest's own connection on the source, the way QEMU drives it.
+//!
+//! Workers outlive their daemon by design, so every test kills the daemon and then every
+//! worker it recorded when it ends (`common::daemon::Daemon`'s drop).
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::daemon::{Daemon, api_status, connect, socket_of};
+use serde_json::{Value, json};
+use switchyard_client::migrate::{Migration, PreCopyPlan};
+
+/// Two boards of one shape in a pool, and one of another shape in none.
+const BOARDS: &str = "[[boards]]\nid = \"a\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"b\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"big\"\nvram = \"32M\"\nqueues = 2\nvram_mmap = false\n\
+     [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n";
+
+/// The daemon's worker events of `kind` (`migrated`, `migration_aborted`, `migration`).
+fn worker_events(d: &Daemon, kind: &str) -> Vec<Value> {
+    d.events()
+        .into_iter()
+        .filter_map(|e| e.get("worker").cloned())
+        .filter(|w| w["event"] == kind)
+        .collect()
+}
+
+/// Waits until `f` holds (10 s).
+fn wait(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The value of metric `name` (without labels).
+fn metric(d: &Daemon, name: &str) -> String {
+    let text = d.client().get_text("/metrics").expect("metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+        .trim()
+        .to_owned()
+}
+
+#[test]
+fn a_completed_migration_onto_an_incoming_endpoint_hands_the_lease_over() {
+    let mut d = Daemon::start_with_config(BOARDS);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let e1 = d.endpoint("vm1");
+    assert_eq!(e1["lease"]["board"], "a", "{e1}");
+    let mut guest = connect(&socket_of(&e1));
+    guest.setup_queue(0);
+    let secret: Vec<u8> = (0..256 * 1024u32).map(|i| (i * 7 + 3) as u8).collect();
+    guest.vram_write(0x1000, &secret);
+
+    let out = d.ctl_ok(&["create", "vm1-in", "--incoming-for", "vm1"]);
+    assert!(out.contains("live migration of vm1"), "{out}");
+    let e2 = d.endpoint("vm1-in");
+    assert_eq!(e2["incoming_for"], "vm1", "{e2}");
+    assert_eq!(
+        e2["lease"]["board"], "b",
+        "the free board of vm1's shape: {e2}"
+    );
+    // One incoming endpoint per source; an incoming endpoint is not a source.
+    let api = d.client();
+    assert_eq!(
+        api_status(api.post("/v1/endpoints/vm1/incoming", &json!({"id": "again"}))),
+        (409, "incoming".into())
+    );
+    assert_eq!(
+        api_status(api.post("/v1/endpoints/vm1-in/incoming", &json!({"id": "x"}))),
+        (409, "incoming".into())
+    );
+
+    // The VMMs migrate: the source's over the guest's connection.
+    let mut dst = switchyard_client::Client::connect(socket_of(&e2)).expect("destination");
+    {
+        let mut mig = Migration::new(&mut guest.t.0, &mut dst);
+        mig.prepare_destination().expect("destination RESUMING");
+        mig.pre_copy(&PreCopyPlan::default()).expect("pre-copy");
+        mig.switchover().expect("switchover");
+    }
+    // The destination runs with the source's VRAM; its endpoint is an ordinary one now.
+    let mut back = vec![0u8; secret.len()];
+    let mut dst = common::driver::Driver::new(common::ours::Ours(dst));
+    dst.vram_read(0x1000, &mut back);
+    assert!(back == secret, "the destination's VRAM differs");
+    wait("the migration is not committed", || {
+        d.endpoint("vm1-in").get("incoming_for").is_none()
+    });
+    assert_eq!(worker_events(&d, "migrated").len(), 1, "{:?}", d.events());
+    assert_eq!(metric(&d, "switchyard_migrations_completed_total"), "1");
+    // The source's VMM lets go (QEMU quits after a migration): the source's lease goes.
+    drop(guest);
+    wait("the source endpoint is still there", || {
+        d.client().get("/v1/endpoints/vm1").is_err()
+    });
+    let boards: Vec<Value> = d
+        .client()
+        .get("/v1/boards")
+        .expect("boards")
+        .json()
+        .expect("json");
+    let a = boards.iter().find(|b| b["id"] == "a").expect("board a");
+    assert!(
+        a["devices"][0]["endpoint"].is_null(),
+        "board a is free: {a}"
+    );
+    let migrated = &worker_events(&d, "migrated")[0];
+    assert_eq!(
+        (migrated["endpoint"].as_str(), migrated["source"].as_str()),
+        (Some("vm1-in"), Some("vm1"))
+    );
+}
+
+#[test]
+fn an_aborted_migration_frees_the_incoming_endpoint_and_the_source_serves_on() {
+    let mut d = Daemon::start_with_config(BOARDS);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let e1 = d.endpoint("vm1");
+    let mut guest = connect(&socket_of(&e1));
+    guest.setup_queue(0);
+    guest.vram_write(0, &[0x5a; 4096]);
+    d.ctl_ok(&["create", "vm1-in", "--incoming-for", "vm1"]);
+    let e2 = d.endpoint("vm1-in");
+    // The destination VMM starts taking the stream in, then gives up (the source was
+    // cancelled; QEMU's destination exits).
+    let mut dst = switchyard_client::Client::connect(socket_of(&e2)).expect("destination");
+    {
+        let mut mig = Migration::new(&mut guest.t.0, &mut dst);
+        mig.prepare_destination().expect("destination RESUMING");
+    }
+    drop(dst);
+    wait("the incoming endpoint is still there", || {
+        d.client().get("/v1/endpoints/vm1-in").is_err()
+    });
+    let aborted = worker_events(&d, "migration_aborted");
+    assert_eq!(aborted.len(), 1, "{aborted:?}");
+    assert_eq!(aborted[0]["source"], "vm1");
+    assert_eq!(metric(&d, "switchyard_migrations_aborted_total"), "1");
+    // The source serves on, its VRAM intact, and can be migrated again later.
+    let mut back = [0u8; 4096];
+    guest.vram_read(0, &mut back);
+    assert!(back.iter().all(|&b| b == 0x5a));
+    assert_eq!(d.endpoint("vm1")["lease"]["board"], "a");
+    d.ctl_ok(&["create", "vm1-in2", "--incoming-for", "vm1"]);
+
+    // No free device of the source's shape (the only board of vm2's shape is its own):
+    // refused.
+    d.ctl_ok(&["create", "vm2", "--device", "big"]);
+    assert_eq!(
+        api_status(
+            d.client()
+                .post("/v1/endpoints/vm2/incoming", &json!({"id": "vm2-in"}))
+        ),
+        (409, "no_capacity".into())
+    );
+    assert_eq!(
+        api_status(
+            d.client()
+                .post("/v1/endpoints/nope/incoming", &json!({"id": "x"}))
+        )
+        .0,
+        404
+    );
+}
