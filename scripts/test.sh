@@ -157,6 +157,7 @@ fi
 
 step "benchmarks, short mode (checks they run; timings are never asserted)"
 bounded 20 "scripts/bench.sh --quick" scripts/bench.sh --quick
+bounded 15 "scripts/bench-migration.sh --quick" scripts/bench-migration.sh --quick
 if [ -z "$SY_CH_NOT_RUN" ]; then
   bounded 20 "scripts/bench-nested.sh --quick" scripts/bench-nested.sh --quick
 else
