@@ -643,19 +643,12 @@ fn fill_chunk(buf: &mut [u8], offset: u64) {
     }
 }
 
-/// The VRAM memfd of `server` (opened through `/proc/PID/fd` of the `switchyard serve` whose
-/// command line names its socket), and its size.
+/// The VRAM memfd of `server` (opened through its `/proc/PID/fd`), and its size.
 fn vram_file(server: &Server) -> Result<(File, u64)> {
-    let want = server.socket.as_os_str().as_encoded_bytes();
-    let pid = std::fs::read_dir("/proc")?
-        .flatten()
-        .find(|e| {
-            let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.iter().any(|a| *a == b"serve") && args.contains(&want)
-        })
-        .with_context(|| format!("no switchyard serve for {}", server.socket.display()))?
-        .path();
+    let pid = server
+        .pid()
+        .map(|p| std::path::PathBuf::from(format!("/proc/{p}")))
+        .with_context(|| format!("the server of {} is not running", server.socket.display()))?;
     let found = wait_until(Duration::from_secs(10), "the server's VRAM memfd", || {
         std::fs::read_dir(pid.join("fd"))
             .ok()?
