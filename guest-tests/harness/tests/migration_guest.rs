@@ -61,7 +61,14 @@ fn boot_source(
     driver_args: &[&str],
 ) -> Side {
     let server = Server::start_named(env, dir, "src", device, serve_args).expect("source server");
-    let mut spec = spec(env, "src", &server.socket);
+    let (guest, qmp) = boot_soaking(env, dir, &server.socket, driver_args);
+    Side { server, guest, qmp }
+}
+
+/// Boots the source guest on the patched QEMU against the device on `socket`, running the
+/// driver's soak with `driver_args`; returns it and its QMP once the soak started.
+fn boot_soaking(env: &GuestEnv, dir: &Path, socket: &Path, driver_args: &[&str]) -> (Guest, Qmp) {
+    let mut spec = spec(env, "src", socket);
     spec.args = soak_args(driver_args);
     let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
     let qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
@@ -69,7 +76,7 @@ fn boot_source(
     guest
         .wait_for_line("SYGPU: soak start")
         .expect("the driver starts its soak");
-    Side { server, guest, qmp }
+    (guest, qmp)
 }
 
 /// Starts the destination QEMU, waiting on `incoming`, against a fresh server with `device`;
@@ -119,10 +126,15 @@ fn spec(env: &GuestEnv, name: &str, socket: &Path) -> GuestSpec {
     spec
 }
 
-/// `migrate` to `uri`, then `query-migrate` until it ends; returns its last status object.
+/// `migrate` to `uri`, then [`wait_migration`].
 fn migrate(qmp: &mut Qmp, uri: &str) -> Value {
     qmp.execute("migrate", Some(json!({ "uri": uri })))
         .expect("migrate");
+    wait_migration(qmp)
+}
+
+/// `query-migrate` until the migration ends (120 s at most); returns its last status object.
+fn wait_migration(qmp: &mut Qmp) -> Value {
     let started = Instant::now();
     loop {
         let st = qmp.execute("query-migrate", None).expect("query-migrate");
@@ -332,14 +344,7 @@ fn a_source_worker_killed_during_pre_copy_loses_no_job() {
              [[pools]]\nname = \"p\"\nboards = [\"gpu0\"]\n",
         );
         let socket = daemon.create("vm1", "p");
-        let mut spec = spec(env, "src", &socket);
-        spec.args = soak_args(&[]);
-        let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
-        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
-            .expect("the source's QMP");
-        guest
-            .wait_for_line("SYGPU: soak start")
-            .expect("the driver starts its soak");
+        let (guest, mut qmp) = boot_soaking(env, dir, &socket, &[]);
         let incoming = dir.join("migration.sock");
         let dst = start_destination(env, dir, DEVICE, &[], &incoming);
         // Throttled: RAM takes seconds to copy, the kill lands in pre-copy.
@@ -366,21 +371,7 @@ fn a_source_worker_killed_during_pre_copy_loses_no_job() {
         let pid =
             rustix::process::Pid::from_raw(i32::try_from(worker).expect("pid")).expect("a pid");
         rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill");
-        let started = Instant::now();
-        let st = loop {
-            let st = qmp.execute("query-migrate", None).expect("query-migrate");
-            if matches!(
-                st["status"].as_str(),
-                Some("completed" | "failed" | "cancelled")
-            ) {
-                break st;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(120),
-                "the migration did not end in 120 s after the kill: {st}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        };
+        let st = wait_migration(&mut qmp);
         let after = api.get("/v1/endpoints/vm1").expect("endpoint").body;
         assert_eq!(after["worker"]["restarts"], 1, "{after}");
         let out = match st["status"].as_str() {
@@ -422,14 +413,7 @@ fn a_migration_between_two_pool_endpoints_hands_the_lease_over() {
              [[pools]]\nname = \"p\"\nboards = [\"gpu0\", \"gpu1\"]\n",
         );
         let socket = daemon.create("vm1", "p");
-        let mut sspec = spec(env, "src", &socket);
-        sspec.args = soak_args(&[]);
-        let mut guest = Guest::boot(env, dir, &sspec).expect("boot the source");
-        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
-            .expect("the source's QMP");
-        guest
-            .wait_for_line("SYGPU: soak start")
-            .expect("the driver starts its soak");
+        let (guest, mut qmp) = boot_soaking(env, dir, &socket, &[]);
         let api = daemon.api();
         let incoming = api
             .post("/v1/endpoints/vm1/incoming", &json!({ "id": "vm1-in" }))
