@@ -151,6 +151,10 @@ fn an_aborted_migration_frees_the_incoming_endpoint_and_the_source_serves_on() {
     assert!(back.iter().all(|&b| b == 0x5a));
     assert_eq!(d.endpoint("vm1")["lease"]["board"], "a");
     d.ctl_ok(&["create", "vm1-in2", "--incoming-for", "vm1"]);
+    // An incoming endpoint deleted before its migration leaves no link behind.
+    d.ctl_ok(&["delete", "vm1-in2"]);
+    d.ctl_ok(&["create", "vm1-in3", "--incoming-for", "vm1"]);
+    assert_eq!(d.endpoint("vm1-in3")["incoming_for"], "vm1");
 
     // No free device of the source's shape (the only board of vm2's shape is its own):
     // refused.

@@ -203,6 +203,13 @@ impl Daemon {
         Ok(status)
     }
 
+    /// Endpoint `id` is deleted: a migration it was the destination or the source of is
+    /// forgotten (neither a commit nor an abort follows).
+    pub(super) fn forget_incoming(&self, id: &str) {
+        self.incoming()
+            .retain(|dst, inc| dst != id && inc.source != id);
+    }
+
     /// The source of incoming endpoint `id`, if it is one.
     pub(crate) fn incoming_source(&self, id: &str) -> Option<String> {
         self.incoming().get(id).map(|i| i.source.clone())

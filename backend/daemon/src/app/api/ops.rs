@@ -153,6 +153,7 @@ impl Daemon {
         }
         self.unsupervised().remove(id);
         self.vmms().remove(id);
+        self.forget_incoming(id);
         self.records.remove(id);
         let events = pool.delete_endpoint(id).map_err(pool_error)?;
         self.events.pool(events);
