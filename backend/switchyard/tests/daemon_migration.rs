@@ -175,3 +175,34 @@ fn an_aborted_migration_frees_the_incoming_endpoint_and_the_source_serves_on() {
         404
     );
 }
+
+/// A client can change its device's migration state at message rate: each endpoint's
+/// migration events are rate-limited (a burst, then 10 a second), so one client cannot crowd
+/// the other endpoints' events out of the daemon's stream, while the daemon's bookkeeping
+/// still sees every change (an incoming endpoint flooded the same way still commits).
+#[test]
+fn a_client_flipping_migration_states_cannot_flood_the_event_stream() {
+    use switchyard_proto::MigState;
+    let mut d = Daemon::start_with_config(BOARDS);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut c = switchyard_client::Client::connect(socket_of(&d.endpoint("vm1"))).expect("vm1");
+    for _ in 0..500 {
+        c.set_mig_state(MigState::Stop as u32).expect("STOP");
+        c.set_mig_state(MigState::Running as u32).expect("RUNNING");
+    }
+    d.ctl_ok(&["create", "vm2", "--pool", "p"]);
+    let flood = worker_events(&d, "migration")
+        .iter()
+        .filter(|e| e["endpoint"] == "vm1")
+        .count();
+    assert!(
+        (32..=60).contains(&flood),
+        "{flood} events for 1000 changes"
+    );
+    assert!(
+        d.events()
+            .iter()
+            .any(|e| e.pointer("/pool/kind/endpoint") == Some(&json!("vm2"))),
+        "the other endpoint's events are there"
+    );
+}

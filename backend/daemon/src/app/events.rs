@@ -239,11 +239,13 @@ impl WorkerLifecycle {
                 endpoint,
                 state,
                 cause,
+                publish: true,
             } => Self::Migration {
                 endpoint,
                 state,
                 cause,
             },
+            WorkerEvent::Migration { publish: false, .. } => return None,
             WorkerEvent::Reset { endpoint, what } => Self::Reset { endpoint, what },
             WorkerEvent::StateLost { endpoint, problems } => Self::StateLost { endpoint, problems },
             WorkerEvent::DeviceLost {

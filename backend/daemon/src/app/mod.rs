@@ -460,6 +460,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     endpoint,
                     state,
                     cause,
+                    ..
                 } => {
                     let change = (endpoint.clone(), state.clone(), cause.clone());
                     let _ = lock(&migrations).send(change);

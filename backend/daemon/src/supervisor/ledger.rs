@@ -33,6 +33,7 @@ pub(super) fn serve_notes(
         "worker holds refused past the endpoint's budget",
         Duration::from_secs(5),
     );
+    let mut migration_events = EventBudget::new();
     loop {
         match custody::recv(channel, &mut buf) {
             Ok((Note::Hold { ids }, fds)) => {
@@ -100,6 +101,7 @@ pub(super) fn serve_notes(
                         endpoint: ep.spec.id.clone(),
                         state,
                         cause: cause.unwrap_or_default(),
+                        publish: migration_events.take(),
                     });
                 }
             }
@@ -331,5 +333,54 @@ mod tests {
         assert!(admit_object(&mut objects, "k.o0".into(), next));
         let held = rustix::fs::fstat(&objects["k.o0"]).expect("fstat").st_ino;
         assert_eq!(held, ino);
+    }
+}
+
+/// How many migration state changes of one endpoint become events: a burst of
+/// [`EventBudget::BURST`], then [`EventBudget::PER_SECOND`]. A client can change its device's
+/// migration state at message rate; its events must not crowd the other endpoints' out of the
+/// daemon's event stream (every change still reaches the daemon's migration bookkeeping).
+struct EventBudget {
+    tokens: f64,
+    last: Instant,
+}
+
+impl EventBudget {
+    const BURST: f64 = 32.0;
+    const PER_SECOND: f64 = 10.0;
+
+    fn new() -> Self {
+        Self {
+            tokens: Self::BURST,
+            last: Instant::now(),
+        }
+    }
+
+    /// Whether one more event may be published now.
+    fn take(&mut self) -> bool {
+        let now = Instant::now();
+        let refill = now.duration_since(self.last).as_secs_f64() * Self::PER_SECOND;
+        self.tokens = (self.tokens + refill).min(Self::BURST);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod event_budget_tests {
+    use super::EventBudget;
+
+    #[test]
+    fn a_burst_then_nothing_until_it_refills() {
+        let mut b = EventBudget::new();
+        let granted = (0..1000).filter(|_| b.take()).count();
+        assert!((32..=33).contains(&granted), "{granted}");
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        assert!(b.take(), "refilled after 250 ms");
     }
 }

@@ -297,6 +297,8 @@ pub enum WorkerEvent {
         state: String,
         /// What changed it (`request`, `reset`, `client_gone`; empty: not said).
         cause: String,
+        /// Whether it becomes an event (each endpoint's migration events are rate-limited).
+        publish: bool,
     },
     /// Workers kept dying before serving: the supervisor let go of what the next one would
     /// have restored (the client's connection and descriptors; then the device's state).
