@@ -42,6 +42,21 @@ bounded() {
   return "$rc"
 }
 
+# On a fresh checkout (CI) incremental compilation state is never reused, and it is the largest
+# part of a clean build's target directory: leave it out there.
+case ${CI:-} in
+  true|1) export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0} ;;
+esac
+# A full run needs about DISK_NEEDED_GIB of disk (target directory, guest images, the patched
+# QEMU's build). Say so first when there is less, so that a full disk is not mistaken for a bug
+# in whatever compiles when it runs out.
+DISK_NEEDED_GIB=8
+free_gib=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+echo "test.sh: $free_gib GiB free on $(df -P . | awk 'NR == 2 {print $6}'); a full run needs about $DISK_NEEDED_GIB GiB"
+if [ "${free_gib:-0}" -lt "$DISK_NEEDED_GIB" ]; then
+  echo "test.sh: warning: less than $DISK_NEEDED_GIB GiB free: the build may fail with \"No space left on device\"" >&2
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
