@@ -179,6 +179,7 @@ pub fn run(
                     black_box,
                     objects: BTreeMap::new(),
                     lost: Some(lost),
+                    failed: None,
                 };
                 kind.build(&spec.options, build).map_err(device_error)
             })?;
@@ -219,6 +220,7 @@ pub fn run(
                         black_box,
                         objects,
                         lost: Some(lost),
+                        failed: None,
                     };
                     kind.recover(&spec.options, build).map_err(device_error)
                 },

@@ -128,6 +128,23 @@ pub struct Profile {
 /// kernel took back): the worker tells its supervisor.
 pub type LostHook = Arc<dyn Fn(String) + Send + Sync>;
 
+/// A device's report that its board failed under it ([`FailedHook`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoardFailure {
+    /// What failed, in words for operators ("engine of queue 1 died: ...").
+    pub reason: String,
+    /// Whether the device's state is still readable from outside the failed part (the
+    /// black box, VRAM in host memory): a replacement on another board can continue it
+    /// (transparent failover). `false`: the state died with the board; only a fresh device,
+    /// which the guest must probe again, can replace it.
+    pub state_intact: bool,
+}
+
+/// A callback for the device to report that its board failed. Returns whether the failure is
+/// handled above the device (a pool fails the device over): then the device does not signal
+/// its own failure to the client (the ERR interrupt, on which a VMM stops the VM).
+pub type FailedHook = Arc<dyn Fn(BoardFailure) -> bool + Send + Sync>;
+
 /// What a kind builds a device with.
 pub struct Build {
     /// The server's context (DMA windows, interrupts, the slot's memory objects).
@@ -141,6 +158,8 @@ pub struct Build {
     pub objects: BTreeMap<String, File>,
     /// Called when the device's backing is lost for good.
     pub lost: Option<LostHook>,
+    /// Called when the device finds its board failed (see [`FailedHook`]).
+    pub failed: Option<FailedHook>,
 }
 
 impl Build {
@@ -151,6 +170,7 @@ impl Build {
             black_box: None,
             objects: BTreeMap::new(),
             lost: None,
+            failed: None,
         }
     }
 }

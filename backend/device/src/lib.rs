@@ -33,9 +33,9 @@ use std::sync::Arc;
 pub use dma::{DmaError, DmaSpace, RemoteDma};
 pub use irq::{Interrupts, IrqError, IrqIndex};
 pub use traits::{
-    AsAny, DirtySource, DmaObserver, IrqRouter, Migratable, PciDevice, Quiesce, QuiesceGuard,
-    Recoverable, Relocatable, Relocation, RelocationStats, SuccessorFactory, Swappable, Telemetry,
-    WorkCounters,
+    AsAny, DirtySource, DmaObserver, FaultInjection, IrqRouter, Migratable, PciDevice, Quiesce,
+    QuiesceGuard, Recoverable, Relocatable, Relocation, RelocationStats, SuccessorFactory,
+    Swappable, Telemetry, WorkCounters,
 };
 
 /// VFIO region index of the PCI configuration space.

@@ -116,6 +116,11 @@ pub trait PciDevice: Send + AsAny {
     fn telemetry(&self) -> Option<&dyn Telemetry> {
         None
     }
+
+    /// Fault injection for tests and drills, if the device offers it.
+    fn faults(&self) -> Option<&dyn FaultInjection> {
+        None
+    }
 }
 
 impl std::fmt::Debug for dyn PciDevice {
@@ -313,4 +318,16 @@ pub struct WorkCounters {
 pub trait Telemetry {
     /// The counters now.
     fn work(&self) -> WorkCounters;
+}
+
+/// A device that can simulate the failures of its board it detects (tests and failover
+/// drills: `switchyard ctl fault`). An injected fault goes through the same detection as a
+/// real one: the device reports it through its [`FailedHook`](crate::kind::FailedHook).
+pub trait FaultInjection {
+    /// The faults the device can simulate, by name (`engine`, `vram`...).
+    fn fault_kinds(&self) -> &'static [&'static str];
+
+    /// Simulates the fault `kind` (one of [`fault_kinds`](Self::fault_kinds)). Returns
+    /// once it is injected; it is detected and reported asynchronously, as a real one.
+    fn inject_fault(&self, kind: &str) -> Result<()>;
 }
