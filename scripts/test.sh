@@ -50,7 +50,7 @@ esac
 # A full run needs about DISK_NEEDED_GIB of disk (target directory, guest images, the patched
 # QEMU's build). Say so first when there is less, so that a full disk is not mistaken for a bug
 # in whatever compiles when it runs out.
-DISK_NEEDED_GIB=8
+DISK_NEEDED_GIB=6
 free_gib=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
 echo "test.sh: $free_gib GiB free on $(df -P . | awk 'NR == 2 {print $6}'); a full run needs about $DISK_NEEDED_GIB GiB"
 if [ "${free_gib:-0}" -lt "$DISK_NEEDED_GIB" ]; then

@@ -337,6 +337,7 @@ pub fn restart(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
             id: ENDPOINT.into(),
             socket: socket.clone(),
             device: switchyard_kinds::softgpu(&gpu_config),
+            failover: false,
         })
         .context("create the endpoint")?;
         let st = sup.wait_ready(ENDPOINT, 1, READY_TIMEOUT)?;

@@ -194,7 +194,21 @@ struct Families {
     upgrades: Counter,
     migrations_completed: Counter,
     migrations_aborted: Counter,
+    failovers: Family<FailoverLabels, Counter>,
+    failover_stall: BucketHistogram,
+    failovers_waiting: Gauge,
 }
+
+/// Labels of a failover: the pool of the failed board (empty: none) and how the endpoint
+/// failed over.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FailoverLabels {
+    pool: String,
+    mode: String,
+}
+
+/// Upper bounds of the failover stall histogram, seconds.
+const FAILOVER_STALL_BUCKETS: [f64; 10] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
 struct Inner {
     registry: Registry,
@@ -243,6 +257,9 @@ impl Metrics {
             upgrades: Counter::default(),
             migrations_completed: Counter::default(),
             migrations_aborted: Counter::default(),
+            failovers: Family::default(),
+            failover_stall: BucketHistogram::new(&FAILOVER_STALL_BUCKETS),
+            failovers_waiting: Gauge::default(),
         };
         let mut registry = Registry::with_prefix("switchyard");
         let f = &families;
@@ -316,6 +333,21 @@ impl Metrics {
             "migrations_aborted",
             "Live migrations onto an incoming endpoint that ended without the destination running",
             f.migrations_aborted.clone(),
+        );
+        registry.register(
+            "failovers",
+            "Endpoints failed over off a failed board, by the board's pool and how (transparent, guest-visible)",
+            f.failovers.clone(),
+        );
+        registry.register(
+            "failover_stall_seconds",
+            "From a board failure's report to the endpoint's device serving on a healthy board",
+            f.failover_stall.clone(),
+        );
+        registry.register(
+            "failovers_waiting",
+            "Endpoints on failed boards waiting for a free device of their shape (degraded)",
+            f.failovers_waiting.clone(),
         );
         Self {
             inner: Arc::new(Inner {
@@ -428,6 +460,27 @@ impl Metrics {
         } else {
             f.migrations_aborted.inc();
         }
+    }
+
+    /// Counts an endpoint failed over off a board of `pool` (`mode`: `transparent`,
+    /// `guest-visible`), the guest's stall `stall`.
+    pub fn failed_over(&self, pool: &str, mode: &str, stall: Duration) {
+        let f = &self.inner.families;
+        f.failovers
+            .get_or_create(&FailoverLabels {
+                pool: pool.to_owned(),
+                mode: mode.to_owned(),
+            })
+            .inc();
+        f.failover_stall.observe(stall.as_secs_f64());
+    }
+
+    /// Sets how many endpoints wait, degraded, for a device to fail over to.
+    pub fn set_failovers_waiting(&self, n: usize) {
+        self.inner
+            .families
+            .failovers_waiting
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Every metric in the OpenMetrics text format ([`OPENMETRICS_CONTENT_TYPE`]).

@@ -293,6 +293,27 @@ pub enum Note {
         /// What happened.
         reason: String,
     },
+    /// The device found its board failed (worker → supervisor): the pool fails the endpoint
+    /// over when its policy says so.
+    BoardFailed {
+        /// What failed.
+        reason: String,
+        /// Whether the device's state outlived the failure (the black box and the memory
+        /// objects in custody can continue it elsewhere).
+        state_intact: bool,
+    },
+    /// Simulate the board fault `kind` (supervisor → worker; a drill, `ctl fault`).
+    Fault {
+        /// The fault, one of the device's [`FaultInjection::fault_kinds`].
+        ///
+        /// [`FaultInjection::fault_kinds`]: switchyard_device::FaultInjection::fault_kinds
+        kind: String,
+    },
+    /// The answer to [`Note::Fault`] (worker → supervisor): `None` when injected.
+    FaultInjected {
+        /// Why it was not.
+        error: Option<String>,
+    },
     /// Start serving.
     Start {
         /// Fresh or resume.
@@ -314,6 +335,11 @@ pub enum Note {
         /// that adopts this worker later to count on.
         #[serde(default)]
         restarts: u64,
+        /// The daemon fails the endpoint over when its board fails: the device then does not
+        /// signal its failure to the client itself (see
+        /// [`FailedHook`](switchyard_device::kind::FailedHook)).
+        #[serde(default)]
+        failover: bool,
     },
     /// A replacement could not restore all of what the client had been told succeeded (a
     /// DMA window, an interrupt eventfd): it serves, but the client's state is not whole

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use switchyard_device::blackbox::BlackBox;
-use switchyard_device::kind::{Build, KindError, LostHook, PENDING_SUFFIX, pending_object};
+use switchyard_device::kind::{
+    BoardFailure, Build, FailedHook, KindError, LostHook, PENDING_SUFFIX, pending_object,
+};
 use switchyard_server::continuity::{self, Continuity};
 use switchyard_server::{DeviceSlot, DeviceSocket, MoveGuard, Server, ServerConfig};
 
@@ -58,6 +60,7 @@ struct Start {
     adopt_dir: Option<PathBuf>,
     fd_budget: Option<u32>,
     restarts: u64,
+    failover: bool,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -77,6 +80,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 adopt_dir,
                 fd_budget,
                 restarts,
+                failover,
             } => {
                 // A spec is checked where it is made; a worker checks it again (a note is
                 // only JSON).
@@ -93,6 +97,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     adopt_dir: adopt_dir.map(PathBuf::from),
                     fd_budget,
                     restarts,
+                    failover,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -160,6 +165,16 @@ pub fn run(
             });
         })
     };
+    let failed: FailedHook = {
+        let (k, failover) = (keeper.clone(), start.failover);
+        Arc::new(move |failure: BoardFailure| {
+            k.notify(&Note::BoardFailed {
+                reason: failure.reason,
+                state_intact: failure.state_intact,
+            });
+            failover
+        })
+    };
     let device_error = |e: KindError| WorkerError::Device(spec.to_string(), Box::new(e));
     let (mut server, continuity, resumed, connection) = match start.mode {
         StartMode::Fresh => {
@@ -179,7 +194,7 @@ pub fn run(
                     black_box,
                     objects: BTreeMap::new(),
                     lost: Some(lost),
-                    failed: None,
+                    failed: Some(failed.clone()),
                 };
                 kind.build(&spec.options, build).map_err(device_error)
             })?;
@@ -220,7 +235,7 @@ pub fn run(
                         black_box,
                         objects,
                         lost: Some(lost),
-                        failed: None,
+                        failed: Some(failed),
                     };
                     kind.recover(&spec.options, build).map_err(device_error)
                 },
@@ -351,6 +366,25 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                             }
                         };
                         keeper.end_move(&answer);
+                    }
+                    Note::Fault { kind } => {
+                        let injected = slot.with(|d| match d.faults() {
+                            Some(f) => f.inject_fault(&kind).map_err(|e| match e {
+                                switchyard_device::DeviceError::Unsupported => format!(
+                                    "this device simulates no fault `{kind}` (it simulates: {})",
+                                    f.fault_kinds().join(", ")
+                                ),
+                                e => crate::error_chain::error_chain(&e),
+                            }),
+                            None => Err("this kind of device simulates no faults".to_owned()),
+                        });
+                        match &injected {
+                            Ok(()) => tracing::warn!(kind, "fault injected (a drill)"),
+                            Err(error) => tracing::warn!(kind, %error, "fault not injected"),
+                        }
+                        keeper.notify(&Note::FaultInjected {
+                            error: injected.err(),
+                        });
                     }
                     other => tracing::warn!(?other, "unexpected custody note; ignored"),
                 }

@@ -62,6 +62,10 @@ pub(crate) struct BoardRecord {
     pub def: BoardDef,
     pub quarantined: bool,
     pub missing: bool,
+    /// The board failed under its devices (quarantined with it); cleared when the board is
+    /// let take leases again. Endpoints leasing its devices fail over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<crate::view::BoardFailure>,
 }
 
 impl BoardRecord {

@@ -61,6 +61,51 @@ pub enum EventKind {
         /// The board.
         board: String,
     },
+    /// A board failed under its devices (detected by the device or injected); it is
+    /// quarantined, and its endpoints fail over as their pools' policies say.
+    BoardFailed {
+        /// The board.
+        board: String,
+        /// What failed.
+        reason: String,
+        /// Whether the devices' state outlived the failure.
+        state_intact: bool,
+    },
+    /// An endpoint failed over: its device runs on `to` (on a healthy board) instead of
+    /// `from` (on a failed one).
+    FailedOver {
+        /// The endpoint.
+        endpoint: String,
+        /// The device it left.
+        from: String,
+        /// The device it holds.
+        to: String,
+        /// `transparent` (the guest saw a stall) or `guest-visible` (unplugged, a fresh
+        /// device plugged in).
+        mode: String,
+        /// From the failure's report to the replacement serving, in milliseconds.
+        stall_ms: u64,
+    },
+    /// An endpoint's board failed and no device of its shape is free on a healthy board: it
+    /// waits, degraded, and fails over as soon as one is (a board unquarantined, a lease
+    /// released).
+    FailoverWaiting {
+        /// The endpoint.
+        endpoint: String,
+        /// Its failed device.
+        device: String,
+    },
+    /// An endpoint's board failed and it cannot fail over (the pool's policy is `off`, or
+    /// its state died and no VMM is registered to plug a fresh device in); it keeps its dead
+    /// device until that changes.
+    FailoverRefused {
+        /// The endpoint.
+        endpoint: String,
+        /// Its failed device.
+        device: String,
+        /// Why.
+        reason: String,
+    },
     /// A drain began: the board is quarantined and every move below is started.
     DrainStarted {
         /// The board.

@@ -79,16 +79,16 @@ mod units;
 mod view;
 
 pub use config::{
-    BoardConfig, ByteSize, DEFAULT_MODEL, DaemonConfig, EndpointConfig, NamedPoolConfig,
-    PartitionConfig, PoolConfig,
+    BoardConfig, ByteSize, DEFAULT_MODEL, DaemonConfig, EndpointConfig, FailoverPolicy,
+    NamedPoolConfig, PartitionConfig, PoolConfig,
 };
 pub use error::{ConfigProblem, ErrorKind, PoolError};
 pub use event::{Event, EventKind};
-pub use inventory::Inventory;
+pub use inventory::{FailedLease, Inventory};
 pub use shape::{DeviceShape, DirtyTracking};
 pub use store::{History, Pool, STORE_FORMAT};
 pub use switchyard_device::kind::{KindCatalog, KindOptions, Profile};
 pub use view::{
-    BoardState, BoardView, DeviceView, Endpoint, EndpointSpec, FailedEndpoint, MAX_ID_LEN,
-    MAX_SOCKET_PATH, MovePlan, OpenReport, Placement, PoolView, Requirements, valid_id,
+    BoardFailure, BoardState, BoardView, DeviceView, Endpoint, EndpointSpec, FailedEndpoint,
+    MAX_ID_LEN, MAX_SOCKET_PATH, MovePlan, OpenReport, Placement, PoolView, Requirements, valid_id,
 };

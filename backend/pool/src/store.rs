@@ -172,6 +172,50 @@ impl Pool {
         self.apply_events(|inv| inv.unquarantine(board))
     }
 
+    /// [`Inventory::fail_board`], committed.
+    pub fn fail_board(
+        &mut self,
+        board: &str,
+        failure: crate::view::BoardFailure,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.fail_board(board, failure))
+    }
+
+    /// [`Inventory::plan_failover`], committed: the target is reserved until commit or
+    /// abort ([`Pool::abort_move`]), across restarts.
+    pub fn plan_failover(&mut self, endpoint: &str) -> Result<(MovePlan, Vec<Event>), PoolError> {
+        self.apply(|inv| inv.plan_failover(endpoint))
+    }
+
+    /// [`Inventory::commit_failover`], committed.
+    pub fn commit_failover(
+        &mut self,
+        plan: &MovePlan,
+        mode: &str,
+        stall_ms: u64,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.commit_failover(plan, mode, stall_ms))
+    }
+
+    /// [`Inventory::failover_waiting`], committed (the event only).
+    pub fn failover_waiting(
+        &mut self,
+        endpoint: &str,
+        device: &str,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| Ok(inv.failover_waiting(endpoint, device)))
+    }
+
+    /// [`Inventory::failover_refused`], committed (the event only).
+    pub fn failover_refused(
+        &mut self,
+        endpoint: &str,
+        device: &str,
+        reason: &str,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| Ok(inv.failover_refused(endpoint, device, reason)))
+    }
+
     fn apply_events(
         &mut self,
         op: impl FnOnce(&mut Inventory) -> Result<Vec<Event>, PoolError>,

@@ -165,6 +165,22 @@ pub struct BoardView {
     pub host: Option<String>,
     /// Where the dirty pages a migration copies come from.
     pub dirty_tracking: DirtyTracking,
+    /// Why the board failed, while it does (it is quarantined; unquarantining it says it
+    /// was repaired).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<BoardFailure>,
+}
+
+/// How a board failed under its devices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BoardFailure {
+    /// What failed, as detected ("the engine of queue 0 died: ...", "the kernel took the
+    /// device back").
+    pub reason: String,
+    /// Whether the devices' state outlived the failure (host-side VRAM and the black box):
+    /// their endpoints can fail over transparently. Otherwise only a fresh device the guest
+    /// probes again can replace them (guest-visible).
+    pub state_intact: bool,
 }
 
 /// A named pool.

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde_json::Value;
 use switchyard_control::{ControlClient, ControlError};
-use switchyard_daemon::app::api::{DrainResult, EndpointStatus, MoveResult, WorkerReplaced};
+use switchyard_daemon::app::api::{
+    DrainResult, EndpointStatus, FaultInjected, FaultRequest, MoveResult, WorkerReplaced,
+};
 use switchyard_pool::{BoardState, BoardView, ByteSize, DeviceShape, EndpointSpec, PoolView};
 
 #[derive(Debug, clap::Args)]
@@ -143,6 +145,16 @@ enum CtlCommand {
     Drain {
         /// The board's id.
         board: String,
+    },
+    /// Failover drill: the board's running devices simulate a failure (softgpu: `engine`,
+    /// an engine thread dies; `vram`, VRAM becomes unusable), then detect it; the board fails
+    /// and its endpoints fail over as their pool's `failover` policy says. The daemon must
+    /// have been started with `--faults`.
+    Fault {
+        /// The board's id.
+        board: String,
+        /// The fault.
+        kind: String,
     },
     /// Lifecycle events (pool and workers).
     Events {
@@ -510,6 +522,23 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                 anyhow::bail!("the board still serves {} endpoint(s)", r.failed.len());
             }
         }
+        CtlCommand::Fault {
+            ref board,
+            ref kind,
+        } => {
+            let body = FaultRequest { kind: kind.clone() };
+            let reply = client.post(&format!("/v1/boards/{}/fault", segment(board)?), &body)?;
+            if json {
+                return show(&reply.body);
+            }
+            let r: FaultInjected = reply.json()?;
+            outln!(
+                "board {}: fault {} injected under endpoint(s) {}; follow the failover with `switchyard ctl events --follow`",
+                r.board,
+                r.kind,
+                r.endpoints.join(", ")
+            );
+        }
         CtlCommand::Events { since, follow } => {
             let path = format!("/events?since={since}&follow={follow}");
             for line in client.stream(&path)? {
@@ -665,6 +694,21 @@ fn print_endpoint(e: &EndpointStatus) -> anyhow::Result<()> {
     }
     if let Some(source) = &e.incoming_for {
         outln!("{:<14}live migration of {source}", "incoming:");
+    }
+    if let Some(f) = &e.failover {
+        if let Some(pending) = &f.pending {
+            outln!("{:<14}degraded: its board failed; {pending}", "failover:");
+        }
+        if let Some(l) = &f.last {
+            outln!(
+                "{:<14}{} -> {} ({}, stall {:.1} ms)",
+                "last failover:",
+                l.from,
+                l.to,
+                l.mode,
+                l.stall_ms
+            );
+        }
     }
     Ok(())
 }

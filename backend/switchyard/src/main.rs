@@ -113,6 +113,10 @@ struct DaemonArgs {
     /// is an error. Default: the daemon's user only (0600).
     #[arg(long, value_name = "GROUP")]
     socket_group: Option<String>,
+    /// Allow fault injection (`switchyard ctl fault BOARD KIND`), for tests and failover
+    /// drills. Off by default: a fault makes the board's devices fail for real.
+    #[arg(long)]
+    faults: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -365,6 +369,7 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         state_dir: args.state_dir,
         run_dir: args.run_dir,
         socket_group: args.socket_group,
+        faults: args.faults,
     }
     .with_systemd_dirs(|name| std::env::var_os(name));
     match switchyard_daemon::app::run(&options) {

@@ -562,6 +562,7 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
                 queues: 2,
                 ..Default::default()
             }),
+            failover: false,
         })
         .expect("endpoint");
         let st = sup

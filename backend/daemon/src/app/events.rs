@@ -257,6 +257,8 @@ impl WorkerLifecycle {
                 host,
                 reason,
             },
+            // The pool's events say it (`board_failed`) and what came of it.
+            WorkerEvent::BoardFailed { .. } => return None,
             // The pool's events say what came of it (`lease_moved`, `move_aborted`).
             WorkerEvent::Stats { .. } | WorkerEvent::AdoptedMoveEnded { .. } => return None,
         })

@@ -67,6 +67,8 @@ pub struct DaemonOptions {
     /// The group whose members may use the control and endpoint sockets (0660) and pass
     /// through their directories; none: the daemon's user only (0600).
     pub socket_group: Option<String>,
+    /// Allow fault injection (`POST /v1/boards/{id}/fault`), for tests and drills.
+    pub faults: bool,
 }
 
 /// Why the daemon could not start or stopped with an error.
@@ -160,6 +162,8 @@ pub struct Daemon {
     vmms: Mutex<BTreeMap<String, api::VmmLink>>,
     /// Incoming endpoints of live migrations, with their sources (in memory only).
     incoming: Mutex<BTreeMap<String, api::incoming::Incoming>>,
+    /// Failover bookkeeping (the failures themselves are in the store).
+    failover: api::failover::Failover,
     events: Arc<EventStream>,
     metrics: Metrics,
     records: WorkerRecords,
@@ -478,16 +482,16 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     record_stats(&metrics, endpoint, board.as_deref(), stats);
                 }
                 crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
-                crate::WorkerEvent::DeviceLost { endpoint, .. } => {
-                    // Off the supervision thread: the pool's lock may be held by a request
-                    // waiting on this endpoint's supervisor.
-                    let (this, endpoint) = (this.clone(), endpoint.clone());
-                    std::thread::spawn(move || {
-                        if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
-                            d.quarantine_lost_device(&endpoint);
-                        }
-                    });
-                }
+                crate::WorkerEvent::DeviceLost {
+                    endpoint,
+                    host,
+                    reason,
+                } => board_failed(&this, endpoint, format!("{host}: {reason}"), false),
+                crate::WorkerEvent::BoardFailed {
+                    endpoint,
+                    reason,
+                    state_intact,
+                } => board_failed(&this, endpoint, reason.clone(), *state_intact),
                 crate::WorkerEvent::Ready {
                     endpoint,
                     restart: Some(stall),
@@ -537,11 +541,13 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         incoming: Mutex::new(BTreeMap::new()),
+        failover: api::failover::Failover::new(options.faults),
         events,
         metrics,
         records,
     });
     let _ = this.set(Arc::downgrade(&daemon));
+    api::failover::spawn_reconciler(Arc::downgrade(&daemon)).map_err(DaemonError::Runtime)?;
     daemon.events.pool(startup_events);
     notifier.status("Starting: adopting the running workers, starting the others");
     daemon.start_all();
@@ -597,6 +603,27 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     result
 }
 
+/// An endpoint's device reported its board failed (a passthrough device lost, an engine
+/// dead...): the daemon records it and fails the board's endpoints over, off the supervision
+/// thread (the pool's lock may be held by a request waiting on this endpoint's supervisor).
+fn board_failed(
+    this: &Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>>,
+    endpoint: &str,
+    reason: String,
+    state_intact: bool,
+) {
+    let (this, endpoint) = (this.clone(), endpoint.to_owned());
+    std::thread::spawn(move || {
+        if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
+            let failure = switchyard_pool::BoardFailure {
+                reason,
+                state_intact,
+            };
+            d.board_failed(&endpoint, failure);
+        }
+    });
+}
+
 /// Adds a worker's report to the endpoint's and its board's metrics.
 fn record_stats(
     metrics: &Metrics,
@@ -635,37 +662,18 @@ impl Daemon {
         lock(&self.unsupervised)
     }
 
-    /// The endpoint's passthrough device is gone: its board takes no new lease (the endpoint
-    /// keeps its lease until it is detached or deleted).
-    fn quarantine_lost_device(&self, endpoint: &str) {
-        let mut pool = self.pool();
-        let Some(board) = pool
-            .inventory()
-            .endpoint(endpoint)
-            .and_then(|e| e.device.clone())
-            .and_then(|d| pool.inventory().device(&d))
-            .map(|d| d.board)
-        else {
-            return;
-        };
-        match pool.quarantine(&board) {
-            Ok(events) => {
-                tracing::warn!(%board, %endpoint, "board quarantined: its device is lost");
-                self.events.pool(events);
-            }
-            Err(e) => {
-                tracing::error!(%board, error = %e, "cannot quarantine the board of a lost device")
-            }
-        }
-    }
-
-    /// The worker's spec of a stored endpoint (none when it holds no device).
-    pub(crate) fn spec(pool: &Pool, endpoint: &Endpoint) -> Option<EndpointSpec> {
-        let device = pool.inventory().device(endpoint.device.as_deref()?)?;
+    /// The worker's spec of an endpoint of `inventory` (none when it holds no device).
+    pub(crate) fn spec(
+        inventory: &switchyard_pool::Inventory,
+        endpoint: &Endpoint,
+    ) -> Option<EndpointSpec> {
+        let device = inventory.device(endpoint.device.as_deref()?)?;
         Some(EndpointSpec {
             id: endpoint.id.clone(),
             socket: endpoint.socket.clone(),
             device: device_spec(&device.shape, device.host.as_deref()),
+            failover: inventory.failover_policy(&device.board)
+                != switchyard_pool::FailoverPolicy::Off,
         })
     }
 
@@ -679,7 +687,7 @@ impl Daemon {
         let specs: Vec<EndpointSpec> = pool
             .inventory()
             .endpoints()
-            .filter_map(|e| Self::spec(&pool, e))
+            .filter_map(|e| Self::spec(pool.inventory(), e))
             .collect();
         for spec in specs {
             let id = spec.id.clone();

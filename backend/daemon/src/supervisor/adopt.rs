@@ -88,6 +88,9 @@ impl Supervisor {
         }
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
+            device: Mutex::new(None),
+            fault: Mutex::new(None),
+            fault_answered: Condvar::new(),
             socket,
             status: Mutex::new(WorkerStatus {
                 pid: Some(pid),

@@ -116,7 +116,7 @@ pub(super) fn supervise(
 /// After failed starts: lets go of the client (`client`: its connection and descriptors),
 /// or of everything (`fresh`: the device's state too), so that the next worker starts
 /// without what kept its predecessors from serving. Returns what was let go, if anything.
-fn let_go(ep: &Endpoint, client: bool, fresh: bool) -> Option<String> {
+pub(super) fn let_go(ep: &Endpoint, client: bool, fresh: bool) -> Option<String> {
     if fresh {
         ep.record_replacement(StartMode::Fresh);
     }
@@ -275,10 +275,11 @@ fn hand_over(
             mode,
             endpoint: ep.spec.id.clone(),
             socket: ep.spec.socket.display().to_string(),
-            device: ep.spec.device.clone(),
+            device: ep.device(),
             adopt_dir: launch.adopt_dir.map(|d| d.display().to_string()),
             fd_budget: launch.fd_budget,
             restarts: ep.status().restarts,
+            failover: ep.spec.failover,
         },
         &[],
     )

@@ -220,6 +220,21 @@ pub(super) fn serve_notes(
                     reason,
                 });
             }
+            Ok((
+                Note::BoardFailed {
+                    reason,
+                    state_intact,
+                },
+                _,
+            )) => {
+                tracing::error!(%reason, state_intact, "the device's board failed");
+                sink(WorkerEvent::BoardFailed {
+                    endpoint: ep.spec.id.clone(),
+                    reason,
+                    state_intact,
+                });
+            }
+            Ok((Note::FaultInjected { error }, _)) => super::failover::fault_answered(ep, error),
             Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
             Err(custody::ChannelError::Closed) => break,
             Err(e) => {

@@ -6,6 +6,7 @@
 mod access;
 mod adopt;
 mod common;
+mod failover;
 mod launch;
 mod ledger;
 mod plan;
@@ -75,6 +76,14 @@ pub enum SupervisorError {
         /// The daemon's open-file limit.
         limit: u64,
     },
+    /// The worker did not inject the fault.
+    #[error("Endpoint `{endpoint}`: the fault was not injected: {reason}")]
+    FaultFailed {
+        /// Endpoint.
+        endpoint: String,
+        /// The worker's error, or what happened to the worker.
+        reason: String,
+    },
     /// The worker refused or failed the move; the device runs where it was.
     #[error("Endpoint `{endpoint}` was not moved: {reason}")]
     MoveFailed {
@@ -104,6 +113,11 @@ pub struct EndpointSpec {
     pub socket: PathBuf,
     /// The device to serve.
     pub device: crate::custody::DeviceSpec,
+    /// The daemon fails the endpoint over when its board fails ([`Note::Start`]'s
+    /// `failover`).
+    ///
+    /// [`Note::Start`]: crate::custody::Note::Start
+    pub failover: bool,
 }
 
 /// How an endpoint's worker is doing.
@@ -150,6 +164,11 @@ struct MoveSlot {
 
 struct Endpoint {
     spec: EndpointSpec,
+    /// The device the next worker builds, when a failover changed it from `spec`'s.
+    device: Mutex<Option<crate::custody::DeviceSpec>>,
+    /// The worker's answer to a fault injection ([`Note::FaultInjected`]).
+    fault: Mutex<Option<Option<String>>>,
+    fault_answered: Condvar,
     socket: DeviceSocket,
     held: Mutex<BTreeMap<u64, OwnedFd>>,
     /// The slot's memory objects (VRAM, a doorbell page...), by name.
@@ -174,6 +193,12 @@ struct Endpoint {
 }
 
 impl Endpoint {
+    /// The device a worker started now builds.
+    fn device(&self) -> crate::custody::DeviceSpec {
+        let device = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        device.clone().unwrap_or_else(|| self.spec.device.clone())
+    }
+
     fn mv(&self) -> MutexGuard<'_, MoveSlot> {
         self.mv.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -325,6 +350,15 @@ pub enum WorkerEvent {
         host: String,
         /// What happened.
         reason: String,
+    },
+    /// The device found its board failed ([`Note::BoardFailed`]).
+    BoardFailed {
+        /// Endpoint.
+        endpoint: String,
+        /// What failed.
+        reason: String,
+        /// Whether the device's state outlived the failure.
+        state_intact: bool,
     },
     /// A move that an adopted worker was still running when adopted has ended (the worker
     /// answered, or died and its replacement runs the device on one side):
@@ -487,6 +521,9 @@ impl Supervisor {
         })?;
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
+            device: Mutex::new(None),
+            fault: Mutex::new(None),
+            fault_answered: Condvar::new(),
             socket,
             held: Mutex::new(BTreeMap::new()),
             objects: Mutex::new(BTreeMap::new()),

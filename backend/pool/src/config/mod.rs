@@ -382,6 +382,38 @@ pub struct NamedPoolConfig {
     /// Its boards, in the order leases prefer them.
     #[serde(default)]
     pub boards: Vec<String>,
+    /// What happens to an endpoint whose board fails under it.
+    #[serde(default)]
+    pub failover: FailoverPolicy,
+}
+
+/// `[[pools]] failover`: what the daemon does when a board fails under an endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailoverPolicy {
+    /// The default. When the device's state outlived the failure (a software GPU's VRAM and
+    /// black box), a device of the same shape on a healthy board continues it under the
+    /// connected guest, which sees a stall; when it did not (a passthrough device's state
+    /// dies with it), as `guest-visible`.
+    #[default]
+    Transparent,
+    /// The endpoint's VMM (registered with `PUT /v1/endpoints/{id}/vmm`) unplugs the dead
+    /// device and plugs a fresh one of a healthy board into the same slot; the guest's driver
+    /// probes it again.
+    GuestVisible,
+    /// No failover: the board is quarantined and its endpoints keep their dead devices.
+    Off,
+}
+
+impl FailoverPolicy {
+    /// The policy's name in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailoverPolicy::Transparent => "transparent",
+            FailoverPolicy::GuestVisible => "guest-visible",
+            FailoverPolicy::Off => "off",
+        }
+    }
 }
 
 /// `[[endpoints]]`: an endpoint created at start when absent.
@@ -425,6 +457,7 @@ impl Default for PoolConfig {
             pools: vec![NamedPoolConfig {
                 name: "default".into(),
                 boards: vec!["gpu0".into(), "gpu1".into()],
+                failover: FailoverPolicy::default(),
             }],
             endpoints: Vec::new(),
         }

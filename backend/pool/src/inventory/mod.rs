@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use switchyard_device::kind::KindCatalog;
 
 use crate::board::{BoardRecord, Snapshot};
-use crate::config::PoolConfig;
+use crate::config::{FailoverPolicy, PoolConfig};
 use crate::error::PoolError;
 use crate::event::{Event, EventKind};
 use crate::shape::{DeviceShape, DirtyTracking};
@@ -17,6 +17,8 @@ use crate::view::{
     Placement, PoolView, Requirements, valid_id,
 };
 
+mod failover;
+pub use failover::FailedLease;
 mod restore;
 
 /// A device found by id.
@@ -37,6 +39,8 @@ pub struct Inventory {
     /// Configuration order, then missing boards by id.
     boards: Vec<BoardRecord>,
     pools: Vec<(String, Vec<String>)>,
+    /// Each pool's failover policy (`[[pools]] failover`).
+    failover: BTreeMap<String, FailoverPolicy>,
     endpoints: BTreeMap<String, Endpoint>,
     next_seq: u64,
 }
@@ -62,12 +66,18 @@ impl Inventory {
                     def,
                     quarantined: false,
                     missing: false,
+                    failed: None,
                 })
                 .collect(),
             pools: config
                 .pools
                 .iter()
                 .map(|p| (p.name.clone(), p.boards.clone()))
+                .collect(),
+            failover: config
+                .pools
+                .iter()
+                .map(|p| (p.name.clone(), p.failover))
                 .collect(),
             endpoints: BTreeMap::new(),
             next_seq: 1,
@@ -371,25 +381,7 @@ impl Inventory {
             .board_record(board)
             .ok_or_else(|| PoolError::UnknownBoard(board.into()))?;
         let on_board: BTreeSet<&str> = record.def.devices().map(|(id, _)| id).collect();
-        let own_pool = self.pool_of(board);
-        // Candidate boards: own pool first, then the other pools, then boards in no pool.
-        let own: Vec<&str> = own_pool
-            .map(|p| self.pool_boards(p).collect())
-            .unwrap_or_default();
-        let pooled = self
-            .pools
-            .iter()
-            .flat_map(|(_, boards)| boards.iter().map(String::as_str));
-        let all = self.boards.iter().map(|r| r.def.id.as_str());
-        let mut order: Vec<&BoardRecord> = Vec::new();
-        for id in own.into_iter().chain(pooled).chain(all) {
-            if id != board
-                && !order.iter().any(|o| o.def.id == id)
-                && let Some(r) = self.board_record(id)
-            {
-                order.push(r);
-            }
-        }
+        let order = self.boards_to_leave(board);
         let mut taken: HashSet<String> = HashSet::new();
         let mut plans = Vec::new();
         for e in self.endpoints.values() {
@@ -504,12 +496,40 @@ impl Inventory {
             return Ok(Vec::new());
         }
         record.quarantined = on;
+        if !on {
+            // Taking leases again says the board is repaired.
+            record.failed = None;
+        }
         let board = board.to_owned();
         Ok(vec![self.emit(if on {
             EventKind::BoardQuarantined { board }
         } else {
             EventKind::BoardReleased { board }
         })])
+    }
+
+    /// The boards an endpoint leaving `board` may go to, in the order they are preferred:
+    /// the board's own pool first, then the other pools, then boards in no pool.
+    fn boards_to_leave(&self, board: &str) -> Vec<&BoardRecord> {
+        let own: Vec<&str> = self
+            .pool_of(board)
+            .map(|p| self.pool_boards(p).collect())
+            .unwrap_or_default();
+        let pooled = self
+            .pools
+            .iter()
+            .flat_map(|(_, boards)| boards.iter().map(String::as_str));
+        let all = self.boards.iter().map(|r| r.def.id.as_str());
+        let mut order: Vec<&BoardRecord> = Vec::new();
+        for id in own.into_iter().chain(pooled).chain(all) {
+            if id != board
+                && !order.iter().any(|o| o.def.id == id)
+                && let Some(r) = self.board_record(id)
+            {
+                order.push(r);
+            }
+        }
+        order
     }
 
     fn board_record(&self, id: &str) -> Option<&BoardRecord> {
@@ -687,6 +707,7 @@ impl Inventory {
             devices: self.devs_of(b).map(|d| self.device_view(d)).collect(),
             host: b.def.shape.profile.exclusive.clone(),
             dirty_tracking: DirtyTracking::of(&b.def.shape.profile),
+            failed: b.failed.clone(),
         }
     }
 

@@ -60,6 +60,7 @@ impl Inventory {
             match stored.boards.get(&b.def.id) {
                 Some(old) => {
                     b.quarantined = old.quarantined;
+                    b.failed = old.failed.clone();
                     if old.missing {
                         kinds.push(EventKind::BoardReturned {
                             board: b.def.id.clone(),
@@ -106,6 +107,7 @@ impl Inventory {
                     def: old.def.clone(),
                     quarantined: old.quarantined,
                     missing: true,
+                    failed: old.failed.clone(),
                 });
             }
         }

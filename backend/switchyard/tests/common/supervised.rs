@@ -53,6 +53,7 @@ pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> Path
             vram_mmap,
             ..SoftGpuConfig::default()
         }),
+        failover: false,
     })
     .expect("create endpoint");
     let st = sup

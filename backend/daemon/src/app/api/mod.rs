@@ -16,6 +16,7 @@
 //! | `POST /v1/endpoints/{id}/detach` | take the endpoint's device away (unplugged through its VMM if a guest uses it); the board is free |
 //! | `POST /v1/endpoints/{id}/attach` | lease a device to a detached endpoint, start its worker (fresh VRAM), plug it into its VMM |
 //! | `POST /v1/boards/{id}/drain` | quarantine the board and move every endpoint off it |
+//! | `POST /v1/boards/{id}/fault` | simulate a failure of the board (`--faults` only): its endpoints fail over ([`failover`]) |
 //! | `GET /events` | pool and worker events, NDJSON ([`super::events`]) |
 //! | `GET /metrics`, `GET /health`, `GET /openapi.json` | |
 //!
@@ -39,6 +40,7 @@
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
 //! refused request changes nothing: the pool checks a mutation on a copy before the data path
 //! acts, and the store is changed last (or the data path undone).
+pub(crate) mod failover;
 pub(crate) mod incoming;
 mod ops;
 mod routes;
@@ -56,6 +58,7 @@ use super::Daemon;
 use crate::supervisor::SupervisorError;
 
 pub use crate::error_chain::error_chain;
+pub use failover::{FailoverView, FaultInjected, FaultRequest, LastFailover};
 pub use views::{
     DrainResult, EndpointStatus, EventsQuery, FailedMove, MoveRequest, MoveResult, VmmLink,
     WorkerReplaced, WorkerState, WorkerView,

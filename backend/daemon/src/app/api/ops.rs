@@ -63,6 +63,7 @@ impl Daemon {
             worker: self.worker_view(endpoint),
             vmm: self.vmms().get(&endpoint.id).cloned(),
             incoming_for: self.incoming_source(&endpoint.id),
+            failover: self.failover_view(pool.inventory(), &endpoint.id),
             endpoint: endpoint.clone(),
         }
     }
@@ -84,16 +85,8 @@ impl Daemon {
         let endpoint = dry
             .endpoint(&spec.id)
             .ok_or_else(|| ApiError::internal("The checked endpoint is missing"))?;
-        let device = endpoint
-            .device
-            .as_deref()
-            .and_then(|d| dry.device(d))
+        let worker = Daemon::spec(&dry, endpoint)
             .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
-        let worker = crate::EndpointSpec {
-            id: spec.id.clone(),
-            socket: endpoint.socket.clone(),
-            device: crate::custody::device_spec(&device.shape, device.host.as_deref()),
-        };
         self.supervisor.create(worker).map_err(supervisor_error)?;
         let st = self
             .supervisor
@@ -217,16 +210,8 @@ impl Daemon {
             let mut dry = pool.inventory().clone();
             dry.attach(id, to).map_err(pool_error)?;
             let endpoint = dry.endpoint(id).ok_or_else(|| unknown_endpoint(id))?;
-            let device = endpoint
-                .device
-                .as_deref()
-                .and_then(|d| dry.device(d))
-                .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
-            crate::EndpointSpec {
-                id: id.to_owned(),
-                socket: endpoint.socket.clone(),
-                device: crate::custody::device_spec(&device.shape, device.host.as_deref()),
-            }
+            Daemon::spec(&dry, endpoint)
+                .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?
         };
         self.supervisor.create(spec).map_err(supervisor_error)?;
         let st = self
@@ -263,7 +248,7 @@ impl Daemon {
     }
 
     /// Waits (bounded) until the endpoint's client has left.
-    fn wait_disconnected(&self, id: &str) {
+    pub(super) fn wait_disconnected(&self, id: &str) {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while self.supervisor.status(id).is_ok_and(|st| st.connected)
             && std::time::Instant::now() < deadline
@@ -602,13 +587,18 @@ fn not_plugged_back(
 }
 
 /// A QMP connection to an endpoint's VMM.
-fn qmp_of(endpoint: &str, link: &VmmLink) -> Result<switchyard_qemu::Qmp, ApiError> {
+pub(super) fn qmp_of(endpoint: &str, link: &VmmLink) -> Result<switchyard_qemu::Qmp, ApiError> {
     switchyard_qemu::Qmp::connect(&link.qmp, Duration::from_secs(10))
         .map_err(|e| vmm_error(endpoint, link, "cannot reach the VMM", &e))
 }
 
 /// A failure of an endpoint's VMM (502).
-fn vmm_error(endpoint: &str, link: &VmmLink, what: &str, e: &dyn std::error::Error) -> ApiError {
+pub(super) fn vmm_error(
+    endpoint: &str,
+    link: &VmmLink,
+    what: &str,
+    e: &dyn std::error::Error,
+) -> ApiError {
     ApiError::new(
         StatusCode::BAD_GATEWAY,
         "vmm",

@@ -1,6 +1,7 @@
 //! The routes: each handler parses its request and runs its operation on the blocking
 //! pool.
 
+use super::failover::{FaultInjected, FaultRequest};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -46,6 +47,7 @@ pub(super) fn api() -> ControlApi<AppState> {
         .routes(routes!(detach_endpoint))
         .routes(routes!(attach_endpoint))
         .routes(routes!(drain_board))
+        .routes(routes!(inject_fault))
 }
 
 // ---- handlers ----
@@ -388,6 +390,27 @@ async fn drain_board(
     Path(id): Path<String>,
 ) -> Result<Json<DrainResult>, ApiError> {
     blocking(&s, move |d| d.drain(&id)).await.map(Json)
+}
+
+/// `POST /v1/boards/{id}/fault`.
+#[utoipa::path(post, path = "/v1/boards/{id}/fault", tag = TAG, operation_id = "inject_fault",
+    summary = "Simulate a failure of the board under its running devices (tests and drills; the daemon needs --faults)",
+    description = "The board's leased devices simulate the fault `kind`, which they then detect and         report as a real one: the board fails (`board_failed`) and its endpoints fail over as their         pools' `failover` policies say.",
+    params(("id" = String, Path, description = "The board's id")),
+    request_body = FaultRequest,
+    responses(
+        (status = 200, description = "Injected; detection and failover follow", body = FaultInjected),
+        (status = 403, description = "The daemon was not started with --faults", body = ErrorBody),
+        (status = 404, description = "No such board", body = ErrorBody),
+        (status = 409, description = "No device of the board is leased, or a device refused the fault (a kind it does not simulate)", body = ErrorBody)))]
+async fn inject_fault(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<FaultRequest>,
+) -> Result<Json<FaultInjected>, ApiError> {
+    blocking(&s, move |d| d.inject_fault(&id, &req.kind))
+        .await
+        .map(Json)
 }
 
 /// `GET /events`.

@@ -137,6 +137,9 @@ pub struct EndpointStatus {
     /// (`POST /v1/endpoints/{id}/incoming`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incoming_for: Option<String>,
+    /// Its board failed: the failover pending, and the last one done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failover: Option<super::failover::FailoverView>,
 }
 
 /// The outcome of a restart or an upgrade.

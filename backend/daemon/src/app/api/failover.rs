@@ -1,0 +1,493 @@
+//! Failover: when a board fails under its endpoints, each is moved to a device of its shape
+//! on a healthy board, as its pool's policy (`[[pools]] failover`) says.
+//!
+//! A failure is reported by the device (its worker's [`Note::BoardFailed`]: an engine that
+//! died, VRAM that became unusable, a passthrough device the kernel took back) or injected
+//! (`POST /v1/boards/{id}/fault`, with `--faults` only). The pool records it durably
+//! ([`Pool::fail_board`]: the board is quarantined and keeps its failure until it is
+//! unquarantined), so what follows survives a daemon restart: a *reconciler* thread fails
+//! over every endpoint that leases a device of a failed board, at once when a failure is
+//! reported and every second after (an endpoint waiting for a free device goes as soon as
+//! one is).
+//!
+//! - transparent (the device's state outlived the failure, the policy allows): the lease
+//!   moves to the new device and the worker is replaced by one that continues the device
+//!   from its black box and memory objects there, under the connected guest, which sees a
+//!   stall;
+//! - guest-visible (the state died with the board, or the policy says so): QMP `device_del`
+//!   through the endpoint's registered VMM, a fresh device on the new board, `device_add`
+//!   into the same slot; the guest's driver probes it again;
+//! - no free device of the shape: the endpoint waits, degraded (`failover_waiting`);
+//! - policy `off`, no VMM for a guest-visible failover, MSI-X under QEMU: the endpoint keeps
+//!   its dead device (`failover_refused`, said once).
+//!
+//! [`Note::BoardFailed`]: crate::custody::Note::BoardFailed
+//! [`Pool::fail_board`]: switchyard_pool::Pool::fail_board
+
+use std::collections::BTreeMap;
+use std::sync::{Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use switchyard_control::ApiError;
+use switchyard_pool::{BoardFailure, FailedLease, FailoverPolicy, MovePlan, PoolError};
+use utoipa::ToSchema;
+
+use super::super::{Daemon, lock};
+use super::{READY_TIMEOUT, UNPLUG_TIMEOUT, pool_error, supervisor_error};
+use crate::custody::device_spec;
+use crate::error_chain::error_chain;
+
+/// How often the reconciler looks at the endpoints of failed boards without being woken.
+const RECONCILE_PERIOD: Duration = Duration::from_secs(1);
+/// How long a worker has to answer a fault injection.
+const FAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The daemon's failover bookkeeping (in memory; the failures themselves are in the store).
+#[derive(Debug, Default)]
+pub(crate) struct Failover {
+    /// `--faults`: fault injection is allowed.
+    faults_enabled: bool,
+    /// Set to wake the reconciler.
+    wake: Mutex<bool>,
+    woken: Condvar,
+    /// When each failed board's failure was reported: stalls are measured from there.
+    reported: Mutex<BTreeMap<String, Instant>>,
+    /// What each endpoint that cannot fail over now was last said to wait for, so that
+    /// each `failover_waiting` or `failover_refused` is said once.
+    said: Mutex<BTreeMap<String, String>>,
+    /// The last failover of each endpoint.
+    last: Mutex<BTreeMap<String, LastFailover>>,
+}
+
+/// An endpoint's failover, as `GET /v1/endpoints/{id}` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FailoverView {
+    /// Its device's board failed and it has not failed over yet: why (waiting for a free
+    /// device of its shape, or refused and why). Absent when its board is healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<String>,
+    /// Its last failover since the daemon started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last: Option<LastFailover>,
+}
+
+/// A finished failover.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LastFailover {
+    /// The device left (on the failed board).
+    pub from: String,
+    /// The device it runs on now.
+    pub to: String,
+    /// `transparent` or `guest-visible`.
+    pub mode: String,
+    /// From the failure's report to the device serving again, milliseconds.
+    pub stall_ms: f64,
+    /// When it finished, milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
+}
+
+/// The body of `POST /v1/boards/{id}/fault`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FaultRequest {
+    /// The fault to simulate, one the board's device kind detects (softgpu: `engine`, an
+    /// engine thread dies; `vram`, VRAM becomes unusable).
+    pub kind: String,
+}
+
+/// A fault injected.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct FaultInjected {
+    /// The board.
+    pub board: String,
+    /// The fault.
+    pub kind: String,
+    /// The endpoints whose devices (on the board) simulate it.
+    pub endpoints: Vec<String>,
+}
+
+impl Failover {
+    /// Bookkeeping for a daemon started with fault injection allowed or not.
+    pub(crate) fn new(faults_enabled: bool) -> Self {
+        Self {
+            faults_enabled,
+            ..Self::default()
+        }
+    }
+
+    /// Wakes the reconciler.
+    pub(crate) fn wake(&self) {
+        *lock(&self.wake) = true;
+        self.woken.notify_all();
+    }
+
+    fn wait(&self, timeout: Duration) {
+        let mut woken = lock(&self.wake);
+        if !*woken {
+            woken = self
+                .woken
+                .wait_timeout(woken, timeout)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *woken = false;
+    }
+}
+
+/// Starts the reconciler thread; it ends with the daemon.
+pub(crate) fn spawn_reconciler(daemon: Weak<Daemon>) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("sy-failover".into())
+        .spawn(move || {
+            loop {
+                let Some(d) = daemon.upgrade() else { return };
+                d.reconcile_failed_boards();
+                d.failover.wait(RECONCILE_PERIOD);
+            }
+        })
+        .map(drop)
+}
+
+/// What the reconciler did with an endpoint of a failed board.
+enum Step {
+    /// Failed over.
+    Done,
+    /// Waits for a free device of its shape.
+    Waiting,
+    /// Cannot fail over now (said why), or will be looked at again.
+    Later,
+}
+
+impl Daemon {
+    /// The device of `endpoint` reported its board failed: the pool records it (the board
+    /// is quarantined) and the reconciler fails the board's endpoints over.
+    pub(crate) fn board_failed(&self, endpoint: &str, failure: BoardFailure) {
+        let mut pool = self.pool();
+        let Some(board) = pool
+            .inventory()
+            .endpoint(endpoint)
+            .and_then(|e| e.device.clone())
+            .and_then(|d| pool.inventory().device(&d))
+            .map(|d| d.board)
+        else {
+            tracing::warn!(
+                endpoint,
+                reason = failure.reason,
+                "a board failure of an endpoint without a device; ignored"
+            );
+            return;
+        };
+        lock(&self.failover.reported)
+            .entry(board.clone())
+            .or_insert_with(Instant::now);
+        match pool.fail_board(&board, failure.clone()) {
+            Ok(events) => {
+                if !events.is_empty() {
+                    tracing::error!(%board, endpoint, reason = failure.reason, state_intact = failure.state_intact, "board failed");
+                }
+                self.events.pool(events);
+            }
+            Err(e) => {
+                tracing::error!(%board, "cannot record the board's failure: {}", error_chain(&e))
+            }
+        }
+        drop(pool);
+        self.failover.wake();
+    }
+
+    /// Fails over every endpoint of a failed board that can fail over now.
+    fn reconcile_failed_boards(&self) {
+        let leases = self.pool().inventory().failed_leases();
+        let mut waiting = 0;
+        for lease in leases.iter().filter(|l| !l.moving) {
+            if let Step::Waiting = self.fail_over(lease) {
+                waiting += 1;
+            }
+        }
+        self.metrics.set_failovers_waiting(waiting);
+        // Boards no longer failed (unquarantined) are forgotten.
+        let failed: std::collections::BTreeSet<&str> =
+            leases.iter().map(|l| l.board.as_str()).collect();
+        lock(&self.failover.reported).retain(|b, _| failed.contains(b.as_str()));
+    }
+
+    /// Says once that `lease`'s endpoint cannot fail over now, and why.
+    fn say_once(&self, lease: &FailedLease, why: &str, waiting: bool) {
+        let mut said = lock(&self.failover.said);
+        if said.get(&lease.endpoint).is_some_and(|s| s == why) {
+            return;
+        }
+        said.insert(lease.endpoint.clone(), why.to_owned());
+        drop(said);
+        tracing::warn!(
+            endpoint = lease.endpoint,
+            board = lease.board,
+            "no failover now: {why}"
+        );
+        let mut pool = self.pool();
+        let events = if waiting {
+            pool.failover_waiting(&lease.endpoint, &lease.device)
+        } else {
+            pool.failover_refused(&lease.endpoint, &lease.device, why)
+        };
+        match events {
+            Ok(events) => self.events.pool(events),
+            Err(e) => tracing::error!("cannot record an event: {}", error_chain(&e)),
+        }
+    }
+
+    fn fail_over(&self, lease: &FailedLease) -> Step {
+        let id = lease.endpoint.as_str();
+        let Ok(status) = self.supervisor.status(id) else {
+            self.say_once(lease, "no worker of this daemon serves the endpoint", false);
+            return Step::Later;
+        };
+        // A move or a migration of the endpoint ends first (the move may take it off the
+        // failed board).
+        if status.migrating || self.supervisor.is_moving(id).unwrap_or(false) {
+            return Step::Later;
+        }
+        let transparent = match lease.policy {
+            FailoverPolicy::Off => {
+                self.say_once(lease, "the pool's failover policy is off", false);
+                return Step::Later;
+            }
+            FailoverPolicy::Transparent => {
+                lease.failure.state_intact && self.supervisor.can_continue(id).unwrap_or(false)
+            }
+            FailoverPolicy::GuestVisible => false,
+        };
+        let link = self.vmms().get(id).cloned();
+        if !transparent {
+            let why = match &link {
+                None => Some(
+                    "the device's state did not outlive the failure and no VMM is registered to plug a fresh device in (`switchyard ctl vmm`)",
+                ),
+                Some(_) if self.shape_has_msix(&lease.device) => Some(
+                    "the device uses MSI-X: QEMU 11.1 aborts the VM on device_del of a vfio-user device with MSI-X, so it is not unplugged (irq = \"msi\" boards are)",
+                ),
+                Some(_) => None,
+            };
+            if let Some(why) = why {
+                self.say_once(lease, why, false);
+                return Step::Later;
+            }
+        }
+        let plan = match self.pool().plan_failover(id) {
+            Ok((plan, events)) => {
+                self.events.pool(events);
+                plan
+            }
+            Err(PoolError::NoCompatibleDevice { .. }) => {
+                self.say_once(
+                    lease,
+                    "no device of its shape is free on a healthy board",
+                    true,
+                );
+                return Step::Waiting;
+            }
+            Err(e) => {
+                self.say_once(lease, &error_chain(&e), false);
+                return Step::Later;
+            }
+        };
+        lock(&self.failover.said).remove(id);
+        let at = lock(&self.failover.reported)
+            .get(&lease.board)
+            .copied()
+            .unwrap_or_else(Instant::now);
+        let result = match &link {
+            Some(link) if !transparent => self.fail_over_visibly(&plan, link),
+            _ => self.fail_over_transparently(&plan),
+        };
+        let mode = if transparent {
+            "transparent"
+        } else {
+            "guest-visible"
+        };
+        let mut pool = self.pool();
+        if let Err(error) = result {
+            tracing::error!(endpoint = id, mode, "failover failed: {}", error.message);
+            match pool.abort_move(&plan) {
+                Ok(events) => self.events.pool(events),
+                Err(e) => tracing::error!(?plan, "cannot release a failed failover's target: {e}"),
+            }
+            drop(pool);
+            self.say_once(
+                lease,
+                &format!("the failover failed: {}", error.message),
+                false,
+            );
+            return Step::Later;
+        }
+        let stall = at.elapsed();
+        let stall_ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
+        match pool.commit_failover(&plan, mode, stall_ms) {
+            Ok(events) => self.events.pool(events),
+            Err(e) => tracing::error!(?plan, "cannot commit a failover: {}", error_chain(&e)),
+        }
+        let pool_name = pool
+            .inventory()
+            .board(&plan.from_board)
+            .and_then(|b| b.pool);
+        drop(pool);
+        self.metrics
+            .failed_over(pool_name.as_deref().unwrap_or(""), mode, stall);
+        tracing::warn!(
+            endpoint = id,
+            from = plan.from,
+            to = plan.to,
+            mode,
+            stall_ms,
+            "failed over"
+        );
+        lock(&self.failover.last).insert(
+            id.to_owned(),
+            LastFailover {
+                from: plan.from.clone(),
+                to: plan.to.clone(),
+                mode: mode.to_owned(),
+                stall_ms: super::super::events::ms(stall),
+                at_unix_ms: now_unix_ms(),
+            },
+        );
+        Step::Done
+    }
+
+    fn shape_has_msix(&self, device: &str) -> bool {
+        self.pool()
+            .inventory()
+            .device(device)
+            .is_some_and(|d| d.shape.profile.msix)
+    }
+
+    /// The worker is replaced by one continuing the device on `plan.to`.
+    fn fail_over_transparently(&self, plan: &MovePlan) -> Result<(), ApiError> {
+        let device = self.target_spec(plan);
+        let ready = self
+            .supervisor
+            .continue_elsewhere(&plan.endpoint, device)
+            .map_err(supervisor_error)?;
+        self.supervisor
+            .wait_ready(&plan.endpoint, ready + 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        Ok(())
+    }
+
+    /// The VMM unplugs the dead device, a fresh one is built on `plan.to` and plugged into
+    /// the same slot.
+    fn fail_over_visibly(&self, plan: &MovePlan, link: &super::VmmLink) -> Result<(), ApiError> {
+        use switchyard_qemu::VfioUserDevice;
+        let id = &plan.endpoint;
+        let mut qmp = super::ops::qmp_of(id, link)?;
+        let socket = self
+            .pool()
+            .inventory()
+            .endpoint(id)
+            .map(|e| e.socket.clone())
+            .ok_or_else(|| super::unknown_endpoint(id))?;
+        qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
+            .map_err(|e| {
+                super::ops::vmm_error(id, link, "the guest did not release the dead device", &e)
+            })?;
+        self.wait_disconnected(id);
+        let device = self
+            .target_spec(plan)
+            .unwrap_or_else(|| self.current_spec(plan));
+        let ready = self
+            .supervisor
+            .start_afresh(id, device)
+            .map_err(supervisor_error)?;
+        self.supervisor
+            .wait_ready(id, ready + 1, READY_TIMEOUT)
+            .map_err(supervisor_error)?;
+        let mut plug = VfioUserDevice::new(&link.device_id, &socket);
+        plug.bus = link.bus.clone();
+        if let Err(e) = qmp.device_add(&plug) {
+            // The fresh device serves on the new board; the lease follows it.
+            tracing::error!(endpoint = id, error = %e, "cannot plug the replacement device in");
+        }
+        Ok(())
+    }
+
+    /// The worker's device spec on `plan.to`, when it differs from the one on `plan.from`
+    /// (a spec naming its host resource).
+    fn target_spec(&self, plan: &MovePlan) -> Option<crate::custody::DeviceSpec> {
+        let pool = self.pool();
+        let spec = |d: &str| {
+            pool.inventory()
+                .device(d)
+                .map(|d| device_spec(&d.shape, d.host.as_deref()))
+        };
+        let to = spec(&plan.to)?;
+        (spec(&plan.from).as_ref() != Some(&to)).then_some(to)
+    }
+
+    fn current_spec(&self, plan: &MovePlan) -> crate::custody::DeviceSpec {
+        device_spec(&plan.shape, None)
+    }
+
+    /// `POST /v1/boards/{id}/fault`: the devices on `board` simulate the fault `kind`.
+    pub(super) fn inject_fault(&self, board: &str, kind: &str) -> Result<FaultInjected, ApiError> {
+        if !self.failover.faults_enabled {
+            return Err(ApiError::new(
+                axum::http::StatusCode::FORBIDDEN,
+                "faults_disabled",
+                "Fault injection is off: it is for tests and drills, and the daemon must be started with --faults to allow it",
+            ));
+        }
+        let endpoints: Vec<String> = {
+            let pool = self.pool();
+            let inv = pool.inventory();
+            let b = inv
+                .board(board)
+                .ok_or_else(|| pool_error(PoolError::UnknownBoard(board.into())))?;
+            b.devices
+                .iter()
+                .filter_map(|d| d.endpoint.clone())
+                .collect()
+        };
+        if endpoints.is_empty() {
+            return Err(ApiError::conflict(
+                "idle_board",
+                format!(
+                    "No device of board \"{board}\" is leased: a fault needs a running device to be simulated by"
+                ),
+            ));
+        }
+        for id in &endpoints {
+            self.supervisor
+                .inject_fault(id, kind, FAULT_TIMEOUT)
+                .map_err(|e| ApiError::conflict("fault_refused", error_chain(&e)))?;
+        }
+        Ok(FaultInjected {
+            board: board.to_owned(),
+            kind: kind.to_owned(),
+            endpoints,
+        })
+    }
+
+    /// The endpoint's failover, for its status.
+    pub(super) fn failover_view(
+        &self,
+        inventory: &switchyard_pool::Inventory,
+        id: &str,
+    ) -> Option<FailoverView> {
+        let pending = lock(&self.failover.said).get(id).cloned();
+        let failed = inventory
+            .failed_leases()
+            .into_iter()
+            .any(|l| l.endpoint == id);
+        let pending = failed.then(|| pending.unwrap_or_else(|| "failing over".to_owned()));
+        let last = lock(&self.failover.last).get(id).cloned();
+        (pending.is_some() || last.is_some()).then_some(FailoverView { pending, last })
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
