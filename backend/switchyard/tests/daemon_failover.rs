@@ -1,0 +1,337 @@
+//! Failover: a board fails under a running client (a fault injected through the daemon's
+//! API, detected by the device as a real one), and the pool moves the endpoint to a healthy
+//! board of its pool. The client is a real vfio-user client driving the softgpu over its
+//! socket; every job's result is checked.
+//!
+//! Workers outlive their daemon by design, so every test kills the daemon and then every
+//! worker it recorded when it ends (`common::daemon::Daemon`'s drop).
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::daemon::{Daemon, api_status, connect, socket_of};
+use serde_json::{Value, json};
+use switchyard_softgpu::regs::*;
+
+/// `n` boards of one shape (trapped VRAM) in pool `p`, with failover `policy`.
+fn boards(n: usize, policy: &str) -> String {
+    let mut toml = String::new();
+    for i in 0..n {
+        toml +=
+            &format!("[[boards]]\nid = \"g{i}\"\nvram = \"64M\"\nqueues = 2\nvram_mmap = false\n");
+    }
+    let ids: Vec<String> = (0..n).map(|i| format!("\"g{i}\"")).collect();
+    toml += &format!(
+        "[[pools]]\nname = \"p\"\nboards = [{}]\nfailover = \"{policy}\"\n",
+        ids.join(", ")
+    );
+    toml
+}
+
+fn daemon(n: usize, policy: &str) -> Daemon {
+    let mut d = Daemon::new()
+        .with_config(&boards(n, policy))
+        .with_args(&["--faults"]);
+    d.launch();
+    d
+}
+
+/// The pool events of `kind`.
+fn pool_events(d: &Daemon, kind: &str) -> Vec<Value> {
+    d.events()
+        .into_iter()
+        .filter_map(|e| e.get("pool").cloned())
+        .filter(|p| p["kind"]["type"] == kind)
+        .collect()
+}
+
+/// Waits until `f` holds (20 s).
+fn wait(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn board_of(d: &mut Daemon, id: &str) -> String {
+    d.endpoint(id)["lease"]["board"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn fault(d: &Daemon, board: &str, kind: &str) {
+    d.client()
+        .post(
+            &format!("/v1/boards/{board}/fault"),
+            &json!({ "kind": kind }),
+        )
+        .unwrap_or_else(|e| panic!("fault {kind} on {board}: {e}"));
+}
+
+/// The value of the metric line starting with `prefix`.
+fn metric(d: &Daemon, prefix: &str) -> Option<String> {
+    let text = d.client().get_text("/metrics").expect("metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .map(|v| v.trim().to_owned())
+}
+
+#[test]
+fn twenty_engine_failures_across_three_boards_are_stalls_with_every_job_bit_exact() {
+    let mut d = daemon(3, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    guest.w32(SCRATCH, 0x5ca1_ab1e);
+    // VRAM the device wrote before any failure stays readable after every one.
+    let keep: Vec<u8> = (0..65536u32).map(|i| (i * 13 + 5) as u8).collect();
+    guest.vram_write(0x300_0000, &keep);
+    let mut round = 0u64;
+    let mut stalls = Vec::new();
+    for n in 0..20 {
+        let failed = board_of(&mut d, "vm1");
+        for q in 0..2 {
+            common::workload::fill_copy_round(&mut guest, round, q);
+        }
+        round += 1;
+        let t0 = Instant::now();
+        fault(&d, &failed, "engine");
+        // The client keeps working through the failover: its jobs wait out the stall.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            for q in 0..2 {
+                common::workload::fill_copy_round(&mut guest, round, q);
+            }
+            round += 1;
+            let now = board_of(&mut d, "vm1");
+            if now != failed && !now.is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "failover {n}: still on {failed}");
+        }
+        stalls.push(t0.elapsed());
+        assert_eq!(guest.r32(SCRATCH), 0x5ca1_ab1e, "failover {n}: registers");
+        let board = d
+            .client()
+            .get(&format!("/v1/boards/{failed}"))
+            .expect("board")
+            .body;
+        assert_eq!(board["state"], "quarantined", "{board}");
+        assert!(
+            board["failed"]["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("engine")),
+            "{board}"
+        );
+        assert_eq!(board["failed"]["state_intact"], true, "{board}");
+        // Repaired: it may take leases again (and is the next failover's target).
+        d.ctl_ok(&["unquarantine", &failed]);
+    }
+    let mut back = vec![0u8; keep.len()];
+    guest.vram_read(0x300_0000, &mut back);
+    assert!(back == keep, "VRAM survives twenty failovers");
+    let failed_over = pool_events(&d, "failed_over");
+    assert_eq!(failed_over.len(), 20, "{failed_over:?}");
+    assert!(
+        failed_over
+            .iter()
+            .all(|e| e["kind"]["mode"] == "transparent")
+    );
+    let used: std::collections::BTreeSet<&str> = failed_over
+        .iter()
+        .filter_map(|e| e["kind"]["to"].as_str())
+        .collect();
+    assert_eq!(used.len(), 3, "every board served: {used:?}");
+    assert_eq!(pool_events(&d, "board_failed").len(), 20);
+    assert_eq!(
+        metric(
+            &d,
+            "switchyard_failovers_total{pool=\"p\",mode=\"transparent\"}"
+        )
+        .as_deref(),
+        Some("20")
+    );
+    let e = d.endpoint("vm1");
+    assert_eq!(e["failover"]["last"]["mode"], "transparent", "{e}");
+    assert!(e["failover"].get("pending").is_none(), "{e}");
+    let stall_ms: Vec<f64> = failed_over
+        .iter()
+        .filter_map(|e| e["kind"]["stall_ms"].as_f64())
+        .collect();
+    let mut sorted = stall_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    eprintln!(
+        "20 failovers, {round} rounds; daemon stall (report -> serving) ms: p50 {} max {}; client-seen (fault request -> new board) p50 {:?}",
+        sorted[sorted.len() / 2],
+        sorted[sorted.len() - 1],
+        {
+            stalls.sort();
+            stalls[stalls.len() / 2]
+        }
+    );
+}
+
+#[test]
+fn with_no_free_device_the_endpoint_waits_degraded_and_fails_over_once_one_is_free() {
+    let mut d = daemon(2, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    d.ctl_ok(&["create", "vm2", "--pool", "p"]);
+    assert_eq!(board_of(&mut d, "vm1"), "g0");
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    common::workload::fill_copy_round(&mut guest, 1, 0);
+    fault(&d, "g0", "engine");
+    wait("failover_waiting", || {
+        !pool_events(&d, "failover_waiting").is_empty()
+    });
+    let e = d.endpoint("vm1");
+    assert!(
+        e["failover"]["pending"]
+            .as_str()
+            .is_some_and(|p| p.contains("no device of its shape")),
+        "{e}"
+    );
+    assert_eq!(e["lease"]["board"], "g0");
+    assert_eq!(
+        metric(&d, "switchyard_failovers_waiting ").as_deref(),
+        Some("1")
+    );
+    let listed = d.ctl_ok(&["endpoint", "vm1"]);
+    assert!(listed.contains("degraded"), "{listed}");
+    // Said once, however long it waits.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(pool_events(&d, "failover_waiting").len(), 1);
+    // A device becomes free: the waiting endpoint takes it.
+    d.ctl_ok(&["delete", "vm2"]);
+    wait("failed over to g1", || board_of(&mut d, "vm1") == "g1");
+    common::workload::fill_copy_round(&mut guest, 2, 0);
+    common::workload::fill_copy_round(&mut guest, 3, 1);
+    assert_eq!(
+        metric(&d, "switchyard_failovers_waiting ").as_deref(),
+        Some("0")
+    );
+}
+
+#[test]
+fn with_failover_off_the_board_is_quarantined_and_the_endpoint_keeps_its_device() {
+    let mut d = daemon(2, "off");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(1);
+    fault(&d, "g0", "engine");
+    wait("failover_refused", || {
+        !pool_events(&d, "failover_refused").is_empty()
+    });
+    let refused = pool_events(&d, "failover_refused");
+    assert!(
+        refused[0]["kind"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("off")),
+        "{refused:?}"
+    );
+    assert_eq!(board_of(&mut d, "vm1"), "g0");
+    let board = d.client().get("/v1/boards/g0").expect("board").body;
+    assert_eq!(board["state"], "quarantined");
+    // The device's other queue still runs: only the failed engine's is dead.
+    common::workload::fill_copy_round(&mut guest, 1, 1);
+    assert!(pool_events(&d, "failed_over").is_empty());
+}
+
+#[test]
+fn lost_vram_without_a_registered_vmm_cannot_fail_over_and_says_why() {
+    let mut d = daemon(2, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    fault(&d, "g0", "vram");
+    wait("failover_refused", || {
+        !pool_events(&d, "failover_refused").is_empty()
+    });
+    let failed = pool_events(&d, "board_failed");
+    assert_eq!(failed[0]["kind"]["state_intact"], false, "{failed:?}");
+    let refused = pool_events(&d, "failover_refused");
+    assert!(
+        refused[0]["kind"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("no VMM is registered")),
+        "{refused:?}"
+    );
+    // The dead memory answers with errors, never with data.
+    let mut buf = [0u8; 4096];
+    let r = guest.t.0.region_read(switchyard_softgpu::BAR_VRAM, 0, &mut buf);
+    assert!(r.is_err(), "a read of lost VRAM fails: {r:?}");
+    assert_eq!(board_of(&mut d, "vm1"), "g0");
+}
+
+#[test]
+fn fault_injection_is_refused_unless_enabled_and_where_nothing_runs() {
+    let mut plain = Daemon::new().with_config(&boards(2, "transparent"));
+    plain.launch();
+    plain.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let r = plain
+        .client()
+        .post("/v1/boards/g0/fault", &json!({ "kind": "engine" }));
+    assert_eq!(api_status(r), (403, "faults_disabled".into()));
+    drop(plain);
+
+    let d = daemon(2, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let r = d
+        .client()
+        .post("/v1/boards/g1/fault", &json!({ "kind": "engine" }));
+    assert_eq!(api_status(r), (409, "idle_board".into()));
+    let r = d
+        .client()
+        .post("/v1/boards/g0/fault", &json!({ "kind": "meteor" }));
+    assert_eq!(api_status(r), (409, "fault_refused".into()));
+    let r = d
+        .client()
+        .post("/v1/boards/nope/fault", &json!({ "kind": "engine" }));
+    assert_eq!(api_status(r), (404, "not_found".into()));
+    let out = d.ctl(&["fault", "g0", "meteor"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("engine") && err.contains("vram"),
+        "names the faults it simulates: {err}"
+    );
+    // Nothing failed.
+    assert!(pool_events(&d, "board_failed").is_empty());
+}
+
+#[test]
+fn a_failure_during_a_worker_restart_and_across_a_daemon_restart_still_fails_over() {
+    let mut d = daemon(3, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    common::workload::fill_copy_round(&mut guest, 0, 0);
+    // A restart (SIGKILL drill) right after the fault: two replacements race.
+    fault(&d, "g0", "engine");
+    let _ = d.ctl(&["restart", "vm1"]);
+    wait("off g0", || board_of(&mut d, "vm1") != "g0");
+    for round in 1..4 {
+        common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
+    }
+    // A failure, then the daemon killed at once: the failure is in the store, and the next
+    // daemon (which adopts the worker) fails the endpoint over.
+    let failed = board_of(&mut d, "vm1");
+    fault(&d, &failed, "engine");
+    wait("board_failed recorded", || {
+        pool_events(&d, "board_failed").len() == 2
+    });
+    d.kill9();
+    d.launch();
+    wait("off the second failed board", || {
+        let b = board_of(&mut d, "vm1");
+        !b.is_empty() && b != failed && b != "g0"
+    });
+    for round in 4..8 {
+        common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
+    }
+}
