@@ -262,7 +262,10 @@ fn lost_vram_without_a_registered_vmm_cannot_fail_over_and_says_why() {
     );
     // The dead memory answers with errors, never with data.
     let mut buf = [0u8; 4096];
-    let r = guest.t.0.region_read(switchyard_softgpu::BAR_VRAM, 0, &mut buf);
+    let r = guest
+        .t
+        .0
+        .region_read(switchyard_softgpu::BAR_VRAM, 0, &mut buf);
     assert!(r.is_err(), "a read of lost VRAM fails: {r:?}");
     assert_eq!(board_of(&mut d, "vm1"), "g0");
 }
