@@ -24,6 +24,11 @@ impl PoolDaemon {
     /// Starts the daemon with `config` (written to `pool.toml`; empty: the embedded default)
     /// and waits until its control API answers.
     pub fn start(env: &GuestEnv, dir: &Path, config: &str) -> Self {
+        Self::start_with(env, dir, config, &[])
+    }
+
+    /// [`PoolDaemon::start`] with more arguments of `switchyard daemon` (`--faults`).
+    pub fn start_with(env: &GuestEnv, dir: &Path, config: &str, args: &[&str]) -> Self {
         let file = dir.join("pool.toml");
         std::fs::write(&file, config).expect("write the pool configuration");
         let log = std::fs::File::create(dir.join("daemon.log")).expect("daemon log");
@@ -33,6 +38,7 @@ impl PoolDaemon {
             cmd.arg("--config").arg(&file);
         }
         let child = cmd
+            .args(args)
             .arg("--state-dir")
             .arg(dir.join("state"))
             .arg("--run-dir")
