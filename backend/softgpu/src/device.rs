@@ -43,6 +43,7 @@
 //!
 //! Without a black box a flush is one branch plus sending the owed interrupts.
 
+mod failure;
 #[cfg(test)]
 mod hook;
 mod poll;
@@ -67,6 +68,7 @@ use switchyard_device::{DeviceContext, DmaSpace, Interrupts, WaitControl};
 use crate::SoftGpuConfig;
 use crate::doorbell::DoorbellPage;
 use crate::exec::{Executor, Scratch};
+use crate::fault::Faults;
 use crate::mirror::Mirror;
 use crate::regs::*;
 use crate::state::SoftGpuState;
@@ -159,6 +161,8 @@ pub(crate) struct Shared {
     wake: Vec<Condvar>,
     idle: Condvar,
     abort: Vec<AtomicBool>,
+    /// Failure reporting and injected faults.
+    pub(crate) faults: Faults,
     #[cfg(test)]
     pub(crate) hook: TestHook,
 }
@@ -204,6 +208,7 @@ impl Shared {
             wake: (0..n).map(|_| Condvar::new()).collect(),
             idle: Condvar::new(),
             abort: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            faults: Faults::new(n),
             #[cfg(test)]
             hook: TestHook::default(),
         }
@@ -600,15 +605,21 @@ impl Shared {
         }
     }
 
-    /// The body of engine thread `q`.
+    /// The body of engine thread `q` (run by [`Shared::run_engine`]).
     pub(crate) fn engine(&self, q: usize) {
-        let (Some(abort), Some(wake)) = (self.abort.get(q), self.wake.get(q)) else {
+        let (Some(abort), Some(wake), Some(fail)) = (
+            self.abort.get(q),
+            self.wake.get(q),
+            self.faults.engine_flag(q),
+        ) else {
             return;
         };
         let exec = Executor {
             dma: &self.dma,
             vram: &self.vram,
             abort,
+            fail,
+            queue: q,
             #[cfg(test)]
             hook: (&self.hook, q),
         };
@@ -623,6 +634,11 @@ impl Shared {
         loop {
             if g.shutdown {
                 return;
+            }
+            if self.faults.engine_failed(q) {
+                // An injected fault; not under the lock.
+                drop(g);
+                panic!("injected fault: engine of queue {q}");
             }
             self.take_page_tail_guarded(&mut g, q);
             #[cfg(test)]

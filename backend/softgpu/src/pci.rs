@@ -145,6 +145,10 @@ impl PciDevice for SoftGpu {
     fn telemetry(&self) -> Option<&dyn switchyard_device::Telemetry> {
         Some(self)
     }
+
+    fn faults(&self) -> Option<&dyn switchyard_device::FaultInjection> {
+        Some(self)
+    }
 }
 
 /// The offset in the doorbell page of a (checked) BAR0 access at `offset`, if it is one.

@@ -97,6 +97,7 @@ impl SoftGpu {
             (g.mirror.take(), g.work)
         };
         next.shared.lock().work = work;
+        self.shared.faults.hand_over(&next.shared.faults);
         next.shared.load(state, mirror);
         if halted {
             next.shared.halt();
