@@ -640,11 +640,20 @@ impl Shared {
                 drop(g);
                 panic!("injected fault: engine of queue {q}");
             }
+            // Nothing runs on failed VRAM: the engine reports it (once; not while the device
+            // waits for a predecessor's state, without its hook yet) and sleeps.
+            let vram_ok = self.vram.usable();
+            if !vram_ok && !self.faults.reported() && !g.holds.successor {
+                drop(g);
+                self.vram_failed();
+                g = self.lock();
+                continue;
+            }
             self.take_page_tail_guarded(&mut g, q);
             #[cfg(test)]
             g.note_seen(q);
-            let Some(job) = g.next_job(q) else {
-                let runnable = g.runnable(q);
+            let Some(job) = g.next_job(q).filter(|_| vram_ok) else {
+                let runnable = vram_ok && g.runnable(q);
                 let (mapped, tail) =
                     g.st.queues
                         .get(q)
@@ -714,7 +723,11 @@ impl Shared {
             }
             // Publishes the marker before the command touches anything.
             drop(g);
-            let outcome = exec.run(job.slot, &mut scratch);
+            let mut outcome = exec.run(job.slot, &mut scratch);
+            if !self.vram.usable() {
+                // VRAM failed meanwhile: whatever the command did, it does not complete.
+                outcome = outcome.abandoned();
+            }
             g = self.lock();
             g.finish(q, job, outcome);
             if !g.shutdown && g.rt.get(q).is_some_and(|rt| rt.paused == 0) {

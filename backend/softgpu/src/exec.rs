@@ -72,6 +72,16 @@ pub(crate) struct Outcome {
     pub bytes: u64,
 }
 
+impl Outcome {
+    /// The command abandoned (nothing recorded; it stays in flight).
+    pub(crate) fn abandoned(self) -> Outcome {
+        Outcome {
+            result: Err(ExecError::Aborted),
+            ..self
+        }
+    }
+}
+
 /// Per-engine buffers, reused across commands.
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {

@@ -2,13 +2,19 @@
 //! simulating them ([`FaultInjection`]); the engines detect them (`device/failure.rs`). See
 //! [Device failure](crate#device-failure-the-err-interrupt).
 //!
-//! An engine thread that died (it panicked) is detected: its thread body catches the unwind,
-//! releases what the engine held (its queue no longer counts as busy, so nothing waits for
-//! it), reports, and resumes the unwind (the join in `Drop` logs it). The device state
-//! survives: the registers are in the black box, VRAM in its memfd.
+//! Two failures are detected:
+//!
+//! - an engine thread died (it panicked): its thread body catches the unwind, releases what
+//!   the engine held (its queue no longer counts as busy, so nothing waits for it), reports,
+//!   and resumes the unwind (the join in `Drop` logs it). The device state survives: the
+//!   registers are in the black box, VRAM in its memfd.
+//! - VRAM failed ([`Vram::fail`]): engines, woken, find it at their next look for work and
+//!   report it (as does a BAR2 access); from then on nothing the device does reaches VRAM.
 //!
 //! A report calls the hook without the register lock (the hook tells a supervisor and may
 //! block for a while), from the thread that detected the failure, once per device.
+//!
+//! [`Vram::fail`]: crate::vram::Vram::fail
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +25,7 @@ use switchyard_device::{DeviceError, FaultInjection, Interrupts, IrqIndex};
 use crate::SoftGpu;
 
 /// The faults [`SoftGpu`] can simulate.
-const FAULT_KINDS: &[&str] = &["engine"];
+const FAULT_KINDS: &[&str] = &["engine", "vram"];
 
 /// A device's failure reporting and injected faults.
 pub(crate) struct Faults {
@@ -69,6 +75,11 @@ impl Faults {
         }
     }
 
+    /// Whether a failure was reported already.
+    pub(crate) fn reported(&self) -> bool {
+        self.reported.load(Ordering::SeqCst)
+    }
+
     /// Whether engine `q` died or is to die.
     pub(crate) fn engine_failed(&self, q: usize) -> bool {
         self.engine.get(q).is_some_and(|f| f.load(Ordering::SeqCst))
@@ -113,8 +124,8 @@ impl Faults {
 
 impl SoftGpu {
     /// Sets where the device reports that its board failed (see [`FailedHook`]): an engine
-    /// thread died (`state_intact`: the registers are mirrored, VRAM is in its memfd).
-    /// Reported once per device, from the thread that
+    /// thread died (`state_intact`: the registers are mirrored, VRAM is in its memfd), or
+    /// VRAM failed (its contents are lost). Reported once per device, from the thread that
     /// detected the failure, without the device's locks held; the hook must not wait for
     /// this device to be dropped or swapped. If the hook returns `true` the device does not
     /// signal its ERR interrupt; without a hook, or if it returns `false`, it does. A swap
@@ -148,13 +159,21 @@ impl FaultInjection for SoftGpu {
 
     /// `engine`: the engine of the first queue running a command (else of the first queue
     /// whose engine is alive) panics at its next checkpoint or look for work, idle or not.
-    /// Another kind: [`DeviceError::Unsupported`].
+    /// `vram`: VRAM fails for good; engines and BAR2 accesses find it so. Another kind:
+    /// [`DeviceError::Unsupported`].
     fn inject_fault(&self, kind: &str) -> Result<(), DeviceError> {
         match kind {
             "engine" => {
                 if self.inject_engine_fault().is_none() {
                     tracing::warn!("no engine left to inject a fault into");
                 }
+                Ok(())
+            }
+            "vram" => {
+                if self.shared.vram.fail() {
+                    tracing::warn!("injecting a fault: VRAM fails");
+                }
+                self.shared.wake_engines(u32::MAX);
                 Ok(())
             }
             _ => Err(DeviceError::Unsupported),

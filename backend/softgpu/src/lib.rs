@@ -249,16 +249,18 @@
 //! vfio-pci does for devices with AER; a VMM that finds it enables error recovery (QEMU warns
 //! "Could not enable error recovery for the device" without it) and stops the VM when it is
 //! signalled. The device signals it only when it has failed for good: an engine thread died
-//! (a panic while executing a command), so that queue will never run another command. Guest
-//! driver mistakes (bad commands, bad DMA addresses, bad doorbells) are not device failures:
-//! they stop the queue and fire its error vector as described under Errors.
+//! (a panic while executing a command), so that queue will never run another command, or its
+//! VRAM failed. Guest driver mistakes (bad commands, bad DMA addresses, bad doorbells) are not
+//! device failures: they stop the queue and fire its error vector as described under Errors.
 //!
 //! Under a pool, a failure goes to the failure hook first ([`SoftGpu::set_failure_hook`]),
 //! once per device, from the thread that found it: an engine that died (`state_intact`: the
-//! registers are in the black box, VRAM in its memfd, so a replacement continues the device).
-//! If the hook takes it (the pool fails the device over), ERR is not signalled. The other
-//! queues, register accesses and resets keep working; a dead queue accepts doorbells but
-//! completes nothing. [`FaultInjection`] simulates it (`engine`).
+//! registers are in the black box, VRAM in its memfd, so a replacement continues the device),
+//! or VRAM that failed (its contents lost). If the hook takes it (the pool fails the device
+//! over), ERR is not signalled. The other queues, register accesses and resets keep working;
+//! a dead queue accepts doorbells but completes nothing. Failed VRAM fails BAR2 accesses
+//! (`EIO`), migration and relocation, and no engine completes a command any more (a client
+//! mapping of VRAM is not affected). [`FaultInjection`] simulates both (`engine`, `vram`).
 //!
 //! # Resets
 //!

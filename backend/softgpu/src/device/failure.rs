@@ -6,6 +6,7 @@ use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::Ordering;
 
+use switchyard_device::DeviceError;
 use switchyard_device::kind::BoardFailure;
 
 use super::Shared;
@@ -81,5 +82,27 @@ impl Shared {
                 cv.notify_all();
             }
         }
+    }
+
+    /// Reports that VRAM failed (once per device; the caller found it so, holding no lock).
+    pub(crate) fn vram_failed(&self) {
+        self.faults.report(
+            &self.irqs,
+            BoardFailure {
+                reason: "the VRAM failed: its contents are lost".to_owned(),
+                state_intact: false,
+            },
+        );
+    }
+
+    /// Checks that VRAM is usable for an access through the device: `EIO` (and the failure
+    /// reported, if nobody did yet) when it is not.
+    pub(crate) fn vram_access(&self) -> Result<(), DeviceError> {
+        self.vram.check().inspect_err(|_| {
+            if !self.faults.reported() {
+                self.vram_failed();
+            }
+        })?;
+        Ok(())
     }
 }

@@ -1,11 +1,11 @@
-//! Board failures: an engine that dies; reported once through the failure hook (or the ERR
-//! interrupt), injected through [`FaultInjection`].
+//! Board failures: an engine that dies, VRAM that fails; reported once through the failure
+//! hook (or the ERR interrupt), injected through [`FaultInjection`].
 
 use std::sync::Mutex;
 use std::sync::mpsc;
 
 use switchyard_device::kind::{BoardFailure, Build, DeviceKind, FailedHook};
-use switchyard_device::{FaultInjection, MemoryObjects};
+use switchyard_device::{FaultInjection, MemoryObjects, MigArc};
 
 use super::*;
 use crate::SoftGpuKind;
@@ -89,10 +89,10 @@ fn assert_runs(h: &mut Harness, q: u32) {
 }
 
 #[test]
-fn fault_kinds_are_engine_and_others_are_unsupported() {
+fn fault_kinds_are_engine_and_vram_and_others_are_unsupported() {
     let h = Harness::new();
     let faults = h.gpu.faults().expect("the softgpu offers fault injection");
-    assert_eq!(faults.fault_kinds(), ["engine"]);
+    assert_eq!(faults.fault_kinds(), ["engine", "vram"]);
     assert!(matches!(
         faults.inject_fault("power"),
         Err(DeviceError::Unsupported)
@@ -267,6 +267,68 @@ fn a_retired_device_reports_nothing() {
 }
 
 #[test]
+fn a_vram_fault_is_reported_once_and_nothing_reaches_vram_any_more() {
+    let mut h = Harness::new();
+    h.init();
+    let err = wire_err(&h);
+    let reports = Arc::new(Reports::default());
+    h.gpu.set_failure_hook(Some(reports.hook(true)));
+    h.run(0, &[fill(V(0), 4096, 0x0101_0101)]);
+    assert_eq!(h.vram_region_read(0, 4), [1, 1, 1, 1]);
+
+    h.gpu.inject_fault("vram").expect("inject");
+    let failure = reports.first();
+    assert!(!failure.state_intact, "{failure:?}");
+    assert!(failure.reason.contains("VRAM"), "{failure:?}");
+
+    let mut b = [0u8; 4];
+    let eio = |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::Io(e)) if e.raw_os_error() == Some(libc::EIO));
+    assert!(eio(h.gpu.region_read(BAR_VRAM, 0, &mut b)));
+    assert!(eio(h.gpu.region_write(BAR_VRAM, 0, &[9; 4])));
+    // A FILL submitted now never completes, and writes nothing.
+    let first = h.submit(0, &[fill(V(0), 4096, 0x0202_0202)]);
+    h.wait_engine_saw(0, "the FILL", |s| s.enabled && s.bus_master);
+    assert_eq!(h.qr(0, Q_HEAD), first);
+    assert_eq!(h.rd64(queue_reg(0, Q_COMPLETED_LO)), 1);
+    assert_ne!(h.qr(0, Q_STATUS), Q_STATUS_IDLE);
+    assert_eq!(h.vram_file_read(0, 4), [1, 1, 1, 1]);
+    // No migration or relocation reads it either.
+    let migration = h.gpu.migration().expect("migratable");
+    migration
+        .step(MigArc::StartPreCopy)
+        .expect("start pre-copy");
+    let mut chunk = [0u8; 4096];
+    assert!(migration.read(&mut chunk).is_err());
+    migration.step(MigArc::AbortPreCopy).expect("abort");
+    let target = SoftGpu::create_vram(&h.config).expect("VRAM");
+    assert!(matches!(
+        h.gpu.begin_detached_relocation(target),
+        Err(crate::SoftGpuError::VramFailed(_))
+    ));
+
+    // Other faults after it report nothing new.
+    h.gpu.inject_fault("vram").expect("again");
+    h.gpu.inject_fault("engine").expect("and an engine");
+    wait_engine_gone(&h, 0);
+    assert_eq!(reports.all().len(), 1);
+    assert_eq!(take_eventfd(&err), None, "the pool took it: no ERR");
+    drop_bounded(h);
+}
+
+#[test]
+fn a_vram_fault_without_a_hook_signals_err_once() {
+    let mut h = Harness::new();
+    h.init();
+    let err = wire_err(&h);
+    h.gpu.inject_fault("vram").expect("inject");
+    wait_until("the ERR interrupt", || take_eventfd(&err) == Some(1));
+    let mut b = [0u8; 4];
+    assert!(h.gpu.region_read(BAR_VRAM, 0, &mut b).is_err());
+    assert_eq!(take_eventfd(&err), None, "ERR signalled once");
+    drop_bounded(h);
+}
+
+#[test]
 fn the_kind_gives_the_devices_it_builds_their_failure_hook() {
     let config = Harness::new().config;
     let irqs = Arc::new(Interrupts::new(&config.irq_counts()));
@@ -289,4 +351,28 @@ fn the_kind_gives_the_devices_it_builds_their_failure_hook() {
         .expect("inject");
     assert!(reports.first().state_intact);
     bounded("dropping the device", move || drop(dev));
+}
+
+#[test]
+fn a_successor_on_failed_vram_reports_it_once_it_runs() {
+    let mut h = Harness::new();
+    h.init();
+    let err = wire_err(&h);
+    let reports = Arc::new(Reports::default());
+    h.gpu.set_failure_hook(Some(reports.hook(true)));
+    h.gpu.inject_fault("vram").expect("inject");
+    assert!(!reports.first().state_intact);
+    // Parked, without a hook yet: it reports nothing (no ERR either).
+    let mut next = SoftGpu::successor(h.config, h.slot_ctx()).expect("successor");
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(reports.all().len(), 1);
+    assert_eq!(take_eventfd(&err), None);
+    h.gpu.hand_over_to(&mut next).expect("hand over");
+    let old = std::mem::replace(&mut h.gpu, next);
+    // Running on the same (failed) memory, the successor finds it so, through the hook.
+    wait_until("the successor's report", || reports.all().len() == 2);
+    assert!(!reports.all()[1].state_intact);
+    assert_eq!(take_eventfd(&err), None);
+    bounded("dropping the retired device", move || drop(old));
+    drop_bounded(h);
 }
