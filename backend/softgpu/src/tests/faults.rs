@@ -238,6 +238,53 @@ fn an_engine_that_panics_mid_command_is_reported_with_its_message() {
 }
 
 #[test]
+fn a_swap_hands_the_hook_over_and_treats_a_dead_engines_command_as_a_recovery_would() {
+    const N: u64 = 1 << 17;
+    const X: u64 = DATA;
+    const Y: u64 = DATA + N * 4;
+    let mut h = Harness::new();
+    h.init();
+    let reports = Arc::new(Reports::default());
+    h.gpu.set_failure_hook(Some(reports.hook(true)));
+    h.guest_write(X, &f32_bytes(&floats(1, N as usize)));
+    h.guest_write(Y, &f32_bytes(&floats(2, N as usize)));
+    // Queue 0 dies in the middle of an in-place SAXPY (cannot run again), queue 1 in the
+    // middle of a FILL (can).
+    h.gpu.shared.hook.die_at(0, 2);
+    h.gpu.shared.hook.die_at(1, 2);
+    let saxpy = h.submit(0, &[Command::saxpy(N, 2.0, G(X), G(Y))]);
+    let filled = h.submit(1, &[fill(V(0), 4 << 20, 0x5a5a_5a5a)]);
+    wait_engine_gone(&h, 0);
+    wait_engine_gone(&h, 1);
+    assert_eq!(reports.all().len(), 1, "one report for the device");
+
+    let mut next = SoftGpu::successor(h.config, h.slot_ctx()).expect("successor");
+    h.gpu.hand_over_to(&mut next).expect("hand over");
+    let old = std::mem::replace(&mut h.gpu, next);
+    assert_eq!(
+        h.wait_error(0),
+        (
+            ERR_INTERRUPTED,
+            saxpy,
+            Harness::ring(0) + u64::from(saxpy % RING_ENTRIES) * COMMAND_SIZE as u64,
+            u32::from(crate::cmd::OP_SAXPY)
+        )
+    );
+    h.wait_idle(1);
+    assert_eq!(h.qr(1, Q_HEAD), filled + 1);
+    assert!(h.vram_file_read(0, 4 << 20).iter().all(|&b| b == 0x5a));
+
+    // The hook went with the state: the successor, a device of its own, reports.
+    h.gpu
+        .inject_fault("engine")
+        .expect("inject into the successor");
+    wait_until("the successor's report", || reports.all().len() == 2);
+    assert!(reports.all()[1].state_intact);
+    bounded("dropping the retired device", move || drop(old));
+    drop_bounded(h);
+}
+
+#[test]
 fn a_retired_device_reports_nothing() {
     let mut h = Harness::new();
     h.init();
