@@ -43,6 +43,7 @@
 //!
 //! Without a black box a flush is one branch plus sending the owed interrupts.
 
+mod failure;
 #[cfg(test)]
 mod hook;
 mod poll;
@@ -67,6 +68,7 @@ use switchyard_device::{DeviceContext, DmaSpace, Interrupts, WaitControl};
 use crate::SoftGpuConfig;
 use crate::doorbell::DoorbellPage;
 use crate::exec::{Executor, Scratch};
+use crate::fault::Faults;
 use crate::mirror::Mirror;
 use crate::regs::*;
 use crate::state::SoftGpuState;
@@ -159,6 +161,8 @@ pub(crate) struct Shared {
     wake: Vec<Condvar>,
     idle: Condvar,
     abort: Vec<AtomicBool>,
+    /// Failure reporting and injected faults.
+    pub(crate) faults: Faults,
     #[cfg(test)]
     pub(crate) hook: TestHook,
 }
@@ -204,6 +208,7 @@ impl Shared {
             wake: (0..n).map(|_| Condvar::new()).collect(),
             idle: Condvar::new(),
             abort: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            faults: Faults::new(n),
             #[cfg(test)]
             hook: TestHook::default(),
         }
@@ -600,15 +605,21 @@ impl Shared {
         }
     }
 
-    /// The body of engine thread `q`.
+    /// The body of engine thread `q` (run by [`Shared::run_engine`]).
     pub(crate) fn engine(&self, q: usize) {
-        let (Some(abort), Some(wake)) = (self.abort.get(q), self.wake.get(q)) else {
+        let (Some(abort), Some(wake), Some(fail)) = (
+            self.abort.get(q),
+            self.wake.get(q),
+            self.faults.engine_flag(q),
+        ) else {
             return;
         };
         let exec = Executor {
             dma: &self.dma,
             vram: &self.vram,
             abort,
+            fail,
+            queue: q,
             #[cfg(test)]
             hook: (&self.hook, q),
         };
@@ -624,11 +635,25 @@ impl Shared {
             if g.shutdown {
                 return;
             }
+            if self.faults.engine_failed(q) {
+                // An injected fault; not under the lock.
+                drop(g);
+                panic!("injected fault: engine of queue {q}");
+            }
+            // Nothing runs on failed VRAM: the engine reports it (once; not while the device
+            // waits for a predecessor's state, without its hook yet) and sleeps.
+            let vram_ok = self.vram.usable();
+            if !vram_ok && !self.faults.reported() && !g.holds.successor {
+                drop(g);
+                self.vram_failed();
+                g = self.lock();
+                continue;
+            }
             self.take_page_tail_guarded(&mut g, q);
             #[cfg(test)]
             g.note_seen(q);
-            let Some(job) = g.next_job(q) else {
-                let runnable = g.runnable(q);
+            let Some(job) = g.next_job(q).filter(|_| vram_ok) else {
+                let runnable = vram_ok && g.runnable(q);
                 let (mapped, tail) =
                     g.st.queues
                         .get(q)
@@ -698,7 +723,11 @@ impl Shared {
             }
             // Publishes the marker before the command touches anything.
             drop(g);
-            let outcome = exec.run(job.slot, &mut scratch);
+            let mut outcome = exec.run(job.slot, &mut scratch);
+            if !self.vram.usable() {
+                // VRAM failed meanwhile: whatever the command did, it does not complete.
+                outcome = outcome.abandoned();
+            }
             g = self.lock();
             g.finish(q, job, outcome);
             if !g.shutdown && g.rt.get(q).is_some_and(|rt| rt.paused == 0) {

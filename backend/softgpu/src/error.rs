@@ -57,6 +57,9 @@ pub enum SoftGpuError {
     /// it; a shrink would make its accesses fault).
     #[error("The VRAM memfd is not sealed against shrinking and growing")]
     VramNotSealed(#[source] std::io::Error),
+    /// The VRAM failed (an injected `vram` fault): its contents cannot be read or written.
+    #[error("The VRAM failed")]
+    VramFailed(#[source] std::io::Error),
     /// The doorbell page's backing could not be created, checked or mapped.
     #[error("Cannot use the doorbell page's backing")]
     Doorbells(#[source] std::io::Error),

@@ -72,6 +72,16 @@ pub(crate) struct Outcome {
     pub bytes: u64,
 }
 
+impl Outcome {
+    /// The command abandoned (nothing recorded; it stays in flight).
+    pub(crate) fn abandoned(self) -> Outcome {
+        Outcome {
+            result: Err(ExecError::Aborted),
+            ..self
+        }
+    }
+}
+
 /// Per-engine buffers, reused across commands.
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {
@@ -169,6 +179,10 @@ pub(crate) struct Executor<'a> {
     pub dma: &'a DmaSpace,
     pub vram: &'a Vram,
     pub abort: &'a AtomicBool,
+    /// The engine is to die (an injected fault): it panics at its next checkpoint.
+    pub fail: &'a AtomicBool,
+    /// The engine's queue.
+    pub queue: usize,
     /// Tests park engines in the middle of a command through it: (hook, queue).
     #[cfg(test)]
     pub hook: (&'a crate::device::TestHook, usize),
@@ -178,6 +192,10 @@ impl Executor<'_> {
     fn check_abort(&self) -> Result<(), ExecError> {
         #[cfg(test)]
         self.hook.0.checkpoint(self.hook.1);
+        if self.fail.load(Ordering::Relaxed) {
+            // Not under the register lock: engines execute commands without it.
+            panic!("injected fault: engine of queue {}", self.queue);
+        }
         if self.abort.load(Ordering::Relaxed) {
             Err(ExecError::Aborted)
         } else {

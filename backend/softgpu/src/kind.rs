@@ -145,7 +145,7 @@ impl DeviceKind for SoftGpuKind {
             None => SoftGpu::new(c, b.ctx),
         }
         .map_err(build_error)?;
-        Ok(Box::new(gpu))
+        Ok(Box::new(gpu.with_failure_hook(b.failed)))
     }
 
     /// Two VRAMs are held when the last worker died during a move (the target as pending):
@@ -171,7 +171,7 @@ impl DeviceKind for SoftGpuKind {
         let (gpu, recovery) =
             SoftGpu::recover(c, b.ctx, &bb, vram, doorbells).map_err(build_error)?;
         tracing::info!(queues = ?recovery.queues, resent_interrupts = recovery.resent, moved, "device recovered");
-        Ok(Box::new(gpu))
+        Ok(Box::new(gpu.with_failure_hook(b.failed)))
     }
 }
 

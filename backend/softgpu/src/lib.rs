@@ -249,9 +249,18 @@
 //! vfio-pci does for devices with AER; a VMM that finds it enables error recovery (QEMU warns
 //! "Could not enable error recovery for the device" without it) and stops the VM when it is
 //! signalled. The device signals it only when it has failed for good: an engine thread died
-//! (a panic while executing a command), so that queue will never run another command. Guest
-//! driver mistakes (bad commands, bad DMA addresses, bad doorbells) are not device failures:
-//! they stop the queue and fire its error vector as described under Errors.
+//! (a panic while executing a command), so that queue will never run another command, or its
+//! VRAM failed. Guest driver mistakes (bad commands, bad DMA addresses, bad doorbells) are not
+//! device failures: they stop the queue and fire its error vector as described under Errors.
+//!
+//! Under a pool, a failure goes to the failure hook first ([`SoftGpu::set_failure_hook`]),
+//! once per device, from the thread that found it: an engine that died (`state_intact`: the
+//! registers are in the black box, VRAM in its memfd, so a replacement continues the device),
+//! or VRAM that failed (its contents lost). If the hook takes it (the pool fails the device
+//! over), ERR is not signalled. The other queues, register accesses and resets keep working;
+//! a dead queue accepts doorbells but completes nothing. Failed VRAM fails BAR2 accesses
+//! (`EIO`), migration and relocation, and no engine completes a command any more (a client
+//! mapping of VRAM is not affected). [`FaultInjection`] simulates both (`engine`, `vram`).
 //!
 //! # Resets
 //!
@@ -324,6 +333,7 @@ mod device;
 mod doorbell;
 mod error;
 mod exec;
+mod fault;
 mod identity;
 mod kind;
 mod mig;
@@ -343,6 +353,8 @@ use std::fs::File;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+#[cfg(doc)]
+use switchyard_device::FaultInjection;
 #[cfg(doc)]
 use switchyard_device::blackbox::BlackBox;
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
@@ -640,13 +652,7 @@ impl SoftGpu {
             let shared = gpu.shared.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("softgpu-q{q}"))
-                .spawn(move || {
-                    let _failure = FailureSignal {
-                        irqs: shared.irqs.clone(),
-                        queue: q,
-                    };
-                    shared.engine(q)
-                })
+                .spawn(move || shared.run_engine(q))
                 .map_err(SoftGpuError::Thread)?;
             gpu.engines.push(handle);
         }
@@ -771,28 +777,6 @@ impl SoftGpu {
             offset,
             len,
         }
-    }
-}
-
-/// Held by an engine thread: if the thread unwinds (a panic: the device has failed, the queue
-/// will never run another command), signals the ERR interrupt so the VMM learns of it. See
-/// [Device failure](crate#device-failure-the-err-interrupt).
-struct FailureSignal {
-    irqs: Arc<switchyard_device::Interrupts>,
-    queue: usize,
-}
-
-impl Drop for FailureSignal {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            return;
-        }
-        let signalled = self.irqs.trigger(IrqIndex::Err, 0);
-        tracing::error!(
-            queue = self.queue,
-            err_irq_signalled = matches!(signalled, Ok(true)),
-            "a softgpu engine failed; the device is broken (ERR interrupt)"
-        );
     }
 }
 

@@ -34,6 +34,7 @@ impl PciDevice for SoftGpu {
                 Ok(())
             }
             BAR_VRAM => {
+                self.shared.vram_access()?;
                 self.vram_slice(offset, data.len())?.copy_to(data);
                 Ok(())
             }
@@ -78,6 +79,7 @@ impl PciDevice for SoftGpu {
                 Ok(())
             }
             BAR_VRAM => {
+                self.shared.vram_access()?;
                 self.vram_slice(offset, data.len())?.copy_from(data);
                 self.shared.vram.mark(offset, data.len() as u64);
                 Ok(())
@@ -143,6 +145,10 @@ impl PciDevice for SoftGpu {
     }
 
     fn telemetry(&self) -> Option<&dyn switchyard_device::Telemetry> {
+        Some(self)
+    }
+
+    fn faults(&self) -> Option<&dyn switchyard_device::FaultInjection> {
         Some(self)
     }
 }
@@ -264,16 +270,22 @@ impl Migratable for SoftGpu {
             return Err(DeviceError::BadState("no outgoing stream".into()));
         };
         let shared = &self.shared;
+        shared.vram_access()?;
         let mut state = || shared.snapshot().to_bytes().map_err(std::io::Error::other);
-        Ok(src.read(&shared.vram, &mut state, buf)?)
+        let n = src.read(&shared.vram, &mut state, buf)?;
+        // VRAM that failed while it was read gave no data: this chunk is no stream.
+        shared.vram_access()?;
+        Ok(n)
     }
 
     fn write(&mut self, data: &[u8]) -> Result<(), DeviceError> {
         let Migration::Load(sink) = &mut self.migration else {
             return Err(DeviceError::BadState("no incoming stream".into()));
         };
+        self.shared.vram_access()?;
         sink.write(&self.shared.vram, data)
-            .map_err(|e| DeviceError::BadState(Box::new(e)))
+            .map_err(|e| DeviceError::BadState(Box::new(e)))?;
+        self.shared.vram_access()
     }
 
     fn abort(&mut self) {

@@ -87,6 +87,7 @@ impl SoftGpu {
 
     fn relocation(&self, target: File, detached: bool) -> Result<Relocation, SoftGpuError> {
         let source = self.shared.vram.clone();
+        source.check().map_err(SoftGpuError::VramFailed)?;
         if !source.tracked() && !detached {
             return Err(StateError::Inconsistent(
                 "the client may map this device's VRAM (vram_mmap=on): its writes cannot be followed",
@@ -180,6 +181,10 @@ impl Incoming {
     /// The final round, with the source stopped; then the target is the slot's VRAM.
     pub(crate) fn finish(mut self) -> Result<RelocationStats, SoftGpuError> {
         let t0 = Instant::now();
+        self.relocation
+            .source
+            .check()
+            .map_err(SoftGpuError::VramFailed)?;
         let n = self.relocation.copy_logged()?;
         let stats = &mut self.relocation.stats;
         stats.final_bytes = n;
@@ -195,6 +200,7 @@ impl Relocation {
     /// Runs one pre-copy round while the device runs and returns the bytes it copied: the
     /// first round every data extent, later rounds the pages written since the previous one.
     pub fn round(&mut self) -> Result<u64, SoftGpuError> {
+        self.source.check().map_err(SoftGpuError::VramFailed)?;
         let n = if self.stats.rounds == 0 {
             self.copy_extents()?
         } else {
@@ -285,6 +291,8 @@ impl Relocation {
 
     /// Copies `[offset, offset + len)` from the source to the target VRAM.
     fn copy(&self, offset: u64, len: u64) -> Result<(), SoftGpuError> {
+        self.source.check().map_err(SoftGpuError::VramFailed)?;
+        self.target.check().map_err(SoftGpuError::VramFailed)?;
         let bad = || StateError::Inconsistent("a relocation copy fell outside VRAM");
         let src = self.source.slice(offset, len).ok_or_else(bad)?;
         let dst = self.target.slice(offset, len).ok_or_else(bad)?;

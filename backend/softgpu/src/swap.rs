@@ -64,7 +64,10 @@ impl SoftGpu {
     /// This device's engines are parked first (after their current command; park them
     /// earlier with [`EngineControl::park`], outside the slot, to keep that wait out of the
     /// swap) and stay parked for good: the successor continues every queue from its head, so
-    /// every command runs exactly once. On error this device runs again (unless something
+    /// every command runs exactly once. A command an engine that died left half done is
+    /// treated as by [`SoftGpu::recover`]: run again from its start when that is safe, else
+    /// its queue stops with `ERR_INTERRUPTED` on it. The failure hook goes to the successor
+    /// ([`SoftGpu::set_failure_hook`]). On error this device runs again (unless something
     /// else holds it) and the successor stays parked.
     pub fn hand_over_to(&mut self, next: &mut SoftGpu) -> Result<(), SoftGpuError> {
         self.check_softgpu_successor(next)
@@ -77,6 +80,15 @@ impl SoftGpu {
             Err(e) => {
                 self.shared.set_hold(|h| h.retired = false, true);
                 return Err(e.into());
+            }
+        };
+        // A command a dead engine left half done is treated as by a recovery: run again when
+        // that is safe, else its queue stops with ERR_INTERRUPTED.
+        let plans = match self.dead_engines_plans(&state) {
+            Ok(plans) => plans,
+            Err(e) => {
+                self.shared.set_hold(|h| h.retired = false, true);
+                return Err(e);
             }
         };
         // A relocation's last changes: nothing writes the source VRAM now (engines parked,
@@ -97,12 +109,47 @@ impl SoftGpu {
             (g.mirror.take(), g.work)
         };
         next.shared.lock().work = work;
+        self.shared.faults.hand_over(&next.shared.faults);
         next.shared.load(state, mirror);
+        next.interrupt_commands(&plans);
         if halted {
             next.shared.halt();
         }
         next.shared.set_hold(|h| h.successor = false, true);
         Ok(())
+    }
+}
+
+impl SoftGpu {
+    /// What to do with the commands the dead engines of this (parked) device were running.
+    fn dead_engines_plans(&self, state: &SoftGpuState) -> Result<Vec<QueueRecovery>, SoftGpuError> {
+        let inflight: Vec<Option<u32>> = {
+            let g = self.shared.lock();
+            (0..g.inflight.len())
+                .map(|q| {
+                    let dead = self.shared.faults.engine_failed(q);
+                    g.inflight.get(q).copied().flatten().filter(|_| dead)
+                })
+                .collect()
+        };
+        if inflight.iter().all(Option::is_none) {
+            return Ok(Vec::new());
+        }
+        crate::recover::plan_replays(state, &inflight, &self.shared.dma)
+    }
+
+    /// Stops with `ERR_INTERRUPTED` the queues whose command cannot run again (`plans`).
+    fn interrupt_commands(&self, plans: &[QueueRecovery]) {
+        let mut g = self.shared.lock();
+        for (q, plan) in plans.iter().enumerate() {
+            if let QueueRecovery::Interrupted { opcode, .. } = *plan
+                && let Some(qs) = g.st.queues.get(q)
+            {
+                tracing::warn!(queue = q, "a dead engine's command cannot run again");
+                let slot = crate::mirror::slot_iova(qs, qs.head);
+                g.set_error(q, regs::ERR_INTERRUPTED, slot, opcode.map_or(0, u32::from));
+            }
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
@@ -27,6 +27,8 @@ pub(crate) struct Vram {
     /// VRAM (`tracked`).
     written: Box<[AtomicU64]>,
     tracked: bool,
+    /// The memory failed (an injected `vram` fault): the device reaches it no more.
+    failed: AtomicBool,
 }
 
 /// Page size of the write log.
@@ -91,7 +93,28 @@ impl Vram {
             },
             written: (0..words).map(|_| AtomicU64::new(0)).collect(),
             tracked,
+            failed: AtomicBool::new(false),
         })
+    }
+
+    /// Marks the memory failed, for good (every device on it: it is the board's memory).
+    /// Returns whether it was usable until now.
+    pub(crate) fn fail(&self) -> bool {
+        !self.failed.swap(true, Ordering::SeqCst)
+    }
+
+    /// Whether the memory is usable (not [failed](Vram::fail)).
+    pub(crate) fn usable(&self) -> bool {
+        !self.failed.load(Ordering::SeqCst)
+    }
+
+    /// `Ok` while the memory is usable, else the error a device access to it gets (`EIO`).
+    pub(crate) fn check(&self) -> std::io::Result<()> {
+        if self.usable() {
+            Ok(())
+        } else {
+            Err(std::io::Error::from_raw_os_error(libc::EIO))
+        }
     }
 
     /// Whether every write to VRAM goes through the device (the client cannot map it), so
@@ -156,9 +179,10 @@ impl Vram {
         offset.checked_add(len).is_some_and(|end| end <= self.size)
     }
 
-    /// The slice `[offset, offset+len)`, or `None` if it is out of range.
+    /// The slice `[offset, offset+len)`, or `None` if it is out of range or the memory
+    /// [failed](Vram::fail).
     pub(crate) fn slice(&self, offset: u64, len: u64) -> Option<VramSlice<'_>> {
-        if !self.contains(offset, len) {
+        if !self.contains(offset, len) || !self.usable() {
             return None;
         }
         let off = usize::try_from(offset).ok()?;

@@ -1,4 +1,4 @@
-//! A test hook that parks engines in the middle of a command.
+//! A test hook that parks engines in the middle of a command, or kills them there.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Condvar, Mutex};
@@ -9,6 +9,8 @@ use std::sync::{Condvar, Mutex};
 pub(crate) struct TestHook {
     /// Per queue: park at the n-th checkpoint from now.
     park: Mutex<[Option<u32>; 8]>,
+    /// Per queue: panic at the n-th checkpoint from now (an engine bug).
+    die: Mutex<[Option<u32>; 8]>,
     /// Queues parked.
     parked: Mutex<u32>,
     changed: Condvar,
@@ -27,6 +29,30 @@ impl TestHook {
         }
     }
 
+    /// Makes queue `q`'s engine panic at its `n`-th checkpoint from now (1: the first), in
+    /// the middle of its command, as a bug in it would.
+    pub(crate) fn die_at(&self, q: usize, n: u32) {
+        if let Some(p) = self.die.lock().expect("hook").get_mut(q) {
+            *p = Some(n);
+        }
+    }
+
+    /// Counts down `q`'s entry of `table`: whether it reached its checkpoint now.
+    fn due(table: &Mutex<[Option<u32>; 8]>, q: usize) -> bool {
+        let mut p = table.lock().expect("hook");
+        match p.get_mut(q) {
+            Some(Some(n)) if *n <= 1 => {
+                p[q] = None;
+                true
+            }
+            Some(Some(n)) => {
+                *n -= 1;
+                false
+            }
+            _ => false,
+        }
+    }
+
     /// Waits until the queues of `mask` are parked.
     pub(crate) fn wait_parked(&self, mask: u32) {
         let mut parked = self.parked.lock().expect("hook");
@@ -36,18 +62,10 @@ impl TestHook {
     }
 
     pub(crate) fn checkpoint(&self, q: usize) {
-        let park = {
-            let mut p = self.park.lock().expect("hook");
-            match p.get_mut(q) {
-                Some(Some(n)) if *n <= 1 => true,
-                Some(Some(n)) => {
-                    *n -= 1;
-                    false
-                }
-                _ => false,
-            }
-        };
-        if park {
+        if Self::due(&self.die, q) {
+            panic!("test: an engine bug in queue {q}");
+        }
+        if Self::due(&self.park, q) {
             *self.parked.lock().expect("hook") |= 1 << q;
             self.changed.notify_all();
             loop {

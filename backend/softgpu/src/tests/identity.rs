@@ -116,30 +116,6 @@ fn description_lists_regions_and_interrupts() {
 }
 
 #[test]
-fn an_engine_thread_that_dies_signals_the_err_interrupt() {
-    let irqs = Arc::new(Interrupts::new(&[0, 0, 16, 1, 1]));
-    let err = new_eventfd().expect("eventfd");
-    irqs.set_triggers(
-        IrqIndex::Err as u32,
-        0,
-        vec![Some(err.try_clone().expect("clone"))],
-    )
-    .expect("ERR eventfd");
-    let engine = |panics: bool| {
-        let irqs = irqs.clone();
-        std::thread::spawn(move || {
-            let _failure = crate::FailureSignal { irqs, queue: 3 };
-            assert!(!panics, "an engine bug");
-        })
-        .join()
-    };
-    engine(false).expect("a normal engine exit");
-    assert_eq!(take_eventfd(&err), None, "an engine that exits normally");
-    engine(true).expect_err("the engine panicked");
-    assert_eq!(take_eventfd(&err), Some(1), "ERR signalled once");
-}
-
-#[test]
 fn register_table_reads() {
     let mut h = Harness::new();
     let mut magic = [0u8; 4];

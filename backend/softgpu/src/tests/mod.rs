@@ -5,6 +5,7 @@
 mod commands;
 mod doorbells;
 mod errors;
+mod faults;
 mod identity;
 mod migration;
 mod msi;
