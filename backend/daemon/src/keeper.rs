@@ -21,6 +21,9 @@
 //! channel ([`Note::Moved`] or [`Note::MoveFailed`]) when the data path ends. Outcome and
 //! answer are one step under the lock, so a supervisor learns the outcome exactly once:
 //! from the answer, or from the adoption.
+//!
+//! Likewise a board failure the device reported ([`Note::BoardFailed`]) is told again to an
+//! adopting supervisor: the daemon it went to may have died before it recorded it.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -59,6 +62,9 @@ struct Inner {
     last_move: Option<LastMove>,
     /// The endpoint's restarts before this worker (told to an adopting supervisor).
     restarts: u64,
+    /// The device's board failure, if it reported one ([`Note::BoardFailed`]; told again to
+    /// an adopting supervisor: the one it was sent to may have died before acting on it).
+    board_failed: Option<Note>,
 }
 
 /// See the [module](self) documentation.
@@ -105,6 +111,7 @@ impl Keeper {
                 replacement: None,
                 last_move: None,
                 restarts: 0,
+                board_failed: None,
             }),
             changed: Condvar::new(),
             move_wait: ADOPT_MOVE_WAIT,
@@ -215,8 +222,10 @@ impl Keeper {
     /// supervisor.
     pub fn notify(&self, note: &Note) {
         let mut g = self.lock();
-        if let Note::Ready { replacement, .. } = note {
-            g.replacement = *replacement;
+        match note {
+            Note::Ready { replacement, .. } => g.replacement = *replacement,
+            Note::BoardFailed { .. } => g.board_failed = Some(note.clone()),
+            _ => {}
         }
         Self::send_locked(&mut g, note, &[]);
     }
@@ -360,6 +369,9 @@ impl Keeper {
             },
             &[],
         )?;
+        if let Some(failed) = &g.board_failed {
+            custody::send(&sock, failed, &[])?;
+        }
         let held = g.ledger.len() + g.objects.len();
         g.channel = Some(Arc::new(sock));
         g.generation += 1;

@@ -274,7 +274,10 @@ impl Daemon {
                 return Step::Later;
             }
         }
-        let plan = match self.pool().plan_failover(id) {
+        // Not matched on directly: the pool's guard would live through the arms, and
+        // `say_once` takes the pool.
+        let planned = self.pool().plan_failover(id);
+        let plan = match planned {
             Ok((plan, events)) => {
                 self.events.pool(events);
                 plan
