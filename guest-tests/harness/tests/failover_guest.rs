@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use switchyard_guest_tests::{
     Guest, GuestSpec, PoolDaemon, assert_full_workload, assert_guest_tests_ignored, with_logs,
 };
-use switchyard_qemu::VfioUserDevice;
+use switchyard_qemu::{Qmp, VfioUserDevice, root_port_id};
 
 /// How long the driver keeps the device busy after its full workload.
 const SOAK_SECONDS: u32 = 60;
@@ -26,7 +26,7 @@ const FAULT_EVERY: Duration = Duration::from_secs(3);
 fn failover_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
     assert_guest_tests_ignored(
         "failover_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
-        1,
+        2,
     );
 }
 
@@ -148,6 +148,95 @@ fn the_driver_soaks_through_a_board_failure_every_few_seconds() {
             failovers.len(),
             stalls[stalls.len() / 2],
             stalls[stalls.len() - 1],
+        );
+    });
+}
+
+/// A guest-visible failover: the board's VRAM fails under the running driver (the state dies
+/// with it), so the daemon unplugs the dead device through the endpoint's registered VMM
+/// (QMP `device_del`), builds a fresh device on the other board and plugs it into the same
+/// root port (`device_add`); the driver, which gave up on the dead device, probes the new one
+/// and runs its full workload there. Boards with MSI (QEMU 11.1 aborts the VM on `device_del`
+/// of a vfio-user device with MSI-X) and trapped VRAM (a failed memory fails the guest's
+/// accesses too).
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_board_whose_vram_fails_is_replaced_guest_visibly_and_the_driver_reruns_its_job() {
+    with_logs("failover-replug", |env, dir| {
+        let mut config = String::new();
+        for b in 0..2 {
+            config += &format!(
+                "[[boards]]\nid = \"gpu{b}\"\nvram = \"64M\"\nqueues = 2\nirq = \"msi\"\nvram_mmap = false\n"
+            );
+        }
+        config += "[[pools]]\nname = \"p\"\nboards = [\"gpu0\", \"gpu1\"]\n";
+        let mut daemon = PoolDaemon::start_with(env, dir, &config, &["--faults"]);
+        let socket = daemon.create("vm1", "p");
+        let mut spec = GuestSpec::new("failover");
+        spec.args = vec!["1234:5347".into()];
+        spec.iommu = true;
+        spec.root_ports = 1;
+        spec.qmp = true;
+        spec.timeout = Duration::from_secs(400);
+        let mut guest = Guest::boot(env, dir, &spec).expect("boot");
+        let qmp_path = guest.qmp.clone().expect("qmp socket");
+        let bus = root_port_id(1);
+        assert_eq!(
+            guest
+                .wait_for_line("FAILOVER: waiting")
+                .expect("guest waits"),
+            "FAILOVER: waiting"
+        );
+        {
+            let mut qmp =
+                switchyard_guest_tests::wait_until(Duration::from_secs(30), "QMP", || {
+                    Qmp::connect(&qmp_path, Duration::from_secs(30)).ok()
+                })
+                .expect("qmp");
+            qmp.device_add(&VfioUserDevice::new("gpu0", &socket).bus(bus.clone()))
+                .expect("device_add");
+            // QMP takes one client at a time: this one leaves before the daemon needs it.
+        }
+        let api = daemon.api();
+        api.put(
+            "/v1/endpoints/vm1/vmm",
+            &json!({ "qmp": qmp_path, "device_id": "gpu0", "bus": bus }),
+        )
+        .expect("register the VMM");
+        guest
+            .wait_for_line("SYGPU: soak start")
+            .expect("the driver soaks");
+        api.post("/v1/boards/gpu0/fault", &json!({ "kind": "vram" }))
+            .expect("fault");
+        let rerun = guest
+            .wait_for_line("FAILOVER: rerun rc=")
+            .expect("the driver reruns on the replacement");
+        let out = guest.wait().expect("guest finished");
+        assert_eq!(rerun, "FAILOVER: rerun rc=0", "{}", out.serial);
+        let first = switchyard_guest_tests::find_line(&out.serial, "FAILOVER: first run rc=")
+            .expect("first run");
+        assert_ne!(
+            first, "FAILOVER: first run rc=0",
+            "the dead device failed the first run"
+        );
+        // The last summary is the rerun's, on the fresh device.
+        let summaries: Vec<Value> = out
+            .serial
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("SYGPU-SUMMARY "))
+            .filter_map(|j| serde_json::from_str(j).ok())
+            .collect();
+        let last = summaries.last().expect("a summary of the rerun");
+        assert_full_workload(last);
+        let st = api.get("/v1/endpoints/vm1").expect("endpoint").body;
+        assert_eq!(st["lease"]["board"], "gpu1", "{st}");
+        assert_eq!(st["failover"]["last"]["mode"], "guest-visible", "{st}");
+        let qemu = std::fs::read_to_string(dir.join("qemu.log")).expect("QEMU's log");
+        assert!(!qemu.contains("hardware error"), "QEMU:\n{qemu}");
+        eprintln!(
+            "failover-replug guest: {:.1} s; failover {}",
+            out.elapsed.as_secs_f64(),
+            st["failover"]["last"]
         );
     });
 }

@@ -1,0 +1,27 @@
+#!/bin/sh
+# failover.sh VID:DID — the guest side of the guest-visible failover test.
+# Waits for the device (the host hot-adds it) and runs the driver's soak on it until the
+# board fails under it (its VRAM is lost: the driver's jobs stop completing and it gives up
+# after its --timeout), then waits while the pool daemon unplugs the dead device and plugs a
+# fresh one of a healthy board into the same slot, and runs the full workload on that one.
+# Markers: "FAILOVER: waiting", "FAILOVER: present bdf=B", "FAILOVER: first run rc=R",
+# "FAILOVER: gone", "FAILOVER: back bdf=B", "FAILOVER: rerun rc=R".
+id=$1
+vid=0x${id%:*}
+did=0x${id#*:}
+
+. /tests/pci-lib.sh
+
+echo "FAILOVER: waiting"
+wait_dev FAILOVER
+echo "FAILOVER: present bdf=$bdf"
+sygpu-driver --bdf "$bdf" --timeout 5 --soak 600
+echo "FAILOVER: first run rc=$?"
+wait_gone FAILOVER
+echo "FAILOVER: gone"
+wait_dev FAILOVER
+echo "FAILOVER: back bdf=$bdf"
+sygpu-driver --bdf "$bdf"
+rc=$?
+echo "FAILOVER: rerun rc=$rc"
+exit "$rc"
