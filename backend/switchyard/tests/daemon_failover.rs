@@ -320,15 +320,27 @@ fn a_failure_during_a_worker_restart_still_fails_over() {
     guest.setup_queue(0);
     guest.setup_queue(1);
     common::workload::fill_copy_round(&mut guest, 0, 0);
-    // A restart (SIGKILL drill) right after the fault: the failover's replacement and the
-    // restart's race.
+    // A restart (SIGKILL drill) right after the fault. Either the device reported its
+    // failure first (the failover's replacement and the restart's race; the endpoint ends on
+    // another board), or the restart took the dying engine's process down before it could
+    // (the replacement's engines are whole: nothing failed). Both leave a working device.
     fault(&d, "g0", "engine");
     let _ = d.ctl(&["restart", "vm1"]);
-    wait("off g0", || board_of(&mut d, "vm1") != "g0");
     for round in 1..6 {
         common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
     }
-    assert_eq!(pool_events(&d, "failed_over").len(), 1);
+    // A report, if the dying engine got one out, has arrived by now.
+    std::thread::sleep(Duration::from_secs(1));
+    wait("every recorded failure failed over", || {
+        pool_events(&d, "board_failed").len() == pool_events(&d, "failed_over").len()
+    });
+    let failed = pool_events(&d, "board_failed").len();
+    assert!(failed <= 1, "one fault, at most one failure");
+    assert_eq!(board_of(&mut d, "vm1") != "g0", failed == 1);
+    for round in 6..10 {
+        common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
+    }
+    eprintln!("fault + restart: {failed} failover(s)");
 }
 
 /// A board failure outlives the daemon that recorded it: a daemon whose pool does not fail
