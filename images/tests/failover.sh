@@ -1,9 +1,10 @@
 #!/bin/sh
 # failover.sh VID:DID — the guest side of the guest-visible failover test.
 # Waits for the device (the host hot-adds it) and runs the driver's soak on it until the
-# board fails under it (its VRAM is lost: the driver's jobs stop completing and it gives up
-# after its --timeout), then waits while the pool daemon unplugs the dead device and plugs a
-# fresh one of a healthy board into the same slot, and runs the full workload on that one.
+# board fails under it (its VRAM is lost: the device stops its queues with DEVICE_LOST and the
+# driver gives up at once; --timeout bounds a wait otherwise), then waits while the pool
+# daemon unplugs the dead device and plugs a fresh one of a healthy board into the same slot,
+# and runs the full workload on that one.
 # Markers: "FAILOVER: waiting", "FAILOVER: present bdf=B", "FAILOVER: first run rc=R",
 # "FAILOVER: gone", "FAILOVER: back bdf=B", "FAILOVER: rerun rc=R".
 id=$1

@@ -640,20 +640,27 @@ impl Shared {
                 drop(g);
                 panic!("injected fault: engine of queue {q}");
             }
-            // Nothing runs on failed VRAM: the engine reports it (once; not while the device
-            // waits for a predecessor's state, without its hook yet) and sleeps.
-            let vram_ok = self.vram.usable();
-            if !vram_ok && !self.faults.reported() && !g.holds.successor {
-                drop(g);
-                self.vram_failed();
-                g = self.lock();
-                continue;
-            }
             self.take_page_tail_guarded(&mut g, q);
+            // Nothing runs on failed VRAM: a command the queue would run stops it with
+            // ERR_DEVICE_LOST (published and interrupting before the report), and the engine
+            // reports the failure (once; not while the device waits for a predecessor's
+            // state, without its hook yet).
+            let vram_ok = self.vram.usable();
+            if !vram_ok {
+                Self::stop_on_lost_vram(&mut g, q);
+                if !self.faults.reported() && !g.holds.successor {
+                    drop(g);
+                    self.vram_failed();
+                    g = self.lock();
+                    continue;
+                }
+            }
             #[cfg(test)]
             g.note_seen(q);
-            let Some(job) = g.next_job(q).filter(|_| vram_ok) else {
-                let runnable = vram_ok && g.runnable(q);
+            let Some(job) = g.next_job(q) else {
+                // On failed VRAM a queue is runnable still (new work stops it at once: a
+                // mapped queue asks for kicks), but its engine does not poll.
+                let runnable = g.runnable(q);
                 let (mapped, tail) =
                     g.st.queues
                         .get(q)
@@ -664,7 +671,7 @@ impl Shared {
                     0 => window,
                     us => Duration::from_micros(us),
                 };
-                if runnable && !polled && !window.is_zero() && self.start_polling() {
+                if runnable && vram_ok && !polled && !window.is_zero() && self.start_polling() {
                     // Poll, without the lock, for a doorbell or a new DB_TAIL.
                     let rung = poll.rung.load(Ordering::Acquire);
                     poll.polling.store(true, Ordering::SeqCst);
@@ -726,7 +733,7 @@ impl Shared {
             let mut outcome = exec.run(job.slot, &mut scratch);
             if !self.vram.usable() {
                 // VRAM failed meanwhile: whatever the command did, it does not complete.
-                outcome = outcome.abandoned();
+                outcome = outcome.device_lost(job.slot);
             }
             g = self.lock();
             g.finish(q, job, outcome);

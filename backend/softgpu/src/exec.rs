@@ -73,12 +73,15 @@ pub(crate) struct Outcome {
 }
 
 impl Outcome {
-    /// The command abandoned (nothing recorded; it stays in flight).
-    pub(crate) fn abandoned(self) -> Outcome {
-        Outcome {
-            result: Err(ExecError::Aborted),
-            ..self
-        }
+    /// The VRAM failed while the command at `slot` ran: whatever it did, it does not
+    /// complete. It fails with `ERR_DEVICE_LOST`, unless it was abandoned (nothing recorded;
+    /// it stays in flight and fails so when its engine looks at it again).
+    pub(crate) fn device_lost(self, slot: u64) -> Outcome {
+        let result = match self.result {
+            Err(ExecError::Aborted) => Err(ExecError::Aborted),
+            _ => Err(fault(ERR_DEVICE_LOST, slot)),
+        };
+        Outcome { result, ..self }
     }
 }
 
@@ -198,6 +201,9 @@ impl Executor<'_> {
         }
         if self.abort.load(Ordering::Relaxed) {
             Err(ExecError::Aborted)
+        } else if !self.vram.usable() {
+            // The device is lost: stop at once (the engine records where).
+            Err(fault(ERR_DEVICE_LOST, 0))
         } else {
             Ok(())
         }

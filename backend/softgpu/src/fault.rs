@@ -9,7 +9,10 @@
 //!   and resumes the unwind (the join in `Drop` logs it). The device state survives: the
 //!   registers are in the black box, VRAM in its memfd.
 //! - VRAM failed ([`Vram::fail`]): engines, woken, find it at their next look for work and
-//!   report it (as does a BAR2 access); from then on nothing the device does reaches VRAM.
+//!   report it (as does a BAR2 access); from then on nothing the device does reaches VRAM,
+//!   and no command completes: a running one stops at its next checkpoint, and every queue
+//!   with work stops with `ERR_DEVICE_LOST` (a queue error the driver sees at once), now or
+//!   when it is given work.
 //!
 //! A report calls the hook without the register lock (the hook tells a supervisor and may
 //! block for a while), from the thread that detected the failure, once per device.
@@ -159,7 +162,8 @@ impl FaultInjection for SoftGpu {
 
     /// `engine`: the engine of the first queue running a command (else of the first queue
     /// whose engine is alive) panics at its next checkpoint or look for work, idle or not.
-    /// `vram`: VRAM fails for good; engines and BAR2 accesses find it so. Another kind:
+    /// `vram`: VRAM fails for good; engines and BAR2 accesses find it so, and queues with work
+    /// stop with `ERR_DEVICE_LOST`. Another kind:
     /// [`DeviceError::Unsupported`].
     fn inject_fault(&self, kind: &str) -> Result<(), DeviceError> {
         match kind {

@@ -181,6 +181,7 @@
 //! | 8 | `BAD_DOORBELL`: tail beyond head + ring size | the refused tail value |
 //! | 9 | `BAD_RING`: enable with an invalid ring size/base | ring base |
 //! | 10 | `INTERRUPTED`: the device was restarted while this command ran (see [Restarts](#restarts)); its outputs are undefined; commands before it completed, none after it ran. `RECOVER` skips it | IOVA of the ring slot |
+//! | 11 | `DEVICE_LOST`: the device failed for good (its VRAM is lost, see [Device failure](#device-failure-the-err-interrupt)): no command will complete, on any queue; give up on the device | IOVA of the ring slot |
 //!
 //! # Commands
 //!
@@ -260,7 +261,10 @@
 //! over), ERR is not signalled. The other queues, register accesses and resets keep working;
 //! a dead queue accepts doorbells but completes nothing. Failed VRAM fails BAR2 accesses
 //! (`EIO`), migration and relocation, and no engine completes a command any more (a client
-//! mapping of VRAM is not affected). [`FaultInjection`] simulates both (`engine`, `vram`).
+//! mapping of VRAM is not affected): every queue with work pending or running stops with
+//! `ERR_DEVICE_LOST` at once (a queue error, as under Errors, so the driver learns of it
+//! without waiting for a timeout), and so does an idle one when it is given work.
+//! [`FaultInjection`] simulates both (`engine`, `vram`).
 //!
 //! # Resets
 //!

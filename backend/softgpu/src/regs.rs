@@ -262,6 +262,13 @@ pub const ERR_BAD_RING: u32 = 9;
 /// ran. `ERROR_ADDR` = the IOVA of the ring slot. `RECOVER` skips it.
 pub const ERR_INTERRUPTED: u32 = 10;
 
+/// The device failed for good: its VRAM is lost, so no command on any queue will complete. A
+/// queue that had work pending or running when the VRAM failed stops with it at the first
+/// command not completed, and so does one given work later; `RECOVER` skips the command, and
+/// the next fails the same way. The driver should give up on the device. `ERROR_ADDR` = the
+/// IOVA of the ring slot; `ERROR_OPCODE` = the command's opcode if it had started, else 0.
+pub const ERR_DEVICE_LOST: u32 = 11;
+
 /// Largest ring size in entries.
 pub const MAX_RING_ENTRIES_VALUE: u32 = 1 << 16;
 /// Required alignment of the ring base.

@@ -189,6 +189,9 @@ pub const ERR_DMA_UNMAPPED: u32 = 3;
 /// Error: the device was restarted while the command ran (its outputs are undefined; the
 /// commands before it completed, none after it ran).
 pub const ERR_INTERRUPTED: u32 = 10;
+/// Error: the device failed for good (its VRAM is lost): no command will complete on any
+/// queue. Like every error but `INTERRUPTED`, a failure of the step.
+pub const ERR_DEVICE_LOST: u32 = 11;
 
 /// Human name of a queue status.
 pub fn status_name(s: u32) -> &'static str {
@@ -216,6 +219,7 @@ pub fn error_name(code: u32) -> &'static str {
         8 => "BAD_DOORBELL",
         9 => "BAD_RING",
         10 => "INTERRUPTED",
+        ERR_DEVICE_LOST => "DEVICE_LOST",
         _ => "?",
     }
 }
@@ -307,6 +311,7 @@ mod tests {
         assert_eq!(Q_STATUS_PAUSED, dev::Q_STATUS_PAUSED);
         assert_eq!(ERR_DMA_UNMAPPED, dev::ERR_DMA_UNMAPPED);
         assert_eq!(ERR_INTERRUPTED, dev::ERR_INTERRUPTED);
+        assert_eq!(ERR_DEVICE_LOST, dev::ERR_DEVICE_LOST);
         // Every error code the device defines has its own name here, and nothing else does.
         let codes = [
             (dev::ERR_NONE, "NONE"),
@@ -320,6 +325,7 @@ mod tests {
             (dev::ERR_BAD_DOORBELL, "BAD_DOORBELL"),
             (dev::ERR_BAD_RING, "BAD_RING"),
             (dev::ERR_INTERRUPTED, "INTERRUPTED"),
+            (dev::ERR_DEVICE_LOST, "DEVICE_LOST"),
         ];
         for (code, name) in codes {
             assert_eq!(error_name(code), name, "error code {code}");

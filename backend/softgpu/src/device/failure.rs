@@ -1,6 +1,6 @@
 //! The engines' side of board failures (see `crate::fault`): an engine thread that dies is
 //! caught, what it held released and the failure reported; injected faults reach the engines
-//! wherever they wait.
+//! wherever they wait; on failed VRAM a queue with work stops with `ERR_DEVICE_LOST`.
 
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -9,7 +9,8 @@ use std::sync::atomic::Ordering;
 use switchyard_device::DeviceError;
 use switchyard_device::kind::BoardFailure;
 
-use super::Shared;
+use super::{Guard, Shared};
+use crate::regs::ERR_DEVICE_LOST;
 
 /// The message of a panic payload (`panic!` gives a `&str` or a `String`).
 fn panic_message(payload: &(dyn Any + Send)) -> &str {
@@ -82,6 +83,21 @@ impl Shared {
                 cv.notify_all();
             }
         }
+    }
+
+    /// On failed VRAM: if queue `q` would run a command now (enabled, not in error, work
+    /// pending, engines not held), it stops with `ERR_DEVICE_LOST` at that command, latched as
+    /// any queue error (the command had not started, or was abandoned half done: no opcode).
+    /// Nothing reaches VRAM. The registers are borrowed mutably only if the queue stops.
+    pub(super) fn stop_on_lost_vram(g: &mut Guard<'_>, q: usize) {
+        let Some(job) = g.next_job(q) else {
+            return;
+        };
+        if let Some(i) = g.inflight.get_mut(q) {
+            *i = None;
+        }
+        g.work.errors += 1;
+        g.set_error(q, ERR_DEVICE_LOST, job.slot, 0);
     }
 
     /// Reports that VRAM failed (once per device; the caller found it so, holding no lock).

@@ -75,14 +75,14 @@ fn config(spin_us: u32) -> SoftGpuConfig {
 }
 
 /// Puts queue `q` in mapped mode (enabled).
-fn map_queue(h: &mut Harness, q: u32) {
+pub(super) fn map_queue(h: &mut Harness, q: u32) {
     h.qw(q, Q_CONTROL, Q_CONTROL_ENABLE | Q_CONTROL_MAPPED);
     assert_eq!(h.qr(q, Q_CONTROL), Q_CONTROL_ENABLE | Q_CONTROL_MAPPED);
 }
 
 /// Enqueues `cmds` and submits them through the page; kicks when asked. Returns whether it
 /// kicked.
-fn submit_mapped(h: &mut Harness, page: &GuestPage, q: u32, cmds: &[Command]) -> bool {
+pub(super) fn submit_mapped(h: &mut Harness, page: &GuestPage, q: u32, cmds: &[Command]) -> bool {
     h.enqueue(q, cmds);
     let tail = h.tails[q as usize];
     let kick = page.publish(q, tail);

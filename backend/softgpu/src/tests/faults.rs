@@ -75,6 +75,24 @@ fn drop_bounded(h: Harness) {
     bounded("dropping the device", move || drop(h));
 }
 
+/// How soon a queue with work stops once its device is lost (the in-guest driver's timeout,
+/// which it must not need).
+const QUICKLY: Duration = Duration::from_secs(5);
+
+/// The IOVA of the ring slot of command `index` of queue `q`.
+fn slot_of(q: u32, index: u32) -> u64 {
+    Harness::ring(q) + u64::from(index % RING_ENTRIES) * COMMAND_SIZE as u64
+}
+
+/// Queue `q`'s error as a replacement process would find it in the black box: (code, index,
+/// the in-flight marker).
+fn mirrored_error(h: &Harness, q: usize) -> (u32, u32, Option<u32>) {
+    let bb = h.bb.as_ref().expect("a black box");
+    let (_, saved) = crate::mirror::Mirror::recover(bb, &h.config).expect("the black box");
+    let qs = saved.state.queues[q];
+    (qs.error_code, qs.error_index, saved.inflight[q])
+}
+
 fn fill(dst: Operand, len: u64, pattern: u32) -> Command {
     Command::fill(dst, len, pattern)
 }
@@ -332,13 +350,37 @@ fn a_vram_fault_is_reported_once_and_nothing_reaches_vram_any_more() {
     let eio = |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::Io(e)) if e.raw_os_error() == Some(libc::EIO));
     assert!(eio(h.gpu.region_read(BAR_VRAM, 0, &mut b)));
     assert!(eio(h.gpu.region_write(BAR_VRAM, 0, &[9; 4])));
-    // A FILL submitted now never completes, and writes nothing.
+    // A FILL submitted now on the idle queue stops it with ERR_DEVICE_LOST at once, and
+    // writes nothing.
+    h.drain_irqs();
+    let submitted = Instant::now();
     let first = h.submit(0, &[fill(V(0), 4096, 0x0202_0202)]);
-    h.wait_engine_saw(0, "the FILL", |s| s.enabled && s.bus_master);
+    assert_eq!(
+        h.wait_error(0),
+        (ERR_DEVICE_LOST, first, slot_of(0, first), 0)
+    );
+    assert!(
+        submitted.elapsed() < QUICKLY,
+        "the error took {:?}",
+        submitted.elapsed()
+    );
+    h.wait_irq(8);
     assert_eq!(h.qr(0, Q_HEAD), first);
     assert_eq!(h.rd64(queue_reg(0, Q_COMPLETED_LO)), 1);
-    assert_ne!(h.qr(0, Q_STATUS), Q_STATUS_IDLE);
     assert_eq!(h.vram_file_read(0, 4), [1, 1, 1, 1]);
+    // RECOVER | ENABLE skips it; the next command fails the same way, and nothing runs.
+    h.recover(0);
+    assert_eq!(h.qr(0, Q_STATUS), Q_STATUS_IDLE);
+    let next = h.submit(0, &[fill(V(0), 4096, 0x0303_0303), fill(G(DATA), 64, 3)]);
+    assert_eq!(
+        h.wait_error(0),
+        (ERR_DEVICE_LOST, next, slot_of(0, next), 0)
+    );
+    h.wait_irq(8);
+    assert_eq!(h.qr(0, Q_HEAD), next);
+    assert_eq!(h.rd64(queue_reg(0, Q_COMPLETED_LO)), 1);
+    assert_eq!(h.vram_file_read(0, 4), [1, 1, 1, 1]);
+    assert_eq!(h.guest_read(DATA, 4), [0; 4]);
     // No migration or relocation reads it either.
     let migration = h.gpu.migration().expect("migratable");
     migration
@@ -421,5 +463,148 @@ fn a_successor_on_failed_vram_reports_it_once_it_runs() {
     assert!(!reports.all()[1].state_intact);
     assert_eq!(take_eventfd(&err), None);
     bounded("dropping the retired device", move || drop(old));
+    drop_bounded(h);
+}
+
+#[test]
+fn a_vram_fault_stops_a_running_command_and_the_work_behind_it_with_device_lost() {
+    let mut h = Harness::with_config(SoftGpuConfig {
+        vram_size: 16 << 20,
+        queues: 2,
+        irq: IrqMode::Msix,
+        vram_mmap: true,
+        keep_vram_on_reset: false,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
+    });
+    h.init();
+    let err = wire_err(&h);
+    let reports = Arc::new(Reports::default());
+    h.gpu.set_failure_hook(Some(reports.hook(true)));
+    h.drain_irqs();
+    // Queue 1 runs a GEMM of the largest size (seconds of work), a FILL of guest memory
+    // waiting behind it.
+    let (m, n, k) = (1024, 1024, 1024);
+    let gemm = Command::gemm(m, n, k, V(0), V(4 << 20), V(8 << 20));
+    let first = h.submit(1, &[gemm, fill(G(DATA), 256, 0x0404_0404)]);
+    wait_until("queue 1 to run its command", || {
+        h.gpu.shared.lock().inflight.get(1).copied().flatten() == Some(first)
+    });
+
+    let failed = Instant::now();
+    h.gpu.inject_fault("vram").expect("inject");
+    let want = (
+        ERR_DEVICE_LOST,
+        first,
+        slot_of(1, first),
+        u32::from(crate::cmd::OP_GEMM),
+    );
+    assert_eq!(h.wait_error(1), want);
+    assert!(
+        failed.elapsed() < QUICKLY,
+        "the error took {:?}",
+        failed.elapsed()
+    );
+    assert_eq!(h.wait_irq(9), 1, "queue 1's error vector, once");
+    assert_ne!(h.rd32(INT_STATUS) & int_error(1), 0);
+    assert_ne!(h.rd32(DEV_STATUS) & DEV_STATUS_ERROR, 0);
+    assert_eq!(h.qr(1, Q_HEAD), first, "the GEMM did not complete");
+    assert_eq!(h.rd64(queue_reg(1, Q_COMPLETED_LO)), 0);
+    assert_eq!(
+        h.guest_read(DATA, 4),
+        [0; 4],
+        "the FILL behind it did not run"
+    );
+    assert_eq!(
+        h.gpu.shared.lock().inflight.get(1).copied().flatten(),
+        None,
+        "nothing is left to replay"
+    );
+    assert_eq!(mirrored_error(&h, 1), (ERR_DEVICE_LOST, first, None));
+    // The idle queue stays idle, and the pool took the failure: no ERR.
+    assert_eq!(h.qr(0, Q_STATUS), Q_STATUS_IDLE);
+    assert_eq!(h.rd32(INT_STATUS) & int_error(0), 0);
+    assert_eq!(reports.all().len(), 1);
+    assert_eq!(take_eventfd(&err), None);
+    drop_bounded(h);
+}
+
+#[test]
+fn queues_with_pending_work_stop_with_device_lost_once_the_host_lets_them_run() {
+    let mut h = Harness::new();
+    h.init();
+    let reports = Arc::new(Reports::default());
+    h.gpu.set_failure_hook(Some(reports.hook(true)));
+    h.drain_irqs();
+    // The host stops the engines (a migration STOP): the work waits, PAUSED.
+    h.gpu.set_running(false);
+    let first0 = h.submit(0, &[fill(G(DATA), 64, 1), fill(G(DATA + 64), 64, 2)]);
+    let first1 = h.submit(1, &[fill(G(DATA + 128), 64, 3)]);
+    for q in 0..2 {
+        h.wait_engine_saw(q, "the pending work", |s| s.stopped);
+        assert_eq!(h.qr(q, Q_STATUS), Q_STATUS_PAUSED);
+    }
+
+    h.gpu.inject_fault("vram").expect("inject");
+    assert!(!reports.first().state_intact);
+    // A stopped device changes nothing: the queues wait on.
+    for q in 0..2 {
+        assert_eq!(h.qr(q, Q_STATUS), Q_STATUS_PAUSED);
+    }
+    assert_eq!(h.irq_total(), 0);
+
+    h.gpu.set_running(true);
+    assert_eq!(
+        h.wait_error(0),
+        (ERR_DEVICE_LOST, first0, slot_of(0, first0), 0)
+    );
+    assert_eq!(
+        h.wait_error(1),
+        (ERR_DEVICE_LOST, first1, slot_of(1, first1), 0)
+    );
+    h.wait_irq(8);
+    h.wait_irq(9);
+    assert_eq!(
+        h.rd32(INT_STATUS) & (int_error(0) | int_error(1)),
+        int_error(0) | int_error(1)
+    );
+    for q in 0..2 {
+        assert_eq!(h.rd64(queue_reg(q, Q_COMPLETED_LO)), 0);
+    }
+    assert_eq!(h.guest_read(DATA, 192), [0; 192], "nothing ran");
+    assert_eq!(mirrored_error(&h, 0), (ERR_DEVICE_LOST, first0, None));
+    assert_eq!(reports.all().len(), 1);
+    drop_bounded(h);
+}
+
+#[test]
+fn a_mapped_queue_on_failed_vram_asks_for_kicks_and_its_work_stops_with_device_lost() {
+    use super::doorbells::{GuestPage, map_queue, submit_mapped};
+    // No polling: the engine sleeps at once, asking for a kick.
+    let mut h = Harness::with_config(SoftGpuConfig {
+        vram_size: 4 << 20,
+        queues: 2,
+        spin_us: 0,
+        ..SoftGpuConfig::default()
+    });
+    h.init();
+    let reports = Arc::new(Reports::default());
+    h.gpu.set_failure_hook(Some(reports.hook(true)));
+    let page = GuestPage::map(&h.gpu);
+    map_queue(&mut h, 0);
+    h.gpu.inject_fault("vram").expect("inject");
+    reports.first();
+    h.drain_irqs();
+    wait_until("the engine asks for a kick", || page.need_kick(0));
+    let first = h.tails[0];
+    assert!(
+        submit_mapped(&mut h, &page, 0, &[fill(G(DATA), 64, 5)]),
+        "kicked"
+    );
+    assert_eq!(
+        h.wait_error(0),
+        (ERR_DEVICE_LOST, first, slot_of(0, first), 0)
+    );
+    h.wait_irq(8);
+    assert_eq!(h.guest_read(DATA, 4), [0; 4]);
     drop_bounded(h);
 }
