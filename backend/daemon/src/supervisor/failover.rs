@@ -98,9 +98,3 @@ impl Supervisor {
         Ok(ready)
     }
 }
-
-/// A worker's answer to a fault injection ([`Note::FaultInjected`]).
-pub(super) fn fault_answered(ep: &super::Endpoint, error: Option<String>) {
-    *ep.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
-    ep.fault_answered.notify_all();
-}

@@ -234,7 +234,11 @@ pub(super) fn serve_notes(
                     state_intact,
                 });
             }
-            Ok((Note::FaultInjected { error }, _)) => super::failover::fault_answered(ep, error),
+            Ok((Note::FaultInjected { error }, _)) => {
+                // The answer to `Supervisor::inject_fault`.
+                *ep.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+                ep.fault_answered.notify_all();
+            }
             Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
             Err(custody::ChannelError::Closed) => break,
             Err(e) => {

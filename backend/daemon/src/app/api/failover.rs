@@ -34,6 +34,7 @@ use switchyard_pool::{BoardFailure, FailedLease, FailoverPolicy, MovePlan, PoolE
 use utoipa::ToSchema;
 
 use super::super::{Daemon, lock};
+use super::views::{FailoverView, LastFailover};
 use super::{READY_TIMEOUT, UNPLUG_TIMEOUT, pool_error, supervisor_error};
 use crate::custody::device_spec;
 use crate::error_chain::error_chain;
@@ -58,33 +59,6 @@ pub(crate) struct Failover {
     said: Mutex<BTreeMap<String, String>>,
     /// The last failover of each endpoint.
     last: Mutex<BTreeMap<String, LastFailover>>,
-}
-
-/// An endpoint's failover, as `GET /v1/endpoints/{id}` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct FailoverView {
-    /// Its device's board failed and it has not failed over yet: why (waiting for a free
-    /// device of its shape, or refused and why). Absent when its board is healthy.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pending: Option<String>,
-    /// Its last failover since the daemon started.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last: Option<LastFailover>,
-}
-
-/// A finished failover.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct LastFailover {
-    /// The device left (on the failed board).
-    pub from: String,
-    /// The device it runs on now.
-    pub to: String,
-    /// `transparent` or `guest-visible`.
-    pub mode: String,
-    /// From the failure's report to the device serving again, milliseconds.
-    pub stall_ms: f64,
-    /// When it finished, milliseconds since the Unix epoch.
-    pub at_unix_ms: u64,
 }
 
 /// The body of `POST /v1/boards/{id}/fault`.

@@ -58,10 +58,10 @@ use super::Daemon;
 use crate::supervisor::SupervisorError;
 
 pub use crate::error_chain::error_chain;
-pub use failover::{FailoverView, FaultInjected, FaultRequest, LastFailover};
+pub use failover::{FaultInjected, FaultRequest};
 pub use views::{
-    DrainResult, EndpointStatus, EventsQuery, FailedMove, MoveRequest, MoveResult, VmmLink,
-    WorkerReplaced, WorkerState, WorkerView,
+    DrainResult, EndpointStatus, EventsQuery, FailedMove, FailoverView, LastFailover, MoveRequest,
+    MoveResult, VmmLink, WorkerReplaced, WorkerState, WorkerView,
 };
 
 /// How long a new or replaced worker may take to serve.

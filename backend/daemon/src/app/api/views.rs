@@ -139,7 +139,7 @@ pub struct EndpointStatus {
     pub incoming_for: Option<String>,
     /// Its board failed: the failover pending, and the last one done.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub failover: Option<super::failover::FailoverView>,
+    pub failover: Option<FailoverView>,
 }
 
 /// The outcome of a restart or an upgrade.
@@ -224,4 +224,31 @@ pub struct EventsQuery {
     /// Keep the stream open for new events (default true); `false` ends it after the events
     /// already there.
     pub follow: Option<bool>,
+}
+
+/// An endpoint's failover, as `GET /v1/endpoints/{id}` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FailoverView {
+    /// Its device's board failed and it has not failed over yet: why (waiting for a free
+    /// device of its shape, or refused and why). Absent when its board is healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<String>,
+    /// Its last failover since the daemon started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last: Option<LastFailover>,
+}
+
+/// A finished failover.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LastFailover {
+    /// The device left (on the failed board).
+    pub from: String,
+    /// The device it runs on now.
+    pub to: String,
+    /// `transparent` or `guest-visible`.
+    pub mode: String,
+    /// From the failure's report to the device serving again, milliseconds.
+    pub stall_ms: f64,
+    /// When it finished, milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
 }
