@@ -337,7 +337,11 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                     e.endpoint.id.clone(),
                     dash(e.endpoint.device.as_deref()),
                     dash(e.lease.as_ref().map(|l| l.board.as_str())),
-                    state_name(&e.worker.state),
+                    match e.failover.as_ref().and_then(|f| f.pending.as_ref()) {
+                        // Its board failed and it has not failed over yet.
+                        Some(_) => format!("{} (degraded)", state_name(&e.worker.state)),
+                        None => state_name(&e.worker.state),
+                    },
                     dash(e.worker.pid.map(|p| p.to_string()).as_deref()),
                     e.worker.restarts.to_string(),
                     e.endpoint.socket.display().to_string(),
