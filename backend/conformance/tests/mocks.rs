@@ -673,6 +673,7 @@ impl Telemetry for Recording {
             commands,
             bytes: 0,
             errors: 0,
+            ..WorkCounters::default()
         }
     }
 }

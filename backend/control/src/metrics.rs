@@ -186,6 +186,8 @@ struct Families {
     errors: Family<BoardLabel, Counter>,
     moves: Family<BoardLabel, Counter>,
     downtime: Family<BoardLabel, F64Gauge>,
+    replayed: Family<BoardLabel, Counter>,
+    interrupted: Family<BoardLabel, Counter>,
     endpoint_restarts: Family<EndpointLabel, Counter>,
     last_restart: Family<EndpointLabel, F64Gauge>,
     state_lost: Family<EndpointLabel, Counter>,
@@ -249,6 +251,8 @@ impl Metrics {
             errors: Family::default(),
             moves: Family::default(),
             downtime: Family::default(),
+            replayed: Family::default(),
+            interrupted: Family::default(),
             endpoint_restarts: Family::default(),
             last_restart: Family::default(),
             state_lost: Family::default(),
@@ -293,6 +297,16 @@ impl Metrics {
             "board_last_move_downtime_seconds",
             "Downtime of the last move off a board",
             f.downtime.clone(),
+        );
+        registry.register(
+            "board_jobs_replayed",
+            "Jobs in flight when a board's device process died, run again by its replacement (a restart, a failover)",
+            f.replayed.clone(),
+        );
+        registry.register(
+            "board_jobs_interrupted",
+            "Jobs in flight when a board's device process died that could not run again (not idempotent): their queues stopped with an interrupted error",
+            f.interrupted.clone(),
         );
         registry.register(
             "endpoint_restarts",
@@ -394,6 +408,8 @@ impl Metrics {
                 errors: f.errors.get_or_create_owned(&label),
                 moves: f.moves.get_or_create_owned(&label),
                 downtime: f.downtime.get_or_create_owned(&label),
+                replayed: f.replayed.get_or_create_owned(&label),
+                interrupted: f.interrupted.get_or_create_owned(&label),
             }),
         })
     }
@@ -439,6 +455,8 @@ impl Metrics {
         f.errors.remove(&label);
         f.moves.remove(&label);
         f.downtime.remove(&label);
+        f.replayed.remove(&label);
+        f.interrupted.remove(&label);
         true
     }
 
@@ -604,6 +622,8 @@ struct BoardInner {
     errors: Counter,
     moves: Counter,
     downtime: F64Gauge,
+    replayed: Counter,
+    interrupted: Counter,
 }
 
 /// Recording handle of one board's metrics (see [`Metrics::board`]). Cheap to clone.
@@ -634,6 +654,12 @@ impl BoardMetrics {
     /// Counts `n` failed jobs.
     pub fn add_errors(&self, n: u64) {
         self.inner.errors.inc_by(n);
+    }
+
+    /// Counts jobs a replacement ran again (`replayed`) or stopped as interrupted.
+    pub fn add_recovered(&self, replayed: u64, interrupted: u64) {
+        self.inner.replayed.inc_by(replayed);
+        self.inner.interrupted.inc_by(interrupted);
     }
 
     /// Records a finished move off this board and its downtime (the guest-visible stop).

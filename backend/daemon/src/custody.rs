@@ -134,12 +134,24 @@ pub struct WorkerStats {
     pub bytes: u64,
     /// Commands that failed (stopped their queue).
     pub errors: u64,
+    /// Commands the device ran again after a restart or failover (idempotent ones in flight
+    /// when its last process died); absent from workers of earlier releases.
+    #[serde(default)]
+    pub replayed: u64,
+    /// Commands in flight when its last process died that could not run again (their queues
+    /// stopped with an "interrupted" error); absent from workers of earlier releases.
+    #[serde(default)]
+    pub interrupted: u64,
 }
 
 impl WorkerStats {
     /// Whether nothing happened.
     pub fn is_empty(&self) -> bool {
-        self.messages.is_empty() && self.jobs == 0 && self.errors == 0
+        self.messages.is_empty()
+            && self.jobs == 0
+            && self.errors == 0
+            && self.replayed == 0
+            && self.interrupted == 0
     }
 }
 

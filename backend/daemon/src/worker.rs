@@ -434,12 +434,23 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
         slot.with(|d| d.telemetry().map(|t| t.work()))
             .unwrap_or_default()
     };
-    let mut last_work = work();
+    // What the device's recovery did (replays, interruptions) happened before this worker
+    // served: counted from zero, so that the first report carries it.
+    let mut last_work = switchyard_device::WorkCounters {
+        replayed: 0,
+        interrupted: 0,
+        ..work()
+    };
     std::thread::Builder::new()
         .name("sy-worker-stats".into())
         .spawn(move || {
+            // The first report goes at once (what the recovery did: a worker killed again
+            // within a period would take it along), then every period.
+            let mut first = true;
             loop {
-                std::thread::sleep(STATS_PERIOD);
+                if !std::mem::take(&mut first) {
+                    std::thread::sleep(STATS_PERIOD);
+                }
                 let now = requests.snapshot();
                 let work = work();
                 let d = now.since(&last);
@@ -454,6 +465,8 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
                     jobs: work.commands.saturating_sub(last_work.commands),
                     bytes: work.bytes.saturating_sub(last_work.bytes),
                     errors: work.errors.saturating_sub(last_work.errors),
+                    replayed: work.replayed.saturating_sub(last_work.replayed),
+                    interrupted: work.interrupted.saturating_sub(last_work.interrupted),
                 };
                 (last, last_work) = (now, work);
                 if !stats.is_empty() {

@@ -312,6 +312,12 @@ pub struct WorkCounters {
     pub bytes: u64,
     /// Commands that failed.
     pub errors: u64,
+    /// Commands in flight when the device's last process died, run again by its
+    /// replacement (a restart, a failover): idempotent ones.
+    pub replayed: u64,
+    /// Of those, the ones that could not run again (not idempotent): their queues stopped
+    /// with an "interrupted" error for the driver to resubmit.
+    pub interrupted: u64,
 }
 
 /// A device that counts its work.

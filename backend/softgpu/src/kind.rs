@@ -201,6 +201,8 @@ impl Telemetry for SoftGpu {
             commands: w.commands,
             bytes: w.bytes,
             errors: w.errors,
+            replayed: w.replayed,
+            interrupted: w.interrupted,
         }
     }
 }

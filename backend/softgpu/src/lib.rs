@@ -399,6 +399,11 @@ pub struct WorkStats {
     pub bytes: u64,
     /// Commands that stopped their queue with an error.
     pub errors: u64,
+    /// Commands in flight when the last process died, run again by this one (recovery).
+    pub replayed: u64,
+    /// Commands in flight when the last process died that could not run again: their
+    /// queues stopped with `ERR_INTERRUPTED` (recovery).
+    pub interrupted: u64,
 }
 
 /// A migration stream in progress.

@@ -184,10 +184,15 @@ impl SoftGpu {
             g.st = st;
             g.owe_raw(saved.owed);
             for (q, plan) in plans.into_iter().enumerate() {
-                if let QueueRecovery::Interrupted { opcode, .. } = plan {
-                    let slot = mirror::slot_iova(&g.st.queues[q], g.st.queues[q].head);
-                    let opcode = opcode.map_or(0, u32::from);
-                    g.set_error(q, regs::ERR_INTERRUPTED, slot, opcode);
+                match plan {
+                    QueueRecovery::Interrupted { opcode, .. } => {
+                        let slot = mirror::slot_iova(&g.st.queues[q], g.st.queues[q].head);
+                        let opcode = opcode.map_or(0, u32::from);
+                        g.set_error(q, regs::ERR_INTERRUPTED, slot, opcode);
+                        g.work.interrupted += 1;
+                    }
+                    QueueRecovery::Replayed { .. } => g.work.replayed += 1,
+                    QueueRecovery::Idle => {}
                 }
                 queues.push(plan);
             }

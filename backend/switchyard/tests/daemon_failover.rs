@@ -369,3 +369,93 @@ fn a_board_failure_recorded_by_one_daemon_is_failed_over_by_the_next() {
     let e = d.endpoint("vm1");
     assert_eq!(e["worker"]["state"], "running", "{e}");
 }
+
+/// In-place SAXPY counters (y += x, x all ones) across failovers: each command runs exactly
+/// once, or its queue reports ERR_INTERRUPTED (a command cut by the failure is never run
+/// twice), and the daemon counts what the replacements replayed and interrupted.
+#[test]
+fn an_in_place_command_cut_by_a_failover_runs_once_or_reports_interrupted() {
+    const N: usize = 1 << 18;
+    const X: u64 = 0x80_0000;
+    const Y: u64 = 0xc0_0000;
+    let mut d = daemon(3, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
+        .flatten()
+        .collect();
+    guest.mem.write(X, &ones);
+    guest.mem.write(Y, &vec![0u8; N * 4]);
+    let saxpy = switchyard_softgpu::cmd::Command::saxpy(
+        N as u64,
+        1.0,
+        common::driver::guest(X),
+        common::driver::guest(Y),
+    );
+    let (mut submitted, mut interrupted) = (0u32, 0u32);
+    let mut in_repair: Option<String> = None;
+    for round in 0..4 {
+        let board = board_of(&mut d, "vm1");
+        guest.submit(0, &[saxpy; 8]);
+        submitted += 8;
+        // The engine dies while it runs one of them (the fault picks a busy engine).
+        fault(&d, &board, "engine");
+        wait("failed over", || board_of(&mut d, "vm1") != board);
+        if let Some(repaired) = in_repair.replace(board) {
+            d.ctl_ok(&["unquarantine", &repaired]);
+        }
+        loop {
+            if guest.wait_queue(0) != Q_STATUS_ERROR {
+                break;
+            }
+            let head = guest.r32(queue_reg(0, Q_HEAD));
+            assert_eq!(
+                guest.r32(queue_reg(0, Q_ERROR_CODE)),
+                ERR_INTERRUPTED,
+                "round {round}"
+            );
+            // The interrupted command's output is undefined: y is put back to what the
+            // commands before it made it, and the command is skipped.
+            let done = (head - interrupted) as f32;
+            let y: Vec<u8> = std::iter::repeat_n(done.to_le_bytes(), N)
+                .flatten()
+                .collect();
+            guest.mem.write(Y, &y);
+            interrupted += 1;
+            guest.w32(
+                queue_reg(0, Q_CONTROL),
+                Q_CONTROL_RECOVER | Q_CONTROL_ENABLE,
+            );
+        }
+    }
+    assert_eq!(guest.r32(queue_reg(0, Q_HEAD)), submitted);
+    let y = guest.read_f32s(Y, N);
+    let want = (submitted - interrupted) as f32;
+    assert!(
+        y.iter().all(|v| *v == want),
+        "every element counts each completed command once ({submitted} submitted, {interrupted} interrupted; y[0] = {})",
+        y[0]
+    );
+    // The workers report every second: the counts reach the metrics.
+    let counted = |name: &str| -> u64 {
+        let text = d.client().get_text("/metrics").expect("metrics");
+        text.lines()
+            .filter(|l| l.starts_with(&format!("switchyard_board_jobs_{name}_total{{")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while counted("interrupted") != u64::from(interrupted) {
+        assert!(
+            Instant::now() < deadline,
+            "{interrupted} interruptions seen, metrics:\n{}",
+            d.client().get_text("/metrics").expect("metrics")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "{submitted} SAXPYs over 4 failovers: {interrupted} interrupted, {} replayed",
+        counted("replayed")
+    );
+}

@@ -646,6 +646,7 @@ fn record_stats(
         b.add_jobs(stats.jobs);
         b.add_bytes(stats.bytes);
         b.add_errors(stats.errors);
+        b.add_recovered(stats.replayed, stats.interrupted);
     }
 }
 
