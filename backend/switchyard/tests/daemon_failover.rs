@@ -382,61 +382,21 @@ fn an_in_place_command_cut_by_a_failover_runs_once_or_reports_interrupted() {
     d.ctl_ok(&["create", "vm1", "--pool", "p"]);
     let mut guest = connect(&socket_of(&d.endpoint("vm1")));
     guest.setup_queue(0);
-    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
-        .flatten()
-        .collect();
-    guest.mem.write(X, &ones);
-    guest.mem.write(Y, &vec![0u8; N * 4]);
-    let saxpy = switchyard_softgpu::cmd::Command::saxpy(
-        N as u64,
-        1.0,
-        common::driver::guest(X),
-        common::driver::guest(Y),
-    );
-    let (mut submitted, mut interrupted) = (0u32, 0u32);
+    let mut counters = common::workload::SaxpyCounters::new(&mut guest, N, X, Y);
     let mut in_repair: Option<String> = None;
     for round in 0..4 {
         let board = board_of(&mut d, "vm1");
-        guest.submit(0, &[saxpy; 8]);
-        submitted += 8;
+        counters.submit(&mut guest, 8);
         // The engine dies while it runs one of them (the fault picks a busy engine).
         fault(&d, &board, "engine");
         wait("failed over", || board_of(&mut d, "vm1") != board);
         if let Some(repaired) = in_repair.replace(board) {
             d.ctl_ok(&["unquarantine", &repaired]);
         }
-        loop {
-            if guest.wait_queue(0) != Q_STATUS_ERROR {
-                break;
-            }
-            let head = guest.r32(queue_reg(0, Q_HEAD));
-            assert_eq!(
-                guest.r32(queue_reg(0, Q_ERROR_CODE)),
-                ERR_INTERRUPTED,
-                "round {round}"
-            );
-            // The interrupted command's output is undefined: y is put back to what the
-            // commands before it made it, and the command is skipped.
-            let done = (head - interrupted) as f32;
-            let y: Vec<u8> = std::iter::repeat_n(done.to_le_bytes(), N)
-                .flatten()
-                .collect();
-            guest.mem.write(Y, &y);
-            interrupted += 1;
-            guest.w32(
-                queue_reg(0, Q_CONTROL),
-                Q_CONTROL_RECOVER | Q_CONTROL_ENABLE,
-            );
-        }
+        counters.settle(&mut guest, &format!("round {round}"));
     }
-    assert_eq!(guest.r32(queue_reg(0, Q_HEAD)), submitted);
-    let y = guest.read_f32s(Y, N);
-    let want = (submitted - interrupted) as f32;
-    assert!(
-        y.iter().all(|v| *v == want),
-        "every element counts each completed command once ({submitted} submitted, {interrupted} interrupted; y[0] = {})",
-        y[0]
-    );
+    counters.check(&mut guest);
+    let (submitted, interrupted) = (counters.submitted, counters.interrupted);
     // The workers report every second: the counts reach the metrics.
     let counted = |name: &str| -> u64 {
         let text = d.client().get_text("/metrics").expect("metrics");

@@ -106,18 +106,10 @@ fn an_in_place_command_cut_by_a_kill_runs_once_or_reports_interrupted() {
     let socket = endpoint(&sup, dir.path(), "ep", true);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.setup_queue(0);
-    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), N)
-        .flatten()
-        .collect();
-    d.mem.write(X, &ones);
-    d.mem.write(Y, &vec![0u8; N * 4]);
-    let saxpy = Command::saxpy(N as u64, 1.0, guest(X), guest(Y));
-    let mut submitted = 0u32;
-    let mut interrupted = 0u32;
+    let mut counters = common::workload::SaxpyCounters::new(&mut d, N, X, Y);
     for round in 0..6u64 {
         let before = sup.status("ep").expect("status").restarts;
-        d.submit(0, &[saxpy; 4]);
-        submitted += 4;
+        counters.submit(&mut d, 4);
         // Kill while the batch runs (or not: then nothing is interrupted).
         thread::sleep(Duration::from_millis(1 + round * 2));
         sup.kill_worker("ep").expect("kill");
@@ -125,36 +117,10 @@ fn an_in_place_command_cut_by_a_kill_runs_once_or_reports_interrupted() {
             .wait_ready("ep", before + 2, Duration::from_secs(20))
             .expect("status");
         assert_eq!(st.ready, before + 2, "a replacement serves: {st:?}");
-        loop {
-            if d.wait_queue(0) != Q_STATUS_ERROR {
-                break;
-            }
-            let head = d.r32(queue_reg(0, Q_HEAD));
-            assert_eq!(d.r32(queue_reg(0, Q_ERROR_CODE)), ERR_INTERRUPTED);
-            assert_eq!(d.r32(queue_reg(0, Q_ERROR_INDEX)), head);
-            // The interrupted command's output is undefined: the driver puts y back to what
-            // the commands before it made it, then skips it.
-            let done = (head - interrupted) as f32;
-            let y: Vec<u8> = std::iter::repeat_n(done.to_le_bytes(), N)
-                .flatten()
-                .collect();
-            d.mem.write(Y, &y);
-            interrupted += 1;
-            d.w32(
-                queue_reg(0, Q_CONTROL),
-                Q_CONTROL_RECOVER | Q_CONTROL_ENABLE,
-            );
-        }
+        counters.settle(&mut d, &format!("round {round}"));
     }
-    assert_eq!(d.r32(queue_reg(0, Q_HEAD)), submitted);
-    let y = d.read_f32s(Y, N);
-    let want = (submitted - interrupted) as f32;
-    let wrong = y.iter().filter(|v| **v != want).count();
-    assert_eq!(
-        wrong, 0,
-        "every element counts each completed command once ({submitted} submitted, {interrupted} interrupted; y[0] = {})",
-        y[0]
-    );
+    counters.check(&mut d);
+    let (submitted, interrupted) = (counters.submitted, counters.interrupted);
     eprintln!("{submitted} SAXPYs, {interrupted} interrupted by kills");
 }
 

@@ -105,14 +105,7 @@ impl Inventory {
             .ok_or_else(|| PoolError::NoCompatibleDevice {
                 device: from.id.into(),
             })?;
-        let plan = MovePlan {
-            endpoint: endpoint.into(),
-            from: from.id.into(),
-            from_board: from.board.def.id.clone(),
-            to: target.id.into(),
-            to_board: target.board.def.id.clone(),
-            shape: from.shape.clone(),
-        };
+        let plan = super::move_plan(endpoint, from, target);
         let event = self.start_move(&plan);
         Ok((plan, vec![event]))
     }

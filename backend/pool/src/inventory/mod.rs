@@ -21,6 +21,18 @@ mod failover;
 pub use failover::FailedLease;
 mod restore;
 
+/// The plan of moving `endpoint`'s lease from `from` to `to`.
+fn move_plan(endpoint: &str, from: Dev<'_>, to: Dev<'_>) -> MovePlan {
+    MovePlan {
+        endpoint: endpoint.into(),
+        from: from.id.into(),
+        from_board: from.board.def.id.clone(),
+        to: to.id.into(),
+        to_board: to.board.def.id.clone(),
+        shape: from.shape.clone(),
+    }
+}
+
 /// A device found by id.
 #[derive(Debug, Clone, Copy)]
 struct Dev<'a> {
@@ -268,14 +280,7 @@ impl Inventory {
             });
         }
         let target = self.check_leasable(to, &Requirements::default())?;
-        Ok(MovePlan {
-            endpoint: endpoint.into(),
-            from: from.id.into(),
-            from_board: from.board.def.id.clone(),
-            to: target.id.into(),
-            to_board: target.board.def.id.clone(),
-            shape: from.shape.clone(),
-        })
+        Ok(move_plan(endpoint, from, target))
     }
 
     /// Checks a move (as [`Inventory::check_move`]) and reserves the target for it: no other

@@ -163,14 +163,7 @@ fn an_engine_fault_on_an_idle_device_is_failed_over_without_err() {
 
 #[test]
 fn an_engine_fault_during_a_long_command_signals_err_when_the_hook_declines() {
-    let mut h = Harness::with_config(SoftGpuConfig {
-        vram_size: 16 << 20,
-        queues: 2,
-        irq: IrqMode::Msix,
-        vram_mmap: true,
-        keep_vram_on_reset: false,
-        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
-    });
+    let mut h = Harness::with_config(gemm_room());
     h.init();
     let err = wire_err(&h);
     let reports = Arc::new(Reports::default());
@@ -468,14 +461,7 @@ fn a_successor_on_failed_vram_reports_it_once_it_runs() {
 
 #[test]
 fn a_vram_fault_stops_a_running_command_and_the_work_behind_it_with_device_lost() {
-    let mut h = Harness::with_config(SoftGpuConfig {
-        vram_size: 16 << 20,
-        queues: 2,
-        irq: IrqMode::Msix,
-        vram_mmap: true,
-        keep_vram_on_reset: false,
-        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
-    });
+    let mut h = Harness::with_config(gemm_room());
     h.init();
     let err = wire_err(&h);
     let reports = Arc::new(Reports::default());
@@ -607,4 +593,16 @@ fn a_mapped_queue_on_failed_vram_asks_for_kicks_and_its_work_stops_with_device_l
     h.wait_irq(8);
     assert_eq!(h.guest_read(DATA, 4), [0; 4]);
     drop_bounded(h);
+}
+
+/// Two queues and VRAM for a GEMM of the largest size (seconds of work).
+fn gemm_room() -> SoftGpuConfig {
+    SoftGpuConfig {
+        vram_size: 16 << 20,
+        queues: 2,
+        irq: IrqMode::Msix,
+        vram_mmap: true,
+        keep_vram_on_reset: false,
+        spin_us: SoftGpuConfig::DEFAULT_SPIN_US,
+    }
 }

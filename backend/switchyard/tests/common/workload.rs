@@ -298,3 +298,78 @@ pub fn mapped_fill_copy_round<T: Transport>(
     );
     kicked
 }
+
+/// In-place SAXPY counters on queue 0: y += x over `n` floats, x all ones, so every element
+/// of y counts the commands that completed. A command cut by a restart or a failover must run
+/// exactly once or stop its queue with ERR_INTERRUPTED, never run twice silently.
+pub struct SaxpyCounters {
+    n: usize,
+    x: u64,
+    y: u64,
+    /// Commands submitted.
+    pub submitted: u32,
+    /// Of those, the ones that stopped the queue with ERR_INTERRUPTED.
+    pub interrupted: u32,
+}
+
+impl SaxpyCounters {
+    /// x (all ones) at guest offset `x`, y (zeros) at `y`; queue 0 must be set up.
+    pub fn new<T: Transport>(d: &mut Driver<T>, n: usize, x: u64, y: u64) -> Self {
+        let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), n)
+            .flatten()
+            .collect();
+        d.mem.write(x, &ones);
+        d.mem.write(y, &vec![0u8; n * 4]);
+        Self {
+            n,
+            x,
+            y,
+            submitted: 0,
+            interrupted: 0,
+        }
+    }
+
+    /// Submits `count` SAXPYs.
+    pub fn submit<T: Transport>(&mut self, d: &mut Driver<T>, count: usize) {
+        let saxpy = Command::saxpy(self.n as u64, 1.0, guest(self.x), guest(self.y));
+        d.submit(0, &vec![saxpy; count]);
+        self.submitted += count as u32;
+    }
+
+    /// Waits for queue 0; each ERR_INTERRUPTED is handled as a driver would: the
+    /// interrupted command's output is undefined, so y is put back to what the commands
+    /// before it made it, and the queue skips it (RECOVER | ENABLE).
+    pub fn settle<T: Transport>(&mut self, d: &mut Driver<T>, what: &str) {
+        loop {
+            if d.wait_queue(0) != Q_STATUS_ERROR {
+                return;
+            }
+            let head = d.r32(queue_reg(0, Q_HEAD));
+            assert_eq!(d.r32(queue_reg(0, Q_ERROR_CODE)), ERR_INTERRUPTED, "{what}");
+            assert_eq!(d.r32(queue_reg(0, Q_ERROR_INDEX)), head, "{what}");
+            let done = (head - self.interrupted) as f32;
+            let y: Vec<u8> = std::iter::repeat_n(done.to_le_bytes(), self.n)
+                .flatten()
+                .collect();
+            d.mem.write(self.y, &y);
+            self.interrupted += 1;
+            d.w32(
+                queue_reg(0, Q_CONTROL),
+                Q_CONTROL_RECOVER | Q_CONTROL_ENABLE,
+            );
+        }
+    }
+
+    /// Every command ran, and each element of y counts the completed ones exactly once.
+    pub fn check<T: Transport>(&self, d: &mut Driver<T>) {
+        assert_eq!(d.r32(queue_reg(0, Q_HEAD)), self.submitted);
+        let y = d.read_f32s(self.y, self.n);
+        let want = (self.submitted - self.interrupted) as f32;
+        let wrong = y.iter().filter(|v| **v != want).count();
+        assert_eq!(
+            wrong, 0,
+            "every element counts each completed command once ({} submitted, {} interrupted; y[0] = {})",
+            self.submitted, self.interrupted, y[0]
+        );
+    }
+}
