@@ -419,3 +419,79 @@ fn an_in_place_command_cut_by_a_failover_runs_once_or_reports_interrupted() {
         counted("replayed")
     );
 }
+
+/// A board failing around a move of its endpoint. A fault is refused while the move runs (it
+/// could land on either board); a failure just before a move: the move and the failover
+/// race for the endpoint, one of them is refused. Either way the endpoint ends on a healthy
+/// board, its VRAM intact and every job checked.
+#[test]
+fn a_failure_around_a_move_ends_on_a_healthy_board() {
+    let mut d = daemon(3, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    // VRAM worth copying, so that a move takes a while.
+    let data: Vec<u8> = (0..(8u32 << 20)).map(|i| (i * 31 + 7) as u8).collect();
+    guest.vram_write(0x100_0000, &data);
+    common::workload::fill_copy_round(&mut guest, 0, 0);
+    // A fault while a move runs: refused, or in before or after it.
+    let mut refused = 0;
+    let mover = {
+        let client = d.client();
+        std::thread::spawn(move || client.post("/v1/endpoints/vm1/move", &json!({ "to": "g1" })))
+    };
+    loop {
+        let r = d
+            .client()
+            .post("/v1/boards/g0/fault", &json!({ "kind": "engine" }));
+        match r {
+            Ok(_) => break,
+            Err(e) => {
+                assert_eq!(api_status(Err(e)), (409, "moving".into()));
+                refused += 1;
+            }
+        }
+        if board_of(&mut d, "vm1") == "g1" {
+            break; // moved before any fault got in
+        }
+    }
+    let moved = mover.join().expect("mover");
+    // A failure, then a move at once.
+    let board = board_of(&mut d, "vm1");
+    let _ = d.client().post(
+        &format!("/v1/boards/{board}/fault"),
+        &json!({ "kind": "engine" }),
+    );
+    let to = if board == "g2" { "g0" } else { "g2" };
+    let second = d
+        .client()
+        .post("/v1/endpoints/vm1/move", &json!({ "to": to }));
+    wait("no failover pending, on a healthy board", || {
+        let e = d.endpoint("vm1");
+        let board = e["lease"]["board"].as_str().unwrap_or_default().to_owned();
+        let healthy = d
+            .client()
+            .get(&format!("/v1/boards/{board}"))
+            .is_ok_and(|b| b.body.get("failed").is_none());
+        healthy && e.get("failover").is_none_or(|f| f.get("pending").is_none())
+    });
+    for round in 1..6 {
+        common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
+    }
+    let mut back = vec![0u8; data.len()];
+    guest.vram_read(0x100_0000, &mut back);
+    assert!(back == data, "VRAM intact after the moves and the failures");
+    eprintln!(
+        "first move: {} ({refused} faults refused meanwhile); second move: {}; failovers: {}",
+        moved.map_or_else(
+            |e| e.to_string(),
+            |r| r.body["plan"]["to_board"].to_string()
+        ),
+        second.map_or_else(
+            |e| e.to_string(),
+            |r| r.body["plan"]["to_board"].to_string()
+        ),
+        pool_events(&d, "failed_over").len()
+    );
+}

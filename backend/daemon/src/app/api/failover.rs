@@ -433,6 +433,19 @@ impl Daemon {
                 ),
             ));
         }
+        // A move switches the device to another board's memory at a moment the daemon learns
+        // only afterwards: a fault now could land on either board.
+        if let Some(id) = endpoints
+            .iter()
+            .find(|id| self.supervisor.is_moving(id).unwrap_or(false))
+        {
+            return Err(ApiError::conflict(
+                "moving",
+                format!(
+                    "Endpoint \"{id}\" on board \"{board}\" is moving; inject the fault when the move is over"
+                ),
+            ));
+        }
         for id in &endpoints {
             self.supervisor
                 .inject_fault(id, kind, FAULT_TIMEOUT)

@@ -402,7 +402,7 @@ async fn drain_board(
         (status = 200, description = "Injected; detection and failover follow", body = FaultInjected),
         (status = 403, description = "The daemon was not started with --faults", body = ErrorBody),
         (status = 404, description = "No such board", body = ErrorBody),
-        (status = 409, description = "No device of the board is leased, or a device refused the fault (a kind it does not simulate)", body = ErrorBody)))]
+        (status = 409, description = "No device of the board is leased, one of its endpoints is moving, or a device refused the fault (a kind it does not simulate)", body = ErrorBody)))]
 async fn inject_fault(
     State(s): State<AppState>,
     Path(id): Path<String>,
