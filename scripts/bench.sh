@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds and runs the benchmarks (backend/bench, docs/performance.md): vfio-user round trips,
 # posted and multi writes, softgpu COPY and interrupt delivery, swap and migration downtime,
-# the crash-continuity journal's cost and the restart stall of a pool worker, each against its
-# floor (and the vfio_user crate's server where it has an equivalent) measured in the same run.
-# The restart case runs `switchyard worker` processes of the release `switchyard` binary built
-# here (--switchyard-bin PATH to use another).
+# the crash-continuity journal's cost, the restart stall of a pool worker and the failover stall
+# of a pool endpoint, each against its floor (and the vfio_user crate's server where it has an
+# equivalent) measured in the same run. The restart case runs `switchyard worker` processes of
+# the release `switchyard` binary built here (--switchyard-bin PATH to use another); the
+# failover and api cases run its `switchyard daemon` and kill it and its workers when done (the
+# failover case's daemon logs to a file in the run's temporary directory; a failure shows its
+# tail).
 #
 #   scripts/bench.sh            # full run (a few minutes): table + target/bench/results.json
 #   scripts/bench.sh --quick    # CI: seconds, every case exercised, timings never asserted;

@@ -5,9 +5,9 @@
 //! temporary directory, and is driven by our `switchyard-client` — the same code the
 //! `switchyard serve` binary runs (`Server::run`) — except in the restart case, which runs a
 //! pool supervisor whose workers are `switchyard worker` processes of the release binary
-//! (`--switchyard-bin`). See docs/performance.md for what each row
-//! measures and what limits it. Timings are reported, never asserted: the exit status only
-//! reflects whether every case could run.
+//! (`--switchyard-bin`), and the failover and api cases, which run its `switchyard daemon`.
+//! See docs/performance.md for what each row measures and what limits it. Timings are
+//! reported, never asserted: the exit status only reflects whether every case could run.
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +19,7 @@ mod decompose;
 mod dirty_report;
 mod doorbell;
 mod downtime;
+mod failover;
 mod floors;
 mod gpu;
 mod interrupt;
@@ -69,12 +70,12 @@ struct Cli {
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
     /// write-multi, copy, interrupt, doorbell, dirty-report, swap, migration, journal, custody,
-    /// restart, move, api.
+    /// restart, failover, move, api.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// The `switchyard` binary whose `switchyard worker` processes the restart case kills
-    /// (default: the `switchyard` next to this binary, i.e. target/release/switchyard, which
-    /// scripts/bench.sh builds).
+    /// The `switchyard` binary whose `switchyard worker` processes the restart case kills, and
+    /// whose `switchyard daemon` the failover and api cases run (default: the `switchyard`
+    /// next to this binary, i.e. target/release/switchyard, which scripts/bench.sh builds).
     #[arg(long, value_name = "PATH")]
     switchyard_bin: Option<PathBuf>,
     /// Diagnosis only: pin the client (main) thread to this CPU (device threads inherit it).
@@ -164,7 +165,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 16] = [
+    let all: [(&str, Case); 17] = [
         ("round-trip", round_trip::round_trip),
         ("decompose", decompose::decompose),
         ("size-sweep", size_sweep::size_sweep),
@@ -179,6 +180,7 @@ fn main() -> Result<()> {
         ("journal", journal::journal),
         ("custody", custody::custody),
         ("restart", restart::restart),
+        ("failover", failover::failover),
         ("move", moves::moves),
         ("api", api::api),
     ];

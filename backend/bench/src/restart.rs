@@ -191,7 +191,7 @@ impl Drop for Rig {
 }
 
 /// Spawn to exit of `bin --version`: the cost of starting a process of the worker's binary.
-fn process_start(bin: &Path) -> Result<Duration> {
+pub(crate) fn process_start(bin: &Path) -> Result<Duration> {
     let t0 = Instant::now();
     let status = Command::new(bin)
         .arg("--version")
@@ -224,7 +224,7 @@ fn alive_switchyard(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "switchyard")
 }
 
-fn xorshift(x: &mut u64) -> u64 {
+pub(crate) fn xorshift(x: &mut u64) -> u64 {
     *x ^= *x << 13;
     *x ^= *x >> 7;
     *x ^= *x << 17;
