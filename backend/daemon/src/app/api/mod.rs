@@ -16,7 +16,7 @@
 //! | `POST /v1/endpoints/{id}/detach` | take the endpoint's device away (unplugged through its VMM if a guest uses it); the board is free |
 //! | `POST /v1/endpoints/{id}/attach` | lease a device to a detached endpoint, start its worker (fresh VRAM), plug it into its VMM |
 //! | `POST /v1/boards/{id}/drain` | quarantine the board and move every endpoint off it |
-//! | `POST /v1/boards/{id}/fault` | simulate a failure of the board (`--faults` only): its endpoints fail over ([`failover`]) |
+//! | `POST /v1/boards/{id}/fault` | simulate a failure of the board (`--faults` only): its endpoints fail over (`failover.rs`) |
 //! | `GET /events` | pool and worker events, NDJSON ([`super::events`]) |
 //! | `GET /metrics`, `GET /health`, `GET /openapi.json` | |
 //!
