@@ -138,7 +138,9 @@ impl DeviceKind for VfioKind {
             queues: 0,
             partitionable: false,
             movable: false,
-            msix: true,
+            // What the hardware has, when its config space can be read (as root); else
+            // assumed, which only refuses guest-visible unplugs it might not need to.
+            msix: sysfs::has_msix(&Host::default().sysfs, &c.host).unwrap_or(true),
             dirty_log: DirtyLog::AllMapped,
             exclusive: Some(c.host.clone()),
             host_settings: vec!["irq".into()],

@@ -114,6 +114,35 @@ pub fn iommu_group(root: &Path, bdf: &str) -> Option<u32> {
         .ok()
 }
 
+/// Whether `bdf` has an MSI-X capability, from its config space in sysfs (`None` when that
+/// cannot be read whole: the device is absent, or only its first 64 bytes are readable, as
+/// for users other than root).
+pub fn has_msix(root: &Path, bdf: &str) -> Option<bool> {
+    const STATUS: usize = 0x06;
+    const CAP_LIST: u8 = 1 << 4;
+    const CAP_PTR: usize = 0x34;
+    const MSIX: u8 = 0x11;
+    let config = fs::read(device_dir(root, bdf).join("config")).ok()?;
+    if config.len() < 256 {
+        return None;
+    }
+    if config[STATUS] & CAP_LIST == 0 {
+        return Some(false);
+    }
+    let mut at = usize::from(config[CAP_PTR] & 0xfc);
+    // A list that loops is cut after as many capabilities as fit.
+    for _ in 0..48 {
+        if at < 0x40 || at + 1 >= 256 {
+            break;
+        }
+        if config[at] == MSIX {
+            return Some(true);
+        }
+        at = usize::from(config[at + 1] & 0xfc);
+    }
+    Some(false)
+}
+
 /// What sysfs says about `bdf`.
 pub fn function(root: &Path, bdf: &str) -> Result<PciFunction, Error> {
     let dir = device_dir(root, bdf);

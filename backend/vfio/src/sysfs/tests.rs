@@ -239,3 +239,40 @@ fn create_vfs_turns_autoprobe_off_and_sets_the_count() {
         Err(Error::NoSriov(_))
     ));
 }
+
+#[test]
+fn msix_is_read_from_the_capability_list_when_the_whole_config_space_is_readable() {
+    let sys = FakeSys::new();
+    sys.add(
+        "0000:00:04.0",
+        ("0x1234", "0x11e8"),
+        Some("vfio-pci"),
+        Some(4),
+    );
+    let config = sys.root().join("bus/pci/devices/0000:00:04.0/config");
+    let mut c = vec![0u8; 256];
+    c[0x06] = 1 << 4; // a capability list
+    c[0x34] = 0x40;
+    c[0x40] = 0x01; // PM
+    c[0x41] = 0x50;
+    c[0x50] = 0x05; // MSI, last
+    fs::write(&config, &c).expect("w");
+    assert_eq!(
+        has_msix(sys.root(), "0000:00:04.0"),
+        Some(false),
+        "MSI only (an edu)"
+    );
+    c[0x51] = 0x70;
+    c[0x70] = 0x11; // MSI-X
+    fs::write(&config, &c).expect("w");
+    assert_eq!(has_msix(sys.root(), "0000:00:04.0"), Some(true));
+    // A list that points back at itself ends.
+    c[0x70] = 0x09;
+    c[0x71] = 0x40;
+    fs::write(&config, &c).expect("w");
+    assert_eq!(has_msix(sys.root(), "0000:00:04.0"), Some(false));
+    // As a user other than root reads it: 64 bytes, too few to tell.
+    fs::write(&config, &c[..64]).expect("w");
+    assert_eq!(has_msix(sys.root(), "0000:00:04.0"), None);
+    assert_eq!(has_msix(sys.root(), "0000:00:09.0"), None, "no such device");
+}
