@@ -92,7 +92,10 @@ impl Supervisor {
         *ep.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device);
         let _ = let_go(&ep, true, true);
         ep.record_replacement(StartMode::Fresh);
-        let st = ep.status();
+        let mut st = ep.status();
+        // What the dead device lost is not the fresh one's.
+        st.device_lost = None;
+        st.state_lost.clear();
         let ready = st.ready;
         kill(st.pid);
         Ok(ready)
