@@ -1,8 +1,8 @@
 //! The pool daemon in L1 (`switchyard daemon`, driven through `switchyard ctl`): a
 //! cloud-hypervisor L2 on a softgpu endpoint whose worker is killed again and again
 //! (`ch-pool`), the edus as passthrough boards moved between endpoints, their workers killed
-//! and one removed from L1 under load (`pool-edu`), and the kill-delay stress form
-//! (`pool-edu-kills`).
+//! and one removed from L1 under load, its endpoint failed over to the other (`pool-edu`), and
+//! the kill-delay stress form (`pool-edu-kills`).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use switchyard_ch::UserDeviceConfig;
+use switchyard_qemu::root_port_id;
 
-use crate::l2::{l2_cmdline, l2_outcome, l2_spec};
+use crate::l2::{json_after, l2_cmdline, l2_outcome, l2_spec};
 use crate::procs::{self, Vm, tail};
-use crate::qemu::qemu_l2;
+use crate::qemu::{qemu_l2, qemu_l2_hotplug};
 use crate::{EDU_TIMEOUT, L2_TIMEOUT, SWITCHYARD, bind_vfio, ms};
 
 /// Removes PCI function `bdf` from L1 (`echo 1 > .../remove`) on a thread of its own and
@@ -42,9 +43,12 @@ fn remove_device(bdf: &str) -> (String, f64, bool) {
 /// The pool daemon in L1 with both edus as passthrough boards (one pool): the board view
 /// names them and their dirty-tracking source; an endpoint's L2 (QEMU/KVM) drives its edu, the
 /// endpoint is detached and the same edu attached to a second endpoint, whose L2 drives it
-/// too; then the edu is removed from L1 while that L2 keeps it busy: the removal completes,
-/// L2's driver sees the device lost, QEMU exits normally, the daemon reports the endpoint's
-/// device lost and quarantines the board, and a move of a passthrough endpoint is refused.
+/// too; a move of a passthrough endpoint is refused. Then the edu is removed from L1 while
+/// that L2 keeps it busy, its QEMU registered with the daemon: the removal completes, the
+/// daemon quarantines the board and fails the endpoint over guest-visibly (L2's driver sees
+/// the device lost and lets go of it, the daemon unplugs it through QMP and plugs a fresh
+/// device on the other edu into the same slot), the driver's checks pass on the new device,
+/// and QEMU exits normally.
 pub fn pool_edu(dir: &Path) -> Result<Value> {
     let edus = bind_vfio("1234:11e8")?;
     let [a, b] = [edus.first(), edus.get(1)].map(|e| e.cloned());
@@ -134,12 +138,43 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
     let resumed_with = last_resume(&daemon.log);
     let after_kill = ctl(&control, &["endpoint", "vm2"])?["worker"].clone();
     disconnected("vm2")?;
-    // vm2's next boot keeps edu0 busy while it is removed from L1.
-    let mut vm = qemu_l2(dir, "vm2-remove", &sock2, "sy-edu", &["--loop", "600"])?;
+    // vm2's next boot keeps edu0 busy while it is removed from L1; its device sits on a
+    // PCIe root port and its QEMU is registered with the daemon, so the board's failure is
+    // failed over guest-visibly: the dead device unplugged, a fresh one on edu1 (free: vm1
+    // has no device) plugged into the same slot, where L2's driver runs its checks again.
+    let boards_before = ctl(&control, &["boards"])?;
+    let mut vm = qemu_l2_hotplug(
+        dir,
+        "vm2-remove",
+        &sock2,
+        "sy-edu",
+        &["--loop", "600", "--again", "120"],
+    )?;
     vm.wait_line("SY-EDU: loop rounds=", EDU_TIMEOUT)?;
+    let bus = root_port_id(1);
+    let qmp = vm.qmp().context("the L2 VMM's QMP socket")?.to_owned();
+    let qmp_arg = qmp.to_string_lossy();
+    let registered = ctl(
+        &control,
+        &[
+            "vmm",
+            "vm2",
+            "--qmp",
+            &qmp_arg,
+            "--device-id",
+            "dev0",
+            "--bus",
+            &bus,
+        ],
+    )?;
     println!("NESTED: L2 keeps {a} (edu0) busy; removing it from L1");
     let (removal, remove_ms, gone) = remove_device(&a);
     let third = l2_outcome(&mut vm, "sy-edu", "SY-EDU-SUMMARY ")?;
+    let again = vm
+        .find_line("SY-EDU-AGAIN ")
+        .map(|l| json_after(&l, "SY-EDU-AGAIN "))
+        .transpose()?
+        .unwrap_or(Value::Null);
     let lost = procs::wait_for(Duration::from_secs(20), "the board quarantined", || {
         let boards = ctl(&control, &["boards"])?;
         let quarantined = boards
@@ -149,10 +184,37 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
             .any(|b| b["id"] == "edu0" && b["state"] == "quarantined");
         Ok(quarantined.then_some(boards))
     });
+    let failed_over = procs::wait_for(Duration::from_secs(20), "vm2 failed over", || {
+        let st = ctl(&control, &["endpoint", "vm2"])?;
+        Ok((!st["failover"]["last"].is_null()).then_some(st))
+    });
+    let events = pool_events(&control)?;
+    let pool_events = |kind: &str| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|p| p["kind"]["type"] == kind)
+            .cloned()
+            .collect()
+    };
+    let (failed_over_events, board_failed) =
+        (pool_events("failed_over"), pool_events("board_failed"));
     let ep = ctl(&control, &["endpoint", "vm2"])?;
+    let last = ep["failover"]["last"].clone();
+    let edu0 = lost
+        .as_ref()
+        .ok()
+        .and_then(|b| b.as_array())
+        .and_then(|b| b.iter().find(|b| b["id"] == "edu0"))
+        .cloned()
+        .unwrap_or(Value::Null);
     let daemon_alive = daemon.alive();
     let pass =
         |r: &(i32, Value, Option<i32>)| r.0 == 0 && r.1["result"] == "pass" && r.2 == Some(0);
+    let guest_visible = |e: &Value| {
+        e["mode"] == "guest-visible"
+            && e["from"].as_str().is_some_and(|f| f.starts_with("edu0"))
+            && e["to"].as_str().is_some_and(|t| t.starts_with("edu1"))
+    };
     let ok = pass(&first)
         && pass(&second)
         && second.1["after_pause_ok"] == true
@@ -164,14 +226,27 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
         && after_kill["restarts"] == 2
         && removal == "completed"
         && gone
-        && third.0 == 3
         && third.1["result"] == "device-lost"
+        && third.1["device_lost"].is_string()
+        && again["result"] == "pass"
+        && again["factorial_ok"] == true
+        && again["dma_bytes_verified"].as_u64() > Some(0)
+        && third.0 == 0
         && third.2 == Some(0)
         && lost.is_ok()
-        && ep["worker"]["device_lost"].is_string()
+        && !edu0["failed"].is_null()
+        && failed_over.is_ok()
+        && guest_visible(&last)
+        && last["stall_ms"].as_f64().is_some()
+        && failed_over_events.iter().any(|e| guest_visible(&e["kind"]))
+        && !board_failed.is_empty()
+        && ep["lease"]["id"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("edu1"))
         && daemon_alive;
     if !ok {
         println!("NESTED: daemon log tail:\n{}", tail(&daemon.log, 6000));
+        println!("NESTED: L2 QEMU log tail:\n{}", tail(&vm.log, 4000));
     }
     let view = |r: &(i32, Value, Option<i32>)| json!({"rc": r.0, "summary": r.1, "qemu_exit": r.2});
     Ok(json!({
@@ -182,7 +257,11 @@ fn pool_edu_with(dir: &Path, daemon: &mut Daemon, [a, b]: [String; 2]) -> Result
         "move_refused": refused_move.map(|e| format!("{e:#}")),
         "attached": attached["lease"],
         "removal": removal, "remove_ms": remove_ms, "device_gone_from_l1": gone,
-        "vm2_remove": view(&third),
+        "vm2_remove": view(&third), "vm2_again": again, "vmm_registered": registered,
+        "boards_before_removal": boards_before, "failover": last,
+        "failed_over_events": failed_over_events, "board_failed_events": board_failed,
+        "failover_refused_events": pool_events("failover_refused"),
+        "edu0_after": edu0, "vm2_lease": ep["lease"],
         "boards_after": lost.unwrap_or(Value::Null), "vm2_worker": ep["worker"],
         "daemon_alive": daemon_alive,
     }))
@@ -356,6 +435,31 @@ fn ctl(socket: &Path, args: &[&str]) -> Result<Value> {
         );
     }
     serde_json::from_slice(&out.stdout).context("ctl JSON")
+}
+
+/// The pool's events so far (`switchyard ctl --json events`: one JSON object a line; the
+/// `pool` member of each pool event).
+fn pool_events(socket: &Path) -> Result<Vec<Value>> {
+    let out = std::process::Command::new(SWITCHYARD)
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--json")
+        .arg("events")
+        .output()
+        .context("run switchyard ctl events")?;
+    if !out.status.success() {
+        bail!(
+            "switchyard ctl events: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|e| e.get("pool").cloned())
+        .collect())
 }
 
 /// The pool daemon in L1 serves a cloud-hypervisor L2 whose user space reads a softgpu register

@@ -358,6 +358,11 @@ impl Vm {
         })
     }
 
+    /// The VMM's QMP socket (QEMU's).
+    pub fn qmp(&self) -> Option<&Path> {
+        self.qmp.as_deref()
+    }
+
     /// The first line so far that starts with `prefix`.
     pub fn find_line(&self, prefix: &str) -> Option<String> {
         let lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());

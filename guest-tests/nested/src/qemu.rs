@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
-use switchyard_qemu::{Accel, QemuCommand, VfioUserDevice};
+use switchyard_qemu::{Accel, QemuCommand, VfioUserDevice, root_port_id};
 
 use crate::l2::{L2_VERBOSE, l2_outcome};
 use crate::procs::{Server, Vm, tail};
@@ -17,6 +17,24 @@ use crate::{
 /// An L2 under QEMU (`-accel kvm`, in L1) with a vIOMMU (`intel-iommu`), so L2's user-space
 /// drivers use VFIO like on the single-level guests; the vfio-user device is at `socket`.
 pub fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str]) -> Result<Vm> {
+    let device = VfioUserDevice::new("dev0", socket);
+    Vm::start_qemu(dir, name, l2_command(test, args, device))
+}
+
+/// [`qemu_l2`] with its vfio-user device on a PCIe root port ([`root_port_id`] 1), so the
+/// device can be unplugged and plugged in again (through the VM's QMP socket, [`Vm::qmp`]).
+pub fn qemu_l2_hotplug(
+    dir: &Path,
+    name: &str,
+    socket: &Path,
+    test: &str,
+    args: &[&str],
+) -> Result<Vm> {
+    let device = VfioUserDevice::new("dev0", socket).bus(root_port_id(1));
+    Vm::start_qemu(dir, name, l2_command(test, args, device).root_ports(1))
+}
+
+fn l2_command(test: &str, args: &[&str], device: VfioUserDevice) -> QemuCommand {
     // `nox2apic`: an L2 in x2APIC mode (its vIOMMU remaps interrupts) hit faults of L0's SVM
     // emulation in most L1 boots (kernels crashing in their page fault handler, an L2 spinning
     // with interrupts off); with the xAPIC, L2s have not (guest-tests/harness/src/nested.rs).
@@ -28,7 +46,7 @@ pub fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str])
     for a in args {
         append.push_str(&format!(" sy.arg={a}"));
     }
-    let cmd = QemuCommand::new(QEMU)
+    QemuCommand::new(QEMU)
         .accel(Accel::Kvm)
         .cpu("host")
         .memory_mib(L2_MEMORY_MIB)
@@ -38,9 +56,9 @@ pub fn qemu_l2(dir: &Path, name: &str, socket: &Path, test: &str, args: &[&str])
         .intel_iommu(true)
         // A physical device's server pins all of L2's RAM for the IOMMU in the first DMA_MAP:
         // seconds at TCG speed, past QEMU's 5 s default reply timeout.
-        .vfio_user_device(VfioUserDevice::new("dev0", socket).msg_timeout_ms(60_000));
-    Vm::start_qemu(dir, name, cmd)
+        .vfio_user_device(device.msg_timeout_ms(60_000))
 }
+
 /// The softgpu served in L1 to an L2 under QEMU with KVM and a vIOMMU: the in-guest driver's
 /// full VFIO workload (DMA through L2's IOMMU, MSI-X, VRAM through the mapped BAR).
 pub fn qemu_softgpu(dir: &Path) -> Result<Value> {

@@ -6,7 +6,7 @@
 //! buffer, with the bytes compared.
 //!
 //! ```text
-//! sy-edu [--bdf B] [--timeout SECONDS] [--pause SECONDS] [--loop SECONDS]
+//! sy-edu [--bdf B] [--timeout SECONDS] [--pause SECONDS] [--loop SECONDS] [--again SECONDS]
 //! ```
 //!
 //! `--pause`: after the checks, with DMA buffers mapped and MSI enabled, print
@@ -15,6 +15,12 @@
 //!
 //! `--loop`: after the checks, keep the device busy (liveness + factorial with its MSI, round
 //! after round) for that long: the load under which a test removes the device on the host.
+//!
+//! `--again`: when the device is lost during `--loop`, let go of it (the host's VMM can unplug
+//! it only then), wait up to that long for it to be removed and for an edu to be plugged in
+//! (a guest-visible failover: a fresh device in the same slot), print `SY-EDU: gone` and
+//! `SY-EDU: back bdf=B`, and run the checks on it again: their summary is one
+//! `SY-EDU-AGAIN {json}` line, and the exit code is the rerun's.
 //!
 //! Progress lines `SY-EDU: ...`, then one `SY-EDU-SUMMARY {json}`; exit 0 on `"pass"`, 3 when
 //! the device stopped answering during `--loop` (`"device-lost"`), 1 on any other failure.
@@ -208,10 +214,14 @@ fn run(
     loop_for: Option<Duration>,
     pause: Option<Duration>,
     s: &mut serde_json::Map<String, Value>,
+    config: &mut Option<std::fs::File>,
 ) -> Result<()> {
     let sys = Sysfs::system();
     let bdf = find_edu(&sys, bdf)?;
     s.insert("bdf".into(), json!(bdf));
+    // Held past the run: reads through it fail once the device is removed, even when a new
+    // device sits at the same address by the time anyone looks.
+    *config = std::fs::File::open(sys.device_dir(&bdf).join("config")).ok();
     let (dev, outcome) = sys.bind_vfio_pci(&bdf).map_err(anyhow::Error::msg)?;
     let group = dev
         .iommu_group
@@ -334,8 +344,35 @@ fn run(
     Ok(())
 }
 
+/// Waits until the device whose config file is `config` is removed, then until an edu is
+/// present; returns its address.
+fn wait_replaced(config: Option<std::fs::File>, within: Duration) -> Result<String> {
+    use std::os::unix::fs::FileExt;
+    let t = Instant::now();
+    if let Some(f) = config {
+        let mut b = [0u8; 1];
+        while f.read_at(&mut b, 0).is_ok_and(|n| n == 1) {
+            ensure!(t.elapsed() < within, "the lost device was not removed");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    say!("gone after {:?}", t.elapsed());
+    let sys = Sysfs::system();
+    loop {
+        if let Ok(bdf) = find_edu(&sys, None) {
+            // Let the kernel finish adding it (its IOMMU group).
+            std::thread::sleep(Duration::from_millis(500));
+            say!("back bdf={bdf} after {:?}", t.elapsed());
+            return Ok(bdf);
+        }
+        ensure!(t.elapsed() < within, "no edu came back within {within:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn main() {
     let mut bdf = None;
+    let mut again = None;
     let mut timeout = Duration::from_secs(30);
     let mut loop_for = None;
     let mut pause = None;
@@ -364,9 +401,16 @@ fn main() {
                     std::process::exit(2);
                 }
             },
+            ("--again", Some(t)) => match t.parse() {
+                Ok(secs) => again = Some(Duration::from_secs(secs)),
+                Err(_) => {
+                    eprintln!("sy-edu: bad --again `{t}`");
+                    std::process::exit(2);
+                }
+            },
             _ => {
                 eprintln!(
-                    "usage: sy-edu [--bdf B] [--timeout SECONDS] [--pause SECONDS] [--loop SECONDS]"
+                    "usage: sy-edu [--bdf B] [--timeout SECONDS] [--pause SECONDS] [--loop SECONDS] [--again SECONDS]"
                 );
                 std::process::exit(2);
             }
@@ -374,7 +418,42 @@ fn main() {
     }
     let mut s = serde_json::Map::new();
     let started = Instant::now();
-    let r = run(bdf.as_deref(), timeout, loop_for, pause, &mut s);
+    let mut config = None;
+    // Everything of the device (its VFIO descriptors, mappings, eventfd) is let go of when
+    // `run` returns.
+    let r = run(
+        bdf.as_deref(),
+        timeout,
+        loop_for,
+        pause,
+        &mut s,
+        &mut config,
+    );
+    let (result, code) = outcome(r, &mut s, started);
+    println!("SY-EDU-SUMMARY {}", Value::Object(s));
+    let Some(within) = again.filter(|_| result == "device-lost") else {
+        std::process::exit(code);
+    };
+    let mut s = serde_json::Map::new();
+    let started = Instant::now();
+    let r = wait_replaced(config, within).and_then(|bdf| {
+        s.insert(
+            "wait_ms".into(),
+            json!(started.elapsed().as_millis() as u64),
+        );
+        run(Some(&bdf), timeout, None, None, &mut s, &mut None)
+    });
+    let (_, code) = outcome(r, &mut s, started);
+    println!("SY-EDU-AGAIN {}", Value::Object(s));
+    std::process::exit(code);
+}
+
+/// Records a run's result (and duration) in its summary: the result and the exit code.
+fn outcome(
+    r: Result<()>,
+    s: &mut serde_json::Map<String, Value>,
+    started: Instant,
+) -> (&'static str, i32) {
     s.insert(
         "duration_ms".into(),
         json!(started.elapsed().as_millis() as u64),
@@ -392,8 +471,7 @@ fn main() {
         }
     };
     s.insert("result".into(), json!(result));
-    println!("SY-EDU-SUMMARY {}", Value::Object(s));
-    std::process::exit(code);
+    (result, code)
 }
 
 #[cfg(test)]
