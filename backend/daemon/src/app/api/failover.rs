@@ -235,8 +235,11 @@ impl Daemon {
         let link = self.vmms().get(id).cloned();
         if !transparent {
             let why = match &link {
-                None => Some(
+                None if !lease.failure.state_intact => Some(
                     "the device's state did not outlive the failure and no VMM is registered to plug a fresh device in (`switchyard ctl vmm`)",
+                ),
+                None => Some(
+                    "the failover is guest-visible (the pool's policy, or a device that cannot be recovered) and no VMM is registered to plug a fresh device in (`switchyard ctl vmm`)",
                 ),
                 Some(_) if self.shape_has_msix(&lease.device) => Some(
                     "the device uses MSI-X: QEMU 11.1 aborts the VM on device_del of a vfio-user device with MSI-X, so it is not unplugged (irq = \"msi\" boards are)",
