@@ -180,10 +180,16 @@ impl Daemon {
             }
         }
         self.metrics.set_failovers_waiting(waiting);
-        // Boards no longer failed (unquarantined) are forgotten.
+        // Boards no longer failed (unquarantined) are forgotten, and so are what was said of
+        // endpoints no longer on one and the last failover of deleted endpoints.
         let failed: std::collections::BTreeSet<&str> =
             leases.iter().map(|l| l.board.as_str()).collect();
         lock(&self.failover.reported).retain(|b, _| failed.contains(b.as_str()));
+        let failing: std::collections::BTreeSet<&str> =
+            leases.iter().map(|l| l.endpoint.as_str()).collect();
+        lock(&self.failover.said).retain(|e, _| failing.contains(e.as_str()));
+        let pool = self.pool();
+        lock(&self.failover.last).retain(|e, _| pool.inventory().endpoint(e).is_some());
     }
 
     /// Says once that `lease`'s endpoint cannot fail over now, and why.
