@@ -367,30 +367,43 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                         };
                         keeper.end_move(&answer);
                     }
-                    Note::Fault { kind } => {
-                        let injected = slot.with(|d| match d.faults() {
-                            Some(f) => f.inject_fault(&kind).map_err(|e| match e {
-                                switchyard_device::DeviceError::Unsupported => format!(
-                                    "this device simulates no fault `{kind}` (it simulates: {})",
-                                    f.fault_kinds().join(", ")
-                                ),
-                                e => crate::error_chain::error_chain(&e),
-                            }),
-                            None => Err("this kind of device simulates no faults".to_owned()),
-                        });
-                        match &injected {
-                            Ok(()) => tracing::warn!(kind, "fault injected (a drill)"),
-                            Err(error) => tracing::warn!(kind, %error, "fault not injected"),
-                        }
-                        keeper.notify(&Note::FaultInjected {
-                            error: injected.err(),
-                        });
-                    }
+                    Note::Fault { kind } => inject_fault(&slot, &keeper, &kind),
                     other => tracing::warn!(?other, "unexpected custody note; ignored"),
                 }
             }
         })?;
     Ok(())
+}
+
+/// Simulates the board fault `kind` on the device ([`Note::Fault`]). The supervisor is
+/// answered before the fault is injected: the failure it sets off gets this worker killed
+/// (a failover) within milliseconds, and the answer must not die with it.
+fn inject_fault(slot: &DeviceSlot, keeper: &Keeper, kind: &str) {
+    let refused = slot.with(|d| match d.faults() {
+        Some(f) if f.fault_kinds().contains(&kind) => None,
+        Some(f) => Some(format!(
+            "this device simulates no fault `{kind}` (it simulates: {})",
+            f.fault_kinds().join(", ")
+        )),
+        None => Some("this kind of device simulates no faults".to_owned()),
+    });
+    keeper.notify(&Note::FaultInjected {
+        error: refused.clone(),
+    });
+    if let Some(error) = refused {
+        tracing::warn!(kind, %error, "fault not injected");
+        return;
+    }
+    let injected = slot.with(|d| d.faults().map(|f| f.inject_fault(kind)));
+    match injected {
+        Some(Ok(())) => tracing::warn!(kind, "fault injected (a drill)"),
+        Some(Err(e)) => tracing::error!(
+            kind,
+            error = %crate::error_chain::error_chain(&e),
+            "fault not injected"
+        ),
+        None => tracing::error!(kind, "the device changed and offers no faults any more"),
+    }
 }
 
 /// Tells the supervisor when a migration stream opens or closes ([`Note::Migration`]).

@@ -218,8 +218,15 @@ fn run_worker(
     Ok(ready)
 }
 
-/// A move waiting for the worker that just died learns it.
+/// A move (or a fault injection) waiting for the worker that just died learns it.
 pub(super) fn end_move_on_death(ep: &Endpoint) {
+    {
+        let mut fault = ep.fault.lock().unwrap_or_else(|p| p.into_inner());
+        if fault.is_none() {
+            *fault = Some(Some("the worker exited before it answered".to_owned()));
+            ep.fault_answered.notify_all();
+        }
+    }
     let mut mv = ep.mv();
     if mv.active && mv.reply.is_none() {
         mv.reply = Some(Err(None));
