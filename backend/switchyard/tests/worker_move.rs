@@ -147,19 +147,23 @@ fn a_mapped_vram_endpoint_is_not_moved_and_keeps_serving() {
     let socket = endpoint(&sup, dir.path(), "ep", true);
     let mut d = Driver::new(Ours(connect(&socket)));
     d.w32(SCRATCH, 0x1234);
-    let held = sup.status("ep").expect("status").held;
-    match sup.move_device("ep", "gpu1", false, Duration::from_secs(10)) {
+    let refused = || match sup.move_device("ep", "gpu1", false, Duration::from_secs(10)) {
         Err(SupervisorError::MoveFailed { reason, .. }) => {
             assert!(reason.contains("vram_mmap=on"), "{reason}");
         }
         other => panic!("a mapped-VRAM move must be refused: {other:?}"),
-    }
+    };
+    // The worker answers on the channel that carries its holds: once the first refusal is
+    // back, everything the client's connection gave it is in the ledger.
+    refused();
+    let held = sup.status("ep").expect("status").held;
+    refused();
     assert_eq!(d.r32(SCRATCH), 0x1234);
     let st = sup.status("ep").expect("status");
     assert_eq!(
         (st.restarts, st.held),
         (0, held),
-        "nothing more is held: {st:?}"
+        "a refused move leaves nothing more held: {st:?}"
     );
 }
 
@@ -174,7 +178,18 @@ fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
     for (i, chunk) in kept.chunks(64 << 10).enumerate() {
         d.vram_write((i as u64) * (64 << 10), chunk);
     }
-    let held = sup.status("ep").expect("status").held;
+    // The worker's holds reach the ledger on their own channel, a little after the client
+    // has its replies: what is held is what stays the same for a while.
+    let mut held = sup.status("ep").expect("status").held;
+    let settle = Instant::now() + Duration::from_secs(10);
+    loop {
+        thread::sleep(Duration::from_millis(200));
+        let now = sup.status("ep").expect("status").held;
+        if now == held || Instant::now() > settle {
+            break;
+        }
+        held = now;
+    }
     let mut outcomes = Vec::new();
     for attempt in 0..8u64 {
         // The kill lands at a different point of the move each time.
