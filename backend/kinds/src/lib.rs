@@ -16,6 +16,7 @@ pub static KINDS: &[&dyn DeviceKind] = &[
     &switchyard_softgpu::SoftGpuKind,
     &switchyard_vfio::VfioKind,
     &switchyard_scratchpad::ScratchpadKind,
+    &switchyard_cuda::CudaKind,
 ];
 
 /// The kind called `name`.

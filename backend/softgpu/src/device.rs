@@ -67,7 +67,7 @@ use switchyard_device::{DeviceContext, DmaSpace, Interrupts, WaitControl};
 
 use crate::SoftGpuConfig;
 use crate::doorbell::DoorbellPage;
-use crate::exec::{Executor, Scratch};
+use crate::exec::{ExecError, Executor, Scratch};
 use crate::fault::Faults;
 use crate::mirror::Mirror;
 use crate::regs::*;
@@ -163,6 +163,9 @@ pub(crate) struct Shared {
     abort: Vec<AtomicBool>,
     /// Failure reporting and injected faults.
     pub(crate) faults: Faults,
+    /// The board's accelerator, if commands run on one (set once, before the engines run a
+    /// command on it; see `crate::accel`).
+    pub(crate) accel: std::sync::OnceLock<Arc<dyn crate::accel::AccelDevice>>,
     #[cfg(test)]
     pub(crate) hook: TestHook,
 }
@@ -209,6 +212,7 @@ impl Shared {
             idle: Condvar::new(),
             abort: (0..n).map(|_| AtomicBool::new(false)).collect(),
             faults: Faults::new(n),
+            accel: std::sync::OnceLock::new(),
             #[cfg(test)]
             hook: TestHook::default(),
         }
@@ -620,6 +624,9 @@ impl Shared {
             abort,
             fail,
             queue: q,
+            accel: &self.accel,
+            offloaded: std::cell::Cell::new(false),
+            lost: std::cell::RefCell::new(None),
             #[cfg(test)]
             hook: (&self.hook, q),
         };
@@ -733,6 +740,14 @@ impl Shared {
             let mut outcome = exec.run(job.slot, &mut scratch);
             if !self.vram.usable() {
                 // VRAM failed meanwhile: whatever the command did, it does not complete.
+                outcome = outcome.device_lost(job.slot);
+            }
+            if matches!(outcome.result, Err(ExecError::BoardLost)) {
+                let reason = exec.take_lost().unwrap_or_default();
+                if self.board_lost(q, reason) {
+                    // Failed over: the command stays in flight for the replacement.
+                    return;
+                }
                 outcome = outcome.device_lost(job.slot);
             }
             g = self.lock();

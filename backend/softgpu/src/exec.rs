@@ -4,11 +4,15 @@
 //! before it writes anything, so a bad command never leaves a partial result behind unless the
 //! client unmaps memory while the command runs.
 
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use std::sync::{Arc, OnceLock};
 
 use switchyard_device::DmaError;
 use switchyard_device::dma::DmaSpace;
 
+use crate::accel::{AccelDevice, AccelOutcome};
 use crate::cmd::{self, COMMAND_SIZE, Command, Operand};
 use crate::regs::*;
 use crate::vram::Vram;
@@ -39,6 +43,9 @@ pub(crate) enum ExecError {
     /// The engine was asked to stop (reset, restore, shutdown), or a quiesce cancelled its
     /// wait for the client; nothing is recorded.
     Aborted,
+    /// The accelerator running the command lost its board (see `crate::accel`): the
+    /// command did not complete; why is in [`Executor::take_lost`].
+    BoardLost,
 }
 
 fn fault(code: u32, addr: u64) -> ExecError {
@@ -186,6 +193,12 @@ pub(crate) struct Executor<'a> {
     pub fail: &'a AtomicBool,
     /// The engine's queue.
     pub queue: usize,
+    /// The board's accelerator, once the device has one (set after the engines start).
+    pub accel: &'a OnceLock<Arc<dyn AccelDevice>>,
+    /// The last command ran on the accelerator.
+    pub offloaded: Cell<bool>,
+    /// Why the accelerator's board was lost (after [`ExecError::BoardLost`]).
+    pub lost: RefCell<Option<String>>,
     /// Tests park engines in the middle of a command through it: (hook, queue).
     #[cfg(test)]
     pub hook: (&'a crate::device::TestHook, usize),
@@ -301,11 +314,16 @@ impl Executor<'_> {
             };
         }
         let c = Command::decode(&raw);
+        self.offloaded.set(false);
         let result = self.execute(&c, slot, s);
         // Logged after the writes (whatever the outcome: an abandoned command may have
         // written part of its output), so a migration round that takes the bit sees them.
         if let Some((off, len)) = vram_output(&c) {
             self.vram.mark(off, len);
+            if !self.offloaded.get() {
+                // Written here, not by the accelerator: its copy of those bytes is stale.
+                self.vram.host_wrote(off, len);
+            }
         }
         Outcome {
             opcode: u32::from(c.opcode),
@@ -340,6 +358,36 @@ impl Executor<'_> {
         }
     }
 
+    /// Runs validated command `c` on the accelerator, if the device has one and it takes
+    /// the command; `None`: the CPU path runs it.
+    fn offload(&self, c: &Command) -> Option<Result<(), ExecError>> {
+        let accel = self.accel.get()?;
+        if let Err(e) = self.check_abort() {
+            return Some(Err(e));
+        }
+        match accel.run(self.queue, c) {
+            AccelOutcome::Declined => None,
+            AccelOutcome::Done => {
+                self.offloaded.set(true);
+                Some(Ok(()))
+            }
+            AccelOutcome::Fault { code, addr } => {
+                self.offloaded.set(true);
+                Some(Err(fault(code, addr)))
+            }
+            AccelOutcome::Lost(reason) => {
+                self.offloaded.set(true);
+                *self.lost.borrow_mut() = Some(reason);
+                Some(Err(ExecError::BoardLost))
+            }
+        }
+    }
+
+    /// Why the accelerator's board was lost, once (after [`ExecError::BoardLost`]).
+    pub(crate) fn take_lost(&self) -> Option<String> {
+        self.lost.borrow_mut().take()
+    }
+
     fn copy(&self, c: &Command, slot: u64, s: &mut Scratch) -> Result<(), ExecError> {
         let (src, dst, len) = (c.operand(0), c.operand(1), c.arg[0]);
         if len > MAX_XFER_BYTES_VALUE {
@@ -349,6 +397,9 @@ impl Executor<'_> {
         self.check(dst, len, true)?;
         if len == 0 {
             return Ok(());
+        }
+        if let Some(r) = self.offload(c) {
+            return r;
         }
         match (src, dst) {
             (Operand::Vram(so), Operand::Vram(d)) => {
@@ -411,6 +462,11 @@ impl Executor<'_> {
         }
         self.check(dst, len, true)?;
         let total = to_usize(len)?;
+        if total > 0
+            && let Some(r) = self.offload(c)
+        {
+            return r;
+        }
         // Chunks are multiples of 4, so each starts at pattern phase 0.
         let chunk = BOUNCE_CHUNK.min(total);
         let pattern = c.imm32.to_le_bytes();
@@ -454,6 +510,11 @@ impl Executor<'_> {
         self.check(y, bytes, true)?;
         let a = f32::from_bits(c.imm32);
         let total = to_usize(n)?;
+        if total > 0
+            && let Some(r) = self.offload(c)
+        {
+            return r;
+        }
         let mut done = 0usize;
         while done < total {
             self.check_abort()?;
@@ -489,6 +550,11 @@ impl Executor<'_> {
         let (m, n, k) = (to_usize(m)?, to_usize(n)?, to_usize(k)?);
         if m == 0 || n == 0 {
             return Ok(());
+        }
+        if k > 0
+            && let Some(r) = self.offload(c)
+        {
+            return r;
         }
         if k == 0 {
             // Every element is an empty sum: 0.0.
@@ -550,6 +616,9 @@ impl Executor<'_> {
         self.check(x, n * 4, false)?;
         self.check(out, 4, true)?;
         let total = to_usize(n)?;
+        if let Some(r) = self.offload(c) {
+            return r;
+        }
         let mut acc = 0.0f32;
         let mut done = 0usize;
         while done < total {

@@ -37,6 +37,8 @@ pub(crate) struct Faults {
     /// A failure was reported (or the device handed its state over): later ones report
     /// nothing.
     reported: AtomicBool,
+    /// The failure reported was handled above the device (a failover).
+    handled: AtomicBool,
     /// Per queue: the engine died or is to die at its next check (an injected fault).
     engine: Vec<AtomicBool>,
 }
@@ -55,6 +57,7 @@ impl Faults {
         Self {
             hook: Mutex::new(None),
             reported: AtomicBool::new(false),
+            handled: AtomicBool::new(false),
             engine: (0..queues).map(|_| AtomicBool::new(false)).collect(),
         }
     }
@@ -102,10 +105,11 @@ impl Faults {
 
     /// Reports `failure`, if it is the device's first: to the hook, or, if there is none or
     /// it declines, to the client as the ERR interrupt. Call without the register lock.
-    pub(crate) fn report(&self, irqs: &Interrupts, failure: BoardFailure) {
+    /// Returns whether the device's (first) failure is handled above the device.
+    pub(crate) fn report(&self, irqs: &Interrupts, failure: BoardFailure) -> bool {
         if self.reported.swap(true, Ordering::SeqCst) {
             tracing::debug!(reason = %failure.reason, "another softgpu failure (reported already)");
-            return;
+            return self.handled.load(Ordering::SeqCst);
         }
         tracing::error!(
             reason = %failure.reason,
@@ -113,15 +117,17 @@ impl Faults {
             "the softgpu failed"
         );
         let handled = self.hook().is_some_and(|hook| hook(failure));
+        self.handled.store(handled, Ordering::SeqCst);
         if handled {
             tracing::info!("the failure is handled above the device: no ERR interrupt");
-            return;
+            return true;
         }
         let signalled = irqs.trigger(IrqIndex::Err, 0);
         tracing::error!(
             err_irq_signalled = matches!(signalled, Ok(true)),
             "the softgpu is broken (ERR interrupt)"
         );
+        false
     }
 }
 

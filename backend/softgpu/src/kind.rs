@@ -139,23 +139,30 @@ impl DeviceKind for SoftGpuKind {
     }
 
     fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        let c = Self::config(options)?;
+        Ok(Box::new(Self::build_device(Self::config(options)?, b)?))
+    }
+
+    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Ok(Box::new(Self::recover_device(Self::config(options)?, b)?))
+    }
+}
+
+impl SoftGpuKind {
+    /// [`DeviceKind::build`] of a device of `c` (for kinds built on the softgpu's device,
+    /// such as the `cuda` board's).
+    pub fn build_device(c: SoftGpuConfig, b: Build) -> Result<SoftGpu, KindError> {
         let gpu = match &b.black_box {
             Some(bb) => SoftGpu::with_black_box(c, b.ctx, bb, None),
             None => SoftGpu::new(c, b.ctx),
         }
         .map_err(build_error)?;
-        Ok(Box::new(gpu.with_failure_hook(b.failed)))
+        Ok(gpu.with_failure_hook(b.failed))
     }
 
-    /// Two VRAMs are held when the last worker died during a move (the target as pending):
-    /// the black box says which one the device ran on.
-    fn recover(
-        &self,
-        options: &KindOptions,
-        mut b: Build,
-    ) -> Result<Box<dyn PciDevice>, KindError> {
-        let c = Self::config(options)?;
+    /// [`DeviceKind::recover`] of a device of `c`. Two VRAMs are held when the last worker
+    /// died during a move (the target as pending): the black box says which one the device
+    /// ran on.
+    pub fn recover_device(c: SoftGpuConfig, mut b: Build) -> Result<SoftGpu, KindError> {
         let bb = b
             .black_box
             .clone()
@@ -171,7 +178,7 @@ impl DeviceKind for SoftGpuKind {
         let (gpu, recovery) =
             SoftGpu::recover(c, b.ctx, &bb, vram, doorbells).map_err(build_error)?;
         tracing::info!(queues = ?recovery.queues, resent_interrupts = recovery.resent, moved, "device recovered");
-        Ok(Box::new(gpu.with_failure_hook(b.failed)))
+        Ok(gpu.with_failure_hook(b.failed))
     }
 }
 

@@ -331,6 +331,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod accel;
 pub mod cmd;
 mod config;
 mod device;

@@ -575,6 +575,7 @@ impl MigSink {
                     let k = usize::try_from(*left).unwrap_or(usize::MAX).min(data.len());
                     if let Some(s) = vram.slice(*offset, k as u64) {
                         s.copy_from(&data[..k]);
+                        vram.host_wrote(*offset, k as u64);
                     }
                     *offset += k as u64;
                     *left -= k as u64;

@@ -82,6 +82,7 @@ impl PciDevice for SoftGpu {
                 self.shared.vram_access()?;
                 self.vram_slice(offset, data.len())?.copy_from(data);
                 self.shared.vram.mark(offset, data.len() as u64);
+                self.shared.vram.host_wrote(offset, data.len() as u64);
                 Ok(())
             }
             BAR_MSIX if self.config.irq == IrqMode::Msix => {
@@ -150,6 +151,10 @@ impl PciDevice for SoftGpu {
 
     fn faults(&self) -> Option<&dyn switchyard_device::FaultInjection> {
         Some(self)
+    }
+
+    fn dma_observer(&self) -> Option<Arc<dyn switchyard_device::DmaObserver>> {
+        self.shared.accel.get().and_then(|a| a.dma_observer())
     }
 }
 

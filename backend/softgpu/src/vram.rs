@@ -5,13 +5,14 @@
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, Weak};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
 
 use crate::SoftGpuError;
+use crate::accel::AccelDevice;
 use crate::identity::VramRef;
 
 /// A slice of VRAM.
@@ -29,6 +30,9 @@ pub(crate) struct Vram {
     tracked: bool,
     /// The memory failed (an injected `vram` fault): the device reaches it no more.
     failed: AtomicBool,
+    /// The accelerator of the device on this VRAM, told of writes it did not make (see
+    /// `crate::accel`). Weak: VRAM belongs to the slot and outlives its devices.
+    watcher: RwLock<Option<Weak<dyn AccelDevice>>>,
 }
 
 /// Page size of the write log.
@@ -94,6 +98,7 @@ impl Vram {
             written: (0..words).map(|_| AtomicU64::new(0)).collect(),
             tracked,
             failed: AtomicBool::new(false),
+            watcher: RwLock::new(None),
         })
     }
 
@@ -139,6 +144,21 @@ impl Vram {
             {
                 word.fetch_or(bits, Ordering::Release);
             }
+        }
+    }
+
+    /// Makes `accel` the one told of writes to VRAM it does not make ([`Vram::host_wrote`]).
+    pub(crate) fn watch(&self, accel: &Arc<dyn AccelDevice>) {
+        *self.watcher.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::downgrade(accel));
+    }
+
+    /// `[offset, offset+len)` was written by the server itself (a trapped BAR2 write,
+    /// zeroing, a migration's restore, the CPU path of a command): an accelerator's copy of
+    /// it is stale. Call after the write.
+    pub(crate) fn host_wrote(&self, offset: u64, len: u64) {
+        let watcher = self.watcher.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(accel) = watcher.as_ref().and_then(Weak::upgrade) {
+            accel.host_wrote(offset, len);
         }
     }
 
@@ -223,5 +243,6 @@ impl Vram {
             }
         }
         self.mark(offset, end - offset);
+        self.host_wrote(offset, end - offset);
     }
 }

@@ -37,6 +37,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod alloc_count;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod sock;
 mod vfio;
 

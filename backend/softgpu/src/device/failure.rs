@@ -100,6 +100,26 @@ impl Shared {
         g.set_error(q, ERR_DEVICE_LOST, job.slot, 0);
     }
 
+    /// The accelerator lost the board while engine `q` ran a command: reports it (the state
+    /// is intact: VRAM's memfd and the mirror hold everything completed). Returns whether
+    /// the engine stops, its command left in flight for a replacement (the failure is
+    /// handled above the device: a failover); else the caller fails the command with
+    /// `ERR_DEVICE_LOST`, as every later one will be (the loss is sticky).
+    pub(super) fn board_lost(&self, q: usize, reason: String) -> bool {
+        let handled = self.faults.report(
+            &self.irqs,
+            BoardFailure {
+                reason: format!("the board's accelerator was lost: {reason}"),
+                state_intact: true,
+            },
+        );
+        if handled {
+            self.faults.fail_engine(q);
+            self.engine_died(q);
+        }
+        handled
+    }
+
     /// Reports that VRAM failed (once per device; the caller found it so, holding no lock).
     pub(crate) fn vram_failed(&self) {
         self.faults.report(

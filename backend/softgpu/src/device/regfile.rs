@@ -295,7 +295,9 @@ impl Regs {
             return;
         };
         match outcome.result {
-            Err(ExecError::Aborted) => {}
+            // A lost board's command stays in flight (the engine turned it into
+            // ERR_DEVICE_LOST if nobody fails the device over).
+            Err(ExecError::Aborted | ExecError::BoardLost) => {}
             Ok(Done { irq, fence }) => {
                 self.work.commands += 1;
                 self.work.bytes = self.work.bytes.saturating_add(outcome.bytes);

@@ -1,0 +1,638 @@
+//! The softgpu's commands on a GPU: the [`Accelerator`] of a `cuda` board.
+//!
+//! **Memory.** Guest DMA windows are mapped by the backend itself (its own shared mapping of
+//! the client's file) and registered with the GPU when the client maps them (the
+//! [`DmaObserver`]), unregistered when it unmaps them: the unmap waits for the commands
+//! using the window. VRAM is the device's memfd, registered likewise, with a working copy in
+//! GPU memory (`vram` bytes: the board's memory quota).
+//!
+//! **Which copy is authoritative.** The memfd, always (see `switchyard_softgpu::accel`): a
+//! command that writes VRAM writes the GPU copy and then the memfd (write-through) before it
+//! completes; writes the server makes to the memfd (trapped BAR2 writes, resets, a
+//! migration's restore, a command the CPU path ran) mark the GPU copy's chunks stale, and a
+//! command uploads the stale chunks it touches first. A new device (a replacement process, a
+//! failover, a move's successor) starts with every chunk stale. So a worker killed at any
+//! point, a move, a migration or a failover read VRAM from the memfd as on any softgpu.
+//!
+//! **Commands.** COPY and FILL are copies (DMA engines) and a memset; SAXPY and REDUCE are
+//! kernels, GEMM is cuBLAS; guest operands of kernels are staged through per-queue GPU
+//! buffers. One stream per queue; the engine thread of the queue waits for its stream to
+//! complete (blocking synchronization: it sleeps, no core polls), then the softgpu publishes
+//! the completion and raises the interrupt. A command the GPU cannot take (a window without
+//! a file or registration, read-only memory, overlapping operands whose result depends on the
+//! CPU path's order, a FILL of a partial word, a GPU short of memory) is declined and the CPU
+//! path runs it.
+//!
+//! **A lost board.** A sticky error (the GPU faulted or fell off the bus) is latched: that
+//! command and every later one get [`AccelOutcome::Lost`], and the softgpu reports its board
+//! failed with its state intact (the memfd), so a pool fails it over.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+
+use switchyard_device::{DeviceError, DmaObserver, DmaProt};
+use switchyard_softgpu::accel::{AccelDevice, AccelError, AccelOutcome, AccelTarget, Accelerator};
+use switchyard_softgpu::cmd::{self, Command, Operand};
+use switchyard_sys::cuda::REDUCE_PARTS;
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{FileOffset, MmapRegion};
+
+use crate::gpu::{Gpu, GpuError, Mem, Op};
+
+/// Granule of the GPU copy's staleness (uploads are whole chunks).
+pub const CHUNK: u64 = 64 << 10;
+
+/// A GPU as the accelerator of softgpu devices (one per board; devices of several
+/// partitions share the GPU).
+pub struct CudaAccel<G: Gpu> {
+    gpu: Arc<G>,
+}
+
+impl<G: Gpu> CudaAccel<G> {
+    /// The accelerator of `gpu`.
+    pub fn new(gpu: Arc<G>) -> Self {
+        Self { gpu }
+    }
+}
+
+impl<G: Gpu> std::fmt::Debug for CudaAccel<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("CudaAccel").field(&self.gpu.describe()).finish()
+    }
+}
+
+fn map_file(file: &File, offset: u64, size: u64, writable: bool) -> Result<MmapRegion<()>, String> {
+    let len = usize::try_from(size).map_err(|_| format!("{size} bytes do not fit"))?;
+    let file = file.try_clone().map_err(|e| e.to_string())?;
+    let prot = if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
+    };
+    MmapRegionBuilder::<()>::new(len)
+        .with_file_offset(FileOffset::new(file, offset))
+        .with_mmap_prot(prot)
+        .with_mmap_flags(libc::MAP_SHARED)
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+impl<G: Gpu> Accelerator for CudaAccel<G> {
+    fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+
+    fn open(&self, t: AccelTarget) -> Result<Arc<dyn AccelDevice>, AccelError> {
+        let fail = |message: String| AccelError {
+            what: self.gpu.describe(),
+            message,
+        };
+        let len = usize::try_from(t.vram_size).map_err(|_| fail("VRAM too large".into()))?;
+        let region = map_file(&t.vram, 0, t.vram_size, true).map_err(|e| fail(format!("cannot map VRAM: {e}")))?;
+        let vram_host = self
+            .gpu
+            .register(Arc::new(region))
+            .map_err(|e| fail(format!("cannot register VRAM: {e}")))?;
+        let vram_dev = self
+            .gpu
+            .alloc(len)
+            .map_err(|e| fail(format!("cannot allocate {} MiB of GPU memory for VRAM: {e}", t.vram_size >> 20)))?;
+        let mut queues = Vec::with_capacity(t.queues);
+        for _ in 0..t.queues {
+            queues.push(Mutex::new(Queue {
+                stream: self.gpu.stream().map_err(|e| fail(format!("cannot create a stream: {e}")))?,
+                staging: Default::default(),
+                partial: self
+                    .gpu
+                    .alloc(REDUCE_PARTS * 4 + 4)
+                    .map_err(|e| fail(format!("cannot allocate scratch: {e}")))?,
+            }));
+        }
+        let chunks = t.vram_size.div_ceil(CHUNK);
+        let device = Arc::new_cyclic(|me| CudaDevice {
+            me: me.clone(),
+            gpu: self.gpu.clone(),
+            vram_size: t.vram_size,
+            vram_host,
+            vram_dev,
+            // Nothing is on the GPU yet.
+            stale: (0..chunks.div_ceil(64))
+                .map(|w| {
+                    let left = chunks - w * 64;
+                    AtomicU64::new(if left >= 64 { u64::MAX } else { (1u64 << left) - 1 })
+                })
+                .collect(),
+            windows: RwLock::new(BTreeMap::new()),
+            queues,
+            lost: OnceLock::new(),
+            stats: Stats::default(),
+        });
+        Ok(device as Arc<dyn AccelDevice>)
+    }
+}
+
+/// A registered guest DMA window.
+struct Window<G: Gpu> {
+    size: u64,
+    host: G::Host,
+}
+
+/// A queue's stream and staging buffers.
+struct Queue<G: Gpu> {
+    stream: G::Stream,
+    /// Up to three staged guest operands, grown as needed.
+    staging: [Option<(G::Buf, usize)>; 3],
+    /// REDUCE's partial sums, then its result.
+    partial: G::Buf,
+}
+
+/// What a device's accelerator did (tests and telemetry).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Commands run on the GPU.
+    pub offloaded: AtomicU64,
+    /// Commands declined (run by the CPU path).
+    pub declined: AtomicU64,
+    /// Chunks of VRAM uploaded to the GPU copy.
+    pub uploads: AtomicU64,
+}
+
+/// One device's use of a GPU.
+pub struct CudaDevice<G: Gpu> {
+    /// Itself, for its DMA observer.
+    me: Weak<CudaDevice<G>>,
+    gpu: Arc<G>,
+    vram_size: u64,
+    vram_host: G::Host,
+    vram_dev: G::Buf,
+    /// One bit per [`CHUNK`] of VRAM: the GPU copy is stale.
+    stale: Box<[AtomicU64]>,
+    /// Registered windows by IOVA.
+    windows: RwLock<BTreeMap<u64, Window<G>>>,
+    queues: Vec<Mutex<Queue<G>>>,
+    /// The sticky error the board was lost with.
+    lost: OnceLock<String>,
+    stats: Stats,
+}
+
+impl<G: Gpu> std::fmt::Debug for CudaDevice<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("gpu", &self.gpu.describe())
+            .field("vram_size", &self.vram_size)
+            .field("lost", &self.lost.get())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a command operand is, once resolved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// In VRAM at an offset.
+    Vram(u64),
+    /// In the registered window at `iova`, at an offset into it.
+    Guest { window: u64, off: u64 },
+}
+
+/// Why a command is not run on the GPU.
+enum Skip {
+    /// The CPU path runs it.
+    Decline,
+    /// The board is lost.
+    Lost(String),
+}
+
+impl From<GpuError> for Skip {
+    fn from(e: GpuError) -> Self {
+        if e.sticky {
+            Skip::Lost(e.message)
+        } else {
+            tracing::debug!(error = %e.message, "GPU declined a command");
+            Skip::Decline
+        }
+    }
+}
+
+fn overlap(a: (Operand, u64), b: (Operand, u64)) -> bool {
+    let same_space = a.0.is_vram() == b.0.is_vram();
+    let (a0, b0) = (a.0.addr(), b.0.addr());
+    same_space && a0 < b0.saturating_add(b.1) && b0 < a0.saturating_add(a.1)
+}
+
+fn usize_of(v: u64) -> Result<usize, Skip> {
+    usize::try_from(v).map_err(|_| Skip::Decline)
+}
+
+impl<G: Gpu> CudaDevice<G> {
+    /// What the accelerator did so far.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Guest windows registered with the GPU now.
+    pub fn registered_windows(&self) -> usize {
+        self.windows.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Whether the board was lost, and why.
+    pub fn lost(&self) -> Option<&str> {
+        self.lost.get().map(String::as_str)
+    }
+
+    fn register_window(&self, iova: u64, size: u64, prot: DmaProt, file: Option<(&File, u64)>) {
+        let Some((file, offset)) = file else {
+            tracing::debug!(iova, size, "a window without a file: its commands run on the CPU");
+            return;
+        };
+        if !prot.write {
+            // Registering read-only pages needs a flag not every driver has; the CPU path
+            // reads them.
+            tracing::debug!(iova, size, "a read-only window: its commands run on the CPU");
+            return;
+        }
+        let registered = map_file(file, offset, size, true)
+            .map_err(GpuError::transient)
+            .and_then(|region| self.gpu.register(Arc::new(region)));
+        match registered {
+            Ok(host) => {
+                let mut w = self.windows.write().unwrap_or_else(|p| p.into_inner());
+                w.insert(iova, Window { size, host });
+            }
+            Err(e) => {
+                if e.sticky {
+                    let _ = self.lost.set(e.message.clone());
+                }
+                tracing::debug!(iova, size, error = %e, "window not registered: its commands run on the CPU");
+            }
+        }
+    }
+
+    /// Where `len` bytes at `op` are: VRAM, or inside one registered window.
+    fn place(windows: &BTreeMap<u64, Window<G>>, op: Operand, len: u64) -> Result<Place, Skip> {
+        match op {
+            Operand::Vram(off) => Ok(Place::Vram(off)),
+            Operand::Guest(iova) => {
+                let (&start, w) = windows.range(..=iova).next_back().ok_or(Skip::Decline)?;
+                let off = iova - start;
+                if off.checked_add(len).is_some_and(|end| end <= w.size) {
+                    Ok(Place::Guest { window: start, off })
+                } else {
+                    Err(Skip::Decline)
+                }
+            }
+        }
+    }
+
+    /// Marks the chunks of `[off, off+len)` stale.
+    fn invalidate(&self, off: u64, len: u64) {
+        let end = off.saturating_add(len).min(self.vram_size);
+        if len == 0 || off >= end {
+            return;
+        }
+        for c in off / CHUNK..=(end - 1) / CHUNK {
+            if let Some(w) = self.stale.get((c / 64) as usize) {
+                w.fetch_or(1 << (c % 64), Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Takes the stale chunks of `[off, off+len)` (clearing their bits): the caller uploads
+    /// them, or marks them stale again if it cannot.
+    fn take_stale(&self, off: u64, len: u64, out: &mut Vec<u64>) {
+        let end = off.saturating_add(len).min(self.vram_size);
+        if len == 0 || off >= end {
+            return;
+        }
+        for c in off / CHUNK..=(end - 1) / CHUNK {
+            let bit = 1u64 << (c % 64);
+            if let Some(w) = self.stale.get((c / 64) as usize)
+                && w.load(Ordering::Acquire) & bit != 0
+                && w.fetch_and(!bit, Ordering::AcqRel) & bit != 0
+            {
+                out.push(c);
+            }
+        }
+    }
+
+    fn run_command(&self, q: usize, c: &Command) -> Result<(), Skip> {
+        if let Some(reason) = self.lost.get() {
+            return Err(Skip::Lost(reason.clone()));
+        }
+        let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
+        let queue = self.queues.get(q).ok_or(Skip::Decline)?;
+        let mut queue = queue.lock().unwrap_or_else(|p| p.into_inner());
+        let plan = Plan::of(c)?;
+        let mut places = Vec::with_capacity(plan.operands.len());
+        for &(op, len, _) in &plan.operands {
+            places.push(Self::place(&windows, op, len)?);
+        }
+        // Staging buffers for guest operands of kernels.
+        for (i, (&(_, len, _), place)) in plan.operands.iter().zip(&places).enumerate() {
+            if plan.kernel && matches!(place, Place::Guest { .. }) {
+                let need = usize_of(len)?.max(4);
+                let slot = queue.staging.get_mut(i).ok_or(Skip::Decline)?;
+                if slot.as_ref().is_none_or(|(_, cap)| *cap < need) {
+                    let cap = need.next_power_of_two();
+                    *slot = None;
+                    *slot = Some((self.gpu.alloc(cap)?, cap));
+                }
+            }
+        }
+        let mut uploads = Vec::new();
+        for (&(op, len, _), place) in plan.operands.iter().zip(&places) {
+            if let Place::Vram(off) = place {
+                debug_assert!(op.is_vram());
+                self.take_stale(*off, len, &mut uploads);
+            }
+        }
+        let result = self.execute(&plan, &places, &windows, &queue, &uploads);
+        if result.is_err() {
+            // What the GPU copy holds is unknown now: stale, all that the command touched.
+            for &c in &uploads {
+                self.invalidate(c * CHUNK, CHUNK);
+            }
+            for (&(_, len, _), place) in plan.operands.iter().zip(&places) {
+                if let Place::Vram(off) = place {
+                    self.invalidate(*off, len);
+                }
+            }
+        } else {
+            self.stats.uploads.fetch_add(uploads.len() as u64, Ordering::Relaxed);
+        }
+        result.map_err(Skip::from)
+    }
+
+    /// Builds the command's batch and runs it.
+    fn execute(
+        &self,
+        plan: &Plan,
+        places: &[Place],
+        windows: &BTreeMap<u64, Window<G>>,
+        queue: &Queue<G>,
+        uploads: &[u64],
+    ) -> Result<(), GpuError> {
+        let too_big = |_| GpuError::transient("an offset beyond the address space");
+        let at = |place: Place| -> Result<Mem<'_, G>, GpuError> {
+            Ok(match place {
+                Place::Vram(off) => Mem::Dev(&self.vram_dev, usize::try_from(off).map_err(too_big)?),
+                Place::Guest { window, off } => {
+                    let w = windows
+                        .get(&window)
+                        .ok_or_else(|| GpuError::transient("a window went away"))?;
+                    Mem::Host(&w.host, usize::try_from(off).map_err(too_big)?)
+                }
+            })
+        };
+        let vram_host = |off: u64| -> Result<Mem<'_, G>, GpuError> {
+            Ok(Mem::Host(&self.vram_host, usize::try_from(off).map_err(too_big)?))
+        };
+        let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(uploads.len() + 8);
+        for &c in uploads {
+            let off = c * CHUNK;
+            let len = usize::try_from(CHUNK.min(self.vram_size - off)).map_err(too_big)?;
+            ops.push(Op::Copy {
+                dst: at(Place::Vram(off))?,
+                src: vram_host(off)?,
+                len,
+            });
+        }
+        // Kernel operands: VRAM in place, guest memory staged in.
+        let mut dev: Vec<Mem<'_, G>> = Vec::with_capacity(places.len());
+        for (i, (&(_, len, input), &place)) in plan.operands.iter().zip(places).enumerate() {
+            let m = at(place)?;
+            if plan.kernel && matches!(place, Place::Guest { .. }) {
+                let (buf, _) = queue
+                    .staging
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| GpuError::transient("no staging buffer"))?;
+                let staged = Mem::Dev(buf, 0);
+                if input {
+                    ops.push(Op::Copy {
+                        dst: staged,
+                        src: m,
+                        len: usize::try_from(len).map_err(too_big)?,
+                    });
+                }
+                dev.push(staged);
+            } else {
+                dev.push(m);
+            }
+        }
+        let partial = Mem::Dev(&queue.partial, 0);
+        let result = Mem::Dev(&queue.partial, REDUCE_PARTS * 4);
+        let c = &plan.command;
+        let (out_index, out_len) = plan.output;
+        match c.opcode {
+            cmd::OP_COPY => ops.push(Op::Copy {
+                dst: dev[1],
+                src: dev[0],
+                len: usize::try_from(c.arg[0]).map_err(too_big)?,
+            }),
+            cmd::OP_FILL => {
+                let words = usize::try_from(c.arg[0] / 4).map_err(too_big)?;
+                match places[0] {
+                    Place::Vram(_) => ops.push(Op::Fill32 {
+                        dst: dev[0],
+                        words,
+                        value: c.imm32,
+                    }),
+                    Place::Guest { .. } => {
+                        // Filled in GPU memory (the REDUCE scratch is too small: staged in
+                        // the first staging buffer's place), then copied out.
+                        return Err(GpuError::transient("FILL of guest memory runs on the CPU"));
+                    }
+                }
+            }
+            cmd::OP_SAXPY => ops.push(Op::Saxpy {
+                a: f32::from_bits(c.imm32),
+                x: dev[0],
+                y: dev[1],
+                n: usize::try_from(c.arg[0]).map_err(too_big)?,
+            }),
+            cmd::OP_REDUCE => ops.push(Op::Reduce {
+                x: dev[0],
+                n: usize::try_from(c.arg[0]).map_err(too_big)?,
+                out: result,
+                partial,
+            }),
+            cmd::OP_GEMM => ops.push(Op::Gemm {
+                m: usize::try_from(c.arg[0]).map_err(too_big)?,
+                n: usize::try_from(c.arg[1]).map_err(too_big)?,
+                k: usize::try_from(c.arg[2]).map_err(too_big)?,
+                a: dev[0],
+                b: dev[1],
+                c: dev[2],
+            }),
+            _ => return Err(GpuError::transient("not a GPU command")),
+        }
+        // The output: REDUCE's result into place, staged results out, VRAM written through.
+        let out_len = usize::try_from(out_len).map_err(too_big)?;
+        let out_place = places[out_index];
+        if c.opcode == cmd::OP_REDUCE {
+            ops.push(Op::Copy {
+                dst: at(out_place)?,
+                src: result,
+                len: 4,
+            });
+        } else if plan.kernel && matches!(out_place, Place::Guest { .. }) {
+            ops.push(Op::Copy {
+                dst: at(out_place)?,
+                src: dev[out_index],
+                len: out_len,
+            });
+        }
+        if let Place::Vram(off) = out_place {
+            ops.push(Op::Copy {
+                dst: vram_host(off)?,
+                src: at(out_place)?,
+                len: out_len,
+            });
+        }
+        self.gpu.run(&queue.stream, &ops)
+    }
+}
+
+/// A command's operands, as the GPU path sees them.
+struct Plan {
+    command: Command,
+    /// Operands: (operand, bytes, read by the command).
+    operands: Vec<(Operand, u64, bool)>,
+    /// (index of the output operand, bytes written).
+    output: (usize, u64),
+    /// Kernel operands must be in GPU memory (guest ones are staged).
+    kernel: bool,
+}
+
+impl Plan {
+    fn of(c: &Command) -> Result<Plan, Skip> {
+        let op = |i: usize| c.operand(i);
+        let (operands, output, kernel) = match c.opcode {
+            cmd::OP_COPY => {
+                let len = c.arg[0];
+                let (src, dst) = ((op(0), len), (op(1), len));
+                // Overlapping VRAM copies have memmove semantics on the CPU path.
+                if overlap(src, dst) {
+                    return Err(Skip::Decline);
+                }
+                if !src.0.is_vram() && !dst.0.is_vram() {
+                    // Guest to guest: nothing for a GPU to add.
+                    return Err(Skip::Decline);
+                }
+                (vec![(src.0, len, true), (dst.0, len, false)], (1, len), false)
+            }
+            cmd::OP_FILL => {
+                let len = c.arg[0];
+                if !len.is_multiple_of(4) || !op(0).addr().is_multiple_of(4) || !op(0).is_vram() {
+                    return Err(Skip::Decline);
+                }
+                (vec![(op(0), len, false)], (0, len), false)
+            }
+            cmd::OP_SAXPY => {
+                let bytes = c.arg[0].saturating_mul(4);
+                let (x, y) = ((op(0), bytes), (op(1), bytes));
+                if overlap(x, y) && x.0 != y.0 {
+                    return Err(Skip::Decline);
+                }
+                (vec![(x.0, bytes, true), (y.0, bytes, true)], (1, bytes), true)
+            }
+            cmd::OP_REDUCE => {
+                let (x, out) = ((op(0), c.arg[0].saturating_mul(4)), (op(1), 4));
+                if c.arg[0] == 0 || overlap(x, out) {
+                    return Err(Skip::Decline);
+                }
+                (vec![(x.0, x.1, true), (out.0, 4, false)], (1, 4), true)
+            }
+            cmd::OP_GEMM => {
+                let [m, n, k] = c.arg;
+                let a = (op(0), m.saturating_mul(k).saturating_mul(4));
+                let b = (op(1), k.saturating_mul(n).saturating_mul(4));
+                let cc = (op(2), m.saturating_mul(n).saturating_mul(4));
+                if k == 0 || overlap(a, cc) || overlap(b, cc) {
+                    return Err(Skip::Decline);
+                }
+                (vec![(a.0, a.1, true), (b.0, b.1, true), (cc.0, cc.1, false)], (2, cc.1), true)
+            }
+            _ => return Err(Skip::Decline),
+        };
+        Ok(Plan {
+            command: *c,
+            operands,
+            output,
+            kernel,
+        })
+    }
+}
+
+impl<G: Gpu> AccelDevice for CudaDevice<G> {
+    fn run(&self, queue: usize, c: &Command) -> AccelOutcome {
+        match self.run_command(queue, c) {
+            Ok(()) => {
+                self.stats.offloaded.fetch_add(1, Ordering::Relaxed);
+                AccelOutcome::Done
+            }
+            Err(Skip::Decline) => {
+                self.stats.declined.fetch_add(1, Ordering::Relaxed);
+                AccelOutcome::Declined
+            }
+            Err(Skip::Lost(reason)) => {
+                let first = self.lost.set(reason.clone()).is_ok();
+                if first {
+                    tracing::error!(gpu = %self.gpu.describe(), %reason, "the GPU is lost");
+                }
+                AccelOutcome::Lost(self.lost.get().cloned().unwrap_or(reason))
+            }
+        }
+    }
+
+    fn host_wrote(&self, offset: u64, len: u64) {
+        self.invalidate(offset, len);
+    }
+
+    fn dma_observer(&self) -> Option<Arc<dyn DmaObserver>> {
+        Some(Arc::new(Registrar(self.me.clone())))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The DMA observer of a [`CudaDevice`]: registers windows as the client maps them.
+struct Registrar<G: Gpu>(Weak<CudaDevice<G>>);
+
+impl<G: Gpu> DmaObserver for Registrar<G> {
+    fn mapping(
+        &self,
+        iova: u64,
+        size: u64,
+        prot: DmaProt,
+        file: Option<(&File, u64)>,
+    ) -> Result<(), DeviceError> {
+        // Never refused: a window the GPU cannot reach is served by the CPU path.
+        if let Some(device) = self.0.upgrade() {
+            device.register_window(iova, size, prot, file);
+        }
+        Ok(())
+    }
+
+    fn unmapped(&self, iova: u64, size: u64) {
+        let Some(device) = self.0.upgrade() else {
+            return;
+        };
+        let end = iova.saturating_add(size);
+        // Waits for the commands using the windows (they hold the read lock).
+        let mut w = device.windows.write().unwrap_or_else(|p| p.into_inner());
+        let gone: Vec<u64> = w
+            .range(..end)
+            .filter(|(start, win)| start.saturating_add(win.size) > iova)
+            .map(|(start, _)| *start)
+            .collect();
+        let gone: Vec<Window<G>> = gone.iter().filter_map(|s| w.remove(s)).collect();
+        drop(w);
+        // Unregistered now, before the unmap is answered.
+        drop(gone);
+    }
+}

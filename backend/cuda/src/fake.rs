@@ -1,0 +1,277 @@
+//! A fake GPU for CI (no machine there has one): host registrations and GPU memory as host
+//! memory, every operation run on the CPU at once. It counts what the backend registers and
+//! allocates, and fails on request, for good (a sticky error) or once (a transient one), so
+//! the backend's bookkeeping and its handling of a lost board are tested without a GPU.
+//!
+//! Its REDUCE sums in the real kernel's order (fixed blocks, then their partial sums), not
+//! the CPU path's, so tests meet the documented tolerance rather than bit equality.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use switchyard_sys::cuda::REDUCE_PARTS;
+use vm_memory::{MmapRegion, VolatileMemory};
+
+use crate::gpu::{Gpu, GpuError, Mem, Op};
+
+/// Counters and switches shared by a fake GPU and its test.
+#[derive(Debug, Default)]
+pub struct FakeState {
+    /// Registrations alive.
+    pub registered: AtomicU64,
+    /// Registrations ever made.
+    pub registrations: AtomicU64,
+    /// Bytes of GPU memory allocated and alive.
+    pub allocated: AtomicU64,
+    /// Batches run.
+    pub batches: AtomicU64,
+    /// Operations run, by kind: copies, fills, kernels (SAXPY, REDUCE), GEMMs.
+    pub copies: AtomicU64,
+    /// See `copies`.
+    pub fills: AtomicU64,
+    /// See `copies`.
+    pub kernels: AtomicU64,
+    /// See `copies`.
+    pub gemms: AtomicU64,
+    /// The next batch fails with a sticky error, and every one after it.
+    pub lose: AtomicBool,
+    /// The next batch fails with a transient error (then the switch resets).
+    pub hiccup: AtomicBool,
+    /// Batches wait this long (µs) before they run: a slow GPU.
+    pub delay_us: AtomicU64,
+    lost: AtomicBool,
+}
+
+/// A fake GPU.
+#[derive(Debug, Clone, Default)]
+pub struct FakeGpu {
+    /// Its counters and switches.
+    pub state: Arc<FakeState>,
+}
+
+/// A fake registration.
+#[derive(Debug)]
+pub struct FakeHost {
+    region: Arc<MmapRegion<()>>,
+    state: Arc<FakeState>,
+}
+
+impl Drop for FakeHost {
+    fn drop(&mut self) {
+        self.state.registered.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Fake GPU memory.
+#[derive(Debug)]
+pub struct FakeBuf {
+    bytes: Mutex<Vec<u8>>,
+    state: Arc<FakeState>,
+}
+
+impl Drop for FakeBuf {
+    fn drop(&mut self) {
+        let len = self.bytes.lock().unwrap_or_else(|p| p.into_inner()).len();
+        self.state.allocated.fetch_sub(len as u64, Ordering::SeqCst);
+    }
+}
+
+fn range_error(len: usize, off: usize, size: usize) -> GpuError {
+    GpuError::transient(format!("{len} bytes at {off} exceed a buffer of {size}"))
+}
+
+fn read(m: Mem<'_, FakeGpu>, len: usize) -> Result<Vec<u8>, GpuError> {
+    let mut out = vec![0u8; len];
+    match m {
+        Mem::Host(h, off) => {
+            let s = h
+                .region
+                .get_slice(off, len)
+                .map_err(|_| range_error(len, off, h.region.size()))?;
+            s.copy_to(&mut out);
+        }
+        Mem::Dev(d, off) => {
+            let b = d.bytes.lock().unwrap_or_else(|p| p.into_inner());
+            let src = off
+                .checked_add(len)
+                .and_then(|end| b.get(off..end))
+                .ok_or_else(|| range_error(len, off, b.len()))?;
+            out.copy_from_slice(src);
+        }
+    }
+    Ok(out)
+}
+
+fn write(m: Mem<'_, FakeGpu>, data: &[u8]) -> Result<(), GpuError> {
+    match m {
+        Mem::Host(h, off) => {
+            let s = h
+                .region
+                .get_slice(off, data.len())
+                .map_err(|_| range_error(data.len(), off, h.region.size()))?;
+            s.copy_from(data);
+        }
+        Mem::Dev(d, off) => {
+            let mut b = d.bytes.lock().unwrap_or_else(|p| p.into_inner());
+            let size = b.len();
+            let dst = off
+                .checked_add(data.len())
+                .and_then(|end| b.get_mut(off..end))
+                .ok_or_else(|| range_error(data.len(), off, size))?;
+            dst.copy_from_slice(data);
+        }
+    }
+    Ok(())
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl FakeGpu {
+    /// A fake GPU with fresh counters.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn device(m: Mem<'_, FakeGpu>) -> Result<(), GpuError> {
+        match m {
+            Mem::Dev(..) => Ok(()),
+            Mem::Host(..) => Err(GpuError::transient("a kernel operand in host memory")),
+        }
+    }
+
+    fn op(&self, op: &Op<'_, Self>) -> Result<(), GpuError> {
+        let s = &self.state;
+        match *op {
+            Op::Copy { dst, src, len } => {
+                s.copies.fetch_add(1, Ordering::Relaxed);
+                let data = read(src, len)?;
+                write(dst, &data)
+            }
+            Op::Fill32 { dst, words, value } => {
+                s.fills.fetch_add(1, Ordering::Relaxed);
+                Self::device(dst)?;
+                let data: Vec<u8> = std::iter::repeat_n(value.to_le_bytes(), words)
+                    .flatten()
+                    .collect();
+                write(dst, &data)
+            }
+            Op::Saxpy { a, x, y, n } => {
+                s.kernels.fetch_add(1, Ordering::Relaxed);
+                Self::device(x)?;
+                Self::device(y)?;
+                let xs = floats(&read(x, n * 4)?);
+                let mut ys = floats(&read(y, n * 4)?);
+                for (yv, xv) in ys.iter_mut().zip(xs) {
+                    *yv += a * xv;
+                }
+                write(y, &to_bytes(&ys))
+            }
+            Op::Reduce { x, n, out, partial } => {
+                s.kernels.fetch_add(1, Ordering::Relaxed);
+                Self::device(x)?;
+                Self::device(out)?;
+                Self::device(partial)?;
+                let xs = floats(&read(x, n * 4)?);
+                // The kernel's order: REDUCE_PARTS blocks of `per` elements each.
+                let per = n.div_ceil(REDUCE_PARTS).max(1);
+                let parts: Vec<f32> = xs.chunks(per).map(|c| c.iter().sum()).collect();
+                write(partial, &to_bytes(&parts))?;
+                let total: f32 = parts.iter().sum();
+                write(out, &total.to_le_bytes())
+            }
+            Op::Gemm { m, n, k, a, b, c } => {
+                s.gemms.fetch_add(1, Ordering::Relaxed);
+                for op in [a, b, c] {
+                    Self::device(op)?;
+                }
+                let av = floats(&read(a, m * k * 4)?);
+                let bv = floats(&read(b, k * n * 4)?);
+                let mut cv = vec![0f32; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        // A blocked order, as a GPU's: pairs of products summed.
+                        let mut acc = 0f32;
+                        let mut p = 0;
+                        while p < k {
+                            let mut pair = av[i * k + p] * bv[p * n + j];
+                            if p + 1 < k {
+                                pair += av[i * k + p + 1] * bv[(p + 1) * n + j];
+                            }
+                            acc += pair;
+                            p += 2;
+                        }
+                        cv[i * n + j] = acc;
+                    }
+                }
+                write(c, &to_bytes(&cv))
+            }
+        }
+    }
+}
+
+impl Gpu for FakeGpu {
+    type Host = FakeHost;
+    type Buf = FakeBuf;
+    type Stream = ();
+
+    fn describe(&self) -> String {
+        "fake GPU".into()
+    }
+
+    fn register(&self, region: Arc<MmapRegion<()>>) -> Result<FakeHost, GpuError> {
+        if self.state.lost.load(Ordering::SeqCst) {
+            return Err(GpuError::sticky("the fake GPU is lost"));
+        }
+        self.state.registered.fetch_add(1, Ordering::SeqCst);
+        self.state.registrations.fetch_add(1, Ordering::SeqCst);
+        Ok(FakeHost {
+            region,
+            state: self.state.clone(),
+        })
+    }
+
+    fn alloc(&self, len: usize) -> Result<FakeBuf, GpuError> {
+        self.state.allocated.fetch_add(len as u64, Ordering::SeqCst);
+        Ok(FakeBuf {
+            bytes: Mutex::new(vec![0u8; len]),
+            state: self.state.clone(),
+        })
+    }
+
+    fn stream(&self) -> Result<(), GpuError> {
+        Ok(())
+    }
+
+    fn run(&self, _stream: &(), ops: &[Op<'_, Self>]) -> Result<(), GpuError> {
+        let s = &self.state;
+        if s.lose.load(Ordering::SeqCst) {
+            s.lost.store(true, Ordering::SeqCst);
+        }
+        if s.lost.load(Ordering::SeqCst) {
+            return Err(GpuError::sticky(
+                "CUDA cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (fake)",
+            ));
+        }
+        if s.hiccup.swap(false, Ordering::SeqCst) {
+            return Err(GpuError::transient("CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (fake)"));
+        }
+        let delay = s.delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(delay));
+        }
+        s.batches.fetch_add(1, Ordering::Relaxed);
+        for op in ops {
+            self.op(op)?;
+        }
+        Ok(())
+    }
+}

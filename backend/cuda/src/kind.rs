@@ -1,0 +1,158 @@
+//! The `cuda` device kind: the softgpu's device (registers, command set, VRAM memfd,
+//! recovery) with its commands executed on an NVIDIA GPU.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use switchyard_device::blackbox::RecordSpec;
+use switchyard_device::kind::{Build, DeviceKind, DirtyLog, Host, KindError, KindOptions, Profile, opt};
+use switchyard_device::PciDevice;
+use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
+
+use crate::device::CudaAccel;
+use crate::real::CudaGpu;
+
+/// The `cuda` kind.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CudaKind;
+
+/// The options of a `cuda` device beyond the softgpu's.
+const GPU: &str = "gpu";
+
+/// Why a `cuda` device cannot be built on this host.
+#[derive(Debug, thiserror::Error)]
+#[error("The GPU `{gpu}` is not usable")]
+pub struct GpuUnavailable {
+    /// The `gpu` option.
+    pub gpu: String,
+    /// Why.
+    #[source]
+    pub source: switchyard_sys::cuda::CudaError,
+}
+
+impl CudaKind {
+    /// The softgpu configuration and the GPU that `options` describe.
+    pub fn config(options: &KindOptions) -> Result<(SoftGpuConfig, String), KindError> {
+        let gpu = opt::str(options, GPU)?
+            .map(str::trim)
+            .filter(|g| !g.is_empty())
+            .ok_or_else(|| {
+                KindError::option(GPU, "missing: the GPU's UUID (`GPU-…`, see `nvidia-smi -L`) or ordinal")
+            })?
+            .to_owned();
+        if opt::bool(options, "vram_mmap")? == Some(true) {
+            return Err(KindError::option(
+                "vram_mmap",
+                "a cuda board's VRAM has its working copy in GPU memory, which the guest cannot map: it is always off",
+            ));
+        }
+        let mut soft = options.clone();
+        soft.remove(GPU);
+        soft.insert("vram_mmap".into(), false.into());
+        let c = SoftGpuKind::config(&soft)?;
+        Ok((c, gpu))
+    }
+
+    /// The canonical options of `config` on `gpu`.
+    pub fn options(config: &SoftGpuConfig, gpu: &str) -> KindOptions {
+        let mut o = SoftGpuKind::options(config);
+        o.remove("vram_mmap");
+        o.insert(GPU.into(), gpu.into());
+        o
+    }
+}
+
+/// The GPUs this process opened, by `gpu` option: the partitions of one GPU share it.
+fn accelerator(gpu: &str) -> Result<Arc<CudaAccel<CudaGpu>>, KindError> {
+    static OPEN: Mutex<Option<HashMap<String, Weak<CudaAccel<CudaGpu>>>>> = Mutex::new(None);
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    let map = open.get_or_insert_with(HashMap::new);
+    if let Some(a) = map.get(gpu).and_then(Weak::upgrade) {
+        return Ok(a);
+    }
+    let real = CudaGpu::open(gpu).map_err(|source| {
+        KindError::build(
+            "cuda",
+            GpuUnavailable {
+                gpu: gpu.to_owned(),
+                source,
+            },
+        )
+    })?;
+    let accel = Arc::new(CudaAccel::new(Arc::new(real)));
+    map.insert(gpu.to_owned(), Arc::downgrade(&accel));
+    Ok(accel)
+}
+
+/// Runs `gpu`'s commands on its board's GPU.
+fn accelerate(gpu: SoftGpu, which: &str) -> Result<Box<dyn PciDevice>, KindError> {
+    let accel = accelerator(which)?;
+    let gpu = gpu
+        .with_accelerator(accel.as_ref())
+        .map_err(|e| KindError::build("cuda", e))?;
+    // The accelerator lives as long as a device uses it (the device holds its per-device
+    // part, which holds the GPU).
+    Ok(Box::new(gpu))
+}
+
+impl DeviceKind for CudaKind {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn summary(&self) -> &'static str {
+        "The softgpu's device (registers, commands, VRAM) with its commands run on an NVIDIA GPU: COPY/FILL as GPU DMA, SAXPY/REDUCE as kernels, GEMM by cuBLAS"
+    }
+
+    fn options_help(&self) -> &'static str {
+        "gpu=UUID|N        the GPU (`GPU-…` as `nvidia-smi -L` prints it, a unique prefix, or an ordinal); required\n\
+         vram=SIZE         VRAM, a power of two from 1M to 64G (64M): the GPU memory it takes\n\
+         queues=N          command queues, 1 to 8 (2): one CUDA stream each\n\
+         irq=msix|msi      interrupt mode (msix)\n\
+         vram_reset=zero|keep  what resets do to VRAM (zero)\n\
+         spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
+    }
+
+    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
+        let (c, gpu) = Self::config(options)?;
+        let profile = Profile {
+            vram: c.vram_size,
+            queues: c.queues,
+            partitionable: true,
+            // A move builds its successor on the source's board; a successor on another
+            // GPU needs the target's options, which moves do not carry yet.
+            movable: false,
+            msix: c.irq == IrqMode::Msix,
+            dirty_log: DirtyLog::DeviceLog,
+            exclusive: None,
+            host_settings: vec!["spin".into(), GPU.into()],
+            client_maps_memory: false,
+        };
+        Ok((Self::options(&c, &gpu), profile))
+    }
+
+    /// The GPU must be there and healthy (NVML when it is installed, else the driver).
+    fn probe(&self, options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
+        let (_, gpu) = Self::config(options).map_err(|e| e.to_string())?;
+        crate::inventory::probe(&gpu).map(Some)
+    }
+
+    fn black_box_records(&self, options: &KindOptions) -> Vec<RecordSpec> {
+        Self::config(options)
+            .map(|(c, _)| SoftGpu::black_box_records(&c))
+            .unwrap_or_default()
+    }
+
+    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        let (c, gpu) = Self::config(options)?;
+        // The GPU first: a board whose GPU is gone builds nothing.
+        accelerator(&gpu)?;
+        accelerate(SoftGpuKind::build_device(c, b)?, &gpu)
+    }
+
+    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        let (c, gpu) = Self::config(options)?;
+        accelerator(&gpu)?;
+        accelerate(SoftGpuKind::recover_device(c, b)?, &gpu)
+    }
+}

@@ -1,0 +1,371 @@
+//! The `cuda` board's execution backend on the fake GPU (CI has no GPU; the same tests run
+//! against a real one in `scripts/gpu-check.sh`, see `cuda_gpu.rs`): a client drives the
+//! softgpu's registers over vfio-user while its commands run on the accelerator. Checked:
+//! every command's result against the CPU backend's (bit-exact, or within the documented
+//! tolerance for GEMM and REDUCE), the GPU copy of VRAM kept coherent with the memfd both
+//! ways, guest windows registered on map and unregistered on unmap and disconnect, a
+//! transient GPU error falling back to the CPU path, and a lost GPU latching
+//! `ERR_DEVICE_LOST` or, with a failover handling it, reporting the board failed with its
+//! state intact.
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::thread;
+use std::time::Duration;
+
+use common::driver::{Driver, GUEST_IOVA, WINDOW_SIZE, bits, data, guest, wait_eventfd};
+use common::ours::Ours;
+use switchyard_client::Client;
+use switchyard_cuda::device::{CudaAccel, CudaDevice};
+use switchyard_cuda::fake::FakeGpu;
+use switchyard_device::kind::BoardFailure;
+use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
+use switchyard_softgpu::cmd::{Command, Operand};
+use switchyard_softgpu::regs::*;
+use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
+
+struct Board {
+    fake: FakeGpu,
+    slot: DeviceSlot,
+    stop: StopHandle,
+    thread: Option<thread::JoinHandle<()>>,
+    socket: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Board {
+    /// A softgpu whose commands run on a fake GPU; `failed` handles its board failures.
+    fn start(failed: Option<mpsc::Sender<BoardFailure>>) -> Self {
+        let fake = FakeGpu::new();
+        let accel = CudaAccel::new(Arc::new(fake.clone()));
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("gpu.sock");
+        let config = SoftGpuConfig {
+            vram_mmap: false,
+            ..SoftGpuConfig::default()
+        };
+        let mut server = Server::new(ServerConfig::new(&socket), move |ctx| {
+            let hook = failed.clone().map(|tx| {
+                Arc::new(move |f: BoardFailure| tx.send(f).is_ok())
+                    as switchyard_device::kind::FailedHook
+            });
+            let gpu = SoftGpu::new(config, ctx)?.with_failure_hook(hook);
+            Ok::<_, switchyard_softgpu::SoftGpuError>(
+                gpu.with_accelerator(&accel).expect("the fake GPU opens"),
+            )
+        })
+        .expect("server");
+        let slot = server.device_slot();
+        let stop = server.stop_handle();
+        let thread = thread::spawn(move || server.run().expect("run"));
+        Self {
+            fake,
+            slot,
+            stop,
+            thread: Some(thread),
+            socket,
+            _dir: dir,
+        }
+    }
+
+    fn connect(&self) -> Driver<Ours> {
+        Driver::new(Ours(Client::connect(&self.socket).expect("connect")))
+    }
+
+    /// `(commands offloaded, declined, guest windows registered)`.
+    fn accel(&self) -> (u64, u64, usize) {
+        self.slot
+            .with_as(|d: &mut SoftGpu| {
+                let a = d.accelerator().expect("accelerated");
+                let dev = a
+                    .as_any()
+                    .downcast_ref::<CudaDevice<FakeGpu>>()
+                    .expect("a fake-GPU device");
+                let s = dev.stats();
+                (
+                    s.offloaded.load(Ordering::SeqCst),
+                    s.declined.load(Ordering::SeqCst),
+                    dev.registered_windows(),
+                )
+            })
+            .expect("the slot holds a softgpu")
+    }
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        self.stop.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn saxpy_ref(a: f32, x: &[f32], y: &[f32]) -> Vec<f32> {
+    x.iter().zip(y).map(|(&x, &y)| y + a * x).collect()
+}
+
+/// The CPU backend's GEMM: k ascending, no fused multiply-add.
+fn gemm_ref(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for p in 0..k {
+                acc += a[i * k + p] * b[p * n + j];
+            }
+            c[i * n + j] = acc;
+        }
+    }
+    c
+}
+
+/// The documented tolerance of GEMM and REDUCE on a GPU (another summation order, fused
+/// multiply-adds): `|got − cpu| ≤ 2·terms·2⁻²³·Σ|products|`, the standard bound of a sum of
+/// `terms` rounded products in any order, computed for each element.
+fn within(got: f32, cpu: f32, terms: usize, abs_sum: f64) -> bool {
+    let bound = 2.0 * terms as f64 * f64::from(f32::EPSILON) * abs_sum;
+    (f64::from(got) - f64::from(cpu)).abs() <= bound
+}
+
+#[test]
+fn commands_run_on_the_gpu_with_the_cpu_backends_results() {
+    let board = Board::start(None);
+    let mut d = board.connect();
+    common::workload::check_identity(&mut d);
+    // Both guest windows and VRAM are registered.
+    assert_eq!(board.accel().2, 2, "the client's two windows are registered");
+    assert_eq!(board.fake.state.registered.load(Ordering::SeqCst), 3);
+    d.setup_queue(0);
+    d.setup_queue(1);
+
+    // COPY guest -> VRAM -> guest (inside one window: on the GPU).
+    let len = 1u64 << 20;
+    let pattern: Vec<u8> = (0..len as usize).map(|i| (i * 7 + i / 251) as u8).collect();
+    d.mem.write(0x10_0000, &pattern);
+    d.run(
+        0,
+        &[
+            Command::copy(guest(0x10_0000), Operand::Vram(0x1000), len),
+            Command::copy(Operand::Vram(0x1000), guest(0x30_0000), len),
+        ],
+    );
+    let mut out = vec![0u8; len as usize];
+    d.mem.read(0x30_0000, &mut out);
+    assert!(out == pattern, "guest -> VRAM -> guest through the GPU");
+    // Written through: the memfd (what BAR2 reads) has what the GPU copy has.
+    let mut vram = vec![0u8; 4096];
+    d.vram_read(0x1000 + 12345, &mut vram);
+    assert_eq!(&vram[..], &pattern[12345..12345 + 4096], "VRAM through the BAR");
+
+    // A trapped BAR2 write makes the GPU copy stale: the next command sees the new bytes.
+    d.vram_write(0x1000 + 8192, &[0xee; 100]);
+    d.run(0, &[Command::copy(Operand::Vram(0x1000), guest(0x30_0000), len)]);
+    d.mem.read(0x30_0000, &mut out);
+    let mut expect = pattern.clone();
+    expect[8192..8292].fill(0xee);
+    assert!(out == expect, "a BAR2 write reaches the GPU's copy");
+
+    // FILL in VRAM (whole words: the GPU) and of a partial word (the CPU path), then read.
+    d.run(
+        1,
+        &[
+            Command::fill(Operand::Vram(0x20_0000), 4096, 0xa1b2_c3d4),
+            Command::fill(Operand::Vram(0x21_0000), 4099, 0x0102_0304),
+        ],
+    );
+    let mut f = vec![0u8; 4096];
+    d.vram_read(0x20_0000, &mut f);
+    assert!(f.chunks(4).all(|c| c == [0xd4, 0xc3, 0xb2, 0xa1]), "VRAM fill");
+    d.vram_read(0x21_0000 + 4096, &mut f[..4]);
+    assert_eq!(&f[..4], &[4, 3, 2, 0], "the partial word's fill");
+
+    // SAXPY in guest memory and in VRAM: bit-exact (no fused multiply-add on either).
+    let n = 10_000;
+    let (x, y) = (data(1, n), data(2, n));
+    let a = 1.75f32;
+    d.write_f32s(0x40_0000, &x);
+    d.write_f32s(0x41_0000, &y);
+    d.run(0, &[Command::saxpy(n as u64, a, guest(0x40_0000), guest(0x41_0000))]);
+    assert_eq!(bits(&d.read_f32s(0x41_0000, n)), bits(&saxpy_ref(a, &x, &y)), "SAXPY");
+    d.write_f32s(0x41_0000, &y);
+    let bytes = (n * 4) as u64;
+    d.run(
+        0,
+        &[
+            Command::copy(guest(0x40_0000), Operand::Vram(0x40_0000), bytes),
+            Command::copy(guest(0x41_0000), Operand::Vram(0x50_0000), bytes),
+            Command::saxpy(n as u64, a, Operand::Vram(0x40_0000), Operand::Vram(0x50_0000)),
+            Command::copy(Operand::Vram(0x50_0000), guest(0x42_0000), bytes),
+        ],
+    );
+    assert_eq!(bits(&d.read_f32s(0x42_0000, n)), bits(&saxpy_ref(a, &x, &y)), "VRAM SAXPY");
+
+    // GEMM (guest and VRAM operands) and REDUCE within the tolerance.
+    let (m, nn, k) = (48usize, 40usize, 33usize);
+    let (ga, gb) = (data(3, m * k), data(4, k * nn));
+    d.write_f32s(0x50_0000, &ga);
+    d.write_f32s(0x51_0000, &gb);
+    d.run(
+        1,
+        &[Command::gemm(m as u64, nn as u64, k as u64, guest(0x50_0000), guest(0x51_0000), guest(0x52_0000))],
+    );
+    let cpu = gemm_ref(m, nn, k, &ga, &gb);
+    let check_gemm = |got: &[f32], what: &str| {
+        for i in 0..m {
+            for j in 0..nn {
+                let abs: f64 = (0..k)
+                    .map(|p| f64::from((ga[i * k + p] * gb[p * nn + j]).abs()))
+                    .sum();
+                assert!(within(got[i * nn + j], cpu[i * nn + j], k, abs), "{what} [{i}][{j}]");
+            }
+        }
+    };
+    check_gemm(&d.read_f32s(0x52_0000, m * nn), "GEMM");
+    d.run(
+        1,
+        &[
+            Command::copy(guest(0x50_0000), Operand::Vram(0x100_0000), (m * k * 4) as u64),
+            Command::copy(guest(0x51_0000), Operand::Vram(0x110_0000), (k * nn * 4) as u64),
+            Command::gemm(m as u64, nn as u64, k as u64, Operand::Vram(0x100_0000), Operand::Vram(0x110_0000), Operand::Vram(0x120_0000)),
+            Command::copy(Operand::Vram(0x120_0000), guest(0x53_0000), (m * nn * 4) as u64),
+        ],
+    );
+    check_gemm(&d.read_f32s(0x53_0000, m * nn), "VRAM GEMM");
+    let r = data(5, 100_000);
+    d.write_f32s(0x60_0000, &r);
+    d.run(0, &[Command::reduce(r.len() as u64, guest(0x60_0000), guest(0x70_0000))]);
+    let cpu_sum: f32 = r.iter().fold(0.0, |acc, v| acc + v);
+    let abs: f64 = r.iter().map(|v| f64::from(v.abs())).sum();
+    let got = d.read_f32s(0x70_0000, 1)[0];
+    assert!(within(got, cpu_sum, r.len(), abs), "REDUCE {got} vs {cpu_sum}");
+
+    let st = &board.fake.state;
+    assert!(st.kernels.load(Ordering::SeqCst) >= 3, "SAXPY and REDUCE ran as kernels: {st:?} {:?}", board.accel());
+    assert_eq!(st.gemms.load(Ordering::SeqCst), 2, "both GEMMs ran on the GPU");
+    let (offloaded, declined, _) = board.accel();
+    assert_eq!(offloaded, 15, "every other command ran on the GPU");
+    assert_eq!(declined, 1, "only the partial-word FILL ran on the CPU");
+}
+
+#[test]
+fn a_copy_across_windows_and_a_transient_error_run_on_the_cpu_path() {
+    let board = Board::start(None);
+    let mut d = board.connect();
+    d.setup_queue(0);
+    // 1 MiB straddling the two windows: no single registration holds it.
+    let len = 1u64 << 20;
+    let src = WINDOW_SIZE - len / 2;
+    let pattern: Vec<u8> = (0..len as usize).map(|i| (i * 13) as u8).collect();
+    d.mem.write(src, &pattern);
+    d.run(0, &[Command::copy(guest(src), Operand::Vram(0), len), Command::copy(Operand::Vram(0), guest(0x20_0000), len)]);
+    let mut out = vec![0u8; len as usize];
+    d.mem.read(0x20_0000, &mut out);
+    assert!(out == pattern);
+    assert_eq!(board.accel().1, 1, "the straddling copy was declined");
+    // A GPU out of memory once: the CPU path computes it, the same result.
+    let n = 4096;
+    let (x, y) = (data(7, n), data(8, n));
+    d.write_f32s(0x40_0000, &x);
+    d.write_f32s(0x41_0000, &y);
+    board.fake.state.hiccup.store(true, Ordering::SeqCst);
+    d.run(0, &[Command::saxpy(n as u64, 3.0, guest(0x40_0000), guest(0x41_0000))]);
+    assert_eq!(bits(&d.read_f32s(0x41_0000, n)), bits(&saxpy_ref(3.0, &x, &y)));
+    assert_eq!(board.accel().1, 2, "declined after the transient error");
+    // The GPU's copy of VRAM is not trusted after the failed batch: read back right.
+    d.run(0, &[Command::copy(Operand::Vram(0), guest(0x30_0000), len)]);
+    d.mem.read(0x30_0000, &mut out);
+    assert!(out == pattern);
+}
+
+#[test]
+fn windows_are_registered_on_map_and_unregistered_on_unmap_and_disconnect() {
+    let board = Board::start(None);
+    let registered = || board.fake.state.registered.load(Ordering::SeqCst);
+    {
+        let mut d = board.connect();
+        assert_eq!((board.accel().2, registered()), (2, 3));
+        // One more window, then its unmap.
+        let extra = common::GuestMemory::new(1 << 20);
+        let iova = GUEST_IOVA + (1 << 30);
+        d.t.0
+            .dma_map(iova, 1 << 20, switchyard_proto::consts::VFIO_USER_F_DMA_REGION_READ | switchyard_proto::consts::VFIO_USER_F_DMA_REGION_WRITE, Some((std::os::fd::AsFd::as_fd(&extra.file), 0)))
+            .expect("map");
+        assert_eq!((board.accel().2, registered()), (3, 4));
+        d.t.0.dma_unmap(iova, 1 << 20, 0).expect("unmap");
+        assert_eq!((board.accel().2, registered()), (2, 3), "unregistered before the unmap is answered");
+        // A read-only window is not registered (the CPU path reads it) but serves.
+        d.t.0
+            .dma_map(iova, 1 << 20, switchyard_proto::consts::VFIO_USER_F_DMA_REGION_READ, Some((std::os::fd::AsFd::as_fd(&extra.file), 0)))
+            .expect("map read-only");
+        assert_eq!(board.accel().2, 2);
+        extra.write(0, &[0x42; 4096]);
+        d.setup_queue(0);
+        d.run(0, &[Command::copy(Operand::Guest(iova), Operand::Vram(0), 4096)]);
+        let mut v = [0u8; 4096];
+        d.vram_read(0, &mut v);
+        assert!(v.iter().all(|&b| b == 0x42));
+    }
+    // The client left: its windows are gone, VRAM's registration stays.
+    let gone = common::wait_for(Duration::from_secs(10), || (registered() == 1).then_some(()));
+    assert!(gone.is_some(), "registrations after the client left: {}", registered());
+}
+
+#[test]
+fn a_lost_gpu_latches_device_lost_on_every_queue_when_nobody_fails_it_over() {
+    let board = Board::start(None);
+    let mut d = board.connect();
+    d.setup_queue(0);
+    d.setup_queue(1);
+    for f in &d.error {
+        switchyard_device::irq::take_eventfd(f);
+    }
+    board.fake.state.lose.store(true, Ordering::SeqCst);
+    let n = 1024;
+    d.write_f32s(0x40_0000, &data(1, n));
+    d.submit(0, &[Command::saxpy(n as u64, 2.0, guest(0x40_0000), guest(0x41_0000))]);
+    assert_eq!(d.wait_queue(0), Q_STATUS_ERROR);
+    assert_eq!(d.r32(queue_reg(0, Q_ERROR_CODE)), ERR_DEVICE_LOST);
+    // Sticky: the other queue's next command fails the same way, never a wrong result.
+    d.submit(1, &[Command::fill(Operand::Vram(0), 4096, 7)]);
+    assert_eq!(d.wait_queue(1), Q_STATUS_ERROR);
+    assert_eq!(d.r32(queue_reg(1, Q_ERROR_CODE)), ERR_DEVICE_LOST);
+    // The queue's error interrupt told the driver at once (no timeout to wait out).
+    assert!(
+        wait_eventfd(&d.error[0], Duration::from_secs(10)).is_some(),
+        "queue 0's error vector"
+    );
+    let lost = board
+        .slot
+        .with_as(|g: &mut SoftGpu| g.accelerator().map(|a| format!("{a:?}")))
+        .flatten()
+        .unwrap_or_default();
+    assert!(lost.contains("ILLEGAL_ADDRESS"), "the device knows why: {lost}");
+}
+
+#[test]
+fn a_lost_gpu_is_reported_as_a_board_failure_with_its_state_intact() {
+    let (tx, rx) = mpsc::channel();
+    let board = Board::start(Some(tx));
+    let mut d = board.connect();
+    d.setup_queue(0);
+    d.run(0, &[Command::fill(Operand::Vram(0), 8192, 0x1234_5678)]);
+    board.fake.state.lose.store(true, Ordering::SeqCst);
+    d.submit(0, &[Command::fill(Operand::Vram(0x1_0000), 4096, 9)]);
+    let failure = rx.recv_timeout(Duration::from_secs(10)).expect("the board failure is reported");
+    assert!(failure.state_intact, "{failure:?}");
+    assert!(failure.reason.contains("accelerator was lost"), "{failure:?}");
+    assert!(failure.reason.contains("ILLEGAL_ADDRESS"), "{failure:?}");
+    // Failed over: the command stays in flight (a replacement runs it), nothing is latched.
+    thread::sleep(Duration::from_millis(200));
+    assert_ne!(d.r32(queue_reg(0, Q_STATUS)), Q_STATUS_ERROR);
+    assert_ne!(d.r32(queue_reg(0, Q_HEAD)), 2, "not completed");
+    // What completed before is in the memfd (what a replacement continues from).
+    let mut v = [0u8; 8];
+    d.vram_read(4096, &mut v);
+    assert_eq!(v, [0x78, 0x56, 0x34, 0x12, 0x78, 0x56, 0x34, 0x12]);
+}

@@ -1,0 +1,762 @@
+//! An NVIDIA GPU through the CUDA driver API, loaded at run time (`cudarc` with dynamic
+//! loading: building needs no CUDA; a host without the driver says so through
+//! [`driver_present`] and [`CudaError`], it never panics).
+//!
+//! The safe surface is made so that nothing a GPU reads or writes can go away under it:
+//! host memory is registered together with the mapping it lives in ([`HostMemory`] owns an
+//! `Arc` of the `vm-memory` region until it is unregistered), device memory is freed only
+//! when its [`DeviceMemory`] is dropped, and [`Stream::run`] enqueues a batch of operations
+//! on buffers it borrows and synchronizes with the stream before it returns, so no work is
+//! in flight once the borrows end. Every range is checked against its buffer first.
+//!
+//! Kernels (SAXPY, a deterministic two-pass REDUCE) are CUDA C in this file, compiled by
+//! NVRTC when a GPU is opened (without FMA contraction, so SAXPY rounds as the CPU path
+//! does); GEMM is cuBLAS's SGEMM (loaded at run time too).
+
+use std::ffi::{CString, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::sys as blas;
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use vm_memory::MmapRegion;
+
+/// The kernels, compiled by NVRTC for the GPU at hand.
+const KERNELS: &str = r#"
+extern "C" __global__ void sy_saxpy(float a, const float *x, float *y, unsigned long long n) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (; i < n; i += step) {
+        y[i] = __fadd_rn(__fmul_rn(a, x[i]), y[i]);
+    }
+}
+
+extern "C" __global__ void sy_reduce_partial(const float *x, unsigned long long n, float *partial) {
+    __shared__ float s[256];
+    unsigned long long per = (n + gridDim.x - 1) / gridDim.x;
+    unsigned long long lo = per * blockIdx.x;
+    unsigned long long hi = lo + per < n ? lo + per : n;
+    float acc = 0.0f;
+    for (unsigned long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        acc += x[i];
+    }
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) s[threadIdx.x] += s[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+extern "C" __global__ void sy_reduce_final(const float *partial, unsigned int parts, float *out) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        float acc = 0.0f;
+        for (unsigned int i = 0; i < parts; i++) acc += partial[i];
+        *out = acc;
+    }
+}
+"#;
+
+/// Threads per block of every kernel.
+const BLOCK: u32 = 256;
+/// Blocks of the REDUCE's first pass (a fixed count: the same sum for the same input).
+pub const REDUCE_PARTS: usize = 512;
+
+/// A CUDA call that failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CUDA {op} failed: {code}")]
+pub struct CudaError {
+    /// What was being done.
+    pub op: &'static str,
+    /// The driver's (or cuBLAS's, NVRTC's) error, by name.
+    pub code: String,
+    /// The context is unusable from now on (the GPU faulted, fell off the bus, or an earlier
+    /// such error): every later call fails too.
+    pub sticky: bool,
+}
+
+impl CudaError {
+    fn new(op: &'static str, code: impl Into<String>, sticky: bool) -> Self {
+        Self {
+            op,
+            code: code.into(),
+            sticky,
+        }
+    }
+
+    fn driver(op: &'static str, e: cu::DriverError) -> Self {
+        use sys::cudaError_enum as E;
+        let sticky = matches!(
+            e.0,
+            E::CUDA_ERROR_ILLEGAL_ADDRESS
+                | E::CUDA_ERROR_LAUNCH_FAILED
+                | E::CUDA_ERROR_ECC_UNCORRECTABLE
+                | E::CUDA_ERROR_HARDWARE_STACK_ERROR
+                | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
+                | E::CUDA_ERROR_MISALIGNED_ADDRESS
+                | E::CUDA_ERROR_INVALID_ADDRESS_SPACE
+                | E::CUDA_ERROR_INVALID_PC
+                | E::CUDA_ERROR_ASSERT
+                | E::CUDA_ERROR_LAUNCH_TIMEOUT
+                | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+                | E::CUDA_ERROR_DEVICE_UNAVAILABLE
+                | E::CUDA_ERROR_NVLINK_UNCORRECTABLE
+                | E::CUDA_ERROR_UNKNOWN
+        );
+        Self::new(op, format!("{:?}", e.0), sticky)
+    }
+}
+
+/// Whether the CUDA driver library (`libcuda.so`) can be loaded on this host.
+pub fn driver_present() -> bool {
+    // SAFETY: dlopen()s candidate names of the driver library (running its initializers,
+    // which the driver supports in any process) and closes it again; no symbol is called.
+    unsafe { sys::is_culib_present() }
+}
+
+fn init() -> Result<(), CudaError> {
+    static INIT: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        if !driver_present() {
+            return Err(CudaError::new(
+                "loading the driver",
+                "libcuda.so was not found (no NVIDIA driver on this host)",
+                false,
+            ));
+        }
+        cu::init().map_err(|e| CudaError::driver("cuInit", e))
+    })
+    .clone()
+}
+
+/// A GPU as the driver lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Its ordinal in this process.
+    pub ordinal: usize,
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` prints it.
+    pub uuid: String,
+    /// The product name.
+    pub name: String,
+    /// Memory, bytes.
+    pub memory: u64,
+}
+
+fn uuid_string(u: &sys::CUuuid) -> String {
+    let b: Vec<u8> = u.bytes.iter().map(|&c| c as u8).collect();
+    let hex = |r: std::ops::Range<usize>| {
+        b.get(r)
+            .unwrap_or_default()
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<String>()
+    };
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
+}
+
+/// The GPUs of this host.
+pub fn devices() -> Result<Vec<GpuInfo>, CudaError> {
+    init()?;
+    let n = cu::device::get_count().map_err(|e| CudaError::driver("cuDeviceGetCount", e))?;
+    let mut out = Vec::new();
+    for ordinal in 0..n {
+        let dev = cu::device::get(ordinal).map_err(|e| CudaError::driver("cuDeviceGet", e))?;
+        let name = cu::device::get_name(dev).map_err(|e| CudaError::driver("cuDeviceGetName", e))?;
+        let uuid = cu::device::get_uuid(dev).map_err(|e| CudaError::driver("cuDeviceGetUuid", e))?;
+        // SAFETY: `dev` was returned by cuDeviceGet.
+        let memory = unsafe { cu::device::total_mem(dev) }
+            .map_err(|e| CudaError::driver("cuDeviceTotalMem", e))?;
+        out.push(GpuInfo {
+            ordinal: usize::try_from(ordinal).unwrap_or_default(),
+            uuid: uuid_string(&uuid),
+            name,
+            memory: memory as u64,
+        });
+    }
+    Ok(out)
+}
+
+/// An open GPU: its primary context (blocking synchronization: a thread that waits for the
+/// GPU sleeps), the kernels, and whether it was lost.
+pub struct Gpu {
+    info: GpuInfo,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    module: sys::CUmodule,
+    saxpy: sys::CUfunction,
+    reduce_partial: sys::CUfunction,
+    reduce_final: sys::CUfunction,
+    /// The first sticky error: every later call fails with it.
+    lost: OnceLock<CudaError>,
+}
+
+// SAFETY: the driver API's handles (device, context, module, functions) may be used from any
+// thread; each call binds the context to the calling thread first (`bind`).
+unsafe impl Send for Gpu {}
+// SAFETY: as for Send; nothing in `Gpu` is mutated through `&self` but the OnceLock.
+unsafe impl Sync for Gpu {}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu").field("info", &self.info).finish_non_exhaustive()
+    }
+}
+
+impl Gpu {
+    /// Opens the GPU whose UUID (`GPU-…`, or a unique prefix of it) or ordinal is `which`.
+    pub fn open(which: &str) -> Result<Arc<Gpu>, CudaError> {
+        let all = devices()?;
+        let wanted = which.trim();
+        let matches: Vec<&GpuInfo> = all
+            .iter()
+            .filter(|g| {
+                g.ordinal.to_string() == wanted
+                    || (wanted.len() >= 8 && g.uuid.starts_with(&wanted.to_ascii_lowercase()))
+                    || g.uuid.eq_ignore_ascii_case(wanted)
+            })
+            .collect();
+        let info = match matches.as_slice() {
+            [one] => (*one).clone(),
+            [] => {
+                let have: Vec<String> = all.iter().map(|g| g.uuid.clone()).collect();
+                return Err(CudaError::new(
+                    "opening the GPU",
+                    format!("no GPU `{wanted}` (this host has: {})", have.join(", ")),
+                    false,
+                ));
+            }
+            _ => {
+                return Err(CudaError::new(
+                    "opening the GPU",
+                    format!("`{wanted}` names more than one GPU"),
+                    false,
+                ));
+            }
+        };
+        let ordinal = i32::try_from(info.ordinal).unwrap_or_default();
+        let dev = cu::device::get(ordinal).map_err(|e| CudaError::driver("cuDeviceGet", e))?;
+        // SAFETY: `dev` comes from cuDeviceGet; the flags only choose how waits behave and
+        // apply when the primary context is first made active.
+        unsafe {
+            let _ = sys::cuDevicePrimaryCtxSetFlags_v2(
+                dev,
+                sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32,
+            );
+        }
+        // SAFETY: `dev` comes from cuDeviceGet; the reference is released in Drop.
+        let ctx = unsafe { cu::primary_ctx::retain(dev) }
+            .map_err(|e| CudaError::driver("cuDevicePrimaryCtxRetain", e))?;
+        // SAFETY: `ctx` is the live primary context retained above.
+        unsafe { cu::ctx::set_current(ctx) }
+            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        let opts = cudarc::nvrtc::CompileOptions {
+            fmad: Some(false),
+            ..Default::default()
+        };
+        let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
+            .map_err(|_| {
+                CudaError::new(
+                    "compiling the kernels",
+                    "libnvrtc.so was not found (install the CUDA toolkit's NVRTC)",
+                    false,
+                )
+            })?
+            .map_err(|e| CudaError::new("compiling the kernels", format!("{e:?}"), false))?;
+        let image = CString::new(ptx.to_src())
+            .map_err(|_| CudaError::new("loading the kernels", "PTX with a NUL byte", false))?;
+        // SAFETY: `image` is a NUL-terminated PTX text that outlives the call; the module is
+        // unloaded in Drop, after every user of its functions is gone.
+        let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
+        let function = |name: &str| {
+            let name = CString::new(name).unwrap_or_default();
+            // SAFETY: `module` was loaded above and `name` is NUL-terminated.
+            unsafe { cu::module::get_function(module, name) }
+                .map_err(|e| CudaError::driver("cuModuleGetFunction", e))
+        };
+        Ok(Arc::new(Gpu {
+            saxpy: function("sy_saxpy")?,
+            reduce_partial: function("sy_reduce_partial")?,
+            reduce_final: function("sy_reduce_final")?,
+            info,
+            dev,
+            ctx,
+            module,
+            lost: OnceLock::new(),
+        }))
+    }
+
+    /// What the GPU is.
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// The sticky error the GPU was lost with, if it was.
+    pub fn lost(&self) -> Option<&CudaError> {
+        self.lost.get()
+    }
+
+    /// Makes the context current on this thread; fails once the GPU is lost.
+    fn bind(&self) -> Result<(), CudaError> {
+        if let Some(e) = self.lost.get() {
+            return Err(e.clone());
+        }
+        // SAFETY: `ctx` is retained until Drop.
+        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| self.check(CudaError::driver("cuCtxSetCurrent", e)))
+    }
+
+    /// Latches a sticky error.
+    fn check(&self, e: CudaError) -> CudaError {
+        if e.sticky {
+            let _ = self.lost.set(e.clone());
+        }
+        e
+    }
+
+    /// Registers `region` (its whole mapping) with the GPU for DMA. The registration keeps
+    /// the region mapped until it is dropped.
+    pub fn register(self: &Arc<Self>, region: Arc<MmapRegion<()>>) -> Result<HostMemory, CudaError> {
+        self.bind()?;
+        let ptr = region.as_ptr() as usize;
+        let len = region.size();
+        // SAFETY: `[ptr, ptr+len)` is the mapping of `region`, which the returned HostMemory
+        // keeps alive (the Arc) until it unregisters it; the driver pins its pages.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr as *mut c_void,
+                len,
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(|e| self.check(CudaError::driver("cuMemHostRegister", e)))?;
+        Ok(HostMemory {
+            gpu: self.clone(),
+            region,
+            ptr,
+            len,
+        })
+    }
+
+    /// Allocates `len` bytes of GPU memory.
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceMemory, CudaError> {
+        self.bind()?;
+        // SAFETY: a plain allocation; freed in DeviceMemory's Drop.
+        let ptr = unsafe { cu::malloc_sync(len.max(1)) }
+            .map_err(|e| self.check(CudaError::driver("cuMemAlloc", e)))?;
+        Ok(DeviceMemory {
+            gpu: self.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// A new stream (and, on first GEMM, a cuBLAS handle bound to it).
+    pub fn stream(self: &Arc<Self>) -> Result<Stream, CudaError> {
+        self.bind()?;
+        let raw = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| self.check(CudaError::driver("cuStreamCreate", e)))?;
+        Ok(Stream {
+            gpu: self.clone(),
+            raw,
+            blas: Mutex::new(None),
+        })
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: every HostMemory, DeviceMemory and Stream holds an Arc of this Gpu, so none
+        // is left; the module and the context reference are ours.
+        unsafe {
+            let _ = cu::ctx::set_current(self.ctx);
+            let _ = cu::module::unload(self.module);
+            let _ = cu::primary_ctx::release(self.dev);
+        }
+    }
+}
+
+/// Host memory registered with a GPU (pinned, reachable by its DMA engines).
+pub struct HostMemory {
+    gpu: Arc<Gpu>,
+    region: Arc<MmapRegion<()>>,
+    ptr: usize,
+    len: usize,
+}
+
+// SAFETY: the registration is an address range; the driver allows unregistering it from any
+// thread, and the region is Send + Sync.
+unsafe impl Send for HostMemory {}
+// SAFETY: as for Send.
+unsafe impl Sync for HostMemory {}
+
+impl std::fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostMemory").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+impl HostMemory {
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The region it registers.
+    pub fn region(&self) -> &Arc<MmapRegion<()>> {
+        &self.region
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        // A lost context cannot unregister; its pins go with the process's context.
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `ptr` was registered by `Gpu::register` and no stream work uses it
+            // (Stream::run synchronizes before its borrows end).
+            let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) }.result();
+            if let Err(e) = r {
+                let _ = self.gpu.check(CudaError::driver("cuMemHostUnregister", e));
+            }
+        }
+    }
+}
+
+/// GPU memory.
+pub struct DeviceMemory {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+impl DeviceMemory {
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: allocated by `Gpu::alloc`; no stream work uses it any more.
+            let _ = unsafe { cu::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A place in host or GPU memory.
+#[derive(Debug, Clone, Copy)]
+pub enum Mem<'a> {
+    /// Registered host memory at an offset.
+    Host(&'a HostMemory, usize),
+    /// GPU memory at an offset.
+    Device(&'a DeviceMemory, usize),
+}
+
+impl Mem<'_> {
+    /// The address of `len` bytes here, checked against the buffer.
+    fn range(&self, len: usize) -> Result<sys::CUdeviceptr, CudaError> {
+        let (base, size, off) = match *self {
+            Mem::Host(h, off) => (h.ptr as u64, h.len, off),
+            Mem::Device(d, off) => (d.ptr, d.len, off),
+        };
+        match off.checked_add(len) {
+            Some(end) if end <= size => Ok(base + off as u64),
+            _ => Err(CudaError::new("checking a range", format!("{len} bytes at {off} exceed a buffer of {size}"), false)),
+        }
+    }
+
+    fn device(&self, len: usize) -> Result<sys::CUdeviceptr, CudaError> {
+        match self {
+            Mem::Device(..) => self.range(len),
+            Mem::Host(..) => Err(CudaError::new("checking a range", "a kernel operand in host memory", false)),
+        }
+    }
+}
+
+/// One operation of a batch ([`Stream::run`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Op<'a> {
+    /// `len` bytes from `src` to `dst` (any of host and device memory).
+    Copy {
+        /// Where to.
+        dst: Mem<'a>,
+        /// Where from.
+        src: Mem<'a>,
+        /// Bytes.
+        len: usize,
+    },
+    /// `words` × the 32-bit `value` at `dst` (device memory, 4-byte aligned).
+    Fill32 {
+        /// Where.
+        dst: Mem<'a>,
+        /// 32-bit words.
+        words: usize,
+        /// The pattern.
+        value: u32,
+    },
+    /// `y[i] = a·x[i] + y[i]` for `n` floats (device memory), rounded as two operations.
+    Saxpy {
+        /// `a`.
+        a: f32,
+        /// `x`.
+        x: Mem<'a>,
+        /// `y`.
+        y: Mem<'a>,
+        /// Elements.
+        n: usize,
+    },
+    /// `out = Σ x[i]` for `n` floats (device memory), with `partial` ([`REDUCE_PARTS`]
+    /// floats) as scratch: a fixed order, so the same input always sums the same.
+    Reduce {
+        /// `x`.
+        x: Mem<'a>,
+        /// Elements.
+        n: usize,
+        /// One float.
+        out: Mem<'a>,
+        /// Scratch.
+        partial: Mem<'a>,
+    },
+    /// `C = A·B`, row-major `m×k`, `k×n`, `m×n` floats (device memory), by cuBLAS SGEMM.
+    Gemm {
+        /// Rows of A and C.
+        m: usize,
+        /// Columns of B and C.
+        n: usize,
+        /// Columns of A, rows of B.
+        k: usize,
+        /// A.
+        a: Mem<'a>,
+        /// B.
+        b: Mem<'a>,
+        /// C.
+        c: Mem<'a>,
+    },
+}
+
+/// A CUDA stream: batches of operations run in order on it.
+pub struct Stream {
+    gpu: Arc<Gpu>,
+    raw: sys::CUstream,
+    blas: Mutex<Option<blas::cublasHandle_t>>,
+}
+
+// SAFETY: a stream handle may be used from any thread (the context is bound per call); the
+// cuBLAS handle is used under its mutex only.
+unsafe impl Send for Stream {}
+// SAFETY: as for Send.
+unsafe impl Sync for Stream {}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream").field("gpu", &self.gpu.info.uuid).finish_non_exhaustive()
+    }
+}
+
+fn c_int(v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::new("checking a size", format!("{v} exceeds cuBLAS's int"), false))
+}
+
+fn blas_error(op: &'static str, s: blas::cublasStatus_t) -> CudaError {
+    let sticky = matches!(s, blas::cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED | blas::cublasStatus_t::CUBLAS_STATUS_INTERNAL_ERROR);
+    CudaError::new(op, format!("{s:?}"), sticky)
+}
+
+impl Stream {
+    /// Enqueues `ops` in order and waits for them all: when this returns, every operation
+    /// finished (or the batch failed; what it wrote is then undefined).
+    pub fn run(&self, ops: &[Op<'_>]) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        for op in ops {
+            self.enqueue(op).map_err(|e| self.gpu.check(e))?;
+        }
+        // SAFETY: the stream is ours and live.
+        unsafe { cu::stream::synchronize(self.raw) }
+            .map_err(|e| self.gpu.check(CudaError::driver("cuStreamSynchronize", e)))
+    }
+
+    fn enqueue(&self, op: &Op<'_>) -> Result<(), CudaError> {
+        match *op {
+            Op::Copy { dst, src, len } => {
+                if len == 0 {
+                    return Ok(());
+                }
+                let (d, s) = (dst.range(len)?, src.range(len)?);
+                // SAFETY: both ranges were checked against live buffers that the caller's
+                // borrows keep alive until `run` has synchronized.
+                unsafe { sys::cuMemcpyAsync(d, s, len, self.raw) }
+                    .result()
+                    .map_err(|e| CudaError::driver("cuMemcpyAsync", e))
+            }
+            Op::Fill32 { dst, words, value } => {
+                if words == 0 {
+                    return Ok(());
+                }
+                let d = dst.device(words.saturating_mul(4))?;
+                // SAFETY: as for Copy.
+                unsafe { sys::cuMemsetD32Async(d, value, words, self.raw) }
+                    .result()
+                    .map_err(|e| CudaError::driver("cuMemsetD32Async", e))
+            }
+            Op::Saxpy { a, x, y, n } => {
+                if n == 0 {
+                    return Ok(());
+                }
+                let bytes = n.saturating_mul(4);
+                let (mut a, mut xp, mut yp, mut n64) =
+                    (a, x.device(bytes)?, y.device(bytes)?, n as u64);
+                let grid = n.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32;
+                let mut params = [
+                    (&raw mut a).cast::<c_void>(),
+                    (&raw mut xp).cast(),
+                    (&raw mut yp).cast(),
+                    (&raw mut n64).cast(),
+                ];
+                // SAFETY: the kernel's parameters match its signature (float, two device
+                // pointers to `n` floats checked above, u64); the values are read at launch.
+                unsafe {
+                    cu::launch_kernel(self.gpu.saxpy, (grid, 1, 1), (BLOCK, 1, 1), 0, self.raw, &mut params)
+                }
+                .map_err(|e| CudaError::driver("launching SAXPY", e))
+            }
+            Op::Reduce { x, n, out, partial } => {
+                let (mut xp, mut n64) = (x.device(n.saturating_mul(4))?, n as u64);
+                let (mut op_, mut pp) = (out.device(4)?, partial.device(REDUCE_PARTS * 4)?);
+                let mut first = [
+                    (&raw mut xp).cast::<c_void>(),
+                    (&raw mut n64).cast(),
+                    (&raw mut pp).cast(),
+                ];
+                // SAFETY: as for SAXPY: `x` holds `n` floats, `partial` REDUCE_PARTS.
+                unsafe {
+                    cu::launch_kernel(
+                        self.gpu.reduce_partial,
+                        (REDUCE_PARTS as u32, 1, 1),
+                        (BLOCK, 1, 1),
+                        0,
+                        self.raw,
+                        &mut first,
+                    )
+                }
+                .map_err(|e| CudaError::driver("launching REDUCE", e))?;
+                let mut parts = REDUCE_PARTS as u32;
+                let mut second = [
+                    (&raw mut pp).cast::<c_void>(),
+                    (&raw mut parts).cast(),
+                    (&raw mut op_).cast(),
+                ];
+                // SAFETY: as above; `out` holds one float.
+                unsafe {
+                    cu::launch_kernel(self.gpu.reduce_final, (1, 1, 1), (32, 1, 1), 0, self.raw, &mut second)
+                }
+                .map_err(|e| CudaError::driver("launching REDUCE", e))
+            }
+            Op::Gemm { m, n, k, a, b, c } => {
+                if m == 0 || n == 0 {
+                    return Ok(());
+                }
+                let ap = a.device(m.saturating_mul(k).saturating_mul(4))?;
+                let bp = b.device(k.saturating_mul(n).saturating_mul(4))?;
+                let cp = c.device(m.saturating_mul(n).saturating_mul(4))?;
+                let handle = self.blas()?;
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: cuBLAS computes an n×m
+                // result from B (n×k, ld n) and A (k×m, ld k).
+                // SAFETY: the three ranges were checked for m·k, k·n and m·n floats; the
+                // handle is bound to this stream; alpha and beta outlive the call (host
+                // pointer mode reads them before it returns).
+                let s = unsafe {
+                    blas::cublasSgemm_v2(
+                        handle,
+                        blas::cublasOperation_t::CUBLAS_OP_N,
+                        blas::cublasOperation_t::CUBLAS_OP_N,
+                        c_int(n)?,
+                        c_int(m)?,
+                        c_int(k)?,
+                        &alpha,
+                        bp as *const f32,
+                        c_int(n)?,
+                        ap as *const f32,
+                        c_int(k.max(1))?,
+                        &beta,
+                        cp as *mut f32,
+                        c_int(n)?,
+                    )
+                };
+                match s {
+                    blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+                    s => Err(blas_error("cublasSgemm", s)),
+                }
+            }
+        }
+    }
+
+    /// The stream's cuBLAS handle, created on first use.
+    fn blas(&self) -> Result<blas::cublasHandle_t, CudaError> {
+        let mut slot = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = *slot {
+            return Ok(h);
+        }
+        // SAFETY: only checks whether the library can be dlopen()ed.
+        if !unsafe { blas::is_culib_present() } {
+            return Err(CudaError::new("loading cuBLAS", "libcublas.so was not found", false));
+        }
+        let mut h = std::ptr::null_mut();
+        // SAFETY: creates a handle in the current context (bound by `run`); destroyed in Drop.
+        let s = unsafe { blas::cublasCreate_v2(&mut h) };
+        if s != blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(blas_error("cublasCreate", s));
+        }
+        // SAFETY: `h` is the handle just created and `raw` our live stream.
+        let s = unsafe { blas::cublasSetStream_v2(h, self.raw as blas::cudaStream_t) };
+        if s != blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            // SAFETY: `h` was created above and is not used again.
+            unsafe { blas::cublasDestroy_v2(h) };
+            return Err(blas_error("cublasSetStream", s));
+        }
+        *slot = Some(h);
+        Ok(h)
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_err() {
+            return;
+        }
+        let handle = self.blas.lock().unwrap_or_else(|p| p.into_inner()).take();
+        // SAFETY: the handle and the stream are ours; `run` left no work in flight.
+        unsafe {
+            if let Some(h) = handle {
+                blas::cublasDestroy_v2(h);
+            }
+            let _ = cu::stream::destroy(self.raw);
+        }
+    }
+}
