@@ -14,6 +14,7 @@
 mod api;
 mod cases;
 mod copy;
+mod cuda;
 mod custody;
 mod decompose;
 mod dirty_report;
@@ -70,7 +71,7 @@ struct Cli {
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
     /// write-multi, copy, interrupt, doorbell, dirty-report, swap, migration, journal, custody,
-    /// restart, failover, move, api.
+    /// restart, failover, move, api; and cuda (a real GPU: only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The `switchyard` binary whose `switchyard worker` processes the restart case kills, and
@@ -165,7 +166,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 17] = [
+    let all: [(&str, Case); 18] = [
         ("round-trip", round_trip::round_trip),
         ("decompose", decompose::decompose),
         ("size-sweep", size_sweep::size_sweep),
@@ -183,7 +184,10 @@ fn main() -> Result<()> {
         ("failover", failover::failover),
         ("move", moves::moves),
         ("api", api::api),
+        ("cuda", cuda::cuda),
     ];
+    // Cases that need hardware CI does not have run only when named.
+    let explicit = ["cuda"];
     if let Some(bad) = cli.only.iter().find(|o| !all.iter().any(|(n, _)| n == o)) {
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
         anyhow::bail!(
@@ -195,6 +199,9 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for (name, case) in all {
         if !cli.only.is_empty() && !cli.only.iter().any(|o| o == name) {
+            continue;
+        }
+        if cli.only.is_empty() && explicit.contains(&name) {
             continue;
         }
         let t = Instant::now();

@@ -59,7 +59,9 @@ impl<G: Gpu> CudaAccel<G> {
 
 impl<G: Gpu> std::fmt::Debug for CudaAccel<G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("CudaAccel").field(&self.gpu.describe()).finish()
+        f.debug_tuple("CudaAccel")
+            .field(&self.gpu.describe())
+            .finish()
     }
 }
 
@@ -90,19 +92,25 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
             message,
         };
         let len = usize::try_from(t.vram_size).map_err(|_| fail("VRAM too large".into()))?;
-        let region = map_file(&t.vram, 0, t.vram_size, true).map_err(|e| fail(format!("cannot map VRAM: {e}")))?;
+        let region = map_file(&t.vram, 0, t.vram_size, true)
+            .map_err(|e| fail(format!("cannot map VRAM: {e}")))?;
         let vram_host = self
             .gpu
             .register(Arc::new(region))
             .map_err(|e| fail(format!("cannot register VRAM: {e}")))?;
-        let vram_dev = self
-            .gpu
-            .alloc(len)
-            .map_err(|e| fail(format!("cannot allocate {} MiB of GPU memory for VRAM: {e}", t.vram_size >> 20)))?;
+        let vram_dev = self.gpu.alloc(len).map_err(|e| {
+            fail(format!(
+                "cannot allocate {} MiB of GPU memory for VRAM: {e}",
+                t.vram_size >> 20
+            ))
+        })?;
         let mut queues = Vec::with_capacity(t.queues);
         for _ in 0..t.queues {
             queues.push(Mutex::new(Queue {
-                stream: self.gpu.stream().map_err(|e| fail(format!("cannot create a stream: {e}")))?,
+                stream: self
+                    .gpu
+                    .stream()
+                    .map_err(|e| fail(format!("cannot create a stream: {e}")))?,
                 staging: Default::default(),
                 partial: self
                     .gpu
@@ -121,7 +129,11 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
             stale: (0..chunks.div_ceil(64))
                 .map(|w| {
                     let left = chunks - w * 64;
-                    AtomicU64::new(if left >= 64 { u64::MAX } else { (1u64 << left) - 1 })
+                    AtomicU64::new(if left >= 64 {
+                        u64::MAX
+                    } else {
+                        (1u64 << left) - 1
+                    })
                 })
                 .collect(),
             windows: RwLock::new(BTreeMap::new()),
@@ -243,13 +255,21 @@ impl<G: Gpu> CudaDevice<G> {
 
     fn register_window(&self, iova: u64, size: u64, prot: DmaProt, file: Option<(&File, u64)>) {
         let Some((file, offset)) = file else {
-            tracing::debug!(iova, size, "a window without a file: its commands run on the CPU");
+            tracing::debug!(
+                iova,
+                size,
+                "a window without a file: its commands run on the CPU"
+            );
             return;
         };
         if !prot.write {
             // Registering read-only pages needs a flag not every driver has; the CPU path
             // reads them.
-            tracing::debug!(iova, size, "a read-only window: its commands run on the CPU");
+            tracing::debug!(
+                iova,
+                size,
+                "a read-only window: its commands run on the CPU"
+            );
             return;
         }
         let registered = map_file(file, offset, size, true)
@@ -359,7 +379,9 @@ impl<G: Gpu> CudaDevice<G> {
                 }
             }
         } else {
-            self.stats.uploads.fetch_add(uploads.len() as u64, Ordering::Relaxed);
+            self.stats
+                .uploads
+                .fetch_add(uploads.len() as u64, Ordering::Relaxed);
         }
         result.map_err(Skip::from)
     }
@@ -376,7 +398,9 @@ impl<G: Gpu> CudaDevice<G> {
         let too_big = |_| GpuError::transient("an offset beyond the address space");
         let at = |place: Place| -> Result<Mem<'_, G>, GpuError> {
             Ok(match place {
-                Place::Vram(off) => Mem::Dev(&self.vram_dev, usize::try_from(off).map_err(too_big)?),
+                Place::Vram(off) => {
+                    Mem::Dev(&self.vram_dev, usize::try_from(off).map_err(too_big)?)
+                }
                 Place::Guest { window, off } => {
                     let w = windows
                         .get(&window)
@@ -386,7 +410,10 @@ impl<G: Gpu> CudaDevice<G> {
             })
         };
         let vram_host = |off: u64| -> Result<Mem<'_, G>, GpuError> {
-            Ok(Mem::Host(&self.vram_host, usize::try_from(off).map_err(too_big)?))
+            Ok(Mem::Host(
+                &self.vram_host,
+                usize::try_from(off).map_err(too_big)?,
+            ))
         };
         let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(uploads.len() + 8);
         for &c in uploads {
@@ -521,7 +548,11 @@ impl Plan {
                     // Guest to guest: nothing for a GPU to add.
                     return Err(Skip::Decline);
                 }
-                (vec![(src.0, len, true), (dst.0, len, false)], (1, len), false)
+                (
+                    vec![(src.0, len, true), (dst.0, len, false)],
+                    (1, len),
+                    false,
+                )
             }
             cmd::OP_FILL => {
                 let len = c.arg[0];
@@ -536,7 +567,11 @@ impl Plan {
                 if overlap(x, y) && x.0 != y.0 {
                     return Err(Skip::Decline);
                 }
-                (vec![(x.0, bytes, true), (y.0, bytes, true)], (1, bytes), true)
+                (
+                    vec![(x.0, bytes, true), (y.0, bytes, true)],
+                    (1, bytes),
+                    true,
+                )
             }
             cmd::OP_REDUCE => {
                 let (x, out) = ((op(0), c.arg[0].saturating_mul(4)), (op(1), 4));
@@ -553,7 +588,11 @@ impl Plan {
                 if k == 0 || overlap(a, cc) || overlap(b, cc) {
                     return Err(Skip::Decline);
                 }
-                (vec![(a.0, a.1, true), (b.0, b.1, true), (cc.0, cc.1, false)], (2, cc.1), true)
+                (
+                    vec![(a.0, a.1, true), (b.0, b.1, true), (cc.0, cc.1, false)],
+                    (2, cc.1),
+                    true,
+                )
             }
             _ => return Err(Skip::Decline),
         };

@@ -262,7 +262,9 @@ impl Gpu for FakeGpu {
             ));
         }
         if s.hiccup.swap(false, Ordering::SeqCst) {
-            return Err(GpuError::transient("CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (fake)"));
+            return Err(GpuError::transient(
+                "CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (fake)",
+            ));
         }
         let delay = s.delay_us.load(Ordering::Relaxed);
         if delay > 0 {

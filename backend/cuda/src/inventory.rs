@@ -33,7 +33,9 @@ fn nvml_gpus() -> Result<Vec<GpuRecord>, String> {
         if let Ok(n) = d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
             && n > 0
         {
-            problem = Some(format!("{n} uncorrected ECC errors since the driver loaded"));
+            problem = Some(format!(
+                "{n} uncorrected ECC errors since the driver loaded"
+            ));
         }
         if d.are_pages_pending_retired().unwrap_or(false) {
             problem.get_or_insert_with(|| "memory pages pending retirement (reset the GPU)".into());
@@ -79,7 +81,11 @@ pub fn probe(which: &str) -> Result<String, String> {
     let found: Vec<(usize, &GpuRecord)> = all
         .iter()
         .enumerate()
-        .filter(|(i, g)| i.to_string() == w || g.uuid.eq_ignore_ascii_case(&w) || (w.len() >= 8 && g.uuid.to_ascii_lowercase().starts_with(&w)))
+        .filter(|(i, g)| {
+            i.to_string() == w
+                || g.uuid.eq_ignore_ascii_case(&w)
+                || (w.len() >= 8 && g.uuid.to_ascii_lowercase().starts_with(&w))
+        })
         .collect();
     match found.as_slice() {
         [(_, g)] => match &g.problem {
@@ -91,7 +97,10 @@ pub fn probe(which: &str) -> Result<String, String> {
             if all.is_empty() {
                 "none".to_owned()
             } else {
-                all.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>().join(", ")
+                all.iter()
+                    .map(|g| g.uuid.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             }
         )),
         _ => Err(format!("`{which}` names more than one GPU")),

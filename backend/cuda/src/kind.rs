@@ -4,9 +4,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
-use switchyard_device::blackbox::RecordSpec;
-use switchyard_device::kind::{Build, DeviceKind, DirtyLog, Host, KindError, KindOptions, Profile, opt};
 use switchyard_device::PciDevice;
+use switchyard_device::blackbox::RecordSpec;
+use switchyard_device::kind::{
+    Build, DeviceKind, DirtyLog, Host, KindError, KindOptions, Profile, opt,
+};
 use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
 
 use crate::device::CudaAccel;
@@ -37,7 +39,10 @@ impl CudaKind {
             .map(str::trim)
             .filter(|g| !g.is_empty())
             .ok_or_else(|| {
-                KindError::option(GPU, "missing: the GPU's UUID (`GPU-…`, see `nvidia-smi -L`) or ordinal")
+                KindError::option(
+                    GPU,
+                    "missing: the GPU's UUID (`GPU-…`, see `nvidia-smi -L`) or ordinal",
+                )
             })?
             .to_owned();
         if opt::bool(options, "vram_mmap")? == Some(true) {

@@ -1,0 +1,228 @@
+//! The backend's bookkeeping on the fake GPU, without a server: VRAM's GPU copy and its
+//! staleness, what is declined, registrations, a lost board.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use switchyard_device::{DmaProt, DmaSpace};
+use switchyard_softgpu::accel::{AccelDevice, AccelOutcome, AccelTarget, Accelerator};
+use switchyard_softgpu::cmd::{Command, Operand};
+
+use crate::device::{CHUNK, CudaAccel, CudaDevice};
+use crate::fake::FakeGpu;
+
+const VRAM: u64 = 4 << 20;
+
+fn memfd(len: u64) -> File {
+    let f = memfd::MemfdOptions::default()
+        .create("cuda-test")
+        .expect("memfd")
+        .into_file();
+    f.set_len(len).expect("size");
+    f
+}
+
+fn open(fake: &FakeGpu) -> (Arc<dyn AccelDevice>, Arc<File>) {
+    let vram = Arc::new(memfd(VRAM));
+    let accel = CudaAccel::new(Arc::new(fake.clone()));
+    let dev = accel
+        .open(AccelTarget {
+            vram: vram.clone(),
+            vram_size: VRAM,
+            queues: 2,
+            dma: Arc::new(DmaSpace::default()),
+        })
+        .expect("open");
+    (dev, vram)
+}
+
+fn stats(dev: &Arc<dyn AccelDevice>) -> (u64, u64, u64) {
+    let d = dev
+        .as_any()
+        .downcast_ref::<CudaDevice<FakeGpu>>()
+        .expect("fake");
+    let s = d.stats();
+    (
+        s.offloaded.load(Ordering::SeqCst),
+        s.declined.load(Ordering::SeqCst),
+        s.uploads.load(Ordering::SeqCst),
+    )
+}
+
+fn read_at(f: &File, off: u64, len: usize) -> Vec<u8> {
+    let mut f = f;
+    let mut v = vec![0u8; len];
+    f.seek(SeekFrom::Start(off)).expect("seek");
+    f.read_exact(&mut v).expect("read");
+    v
+}
+
+fn write_at(f: &File, off: u64, data: &[u8]) {
+    let mut f = f;
+    f.seek(SeekFrom::Start(off)).expect("seek");
+    f.write_all(data).expect("write");
+}
+
+#[test]
+fn vram_is_uploaded_once_per_chunk_and_again_after_a_host_write() {
+    let fake = FakeGpu::new();
+    let (dev, vram) = open(&fake);
+    write_at(&vram, 0, &[7u8; 8192]);
+    // VRAM → VRAM: the source's chunk is uploaded (stale from the start), then the copy
+    // runs on the GPU copy and is written through.
+    let c = Command::copy(Operand::Vram(0), Operand::Vram(CHUNK), 8192);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(
+        read_at(&vram, CHUNK, 8192),
+        vec![7u8; 8192],
+        "written through"
+    );
+    let (_, _, uploads) = stats(&dev);
+    assert_eq!(uploads, 2, "the source's and the destination's chunk");
+    // Again: nothing to upload.
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(stats(&dev).2, 2);
+    // A write the device did not make (a BAR2 write): announced, the chunk is uploaded
+    // again and the GPU sees it.
+    write_at(&vram, 100, &[9u8; 4]);
+    dev.host_wrote(100, 4);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(stats(&dev).2, 3);
+    assert_eq!(read_at(&vram, CHUNK + 100, 4), vec![9u8; 4]);
+}
+
+#[test]
+fn operands_whose_result_depends_on_the_cpu_paths_order_are_declined() {
+    let fake = FakeGpu::new();
+    let (dev, _vram) = open(&fake);
+    let declined = [
+        // Overlapping VRAM copy (memmove on the CPU path).
+        Command::copy(Operand::Vram(0), Operand::Vram(100), 4096),
+        // A FILL of a partial word, of an unaligned start, of guest memory.
+        Command::fill(Operand::Vram(0), 4099, 1),
+        Command::fill(Operand::Vram(2), 4096, 1),
+        // A guest operand outside every registered window.
+        Command::copy(Operand::Guest(0x1000), Operand::Vram(0), 4096),
+        // SAXPY with partly overlapping x and y; REDUCE of nothing.
+        Command::saxpy(1024, 1.0, Operand::Vram(0), Operand::Vram(64)),
+        Command::reduce(0, Operand::Vram(0), Operand::Vram(4096)),
+        // GEMM whose C overlaps A.
+        Command::gemm(
+            16,
+            16,
+            16,
+            Operand::Vram(0),
+            Operand::Vram(8192),
+            Operand::Vram(512),
+        ),
+    ];
+    for c in &declined {
+        assert_eq!(dev.run(0, c), AccelOutcome::Declined, "{c:?}");
+    }
+    assert_eq!(stats(&dev), (0, declined.len() as u64, 0));
+    assert_eq!(fake.state.batches.load(Ordering::SeqCst), 0, "nothing ran");
+    // SAXPY in place (x == y) is fine: each element reads before it writes.
+    let c = Command::saxpy(1024, 2.0, Operand::Vram(0), Operand::Vram(0));
+    assert_eq!(dev.run(1, &c), AccelOutcome::Done);
+}
+
+#[test]
+fn windows_are_registered_as_mapped_and_commands_find_them() {
+    let fake = FakeGpu::new();
+    let (dev, vram) = open(&fake);
+    let observer = dev.dma_observer().expect("an observer");
+    let guest = memfd(1 << 20);
+    write_at(&guest, 4096, &[0x5au8; 4096]);
+    let rw = DmaProt {
+        read: true,
+        write: true,
+    };
+    observer
+        .mapping(0x10_0000, 1 << 20, rw, Some((&guest, 0)))
+        .expect("mapped");
+    // Read-only and fd-less windows are accepted, not registered.
+    let ro = DmaProt {
+        read: true,
+        write: false,
+    };
+    observer
+        .mapping(0x40_0000, 1 << 20, ro, Some((&guest, 0)))
+        .expect("read-only");
+    observer
+        .mapping(0x80_0000, 4096, rw, None)
+        .expect("fd-less");
+    assert_eq!(
+        fake.state.registered.load(Ordering::SeqCst),
+        2,
+        "VRAM and one window"
+    );
+    let c = Command::copy(Operand::Guest(0x10_1000), Operand::Vram(0), 4096);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(read_at(&vram, 0, 4096), vec![0x5au8; 4096]);
+    let ro_copy = Command::copy(Operand::Guest(0x40_1000), Operand::Vram(0), 4096);
+    assert_eq!(dev.run(0, &ro_copy), AccelOutcome::Declined);
+    // Unmapped: unregistered, and a command using it is declined (the CPU path faults it).
+    observer.unmapped(0x10_0000, 1 << 20);
+    assert_eq!(fake.state.registered.load(Ordering::SeqCst), 1);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Declined);
+    drop(observer);
+    drop(dev);
+    assert_eq!(
+        fake.state.registered.load(Ordering::SeqCst),
+        0,
+        "VRAM too, with the device"
+    );
+    assert_eq!(
+        fake.state.allocated.load(Ordering::SeqCst),
+        0,
+        "GPU memory freed"
+    );
+}
+
+#[test]
+fn a_sticky_error_is_latched_and_every_later_command_is_lost() {
+    let fake = FakeGpu::new();
+    let (dev, _vram) = open(&fake);
+    let c = Command::fill(Operand::Vram(0), 4096, 3);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    fake.state.lose.store(true, Ordering::SeqCst);
+    let AccelOutcome::Lost(reason) = dev.run(0, &c) else {
+        panic!("not lost");
+    };
+    assert!(reason.contains("ILLEGAL_ADDRESS"), "{reason}");
+    let batches = fake.state.batches.load(Ordering::SeqCst);
+    // Declined commands too: the board is lost, nothing runs anywhere on it.
+    for q in [0, 1] {
+        assert_eq!(dev.run(q, &c), AccelOutcome::Lost(reason.clone()));
+        assert_eq!(
+            dev.run(q, &Command::fill(Operand::Vram(0), 4099, 1)),
+            AccelOutcome::Lost(reason.clone())
+        );
+    }
+    assert_eq!(
+        fake.state.batches.load(Ordering::SeqCst),
+        batches,
+        "no batch after the loss"
+    );
+}
+
+#[test]
+fn a_transient_error_marks_what_the_command_touched_stale() {
+    let fake = FakeGpu::new();
+    let (dev, vram) = open(&fake);
+    write_at(&vram, 0, &[1u8; 4096]);
+    let c = Command::copy(Operand::Vram(0), Operand::Vram(CHUNK), 4096);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    let uploads = stats(&dev).2;
+    fake.state.hiccup.store(true, Ordering::SeqCst);
+    assert_eq!(
+        dev.run(0, &c),
+        AccelOutcome::Declined,
+        "the CPU path runs it"
+    );
+    // Both chunks are uploaded again before the next use.
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(stats(&dev).2, uploads + 2);
+}

@@ -116,11 +116,12 @@ impl crate::SoftGpu {
             what: accel.describe(),
             message: "the device has an accelerator already".into(),
         })?;
+        shared.lock().gemm_work = crate::regs::MAX_GEMM_WORK_ACCEL_VALUE;
         tracing::info!(accelerator = %accel.describe(), "commands run on the accelerator");
         Ok(())
     }
 
-    /// [`SoftGpu::set_accelerator`], for building.
+    /// [`crate::SoftGpu::set_accelerator`], for building.
     pub fn with_accelerator(self, accel: &dyn Accelerator) -> Result<Self, AccelError> {
         self.set_accelerator(accel)?;
         Ok(self)

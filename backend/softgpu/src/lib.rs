@@ -65,7 +65,7 @@
 //! | 0x044 | `MAX_XFER_BYTES` | RO | 2^28: largest COPY/FILL length |
 //! | 0x048 | `MAX_ELEMENTS` | RO | 2^26: largest SAXPY/REDUCE `n` |
 //! | 0x04c | `MAX_GEMM_DIM` | RO | 4096: largest M, N and K |
-//! | 0x050 | `MAX_GEMM_WORK` | RO 64 | 2^30: largest `M*N*K` |
+//! | 0x050 | `MAX_GEMM_WORK` | RO 64 | 2^30: largest `M*N*K` (2^36 on an accelerated device, a `cuda` board) |
 //!
 //! Queue `q` (0 ≤ q < `NUM_QUEUES`) has its block at `0x1000 + q * 0x100`:
 //!

@@ -279,5 +279,10 @@ pub const MAX_XFER_BYTES_VALUE: u64 = 1 << 28;
 pub const MAX_ELEMENTS_VALUE: u64 = 1 << 26;
 /// Largest `GEMM` dimension.
 pub const MAX_GEMM_DIM_VALUE: u64 = 4096;
-/// Largest `GEMM` work `M*N*K`.
+/// Largest `GEMM` work `M*N*K` (the CPU backend: it bounds how long a command keeps its
+/// engine thread).
 pub const MAX_GEMM_WORK_VALUE: u64 = 1 << 30;
+/// Largest `GEMM` work `M*N*K` of a device whose commands run on an accelerator (a `cuda`
+/// board): every GEMM within [`MAX_GEMM_DIM_VALUE`].
+pub const MAX_GEMM_WORK_ACCEL_VALUE: u64 =
+    MAX_GEMM_DIM_VALUE * MAX_GEMM_DIM_VALUE * MAX_GEMM_DIM_VALUE;

@@ -5,8 +5,8 @@
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
-use std::sync::{Arc, RwLock, Weak};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, Weak};
 
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};

@@ -34,6 +34,10 @@ enum Action {
         /// The function, `DDDD:BB:DD.F`.
         bdf: String,
     },
+    /// The NVIDIA GPUs a `cuda` board can name (`gpu = "GPU-…"`): NVML when it is installed
+    /// (UUID, name, memory, PCI address, health), else the CUDA driver. Exits 1 when neither
+    /// can list them, saying why.
+    Gpus,
 }
 
 fn view(f: &PciFunction) -> Value {
@@ -78,6 +82,36 @@ pub fn run(args: InventoryArgs) -> Result<()> {
                 return Ok(());
             }
             json!({ "devices": all.iter().map(view).collect::<Vec<_>>() })
+        }
+        Some(Action::Gpus) => {
+            let gpus = switchyard_cuda::inventory::gpus()
+                .map_err(|e| anyhow::anyhow!("No NVIDIA GPU can be listed on this host: {e}"))?;
+            if !args.json {
+                println!(
+                    "{:<41} {:<24} {:>9} {:<13} {:<6} health",
+                    "uuid", "name", "memory", "pci", "source"
+                );
+                for g in &gpus {
+                    println!(
+                        "{:<41} {:<24} {:>6} GiB {:<13} {:<6} {}",
+                        g.uuid,
+                        g.name,
+                        g.memory >> 30,
+                        g.pci.as_deref().unwrap_or("-"),
+                        g.source,
+                        g.problem.as_deref().unwrap_or("ok")
+                    );
+                }
+                return Ok(());
+            }
+            json!({ "gpus": gpus.iter().map(|g| json!({
+                "uuid": g.uuid,
+                "name": g.name,
+                "memory": g.memory,
+                "pci": g.pci,
+                "problem": g.problem,
+                "source": g.source,
+            })).collect::<Vec<_>>() })
         }
         Some(Action::CreateVfs { pf, n }) => {
             let pf = sysfs::normalize_bdf(&pf)?;

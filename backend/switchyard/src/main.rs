@@ -80,7 +80,8 @@ enum Command {
 
     /// The host's PCI functions (sysfs: ids, class, driver, IOMMU group, SR-IOV, NUMA node,
     /// reset methods), and the changes a pool makes to them: `create-vfs PF N` (SR-IOV VFs,
-    /// left unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`).
+    /// left unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`);
+    /// `gpus`: the NVIDIA GPUs a `cuda` board can name.
     Inventory(inventory::InventoryArgs),
 
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the

@@ -169,8 +169,10 @@ pub fn devices() -> Result<Vec<GpuInfo>, CudaError> {
     let mut out = Vec::new();
     for ordinal in 0..n {
         let dev = cu::device::get(ordinal).map_err(|e| CudaError::driver("cuDeviceGet", e))?;
-        let name = cu::device::get_name(dev).map_err(|e| CudaError::driver("cuDeviceGetName", e))?;
-        let uuid = cu::device::get_uuid(dev).map_err(|e| CudaError::driver("cuDeviceGetUuid", e))?;
+        let name =
+            cu::device::get_name(dev).map_err(|e| CudaError::driver("cuDeviceGetName", e))?;
+        let uuid =
+            cu::device::get_uuid(dev).map_err(|e| CudaError::driver("cuDeviceGetUuid", e))?;
         // SAFETY: `dev` was returned by cuDeviceGet.
         let memory = unsafe { cu::device::total_mem(dev) }
             .map_err(|e| CudaError::driver("cuDeviceTotalMem", e))?;
@@ -206,7 +208,9 @@ unsafe impl Sync for Gpu {}
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gpu").field("info", &self.info).finish_non_exhaustive()
+        f.debug_struct("Gpu")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
     }
 }
 
@@ -310,7 +314,8 @@ impl Gpu {
             return Err(e.clone());
         }
         // SAFETY: `ctx` is retained until Drop.
-        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| self.check(CudaError::driver("cuCtxSetCurrent", e)))
+        unsafe { cu::ctx::set_current(self.ctx) }
+            .map_err(|e| self.check(CudaError::driver("cuCtxSetCurrent", e)))
     }
 
     /// Latches a sticky error.
@@ -323,7 +328,10 @@ impl Gpu {
 
     /// Registers `region` (its whole mapping) with the GPU for DMA. The registration keeps
     /// the region mapped until it is dropped.
-    pub fn register(self: &Arc<Self>, region: Arc<MmapRegion<()>>) -> Result<HostMemory, CudaError> {
+    pub fn register(
+        self: &Arc<Self>,
+        region: Arc<MmapRegion<()>>,
+    ) -> Result<HostMemory, CudaError> {
         self.bind()?;
         let ptr = region.as_ptr() as usize;
         let len = region.size();
@@ -400,7 +408,9 @@ unsafe impl Sync for HostMemory {}
 
 impl std::fmt::Debug for HostMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostMemory").field("len", &self.len).finish_non_exhaustive()
+        f.debug_struct("HostMemory")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
     }
 }
 
@@ -444,7 +454,9 @@ pub struct DeviceMemory {
 
 impl std::fmt::Debug for DeviceMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceMemory").field("len", &self.len).finish_non_exhaustive()
+        f.debug_struct("DeviceMemory")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
     }
 }
 
@@ -487,14 +499,22 @@ impl Mem<'_> {
         };
         match off.checked_add(len) {
             Some(end) if end <= size => Ok(base + off as u64),
-            _ => Err(CudaError::new("checking a range", format!("{len} bytes at {off} exceed a buffer of {size}"), false)),
+            _ => Err(CudaError::new(
+                "checking a range",
+                format!("{len} bytes at {off} exceed a buffer of {size}"),
+                false,
+            )),
         }
     }
 
     fn device(&self, len: usize) -> Result<sys::CUdeviceptr, CudaError> {
         match self {
             Mem::Device(..) => self.range(len),
-            Mem::Host(..) => Err(CudaError::new("checking a range", "a kernel operand in host memory", false)),
+            Mem::Host(..) => Err(CudaError::new(
+                "checking a range",
+                "a kernel operand in host memory",
+                false,
+            )),
         }
     }
 }
@@ -575,16 +595,28 @@ unsafe impl Sync for Stream {}
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream").field("gpu", &self.gpu.info.uuid).finish_non_exhaustive()
+        f.debug_struct("Stream")
+            .field("gpu", &self.gpu.info.uuid)
+            .finish_non_exhaustive()
     }
 }
 
 fn c_int(v: usize) -> Result<i32, CudaError> {
-    i32::try_from(v).map_err(|_| CudaError::new("checking a size", format!("{v} exceeds cuBLAS's int"), false))
+    i32::try_from(v).map_err(|_| {
+        CudaError::new(
+            "checking a size",
+            format!("{v} exceeds cuBLAS's int"),
+            false,
+        )
+    })
 }
 
 fn blas_error(op: &'static str, s: blas::cublasStatus_t) -> CudaError {
-    let sticky = matches!(s, blas::cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED | blas::cublasStatus_t::CUBLAS_STATUS_INTERNAL_ERROR);
+    let sticky = matches!(
+        s,
+        blas::cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED
+            | blas::cublasStatus_t::CUBLAS_STATUS_INTERNAL_ERROR
+    );
     CudaError::new(op, format!("{s:?}"), sticky)
 }
 
@@ -641,7 +673,14 @@ impl Stream {
                 // SAFETY: the kernel's parameters match its signature (float, two device
                 // pointers to `n` floats checked above, u64); the values are read at launch.
                 unsafe {
-                    cu::launch_kernel(self.gpu.saxpy, (grid, 1, 1), (BLOCK, 1, 1), 0, self.raw, &mut params)
+                    cu::launch_kernel(
+                        self.gpu.saxpy,
+                        (grid, 1, 1),
+                        (BLOCK, 1, 1),
+                        0,
+                        self.raw,
+                        &mut params,
+                    )
                 }
                 .map_err(|e| CudaError::driver("launching SAXPY", e))
             }
@@ -673,7 +712,14 @@ impl Stream {
                 ];
                 // SAFETY: as above; `out` holds one float.
                 unsafe {
-                    cu::launch_kernel(self.gpu.reduce_final, (1, 1, 1), (32, 1, 1), 0, self.raw, &mut second)
+                    cu::launch_kernel(
+                        self.gpu.reduce_final,
+                        (1, 1, 1),
+                        (32, 1, 1),
+                        0,
+                        self.raw,
+                        &mut second,
+                    )
                 }
                 .map_err(|e| CudaError::driver("launching REDUCE", e))
             }
@@ -725,7 +771,11 @@ impl Stream {
         }
         // SAFETY: only checks whether the library can be dlopen()ed.
         if !unsafe { blas::is_culib_present() } {
-            return Err(CudaError::new("loading cuBLAS", "libcublas.so was not found", false));
+            return Err(CudaError::new(
+                "loading cuBLAS",
+                "libcublas.so was not found",
+                false,
+            ));
         }
         let mut h = std::ptr::null_mut();
         // SAFETY: creates a handle in the current context (bound by `run`); destroyed in Drop.

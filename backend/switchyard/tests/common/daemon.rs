@@ -18,6 +18,13 @@ use super::ours::Ours;
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_switchyard");
 
+/// The `switchyard` binary the daemon runs: `SWITCHYARD_BIN` when set (a test binary carried
+/// to another machine, e.g. by `scripts/gpu-check.sh`, with the binary next to it), else the
+/// one this test was built with.
+pub fn exe() -> PathBuf {
+    std::env::var_os("SWITCHYARD_BIN").map_or_else(|| PathBuf::from(EXE), PathBuf::from)
+}
+
 /// A daemon on a private state and run directory. Dropping it kills the daemon and every
 /// worker it ever recorded.
 pub struct Daemon {
@@ -137,19 +144,16 @@ impl Daemon {
         let mut cmd = match self.nofile {
             Some(n) => {
                 let mut c = Command::new("prlimit");
-                c.arg(format!("--nofile={n}:{n}")).arg("--").arg(EXE);
+                c.arg(format!("--nofile={n}:{n}")).arg("--").arg(exe());
                 c
             }
-            None => Command::new(EXE),
+            None => Command::new(exe()),
         };
         cmd.arg("daemon");
         if let Some(c) = &self.config {
             cmd.arg("--config").arg(c);
         }
-        let worker_exe = self
-            .worker_exe
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(EXE));
+        let worker_exe = self.worker_exe.clone().unwrap_or_else(exe);
         let child = cmd
             .arg("--state-dir")
             .arg(self.state())
@@ -204,7 +208,7 @@ impl Daemon {
     }
 
     pub fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(EXE)
+        Command::new(exe())
             .arg("ctl")
             .arg("--socket")
             .arg(self.socket())
