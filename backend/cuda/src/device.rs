@@ -361,12 +361,29 @@ impl<G: Gpu> CudaDevice<G> {
             }
         }
         let mut uploads = Vec::new();
-        for (&(op, len, _), place) in plan.operands.iter().zip(&places) {
-            if let Place::Vram(off) = place {
+        for (&(op, len, input), place) in plan.operands.iter().zip(&places) {
+            if let Place::Vram(off) = *place {
                 debug_assert!(op.is_vram());
-                self.take_stale(*off, len, &mut uploads);
+                let first = uploads.len();
+                self.take_stale(off, len, &mut uploads);
+                if !input {
+                    // Chunks the command overwrites whole need no upload: it writes them
+                    // on the GPU and through to the memfd.
+                    let end = off.saturating_add(len);
+                    let mut kept = first;
+                    for i in first..uploads.len() {
+                        let c = uploads[i];
+                        if c * CHUNK < off || (c + 1) * CHUNK > end {
+                            uploads[kept] = c;
+                            kept += 1;
+                        }
+                    }
+                    uploads.truncate(kept);
+                }
             }
         }
+        uploads.sort_unstable();
+        uploads.dedup();
         let result = self.execute(&plan, &places, &windows, &queue, &uploads);
         if result.is_err() {
             // What the GPU copy holds is unknown now: stale, all that the command touched.
@@ -415,10 +432,18 @@ impl<G: Gpu> CudaDevice<G> {
                 usize::try_from(off).map_err(too_big)?,
             ))
         };
-        let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(uploads.len() + 8);
+        let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(uploads.len() + 32);
+        // Stale chunks uploaded, adjacent ones in one copy.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
         for &c in uploads {
-            let off = c * CHUNK;
-            let len = usize::try_from(CHUNK.min(self.vram_size - off)).map_err(too_big)?;
+            match runs.last_mut() {
+                Some((_, end)) if *end == c => *end += 1,
+                _ => runs.push((c, c + 1)),
+            }
+        }
+        for (first, end) in runs {
+            let off = first * CHUNK;
+            let len = usize::try_from((end * CHUNK).min(self.vram_size) - off).map_err(too_big)?;
             ops.push(Op::Copy {
                 dst: at(Place::Vram(off))?,
                 src: vram_host(off)?,
@@ -452,74 +477,122 @@ impl<G: Gpu> CudaDevice<G> {
         let result = Mem::Dev(&queue.partial, REDUCE_PARTS * 4);
         let c = &plan.command;
         let (out_index, out_len) = plan.output;
+        let out_place = places[out_index];
+        let out = dev[out_index];
+        // Where each piece of the output goes once computed: VRAM's memfd (written
+        // through), or the guest (a kernel's staged output); as a write-back, overlapping
+        // the next piece.
+        let sink = match out_place {
+            Place::Vram(off) => Some(vram_host(off)?),
+            Place::Guest { .. } if plan.kernel && c.opcode != cmd::OP_REDUCE => {
+                Some(at(out_place)?)
+            }
+            Place::Guest { .. } => None,
+        };
+        let size = |v: u64| usize::try_from(v).map_err(too_big);
+        let piece = |at_byte: usize, len: usize| {
+            sink.map(|sink| Op::WriteBack {
+                dst: shift(sink, at_byte),
+                src: shift(out, at_byte),
+                len,
+            })
+        };
         match c.opcode {
-            cmd::OP_COPY => ops.push(Op::Copy {
-                dst: dev[1],
-                src: dev[0],
-                len: usize::try_from(c.arg[0]).map_err(too_big)?,
-            }),
-            cmd::OP_FILL => {
-                let words = usize::try_from(c.arg[0] / 4).map_err(too_big)?;
-                match places[0] {
-                    Place::Vram(_) => ops.push(Op::Fill32 {
-                        dst: dev[0],
-                        words,
-                        value: c.imm32,
-                    }),
-                    Place::Guest { .. } => {
-                        // Filled in GPU memory (the REDUCE scratch is too small: staged in
-                        // the first staging buffer's place), then copied out.
-                        return Err(GpuError::transient("FILL of guest memory runs on the CPU"));
-                    }
+            cmd::OP_COPY => {
+                let len = size(c.arg[0])?;
+                for (o, n) in pieces(len, 1) {
+                    ops.push(Op::Copy {
+                        dst: shift(dev[1], o),
+                        src: shift(dev[0], o),
+                        len: n,
+                    });
+                    ops.extend(piece(o, n));
                 }
             }
-            cmd::OP_SAXPY => ops.push(Op::Saxpy {
-                a: f32::from_bits(c.imm32),
-                x: dev[0],
-                y: dev[1],
-                n: usize::try_from(c.arg[0]).map_err(too_big)?,
-            }),
-            cmd::OP_REDUCE => ops.push(Op::Reduce {
-                x: dev[0],
-                n: usize::try_from(c.arg[0]).map_err(too_big)?,
-                out: result,
-                partial,
-            }),
-            cmd::OP_GEMM => ops.push(Op::Gemm {
-                m: usize::try_from(c.arg[0]).map_err(too_big)?,
-                n: usize::try_from(c.arg[1]).map_err(too_big)?,
-                k: usize::try_from(c.arg[2]).map_err(too_big)?,
-                a: dev[0],
-                b: dev[1],
-                c: dev[2],
-            }),
+            cmd::OP_FILL => {
+                for (o, n) in pieces(size(c.arg[0])?, 4) {
+                    ops.push(Op::Fill32 {
+                        dst: shift(dev[0], o),
+                        words: n / 4,
+                        value: c.imm32,
+                    });
+                    ops.extend(piece(o, n));
+                }
+            }
+            cmd::OP_SAXPY => {
+                for (o, n) in pieces(size(c.arg[0])? * 4, 4) {
+                    ops.push(Op::Saxpy {
+                        a: f32::from_bits(c.imm32),
+                        x: shift(dev[0], o),
+                        y: shift(dev[1], o),
+                        n: n / 4,
+                    });
+                    ops.extend(piece(o, n));
+                }
+            }
+            cmd::OP_REDUCE => {
+                ops.push(Op::Reduce {
+                    x: dev[0],
+                    n: size(c.arg[0])?,
+                    out: result,
+                    partial,
+                });
+                ops.push(Op::Copy {
+                    dst: out,
+                    src: result,
+                    len: 4,
+                });
+                ops.extend(piece(0, 4));
+            }
+            cmd::OP_GEMM => {
+                let (m, n, k) = (size(c.arg[0])?, size(c.arg[1])?, size(c.arg[2])?);
+                // Row blocks, each written back while the next is computed.
+                let blocks = pieces(size(out_len)?, 1).count().clamp(1, m);
+                let rows = m.div_ceil(blocks);
+                let mut i0 = 0;
+                while i0 < m {
+                    let r = rows.min(m - i0);
+                    ops.push(Op::Gemm {
+                        m: r,
+                        n,
+                        k,
+                        a: shift(dev[0], i0 * k * 4),
+                        b: dev[1],
+                        c: shift(dev[2], i0 * n * 4),
+                    });
+                    ops.extend(piece(i0 * n * 4, r * n * 4));
+                    i0 += r;
+                }
+            }
             _ => return Err(GpuError::transient("not a GPU command")),
-        }
-        // The output: REDUCE's result into place, staged results out, VRAM written through.
-        let out_len = usize::try_from(out_len).map_err(too_big)?;
-        let out_place = places[out_index];
-        if c.opcode == cmd::OP_REDUCE {
-            ops.push(Op::Copy {
-                dst: at(out_place)?,
-                src: result,
-                len: 4,
-            });
-        } else if plan.kernel && matches!(out_place, Place::Guest { .. }) {
-            ops.push(Op::Copy {
-                dst: at(out_place)?,
-                src: dev[out_index],
-                len: out_len,
-            });
-        }
-        if let Place::Vram(off) = out_place {
-            ops.push(Op::Copy {
-                dst: vram_host(off)?,
-                src: at(out_place)?,
-                len: out_len,
-            });
         }
         self.gpu.run(&queue.stream, &ops)
     }
+}
+
+/// `m`, `by` bytes further on.
+fn shift<G: Gpu>(m: Mem<'_, G>, by: usize) -> Mem<'_, G> {
+    match m {
+        Mem::Host(h, off) => Mem::Host(h, off + by),
+        Mem::Dev(d, off) => Mem::Dev(d, off + by),
+    }
+}
+
+/// Smallest piece of a pipelined output (below: one piece).
+const PIECE_MIN: usize = 1 << 20;
+/// Largest piece.
+const PIECE_MAX: usize = 16 << 20;
+
+/// `len` bytes in pieces of about an eighth (1 to 16 MiB, multiples of `align` and of 4 KiB):
+/// `(offset, length)` of each. The copy out of one piece overlaps the next piece's work, so
+/// what a write-through adds is one piece's copy.
+fn pieces(len: usize, align: usize) -> impl Iterator<Item = (usize, usize)> {
+    let unit = 4096usize.max(align);
+    let piece = (len / 8).clamp(PIECE_MIN, PIECE_MAX).next_multiple_of(unit);
+    (0..len.div_ceil(piece).max(1)).map(move |i| {
+        let o = i * piece;
+        (o, piece.min(len - o))
+    })
 }
 
 /// A command's operands, as the GPU path sees them.

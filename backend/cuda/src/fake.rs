@@ -151,7 +151,7 @@ impl FakeGpu {
     fn op(&self, op: &Op<'_, Self>) -> Result<(), GpuError> {
         let s = &self.state;
         match *op {
-            Op::Copy { dst, src, len } => {
+            Op::Copy { dst, src, len } | Op::WriteBack { dst, src, len } => {
                 s.copies.fetch_add(1, Ordering::Relaxed);
                 let data = read(src, len)?;
                 write(dst, &data)

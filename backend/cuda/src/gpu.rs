@@ -96,6 +96,17 @@ pub enum Op<'a, G: Gpu + ?Sized> {
         /// Bytes.
         len: usize,
     },
+    /// A copy that starts once every operation before it finished and overlaps those after
+    /// it (which neither write `src` nor touch `dst`): a result copied out while the next
+    /// piece is computed.
+    WriteBack {
+        /// Where to.
+        dst: Mem<'a, G>,
+        /// Where from.
+        src: Mem<'a, G>,
+        /// Bytes.
+        len: usize,
+    },
     /// `words` copies of `value` at `dst`.
     Fill32 {
         /// Where.
@@ -149,6 +160,7 @@ impl<G: Gpu + ?Sized> std::fmt::Debug for Op<'_, G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Op::Copy { dst, src, len } => write!(f, "Copy({src:?} -> {dst:?}, {len})"),
+            Op::WriteBack { dst, src, len } => write!(f, "WriteBack({src:?} -> {dst:?}, {len})"),
             Op::Fill32 { dst, words, value } => write!(f, "Fill32({dst:?}, {words}, {value:#x})"),
             Op::Saxpy { n, .. } => write!(f, "Saxpy({n})"),
             Op::Reduce { n, .. } => write!(f, "Reduce({n})"),

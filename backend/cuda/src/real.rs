@@ -72,6 +72,11 @@ impl Gpu for CudaGpu {
                     src: mem(src),
                     len,
                 },
+                Op::WriteBack { dst, src, len } => cuda::Op::WriteBack {
+                    dst: mem(dst),
+                    src: mem(src),
+                    len,
+                },
                 Op::Fill32 { dst, words, value } => cuda::Op::Fill32 {
                     dst: mem(dst),
                     words,

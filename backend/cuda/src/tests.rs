@@ -80,7 +80,10 @@ fn vram_is_uploaded_once_per_chunk_and_again_after_a_host_write() {
         "written through"
     );
     let (_, _, uploads) = stats(&dev);
-    assert_eq!(uploads, 2, "the source's and the destination's chunk");
+    assert_eq!(
+        uploads, 2,
+        "the source's chunk, and the destination's (the copy covers only part of it)"
+    );
     // Again: nothing to upload.
     assert_eq!(dev.run(0, &c), AccelOutcome::Done);
     assert_eq!(stats(&dev).2, 2);
@@ -225,4 +228,64 @@ fn a_transient_error_marks_what_the_command_touched_stale() {
     // Both chunks are uploaded again before the next use.
     assert_eq!(dev.run(0, &c), AccelOutcome::Done);
     assert_eq!(stats(&dev).2, uploads + 2);
+}
+
+#[test]
+fn large_outputs_are_computed_and_written_back_in_pieces() {
+    let fake = FakeGpu::new();
+    let vram_size = 64u64 << 20;
+    let vram = Arc::new(memfd(vram_size));
+    let accel = CudaAccel::new(Arc::new(fake.clone()));
+    let dev = accel
+        .open(AccelTarget {
+            vram: vram.clone(),
+            vram_size,
+            queues: 1,
+            dma: Arc::new(DmaSpace::default()),
+        })
+        .expect("open");
+    // 16 MiB VRAM → VRAM: one upload of the stale source (adjacent chunks in one copy),
+    // then 8 pieces of 2 MiB, each copied and written back.
+    let src: Vec<u8> = (0..16u32 << 20).map(|i| (i % 251) as u8).collect();
+    write_at(&vram, 0, &src);
+    let before = fake.state.copies.load(Ordering::SeqCst);
+    let c = Command::copy(Operand::Vram(0), Operand::Vram(32 << 20), 16 << 20);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    // Uploaded: the source; not the destination, which the copy overwrites whole.
+    assert_eq!(fake.state.copies.load(Ordering::SeqCst) - before, 1 + 8 + 8);
+    assert!(
+        read_at(&vram, 32 << 20, 16 << 20) == src,
+        "written through, all pieces"
+    );
+    // GEMM 1024×2048×3 (C is 8 MiB): row blocks, each written back; bit-exact here (k = 3
+    // sums in the CPU path's order on the fake).
+    let (m, n, k) = (1024usize, 2048usize, 3usize);
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.25 - 1.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.5 - 2.0).collect();
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    write_at(&vram, 0, &bytes(&a));
+    write_at(&vram, 1 << 20, &bytes(&b));
+    dev.host_wrote(0, 2 << 20);
+    let gemms = fake.state.gemms.load(Ordering::SeqCst);
+    let g = Command::gemm(
+        m as u64,
+        n as u64,
+        k as u64,
+        Operand::Vram(0),
+        Operand::Vram(1 << 20),
+        Operand::Vram(8 << 20),
+    );
+    assert_eq!(dev.run(0, &g), AccelOutcome::Done);
+    assert_eq!(
+        fake.state.gemms.load(Ordering::SeqCst) - gemms,
+        8,
+        "8 row blocks"
+    );
+    let got = read_at(&vram, 8 << 20, m * n * 4);
+    for (idx, chunk) in got.chunks(4).enumerate().step_by(997) {
+        let (i, j) = (idx / n, idx % n);
+        let want = (0..k).fold(0f32, |acc, p| acc + a[i * k + p] * b[p * n + j]);
+        let v = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+        assert_eq!(v.to_bits(), want.to_bits(), "C[{i}][{j}]");
+    }
 }

@@ -9,6 +9,10 @@
 //! on buffers it borrows and synchronizes with the stream before it returns, so no work is
 //! in flight once the borrows end. Every range is checked against its buffer first.
 //!
+//! [`Op::WriteBack`] runs on a second stream, after everything before it in the batch: a
+//! result copied out while the GPU computes or copies the next piece (PCIe carries both
+//! directions at once), so a write-through costs one piece, not a second pass.
+//!
 //! Kernels (SAXPY, a deterministic two-pass REDUCE) are CUDA C in this file, compiled by
 //! NVRTC when a GPU is opened (without FMA contraction, so SAXPY rounds as the CPU path
 //! does); GEMM is cuBLAS's SGEMM (loaded at run time too).
@@ -372,9 +376,19 @@ impl Gpu {
         self.bind()?;
         let raw = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| self.check(CudaError::driver("cuStreamCreate", e)))?;
+        let aux = match cu::stream::create(cu::stream::StreamKind::NonBlocking) {
+            Ok(aux) => aux,
+            Err(e) => {
+                // SAFETY: `raw` was created above and is not used again.
+                let _ = unsafe { cu::stream::destroy(raw) };
+                return Err(self.check(CudaError::driver("cuStreamCreate", e)));
+            }
+        };
         Ok(Stream {
             gpu: self.clone(),
             raw,
+            aux,
+            events: Mutex::new(Vec::new()),
             blas: Mutex::new(None),
         })
     }
@@ -563,6 +577,17 @@ pub enum Op<'a> {
         /// Scratch.
         partial: Mem<'a>,
     },
+    /// `len` bytes from `src` to `dst` on the stream's second queue: it starts once every
+    /// operation before it in the batch finished and overlaps with those after it, which
+    /// must neither write `src` nor touch `dst`. The batch ends when it ends too.
+    WriteBack {
+        /// Where to.
+        dst: Mem<'a>,
+        /// Where from.
+        src: Mem<'a>,
+        /// Bytes.
+        len: usize,
+    },
     /// `C = A·B`, row-major `m×k`, `k×n`, `m×n` floats (device memory), by cuBLAS SGEMM.
     Gemm {
         /// Rows of A and C.
@@ -584,6 +609,10 @@ pub enum Op<'a> {
 pub struct Stream {
     gpu: Arc<Gpu>,
     raw: sys::CUstream,
+    /// Where write-backs run.
+    aux: sys::CUstream,
+    /// Events that order write-backs after their batch's earlier operations, reused.
+    events: Mutex<Vec<sys::CUevent>>,
     blas: Mutex<Option<blas::cublasHandle_t>>,
 }
 
@@ -625,17 +654,78 @@ impl Stream {
     /// finished (or the batch failed; what it wrote is then undefined).
     pub fn run(&self, ops: &[Op<'_>]) -> Result<(), CudaError> {
         self.gpu.bind()?;
+        let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut used = 0;
+        let mut result = Ok(());
         for op in ops {
-            self.enqueue(op).map_err(|e| self.gpu.check(e))?;
+            let r = match *op {
+                Op::WriteBack { dst, src, len } => {
+                    self.write_back(dst, src, len, &mut events, &mut used)
+                }
+                _ => self.enqueue(op),
+            };
+            if let Err(e) = r {
+                result = Err(self.gpu.check(e));
+                break;
+            }
         }
-        // SAFETY: the stream is ours and live.
-        unsafe { cu::stream::synchronize(self.raw) }
-            .map_err(|e| self.gpu.check(CudaError::driver("cuStreamSynchronize", e)))
+        // Both streams drained, whatever happened: nothing may run once the borrows end.
+        for (s, what) in [
+            (self.raw, "cuStreamSynchronize"),
+            (self.aux, "cuStreamSynchronize (write-backs)"),
+        ] {
+            // SAFETY: the streams are ours and live.
+            let synced = unsafe { cu::stream::synchronize(s) };
+            if let (Ok(()), Err(e)) = (&result, synced) {
+                result = Err(self.gpu.check(CudaError::driver(what, e)));
+            }
+        }
+        result
+    }
+
+    /// Enqueues a [`Op::WriteBack`]: an event after what is enqueued so far, the second
+    /// stream waiting for it, the copy there.
+    fn write_back(
+        &self,
+        dst: Mem<'_>,
+        src: Mem<'_>,
+        len: usize,
+        events: &mut Vec<sys::CUevent>,
+        used: &mut usize,
+    ) -> Result<(), CudaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (d, s) = (dst.range(len)?, src.range(len)?);
+        if *used == events.len() {
+            let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| CudaError::driver("cuEventCreate", e))?;
+            events.push(e);
+        }
+        let event = events[*used];
+        *used += 1;
+        // SAFETY: the event and both streams are ours and live; the ranges were checked
+        // against buffers the caller's borrows keep alive until `run` synchronized both
+        // streams. An event recorded again before the second stream's wait consumed it
+        // is not possible: each write-back of a batch has its own event.
+        unsafe {
+            cu::event::record(event, self.raw)
+                .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+            cu::stream::wait_event(
+                self.aux,
+                event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+            sys::cuMemcpyAsync(d, s, len, self.aux)
+                .result()
+                .map_err(|e| CudaError::driver("cuMemcpyAsync (write-back)", e))
+        }
     }
 
     fn enqueue(&self, op: &Op<'_>) -> Result<(), CudaError> {
         match *op {
-            Op::Copy { dst, src, len } => {
+            Op::Copy { dst, src, len } | Op::WriteBack { dst, src, len } => {
                 if len == 0 {
                     return Ok(());
                 }
@@ -801,11 +891,17 @@ impl Drop for Stream {
             return;
         }
         let handle = self.blas.lock().unwrap_or_else(|p| p.into_inner()).take();
-        // SAFETY: the handle and the stream are ours; `run` left no work in flight.
+        let events = std::mem::take(&mut *self.events.lock().unwrap_or_else(|p| p.into_inner()));
+        // SAFETY: the handle, the events and the streams are ours; `run` left no work in
+        // flight.
         unsafe {
             if let Some(h) = handle {
                 blas::cublasDestroy_v2(h);
             }
+            for e in events {
+                let _ = cu::event::destroy(e);
+            }
+            let _ = cu::stream::destroy(self.aux);
             let _ = cu::stream::destroy(self.raw);
         }
     }
