@@ -78,7 +78,7 @@ step "GPU pool: two partitions side by side, a failover" 180 \
   "$bin/cuda_backend" --ignored --test-threads 1 gpu_pool
 step "fake-GPU tests on the same binary" 60 "$bin/cuda_backend" --test-threads 2 \
   --skip gpu_ --skip without_a_gpu
-step "bench: cuda rows (same GPU, same run)" 240 "$bin/switchyard-bench" --only cuda \
+step "bench: cuda rows (same GPU, same run)" 300 "$bin/switchyard-bench" --only cuda \
   --switchyard-bin "$bin/switchyard" --markdown "$out/cuda-bench.md" --json "$out/cuda-bench.json"
 
 {

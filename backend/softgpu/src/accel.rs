@@ -116,7 +116,6 @@ impl crate::SoftGpu {
             what: accel.describe(),
             message: "the device has an accelerator already".into(),
         })?;
-        shared.lock().gemm_work = crate::regs::MAX_GEMM_WORK_ACCEL_VALUE;
         tracing::info!(accelerator = %accel.describe(), "commands run on the accelerator");
         Ok(())
     }

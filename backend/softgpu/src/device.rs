@@ -206,7 +206,6 @@ impl Shared {
                 shutdown: false,
                 idle_waiters: 0,
                 pending_wake: 0,
-                gemm_work: MAX_GEMM_WORK_VALUE,
                 work: crate::WorkStats::default(),
             }),
             wake: (0..n).map(|_| Condvar::new()).collect(),

@@ -383,15 +383,6 @@ impl Executor<'_> {
         }
     }
 
-    /// `MAX_GEMM_WORK` of this device (see [`crate::regs::MAX_GEMM_WORK_ACCEL_VALUE`]).
-    fn gemm_work(&self) -> u64 {
-        if self.accel.get().is_some() {
-            MAX_GEMM_WORK_ACCEL_VALUE
-        } else {
-            MAX_GEMM_WORK_VALUE
-        }
-    }
-
     /// Why the accelerator's board was lost, once (after [`ExecError::BoardLost`]).
     pub(crate) fn take_lost(&self) -> Option<String> {
         self.lost.borrow_mut().take()
@@ -546,7 +537,7 @@ impl Executor<'_> {
         if m > MAX_GEMM_DIM_VALUE
             || n > MAX_GEMM_DIM_VALUE
             || k > MAX_GEMM_DIM_VALUE
-            || m * n * k > self.gemm_work()
+            || m * n * k > MAX_GEMM_WORK_VALUE
         {
             return Err(fault(ERR_LIMIT, slot));
         }

@@ -65,7 +65,7 @@
 //! | 0x044 | `MAX_XFER_BYTES` | RO | 2^28: largest COPY/FILL length |
 //! | 0x048 | `MAX_ELEMENTS` | RO | 2^26: largest SAXPY/REDUCE `n` |
 //! | 0x04c | `MAX_GEMM_DIM` | RO | 4096: largest M, N and K |
-//! | 0x050 | `MAX_GEMM_WORK` | RO 64 | 2^30: largest `M*N*K` (2^36 on an accelerated device, a `cuda` board) |
+//! | 0x050 | `MAX_GEMM_WORK` | RO 64 | 2^36: largest `M*N*K` (every GEMM of `MAX_GEMM_DIM`) |
 //!
 //! Queue `q` (0 ≤ q < `NUM_QUEUES`) has its block at `0x1000 + q * 0x100`:
 //!
@@ -204,7 +204,7 @@
 //! | 0x01 | COPY | src=addr0, dst=addr1, len=arg0 (bytes, ≤ 2^28) | any space to any space, any length/alignment; overlapping VRAM→VRAM copies behave like `memmove`; overlapping guest→guest copies are unspecified |
 //! | 0x02 | FILL | dst=addr0, len=arg0 (≤ 2^28), pattern=imm32 | byte i of the range = byte `i % 4` of the little-endian pattern |
 //! | 0x03 | SAXPY | x=addr0, y=addr1, n=arg0 (≤ 2^26), a=imm32 | `y[i] = a*x[i] + y[i]` in f32 (multiply rounded, then add rounded; no FMA). x, y 4-byte aligned; identical or disjoint |
-//! | 0x04 | GEMM | A=addr0, B=addr1, C=addr2, M=arg0, N=arg1, K=arg2 | `C[M×N] = A[M×K]·B[K×N]`, dense row-major f32. For each `C[i][j]`: `acc = 0.0f32; for k in 0..K ascending: acc = acc + A[i][k]*B[k][j]` (product rounded, then sum rounded; no FMA). Dims ≤ 4096, `M*N*K` ≤ 2^30; 4-byte aligned; C must not overlap A or B |
+//! | 0x04 | GEMM | A=addr0, B=addr1, C=addr2, M=arg0, N=arg1, K=arg2 | `C[M×N] = A[M×K]·B[K×N]`, dense row-major f32. For each `C[i][j]`: `acc = 0.0f32; for k in 0..K ascending: acc = acc + A[i][k]*B[k][j]` (product rounded, then sum rounded; no FMA). Dims ≤ 4096 (`M*N*K` ≤ 2^36); 4-byte aligned; C must not overlap A or B |
 //! | 0x05 | REDUCE | x=addr0, out=addr1, n=arg0 (≤ 2^26) | `acc = 0.0f32; for i in 0..n ascending: acc = acc + x[i]`; writes `acc` as one f32 (4 bytes) at out. 4-byte aligned |
 //! | 0x06 | FENCE | dst=addr0, value=imm64, vector=imm32 | after all earlier commands of the queue: writes the u64 value at dst (8-byte aligned, guest or VRAM), then increments `FENCE_COUNT`; with flag IRQ latches `INT_STATUS` bit q and (unless masked in `INT_MASK`) fires MSI-X `vector` (must be < 16 in both modes; ignored without IRQ) instead of the queue's completion vector; in MSI mode the MSI vector |
 //!

@@ -279,10 +279,7 @@ pub const MAX_XFER_BYTES_VALUE: u64 = 1 << 28;
 pub const MAX_ELEMENTS_VALUE: u64 = 1 << 26;
 /// Largest `GEMM` dimension.
 pub const MAX_GEMM_DIM_VALUE: u64 = 4096;
-/// Largest `GEMM` work `M*N*K` (the CPU backend: it bounds how long a command keeps its
-/// engine thread).
-pub const MAX_GEMM_WORK_VALUE: u64 = 1 << 30;
-/// Largest `GEMM` work `M*N*K` of a device whose commands run on an accelerator (a `cuda`
-/// board): every GEMM within [`MAX_GEMM_DIM_VALUE`].
-pub const MAX_GEMM_WORK_ACCEL_VALUE: u64 =
-    MAX_GEMM_DIM_VALUE * MAX_GEMM_DIM_VALUE * MAX_GEMM_DIM_VALUE;
+/// Largest `GEMM` work `M*N*K`: every GEMM within [`MAX_GEMM_DIM_VALUE`] (2^36), on a GPU
+/// (a `cuda` board) as on the CPU, so that a device moves between the two unchanged. The
+/// CPU path checks for aborts every few rows, so a large GEMM does not hold up a reset.
+pub const MAX_GEMM_WORK_VALUE: u64 = MAX_GEMM_DIM_VALUE * MAX_GEMM_DIM_VALUE * MAX_GEMM_DIM_VALUE;

@@ -84,8 +84,6 @@ pub(crate) struct Regs {
     pub(super) pending_wake: u32,
     /// What the engines did (not device state: for the pool's metrics).
     pub(crate) work: crate::WorkStats,
-    /// `MAX_GEMM_WORK`: larger on an accelerated device.
-    pub(crate) gemm_work: u64,
 }
 
 /// Collects the MSI-X messages [`MsixState`] decides to send, as owed interrupts.
@@ -390,8 +388,8 @@ impl Regs {
             MAX_XFER_BYTES => MAX_XFER_BYTES_VALUE as u32,
             MAX_ELEMENTS => MAX_ELEMENTS_VALUE as u32,
             MAX_GEMM_DIM => MAX_GEMM_DIM_VALUE as u32,
-            MAX_GEMM_WORK_LO => self.gemm_work as u32,
-            MAX_GEMM_WORK_HI => (self.gemm_work >> 32) as u32,
+            MAX_GEMM_WORK_LO => MAX_GEMM_WORK_VALUE as u32,
+            MAX_GEMM_WORK_HI => (MAX_GEMM_WORK_VALUE >> 32) as u32,
             o if o >= QUEUE_BASE => {
                 let q = (o - QUEUE_BASE) / QUEUE_STRIDE;
                 let r = (o - QUEUE_BASE) % QUEUE_STRIDE;

@@ -170,7 +170,7 @@ fn malformed_commands_and_limits() {
             None,
         ),
         (
-            Command::gemm(4096, 4096, 4096, G(DATA), G(DATA), G(DATA)),
+            Command::gemm(4096, 4097, 1, G(DATA), G(DATA), G(DATA)),
             ERR_LIMIT,
             None,
         ),

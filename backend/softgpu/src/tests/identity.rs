@@ -140,7 +140,7 @@ fn register_table_reads() {
     assert_eq!(h.rd32(MAX_XFER_BYTES), 1 << 28);
     assert_eq!(h.rd32(MAX_ELEMENTS), 1 << 26);
     assert_eq!(h.rd32(MAX_GEMM_DIM), 4096);
-    assert_eq!(h.rd64(MAX_GEMM_WORK_LO), 1 << 30);
+    assert_eq!(h.rd64(MAX_GEMM_WORK_LO), 1 << 36);
     for q in 0..2 {
         assert_eq!(h.qr(q, Q_STATUS), Q_STATUS_STOPPED);
         assert_eq!(h.qr(q, Q_COMPLETION_VECTOR), q);
