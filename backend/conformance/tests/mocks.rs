@@ -292,6 +292,7 @@ impl DeviceKind for RecordingKind {
                 exclusive: None,
                 host_settings: Vec::new(),
                 client_maps_memory: false,
+                presents: None,
             },
         ))
     }

@@ -122,6 +122,8 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
         let device = Arc::new_cyclic(|me| CudaDevice {
             me: me.clone(),
             gpu: self.gpu.clone(),
+            dma: t.dma,
+            unmaps: AtomicU64::new(0),
             vram_size: t.vram_size,
             vram_host,
             vram_dev,
@@ -145,10 +147,10 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
     }
 }
 
-/// A registered guest DMA window.
+/// A guest DMA window: its registration, or `None` if the GPU cannot reach it.
 struct Window<G: Gpu> {
     size: u64,
-    host: G::Host,
+    host: Option<G::Host>,
 }
 
 /// A queue's stream and staging buffers.
@@ -176,6 +178,10 @@ pub struct CudaDevice<G: Gpu> {
     /// Itself, for its DMA observer.
     me: Weak<CudaDevice<G>>,
     gpu: Arc<G>,
+    /// The client's windows, for those mapped before the device.
+    dma: Arc<switchyard_device::DmaSpace>,
+    /// Unmaps so far (a window registered late is dropped if one happened meanwhile).
+    unmaps: AtomicU64,
     vram_size: u64,
     vram_host: G::Host,
     vram_dev: G::Buf,
@@ -245,7 +251,8 @@ impl<G: Gpu> CudaDevice<G> {
 
     /// Guest windows registered with the GPU now.
     pub fn registered_windows(&self) -> usize {
-        self.windows.read().unwrap_or_else(|p| p.into_inner()).len()
+        let w = self.windows.read().unwrap_or_else(|p| p.into_inner());
+        w.values().filter(|w| w.host.is_some()).count()
     }
 
     /// Whether the board was lost, and why.
@@ -253,14 +260,29 @@ impl<G: Gpu> CudaDevice<G> {
         self.lost.get().map(String::as_str)
     }
 
+    /// The client maps a window (the DMA observer, under the DMA table's lock): it is
+    /// registered, or recorded as one the GPU does not reach.
     fn register_window(&self, iova: u64, size: u64, prot: DmaProt, file: Option<(&File, u64)>) {
+        let host = self.registration(iova, size, prot, file);
+        let mut w = self.windows.write().unwrap_or_else(|p| p.into_inner());
+        w.insert(iova, Window { size, host });
+    }
+
+    /// A registration of the window, or `None` (logged) if the GPU cannot reach it.
+    fn registration(
+        &self,
+        iova: u64,
+        size: u64,
+        prot: DmaProt,
+        file: Option<(&File, u64)>,
+    ) -> Option<G::Host> {
         let Some((file, offset)) = file else {
             tracing::debug!(
                 iova,
                 size,
                 "a window without a file: its commands run on the CPU"
             );
-            return;
+            return None;
         };
         if !prot.write {
             // Registering read-only pages needs a flag not every driver has; the CPU path
@@ -270,38 +292,101 @@ impl<G: Gpu> CudaDevice<G> {
                 size,
                 "a read-only window: its commands run on the CPU"
             );
-            return;
+            return None;
         }
         let registered = map_file(file, offset, size, true)
             .map_err(GpuError::transient)
             .and_then(|region| self.gpu.register(Arc::new(region)));
         match registered {
-            Ok(host) => {
-                let mut w = self.windows.write().unwrap_or_else(|p| p.into_inner());
-                w.insert(iova, Window { size, host });
-            }
+            Ok(host) => Some(host),
             Err(e) => {
                 if e.sticky {
                     let _ = self.lost.set(e.message.clone());
                 }
                 tracing::debug!(iova, size, error = %e, "window not registered: its commands run on the CPU");
+                None
             }
         }
     }
 
-    /// Where `len` bytes at `op` are: VRAM, or inside one registered window.
-    fn place(windows: &BTreeMap<u64, Window<G>>, op: Operand, len: u64) -> Result<Place, Skip> {
+    /// A window mapped before this device was attached (a move's successor, a swap): found
+    /// in the DMA table and registered now. Returns whether the table had it.
+    fn register_late(&self, iova: u64) -> bool {
+        let generation = self.unmaps.load(Ordering::Acquire);
+        // Not under our lock: the table's observer calls take it under the table's.
+        let Some(b) = self.dma.window_backing(iova) else {
+            return false;
+        };
+        let host = self.registration(b.iova, b.size, b.prot, Some((&b.file, b.offset)));
+        let mut w = self.windows.write().unwrap_or_else(|p| p.into_inner());
+        if self.unmaps.load(Ordering::Acquire) != generation {
+            // Something was unmapped meanwhile, perhaps this window: look again next time.
+            return false;
+        }
+        w.entry(b.iova).or_insert(Window { size: b.size, host });
+        true
+    }
+
+    /// Where `len` bytes at `op` are: VRAM, or inside one registered window; `Err(None)`
+    /// when no window we know of holds it.
+    fn place(
+        windows: &BTreeMap<u64, Window<G>>,
+        op: Operand,
+        len: u64,
+    ) -> Result<Place, Option<Skip>> {
         match op {
             Operand::Vram(off) => Ok(Place::Vram(off)),
             Operand::Guest(iova) => {
-                let (&start, w) = windows.range(..=iova).next_back().ok_or(Skip::Decline)?;
+                let (&start, w) = windows.range(..=iova).next_back().ok_or(None)?;
                 let off = iova - start;
-                if off.checked_add(len).is_some_and(|end| end <= w.size) {
+                if off >= w.size {
+                    return Err(None);
+                }
+                if w.host.is_some() && off.checked_add(len).is_some_and(|end| end <= w.size) {
                     Ok(Place::Guest { window: start, off })
                 } else {
-                    Err(Skip::Decline)
+                    Err(Some(Skip::Decline))
                 }
             }
+        }
+    }
+
+    /// Where the operands of `plan` are, registering windows mapped before the device; with
+    /// the windows locked (an unmap waits for the command).
+    #[allow(clippy::type_complexity)]
+    fn places(
+        &self,
+        plan: &Plan,
+    ) -> Result<
+        (
+            Vec<Place>,
+            std::sync::RwLockReadGuard<'_, BTreeMap<u64, Window<G>>>,
+        ),
+        Skip,
+    > {
+        let mut late = false;
+        loop {
+            let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
+            let mut places = Vec::with_capacity(plan.operands.len());
+            let mut missing = None;
+            for &(op, len, _) in &plan.operands {
+                match Self::place(&windows, op, len) {
+                    Ok(p) => places.push(p),
+                    Err(Some(skip)) => return Err(skip),
+                    Err(None) => {
+                        missing = Some(op.addr());
+                        break;
+                    }
+                }
+            }
+            let Some(iova) = missing else {
+                return Ok((places, windows));
+            };
+            drop(windows);
+            if late || !self.register_late(iova) {
+                return Err(Skip::Decline);
+            }
+            late = true;
         }
     }
 
@@ -340,14 +425,10 @@ impl<G: Gpu> CudaDevice<G> {
         if let Some(reason) = self.lost.get() {
             return Err(Skip::Lost(reason.clone()));
         }
-        let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
+        let plan = Plan::of(c)?;
+        let (places, windows) = self.places(&plan)?;
         let queue = self.queues.get(q).ok_or(Skip::Decline)?;
         let mut queue = queue.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = Plan::of(c)?;
-        let mut places = Vec::with_capacity(plan.operands.len());
-        for &(op, len, _) in &plan.operands {
-            places.push(Self::place(&windows, op, len)?);
-        }
         // Staging buffers for guest operands of kernels.
         for (i, (&(_, len, _), place)) in plan.operands.iter().zip(&places).enumerate() {
             if plan.kernel && matches!(place, Place::Guest { .. }) {
@@ -419,10 +500,11 @@ impl<G: Gpu> CudaDevice<G> {
                     Mem::Dev(&self.vram_dev, usize::try_from(off).map_err(too_big)?)
                 }
                 Place::Guest { window, off } => {
-                    let w = windows
+                    let host = windows
                         .get(&window)
+                        .and_then(|w| w.host.as_ref())
                         .ok_or_else(|| GpuError::transient("a window went away"))?;
-                    Mem::Host(&w.host, usize::try_from(off).map_err(too_big)?)
+                    Mem::Host(host, usize::try_from(off).map_err(too_big)?)
                 }
             })
         };
@@ -737,6 +819,7 @@ impl<G: Gpu> DmaObserver for Registrar<G> {
         let end = iova.saturating_add(size);
         // Waits for the commands using the windows (they hold the read lock).
         let mut w = device.windows.write().unwrap_or_else(|p| p.into_inner());
+        device.unmaps.fetch_add(1, Ordering::AcqRel);
         let gone: Vec<u64> = w
             .range(..end)
             .filter(|(start, win)| start.saturating_add(win.size) > iova)

@@ -58,10 +58,10 @@ impl CudaKind {
         Ok((c, gpu))
     }
 
-    /// The canonical options of `config` on `gpu`.
+    /// The canonical options of `config` on `gpu`: the softgpu's (`vram_mmap` always off,
+    /// so that a softgpu board of the same options is of the same shape) and `gpu`.
     pub fn options(config: &SoftGpuConfig, gpu: &str) -> KindOptions {
         let mut o = SoftGpuKind::options(config);
-        o.remove("vram_mmap");
         o.insert(GPU.into(), gpu.into());
         o
     }
@@ -124,14 +124,15 @@ impl DeviceKind for CudaKind {
             vram: c.vram_size,
             queues: c.queues,
             partitionable: true,
-            // A move builds its successor on the source's board; a successor on another
-            // GPU needs the target's options, which moves do not carry yet.
-            movable: false,
+            // Between `cuda` boards and to or from softgpu boards of the same options: the
+            // successor is given the target's GPU (`adopt_successor`), or none.
+            movable: true,
             msix: c.irq == IrqMode::Msix,
             dirty_log: DirtyLog::DeviceLog,
             exclusive: None,
             host_settings: vec!["spin".into(), GPU.into()],
             client_maps_memory: false,
+            presents: Some("softgpu".into()),
         };
         Ok((Self::options(&c, &gpu), profile))
     }
@@ -153,6 +154,25 @@ impl DeviceKind for CudaKind {
         // The GPU first: a board whose GPU is gone builds nothing.
         accelerator(&gpu)?;
         accelerate(SoftGpuKind::build_device(c, b)?, &gpu)
+    }
+
+    /// The successor a move built (a softgpu on the new VRAM) runs on this board's GPU.
+    fn adopt_successor(
+        &self,
+        options: &KindOptions,
+        device: &mut dyn PciDevice,
+    ) -> Result<(), KindError> {
+        let (_, gpu) = Self::config(options)?;
+        let accel = accelerator(&gpu)?;
+        let soft = device
+            .as_any_mut()
+            .downcast_mut::<SoftGpu>()
+            .ok_or_else(|| KindError::Option {
+                field: None,
+                message: "a cuda board takes only a softgpu's device".into(),
+            })?;
+        soft.set_accelerator(accel.as_ref())
+            .map_err(|e| KindError::build("cuda", e))
     }
 
     fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {

@@ -289,3 +289,48 @@ fn large_outputs_are_computed_and_written_back_in_pieces() {
         assert_eq!(v.to_bits(), want.to_bits(), "C[{i}][{j}]");
     }
 }
+
+#[test]
+fn a_window_mapped_before_the_device_is_registered_when_first_used() {
+    let fake = FakeGpu::new();
+    let vram = Arc::new(memfd(VRAM));
+    let dma = Arc::new(DmaSpace::default());
+    let guest = memfd(1 << 20);
+    write_at(&guest, 0, &[0x77u8; 4096]);
+    let rw = DmaProt {
+        read: true,
+        write: true,
+    };
+    // Mapped while another device had the slot (a move's successor, a swap).
+    dma.map(
+        0x10_0000,
+        1 << 20,
+        rw,
+        Some((guest.try_clone().expect("dup"), 0)),
+    )
+    .expect("map");
+    let accel = CudaAccel::new(Arc::new(fake.clone()));
+    let dev = accel
+        .open(AccelTarget {
+            vram: vram.clone(),
+            vram_size: VRAM,
+            queues: 1,
+            dma: dma.clone(),
+        })
+        .expect("open");
+    assert_eq!(fake.state.registered.load(Ordering::SeqCst), 1, "VRAM only");
+    let c = Command::copy(Operand::Guest(0x10_0000), Operand::Vram(0), 4096);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(read_at(&vram, 0, 4096), vec![0x77u8; 4096]);
+    assert_eq!(
+        fake.state.registered.load(Ordering::SeqCst),
+        2,
+        "registered on first use"
+    );
+    // Unmapped through the table (the device's observer installed as the server does).
+    dma.set_observer(dev.dma_observer());
+    dma.unmap(0x10_0000, 1 << 20).expect("unmap");
+    assert_eq!(fake.state.registered.load(Ordering::SeqCst), 1);
+    // Nothing there any more: declined (the CPU path faults it).
+    assert_eq!(dev.run(0, &c), AccelOutcome::Declined);
+}

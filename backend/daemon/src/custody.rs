@@ -238,6 +238,11 @@ pub enum Note {
         /// too, with one copy (a guest-visible move).
         #[serde(default)]
         detached: bool,
+        /// The target device's spec when it differs from the moving one's (another kind
+        /// presenting the same device, another GPU): the successor is made one of it
+        /// ([`DeviceKind::adopt_successor`](switchyard_device::kind::DeviceKind::adopt_successor)).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        target: Option<DeviceSpec>,
     },
     /// The move is done: the device runs on the new VRAM (worker → supervisor).
     Moved {

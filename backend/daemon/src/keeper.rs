@@ -640,6 +640,7 @@ mod tests {
         let mv = Note::Move {
             to: "b".into(),
             detached: false,
+            target: None,
         };
         custody::send(&adopter, &mv, &[]).expect("send");
         let got = reader.join().expect("reader");

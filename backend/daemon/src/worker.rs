@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use switchyard_device::PciDevice;
 use switchyard_device::blackbox::BlackBox;
 use switchyard_device::kind::{
     BoardFailure, Build, FailedHook, KindError, LostHook, PENDING_SUFFIX, pending_object,
@@ -343,7 +344,11 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                     }
                 };
                 match note {
-                    Note::Move { to, detached } => {
+                    Note::Move {
+                        to,
+                        detached,
+                        target,
+                    } => {
                         let span = tracing::info_span!("move", to = %to, detached);
                         let _g = span.enter();
                         // The keeper remembers the move and its outcome, for a supervisor
@@ -354,7 +359,7 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                             );
                             continue;
                         }
-                        let answer = match relocate(&slot, &keeper, detached) {
+                        let answer = match relocate(&slot, &keeper, detached, target.as_ref()) {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
                                 Note::Moved { report }
@@ -512,15 +517,32 @@ pub enum MoveError {
     /// The new memory could not be put in custody.
     #[error("Cannot put the new memory in custody")]
     Custody(#[source] std::io::Error),
+    /// The target board's kind cannot take the device (its successor could not be made
+    /// one of the target's: e.g. the target's GPU cannot be opened).
+    #[error("The target board cannot take the device")]
+    Target(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Moves the device in `slot` onto new memory ([`move_in_slot`]), the new memory in custody
 /// under its pending name until the device runs on it, then under its name.
-fn relocate(slot: &DeviceSlot, keeper: &Keeper, detached: bool) -> Result<MoveReport, MoveError> {
+fn relocate(
+    slot: &DeviceSlot,
+    keeper: &Keeper,
+    detached: bool,
+    target: Option<&DeviceSpec>,
+) -> Result<MoveReport, MoveError> {
     let moving = slot.begin_move()?;
     let mut pending = Vec::new();
     let mut targets = Vec::new();
-    let result = move_in_slot(slot, &moving, detached, |objects| {
+    let adopt = |next: &mut dyn PciDevice| -> Result<(), MoveError> {
+        let Some(spec) = target else {
+            return Ok(());
+        };
+        let kind = spec.kind().map_err(|e| MoveError::Target(Box::new(e)))?;
+        kind.adopt_successor(&spec.options, next)
+            .map_err(|e| MoveError::Target(Box::new(e)))
+    };
+    let result = move_in_slot(slot, &moving, detached, adopt, |objects| {
         // Held before the device can run on them, so that a replacement finds them.
         let held: Vec<(String, std::fs::File)> = objects
             .iter()
@@ -551,14 +573,15 @@ pub fn move_device_in_slot(
     moving: &MoveGuard,
     detached: bool,
 ) -> Result<MoveReport, MoveError> {
-    move_in_slot(slot, moving, detached, |_| Ok(()))
+    move_in_slot(slot, moving, detached, |_| Ok(()), |_| Ok(()))
 }
 
 /// Moves the device in `slot` onto new memory under its client, the sequence a worker runs
 /// for a [`Note::Move`] ([`Relocatable`](switchyard_device::Relocatable)): the relocation
 /// creates the new memory (`on_targets` sees it before anything runs on it), then pre-copy
 /// rounds while the device runs until one copies at most 256 KiB or 12 rounds ran, the
-/// successor built on the new memory (parked), one more round for what was written while it
+/// successor built on the new memory (parked) and made the target's (`adopt`: the target
+/// board's kind, e.g. its GPU attached), one more round for what was written while it
 /// was built, the engines parked (the commands running finish), then [`DeviceSlot::swap`],
 /// which copies the pages
 /// written since the last round and hands the state over. Downtime: from the engines parked
@@ -574,6 +597,7 @@ pub fn move_in_slot(
     slot: &DeviceSlot,
     _moving: &MoveGuard,
     detached: bool,
+    adopt: impl FnOnce(&mut dyn PciDevice) -> Result<(), MoveError>,
     on_targets: impl FnOnce(&[(String, std::fs::File)]) -> Result<(), MoveError>,
 ) -> Result<MoveReport, MoveError> {
     let t0 = Instant::now();
@@ -588,6 +612,9 @@ pub fn move_in_slot(
         }
     }
     let mut next = relocation.successor(slot.context().clone())?;
+    // Made the target board's device before it runs (another kind of the same device,
+    // another GPU).
+    adopt(next.as_mut())?;
     // Building the successor (its engine threads) takes a while: catch up on what was written
     // meanwhile, so that the stop copies only what the parking lets through.
     next.relocatable()

@@ -122,6 +122,12 @@ pub struct Profile {
     /// and re-plugging it.
     #[serde(default)]
     pub client_maps_memory: bool,
+    /// The device the guest sees, when kinds share one (the softgpu's and the `cuda`
+    /// board's: `softgpu`): devices of such kinds whose options differ only in host
+    /// settings are interchangeable (one pool, a move or a failover between them). `None`:
+    /// the kind's own.
+    #[serde(default)]
+    pub presents: Option<String>,
 }
 
 /// A callback for the device to say its backing is gone for good (a passthrough device the
@@ -251,6 +257,19 @@ pub trait DeviceKind: Send + Sync + 'static {
 
     /// Builds a fresh device of (checked) `options`.
     fn build(&self, options: &KindOptions, build: Build) -> Result<Box<dyn PciDevice>, KindError>;
+
+    /// Makes `device`, the successor a move built on a board of this kind (by the moving
+    /// device's relocation, [`Relocation::successor`](crate::Relocation::successor)), a
+    /// device of these (checked) `options`, before it runs: e.g. attaches the target board's
+    /// GPU. A move between kinds that present the same device ([`Profile::presents`]) relies
+    /// on it. The default: nothing to do.
+    fn adopt_successor(
+        &self,
+        _options: &KindOptions,
+        _device: &mut dyn PciDevice,
+    ) -> Result<(), KindError> {
+        Ok(())
+    }
 
     /// Rebuilds, in a replacement process, the device a dead one served: its black box
     /// (`build.black_box`) and the memory objects its supervisor held (`build.objects`),

@@ -30,7 +30,7 @@ mod traits;
 use std::fs::File;
 use std::sync::Arc;
 
-pub use dma::{DmaError, DmaSpace, RemoteDma};
+pub use dma::{DmaError, DmaSpace, RemoteDma, WindowBacking};
 pub use irq::{Interrupts, IrqError, IrqIndex};
 pub use traits::{
     AsAny, DirtySource, DmaObserver, FaultInjection, IrqRouter, Migratable, PciDevice, Quiesce,

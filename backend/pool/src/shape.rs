@@ -73,14 +73,16 @@ impl DeviceShape {
     }
 
     /// The first field in which `self` differs from `other`, as `field (self vs other)`: the
-    /// model, then VRAM (`vram (128 MiB vs 64 MiB)`), queues, then the other options by name
+    /// model (unless both kinds present the same device, [`Profile::presents`]), then VRAM (`vram (128 MiB vs 64 MiB)`), queues, then the other options by name
     /// (`irq (msi vs msix)`, `vram_reset (keep vs zero)`); `None` when they are the same.
     ///
     /// The option naming the host resource a device holds ([`Profile::exclusive`], a
     /// passthrough device's `host`) says *which* device it is, not what it looks like: it is
     /// not compared (two passthrough boards of one pool have different addresses).
     pub fn difference(&self, other: &DeviceShape) -> Option<String> {
-        if self.model != other.model {
+        let same_device =
+            self.profile.presents.is_some() && self.profile.presents == other.profile.presents;
+        if self.model != other.model && !same_device {
             return Some(format!("model ({} vs {})", self.model, other.model));
         }
         if self.vram() != other.vram() {
@@ -239,6 +241,7 @@ impl From<LegacyShape> for DeviceShape {
                     exclusive: None,
                     host_settings: Vec::new(),
                     client_maps_memory: false,
+                    presents: None,
                 },
             };
         }
@@ -262,6 +265,7 @@ impl From<LegacyShape> for DeviceShape {
                 exclusive: None,
                 host_settings: Vec::new(),
                 client_maps_memory: false,
+                presents: None,
             },
         }
     }
@@ -276,4 +280,55 @@ pub struct Requirements {
     /// Least queues (0: any).
     #[serde(default)]
     pub min_queues: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(model: &str, presents: Option<&str>, extra: &[(&str, Value)]) -> DeviceShape {
+        let mut options = KindOptions::new();
+        options.insert("vram".into(), (64u64 << 20).into());
+        options.insert("vram_mmap".into(), false.into());
+        for (k, v) in extra {
+            options.insert((*k).into(), v.clone());
+        }
+        DeviceShape {
+            model: model.into(),
+            options,
+            profile: Profile {
+                vram: 64 << 20,
+                queues: 2,
+                partitionable: true,
+                movable: true,
+                msix: true,
+                dirty_log: DirtyLog::DeviceLog,
+                exclusive: None,
+                host_settings: vec!["spin".into(), "gpu".into()],
+                client_maps_memory: false,
+                presents: presents.map(str::to_owned),
+            },
+        }
+    }
+
+    #[test]
+    fn kinds_presenting_the_same_device_are_one_shape_but_for_their_options() {
+        let soft = shape("softgpu", Some("softgpu"), &[]);
+        let gpu = shape("cuda", Some("softgpu"), &[("gpu", "GPU-1".into())]);
+        let gpu2 = shape("cuda", Some("softgpu"), &[("gpu", "GPU-2".into())]);
+        assert_eq!(soft.difference(&gpu), None, "the GPU is a host setting");
+        assert_eq!(gpu.difference(&gpu2), None);
+        let mapped = shape("cuda", Some("softgpu"), &[("vram_mmap", true.into())]);
+        assert_eq!(
+            soft.difference(&mapped).as_deref(),
+            Some("vram_mmap (false vs true)")
+        );
+        let other = shape("scratchpad", None, &[]);
+        assert_eq!(
+            soft.difference(&other).as_deref(),
+            Some("model (softgpu vs scratchpad)")
+        );
+        let elsewhere = shape("npu", Some("npu"), &[]);
+        assert!(soft.difference(&elsewhere).is_some());
+    }
 }

@@ -62,6 +62,7 @@ impl DeviceKind for ScratchpadKind {
             exclusive: None,
             host_settings: Vec::new(),
             client_maps_memory: false,
+            presents: None,
         };
         Ok((Self::options(size), profile))
     }

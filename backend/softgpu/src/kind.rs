@@ -128,6 +128,7 @@ impl DeviceKind for SoftGpuKind {
             exclusive: None,
             host_settings: vec!["spin".into()],
             client_maps_memory: c.vram_mmap,
+            presents: Some("softgpu".into()),
         };
         Ok((Self::options(&c), profile))
     }

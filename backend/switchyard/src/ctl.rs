@@ -777,6 +777,7 @@ mod tests {
                 exclusive: None,
                 host_settings: Vec::new(),
                 client_maps_memory: false,
+                presents: None,
             },
         };
         assert_eq!(

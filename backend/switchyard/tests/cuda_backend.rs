@@ -166,9 +166,9 @@ fn commands_run_on_the_gpu_with_the_cpu_backends_results() {
     results_match_the_cpu_backend(&board);
     let st = &board.fake.state;
     assert_eq!(
-        st.registered.load(Ordering::SeqCst),
+        st.registrations.load(Ordering::SeqCst),
         3,
-        "two windows and VRAM"
+        "two windows and VRAM, each once"
     );
     assert!(
         st.kernels.load(Ordering::SeqCst) >= 3,
@@ -716,7 +716,10 @@ fn gpu_pool_partitions_serve_side_by_side_and_fail_over() {
 [[boards]]\nid = \"f0\"\nmodel = \"cuda\"\ngpu = \"{gpu}\"\nvram = \"128M\"\n\
 [[boards]]\nid = \"f1\"\nmodel = \"cuda\"\ngpu = \"{gpu}\"\nvram = \"128M\"\n\
 [[pools]]\nname = \"parts\"\nboards = [\"h0\"]\n\
-[[pools]]\nname = \"fo\"\nboards = [\"f0\", \"f1\"]\nfailover = \"transparent\"\n"
+[[pools]]\nname = \"fo\"\nboards = [\"f0\", \"f1\"]\nfailover = \"transparent\"\n\
+[[boards]]\nid = \"c0\"\nmodel = \"cuda\"\ngpu = \"{gpu}\"\nvram = \"128M\"\n\
+[[boards]]\nid = \"s0\"\nvram = \"128M\"\nvram_mmap = false\n\
+[[pools]]\nname = \"mix\"\nboards = [\"c0\", \"s0\"]\n"
     );
     let mut d = Daemon::new().with_config(&toml).with_args(&["--faults"]);
     d.launch();
@@ -776,4 +779,114 @@ fn gpu_pool_partitions_serve_side_by_side_and_fail_over() {
     let mut back = vec![0u8; kept.len()];
     g3.vram_read(0x80_0000, &mut back);
     assert!(back == kept, "VRAM intact across the failover");
+    // Moves between the GPU board and a CPU board of the same device, and back.
+    d.ctl_ok(&["create", "vm4", "--pool", "mix"]);
+    let mut g4 = connect(&socket_of(&d.endpoint("vm4")));
+    g4.setup_queue(0);
+    g4.vram_write(0x80_0000, &kept);
+    let first = d.endpoint("vm4")["lease"]["board"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let other = if first == "c0" { "s0" } else { "c0" };
+    for (i, to) in [other, first.as_str(), other].into_iter().enumerate() {
+        let r = d
+            .client()
+            .post("/v1/endpoints/vm4/move", &serde_json::json!({ "to": to }))
+            .unwrap_or_else(|e| panic!("move {i} to {to}: {e}"));
+        eprintln!("move {i} to {to}: {}", r.body);
+        assert_eq!(d.endpoint("vm4")["lease"]["board"], to);
+        for round in 0..20 {
+            common::workload::fill_copy_round(&mut g4, round, 0);
+        }
+        g4.vram_read(0x80_0000, &mut back);
+        assert!(back == kept, "VRAM intact after move {i} to {to}");
+    }
+}
+
+/// A move from the CPU to a (fake) GPU and back, by the worker's move sequence
+/// (`move_in_slot`, the successor given the target's accelerator or none), under a client
+/// whose jobs keep their results: VRAM and the queues move, and the commands run where the
+/// device now is.
+#[test]
+fn a_device_moves_from_the_cpu_to_a_gpu_and_back_under_its_client() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("gpu.sock");
+    let config = SoftGpuConfig {
+        vram_mmap: false,
+        ..SoftGpuConfig::default()
+    };
+    let mut server = Server::new(ServerConfig::new(&socket), move |ctx| {
+        SoftGpu::new(config, ctx)
+    })
+    .expect("server");
+    let slot = server.device_slot();
+    let stop = server.stop_handle();
+    let thread = thread::spawn(move || server.run().expect("run"));
+    let mut d = Driver::new(Ours(Client::connect(&socket).expect("connect")));
+    d.setup_queue(0);
+    let kept: Vec<u8> = (0..4u32 << 20).map(|i| (i * 7 + 1) as u8).collect();
+    d.vram_write(0x40_0000, &kept);
+    let n = 8192;
+    let (x, y) = (data(21, n), data(22, n));
+    let fake = FakeGpu::new();
+    let accel = CudaAccel::new(Arc::new(fake.clone()));
+    let mut expect_y = y.clone();
+    d.write_f32s(0x41_0000, &y);
+    for (step, to_gpu) in [(0, true), (1, false), (2, true)] {
+        let moving = slot.begin_move().expect("move guard");
+        let report = switchyard_daemon::worker::move_in_slot(
+            &slot,
+            &moving,
+            false,
+            |next| {
+                if to_gpu {
+                    next.as_any_mut()
+                        .downcast_mut::<SoftGpu>()
+                        .expect("a softgpu")
+                        .set_accelerator(&accel)
+                        .map_err(|e| switchyard_daemon::worker::MoveError::Target(Box::new(e)))?;
+                }
+                Ok(())
+            },
+            |_| Ok(()),
+        )
+        .expect("moved");
+        drop(moving);
+        let on_gpu = slot
+            .with_as(|g: &mut SoftGpu| g.accelerator().is_some())
+            .expect("softgpu");
+        assert_eq!(on_gpu, to_gpu, "step {step}: {report:?}");
+        // The device as it was, and its commands where it now runs.
+        let mut back = vec![0u8; kept.len()];
+        d.vram_read(0x40_0000, &mut back);
+        assert!(back == kept, "step {step}: VRAM moved");
+        let batches = fake.state.batches.load(Ordering::SeqCst);
+        d.write_f32s(0x40_0000, &x);
+        d.run(
+            0,
+            &[Command::saxpy(
+                n as u64,
+                0.5,
+                guest(0x40_0000),
+                guest(0x41_0000),
+            )],
+        );
+        expect_y = saxpy_ref(0.5, &x, &expect_y);
+        assert_eq!(
+            bits(&d.read_f32s(0x41_0000, n)),
+            bits(&expect_y),
+            "step {step}"
+        );
+        let ran_on_gpu = fake.state.batches.load(Ordering::SeqCst) > batches;
+        assert_eq!(ran_on_gpu, to_gpu, "step {step}: where the SAXPY ran");
+    }
+    // The windows the client mapped before the GPU came were registered when first used.
+    assert_eq!(
+        fake.state.registered.load(Ordering::SeqCst),
+        2,
+        "VRAM and the window used"
+    );
+    stop.stop();
+    let _ = thread.join();
 }

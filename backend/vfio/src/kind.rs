@@ -145,6 +145,7 @@ impl DeviceKind for VfioKind {
             exclusive: Some(c.host.clone()),
             host_settings: vec!["irq".into()],
             client_maps_memory: false,
+            presents: None,
         };
         Ok((Self::options(&c), profile))
     }

@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, BLACK_BOX_ID, CONNECTION_ID, LastMove, MoveReport, Note, StartMode};
+use crate::custody::{
+    self, BLACK_BOX_ID, CONNECTION_ID, DeviceSpec, LastMove, MoveReport, Note, StartMode,
+};
 
 pub use access::SocketAccess;
 use launch::{Launch, supervise};
@@ -617,6 +619,20 @@ impl Supervisor {
         detached: bool,
         timeout: Duration,
     ) -> Result<MoveOutcome, SupervisorError> {
+        self.move_device_to(id, to, None, detached, timeout)
+    }
+
+    /// [`Supervisor::move_device`] onto a device of spec `target` when it differs from the
+    /// endpoint's (another kind presenting the same device, another GPU): the worker makes
+    /// its successor one of it, and workers started from then on build `target`.
+    pub fn move_device_to(
+        &self,
+        id: &str,
+        to: &str,
+        target: Option<DeviceSpec>,
+        detached: bool,
+        timeout: Duration,
+    ) -> Result<MoveOutcome, SupervisorError> {
         let ep = self.get(id)?;
         let deadline = Instant::now() + timeout;
         {
@@ -629,7 +645,11 @@ impl Supervisor {
                 ..MoveSlot::default()
             };
         }
-        let result = self.run_move(&ep, to, detached, deadline);
+        let result = self.run_move(&ep, to, target.clone(), detached, deadline);
+        if result.is_ok() && target.is_some() {
+            // A replacement from now on builds the device of the board it runs on.
+            *ep.device.lock().unwrap_or_else(|p| p.into_inner()) = target;
+        }
         let mut mv = ep.mv();
         mv.active = false;
         mv.reply = None;
@@ -645,6 +665,7 @@ impl Supervisor {
         &self,
         ep: &Endpoint,
         to: &str,
+        target: Option<DeviceSpec>,
         detached: bool,
         deadline: Instant,
     ) -> Result<MoveOutcome, SupervisorError> {
@@ -664,6 +685,7 @@ impl Supervisor {
                 &Note::Move {
                     to: to.to_owned(),
                     detached,
+                    target,
                 },
                 &[],
             )

@@ -339,6 +339,21 @@ pub struct MappingInfo {
     pub direct: bool,
 }
 
+/// A window and its backing file ([`DmaSpace::window_backing`]).
+#[derive(Debug)]
+pub struct WindowBacking {
+    /// Start IOVA.
+    pub iova: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permissions.
+    pub prot: DmaProt,
+    /// The backing file (a duplicate descriptor).
+    pub file: File,
+    /// Offset of the window's first byte in the file.
+    pub offset: u64,
+}
+
 #[derive(Default)]
 struct Table {
     /// Sorted by IOVA, non-overlapping.
@@ -593,6 +608,26 @@ impl DmaSpace {
                 direct: matches!(&m.backing, Backing::Fd(w) if w.access == Access::Direct),
             })
             .collect()
+    }
+
+    /// The window holding `iova`, with its own descriptor of its backing file (a duplicate)
+    /// and the offset of the window's first byte in it; `None` if no window holds `iova` or
+    /// it has no file (message-only). For a device that reaches guest memory by other means
+    /// than this space (a GPU registering it) and learns of a window after it was mapped.
+    pub fn window_backing(&self, iova: u64) -> Option<WindowBacking> {
+        let table = self.read_table();
+        let m = table.find(iova)?;
+        let Backing::Fd(w) = &m.backing else {
+            return None;
+        };
+        let (file, offset) = w.file()?;
+        Some(WindowBacking {
+            iova: m.iova,
+            size: m.size,
+            prot: m.prot,
+            file: file.try_clone().ok()?,
+            offset,
+        })
     }
 
     /// Checks that `[iova, iova+len)` is fully mapped with the permission needed, without

@@ -105,6 +105,7 @@ impl DeviceKind for TestGpu {
             exclusive: None,
             host_settings: vec!["spin".into()],
             client_maps_memory: mmap,
+            presents: None,
         };
         Ok((canonical, profile))
     }
@@ -161,6 +162,7 @@ impl DeviceKind for TestPassthrough {
             exclusive: Some(host),
             host_settings: Vec::new(),
             client_maps_memory: false,
+            presents: None,
         };
         Ok((canonical, profile))
     }

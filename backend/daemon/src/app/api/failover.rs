@@ -399,7 +399,9 @@ impl Daemon {
 
     /// The worker's device spec on `plan.to`, when it differs from the one on `plan.from`
     /// (a spec naming its host resource).
-    fn target_spec(&self, plan: &MovePlan) -> Option<crate::custody::DeviceSpec> {
+    /// The spec of `plan`'s target device when it differs from its source's (another
+    /// kind presenting the same device, another GPU, a passthrough device's address).
+    pub(super) fn target_spec(&self, plan: &MovePlan) -> Option<crate::custody::DeviceSpec> {
         let pool = self.pool();
         let spec = |d: &str| {
             pool.inventory()

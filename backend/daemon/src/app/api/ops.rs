@@ -356,8 +356,13 @@ impl Daemon {
             .flatten();
         let (outcome, visible_downtime, not_plugged) = match &vmm {
             None => (
-                self.supervisor
-                    .move_device(&plan.endpoint, &plan.to, false, MOVE_TIMEOUT),
+                self.supervisor.move_device_to(
+                    &plan.endpoint,
+                    &plan.to,
+                    self.target_spec(&plan),
+                    false,
+                    MOVE_TIMEOUT,
+                ),
                 None,
                 None,
             ),
@@ -470,9 +475,10 @@ impl Daemon {
             .map_err(|e| vmm_error("the guest did not release the device", &e))?;
         // QEMU closes the vfio-user connection when it unrealizes the device.
         self.wait_disconnected(&plan.endpoint);
-        let outcome = self
-            .supervisor
-            .move_device(&plan.endpoint, &plan.to, true, MOVE_TIMEOUT);
+        let target = self.target_spec(plan);
+        let outcome =
+            self.supervisor
+                .move_device_to(&plan.endpoint, &plan.to, target, true, MOVE_TIMEOUT);
         let plugged = qmp.device_add(&device);
         let downtime = t0.elapsed();
         if let Err(e) = &plugged {
