@@ -112,6 +112,27 @@ impl CudaError {
     }
 }
 
+/// The kernels as PTX, compiled by NVRTC (no context needed), NUL-terminated.
+fn compile_kernels() -> Result<CString, CudaError> {
+    // SAFETY: only checks whether the library can be dlopen()ed.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::new(
+            "compiling the kernels",
+            "libnvrtc.so was not found (the CUDA toolkit's NVRTC: add its lib64 to LD_LIBRARY_PATH)",
+            false,
+        ));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        fmad: Some(false),
+        ..Default::default()
+    };
+    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
+        .map_err(|_| CudaError::new("compiling the kernels", "NVRTC could not be loaded", false))?
+        .map_err(|e| CudaError::new("compiling the kernels", format!("{e:?}"), false))?;
+    CString::new(ptx.to_src())
+        .map_err(|_| CudaError::new("loading the kernels", "PTX with a NUL byte", false))
+}
+
 /// Whether the CUDA driver library (`libcuda.so`) can be loaded on this host.
 pub fn driver_present() -> bool {
     // SAFETY: dlopen()s candidate names of the driver library (running its initializers,
@@ -227,7 +248,10 @@ impl Gpu {
             .iter()
             .filter(|g| {
                 g.ordinal.to_string() == wanted
-                    || (wanted.len() >= 8 && g.uuid.starts_with(&wanted.to_ascii_lowercase()))
+                    || (wanted.len() >= 8
+                        && g.uuid
+                            .to_ascii_lowercase()
+                            .starts_with(&wanted.to_ascii_lowercase()))
                     || g.uuid.eq_ignore_ascii_case(wanted)
             })
             .collect();
@@ -259,41 +283,53 @@ impl Gpu {
                 sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32,
             );
         }
-        // SAFETY: `dev` comes from cuDeviceGet; the reference is released in Drop.
+        let image = compile_kernels()?;
+        // SAFETY: `dev` comes from cuDeviceGet; the reference is released in Drop, or below
+        // if the kernels do not load.
         let ctx = unsafe { cu::primary_ctx::retain(dev) }
             .map_err(|e| CudaError::driver("cuDevicePrimaryCtxRetain", e))?;
-        // SAFETY: `ctx` is the live primary context retained above.
-        unsafe { cu::ctx::set_current(ctx) }
-            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
-        let opts = cudarc::nvrtc::CompileOptions {
-            fmad: Some(false),
-            ..Default::default()
-        };
-        let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
-            .map_err(|_| {
-                CudaError::new(
-                    "compiling the kernels",
-                    "libnvrtc.so was not found (install the CUDA toolkit's NVRTC)",
-                    false,
-                )
-            })?
-            .map_err(|e| CudaError::new("compiling the kernels", format!("{e:?}"), false))?;
-        let image = CString::new(ptx.to_src())
-            .map_err(|_| CudaError::new("loading the kernels", "PTX with a NUL byte", false))?;
-        // SAFETY: `image` is a NUL-terminated PTX text that outlives the call; the module is
-        // unloaded in Drop, after every user of its functions is gone.
-        let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
-            .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
-        let function = |name: &str| {
-            let name = CString::new(name).unwrap_or_default();
-            // SAFETY: `module` was loaded above and `name` is NUL-terminated.
-            unsafe { cu::module::get_function(module, name) }
-                .map_err(|e| CudaError::driver("cuModuleGetFunction", e))
+        let loaded = (|| {
+            // SAFETY: `ctx` is the live primary context retained above.
+            unsafe { cu::ctx::set_current(ctx) }
+                .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+            // SAFETY: `image` is a NUL-terminated PTX text that outlives the call; the module
+            // is unloaded in Drop, after every user of its functions is gone.
+            let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
+                .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
+            let function = |name: &str| {
+                let name = CString::new(name).unwrap_or_default();
+                // SAFETY: `module` was loaded above and `name` is NUL-terminated.
+                unsafe { cu::module::get_function(module, name) }
+                    .map_err(|e| CudaError::driver("cuModuleGetFunction", e))
+            };
+            let functions = (|| {
+                Ok::<_, CudaError>((
+                    function("sy_saxpy")?,
+                    function("sy_reduce_partial")?,
+                    function("sy_reduce_final")?,
+                ))
+            })();
+            match functions {
+                Ok(f) => Ok((module, f)),
+                Err(e) => {
+                    // SAFETY: loaded above, used by nothing.
+                    let _ = unsafe { cu::module::unload(module) };
+                    Err(e)
+                }
+            }
+        })();
+        let (module, (saxpy, reduce_partial, reduce_final)) = match loaded {
+            Ok(l) => l,
+            Err(e) => {
+                // SAFETY: the reference retained above, used by nothing.
+                let _ = unsafe { cu::primary_ctx::release(dev) };
+                return Err(e);
+            }
         };
         Ok(Arc::new(Gpu {
-            saxpy: function("sy_saxpy")?,
-            reduce_partial: function("sy_reduce_partial")?,
-            reduce_final: function("sy_reduce_final")?,
+            saxpy,
+            reduce_partial,
+            reduce_final,
             info,
             dev,
             ctx,
