@@ -681,8 +681,11 @@ fn without_a_gpu_cuda_boards_are_out_of_service_with_the_reason() {
         .unwrap_or_else(|| panic!("h0 in {boards}"));
     assert_eq!(h0["state"], "quarantined", "{h0}");
     let log = d.log();
+    // No driver (CI), or a driver with no such GPU.
     assert!(
-        log.contains("board quarantined") && log.contains("no NVIDIA GPU can be listed"),
+        log.contains("board quarantined")
+            && (log.contains("no NVIDIA GPU can be listed")
+                || log.contains("no GPU `GPU-00000000-0000-0000-0000-000000000000`")),
         "the reason is logged:\n{log}"
     );
     let out = d.ctl(&["create", "vm1", "--pool", "gpu"]);
@@ -696,10 +699,7 @@ fn without_a_gpu_cuda_boards_are_out_of_service_with_the_reason() {
         .expect("serve");
     let err = String::from_utf8_lossy(&served.stderr);
     assert_eq!(served.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("GPU `0` is not usable") && err.contains("libcuda.so was not found"),
-        "{err}"
-    );
+    assert!(err.contains("GPU `0` is not usable"), "{err}");
 }
 
 /// A pool on a real GPU (`scripts/gpu-check.sh`, with `SWITCHYARD_BIN` the carried
