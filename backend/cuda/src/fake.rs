@@ -3,6 +3,9 @@
 //! allocates, and fails on request, for good (a sticky error) or once (a transient one), so
 //! the backend's bookkeeping and its handling of a lost board are tested without a GPU.
 //!
+//! A write-back ([`Op::WriteBack`]) runs at the end of its batch, the latest a GPU may run it,
+//! so a batch that breaks its contract gets a wrong result here.
+//!
 //! Its REDUCE sums in the real kernel's order (fixed blocks, then their partial sums), not
 //! the CPU path's, so tests meet the documented tolerance rather than bit equality.
 
@@ -271,7 +274,17 @@ impl Gpu for FakeGpu {
             std::thread::sleep(std::time::Duration::from_micros(delay));
         }
         s.batches.fetch_add(1, Ordering::Relaxed);
+        // Write-backs run last, the latest a GPU may run them (after everything before them,
+        // overlapping what follows): a batch that writes a write-back's source or touches its
+        // destination after it gets another result here than in order, and a test sees it.
+        let mut deferred = Vec::new();
         for op in ops {
+            match op {
+                Op::WriteBack { .. } => deferred.push(op),
+                _ => self.op(op)?,
+            }
+        }
+        for op in deferred {
             self.op(op)?;
         }
         Ok(())
