@@ -74,7 +74,7 @@ step "the GPU (nvidia-smi -L)" 30 nvidia-smi -L
 step "switchyard inventory gpus (NVML)" 30 "$bin/switchyard" inventory gpus
 step "GPU tests: results vs the CPU backend, GEMM 4096, registration" 240 \
   "$bin/cuda_backend" --ignored --test-threads 1 gpu_commands gpu_gemm gpu_windows
-step "GPU pool: two partitions side by side, a failover" 180 \
+step "GPU pool: two partitions, a failover, moves GPU <-> CPU board" 240 \
   "$bin/cuda_backend" --ignored --test-threads 1 gpu_pool
 step "fake-GPU tests on the same binary" 60 "$bin/cuda_backend" --test-threads 2 \
   --skip gpu_ --skip without_a_gpu
