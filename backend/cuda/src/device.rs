@@ -123,6 +123,8 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
             me: me.clone(),
             gpu: self.gpu.clone(),
             dma: t.dma,
+            staging_budget: staging_budget(t.vram_size),
+            staging_used: AtomicU64::new(0),
             unmaps: AtomicU64::new(0),
             vram_size: t.vram_size,
             vram_host,
@@ -145,6 +147,14 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
         });
         Ok(device as Arc<dyn AccelDevice>)
     }
+}
+
+/// GPU memory a device of `vram` bytes may take beyond its VRAM for staging guest operands of
+/// kernels: a quarter of its VRAM, at least 64 MiB. What a guest can make its partition take
+/// of the GPU is its quota plus this: other partitions of the GPU keep theirs. A kernel whose
+/// guest operands need more is run by the CPU path.
+pub fn staging_budget(vram: u64) -> u64 {
+    (vram / 4).max(64 << 20)
 }
 
 /// A guest DMA window: its registration, or `None` if the GPU cannot reach it.
@@ -180,6 +190,9 @@ pub struct CudaDevice<G: Gpu> {
     gpu: Arc<G>,
     /// The client's windows, for those mapped before the device.
     dma: Arc<switchyard_device::DmaSpace>,
+    /// GPU memory the staging buffers may take ([`staging_budget`]), and take now.
+    staging_budget: u64,
+    staging_used: AtomicU64,
     /// Unmaps so far (a window registered late is dropped if one happened meanwhile).
     unmaps: AtomicU64,
     vram_size: u64,
@@ -390,6 +403,27 @@ impl<G: Gpu> CudaDevice<G> {
         }
     }
 
+    /// Trades a staging buffer of `old` bytes for one of `new` within the budget (the old
+    /// one is freed by the caller); declined beyond it: the CPU path runs the command.
+    fn reserve_staging(&self, old: usize, new: usize) -> Result<(), Skip> {
+        let (old, new) = (old as u64, new as u64);
+        let budget = self.staging_budget;
+        self.staging_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                let after = used.saturating_sub(old).checked_add(new)?;
+                (after <= budget).then_some(after)
+            })
+            .map(|_| ())
+            .map_err(|_| {
+                tracing::debug!(
+                    need = new,
+                    budget,
+                    "staging beyond the budget: the CPU path runs it"
+                );
+                Skip::Decline
+            })
+    }
+
     /// Marks the chunks of `[off, off+len)` stale.
     fn invalidate(&self, off: u64, len: u64) {
         let end = off.saturating_add(len).min(self.vram_size);
@@ -429,15 +463,23 @@ impl<G: Gpu> CudaDevice<G> {
         let (places, windows) = self.places(&plan)?;
         let queue = self.queues.get(q).ok_or(Skip::Decline)?;
         let mut queue = queue.lock().unwrap_or_else(|p| p.into_inner());
-        // Staging buffers for guest operands of kernels.
+        // Staging buffers for guest operands of kernels, within the device's budget.
         for (i, (&(_, len, _), place)) in plan.operands.iter().zip(&places).enumerate() {
             if plan.kernel && matches!(place, Place::Guest { .. }) {
                 let need = usize_of(len)?.max(4);
                 let slot = queue.staging.get_mut(i).ok_or(Skip::Decline)?;
                 if slot.as_ref().is_none_or(|(_, cap)| *cap < need) {
                     let cap = need.next_power_of_two();
+                    let old = slot.as_ref().map_or(0, |(_, c)| *c);
+                    self.reserve_staging(old, cap)?;
                     *slot = None;
-                    *slot = Some((self.gpu.alloc(cap)?, cap));
+                    match self.gpu.alloc(cap) {
+                        Ok(buf) => *slot = Some((buf, cap)),
+                        Err(e) => {
+                            self.staging_used.fetch_sub(cap as u64, Ordering::AcqRel);
+                            return Err(e.into());
+                        }
+                    }
                 }
             }
         }

@@ -334,3 +334,43 @@ fn a_window_mapped_before_the_device_is_registered_when_first_used() {
     // Nothing there any more: declined (the CPU path faults it).
     assert_eq!(dev.run(0, &c), AccelOutcome::Declined);
 }
+
+#[test]
+fn staging_stays_within_the_devices_budget() {
+    use crate::device::staging_budget;
+    let fake = FakeGpu::new();
+    let (dev, _vram) = open(&fake);
+    assert_eq!(staging_budget(VRAM), 64 << 20, "at least 64 MiB");
+    assert_eq!(staging_budget(1 << 30), 256 << 20, "a quarter of VRAM");
+    let observer = dev.dma_observer().expect("an observer");
+    let guest = memfd(160 << 20);
+    let rw = DmaProt {
+        read: true,
+        write: true,
+    };
+    observer
+        .mapping(0x1000_0000, 160 << 20, rw, Some((&guest, 0)))
+        .expect("mapped");
+    let base = fake.state.allocated.load(Ordering::SeqCst);
+    // Two 16 MiB operands: 32 MiB of staging, within 64 MiB.
+    let small = Command::saxpy(
+        4 << 20,
+        1.0,
+        Operand::Guest(0x1000_0000),
+        Operand::Guest(0x1000_0000 + (32 << 20)),
+    );
+    assert_eq!(dev.run(0, &small), AccelOutcome::Done);
+    assert_eq!(fake.state.allocated.load(Ordering::SeqCst) - base, 32 << 20);
+    // Two 40 MiB operands would take 128 MiB: the CPU path runs it, nothing more is taken.
+    let big = Command::saxpy(
+        10 << 20,
+        1.0,
+        Operand::Guest(0x1000_0000),
+        Operand::Guest(0x1000_0000 + (64 << 20)),
+    );
+    assert_eq!(dev.run(1, &big), AccelOutcome::Declined);
+    let taken = fake.state.allocated.load(Ordering::SeqCst) - base;
+    assert!(taken <= 64 << 20, "staging {taken} bytes past the budget");
+    // The first queue's buffers still serve it.
+    assert_eq!(dev.run(0, &small), AccelOutcome::Done);
+}
