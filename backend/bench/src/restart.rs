@@ -338,6 +338,7 @@ pub fn restart(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
             socket: socket.clone(),
             device: switchyard_kinds::softgpu(&gpu_config),
             failover: false,
+            lease: None,
         })
         .context("create the endpoint")?;
         let st = sup.wait_ready(ENDPOINT, 1, READY_TIMEOUT)?;

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod blocking;
 pub mod custody;
 pub mod error_chain;
 pub mod keeper;

@@ -252,6 +252,7 @@ impl WorkerLifecycle {
                 endpoint,
                 host,
                 reason,
+                ..
             } => Self::DeviceLost {
                 endpoint,
                 host,

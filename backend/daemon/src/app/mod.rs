@@ -25,6 +25,7 @@
 
 mod access;
 pub mod api;
+mod owner;
 pub mod events;
 mod pending;
 pub mod records;
@@ -35,11 +36,13 @@ use std::fs;
 use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use switchyard_control::{ControlError, ControlSocket, Metrics};
 use switchyard_device::kind::Host;
-use switchyard_pool::{Endpoint, Pool, PoolConfig, PoolError};
+use switchyard_pool::{Endpoint, Inventory, Pool, PoolConfig, PoolError};
+
+pub(crate) use crate::blocking::{Held, lock};
 
 use crate::custody::device_spec;
 use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
@@ -154,7 +157,8 @@ pub(crate) enum Unsupervised {
 
 /// The running daemon's state, shared by the API handlers.
 pub struct Daemon {
-    pool: Mutex<Pool>,
+    /// The pool's owner thread: every mutation of the pool is a command run there.
+    pool: owner::PoolOwner,
     supervisor: Supervisor,
     unsupervised: Mutex<BTreeMap<String, Unsupervised>>,
     /// Endpoints' VMMs, as registered (`PUT /v1/endpoints/{id}/vmm`; not stored: a restarted
@@ -175,10 +179,6 @@ impl std::fmt::Debug for Daemon {
             .field("supervisor", &self.supervisor)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The configuration with the options applied.
@@ -474,24 +474,27 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     let _ = lock(&migrations).send(change);
                 }
                 crate::WorkerEvent::Stats { endpoint, stats } => {
+                    // From the inventory's snapshot: never waits for the pool's owner.
                     let board = this.get().and_then(std::sync::Weak::upgrade).and_then(|d| {
-                        let pool = d.pool();
-                        let device = pool.inventory().endpoint(endpoint)?.device.clone()?;
-                        Some(pool.inventory().device(&device)?.board)
+                        let inventory = d.inventory();
+                        let device = inventory.endpoint(endpoint)?.device.clone()?;
+                        Some(inventory.device(&device)?.board)
                     });
                     record_stats(&metrics, endpoint, board.as_deref(), stats);
                 }
                 crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
                 crate::WorkerEvent::DeviceLost {
                     endpoint,
+                    lease,
                     host,
                     reason,
-                } => board_failed(&this, endpoint, format!("{host}: {reason}"), false),
+                } => board_failed(&this, endpoint, lease, format!("{host}: {reason}"), false),
                 crate::WorkerEvent::BoardFailed {
                     endpoint,
+                    lease,
                     reason,
                     state_intact,
-                } => board_failed(&this, endpoint, reason.clone(), *state_intact),
+                } => board_failed(&this, endpoint, lease, reason.clone(), *state_intact),
                 crate::WorkerEvent::Ready {
                     endpoint,
                     restart: Some(stall),
@@ -532,8 +535,9 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         endpoints = fd_plan.endpoints(),
         "descriptor plan"
     );
+    let pool = owner::PoolOwner::start(pool, events.clone()).map_err(DaemonError::Runtime)?;
     let daemon = Arc::new(Daemon {
-        pool: Mutex::new(pool),
+        pool,
         supervisor: Supervisor::with_events(exe, sink)
             .with_adoption_dir(&workers_dir)
             .with_fd_plan(fd_plan)
@@ -605,21 +609,23 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
 
 /// An endpoint's device reported its board failed (a passthrough device lost, an engine
 /// dead...): the daemon records it and fails the board's endpoints over, off the supervision
-/// thread (the pool's lock may be held by a request waiting on this endpoint's supervisor).
+/// thread (which must go on reading the worker's notes). `lease`: the device the reporting
+/// worker ran, whose board failed.
 fn board_failed(
     this: &Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>>,
     endpoint: &str,
+    lease: &Option<String>,
     reason: String,
     state_intact: bool,
 ) {
-    let (this, endpoint) = (this.clone(), endpoint.to_owned());
+    let (this, endpoint, lease) = (this.clone(), endpoint.to_owned(), lease.clone());
     std::thread::spawn(move || {
         if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
             let failure = switchyard_pool::BoardFailure {
                 reason,
                 state_intact,
             };
-            d.board_failed(&endpoint, failure);
+            d.board_failed(&endpoint, lease.as_deref(), failure);
         }
     });
 }
@@ -651,15 +657,21 @@ fn record_stats(
 }
 
 impl Daemon {
-    pub(crate) fn pool(&self) -> MutexGuard<'_, Pool> {
-        lock(&self.pool)
+    /// The inventory as of the pool owner's last command (never waits for one).
+    pub(crate) fn inventory(&self) -> Arc<Inventory> {
+        self.pool.inventory()
     }
 
-    pub(crate) fn vmms(&self) -> MutexGuard<'_, BTreeMap<String, api::VmmLink>> {
+    /// A reader of the store's event history.
+    pub(crate) fn history_reader(&self) -> switchyard_pool::History {
+        self.pool.run(|pool, _| pool.history_reader())
+    }
+
+    pub(crate) fn vmms(&self) -> Held<'_, BTreeMap<String, api::VmmLink>> {
         lock(&self.vmms)
     }
 
-    pub(crate) fn unsupervised(&self) -> MutexGuard<'_, BTreeMap<String, Unsupervised>> {
+    pub(crate) fn unsupervised(&self) -> Held<'_, BTreeMap<String, Unsupervised>> {
         lock(&self.unsupervised)
     }
 
@@ -675,6 +687,7 @@ impl Daemon {
             device: device_spec(&device.shape, device.host.as_deref()),
             failover: inventory.failover_policy(&device.board)
                 != switchyard_pool::FailoverPolicy::Off,
+            lease: endpoint.device.clone(),
         })
     }
 
@@ -683,12 +696,10 @@ impl Daemon {
     /// earlier daemon died during it) is settled once the endpoint's worker is adopted, by
     /// what the worker says of it ([`pending`]); without an adopted worker, aborted.
     fn start_all(&self) {
-        let mut pool = self.pool();
-        let mut unsupervised = self.unsupervised();
-        let specs: Vec<EndpointSpec> = pool
-            .inventory()
+        let inventory = self.inventory();
+        let specs: Vec<EndpointSpec> = inventory
             .endpoints()
-            .filter_map(|e| Self::spec(pool.inventory(), e))
+            .filter_map(|e| Self::spec(&inventory, e))
             .collect();
         for spec in specs {
             let id = spec.id.clone();
@@ -703,13 +714,14 @@ impl Daemon {
                             pid,
                             "the worker of an earlier daemon still serves this endpoint but cannot be adopted; left alone (orphaned): {error}"
                         );
-                        unsupervised.insert(id.clone(), Unsupervised::Orphaned { pid: Some(pid) });
+                        self.unsupervised()
+                            .insert(id.clone(), Unsupervised::Orphaned { pid: Some(pid) });
                         pending::Served::NotAdopted(format!(
                             "its worker {pid} cannot be adopted, so what it did is unknown: {error}"
                         ))
                     }
                 };
-                self.settle_pending_move(&mut pool, &id, &served);
+                self.settle_pending_move(&id, &served);
                 continue;
             }
             // No worker of an earlier daemon: the device starts afresh where the lease is.
@@ -717,7 +729,15 @@ impl Daemon {
                 "no worker of an earlier daemon serves the endpoint; its device starts afresh"
                     .to_owned(),
             );
-            self.settle_pending_move(&mut pool, &id, &none);
+            self.settle_pending_move(&id, &none);
+            // Where the lease is now (settling may have moved it).
+            let Some(spec) = self
+                .inventory()
+                .endpoint(&id)
+                .and_then(|e| Self::spec(&self.inventory(), e))
+            else {
+                continue;
+            };
             match self.supervisor.create(spec) {
                 Ok(()) => tracing::info!(endpoint = id, "worker started"),
                 Err(SupervisorError::Bind(
@@ -729,12 +749,14 @@ impl Daemon {
                         socket = %path.display(),
                         "another process serves this endpoint's socket; left alone (orphaned)"
                     );
-                    unsupervised.insert(id, Unsupervised::Orphaned { pid: None });
+                    self.unsupervised()
+                        .insert(id, Unsupervised::Orphaned { pid: None });
                 }
                 Err(e) => {
                     let error = crate::error_chain::error_chain(&e);
                     tracing::error!(endpoint = id, "cannot start the worker: {error}");
-                    unsupervised.insert(id, Unsupervised::NotStarted { error });
+                    self.unsupervised()
+                        .insert(id, Unsupervised::NotStarted { error });
                 }
             }
         }

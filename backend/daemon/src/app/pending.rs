@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use switchyard_pool::{MovePlan, Pool};
+use switchyard_pool::MovePlan;
 
 use super::Daemon;
 use crate::custody::{LastMove, MoveReport, MoveState};
@@ -64,8 +64,8 @@ impl Daemon {
     /// At start, once the endpoint's worker is adopted (or is known not to be): settles
     /// the move the store has in progress for `endpoint`, if any. Its events are published
     /// after those the daemon made before (the stream starts after the history as loaded).
-    pub(super) fn settle_pending_move(&self, pool: &mut Pool, endpoint: &str, served: &Served) {
-        let Some(plan) = pool.inventory().pending_move(endpoint) else {
+    pub(super) fn settle_pending_move(&self, endpoint: &str, served: &Served) {
+        let Some(plan) = self.inventory().pending_move(endpoint) else {
             return;
         };
         let what = match served {
@@ -75,50 +75,53 @@ impl Daemon {
             }
             Served::NotAdopted(why) => Settle::Abort(why.clone()),
         };
-        self.apply(pool, &plan, what);
+        self.apply(&plan, what);
     }
 
     /// The move an adopted worker was still running when adopted has ended
     /// ([`WorkerEvent::AdoptedMoveEnded`](crate::WorkerEvent::AdoptedMoveEnded)): settles the
     /// move the store still has in progress for `endpoint` by what the worker said.
     pub(super) fn adopted_move_ended(&self, endpoint: &str) {
-        let mut pool = self.pool();
-        self.settle_pending_move(&mut pool, endpoint, &Served::Adopted);
+        self.settle_pending_move(endpoint, &Served::Adopted);
     }
 
-    fn apply(&self, pool: &mut Pool, plan: &MovePlan, what: Settle) {
+    fn apply(&self, plan: &MovePlan, what: Settle) {
         let endpoint = plan.endpoint.as_str();
         match what {
-            Settle::Commit(report) => match pool.commit_move(plan) {
-                Ok(events) => {
-                    tracing::info!(
-                        endpoint,
-                        from = plan.from,
-                        to = plan.to,
-                        "a move left in progress by an earlier daemon: the worker finished it; committed (the lease follows the device)"
-                    );
-                    self.events.pool(events);
-                    if let Some(r) = report {
-                        self.metrics
-                            .board(&plan.from_board)
-                            .moved(Duration::from_micros(r.downtime_us));
+            Settle::Commit(report) => {
+                let p = plan.clone();
+                match self.pool.apply(move |pool| pool.commit_move(&p)) {
+                    Ok(()) => {
+                        tracing::info!(
+                            endpoint,
+                            from = plan.from,
+                            to = plan.to,
+                            "a move left in progress by an earlier daemon: the worker finished it; committed (the lease follows the device)"
+                        );
+                        if let Some(r) = report {
+                            self.metrics
+                                .board(&plan.from_board)
+                                .moved(Duration::from_micros(r.downtime_us));
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(?plan, "cannot commit a move the worker finished: {e}")
                     }
                 }
-                Err(e) => tracing::error!(?plan, "cannot commit a move the worker finished: {e}"),
-            },
-            Settle::Abort(why) => match pool.abort_move(plan) {
-                Ok(events) => {
-                    tracing::warn!(
+            }
+            Settle::Abort(why) => {
+                let p = plan.clone();
+                match self.pool.apply(move |pool| pool.abort_move(&p)) {
+                    Ok(()) => tracing::warn!(
                         endpoint,
                         from = plan.from,
                         to = plan.to,
                         "a move left in progress by an earlier daemon is aborted (the device stays on {}): {why}",
                         plan.from
-                    );
-                    self.events.pool(events);
+                    ),
+                    Err(e) => tracing::error!(?plan, "cannot abort a pending move: {e}"),
                 }
-                Err(e) => tracing::error!(?plan, "cannot abort a pending move: {e}"),
-            },
+            }
             Settle::Wait => tracing::warn!(
                 endpoint,
                 from = plan.from,

@@ -89,6 +89,7 @@ impl Supervisor {
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
             device: Mutex::new(None),
+            next_lease: Mutex::new(None),
             fault: Mutex::new(None),
             fault_answered: Condvar::new(),
             socket,
@@ -100,6 +101,7 @@ impl Supervisor {
                 held: held.len() + objects.len(),
                 client_fds: client,
                 connected,
+                lease: spec.lease.clone(),
                 ..WorkerStatus::default()
             }),
             held: Mutex::new(held),

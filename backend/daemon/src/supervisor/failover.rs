@@ -12,12 +12,18 @@ impl Supervisor {
     /// Asks the endpoint's worker to simulate the board fault `kind` and waits (up to
     /// `timeout`) for its answer. The failure is then detected and reported as a real one
     /// ([`super::WorkerEvent::BoardFailed`]).
+    ///
+    /// `lease`: the device the fault is meant for; refused unless the current worker serves
+    /// it (a failover or move may have put the endpoint on another board since the caller
+    /// looked: the fault must not land there).
     pub fn inject_fault(
         &self,
         id: &str,
         kind: &str,
+        lease: Option<&str>,
         timeout: Duration,
     ) -> Result<(), SupervisorError> {
+        crate::blocking::may_block("a fault's answer");
         let ep = self.get(id)?;
         let failed = |reason: String| SupervisorError::FaultFailed {
             endpoint: id.to_owned(),
@@ -31,6 +37,16 @@ impl Supervisor {
             let ch = channel
                 .as_ref()
                 .ok_or_else(|| SupervisorError::NoWorker(id.to_owned()))?;
+            // The channel is the current worker's while it is held: so is its lease.
+            if let Some(lease) = lease {
+                let serves = ep.status().lease.clone();
+                if serves.as_deref() != Some(lease) {
+                    return Err(failed(format!(
+                        "its worker no longer serves device {lease} (it serves {})",
+                        serves.as_deref().unwrap_or("an unknown device")
+                    )));
+                }
+            }
             let note = Note::Fault {
                 kind: kind.to_owned(),
             };
@@ -65,19 +81,25 @@ impl Supervisor {
     /// board's device spec differs (a kind whose spec names its host resource). A
     /// transparent failover: the client's connection is kept. Returns the number of workers
     /// that had reported ready, for [`Supervisor::wait_ready`].
+    ///
+    /// `lease`: the pool's device the replacement serves ([`super::WorkerStatus::lease`]).
     pub fn continue_elsewhere(
         &self,
         id: &str,
         device: Option<DeviceSpec>,
+        lease: Option<String>,
     ) -> Result<u64, SupervisorError> {
         let ep = self.get(id)?;
         if ep.start_mode() != StartMode::Resume {
             return Err(SupervisorError::NoWorker(id.to_owned()));
         }
-        let st = ep.status();
         if device.is_some() {
             *ep.device.lock().unwrap_or_else(|p| p.into_inner()) = device;
         }
+        if lease.is_some() {
+            *ep.next_lease.lock().unwrap_or_else(|p| p.into_inner()) = lease;
+        }
+        let st = ep.status();
         let ready = st.ready;
         kill(st.pid);
         Ok(ready)
@@ -87,9 +109,17 @@ impl Supervisor {
     /// failover: the device's state died with its board). What the dead device's worker
     /// held is let go: its state, and the client's connection and descriptors (the VMM
     /// unplugged it, or lost it). Returns the number of workers that had reported ready.
-    pub fn start_afresh(&self, id: &str, device: DeviceSpec) -> Result<u64, SupervisorError> {
+    pub fn start_afresh(
+        &self,
+        id: &str,
+        device: DeviceSpec,
+        lease: Option<String>,
+    ) -> Result<u64, SupervisorError> {
         let ep = self.get(id)?;
         *ep.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device);
+        if lease.is_some() {
+            *ep.next_lease.lock().unwrap_or_else(|p| p.into_inner()) = lease;
+        }
         let _ = let_go(&ep, true, true);
         ep.record_replacement(StartMode::Fresh);
         let mut st = ep.status();

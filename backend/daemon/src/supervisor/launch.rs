@@ -179,6 +179,7 @@ fn run_worker(
     {
         let mut st = ep.status();
         st.pid = Some(pid);
+        st.lease = ep.lease();
         if ep.stopping.load(Ordering::SeqCst) {
             // `delete` ran between the check in `supervise` and the spawn.
             let _ = child.kill();

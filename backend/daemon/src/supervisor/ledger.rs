@@ -216,6 +216,7 @@ pub(super) fn serve_notes(
                 ep.changed.notify_all();
                 sink(WorkerEvent::DeviceLost {
                     endpoint: ep.spec.id.clone(),
+                    lease: ep.status().lease.clone(),
                     host,
                     reason,
                 });
@@ -230,6 +231,7 @@ pub(super) fn serve_notes(
                 tracing::error!(%reason, state_intact, "the device's board failed");
                 sink(WorkerEvent::BoardFailed {
                     endpoint: ep.spec.id.clone(),
+                    lease: ep.status().lease.clone(),
                     reason,
                     state_intact,
                 });

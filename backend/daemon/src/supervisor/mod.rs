@@ -120,6 +120,10 @@ pub struct EndpointSpec {
     ///
     /// [`Note::Start`]: crate::custody::Note::Start
     pub failover: bool,
+    /// The lease the worker serves (the pool's device id), if the caller has one: named in
+    /// the worker's failure reports ([`WorkerEvent::BoardFailed`]'s `lease`) and checked by
+    /// [`Supervisor::inject_fault`].
+    pub lease: Option<String>,
 }
 
 /// How an endpoint's worker is doing.
@@ -152,6 +156,10 @@ pub struct WorkerStatus {
     pub migrating: bool,
     /// The kernel took the passthrough device back: what and why.
     pub device_lost: Option<String>,
+    /// The lease the current worker serves ([`EndpointSpec::lease`], changed by moves and
+    /// failovers): set when the worker starts, so that what a worker reports is about the
+    /// device it ran, even when the report is read after a failover chose another.
+    pub lease: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -168,6 +176,9 @@ struct Endpoint {
     spec: EndpointSpec,
     /// The device the next worker builds, when a failover changed it from `spec`'s.
     device: Mutex<Option<crate::custody::DeviceSpec>>,
+    /// The lease the next worker serves, when a failover changed it from `spec`'s (moved
+    /// into [`WorkerStatus::lease`] when that worker starts).
+    next_lease: Mutex<Option<String>>,
     /// The worker's answer to a fault injection ([`Note::FaultInjected`]).
     fault: Mutex<Option<Option<String>>>,
     fault_answered: Condvar,
@@ -199,6 +210,12 @@ impl Endpoint {
     fn device(&self) -> crate::custody::DeviceSpec {
         let device = self.device.lock().unwrap_or_else(|p| p.into_inner());
         device.clone().unwrap_or_else(|| self.spec.device.clone())
+    }
+
+    /// The lease a worker started now serves.
+    fn lease(&self) -> Option<String> {
+        let next = self.next_lease.lock().unwrap_or_else(|p| p.into_inner());
+        next.clone().or_else(|| self.spec.lease.clone())
     }
 
     fn mv(&self) -> MutexGuard<'_, MoveSlot> {
@@ -348,6 +365,8 @@ pub enum WorkerEvent {
     DeviceLost {
         /// Endpoint.
         endpoint: String,
+        /// The lease the reporting worker served ([`WorkerStatus::lease`]).
+        lease: Option<String>,
         /// The device's PCI address.
         host: String,
         /// What happened.
@@ -357,6 +376,9 @@ pub enum WorkerEvent {
     BoardFailed {
         /// Endpoint.
         endpoint: String,
+        /// The lease the reporting worker served ([`WorkerStatus::lease`]): the failed
+        /// board is that device's, whatever the endpoint leases when the report is read.
+        lease: Option<String>,
         /// What failed.
         reason: String,
         /// Whether the device's state outlived the failure.
@@ -501,6 +523,7 @@ impl Supervisor {
 
     /// Binds the endpoint's socket (listening when this returns) and starts its worker.
     pub fn create(&self, spec: EndpointSpec) -> Result<(), SupervisorError> {
+        crate::blocking::may_block("a worker's start");
         let mut endpoints = self.endpoints();
         if endpoints.contains_key(&spec.id) {
             return Err(SupervisorError::Exists(spec.id));
@@ -524,6 +547,7 @@ impl Supervisor {
         let ep = Arc::new(Endpoint {
             spec: spec.clone(),
             device: Mutex::new(None),
+            next_lease: Mutex::new(None),
             fault: Mutex::new(None),
             fault_answered: Condvar::new(),
             socket,
@@ -563,6 +587,7 @@ impl Supervisor {
     /// Stops the endpoint: its worker is killed and every descriptor closed (the client sees
     /// the connection close), the socket file removed.
     pub fn delete(&self, id: &str) -> Result<(), SupervisorError> {
+        crate::blocking::may_block("a worker's kill and its supervision thread's join");
         let ep = self
             .endpoints()
             .remove(id)
@@ -633,6 +658,7 @@ impl Supervisor {
         detached: bool,
         timeout: Duration,
     ) -> Result<MoveOutcome, SupervisorError> {
+        crate::blocking::may_block("a move's answer");
         let ep = self.get(id)?;
         let deadline = Instant::now() + timeout;
         {
@@ -646,9 +672,15 @@ impl Supervisor {
             };
         }
         let result = self.run_move(&ep, to, target.clone(), detached, deadline);
-        if result.is_ok() && target.is_some() {
-            // A replacement from now on builds the device of the board it runs on.
-            *ep.device.lock().unwrap_or_else(|p| p.into_inner()) = target;
+        if result.is_ok() {
+            if target.is_some() {
+                // A replacement from now on builds the device of the board it runs on.
+                *ep.device.lock().unwrap_or_else(|p| p.into_inner()) = target;
+            }
+            // The device runs on the target: the worker's reports are about it now, and so
+            // are a replacement's.
+            *ep.next_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(to.to_owned());
+            ep.status().lease = Some(to.to_owned());
         }
         let mut mv = ep.mv();
         mv.active = false;
@@ -752,6 +784,7 @@ impl Supervisor {
         ready: u64,
         timeout: Duration,
     ) -> Result<WorkerStatus, SupervisorError> {
+        crate::blocking::may_block("a worker's readiness");
         let ep = self.get(id)?;
         let deadline = Instant::now() + timeout;
         let mut st = ep.status();

@@ -54,6 +54,7 @@ pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> Path
             ..SoftGpuConfig::default()
         }),
         failover: false,
+        lease: None,
     })
     .expect("create endpoint");
     let st = sup

@@ -59,6 +59,18 @@ pub(crate) struct Failover {
     said: Mutex<BTreeMap<String, String>>,
     /// The last failover of each endpoint.
     last: Mutex<BTreeMap<String, LastFailover>>,
+    /// Moves and failovers whose data path finished but whose commit the store refused:
+    /// retried by the reconciler until committed (the lease follows the device).
+    uncommitted: Mutex<Vec<Uncommitted>>,
+}
+
+/// A commit to retry ([`Failover::retry_commit`]).
+#[derive(Debug, Clone)]
+pub(crate) enum Uncommitted {
+    /// A move.
+    Move(MovePlan),
+    /// A failover, with its mode and stall.
+    Failover(MovePlan, &'static str, u64),
 }
 
 /// The body of `POST /v1/boards/{id}/fault`.
@@ -96,8 +108,15 @@ impl Failover {
         self.woken.notify_all();
     }
 
+    /// Keeps a commit the store refused, for the reconciler to retry.
+    pub(crate) fn retry_commit(&self, what: Uncommitted) {
+        lock(&self.uncommitted).push(what);
+    }
+
     fn wait(&self, timeout: Duration) {
-        let mut woken = lock(&self.wake);
+        // A condition variable's wait needs the plain guard: the reconciler's own thread,
+        // holding nothing else, waits here.
+        let mut woken = self.wake.lock().unwrap_or_else(|p| p.into_inner());
         if !*woken {
             woken = self
                 .woken
@@ -135,14 +154,17 @@ enum Step {
 
 impl Daemon {
     /// The device of `endpoint` reported its board failed: the pool records it (the board
-    /// is quarantined) and the reconciler fails the board's endpoints over.
-    pub(crate) fn board_failed(&self, endpoint: &str, failure: BoardFailure) {
-        let mut pool = self.pool();
-        let Some(board) = pool
-            .inventory()
-            .endpoint(endpoint)
-            .and_then(|e| e.device.clone())
-            .and_then(|d| pool.inventory().device(&d))
+    /// is quarantined) and the reconciler fails the board's endpoints over. The board is
+    /// that of `lease`, the device the reporting worker ran (a report read after a failover
+    /// chose another device is about the old one); without it, the endpoint's lease now.
+    pub(crate) fn board_failed(&self, endpoint: &str, lease: Option<&str>, failure: BoardFailure) {
+        let inventory = self.inventory();
+        let device = lease
+            .map(str::to_owned)
+            .or_else(|| inventory.endpoint(endpoint).and_then(|e| e.device.clone()));
+        let Some(board) = device
+            .as_deref()
+            .and_then(|d| inventory.device(d))
             .map(|d| d.board)
         else {
             tracing::warn!(
@@ -155,24 +177,52 @@ impl Daemon {
         lock(&self.failover.reported)
             .entry(board.clone())
             .or_insert_with(Instant::now);
-        match pool.fail_board(&board, failure.clone()) {
-            Ok(events) => {
-                if !events.is_empty() {
-                    tracing::error!(%board, endpoint, reason = failure.reason, state_intact = failure.state_intact, "board failed");
+        let (b, f) = (board.clone(), failure.clone());
+        match self.pool.commit(move |pool| {
+            let events = pool.fail_board(&b, f)?;
+            Ok((!events.is_empty(), events))
+        }) {
+            Ok(new) => {
+                if new {
+                    tracing::error!(%board, endpoint, device, reason = failure.reason, state_intact = failure.state_intact, "board failed");
                 }
-                self.events.pool(events);
             }
             Err(e) => {
                 tracing::error!(%board, "cannot record the board's failure: {}", error_chain(&e))
             }
         }
-        drop(pool);
         self.failover.wake();
+    }
+
+    /// Commits what the store refused before ([`Failover::retry_commit`]).
+    fn retry_commits(&self) {
+        let pending = std::mem::take(&mut *lock(&self.failover.uncommitted));
+        for what in pending {
+            let result = match &what {
+                Uncommitted::Move(plan) => {
+                    let p = plan.clone();
+                    self.pool.apply(move |pool| pool.commit_move(&p))
+                }
+                Uncommitted::Failover(plan, mode, stall) => {
+                    let (p, mode, stall) = (plan.clone(), *mode, *stall);
+                    self.pool
+                        .apply(move |pool| pool.commit_failover(&p, mode, stall))
+                }
+            };
+            match result {
+                Ok(()) => tracing::info!(?what, "a commit the store had refused is done"),
+                Err(e) => {
+                    tracing::error!(?what, "cannot commit yet (retried): {}", error_chain(&e));
+                    lock(&self.failover.uncommitted).push(what);
+                }
+            }
+        }
     }
 
     /// Fails over every endpoint of a failed board that can fail over now.
     fn reconcile_failed_boards(&self) {
-        let leases = self.pool().inventory().failed_leases();
+        self.retry_commits();
+        let leases = self.inventory().failed_leases();
         let mut waiting = 0;
         for lease in leases.iter().filter(|l| !l.moving) {
             if let Step::Waiting = self.fail_over(lease) {
@@ -188,8 +238,8 @@ impl Daemon {
         let failing: std::collections::BTreeSet<&str> =
             leases.iter().map(|l| l.endpoint.as_str()).collect();
         lock(&self.failover.said).retain(|e, _| failing.contains(e.as_str()));
-        let pool = self.pool();
-        lock(&self.failover.last).retain(|e, _| pool.inventory().endpoint(e).is_some());
+        let inventory = self.inventory();
+        lock(&self.failover.last).retain(|e, _| inventory.endpoint(e).is_some());
     }
 
     /// Says once that `lease`'s endpoint cannot fail over now, and why.
@@ -205,15 +255,20 @@ impl Daemon {
             board = lease.board,
             "no failover now: {why}"
         );
-        let mut pool = self.pool();
-        let events = if waiting {
-            pool.failover_waiting(&lease.endpoint, &lease.device)
-        } else {
-            pool.failover_refused(&lease.endpoint, &lease.device, why)
-        };
-        match events {
-            Ok(events) => self.events.pool(events),
-            Err(e) => tracing::error!("cannot record an event: {}", error_chain(&e)),
+        let (endpoint, device, why) = (
+            lease.endpoint.clone(),
+            lease.device.clone(),
+            why.to_owned(),
+        );
+        let recorded = self.pool.apply(move |pool| {
+            if waiting {
+                pool.failover_waiting(&endpoint, &device)
+            } else {
+                pool.failover_refused(&endpoint, &device, &why)
+            }
+        });
+        if let Err(e) = recorded {
+            tracing::error!("cannot record an event: {}", error_chain(&e));
         }
     }
 
@@ -257,14 +312,12 @@ impl Daemon {
                 return Step::Later;
             }
         }
-        // Not matched on directly: the pool's guard would live through the arms, and
-        // `say_once` takes the pool.
-        let planned = self.pool().plan_failover(id);
+        let owned = id.to_owned();
+        let planned = self
+            .pool
+            .commit(move |pool| pool.plan_failover(&owned));
         let plan = match planned {
-            Ok((plan, events)) => {
-                self.events.pool(events);
-                plan
-            }
+            Ok(plan) => plan,
             Err(PoolError::NoCompatibleDevice { .. }) => {
                 self.say_once(
                     lease,
@@ -292,14 +345,9 @@ impl Daemon {
         } else {
             "guest-visible"
         };
-        let mut pool = self.pool();
         if let Err(error) = result {
             tracing::error!(endpoint = id, mode, "failover failed: {}", error.message);
-            match pool.abort_move(&plan) {
-                Ok(events) => self.events.pool(events),
-                Err(e) => tracing::error!(?plan, "cannot release a failed failover's target: {e}"),
-            }
-            drop(pool);
+            self.abort_plan(&plan, "failover");
             self.say_once(
                 lease,
                 &format!("the failover failed: {}", error.message),
@@ -309,15 +357,24 @@ impl Daemon {
         }
         let stall = at.elapsed();
         let stall_ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
-        match pool.commit_failover(&plan, mode, stall_ms) {
-            Ok(events) => self.events.pool(events),
-            Err(e) => tracing::error!(?plan, "cannot commit a failover: {}", error_chain(&e)),
+        let p = plan.clone();
+        if let Err(e) = self
+            .pool
+            .apply(move |pool| pool.commit_failover(&p, mode, stall_ms))
+        {
+            // The replacement serves on the target: the lease must follow it.
+            tracing::error!(
+                ?plan,
+                "cannot commit a failover (retried): {}",
+                error_chain(&e)
+            );
+            self.failover
+                .retry_commit(Uncommitted::Failover(plan.clone(), mode, stall_ms));
         }
-        let pool_name = pool
+        let pool_name = self
             .inventory()
             .board(&plan.from_board)
             .and_then(|b| b.pool);
-        drop(pool);
         self.metrics
             .failed_over(pool_name.as_deref().unwrap_or(""), mode, stall);
         tracing::warn!(
@@ -342,8 +399,7 @@ impl Daemon {
     }
 
     fn shape_has_msix(&self, device: &str) -> bool {
-        self.pool()
-            .inventory()
+        self.inventory()
             .device(device)
             .is_some_and(|d| d.shape.profile.msix)
     }
@@ -353,7 +409,7 @@ impl Daemon {
         let device = self.target_spec(plan);
         let ready = self
             .supervisor
-            .continue_elsewhere(&plan.endpoint, device)
+            .continue_elsewhere(&plan.endpoint, device, Some(plan.to.clone()))
             .map_err(supervisor_error)?;
         self.supervisor
             .wait_ready(&plan.endpoint, ready + 1, READY_TIMEOUT)
@@ -368,7 +424,6 @@ impl Daemon {
         let id = &plan.endpoint;
         let mut qmp = super::ops::qmp_of(id, link)?;
         let socket = self
-            .pool()
             .inventory()
             .endpoint(id)
             .map(|e| e.socket.clone())
@@ -383,7 +438,7 @@ impl Daemon {
             .unwrap_or_else(|| self.current_spec(plan));
         let ready = self
             .supervisor
-            .start_afresh(id, device)
+            .start_afresh(id, device, Some(plan.to.clone()))
             .map_err(supervisor_error)?;
         self.supervisor
             .wait_ready(id, ready + 1, READY_TIMEOUT)
@@ -402,9 +457,9 @@ impl Daemon {
     /// The spec of `plan`'s target device when it differs from its source's (another
     /// kind presenting the same device, another GPU, a passthrough device's address).
     pub(super) fn target_spec(&self, plan: &MovePlan) -> Option<crate::custody::DeviceSpec> {
-        let pool = self.pool();
+        let inventory = self.inventory();
         let spec = |d: &str| {
-            pool.inventory()
+            inventory
                 .device(d)
                 .map(|d| device_spec(&d.shape, d.host.as_deref()))
         };
@@ -425,17 +480,19 @@ impl Daemon {
                 "Fault injection is off: it is for tests and drills, and the daemon must be started with --faults to allow it",
             ));
         }
-        let endpoints: Vec<String> = {
-            let pool = self.pool();
-            let inv = pool.inventory();
+        // Each endpoint with the device of the board it leases: the fault goes to the
+        // worker only while it serves that device.
+        let leases: Vec<(String, String)> = {
+            let inv = self.inventory();
             let b = inv
                 .board(board)
                 .ok_or_else(|| pool_error(PoolError::UnknownBoard(board.into())))?;
             b.devices
                 .iter()
-                .filter_map(|d| d.endpoint.clone())
+                .filter_map(|d| Some((d.endpoint.clone()?, d.id.clone())))
                 .collect()
         };
+        let endpoints: Vec<String> = leases.iter().map(|(e, _)| e.clone()).collect();
         if endpoints.is_empty() {
             return Err(ApiError::conflict(
                 "idle_board",
@@ -457,9 +514,9 @@ impl Daemon {
                 ),
             ));
         }
-        for id in &endpoints {
+        for (id, device) in &leases {
             self.supervisor
-                .inject_fault(id, kind, FAULT_TIMEOUT)
+                .inject_fault(id, kind, Some(device), FAULT_TIMEOUT)
                 .map_err(|e| ApiError::conflict("fault_refused", error_chain(&e)))?;
         }
         Ok(FaultInjected {
@@ -467,6 +524,61 @@ impl Daemon {
             kind: kind.to_owned(),
             endpoints,
         })
+    }
+
+    /// `POST /v1/boards/{id}/quarantine` (`on`) or `.../unquarantine`. Unquarantining a
+    /// failed board declares it repaired: the endpoints still leasing its devices (waiting,
+    /// degraded, for a free device elsewhere) get a replacement worker there, which rebuilds
+    /// the device on the repaired board (continuing its state from custody when it can):
+    /// clearing the failure alone would leave their dead devices shown healthy. Endpoints
+    /// waiting elsewhere are looked at again at once (a device may be free now).
+    pub(super) fn set_quarantine(
+        &self,
+        board: &str,
+        on: bool,
+    ) -> Result<switchyard_pool::BoardView, ApiError> {
+        let repaired: Vec<String> = if on {
+            Vec::new()
+        } else {
+            self.inventory()
+                .failed_leases()
+                .into_iter()
+                .filter(|l| l.board == board)
+                .map(|l| l.endpoint)
+                .collect()
+        };
+        let b = board.to_owned();
+        self.pool
+            .apply(move |pool| {
+                if on {
+                    pool.quarantine(&b)
+                } else {
+                    pool.unquarantine(&b)
+                }
+            })
+            .map_err(pool_error)?;
+        for id in &repaired {
+            // The supervisor replaces the worker; its device is built anew on the board.
+            lock(&self.failover.said).remove(id);
+            match self.supervisor.kill_worker(id) {
+                Ok(pid) => tracing::warn!(
+                    endpoint = id,
+                    board,
+                    ?pid,
+                    "the board is repaired: the endpoint's worker is replaced to rebuild its device"
+                ),
+                Err(e) => tracing::error!(
+                    endpoint = id,
+                    board,
+                    "cannot replace the worker of a repaired board's endpoint: {}",
+                    error_chain(&e)
+                ),
+            }
+        }
+        self.failover.wake();
+        self.inventory()
+            .board(board)
+            .ok_or_else(|| pool_error(PoolError::UnknownBoard(board.into())))
     }
 
     /// The endpoint's failover, for its status.

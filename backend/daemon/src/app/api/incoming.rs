@@ -135,8 +135,7 @@ impl Daemon {
             ));
         }
         let device = {
-            let pool = self.pool();
-            let inv = pool.inventory();
+            let inv = self.inventory();
             let src = inv
                 .endpoint(source)
                 .ok_or_else(|| unknown_endpoint(source))?;
@@ -273,7 +272,7 @@ impl Daemon {
         }
     }
 
-    fn incoming(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Incoming>> {
+    fn incoming(&self) -> super::super::Held<'_, std::collections::BTreeMap<String, Incoming>> {
         super::super::lock(&self.incoming)
     }
 }

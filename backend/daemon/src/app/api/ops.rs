@@ -52,75 +52,98 @@ impl Daemon {
 
     pub(super) fn endpoint_status(
         &self,
-        pool: &switchyard_pool::Pool,
+        inventory: &switchyard_pool::Inventory,
         endpoint: &Endpoint,
     ) -> EndpointStatus {
+        let vmm = self.vmms().get(&endpoint.id).cloned();
         EndpointStatus {
-            lease: endpoint
-                .device
-                .as_deref()
-                .and_then(|d| pool.inventory().device(d)),
+            lease: endpoint.device.as_deref().and_then(|d| inventory.device(d)),
             worker: self.worker_view(endpoint),
-            vmm: self.vmms().get(&endpoint.id).cloned(),
+            vmm,
             incoming_for: self.incoming_source(&endpoint.id),
-            failover: self.failover_view(pool.inventory(), &endpoint.id),
+            failover: self.failover_view(inventory, &endpoint.id),
             endpoint: endpoint.clone(),
         }
     }
 
     pub(super) fn status_of(&self, id: &str) -> Result<EndpointStatus, ApiError> {
-        let pool = self.pool();
-        let endpoint = pool
-            .inventory()
+        let inventory = self.inventory();
+        let endpoint = inventory
             .endpoint(id)
             .ok_or_else(|| unknown_endpoint(id))?;
-        Ok(self.endpoint_status(&pool, endpoint))
+        Ok(self.endpoint_status(&inventory, endpoint))
     }
 
+    /// Creates an endpoint: checked on a copy of the inventory, its worker started and
+    /// waited for (no lock held, the pool's owner free for other requests), then committed
+    /// by the pool's owner, if the lease it takes is still the one the worker serves (a
+    /// concurrent request may have taken it meanwhile: then the worker is stopped and the
+    /// request refused, nothing created).
     pub(super) fn create(&self, spec: PoolEndpointSpec) -> Result<EndpointStatus, ApiError> {
-        let mut pool = self.pool();
         // Everything the pool refuses is refused before a worker starts.
-        let mut dry = pool.inventory().clone();
+        let mut dry = (*self.inventory()).clone();
         dry.create_endpoint(&spec).map_err(pool_error)?;
         let endpoint = dry
             .endpoint(&spec.id)
             .ok_or_else(|| ApiError::internal("The checked endpoint is missing"))?;
+        let planned = endpoint.device.clone();
         let worker = Daemon::spec(&dry, endpoint)
             .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
         self.supervisor.create(worker).map_err(supervisor_error)?;
+        let undo = |e: ApiError| {
+            let _ = self.supervisor.delete(&spec.id);
+            self.records.remove(&spec.id);
+            e
+        };
         let st = self
             .supervisor
             .wait_ready(&spec.id, 1, READY_TIMEOUT)
-            .map_err(supervisor_error)?;
+            .map_err(|e| undo(supervisor_error(e)))?;
         if st.ready < 1 {
-            let _ = self.supervisor.delete(&spec.id);
-            self.records.remove(&spec.id);
-            return Err(ApiError::internal(format!(
+            return Err(undo(ApiError::internal(format!(
                 "The worker of endpoint \"{}\" did not start serving (see the daemon's log); nothing was created",
                 spec.id
-            )));
+            ))));
         }
-        match pool.create_endpoint(&spec) {
-            Ok(events) => self.events.pool(events),
-            Err(e) => {
-                let _ = self.supervisor.delete(&spec.id);
-                self.records.remove(&spec.id);
-                return Err(pool_error(e));
+        let committed = {
+            let spec = spec.clone();
+            self.pool.run(move |pool, events| {
+                // The lease the worker serves must still be the one the pool gives.
+                let mut dry = pool.inventory().clone();
+                dry.create_endpoint(&spec)?;
+                let now = dry.endpoint(&spec.id).and_then(|e| e.device.clone());
+                if now != planned {
+                    return Ok(Some(now));
+                }
+                events.pool(pool.create_endpoint(&spec)?);
+                Ok(None)
+            })
+        };
+        match committed {
+            Ok(None) => {}
+            Ok(Some(now)) => {
+                return Err(undo(ApiError::conflict(
+                    "conflict",
+                    format!(
+                        "Endpoint \"{}\": the pool changed while its worker started (its device would now be {}); nothing was created, try again",
+                        spec.id,
+                        now.as_deref().unwrap_or("none")
+                    ),
+                )));
             }
+            Err(e) => return Err(undo(pool_error(e))),
         }
         self.metrics.endpoint(&spec.id);
-        let endpoint = pool
-            .inventory()
-            .endpoint(&spec.id)
-            .ok_or_else(|| ApiError::internal("The created endpoint is missing"))?;
-        Ok(self.endpoint_status(&pool, endpoint))
+        self.status_of(&spec.id)
     }
 
+    /// Deletes an endpoint: checked on a copy, its worker stopped (a process kill and a
+    /// thread join: no lock held, the pool's owner free), then the deletion committed.
     pub(super) fn delete(&self, id: &str) -> Result<(), ApiError> {
-        let mut pool = self.pool();
-        let mut dry = pool.inventory().clone();
+        let inventory = self.inventory();
+        let mut dry = (*inventory).clone();
         dry.delete_endpoint(id).map_err(pool_error)?;
-        let socket = pool.inventory().endpoint(id).map(|e| e.socket.clone());
+        let socket = inventory.endpoint(id).map(|e| e.socket.clone());
         let unsupervised = self.unsupervised().get(id).cloned();
         if let Some(Unsupervised::Orphaned { pid }) = unsupervised {
             // The orphan must stop serving the socket before the endpoint is gone.
@@ -148,9 +171,13 @@ impl Daemon {
         self.vmms().remove(id);
         self.forget_incoming(id);
         self.records.remove(id);
-        let events = pool.delete_endpoint(id).map_err(pool_error)?;
-        self.events.pool(events);
+        let owned = id.to_owned();
+        self.pool
+            .apply(move |pool| pool.delete_endpoint(&owned))
+            .map_err(pool_error)?;
         self.metrics.remove_endpoint(id);
+        // Its device is free: an endpoint waiting for one may fail over now.
+        self.failover.wake();
         Ok(())
     }
 
@@ -158,8 +185,7 @@ impl Daemon {
     /// frees its board.
     pub(super) fn detach(&self, id: &str) -> Result<EndpointStatus, ApiError> {
         {
-            let pool = self.pool();
-            let mut dry = pool.inventory().clone();
+            let mut dry = (*self.inventory()).clone();
             dry.detach(id).map_err(pool_error)?;
         }
         if matches!(
@@ -192,22 +218,18 @@ impl Daemon {
             Err(e) => return Err(supervisor_error(e)),
         }
         self.records.remove(id);
-        let mut pool = self.pool();
-        let events = pool.detach(id).map_err(pool_error)?;
-        self.events.pool(events);
-        let endpoint = pool
-            .inventory()
-            .endpoint(id)
-            .ok_or_else(|| unknown_endpoint(id))?;
-        Ok(self.endpoint_status(&pool, endpoint))
+        let owned = id.to_owned();
+        self.pool
+            .apply(move |pool| pool.detach(&owned))
+            .map_err(pool_error)?;
+        self.status_of(id)
     }
 
     /// Leases a device to a detached endpoint, starts its worker and plugs the device into
     /// the endpoint's VM if its VMM is registered.
     pub(super) fn attach(&self, id: &str, to: &Placement) -> Result<EndpointStatus, ApiError> {
         let spec = {
-            let pool = self.pool();
-            let mut dry = pool.inventory().clone();
+            let mut dry = (*self.inventory()).clone();
             dry.attach(id, to).map_err(pool_error)?;
             let endpoint = dry.endpoint(id).ok_or_else(|| unknown_endpoint(id))?;
             Daemon::spec(&dry, endpoint)
@@ -229,9 +251,10 @@ impl Daemon {
             ))));
         }
         {
-            let mut pool = self.pool();
-            let events = pool.attach(id, to).map_err(|e| undo(pool_error(e)))?;
-            self.events.pool(events);
+            let (owned, to) = (id.to_owned(), to.clone());
+            self.pool
+                .apply(move |pool| pool.attach(&owned, &to))
+                .map_err(|e| undo(pool_error(e)))?;
         }
         self.unsupervised().remove(id);
         // The registry's lock is not held across `status_of`, which takes it again.
@@ -249,6 +272,7 @@ impl Daemon {
 
     /// Waits (bounded) until the endpoint's client has left.
     pub(super) fn wait_disconnected(&self, id: &str) {
+        crate::blocking::may_block("a client's disconnection");
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while self.supervisor.status(id).is_ok_and(|st| st.connected)
             && std::time::Instant::now() < deadline
@@ -260,9 +284,8 @@ impl Daemon {
     /// The endpoint's worker, refused unless it is supervised and serving.
     fn serving(&self, id: &str) -> Result<WorkerStatus, ApiError> {
         let view = {
-            let pool = self.pool();
-            let endpoint = pool
-                .inventory()
+            let inventory = self.inventory();
+            let endpoint = inventory
                 .endpoint(id)
                 .ok_or_else(|| unknown_endpoint(id))?;
             self.worker_view(endpoint)
@@ -335,13 +358,13 @@ impl Daemon {
         self.serving(id)?;
         self.refuse_while_moving(id)?;
         self.refuse_while_migrating(id)?;
+        let checked = self.inventory().check_move(id, to).map_err(pool_error)?;
+        self.check_movable(&checked)?;
         let plan = {
-            let mut pool = self.pool();
-            let checked = pool.inventory().check_move(id, to).map_err(pool_error)?;
-            self.check_movable(&checked)?;
-            let (plan, events) = pool.plan_move(id, to).map_err(pool_error)?;
-            self.events.pool(events);
-            plan
+            let (id, to) = (id.to_owned(), to.to_owned());
+            self.pool
+                .commit(move |pool| pool.plan_move(&id, &to))
+                .map_err(pool_error)?
         };
         self.execute_move(plan)
     }
@@ -373,26 +396,16 @@ impl Daemon {
                     u.plugged.err().map(|e| (link, u.socket, e)),
                 ),
                 Err(e) => {
-                    let mut pool = self.pool();
-                    match pool.abort_move(&plan) {
-                        Ok(events) => self.events.pool(events),
-                        Err(e) => {
-                            tracing::error!(?plan, "cannot release a failed move's target: {e}")
-                        }
-                    }
+                    self.abort_plan(&plan, "move");
                     return Err(e);
                 }
             },
         };
-        let mut pool = self.pool();
         let report = match outcome {
             Ok(MoveOutcome::Moved(report)) => Some(report),
             Ok(MoveOutcome::MovedAcrossRestart) => None,
             Err(e) => {
-                match pool.abort_move(&plan) {
-                    Ok(events) => self.events.pool(events),
-                    Err(e) => tracing::error!(?plan, "cannot release a failed move's target: {e}"),
-                }
+                self.abort_plan(&plan, "move");
                 if let Some((link, socket, plug)) = &not_plugged {
                     // The device stays where it was, but the guest lost it.
                     return Err(not_plugged_back(
@@ -416,8 +429,7 @@ impl Daemon {
             }
         };
         // The data path moved the device: the lease follows it, plugged back or not.
-        let events = pool.commit_move(&plan).map_err(pool_error)?;
-        self.events.pool(events);
+        self.commit_plan(&plan, "move")?;
         let downtime = visible_downtime.or_else(|| {
             report
                 .as_ref()
@@ -438,13 +450,9 @@ impl Daemon {
                 plug,
             ));
         }
-        let endpoint = pool
-            .inventory()
-            .endpoint(&plan.endpoint)
-            .ok_or_else(|| unknown_endpoint(&plan.endpoint))?;
         Ok(MoveResult {
             guest_visible: vmm.is_some(),
-            endpoint: self.endpoint_status(&pool, endpoint),
+            endpoint: self.status_of(&plan.endpoint)?,
             downtime_ms: downtime.map(ms),
             report,
             plan,
@@ -463,7 +471,6 @@ impl Daemon {
             |what: &str, e: &dyn std::error::Error| vmm_error(&plan.endpoint, link, what, e);
         let mut qmp = qmp_of(&plan.endpoint, link)?;
         let socket = self
-            .pool()
             .inventory()
             .endpoint(&plan.endpoint)
             .map(|e| e.socket.clone())
@@ -498,16 +505,16 @@ impl Daemon {
     }
 
     pub(super) fn drain(&self, board: &str) -> Result<DrainResult, ApiError> {
+        for plan in self.inventory().plan_drain(board).map_err(pool_error)? {
+            self.check_movable(&plan)?;
+            self.refuse_while_moving(&plan.endpoint)?;
+            self.refuse_while_migrating(&plan.endpoint)?;
+        }
         let plans = {
-            let mut pool = self.pool();
-            for plan in pool.plan_drain(board).map_err(pool_error)? {
-                self.check_movable(&plan)?;
-                self.refuse_while_moving(&plan.endpoint)?;
-                self.refuse_while_migrating(&plan.endpoint)?;
-            }
-            let (plans, events) = pool.drain(board).map_err(pool_error)?;
-            self.events.pool(events);
-            plans
+            let board = board.to_owned();
+            self.pool
+                .commit(move |pool| pool.drain(&board))
+                .map_err(pool_error)?
         };
         let mut out = DrainResult {
             board: board.to_owned(),
@@ -548,6 +555,35 @@ impl Daemon {
             replaced_pid,
             worker: WorkerView::supervised(&st, self.supervisor.fd_budget()),
         })
+    }
+}
+
+impl Daemon {
+    /// Releases the target of a move or failover whose data path did not run (`what`, for
+    /// the log).
+    pub(super) fn abort_plan(&self, plan: &MovePlan, what: &str) {
+        let p = plan.clone();
+        if let Err(e) = self.pool.apply(move |pool| pool.abort_move(&p)) {
+            tracing::error!(?plan, "cannot release a failed {what}'s target: {e}");
+        }
+    }
+
+    /// Commits a move whose data path finished: the lease follows the device. A commit the
+    /// store refuses now is kept and retried by the reconciler (the worker's truth wins:
+    /// the device runs on the target whatever the store says); the error is returned for
+    /// the request to say so.
+    pub(super) fn commit_plan(&self, plan: &MovePlan, what: &str) -> Result<(), ApiError> {
+        let p = plan.clone();
+        self.pool
+            .apply(move |pool| pool.commit_move(&p))
+            .map_err(|e| {
+                tracing::error!(
+                    ?plan,
+                    "cannot commit a {what} the data path finished (retried): {e}"
+                );
+                self.failover.retry_commit(super::failover::Uncommitted::Move(plan.clone()));
+                pool_error(e)
+            })
     }
 }
 

@@ -57,7 +57,7 @@ pub(super) fn api() -> ControlApi<AppState> {
     summary = "Every board with its devices and their holders",
     responses((status = 200, description = "The boards, in configuration order", body = Vec<BoardView>)))]
 async fn list_boards(State(s): State<AppState>) -> Json<Vec<BoardView>> {
-    Json(s.0.pool().inventory().boards())
+    Json(s.0.inventory().boards())
 }
 
 /// `GET /v1/boards/{id}`.
@@ -71,28 +71,14 @@ async fn get_board(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<BoardView>, ApiError> {
-    s.0.pool()
-        .inventory()
+    s.0.inventory()
         .board(&id)
         .map(Json)
         .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
 }
 
 async fn set_quarantine(s: AppState, id: String, on: bool) -> Result<Json<BoardView>, ApiError> {
-    blocking(&s, move |d| {
-        let mut pool = d.pool();
-        let events = if on {
-            pool.quarantine(&id)
-        } else {
-            pool.unquarantine(&id)
-        }
-        .map_err(pool_error)?;
-        d.events.pool(events);
-        pool.inventory()
-            .board(&id)
-            .map(Json)
-            .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
-    })
+    blocking(&s, move |d| d.set_quarantine(&id, on).map(Json))
     .await
 }
 
@@ -129,7 +115,7 @@ async fn unquarantine(
     summary = "Every pool with its capacity",
     responses((status = 200, description = "The pools", body = Vec<PoolView>)))]
 async fn list_pools(State(s): State<AppState>) -> Json<Vec<PoolView>> {
-    Json(s.0.pool().inventory().pools())
+    Json(s.0.inventory().pools())
 }
 
 /// `GET /v1/endpoints`.
@@ -138,11 +124,11 @@ async fn list_pools(State(s): State<AppState>) -> Json<Vec<PoolView>> {
     responses((status = 200, description = "The endpoints, by id", body = Vec<EndpointStatus>)))]
 async fn list_endpoints(State(s): State<AppState>) -> Json<Vec<EndpointStatus>> {
     let d = &s.0;
-    let pool = d.pool();
+    let inventory = d.inventory();
     Json(
-        pool.inventory()
+        inventory
             .endpoints()
-            .map(|e| d.endpoint_status(&pool, e))
+            .map(|e| d.endpoint_status(&inventory, e))
             .collect(),
     )
 }
@@ -448,7 +434,7 @@ async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Resp
     // The store's history is read page by page as the body is sent (`EventStream::body`).
     let history = match d.events.history() {
         Some(h) => h,
-        None => match blocking(&s, |d| Ok(d.pool().history_reader())).await {
+        None => match blocking(&s, |d| Ok(d.history_reader())).await {
             Ok(h) => {
                 d.events.set_history(h.clone());
                 h
