@@ -24,6 +24,7 @@ pub mod blocking;
 pub mod custody;
 pub mod error_chain;
 pub mod keeper;
+pub mod knobs;
 pub mod supervisor;
 pub mod worker;
 

@@ -250,6 +250,10 @@ pub fn run(
     spawn_control(&keeper, server.device_slot())?;
     spawn_stats(&keeper, &server)?;
     report_migrations(&keeper, &server);
+    if let Some(delay) = crate::knobs::ready_delay(&start.endpoint) {
+        tracing::warn!(?delay, "test knob: the ready note is delayed");
+        std::thread::sleep(delay);
+    }
     keeper.notify(&Note::Ready {
         resumed: connection.is_some(),
         replacement: Some(replacement),
@@ -459,6 +463,8 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
         interrupted: 0,
         ..work()
     };
+    // A test knob may make the reports frequent, and sent even when empty.
+    let knob = crate::knobs::stats_period();
     std::thread::Builder::new()
         .name("sy-worker-stats".into())
         .spawn(move || {
@@ -467,7 +473,7 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
             let mut first = true;
             loop {
                 if !std::mem::take(&mut first) {
-                    std::thread::sleep(STATS_PERIOD);
+                    std::thread::sleep(knob.unwrap_or(STATS_PERIOD));
                 }
                 let now = requests.snapshot();
                 let work = work();
@@ -487,7 +493,7 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
                     interrupted: work.interrupted.saturating_sub(last_work.interrupted),
                 };
                 (last, last_work) = (now, work);
-                if !stats.is_empty() {
+                if !stats.is_empty() || knob.is_some() {
                     keeper.notify(&Note::Stats(stats));
                 }
             }

@@ -42,6 +42,8 @@ pub struct Daemon {
     dirs: Option<(PathBuf, PathBuf)>,
     /// More arguments of `switchyard daemon`.
     args: Vec<String>,
+    /// More environment of `switchyard daemon` (and so of its workers).
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -56,7 +58,15 @@ impl Daemon {
             worker_exe: None,
             dirs: None,
             args: Vec::new(),
+            env: Vec::new(),
         }
+    }
+
+    /// Runs `switchyard daemon` (and so its workers) with this environment variable too
+    /// (the test knobs of `switchyard_daemon::knobs`).
+    pub fn with_env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_owned(), value.to_owned()));
+        self
     }
 
     /// Runs `switchyard daemon` with these arguments too.
@@ -161,6 +171,7 @@ impl Daemon {
             .arg(self.run_dir())
             .args(&self.args)
             .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("SWITCHYARD_WORKER_EXE", worker_exe)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
