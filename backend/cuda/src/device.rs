@@ -2,8 +2,14 @@
 //!
 //! **Memory.** Guest DMA windows are mapped by the backend itself (its own shared mapping of
 //! the client's file) and registered with the GPU when the client maps them (the
-//! [`DmaObserver`]), unregistered when it unmaps them: the unmap waits for the commands
-//! using the window. VRAM is the device's memfd, registered likewise, with a working copy in
+//! [`DmaObserver`], which the DMA space calls with none of its locks held), unregistered
+//! when it unmaps them. A command takes its own reference to each registration it uses
+//! and drops the windows' lock before it runs on the GPU, so an unmap never waits for a lock
+//! held across a stream synchronization: it removes the windows under a short write lock,
+//! then waits (with no lock) for the commands still using them, at most [`UNMAP_WAIT`]
+//! ([`CudaDevice::set_unmap_wait`]). A command still running then (a GPU that hangs) keeps
+//! its registration, which goes away when the command ends; the unmap is answered anyway,
+//! logged and counted ([`Stats::late_unmaps`]), rather than stall the connection. VRAM is the device's memfd, registered likewise, with a working copy in
 //! GPU memory (`vram` bytes: the board's memory quota).
 //!
 //! **Which copy is authoritative.** The memfd, always (see `switchyard_softgpu::accel`): a
@@ -30,9 +36,10 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
+use std::time::Duration;
 
-use switchyard_device::{DeviceError, DmaObserver, DmaProt};
+use switchyard_device::{DmaObserver, DmaProt};
 use switchyard_softgpu::accel::{AccelDevice, AccelError, AccelOutcome, AccelTarget, Accelerator};
 use switchyard_softgpu::cmd::{self, Command, Operand};
 use switchyard_sys::cuda::REDUCE_PARTS;
@@ -41,8 +48,18 @@ use vm_memory::{FileOffset, MmapRegion};
 
 use crate::gpu::{Gpu, GpuError, Mem, Op};
 
+mod plan;
+mod registrar;
+
+use plan::{Plan, pieces};
+use registrar::Registrar;
+
 /// Granule of the GPU copy's staleness (uploads are whole chunks).
 pub const CHUNK: u64 = 64 << 10;
+
+/// How long an unmap waits for the commands using its windows before it is answered anyway
+/// (see the module docs).
+pub const UNMAP_WAIT: Duration = Duration::from_secs(5);
 
 /// A GPU as the accelerator of softgpu devices (one per board; devices of several
 /// partitions share the GPU).
@@ -125,7 +142,9 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
             dma: t.dma,
             staging_budget: staging_budget(t.vram_size),
             staging_used: AtomicU64::new(0),
-            unmaps: AtomicU64::new(0),
+            released: Mutex::new(0),
+            released_cv: Condvar::new(),
+            unmap_wait_us: AtomicU64::new(UNMAP_WAIT.as_micros() as u64),
             vram_size: t.vram_size,
             vram_host,
             vram_dev,
@@ -157,10 +176,42 @@ pub fn staging_budget(vram: u64) -> u64 {
     (vram / 4).max(64 << 20)
 }
 
-/// A guest DMA window: its registration, or `None` if the GPU cannot reach it.
+/// A guest DMA window: its registration, or `None` if the GPU cannot reach it. Commands hold
+/// their own reference to the registration while they run; it is unregistered when the last
+/// one goes.
 struct Window<G: Gpu> {
     size: u64,
-    host: Option<G::Host>,
+    host: Option<Arc<G::Host>>,
+}
+
+/// The registrations a command uses (window start, registration), taken under the windows'
+/// read lock and held, without it, while the command runs; dropping them tells a waiting
+/// unmap.
+struct Held<'a, G: Gpu> {
+    device: &'a CudaDevice<G>,
+    hosts: Vec<(u64, Arc<G::Host>)>,
+}
+
+impl<G: Gpu> Held<'_, G> {
+    fn get(&self, window: u64) -> Option<&G::Host> {
+        self.hosts
+            .iter()
+            .find(|(start, _)| *start == window)
+            .map(|(_, h)| &**h)
+    }
+}
+
+impl<G: Gpu> Drop for Held<'_, G> {
+    fn drop(&mut self) {
+        if self.hosts.is_empty() {
+            return;
+        }
+        self.hosts.clear();
+        let d = self.device;
+        let mut released = d.released.lock().unwrap_or_else(|p| p.into_inner());
+        *released = released.wrapping_add(1);
+        d.released_cv.notify_all();
+    }
 }
 
 /// A queue's stream and staging buffers.
@@ -181,6 +232,8 @@ pub struct Stats {
     pub declined: AtomicU64,
     /// Chunks of VRAM uploaded to the GPU copy.
     pub uploads: AtomicU64,
+    /// Unmaps answered while a command still used the window ([`UNMAP_WAIT`]).
+    pub late_unmaps: AtomicU64,
 }
 
 /// One device's use of a GPU.
@@ -193,14 +246,20 @@ pub struct CudaDevice<G: Gpu> {
     /// GPU memory the staging buffers may take ([`staging_budget`]), and take now.
     staging_budget: u64,
     staging_used: AtomicU64,
-    /// Unmaps so far (a window registered late is dropped if one happened meanwhile).
-    unmaps: AtomicU64,
+    /// Counts commands that let go of registrations; an unmap waits on `released_cv` for
+    /// those of its windows. Protects nothing else, and is never held while a command runs.
+    released: Mutex<u64>,
+    released_cv: Condvar,
+    /// How long an unmap waits for the commands using its windows (µs).
+    unmap_wait_us: AtomicU64,
     vram_size: u64,
     vram_host: G::Host,
     vram_dev: G::Buf,
     /// One bit per [`CHUNK`] of VRAM: the GPU copy is stale.
     stale: Box<[AtomicU64]>,
-    /// Registered windows by IOVA.
+    /// Registered windows by IOVA. Read-locked only to look operands up (a command clones the
+    /// registrations it needs and drops the lock before it runs), write-locked to add or remove
+    /// a window: never held across GPU work or a registration.
     windows: RwLock<BTreeMap<u64, Window<G>>>,
     queues: Vec<Mutex<Queue<G>>>,
     /// The sticky error the board was lost with.
@@ -246,12 +305,6 @@ impl From<GpuError> for Skip {
     }
 }
 
-fn overlap(a: (Operand, u64), b: (Operand, u64)) -> bool {
-    let same_space = a.0.is_vram() == b.0.is_vram();
-    let (a0, b0) = (a.0.addr(), b.0.addr());
-    same_space && a0 < b0.saturating_add(b.1) && b0 < a0.saturating_add(a.1)
-}
-
 fn usize_of(v: u64) -> Result<usize, Skip> {
     usize::try_from(v).map_err(|_| Skip::Decline)
 }
@@ -268,15 +321,22 @@ impl<G: Gpu> CudaDevice<G> {
         w.values().filter(|w| w.host.is_some()).count()
     }
 
+    /// Sets how long an unmap waits for the commands using its windows ([`UNMAP_WAIT`]).
+    pub fn set_unmap_wait(&self, wait: Duration) {
+        let us = u64::try_from(wait.as_micros()).unwrap_or(u64::MAX);
+        self.unmap_wait_us.store(us, Ordering::Relaxed);
+    }
+
     /// Whether the board was lost, and why.
     pub fn lost(&self) -> Option<&str> {
         self.lost.get().map(String::as_str)
     }
 
-    /// The client maps a window (the DMA observer, under the DMA table's lock): it is
-    /// registered, or recorded as one the GPU does not reach.
+    /// The client maps a window (the DMA observer, with no lock held: the registration takes
+    /// 38 ms/GiB): it is registered, or recorded as one the GPU does not reach. Commands may
+    /// use it from here on (a whole registration: nothing half-done is reachable).
     fn register_window(&self, iova: u64, size: u64, prot: DmaProt, file: Option<(&File, u64)>) {
-        let host = self.registration(iova, size, prot, file);
+        let host = self.registration(iova, size, prot, file).map(Arc::new);
         let mut w = self.windows.write().unwrap_or_else(|p| p.into_inner());
         w.insert(iova, Window { size, host });
     }
@@ -325,15 +385,20 @@ impl<G: Gpu> CudaDevice<G> {
     /// A window mapped before this device was attached (a move's successor, a swap): found
     /// in the DMA table and registered now. Returns whether the table had it.
     fn register_late(&self, iova: u64) -> bool {
-        let generation = self.unmaps.load(Ordering::Acquire);
-        // Not under our lock: the table's observer calls take it under the table's.
+        // Only a window whose observer accepted it (a pending one is not found).
         let Some(b) = self.dma.window_backing(iova) else {
             return false;
         };
-        let host = self.registration(b.iova, b.size, b.prot, Some((&b.file, b.offset)));
+        // Registered with no lock held.
+        let host = self
+            .registration(b.iova, b.size, b.prot, Some((&b.file, b.offset)))
+            .map(Arc::new);
         let mut w = self.windows.write().unwrap_or_else(|p| p.into_inner());
-        if self.unmaps.load(Ordering::Acquire) != generation {
-            // Something was unmapped meanwhile, perhaps this window: look again next time.
+        // Checked under our lock (lock order: ours, then the DMA table's; the table calls us
+        // with none of its locks held). An unmap marks the window retiring before it tells us,
+        // and its `unmapped` takes our lock: either the window is still current here and that
+        // call removes what we keep, or it is not and we keep nothing.
+        if !self.dma.window_is_current(b.iova, b.generation) {
             return false;
         }
         w.entry(b.iova).or_insert(Window { size: b.size, host });
@@ -364,19 +429,10 @@ impl<G: Gpu> CudaDevice<G> {
         }
     }
 
-    /// Where the operands of `plan` are, registering windows mapped before the device; with
-    /// the windows locked (an unmap waits for the command).
-    #[allow(clippy::type_complexity)]
-    fn places(
-        &self,
-        plan: &Plan,
-    ) -> Result<
-        (
-            Vec<Place>,
-            std::sync::RwLockReadGuard<'_, BTreeMap<u64, Window<G>>>,
-        ),
-        Skip,
-    > {
+    /// Where the operands of `plan` are, registering windows mapped before the device, with
+    /// the registrations of the windows they are in (held until the command is done; the
+    /// windows' lock is not).
+    fn places(&self, plan: &Plan) -> Result<(Vec<Place>, Held<'_, G>), Skip> {
         let mut late = false;
         loop {
             let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
@@ -393,7 +449,19 @@ impl<G: Gpu> CudaDevice<G> {
                 }
             }
             let Some(iova) = missing else {
-                return Ok((places, windows));
+                let mut held = Held {
+                    device: self,
+                    hosts: Vec::new(),
+                };
+                for p in &places {
+                    if let Place::Guest { window, .. } = *p
+                        && held.get(window).is_none()
+                        && let Some(h) = windows.get(&window).and_then(|w| w.host.as_ref())
+                    {
+                        held.hosts.push((window, Arc::clone(h)));
+                    }
+                }
+                return Ok((places, held));
             };
             drop(windows);
             if late || !self.register_late(iova) {
@@ -460,7 +528,7 @@ impl<G: Gpu> CudaDevice<G> {
             return Err(Skip::Lost(reason.clone()));
         }
         let plan = Plan::of(c)?;
-        let (places, windows) = self.places(&plan)?;
+        let (places, held) = self.places(&plan)?;
         let queue = self.queues.get(q).ok_or(Skip::Decline)?;
         let mut queue = queue.lock().unwrap_or_else(|p| p.into_inner());
         // Staging buffers for guest operands of kernels, within the device's budget.
@@ -507,7 +575,7 @@ impl<G: Gpu> CudaDevice<G> {
         }
         uploads.sort_unstable();
         uploads.dedup();
-        let result = self.execute(&plan, &places, &windows, &queue, &uploads);
+        let result = self.execute(&plan, &places, &held, &queue, &uploads);
         if result.is_err() {
             // What the GPU copy holds is unknown now: stale, all that the command touched.
             for &c in &uploads {
@@ -531,7 +599,7 @@ impl<G: Gpu> CudaDevice<G> {
         &self,
         plan: &Plan,
         places: &[Place],
-        windows: &BTreeMap<u64, Window<G>>,
+        held: &Held<'_, G>,
         queue: &Queue<G>,
         uploads: &[u64],
     ) -> Result<(), GpuError> {
@@ -542,9 +610,8 @@ impl<G: Gpu> CudaDevice<G> {
                     Mem::Dev(&self.vram_dev, usize::try_from(off).map_err(too_big)?)
                 }
                 Place::Guest { window, off } => {
-                    let host = windows
-                        .get(&window)
-                        .and_then(|w| w.host.as_ref())
+                    let host = held
+                        .get(window)
                         .ok_or_else(|| GpuError::transient("a window went away"))?;
                     Mem::Host(host, usize::try_from(off).map_err(too_big)?)
                 }
@@ -702,106 +769,6 @@ fn shift<G: Gpu>(m: Mem<'_, G>, by: usize) -> Mem<'_, G> {
     }
 }
 
-/// Smallest piece of a pipelined output (below: one piece).
-const PIECE_MIN: usize = 1 << 20;
-/// Largest piece.
-const PIECE_MAX: usize = 16 << 20;
-
-/// `len` bytes in pieces of about an eighth (1 to 16 MiB, multiples of `align` and of 4 KiB):
-/// `(offset, length)` of each. The copy out of one piece overlaps the next piece's work, so
-/// what a write-through adds is one piece's copy.
-fn pieces(len: usize, align: usize) -> impl Iterator<Item = (usize, usize)> {
-    let unit = 4096usize.max(align);
-    let piece = (len / 8).clamp(PIECE_MIN, PIECE_MAX).next_multiple_of(unit);
-    (0..len.div_ceil(piece).max(1)).map(move |i| {
-        let o = i * piece;
-        (o, piece.min(len - o))
-    })
-}
-
-/// A command's operands, as the GPU path sees them.
-struct Plan {
-    command: Command,
-    /// Operands: (operand, bytes, read by the command).
-    operands: Vec<(Operand, u64, bool)>,
-    /// (index of the output operand, bytes written).
-    output: (usize, u64),
-    /// Kernel operands must be in GPU memory (guest ones are staged).
-    kernel: bool,
-}
-
-impl Plan {
-    fn of(c: &Command) -> Result<Plan, Skip> {
-        let op = |i: usize| c.operand(i);
-        let (operands, output, kernel) = match c.opcode {
-            cmd::OP_COPY => {
-                let len = c.arg[0];
-                let (src, dst) = ((op(0), len), (op(1), len));
-                // Overlapping VRAM copies have memmove semantics on the CPU path.
-                if overlap(src, dst) {
-                    return Err(Skip::Decline);
-                }
-                if !src.0.is_vram() && !dst.0.is_vram() {
-                    // Guest to guest: nothing for a GPU to add.
-                    return Err(Skip::Decline);
-                }
-                (
-                    vec![(src.0, len, true), (dst.0, len, false)],
-                    (1, len),
-                    false,
-                )
-            }
-            cmd::OP_FILL => {
-                let len = c.arg[0];
-                if !len.is_multiple_of(4) || !op(0).addr().is_multiple_of(4) || !op(0).is_vram() {
-                    return Err(Skip::Decline);
-                }
-                (vec![(op(0), len, false)], (0, len), false)
-            }
-            cmd::OP_SAXPY => {
-                let bytes = c.arg[0].saturating_mul(4);
-                let (x, y) = ((op(0), bytes), (op(1), bytes));
-                if overlap(x, y) && x.0 != y.0 {
-                    return Err(Skip::Decline);
-                }
-                (
-                    vec![(x.0, bytes, true), (y.0, bytes, true)],
-                    (1, bytes),
-                    true,
-                )
-            }
-            cmd::OP_REDUCE => {
-                let (x, out) = ((op(0), c.arg[0].saturating_mul(4)), (op(1), 4));
-                if c.arg[0] == 0 || overlap(x, out) {
-                    return Err(Skip::Decline);
-                }
-                (vec![(x.0, x.1, true), (out.0, 4, false)], (1, 4), true)
-            }
-            cmd::OP_GEMM => {
-                let [m, n, k] = c.arg;
-                let a = (op(0), m.saturating_mul(k).saturating_mul(4));
-                let b = (op(1), k.saturating_mul(n).saturating_mul(4));
-                let cc = (op(2), m.saturating_mul(n).saturating_mul(4));
-                if k == 0 || overlap(a, cc) || overlap(b, cc) {
-                    return Err(Skip::Decline);
-                }
-                (
-                    vec![(a.0, a.1, true), (b.0, b.1, true), (cc.0, cc.1, false)],
-                    (2, cc.1),
-                    true,
-                )
-            }
-            _ => return Err(Skip::Decline),
-        };
-        Ok(Plan {
-            command: *c,
-            operands,
-            output,
-            kernel,
-        })
-    }
-}
-
 impl<G: Gpu> AccelDevice for CudaDevice<G> {
     fn run(&self, queue: usize, c: &Command) -> AccelOutcome {
         match self.run_command(queue, c) {
@@ -833,43 +800,5 @@ impl<G: Gpu> AccelDevice for CudaDevice<G> {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
-    }
-}
-
-/// The DMA observer of a [`CudaDevice`]: registers windows as the client maps them.
-struct Registrar<G: Gpu>(Weak<CudaDevice<G>>);
-
-impl<G: Gpu> DmaObserver for Registrar<G> {
-    fn mapping(
-        &self,
-        iova: u64,
-        size: u64,
-        prot: DmaProt,
-        file: Option<(&File, u64)>,
-    ) -> Result<(), DeviceError> {
-        // Never refused: a window the GPU cannot reach is served by the CPU path.
-        if let Some(device) = self.0.upgrade() {
-            device.register_window(iova, size, prot, file);
-        }
-        Ok(())
-    }
-
-    fn unmapped(&self, iova: u64, size: u64) {
-        let Some(device) = self.0.upgrade() else {
-            return;
-        };
-        let end = iova.saturating_add(size);
-        // Waits for the commands using the windows (they hold the read lock).
-        let mut w = device.windows.write().unwrap_or_else(|p| p.into_inner());
-        device.unmaps.fetch_add(1, Ordering::AcqRel);
-        let gone: Vec<u64> = w
-            .range(..end)
-            .filter(|(start, win)| start.saturating_add(win.size) > iova)
-            .map(|(start, _)| *start)
-            .collect();
-        let gone: Vec<Window<G>> = gone.iter().filter_map(|s| w.remove(s)).collect();
-        drop(w);
-        // Unregistered now, before the unmap is answered.
-        drop(gone);
     }
 }

@@ -10,7 +10,8 @@
 //! the CPU path's, so tests meet the documented tolerance rather than bit equality.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use switchyard_sys::cuda::REDUCE_PARTS;
 use vm_memory::{MmapRegion, VolatileMemory};
@@ -42,7 +43,59 @@ pub struct FakeState {
     pub hiccup: AtomicBool,
     /// Batches wait this long (µs) before they run: a slow GPU.
     pub delay_us: AtomicU64,
+    /// Batches wait here while it is closed: a GPU stuck on a command.
+    pub gate: Gate,
     lost: AtomicBool,
+}
+
+/// Holds batches back while closed (a GPU stuck on a command, a stream synchronization that
+/// does not return), until a test opens it.
+#[derive(Debug, Default)]
+pub struct Gate {
+    /// (closed, batches waiting).
+    state: Mutex<(bool, u64)>,
+    cv: Condvar,
+}
+
+impl Gate {
+    /// Batches from now on wait.
+    pub fn close(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = true;
+    }
+
+    /// Lets every waiting batch run, and those after.
+    pub fn open(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = false;
+        self.cv.notify_all();
+    }
+
+    /// Batches waiting now.
+    pub fn held(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).1
+    }
+
+    /// Waits (at most `timeout`) until `n` batches wait at the gate; whether they do.
+    pub fn wait_held(&self, n: u64, timeout: Duration) -> bool {
+        let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .cv
+            .wait_timeout_while(g, timeout, |(_, held)| *held < n)
+            .unwrap_or_else(|p| p.into_inner());
+        g.1 >= n
+    }
+
+    fn pass(&self) {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !g.0 {
+            return;
+        }
+        g.1 += 1;
+        self.cv.notify_all();
+        while g.0 {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        g.1 -= 1;
+    }
 }
 
 /// A fake GPU.
@@ -269,6 +322,7 @@ impl Gpu for FakeGpu {
                 "CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (fake)",
             ));
         }
+        s.gate.pass();
         let delay = s.delay_us.load(Ordering::Relaxed);
         if delay > 0 {
             std::thread::sleep(std::time::Duration::from_micros(delay));

@@ -374,3 +374,88 @@ fn staging_stays_within_the_devices_budget() {
     // The first queue's buffers still serve it.
     assert_eq!(dev.run(0, &small), AccelOutcome::Done);
 }
+
+#[test]
+fn an_unmap_is_not_held_up_by_a_command_stuck_on_the_gpu() {
+    use std::time::Duration;
+    let fake = FakeGpu::new();
+    let vram = Arc::new(memfd(VRAM));
+    let dma = Arc::new(DmaSpace::default());
+    let accel = CudaAccel::new(Arc::new(fake.clone()));
+    let dev = accel
+        .open(AccelTarget {
+            vram: vram.clone(),
+            vram_size: VRAM,
+            queues: 2,
+            dma: dma.clone(),
+        })
+        .expect("open");
+    dma.set_observer(dev.dma_observer());
+    let cuda = dev
+        .as_any()
+        .downcast_ref::<CudaDevice<FakeGpu>>()
+        .expect("fake");
+    let guest = memfd(1 << 20);
+    write_at(&guest, 0, &[0x33u8; 4096]);
+    for iova in [0x10_0000, 0x40_0000] {
+        dma.map(
+            iova,
+            1 << 20,
+            DmaProt::READ_WRITE,
+            Some((guest.try_clone().expect("dup"), 0)),
+        )
+        .expect("map");
+    }
+    let registered = || fake.state.registered.load(Ordering::SeqCst);
+    assert_eq!(registered(), 3, "VRAM and both windows");
+    let from = |iova: u64| Command::copy(Operand::Guest(iova), Operand::Vram(0), 4096);
+    let gate = &fake.state.gate;
+    let long = Duration::from_secs(30);
+
+    // Within the unmap wait: the unmap waits for the command using the window, and the
+    // window is unregistered before the unmap is answered.
+    cuda.set_unmap_wait(Duration::from_secs(600));
+    gate.close();
+    std::thread::scope(|s| {
+        let command = s.spawn(|| dev.run(0, &from(0x10_0000)));
+        assert!(gate.wait_held(1, long), "the command reached the GPU");
+        let unmap = s.spawn(|| {
+            dma.unmap(0x10_0000, 1 << 20).expect("unmap");
+            registered()
+        });
+        gate.open();
+        assert_eq!(command.join().expect("command"), AccelOutcome::Done);
+        assert_eq!(
+            unmap.join().expect("unmap"),
+            2,
+            "unregistered before the answer"
+        );
+    });
+    assert_eq!(cuda.stats().late_unmaps.load(Ordering::SeqCst), 0);
+
+    // A command stuck on the GPU (a stream that does not finish): the unmap is answered
+    // after the unmap wait, with the GPU still stuck; the command keeps its registration.
+    cuda.set_unmap_wait(Duration::from_millis(100));
+    gate.close();
+    std::thread::scope(|s| {
+        let command = s.spawn(|| dev.run(1, &from(0x40_0000)));
+        assert!(gate.wait_held(1, long), "the command reached the GPU");
+        let (answered, answer) = std::sync::mpsc::channel();
+        s.spawn(move || {
+            let _ = answered.send(dma.unmap(0x40_0000, 1 << 20).map_err(|e| e.to_string()));
+        });
+        assert_eq!(
+            answer.recv_timeout(long).expect("the unmap is answered"),
+            Ok(1)
+        );
+        assert_eq!(gate.held(), 1, "the command is still on the GPU");
+        assert_eq!(cuda.stats().late_unmaps.load(Ordering::SeqCst), 1);
+        assert_eq!(registered(), 2, "held by the command");
+        // No new command finds the window (the CPU path faults it).
+        assert_eq!(dev.run(0, &from(0x40_0000)), AccelOutcome::Declined);
+        gate.open();
+        assert_eq!(command.join().expect("command"), AccelOutcome::Done);
+    });
+    assert_eq!(registered(), 1, "unregistered when the command ended");
+    assert_eq!(cuda.registered_windows(), 0);
+}

@@ -213,9 +213,15 @@ pub trait Swappable: Send {
 
 /// Told about the client's DMA windows before a change takes effect (a passthrough device maps
 /// them in its IOMMU; a device that caches translations drops them).
+///
+/// Both are called with no lock of the [`DmaSpace`](crate::DmaSpace) held (they may take
+/// seconds: pinning, registration): engines keep accessing the other windows meanwhile. The
+/// window's range stays reserved while either runs (an overlapping map is refused), and no
+/// access through the space reaches it.
 pub trait DmaObserver: Send + Sync {
     /// A window is about to be mapped; an error refuses the `DMA_MAP` (nothing is mapped).
     /// `file` is the window's backing file and its offset, or `None` for a message-only window.
+    /// Accesses through the space reach the window only once this returns `Ok`.
     fn mapping(
         &self,
         iova: u64,

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
 use super::backing::FdWindow;
-use super::{Backing, DmaError, DmaSpace, Mapping, Result};
+use super::{Backing, DmaError, DmaSpace, Mapping, Result, State};
 use crate::dirty::DIRTY_PAGE_SIZE;
 
 /// Default bound on the memory all windows' dirty logs may take together: 256 MiB, enough to
@@ -194,10 +194,16 @@ impl DmaSpace {
         }
         // No write is in flight while the table is write-locked: none straddles the clear.
         let table = self.write_table();
-        let windows = table.maps.iter().filter_map(|m| match &m.backing {
-            Backing::Fd(w) => Some(&**w),
-            Backing::Message => None,
-        });
+        // Pending windows too (they are live soon, logged from their first write); retiring
+        // ones are gone.
+        let windows = table
+            .maps
+            .iter()
+            .filter(|m| m.state != State::Retiring)
+            .filter_map(|m| match &m.backing {
+                Backing::Fd(w) => Some(&**w),
+                Backing::Message => None,
+            });
         self.allocate_logs(windows.clone())?;
         for w in windows {
             w.log.clear();
@@ -236,7 +242,7 @@ impl DmaSpace {
             let table = self.write_table();
             let first = table.maps.partition_point(|m| m.end() <= iova);
             for m in table.maps.iter().skip(first).take_while(|m| m.iova <= last) {
-                if let Backing::Fd(w) = &m.backing {
+                if let (State::Live, Backing::Fd(w)) = (m.state, &m.backing) {
                     w.log.flip();
                     windows.push((m.iova, Arc::clone(w)));
                 }
@@ -252,10 +258,11 @@ impl DmaSpace {
     }
 
     /// `DMA_UNMAP` with `GET_DIRTY_BITMAP`: atomically (under the table's write lock, with no
-    /// access in flight) reads and clears the dirty bits of the windows in `[iova, iova+len)`
-    /// into `out` (layout as [`DmaSpace::report_dirty`]) and removes them. Works with or
-    /// without a logging session: a window whose writes were never logged reports every page
-    /// dirty. Fails without touching anything when [`DmaSpace::unmap`] would.
+    /// access in flight, the windows leave the table's reach and their logs are flipped) reads
+    /// and clears the dirty bits of the windows in `[iova, iova+len)` into `out` (layout as
+    /// [`DmaSpace::report_dirty`]) and removes them. Works with or without a logging session: a
+    /// window whose writes were never logged reports every page dirty. Fails without touching
+    /// anything when [`DmaSpace::unmap`] would. The observer is told with no lock held.
     pub fn unmap_take_dirty(
         &self,
         iova: u64,
@@ -264,28 +271,38 @@ impl DmaSpace {
         out: &mut [u8],
     ) -> Result<usize> {
         let last = report_geometry(iova, len, page_size, out.len())?;
-        let _log = self.log_state();
-        let removed: Vec<Mapping> = {
+        let retired = loop {
+            let log = self.log_state();
             let mut table = self.write_table();
             let (first, stop) = Self::covered(&table, iova, len)?;
-            let removed: Vec<Mapping> = table.maps.drain(first..stop).collect();
-            let windows: Vec<(u64, Arc<FdWindow>)> = removed
+            let retired = match self.retire(&mut table, first, stop) {
+                Ok(r) => r,
+                Err(seen) => {
+                    drop(table);
+                    drop(log);
+                    self.wait_settled(seen);
+                    continue;
+                }
+            };
+            let windows: Vec<(u64, Arc<FdWindow>)> = retired
+                .0
                 .iter()
-                .filter_map(|m| match &m.backing {
-                    Backing::Fd(w) => {
-                        w.log.flip();
-                        Some((m.iova, Arc::clone(w)))
-                    }
-                    Backing::Message => None,
+                .filter_map(|t| {
+                    let w = t.window.as_ref()?;
+                    w.log.flip();
+                    Some((t.iova, Arc::clone(w)))
                 })
                 .collect();
+            // No access reaches the windows any more: drained with the table unlocked, under
+            // the log mutex (which owns the flipped bitmaps).
+            drop(table);
             collect_dirty(&windows, iova, last, page_size, out);
-            removed
+            if let Some(src) = self.dirty_source() {
+                src.report(iova, len, page_size, out);
+            }
+            drop(log);
+            break retired;
         };
-        if let Some(src) = self.dirty_source() {
-            src.report(iova, len, page_size, out);
-        }
-        self.removed(&removed);
-        Ok(removed.len())
+        Ok(self.finish_unmap(retired))
     }
 }

@@ -37,19 +37,41 @@
 //! [`DmaError`] and writes nothing, so a bad address a guest driver programs can never become a
 //! wild write.
 //!
-//! Concurrency: engines access the space under a read lock held for one access; map and unmap
-//! take the write lock, so an unmap returns only once no access into the old window is in flight
-//! (the spec requires the server to drop every reference before replying to `DMA_UNMAP`).
+//! **Concurrency.** Engines access the space under the table's read lock, held for one access.
+//! Map and unmap change the table under its write lock, briefly: the device's [`DmaObserver`]
+//! (VFIO pinning a window, a GPU registering it: seconds for large windows) is called with no
+//! lock of the space held, so engines keep translating through the other windows meanwhile.
+//! Every window has a state and a generation (unique in the space):
+//!
+//! - `DMA_MAP` reserves the range under the write lock (a *pending* window: it counts against
+//!   the map limit, an overlapping map is refused, accesses see nothing there), calls the
+//!   observer, then publishes the window under the write lock (or removes the reservation if
+//!   the observer refused it). An access can only reach a window the observer accepted.
+//! - `DMA_UNMAP` marks the windows *retiring* under the write lock (accesses no longer find
+//!   them; the write lock waited for the accesses in flight), calls the observer's `unmapped`,
+//!   then removes them and drops their mmaps outside the lock. An unmap whose range holds a
+//!   window whose map or unmap is in flight waits for that to finish first (without a lock).
+//! - [`DmaSpace::window_backing`] names the window's generation, and
+//!   [`DmaSpace::window_is_current`] says whether that very window is still mapped: a device
+//!   that learns of a window by looking (not through its observer) checks it under its own
+//!   lock before it keeps what it built, so it never keeps a window unmapped meanwhile.
+//!
+//! Lock order: the log mutex, then the table, then the settle mutex (never the other way);
+//! the observer and dirty-source slots are read alone (the `Arc` is cloned out). No lock of
+//! the space is held while an observer or the remote transport runs.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::fs::File;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use vm_memory::VolatileSlice;
 use vm_memory::bitmap::BitmapSlice;
 
 mod backing;
+mod error;
+mod lifecycle;
 mod log;
 mod remote;
 #[cfg(test)]
@@ -60,6 +82,7 @@ pub use crate::dirty::DIRTY_PAGE_SIZE;
 use crate::{DirtySource, DmaObserver};
 pub use backing::MAP_BUDGET;
 use backing::{Access, FdWindow, Objects, guarded_piece};
+pub use error::{DmaError, Result};
 pub use log::DEFAULT_LOG_BUDGET;
 use log::LogState;
 pub use remote::RemoteDma;
@@ -133,179 +156,20 @@ impl Piece<'_> {
     }
 }
 
-/// Errors of DMA space operations.
-#[derive(Debug, thiserror::Error)]
-pub enum DmaError {
-    /// The requested window overlaps an existing one.
-    #[error("DMA window {iova:#x}+{size:#x} overlaps an existing mapping")]
-    Overlap {
-        /// Start of the requested window.
-        iova: u64,
-        /// Size of the requested window.
-        size: u64,
-    },
-    /// The window is empty or wraps around the address space.
-    #[error("DMA window {iova:#x}+{size:#x} is empty or wraps")]
-    BadWindow {
-        /// Start of the requested window.
-        iova: u64,
-        /// Size of the requested window.
-        size: u64,
-    },
-    /// The device's [`DmaObserver`] refused the window.
-    #[error("The device refused the DMA window")]
-    Observer(#[source] Box<crate::DeviceError>),
-    /// An unmap range cuts through a window.
-    #[error("Unmap range {iova:#x}+{size:#x} splits a DMA mapping")]
-    PartialUnmap {
-        /// Start of the requested range.
-        iova: u64,
-        /// Size of the requested range.
-        size: u64,
-    },
-    /// Too many simultaneous mappings.
-    #[error("Too many DMA mappings (limit {limit})")]
-    TooManyMappings {
-        /// The configured limit.
-        limit: usize,
-    },
-    /// Mapping the client's file descriptor failed.
-    #[error("Cannot mmap the DMA window at {iova:#x}")]
-    Mmap {
-        /// Start of the window.
-        iova: u64,
-        /// The underlying error.
-        #[source]
-        source: vm_memory::mmap::MmapRegionError,
-    },
-    /// The client's file descriptor cannot be inspected.
-    #[error("Cannot inspect the file of the DMA window at {iova:#x}")]
-    Backing {
-        /// Start of the window.
-        iova: u64,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The descriptor is not a file that can back DMA memory.
-    #[error("The file of the DMA window at {iova:#x} cannot back DMA memory: {what}")]
-    UnsupportedBacking {
-        /// Start of the window.
-        iova: u64,
-        /// What the file is.
-        what: String,
-    },
-    /// The window needs the fault-safe access path and this process cannot open it.
-    #[error("DMA window at {iova:#x} is not a sealed memfd and /proc/self/mem is unavailable")]
-    NoSafeAccess {
-        /// Start of the window.
-        iova: u64,
-    },
-    /// The client's memory could not be read or written (truncated file, no page to back a
-    /// hole): the kernel refused to fault the page in.
-    #[error("DMA access at {iova:#x} hit memory the client's file no longer backs")]
-    Fault {
-        /// Start of the failing chunk.
-        iova: u64,
-    },
-    /// The dirty logs would exceed their memory budget.
-    #[error("Dirty logging needs {need} more bytes of bitmaps, over the budget of {budget}")]
-    LogBudget {
-        /// Bytes the logs would need in all.
-        need: u64,
-        /// The budget.
-        budget: u64,
-    },
-    /// Memory for a dirty log could not be allocated.
-    #[error("Cannot allocate a dirty log")]
-    LogAlloc(#[source] std::collections::TryReserveError),
-    /// An access touched an address outside every mapping.
-    #[error("DMA access at {iova:#x} is outside every mapping")]
-    Unmapped {
-        /// First address that is not mapped.
-        iova: u64,
-    },
-    /// An access needed a permission the mapping does not grant.
-    #[error("DMA {access} at {iova:#x} is not permitted by its mapping")]
-    Permission {
-        /// First address that lacks the permission.
-        iova: u64,
-        /// `"read"` or `"write"`.
-        access: &'static str,
-    },
-    /// The address range of an access wraps around.
-    #[error("DMA access at {iova:#x} of {len:#x} bytes wraps")]
-    Overflow {
-        /// Start of the access.
-        iova: u64,
-        /// Length of the access.
-        len: u64,
-    },
-    /// A message-based access through the client failed.
-    #[error("DMA through the client at {iova:#x} failed with errno {errno}")]
-    Remote {
-        /// Start of the failing chunk.
-        iova: u64,
-        /// The errno the transport reported.
-        errno: i32,
-    },
-    /// Dirty logging was asked for with an unusable page size.
-    #[error("Dirty page size {0:#x} is not a power of two multiple of 4 KiB")]
-    BadPageSize(u64),
-    /// A dirty report was asked for outside a logging session.
-    #[error("DMA dirty logging is not started")]
-    NotLogging,
-    /// Logging was started twice.
-    #[error("DMA dirty logging is already started")]
-    LoggingActive,
-    /// The buffer for a dirty bitmap is too small.
-    #[error("Dirty bitmap needs {need} bytes, the request has room for {room}")]
-    BitmapTooSmall {
-        /// Bytes the bitmap needs.
-        need: u64,
-        /// Bytes available.
-        room: usize,
-    },
-}
-
-impl DmaError {
-    /// The errno that best describes this error on the wire.
-    pub fn errno(&self) -> i32 {
-        match self {
-            DmaError::Overlap { .. } => libc::EEXIST,
-            DmaError::BadWindow { .. }
-            | DmaError::BadPageSize(_)
-            | DmaError::NotLogging
-            | DmaError::BitmapTooSmall { .. }
-            | DmaError::PartialUnmap { .. } => libc::EINVAL,
-            DmaError::LoggingActive => libc::EBUSY,
-            DmaError::TooManyMappings { .. } => libc::ENOSPC,
-            DmaError::Mmap { source, .. } => match source {
-                vm_memory::mmap::MmapRegionError::Mmap(e) => {
-                    e.raw_os_error().unwrap_or(libc::ENOMEM)
-                }
-                _ => libc::EINVAL,
-            },
-            DmaError::Backing { source, .. } => source.raw_os_error().unwrap_or(libc::EINVAL),
-            DmaError::NoSafeAccess { .. } => libc::ENOTSUP,
-            DmaError::UnsupportedBacking { .. } => libc::EINVAL,
-            DmaError::Observer(e) => e.errno(),
-            DmaError::LogBudget { .. } | DmaError::LogAlloc(_) => libc::ENOMEM,
-            DmaError::Unmapped { .. } | DmaError::Overflow { .. } | DmaError::Fault { .. } => {
-                libc::EFAULT
-            }
-            DmaError::Permission { .. } => libc::EPERM,
-            DmaError::Remote { errno, .. } => *errno,
-        }
-    }
-}
-
-/// Result type of DMA operations.
-pub type Result<T> = std::result::Result<T, DmaError>;
-
 enum Backing {
     Fd(Arc<FdWindow>),
     Message,
+}
+
+/// Where a window is in its life (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Reserved: its observer is being told (a map, or a replay); accesses do not see it.
+    Pending,
+    /// Mapped: accesses reach it.
+    Live,
+    /// Being unmapped: its observer is being told; accesses do not see it.
+    Retiring,
 }
 
 /// One DMA window.
@@ -314,6 +178,9 @@ struct Mapping {
     size: u64,
     prot: DmaProt,
     backing: Backing,
+    state: State,
+    /// Unique in the space: a window mapped again at the same IOVA has another.
+    generation: u64,
 }
 
 impl Mapping {
@@ -352,27 +219,93 @@ pub struct WindowBacking {
     pub file: File,
     /// Offset of the window's first byte in the file.
     pub offset: u64,
+    /// The window's generation ([`DmaSpace::window_is_current`]).
+    pub generation: u64,
 }
 
 #[derive(Default)]
 struct Table {
-    /// Sorted by IOVA, non-overlapping.
+    /// Sorted by IOVA, non-overlapping; every state (pending and retiring windows hold their
+    /// range).
     maps: Vec<Mapping>,
+    /// The last generation handed out.
+    generation: u64,
 }
 
 impl Table {
-    /// Index of the mapping containing `iova`, if any.
+    /// The live mapping containing `iova`, if any.
     fn find(&self, iova: u64) -> Option<&Mapping> {
         let idx = self.maps.partition_point(|m| m.iova <= iova);
         let m = self.maps.get(idx.checked_sub(1)?)?;
-        (iova < m.end()).then_some(m)
+        (iova < m.end() && m.state == State::Live).then_some(m)
+    }
+
+    /// Index of the window of `generation` starting at `iova`.
+    fn index_of(&self, iova: u64, generation: u64) -> Option<usize> {
+        let idx = self.maps.partition_point(|m| m.iova < iova);
+        self.maps
+            .get(idx)
+            .is_some_and(|m| m.iova == iova && m.generation == generation)
+            .then_some(idx)
+    }
+
+    /// Takes the windows whose generations are in `which` out of the table.
+    fn extract(&mut self, which: &HashSet<u64>) -> Vec<Mapping> {
+        let mut out = Vec::with_capacity(which.len());
+        if which.is_empty() {
+            return out;
+        }
+        let mut kept = Vec::with_capacity(self.maps.len().saturating_sub(which.len()));
+        for m in std::mem::take(&mut self.maps) {
+            if which.contains(&m.generation) {
+                out.push(m);
+            } else {
+                kept.push(m);
+            }
+        }
+        self.maps = kept;
+        out
+    }
+}
+
+/// A window whose observer is being told, taken from the table under its lock.
+struct Told {
+    iova: u64,
+    size: u64,
+    prot: DmaProt,
+    generation: u64,
+    window: Option<Arc<FdWindow>>,
+}
+
+impl Told {
+    fn of(m: &Mapping) -> Self {
+        Told {
+            iova: m.iova,
+            size: m.size,
+            prot: m.prot,
+            generation: m.generation,
+            window: match &m.backing {
+                Backing::Fd(w) => Some(Arc::clone(w)),
+                Backing::Message => None,
+            },
+        }
+    }
+
+    fn file(&self) -> Option<(&File, u64)> {
+        self.window.as_ref().and_then(|w| w.file())
     }
 }
 
 /// The client's DMA windows, shared between the server (which maps and unmaps) and the device's
 /// engines (which access them).
 pub struct DmaSpace {
+    /// The windows; read-locked for one access, write-locked briefly to change the table
+    /// (never across an observer call or other blocking work).
     table: RwLock<Table>,
+    /// Counts pending and retiring windows that left that state (under the table's lock
+    /// or after it); an unmap waits on `settle_cv` for those in its range.
+    settled: Mutex<u64>,
+    settle_cv: Condvar,
     remote: RwLock<Option<Arc<dyn RemoteDma>>>,
     log: Mutex<LogState>,
     objects: Mutex<Objects>,
@@ -414,6 +347,8 @@ impl DmaSpace {
     pub fn new(max_maps: usize) -> Self {
         Self {
             table: RwLock::new(Table::default()),
+            settled: Mutex::new(0),
+            settle_cv: Condvar::new(),
             remote: RwLock::new(None),
             log: Mutex::new(LogState::default()),
             objects: Mutex::new(Objects::default()),
@@ -431,143 +366,6 @@ impl DmaSpace {
 
     fn write_table(&self) -> RwLockWriteGuard<'_, Table> {
         self.table.write().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Adds a window. With `backing = Some((file, offset))` the window is mmapped from that file;
-    /// without, it is message-only.
-    pub fn map(
-        &self,
-        iova: u64,
-        size: u64,
-        prot: DmaProt,
-        backing: Option<(File, u64)>,
-    ) -> Result<()> {
-        let end = iova.checked_add(size).filter(|_| size > 0);
-        let Some(end) = end else {
-            return Err(DmaError::BadWindow { iova, size });
-        };
-        // Build the mapping before taking the lock: mmap can be slow.
-        let backing = match backing {
-            None => Backing::Message,
-            Some((file, offset)) => {
-                Backing::Fd(Arc::new(self.map_file(iova, size, prot, file, offset)?))
-            }
-        };
-        // A window mapped during a logging session is logged from its first write.
-        let _log = self.log_state();
-        let logging = _log.page_size.is_some();
-        let mut table = self.write_table();
-        if table.maps.len() >= self.max_maps {
-            return Err(DmaError::TooManyMappings {
-                limit: self.max_maps,
-            });
-        }
-        let idx = table.maps.partition_point(|m| m.iova < iova);
-        let overlaps_prev = idx
-            .checked_sub(1)
-            .and_then(|i| table.maps.get(i))
-            .is_some_and(|prev| prev.end() > iova);
-        let overlaps_next = table.maps.get(idx).is_some_and(|next| next.iova < end);
-        if overlaps_prev || overlaps_next {
-            return Err(DmaError::Overlap { iova, size });
-        }
-        let observer = self.observer();
-        if let Some(o) = &observer {
-            let file = match &backing {
-                Backing::Fd(w) => w.file(),
-                Backing::Message => None,
-            };
-            o.mapping(iova, size, prot, file)
-                .map_err(|e| DmaError::Observer(Box::new(e)))?;
-        }
-        if let (true, Backing::Fd(w)) = (logging, &backing)
-            && let Err(e) = self.allocate_logs(std::iter::once(&**w))
-        {
-            if let Some(o) = &observer {
-                o.unmapped(iova, size);
-            }
-            return Err(e);
-        }
-        table.maps.insert(
-            idx,
-            Mapping {
-                iova,
-                size,
-                prot,
-                backing,
-            },
-        );
-        Ok(())
-    }
-
-    /// Removes every window that lies entirely inside `[iova, iova+size)` and returns how many
-    /// were removed. Like the kernel's type1 IOMMU (and unlike the spec text, which asks for an
-    /// exact match), a range may cover several windows, or none (QEMU with a vIOMMU
-    /// invalidates large ranges at once, including ranges it never mapped): that removes
-    /// nothing and succeeds. A window that straddles the range boundary is an error (nothing
-    /// is removed).
-    pub fn unmap(&self, iova: u64, size: u64) -> Result<usize> {
-        let removed: Vec<Mapping> = {
-            let mut table = self.write_table();
-            let (first, stop) = Self::covered(&table, iova, size)?;
-            table.maps.drain(first..stop).collect()
-        };
-        self.removed(&removed);
-        // The mmaps go away here, outside the lock.
-        Ok(removed.len())
-    }
-
-    /// Removes every window (client `DMA_UNMAP` with the ALL flag, or client disconnect).
-    pub fn unmap_all(&self) {
-        let removed = std::mem::take(&mut self.write_table().maps);
-        self.removed(&removed);
-        drop(removed);
-    }
-
-    /// Windows left the table: their logs' memory goes back to the budget, and the device's
-    /// observer learns they are gone.
-    fn removed(&self, removed: &[Mapping]) {
-        self.forget_logs(removed);
-        if let Some(o) = self.observer() {
-            for m in removed {
-                o.unmapped(m.iova, m.size);
-            }
-        }
-    }
-
-    /// Tells the installed observer about every window already in the table, as if each
-    /// were mapped now (a device that takes a slot whose tables were restored before it was
-    /// built: its IOMMU must see them all before it serves). A window the observer refuses
-    /// is removed from the table (the others stay); returned with the refusal.
-    pub fn replay_to_observer(&self) -> Vec<(u64, u64, DmaError)> {
-        let Some(o) = self.observer() else {
-            return Vec::new();
-        };
-        let mut refused = Vec::new();
-        let removed: Vec<Mapping> = {
-            let mut table = self.write_table();
-            let mut kept = Vec::with_capacity(table.maps.len());
-            let mut removed = Vec::new();
-            for m in std::mem::take(&mut table.maps) {
-                let file = match &m.backing {
-                    Backing::Fd(w) => w.file(),
-                    Backing::Message => None,
-                };
-                match o.mapping(m.iova, m.size, m.prot, file) {
-                    Ok(()) => kept.push(m),
-                    Err(e) => {
-                        refused.push((m.iova, m.size, DmaError::Observer(Box::new(e))));
-                        removed.push(m);
-                    }
-                }
-            }
-            table.maps = kept;
-            removed
-        };
-        // Not `removed()`: the observer never accepted these.
-        self.forget_logs(&removed);
-        drop(removed);
-        refused
     }
 
     /// Installs (or removes) the device's observer of maps and unmaps (see [`DmaObserver`]).
@@ -600,6 +398,7 @@ impl DmaSpace {
         self.read_table()
             .maps
             .iter()
+            .filter(|m| m.state == State::Live)
             .map(|m| MappingInfo {
                 iova: m.iova,
                 size: m.size,
@@ -627,7 +426,16 @@ impl DmaSpace {
             prot: m.prot,
             file: file.try_clone().ok()?,
             offset,
+            generation: m.generation,
         })
+    }
+
+    /// Whether the window of `generation` ([`WindowBacking::generation`]) still holds `iova`
+    /// and is mapped: `false` once it is being unmapped (its observer may be running).
+    pub fn window_is_current(&self, iova: u64, generation: u64) -> bool {
+        self.read_table()
+            .find(iova)
+            .is_some_and(|m| m.generation == generation)
     }
 
     /// Checks that `[iova, iova+len)` is fully mapped with the permission needed, without
