@@ -73,6 +73,12 @@ pub struct MoveReport {
     pub held_us: u64,
     /// The final copy, microseconds.
     pub final_copy_us: u64,
+    /// The device moved, but its new memory could not be put in custody under its name
+    /// (why): a replacement after a kill may not find it. The move stands (the worker's
+    /// data path is the truth). Absent from workers of earlier releases, and when custody
+    /// took it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub custody_error: Option<String>,
 }
 
 /// How a worker's last move stands ([`LastMove`]).
@@ -145,6 +151,28 @@ pub struct WorkerStats {
 }
 
 impl WorkerStats {
+    /// Adds `other` (a later report) into this one: one report of both periods.
+    pub fn add(&mut self, other: &WorkerStats) {
+        for (cmd, n) in &other.messages {
+            match self.messages.iter_mut().find(|(c, _)| c == cmd) {
+                Some((_, m)) => *m = m.saturating_add(*n),
+                None => self.messages.push((*cmd, *n)),
+            }
+        }
+        if self.latency_buckets.len() < other.latency_buckets.len() {
+            self.latency_buckets.resize(other.latency_buckets.len(), 0);
+        }
+        for (a, b) in self.latency_buckets.iter_mut().zip(&other.latency_buckets) {
+            *a = a.saturating_add(*b);
+        }
+        self.latency_sum_ns = self.latency_sum_ns.saturating_add(other.latency_sum_ns);
+        self.jobs = self.jobs.saturating_add(other.jobs);
+        self.bytes = self.bytes.saturating_add(other.bytes);
+        self.errors = self.errors.saturating_add(other.errors);
+        self.replayed = self.replayed.saturating_add(other.replayed);
+        self.interrupted = self.interrupted.saturating_add(other.interrupted);
+    }
+
     /// Whether nothing happened.
     pub fn is_empty(&self) -> bool {
         self.messages.is_empty()
@@ -325,6 +353,21 @@ pub enum Note {
         ///
         /// [`FaultInjection::fault_kinds`]: switchyard_device::FaultInjection::fault_kinds
         kind: String,
+    },
+    /// Asks the worker to say how far its custody notes go (supervisor → worker): answered
+    /// by [`Note::Synced`] behind every note the worker made before it (see
+    /// [`crate::keeper`]). A worker of an earlier release ignores it.
+    Sync {
+        /// Echoed in the answer.
+        token: u64,
+    },
+    /// The answer to [`Note::Sync`] (worker → supervisor): a supervisor that has read it
+    /// has applied every note the worker made before it.
+    Synced {
+        /// The request's.
+        token: u64,
+        /// This note's number in the worker's custody sequence.
+        seq: u64,
     },
     /// The answer to [`Note::Fault`] (worker → supervisor): `None` when injected.
     FaultInjected {

@@ -13,6 +13,35 @@
 //! and the channel change under one lock, so an adopting supervisor gets exactly the
 //! descriptors it must hold, and every later note.
 //!
+//! **Nothing here waits for the supervisor.** Notes are not sent by the thread that makes
+//! them (a client's connection thread putting a DMA_MAP's descriptor in custody, the
+//! migration hook under the device slot's lock): under the keeper's lock the ledger changes
+//! and the note (with the ledger's own descriptors, shared, never duplicated) joins a queue,
+//! in order; a sender thread (`sy-worker-notes`) drains the queue to the channel of the
+//! moment, and only it blocks when the supervisor is slow to read. The queue is bounded
+//! ([`QUEUE_BOUND`] notes); when it is full:
+//! - a hold of the client's descriptors ([`KeeperCustody`]) is refused (`WouldBlock`):
+//!   nothing is held and the message that carried them fails with `EAGAIN` (the client may
+//!   send it again; nothing irreversible happened);
+//! - a [`Note::Stats`] is added into one pending report (stats are deltas: the counts stay
+//!   right, they arrive later), and a [`Note::Migration`] replaces the pending one (the
+//!   latest state wins; the events of the states in between are lost): both join the queue
+//!   as soon as it has room;
+//! - everything else (releases, holds of the worker's own descriptors and memory objects,
+//!   ready, move outcomes, failures, sync answers) joins the queue past the bound: they are
+//!   few, made by the worker itself, and never dropped.
+//!
+//! At an adoption the queue is cleared: what it still had for the old channel is covered
+//! by the ledger snapshot the new supervisor gets (holds and releases are in the ledger
+//! already; the last move, readiness and a board failure are in [`Note::Adopted`] and
+//! after it), except stats, which are kept (added into the pending report). The snapshot
+//! then goes first on the new channel, through the same queue.
+//!
+//! **Sequence numbers.** Every note queued gets the next number of the worker's custody
+//! sequence. A supervisor asks [`Note::Sync`]; the answer ([`Note::Synced`], with its own
+//! number) is queued behind every note made before it, so a supervisor that has applied
+//! the answer has applied everything the worker noted up to that number.
+//!
 //! The keeper also remembers the worker's last move ([`LastMove`]): a supervisor that dies
 //! while its worker moves the device (a daemon killed during `ctl move`) never hears the
 //! outcome, so the worker tells the next one at adoption. An adoption that arrives while a
@@ -25,7 +54,7 @@
 //! Likewise a board failure the device reported ([`Note::BoardFailed`]) is told again to an
 //! adopting supervisor: the daemon it went to may have died before it recorded it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -33,7 +62,20 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use switchyard_server::continuity::Custody;
 
-use crate::custody::{self, ChannelError, LastMove, MAX_FDS, MoveState, Note, StartMode};
+use crate::custody::{
+    self, ChannelError, LastMove, MAX_FDS, MoveState, Note, StartMode, WorkerStats,
+};
+
+/// Most notes waiting for the sender thread before holds of the client's descriptors are
+/// refused and stats and migration notes are coalesced (see the [module](self) docs).
+pub const QUEUE_BOUND: usize = 1024;
+
+/// A note waiting for the sender thread, with the descriptors it attaches (shared with the
+/// ledger: a release before the send does not close them under it).
+struct Queued {
+    note: Note,
+    fds: Vec<Arc<OwnedFd>>,
+}
 
 /// How long an adoption connection may take to send its request.
 const ADOPT_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -53,9 +95,19 @@ struct Inner {
     channel: Option<Arc<OwnedFd>>,
     /// Bumped at every new channel.
     generation: u64,
-    ledger: BTreeMap<u64, OwnedFd>,
+    ledger: BTreeMap<u64, Arc<OwnedFd>>,
     /// Memory objects in custody, by name.
-    objects: BTreeMap<String, OwnedFd>,
+    objects: BTreeMap<String, Arc<OwnedFd>>,
+    /// Notes for the current channel, in order, for the sender thread.
+    queue: VecDeque<Queued>,
+    /// The number of the last note queued (the custody sequence).
+    seq: u64,
+    /// Stats that did not fit the queue, added up (see the [module](self) docs).
+    overflow_stats: Option<WorkerStats>,
+    /// The latest migration note that did not fit the queue.
+    overflow_migration: Option<Note>,
+    /// The keeper is gone: the sender thread ends once the queue is empty.
+    closed: bool,
     /// How a replacement must start (told to an adopting supervisor).
     replacement: Option<StartMode>,
     /// The last move and how it stands (told to an adopting supervisor).
@@ -67,11 +119,20 @@ struct Inner {
     board_failed: Option<Note>,
 }
 
+/// The keeper's state and its sender thread's.
+struct Shared {
+    /// The ledger, the channel, the queue (everything in [`Inner`]).
+    inner: Mutex<Inner>,
+    /// A new channel, a move's end.
+    changed: Condvar,
+    /// A note queued (for the sender thread).
+    queued: Condvar,
+}
+
 /// See the [module](self) documentation.
 pub struct Keeper {
     endpoint: String,
-    inner: Mutex<Inner>,
-    changed: Condvar,
+    shared: Arc<Shared>,
     /// How long an adoption waits for a running move ([`ADOPT_MOVE_WAIT`]).
     move_wait: std::time::Duration,
 }
@@ -95,25 +156,38 @@ impl Keeper {
     ) -> io::Result<Self> {
         let mut ledger = BTreeMap::new();
         for (id, fd) in handed {
-            ledger.insert(*id, fd.try_clone()?);
+            ledger.insert(*id, Arc::new(fd.try_clone()?));
         }
         let mut held_objects = BTreeMap::new();
         for (name, fd) in objects {
-            held_objects.insert(name.clone(), fd.try_clone()?);
+            held_objects.insert(name.clone(), Arc::new(fd.try_clone()?));
         }
-        Ok(Self {
-            endpoint: endpoint.to_owned(),
+        let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 channel: Some(Arc::new(channel)),
                 generation: 1,
                 ledger,
                 objects: held_objects,
+                queue: VecDeque::new(),
+                seq: 0,
+                overflow_stats: None,
+                overflow_migration: None,
+                closed: false,
                 replacement: None,
                 last_move: None,
                 restarts: 0,
                 board_failed: None,
             }),
             changed: Condvar::new(),
+            queued: Condvar::new(),
+        });
+        let sender = shared.clone();
+        std::thread::Builder::new()
+            .name("sy-worker-notes".into())
+            .spawn(move || send_notes(&sender))?;
+        Ok(Self {
+            endpoint: endpoint.to_owned(),
+            shared,
             move_wait: ADOPT_MOVE_WAIT,
         })
     }
@@ -126,34 +200,50 @@ impl Keeper {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.shared.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends `note` on the current channel; a broken channel is dropped (the supervisor is
-    /// gone) and the note with it.
-    fn send_locked(g: &mut Inner, note: &Note, fds: &[BorrowedFd<'_>]) {
-        let Some(ch) = &g.channel else { return };
-        match custody::send(&**ch, note, fds) {
-            Ok(()) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "the supervisor is gone; serving on without it");
-                g.channel = None;
-            }
+    /// Queues `note` (with `fds`) for the current channel, past the bound; nothing while no
+    /// supervisor is attached.
+    fn queue_locked(&self, g: &mut Inner, note: Note, fds: Vec<Arc<OwnedFd>>) {
+        if g.channel.is_none() {
+            return;
         }
+        refill(g);
+        g.seq += 1;
+        g.queue.push_back(Queued { note, fds });
+        self.shared.queued.notify_one();
     }
 
-    /// Puts `fds` into custody under `ids`.
+    /// Puts `fds` into custody under `ids` (the worker's own descriptors: never refused).
     pub fn hold(&self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        self.hold_bounded(ids, fds, false)
+    }
+
+    /// Puts the client's `fds` into custody under `ids`, unless the queue to the supervisor
+    /// is full: then nothing is held and the error is `WouldBlock` (see the
+    /// [module](self) docs).
+    pub fn try_hold(&self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        self.hold_bounded(ids, fds, true)
+    }
+
+    fn hold_bounded(&self, ids: &[u64], fds: &[BorrowedFd<'_>], bounded: bool) -> io::Result<()> {
         let mut copies = Vec::with_capacity(fds.len());
         for fd in fds {
-            copies.push(fd.try_clone_to_owned()?);
+            copies.push(Arc::new(fd.try_clone_to_owned()?));
         }
         let mut g = self.lock();
-        for (id, fd) in ids.iter().zip(copies) {
-            g.ledger.insert(*id, fd);
+        if bounded && g.channel.is_some() && g.queue.len() >= QUEUE_BOUND {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                "the queue of custody notes to the supervisor is full",
+            ));
         }
-        for (ids, fds) in ids.chunks(MAX_FDS).zip(fds.chunks(MAX_FDS)) {
-            Self::send_locked(&mut g, &Note::Hold { ids: ids.to_vec() }, fds);
+        for (id, fd) in ids.iter().zip(&copies) {
+            g.ledger.insert(*id, fd.clone());
+        }
+        for (ids, fds) in ids.chunks(MAX_FDS).zip(copies.chunks(MAX_FDS)) {
+            self.queue_locked(&mut g, Note::Hold { ids: ids.to_vec() }, fds.to_vec());
         }
         Ok(())
     }
@@ -165,7 +255,7 @@ impl Keeper {
             g.ledger.remove(id);
         }
         for ids in ids.chunks(4096) {
-            Self::send_locked(&mut g, &Note::Release { ids: ids.to_vec() }, &[]);
+            self.queue_locked(&mut g, Note::Release { ids: ids.to_vec() }, Vec::new());
         }
     }
 
@@ -174,16 +264,15 @@ impl Keeper {
     pub fn hold_objects(&self, objects: &[(String, std::fs::File)]) -> io::Result<()> {
         let mut copies = Vec::with_capacity(objects.len());
         for (_, f) in objects {
-            copies.push(OwnedFd::from(f.try_clone()?));
+            copies.push(Arc::new(OwnedFd::from(f.try_clone()?)));
         }
         let mut g = self.lock();
-        for ((name, _), fd) in objects.iter().zip(copies) {
-            g.objects.insert(name.clone(), fd);
+        for ((name, _), fd) in objects.iter().zip(&copies) {
+            g.objects.insert(name.clone(), fd.clone());
         }
-        for batch in objects.chunks(MAX_FDS) {
+        for (batch, fds) in objects.chunks(MAX_FDS).zip(copies.chunks(MAX_FDS)) {
             let names = batch.iter().map(|(n, _)| n.clone()).collect();
-            let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, f)| f.as_fd()).collect();
-            Self::send_locked(&mut g, &Note::HoldObjects { names }, &fds);
+            self.queue_locked(&mut g, Note::HoldObjects { names }, fds.to_vec());
         }
         Ok(())
     }
@@ -208,18 +297,19 @@ impl Keeper {
         for n in names {
             g.objects.remove(n);
         }
-        Self::send_locked(
+        self.queue_locked(
             &mut g,
-            &Note::ReleaseObjects {
+            Note::ReleaseObjects {
                 names: names.to_vec(),
             },
-            &[],
+            Vec::new(),
         );
     }
 
     /// Sends a note without descriptors (ready, move outcomes) to the current supervisor.
     /// A [`Note::Ready`] also records how a replacement must start, for an adopting
-    /// supervisor.
+    /// supervisor. Never waits: a [`Note::Stats`] or [`Note::Migration`] that does not fit
+    /// the queue is coalesced (see the [module](self) docs).
     pub fn notify(&self, note: &Note) {
         let mut g = self.lock();
         match note {
@@ -227,7 +317,40 @@ impl Keeper {
             Note::BoardFailed { .. } => g.board_failed = Some(note.clone()),
             _ => {}
         }
-        Self::send_locked(&mut g, note, &[]);
+        if g.channel.is_some() && g.queue.len() >= QUEUE_BOUND {
+            match note {
+                Note::Stats(stats) => {
+                    g.overflow_stats
+                        .get_or_insert_with(WorkerStats::default)
+                        .add(stats);
+                    return;
+                }
+                Note::Migration { .. } => {
+                    g.overflow_migration = Some(note.clone());
+                    return;
+                }
+                _ => {}
+            }
+        }
+        self.queue_locked(&mut g, note.clone(), Vec::new());
+    }
+
+    /// Answers a supervisor's [`Note::Sync`] `token`, asked on the channel of `generation`:
+    /// [`Note::Synced`], behind every note queued before it. Nothing when that channel is
+    /// no longer the current one (its supervisor is gone).
+    pub fn synced(&self, generation: u64, token: u64) {
+        let mut g = self.lock();
+        if g.generation != generation {
+            return;
+        }
+        let seq = g.seq + 1;
+        self.queue_locked(&mut g, Note::Synced { token, seq }, Vec::new());
+    }
+
+    /// The number of the last note queued (the custody sequence; see the [module](self)
+    /// docs).
+    pub fn seq(&self) -> u64 {
+        self.lock().seq
     }
 
     /// A move to `to` asked on the channel of `generation` begins ([`MoveState::Running`]).
@@ -267,9 +390,9 @@ impl Keeper {
         if let Some(m) = &mut g.last_move {
             m.state = state;
         }
-        Self::send_locked(&mut g, answer, &[]);
+        self.queue_locked(&mut g, answer.clone(), Vec::new());
         drop(g);
-        self.changed.notify_all();
+        self.shared.changed.notify_all();
     }
 
     /// The last move and how it stands.
@@ -285,7 +408,11 @@ impl Keeper {
             if let Some(ch) = &g.channel {
                 return (g.generation, ch.clone());
             }
-            g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
+            g = self
+                .shared
+                .changed
+                .wait(g)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -295,6 +422,7 @@ impl Keeper {
         if g.generation == generation && g.channel.is_some() {
             tracing::warn!("the supervisor is gone; serving on, waiting to be adopted");
             g.channel = None;
+            drop_queue(&mut g);
         }
     }
 
@@ -337,6 +465,7 @@ impl Keeper {
                 break;
             }
             g = self
+                .shared
                 .changed
                 .wait_timeout(g, left)
                 .unwrap_or_else(|p| p.into_inner())
@@ -345,39 +474,42 @@ impl Keeper {
         if attached(&g) {
             return refuse("this worker has a supervisor".into());
         }
-        let all: Vec<(u64, BorrowedFd<'_>)> =
-            g.ledger.iter().map(|(id, fd)| (*id, fd.as_fd())).collect();
-        for batch in all.chunks(MAX_FDS) {
-            let ids = batch.iter().map(|(id, _)| *id).collect();
-            let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
-            custody::send(&sock, &Note::Fds { ids }, &fds)?;
-        }
-        let objects: Vec<(&String, BorrowedFd<'_>)> =
-            g.objects.iter().map(|(n, fd)| (n, fd.as_fd())).collect();
-        for batch in objects.chunks(MAX_FDS) {
-            let names = batch.iter().map(|(n, _)| (*n).clone()).collect();
-            let fds: Vec<BorrowedFd<'_>> = batch.iter().map(|(_, fd)| *fd).collect();
-            custody::send(&sock, &Note::Objects { names }, &fds)?;
-        }
-        custody::send(
-            &sock,
-            &Note::Adopted {
-                pid: std::process::id(),
-                replacement: g.replacement,
-                last_move: g.last_move.clone(),
-                restarts: Some(g.restarts),
-            },
-            &[],
-        )?;
-        if let Some(failed) = &g.board_failed {
-            custody::send(&sock, failed, &[])?;
-        }
-        let held = g.ledger.len() + g.objects.len();
+        // What was queued for the old channel is covered by the snapshot, except stats
+        // (deltas: kept, to count right).
+        drop_queue(&mut g);
         g.channel = Some(Arc::new(sock));
         g.generation += 1;
+        let all: Vec<(u64, Arc<OwnedFd>)> =
+            g.ledger.iter().map(|(id, fd)| (*id, fd.clone())).collect();
+        for batch in all.chunks(MAX_FDS) {
+            let ids = batch.iter().map(|(id, _)| *id).collect();
+            let fds = batch.iter().map(|(_, fd)| fd.clone()).collect();
+            self.queue_locked(&mut g, Note::Fds { ids }, fds);
+        }
+        let objects: Vec<(String, Arc<OwnedFd>)> = g
+            .objects
+            .iter()
+            .map(|(n, fd)| (n.clone(), fd.clone()))
+            .collect();
+        for batch in objects.chunks(MAX_FDS) {
+            let names = batch.iter().map(|(n, _)| n.clone()).collect();
+            let fds = batch.iter().map(|(_, fd)| fd.clone()).collect();
+            self.queue_locked(&mut g, Note::Objects { names }, fds);
+        }
+        let adopted = Note::Adopted {
+            pid: std::process::id(),
+            replacement: g.replacement,
+            last_move: g.last_move.clone(),
+            restarts: Some(g.restarts),
+        };
+        self.queue_locked(&mut g, adopted, Vec::new());
+        if let Some(failed) = g.board_failed.clone() {
+            self.queue_locked(&mut g, failed, Vec::new());
+        }
+        let held = g.ledger.len() + g.objects.len();
         let last_move = g.last_move.clone();
         drop(g);
-        self.changed.notify_all();
+        self.shared.changed.notify_all();
         tracing::info!(held, ?last_move, "adopted by a new supervisor");
         Ok(())
     }
@@ -452,6 +584,85 @@ impl Keeper {
     }
 }
 
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        self.lock().closed = true;
+        self.shared.queued.notify_all();
+    }
+}
+
+/// Drops what is queued for a channel that is gone: covered by the ledger snapshot the next
+/// supervisor gets, except stats (deltas), which are kept for it.
+fn drop_queue(g: &mut Inner) {
+    for q in std::mem::take(&mut g.queue) {
+        if let Note::Stats(stats) = q.note {
+            g.overflow_stats
+                .get_or_insert_with(WorkerStats::default)
+                .add(&stats);
+        }
+    }
+}
+
+/// Moves coalesced notes into the queue when it has room.
+fn refill(g: &mut Inner) {
+    if g.queue.len() < QUEUE_BOUND
+        && let Some(note) = g.overflow_migration.take()
+    {
+        g.seq += 1;
+        g.queue.push_back(Queued {
+            note,
+            fds: Vec::new(),
+        });
+    }
+    if g.queue.len() < QUEUE_BOUND
+        && let Some(stats) = g.overflow_stats.take()
+    {
+        g.seq += 1;
+        g.queue.push_back(Queued {
+            note: Note::Stats(stats),
+            fds: Vec::new(),
+        });
+    }
+}
+
+/// The sender thread: sends the queued notes, in order, to the channel current when each
+/// leaves the queue (the queue is cleared when the channel changes); the only place a slow
+/// supervisor makes the worker wait. A failed send drops the channel (the supervisor is
+/// gone) if it is still the current one.
+fn send_notes(shared: &Shared) {
+    let lock = || shared.inner.lock().unwrap_or_else(|p| p.into_inner());
+    let mut g = lock();
+    loop {
+        let Some(q) = g.queue.pop_front() else {
+            if g.closed {
+                return;
+            }
+            if g.channel.is_some() && (g.overflow_stats.is_some() || g.overflow_migration.is_some())
+            {
+                refill(&mut g);
+                continue;
+            }
+            g = shared.queued.wait(g).unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        let (channel, generation) = (g.channel.clone(), g.generation);
+        drop(g);
+        if let Some(ch) = channel {
+            let fds: Vec<BorrowedFd<'_>> = q.fds.iter().map(|fd| fd.as_fd()).collect();
+            if let Err(e) = custody::send(&*ch, &q.note, &fds) {
+                let mut g = lock();
+                if g.generation == generation && g.channel.is_some() {
+                    tracing::warn!(error = %e, "the supervisor is gone; serving on without it");
+                    g.channel = None;
+                    drop_queue(&mut g);
+                }
+            }
+        }
+        drop(q);
+        g = lock();
+    }
+}
+
 /// Whether the peer of `channel` has closed its end (a supervisor that died).
 fn hung_up(channel: &OwnedFd) -> bool {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
@@ -473,8 +684,17 @@ fn hung_up(channel: &OwnedFd) -> bool {
 pub struct KeeperCustody(pub Arc<Keeper>);
 
 impl Custody for KeeperCustody {
+    /// The client's descriptors are refused (`WouldBlock`) when the queue to the
+    /// supervisor is full; the worker's own (the connection) never are.
     fn hold(&mut self, ids: &[u64], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-        self.0.hold(ids, fds)
+        if ids
+            .iter()
+            .all(|id| *id >= switchyard_server::continuity::FIRST_MESSAGE_ID)
+        {
+            self.0.try_hold(ids, fds)
+        } else {
+            self.0.hold(ids, fds)
+        }
     }
 
     fn release(&mut self, ids: &[u64]) -> io::Result<()> {
@@ -484,293 +704,4 @@ impl Custody for KeeperCustody {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn memfd() -> OwnedFd {
-        rustix::fs::memfd_create("keeper-test", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd")
-    }
-
-    fn ino(fd: &OwnedFd) -> u64 {
-        rustix::fs::fstat(fd).expect("fstat").st_ino
-    }
-
-    /// What a supervisor receives from an adoption on `ours`.
-    fn adopted_ledger(ours: &OwnedFd) -> (BTreeMap<u64, OwnedFd>, Note) {
-        let (held, _, note) = adopted(ours);
-        (held, note)
-    }
-
-    /// What a supervisor receives from an adoption on `ours`, memory objects included.
-    fn adopted(ours: &OwnedFd) -> (BTreeMap<u64, OwnedFd>, BTreeMap<String, OwnedFd>, Note) {
-        let mut held = BTreeMap::new();
-        let mut objects = BTreeMap::new();
-        let mut buf = Vec::new();
-        loop {
-            match custody::recv(ours, &mut buf).expect("recv") {
-                (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
-                (Note::Objects { names }, fds) => objects.extend(names.into_iter().zip(fds)),
-                (note, _) => return (held, objects, note),
-            }
-        }
-    }
-
-    #[test]
-    fn an_adopting_supervisor_gets_exactly_what_the_last_one_held() {
-        let (sup1, worker1) = custody::pair().expect("pair");
-        let (a, b, c) = (memfd(), memfd(), memfd());
-        let handed = BTreeMap::from([(1, a.try_clone().expect("dup"))]);
-        let (vram, next, bells) = (memfd(), memfd(), memfd());
-        let objects = BTreeMap::from([("k.vram".to_owned(), vram.try_clone().expect("dup"))]);
-        let keeper = Keeper::new("ep", worker1, &handed, &objects).expect("keeper");
-        keeper.set_restarts(3);
-        keeper
-            .hold(&[10, 11], &[b.as_fd(), c.as_fd()])
-            .expect("hold");
-        keeper.release(&[10]);
-        // Refused while the first supervisor is attached: no split custody.
-        let (sup2, worker2) = custody::pair().expect("pair");
-        keeper.adopt(worker2, "ep").expect("answered");
-        assert!(matches!(adopted_ledger(&sup2).1, Note::AdoptRefused { .. }));
-        // The first supervisor goes; while none is attached, changes stay in the ledger.
-        // (As the worker's request thread does when the channel reads closed. Not detected
-        // here by a failed send: a process another test forks meanwhile may hold a copy of
-        // `sup1` until it execs, keeping the channel open.)
-        drop(sup1);
-        keeper.lost(1);
-        assert!(!keeper.supervised());
-        let d = memfd();
-        keeper.hold(&[12], &[d.as_fd()]).expect("hold unsupervised");
-        keeper.release(&[11]);
-        let file = |fd: &OwnedFd| std::fs::File::from(fd.try_clone().expect("dup"));
-        keeper
-            .hold_objects(&[
-                ("k.vram@next".to_owned(), file(&next)),
-                ("k.bells".to_owned(), file(&bells)),
-            ])
-            .expect("hold objects unsupervised");
-        keeper.release_objects(&["k.vram@next".to_owned()]);
-        keeper.notify(&Note::Ready {
-            resumed: false,
-            replacement: Some(StartMode::Resume),
-        });
-        // Another endpoint's supervisor is refused.
-        let (sup3, worker3) = custody::pair().expect("pair");
-        keeper.adopt(worker3, "other").expect("answered");
-        assert!(matches!(adopted_ledger(&sup3).1, Note::AdoptRefused { .. }));
-        // The right one gets the ledger and becomes the channel.
-        let (sup4, worker4) = custody::pair().expect("pair");
-        keeper.adopt(worker4, "ep").expect("adopt");
-        let (held, objects, last) = adopted(&sup4);
-        assert_eq!(
-            last,
-            Note::Adopted {
-                pid: std::process::id(),
-                replacement: Some(StartMode::Resume),
-                last_move: None,
-                restarts: Some(3),
-            },
-            "the adopting supervisor learns how a replacement starts and the restarts so far"
-        );
-        let got: Vec<(u64, u64)> = held.iter().map(|(id, fd)| (*id, ino(fd))).collect();
-        assert_eq!(got, vec![(1, ino(&a)), (12, ino(&d))]);
-        let got: Vec<(&str, u64)> = objects
-            .iter()
-            .map(|(n, fd)| (n.as_str(), ino(fd)))
-            .collect();
-        assert_eq!(got, vec![("k.bells", ino(&bells)), ("k.vram", ino(&vram))]);
-        assert!(keeper.supervised());
-        keeper.release(&[12]);
-        let mut buf = Vec::new();
-        let (note, _) = custody::recv(&sup4, &mut buf).expect("the new channel carries notes");
-        assert_eq!(note, Note::Release { ids: vec![12] });
-    }
-
-    #[test]
-    fn a_silent_connection_does_not_hold_an_adoption_up() {
-        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = adoption_path(dir.path(), 1);
-        let (sup1, worker1) = custody::pair().expect("pair");
-        let keeper = Arc::new(
-            Keeper::new("ep", worker1, &BTreeMap::new(), &BTreeMap::new()).expect("keeper"),
-        );
-        keeper
-            .serve_adoptions(path.clone())
-            .expect("adoption socket");
-        drop(sup1);
-        keeper.lost(1);
-        let connect = || {
-            let s = rustix::net::socket_with(
-                AddressFamily::UNIX,
-                SocketType::SEQPACKET,
-                SocketFlags::CLOEXEC,
-                None,
-            )
-            .expect("socket");
-            rustix::net::connect(&s, &SocketAddrUnix::new(&path).expect("addr")).expect("connect");
-            s
-        };
-        let _silent = connect();
-        let adopter = connect();
-        let t0 = std::time::Instant::now();
-        custody::send(
-            &adopter,
-            &Note::Adopt {
-                endpoint: "ep".into(),
-            },
-            &[],
-        )
-        .expect("send");
-        let (_, last) = adopted_ledger(&adopter);
-        assert!(matches!(last, Note::Adopted { .. }), "{last:?}");
-        assert!(
-            t0.elapsed() < ADOPT_REQUEST_TIMEOUT * 2,
-            "{:?}",
-            t0.elapsed()
-        );
-        // The adopted channel has no timeout: a read on it (the worker's request thread)
-        // waits for a quiet supervisor as long as it takes.
-        let (_, channel) = keeper.channel();
-        let reader = std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            custody::recv(&*channel, &mut buf).map(|(note, _)| note)
-        });
-        std::thread::sleep(ADOPT_REQUEST_TIMEOUT + std::time::Duration::from_millis(500));
-        let mv = Note::Move {
-            to: "b".into(),
-            detached: false,
-            target: None,
-        };
-        custody::send(&adopter, &mv, &[]).expect("send");
-        let got = reader.join().expect("reader");
-        assert_eq!(got.ok(), Some(mv));
-    }
-
-    /// A keeper whose first supervisor (`sup1`, returned) asked for a move to `to`, begun.
-    fn moving(to: &str, wait: std::time::Duration) -> (Arc<Keeper>, OwnedFd) {
-        let (sup1, worker1) = custody::pair().expect("pair");
-        let keeper = Arc::new(
-            Keeper::new("ep", worker1, &BTreeMap::new(), &BTreeMap::new())
-                .expect("keeper")
-                .with_move_wait(wait),
-        );
-        let (generation, _) = keeper.channel();
-        assert!(keeper.begin_move(generation, to));
-        (keeper, sup1)
-    }
-
-    fn moved(downtime_us: u64) -> Note {
-        Note::Moved {
-            report: crate::custody::MoveReport {
-                downtime_us,
-                ..Default::default()
-            },
-        }
-    }
-
-    #[test]
-    fn an_adoption_during_a_move_waits_for_it_and_says_how_it_ended() {
-        let (keeper, sup1) = moving("gpu1", std::time::Duration::from_secs(30));
-        // The supervisor that asked dies; the worker's request thread, busy moving, has not
-        // read the close: the hung-up channel does not refuse the adoption.
-        drop(sup1);
-        assert!(keeper.supervised());
-        // (A process another test forks meanwhile may hold a copy of `sup1` until it execs.)
-        let (_, old) = keeper.channel();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !hung_up(&old) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the channel does not read hung up"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        let (sup2, worker2) = custody::pair().expect("pair");
-        let adopting = {
-            let keeper = keeper.clone();
-            std::thread::spawn(move || keeper.adopt(worker2, "ep"))
-        };
-        std::thread::sleep(std::time::Duration::from_millis(200));
-        assert!(!adopting.is_finished(), "the adoption waits for the move");
-        keeper.end_move(&moved(42));
-        adopting.join().expect("adopting").expect("adopted");
-        let (_, last) = adopted_ledger(&sup2);
-        let Note::Adopted { last_move, .. } = last else {
-            panic!("{last:?}")
-        };
-        let last_move = last_move.expect("the last move");
-        assert!(last_move.moved_to("gpu1"), "{last_move:?}");
-        assert_eq!(
-            last_move.state,
-            MoveState::Moved {
-                report: Some(crate::custody::MoveReport {
-                    downtime_us: 42,
-                    ..Default::default()
-                })
-            }
-        );
-        // The outcome is told once: no answer follows on the new channel.
-        keeper.release(&[9]);
-        let (note, _) = custody::recv(&sup2, &mut Vec::new()).expect("recv");
-        assert_eq!(note, Note::Release { ids: vec![9] });
-    }
-
-    #[test]
-    fn past_the_move_wait_the_adoption_says_the_move_runs_and_its_outcome_follows() {
-        let (keeper, sup1) = moving("gpu1", std::time::Duration::from_millis(100));
-        drop(sup1);
-        keeper.lost(1);
-        let (sup2, worker2) = custody::pair().expect("pair");
-        keeper.adopt(worker2, "ep").expect("adopted");
-        let (_, last) = adopted_ledger(&sup2);
-        let Note::Adopted { last_move, .. } = last else {
-            panic!("{last:?}")
-        };
-        assert_eq!(
-            last_move.map(|m| m.state),
-            Some(MoveState::Running),
-            "handed over with the move running"
-        );
-        let failed = Note::MoveFailed {
-            error: "no room".into(),
-        };
-        keeper.end_move(&failed);
-        let (note, _) = custody::recv(&sup2, &mut Vec::new()).expect("recv");
-        assert_eq!(note, failed, "the outcome follows on the new channel");
-    }
-
-    #[test]
-    fn a_move_asked_by_a_supervisor_gone_before_it_began_does_not_run() {
-        let (sup1, worker1) = custody::pair().expect("pair");
-        let keeper =
-            Keeper::new("ep", worker1, &BTreeMap::new(), &BTreeMap::new()).expect("keeper");
-        let (old, _) = keeper.channel();
-        // The request thread read a Move from the first channel, but a new supervisor
-        // adopted the worker before the move began: it would never hear of it.
-        drop(sup1);
-        keeper.lost(old);
-        let (sup2, worker2) = custody::pair().expect("pair");
-        keeper.adopt(worker2, "ep").expect("adopted");
-        assert!(matches!(adopted_ledger(&sup2).1, Note::Adopted { .. }));
-        assert!(!keeper.begin_move(old, "gpu1"));
-        assert_eq!(keeper.last_move(), None);
-        let (current, _) = keeper.channel();
-        assert!(keeper.begin_move(current, "gpu1"));
-    }
-
-    #[test]
-    fn an_adopted_note_of_an_earlier_release_has_no_last_move() {
-        let note: Note =
-            serde_json::from_str(r#"{"adopted":{"pid":7,"replacement":"resume"}}"#).expect("note");
-        assert_eq!(
-            note,
-            Note::Adopted {
-                pid: 7,
-                replacement: Some(StartMode::Resume),
-                last_move: None,
-                restarts: None,
-            }
-        );
-    }
-}
+mod tests;

@@ -377,6 +377,7 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                         keeper.end_move(&answer);
                     }
                     Note::Fault { kind } => inject_fault(&slot, &keeper, &kind),
+                    Note::Sync { token } => keeper.synced(generation, token),
                     other => tracing::warn!(?other, "unexpected custody note; ignored"),
                 }
             }
@@ -564,12 +565,34 @@ fn relocate(
             .map_err(MoveError::Custody)?;
         Ok(())
     });
-    if result.is_ok() {
-        keeper.hold_objects(&targets).map_err(MoveError::Custody)?;
-    }
+    // The data path's outcome is the truth: a device that runs on the target has moved,
+    // whatever custody says; a custody failure now is a warning in the report (a
+    // replacement would find the target under its pending name, or the old memory under
+    // the name: see `hold_objects`). The pending names go in every case.
+    let result = result.map(|mut report| {
+        if let Err(e) = hold_after_swap(keeper, &targets) {
+            let error = crate::error_chain::error_chain(&e);
+            tracing::error!(%error, "the device moved but its new memory is not in custody under its name");
+            report.custody_error = Some(error);
+        }
+        report
+    });
     keeper.release_objects(&pending);
     drop(moving);
     result
+}
+
+/// Puts the memory a moved device runs on into custody under its names. A test build
+/// fails it when `SWITCHYARD_TEST_FAIL_CUSTODY_AFTER_SWAP` is set (the lease must follow
+/// the device all the same).
+fn hold_after_swap(keeper: &Keeper, targets: &[(String, std::fs::File)]) -> Result<(), MoveError> {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("SWITCHYARD_TEST_FAIL_CUSTODY_AFTER_SWAP").is_some() {
+        return Err(MoveError::Custody(std::io::Error::other(
+            "custody failure injected (SWITCHYARD_TEST_FAIL_CUSTODY_AFTER_SWAP)",
+        )));
+    }
+    keeper.hold_objects(targets).map_err(MoveError::Custody)
 }
 
 /// Moves the device in `slot` onto new memory under its client (see [`move_in_slot`]),
@@ -655,5 +678,6 @@ pub fn move_in_slot(
         downtime_us: us(downtime),
         held_us: us(swapped.held),
         final_copy_us: us(stats.final_copy),
+        custody_error: None,
     })
 }

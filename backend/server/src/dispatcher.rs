@@ -37,7 +37,7 @@ use switchyard_proto::{
 use crate::client_dma::{ClientDma, Routed};
 use crate::continuity::Continuity;
 use crate::error::{RequestError, invalid};
-use crate::framer::{MAX_FDS_PER_READ, Message};
+use crate::framer::{FdRefusal, Message};
 use crate::{DeviceSlot, Slot};
 
 /// Where the [`ClientDma`] of a client comes from: created when the client has negotiated its
@@ -295,14 +295,20 @@ impl Dispatcher {
         if msg.fds_truncated {
             // Never reinterpret a message whose descriptors were dropped (a DMA_MAP would become
             // message-based, a SET_IRQS would de-assign vectors).
-            let errno = if msg.fds.len() >= MAX_FDS_PER_READ {
-                libc::E2BIG
-            } else {
-                libc::EMFILE
-            };
+            let refusal = msg.fds_refused.unwrap_or(FdRefusal::Truncated);
             return Err(RequestError::Invalid {
-                what: "the kernel dropped descriptors sent with the message (open-file limit, or too many)",
-                errno,
+                what: match refusal {
+                    FdRefusal::Truncated => {
+                        "the kernel dropped descriptors sent with the message (open-file limit, or too many)"
+                    }
+                    FdRefusal::Kind => {
+                        "the message carried a descriptor of a kind it cannot carry (socket, pipe, device, directory, or memory where an eventfd goes)"
+                    }
+                    FdRefusal::Busy => {
+                        "custody cannot take the message's descriptors now (the supervisor is behind); try again"
+                    }
+                },
+                errno: refusal.errno(msg.fds.len()),
             });
         }
         let req = switchyard_proto::decode_request_with(&h, msg.body, msg.fds.len(), &self.limits)?;

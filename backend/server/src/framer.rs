@@ -48,6 +48,54 @@ pub struct Message<'a> {
     /// at its open-file limit, or the client sent more than [`MAX_FDS_PER_READ`]). `fds` is
     /// then incomplete and the message must be refused, never reinterpreted.
     pub fds_truncated: bool,
+    /// Why the message's descriptors were not taken, if they were not: `fds_truncated` is
+    /// then set too, and the message must be refused with [`FdRefusal::errno`].
+    pub fds_refused: Option<FdRefusal>,
+}
+
+/// Why the descriptors of a read were not taken; the message they came with is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FdRefusal {
+    /// The kernel dropped some (`MSG_CTRUNC`), or the client's custody budget is spent:
+    /// `EMFILE` (`E2BIG` when the read was full).
+    Truncated,
+    /// A descriptor of a kind the message cannot carry ([`crate::fd_kind`]): `EINVAL`.
+    Kind,
+    /// Custody cannot take them now (the queue to the supervisor is full): `EAGAIN`, the
+    /// client may send the message again.
+    Busy,
+}
+
+impl FdRefusal {
+    /// The errno the message is refused with; `fds`: descriptors the message got.
+    pub fn errno(self, fds: usize) -> i32 {
+        match self {
+            FdRefusal::Truncated if fds >= MAX_FDS_PER_READ => libc::E2BIG,
+            FdRefusal::Truncated => libc::EMFILE,
+            FdRefusal::Kind => libc::EINVAL,
+            FdRefusal::Busy => libc::EAGAIN,
+        }
+    }
+
+    /// Its code in the receive journal (0 is none: a journal of an earlier release wrote
+    /// 0 or 1, and 1 is still [`FdRefusal::Truncated`]).
+    fn code(r: Option<FdRefusal>) -> u8 {
+        match r {
+            None => 0,
+            Some(FdRefusal::Truncated) => 1,
+            Some(FdRefusal::Kind) => 2,
+            Some(FdRefusal::Busy) => 3,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<FdRefusal> {
+        match c {
+            0 => None,
+            2 => Some(FdRefusal::Kind),
+            3 => Some(FdRefusal::Busy),
+            _ => Some(FdRefusal::Truncated),
+        }
+    }
 }
 
 /// Version of the [`Framer::journal`] encoding.
@@ -103,7 +151,7 @@ pub struct Framer {
     /// (recorded in the journal; see `Connection::recv_journaled`).
     unconsumed: u32,
     /// The last read that carried descriptors lost some (`MSG_CTRUNC`).
-    pending_trunc: bool,
+    pending_trunc: Option<FdRefusal>,
     fds_from: usize,
     fds_to: usize,
     max_msg_size: u32,
@@ -113,7 +161,7 @@ pub struct Framer {
 struct InFlight {
     start: usize,
     ids: Vec<u64>,
-    truncated: bool,
+    truncated: Option<FdRefusal>,
 }
 
 impl Framer {
@@ -128,7 +176,7 @@ impl Framer {
             dropped_ids: Vec::new(),
             in_flight: None,
             unconsumed: 0,
-            pending_trunc: false,
+            pending_trunc: None,
             fds_from: 0,
             fds_to: 0,
             max_msg_size,
@@ -159,6 +207,19 @@ impl Framer {
         ids: &[u64],
         truncated: bool,
     ) {
+        self.filled_refused(n, fds, ids, truncated.then_some(FdRefusal::Truncated));
+    }
+
+    /// [`Framer::filled_with_ids`] with the reason the read's descriptors were not all
+    /// taken, if they were not (the message they belong to is refused; `fds` and `ids` are
+    /// then what was taken, usually none).
+    pub fn filled_refused(
+        &mut self,
+        n: usize,
+        fds: impl IntoIterator<Item = OwnedFd>,
+        ids: &[u64],
+        refused: Option<FdRefusal>,
+    ) {
         let read_from = self.end;
         let mut got_fds = false;
         for fd in fds {
@@ -176,13 +237,13 @@ impl Framer {
             self.pending_fds.push(fd);
         }
         self.pending_ids.extend_from_slice(ids);
-        if truncated {
+        if refused.is_some() {
             // Whatever arrived is incomplete: the message it belongs to is refused.
             if !got_fds {
                 self.pending_fds.clear();
                 self.drop_pending_ids();
             }
-            self.pending_trunc = true;
+            self.pending_trunc = refused;
             got_fds = true;
         }
         if got_fds {
@@ -190,6 +251,27 @@ impl Framer {
             self.fds_to = read_from + n;
         }
         self.end = (self.end + n).min(self.buf.len());
+    }
+
+    /// The command of the message that will claim the descriptors of a read of `n` bytes,
+    /// now in [`Framer::buffer_mut`] and not yet [`Framer::filled`]: the last message that
+    /// starts within the read. `None` when that is not known yet (the read ends before a
+    /// whole header, or a header is invalid).
+    pub fn claimant(&self, n: usize) -> Option<u16> {
+        let (from, to) = (self.end, (self.end + n).min(self.buf.len()));
+        let mut at = self.start;
+        let mut cmd = None;
+        while at < to {
+            if at + HEADER_SIZE > to {
+                return None;
+            }
+            let h = Header::from_bytes(self.buf.get(at..at + HEADER_SIZE)?).ok()?;
+            if at >= from {
+                cmd = Some(h.cmd);
+            }
+            at += HEADER_SIZE + h.body_len_within(self.max_msg_size).ok()?;
+        }
+        cmd
     }
 
     /// Bytes of a message not complete yet (zero: the stream is between messages).
@@ -234,11 +316,11 @@ impl Framer {
         let msg_start = self.start;
         let msg_end = msg_start + HEADER_SIZE + body_len;
         self.start = msg_end;
-        let (fds, fd_ids, fds_truncated) = self.take_fds(msg_start, msg_end);
+        let (fds, fd_ids, fds_refused) = self.take_fds(msg_start, msg_end);
         self.in_flight = Some(InFlight {
             start: msg_start,
             ids: fd_ids.clone(),
-            truncated: fds_truncated,
+            truncated: fds_refused,
         });
         let body = self
             .buf
@@ -249,7 +331,8 @@ impl Framer {
             body,
             fds,
             fd_ids,
-            fds_truncated,
+            fds_truncated: fds_refused.is_some(),
+            fds_refused,
         }))
     }
 
@@ -267,27 +350,27 @@ impl Framer {
     pub fn journal(&self, out: &mut Vec<u8>) {
         out.clear();
         let rest_from = self.start;
-        let (inflight, ids, trunc): (&[u8], &[u64], bool) = match &self.in_flight {
+        let (inflight, ids, trunc): (&[u8], &[u64], Option<FdRefusal>) = match &self.in_flight {
             Some(f) => (
                 self.buf.get(f.start..self.start).unwrap_or(&[]),
                 &f.ids,
                 f.truncated,
             ),
-            None => (&[], &[], false),
+            None => (&[], &[], None),
         };
         let rest = self.buf.get(rest_from..self.end).unwrap_or(&[]);
         let rel = |x: usize| x.saturating_sub(rest_from).min(rest.len()) as u32;
         out.extend_from_slice(&JOURNAL_VERSION.to_le_bytes());
         out.extend_from_slice(&self.unconsumed.to_le_bytes());
         out.extend_from_slice(&(inflight.len() as u32).to_le_bytes());
-        out.push(u8::from(trunc));
+        out.push(FdRefusal::code(trunc));
         out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
         ids.iter()
             .for_each(|i| out.extend_from_slice(&i.to_le_bytes()));
         out.extend_from_slice(&(rest.len() as u32).to_le_bytes());
         out.extend_from_slice(&rel(self.fds_from).to_le_bytes());
         out.extend_from_slice(&rel(self.fds_to).to_le_bytes());
-        out.push(u8::from(self.pending_trunc));
+        out.push(FdRefusal::code(self.pending_trunc));
         out.extend_from_slice(&(self.pending_ids.len() as u32).to_le_bytes());
         self.pending_ids
             .iter()
@@ -312,12 +395,12 @@ impl Framer {
         }
         let unconsumed = r.u32().ok_or_else(bad)?;
         let inflight_len = r.u32().ok_or_else(bad)? as usize;
-        let inflight_trunc = r.u8().ok_or_else(bad)? != 0;
+        let inflight_trunc = FdRefusal::from_code(r.u8().ok_or_else(bad)?);
         let inflight_ids = r.ids().ok_or_else(bad)?;
         let rest_len = r.u32().ok_or_else(bad)? as usize;
         let fds_from = r.u32().ok_or_else(bad)? as usize;
         let fds_to = r.u32().ok_or_else(bad)? as usize;
-        let pending_trunc = r.u8().ok_or_else(bad)? != 0;
+        let pending_trunc = FdRefusal::from_code(r.u8().ok_or_else(bad)?);
         let pending_ids = r.ids().ok_or_else(bad)?;
         let inflight = r.take(inflight_len).ok_or_else(bad)?;
         let rest = r.take(rest_len).ok_or_else(bad)?;
@@ -329,7 +412,7 @@ impl Framer {
             return Err(bad());
         }
         let mut f = Framer::new(max_msg_size);
-        let mut feed = |f: &mut Framer, bytes: &[u8], ids: &[u64], trunc: bool| {
+        let mut feed = |f: &mut Framer, bytes: &[u8], ids: &[u64], trunc: Option<FdRefusal>| {
             let mut fds = Vec::with_capacity(ids.len());
             let mut lost = false;
             for &id in ids {
@@ -341,7 +424,7 @@ impl Framer {
             let room = f.buffer_mut();
             let n = bytes.len().min(room.len());
             room[..n].copy_from_slice(&bytes[..n]);
-            f.filled_with_ids(n, fds, ids, trunc || lost);
+            f.filled_refused(n, fds, ids, trunc.or(lost.then_some(FdRefusal::Truncated)));
         };
         if !inflight.is_empty() {
             feed(&mut f, inflight, &inflight_ids, inflight_trunc);
@@ -349,13 +432,13 @@ impl Framer {
         let (before, with_fds, after) =
             (&rest[..fds_from], &rest[fds_from..fds_to], &rest[fds_to..]);
         if !before.is_empty() {
-            feed(&mut f, before, &[], false);
+            feed(&mut f, before, &[], None);
         }
-        if !with_fds.is_empty() || !pending_ids.is_empty() || pending_trunc {
+        if !with_fds.is_empty() || !pending_ids.is_empty() || pending_trunc.is_some() {
             feed(&mut f, with_fds, &pending_ids, pending_trunc);
         }
         if !after.is_empty() {
-            feed(&mut f, after, &[], false);
+            feed(&mut f, after, &[], None);
         }
         f.unconsumed = unconsumed;
         Ok(f)
@@ -418,9 +501,13 @@ impl Framer {
 
     /// Descriptors belong to the last message that starts inside the read that carried them
     /// (and so does the news that some were truncated).
-    fn take_fds(&mut self, msg_start: usize, msg_end: usize) -> (Vec<OwnedFd>, Vec<u64>, bool) {
-        if self.pending_fds.is_empty() && !self.pending_trunc {
-            return (Vec::new(), Vec::new(), false);
+    fn take_fds(
+        &mut self,
+        msg_start: usize,
+        msg_end: usize,
+    ) -> (Vec<OwnedFd>, Vec<u64>, Option<FdRefusal>) {
+        if self.pending_fds.is_empty() && self.pending_trunc.is_none() {
+            return (Vec::new(), Vec::new(), None);
         }
         let starts_in_read = msg_start >= self.fds_from && msg_start < self.fds_to;
         let last_in_read = msg_end >= self.fds_to;
@@ -441,9 +528,9 @@ impl Framer {
             );
             self.pending_fds.clear();
             self.drop_pending_ids();
-            self.pending_trunc = false;
+            self.pending_trunc = None;
         }
-        (Vec::new(), Vec::new(), false)
+        (Vec::new(), Vec::new(), None)
     }
 
     fn drop_pending_ids(&mut self) {

@@ -20,6 +20,7 @@ pub mod continuity;
 mod dispatch;
 mod dispatcher;
 mod error;
+pub mod fd_kind;
 mod framer;
 mod listener;
 mod migration;

@@ -23,7 +23,7 @@
 
 pub(crate) mod connection;
 
-pub use crate::framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
+pub use crate::framer::{FdRefusal, Framer, MAX_FDS_PER_READ, Message, TransportError};
 pub use connection::Connection;
 
 #[cfg(test)]

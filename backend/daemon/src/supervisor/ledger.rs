@@ -2,8 +2,10 @@
 //! readiness, stats, moves), kept in the endpoint's held descriptors and status.
 
 use std::collections::BTreeMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
+
 use std::time::{Duration, Instant};
+use switchyard_server::fd_kind::FdKind;
 
 use crate::custody::{self, CONNECTION_ID, LISTENER_ID, MoveState, Note, legacy_object};
 
@@ -39,6 +41,21 @@ pub(super) fn serve_notes(
             Ok((Note::Hold { ids }, fds)) => {
                 let mut pairs: Vec<(u64, OwnedFd)> = Vec::with_capacity(ids.len());
                 for (id, fd) in ids.into_iter().zip(fds) {
+                    if let Err(what) = admissible(id, &fd) {
+                        // A (compromised) worker's hold of what no client may send: never
+                        // held, and closed without blocking this thread.
+                        switchyard_server::fd_kind::dispose(fd);
+                        ep.status().refused_fds += 1;
+                        if over_budget.allow() {
+                            tracing::error!(
+                                pid,
+                                id,
+                                what,
+                                "the worker put a descriptor of a kind no client may send in custody; refused"
+                            );
+                        }
+                        continue;
+                    }
                     // A worker of an earlier release holds its memory objects by id.
                     match legacy_object(id) {
                         Some(name) => {
@@ -134,6 +151,11 @@ pub(super) fn serve_notes(
             Ok((Note::HoldObjects { names }, fds)) => {
                 let mut refused = 0u64;
                 for (name, fd) in names.into_iter().zip(fds) {
+                    if switchyard_server::fd_kind::fd_kind(fd.as_fd()) != FdKind::Memory {
+                        switchyard_server::fd_kind::dispose(fd);
+                        refused += 1;
+                        continue;
+                    }
                     if !hold_object(ep, name, fd) {
                         refused += 1;
                     }
@@ -236,6 +258,14 @@ pub(super) fn serve_notes(
                     state_intact,
                 });
             }
+            Ok((Note::Synced { token, seq }, _)) => {
+                // Every note the worker made before this one has been applied above.
+                let mut st = ep.status();
+                st.custody_seq = seq;
+                st.custody_synced = st.custody_synced.max(token);
+                drop(st);
+                ep.changed.notify_all();
+            }
             Ok((Note::FaultInjected { error }, _)) => {
                 // The answer to `Supervisor::inject_fault`.
                 *ep.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
@@ -296,6 +326,32 @@ fn adopted_move_replaced(ep: &Endpoint, sink: &EventSink) {
         }
     };
     adopted_move_ended(ep, sink, state);
+}
+
+/// Whether custody may hold `fd` under `id` (defence in depth: the worker checked the
+/// client's descriptors already, see `switchyard_server::fd_kind`): the client's are memory
+/// or eventfds; the worker's own are the listening socket, the connection (both UNIX
+/// sockets, whose close never blocks) and the black box (memory). A legacy memory object's
+/// id holds memory.
+fn admissible(id: u64, fd: &OwnedFd) -> Result<(), String> {
+    use switchyard_server::continuity::{BLACK_BOX_ID, FIRST_MESSAGE_ID};
+    let kind = switchyard_server::fd_kind::fd_kind(fd.as_fd());
+    let unix_socket = || {
+        rustix::net::getsockname(fd)
+            .is_ok_and(|a| a.address_family() == rustix::net::AddressFamily::UNIX)
+    };
+    let ok = match id {
+        LISTENER_ID | CONNECTION_ID => unix_socket(),
+        BLACK_BOX_ID => kind == FdKind::Memory,
+        id if legacy_object(id).is_some() => kind == FdKind::Memory,
+        id if id >= FIRST_MESSAGE_ID => matches!(kind, FdKind::Memory | FdKind::EventFd),
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{kind:?} under custody id {id}"))
+    }
 }
 
 /// Holds `fd` as the memory object `name`. A pending object (a relocation's target,

@@ -10,6 +10,7 @@ mod failover;
 mod launch;
 mod ledger;
 mod plan;
+mod sync;
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
@@ -86,6 +87,14 @@ pub enum SupervisorError {
         /// The worker's error, or what happened to the worker.
         reason: String,
     },
+    /// The worker did not say how far its custody notes go ([`Supervisor::sync`]).
+    #[error("Endpoint `{endpoint}`: custody not synced: {reason}")]
+    SyncFailed {
+        /// Endpoint.
+        endpoint: String,
+        /// What happened.
+        reason: String,
+    },
     /// The worker refused or failed the move; the device runs where it was.
     #[error("Endpoint `{endpoint}` was not moved: {reason}")]
     MoveFailed {
@@ -160,6 +169,11 @@ pub struct WorkerStatus {
     /// failovers): set when the worker starts, so that what a worker reports is about the
     /// device it ran, even when the report is read after a failover chose another.
     pub lease: Option<String>,
+    /// The worker's custody sequence number this supervisor has applied everything up to
+    /// (as of the last [`Supervisor::sync`]; 0 before one).
+    pub custody_seq: u64,
+    /// The last [`Supervisor::sync`] request answered (its token).
+    pub custody_synced: u64,
 }
 
 #[derive(Debug, Default)]

@@ -7,6 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use super::ids::{CONNECTION_ID, FIRST_MESSAGE_ID};
 use super::{Continuity, FileId, Inner};
+use crate::framer::FdRefusal;
 
 impl Continuity {
     /// A client connected: its connection goes into custody.
@@ -57,10 +58,11 @@ impl Continuity {
     }
 
     /// Puts descriptors that just arrived into custody; returns their ids (a file already in
-    /// custody keeps its id: see [`Inner::files`]), or `None` when the new ones would take the
-    /// client past its budget: then nothing is held (the caller closes them and the message
-    /// they came with is refused).
-    pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Option<Vec<u64>> {
+    /// custody keeps its id: see [`Inner::files`]). Refused, nothing held (the caller closes
+    /// them and the message they came with is refused): [`FdRefusal::Truncated`] when the new
+    /// ones would take the client past its budget, [`FdRefusal::Busy`] when custody cannot
+    /// take them now (its queue to the supervisor is full: `WouldBlock`).
+    pub(crate) fn hold(&self, fds: &[OwnedFd]) -> Result<Vec<u64>, FdRefusal> {
         let mut g = self.lock();
         // Which descriptors are new to custody, and the id of each.
         let mut ids = Vec::with_capacity(fds.len());
@@ -97,33 +99,42 @@ impl Continuity {
                     "the client's descriptors would pass its custody budget; the message is refused (EMFILE)"
                 );
             }
-            return None;
+            return Err(FdRefusal::Truncated);
+        }
+        if !fresh.is_empty() {
+            g.next_id = next;
+            // The next id survives a restart, so that a replacement never reuses an id a
+            // message in the journal carries.
+            g.publish_log_head();
+            let new_ids: Vec<u64> = fresh.iter().map(|(id, _, _)| *id).collect();
+            let borrowed: Vec<BorrowedFd<'_>> = fresh.iter().map(|(_, fd, _)| *fd).collect();
+            match g.custody.hold(&new_ids, &borrowed) {
+                Ok(()) => {
+                    for (id, _, file) in &fresh {
+                        g.outstanding.insert(*id);
+                        if let Some(file) = file {
+                            g.files.insert(*file, *id);
+                            g.file_of.insert(*id, *file);
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // Nothing was held (the ids are skipped, never reused).
+                    if g.refused.allow() {
+                        tracing::warn!(
+                            arriving = fresh.len(),
+                            "custody is behind (its queue to the supervisor is full); the message is refused (EAGAIN)"
+                        );
+                    }
+                    return Err(FdRefusal::Busy);
+                }
+                Err(e) => g.degraded("cannot hand descriptors to the supervisor", &e),
+            }
         }
         for id in &ids {
             *g.pending.entry(*id).or_default() += 1;
         }
-        if fresh.is_empty() {
-            return Some(ids);
-        }
-        g.next_id = next;
-        // The next id survives a restart, so that a replacement never reuses an id a message
-        // in the journal carries.
-        g.publish_log_head();
-        let new_ids: Vec<u64> = fresh.iter().map(|(id, _, _)| *id).collect();
-        let borrowed: Vec<BorrowedFd<'_>> = fresh.iter().map(|(_, fd, _)| *fd).collect();
-        match g.custody.hold(&new_ids, &borrowed) {
-            Ok(()) => {
-                for (id, _, file) in &fresh {
-                    g.outstanding.insert(*id);
-                    if let Some(file) = file {
-                        g.files.insert(*file, *id);
-                        g.file_of.insert(*id, *file);
-                    }
-                }
-            }
-            Err(e) => g.degraded("cannot hand descriptors to the supervisor", &e),
-        }
-        Some(ids)
+        Ok(ids)
     }
 
     /// A message with descriptors `ids` has been handled: those no table refers to are

@@ -183,7 +183,7 @@ fn the_budget_refuses_a_read_that_would_pass_it_and_holds_nothing_of_it() {
     let (_bb, c, held) = setup();
     c.set_budget(Some(4));
     let a = c.hold(&fds(3)).expect("within budget");
-    assert!(c.hold(&fds(2)).is_none(), "3 + 2 > 4");
+    assert!(c.hold(&fds(2)).is_err(), "3 + 2 > 4");
     assert_eq!(
         *held.lock().expect("lock"),
         a,
@@ -195,7 +195,7 @@ fn the_budget_refuses_a_read_that_would_pass_it_and_holds_nothing_of_it() {
     c.settle(&b);
     assert!(held.lock().expect("lock").is_empty());
     assert!(
-        c.hold(&fds(4)).is_some(),
+        c.hold(&fds(4)).is_ok(),
         "released descriptors free the budget"
     );
 }
@@ -251,7 +251,7 @@ fn windows_of_one_file_share_one_descriptor_in_custody() {
     let b = c
         .hold(&memfd_copies(1))
         .expect("another memfd: a second descriptor");
-    assert!(c.hold(&memfd_copies(1)).is_none(), "a third file");
+    assert!(c.hold(&memfd_copies(1)).is_err(), "a third file");
     c.settle(&a);
     c.settle(&b);
     assert!(
@@ -265,7 +265,7 @@ fn windows_of_one_file_share_one_descriptor_in_custody() {
         .expect("the same file: no new descriptor");
     assert_eq!(first, second);
     let e = c.hold(&fds(1)).expect("an eventfd: a second descriptor");
-    assert!(c.hold(&fds(1)).is_none(), "a third");
+    assert!(c.hold(&fds(1)).is_err(), "a third");
     c.settle(&e);
     assert_eq!(*held.lock().expect("lock"), first);
     c.dma_mapped(window(0x1000, first[0]));

@@ -80,6 +80,7 @@ impl Loopback {
                 fds,
                 fd_ids: Vec::new(),
                 fds_truncated,
+                fds_refused: None,
             },
         );
         let (bytes, out_fds) = self.d.reply();
@@ -212,6 +213,7 @@ fn a_posted_request_leaves_no_descriptor_for_the_next_reply() {
             fds: Vec::new(),
             fd_ids: Vec::new(),
             fds_truncated: false,
+            fds_refused: None,
         },
     );
     assert_eq!(outcome, Outcome::Nothing);

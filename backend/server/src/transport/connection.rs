@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::continuity::Continuity;
-use crate::framer::{Framer, MAX_FDS_PER_READ, Message, TransportError};
+use crate::framer::{FdRefusal, Framer, MAX_FDS_PER_READ, Message, TransportError};
 
 /// A framed vfio-user connection: a [`Framer`] fed by `recvmsg` on the stream.
 #[derive(Debug)]
@@ -22,6 +22,16 @@ pub struct Connection {
     /// Crash continuity: descriptors go into custody as they arrive, and the receive journal
     /// is published after every read and every answered message.
     continuity: Option<Arc<Continuity>>,
+    /// Descriptors of kinds their message cannot carry (a client can send them at message
+    /// rate).
+    bad_fds: switchyard_device::ratelimit::LogLimiter,
+}
+
+fn bad_fds_limiter() -> switchyard_device::ratelimit::LogLimiter {
+    switchyard_device::ratelimit::LogLimiter::new(
+        "descriptors refused by kind",
+        switchyard_device::ratelimit::LOG_INTERVAL,
+    )
 }
 
 impl Connection {
@@ -34,6 +44,7 @@ impl Connection {
             read_fds: Vec::with_capacity(MAX_FDS_PER_READ),
             spin,
             continuity: None,
+            bad_fds: bad_fds_limiter(),
         }
     }
 
@@ -46,6 +57,7 @@ impl Connection {
             read_fds: Vec::with_capacity(MAX_FDS_PER_READ),
             spin,
             continuity: None,
+            bad_fds: bad_fds_limiter(),
         }
     }
 
@@ -166,9 +178,37 @@ impl Connection {
             dontwait,
             |fd| fds.push(fd),
         )?;
+        let mut refused = got.fds_truncated.then_some(FdRefusal::Truncated);
+        if !self.read_fds.is_empty() && refused.is_none() {
+            refused = self.check_kinds(got.bytes);
+        }
+        if refused.is_some() {
+            self.read_fds.drain(..).for_each(crate::fd_kind::dispose);
+        }
         self.framer
-            .filled(got.bytes, self.read_fds.drain(..), got.fds_truncated);
+            .filled_refused(got.bytes, self.read_fds.drain(..), &[], refused);
         Ok(got.bytes)
+    }
+
+    /// Whether the descriptors of the read of `n` bytes (in the framer's buffer, not yet
+    /// filled) are of kinds their message may carry ([`crate::fd_kind`]): checked before
+    /// they go into custody, where the supervisor could be the last to close them.
+    fn check_kinds(&self, n: usize) -> Option<FdRefusal> {
+        let cmd = self.framer.claimant(n);
+        match crate::fd_kind::check(cmd, &self.read_fds) {
+            Ok(()) => None,
+            Err(what) => {
+                if self.bad_fds.allow() {
+                    tracing::warn!(
+                        cmd,
+                        count = self.read_fds.len(),
+                        what,
+                        "the client sent a descriptor of a kind its message cannot carry; refused (EINVAL)"
+                    );
+                }
+                Some(FdRefusal::Kind)
+            }
+        }
     }
 
     /// A read that the journal records before the socket forgets it: peek (the bytes stay in
@@ -192,20 +232,29 @@ impl Connection {
         if got.bytes == 0 {
             return Ok(0);
         }
-        let mut truncated = got.fds_truncated;
-        let ids = if self.read_fds.is_empty() {
+        let mut refused = got.fds_truncated.then_some(FdRefusal::Truncated);
+        if !self.read_fds.is_empty() && refused.is_none() {
+            refused = self.check_kinds(got.bytes);
+        }
+        let ids = if self.read_fds.is_empty() || refused.is_some() {
             Vec::new()
-        } else if let Some(ids) = c.hold(&self.read_fds) {
-            ids
         } else {
-            // Past the client's custody budget: the descriptors are closed, never held, and
-            // their message is refused as one whose descriptors the kernel dropped (EMFILE).
-            self.read_fds.clear();
-            truncated = true;
-            Vec::new()
+            match c.hold(&self.read_fds) {
+                Ok(ids) => ids,
+                Err(why) => {
+                    refused = Some(why);
+                    Vec::new()
+                }
+            }
         };
+        if refused.is_some() {
+            // Never held: closed here (without blocking: see `fd_kind::dispose`), and their
+            // message is refused (as one whose descriptors the kernel dropped, with the
+            // refusal's errno).
+            self.read_fds.drain(..).for_each(crate::fd_kind::dispose);
+        }
         self.framer
-            .filled_with_ids(got.bytes, self.read_fds.drain(..), &ids, truncated);
+            .filled_refused(got.bytes, self.read_fds.drain(..), &ids, refused);
         self.framer.set_unconsumed(got.bytes);
         c.publish_rx(&self.framer);
         // Descriptors the framer dropped are no longer in the journal just published.
@@ -235,7 +284,7 @@ fn discard(stream: &UnixStream, n: usize, nonblocking: bool) -> io::Result<usize
             &mut sink[..chunk],
             MAX_FDS_PER_READ,
             nonblocking,
-            drop,
+            crate::fd_kind::dispose,
         ) {
             Ok(r) if r.bytes == 0 => break,
             Ok(r) => left -= r.bytes,

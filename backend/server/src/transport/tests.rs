@@ -10,7 +10,7 @@ use switchyard_proto::{Command, Header};
 use super::{Connection, Framer, MAX_FDS_PER_READ, TransportError};
 
 fn msg(id: u16, body: &[u8]) -> Vec<u8> {
-    let h = Header::command(id, Command::DeviceGetInfo, false, body.len()).expect("header");
+    let h = Header::command(id, Command::DmaMap, false, body.len()).expect("header");
     let mut v = zerocopy::IntoBytes::as_bytes(&h).to_vec();
     v.extend_from_slice(body);
     v
@@ -77,6 +77,37 @@ fn truncated_descriptors_are_reported_with_their_message() {
     let m2 = conn.recv().expect("m2");
     assert!(!m2.fds_truncated);
     assert_eq!(m2.fds.len(), 1);
+}
+
+#[test]
+fn descriptors_of_the_wrong_kind_are_refused_before_anything_holds_them() {
+    let (a, b) = UnixStream::pair().expect("pair");
+    let mut conn = Connection::new(b, 4096, Duration::ZERO);
+    let (sock, _peer) = UnixStream::pair().expect("pair");
+    let evt = switchyard_device::irq::new_eventfd().expect("eventfd");
+    let mem = memfd::MemfdOptions::default()
+        .create("t")
+        .expect("memfd")
+        .into_file();
+    // A socket, and an eventfd where memory goes: both refused (EINVAL).
+    send_all(&a, &msg(1, &[0; 16]), &[sock.as_fd()]).expect("send 1");
+    send_all(&a, &msg(2, &[0; 16]), &[evt.as_fd()]).expect("send 2");
+    // A message that carries none legitimately.
+    let h = Header::command(3, Command::DeviceGetInfo, false, 16).expect("header");
+    let mut info = zerocopy::IntoBytes::as_bytes(&h).to_vec();
+    info.extend_from_slice(&[0; 16]);
+    send_all(&a, &info, &[mem.as_fd()]).expect("send 3");
+    // Memory on a DMA_MAP: taken.
+    send_all(&a, &msg(4, &[0; 16]), &[mem.as_fd()]).expect("send 4");
+    for id in 1..=3 {
+        let m = conn.recv().expect("refused message");
+        assert_eq!(m.header.msg_id, id);
+        assert_eq!(m.fds.len(), 0, "nothing of it is held");
+        assert_eq!(m.fds_refused, Some(super::FdRefusal::Kind));
+        assert_eq!(super::FdRefusal::Kind.errno(0), libc::EINVAL);
+    }
+    let m = conn.recv().expect("m4");
+    assert_eq!((m.header.msg_id, m.fds.len(), m.fds_refused), (4, 1, None));
 }
 
 #[test]

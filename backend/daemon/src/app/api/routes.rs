@@ -48,6 +48,7 @@ pub(super) fn api() -> ControlApi<AppState> {
         .routes(routes!(attach_endpoint))
         .routes(routes!(drain_board))
         .routes(routes!(inject_fault))
+        .routes(routes!(sync_endpoint))
 }
 
 // ---- handlers ----
@@ -145,6 +146,30 @@ async fn get_endpoint(
     Path(id): Path<String>,
 ) -> Result<Json<EndpointStatus>, ApiError> {
     s.0.status_of(&id).map(Json)
+}
+
+/// `POST /v1/endpoints/{id}/sync` (issue 32): waits until the daemon has applied every
+/// custody note the worker made before the request (`Supervisor::sync`), then answers as
+/// `GET /v1/endpoints/{id}`, whose `worker.custody_seq` is the worker's number then.
+#[utoipa::path(post, path = "/v1/endpoints/{id}/sync", tag = TAG, operation_id = "sync_endpoint",
+    summary = "Wait until the daemon holds everything the endpoint's worker put in custody so far",
+    params(("id" = String, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "Caught up; the endpoint as it is now", body = EndpointStatus),
+        (status = 404, description = "No such endpoint", body = ErrorBody),
+        (status = 500, description = "No worker, or it did not answer within 10 s", body = ErrorBody)))]
+async fn sync_endpoint(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<EndpointStatus>, ApiError> {
+    blocking(&s, move |d| {
+        d.supervisor
+            .sync(&id, std::time::Duration::from_secs(10))
+            .map_err(super::supervisor_error)?;
+        d.status_of(&id)
+    })
+    .await
+    .map(Json)
 }
 
 /// `POST /v1/endpoints`.

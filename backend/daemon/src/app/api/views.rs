@@ -71,6 +71,10 @@ pub struct WorkerView {
     /// it had been told succeeded): the endpoint is degraded until its client leaves.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub state_lost: Vec<String>,
+    /// The worker's custody sequence number the daemon has applied every note up to, as of
+    /// the last `POST /v1/endpoints/{id}/sync` (0 before one).
+    #[serde(default)]
+    pub custody_seq: u64,
 }
 
 impl WorkerView {
@@ -99,6 +103,7 @@ impl WorkerView {
             client_fds: st.client_fds,
             fd_budget,
             state_lost: st.state_lost.clone(),
+            custody_seq: st.custody_seq,
         }
     }
 
@@ -118,6 +123,7 @@ impl WorkerView {
             client_fds: 0,
             fd_budget: None,
             state_lost: Vec::new(),
+            custody_seq: 0,
         }
     }
 }
