@@ -563,6 +563,7 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
                 ..Default::default()
             }),
             failover: false,
+            lease: None,
         })
         .expect("endpoint");
         let st = sup
