@@ -524,20 +524,19 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
     let before = leases(&d);
     assert_eq!(before.len(), 2);
     // What a worker holds reaches the daemon on the worker's own channel, a little after the
-    // client has its replies: read it once it stays the same for a while.
-    let mut held: Vec<Value> = Vec::new();
-    let settle = Instant::now() + Duration::from_secs(10);
-    loop {
-        let now: Vec<Value> = ["vm1", "vm2"]
-            .iter()
-            .map(|id| d.endpoint(id)["worker"]["held"].clone())
-            .collect();
-        if now == held || Instant::now() > settle {
-            break;
-        }
-        held = now;
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    // client has its replies: a sync (answered after every earlier custody note) says when
+    // the daemon has it all.
+    let held: Vec<Value> = ["vm1", "vm2"]
+        .iter()
+        .map(|id| {
+            let synced = d
+                .client()
+                .post(&format!("/v1/endpoints/{id}/sync"), &())
+                .expect("sync");
+            assert_eq!(synced.status, 200, "{:?}", synced.body);
+            synced.body["worker"]["held"].clone()
+        })
+        .collect();
     let last_seq = d.events().last().expect("events")["seq"]
         .as_u64()
         .expect("seq");

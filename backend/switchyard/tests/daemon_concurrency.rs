@@ -183,3 +183,51 @@ fn a_slow_create_holds_up_no_other_tenant_and_no_api_request() {
         "an API request waited {worst_api:?} behind the create"
     );
 }
+
+/// The worker's truth wins: a move whose data path finished is committed even when putting
+/// the target's memory into custody fails afterwards (a test knob fails it). Before, the
+/// worker answered the move as failed and the daemon released the target while the device
+/// ran on it.
+#[test]
+fn a_move_whose_custody_fails_after_the_swap_is_committed_where_the_device_runs() {
+    let mut d = Daemon::new()
+        .with_config(&boards(2))
+        .with_env("SWITCHYARD_TEST_FAIL_CUSTODY_AFTER_SWAP", "1");
+    d.launch();
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    assert_eq!(d.endpoint("vm1")["lease"]["board"], "g0");
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    let kept: Vec<u8> = (0..65536u32).map(|i| (i * 31 + 7) as u8).collect();
+    guest.vram_write(0x10_0000, &kept);
+    common::workload::fill_copy_round(&mut guest, 0, 0);
+    let moved = d
+        .client()
+        .post("/v1/endpoints/vm1/move", &json!({"to": "g1"}))
+        .expect("move answered");
+    assert_eq!(moved.status, 200, "{:?}", moved.body);
+    assert!(
+        moved.body["report"]["custody_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("custody failure injected")),
+        "the custody failure is said: {:?}",
+        moved.body
+    );
+    let e = d.endpoint("vm1");
+    assert_eq!(e["lease"]["board"], "g1", "the lease follows the device: {e}");
+    let g1: serde_json::Value = d.client().get("/v1/boards/g1").expect("board").body;
+    assert_eq!(g1["devices"][0]["endpoint"], "vm1", "{g1}");
+    // The device runs on g1's memory, intact, and serves.
+    let mut back = vec![0u8; kept.len()];
+    guest.vram_read(0x10_0000, &mut back);
+    assert!(back == kept, "VRAM moved");
+    common::workload::fill_copy_round(&mut guest, 1, 1);
+    let events = d.events();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["pool"]["kind"]["type"] == "lease_moved"),
+        "the move is committed in the store: {events:?}"
+    );
+}

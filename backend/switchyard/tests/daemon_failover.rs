@@ -497,3 +497,83 @@ fn a_failure_around_a_move_ends_on_a_healthy_board() {
         pool_events(&d, "failed_over").len()
     );
 }
+
+/// A fault accepted for board X goes to the endpoint's worker only while that worker runs
+/// X's device: two faults on X a moment apart, and the second must not land on the board
+/// the first failed the endpoint over to (before, 10 of 45 such pairs quarantined a healthy
+/// board and failed the endpoint over again). Every failure recorded is X's.
+#[test]
+fn a_second_fault_for_a_board_never_lands_on_the_board_its_endpoint_failed_over_to() {
+    let mut d = daemon(3, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    let mut failed_boards = Vec::new();
+    for n in 0..8u64 {
+        let x = board_of(&mut d, "vm1");
+        common::workload::fill_copy_round(&mut guest, n, 0);
+        fault(&d, &x, "engine");
+        // At once again: the endpoint may be on X still (the fault lands there: X is failed
+        // already), or on its new board (refused, or X idle): never on the new board.
+        let (status, body) = api_status(
+            d.client()
+                .post(&format!("/v1/boards/{x}/fault"), &json!({ "kind": "engine" })),
+        );
+        assert!(
+            status == 200 || body.contains("idle_board") || body.contains("fault_refused"),
+            "round {n}: {status} {body}"
+        );
+        wait("failed over", || {
+            let now = board_of(&mut d, "vm1");
+            now != x && !now.is_empty()
+        });
+        failed_boards.push(x.clone());
+        common::workload::fill_copy_round(&mut guest, n, 1);
+        // The new board is healthy and the endpoint stays there.
+        let y = board_of(&mut d, "vm1");
+        let board: Value = d
+            .client()
+            .get(&format!("/v1/boards/{y}"))
+            .expect("board")
+            .body;
+        assert_eq!(board["state"], "available", "round {n}: {board}");
+        d.ctl_ok(&["unquarantine", &x]);
+    }
+    let recorded: Vec<String> = pool_events(&d, "board_failed")
+        .iter()
+        .filter_map(|e| e["kind"]["board"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(recorded, failed_boards, "only the boards faulted failed");
+    assert_eq!(pool_events(&d, "failed_over").len(), failed_boards.len());
+}
+
+/// Unquarantining a failed board while its endpoint waits on it, degraded, declares it
+/// repaired: the endpoint's worker is replaced there and the device serves again (before,
+/// the failure was cleared and the dead engine stayed, shown healthy).
+#[test]
+fn unquarantining_a_failed_board_repairs_the_endpoint_waiting_on_it() {
+    let mut d = daemon(1, "transparent");
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    common::workload::fill_copy_round(&mut guest, 0, 0);
+    let ready = d.endpoint("vm1")["worker"]["ready"].as_u64().expect("ready");
+    fault(&d, "g0", "engine");
+    wait("failover_waiting", || {
+        !pool_events(&d, "failover_waiting").is_empty()
+    });
+    d.ctl_ok(&["unquarantine", "g0"]);
+    wait("the worker replaced", || {
+        d.endpoint("vm1")["worker"]["ready"]
+            .as_u64()
+            .is_some_and(|r| r > ready)
+    });
+    // Both queues serve again (the engine that died is a new one), on g0.
+    common::workload::fill_copy_round(&mut guest, 1, 0);
+    common::workload::fill_copy_round(&mut guest, 2, 1);
+    let e = d.endpoint("vm1");
+    assert_eq!(e["lease"]["board"], "g0", "{e}");
+    assert!(e["failover"].get("pending").is_none(), "{e}");
+}

@@ -179,17 +179,11 @@ fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
         d.vram_write((i as u64) * (64 << 10), chunk);
     }
     // The worker's holds reach the ledger on their own channel, a little after the client
-    // has its replies: what is held is what stays the same for a while.
-    let mut held = sup.status("ep").expect("status").held;
-    let settle = Instant::now() + Duration::from_secs(10);
-    loop {
-        thread::sleep(Duration::from_millis(200));
-        let now = sup.status("ep").expect("status").held;
-        if now == held || Instant::now() > settle {
-            break;
-        }
-        held = now;
-    }
+    // has its replies: a sync (answered after every earlier custody note) says when the
+    // ledger has them all.
+    sup.sync("ep", Duration::from_secs(20))
+        .expect("the worker's custody notes applied");
+    let held = sup.status("ep").expect("status").held;
     let mut outcomes = Vec::new();
     for attempt in 0..8u64 {
         // The kill lands at a different point of the move each time.

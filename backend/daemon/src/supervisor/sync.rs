@@ -21,6 +21,7 @@ impl Supervisor {
     /// answer; a worker of an earlier release never answers (the wait times out); a worker
     /// replaced meanwhile does not answer either.
     pub fn sync(&self, id: &str, timeout: Duration) -> Result<u64, SupervisorError> {
+        crate::blocking::may_block("a custody sync's answer");
         let ep = self.get(id)?;
         let failed = |reason: String| SupervisorError::SyncFailed {
             endpoint: id.to_owned(),
