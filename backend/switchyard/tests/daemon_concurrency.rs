@@ -69,7 +69,9 @@ fn deletes_and_creates_under_a_stats_storm_are_all_answered() {
         t0.elapsed()
     );
     // The daemon still supervises: a killed worker of another tenant is replaced.
-    let before = d.endpoint("vm3")["worker"]["ready"].as_u64().expect("ready");
+    let before = d.endpoint("vm3")["worker"]["ready"]
+        .as_u64()
+        .expect("ready");
     let restarted = api
         .post("/v1/endpoints/vm3/restart", &())
         .expect("restart answered");
@@ -200,7 +202,7 @@ fn a_move_whose_custody_fails_after_the_swap_is_committed_where_the_device_runs(
     guest.setup_queue(0);
     guest.setup_queue(1);
     let kept: Vec<u8> = (0..65536u32).map(|i| (i * 31 + 7) as u8).collect();
-    guest.vram_write(0x10_0000, &kept);
+    guest.vram_write(0x80_0000, &kept);
     common::workload::fill_copy_round(&mut guest, 0, 0);
     let moved = d
         .client()
@@ -215,12 +217,15 @@ fn a_move_whose_custody_fails_after_the_swap_is_committed_where_the_device_runs(
         moved.body
     );
     let e = d.endpoint("vm1");
-    assert_eq!(e["lease"]["board"], "g1", "the lease follows the device: {e}");
+    assert_eq!(
+        e["lease"]["board"], "g1",
+        "the lease follows the device: {e}"
+    );
     let g1: serde_json::Value = d.client().get("/v1/boards/g1").expect("board").body;
     assert_eq!(g1["devices"][0]["endpoint"], "vm1", "{g1}");
     // The device runs on g1's memory, intact, and serves.
     let mut back = vec![0u8; kept.len()];
-    guest.vram_read(0x10_0000, &mut back);
+    guest.vram_read(0x80_0000, &mut back);
     assert!(back == kept, "VRAM moved");
     common::workload::fill_copy_round(&mut guest, 1, 1);
     let events = d.events();

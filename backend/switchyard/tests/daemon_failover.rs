@@ -516,10 +516,13 @@ fn a_second_fault_for_a_board_never_lands_on_the_board_its_endpoint_failed_over_
         fault(&d, &x, "engine");
         // At once again: the endpoint may be on X still (the fault lands there: X is failed
         // already), or on its new board (refused, or X idle): never on the new board.
-        let (status, body) = api_status(
-            d.client()
-                .post(&format!("/v1/boards/{x}/fault"), &json!({ "kind": "engine" })),
-        );
+        let (status, body) = match d.client().post(
+            &format!("/v1/boards/{x}/fault"),
+            &json!({ "kind": "engine" }),
+        ) {
+            Ok(reply) => (reply.status, reply.body.to_string()),
+            Err(e) => api_status(Err(e)),
+        };
         assert!(
             status == 200 || body.contains("idle_board") || body.contains("fault_refused"),
             "round {n}: {status} {body}"
@@ -559,7 +562,9 @@ fn unquarantining_a_failed_board_repairs_the_endpoint_waiting_on_it() {
     guest.setup_queue(0);
     guest.setup_queue(1);
     common::workload::fill_copy_round(&mut guest, 0, 0);
-    let ready = d.endpoint("vm1")["worker"]["ready"].as_u64().expect("ready");
+    let ready = d.endpoint("vm1")["worker"]["ready"]
+        .as_u64()
+        .expect("ready");
     fault(&d, "g0", "engine");
     wait("failover_waiting", || {
         !pool_events(&d, "failover_waiting").is_empty()

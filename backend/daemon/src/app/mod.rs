@@ -25,10 +25,11 @@
 
 mod access;
 pub mod api;
-mod owner;
 pub mod events;
+mod owner;
 mod pending;
 pub mod records;
+mod stats;
 pub mod systemd;
 
 use std::collections::BTreeMap;
@@ -480,7 +481,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                         let device = inventory.endpoint(endpoint)?.device.clone()?;
                         Some(inventory.device(&device)?.board)
                     });
-                    record_stats(&metrics, endpoint, board.as_deref(), stats);
+                    stats::record(&metrics, endpoint, board.as_deref(), stats);
                 }
                 crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
                 crate::WorkerEvent::DeviceLost {
@@ -628,32 +629,6 @@ fn board_failed(
             d.board_failed(&endpoint, lease.as_deref(), failure);
         }
     });
-}
-
-/// Adds a worker's report to the endpoint's and its board's metrics.
-fn record_stats(
-    metrics: &Metrics,
-    endpoint: &str,
-    board: Option<&str>,
-    stats: &crate::custody::WorkerStats,
-) {
-    let by_command: Vec<(switchyard_proto::Command, u64)> = stats
-        .messages
-        .iter()
-        .filter_map(|&(c, n)| Some((switchyard_proto::Command::try_from(c).ok()?, n)))
-        .collect();
-    metrics.endpoint(endpoint).add_requests(
-        &by_command,
-        &stats.latency_buckets,
-        stats.latency_sum_ns as f64 / 1e9,
-    );
-    if let Some(board) = board {
-        let b = metrics.board(board);
-        b.add_jobs(stats.jobs);
-        b.add_bytes(stats.bytes);
-        b.add_errors(stats.errors);
-        b.add_recovered(stats.replayed, stats.interrupted);
-    }
 }
 
 impl Daemon {

@@ -34,6 +34,7 @@ use switchyard_pool::{BoardFailure, FailedLease, FailoverPolicy, MovePlan, PoolE
 use utoipa::ToSchema;
 
 use super::super::{Daemon, lock};
+use super::commits::Uncommitted;
 use super::views::{FailoverView, LastFailover};
 use super::{READY_TIMEOUT, UNPLUG_TIMEOUT, pool_error, supervisor_error};
 use crate::custody::device_spec;
@@ -62,15 +63,6 @@ pub(crate) struct Failover {
     /// Moves and failovers whose data path finished but whose commit the store refused:
     /// retried by the reconciler until committed (the lease follows the device).
     uncommitted: Mutex<Vec<Uncommitted>>,
-}
-
-/// A commit to retry ([`Failover::retry_commit`]).
-#[derive(Debug, Clone)]
-pub(crate) enum Uncommitted {
-    /// A move.
-    Move(MovePlan),
-    /// A failover, with its mode and stall.
-    Failover(MovePlan, &'static str, u64),
 }
 
 /// The body of `POST /v1/boards/{id}/fault`.
@@ -255,11 +247,8 @@ impl Daemon {
             board = lease.board,
             "no failover now: {why}"
         );
-        let (endpoint, device, why) = (
-            lease.endpoint.clone(),
-            lease.device.clone(),
-            why.to_owned(),
-        );
+        let (endpoint, device, why) =
+            (lease.endpoint.clone(), lease.device.clone(), why.to_owned());
         let recorded = self.pool.apply(move |pool| {
             if waiting {
                 pool.failover_waiting(&endpoint, &device)
@@ -313,9 +302,7 @@ impl Daemon {
             }
         }
         let owned = id.to_owned();
-        let planned = self
-            .pool
-            .commit(move |pool| pool.plan_failover(&owned));
+        let planned = self.pool.commit(move |pool| pool.plan_failover(&owned));
         let plan = match planned {
             Ok(plan) => plan,
             Err(PoolError::NoCompatibleDevice { .. }) => {

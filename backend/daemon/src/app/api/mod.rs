@@ -40,6 +40,7 @@
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
 //! refused request changes nothing: the pool checks a mutation on a copy before the data path
 //! acts, and the store is changed last (or the data path undone).
+mod commits;
 pub(crate) mod failover;
 pub(crate) mod incoming;
 mod ops;

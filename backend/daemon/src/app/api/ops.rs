@@ -68,9 +68,7 @@ impl Daemon {
 
     pub(super) fn status_of(&self, id: &str) -> Result<EndpointStatus, ApiError> {
         let inventory = self.inventory();
-        let endpoint = inventory
-            .endpoint(id)
-            .ok_or_else(|| unknown_endpoint(id))?;
+        let endpoint = inventory.endpoint(id).ok_or_else(|| unknown_endpoint(id))?;
         Ok(self.endpoint_status(&inventory, endpoint))
     }
 
@@ -285,9 +283,7 @@ impl Daemon {
     fn serving(&self, id: &str) -> Result<WorkerStatus, ApiError> {
         let view = {
             let inventory = self.inventory();
-            let endpoint = inventory
-                .endpoint(id)
-                .ok_or_else(|| unknown_endpoint(id))?;
+            let endpoint = inventory.endpoint(id).ok_or_else(|| unknown_endpoint(id))?;
             self.worker_view(endpoint)
         };
         if view.state != WorkerState::Running {
@@ -555,35 +551,6 @@ impl Daemon {
             replaced_pid,
             worker: WorkerView::supervised(&st, self.supervisor.fd_budget()),
         })
-    }
-}
-
-impl Daemon {
-    /// Releases the target of a move or failover whose data path did not run (`what`, for
-    /// the log).
-    pub(super) fn abort_plan(&self, plan: &MovePlan, what: &str) {
-        let p = plan.clone();
-        if let Err(e) = self.pool.apply(move |pool| pool.abort_move(&p)) {
-            tracing::error!(?plan, "cannot release a failed {what}'s target: {e}");
-        }
-    }
-
-    /// Commits a move whose data path finished: the lease follows the device. A commit the
-    /// store refuses now is kept and retried by the reconciler (the worker's truth wins:
-    /// the device runs on the target whatever the store says); the error is returned for
-    /// the request to say so.
-    pub(super) fn commit_plan(&self, plan: &MovePlan, what: &str) -> Result<(), ApiError> {
-        let p = plan.clone();
-        self.pool
-            .apply(move |pool| pool.commit_move(&p))
-            .map_err(|e| {
-                tracing::error!(
-                    ?plan,
-                    "cannot commit a {what} the data path finished (retried): {e}"
-                );
-                self.failover.retry_commit(super::failover::Uncommitted::Move(plan.clone()));
-                pool_error(e)
-            })
     }
 }
 

@@ -79,8 +79,7 @@ async fn get_board(
 }
 
 async fn set_quarantine(s: AppState, id: String, on: bool) -> Result<Json<BoardView>, ApiError> {
-    blocking(&s, move |d| d.set_quarantine(&id, on).map(Json))
-    .await
+    blocking(&s, move |d| d.set_quarantine(&id, on).map(Json)).await
 }
 
 /// `POST /v1/boards/{id}/quarantine`.
