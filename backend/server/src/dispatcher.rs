@@ -298,7 +298,7 @@ impl Dispatcher {
             let refusal = msg.fds_refused.unwrap_or(FdRefusal::Truncated);
             return Err(RequestError::Invalid {
                 what: match refusal {
-                    FdRefusal::Truncated => {
+                    FdRefusal::Truncated | FdRefusal::TooMany => {
                         "the kernel dropped descriptors sent with the message (open-file limit, or too many)"
                     }
                     FdRefusal::Kind => {

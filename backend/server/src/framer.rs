@@ -59,6 +59,9 @@ pub enum FdRefusal {
     /// The kernel dropped some (`MSG_CTRUNC`), or the client's custody budget is spent:
     /// `EMFILE` (`E2BIG` when the read was full).
     Truncated,
+    /// The kernel dropped some of a read that came with as many as a read takes
+    /// ([`MAX_FDS_PER_READ`]): the message carried more than any may: `E2BIG`.
+    TooMany,
     /// A descriptor of a kind the message cannot carry ([`crate::fd_kind`]): `EINVAL`.
     Kind,
     /// Custody cannot take them now (the queue to the supervisor is full): `EAGAIN`, the
@@ -72,6 +75,7 @@ impl FdRefusal {
         match self {
             FdRefusal::Truncated if fds >= MAX_FDS_PER_READ => libc::E2BIG,
             FdRefusal::Truncated => libc::EMFILE,
+            FdRefusal::TooMany => libc::E2BIG,
             FdRefusal::Kind => libc::EINVAL,
             FdRefusal::Busy => libc::EAGAIN,
         }
@@ -85,6 +89,7 @@ impl FdRefusal {
             Some(FdRefusal::Truncated) => 1,
             Some(FdRefusal::Kind) => 2,
             Some(FdRefusal::Busy) => 3,
+            Some(FdRefusal::TooMany) => 4,
         }
     }
 
@@ -93,6 +98,7 @@ impl FdRefusal {
             0 => None,
             2 => Some(FdRefusal::Kind),
             3 => Some(FdRefusal::Busy),
+            4 => Some(FdRefusal::TooMany),
             _ => Some(FdRefusal::Truncated),
         }
     }

@@ -178,7 +178,7 @@ impl Connection {
             dontwait,
             |fd| fds.push(fd),
         )?;
-        let mut refused = got.fds_truncated.then_some(FdRefusal::Truncated);
+        let mut refused = got.fds_truncated.then_some(truncation(self.read_fds.len()));
         if !self.read_fds.is_empty() && refused.is_none() {
             refused = self.check_kinds(got.bytes);
         }
@@ -232,7 +232,7 @@ impl Connection {
         if got.bytes == 0 {
             return Ok(0);
         }
-        let mut refused = got.fds_truncated.then_some(FdRefusal::Truncated);
+        let mut refused = got.fds_truncated.then_some(truncation(self.read_fds.len()));
         if !self.read_fds.is_empty() && refused.is_none() {
             refused = self.check_kinds(got.bytes);
         }
@@ -294,4 +294,21 @@ fn discard(stream: &UnixStream, n: usize, nonblocking: bool) -> io::Result<usize
         }
     }
     Ok(n - left)
+}
+
+/// How a read whose descriptors the kernel truncated, with `got` of them, is refused: a
+/// full read means the message carried more than any may.
+fn truncation(got: usize) -> FdRefusal {
+    if got >= MAX_FDS_PER_READ {
+        FdRefusal::TooMany
+    } else {
+        FdRefusal::Truncated
+    }
+}
+
+impl Drop for Connection {
+    /// The client is gone: what the kind check suppressed is summarised now.
+    fn drop(&mut self) {
+        self.bad_fds.flush();
+    }
 }
