@@ -6,12 +6,12 @@
 //!
 //! 1. The pool's owner thread ([`crate::app`]'s `PoolOwner`) never blocks: it runs store
 //!    transactions and nothing else.
-//! 2. No lock of the daemon's ([`Held`]) is held across blocking work, and no two of them are
+//! 2. No lock of the daemon's (`Held`) is held across blocking work, and no two of them are
 //!    held at once (each protects one small map; none is taken while another is held, so
 //!    there is no order to get wrong).
 //!
 //! [`may_block`] is called at the start of every blocking operation of the supervisor and
-//! the daemon; [`Held`] wraps every guard of a daemon lock. In debug builds a broken rule
+//! the daemon; `Held` wraps every guard of a daemon lock. In debug builds a broken rule
 //! panics where it is broken (tests run debug builds); release builds check nothing.
 
 use std::cell::Cell;

@@ -19,7 +19,7 @@ pub enum DmaError {
         /// Size of the requested window.
         size: u64,
     },
-    /// The device's [`DmaObserver`] refused the window.
+    /// The device's [`DmaObserver`](super::DmaObserver) refused the window.
     #[error("The device refused the DMA window")]
     Observer(#[source] Box<crate::DeviceError>),
     /// An unmap range cuts through a window.
