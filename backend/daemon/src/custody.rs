@@ -323,6 +323,12 @@ pub enum Note {
         /// releases.
         #[serde(default)]
         restarts: Option<u64>,
+        /// The lease (the pool's device) the worker serves, as its supervisor last told it
+        /// ([`Note::Start`], [`Note::Reexec`]) and its moves changed it: a daemon that adopts
+        /// it settles a failover or move left in progress by it. `None` from workers of
+        /// earlier releases.
+        #[serde(default)]
+        lease: Option<String>,
     },
     /// The worker refused to be adopted.
     AdoptRefused {
@@ -400,6 +406,21 @@ pub enum Note {
         /// [`FailedHook`](switchyard_device::kind::FailedHook)).
         #[serde(default)]
         failover: bool,
+        /// The lease (the pool's device) the worker serves, if its supervisor has one.
+        #[serde(default)]
+        lease: Option<String>,
+    },
+    /// Replace this worker's process image in place (supervisor → worker): the worker execs
+    /// a fresh `switchyard worker` that continues the device from what it holds, as a
+    /// replacement would, but in the same process, so that every descriptor of the guest's
+    /// view lives on at every instant (a daemon killed meanwhile loses nothing: the next one
+    /// adopts the new image). The new image builds `device` and serves `lease`.
+    Reexec {
+        /// The device the new image builds.
+        device: DeviceSpec,
+        /// The lease it serves.
+        #[serde(default)]
+        lease: Option<String>,
     },
     /// A replacement could not restore all of what the client had been told succeeded (a
     /// DMA window, an interrupt eventfd): it serves, but the client's state is not whole

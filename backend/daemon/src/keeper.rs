@@ -114,9 +114,26 @@ struct Inner {
     last_move: Option<LastMove>,
     /// The endpoint's restarts before this worker (told to an adopting supervisor).
     restarts: u64,
+    /// The lease the worker serves (told to an adopting supervisor): as the supervisor said
+    /// at start or re-exec, then where its moves took the device.
+    lease: Option<String>,
+    /// A re-executed image: its [`Note::Ready`], made before its supervisor adopted it, is
+    /// told at the adoption (the supervisor waits for it).
+    unsent_ready: Option<Option<Note>>,
     /// The device's board failure, if it reported one ([`Note::BoardFailed`]; told again to
     /// an adopting supervisor: the one it was sent to may have died before acting on it).
     board_failed: Option<Note>,
+}
+
+/// What [`Keeper::snapshot`] returns.
+#[derive(Debug)]
+pub struct KeeperSnapshot {
+    /// The ledger, by custody id.
+    pub held: BTreeMap<u64, OwnedFd>,
+    /// The memory objects, by name.
+    pub objects: BTreeMap<String, OwnedFd>,
+    /// The endpoint's restarts before this worker.
+    pub restarts: u64,
 }
 
 /// The keeper's state and its sender thread's.
@@ -154,6 +171,26 @@ impl Keeper {
         handed: &BTreeMap<u64, OwnedFd>,
         objects: &BTreeMap<String, OwnedFd>,
     ) -> io::Result<Self> {
+        Self::with_channel(endpoint, Some(channel), handed, objects, false)
+    }
+
+    /// A keeper with no supervisor yet (a re-executed worker: its supervisor adopts it,
+    /// [`Keeper::adopt`], to get the whole ledger).
+    pub fn unsupervised(
+        endpoint: &str,
+        handed: &BTreeMap<u64, OwnedFd>,
+        objects: &BTreeMap<String, OwnedFd>,
+    ) -> io::Result<Self> {
+        Self::with_channel(endpoint, None, handed, objects, true)
+    }
+
+    fn with_channel(
+        endpoint: &str,
+        channel: Option<OwnedFd>,
+        handed: &BTreeMap<u64, OwnedFd>,
+        objects: &BTreeMap<String, OwnedFd>,
+        reexeced: bool,
+    ) -> io::Result<Self> {
         let mut ledger = BTreeMap::new();
         for (id, fd) in handed {
             ledger.insert(*id, Arc::new(fd.try_clone()?));
@@ -164,8 +201,8 @@ impl Keeper {
         }
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
-                channel: Some(Arc::new(channel)),
-                generation: 1,
+                generation: u64::from(channel.is_some()),
+                channel: channel.map(Arc::new),
                 ledger,
                 objects: held_objects,
                 queue: VecDeque::new(),
@@ -176,6 +213,8 @@ impl Keeper {
                 replacement: None,
                 last_move: None,
                 restarts: 0,
+                lease: None,
+                unsent_ready: reexeced.then_some(None),
                 board_failed: None,
             }),
             changed: Condvar::new(),
@@ -283,6 +322,31 @@ impl Keeper {
         self.lock().restarts = restarts;
     }
 
+    /// Records the lease the worker serves ([`Note::Start`], [`Note::Reexec`]), for an
+    /// adopting supervisor.
+    pub fn set_lease(&self, lease: Option<String>) {
+        self.lock().lease = lease;
+    }
+
+    /// What a re-executed image of this worker must get: every descriptor of the ledger
+    /// and every memory object (duplicates), the restarts so far and the lease.
+    pub fn snapshot(&self) -> io::Result<KeeperSnapshot> {
+        let g = self.lock();
+        let mut held = BTreeMap::new();
+        for (id, fd) in &g.ledger {
+            held.insert(*id, fd.try_clone()?);
+        }
+        let mut objects = BTreeMap::new();
+        for (name, fd) in &g.objects {
+            objects.insert(name.clone(), fd.try_clone()?);
+        }
+        Ok(KeeperSnapshot {
+            held,
+            objects,
+            restarts: g.restarts,
+        })
+    }
+
     /// The names of the memory objects in custody.
     pub fn object_names(&self) -> Vec<String> {
         self.lock().objects.keys().cloned().collect()
@@ -313,9 +377,25 @@ impl Keeper {
     pub fn notify(&self, note: &Note) {
         let mut g = self.lock();
         match note {
-            Note::Ready { replacement, .. } => g.replacement = *replacement,
+            Note::Ready { replacement, .. } => {
+                g.replacement = *replacement;
+                if g.channel.is_none()
+                    && let Some(unsent) = &mut g.unsent_ready
+                {
+                    *unsent = Some(note.clone());
+                }
+            }
             Note::BoardFailed { .. } => g.board_failed = Some(note.clone()),
             _ => {}
+        }
+        if g.channel.is_none()
+            && let Note::Stats(stats) = note
+        {
+            // No supervisor now: kept (deltas) for the one that adopts this worker.
+            g.overflow_stats
+                .get_or_insert_with(WorkerStats::default)
+                .add(stats);
+            return;
         }
         if g.channel.is_some() && g.queue.len() >= QUEUE_BOUND {
             match note {
@@ -387,8 +467,14 @@ impl Keeper {
                 return;
             }
         };
+        let moved = matches!(state, MoveState::Moved { .. });
         if let Some(m) = &mut g.last_move {
             m.state = state;
+            if moved {
+                // The device runs on the target now.
+                let to = m.to.clone();
+                g.lease = Some(to);
+            }
         }
         self.queue_locked(&mut g, answer.clone(), Vec::new());
         drop(g);
@@ -477,6 +563,9 @@ impl Keeper {
         // What was queued for the old channel is covered by the snapshot, except stats
         // (deltas: kept, to count right).
         drop_queue(&mut g);
+        // Stats go after the ledger and `Adopted` (the adoption reads nothing else).
+        let stats = g.overflow_stats.take();
+        let migration = g.overflow_migration.take();
         g.channel = Some(Arc::new(sock));
         g.generation += 1;
         let all: Vec<(u64, Arc<OwnedFd>)> =
@@ -501,10 +590,21 @@ impl Keeper {
             replacement: g.replacement,
             last_move: g.last_move.clone(),
             restarts: Some(g.restarts),
+            lease: g.lease.clone(),
         };
         self.queue_locked(&mut g, adopted, Vec::new());
         if let Some(failed) = g.board_failed.clone() {
             self.queue_locked(&mut g, failed, Vec::new());
+        }
+        // A re-executed image's first supervisor waits for its ready, made before it came.
+        if let Some(ready) = g.unsent_ready.take().flatten() {
+            self.queue_locked(&mut g, ready, Vec::new());
+        }
+        if let Some(stats) = stats {
+            self.queue_locked(&mut g, Note::Stats(stats), Vec::new());
+        }
+        if let Some(migration) = migration {
+            self.queue_locked(&mut g, migration, Vec::new());
         }
         let held = g.ledger.len() + g.objects.len();
         let last_move = g.last_move.clone();

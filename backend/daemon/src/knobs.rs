@@ -7,6 +7,7 @@
 //! |---|---|
 //! | `SWITCHYARD_TEST_READY_DELAY=ENDPOINT:MS` | the worker of `ENDPOINT` waits `MS` ms before it says it is ready |
 //! | `SWITCHYARD_TEST_STATS_MS=MS` | workers report their stats every `MS` ms, even when nothing happened |
+//! | `SWITCHYARD_TEST_PAUSE=POINT` | the daemon thread reaching `POINT` stops there for good (a test then kills the daemon at that point): `failover-planned` (a failover's target reserved, the worker not asked yet), `failover-asked` (the worker asked to continue on the target, the daemon not told it did) |
 
 use std::time::Duration;
 
@@ -26,6 +27,17 @@ pub fn ready_delay(endpoint: &str) -> Option<Duration> {
     (id == endpoint)
         .then(|| ms.parse().ok().map(Duration::from_millis))
         .flatten()
+}
+
+/// Stops the calling thread for good if `SWITCHYARD_TEST_PAUSE` names `point`, saying so
+/// in the log first (what a test waits for before it kills the daemon).
+pub fn pause(point: &str) {
+    if var("SWITCHYARD_TEST_PAUSE").as_deref() == Some(point) {
+        tracing::warn!(point, "test knob: paused here for good");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
 }
 
 /// The stats period, and whether empty reports are sent too (`SWITCHYARD_TEST_STATS_MS`).

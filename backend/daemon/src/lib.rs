@@ -25,6 +25,7 @@ pub mod custody;
 pub mod error_chain;
 pub mod keeper;
 pub mod knobs;
+pub mod reexec;
 pub mod supervisor;
 pub mod worker;
 

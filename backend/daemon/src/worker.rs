@@ -47,6 +47,9 @@ pub enum WorkerError {
     /// An I/O operation failed.
     #[error("I/O failed")]
     Io(#[from] std::io::Error),
+    /// A re-executed image could not take its plan back.
+    #[error("Re-exec failed")]
+    Reexec(#[from] crate::reexec::ReexecError),
 }
 
 /// What a worker was asked to serve.
@@ -62,6 +65,7 @@ struct Start {
     fd_budget: Option<u32>,
     restarts: u64,
     failover: bool,
+    lease: Option<String>,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -82,6 +86,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 fd_budget,
                 restarts,
                 failover,
+                lease,
             } => {
                 // A spec is checked where it is made; a worker checks it again (a note is
                 // only JSON).
@@ -99,6 +104,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     fd_budget,
                     restarts,
                     failover,
+                    lease,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -122,16 +128,64 @@ pub fn run(
     channel: OwnedFd,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
 ) -> Result<(), WorkerError> {
-    let mut start = receive_start(&channel)?;
+    let start = receive_start(&channel)?;
+    serve(Some(channel), start, server_config)
+}
+
+/// Runs a worker whose earlier image re-executed it ([`crate::reexec`]): `plan` is the
+/// value of [`crate::reexec::REEXEC_FD_ENV`]. It continues the device from what the earlier
+/// image held and waits to be adopted by its supervisor (or a new daemon's).
+pub fn run_reexeced(
+    plan: &str,
+    server_config: impl FnOnce(PathBuf) -> ServerConfig,
+) -> Result<(), WorkerError> {
+    let taken = crate::reexec::take_plan(plan)?;
+    let p = taken.plan;
+    let (device, _) = p
+        .device
+        .check()
+        .map_err(|e| WorkerError::Device(e.to_string(), Box::new(e)))?;
+    let start = Start {
+        mode: StartMode::Resume,
+        endpoint: p.endpoint,
+        socket: p.socket,
+        device,
+        held: taken.held,
+        objects: taken.objects,
+        adopt_dir: p.adopt_dir,
+        fd_budget: p.fd_budget,
+        restarts: p.restarts,
+        failover: p.failover,
+        lease: p.lease,
+    };
+    serve(None, start, server_config)
+}
+
+/// Serves `start`: on `channel` from its supervisor, or (a re-executed image) without one
+/// until it is adopted.
+fn serve(
+    channel: Option<OwnedFd>,
+    mut start: Start,
+    server_config: impl FnOnce(PathBuf) -> ServerConfig,
+) -> Result<(), WorkerError> {
     let span = tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.kind);
     let _g = span.enter();
-    let keeper = Arc::new(Keeper::new(
-        &start.endpoint,
-        channel,
-        &start.held,
-        &start.objects,
-    )?);
+    let keeper = Arc::new(match channel {
+        Some(channel) => Keeper::new(&start.endpoint, channel, &start.held, &start.objects)?,
+        None => {
+            tracing::info!("re-executed in place; continuing the device, waiting to be adopted");
+            Keeper::unsupervised(&start.endpoint, &start.held, &start.objects)?
+        }
+    });
     keeper.set_restarts(start.restarts);
+    keeper.set_lease(start.lease.clone());
+    let identity = crate::reexec::Identity {
+        endpoint: start.endpoint.clone(),
+        socket: start.socket.clone(),
+        adopt_dir: start.adopt_dir.clone(),
+        fd_budget: start.fd_budget,
+        failover: start.failover,
+    };
     if let Some(dir) = &start.adopt_dir {
         let path = adoption_path(dir, std::process::id());
         if let Err(e) = keeper.serve_adoptions(path.clone()) {
@@ -247,7 +301,7 @@ pub fn run(
     };
     server.set_continuity(Arc::new(continuity));
     let replacement = hold_objects(&keeper, &server)?;
-    spawn_control(&keeper, server.device_slot())?;
+    spawn_control(&keeper, server.device_slot(), identity)?;
     spawn_stats(&keeper, &server)?;
     report_migrations(&keeper, &server);
     if let Some(delay) = crate::knobs::ready_delay(&start.endpoint) {
@@ -329,7 +383,11 @@ fn report_lost_state(
 
 /// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time,
 /// from whichever supervisor is attached (a new one after an adoption).
-fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerError> {
+fn spawn_control(
+    keeper: &Arc<Keeper>,
+    slot: DeviceSlot,
+    identity: crate::reexec::Identity,
+) -> Result<(), WorkerError> {
     let keeper = keeper.clone();
     std::thread::Builder::new()
         .name("sy-worker-ctl".into())
@@ -378,6 +436,16 @@ fn spawn_control(keeper: &Arc<Keeper>, slot: DeviceSlot) -> Result<(), WorkerErr
                     }
                     Note::Fault { kind } => inject_fault(&slot, &keeper, &kind),
                     Note::Sync { token } => keeper.synced(generation, token),
+                    Note::Reexec { device, lease } => {
+                        tracing::warn!(?lease, "re-executing in place (a failover or replacement)");
+                        // Returns only if the exec failed: this image serves on; the
+                        // supervisor kills it past its wait.
+                        let e = crate::reexec::exec(&keeper, &identity, device, lease);
+                        tracing::error!(
+                            "cannot re-execute: {}",
+                            crate::error_chain::error_chain(&e)
+                        );
+                    }
                     other => tracing::warn!(?other, "unexpected custody note; ignored"),
                 }
             }

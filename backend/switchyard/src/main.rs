@@ -387,6 +387,12 @@ fn daemon(args: DaemonArgs) -> ExitCode {
 fn worker() -> anyhow::Result<()> {
     use std::os::fd::AsFd;
     raise_nofile_limit();
+    if let Some(plan) = std::env::var_os(switchyard_daemon::reexec::REEXEC_FD_ENV) {
+        // An earlier image of this worker re-executed it in place.
+        let plan = plan.to_string_lossy().into_owned();
+        return switchyard_daemon::worker::run_reexeced(&plan, ServerConfig::new)
+            .context("re-executed worker failed");
+    }
     let channel = std::io::stdin()
         .as_fd()
         .try_clone_to_owned()

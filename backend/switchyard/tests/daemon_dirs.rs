@@ -341,6 +341,7 @@ fn fake_adoption_socket(workers: &Path, pid: u32, scratch: &Path) -> mpsc::Recei
             replacement: None,
             last_move: None,
             restarts: None,
+            lease: None,
         };
         let _ = custody::send(&conn, &adopted, &[]);
     });

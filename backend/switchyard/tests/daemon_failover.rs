@@ -582,3 +582,61 @@ fn unquarantining_a_failed_board_repairs_the_endpoint_waiting_on_it() {
     assert_eq!(e["lease"]["board"], "g0", "{e}");
     assert!(e["failover"].get("pending").is_none(), "{e}");
 }
+
+/// A daemon killed inside a transparent failover's window (a test knob stops it there):
+/// after the target is reserved and before the worker is asked (`failover-planned`), and
+/// after the worker is asked to continue on the target and before the daemon hears it did
+/// (`failover-asked`). Before, the worker was killed and replaced from what the daemon held:
+/// a daemon killed between the two took the guest's connection and the device's state with
+/// it. Now the worker re-executes in place, so its process holds everything at every
+/// instant: the next daemon adopts it, commits the failover it finished or aborts the one it
+/// never got and fails over anew. Either way: the guest's connection lives, its registers and
+/// VRAM are intact, and exactly one failover is recorded.
+#[test]
+fn a_daemon_killed_inside_a_failover_leaves_the_guest_its_device_and_fails_over_once() {
+    for point in ["failover-planned", "failover-asked"] {
+        let mut d = Daemon::new()
+            .with_config(&boards(2, "transparent"))
+            .with_args(&["--faults"])
+            .with_env("SWITCHYARD_TEST_PAUSE", point);
+        d.launch();
+        d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+        let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+        guest.setup_queue(0);
+        guest.setup_queue(1);
+        guest.w32(SCRATCH, 0x0dd_ba11);
+        let keep: Vec<u8> = (0..65536u32).map(|i| (i * 29 + 3) as u8).collect();
+        guest.vram_write(0x300_0000, &keep);
+        common::workload::fill_copy_round(&mut guest, 0, 0);
+        let pid = d.endpoint("vm1")["worker"]["pid"].as_u64().expect("pid");
+        fault(&d, "g0", "engine");
+        wait(&format!("{point}: paused"), || {
+            d.log().contains("test knob: paused here for good")
+        });
+        d.kill9();
+        d.clear_env();
+        d.launch();
+        wait(&format!("{point}: failed over to g1"), || {
+            board_of(&mut d, "vm1") == "g1"
+        });
+        // The connection never reset: the same client goes on, state intact.
+        assert_eq!(guest.r32(SCRATCH), 0x0dd_ba11, "{point}: registers");
+        let mut back = vec![0u8; keep.len()];
+        guest.vram_read(0x300_0000, &mut back);
+        assert!(back == keep, "{point}: VRAM survives");
+        common::workload::fill_copy_round(&mut guest, 1, 0);
+        common::workload::fill_copy_round(&mut guest, 2, 1);
+        assert_eq!(
+            pool_events(&d, "failed_over").len(),
+            1,
+            "{point}: one failover"
+        );
+        assert_eq!(pool_events(&d, "board_failed").len(), 1, "{point}");
+        let e = d.endpoint("vm1");
+        assert_eq!(e["worker"]["state"], "running", "{point}: {e}");
+        if point == "failover-asked" {
+            // The worker continued in place: the same process, in its new image.
+            assert_eq!(e["worker"]["pid"].as_u64(), Some(pid), "{point}: {e}");
+        }
+    }
+}

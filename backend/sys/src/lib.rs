@@ -39,6 +39,7 @@
 pub mod alloc_count;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod inherit;
 pub mod sock;
 mod vfio;
 

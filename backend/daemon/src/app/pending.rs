@@ -68,7 +68,26 @@ impl Daemon {
         let Some(plan) = self.inventory().pending_move(endpoint) else {
             return;
         };
+        // A failover (its source board failed): the worker's lease says where it continues
+        // the device (it re-executes there: `crate::reexec`).
+        let failover = self
+            .inventory()
+            .board(&plan.from_board)
+            .is_some_and(|b| b.failed.is_some());
         let what = match served {
+            Served::Adopted if failover => {
+                let lease = self.supervisor.status(endpoint).ok().and_then(|s| s.lease);
+                if lease.as_deref() == Some(plan.to.as_str()) {
+                    if self.commit_adopted_failover(&plan) {
+                        return;
+                    }
+                    Settle::Wait
+                } else {
+                    Settle::Abort(
+                        "a failover the earlier daemon planned did not reach the worker, which serves the failed board's device still; it fails over anew".to_owned(),
+                    )
+                }
+            }
             Served::Adopted => {
                 let last = self.supervisor.adopted_move(endpoint).ok().flatten();
                 settle(&plan.to, last.as_ref())

@@ -84,6 +84,7 @@ fn an_adopting_supervisor_gets_exactly_what_the_last_one_held() {
             replacement: Some(StartMode::Resume),
             last_move: None,
             restarts: Some(3),
+            lease: None,
         },
         "the adopting supervisor learns how a replacement starts and the restarts so far"
     );
@@ -344,6 +345,7 @@ fn an_adopted_note_of_an_earlier_release_has_no_last_move() {
             replacement: Some(StartMode::Resume),
             last_move: None,
             restarts: None,
+            lease: None,
         }
     );
 }

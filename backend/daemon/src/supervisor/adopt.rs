@@ -1,16 +1,14 @@
 //! Adoption: a later daemon's supervisor takes over a running worker from its adoption
 //! socket, with everything it holds, and supervises it until it dies.
 
-use std::collections::BTreeMap;
-use std::os::fd::OwnedFd;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, CONNECTION_ID, LISTENER_ID, LastMove, Note};
+use crate::custody::{CONNECTION_ID, LISTENER_ID, LastMove};
 
+use super::handover::{Adoption, adopt_from};
 use super::launch::{Launch, supervise};
 use super::{
     Endpoint, EndpointSpec, MoveSlot, Supervisor, SupervisorError, WorkerStatus, client_fds,
@@ -47,6 +45,7 @@ impl Supervisor {
             replacement,
             last_move,
             restarts,
+            lease,
         } = adopt_from(&path, &spec.id, pid)
             .map_err(|e| failed(format!("{}: {e}", path.display())))?;
         // A worker of an earlier release holds its memory objects by id.
@@ -101,7 +100,9 @@ impl Supervisor {
                 held: held.len() + objects.len(),
                 client_fds: client,
                 connected,
-                lease: spec.lease.clone(),
+                // What the worker says it serves: a failover or move it finished after the
+                // last daemon planned it may have put it elsewhere than the store says.
+                lease: lease.or_else(|| spec.lease.clone()),
                 ..WorkerStatus::default()
             }),
             held: Mutex::new(held),
@@ -110,6 +111,8 @@ impl Supervisor {
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
             generation: AtomicU64::new(0),
+            reexec_asked: AtomicU64::new(0),
+            reexec_taken: AtomicU64::new(0),
             channel: Mutex::new(channel.try_clone().ok()),
             mv: Mutex::new(mv),
             mv_changed: Condvar::new(),
@@ -138,168 +141,5 @@ impl Supervisor {
         endpoints.insert(spec.id.clone(), ep);
         tracing::info!(endpoint = spec.id, pid, "worker adopted");
         Ok(())
-    }
-}
-
-/// What an adoption hands over.
-#[derive(Debug)]
-struct Adoption {
-    /// The custody channel from now on.
-    channel: OwnedFd,
-    /// Held descriptors by custody id.
-    held: BTreeMap<u64, OwnedFd>,
-    /// Memory objects by name.
-    objects: BTreeMap<String, OwnedFd>,
-    /// How the worker's replacement must start, as it said.
-    replacement: Option<crate::custody::StartMode>,
-    /// Its last move, as it said.
-    last_move: Option<LastMove>,
-    /// The endpoint's restarts before the worker (0 from workers of earlier releases).
-    restarts: u64,
-}
-
-/// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
-/// and everything held. The socket must be one (not a symbolic link) and served by the
-/// recorded worker `pid` itself, running as our uid: the record that named the pid is not
-/// proof enough.
-fn adopt_from(path: &Path, endpoint: &str, pid: u32) -> Result<Adoption, custody::ChannelError> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    use std::os::unix::fs::FileTypeExt;
-    let refused = |reason: String| custody::ChannelError::Io(std::io::Error::other(reason));
-    let kind = std::fs::symlink_metadata(path)?.file_type();
-    if kind.is_symlink() {
-        return Err(refused("the adoption socket is a symbolic link".into()));
-    }
-    if !kind.is_socket() {
-        return Err(refused("the adoption socket is not a socket".into()));
-    }
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(std::io::Error::from)?;
-    let addr = SocketAddrUnix::new(path).map_err(std::io::Error::from)?;
-    rustix::net::connect(&sock, &addr).map_err(std::io::Error::from)?;
-    let peer = rustix::net::sockopt::socket_peercred(&sock).map_err(std::io::Error::from)?;
-    let ours = rustix::process::geteuid();
-    if peer.uid != ours {
-        return Err(refused(format!(
-            "the adoption socket's server runs as uid {}, not as the daemon's uid {}",
-            peer.uid.as_raw(),
-            ours.as_raw()
-        )));
-    }
-    if u32::try_from(peer.pid.as_raw_nonzero().get()) != Ok(pid) {
-        return Err(refused(format!(
-            "the adoption socket is served by process {}, not by the recorded worker {pid}",
-            peer.pid.as_raw_nonzero()
-        )));
-    }
-    custody::send(
-        &sock,
-        &Note::Adopt {
-            endpoint: endpoint.to_owned(),
-        },
-        &[],
-    )?;
-    let mut held = BTreeMap::new();
-    let mut objects = BTreeMap::new();
-    let mut buf = Vec::new();
-    loop {
-        match custody::recv(&sock, &mut buf)? {
-            (Note::Fds { ids }, fds) => held.extend(ids.into_iter().zip(fds)),
-            (Note::Objects { names }, fds) => objects.extend(names.into_iter().zip(fds)),
-            (
-                Note::Adopted {
-                    replacement,
-                    last_move,
-                    restarts,
-                    ..
-                },
-                _,
-            ) => {
-                return Ok(Adoption {
-                    restarts: restarts.unwrap_or(0),
-                    channel: sock,
-                    held,
-                    objects,
-                    replacement,
-                    last_move,
-                });
-            }
-            (Note::AdoptRefused { reason }, _) => {
-                return Err(custody::ChannelError::Io(std::io::Error::other(reason)));
-            }
-            (other, _) => tracing::warn!(?other, "unexpected note during an adoption; ignored"),
-        }
-    }
-}
-
-#[cfg(test)]
-mod adopt_from_tests {
-    use super::*;
-
-    /// An adoption socket served by this process: it answers one `Adopt` with `Adopted`.
-    fn serve(path: &Path) -> std::thread::JoinHandle<Option<Note>> {
-        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-        let sock = rustix::net::socket_with(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        let _ = std::fs::remove_file(path);
-        rustix::net::bind(&sock, &SocketAddrUnix::new(path).expect("addr")).expect("bind");
-        rustix::net::listen(&sock, 4).expect("listen");
-        std::thread::spawn(move || {
-            let conn = rustix::net::accept(&sock).expect("accept");
-            let (note, _) = custody::recv(&conn, &mut Vec::new()).ok()?;
-            let pid = std::process::id();
-            custody::send(
-                &conn,
-                &Note::Adopted {
-                    pid,
-                    replacement: None,
-                    last_move: None,
-                    restarts: None,
-                },
-                &[],
-            )
-            .expect("send");
-            Some(note)
-        })
-    }
-
-    #[test]
-    fn only_the_recorded_process_on_a_real_socket_is_adopted() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("w.sock");
-        let server = serve(&path);
-        let me = std::process::id();
-        // The record names another process than the one serving the socket.
-        let e = adopt_from(&path, "ep", me + 1).expect_err("another process");
-        let wanted = format!(
-            "served by process {me}, not by the recorded worker {}",
-            me + 1
-        );
-        assert!(format!("{e:?}").contains(&wanted), "{e:?}");
-        let asked = server.join().expect("server");
-        assert!(asked.is_none(), "nothing was asked: {asked:?}");
-        // A symbolic link to a genuine socket is not followed.
-        let server = serve(&path);
-        let link = dir.path().join("link.sock");
-        std::os::unix::fs::symlink(&path, &link).expect("symlink");
-        let e = adopt_from(&link, "ep", me).expect_err("a link");
-        assert!(format!("{e:?}").contains("symbolic link"), "{e:?}");
-        // Positive control: the recorded process on the socket itself.
-        let held = adopt_from(&path, "ep", me).expect("adopted").held;
-        assert!(held.is_empty());
-        assert!(matches!(
-            server.join().expect("server"),
-            Some(Note::Adopt { endpoint }) if endpoint == "ep"
-        ));
     }
 }

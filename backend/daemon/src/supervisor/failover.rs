@@ -8,6 +8,9 @@ use crate::custody::{self, DeviceSpec, Note, StartMode};
 
 use super::{Supervisor, SupervisorError, kill, launch::let_go};
 
+/// How long a worker asked to re-execute may take before it is killed instead.
+const REEXEC_WAIT: Duration = Duration::from_secs(5);
+
 impl Supervisor {
     /// Asks the endpoint's worker to simulate the board fault `kind` and waits (up to
     /// `timeout`) for its answer. The failure is then detected and reported as a real one
@@ -99,9 +102,70 @@ impl Supervisor {
         if lease.is_some() {
             *ep.next_lease.lock().unwrap_or_else(|p| p.into_inner()) = lease;
         }
+        if self.adopt_dir.is_some() {
+            return self.reexec(&ep);
+        }
         let st = ep.status();
         let ready = st.ready;
         kill(st.pid);
+        Ok(ready)
+    }
+
+    /// Asks the endpoint's worker to re-execute itself in place ([`Note::Reexec`]) on the
+    /// device and lease the next worker gets; the supervision thread adopts the new image.
+    /// A worker that has not re-executed within [`REEXEC_WAIT`] (its request thread stuck
+    /// with a dead device) is killed and replaced the usual way. Returns the number of
+    /// workers that had reported ready, for [`Supervisor::wait_ready`].
+    fn reexec(&self, ep: &std::sync::Arc<super::Endpoint>) -> Result<u64, SupervisorError> {
+        use std::sync::atomic::Ordering;
+        let (ready, pid) = {
+            let st = ep.status();
+            (st.ready, st.pid)
+        };
+        let asked = ep.reexec_asked.fetch_add(1, Ordering::SeqCst) + 1;
+        let sent = {
+            let channel = ep.channel.lock().unwrap_or_else(|p| p.into_inner());
+            let note = Note::Reexec {
+                device: ep.device(),
+                lease: ep.lease(),
+            };
+            channel.as_ref().map(|ch| custody::send(ch, &note, &[]))
+        };
+        match sent {
+            Some(Ok(())) => {
+                tracing::info!(
+                    endpoint = ep.spec.id,
+                    ?pid,
+                    "worker asked to re-execute in place"
+                );
+                let watched = ep.clone();
+                std::thread::Builder::new()
+                    .name(format!("sy-reexec-{}", ep.spec.id))
+                    .spawn(move || {
+                        std::thread::sleep(REEXEC_WAIT);
+                        let taken = watched.reexec_taken.load(Ordering::SeqCst);
+                        if taken < asked && watched.status().pid == pid {
+                            tracing::error!(
+                                endpoint = watched.spec.id,
+                                ?pid,
+                                "the worker did not re-execute in time; killed (replaced from what the daemon holds)"
+                            );
+                            kill(pid);
+                        }
+                    })
+                    .map_err(|e| SupervisorError::Spawn(ep.spec.id.clone(), e))?;
+            }
+            _ => {
+                // No channel, or it broke: the worker is replaced the usual way.
+                ep.reexec_taken.store(asked, Ordering::SeqCst);
+                tracing::warn!(
+                    endpoint = ep.spec.id,
+                    ?pid,
+                    "cannot ask the worker to re-execute; killed"
+                );
+                kill(pid);
+            }
+        }
         Ok(ready)
     }
 

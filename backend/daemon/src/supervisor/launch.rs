@@ -201,6 +201,25 @@ fn run_worker(
         ready = serve_notes(ep, &ours, pid, died_at, started, sink, launch, &|| {
             kill(Some(pid));
         });
+        // A re-exec: the process lives on in a new image, which waits to be adopted.
+        while take_reexec(ep) {
+            let t0 = Instant::now();
+            let mut alive = || matches!(child.try_wait(), Ok(None));
+            match readopt(ep, &mut alive, pid, launch) {
+                Some(channel) => {
+                    *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) =
+                        channel.try_clone().ok();
+                    let again = serve_notes(ep, &channel, pid, Some(t0), t0, sink, launch, &|| {
+                        kill(Some(pid));
+                    });
+                    ready = ready || again;
+                }
+                None => {
+                    kill(Some(pid));
+                    break;
+                }
+            }
+        }
     }
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
     end_move_on_death(ep);
@@ -219,6 +238,75 @@ fn run_worker(
     Ok(ready)
 }
 
+/// Whether a re-exec of the worker was asked and not taken up yet (taken up now).
+fn take_reexec(ep: &Endpoint) -> bool {
+    let asked = ep.reexec_asked.load(Ordering::SeqCst);
+    ep.reexec_taken.swap(asked, Ordering::SeqCst) < asked
+}
+
+/// How long a re-executed image may take to offer its adoption socket.
+const READOPT_WAIT: Duration = Duration::from_secs(10);
+
+/// The worker `pid` re-executed itself ([`Note::Reexec`]): adopts the new image through its
+/// adoption socket, which hands over the whole ledger (the new image's, which is what the
+/// old one held: notes the old image had not sent yet are in it). Returns the new custody
+/// channel; `None` when the process died or did not offer its socket in time (then killed).
+fn readopt(
+    ep: &Endpoint,
+    alive: &mut dyn FnMut() -> bool,
+    pid: u32,
+    launch: Launch<'_>,
+) -> Option<OwnedFd> {
+    let Some(dir) = launch.adopt_dir else {
+        tracing::error!(
+            pid,
+            "a re-exec without an adoption directory cannot be followed"
+        );
+        return None;
+    };
+    let path = crate::keeper::adoption_path(dir, pid);
+    let deadline = Instant::now() + READOPT_WAIT;
+    loop {
+        if !alive() {
+            tracing::error!(pid, "the worker died while re-executing");
+            return None;
+        }
+        match super::handover::adopt_from(&path, &ep.spec.id, pid) {
+            Ok(adoption) => {
+                tracing::info!(
+                    pid,
+                    lease = ?adoption.lease,
+                    "re-executed worker adopted"
+                );
+                return Some(install(ep, adoption));
+            }
+            Err(e) if Instant::now() >= deadline => {
+                tracing::error!(pid, error = %e, "the re-executed worker cannot be adopted");
+                return None;
+            }
+            // Not bound yet (the old image's socket file stays until the new one rebinds).
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// Takes what a re-adopted image handed over as what the supervisor holds; returns its
+/// channel.
+fn install(ep: &Endpoint, a: super::handover::Adoption) -> OwnedFd {
+    let mut held = a.held;
+    // The supervisor has the listening socket already.
+    held.remove(&LISTENER_ID);
+    ep.change_objects(|objects| *objects = a.objects);
+    ep.change_held(|h| *h = held);
+    if let Some(mode) = a.replacement {
+        ep.record_replacement(mode);
+    }
+    if a.lease.is_some() {
+        ep.status().lease = a.lease;
+    }
+    a.channel
+}
+
 /// A move (or a fault injection) waiting for the worker that just died learns it.
 pub(super) fn end_move_on_death(ep: &Endpoint) {
     {
@@ -233,6 +321,15 @@ pub(super) fn end_move_on_death(ep: &Endpoint) {
         mv.reply = Some(Err(None));
         ep.mv_changed.notify_all();
     }
+}
+
+/// Whether `pid` runs (exists and is no zombie).
+fn running(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let zombie = stat
+        .rfind(')')
+        .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+    !stat.is_empty() && !zombie
 }
 
 /// Waits (bounded) until `pid` no longer runs (gone, or a zombie).
@@ -288,6 +385,7 @@ fn hand_over(
             fd_budget: launch.fd_budget,
             restarts: ep.status().restarts,
             failover: ep.spec.failover,
+            lease: ep.lease(),
         },
         &[],
     )
@@ -338,6 +436,18 @@ fn supervise_adopted(
             kill(Some(pid));
         },
     );
+    // A re-exec: the process lives on in a new image, which waits to be adopted.
+    while take_reexec(ep) {
+        let t0 = Instant::now();
+        let mut alive = || running(pid);
+        let Some(channel) = readopt(ep, &mut alive, pid, launch) else {
+            break;
+        };
+        *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel.try_clone().ok();
+        serve_notes(ep, &channel, pid, Some(t0), t0, sink, launch, &|| {
+            kill(Some(pid));
+        });
+    }
     // Not our child: it cannot be waited for. It closed its channel by dying (or is
     // made to): a replacement must not serve next to it.
     kill(Some(pid));

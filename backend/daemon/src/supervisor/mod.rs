@@ -7,6 +7,7 @@ mod access;
 mod adopt;
 mod common;
 mod failover;
+mod handover;
 mod launch;
 mod ledger;
 mod plan;
@@ -208,6 +209,10 @@ struct Endpoint {
     stopping: AtomicBool,
     /// Bumped to ask the current worker to be replaced by a fresh process (upgrade).
     generation: AtomicU64,
+    /// Re-execs asked of the worker ([`Note::Reexec`]) and re-execs its supervision thread
+    /// has taken up (re-adopting the new image): one is pending while asked > taken.
+    reexec_asked: AtomicU64,
+    reexec_taken: AtomicU64,
     /// The current worker's end of its custody channel, for requests.
     channel: Mutex<Option<OwnedFd>>,
     /// The move in progress, if any.
@@ -572,6 +577,8 @@ impl Supervisor {
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
             generation: AtomicU64::new(0),
+            reexec_asked: AtomicU64::new(0),
+            reexec_taken: AtomicU64::new(0),
             channel: Mutex::new(None),
             mv: Mutex::new(MoveSlot::default()),
             mv_changed: Condvar::new(),

@@ -62,6 +62,11 @@ impl Daemon {
         }
     }
 
+    /// From the next [`Daemon::launch`] on, no environment of [`Daemon::with_env`].
+    pub fn clear_env(&mut self) {
+        self.env.clear();
+    }
+
     /// Runs `switchyard daemon` (and so its workers) with this environment variable too
     /// (the test knobs of `switchyard_daemon::knobs`).
     pub fn with_env(mut self, key: &str, value: &str) -> Self {

@@ -319,9 +319,15 @@ impl Daemon {
             }
         };
         lock(&self.failover.said).remove(id);
-        let at = lock(&self.failover.reported)
-            .get(&lease.board)
-            .copied()
+        crate::knobs::pause("failover-planned");
+        // From the failure's report; a failure an earlier daemon recorded, from its time in
+        // the store (not from this daemon's plan).
+        let reported = lock(&self.failover.reported).get(&lease.board).copied();
+        let at = reported
+            .or_else(|| {
+                let ago = self.failed_ms_ago(&lease.board)?;
+                Instant::now().checked_sub(Duration::from_millis(ago))
+            })
             .unwrap_or_else(Instant::now);
         let result = match &link {
             Some(link) if !transparent => self.fail_over_visibly(&plan, link),
@@ -398,6 +404,7 @@ impl Daemon {
             .supervisor
             .continue_elsewhere(&plan.endpoint, device, Some(plan.to.clone()))
             .map_err(supervisor_error)?;
+        crate::knobs::pause("failover-asked");
         self.supervisor
             .wait_ready(&plan.endpoint, ready + 1, READY_TIMEOUT)
             .map_err(supervisor_error)?;
@@ -511,6 +518,71 @@ impl Daemon {
             kind: kind.to_owned(),
             endpoints,
         })
+    }
+
+    /// How long ago (ms) the store recorded `board`'s last failure, from its event history
+    /// (the last 4096 events).
+    pub(crate) fn failed_ms_ago(&self, board: &str) -> Option<u64> {
+        let board = board.to_owned();
+        let at = self.pool.run(move |pool, _| {
+            let since = pool.inventory().next_seq().saturating_sub(4096);
+            let events = pool.history(since, 4096).ok()?;
+            events.iter().rev().find_map(|e| match &e.kind {
+                switchyard_pool::EventKind::BoardFailed { board: b, .. } if *b == board => {
+                    Some(e.at_unix_ms)
+                }
+                _ => None,
+            })
+        })?;
+        Some(now_unix_ms().saturating_sub(at))
+    }
+
+    /// A failover an earlier daemon left in progress (its target reserved) whose worker was
+    /// adopted continuing the device on the target (it had re-executed there): committed,
+    /// as that daemon would have. Returns whether it was.
+    pub(crate) fn commit_adopted_failover(&self, plan: &MovePlan) -> bool {
+        let stall_ms = self.failed_ms_ago(&plan.from_board).unwrap_or(0);
+        let p = plan.clone();
+        match self
+            .pool
+            .apply(move |pool| pool.commit_failover(&p, "transparent", stall_ms))
+        {
+            Ok(()) => {
+                let pool_name = self
+                    .inventory()
+                    .board(&plan.from_board)
+                    .and_then(|b| b.pool);
+                let stall = Duration::from_millis(stall_ms);
+                self.metrics
+                    .failed_over(pool_name.as_deref().unwrap_or(""), "transparent", stall);
+                lock(&self.failover.last).insert(
+                    plan.endpoint.clone(),
+                    LastFailover {
+                        from: plan.from.clone(),
+                        to: plan.to.clone(),
+                        mode: "transparent".to_owned(),
+                        stall_ms: super::super::events::ms(stall),
+                        at_unix_ms: now_unix_ms(),
+                    },
+                );
+                tracing::warn!(
+                    endpoint = plan.endpoint,
+                    from = plan.from,
+                    to = plan.to,
+                    stall_ms,
+                    "a failover an earlier daemon left in progress: its worker continues on the target; committed"
+                );
+                true
+            }
+            Err(e) => {
+                tracing::error!(
+                    ?plan,
+                    "cannot commit an adopted failover: {}",
+                    error_chain(&e)
+                );
+                false
+            }
+        }
     }
 
     /// `POST /v1/boards/{id}/quarantine` (`on`) or `.../unquarantine`. Unquarantining a
