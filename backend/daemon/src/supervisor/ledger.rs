@@ -273,6 +273,17 @@ pub(super) fn serve_notes(
             }
             Ok((other, _)) => tracing::warn!(?other, "unexpected custody note; ignored"),
             Err(custody::ChannelError::Closed) => break,
+            // A worker that died with notes in flight (killed for a restart or a failover)
+            // resets the channel: an end, not a broken protocol.
+            Err(custody::ChannelError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                ) =>
+            {
+                tracing::debug!(error = %e, "custody channel reset by the worker's end");
+                break;
+            }
             Err(e) => {
                 // A worker that breaks the channel protocol cannot be trusted with it.
                 tracing::error!(error = %e, "custody channel broken; killing the worker");
