@@ -14,6 +14,7 @@
 mod api;
 mod cases;
 mod copy;
+mod create_load;
 mod cuda;
 mod custody;
 mod decompose;
@@ -71,7 +72,7 @@ struct Cli {
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
     /// write-multi, copy, interrupt, doorbell, dirty-report, swap, migration, journal, custody,
-    /// restart, failover, move, api; and cuda (a real GPU: only when named here).
+    /// restart, failover, move, api, create-load; and cuda (a real GPU: only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The `switchyard` binary whose `switchyard worker` processes the restart case kills, and
@@ -184,6 +185,7 @@ fn main() -> Result<()> {
         ("failover", failover::failover),
         ("move", moves::moves),
         ("api", api::api),
+        ("create-load", create_load::create_load),
         ("cuda", cuda::cuda),
     ];
     // Cases that need hardware CI does not have run only when named.
