@@ -521,16 +521,22 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
     // come after the first requests (a thread started late on a loaded machine) and they
     // would never be reported.
     let mut last = requests.snapshot();
+    // The device's counters, with which device they are of (its address: a move swaps in
+    // a successor, allocated while its predecessor still lives, whose counters start anew).
     let work = move || {
-        slot.with(|d| d.telemetry().map(|t| t.work()))
-            .unwrap_or_default()
+        slot.with(|d| {
+            let device =
+                std::ptr::from_ref::<dyn switchyard_device::PciDevice>(d).cast::<()>() as usize;
+            (device, d.telemetry().map(|t| t.work()).unwrap_or_default())
+        })
     };
     // What the device's recovery did (replays, interruptions) happened before this worker
     // served: counted from zero, so that the first report carries it.
+    let (mut device, first) = work();
     let mut last_work = switchyard_device::WorkCounters {
         replayed: 0,
         interrupted: 0,
-        ..work()
+        ..first
     };
     // A test knob may make the reports frequent, and sent even when empty.
     let knob = crate::knobs::stats_period();
