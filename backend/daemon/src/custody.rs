@@ -353,6 +353,12 @@ pub enum Note {
         /// objects in custody can continue it elsewhere).
         state_intact: bool,
     },
+    /// The board failure the device reported will not be failed over (supervisor → worker:
+    /// the pool refused it): the device tells its client now, as it would have without a
+    /// pool ([`PciDevice::failure_unhandled`]).
+    ///
+    /// [`PciDevice::failure_unhandled`]: switchyard_device::PciDevice::failure_unhandled
+    FailureUnhandled,
     /// Simulate the board fault `kind` (supervisor → worker; a drill, `ctl fault`).
     Fault {
         /// The fault, one of the device's [`FaultInjection::fault_kinds`].

@@ -435,6 +435,7 @@ fn spawn_control(
                         keeper.end_move(&answer);
                     }
                     Note::Fault { kind } => inject_fault(&slot, &keeper, &kind),
+                    Note::FailureUnhandled => slot.with(|d| d.failure_unhandled()),
                     Note::Sync { token } => keeper.synced(generation, token),
                     Note::Reexec { device, lease } => {
                         tracing::warn!(?lease, "re-executing in place (a failover or replacement)");
@@ -551,7 +552,13 @@ fn spawn_stats(keeper: &Arc<Keeper>, server: &Server) -> Result<(), WorkerError>
                     std::thread::sleep(knob.unwrap_or(STATS_PERIOD));
                 }
                 let now = requests.snapshot();
-                let work = work();
+                let (now_device, work) = work();
+                if now_device != device {
+                    // A successor (a move): all it counted (its recovery's replays and
+                    // interruptions included) is new.
+                    device = now_device;
+                    last_work = switchyard_device::WorkCounters::default();
+                }
                 let d = now.since(&last);
                 let stats = crate::custody::WorkerStats {
                     messages: (0u16..)

@@ -121,6 +121,14 @@ pub trait PciDevice: Send + AsAny {
     fn faults(&self) -> Option<&dyn FaultInjection> {
         None
     }
+
+    /// The failure this device reported as handled above it ([`FailedHook`] said a
+    /// failover would take it) will not be failed over after all (the pool refused: no VMM,
+    /// no device free for good, policy changed): the device now tells its client as it
+    /// would have without a hook (the ERR interrupt). Nothing if it reported no failure.
+    ///
+    /// [`FailedHook`]: crate::kind::FailedHook
+    fn failure_unhandled(&self) {}
 }
 
 impl std::fmt::Debug for dyn PciDevice {

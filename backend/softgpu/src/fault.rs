@@ -103,6 +103,20 @@ impl Faults {
             .is_some_and(|f| !f.swap(true, Ordering::SeqCst))
     }
 
+    /// The failure reported as handled above the device will not be (the pool refused to
+    /// fail it over): the client is told now, as it would have been without a hook (the ERR
+    /// interrupt), once.
+    pub(crate) fn unhandled(&self, irqs: &Interrupts) {
+        if !self.reported.load(Ordering::SeqCst) || !self.handled.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        let signalled = irqs.trigger(IrqIndex::Err, 0);
+        tracing::error!(
+            err_irq_signalled = matches!(signalled, Ok(true)),
+            "the failure will not be failed over: the softgpu is broken (ERR interrupt)"
+        );
+    }
+
     /// Reports `failure`, if it is the device's first: to the hook, or, if there is none or
     /// it declines, to the client as the ERR interrupt. Call without the register lock.
     /// Returns whether the device's (first) failure is handled above the device.

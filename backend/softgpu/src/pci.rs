@@ -153,6 +153,10 @@ impl PciDevice for SoftGpu {
         Some(self)
     }
 
+    fn failure_unhandled(&self) {
+        self.shared.faults.unhandled(&self.shared.irqs);
+    }
+
     fn dma_observer(&self) -> Option<Arc<dyn switchyard_device::DmaObserver>> {
         self.shared.accel.get().and_then(|a| a.dma_observer())
     }

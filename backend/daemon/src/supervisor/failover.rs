@@ -73,6 +73,19 @@ impl Supervisor {
         }
     }
 
+    /// Tells the endpoint's worker that its device's failure will not be failed over
+    /// ([`Note::FailureUnhandled`]): the device signals it to its client.
+    pub fn failure_unhandled(&self, id: &str) -> Result<(), SupervisorError> {
+        let ep = self.get(id)?;
+        let channel = ep.channel.lock().unwrap_or_else(|p| p.into_inner());
+        let ch = channel
+            .as_ref()
+            .ok_or_else(|| SupervisorError::NoWorker(id.to_owned()))?;
+        // A broken channel: the worker is gone (its replacement starts afresh anyway).
+        custody::send(ch, &Note::FailureUnhandled, &[])
+            .map_err(|_| SupervisorError::NoWorker(id.to_owned()))
+    }
+
     /// Whether a replacement of the endpoint's worker would continue its device (the device
     /// can be recovered from what is in custody).
     pub fn can_continue(&self, id: &str) -> Result<bool, SupervisorError> {

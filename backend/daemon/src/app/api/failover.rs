@@ -259,6 +259,17 @@ impl Daemon {
         if let Err(e) = recorded {
             tracing::error!("cannot record an event: {}", error_chain(&e));
         }
+        if !waiting {
+            // The device held its failure back for the failover; there will be none now:
+            // its client is told (the ERR interrupt), as without a pool.
+            if let Err(e) = self.supervisor.failure_unhandled(&lease.endpoint) {
+                tracing::warn!(
+                    endpoint = lease.endpoint,
+                    "cannot have the device signal its failure: {}",
+                    error_chain(&e)
+                );
+            }
+        }
     }
 
     fn fail_over(&self, lease: &FailedLease) -> Step {
