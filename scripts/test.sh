@@ -162,9 +162,17 @@ NOT_RUN=$SY_CH_NOT_RUN${SY_CH_NOT_RUN:+ (cloud-hypervisor not installed; docs/cl
 NOT_RUN+=${LIBVIRT_NOT_RUN:+${NOT_RUN:+, }$LIBVIRT_NOT_RUN (libvirt not installed; scripts/install-libvirt.sh)}
 guest_out=$(mktemp)
 trap 'rm -f "$guest_out"' EXIT
+# Every guest test binary runs even after one fails (--no-fail-fast); the failures are listed
+# at the end.
+guest_rc=0
 bounded 50 "the guest tests" \
-  cargo test --locked -p switchyard-guest-tests -- --test-threads=1 --include-ignored \
-  "${SKIP[@]}" 2>&1 | tee "$guest_out"
+  cargo test --no-fail-fast --locked -p switchyard-guest-tests -- --test-threads=1 \
+  --include-ignored "${SKIP[@]}" 2>&1 | tee "$guest_out" || guest_rc=$?
+if [ "$guest_rc" != 0 ]; then
+  echo "test.sh: error: guest tests failed (exit $guest_rc):" >&2
+  grep -E '^test .* \.\.\. FAILED$|^error: .*(failed|target)' "$guest_out" >&2 || true
+  exit 1
+fi
 if grep -Eq '; [1-9][0-9]* ignored;' "$guest_out"; then
   echo "test.sh: error: some guest tests did not run (ignored); see above" >&2
   exit 1

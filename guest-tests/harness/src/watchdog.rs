@@ -168,7 +168,16 @@ mod tests {
             .spawn()
             .expect("sleep");
         let found = descendants(std::process::id());
-        let described = describe(child.id());
+        // Right after the spawn, a loaded machine may not show the new image's command line
+        // yet: described once it does (bounded).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let described = loop {
+            let d = describe(child.id());
+            if d.contains("sleep 30") || std::time::Instant::now() > deadline {
+                break d;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
         let _ = child.kill();
         let _ = child.wait();
         assert!(found.contains(&child.id()), "{found:?}");
