@@ -1,15 +1,20 @@
 //! A pool store written before device kinds opens with the daemon's kinds (the registry):
 //! the softgpu and passthrough boards it recorded get the canonical options of their kind,
-//! the same the configuration's boards get, so their leases are kept.
+//! the same the configuration's boards get, so their leases are kept. A store of the release
+//! before events retention keeps its numbering: a `since` a client had is still good, or
+//! refused with 410 once retention pruned past it.
 #![forbid(unsafe_code)]
 
 use redb::{Database, TableDefinition};
 use serde_json::json;
-use switchyard_pool::{Pool, PoolConfig};
+use switchyard_control::Received;
+use switchyard_daemon::app::events::{EventStream, EventsPruned, SEQ_STRIDE, Step};
+use switchyard_pool::{EventKind, Pool, PoolConfig};
 
 const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 
 #[test]
 fn a_store_from_before_device_kinds_opens_with_the_registry() {
@@ -87,4 +92,87 @@ bars = "mmap"
     assert_eq!(edu0.option_text("host").as_deref(), Some("0000:00:04.0"));
     assert_eq!(edu0.option_text("bars").as_deref(), Some("mmap"));
     assert!(!edu0.profile.movable);
+}
+
+/// Every `seq` the daemon's stream gives a reader after `since`, reading `pool`'s history, and
+/// the events it reports missed.
+fn read_after(pool: &Pool, since: u64) -> (Vec<u64>, u64) {
+    let last = pool.inventory().next_seq() - 1;
+    let stream = EventStream::new(last);
+    let history = pool.history_reader();
+    let mut cursor = stream.cursor(Some(since), false);
+    let (mut seqs, mut missed) = (Vec::new(), 0);
+    while let Step::Page(page) = stream
+        .next_page(&mut cursor, |after, n| history.page(after, n))
+        .expect("page")
+    {
+        for r in page {
+            match r {
+                Received::Event(e) => seqs.push(e.seq),
+                Received::Lagged { missed: n } => missed += n,
+            }
+        }
+    }
+    (seqs, missed)
+}
+
+#[test]
+fn a_store_from_before_events_retention_keeps_its_numbering() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pool.redb");
+    // The previous release: twelve pool events, nothing pruned, no `pruned` record.
+    {
+        let db = Database::create(&path).expect("create");
+        let txn = db.begin_write().expect("write");
+        {
+            let mut t = txn.open_table(EVENTS).expect("events");
+            for seq in 1..=12u64 {
+                let kind = if seq % 2 == 1 {
+                    json!({"type": "board_quarantined", "board": "gpu0"})
+                } else {
+                    json!({"type": "board_released", "board": "gpu0"})
+                };
+                let e = json!({"seq": seq, "at_unix_ms": 1_700_000_000_000u64 + seq, "kind": kind});
+                t.insert(seq, serde_json::to_vec(&e).expect("json").as_slice())
+                    .expect("insert");
+            }
+            let mut t = txn.open_table(META).expect("meta");
+            t.insert("format", 1).expect("format");
+            t.insert("next_seq", 13).expect("next_seq");
+        }
+        txn.commit().expect("commit");
+    }
+    // Events that old are past the default age: this release keeps by count only here.
+    let config = PoolConfig::from_toml(
+        "[daemon]\nendpoint_dir = \"/run/sy\"\nevents_keep = 5\nevents_max_age = \"36500d\"\n\
+         [[boards]]\nid = \"gpu0\"\n",
+        &switchyard_kinds::Registry,
+    )
+    .expect("config");
+    let (pool, _) = Pool::open(&config, &switchyard_kinds::Registry, &path).expect("opens");
+    // The numbering goes on (`opened` is 13), and retention pruned 1 to 8 at the open.
+    let history = pool.history(0, usize::MAX).expect("history");
+    let kept: Vec<u64> = history.iter().map(|e| e.seq).collect();
+    assert_eq!(kept, [9, 10, 11, 12, 13]);
+    assert!(matches!(history[4].kind, EventKind::Opened { .. }));
+    let pruned = pool.pruned().expect("pruned");
+    assert_eq!(pruned, 8);
+    // A client of the previous daemon had seen pool event 9 and three worker events after
+    // it: it resumes where it was, the pool events numbered as the previous daemon did.
+    let (seqs, missed) = read_after(&pool, 9 * SEQ_STRIDE + 3);
+    assert_eq!(seqs, [10, 11, 12, 13].map(|p| p * SEQ_STRIDE));
+    assert_eq!(missed, 0);
+    assert!(EventsPruned::check(9 * SEQ_STRIDE + 3, pruned).is_ok());
+    // The oldest since is good too; one before it is refused, with where to resume.
+    assert!(EventsPruned::check(8 * SEQ_STRIDE, pruned).is_ok());
+    let (seqs, missed) = read_after(&pool, 8 * SEQ_STRIDE);
+    assert_eq!(seqs, [9, 10, 11, 12, 13].map(|p| p * SEQ_STRIDE));
+    assert_eq!(missed, 0);
+    let gone = EventsPruned::check(4 * SEQ_STRIDE, pruned).expect_err("pruned");
+    assert_eq!(gone.oldest_since, 8 * SEQ_STRIDE);
+    assert_eq!(gone.error.code, "events_pruned");
+    // A reader let through anyway is told how many it missed, where they were.
+    let (seqs, missed) = read_after(&pool, 4 * SEQ_STRIDE);
+    assert_eq!(seqs, [9, 10, 11, 12, 13].map(|p| p * SEQ_STRIDE));
+    assert_eq!(missed, 4);
 }

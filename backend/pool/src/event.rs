@@ -170,4 +170,12 @@ pub enum EventKind {
         /// Its device.
         device: String,
     },
+    /// Nothing changed: the daemon's worker events were filling the numbers between the
+    /// last pool event and the next (999 999 in the daemon's events stream), so the daemon
+    /// wrote this event for the worker events after it to be numbered after it.
+    SeqMark {
+        /// Worker events the daemon had numbered since the previous pool event when it
+        /// asked for this mark.
+        worker_events: u64,
+    },
 }

@@ -79,14 +79,14 @@ mod units;
 mod view;
 
 pub use config::{
-    BoardConfig, ByteSize, DEFAULT_MODEL, DaemonConfig, EndpointConfig, FailoverPolicy,
+    Age, BoardConfig, ByteSize, DEFAULT_MODEL, DaemonConfig, EndpointConfig, FailoverPolicy,
     NamedPoolConfig, PartitionConfig, PoolConfig,
 };
 pub use error::{ConfigProblem, ErrorKind, PoolError};
 pub use event::{Event, EventKind};
 pub use inventory::{FailedLease, Inventory};
 pub use shape::{DeviceShape, DirtyTracking};
-pub use store::{History, Pool, STORE_FORMAT};
+pub use store::{History, PRUNE_BATCH, Pool, STORE_FORMAT};
 pub use switchyard_device::kind::{KindCatalog, KindOptions, Profile};
 pub use view::{
     BoardFailure, BoardState, BoardView, DeviceView, Endpoint, EndpointSpec, FailedEndpoint,

@@ -1,5 +1,18 @@
 //! The store: the inventory's state and its event history in one redb file, written in one
 //! transaction per mutation.
+//!
+//! # Retention
+//!
+//! The history keeps the newest `[daemon] events_keep` events and none older than
+//! `events_max_age` (the newest event is always kept, whatever its age). Older events are
+//! pruned, oldest first, inside the transaction of a commit: everything due at
+//! [`Pool::open`], at most [`PRUNE_BATCH`] per later commit (a commit adds a few events, so
+//! the history never lags its limits by more than a commit or two). redb's readers see the
+//! history as of their transaction's start, so pruning never blocks or tears a read. The
+//! highest sequence number pruned so far is kept (`meta.pruned`, [`History::pruned`]):
+//! events are numbered without gaps, so a reader resuming after `since_seq` has missed
+//! events exactly when `since_seq < pruned`. Sequence numbers never change: pruning removes
+//! history, not numbering (`next_seq` goes on).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -25,8 +38,19 @@ const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 /// The history (`Event` as JSON) by sequence number; append-only.
 const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
-/// `format` and `next_seq`.
+/// `format`, `next_seq` and `pruned` (the highest event seq pruned from the history; absent
+/// while none was).
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+/// Events a commit after [`Pool::open`] prunes at most (see the module documentation).
+pub const PRUNE_BATCH: usize = 256;
+
+/// How much history the store keeps (`[daemon] events_keep`, `events_max_age`).
+#[derive(Debug, Clone, Copy)]
+struct Retention {
+    keep: u64,
+    max_age_ms: u64,
+}
 
 /// The store's format; bumped when a record changes incompatibly.
 pub const STORE_FORMAT: u64 = 1;
@@ -42,6 +66,7 @@ pub struct Pool {
     db: Arc<Database>,
     path: PathBuf,
     inv: Inventory,
+    retention: Retention,
 }
 
 impl fmt::Debug for Pool {
@@ -73,12 +98,18 @@ impl Pool {
         let db = Database::create(path).map_err(|e| PoolError::store("open", e))?;
         let stored = read_snapshot(&db)?;
         let (inv, events, report) = Inventory::restore(config, kinds, stored.clone())?;
-        write(&db, &stored, &inv.snapshot(), &events)?;
+        let retention = Retention {
+            keep: config.daemon.events_keep,
+            max_age_ms: config.daemon.events_max_age.as_millis(),
+        };
+        let prune = (retention, usize::MAX);
+        write(&db, &stored, &inv.snapshot(), &events, prune)?;
         Ok((
             Self {
                 db: Arc::new(db),
                 path: path.into(),
                 inv,
+                retention,
             },
             report,
         ))
@@ -97,6 +128,18 @@ impl Pool {
     /// Events with `seq > since_seq`, oldest first, at most `limit`.
     pub fn history(&self, since_seq: u64, limit: usize) -> Result<Vec<Event>, PoolError> {
         read_history(&self.db, since_seq, limit)
+    }
+
+    /// The highest event seq pruned from the history (0 when none was): see
+    /// [`History::pruned`].
+    pub fn pruned(&self) -> Result<u64, PoolError> {
+        self.history_reader().pruned()
+    }
+
+    /// Commits a [`EventKind::SeqMark`](crate::EventKind::SeqMark) (nothing else changes): the
+    /// daemon numbers the worker events after it.
+    pub fn seq_mark(&mut self, worker_events: u64) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| Ok(inv.seq_mark(worker_events)))
     }
 
     /// A handle that reads the history page by page without the pool (see [`History`]).
@@ -232,7 +275,14 @@ impl Pool {
         let mut next = self.inv.clone();
         let (value, events) = op(&mut next)?;
         if !events.is_empty() {
-            write(&self.db, &self.inv.snapshot(), &next.snapshot(), &events)?;
+            let prune = (self.retention, PRUNE_BATCH);
+            write(
+                &self.db,
+                &self.inv.snapshot(),
+                &next.snapshot(),
+                &events,
+                prune,
+            )?;
             self.inv = next;
         }
         Ok((value, events))
@@ -262,6 +312,63 @@ impl History {
     pub fn page(&self, since_seq: u64, limit: usize) -> Result<Vec<Event>, PoolError> {
         read_history(&self.db, since_seq, limit)
     }
+
+    /// The highest event seq pruned from the history by retention (0 when none was). Events
+    /// are numbered without gaps, so a reader of the events after `since_seq` misses some
+    /// exactly when `since_seq < pruned`: the oldest position a reader may resume from is
+    /// `pruned`.
+    pub fn pruned(&self) -> Result<u64, PoolError> {
+        let txn = self
+            .db
+            .begin_read()
+            .map_err(|e| PoolError::store("read", e))?;
+        let meta = match txn.open_table(META) {
+            Ok(t) => t,
+            Err(TableError::TableDoesNotExist(_)) => return Ok(0),
+            Err(e) => return Err(PoolError::store("read", e)),
+        };
+        let pruned = meta
+            .get("pruned")
+            .map_err(|e| PoolError::store("read", e))?;
+        Ok(pruned.map_or(0, |v| v.value()))
+    }
+}
+
+/// Removes the oldest events of `history` that `retention` no longer keeps, at most `batch`,
+/// never the event `last` (the newest); returns the seq of the last one removed.
+fn prune(
+    history: &mut redb::Table<u64, &[u8]>,
+    last: u64,
+    retention: Retention,
+    batch: usize,
+) -> Result<Option<u64>, PoolError> {
+    /// What the age check needs of a stored event.
+    #[derive(serde::Deserialize)]
+    struct At {
+        at_unix_ms: u64,
+    }
+    let fail = |e: redb::Error| PoolError::store("commit to", e);
+    let by_count = last.saturating_sub(retention.keep);
+    let by_age = crate::inventory::now_unix_ms().saturating_sub(retention.max_age_ms);
+    let mut pruned = None;
+    for _ in 0..batch {
+        let seq = {
+            let Some((seq, bytes)) = history.first().map_err(|e| fail(e.into()))? else {
+                break;
+            };
+            let seq = seq.value();
+            // An event that does not decode is left to the count.
+            let old =
+                || serde_json::from_slice::<At>(bytes.value()).is_ok_and(|e| e.at_unix_ms < by_age);
+            if seq >= last || !(seq <= by_count || old()) {
+                break;
+            }
+            seq
+        };
+        history.remove(seq).map_err(|e| fail(e.into()))?;
+        pruned = Some(seq);
+    }
+    Ok(pruned)
 }
 
 /// Events with `seq > since_seq`, oldest first, at most `limit`, in one read transaction.
@@ -379,8 +486,15 @@ fn write_diff<T: PartialEq + Serialize>(
     Ok(())
 }
 
-/// Writes the difference between two snapshots and the events in one transaction.
-fn write(db: &Database, old: &Snapshot, new: &Snapshot, events: &[Event]) -> Result<(), PoolError> {
+/// Writes the difference between two snapshots and the events in one transaction, and prunes
+/// at most `batch` events of the history that `retention` no longer keeps.
+fn write(
+    db: &Database,
+    old: &Snapshot,
+    new: &Snapshot,
+    events: &[Event],
+    (retention, batch): (Retention, usize),
+) -> Result<(), PoolError> {
     let fail = |e: redb::Error| PoolError::store("commit to", e);
     let txn = db.begin_write().map_err(|e| fail(e.into()))?;
     {
@@ -397,6 +511,13 @@ fn write(db: &Database, old: &Snapshot, new: &Snapshot, events: &[Event]) -> Res
                 .map_err(|e| fail(e.into()))?;
         }
         let mut meta = txn.open_table(META).map_err(|e| fail(e.into()))?;
+        let last = new.next_seq.saturating_sub(1);
+        if let Some(pruned) = prune(&mut history, last, retention, batch)? {
+            let before = meta.get("pruned").map_err(|e| fail(e.into()))?;
+            let before = before.map_or(0, |v| v.value());
+            meta.insert("pruned", pruned.max(before))
+                .map_err(|e| fail(e.into()))?;
+        }
         meta.insert("format", STORE_FORMAT)
             .map_err(|e| fail(e.into()))?;
         meta.insert("next_seq", new.next_seq)

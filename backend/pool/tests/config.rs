@@ -866,3 +866,50 @@ fn descriptor_budgets_have_defaults_and_ranges() {
         );
     }
 }
+
+#[test]
+fn events_retention_has_defaults_and_ranges() {
+    let c = PoolConfig::from_toml("", KINDS).expect("empty");
+    assert_eq!(c.daemon.events_keep, 100_000);
+    assert_eq!(c.daemon.events_max_age, switchyard_pool::Age(30 * 86_400));
+    let c = PoolConfig::from_toml(
+        "[daemon]\nevents_keep = 1\nevents_max_age = \"12h\"\n",
+        KINDS,
+    )
+    .expect("in range");
+    assert_eq!(c.daemon.events_keep, 1);
+    assert_eq!(c.daemon.events_max_age.0, 12 * 3600);
+    assert_eq!(
+        PoolConfig::from_toml(&c.to_toml(), KINDS).expect("round trip"),
+        c
+    );
+    let (p, msg) = refused_at(&daemon("events_keep = 0"), "daemon.events_keep");
+    assert_eq!(
+        p,
+        ConfigProblem::OutOfRange {
+            value: 0,
+            min: 1,
+            max: u64::MAX
+        },
+        "{msg}"
+    );
+    for (value, needle) in [
+        ("\"59s\"", "59s is out of range; expected 1m to 36500d"),
+        ("0", "0s is out of range"),
+        ("\"36501d\"", "36501d is out of range"),
+    ] {
+        let (p, msg) = refused_at(
+            &daemon(&format!("events_max_age = {value}")),
+            "daemon.events_max_age",
+        );
+        assert!(matches!(p, ConfigProblem::Value(_)), "{msg}");
+        assert!(msg.contains(needle), "{msg}");
+    }
+    for value in ["\"2w\"", "\"-1d\"", "-5", "\"1.5d\""] {
+        let (e, msg) = refused(&daemon(&format!("events_max_age = {value}")));
+        assert!(
+            matches!(&e, PoolError::Config { key, problem: ConfigProblem::Value(_), .. } if key == "daemon.events_max_age"),
+            "{value}: {msg}"
+        );
+    }
+}

@@ -9,10 +9,41 @@
 //! event, `P + 1`, is always above them). Every daemon start records a pool event (`opened`),
 //! so the worker events of a new daemon never reuse the numbers of an old one. `GET
 //! /events?since=SEQ` therefore resumes from any `seq` a client has seen: pool events come from
-//! the store (all of them, however old), worker events from the daemon's memory (the last
-//! [`REPLAY`] worker events of this daemon; older worker events, and those of earlier daemons,
-//! are gone). More than 999 999 worker events between two pool events are not numbered
-//! (dropped with a log line).
+//! the store (those its retention keeps, below), worker events from the daemon's memory (the
+//! last [`REPLAY`] worker events of this daemon; older worker events, and those of earlier
+//! daemons, are gone).
+//!
+//! # A full gap: no worker event is dropped
+//!
+//! A gap holds 999 999 worker events. When [`MARK_AT`] of them follow one pool event, the
+//! stream asks the pool's owner for a mark ([`EventStream::set_marker`]): a pool event
+//! (`seq_mark`) that changes nothing and opens a new gap. The stream only asks (a message to
+//! the owner's queue, never a wait), so the supervision thread publishing a worker event never
+//! blocks on the store; the owner commits the mark and publishes it like any pool event. Should
+//! the gap fill before the mark is published (the store slow, or failing), worker events are
+//! not dropped: they wait, in order and with the time they happened, and are numbered right
+//! after the next pool event (the mark, or any other), which publishes them. A mark that fails
+//! to commit is asked again by the next worker event. `state_lost` and `device_lost` are
+//! worker events like the others: every one is published, at worst late.
+//!
+//! # Retention and `since`
+//!
+//! The store prunes old pool events (`[daemon] events_keep`, `events_max_age`; see
+//! `switchyard_pool`'s store) and records the last pool seq `P` it pruned, so a reader may
+//! resume from any `since ≥ P × 1 000 000` ([`EventStream::oldest_since`]). `GET /events`
+//! with an older `since` is refused with 410 ([`EventsPruned`], with `oldest_since`) rather
+//! than silently starting later. Events pruned while a reader pages through the history are
+//! reported where they were, in a `lagged` notice (as worker events gone from memory are).
+//!
+//! # Across an upgrade
+//!
+//! The numbering is that of the previous release: `seq = P × 1 000 000 + k` with the store's
+//! pool seq `P`, which a store of that release keeps (its `next_seq` goes on). So a `seq` a
+//! client saw from the previous daemon, used as `since`, resumes at the same place with this
+//! one. Such a store has no record of pruning (it never pruned): its first open with this
+//! release prunes what the configured retention does not keep, after which a `since` before
+//! that is answered 410. A store with a `seq_mark` cannot be read by a daemon of the previous
+//! release (it does not know the event).
 //!
 //! # Streaming
 //!
@@ -32,7 +63,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use serde::{Deserialize, Serialize};
-use switchyard_control::{Events, Received, Sequenced, StreamNotice, Subscription};
+use switchyard_control::{ErrorDetail, Events, Received, Sequenced, StreamNotice, Subscription};
 use switchyard_pool::{Event as PoolEvent, History};
 use utoipa::ToSchema;
 
@@ -51,6 +82,41 @@ pub const PAGE: usize = 256;
 /// Events streams open at once (`GET /events`); one more is refused (503). Half the control
 /// socket's connections, so that streams cannot take them all.
 pub const MAX_STREAMS: usize = 32;
+/// Worker events after one pool event at which the stream asks the pool's owner for a mark
+/// (half the gap: the store has 499 999 worker events' time to commit it before any waits).
+pub const MARK_AT: u64 = SEQ_STRIDE / 2;
+
+/// The body of `GET /events`'s 410: the `since` asked for is older than what the store keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct EventsPruned {
+    /// `code` `events_pruned`, and a message.
+    pub error: ErrorDetail,
+    /// The oldest `since` this daemon can resume from (every pool event after it is kept):
+    /// the last pruned pool seq × 1 000 000.
+    pub oldest_since: u64,
+}
+
+impl EventsPruned {
+    /// The answer to a reader asking for the events after `since` when the store pruned
+    /// every pool event up to `pruned`, if that is older than what is kept.
+    pub fn check(since: u64, pruned: u64) -> Result<(), Self> {
+        let oldest_since = EventStream::oldest_since(pruned);
+        if since >= oldest_since {
+            return Ok(());
+        }
+        Err(Self {
+            error: ErrorDetail {
+                code: "events_pruned".into(),
+                message: format!(
+                    "The events after seq {since} are no longer all kept (the store's \
+                     retention, [daemon] events_keep and events_max_age, pruned the pool events \
+                     up to {pruned}); resume from since={oldest_since} or later"
+                ),
+            },
+            oldest_since,
+        })
+    }
+}
 
 /// Where an event comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -286,7 +352,15 @@ struct State {
     /// Worker events dropped from the front of `workers` so far: the number, over this
     /// daemon's life, of the worker event `workers[0]` ([`Cursor`] counts the same way).
     evicted: u64,
+    /// Worker events waiting for a number (the gap after the last pool event is full), in
+    /// order; numbered and published after the next pool event.
+    waiting: VecDeque<DaemonEvent>,
+    /// A mark was asked for and no pool event was published since.
+    mark_asked: bool,
 }
+
+/// Asks the pool's owner for a mark ([`EventStream::set_marker`]).
+type Marker = Box<dyn Fn(u64) + Send + Sync>;
 
 /// The daemon's event stream: numbering, the worker events in memory, the live hub and the
 /// readers of the history.
@@ -297,6 +371,8 @@ pub struct EventStream {
     history: OnceLock<History>,
     /// Streams open.
     streams: AtomicUsize,
+    /// Asks for a mark, once the pool's owner runs.
+    marker: OnceLock<Marker>,
 }
 
 impl std::fmt::Debug for EventStream {
@@ -353,9 +429,64 @@ impl EventStream {
                 last: last_pool_seq.saturating_mul(SEQ_STRIDE),
                 workers: VecDeque::with_capacity(REPLAY),
                 evicted: 0,
+                waiting: VecDeque::new(),
+                mark_asked: false,
             }),
             history: OnceLock::new(),
             streams: AtomicUsize::new(0),
+            marker: OnceLock::new(),
+        }
+    }
+
+    /// Sets how the stream asks for a mark: `ask(worker_events)` must commit a pool event
+    /// (`seq_mark`) and publish it ([`EventStream::pool`]), or call
+    /// [`EventStream::mark_failed`]; it is called from any thread, the pool owner's included,
+    /// so it must not wait for the owner (the owner sets it, and queues the mark).
+    pub fn set_marker(&self, ask: impl Fn(u64) + Send + Sync + 'static) {
+        let _ = self.marker.set(Box::new(ask));
+    }
+
+    /// The mark asked for could not be committed: the next worker event asks again.
+    pub fn mark_failed(&self) {
+        self.state().mark_asked = false;
+    }
+
+    /// The oldest `since` a reader can resume from when the store pruned the pool events up
+    /// to `pruned` ([`switchyard_pool::History::pruned`]).
+    pub fn oldest_since(pruned: u64) -> u64 {
+        pruned.saturating_mul(SEQ_STRIDE)
+    }
+
+    /// Whether a mark is due after what was just published (and now asked for), and the
+    /// worker events of the gap.
+    fn mark_due(st: &mut State) -> Option<u64> {
+        let in_gap = st.last % SEQ_STRIDE + st.waiting.len() as u64;
+        if st.mark_asked || in_gap < MARK_AT {
+            return None;
+        }
+        st.mark_asked = true;
+        Some(in_gap)
+    }
+
+    fn ask_mark(&self, due: Option<u64>) {
+        let Some(worker_events) = due else { return };
+        match self.marker.get() {
+            Some(ask) => ask(worker_events),
+            None => tracing::warn!(
+                worker_events,
+                "worker events fill their gap and nothing writes a mark: they wait for the next pool event"
+            ),
+        }
+    }
+
+    /// Numbers the waiting worker events after the last event, as many as the gap holds.
+    fn number_waiting(&self, st: &mut State) {
+        while !(st.last + 1).is_multiple_of(SEQ_STRIDE) {
+            let Some(mut e) = st.waiting.pop_front() else {
+                break;
+            };
+            e.seq = st.last + 1;
+            self.push(st, e);
         }
     }
 
@@ -379,40 +510,56 @@ impl EventStream {
 
     /// Publishes the events of a pool mutation (committed to the store before this).
     pub fn pool(&self, events: Vec<PoolEvent>) {
-        let mut st = self.state();
-        for e in events {
-            let e = DaemonEvent::from_pool(e);
-            if e.seq <= st.last {
-                tracing::error!(
-                    seq = e.seq,
-                    last = st.last,
-                    "pool event out of order; dropped"
-                );
-                continue;
+        let due = {
+            let mut st = self.state();
+            for e in events {
+                let e = DaemonEvent::from_pool(e);
+                if e.seq <= st.last {
+                    tracing::error!(
+                        seq = e.seq,
+                        last = st.last,
+                        "pool event out of order; dropped"
+                    );
+                    continue;
+                }
+                self.push(&mut st, e);
+                // A new gap: the mark asked for (if any) is no longer needed.
+                st.mark_asked = false;
+                self.number_waiting(&mut st);
             }
-            self.push(&mut st, e);
-        }
+            Self::mark_due(&mut st)
+        };
+        self.ask_mark(due);
     }
 
     /// Publishes a worker event.
+    /// Never dropped: when the gap after the last pool event is full, it waits for the next
+    /// pool event (see the module documentation).
     pub fn worker(&self, event: WorkerLifecycle) {
-        let mut st = self.state();
-        let seq = st.last + 1;
-        if seq.is_multiple_of(SEQ_STRIDE) {
-            tracing::warn!(
-                ?event,
-                "too many worker events since the last pool event to number; dropped"
-            );
-            return;
-        }
-        let e = DaemonEvent {
-            seq,
-            at_unix_ms: now_unix_ms(),
-            source: EventSource::Worker,
-            pool: None,
-            worker: Some(event),
+        let due = {
+            let mut st = self.state();
+            let mut e = DaemonEvent {
+                seq: 0,
+                at_unix_ms: now_unix_ms(),
+                source: EventSource::Worker,
+                pool: None,
+                worker: Some(event),
+            };
+            if st.waiting.is_empty() && !(st.last + 1).is_multiple_of(SEQ_STRIDE) {
+                e.seq = st.last + 1;
+                self.push(&mut st, e);
+            } else {
+                if st.waiting.is_empty() {
+                    tracing::warn!(
+                        last = st.last,
+                        "the worker events' gap is full: they wait for the next pool event"
+                    );
+                }
+                st.waiting.push_back(e);
+            }
+            Self::mark_due(&mut st)
         };
-        self.push(&mut st, e);
+        self.ask_mark(due);
     }
 
     /// Where a reader of the events after `since` starts (`None`: the events from now on).
@@ -474,6 +621,11 @@ impl EventStream {
                 cut = cut.min(last.seq);
             }
         }
+        // Pool events are numbered without gaps and every one up to `bound` is committed: those
+        // up to `cut` that the store no longer has were pruned (retention) since the reader came.
+        let passed = cut / SEQ_STRIDE - cursor.seq / SEQ_STRIDE;
+        let kept = pool.iter().filter(|e| e.seq <= cut).count() as u64;
+        let lost = lost + passed.saturating_sub(kept);
         let mut page = Vec::with_capacity(pool.len() + workers.len() + 1);
         if lost > 0 {
             page.push(Received::Lagged { missed: lost });
@@ -611,230 +763,4 @@ fn line(item: &Received<DaemonEvent>) -> Bytes {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::convert::Infallible;
-    use std::sync::Mutex;
-
-    use switchyard_pool::EventKind;
-
-    use super::*;
-
-    /// A stream and the store's history it publishes after (pool events are committed first).
-    struct Fixture {
-        stream: Arc<EventStream>,
-        store: Mutex<Vec<PoolEvent>>,
-        /// Every `seq` published, in order.
-        published: Mutex<Vec<u64>>,
-    }
-
-    impl Fixture {
-        fn new() -> Self {
-            Self {
-                stream: Arc::new(EventStream::new(0)),
-                store: Mutex::new(Vec::new()),
-                published: Mutex::new(Vec::new()),
-            }
-        }
-
-        fn pool_event(&self) {
-            let mut store = self.store.lock().expect("store");
-            let e = PoolEvent {
-                seq: store.len() as u64 + 1,
-                at_unix_ms: 0,
-                kind: EventKind::BoardQuarantined {
-                    board: "gpu0".into(),
-                },
-            };
-            store.push(e.clone());
-            drop(store);
-            self.stream.pool(vec![e]);
-            let last = self.stream.state().last;
-            self.published.lock().expect("published").push(last);
-        }
-
-        fn worker_event(&self) {
-            self.stream.worker(WorkerLifecycle::GaveUp {
-                endpoint: "vm".into(),
-            });
-            let last = self.stream.state().last;
-            self.published.lock().expect("published").push(last);
-        }
-
-        /// `n` events: pool events, each followed by 0 to 3 worker events.
-        fn history(&self, n: usize) {
-            let mut i = 0;
-            while i < n {
-                self.pool_event();
-                i += 1;
-                for _ in 0..(i % 4).min(n - i) {
-                    self.worker_event();
-                    i += 1;
-                }
-            }
-        }
-
-        fn read(&self, since: u64, limit: usize) -> Result<Vec<PoolEvent>, Infallible> {
-            let store = self.store.lock().expect("store");
-            let reads = store.iter().filter(|e| e.seq > since).take(limit);
-            Ok(reads.cloned().collect())
-        }
-
-        fn next(&self, cursor: &mut Cursor) -> Step {
-            let step = self.stream.next_page(cursor, |s, n| self.read(s, n));
-            step.unwrap_or_else(|e| match e {})
-        }
-    }
-
-    fn seqs(page: &[Received<DaemonEvent>]) -> Vec<u64> {
-        page.iter()
-            .map(|r| match r {
-                Received::Event(e) => e.seq,
-                Received::Lagged { missed } => panic!("lagged {missed}"),
-            })
-            .collect()
-    }
-
-    /// Everything the live subscription has now.
-    fn drain(sub: &mut Subscription<DaemonEvent>) -> Vec<u64> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let mut out = Vec::new();
-        rt.block_on(async {
-            while let Ok(Some(r)) =
-                tokio::time::timeout(Duration::from_millis(10), sub.recv()).await
-            {
-                match r {
-                    Received::Event(e) => out.push(e.seq),
-                    Received::Lagged { missed } => panic!("lagged {missed}"),
-                }
-            }
-        });
-        out
-    }
-
-    #[test]
-    fn pages_then_live_give_every_event_once_in_order() {
-        let f = Fixture::new();
-        f.history(3000);
-        let mut cursor = f.stream.cursor(Some(0), true);
-        let mut got = Vec::new();
-        let mut pages = 0;
-        let mut sub = loop {
-            match f.next(&mut cursor) {
-                Step::Page(page) => {
-                    assert!(page.len() <= 2 * PAGE, "a page of {}", page.len());
-                    got.extend(seqs(&page));
-                    pages += 1;
-                    // Events published while the reader reads the history: between pages,
-                    // and at the seam (a page that catches up is followed by two more).
-                    if pages <= 20 {
-                        f.pool_event();
-                        f.worker_event();
-                    }
-                }
-                Step::Live(sub) => break sub,
-                Step::End => panic!("a following reader ended"),
-            }
-        };
-        assert!(pages >= 3000 / (2 * PAGE), "{pages} pages");
-        f.worker_event();
-        f.pool_event();
-        got.extend(drain(&mut sub));
-        assert_eq!(got, *f.published.lock().expect("published"));
-    }
-
-    #[test]
-    fn a_reader_resumes_after_any_seq() {
-        let f = Fixture::new();
-        f.history(1200);
-        let all = f.published.lock().expect("published").clone();
-        for since in [all[0], all[1], all[517], all[1198], all[1199], all[700] + 1] {
-            let mut cursor = f.stream.cursor(Some(since), false);
-            let mut got = Vec::new();
-            while let Step::Page(page) = f.next(&mut cursor) {
-                got.extend(seqs(&page));
-            }
-            let expected: Vec<u64> = all.iter().copied().filter(|&s| s > since).collect();
-            assert_eq!(got, expected, "since {since}");
-        }
-    }
-
-    #[test]
-    fn follow_false_ends_at_the_last_event_when_the_reader_came() {
-        let f = Fixture::new();
-        f.history(600);
-        let until = f.published.lock().expect("published").clone();
-        let mut cursor = f.stream.cursor(Some(0), false);
-        let mut got = Vec::new();
-        loop {
-            match f.next(&mut cursor) {
-                Step::Page(page) => {
-                    got.extend(seqs(&page));
-                    if got.len() < 2000 {
-                        f.pool_event();
-                        f.worker_event();
-                    }
-                }
-                Step::End => break,
-                Step::Live(_) => panic!("follow=false went live"),
-            }
-        }
-        assert_eq!(got, until);
-        // No history: the end at once; no `since`: nothing before now.
-        let mut none = f.stream.cursor(None, false);
-        assert!(matches!(f.next(&mut none), Step::End));
-    }
-
-    #[test]
-    fn worker_events_dropped_before_a_slow_reader_got_them_are_reported() {
-        let f = Fixture::new();
-        f.history(400);
-        let mut cursor = f.stream.cursor(Some(0), true);
-        let Step::Page(first) = f.next(&mut cursor) else {
-            panic!("no page")
-        };
-        let mut got = seqs(&first);
-        // The reader stalls while more worker events than memory holds are published.
-        for _ in 0..REPLAY + 10 {
-            f.worker_event();
-        }
-        f.pool_event();
-        let mut missed = 0;
-        let sub = loop {
-            match f.next(&mut cursor) {
-                Step::Page(page) => {
-                    for r in page {
-                        match r {
-                            Received::Event(e) => got.push(e.seq),
-                            Received::Lagged { missed: n } => missed += n,
-                        }
-                    }
-                }
-                Step::Live(sub) => break sub,
-                Step::End => panic!("ended"),
-            }
-        };
-        drop(sub);
-        let published = f.published.lock().expect("published").clone();
-        assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order");
-        assert!(got.iter().all(|s| published.contains(s)));
-        // Every pool event (the store has them all), and a count of what is gone.
-        let pool = published.iter().filter(|s| *s % SEQ_STRIDE == 0);
-        assert!(pool.into_iter().all(|s| got.contains(s)));
-        assert!(missed > 0);
-        assert_eq!(got.len() as u64 + missed, published.len() as u64);
-    }
-
-    #[test]
-    fn streams_past_the_cap_are_refused_until_one_ends() {
-        let f = Fixture::new();
-        let slots: Vec<StreamSlot> = (0..MAX_STREAMS)
-            .map(|_| f.stream.open_stream().expect("a slot"))
-            .collect();
-        assert!(f.stream.open_stream().is_none());
-        drop(slots);
-        assert!(f.stream.open_stream().is_some());
-    }
-}
+mod tests;

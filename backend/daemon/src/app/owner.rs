@@ -9,6 +9,9 @@
 //! the inventory ([`PoolOwner::inventory`]), which the API's reads, the metrics sink and
 //! the views use. A command's pool events are published by the owner in store order, before
 //! its caller hears back.
+//!
+//! The owner also writes the events stream's marks ([`EventStream::set_marker`]): the stream
+//! queues a command that nobody waits for.
 
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
@@ -24,7 +27,9 @@ type Reply = Box<dyn FnOnce() + Send>;
 
 /// The handle to the pool's owner thread. See the [module](self) documentation.
 pub(crate) struct PoolOwner {
-    commands: mpsc::Sender<Command>,
+    /// The only strong reference: the thread ends when the handle is dropped (the events
+    /// stream's marker holds a weak one).
+    commands: Arc<mpsc::Sender<Command>>,
     /// The inventory as of the last command (a leaf lock: written by the owner only, read
     /// for a clone of the `Arc`).
     snapshot: Arc<RwLock<Arc<Inventory>>>,
@@ -42,6 +47,27 @@ impl PoolOwner {
     pub(crate) fn start(pool: Pool, events: Arc<EventStream>) -> std::io::Result<Self> {
         let snapshot = Arc::new(RwLock::new(Arc::new(pool.inventory().clone())));
         let (tx, rx) = mpsc::channel::<Command>();
+        let commands = Arc::new(tx);
+        let marks = Arc::downgrade(&commands);
+        events.set_marker(move |worker_events| {
+            let mark: Command = Box::new(move |pool, events| {
+                match pool.seq_mark(worker_events) {
+                    Ok(e) => events.pool(e),
+                    Err(e) => {
+                        tracing::warn!("the events stream's mark was not committed: {e}");
+                        events.mark_failed();
+                    }
+                }
+                Box::new(|| {})
+            });
+            // Sent, never waited for: this runs on a supervision thread or on the owner.
+            let sent = marks.upgrade().is_some_and(|c| c.send(mark).is_ok());
+            if !sent {
+                tracing::warn!(
+                    "the events stream's mark was not written: the pool's owner is gone"
+                );
+            }
+        });
         let published = snapshot.clone();
         std::thread::Builder::new()
             .name("sy-pool".into())
@@ -56,10 +82,7 @@ impl PoolOwner {
                     reply();
                 }
             })?;
-        Ok(Self {
-            commands: tx,
-            snapshot,
-        })
+        Ok(Self { commands, snapshot })
     }
 
     /// The inventory as of the last command. Never waits for a command.

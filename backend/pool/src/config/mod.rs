@@ -7,6 +7,8 @@
 //! endpoint_dir = "/run/switchyard/endpoints" # endpoint sockets: <endpoint_dir>/<id>.sock
 //! fds_per_endpoint = 1024                    # fds a client may keep in custody; 64-65536
 //! fd_reserve = 256                           # fds the daemon keeps for itself; 64-65536
+//! events_keep = 100000                       # pool events the store keeps, the newest; >= 1
+//! events_max_age = "30d"                     # and none older (s, m, h or d); 1m-36500d
 //!
 //! [[boards]]
 //! id = "gpu0"
@@ -62,7 +64,10 @@ use crate::error::{ConfigProblem, PoolError};
 use crate::units::binary_unit;
 use crate::view::MAX_SOCKET_PATH;
 
+mod age;
 mod check;
+
+pub use age::Age;
 
 /// A byte count written as an integer or a string with an optional `K`, `M` or `G` suffix
 /// (binary multiples, case insensitive): `67108864`, `"64M"`, `"1G"`.
@@ -201,6 +206,15 @@ pub struct DaemonConfig {
     /// 64 to 65536 (default 256).
     #[serde(default = "default_fd_reserve")]
     pub fd_reserve: u32,
+    /// Pool events the store's history keeps: the newest this many; older ones are pruned
+    /// when the pool commits (a reader's `since` before them is refused). At least 1
+    /// (default 100000).
+    #[serde(default = "default_events_keep")]
+    pub events_keep: u64,
+    /// How long the store's history keeps a pool event; older ones are pruned when the pool
+    /// commits (the newest event is always kept). 1 minute to 36500 days (default `30d`).
+    #[serde(default = "default_events_max_age")]
+    pub events_max_age: Age,
 }
 
 fn default_control_socket() -> PathBuf {
@@ -218,6 +232,12 @@ fn default_fds_per_endpoint() -> u32 {
 fn default_fd_reserve() -> u32 {
     DaemonConfig::DEFAULT_FD_RESERVE
 }
+fn default_events_keep() -> u64 {
+    DaemonConfig::DEFAULT_EVENTS_KEEP
+}
+fn default_events_max_age() -> Age {
+    DaemonConfig::DEFAULT_EVENTS_MAX_AGE
+}
 
 impl Default for DaemonConfig {
     fn default() -> Self {
@@ -227,6 +247,8 @@ impl Default for DaemonConfig {
             endpoint_dir: default_endpoint_dir(),
             fds_per_endpoint: default_fds_per_endpoint(),
             fd_reserve: default_fd_reserve(),
+            events_keep: default_events_keep(),
+            events_max_age: default_events_max_age(),
         }
     }
 }
@@ -240,6 +262,14 @@ impl DaemonConfig {
     pub const DEFAULT_FD_RESERVE: u32 = 256;
     /// What `fds_per_endpoint` and `fd_reserve` may be.
     pub const FD_SETTING_RANGE: RangeInclusive<u32> = 64..=65536;
+    /// Default of `events_keep`.
+    pub const DEFAULT_EVENTS_KEEP: u64 = 100_000;
+    /// What `events_keep` may be.
+    pub const EVENTS_KEEP_RANGE: RangeInclusive<u64> = 1..=u64::MAX;
+    /// Default of `events_max_age`: 30 days.
+    pub const DEFAULT_EVENTS_MAX_AGE: Age = Age(30 * 86_400);
+    /// What `events_max_age` may be, in seconds: 1 minute to 36500 days.
+    pub const EVENTS_MAX_AGE_RANGE: RangeInclusive<u64> = 60..=36_500 * 86_400;
 
     /// `<state_dir>/pool.redb`.
     pub fn store_path(&self) -> PathBuf {
@@ -285,6 +315,32 @@ impl DaemonConfig {
                         max: (*Self::FD_SETTING_RANGE.end()).into(),
                     },
                 ));
+            }
+        }
+        for (name, value, range) in [
+            ("events_keep", self.events_keep, Self::EVENTS_KEEP_RANGE),
+            (
+                "events_max_age",
+                self.events_max_age.0,
+                Self::EVENTS_MAX_AGE_RANGE,
+            ),
+        ] {
+            if !range.contains(&value) {
+                let problem = if name == "events_max_age" {
+                    ConfigProblem::Value(format!(
+                        "{} is out of range; expected {} to {}",
+                        Age(value),
+                        Age(*range.start()),
+                        Age(*range.end())
+                    ))
+                } else {
+                    ConfigProblem::OutOfRange {
+                        value,
+                        min: *range.start(),
+                        max: *range.end(),
+                    }
+                };
+                return Err(PoolError::config(key(name), problem));
             }
         }
         Ok(())

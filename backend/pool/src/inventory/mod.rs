@@ -57,7 +57,7 @@ pub struct Inventory {
     next_seq: u64,
 }
 
-fn now_unix_ms() -> u64 {
+pub(crate) fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -180,6 +180,12 @@ impl Inventory {
     }
 
     // ---- mutations ----
+
+    /// A [`EventKind::SeqMark`] (no state changes): the daemon numbers its worker events
+    /// after it.
+    pub fn seq_mark(&mut self, worker_events: u64) -> Vec<Event> {
+        vec![self.emit(EventKind::SeqMark { worker_events })]
+    }
 
     /// Creates an endpoint leasing the first free device of `spec.pool` (boards in pool
     /// order, partitions in board order) on an available board that meets the requirements,

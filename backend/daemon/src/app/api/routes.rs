@@ -11,7 +11,7 @@ use switchyard_pool::{
 };
 use utoipa_axum::routes;
 
-use super::super::events::{DaemonEvent, MAX_STREAMS};
+use super::super::events::{DaemonEvent, EventsPruned, MAX_STREAMS};
 use super::incoming::IncomingSpec;
 use super::views::{
     DrainResult, EndpointStatus, EventsQuery, MoveRequest, MoveResult, VmmLink, WorkerReplaced,
@@ -429,13 +429,18 @@ async fn inject_fault(
     description = "One DaemonEvent per line: `type` is `pool` (the `pool` member: a pool event, \
         durable, also in the store's history) or `worker` (the `worker` member: a worker process \
         started, served, exited or was given up; not persisted). `seq` increases across daemon \
-        restarts: a pool event P has seq P×1000000, worker events number the gaps. A \
+        restarts: a pool event P has seq P×1000000, worker events number the gaps (a full gap \
+        is closed by a `seq_mark` pool event; no event is dropped). A \
         `{\"type\":\"lagged\",\"missed\":N}` line stands where N events were dropped (a slow \
-        reader). With `follow=false` the body ends after the events already there.",
+        reader: worker events gone from memory, pool events pruned by the store's retention \
+        meanwhile). A `since` older than the store keeps (`[daemon] events_keep`, \
+        `events_max_age`) is refused with 410 and the oldest `since` that resumes without a \
+        gap. With `follow=false` the body ends after the events already there.",
     params(EventsQuery),
     responses(
         (status = 200, description = "One JSON value per line", body = DaemonEvent, content_type = "application/x-ndjson"),
         (status = 400, description = "A bad query string", body = ErrorBody),
+        (status = 410, description = "`since` is older than the store's history keeps (events_pruned): resume from `oldest_since`", body = EventsPruned),
         (status = 503, description = "The daemon is shutting down (shutting_down), or too many events streams are open (too_many_streams)", body = ErrorBody)))]
 async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Response {
     let d = s.0.clone();
@@ -466,6 +471,17 @@ async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Resp
             Err(e) => return e.into_response(),
         },
     };
+    if let Some(since) = q.since {
+        let h = history.clone();
+        match blocking(&s, move |_| h.pruned().map_err(pool_error)).await {
+            Ok(pruned) => {
+                if let Err(gone) = EventsPruned::check(since, pruned) {
+                    return (StatusCode::GONE, Json(gone)).into_response();
+                }
+            }
+            Err(e) => return e.into_response(),
+        }
+    }
     let cursor = d.events.cursor(q.since, q.follow.unwrap_or(true));
     let body = d.events.body(cursor, history, slot);
     ([(header::CONTENT_TYPE, NDJSON_CONTENT_TYPE)], body).into_response()

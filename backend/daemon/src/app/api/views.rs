@@ -224,8 +224,8 @@ pub struct DrainResult {
 #[into_params(parameter_in = Query)]
 pub struct EventsQuery {
     /// Send the events with a sequence number above this one first (pool events from the
-    /// store, however old; worker events this daemon still has in memory); without it, only
-    /// events from now on.
+    /// store, as far back as its retention keeps: an older `since` is refused with 410;
+    /// worker events this daemon still has in memory); without it, only events from now on.
     pub since: Option<u64>,
     /// Keep the stream open for new events (default true); `false` ends it after the events
     /// already there.
