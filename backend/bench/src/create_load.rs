@@ -141,7 +141,7 @@ pub fn create_load(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> 
         client.region_read(0, 0, &mut buf).context("BAR0 read")?;
         Ok(ns(t0.elapsed()))
     };
-    let mut health = || -> Result<u64> {
+    let health = || -> Result<u64> {
         let t0 = Instant::now();
         api.get("/health").context("GET /health")?;
         Ok(ns(t0.elapsed()))

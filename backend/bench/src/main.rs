@@ -167,7 +167,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 18] = [
+    let all: [(&str, Case); 19] = [
         ("round-trip", round_trip::round_trip),
         ("decompose", decompose::decompose),
         ("size-sweep", size_sweep::size_sweep),
