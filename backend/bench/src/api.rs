@@ -26,20 +26,78 @@ use crate::cases::{Settings, fig};
 use crate::report::{Row, Unit};
 use crate::stats::ns;
 
-/// A daemon killed (with its workers: it deletes its endpoint first) on every path.
-struct DaemonProc {
-    child: Child,
+/// A daemon killed (with its workers: it deletes its endpoints first) on every path.
+pub(crate) struct DaemonProc {
+    pub(crate) child: Child,
     socket: std::path::PathBuf,
+    /// The endpoints the case creates, deleted before the daemon is killed.
+    endpoints: &'static [&'static str],
 }
 
 impl Drop for DaemonProc {
     fn drop(&mut self) {
         if let Ok(c) = ControlClient::connect(&self.socket) {
-            let _ = c.delete("/v1/endpoints/bench");
+            for id in self.endpoints {
+                let _ = c.delete(&format!("/v1/endpoints/{id}"));
+            }
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts `bin daemon` on `state` and `run` (with `--config` when given, and `env`), and
+/// waits until its API answers. `endpoints`: what the case creates (deleted at the end).
+pub(crate) fn start_daemon(
+    bin: &Path,
+    (state, run): (&Path, &Path),
+    config: Option<&Path>,
+    env: &[(&str, &std::ffi::OsStr)],
+    endpoints: &'static [&'static str],
+) -> Result<(DaemonProc, ControlClient)> {
+    if !bin.is_file() {
+        bail!(
+            "{} not found: build it (`cargo build --release -p switchyard`, which scripts/bench.sh does) or pass --switchyard-bin",
+            bin.display()
+        );
+    }
+    let socket = run.join("control.sock");
+    let mut cmd = Command::new(bin);
+    cmd.arg("daemon");
+    if let Some(config) = config {
+        cmd.arg("--config").arg(config);
+    }
+    let child = cmd
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--run-dir")
+        .arg(run)
+        .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("start {} daemon", bin.display()))?;
+    let mut daemon = DaemonProc {
+        child,
+        socket: socket.clone(),
+        endpoints,
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let client = loop {
+        if let Ok(c) = ControlClient::connect(&socket)
+            && c.get("/health").is_ok()
+        {
+            break c;
+        }
+        if let Some(st) = daemon.child.try_wait()? {
+            bail!("the daemon exited: {st}");
+        }
+        ensure!(Instant::now() < deadline, "the daemon does not answer");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Ok((daemon, client))
 }
 
 /// AF_UNIX connect + request + reply + close, against an echo thread.
@@ -95,45 +153,9 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<u64>> {
 
 /// See the [module](self) documentation.
 pub fn api(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
-    let bin = &s.switchyard_bin;
-    if !bin.is_file() {
-        bail!(
-            "{} not found: build it (`cargo build --release -p switchyard`, which scripts/bench.sh does) or pass --switchyard-bin",
-            bin.display()
-        );
-    }
     let n = if s.quick { 30 } else { 300 };
     let (state, run) = (dir.join("api-state"), dir.join("api-run"));
-    let socket = run.join("control.sock");
-    let child = Command::new(bin)
-        .arg("daemon")
-        .arg("--state-dir")
-        .arg(&state)
-        .arg("--run-dir")
-        .arg(&run)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("start {} daemon", bin.display()))?;
-    let mut daemon = DaemonProc {
-        child,
-        socket: socket.clone(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let client = loop {
-        if let Ok(c) = ControlClient::connect(&socket)
-            && c.get("/health").is_ok()
-        {
-            break c;
-        }
-        if let Some(st) = daemon.child.try_wait()? {
-            bail!("the daemon exited: {st}");
-        }
-        ensure!(Instant::now() < deadline, "the daemon does not answer");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (daemon, client) = start_daemon(&s.switchyard_bin, (&state, &run), None, &[], &["bench"])?;
     client
         .post(
             "/v1/endpoints",

@@ -15,16 +15,16 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 use switchyard_client::Client;
 use switchyard_control::ControlClient;
 
+use crate::api::start_daemon;
 use crate::cases::{Settings, fig};
 use crate::report::{Row, Target, Unit};
 use crate::servers::vmm_client_config;
@@ -32,24 +32,6 @@ use crate::stats::ns;
 
 /// How long a slow worker waits before it starts.
 const SLOW_START: Duration = Duration::from_secs(2);
-
-/// The daemon, killed with its workers on every path (it deletes its endpoints first).
-struct DaemonProc {
-    child: Child,
-    socket: std::path::PathBuf,
-}
-
-impl Drop for DaemonProc {
-    fn drop(&mut self) {
-        if let Ok(c) = ControlClient::connect(&self.socket) {
-            for id in ["busy", "slow"] {
-                let _ = c.delete(&format!("/v1/endpoints/{id}"));
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// p99 of `samples` (ns), nearest rank.
 fn p99(samples: &[u64]) -> u64 {
@@ -63,12 +45,6 @@ fn p99(samples: &[u64]) -> u64 {
 /// See the [module](self) documentation.
 pub fn create_load(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     let bin = &s.switchyard_bin;
-    if !bin.is_file() {
-        bail!(
-            "{} not found: build it (`cargo build --release -p switchyard`, which scripts/bench.sh does) or pass --switchyard-bin",
-            bin.display()
-        );
-    }
     let (state, run) = (dir.join("load-state"), dir.join("load-run"));
     let marker = dir.join("load-slow");
     let wrapper = dir.join("load-worker.sh");
@@ -91,38 +67,14 @@ pub fn create_load(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> 
          [[pools]]\nname = \"p\"\nboards = [\"g0\", \"g1\"]\n",
     )?;
     let socket = run.join("control.sock");
-    let child = Command::new(bin)
-        .arg("daemon")
-        .arg("--config")
-        .arg(&config)
-        .arg("--state-dir")
-        .arg(&state)
-        .arg("--run-dir")
-        .arg(&run)
-        .env("RUST_LOG", "warn")
-        .env("SWITCHYARD_WORKER_EXE", &wrapper)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("start {} daemon", bin.display()))?;
-    let mut daemon = DaemonProc {
-        child,
-        socket: socket.clone(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let api = loop {
-        if let Ok(c) = ControlClient::connect(&socket)
-            && c.get("/health").is_ok()
-        {
-            break c.with_timeout(Some(Duration::from_secs(60)));
-        }
-        if let Some(st) = daemon.child.try_wait()? {
-            bail!("the daemon exited: {st}");
-        }
-        ensure!(Instant::now() < deadline, "the daemon does not answer");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (daemon, api) = start_daemon(
+        bin,
+        (&state, &run),
+        Some(&config),
+        &[("SWITCHYARD_WORKER_EXE", wrapper.as_os_str())],
+        &["busy", "slow"],
+    )?;
+    let api = api.with_timeout(Some(Duration::from_secs(60)));
     let created: Value = api
         .post("/v1/endpoints", &json!({ "id": "busy", "pool": "p" }))
         .context("create the busy endpoint")?

@@ -54,52 +54,30 @@ impl Serialize for Age {
     }
 }
 
+impl super::suffixed::Suffixed for Age {
+    const WHAT: &'static str = "duration";
+    const BASE: &'static str = "seconds";
+    const EXAMPLE: &'static str = "30d";
+    const UNITS: &'static str = "s, m, h or d";
+    const PATTERN: &'static str = "^[0-9]+[sSmMhHdD]?$";
+    const DESCRIPTION: &'static str = "Seconds, or a string with an s, m, h or d suffix";
+    fn from_base(n: u64) -> Self {
+        Age(n)
+    }
+    fn parse_suffixed(s: &str) -> Option<Self> {
+        Age::parse(s)
+    }
+}
+
 impl<'de> Deserialize<'de> for Age {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Age;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "a duration: a number of seconds or a string like \"30d\" (s, m, h or d)",
-                )
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Age, E> {
-                Ok(Age(v))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Age, E> {
-                u64::try_from(v)
-                    .map(Age)
-                    .map_err(|_| E::custom(format!("invalid duration {v}: negative")))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Age, E> {
-                Age::parse(v).ok_or_else(|| {
-                    E::custom(format!(
-                        "invalid duration \"{v}\"; expected a number of seconds with an optional s, m, h or d suffix"
-                    ))
-                })
-            }
-        }
-        d.deserialize_any(V)
+        super::suffixed::deserialize(d)
     }
 }
 
 impl utoipa::PartialSchema for Age {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, SchemaType, Type};
-        OneOfBuilder::new()
-            .item(
-                ObjectBuilder::new()
-                    .schema_type(SchemaType::new(Type::Integer))
-                    .minimum(Some(0)),
-            )
-            .item(
-                ObjectBuilder::new()
-                    .schema_type(SchemaType::new(Type::String))
-                    .pattern(Some("^[0-9]+[sSmMhHdD]?$")),
-            )
-            .description(Some("Seconds, or a string with an s, m, h or d suffix"))
-            .into()
+        super::suffixed::schema::<Age>()
     }
 }
 

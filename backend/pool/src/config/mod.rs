@@ -66,6 +66,7 @@ use crate::view::MAX_SOCKET_PATH;
 
 mod age;
 mod check;
+mod suffixed;
 
 pub use age::Age;
 
@@ -114,50 +115,30 @@ impl Serialize for ByteSize {
     }
 }
 
+impl suffixed::Suffixed for ByteSize {
+    const WHAT: &'static str = "size";
+    const BASE: &'static str = "bytes";
+    const EXAMPLE: &'static str = "64M";
+    const UNITS: &'static str = "K, M or G";
+    const PATTERN: &'static str = "^[0-9]+[KkMmGg]?$";
+    const DESCRIPTION: &'static str = "Bytes, or a string with a K, M or G suffix (binary)";
+    fn from_base(n: u64) -> Self {
+        ByteSize(n)
+    }
+    fn parse_suffixed(s: &str) -> Option<Self> {
+        ByteSize::parse(s)
+    }
+}
+
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = ByteSize;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a size: a number of bytes or a string like \"64M\" (K, M or G)")
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ByteSize, E> {
-                Ok(ByteSize(v))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ByteSize, E> {
-                u64::try_from(v)
-                    .map(ByteSize)
-                    .map_err(|_| E::custom(format!("invalid size {v}: negative")))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ByteSize, E> {
-                ByteSize::parse(v).ok_or_else(|| {
-                    E::custom(format!(
-                        "invalid size \"{v}\"; expected a number of bytes with an optional K, M or G suffix"
-                    ))
-                })
-            }
-        }
-        d.deserialize_any(V)
+        suffixed::deserialize(d)
     }
 }
 
 impl utoipa::PartialSchema for ByteSize {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, SchemaType, Type};
-        OneOfBuilder::new()
-            .item(
-                ObjectBuilder::new()
-                    .schema_type(SchemaType::new(Type::Integer))
-                    .minimum(Some(0)),
-            )
-            .item(
-                ObjectBuilder::new()
-                    .schema_type(SchemaType::new(Type::String))
-                    .pattern(Some("^[0-9]+[KkMmGg]?$")),
-            )
-            .description(Some("Bytes, or a string with a K, M or G suffix (binary)"))
-            .into()
+        suffixed::schema::<ByteSize>()
     }
 }
 
