@@ -48,8 +48,18 @@ fn borrowed(files: &[File]) -> Vec<BorrowedFd<'_>> {
 }
 
 /// `(held, client_fds, connected, worker pid)` of an endpoint.
+/// Read after a sync (answered after every earlier custody note of the worker), so that it
+/// counts what the worker put into custody before; without a running worker, as it stands.
 fn custody(d: &mut Daemon, id: &str) -> (u64, u64, bool, Option<u32>) {
-    let w = d.endpoint(id)["worker"].clone();
+    let synced = d
+        .client()
+        .post(&format!("/v1/endpoints/{id}/sync"), &())
+        .ok()
+        .filter(|r| r.status == 200);
+    let w = match synced {
+        Some(r) => r.body["worker"].clone(),
+        None => d.endpoint(id)["worker"].clone(),
+    };
     (
         w["held"].as_u64().expect("held"),
         w["client_fds"].as_u64().expect("client_fds"),

@@ -207,6 +207,8 @@ fn a_worker_killed_during_a_move_leaves_the_device_on_one_board_intact() {
             0,
             &[Command::fill(Operand::Vram(12 << 20), 4096, attempt as u32)],
         );
+        // Once the worker's custody notes are all applied (a sync is answered after them):
+        sup.sync("ep", Duration::from_secs(20)).expect("sync");
         let st = sup.status("ep").expect("status");
         // One VRAM is held, never the move's target as well.
         assert_eq!(st.held, held, "attempt {attempt} ({outcome:?}): {st:?}");
