@@ -142,7 +142,7 @@ step "unit, property and integration tests"
 cargo build --locked -p switchyard
 export SWITCHYARD_BIN=$PWD/target/debug/switchyard
 bounded 30 "the unit, property and integration tests" \
-  cargo test --workspace --locked --exclude switchyard-guest-tests
+  cargo test --no-fail-fast --workspace --locked --exclude switchyard-guest-tests
 
 step "guest tests (QEMU 11.1, TCG; one guest at a time)"
 # The guest tests are #[ignore]d so that a plain `cargo test` shows them as ignored instead of
