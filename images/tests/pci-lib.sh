@@ -27,7 +27,11 @@ wait_dev() {
 # descriptor fail even if a new device already sits at the same address (an unplug and
 # re-plug can be shorter than one poll), so a quick re-plug is not missed.
 wait_gone() {
-  exec 3< "/sys/bus/pci/devices/$bdf/config" || return 0
+  # Gone already (the host can remove it as soon as the workload ends): nothing to wait for.
+  # `command` keeps a failed redirection (removed between the test and the open) from
+  # ending the shell, as a special built-in's error would.
+  [ -e "/sys/bus/pci/devices/$bdf/config" ] || return 0
+  command exec 3< "/sys/bus/pci/devices/$bdf/config" 2>/dev/null || return 0
   t=0
   while dd bs=1 count=1 skip=0 <&3 >/dev/null 2>&1; do
     sleep 0.2; t=$((t + 1))
