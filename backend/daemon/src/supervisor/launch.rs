@@ -336,11 +336,7 @@ fn running(pid: u32) -> bool {
 pub(super) fn wait_gone(pid: u32, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let zombie = stat
-            .rfind(')')
-            .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
-        if stat.is_empty() || zombie {
+        if !running(pid) {
             return;
         }
         std::thread::sleep(Duration::from_millis(2));
