@@ -144,6 +144,21 @@ export SWITCHYARD_BIN=$PWD/target/debug/switchyard
 bounded 30 "the unit, property and integration tests" \
   cargo test --no-fail-fast --workspace --locked --exclude switchyard-guest-tests
 
+step "tests that need root (#[ignore = \"needs root\"], run by name: scripts/run-root-tests.sh)"
+# A plain `cargo test` lists them as ignored; here each runs by name, and the suite fails unless
+# every one of them ran and passed. Without root (a developer's own run) they are NOT RUN, said
+# here and in the last line; CI runs as root, and under CI=true their absence fails.
+ROOT_NOT_RUN=
+if [ "$(id -u)" = 0 ]; then
+  bounded 10 "the tests that need root" scripts/run-root-tests.sh
+elif [ "${CI:-}" = true ] || [ "${CI:-}" = 1 ]; then
+  echo "test.sh: error: CI must run as root (the tests that need root)" >&2
+  exit 1
+else
+  ROOT_NOT_RUN="$(scripts/run-root-tests.sh --list | wc -l) tests that need root"
+  echo "test.sh: NOT RUN (not root): $ROOT_NOT_RUN: scripts/run-root-tests.sh --list"
+fi
+
 step "guest tests (QEMU 11.1, TCG; one guest at a time)"
 # The guest tests are #[ignore]d so that a plain `cargo test` shows them as ignored instead of
 # passing them; here they all run, and a test that did not run fails the suite. Only the tests
@@ -160,6 +175,7 @@ if [ -n "$LIBVIRT_NOT_RUN" ]; then
 fi
 NOT_RUN=$SY_CH_NOT_RUN${SY_CH_NOT_RUN:+ (cloud-hypervisor not installed; docs/cloud-hypervisor.md)}
 NOT_RUN+=${LIBVIRT_NOT_RUN:+${NOT_RUN:+, }$LIBVIRT_NOT_RUN (libvirt not installed; scripts/install-libvirt.sh)}
+NOT_RUN+=${ROOT_NOT_RUN:+${NOT_RUN:+, }$ROOT_NOT_RUN (not root; scripts/run-root-tests.sh)}
 guest_out=$(mktemp)
 trap 'rm -f "$guest_out"' EXIT
 # Every guest test binary runs even after one fails (--no-fail-fast); the failures are listed

@@ -4,8 +4,8 @@
 //! path and what is wrong); a forged worker record (naming a live process that is not its
 //! worker) never gets that process adopted or killed, neither at start nor at `ctl delete`.
 //!
-//! The owner cases chown to uid 65534 and need root (as the README's test command and CI run
-//! them); without it they fail, never skip.
+//! The owner cases chown to uid 65534 and need root: they are `#[ignore = "needs root"]`, and
+//! `scripts/test.sh` runs them by name as root (and fails if they did not run).
 #![forbid(unsafe_code)]
 
 mod common;
@@ -73,14 +73,54 @@ fn chown(path: &Path, uid: u32) {
     std::os::unix::fs::lchown(path, Some(uid), Some(uid)).expect("chown");
 }
 
+/// A run or state directory the daemon must refuse.
+struct Case {
+    name: &'static str,
+    /// It makes a directory of another user (chown).
+    needs_root: bool,
+    /// Prepares `base`; returns the offending path and what the error must say.
+    prepare: fn(&Path) -> (PathBuf, &'static str),
+}
+
+#[test]
+#[ignore = "needs root"]
+fn run_and_state_directories_of_another_user_are_refused_naming_the_path() {
+    assert!(is_root(), "needs root, to make directories of another user");
+    refused_cases(true);
+}
+
 #[test]
 fn hostile_run_and_state_directories_are_refused_naming_the_path() {
-    struct Case {
-        name: &'static str,
-        needs_root: bool,
-        /// Prepares `base`; returns the offending path and what the error must say.
-        prepare: fn(&Path) -> (PathBuf, &'static str),
+    refused_cases(false);
+
+    // Positive control: fresh directories are created private, and the daemon starts.
+    let base = tempfile::tempdir().expect("tempdir");
+    let (state, run) = (base.path().join("a/state"), base.path().join("b/run"));
+    let mut d = started(&state, &run);
+    for dir in [
+        base.path().join("a"),
+        state.clone(),
+        state.join("workers"),
+        run.clone(),
+        run.join("endpoints"),
+    ] {
+        let meta = fs::symlink_metadata(&dir).expect("created");
+        assert!(meta.is_dir(), "{}", dir.display());
+        assert_eq!(meta.mode() & 0o7777, 0o700, "{}", dir.display());
+        assert_eq!(meta.uid(), rustix::process::geteuid().as_raw());
     }
+    assert!(
+        fs::symlink_metadata(state.join("pool.redb"))
+            .expect("store")
+            .is_file()
+    );
+    // ... and starts again on the directories it made.
+    d.kill9();
+    let _d = started(&state, &run);
+}
+
+/// Every case whose `needs_root` is `root` is refused, naming the path and the problem.
+fn refused_cases(root: bool) {
     let cases = [
         Case {
             name: "a run directory of another user",
@@ -183,14 +223,7 @@ fn hostile_run_and_state_directories_are_refused_naming_the_path() {
         },
     ];
     let mut failures = Vec::new();
-    for case in &cases {
-        // Never skipped (a skipped case would read as passing): the README's test command
-        // and CI run as root.
-        assert!(
-            !case.needs_root || is_root(),
-            "{}: needs root, to make a directory of another user",
-            case.name
-        );
+    for case in cases.iter().filter(|c| c.needs_root == root) {
         let base = tempfile::tempdir().expect("tempdir");
         let (path, problem) = (case.prepare)(base.path());
         let (state, run) = if case.name.contains("above") {
@@ -219,31 +252,6 @@ fn hostile_run_and_state_directories_are_refused_naming_the_path() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
-
-    // Positive control: fresh directories are created private, and the daemon starts.
-    let base = tempfile::tempdir().expect("tempdir");
-    let (state, run) = (base.path().join("a/state"), base.path().join("b/run"));
-    let mut d = started(&state, &run);
-    for dir in [
-        base.path().join("a"),
-        state.clone(),
-        state.join("workers"),
-        run.clone(),
-        run.join("endpoints"),
-    ] {
-        let meta = fs::symlink_metadata(&dir).expect("created");
-        assert!(meta.is_dir(), "{}", dir.display());
-        assert_eq!(meta.mode() & 0o7777, 0o700, "{}", dir.display());
-        assert_eq!(meta.uid(), rustix::process::geteuid().as_raw());
-    }
-    assert!(
-        fs::symlink_metadata(state.join("pool.redb"))
-            .expect("store")
-            .is_file()
-    );
-    // ... and starts again on the directories it made.
-    d.kill9();
-    let _d = started(&state, &run);
 }
 
 /// A daemon on these directories, started; dropping it kills it and its workers.

@@ -3,9 +3,10 @@
 //! daemon's own; a member of the group (and no one else but the daemon's user) can use them;
 //! a group that does not exist stops the daemon before it creates anything.
 //!
-//! Needs root (to give files to a group the test is not in, and to run clients as another
-//! user); skipped with the reason otherwise. The group is `daemon`, which every Debian system
-//! has.
+//! The group tests need root (to give files to a group the test is not in, and to run clients
+//! as another user): they are `#[ignore = "needs root"]`, and `scripts/test.sh` runs them by
+//! name as root (and fails if they did not run). The group is `daemon`, which every Debian
+//! system has.
 #![forbid(unsafe_code)]
 
 mod common;
@@ -31,17 +32,33 @@ fn gid_of(group: &str) -> Option<u32> {
     })
 }
 
-/// Root and the group present, or why not.
-fn setup() -> Option<u32> {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED: needs root (files given to another group, clients run as nobody)");
-        return None;
+/// The group's gid; panics without root or the group (never skips: a skipped test would read
+/// as passing).
+fn setup() -> u32 {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "needs root (files given to another group, clients run as nobody)"
+    );
+    gid_of(GROUP).unwrap_or_else(|| panic!("no group `{GROUP}` in /etc/group"))
+}
+
+/// A copy of the binary under test that uid nobody can run (the checkout may sit in a
+/// directory only root can enter), in a directory that lives as long as the value.
+struct NobodysExe {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+}
+
+impl NobodysExe {
+    fn new() -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).expect("chmod");
+        let path = dir.path().join("switchyard");
+        std::fs::copy(EXE, &path).expect("copy the binary");
+        std::fs::set_permissions(&path, PermissionsExt::from_mode(0o755)).expect("chmod");
+        Self { _dir: dir, path }
     }
-    let Some(gid) = gid_of(GROUP) else {
-        eprintln!("SKIPPED: no group `{GROUP}` in /etc/group");
-        return None;
-    };
-    Some(gid)
 }
 
 /// (mode bits, gid) of `path`, not followed.
@@ -51,33 +68,28 @@ fn access(path: &Path) -> (u32, u32) {
 }
 
 /// `switchyard ctl --socket SOCKET boards` as uid nobody with primary group `gid` (and no
-/// other): its exit status and stderr; `None` when nobody cannot run the binary under test
-/// (a checkout in a directory only root can enter).
-fn ctl_as_nobody(socket: &Path, gid: u32) -> Option<(bool, String)> {
-    let out = Command::new(EXE)
+/// other): its exit status and stderr.
+fn ctl_as_nobody(exe: &NobodysExe, socket: &Path, gid: u32) -> (bool, String) {
+    let out = Command::new(&exe.path)
         .arg("ctl")
         .arg("--socket")
         .arg(socket)
         .arg("boards")
         .uid(NOBODY)
         .gid(gid)
-        .output();
-    match out {
-        Ok(out) => Some((
-            out.status.success(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            eprintln!("SKIPPED (the clients as another user): nobody cannot run {EXE}: {e}");
-            None
-        }
-        Err(e) => panic!("run ctl as nobody: {e}"),
-    }
+        .output()
+        .expect("run ctl as nobody");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
+#[ignore = "needs root"]
 fn the_sockets_are_the_groups_and_nobody_elses() {
-    let Some(gid) = setup() else { return };
+    let gid = setup();
+    let exe = NobodysExe::new();
     let mut d = Daemon::new().with_args(&["--socket-group", GROUP]);
     // The test's private directory is the root's 0700: nobody could not pass through it.
     std::fs::set_permissions(d.dir(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -100,20 +112,19 @@ fn the_sockets_are_the_groups_and_nobody_elses() {
     assert_eq!(access(&d.state().join("workers")).0, 0o700);
 
     // A member of the group uses the control API; another user is refused by the kernel.
-    if let Some((ok, err)) = ctl_as_nobody(&d.socket(), gid) {
-        assert!(ok, "a member of `{GROUP}`: {err}");
-        let (ok, err) = ctl_as_nobody(&d.socket(), NOGROUP).expect("ran before");
-        assert!(!ok && err.contains("Permission denied"), "{err}");
-        // The endpoint socket: a member connects (ctl then finds no HTTP there), another
-        // user cannot.
-        let (_, err) = ctl_as_nobody(&vm1, gid).expect("ran before");
-        assert!(
-            !err.contains("Permission denied"),
-            "a member of `{GROUP}`: {err}"
-        );
-        let (ok, err) = ctl_as_nobody(&vm1, NOGROUP).expect("ran before");
-        assert!(!ok && err.contains("Permission denied"), "{err}");
-    }
+    let (ok, err) = ctl_as_nobody(&exe, &d.socket(), gid);
+    assert!(ok, "a member of `{GROUP}`: {err}");
+    let (ok, err) = ctl_as_nobody(&exe, &d.socket(), NOGROUP);
+    assert!(!ok && err.contains("Permission denied"), "{err}");
+    // The endpoint socket: a member connects (ctl then finds no HTTP there), another user
+    // cannot.
+    let (_, err) = ctl_as_nobody(&exe, &vm1, gid);
+    assert!(
+        !err.contains("Permission denied"),
+        "a member of `{GROUP}`: {err}"
+    );
+    let (ok, err) = ctl_as_nobody(&exe, &vm1, NOGROUP);
+    assert!(!ok && err.contains("Permission denied"), "{err}");
 
     // Without the option the next daemon takes the group's access back from the sockets of
     // the workers it adopts (the directories stay passable: the sockets are what it guards).
@@ -125,9 +136,8 @@ fn the_sockets_are_the_groups_and_nobody_elses() {
     assert_eq!(d.endpoint("vm1")["worker"]["state"], "running");
     assert_eq!(access(&vm1).0, 0o600, "the adopted endpoint's socket");
     assert_eq!(access(&d.socket()).0, 0o600, "the new control socket");
-    if let Some((ok, err)) = ctl_as_nobody(&d.socket(), gid) {
-        assert!(!ok && err.contains("Permission denied"), "{err}");
-    }
+    let (ok, err) = ctl_as_nobody(&exe, &d.socket(), gid);
+    assert!(!ok && err.contains("Permission denied"), "{err}");
 }
 
 #[test]
