@@ -210,6 +210,14 @@ fn send_with(
     Ok(())
 }
 
+/// Waits until `sock` has room for a send, within `limit` like [`send_bounded`]. A stream
+/// socket that polls writable takes a small message (well under a quarter of its send
+/// buffer) whole in one non-blocking `sendmsg`: a caller that must not be stopped in the
+/// middle of a send waits here first.
+pub fn wait_writable(sock: impl AsFd, limit: SendLimit<'_>) -> io::Result<()> {
+    wait_for_room(sock.as_fd(), Instant::now() + limit.timeout, limit.abort)
+}
+
 /// Waits until `sock` has room, the deadline passes (`TimedOut`) or `abort` is readable
 /// (`ConnectionAborted`).
 fn wait_for_room(

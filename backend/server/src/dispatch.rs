@@ -18,12 +18,18 @@ use crate::{Server, ServerError};
 /// Sends the dispatcher's reply within the server's send limit, then releases it.
 ///
 /// The message it answers leaves the receive journal (`conn.done()`) as the last step before
-/// the `sendmsg`, never after it: with crash continuity, a process killed once the reply is on
+/// the send, never after it: with crash continuity, a process killed once the reply is on
 /// its way must not have a replacement answer the message again (QEMU takes a reply to no
-/// pending request as a corrupt stream). SIGKILL takes effect when a syscall returns, so a
-/// kill that lands during the send leaves the reply sent and the journal without the message.
-/// The window where a kill loses the reply is the few instructions from the journal's publish
-/// to the syscall (and a send that must wait for a client that does not read).
+/// pending request as a corrupt stream). Whole replies or a dropped client, whenever the kill
+/// lands:
+/// - a reply without descriptors goes out of the reply area with `sendfile`, whose file
+///   position says what left: a replacement sends the rest, or drops the client if it cannot
+///   (`Server::run_resumed`);
+/// - a reply with descriptors (REGION_INFO's: under 1 KiB) waits for room in the socket first,
+///   with its request still in the journal (a kill then leaves the request to the
+///   replacement), and then goes in one non-blocking `sendmsg`, which the kernel takes whole
+///   or not at all. What remains is the few instructions from the journal's publish to that
+///   syscall, where a kill loses the reply (it never tears it).
 fn send(
     server: &Server,
     writer: &UnixStream,
@@ -50,6 +56,9 @@ fn send(
         Some(c) if fds.is_empty() => c.prepare_reply(conn.framer(), out).then(|| c.clone()),
         _ => None,
     };
+    if through_area.is_none() && !fds.is_empty() && conn.continuity().is_some() {
+        switchyard_endpoint::wait_writable(writer, limit)?;
+    }
     conn.done();
     let r = match through_area {
         Some(c) => c.send_reply(writer, server.config.send_timeout),

@@ -444,6 +444,9 @@ impl Server {
             Err(e) => tracing::warn!(error = %e, "cannot settle the socket's peek offset"),
         }
         // The reply the killed process was sending: whatever of it had not left goes first.
+        // Whole replies or a dropped client: a reply that cannot be finished (the client does
+        // not read within the send timeout) ends the connection, since anything sent after
+        // it would be read as the rest of the torn reply.
         if let Some(c) = &self.continuity {
             match c.resend_unsent(resumed, &stream, self.config.send_timeout) {
                 Ok(0) => {}
@@ -452,7 +455,17 @@ impl Server {
                     "sent the rest of the replaced process's last reply"
                 ),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot finish the replaced process's last reply")
+                    tracing::warn!(
+                        error = %e,
+                        "cannot finish the replaced process's last reply: dropping the client"
+                    );
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                    drop((stream, fds, framer));
+                    self.client_gone(None);
+                    if self.stop.is_stopping() {
+                        return Ok(());
+                    }
+                    return self.run();
                 }
             }
         }
