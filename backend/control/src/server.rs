@@ -12,10 +12,8 @@
 use std::collections::HashMap;
 use std::fs;
 use std::future::Future;
-use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener as StdUnixListener, UnixStream as StdUnixStream};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixListener as StdUnixListener;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -110,46 +108,23 @@ impl ControlSocket {
             path: path.to_owned(),
             source,
         };
-        let Some(name) = path.file_name() else {
-            return Err(bind_err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "the path does not name a file",
-            )));
-        };
-        if let Ok(meta) = fs::symlink_metadata(path) {
-            if !meta.file_type().is_socket() {
-                return Err(ControlError::SocketPathTaken(path.to_owned()));
-            }
-            match StdUnixStream::connect(path) {
-                Ok(_) => return Err(ControlError::SocketInUse(path.to_owned())),
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                    tracing::info!(socket = %path.display(), "replacing a stale control socket");
-                    match fs::remove_file(path) {
-                        Ok(()) => {}
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(bind_err(e)),
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(bind_err(e)),
-            }
+        // Bound in a private directory next to the path and renamed into place with its
+        // mode, every step on directory descriptors (`switchyard_endpoint::place`).
+        use switchyard_endpoint::place::{PlaceError, bind_in_place};
+        let placed = bind_in_place(path, 0o600).map_err(|e| match e {
+            PlaceError::Taken => ControlError::SocketPathTaken(path.to_owned()),
+            PlaceError::InUse => ControlError::SocketInUse(path.to_owned()),
+            PlaceError::Io(e) => bind_err(e),
+        })?;
+        if placed.replaced_stale {
+            tracing::info!(socket = %path.display(), "replaced a stale control socket");
         }
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let staging = Staging::create(parent, name).map_err(bind_err)?;
-        let listener = staging.bind().map_err(bind_err)?;
-        fs::set_permissions(&staging.socket, fs::Permissions::from_mode(0o600))
-            .map_err(bind_err)?;
-        let meta = fs::symlink_metadata(&staging.socket).map_err(bind_err)?;
-        fs::rename(&staging.socket, path).map_err(bind_err)?;
-        drop(staging);
+        let (listener, meta) = (placed.listener, placed.ident);
         listener.set_nonblocking(true).map_err(bind_err)?;
         Ok(Self {
             listener,
             path: path.to_owned(),
-            ident: (meta.dev(), meta.ino()),
+            ident: meta,
             limits: Limits::default(),
         })
     }
@@ -463,54 +438,3 @@ async fn serve_connection(
     }
 }
 
-/// A private directory next to the socket path, where the socket is bound before it is renamed
-/// into place. Removed (with anything left in it) when dropped.
-struct Staging {
-    dir: PathBuf,
-    socket: PathBuf,
-}
-
-impl Staging {
-    fn create(parent: &Path, name: &std::ffi::OsStr) -> io::Result<Self> {
-        let pid = std::process::id();
-        for n in 0..100u32 {
-            let mut dir_name = std::ffi::OsString::from(".");
-            dir_name.push(name);
-            dir_name.push(format!(".{pid:x}.{n}"));
-            let dir = parent.join(dir_name);
-            match fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => {
-                    // The umask may have taken bits from 0700; the owner needs all three.
-                    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))?;
-                    return Ok(Self {
-                        socket: dir.join("s"),
-                        dir,
-                    });
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            "cannot create a private staging directory next to the socket",
-        ))
-    }
-
-    /// Binds at `self.socket`, through `/proc/self/fd` when that path is too long for AF_UNIX
-    /// (the target fits, the staging path does not).
-    fn bind(&self) -> io::Result<StdUnixListener> {
-        if self.socket.as_os_str().len() <= MAX_SOCKET_PATH {
-            return StdUnixListener::bind(&self.socket);
-        }
-        let dir = fs::File::open(&self.dir)?;
-        StdUnixListener::bind(format!("/proc/self/fd/{}/s", dir.as_raw_fd()))
-    }
-}
-
-impl Drop for Staging {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.socket);
-        let _ = fs::remove_dir(&self.dir);
-    }
-}

@@ -3,11 +3,11 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -41,42 +41,20 @@ impl DeviceSocket {
         if len > MAX_SOCKET_PATH {
             return Err(ServerError::SocketPathTooLong(path.to_owned(), len));
         }
-        let bind_err = |e| ServerError::Bind(path.to_owned(), e);
-        if path.file_name().is_none() {
-            return Err(bind_err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "the path does not name a file",
-            )));
-        }
-        if let Ok(meta) = fs::symlink_metadata(path) {
-            if !meta.file_type().is_socket() {
-                return Err(ServerError::SocketPathTaken(path.to_owned()));
-            }
-            if UnixStream::connect(path).is_ok() {
-                return Err(ServerError::SocketInUse(path.to_owned()));
-            }
-            fs::remove_file(path).map_err(bind_err)?;
-        }
-        // Bind and listen under a temporary name, then rename into place: the socket file
-        // appears only once it accepts connections, so a VMM started as soon as the file
-        // exists never sees ECONNREFUSED. The temporary socket lives in a fresh directory only
-        // this user can enter, so nobody can connect to it before it has its exact mode; the
-        // process umask is never touched (other threads may be creating files meanwhile).
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let staging = Staging::create(parent).map_err(bind_err)?;
-        let listener = staging.bind().map_err(bind_err)?;
-        fs::set_permissions(staging.socket(), fs::Permissions::from_mode(mode))
-            .map_err(bind_err)?;
-        let meta = fs::symlink_metadata(staging.socket()).map_err(bind_err)?;
-        fs::rename(staging.socket(), path).map_err(bind_err)?;
-        drop(staging);
+        // Bound in a private directory next to the path and renamed into place once it
+        // accepts connections with its mode (a VMM started as soon as the file exists never
+        // sees ECONNREFUSED), every step on directory descriptors
+        // (`switchyard_endpoint::place`).
+        use switchyard_endpoint::place::{PlaceError, bind_in_place};
+        let placed = bind_in_place(path, mode).map_err(|e| match e {
+            PlaceError::Taken => ServerError::SocketPathTaken(path.to_owned()),
+            PlaceError::InUse => ServerError::SocketInUse(path.to_owned()),
+            PlaceError::Io(e) => ServerError::Bind(path.to_owned(), e),
+        })?;
         Ok(Self {
-            listener,
+            listener: placed.listener,
             path: path.to_owned(),
-            ident: Some((meta.dev(), meta.ino())),
+            ident: Some(placed.ident),
         })
     }
 
@@ -128,67 +106,6 @@ impl Drop for DeviceSocket {
             ),
             Err(_) => {}
         }
-    }
-}
-
-/// A private directory next to the socket path, where the socket is bound before it is
-/// renamed into place. Removed (with anything left in it) when dropped.
-struct Staging {
-    dir: PathBuf,
-    socket: PathBuf,
-}
-
-impl Staging {
-    fn create(parent: &Path) -> io::Result<Self> {
-        static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let pid = std::process::id();
-        for _ in 0..100 {
-            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-            let dir = parent.join(format!(".sy{pid:x}.{n:x}"));
-            match fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => {
-                    let staging = Self {
-                        socket: dir.join("s"),
-                        dir,
-                    };
-                    // The umask may have taken bits from 0700; the owner needs all three.
-                    fs::set_permissions(&staging.dir, fs::Permissions::from_mode(0o700))?;
-                    return Ok(staging);
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            "cannot create a private staging directory next to the socket",
-        ))
-    }
-
-    fn socket(&self) -> &Path {
-        &self.socket
-    }
-
-    /// Binds and listens at [`Staging::socket`]. When that path is too long for AF_UNIX (the
-    /// target path fits, but not the staging one), the directory is reached through
-    /// `/proc/self/fd` instead, which gives a short path to the same place.
-    fn bind(&self) -> io::Result<UnixListener> {
-        if self.socket.as_os_str().len() <= MAX_SOCKET_PATH {
-            return UnixListener::bind(&self.socket);
-        }
-        let dir = rustix::fs::open(
-            &self.dir,
-            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )?;
-        UnixListener::bind(format!("/proc/self/fd/{}/s", dir.as_raw_fd()))
-    }
-}
-
-impl Drop for Staging {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.socket);
-        let _ = fs::remove_dir(&self.dir);
     }
 }
 
