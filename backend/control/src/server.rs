@@ -437,4 +437,3 @@ async fn serve_connection(
         tracing::debug!("control connection ended: {e}");
     }
 }
-

@@ -87,7 +87,9 @@ pub struct EndpointSpec {
     /// Least queues.
     #[serde(default)]
     pub min_queues: Option<u32>,
-    /// Socket path (absolute); default `<endpoint_dir>/<id>.sock`.
+    /// Socket path, default `<endpoint_dir>/<id>.sock`: a request may name one only directly
+    /// in the daemon's endpoint directory (`<endpoint_dir>/NAME`); another place only through
+    /// the configuration file.
     #[serde(default)]
     #[schema(value_type = Option<String>)]
     pub socket: Option<PathBuf>,

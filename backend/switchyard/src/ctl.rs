@@ -60,7 +60,8 @@ enum CtlCommand {
         /// Least command queues.
         #[arg(long, value_name = "N")]
         min_queues: Option<u32>,
-        /// The endpoint's socket path (default `<endpoint_dir>/<id>.sock`).
+        /// The endpoint's socket path (default `<endpoint_dir>/<id>.sock`); only directly in
+        /// the daemon's endpoint directory (another place only through its configuration).
         #[arg(long, value_name = "PATH")]
         endpoint_socket: Option<PathBuf>,
         /// The destination endpoint of a live migration of endpoint SRC's VM: a free device

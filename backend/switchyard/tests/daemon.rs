@@ -435,7 +435,7 @@ fn refused_requests_change_nothing() {
     assert_eq!(snapshot(&d), before, "malformed JSON changed something");
 
     // A socket path another server holds: refused by the data path, nothing stored.
-    let taken = d.dir().join("taken.sock");
+    let taken = d.run_dir().join("endpoints/taken.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&taken).expect("bind");
     let (status, code) = api_status(c.post(
         "/v1/endpoints",

@@ -38,7 +38,8 @@
 //! pool = "default"       # or device = "gpu0.p1"
 //! min_vram = "64M"       # optional requirements
 //! min_queues = 1
-//! # socket = "/path/vm1.sock"   # default <endpoint_dir>/<id>.sock
+//! # socket = "/path/vm1.sock"   # default <endpoint_dir>/<id>.sock; anywhere here (a request
+//!                               # through the API names one only in <endpoint_dir>)
 //! ```
 //!
 //! The three paths are absolute, without NUL bytes; the control socket and every endpoint

@@ -144,6 +144,11 @@ impl Inventory {
         self.endpoints.values()
     }
 
+    /// Where endpoint sockets go by default (`[daemon] endpoint_dir`).
+    pub fn endpoint_dir(&self) -> &std::path::Path {
+        &self.endpoint_dir
+    }
+
     /// One endpoint.
     pub fn endpoint(&self, id: &str) -> Option<&Endpoint> {
         self.endpoints.get(id)

@@ -40,7 +40,8 @@ pub const SOURCE_GRACE: Duration = Duration::from_secs(60);
 pub struct IncomingSpec {
     /// The new endpoint's id.
     pub id: String,
-    /// Its socket path (absolute); default `<endpoint_dir>/<id>.sock`.
+    /// Its socket path, default `<endpoint_dir>/<id>.sock`; only directly in the daemon's
+    /// endpoint directory.
     #[serde(default)]
     #[schema(value_type = Option<String>)]
     pub socket: Option<std::path::PathBuf>,

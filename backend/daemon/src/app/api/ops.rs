@@ -80,6 +80,9 @@ impl Daemon {
     pub(super) fn create(&self, spec: PoolEndpointSpec) -> Result<EndpointStatus, ApiError> {
         // Everything the pool refuses is refused before a worker starts.
         let mut dry = (*self.inventory()).clone();
+        if let Some(socket) = &spec.socket {
+            socket_in_endpoint_dir(dry.endpoint_dir(), socket)?;
+        }
         dry.create_endpoint(&spec).map_err(pool_error)?;
         let endpoint = dry
             .endpoint(&spec.id)
@@ -625,6 +628,30 @@ fn kill(pid: u32) {
 }
 
 /// Removes the socket file at `path` once nothing accepts on it (a killed orphan's).
+/// A socket path a request names: only directly in the daemon's endpoint directory, for every
+/// caller, root included (another place only through the configuration file, which the
+/// daemon's administrator writes). So a request never makes the daemon create, replace or
+/// share a file anywhere else (`/etc`, `/root`, its state directory, another user's directory).
+fn socket_in_endpoint_dir(dir: &std::path::Path, socket: &std::path::Path) -> Result<(), ApiError> {
+    use std::path::Component;
+    let name_ok = match socket.components().next_back() {
+        Some(Component::Normal(name)) => !name.as_encoded_bytes().starts_with(b"."),
+        _ => false,
+    };
+    if socket.is_absolute() && name_ok && socket.parent() == Some(dir) {
+        return Ok(());
+    }
+    Err(ApiError::unprocessable(
+        "socket_outside_endpoint_dir",
+        format!(
+            "The socket path {} is not in the daemon's endpoint directory {}: a request may name a socket only there (`{}/NAME`, NAME not starting with a dot); another place only through the configuration file",
+            socket.display(),
+            dir.display(),
+            dir.display()
+        ),
+    ))
+}
+
 fn remove_stale_socket(path: &std::path::Path) {
     use std::os::unix::fs::FileTypeExt;
     for _ in 0..100 {
