@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use switchyard_qemu::{QemuCommand, Serial, VfioUserDevice};
+use switchyard_qemu::{GUEST_BOOT_ARGS, QemuCommand, Serial, VfioUserDevice};
 
 use crate::{GuestEnv, HarnessError, Result, complete_lines, find_line, kill_child, wait_until};
 
@@ -174,71 +174,14 @@ impl Guest {
     /// arguments go on the kernel command line, which the guest splits at whitespace, so any
     /// whitespace in them is an error.
     pub fn boot(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest> {
-        for (what, v) in std::iter::once(("test name", &spec.test))
-            .chain(spec.args.iter().map(|a| ("argument", a)))
-            .chain(spec.kernel_args.iter().map(|a| ("kernel argument", a)))
-        {
-            if v.is_empty() || v.chars().any(char::is_whitespace) {
-                return Err(HarnessError::BadSpec(format!(
-                    "{what} {v:?} is empty or contains whitespace (the guest would split it)"
-                )));
-            }
-        }
-        let initrd = match &spec.initrd {
-            Some(p) => p.clone(),
-            None => env.initramfs()?,
-        };
-        let file = |stem: &str, ext: &str| match &spec.name {
-            Some(n) => dir.join(format!("{stem}-{n}.{ext}")),
-            None => dir.join(format!("{stem}.{ext}")),
-        };
-        let serial = file("serial", "log");
-        let qemu_log = file("qemu", "log");
-        let mut append = String::from("console=ttyS0 panic=-1 quiet");
-        if spec.iommu {
-            append.push_str(" intel_iommu=on");
-        }
-        for a in &spec.kernel_args {
-            append.push(' ');
-            append.push_str(a);
-        }
-        append.push_str(&format!(" sy.test={}", spec.test));
-        for a in &spec.args {
-            append.push_str(&format!(" sy.arg={a}"));
-        }
-        let qmp = spec.qmp.then(|| file("qmp", "sock"));
+        check_spec(spec)?;
+        let files = GuestFiles::new(dir, spec);
         let binary = spec.qemu.as_ref().unwrap_or(&env.qemu);
-        let mut q = QemuCommand::new(binary)
-            .memory_mib(spec.memory_mib)
-            .smp(spec.smp)
-            .serial(Serial::File(serial.clone()))
-            .kernel(&env.vmlinux)
-            .initrd(initrd)
-            .append(append)
-            .intel_iommu(spec.iommu)
-            .intel_iommu_intremap(spec.intremap)
-            .root_ports(spec.root_ports);
-        if let Some(cpu) = &spec.cpu {
-            q = q.cpu(cpu);
-        }
-        q = q.extra_args(&spec.qemu_args);
-        if let Some(path) = &spec.incoming {
-            let mut uri = std::ffi::OsString::from("unix:");
-            uri.push(path);
-            q = q.extra_arg("-incoming").extra_arg(uri);
-        }
-        for d in &spec.emulated {
-            q = q.device(d.clone());
-        }
-        for d in &spec.devices {
-            q = q.vfio_user_device(d.clone());
-        }
-        if let Some(p) = &qmp {
-            q = q.qmp_socket(p);
-        }
-        let mut cmd = q.command().map_err(HarnessError::Qemu)?;
-        let err =
-            File::create(&qemu_log).map_err(|e| HarnessError::Io("create qemu log".into(), e))?;
+        let mut cmd = qemu_command(env, spec, &files)?
+            .command()
+            .map_err(HarnessError::Qemu)?;
+        let err = File::create(&files.qemu_log)
+            .map_err(|e| HarnessError::Io("create qemu log".into(), e))?;
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -247,9 +190,9 @@ impl Guest {
             .map_err(|e| HarnessError::Io(format!("spawn {}", binary.display()), e))?;
         Ok(Guest {
             child: Some(child),
-            serial,
-            qemu_log,
-            qmp,
+            serial: files.serial,
+            qemu_log: files.qemu_log,
+            qmp: files.qmp,
             started: Instant::now(),
             timeout: spec.timeout,
         })
@@ -335,6 +278,98 @@ impl Guest {
     }
 }
 
+/// The files a guest's QEMU writes (see [`GuestSpec::name`]).
+struct GuestFiles {
+    serial: PathBuf,
+    qemu_log: PathBuf,
+    qmp: Option<PathBuf>,
+}
+
+impl GuestFiles {
+    fn new(dir: &Path, spec: &GuestSpec) -> GuestFiles {
+        let file = |stem: &str, ext: &str| match &spec.name {
+            Some(n) => dir.join(format!("{stem}-{n}.{ext}")),
+            None => dir.join(format!("{stem}.{ext}")),
+        };
+        GuestFiles {
+            serial: file("serial", "log"),
+            qemu_log: file("qemu", "log"),
+            qmp: spec.qmp.then(|| file("qmp", "sock")),
+        }
+    }
+}
+
+/// Refuses a spec whose words the guest would split (see [`Guest::boot`]).
+fn check_spec(spec: &GuestSpec) -> Result<()> {
+    for (what, v) in std::iter::once(("test name", &spec.test))
+        .chain(spec.args.iter().map(|a| ("argument", a)))
+        .chain(spec.kernel_args.iter().map(|a| ("kernel argument", a)))
+    {
+        if v.is_empty() || v.chars().any(char::is_whitespace) {
+            return Err(HarnessError::BadSpec(format!(
+                "{what} {v:?} is empty or contains whitespace (the guest would split it)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The kernel command line of a guest: the console, a panic that ends QEMU,
+/// [`GUEST_BOOT_ARGS`], the vIOMMU's switch, the spec's words and the test keys.
+fn kernel_cmdline(spec: &GuestSpec) -> String {
+    let mut append = format!("console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS}");
+    if spec.iommu {
+        append.push_str(" intel_iommu=on");
+    }
+    for a in &spec.kernel_args {
+        append.push(' ');
+        append.push_str(a);
+    }
+    append.push_str(&format!(" sy.test={}", spec.test));
+    for a in &spec.args {
+        append.push_str(&format!(" sy.arg={a}"));
+    }
+    append
+}
+
+/// The QEMU command that boots `spec`, writing `files`.
+fn qemu_command(env: &GuestEnv, spec: &GuestSpec, files: &GuestFiles) -> Result<QemuCommand> {
+    let initrd = match &spec.initrd {
+        Some(p) => p.clone(),
+        None => env.initramfs()?,
+    };
+    let binary = spec.qemu.as_ref().unwrap_or(&env.qemu);
+    let mut q = QemuCommand::new(binary)
+        .memory_mib(spec.memory_mib)
+        .smp(spec.smp)
+        .serial(Serial::File(files.serial.clone()))
+        .kernel(&env.vmlinux)
+        .initrd(initrd)
+        .append(kernel_cmdline(spec))
+        .intel_iommu(spec.iommu)
+        .intel_iommu_intremap(spec.intremap)
+        .root_ports(spec.root_ports);
+    if let Some(cpu) = &spec.cpu {
+        q = q.cpu(cpu);
+    }
+    q = q.extra_args(&spec.qemu_args);
+    if let Some(path) = &spec.incoming {
+        let mut uri = std::ffi::OsString::from("unix:");
+        uri.push(path);
+        q = q.extra_arg("-incoming").extra_arg(uri);
+    }
+    for d in &spec.emulated {
+        q = q.device(d.clone());
+    }
+    for d in &spec.devices {
+        q = q.vfio_user_device(d.clone());
+    }
+    if let Some(p) = &files.qmp {
+        q = q.qmp_socket(p);
+    }
+    Ok(q)
+}
+
 impl Drop for Guest {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -347,18 +382,23 @@ impl Drop for Guest {
 mod tests {
     use super::*;
 
-    #[test]
-    fn whitespace_in_guest_args_is_rejected() {
+    fn nowhere() -> GuestEnv {
         let none = PathBuf::from("/nonexistent");
-        let env = GuestEnv {
+        GuestEnv {
             repo: none.clone(),
             cache: none.clone(),
             qemu: none.clone(),
             vmlinux: none.clone(),
             switchyard: none.clone(),
             driver: none.clone(),
-            work: none.clone(),
-        };
+            work: none,
+        }
+    }
+
+    #[test]
+    fn whitespace_in_guest_args_is_rejected() {
+        let none = PathBuf::from("/nonexistent");
+        let env = nowhere();
         for (test, args, kernel_args) in [
             ("sygpu-driver", vec!["--bdf 0000:00:04.0"], vec![]),
             ("a b", vec![], vec![]),
@@ -370,6 +410,39 @@ mod tests {
             spec.kernel_args = kernel_args.into_iter().map(String::from).collect();
             let err = Guest::boot(&env, &none, &spec).expect_err("rejected");
             assert!(matches!(err, HarnessError::BadSpec(_)), "{err}");
+        }
+    }
+
+    /// The kernel command line QEMU gets, read back from its argv.
+    fn append_of(spec: &GuestSpec) -> String {
+        let dir = Path::new("/nonexistent");
+        let argv = qemu_command(&nowhere(), spec, &GuestFiles::new(dir, spec))
+            .expect("command")
+            .args()
+            .expect("argv");
+        let i = argv.iter().position(|a| a == "-append").expect("-append");
+        argv[i + 1].to_str().expect("UTF-8").to_owned()
+    }
+
+    #[test]
+    fn every_guest_boots_with_the_arguments_for_a_loaded_tcg_host() {
+        let mut plain = GuestSpec::new("sygpu-driver");
+        plain.initrd = Some(PathBuf::from("/nonexistent/initrd"));
+        let mut nested = plain.clone();
+        nested.test = "nested".into();
+        nested.iommu = true;
+        nested.intremap = true;
+        nested.kernel_args = vec!["hugepages=16".into()];
+        nested.args = vec!["qemu-softgpu".into()];
+        for spec in [plain, nested] {
+            let append = append_of(&spec);
+            let words: Vec<&str> = append.split_whitespace().collect();
+            assert!(words.contains(&"no_timer_check"), "{append}");
+            for w in GUEST_BOOT_ARGS.split_whitespace() {
+                assert!(words.contains(&w), "{append}");
+            }
+            let test = format!("sy.test={}", spec.test);
+            assert!(words.contains(&test.as_str()), "{append}");
         }
     }
 }

@@ -21,6 +21,7 @@ use switchyard_guest_tests::{
     GuestEnv, assert_full_workload, complete_lines, find_line, list_tests, stop_child, wait_until,
     with_logs,
 };
+use switchyard_qemu::GUEST_BOOT_ARGS;
 
 /// The documented domain XML.
 const TEMPLATE: &str = include_str!("../../../vmm-integration/libvirt/switchyard-guest.xml");
@@ -654,8 +655,11 @@ fn libvirt_runs_the_driver_workload_across_a_worker_restart() {
             emulator: &env.qemu,
             kernel: &env.vmlinux,
             initrd: &initrd,
-            cmdline: "console=ttyS0 panic=-1 quiet intel_iommu=on sy.test=sygpu-driver \
-                      sy.arg=--doorbell sy.arg=mapped sy.arg=--latency sy.arg=500",
+            cmdline: &format!(
+                "console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS} intel_iommu=on \
+                 sy.test=sygpu-driver sy.arg=--doorbell sy.arg=mapped sy.arg=--latency \
+                 sy.arg=500"
+            ),
             serial_log: &serial,
             endpoint_socket: &socket,
         }
