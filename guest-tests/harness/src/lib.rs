@@ -35,7 +35,7 @@ pub use boot::{BOOT_ATTEMPTS, BootState, boot_state};
 pub use env::{GuestEnv, NestedBinaries, needs_cloud_hypervisor};
 pub use error::{HarnessError, Result};
 pub use guest::{Guest, GuestOutput, GuestSpec};
-pub use nested::{NESTED_ATTEMPTS, boot_nested, nested_fault};
+pub use nested::{NESTED_ATTEMPTS, STACK_PROTECTOR_WINDOW, boot_nested, nested_fault};
 pub use pool::PoolDaemon;
 pub use server::Server;
 pub use watchdog::TEST_LIMIT;
