@@ -221,7 +221,7 @@ impl Guest {
     }
 
     /// Waits until the guest's `/init` starts its test (`GUEST: test NAME start`; see
-    /// [`boot_state`](crate::boot_state)). A guest whose kernel panicked before that is
+    /// [`boot_state`]). A guest whose kernel panicked before that is
     /// booted again, once ([`BOOT_ATTEMPTS`]): said on stderr (`BOOT-PANIC:` with the panic's
     /// line, shown even when the test passes), the failed boot's console and QEMU log kept
     /// as `serial.boot-1.log` and `qemu.boot-1.log`; the new boot has the spec's whole
