@@ -31,9 +31,11 @@ pub const ROOT_PORT_PREF64_RESERVE: &str = "256M";
 ///   (a guest with a vIOMMU) it panics at once: `timer doesn't work through Interrupt-remapped
 ///   IO-APIC`. The timer works, only late; with the check skipped the boot goes on.
 ///
-/// Not added: `tsc=reliable` and `lpj=`. A loaded host makes the TSC calibration or the
-/// clocksource watchdog choose a slower clock, which costs speed, not a failed boot; nothing
-/// seen needs them.
+/// Not added: `lpj=`, because the kernel already skips the delay-loop calibration (`Calibrating
+/// delay loop (skipped), value calculated using timer frequency`, Debian's 6.12 under QEMU
+/// 11.1's TCG); and `tsc=reliable`, because a TSC calibration or a clocksource watchdog upset
+/// by a loaded host makes the kernel pick a slower clock, which costs speed, not a boot, and
+/// no failure seen came from it.
 pub const GUEST_BOOT_ARGS: &str = "no_timer_check";
 
 /// Where the guest's first serial port (`ttyS0`) goes.
