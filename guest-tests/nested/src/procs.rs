@@ -131,8 +131,9 @@ impl Drop for Server {
 }
 
 /// Says that L2 `name`'s VMM starts, and when in L1's time since boot (`/proc/uptime`; the
-/// kernel's console timestamps count the same, give or take a fraction of a second): `NESTED: start L2[NAME] at L1 uptime S s: BINARY ARGS...`.
-/// The harness times L1 kernel panics against it (guest-tests/harness/src/nested.rs).
+/// kernel's console timestamps count the same, give or take a fraction of a second):
+/// `NESTED: start L2[NAME] at L1 uptime S s: BINARY ARGS...`. The harness times L1 kernel
+/// panics against it (guest-tests/harness/src/nested.rs).
 fn announce(name: &str, binary: &Path, argv: &[OsString]) {
     let uptime = fs::read_to_string("/proc/uptime")
         .ok()
