@@ -78,7 +78,7 @@ CMD=("$CACHE/qemu"
   -m "$MEM" -smp "$SMP"
   -nodefaults -display none -serial stdio -no-reboot
   -kernel "$KERNEL" -initrd "$INITRD"
-  -append "console=ttyS0 panic=-1 quiet${APPEND}"
+  -append "console=ttyS0 panic=-1 quiet no_timer_check${APPEND}"   # switchyard_qemu::GUEST_BOOT_ARGS
   "$@")
 if [ $DRY = 1 ]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
 

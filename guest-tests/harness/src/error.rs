@@ -35,6 +35,10 @@ pub enum HarnessError {
     /// Building the QEMU command line failed.
     #[error("Cannot build the QEMU command line")]
     Qemu(#[source] switchyard_qemu::QemuError),
+    /// The guest's kernel panicked at boot, before its test's code ran, on every boot it was
+    /// given ([`Guest::booted`](crate::Guest::booted)).
+    #[error("The guest's kernel panicked at boot again, before the test's own code ran: {0}")]
+    BootPanic(String),
     /// Building the initramfs failed.
     #[error("Building the initramfs failed: {0}")]
     Initramfs(String),

@@ -5,7 +5,9 @@
 //! RAM as a shared memfd, reads the guest's serial console from a file, enforces timeouts (and
 //! a watchdog per test, which says where a hung test waits and fails it: [`with_logs`]),
 //! kills only the processes it started, and keeps the guest, server and QEMU logs of every
-//! test under `target/guest-tests/logs/<test>/` (printed when the test fails).
+//! test under `target/guest-tests/logs/<test>/` (printed when the test fails). A guest whose
+//! kernel panicked at boot, before its test's code ran, is booted again once and said so
+//! (`BOOT-PANIC:`; [`boot_state`], [`Guest::booted`]).
 //!
 //! The serial console is read while QEMU is still writing it, so everything that looks at it
 //! before QEMU has exited considers only complete lines ([`complete_lines`]).
@@ -20,6 +22,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod boot;
 mod env;
 mod error;
 mod guest;
@@ -28,10 +31,11 @@ mod pool;
 mod server;
 mod watchdog;
 
+pub use boot::{BOOT_ATTEMPTS, BootState, boot_state};
 pub use env::{GuestEnv, NestedBinaries, needs_cloud_hypervisor};
 pub use error::{HarnessError, Result};
 pub use guest::{Guest, GuestOutput, GuestSpec};
-pub use nested::{NESTED_ATTEMPTS, boot_nested, nested_fault};
+pub use nested::{NESTED_ATTEMPTS, STACK_PROTECTOR_WINDOW, boot_nested, nested_fault};
 pub use pool::PoolDaemon;
 pub use server::Server;
 pub use watchdog::TEST_LIMIT;

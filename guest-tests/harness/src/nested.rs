@@ -34,6 +34,13 @@
 //!   `swapper/0`), each right after an L2 started (seen in the cloud-hypervisor pool scenario
 //!   and in the QEMU/KVM one). User space (a VMM, Switchyard) cannot write a kernel stack; L1's
 //!   own kernel code does not either without the emulated world switch under it.
+//! * L1's stack protector finds a kernel stack corrupted (`Kernel panic - not syncing:
+//!   stack-protector: Kernel stack is corrupted in: __schedule`) within
+//!   [`STACK_PROTECTOR_WINDOW`] of L1's clock after `sy-nested` started an L2's VMM (it says
+//!   when: `NESTED: start L2[NAME] at L1 uptime S s`), the same fault class (seen in CI beside
+//!   two busy loops, in the physical-devices scenario). The same message in an L2, before any
+//!   L2 started, or later than the window after the last one did, is not this signature and
+//!   fails the test.
 //!
 //! [`boot_nested`] boots L1 again after any of these signatures (at most [`NESTED_ATTEMPTS`] boots in
 //! all), says so on stderr (`NESTED-FAULT:`, shown even when the test passes) and keeps each
@@ -152,6 +159,9 @@ pub fn nested_fault(serial: &str) -> Option<String> {
     if let Some(f) = l1_vcpu_stack_corrupted(&lines) {
         return Some(f);
     }
+    if let Some(f) = l1_stack_protector_after_l2_start(&lines) {
+        return Some(f);
+    }
     // L2 spinning in its kernel with interrupts off, its VMM alive (the diagnosis sy-nested
     // prints when an L2 stops making progress).
     lines
@@ -188,6 +198,55 @@ fn l1_vcpu_stack_corrupted(lines: &[&str]) -> Option<String> {
             "L1's kernel found the kernel stack of {comm} corrupted: {l}"
         ))
     })
+}
+
+/// How long (seconds of L1's clock) after `sy-nested` started an L2's VMM L1's stack protector
+/// finding a kernel stack corrupted is a fault of the nested virtualization: an L2's boot, when
+/// its world switches are the most frequent, with room for a loaded host (see the module docs).
+pub const STACK_PROTECTOR_WINDOW: f64 = 30.0;
+
+/// L1's stack protector finding a kernel stack corrupted right after an L2 started (see the
+/// module docs).
+fn l1_stack_protector_after_l2_start(lines: &[&str]) -> Option<String> {
+    const SIGN: &str = "Kernel panic - not syncing: stack-protector: Kernel stack is corrupted in:";
+    // The last L2 started so far: its name and L1's uptime then.
+    let mut started: Option<(&str, f64)> = None;
+    for l in lines {
+        if let Some(start) = l2_started(l) {
+            started = Some(start);
+            continue;
+        }
+        if l.starts_with("L2[") || !l.contains(SIGN) {
+            continue;
+        }
+        let (Some((name, at)), Some(t)) = (started, kernel_time(l)) else {
+            continue;
+        };
+        // Console order puts the panic after the start; the two clocks may differ a little.
+        if (-1.0..=STACK_PROTECTOR_WINDOW).contains(&(t - at)) {
+            return Some(format!(
+                "L1's stack protector found a kernel stack corrupted {:.1} s after L2[{name}] \
+                 started: {l}",
+                (t - at).max(0.0)
+            ));
+        }
+    }
+    None
+}
+
+/// The L2 and L1's uptime in a `sy-nested` line `NESTED: start L2[NAME] at L1 uptime S s: ...`.
+fn l2_started(line: &str) -> Option<(&str, f64)> {
+    let (name, rest) = line
+        .strip_prefix("NESTED: start L2[")?
+        .split_once("] at L1 uptime ")?;
+    let (secs, _) = rest.split_once(" s:")?;
+    Some((name, secs.parse().ok()?))
+}
+
+/// The timestamp of a kernel console line (`[   45.175589] ...`), in seconds since boot.
+fn kernel_time(line: &str) -> Option<f64> {
+    let (t, _) = line.strip_prefix('[')?.split_once(']')?;
+    t.trim().parse().ok()
 }
 
 /// What cloud-hypervisor logs when KVM reports its guest's shutdown (a triple fault).
@@ -262,7 +321,53 @@ fn l2_spinning(header: &str, block: &[&str]) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{TRIPLE_FAULT, nested_fault};
+    use super::{STACK_PROTECTOR_WINDOW, TRIPLE_FAULT, nested_fault};
+
+    /// L1 beside two busy loops (issue 33's panic line): an L2's QEMU started in the
+    /// physical-devices scenario, then L1's stack protector fires.
+    const L1_STACK_PROTECTOR: &str = "\
+NESTED: start L2[edu] at L1 uptime 61.37 s: /usr/bin/qemu -accel kvm -cpu host -m 512
+[   63.402518] Kernel panic - not syncing: stack-protector: Kernel stack is corrupted in: __schedule+0x1046/0x1050
+[   63.403311] CPU: 1 UID: 0 PID: 0 Comm: swapper/1 Not tainted 6.12.117+deb13-amd64 #1  Debian 6.12.117-1
+";
+
+    #[test]
+    fn l1s_stack_protector_right_after_an_l2_started_is_a_nested_fault() {
+        let f = nested_fault(L1_STACK_PROTECTOR).expect("a nested fault");
+        assert!(
+            f.contains("L2[edu]") && f.contains("2.0 s after") && f.contains("__schedule"),
+            "{f}"
+        );
+        // Near the window's end, still.
+        let edge = L1_STACK_PROTECTOR.replace("[   63.402518]", "[   91.360000]");
+        assert!(nested_fault(&edge).is_some(), "{edge}");
+    }
+
+    #[test]
+    fn the_stack_protector_elsewhere_is_not() {
+        // The same message in an L2's kernel.
+        let l2 = L1_STACK_PROTECTOR.replace("[   63.", "L2[edu]: [    3.");
+        assert_eq!(nested_fault(&l2), None);
+        // In L1 before any L2 started (the start line after it, or none).
+        let lines: Vec<&str> = L1_STACK_PROTECTOR.lines().collect();
+        let before = format!("{}\n{}\n{}\n", lines[1], lines[2], lines[0]);
+        assert_eq!(nested_fault(&before), None);
+        let no_l2 = format!("{}\n{}\n", lines[1], lines[2]);
+        assert_eq!(nested_fault(&no_l2), None);
+        // Later than the window after the last L2 started.
+        let late_at = 61.37 + STACK_PROTECTOR_WINDOW + 5.0;
+        let late = L1_STACK_PROTECTOR.replace("[   63.402518]", &format!("[{late_at:12.6}]"));
+        assert_eq!(nested_fault(&late), None, "{late}");
+        // A start line that does not say when (an older sy-nested) times nothing.
+        let untimed = L1_STACK_PROTECTOR.replace("L2[edu] at L1 uptime 61.37 s: ", "");
+        assert_eq!(nested_fault(&untimed), None);
+        // Another panic in the window is not this signature.
+        let other = L1_STACK_PROTECTOR.replace(
+            "stack-protector: Kernel stack is corrupted in: __schedule+0x1046/0x1050",
+            "Attempted to kill init! exitcode=0x00000009",
+        );
+        assert_eq!(nested_fault(&other), None);
+    }
 
     /// L1, CI: an L2's cloud-hypervisor vCPU thread, right after the L2 started.
     const L1_VCPU_STACK: &str = "\

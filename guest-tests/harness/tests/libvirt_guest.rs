@@ -13,14 +13,16 @@
 //! the endpoint and its worker, the daemon.
 #![forbid(unsafe_code)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use switchyard_guest_tests::{
-    GuestEnv, assert_full_workload, complete_lines, find_line, list_tests, stop_child, wait_until,
-    with_logs,
+    BOOT_ATTEMPTS, BootState, GuestEnv, assert_full_workload, boot_state, complete_lines,
+    find_line, list_tests, stop_child, wait_until, with_logs,
 };
+use switchyard_qemu::GUEST_BOOT_ARGS;
 
 /// The documented domain XML.
 const TEMPLATE: &str = include_str!("../../../vmm-integration/libvirt/switchyard-guest.xml");
@@ -625,6 +627,54 @@ fn wait_for_line(libvirt: &Libvirtd, serial: &Path, prefix: &str, timeout: Durat
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Waits until the domain's guest starts its `test`; a guest whose kernel panicked before that
+/// (`panic=-1`: it reboots, and `on_reboot` destroys the domain) is started again once, as the
+/// harness's own guests are (`Guest::booted`): said on stderr (`BOOT-PANIC:`), its console kept
+/// as `serial.boot-1.log`. A second boot panic fails the test.
+fn wait_booted(libvirt: &Libvirtd, serial: &Path, test: &str, timeout: Duration) {
+    for boot in 1..=BOOT_ATTEMPTS {
+        let mut checked = Instant::now();
+        let state = wait_until(timeout, &format!("`GUEST: test {test} start`"), || {
+            let state = boot_state(&console(serial), test);
+            if state != BootState::Booting {
+                return Some(state);
+            }
+            // Every second: a domain that stopped without a panic will not print it.
+            if checked.elapsed() > Duration::from_secs(1) {
+                checked = Instant::now();
+                let running = libvirt.domstate(DOMAIN) == "running";
+                let state = boot_state(&console(serial), test);
+                assert!(
+                    running || state != BootState::Booting,
+                    "the domain stopped before the guest started its test"
+                );
+                return (state != BootState::Booting).then_some(state);
+            }
+            None
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let BootState::Panicked(panic) = state else {
+            return;
+        };
+        assert!(
+            boot < BOOT_ATTEMPTS,
+            "the guest's kernel panicked at boot {boot} of {BOOT_ATTEMPTS}, before the test's \
+             own code ran: {panic}"
+        );
+        let _ = libvirt.virsh(&["destroy", DOMAIN]);
+        let kept = serial.with_extension(format!("boot-{boot}.log"));
+        std::fs::rename(serial, &kept).expect("keep the console");
+        // Past the test harness's capture: said even when the next boot passes.
+        let _ = writeln!(
+            std::io::stderr(),
+            "BOOT-PANIC: the guest's kernel panicked at boot {boot} of {BOOT_ATTEMPTS}, before \
+             the test's own code ran: {panic}; its console is kept in {}; booting again once",
+            kept.display()
+        );
+        libvirt.virsh_ok(&["start", DOMAIN]);
+    }
+}
+
 /// The issue's libvirt test: the documented domain XML, rendered with the pool endpoint's
 /// socket, QEMU 11.1 as its emulator and the guest-test kernel and initramfs, boots under a
 /// private libvirtd; the in-guest VFIO driver runs its workload (mapped doorbells, then the
@@ -654,8 +704,11 @@ fn libvirt_runs_the_driver_workload_across_a_worker_restart() {
             emulator: &env.qemu,
             kernel: &env.vmlinux,
             initrd: &initrd,
-            cmdline: "console=ttyS0 panic=-1 quiet intel_iommu=on sy.test=sygpu-driver \
-                      sy.arg=--doorbell sy.arg=mapped sy.arg=--latency sy.arg=500",
+            cmdline: &format!(
+                "console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS} intel_iommu=on \
+                 sy.test=sygpu-driver sy.arg=--doorbell sy.arg=mapped sy.arg=--latency \
+                 sy.arg=500"
+            ),
             serial_log: &serial,
             endpoint_socket: &socket,
         }
@@ -664,6 +717,7 @@ fn libvirt_runs_the_driver_workload_across_a_worker_restart() {
         std::fs::write(&xml_path, &xml).expect("write the domain XML");
         let boot = Instant::now();
         libvirt.define_and_start(&xml_path, DOMAIN);
+        wait_booted(&libvirt, &serial, "sygpu-driver", Duration::from_secs(240));
 
         // The driver has the device up and its first jobs verified: restart the worker under
         // the rest of the workload.

@@ -751,7 +751,11 @@ fn two_guests_run_on_while_the_pool_daemon_is_killed_and_restarted() {
             let mut spec = GuestSpec::new("sygpu-driver");
             spec.iommu = true;
             spec.devices = vec![VfioUserDevice::new("gpu0", socket)];
-            guests.push((gdir.clone(), Guest::boot(env, &gdir, &spec).expect("boot")));
+            // Side by side: both drivers run when the daemon is killed.
+            guests.push((
+                gdir.clone(),
+                Guest::start(env, &gdir, &spec).expect("start"),
+            ));
         }
         // Both drivers have the device up (BARs mapped, MSI-X wired) before the kill.
         for (_, g) in &mut guests {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde_json::Value;
+use switchyard_qemu::GUEST_BOOT_ARGS;
 
 use crate::procs::{Vm, VmSpec};
 use crate::{
@@ -16,7 +17,7 @@ use crate::{
 pub static L2_VERBOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 pub fn l2_cmdline(test: &str, args: &[&str]) -> String {
-    let mut c = format!("{L2_CMDLINE} sy.test={test}");
+    let mut c = format!("{L2_CMDLINE} {GUEST_BOOT_ARGS} sy.test={test}");
     if L2_VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
         c = c.replace(" quiet", "");
     }
@@ -68,4 +69,18 @@ pub fn l2_outcome(vm: &mut Vm, test: &str, summary: &str) -> Result<(i32, Value,
     };
     let status = vm.wait_exit(Duration::from_secs(60))?;
     Ok((rc, s, status.code()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn l2s_boot_with_the_arguments_for_a_loaded_tcg_host() {
+        let c = l2_cmdline("sygpu-driver", &["--noiommu"]);
+        let words: Vec<&str> = c.split_whitespace().collect();
+        assert!(words.contains(&"no_timer_check"), "{c}");
+        assert!(words.contains(&"sy.test=sygpu-driver"), "{c}");
+        assert_eq!(words.last(), Some(&"sy.arg=--noiommu"), "{c}");
+    }
 }

@@ -78,8 +78,9 @@ const L2_INITRAMFS: &str = "/l2/initramfs.cpio.gz";
 const WORK: &str = "/tmp/nested";
 /// The softgpu every scenario serves (defaults: 64 MiB VRAM offered for mmap, MSI-X).
 const DEVICE: &str = "softgpu";
-/// L2's command line before the test keys. Hugepages back the no-IOMMU driver's DMA memory.
-/// `sy.nomodules`: L2 needs no VFIO modules (there is no IOMMU for them to use).
+/// L2's command line before the test keys ([`switchyard_qemu::GUEST_BOOT_ARGS`] follow it).
+/// Hugepages back the no-IOMMU driver's DMA memory. `sy.nomodules`: L2 needs no VFIO modules
+/// (there is no IOMMU for them to use).
 const L2_CMDLINE: &str = "console=ttyS0 panic=-1 quiet sy.nomodules hugepages=16";
 /// Guest RAM of an L2.
 const L2_MEMORY_MIB: u64 = 512;

@@ -1,5 +1,6 @@
 //! The processes a scenario runs inside L1: `switchyard serve` and cloud-hypervisor.
 
+use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -129,6 +130,25 @@ impl Drop for Server {
     }
 }
 
+/// Says that L2 `name`'s VMM starts, and when in L1's time since boot (`/proc/uptime`; the
+/// kernel's console timestamps count the same, give or take a fraction of a second):
+/// `NESTED: start L2[NAME] at L1 uptime S s: BINARY ARGS...`. The harness times L1 kernel
+/// panics against it (guest-tests/harness/src/nested.rs).
+fn announce(name: &str, binary: &Path, argv: &[OsString]) {
+    let uptime = fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|u| u.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into());
+    println!(
+        "NESTED: start L2[{name}] at L1 uptime {uptime} s: {} {}",
+        binary.display(),
+        argv.iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
 /// How to start an L2 guest under cloud-hypervisor.
 pub struct VmSpec<'a> {
     /// Short name: log files and the `L2[name]:` prefix of its console lines.
@@ -191,15 +211,7 @@ impl Vm {
             cmd = cmd.vfio_device(d);
         }
         cmd = cmd.extra_args(spec.extra_args);
-        let argv = cmd.args()?;
-        println!(
-            "NESTED: start {} {}",
-            spec.binary.display(),
-            argv.iter()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
+        announce(spec.name, spec.binary, &cmd.args()?);
         Vm::spawn(spec.name, cmd.command()?, serial, log)
     }
 
@@ -210,15 +222,7 @@ impl Vm {
         let qmp = dir.join(format!("{name}-qmp.sock"));
         File::create(&serial)?;
         let cmd = cmd.serial(Serial::File(serial.clone())).qmp_socket(&qmp);
-        println!(
-            "NESTED: start {} {}",
-            cmd.binary().display(),
-            cmd.args()?
-                .iter()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
+        announce(name, cmd.binary(), &cmd.args()?);
         let mut vm = Vm::spawn(name, cmd.command()?, serial, log)?;
         vm.qmp = Some(qmp);
         Ok(vm)

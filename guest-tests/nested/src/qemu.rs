@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
-use switchyard_qemu::{Accel, QemuCommand, VfioUserDevice, root_port_id};
+use switchyard_qemu::{Accel, GUEST_BOOT_ARGS, QemuCommand, VfioUserDevice, root_port_id};
 
 use crate::l2::{L2_VERBOSE, l2_outcome};
 use crate::procs::{Server, Vm, tail};
@@ -38,7 +38,8 @@ fn l2_command(test: &str, args: &[&str], device: VfioUserDevice) -> QemuCommand 
     // `nox2apic`: an L2 in x2APIC mode (its vIOMMU remaps interrupts) hit faults of L0's SVM
     // emulation in most L1 boots (kernels crashing in their page fault handler, an L2 spinning
     // with interrupts off); with the xAPIC, L2s have not (guest-tests/harness/src/nested.rs).
-    let mut append = String::from("console=ttyS0 panic=-1 quiet intel_iommu=on nox2apic");
+    let mut append =
+        format!("console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS} intel_iommu=on nox2apic");
     if L2_VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
         append = append.replace(" quiet", "");
     }
@@ -112,4 +113,22 @@ pub fn qemu_edu(dir: &Path) -> Result<Value> {
         "ok": ok, "host_bdf": bdf, "edu_rc": rc, "edu_summary": summary, "qemu_exit": exit,
         "server_alive_after_vm": server_alive, "qemu_messages": qemu_errors,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qemu_l2s_boot_with_the_arguments_for_a_loaded_tcg_host() {
+        let device = VfioUserDevice::new("dev0", "/tmp/dev.sock");
+        let argv = l2_command("sy-edu", &["0000:00:03.0"], device)
+            .args()
+            .expect("argv");
+        let i = argv.iter().position(|a| a == "-append").expect("-append");
+        let append = argv[i + 1].to_str().expect("UTF-8");
+        let words: Vec<&str> = append.split_whitespace().collect();
+        assert!(words.contains(&"no_timer_check"), "{append}");
+        assert!(words.contains(&"sy.test=sy-edu"), "{append}");
+    }
 }

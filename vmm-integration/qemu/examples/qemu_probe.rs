@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use switchyard_qemu::{QemuCommand, QemuError, Qmp, Serial, all_pci_devices, root_port_id};
+use switchyard_qemu::{
+    GUEST_BOOT_ARGS, QemuCommand, QemuError, Qmp, Serial, all_pci_devices, root_port_id,
+};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let qemu = std::env::args_os()
@@ -40,10 +42,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .root_ports(2)
         .qmp_socket(&qmp_path);
     if let Some((kernel, initrd)) = &boot {
-        cmd = cmd
-            .kernel(kernel)
-            .initrd(initrd)
-            .append("console=ttyS0 quiet panic=-1 intel_iommu=on");
+        cmd = cmd.kernel(kernel).initrd(initrd).append(format!(
+            "console=ttyS0 quiet panic=-1 {GUEST_BOOT_ARGS} intel_iommu=on"
+        ));
     }
     println!("argv: {:?}", cmd.args()?);
     let mut child = cmd.command()?.stdin(Stdio::null()).spawn()?;

@@ -19,6 +19,25 @@ pub const SERIAL_CHARDEV_ID: &str = "serial0";
 /// (1G is not honoured by SeaBIOS with a small guest; 256M is.)
 pub const ROOT_PORT_PREF64_RESERVE: &str = "256M";
 
+/// Kernel command-line words every Linux guest of the project gets, whatever boots it (the
+/// harness's QEMU, `scripts/guest-run.sh`, libvirt, an L1's QEMU or cloud-hypervisor): what a
+/// TCG boot on a loaded host needs.
+///
+/// * `no_timer_check`: the kernel's boot-time check that the timer interrupt works
+///   (`check_timer()`, `timer_irq_works()`) busy-waits for a number of TSC cycles and wants more
+///   than four timer ticks in that time. Under TCG the TSC is the host's clock while the ticks
+///   are emulated by QEMU threads: on a loaded host they come late and too few. Without
+///   interrupt remapping the kernel then tries other routes (and may still get through); with it
+///   (a guest with a vIOMMU) it panics at once: `timer doesn't work through Interrupt-remapped
+///   IO-APIC`. The timer works, only late; with the check skipped the boot goes on.
+///
+/// Not added: `lpj=`, because the kernel already skips the delay-loop calibration (`Calibrating
+/// delay loop (skipped), value calculated using timer frequency`, Debian's 6.12 under QEMU
+/// 11.1's TCG); and `tsc=reliable`, because a TSC calibration or a clocksource watchdog upset
+/// by a loaded host makes the kernel pick a slower clock, which costs speed, not a boot, and
+/// no failure seen came from it.
+pub const GUEST_BOOT_ARGS: &str = "no_timer_check";
+
 /// Where the guest's first serial port (`ttyS0`) goes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Serial {

@@ -19,7 +19,8 @@ mod error;
 mod qmp;
 
 pub use command::{
-    Accel, MEMORY_BACKEND_ID, QemuCommand, SERIAL_CHARDEV_ID, Serial, VfioUserDevice, root_port_id,
+    Accel, GUEST_BOOT_ARGS, MEMORY_BACKEND_ID, QemuCommand, SERIAL_CHARDEV_ID, Serial,
+    VfioUserDevice, root_port_id,
 };
 pub use error::{QemuError, Result};
 pub use qmp::{

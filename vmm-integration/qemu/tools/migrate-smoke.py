@@ -118,7 +118,7 @@ def qemu_args(sock, con, qmp, extra):
             "-object", "memory-backend-memfd,id=mem0,size=512M,share=on", "-m", "512",
             "-smp", "1", "-nodefaults", "-display", "none", "-no-reboot",
             "-kernel", VM + "/vmlinux", "-initrd", VM + "/initramfs-base.cpio.gz",
-            "-append", "console=ttyS0 panic=-1 quiet sy.shell",
+            "-append", "console=ttyS0 panic=-1 quiet no_timer_check sy.shell",
             "-serial", f"unix:{con},server=on,wait=off",
             "-qmp", f"unix:{qmp},server=on,wait=off",
             "-device", dev] + extra

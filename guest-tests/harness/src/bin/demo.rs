@@ -75,7 +75,7 @@ fn demo() -> anyhow::Result<()> {
     let mut guest = Guest::boot(&env, &dir, &spec).context("booting the guest")?;
     let booted = Instant::now();
     say!(
-        "  [{:5.1}s] guest booting (QEMU vfio-user-pci, intel-iommu, driver via VFIO)",
+        "  [{:5.1}s] guest booted (QEMU vfio-user-pci, intel-iommu, driver via VFIO)",
         t0.elapsed().as_secs_f64()
     );
     let mut shown = 0usize;
