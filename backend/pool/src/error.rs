@@ -333,6 +333,13 @@ impl PoolError {
         }
     }
 
+    /// Whether the store could not be opened because another process has it open (redb
+    /// locks its file: one pool per store).
+    pub fn store_in_use(&self) -> bool {
+        matches!(self, PoolError::StoreOpen { source, .. }
+            if matches!(**source, redb::Error::DatabaseAlreadyOpen))
+    }
+
     pub(crate) fn store(action: &'static str, e: impl Into<redb::Error>) -> Self {
         PoolError::Store {
             action,

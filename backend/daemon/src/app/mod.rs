@@ -30,6 +30,7 @@ mod owner;
 mod pending;
 pub mod records;
 mod stats;
+mod store;
 pub mod systemd;
 
 use std::collections::BTreeMap;
@@ -73,6 +74,9 @@ pub struct DaemonOptions {
     pub socket_group: Option<String>,
     /// Allow fault injection (`POST /v1/boards/{id}/fault`), for tests and drills.
     pub faults: bool,
+    /// A damaged store (empty, truncated, not a store) is moved aside and a new, empty one
+    /// made, instead of refused: every lease it held is lost.
+    pub reinit: bool,
 }
 
 /// Why the daemon could not start or stopped with an error.
@@ -96,9 +100,20 @@ pub enum DaemonError {
         /// What is wrong with it.
         problem: PathProblem,
     },
-    /// The store cannot be opened.
-    #[error("Cannot open the pool store {0}")]
+    /// The store cannot be opened (the message says what to do).
+    #[error("Cannot open the pool store {} ({})", .0.display(), store::hint(.1))]
     Store(PathBuf, #[source] Box<PoolError>),
+    /// A systemd directory variable is set but does not name absolute directories (exit
+    /// status 2).
+    #[error(
+        "${var} is {value:?}, which is not a list of absolute directories; unset it or give absolute paths"
+    )]
+    Environment {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
     /// The worker executable cannot be found.
     #[error("Cannot find the worker executable")]
     Exe(#[source] io::Error),
@@ -135,7 +150,10 @@ impl DaemonError {
     /// directory included: the fix is on the file system, not in the configuration).
     pub fn exit_code(&self) -> u8 {
         match self {
-            DaemonError::Config(..) | DaemonError::FdPlan(..) | DaemonError::NoGroup { .. } => 2,
+            DaemonError::Config(..)
+            | DaemonError::FdPlan(..)
+            | DaemonError::NoGroup { .. }
+            | DaemonError::Environment { .. } => 2,
             _ => 1,
         }
     }
@@ -385,16 +403,6 @@ fn private_dir(dir: &Path) -> Result<(), DaemonError> {
     check_ancestors(dir)
 }
 
-/// The store file, when it exists, must be a regular file of the daemon's (never a symbolic
-/// link, even a dangling one: opening it would create a file where the link points).
-fn check_store(path: &Path) -> Result<(), DaemonError> {
-    match fs::symlink_metadata(path) {
-        Ok(meta) => check_own(path, &meta, false),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(DaemonError::Inspect(path.to_owned(), e)),
-    }
-}
-
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let config = resolve_config(options)?;
@@ -435,11 +443,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         Some(exe) => PathBuf::from(exe),
         None => std::env::current_exe().map_err(DaemonError::Exe)?,
     };
-    let store = d.store_path();
-    check_store(&store)?;
-    let (mut pool, report) = Pool::open(&config, &switchyard_kinds::Registry, &store)
-        .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
-    tracing::info!(store = %store.display(), ?report, "pool opened");
+    let (mut pool, report) = store::open(options, &config)?;
+    tracing::info!(store = %d.store_path().display(), ?report, "pool opened");
     // The stream starts after the history as loaded: the events of what is done below
     // (quarantines, then the moves left in progress, settled once their workers are
     // adopted: `start_all`) are published after it, in order.
