@@ -16,11 +16,13 @@
 //! devices. A restarted daemon (after a crash, or an upgrade of the daemon itself) *adopts*
 //! every worker that still runs ([`Supervisor::adopt`], [`crate::keeper`]): it gets back
 //! everything the worker holds for its guest and supervises it as if it had started it. A
-//! worker that cannot be adopted (one without an adoption socket) is reported `orphaned`
-//! (with its pid) and left alone; restart, upgrade and moves are refused for it, delete
-//! kills it. A move an earlier daemon left in progress is settled by what the adopted worker
-//! did: committed if its data path finished, aborted otherwise (`pending`). Moves and
-//! drains are transparent (trapped VRAM only); detach and attach have no data path yet, so
+//! worker that cannot be adopted (one without an adoption socket, or that cannot prove its
+//! record's nonce) is reported `orphaned` (with the pid its record names) and left alone:
+//! restart, upgrade and moves are refused for it, and so is delete while it runs (the daemon
+//! never signals a process it could not prove is its worker; its administrator stops it).
+//! A move an earlier daemon left in progress is settled by what the adopted worker did:
+//! committed if its data path finished, aborted otherwise (`pending`). Moves and drains
+//! are transparent (trapped VRAM only); detach and attach have no data path yet, so
 //! the API does not offer them.
 
 mod access;
@@ -166,7 +168,8 @@ impl DaemonError {
 pub(crate) enum Unsupervised {
     /// A worker of an earlier daemon still serves the socket.
     Orphaned {
-        /// Its pid, when the record of it matches a live process.
+        /// The pid its record names, when that matches a live worker process: a claim, not
+        /// proved (it was not adopted), so never signalled.
         pid: Option<u32>,
     },
     /// Starting the worker failed at daemon start.
@@ -427,7 +430,12 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     });
                     stats::record(&metrics, endpoint, board.as_deref(), stats);
                 }
-                crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
+                crate::WorkerEvent::Started {
+                    endpoint,
+                    pid,
+                    nonce,
+                    ..
+                } => records.write(endpoint, *pid, nonce),
                 crate::WorkerEvent::DeviceLost {
                     endpoint,
                     lease,
@@ -622,9 +630,10 @@ impl Daemon {
             .collect();
         for spec in specs {
             let id = spec.id.clone();
-            if let Some(pid) = self.records.live(&id) {
-                // A worker of an earlier daemon still serves the endpoint: adopt it.
-                let served = match self.supervisor.adopt(spec, pid) {
+            if let Some(records::Recorded { pid, nonce }) = self.records.live(&id) {
+                // A worker of an earlier daemon still serves the endpoint: adopt it, once it
+                // proves the record's nonce.
+                let served = match self.supervisor.adopt(spec, pid, nonce) {
                     Ok(()) => pending::Served::Adopted,
                     Err(e) => {
                         let error = crate::error_chain::error_chain(&e);
