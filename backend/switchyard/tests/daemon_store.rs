@@ -157,15 +157,15 @@ fn a_store_made_under_umask_002_is_private_and_opens_again() {
         "the first start:\n{}",
         first.stderr()
     );
+    match start() {
+        Ended::Started(_) => {}
+        other => panic!("the daemon refuses its own store: {other:?}"),
+    }
     let mode = fs::metadata(d.state().join("pool.redb"))
         .expect("the store")
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o600);
-    match start() {
-        Ended::Started(_) => {}
-        other => panic!("the daemon refuses its own store: {other:?}"),
-    }
 }
 
 #[test]
