@@ -19,6 +19,10 @@ pub const MAX_FDS: usize = 200;
 
 pub use switchyard_server::continuity::{BLACK_BOX_ID, CONNECTION_ID, LISTENER_ID};
 
+mod nonce;
+
+pub use nonce::WorkerNonce;
+
 /// Custody ids under which workers before custody by name held their (softgpu) memory
 /// objects, with those objects' names: what a worker of an earlier release puts in custody
 /// (an upgrade adopts it) is held by name. The ids are
@@ -304,6 +308,11 @@ pub enum Note {
     Adopt {
         /// The endpoint the supervisor expects the worker to serve.
         endpoint: String,
+        /// The nonce the worker's record names: a worker that has another refuses
+        /// ([`Note::AdoptRefused`]), keeping its ledger. None from a supervisor of an
+        /// earlier release, and for a record of one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<WorkerNonce>,
     },
     /// The worker handed its custody over (after [`Note::Fds`] batches): this connection is
     /// its custody channel now.
@@ -329,6 +338,10 @@ pub enum Note {
         /// earlier releases.
         #[serde(default)]
         lease: Option<String>,
+        /// The nonce its supervisor gave it ([`Note::Start`]): what proves it is the worker
+        /// its record names. `None` from workers of earlier releases.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<WorkerNonce>,
     },
     /// The worker refused to be adopted.
     AdoptRefused {
@@ -415,6 +428,11 @@ pub enum Note {
         /// The lease (the pool's device) the worker serves, if its supervisor has one.
         #[serde(default)]
         lease: Option<String>,
+        /// The worker's nonce (its supervisor writes it in the worker's record), which it
+        /// proves when adopted ([`Note::Adopted`]); none from a supervisor that keeps no
+        /// records.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<WorkerNonce>,
     },
     /// Replace this worker's process image in place (supervisor → worker): the worker execs
     /// a fresh `switchyard worker` that continues the device from what it holds, as a

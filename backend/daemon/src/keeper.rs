@@ -63,7 +63,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use switchyard_server::continuity::Custody;
 
 use crate::custody::{
-    self, ChannelError, LastMove, MAX_FDS, MoveState, Note, StartMode, WorkerStats,
+    self, ChannelError, LastMove, MAX_FDS, MoveState, Note, StartMode, WorkerNonce, WorkerStats,
 };
 
 /// Most notes waiting for the sender thread before holds of the client's descriptors are
@@ -117,6 +117,8 @@ struct Inner {
     /// The lease the worker serves (told to an adopting supervisor): as the supervisor said
     /// at start or re-exec, then where its moves took the device.
     lease: Option<String>,
+    /// The nonce its supervisor gave it (proved to an adopting supervisor).
+    nonce: Option<WorkerNonce>,
     /// A re-executed image: its [`Note::Ready`], made before its supervisor adopted it, is
     /// told at the adoption (the supervisor waits for it).
     unsent_ready: Option<Option<Note>>,
@@ -214,6 +216,7 @@ impl Keeper {
                 last_move: None,
                 restarts: 0,
                 lease: None,
+                nonce: None,
                 unsent_ready: reexeced.then_some(None),
                 board_failed: None,
             }),
@@ -326,6 +329,12 @@ impl Keeper {
     /// adopting supervisor.
     pub fn set_lease(&self, lease: Option<String>) {
         self.lock().lease = lease;
+    }
+
+    /// Records the nonce its supervisor gave the worker ([`Note::Start`]; kept across
+    /// re-execs), which it proves to an adopting supervisor.
+    pub fn set_nonce(&self, nonce: Option<WorkerNonce>) {
+        self.lock().nonce = nonce;
     }
 
     /// What a re-executed image of this worker must get: every descriptor of the ledger
@@ -526,6 +535,20 @@ impl Keeper {
     /// [`ADOPT_MOVE_WAIT`]), so that [`Note::Adopted`] says how it ended; past the wait it
     /// hands over with the move running, and the outcome follows on `sock`.
     pub fn adopt(&self, sock: OwnedFd, endpoint: &str) -> Result<(), ChannelError> {
+        self.adopt_claimed(sock, endpoint, None)
+    }
+
+    /// [`Keeper::adopt`] by a supervisor whose record of this worker names `nonce`
+    /// ([`Note::Adopt`]): refused, the ledger kept, when the worker has another nonce (the
+    /// record names another worker; it was forged or copied). A request without one (a
+    /// supervisor of an earlier release) is answered: the supervisor checks the nonce in
+    /// [`Note::Adopted`].
+    pub fn adopt_claimed(
+        &self,
+        sock: OwnedFd,
+        endpoint: &str,
+        nonce: Option<&WorkerNonce>,
+    ) -> Result<(), ChannelError> {
         let mut g = self.lock();
         let refuse = |reason: String| -> Result<(), ChannelError> {
             custody::send(&sock, &Note::AdoptRefused { reason }, &[])
@@ -535,6 +558,14 @@ impl Keeper {
                 "this worker serves endpoint `{}`, not `{endpoint}`",
                 self.endpoint
             ));
+        }
+        if let Some(claimed) = nonce
+            && g.nonce.as_ref() != Some(claimed)
+        {
+            return refuse(
+                "the record that names this worker has another nonce: it names another worker"
+                    .into(),
+            );
         }
         let attached = |g: &Inner| g.channel.as_ref().is_some_and(|ch| !hung_up(ch));
         if attached(&g) {
@@ -591,6 +622,7 @@ impl Keeper {
             last_move: g.last_move.clone(),
             restarts: Some(g.restarts),
             lease: g.lease.clone(),
+            nonce: g.nonce.clone(),
         };
         self.queue_locked(&mut g, adopted, Vec::new());
         if let Some(failed) = g.board_failed.clone() {
@@ -662,7 +694,7 @@ impl Keeper {
                     }
                     let mut buf = Vec::new();
                     match custody::recv(&conn, &mut buf) {
-                        Ok((Note::Adopt { endpoint }, _)) => {
+                        Ok((Note::Adopt { endpoint, nonce }, _)) => {
                             // The connection becomes the custody channel: no timeout there.
                             if let Err(e) = rustix::net::sockopt::set_socket_timeout(
                                 &conn,
@@ -672,7 +704,8 @@ impl Keeper {
                                 tracing::warn!(error = %e, "cannot clear the adoption timeout");
                                 continue;
                             }
-                            if let Err(e) = keeper.adopt(conn, &endpoint) {
+                            if let Err(e) = keeper.adopt_claimed(conn, &endpoint, nonce.as_ref())
+                            {
                                 tracing::warn!(error = %e, "adoption failed");
                             }
                         }

@@ -35,6 +35,8 @@ pub(crate) struct Identity {
     pub adopt_dir: Option<PathBuf>,
     pub fd_budget: Option<u32>,
     pub failover: bool,
+    /// The worker's nonce: the same process, the same record, the same proof.
+    pub nonce: Option<crate::custody::WorkerNonce>,
 }
 
 /// What the image before the exec tells the image after it.
@@ -49,6 +51,9 @@ pub(crate) struct Plan {
     pub restarts: u64,
     pub failover: bool,
     pub lease: Option<String>,
+    /// Absent from a plan of an earlier release's image.
+    #[serde(default)]
+    pub nonce: Option<crate::custody::WorkerNonce>,
     /// The ledger: custody id → descriptor number.
     pub held: Vec<(u64, i32)>,
     /// The memory objects: name → descriptor number.
@@ -131,6 +136,7 @@ fn prepare(
         restarts: snapshot.restarts + 1,
         failover: id.failover,
         lease,
+        nonce: id.nonce.clone(),
         held,
         objects,
     };

@@ -66,6 +66,7 @@ struct Start {
     restarts: u64,
     failover: bool,
     lease: Option<String>,
+    nonce: Option<custody::WorkerNonce>,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -87,6 +88,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 restarts,
                 failover,
                 lease,
+                nonce,
             } => {
                 // A spec is checked where it is made; a worker checks it again (a note is
                 // only JSON).
@@ -105,6 +107,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     restarts,
                     failover,
                     lease,
+                    nonce,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -157,6 +160,7 @@ pub fn run_reexeced(
         restarts: p.restarts,
         failover: p.failover,
         lease: p.lease,
+        nonce: p.nonce,
     };
     serve(None, start, server_config)
 }
@@ -179,12 +183,14 @@ fn serve(
     });
     keeper.set_restarts(start.restarts);
     keeper.set_lease(start.lease.clone());
+    keeper.set_nonce(start.nonce.clone());
     let identity = crate::reexec::Identity {
         endpoint: start.endpoint.clone(),
         socket: start.socket.clone(),
         adopt_dir: start.adopt_dir.clone(),
         fd_budget: start.fd_budget,
         failover: start.failover,
+        nonce: start.nonce.clone(),
     };
     if let Some(dir) = &start.adopt_dir {
         let path = adoption_path(dir, std::process::id());

@@ -220,6 +220,34 @@ pub enum PoolError {
         #[source]
         source: Box<redb::Error>,
     },
+    /// The store's file is damaged (empty, truncated, not a redb file): refused and left as
+    /// it is, never re-initialised.
+    #[error("The pool store {} {problem}", path.display())]
+    StoreDamaged {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: StoreDamage,
+    },
+    /// redb refused to open the store's file (another process has it open, an I/O error,
+    /// a damage redb found).
+    #[error("Cannot open the pool store {}", path.display())]
+    StoreOpen {
+        /// The file.
+        path: PathBuf,
+        /// redb's error.
+        #[source]
+        source: Box<redb::Error>,
+    },
+    /// The store's file cannot be opened, created or renamed.
+    #[error("Cannot use the pool store file {}", path.display())]
+    StoreFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The store was written in a format this version does not read.
     #[error("The pool store has format {found}; this version reads format {expected}")]
     StoreFormat {
@@ -280,10 +308,36 @@ impl PoolError {
             | E::ShapeMismatch { .. } => ErrorKind::Invalid,
             E::ConfigRead(..)
             | E::Store { .. }
+            | E::StoreDamaged { .. }
+            | E::StoreOpen { .. }
+            | E::StoreFile { .. }
             | E::StoreFormat { .. }
             | E::Encode { .. }
             | E::Corrupt { .. } => ErrorKind::Internal,
         }
+    }
+
+    /// Whether this is a store file that cannot be read as a store at all
+    /// ([`PoolError::StoreDamaged`], or redb finding it corrupted): what starting afresh
+    /// (moving it aside) is for. Not an I/O error, a store another process holds, or one
+    /// of another format.
+    pub fn is_damaged(&self) -> bool {
+        match self {
+            PoolError::StoreDamaged { .. } => true,
+            PoolError::StoreOpen { source, .. } => match &**source {
+                redb::Error::Corrupted(_) => true,
+                redb::Error::Io(e) => e.kind() == std::io::ErrorKind::InvalidData,
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
+    /// Whether the store could not be opened because another process has it open (redb
+    /// locks its file: one pool per store).
+    pub fn store_in_use(&self) -> bool {
+        matches!(self, PoolError::StoreOpen { source, .. }
+            if matches!(**source, redb::Error::DatabaseAlreadyOpen))
     }
 
     pub(crate) fn store(action: &'static str, e: impl Into<redb::Error>) -> Self {
@@ -298,6 +352,47 @@ impl PoolError {
             key: key.into(),
             line: None,
             problem,
+        }
+    }
+}
+
+/// What is wrong with a damaged store file (the `problem` of [`PoolError::StoreDamaged`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreDamage {
+    /// It has no bytes at all.
+    Empty,
+    /// It is shorter than its header says.
+    Truncated {
+        /// Its length in bytes.
+        len: u64,
+        /// The length its header's layout needs.
+        expected: u64,
+    },
+    /// It does not start with redb's magic number.
+    NotRedb,
+    /// Its header is not one this build can read.
+    Header(String),
+    /// It is not a regular file.
+    NotAFile,
+    /// Its header cannot be read.
+    Unreadable(String),
+    /// redb panicked on it (caught): its content is damaged.
+    Panicked(String),
+}
+
+impl fmt::Display for StoreDamage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreDamage::Empty => f.write_str("is empty (0 bytes)"),
+            StoreDamage::Truncated { len, expected } => write!(
+                f,
+                "is truncated: {len} bytes, where its header needs at least {expected}"
+            ),
+            StoreDamage::NotRedb => f.write_str("is not a redb file (no redb header)"),
+            StoreDamage::Header(what) => write!(f, "has a header this build cannot use: {what}"),
+            StoreDamage::NotAFile => f.write_str("is not a regular file"),
+            StoreDamage::Unreadable(e) => write!(f, "cannot be read: {e}"),
+            StoreDamage::Panicked(what) => write!(f, "is damaged (redb failed on it: {what})"),
         }
     }
 }

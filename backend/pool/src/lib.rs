@@ -58,7 +58,9 @@
 //! state after its last committed mutation: every committed lease, quarantine and reserved
 //! move target, and none of a mutation that had not committed. [`Pool::open`] reconciles that
 //! state with the (possibly edited) configuration and reports what it did ([`OpenReport`]),
-//! including moves that were in progress, which the daemon must commit or abort.
+//! including moves that were in progress, which the daemon must commit or abort. A file
+//! that is no usable store (empty, truncated, not redb's) is refused with its path and left
+//! as it is, never re-initialised; a new store is created 0600 whatever the umask.
 //!
 //! # Configuration
 //!
@@ -82,11 +84,11 @@ pub use config::{
     Age, BoardConfig, ByteSize, DEFAULT_MODEL, DaemonConfig, EndpointConfig, FailoverPolicy,
     NamedPoolConfig, PartitionConfig, PoolConfig,
 };
-pub use error::{ConfigProblem, ErrorKind, PoolError};
+pub use error::{ConfigProblem, ErrorKind, PoolError, StoreDamage};
 pub use event::{Event, EventKind};
 pub use inventory::{FailedLease, Inventory};
 pub use shape::{DeviceShape, DirtyTracking};
-pub use store::{History, PRUNE_BATCH, Pool, STORE_FORMAT};
+pub use store::{History, PRUNE_BATCH, Pool, STORE_FORMAT, move_aside};
 pub use switchyard_device::kind::{KindCatalog, KindOptions, Profile};
 pub use view::{
     BoardFailure, BoardState, BoardView, DeviceView, Endpoint, EndpointSpec, FailedEndpoint,

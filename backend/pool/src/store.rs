@@ -19,6 +19,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod file;
+
+pub use file::move_aside;
+
 use redb::{Database, ReadableTable, TableDefinition, TableError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -79,12 +83,18 @@ impl fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// Opens (or creates) the store at `path` and reconciles it with `config` (see
+    /// Opens the store at `path`, or creates it (mode 0600, whatever the umask) where no
+    /// file is, and reconciles it with `config` (see
     /// [`OpenReport`]): the stored endpoints, leases, moves in progress and quarantines are
     /// restored, boards new to the configuration appear, boards gone from it are forgotten
     /// when unleased and kept as `missing` otherwise, and configured endpoints are created
     /// when absent. The reconciliation is committed (with an `opened` event) before this
     /// returns. The file is locked: one `Pool` per file.
+    ///
+    /// A file that is there but is no usable store (empty, truncated, not a redb file) is
+    /// refused ([`PoolError::StoreDamaged`], naming it) and left as it is: never
+    /// re-initialised, never a panic. [`move_aside`] is for an administrator who chooses to
+    /// start afresh.
     ///
     /// Each board's options are checked by its kind in `kinds`, the stored boards' too: a
     /// store written before device kinds (softgpu settings in each shape, a passthrough
@@ -95,8 +105,8 @@ impl Pool {
         path: &Path,
     ) -> Result<(Self, OpenReport), PoolError> {
         config.validate(kinds)?;
-        let db = Database::create(path).map_err(|e| PoolError::store("open", e))?;
-        let stored = read_snapshot(&db)?;
+        let db = file::open(path)?;
+        let stored = file::no_panic_read(path, || read_snapshot(&db))?;
         let (inv, events, report) = Inventory::restore(config, kinds, stored.clone())?;
         let retention = Retention {
             keep: config.daemon.events_keep,

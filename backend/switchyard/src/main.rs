@@ -68,8 +68,10 @@ enum Command {
     /// running, so guests keep their devices; the next daemon adopts them. Under systemd
     /// (switchyard.service) the directories come from $RUNTIME_DIRECTORY, $STATE_DIRECTORY
     /// and $CONFIGURATION_DIRECTORY/pool.toml unless given here, and readiness is reported on
-    /// $NOTIFY_SOCKET (Type=notify). Exit codes: 0 after a signal, 1 runtime error, 2 bad
-    /// arguments or a bad configuration (the error names the key).
+    /// $NOTIFY_SOCKET (Type=notify); such a variable that is set must name absolute
+    /// directories. Exit codes: 0 after a signal, 1 runtime error (a damaged store
+    /// included: see --reinit), 2 bad arguments, a bad configuration (the error names the
+    /// key) or a directory variable that is not absolute.
     Daemon(DaemonArgs),
 
     /// Control a running pool daemon (a client of its API).
@@ -118,6 +120,11 @@ struct DaemonArgs {
     /// drills. Off by default: a fault makes the board's devices fail for real.
     #[arg(long)]
     faults: bool,
+    /// Start with a new, empty pool when the store is damaged (empty, truncated, not a
+    /// store): the damaged file is moved aside (pool.redb.damaged-TIME) and every lease it
+    /// held is lost. Without it such a store is refused (exit 1) and left as it is.
+    #[arg(long)]
+    reinit: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -362,7 +369,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     result
 }
 
-/// `switchyard daemon`: exits 2 for a bad configuration, 1 for other errors.
+/// `switchyard daemon`: exits 2 for a bad configuration or environment (a systemd
+/// directory variable that is not absolute), 1 for other errors.
 fn daemon(args: DaemonArgs) -> ExitCode {
     raise_nofile_limit();
     let options = switchyard_daemon::app::DaemonOptions {
@@ -371,9 +379,10 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         run_dir: args.run_dir,
         socket_group: args.socket_group,
         faults: args.faults,
+        reinit: args.reinit,
     }
     .with_systemd_dirs(|name| std::env::var_os(name));
-    match switchyard_daemon::app::run(&options) {
+    match options.and_then(|options| switchyard_daemon::app::run(&options)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let code = e.exit_code();

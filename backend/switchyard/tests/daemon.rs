@@ -614,15 +614,26 @@ fn a_daemon_killed_with_sigkill_restarts_into_the_same_leases() {
         .expect("opened");
     assert!(opened["seq"].as_u64().expect("seq") > last_seq);
 
-    // Deleting an orphaned endpoint kills its worker; a new endpoint gets a worker of this
-    // daemon.
-    d.ctl_ok(&["delete", "vm2"]);
+    // An orphan could not prove it is this daemon's worker (issue 34: its record is a
+    // claim), so deleting its endpoint is refused while it runs, naming it; once its
+    // administrator stops it, the endpoint goes. A new endpoint gets a worker of this daemon.
     let pid = vm2["worker"]["pid"].as_u64().expect("pid") as u32;
+    let out = d.ctl(&["delete", "vm2"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("process {pid}")),
+        "{out:?}"
+    );
+    assert!(is_worker(pid), "the orphan {pid} was signalled");
+    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+    }
     let deadline = Instant::now() + Duration::from_secs(10);
     while is_worker(pid) {
         assert!(Instant::now() < deadline, "the orphan {pid} still runs");
         std::thread::sleep(Duration::from_millis(10));
     }
+    d.ctl_ok(&["delete", "vm2"]);
     d.ctl_ok(&["unquarantine", "gpu1"]);
     d.ctl_ok(&["create", "vm3", "--pool", "default"]);
     assert_eq!(d.endpoint("vm3")["worker"]["state"], "running");

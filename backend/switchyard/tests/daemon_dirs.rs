@@ -2,7 +2,9 @@
 //! directories it did not create and that another user owns or can write, or symbolic links
 //! where its directories and store must be, are refused before it starts (exit 1, naming the
 //! path and what is wrong); a forged worker record (naming a live process that is not its
-//! worker) never gets that process adopted or killed, neither at start nor at `ctl delete`.
+//! worker, or another daemon's worker of the same binary and uid) never gets that process
+//! adopted or killed, neither at start nor at `ctl delete` (issue 34: a worker proves its
+//! record's nonce on its adoption socket).
 //!
 //! The owner cases chown to uid 65534 and need root: they are `#[ignore = "needs root"]`, and
 //! `scripts/test.sh` runs them by name as root (and fails if they did not run).
@@ -350,6 +352,7 @@ fn fake_adoption_socket(workers: &Path, pid: u32, scratch: &Path) -> mpsc::Recei
             last_move: None,
             restarts: None,
             lease: None,
+            nonce: None,
         };
         let _ = custody::send(&conn, &adopted, &[]);
     });
@@ -464,4 +467,90 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
         a.alive() && b.alive(),
         "a process named by a forged record was killed"
     );
+}
+
+/// Waits until the daemon reports `id`'s worker in `state`; the endpoint's view.
+fn wait_state(d: &mut Daemon, id: &str, state: &str) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let e = d.endpoint(id);
+        if e["worker"]["state"] == state {
+            return e;
+        }
+        assert!(Instant::now() < deadline, "{id} is not {state}: {e}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 34: a record forged to name another daemon's worker (the same binary, the same
+/// uid: it passes every check of the process itself) is a claim the worker cannot prove (it
+/// has another daemon's nonce): the daemon neither adopts it, even through that worker's
+/// own adoption socket linked into its directory, nor kills it at `ctl delete`.
+#[test]
+fn a_record_naming_another_daemons_worker_is_neither_adopted_nor_killed() {
+    // Daemon A serves vm1 with worker `theirs`. Daemon B had a vm1 too; B is gone, and its
+    // worker with it.
+    let mut a = Daemon::start();
+    a.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    let theirs = a.endpoint("vm1")["worker"]["pid"].as_u64().expect("pid") as u32;
+    let mut b = Daemon::start();
+    b.ctl_ok(&["create", "vm1", "--pool", "default"]);
+    let gone = b.endpoint("vm1")["worker"]["pid"].as_u64().expect("pid") as u32;
+    b.kill9();
+    kill(gone);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while start_time(gone).is_some() {
+        assert!(Instant::now() < deadline, "worker {gone} still runs");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let start = start_time(theirs).expect("A's worker runs");
+    let record = b.state().join("workers/vm1.pid");
+    let forged_nonce = "0123456789abcdef0123456789abcdef";
+
+    // 1. B's record names A's worker (as a record of an earlier release would: no nonce).
+    // No adoption socket of it in B's directory: orphaned, and `delete` must not kill it.
+    fs::write(&record, format!("{theirs} {start}\n")).expect("forge");
+    b.launch();
+    wait_state(&mut b, "vm1", "orphaned");
+    let out = b.ctl(&["delete", "vm1"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!("process {theirs}")) && said.contains("stop it first"),
+        "{said}"
+    );
+    // Refused before anything was signalled (a kill would have come before the answer).
+    assert!(is_worker(theirs), "A's worker was killed by B's delete");
+    assert_eq!(a.endpoint("vm1")["worker"]["pid"], theirs);
+
+    // 2. A is gone too, so its worker waits to be adopted; its adoption socket is linked
+    // into B's directory. B's record names it with a nonce of its own making, then with
+    // none: neither proves, the worker stays A's to adopt.
+    b.kill9();
+    a.kill9();
+    let socket = format!("workers/w{theirs}.sock");
+    fs::hard_link(a.state().join(&socket), b.state().join(&socket)).expect("link");
+    for (forged, why) in [
+        (
+            format!("{theirs} {start} {forged_nonce}\n"),
+            "another nonce",
+        ),
+        (
+            format!("{theirs} {start}\n"),
+            "has no nonce, but the process has one",
+        ),
+    ] {
+        fs::write(&record, &forged).expect("forge");
+        b.launch();
+        let vm1 = wait_state(&mut b, "vm1", "orphaned");
+        assert!(is_worker(theirs), "{vm1}");
+        let log = b.log();
+        assert!(log.contains(why), "B says why ({why}):\n{log}");
+        b.kill9();
+    }
+
+    // Positive control: A, whose record the worker proves, adopts it again.
+    a.launch();
+    let vm1 = wait_state(&mut a, "vm1", "running");
+    assert_eq!(vm1["worker"]["pid"], theirs, "{vm1}");
 }

@@ -176,6 +176,45 @@ fn an_aborted_migration_frees_the_incoming_endpoint_and_the_source_serves_on() {
     );
 }
 
+/// An incoming endpoint leases from its source's pool, also when the source was created on
+/// a named device (its board's pool then): never from another pool, whose devices are
+/// another tenant's or another purpose's. No free device there: refused, naming the pool.
+#[test]
+fn an_incoming_endpoint_leases_from_the_pool_of_a_source_created_on_a_device() {
+    // Two pools of boards of one shape; the first pool's boards come first.
+    const TWO_POOLS: &str = "[[boards]]\nid = \"a\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+         [[boards]]\nid = \"b\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+         [[boards]]\nid = \"c\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+         [[boards]]\nid = \"d\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+         [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n\
+         [[pools]]\nname = \"q\"\nboards = [\"c\", \"d\"]\n";
+    let mut d = Daemon::start_with_config(TWO_POOLS);
+    d.ctl_ok(&["create", "vm1", "--device", "c"]);
+    d.ctl_ok(&["create", "vm1-in", "--incoming-for", "vm1"]);
+    let e = d.endpoint("vm1-in");
+    assert_eq!(e["lease"]["board"], "d", "from pool q, vm1's board's: {e}");
+    d.ctl_ok(&["delete", "vm1-in"]);
+    // Pool q full: refused, though pool p has free devices of the shape.
+    d.ctl_ok(&["create", "vm2", "--device", "d"]);
+    let refused = d
+        .client()
+        .post("/v1/endpoints/vm1/incoming", &json!({"id": "vm1-in"}));
+    match refused {
+        Err(switchyard_control::ControlError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 409, "{message}");
+            assert!(message.contains("in pool \"q\""), "{message}");
+        }
+        other => panic!("an incoming endpoint from another pool: {other:?}"),
+    }
+    // Positive control: a source created in pool p gets its destination there.
+    d.ctl_ok(&["create", "vm3", "--pool", "p"]);
+    d.ctl_ok(&["create", "vm3-in", "--incoming-for", "vm3"]);
+    let e = d.endpoint("vm3-in");
+    assert_eq!(e["lease"]["board"], "b", "{e}");
+}
+
 /// A client can change its device's migration state at message rate: each endpoint's
 /// migration events are rate-limited (a burst, then 10 a second), so one client cannot crowd
 /// the other endpoints' events out of the daemon's stream, while the daemon's bookkeeping

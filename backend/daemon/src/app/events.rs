@@ -275,6 +275,7 @@ impl WorkerLifecycle {
                 endpoint,
                 pid,
                 resume,
+                ..
             } => Self::Started {
                 endpoint,
                 pid,

@@ -16,20 +16,24 @@
 //! devices. A restarted daemon (after a crash, or an upgrade of the daemon itself) *adopts*
 //! every worker that still runs ([`Supervisor::adopt`], [`crate::keeper`]): it gets back
 //! everything the worker holds for its guest and supervises it as if it had started it. A
-//! worker that cannot be adopted (one without an adoption socket) is reported `orphaned`
-//! (with its pid) and left alone; restart, upgrade and moves are refused for it, delete
-//! kills it. A move an earlier daemon left in progress is settled by what the adopted worker
-//! did: committed if its data path finished, aborted otherwise (`pending`). Moves and
-//! drains are transparent (trapped VRAM only); detach and attach have no data path yet, so
+//! worker that cannot be adopted (one without an adoption socket, or that cannot prove its
+//! record's nonce) is reported `orphaned` (with the pid its record names) and left alone:
+//! restart, upgrade and moves are refused for it, and so is delete while it runs (the daemon
+//! never signals a process it could not prove is its worker; its administrator stops it).
+//! A move an earlier daemon left in progress is settled by what the adopted worker did:
+//! committed if its data path finished, aborted otherwise (`pending`). Moves and drains
+//! are transparent (trapped VRAM only); detach and attach have no data path yet, so
 //! the API does not offer them.
 
 mod access;
 pub mod api;
 pub mod events;
 mod owner;
+mod paths;
 mod pending;
 pub mod records;
 mod stats;
+mod store;
 pub mod systemd;
 
 use std::collections::BTreeMap;
@@ -48,6 +52,7 @@ pub(crate) use crate::blocking::{Held, lock};
 use crate::custody::device_spec;
 use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
 use events::{EventStream, WorkerLifecycle};
+pub use paths::PathProblem;
 use records::WorkerRecords;
 
 /// How long requests still running when the daemon stops may take to finish.
@@ -73,6 +78,9 @@ pub struct DaemonOptions {
     pub socket_group: Option<String>,
     /// Allow fault injection (`POST /v1/boards/{id}/fault`), for tests and drills.
     pub faults: bool,
+    /// A damaged store (empty, truncated, not a store) is moved aside and a new, empty one
+    /// made, instead of refused: every lease it held is lost.
+    pub reinit: bool,
 }
 
 /// Why the daemon could not start or stopped with an error.
@@ -96,9 +104,20 @@ pub enum DaemonError {
         /// What is wrong with it.
         problem: PathProblem,
     },
-    /// The store cannot be opened.
-    #[error("Cannot open the pool store {0}")]
+    /// The store cannot be opened (the message says what to do).
+    #[error("Cannot open the pool store {} ({})", .0.display(), store::hint(.1))]
     Store(PathBuf, #[source] Box<PoolError>),
+    /// A systemd directory variable is set but does not name absolute directories (exit
+    /// status 2).
+    #[error(
+        "${var} is {value:?}, which is not a list of absolute directories; unset it or give absolute paths"
+    )]
+    Environment {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
     /// The worker executable cannot be found.
     #[error("Cannot find the worker executable")]
     Exe(#[source] io::Error),
@@ -135,7 +154,10 @@ impl DaemonError {
     /// directory included: the fix is on the file system, not in the configuration).
     pub fn exit_code(&self) -> u8 {
         match self {
-            DaemonError::Config(..) | DaemonError::FdPlan(..) | DaemonError::NoGroup { .. } => 2,
+            DaemonError::Config(..)
+            | DaemonError::FdPlan(..)
+            | DaemonError::NoGroup { .. }
+            | DaemonError::Environment { .. } => 2,
             _ => 1,
         }
     }
@@ -146,7 +168,8 @@ impl DaemonError {
 pub(crate) enum Unsupervised {
     /// A worker of an earlier daemon still serves the socket.
     Orphaned {
-        /// Its pid, when the record of it matches a live process.
+        /// The pid its record names, when that matches a live worker process: a claim, not
+        /// proved (it was not adopted), so never signalled.
         pid: Option<u32>,
     },
     /// Starting the worker failed at daemon start.
@@ -207,69 +230,6 @@ pub fn resolve_config(options: &DaemonOptions) -> Result<PoolConfig, DaemonError
         )
     })?;
     Ok(config)
-}
-
-/// What makes a path of the daemon's unsafe ([`DaemonError::Unsafe`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PathProblem {
-    /// A symbolic link where the daemon's own directory or file must be (whoever can change
-    /// the link chooses where the daemon writes).
-    Symlink,
-    /// Not a directory.
-    NotDir,
-    /// Not a regular file.
-    NotFile,
-    /// Owned by another user.
-    Owner {
-        /// Its owner.
-        uid: u32,
-        /// The daemon's effective uid.
-        ours: u32,
-    },
-    /// Writable by its group or by others.
-    Writable {
-        /// Its mode.
-        mode: u32,
-    },
-    /// A directory above the daemon's (or a link on the way) owned by another user than
-    /// root and the daemon's.
-    ParentOwner {
-        /// Its owner.
-        uid: u32,
-    },
-    /// A directory above the daemon's writable by its group or by others without the sticky
-    /// bit (they can rename the daemon's directory away and put theirs in its place).
-    ParentWritable {
-        /// Its mode.
-        mode: u32,
-    },
-}
-
-impl std::fmt::Display for PathProblem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PathProblem::Symlink => f.write_str("it is a symbolic link"),
-            PathProblem::NotDir => f.write_str("it is not a directory"),
-            PathProblem::NotFile => f.write_str("it is not a regular file"),
-            PathProblem::Owner { uid, ours } => {
-                write!(
-                    f,
-                    "it is owned by uid {uid}, not by the daemon's uid {ours}"
-                )
-            }
-            PathProblem::Writable { mode } => {
-                write!(f, "it is writable by group or others (mode {mode:04o})")
-            }
-            PathProblem::ParentOwner { uid } => write!(
-                f,
-                "a directory on the way to the daemon's is owned by uid {uid}, neither root nor the daemon's uid"
-            ),
-            PathProblem::ParentWritable { mode } => write!(
-                f,
-                "a directory on the way to the daemon's is writable by group or others and not sticky (mode {mode:04o})"
-            ),
-        }
-    }
 }
 
 fn euid() -> u32 {
@@ -385,16 +345,6 @@ fn private_dir(dir: &Path) -> Result<(), DaemonError> {
     check_ancestors(dir)
 }
 
-/// The store file, when it exists, must be a regular file of the daemon's (never a symbolic
-/// link, even a dangling one: opening it would create a file where the link points).
-fn check_store(path: &Path) -> Result<(), DaemonError> {
-    match fs::symlink_metadata(path) {
-        Ok(meta) => check_own(path, &meta, false),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(DaemonError::Inspect(path.to_owned(), e)),
-    }
-}
-
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let config = resolve_config(options)?;
@@ -435,11 +385,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         Some(exe) => PathBuf::from(exe),
         None => std::env::current_exe().map_err(DaemonError::Exe)?,
     };
-    let store = d.store_path();
-    check_store(&store)?;
-    let (mut pool, report) = Pool::open(&config, &switchyard_kinds::Registry, &store)
-        .map_err(|e| DaemonError::Store(store.clone(), Box::new(e)))?;
-    tracing::info!(store = %store.display(), ?report, "pool opened");
+    let (mut pool, report) = store::open(options, &config)?;
+    tracing::info!(store = %d.store_path().display(), ?report, "pool opened");
     // The stream starts after the history as loaded: the events of what is done below
     // (quarantines, then the moves left in progress, settled once their workers are
     // adopted: `start_all`) are published after it, in order.
@@ -483,7 +430,12 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
                     });
                     stats::record(&metrics, endpoint, board.as_deref(), stats);
                 }
-                crate::WorkerEvent::Started { endpoint, pid, .. } => records.write(endpoint, *pid),
+                crate::WorkerEvent::Started {
+                    endpoint,
+                    pid,
+                    nonce,
+                    ..
+                } => records.write(endpoint, *pid, nonce),
                 crate::WorkerEvent::DeviceLost {
                     endpoint,
                     lease,
@@ -678,9 +630,10 @@ impl Daemon {
             .collect();
         for spec in specs {
             let id = spec.id.clone();
-            if let Some(pid) = self.records.live(&id) {
-                // A worker of an earlier daemon still serves the endpoint: adopt it.
-                let served = match self.supervisor.adopt(spec, pid) {
+            if let Some(records::Recorded { pid, nonce }) = self.records.live(&id) {
+                // A worker of an earlier daemon still serves the endpoint: adopt it, once it
+                // proves the record's nonce.
+                let served = match self.supervisor.adopt(spec, pid, nonce) {
                     Ok(()) => pending::Served::Adopted,
                     Err(e) => {
                         let error = crate::error_chain::error_chain(&e);

@@ -2,13 +2,24 @@
 //! that a restarted daemon can tell an endpoint whose worker outlived the previous daemon
 //! (it still serves the guest: *orphaned*) from one whose worker is gone.
 //!
-//! A record is `PID START_TIME` (the process's start time in clock ticks since boot, field 22
-//! of `/proc/PID/stat`): a pid reused by another process does not match. A record is a claim,
-//! not a proof (the daemon adopts, and may kill, the process it names): it is trusted only when
-//! the process is also a worker of this daemon ([`WorkerIdentity::check`]: same uid, started as
-//! `<exe> worker`, running the daemon's worker executable). A record naming anything else is
-//! reported and treated as "no live worker". Records are read and written without following
-//! symbolic links.
+//! A record is `PID START_TIME NONCE` (the process's start time in clock ticks since boot,
+//! field 22 of `/proc/PID/stat`, and the [`WorkerNonce`] the daemon gave the worker at start):
+//! a pid reused by another process does not match. A record is a claim, not a proof: it is
+//! considered only when the process is also a worker of this daemon's executable
+//! ([`WorkerIdentity::check`]: same uid, started as `<exe> worker`, running the daemon's
+//! worker executable), and even then only adoption proves it: the worker must show the
+//! record's nonce on its adoption socket in the daemon's private directory
+//! (`supervisor::handover`). Another daemon's worker (same binary, same uid) passes the
+//! check but not the proof, so a process its record names is never signalled unless it was
+//! adopted (an orphan, one that could not be, is left to the administrator). A record naming
+//! anything else is reported and treated as "no live worker". Records are read and written
+//! without following symbolic links.
+//!
+//! A record of an earlier release has no nonce (`PID START_TIME`); the daemon adopts under it
+//! a worker of that release only (which has none either, and proves itself by the adoption
+//! socket's peer as before), so that an upgrade adopts the workers it finds; a worker that
+//! has a nonce is never adopted under a record without one. An earlier release reads this
+//! release's records by their first two fields (a downgrade adopts as that release did).
 
 use std::ffi::OsStr;
 use std::fs;
@@ -18,6 +29,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
+
+use crate::custody::WorkerNonce;
 
 /// Why a process named by a record is not trusted as a worker of this daemon.
 #[derive(Debug, thiserror::Error)]
@@ -169,16 +182,18 @@ impl WorkerRecords {
         self.dir.join(format!("{endpoint}.pid"))
     }
 
-    /// Records `pid` as the worker of `endpoint` (replacing the previous record).
-    pub fn write(&self, endpoint: &str, pid: u32) {
+    /// Records `pid`, given `nonce`, as the worker of `endpoint` (replacing the previous
+    /// record).
+    pub fn write(&self, endpoint: &str, pid: u32, nonce: &WorkerNonce) {
         let Some(start) = start_time(pid) else {
             // Already gone: nothing to find later.
             self.remove(endpoint);
             return;
         };
         let tmp = self.dir.join(format!(".{endpoint}.pid.tmp"));
-        let result = write_new(&tmp, format!("{pid} {start}\n").as_bytes())
-            .and_then(|()| fs::rename(&tmp, self.path(endpoint)));
+        let record = format!("{pid} {start} {}\n", nonce.as_str());
+        let result =
+            write_new(&tmp, record.as_bytes()).and_then(|()| fs::rename(&tmp, self.path(endpoint)));
         if let Err(e) = result {
             let _ = fs::remove_file(&tmp);
             tracing::warn!(endpoint, pid, "cannot record the worker's pid: {e}");
@@ -194,15 +209,20 @@ impl WorkerRecords {
         }
     }
 
-    /// The pid of the recorded worker of `endpoint` if that very process still runs and is
-    /// a worker of this daemon ([`WorkerIdentity::check`]); a record naming any other process
-    /// is reported and ignored: the daemon must never adopt or signal it.
-    pub fn live(&self, endpoint: &str) -> Option<u32> {
+    /// The recorded worker of `endpoint` if that very process still runs and is a worker of
+    /// this daemon's executable ([`WorkerIdentity::check`]): a claim to prove by adoption
+    /// ([`Recorded`]). A record naming any other process is reported and ignored: the daemon
+    /// must never adopt or signal it. A record whose third field is no nonce is no record.
+    pub fn live(&self, endpoint: &str) -> Option<Recorded> {
         let text = read_record(&self.path(endpoint)).ok()?;
         let mut parts = text.split_whitespace();
         let pid: u32 = parts.next()?.parse().ok()?;
         let start: u64 = parts.next()?.parse().ok()?;
-        if start_time(pid) != Some(start) {
+        let nonce = match parts.next() {
+            None => None,
+            Some(n) => Some(WorkerNonce::parse(n)?),
+        };
+        if parts.next().is_some() || start_time(pid) != Some(start) {
             return None;
         }
         if let Err(e) = self.worker.check(pid) {
@@ -215,8 +235,18 @@ impl WorkerRecords {
             return None;
         }
         // Still the process just checked (its pid not reused in between).
-        (start_time(pid) == Some(start)).then_some(pid)
+        (start_time(pid) == Some(start)).then_some(Recorded { pid, nonce })
     }
+}
+
+/// What a worker record claims ([`WorkerRecords::live`]): proved only when the process shows
+/// the nonce on its adoption socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    /// The process (running, with the recorded start time, a worker of this executable).
+    pub pid: u32,
+    /// The nonce the record names; none in a record of an earlier release.
+    pub nonce: Option<WorkerNonce>,
 }
 
 /// Creates `path` (0600; not if anything, a symbolic link included, is there) with `bytes`.
@@ -315,14 +345,27 @@ mod tests {
         fs::canonicalize("/bin/sh").expect("/bin/sh")
     }
 
+    fn nonce() -> WorkerNonce {
+        WorkerNonce::generate().expect("nonce")
+    }
+
+    /// `pid` as recorded with `nonce`.
+    fn rec(pid: u32, nonce: &WorkerNonce) -> Option<Recorded> {
+        Some(Recorded {
+            pid,
+            nonce: Some(nonce.clone()),
+        })
+    }
+
     #[test]
     fn a_record_finds_the_live_worker_and_not_a_dead_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let worker = Running::worker_like(&sh(), dir.path());
         let records = WorkerRecords::new(dir.path().to_owned(), WorkerIdentity::of(&sh()));
         let pid = worker.pid();
-        records.write("ep", pid);
-        assert_eq!(records.live("ep"), Some(pid));
+        let n = nonce();
+        records.write("ep", pid, &n);
+        assert_eq!(records.live("ep"), rec(pid, &n));
         let mode = fs::metadata(dir.path().join("ep.pid"))
             .expect("record")
             .mode();
@@ -333,7 +376,7 @@ mod tests {
         let mut child = Command::new("true").spawn().expect("spawn");
         let gone = child.id();
         child.wait().expect("wait");
-        records.write("gone", gone);
+        records.write("gone", gone, &n);
         assert_eq!(records.live("gone"), None);
         records.remove("ep");
         assert!(!dir.path().join("ep.pid").exists());
@@ -359,22 +402,46 @@ mod tests {
             dir.path().to_owned(),
             WorkerIdentity::of(&fs::canonicalize("/bin/true").expect("true")),
         );
-        records.write("w", worker.pid());
-        assert_eq!(records.live("w"), Some(worker.pid()), "positive control");
+        let n = nonce();
+        records.write("w", worker.pid(), &n);
+        assert_eq!(records.live("w"), rec(worker.pid(), &n), "positive control");
         assert_eq!(other.live("w"), None);
         // A record that is a symbolic link to a genuine record is not read.
         std::os::unix::fs::symlink(dir.path().join("w.pid"), dir.path().join("link.pid"))
             .expect("symlink");
         assert_eq!(records.live("link"), None);
         // ... nor written through: the link stays a link to the record it named.
-        records.write("link", worker.pid());
+        records.write("link", worker.pid(), &n);
         assert!(
             !fs::symlink_metadata(dir.path().join("link.pid"))
                 .expect("link")
                 .file_type()
                 .is_symlink()
         );
-        assert_eq!(records.live("w"), Some(worker.pid()));
+        assert_eq!(records.live("w"), rec(worker.pid(), &n));
+    }
+
+    #[test]
+    fn a_record_of_an_earlier_release_has_no_nonce_and_a_bad_nonce_is_no_record() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let worker = Running::worker_like(&sh(), dir.path());
+        let records = WorkerRecords::new(dir.path().to_owned(), WorkerIdentity::of(&sh()));
+        let (pid, start) = (worker.pid(), start_time(worker.pid()).expect("start"));
+        let record = |text: String| fs::write(dir.path().join("ep.pid"), text).expect("write");
+        // An earlier release's record: `PID START`.
+        record(format!("{pid} {start}\n"));
+        assert_eq!(records.live("ep"), Some(Recorded { pid, nonce: None }));
+        // A third field that is no nonce, or a fourth field: not a record of ours.
+        for bad in ["zz", "0123456789ABCDEF0123456789abcdef"] {
+            record(format!("{pid} {start} {bad}\n"));
+            assert_eq!(records.live("ep"), None, "{bad}");
+        }
+        let n = nonce();
+        record(format!("{pid} {start} {} more\n", n.as_str()));
+        assert_eq!(records.live("ep"), None);
+        // Positive control: this release's record.
+        record(format!("{pid} {start} {}\n", n.as_str()));
+        assert_eq!(records.live("ep"), rec(pid, &n));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::ffi::OsString;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::path::{Path, PathBuf};
 
-use super::{Daemon, DaemonOptions};
+use super::{Daemon, DaemonError, DaemonOptions};
 
 /// systemd's `RuntimeDirectory=`: the run directory (`control.sock`, `endpoints/`).
 pub const RUNTIME_DIRECTORY: &str = "RUNTIME_DIRECTORY";
@@ -26,13 +26,28 @@ pub const CONFIG_FILE: &str = "pool.toml";
 /// systemd's notification socket (`Type=notify`).
 pub const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
 
-/// The first directory a systemd directory variable names, if it names an absolute one.
-fn first_dir(value: Option<OsString>) -> Option<PathBuf> {
-    let value = value?;
+/// The first directory a systemd directory variable names (`A:B`, a unit with several:
+/// `A`), none when unset. A value that is not a list of absolute directories (empty,
+/// relative, an empty entry) is refused: systemd sets absolute paths only, so it was set by
+/// hand, and ignoring it would put the daemon's sockets or store somewhere it was not meant
+/// to be.
+fn first_dir(var: &'static str, value: Option<OsString>) -> Result<Option<PathBuf>, DaemonError> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    let refused = || DaemonError::Environment {
+        var,
+        value: value.to_string_lossy().into_owned(),
+    };
     let bytes = value.as_encoded_bytes();
-    let first = bytes.split(|&b| b == b':').next()?;
-    let path = PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(first));
-    path.is_absolute().then_some(path)
+    let mut dirs = bytes
+        .split(|&b| b == b':')
+        .map(|d| PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(d)));
+    let first = dirs.next().ok_or_else(refused)?;
+    if !first.is_absolute() || dirs.any(|d| !d.is_absolute()) {
+        return Err(refused());
+    }
+    Ok(Some(first))
 }
 
 impl DaemonOptions {
@@ -41,22 +56,27 @@ impl DaemonOptions {
     /// `$RUNTIME_DIRECTORY`, the state directory from `$STATE_DIRECTORY`, and the
     /// configuration from `$CONFIGURATION_DIRECTORY/pool.toml` when that file exists (a unit
     /// whose configuration file was removed runs the embedded default). Each directory
-    /// taken is logged.
-    pub fn with_systemd_dirs(mut self, env: impl Fn(&str) -> Option<OsString>) -> Self {
+    /// taken is logged. A variable consulted that is set but is not a list of absolute
+    /// directories (empty, relative) is an error ([`DaemonError::Environment`], exit
+    /// status 2), never ignored.
+    pub fn with_systemd_dirs(
+        mut self,
+        env: impl Fn(&str) -> Option<OsString>,
+    ) -> Result<Self, DaemonError> {
         if self.run_dir.is_none()
-            && let Some(dir) = first_dir(env(RUNTIME_DIRECTORY))
+            && let Some(dir) = first_dir(RUNTIME_DIRECTORY, env(RUNTIME_DIRECTORY))?
         {
             tracing::info!(run_dir = %dir.display(), "run directory from ${RUNTIME_DIRECTORY}");
             self.run_dir = Some(dir);
         }
         if self.state_dir.is_none()
-            && let Some(dir) = first_dir(env(STATE_DIRECTORY))
+            && let Some(dir) = first_dir(STATE_DIRECTORY, env(STATE_DIRECTORY))?
         {
             tracing::info!(state_dir = %dir.display(), "state directory from ${STATE_DIRECTORY}");
             self.state_dir = Some(dir);
         }
         if self.config.is_none()
-            && let Some(dir) = first_dir(env(CONFIGURATION_DIRECTORY))
+            && let Some(dir) = first_dir(CONFIGURATION_DIRECTORY, env(CONFIGURATION_DIRECTORY))?
         {
             let file = dir.join(CONFIG_FILE);
             if std::fs::symlink_metadata(&file).is_ok() {
@@ -70,7 +90,7 @@ impl DaemonOptions {
                 );
             }
         }
-        self
+        Ok(self)
     }
 }
 
@@ -194,7 +214,9 @@ mod tests {
             (STATE_DIRECTORY, "/var/lib/sy"),
             (CONFIGURATION_DIRECTORY, conf),
         ];
-        let o = DaemonOptions::default().with_systemd_dirs(env(&vars));
+        let o = DaemonOptions::default()
+            .with_systemd_dirs(env(&vars))
+            .expect("absolute directories");
         assert_eq!(
             o.run_dir,
             Some(PathBuf::from("/run/sy")),
@@ -209,7 +231,10 @@ mod tests {
             run_dir: Some("/srv/run".into()),
             ..DaemonOptions::default()
         };
-        let o = given.clone().with_systemd_dirs(env(&vars));
+        let o = given
+            .clone()
+            .with_systemd_dirs(env(&vars))
+            .expect("absolute directories");
         assert_eq!(
             (o.config, o.state_dir, o.run_dir),
             (given.config, given.state_dir, given.run_dir)
@@ -217,16 +242,42 @@ mod tests {
     }
 
     #[test]
-    fn no_configuration_file_and_odd_values_change_nothing() {
+    fn a_directory_variable_that_is_not_absolute_is_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
         let conf = dir.path().to_str().expect("utf-8");
-        let vars = [
-            (RUNTIME_DIRECTORY, "relative/run"),
-            (STATE_DIRECTORY, ""),
-            (CONFIGURATION_DIRECTORY, conf),
-        ];
-        let o = DaemonOptions::default().with_systemd_dirs(env(&vars));
+        // No configuration file in the directory: the embedded default.
+        let o = DaemonOptions::default()
+            .with_systemd_dirs(env(&[(CONFIGURATION_DIRECTORY, conf)]))
+            .expect("an absolute directory");
         assert_eq!((o.config, o.state_dir, o.run_dir), (None, None, None));
+        for (var, value) in [
+            (RUNTIME_DIRECTORY, "relative/run"),
+            (RUNTIME_DIRECTORY, ""),
+            (RUNTIME_DIRECTORY, "/run/sy:relative"),
+            (STATE_DIRECTORY, ""),
+            (STATE_DIRECTORY, "state"),
+            (CONFIGURATION_DIRECTORY, "etc/sy"),
+        ] {
+            let e = DaemonOptions::default()
+                .with_systemd_dirs(env(&[(var, value)]))
+                .expect_err(value);
+            assert!(
+                matches!(&e, DaemonError::Environment { var: v, value: got } if *v == var && got == value),
+                "{var}={value:?}: {e:?}"
+            );
+            assert_eq!(e.exit_code(), 2);
+            assert!(e.to_string().contains(&format!("${var}")), "{e}");
+            // Not consulted (the command line gave the directory): not refused.
+            let given = DaemonOptions {
+                config: Some("/etc/mine.toml".into()),
+                state_dir: Some("/srv/state".into()),
+                run_dir: Some("/srv/run".into()),
+                ..DaemonOptions::default()
+            };
+            given
+                .with_systemd_dirs(env(&[(var, value)]))
+                .expect("not consulted");
+        }
     }
 
     #[test]

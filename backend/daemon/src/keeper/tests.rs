@@ -85,6 +85,7 @@ fn an_adopting_supervisor_gets_exactly_what_the_last_one_held() {
             last_move: None,
             restarts: Some(3),
             lease: None,
+            nonce: None,
         },
         "the adopting supervisor learns how a replacement starts and the restarts so far"
     );
@@ -133,6 +134,7 @@ fn a_silent_connection_does_not_hold_an_adoption_up() {
         &adopter,
         &Note::Adopt {
             endpoint: "ep".into(),
+            nonce: None,
         },
         &[],
     )
@@ -346,6 +348,43 @@ fn an_adopted_note_of_an_earlier_release_has_no_last_move() {
             last_move: None,
             restarts: None,
             lease: None,
+            nonce: None,
         }
+    );
+}
+
+#[test]
+fn a_worker_keeps_its_ledger_from_a_record_with_another_nonce_and_proves_its_own() {
+    let (sup1, worker1) = custody::pair().expect("pair");
+    let a = memfd();
+    let handed = BTreeMap::from([(1, a.try_clone().expect("dup"))]);
+    let keeper = Keeper::new("ep", worker1, &handed, &BTreeMap::new()).expect("keeper");
+    let nonce = WorkerNonce::generate().expect("nonce");
+    keeper.set_nonce(Some(nonce.clone()));
+    drop(sup1);
+    keeper.lost(1);
+    // A supervisor whose record names another worker: refused, nothing handed over.
+    let other = WorkerNonce::generate().expect("nonce");
+    let (sup2, worker2) = custody::pair().expect("pair");
+    keeper
+        .adopt_claimed(worker2, "ep", Some(&other))
+        .expect("answered");
+    let (held, note) = adopted_ledger(&sup2);
+    assert!(
+        matches!(&note, Note::AdoptRefused { reason } if reason.contains("nonce")),
+        "{note:?}"
+    );
+    assert!(held.is_empty());
+    assert!(!keeper.supervised());
+    // The record's own nonce: adopted, the nonce proved.
+    let (sup3, worker3) = custody::pair().expect("pair");
+    keeper
+        .adopt_claimed(worker3, "ep", Some(&nonce))
+        .expect("adopted");
+    let (held, note) = adopted_ledger(&sup3);
+    assert_eq!(held.len(), 1);
+    assert!(
+        matches!(&note, Note::Adopted { nonce: Some(n), .. } if *n == nonce),
+        "{note:?}"
     );
 }

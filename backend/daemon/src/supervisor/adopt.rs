@@ -6,7 +6,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{CONNECTION_ID, LISTENER_ID, LastMove};
+use crate::custody::{CONNECTION_ID, LISTENER_ID, LastMove, WorkerNonce};
 
 use super::handover::{Adoption, adopt_from};
 use super::launch::{Launch, supervise};
@@ -21,8 +21,15 @@ impl Supervisor {
     /// directory, receives everything held for the endpoint (the listening socket, the
     /// client's connection and descriptors, VRAM, black box), and from then on supervises it
     /// as if it had started it (a worker that dies is replaced; restart, upgrade and moves
-    /// work). Refused if the worker offers no adoption socket or has a supervisor.
-    pub fn adopt(&self, spec: EndpointSpec, pid: u32) -> Result<(), SupervisorError> {
+    /// work). Refused if the worker offers no adoption socket, has a supervisor, or does not
+    /// prove `nonce`, its record's (none: a record of an earlier release, which is taken for
+    /// a worker of that release only; see `handover::adopt_from`).
+    pub fn adopt(
+        &self,
+        spec: EndpointSpec,
+        pid: u32,
+        nonce: Option<WorkerNonce>,
+    ) -> Result<(), SupervisorError> {
         let failed = |reason: String| SupervisorError::Adopt {
             endpoint: spec.id.clone(),
             pid,
@@ -46,8 +53,10 @@ impl Supervisor {
             last_move,
             restarts,
             lease,
-        } = adopt_from(&path, &spec.id, pid)
-            .map_err(|e| failed(format!("{}: {e}", path.display())))?;
+        } = adopt_from(&path, &spec.id, pid, nonce.as_ref()).map_err(|e| {
+            let why = crate::error_chain::error_chain(&e);
+            failed(format!("{}: {why}", path.display()))
+        })?;
         // A worker of an earlier release holds its memory objects by id.
         let mut objects = objects;
         for (id, name) in crate::custody::LEGACY_OBJECT_IDS {
@@ -133,7 +142,7 @@ impl Supervisor {
                         adopt_dir: adopt_dir.as_deref(),
                         fd_budget: budget,
                     },
-                    Some((channel, pid)),
+                    Some((channel, pid, nonce)),
                 );
             })
             .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;

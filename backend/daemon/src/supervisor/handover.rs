@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
-use crate::custody::{self, LastMove, Note};
+use crate::custody::{self, LastMove, Note, WorkerNonce};
 
 /// What an adoption hands over.
 #[derive(Debug)]
@@ -29,12 +29,18 @@ pub(super) struct Adoption {
 
 /// Connects to a worker's adoption socket at `path` and takes its custody over: the channel
 /// and everything held. The socket must be one (not a symbolic link) and served by the
-/// recorded worker `pid` itself, running as our uid: the record that named the pid is not
-/// proof enough.
+/// recorded worker `pid` itself, running as our uid, and the worker must prove the record's
+/// `nonce` ([`Note::Adopted`]): the record that named the pid is not proof enough.
+///
+/// A record without a nonce (written by a daemon of an earlier release, which made none)
+/// is taken for a worker without one only (a worker of that release, whose proof is the
+/// socket's peer alone, as it was then); a worker that has a nonce is never adopted under
+/// such a record, nor one without a nonce under a record that has one.
 pub(super) fn adopt_from(
     path: &Path,
     endpoint: &str,
     pid: u32,
+    nonce: Option<&WorkerNonce>,
 ) -> Result<Adoption, custody::ChannelError> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     use std::os::unix::fs::FileTypeExt;
@@ -74,6 +80,7 @@ pub(super) fn adopt_from(
         &sock,
         &Note::Adopt {
             endpoint: endpoint.to_owned(),
+            nonce: nonce.cloned(),
         },
         &[],
     )?;
@@ -90,10 +97,30 @@ pub(super) fn adopt_from(
                     last_move,
                     restarts,
                     lease,
+                    nonce: proved,
                     ..
                 },
                 _,
             ) => {
+                match (nonce, &proved) {
+                    (Some(ours), Some(theirs)) if ours == theirs => {}
+                    (None, None) => {}
+                    (Some(_), _) => {
+                        return Err(refused(format!(
+                            "process {pid} does not prove the nonce of its record{}",
+                            if proved.is_some() {
+                                " (it has another: the record names another worker)"
+                            } else {
+                                " (it has none)"
+                            }
+                        )));
+                    }
+                    (None, Some(_)) => {
+                        return Err(refused(format!(
+                            "the record of process {pid} has no nonce, but the process has one: the record was not written by the daemon that started it"
+                        )));
+                    }
+                }
                 return Ok(Adoption {
                     lease,
                     restarts: restarts.unwrap_or(0),
@@ -118,6 +145,14 @@ mod adopt_from_tests {
 
     /// An adoption socket served by this process: it answers one `Adopt` with `Adopted`.
     fn serve(path: &Path) -> std::thread::JoinHandle<Option<Note>> {
+        serve_proving(path, None)
+    }
+
+    /// [`serve`], proving `nonce` in its `Adopted`.
+    fn serve_proving(
+        path: &Path,
+        nonce: Option<WorkerNonce>,
+    ) -> std::thread::JoinHandle<Option<Note>> {
         use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
         let sock = rustix::net::socket_with(
             AddressFamily::UNIX,
@@ -141,6 +176,7 @@ mod adopt_from_tests {
                     last_move: None,
                     restarts: None,
                     lease: None,
+                    nonce,
                 },
                 &[],
             )
@@ -156,7 +192,7 @@ mod adopt_from_tests {
         let server = serve(&path);
         let me = std::process::id();
         // The record names another process than the one serving the socket.
-        let e = adopt_from(&path, "ep", me + 1).expect_err("another process");
+        let e = adopt_from(&path, "ep", me + 1, None).expect_err("another process");
         let wanted = format!(
             "served by process {me}, not by the recorded worker {}",
             me + 1
@@ -168,14 +204,49 @@ mod adopt_from_tests {
         let server = serve(&path);
         let link = dir.path().join("link.sock");
         std::os::unix::fs::symlink(&path, &link).expect("symlink");
-        let e = adopt_from(&link, "ep", me).expect_err("a link");
+        let e = adopt_from(&link, "ep", me, None).expect_err("a link");
         assert!(format!("{e:?}").contains("symbolic link"), "{e:?}");
         // Positive control: the recorded process on the socket itself.
-        let held = adopt_from(&path, "ep", me).expect("adopted").held;
+        let held = adopt_from(&path, "ep", me, None).expect("adopted").held;
         assert!(held.is_empty());
         assert!(matches!(
             server.join().expect("server"),
-            Some(Note::Adopt { endpoint }) if endpoint == "ep"
+            Some(Note::Adopt { endpoint, nonce: None }) if endpoint == "ep"
         ));
+    }
+
+    #[test]
+    fn only_a_worker_that_proves_its_records_nonce_is_adopted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w.sock");
+        let me = std::process::id();
+        let ours = WorkerNonce::generate().expect("nonce");
+        let other = WorkerNonce::generate().expect("nonce");
+        // (the record's nonce, the worker's, adopted?)
+        let cases = [
+            (Some(&ours), Some(other.clone()), false),
+            (Some(&ours), None, false),
+            (None, Some(ours.clone()), false),
+            // An earlier release's record and worker: the socket's peer is the proof.
+            (None, None, true),
+            (Some(&ours), Some(ours.clone()), true),
+        ];
+        for (record, worker, adopted) in cases {
+            let server = serve_proving(&path, worker.clone());
+            let got = adopt_from(&path, "ep", me, record);
+            assert_eq!(
+                got.is_ok(),
+                adopted,
+                "record {record:?}, worker {worker:?}: {got:?}"
+            );
+            if let Err(e) = got {
+                assert!(format!("{e}{e:?}").contains("nonce"), "{e:?}");
+            }
+            // The request named the record's nonce, for the worker to check too.
+            assert!(matches!(
+                server.join().expect("server"),
+                Some(Note::Adopt { nonce, .. }) if nonce.as_ref() == record
+            ));
+        }
     }
 }

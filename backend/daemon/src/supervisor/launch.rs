@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_server::DeviceSocket;
 
-use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, StartMode};
+use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, StartMode, WorkerNonce};
 
 pub(super) use super::common::Launch;
 use super::ledger::serve_notes;
@@ -30,22 +30,22 @@ const START_FRESH_AFTER: u32 = 5;
 /// Pause between starts once starts fail.
 const FAILED_START_PAUSE: Duration = Duration::from_millis(250);
 
-/// Supervises `ep`: first the adopted worker `adopted` (its channel and pid) if any, then
-/// workers it starts itself, replacing each that dies.
+/// Supervises `ep`: first the adopted worker `adopted` (its channel, pid and the nonce it
+/// proved) if any, then workers it starts itself, replacing each that dies.
 pub(super) fn supervise(
     ep: &Endpoint,
     exe: &Path,
     sink: &EventSink,
     launch: Launch<'_>,
-    adopted: Option<(OwnedFd, u32)>,
+    adopted: Option<(OwnedFd, u32, Option<WorkerNonce>)>,
 ) {
     let span = tracing::info_span!("endpoint", id = %ep.spec.id);
     let _g = span.enter();
     let mut failed_starts = 0u32;
     let mut died_at: Option<Instant> = None;
     let mut recent: VecDeque<Instant> = VecDeque::new();
-    if let Some((channel, pid)) = adopted {
-        supervise_adopted(ep, sink, launch, channel, pid);
+    if let Some((channel, pid, nonce)) = adopted {
+        supervise_adopted(ep, sink, launch, channel, (pid, nonce.as_ref()));
         died_at = Some(Instant::now());
     }
     while !ep.stopping.load(Ordering::SeqCst) {
@@ -166,6 +166,8 @@ fn run_worker(
 ) -> std::io::Result<bool> {
     let adopt_dir = launch.adopt_dir;
     let (ours, theirs) = custody::pair()?;
+    // Made before the process, given to it and written in its record (the sink's).
+    let nonce = WorkerNonce::generate()?;
     let mut child: Child = Command::new(exe)
         .arg("worker")
         .stdin(Stdio::from(theirs))
@@ -189,9 +191,10 @@ fn run_worker(
         endpoint: ep.spec.id.clone(),
         pid,
         resume: mode == StartMode::Resume,
+        nonce: nonce.clone(),
     });
     let started = Instant::now();
-    let handed = hand_over(ep, &ours, mode, launch);
+    let handed = hand_over(ep, &ours, mode, launch, &nonce);
     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = ours.try_clone().ok();
     let mut ready = false;
     if let Err(e) = handed {
@@ -205,7 +208,7 @@ fn run_worker(
         while take_reexec(ep) {
             let t0 = Instant::now();
             let mut alive = || matches!(child.try_wait(), Ok(None));
-            match readopt(ep, &mut alive, pid, launch) {
+            match readopt(ep, &mut alive, (pid, Some(&nonce)), launch) {
                 Some(channel) => {
                     *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) =
                         channel.try_clone().ok();
@@ -249,12 +252,13 @@ const READOPT_WAIT: Duration = Duration::from_secs(10);
 
 /// The worker `pid` re-executed itself ([`Note::Reexec`]): adopts the new image through its
 /// adoption socket, which hands over the whole ledger (the new image's, which is what the
-/// old one held: notes the old image had not sent yet are in it). Returns the new custody
-/// channel; `None` when the process died or did not offer its socket in time (then killed).
+/// old one held: notes the old image had not sent yet are in it), once it proves the
+/// process's `nonce`. Returns the new custody channel; `None` when the process died or did
+/// not offer its socket in time (then killed).
 fn readopt(
     ep: &Endpoint,
     alive: &mut dyn FnMut() -> bool,
-    pid: u32,
+    (pid, nonce): (u32, Option<&WorkerNonce>),
     launch: Launch<'_>,
 ) -> Option<OwnedFd> {
     let Some(dir) = launch.adopt_dir else {
@@ -271,7 +275,7 @@ fn readopt(
             tracing::error!(pid, "the worker died while re-executing");
             return None;
         }
-        match super::handover::adopt_from(&path, &ep.spec.id, pid) {
+        match super::handover::adopt_from(&path, &ep.spec.id, pid, nonce) {
             Ok(adoption) => {
                 tracing::info!(
                     pid,
@@ -349,6 +353,7 @@ fn hand_over(
     sock: &OwnedFd,
     mode: StartMode,
     launch: Launch<'_>,
+    nonce: &WorkerNonce,
 ) -> Result<(), custody::ChannelError> {
     let held = ep.held();
     let listener = ep.socket.listener().as_fd();
@@ -382,6 +387,7 @@ fn hand_over(
             restarts: ep.status().restarts,
             failover: ep.spec.failover,
             lease: ep.lease(),
+            nonce: Some(nonce.clone()),
         },
         &[],
     )
@@ -391,14 +397,15 @@ fn hand_over(
 /// child, so its exit status is not the daemon's to read.
 const ADOPTED_EXIT_STATUS: &str = "unknown (an adopted worker, not the daemon's child)";
 
-/// Supervises the adopted worker `pid` (its custody `channel`) until it dies: not our
-/// child, so it is not waited for; a replacement is started by [`supervise`] afterwards.
+/// Supervises the adopted worker `pid` (its custody `channel`, the `nonce` it proved) until
+/// it dies: not our child, so it is not waited for; a replacement is started by
+/// [`supervise`] afterwards.
 fn supervise_adopted(
     ep: &Endpoint,
     sink: &EventSink,
     launch: Launch<'_>,
     channel: OwnedFd,
-    pid: u32,
+    (pid, nonce): (u32, Option<&WorkerNonce>),
 ) {
     let adopt_dir = launch.adopt_dir;
     // The adopted ledger against the budget: a worker of an older daemon may hold more
@@ -436,7 +443,7 @@ fn supervise_adopted(
     while take_reexec(ep) {
         let t0 = Instant::now();
         let mut alive = || running(pid);
-        let Some(channel) = readopt(ep, &mut alive, pid, launch) else {
+        let Some(channel) = readopt(ep, &mut alive, (pid, nonce), launch) else {
             break;
         };
         *ep.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel.try_clone().ok();

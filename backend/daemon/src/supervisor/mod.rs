@@ -319,6 +319,8 @@ pub enum WorkerEvent {
         pid: u32,
         /// It resumes a device (a restart) rather than creating one.
         resume: bool,
+        /// Its nonce, for its record (see [`crate::custody::WorkerNonce`]).
+        nonce: crate::custody::WorkerNonce,
     },
     /// The worker serves.
     Ready {

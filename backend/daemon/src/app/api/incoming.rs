@@ -1,7 +1,8 @@
 //! Incoming endpoints: the destination of a live migration of an endpoint's VM.
 //!
 //! `POST /v1/endpoints/{source}/incoming` creates an endpoint leasing a free device of the
-//! source's shape (from the source's pool), whose worker serves a fresh device for the
+//! source's shape from the source's pool (the pool of the source's board when the source was
+//! created on a named device; boards in no pool for a board in none), whose worker serves a fresh device for the
 //! destination VMM to put into RESUMING. The daemon then follows the destination device's
 //! migration states (the worker's [`crate::custody::Note::Migration`]):
 //!
@@ -150,15 +151,15 @@ impl Daemon {
                         format!("Endpoint \"{source}\" has no device to migrate"),
                     )
                 })?;
-            let pools = inv.pools();
-            let boards: Option<&Vec<String>> = src
+            // The source's pool: the one it leased from, or (created on a named device) its
+            // board's; a board in no pool takes its destination from boards in none.
+            let pool = src
                 .pool
-                .as_ref()
-                .and_then(|p| pools.iter().find(|v| &v.name == p))
-                .map(|v| &v.boards);
+                .clone()
+                .or_else(|| inv.board(&theirs.board).and_then(|b| b.pool));
             inv.boards()
                 .into_iter()
-                .filter(|b| boards.is_none_or(|ids| ids.contains(&b.id)))
+                .filter(|b| b.pool == pool)
                 .flat_map(|b| b.devices)
                 .find(|d| {
                     d.shape == theirs.shape
@@ -176,10 +177,10 @@ impl Daemon {
                             serde_json::Value::Object(
                                 theirs.shape.options.clone().into_iter().collect()
                             ),
-                            src.pool
-                                .as_ref()
-                                .map(|p| format!(" in pool \"{p}\""))
-                                .unwrap_or_default()
+                            pool.as_ref().map_or_else(
+                                || " on a board in no pool, as the source's".to_owned(),
+                                |p| format!(" in pool \"{p}\", the source's")
+                            )
                         ),
                     )
                 })?

@@ -147,18 +147,21 @@ impl Daemon {
         let socket = inventory.endpoint(id).map(|e| e.socket.clone());
         let unsupervised = self.unsupervised().get(id).cloned();
         if let Some(Unsupervised::Orphaned { pid }) = unsupervised {
-            // The orphan must stop serving the socket before the endpoint is gone.
-            let live = self.records.live(id);
-            match (pid, live) {
-                (Some(pid), Some(live)) if pid == live => kill(pid),
-                _ => {
-                    return Err(ApiError::conflict(
-                        "orphaned",
-                        format!(
-                            "Endpoint \"{id}\" is served by a process this daemon does not know; stop it first"
-                        ),
-                    ));
-                }
+            // The orphan must stop serving the socket before the endpoint is gone. It could
+            // not be adopted, so nothing proves it is this daemon's worker (its record may
+            // name another daemon's): never signalled, the administrator stops it.
+            let refused = match pid {
+                None => Some(format!(
+                    "Endpoint \"{id}\" is served by a process this daemon does not know; stop it first"
+                )),
+                Some(pid) if super::super::records::start_time(pid).is_some() => Some(format!(
+                    "Endpoint \"{id}\" is served by process {pid}, which its worker record names but which could not prove it is this daemon's worker (it was not adopted); stop it first"
+                )),
+                // The recorded process is gone: nothing serves the socket any more.
+                Some(_) => None,
+            };
+            if let Some(message) = refused {
+                return Err(ApiError::conflict("orphaned", message));
             }
             if let Some(socket) = &socket {
                 remove_stale_socket(socket);
@@ -621,13 +624,6 @@ pub(super) fn vmm_error(
     )
 }
 
-fn kill(pid: u32) {
-    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-    }
-}
-
-/// Removes the socket file at `path` once nothing accepts on it (a killed orphan's).
 /// A socket path a request names: only directly in the daemon's endpoint directory, for every
 /// caller, root included (another place only through the configuration file, which the
 /// daemon's administrator writes). So a request never makes the daemon create, replace or
@@ -652,6 +648,7 @@ fn socket_in_endpoint_dir(dir: &std::path::Path, socket: &std::path::Path) -> Re
     ))
 }
 
+/// Removes the socket file at `path` once nothing accepts on it (a stopped orphan's).
 fn remove_stale_socket(path: &std::path::Path) {
     use std::os::unix::fs::FileTypeExt;
     for _ in 0..100 {

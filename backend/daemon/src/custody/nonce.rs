@@ -1,0 +1,89 @@
+//! A worker's nonce: a secret the daemon makes for each worker process it starts, writes in
+//! the worker's pid record and gives the worker ([`Note::Start`](super::Note::Start)); the
+//! worker keeps it across re-execs and proves it when adopted
+//! ([`Note::Adopted`](super::Note::Adopted)). A pid record is a claim: a process that cannot
+//! show the record's nonce on its adoption socket is not taken for the worker it names (see
+//! `app::records`).
+
+use std::fmt;
+use std::io::{self, Read};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Random bytes in a nonce.
+const BYTES: usize = 16;
+
+/// A secret the daemon makes for each worker process it starts: written in the worker's pid
+/// record and given to the worker ([`Note::Start`](super::Note::Start)), which keeps it
+/// across re-execs and proves it when adopted ([`Note::Adopted`](super::Note::Adopted)).
+/// Its `Debug` does not show it (notes are logged).
+#[derive(Clone, PartialEq, Eq)]
+pub struct WorkerNonce(String);
+
+impl WorkerNonce {
+    /// A new nonce from the kernel's random source.
+    pub fn generate() -> io::Result<Self> {
+        let mut bytes = [0u8; BYTES];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+        Ok(Self(bytes.iter().map(|b| format!("{b:02x}")).collect()))
+    }
+
+    /// The nonce written as [`WorkerNonce::as_str`] gives it: `2 × 16` lowercase hex digits;
+    /// anything else is none.
+    pub fn parse(text: &str) -> Option<Self> {
+        let ok = text.len() == 2 * BYTES
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        ok.then(|| Self(text.to_owned()))
+    }
+
+    /// As written in a record and a note.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for WorkerNonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WorkerNonce(..)")
+    }
+}
+
+impl Serialize for WorkerNonce {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for WorkerNonce {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Self::parse(&text).ok_or_else(|| serde::de::Error::custom("not a worker nonce"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonces_differ_round_trip_and_do_not_show() {
+        let a = WorkerNonce::generate().expect("nonce");
+        let b = WorkerNonce::generate().expect("nonce");
+        assert_ne!(a, b);
+        assert_eq!(WorkerNonce::parse(a.as_str()), Some(a.clone()));
+        let json = serde_json::to_string(&a).expect("json");
+        assert_eq!(serde_json::from_str::<WorkerNonce>(&json).expect("back"), a);
+        assert!(!format!("{a:?}").contains(a.as_str()));
+        for bad in [
+            "",
+            "xyz",
+            &a.as_str()[1..],
+            "0123456789ABCDEF0123456789abcdef",
+        ] {
+            assert_eq!(WorkerNonce::parse(bad), None, "{bad:?}");
+        }
+        assert!(serde_json::from_str::<WorkerNonce>("\"nope\"").is_err());
+    }
+}
