@@ -299,7 +299,7 @@ impl Sleeper {
             status
                 .lines()
                 .find_map(|l| l.strip_prefix(field))
-                .is_none_or(|mask| mask.trim().trim_start_matches('0') != "")
+                .is_none_or(|mask| !mask.trim().trim_start_matches('0').is_empty())
         });
         !pending && self.0.try_wait().expect("wait").is_none()
     }
