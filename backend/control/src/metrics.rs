@@ -199,6 +199,7 @@ struct Families {
     failovers: Family<FailoverLabels, Counter>,
     failover_stall: BucketHistogram,
     failovers_waiting: Gauge,
+    failover_passes: Counter,
 }
 
 /// Labels of a failover: the pool of the failed board (empty: none) and how the endpoint
@@ -264,6 +265,7 @@ impl Metrics {
             failovers: Family::default(),
             failover_stall: BucketHistogram::new(&FAILOVER_STALL_BUCKETS),
             failovers_waiting: Gauge::default(),
+            failover_passes: Counter::default(),
         };
         let mut registry = Registry::with_prefix("switchyard");
         let f = &families;
@@ -362,6 +364,11 @@ impl Metrics {
             "failovers_waiting",
             "Endpoints on failed boards waiting for a free device of their shape (degraded)",
             f.failovers_waiting.clone(),
+        );
+        registry.register(
+            "failover_passes",
+            "Passes of the failover reconciler over the endpoints of failed boards (at each report, and every second)",
+            f.failover_passes.clone(),
         );
         Self {
             inner: Arc::new(Inner {
@@ -499,6 +506,12 @@ impl Metrics {
             .families
             .failovers_waiting
             .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Counts a pass of the failover reconciler: everything it did in the pass (failovers,
+    /// `failover_waiting` and `failover_refused` events) is committed before the count moves.
+    pub fn failover_pass(&self) {
+        self.inner.families.failover_passes.inc();
     }
 
     /// Every metric in the OpenMetrics text format ([`OPENMETRICS_CONTENT_TYPE`]).

@@ -652,7 +652,12 @@ fn a_lost_gpu_is_reported_as_a_board_failure_with_its_state_intact() {
     );
     assert!(failure.reason.contains("ILLEGAL_ADDRESS"), "{failure:?}");
     // Failed over: the command stays in flight (a replacement runs it), nothing is latched.
-    thread::sleep(Duration::from_millis(200));
+    // The engine reported from inside the command; it then lets go of it (no longer busy)
+    // and stops. A snapshot quiesces the engines at a command boundary: it waits for that.
+    board
+        .slot
+        .with_as(|g: &mut SoftGpu| g.snapshot())
+        .expect("the slot holds a softgpu");
     assert_ne!(d.r32(queue_reg(0, Q_STATUS)), Q_STATUS_ERROR);
     assert_ne!(d.r32(queue_reg(0, Q_HEAD)), 2, "not completed");
     // What completed before is in the memfd (what a replacement continues from).

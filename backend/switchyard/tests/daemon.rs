@@ -97,6 +97,7 @@ fn default_pool_endpoints_and_restarts_under_a_workload() {
         std::thread::spawn(move || {
             let mut outputs = Vec::new();
             for _ in 0..3 {
+                // Pacing: the client works between the restarts.
                 std::thread::sleep(Duration::from_millis(100));
                 let out = Command::new(EXE)
                     .arg("ctl")

@@ -299,8 +299,19 @@ impl Sleeper {
         self.0.id()
     }
 
-    fn alive(&mut self) -> bool {
-        self.0.try_wait().expect("wait").is_none()
+    /// Whether nothing signalled it: no signal is pending for it (`ShdPnd` and `SigPnd` of
+    /// `/proc/PID/status`) and it has not exited. A `kill(2)` of it is pending before the
+    /// sender's call returns and stays so until the process is reaped (a zombie shows it
+    /// too), so this sees a kill the moment it was sent, without waiting for the death.
+    fn untouched(&mut self) -> bool {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        let pending = ["SigPnd:", "ShdPnd:"].iter().any(|field| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(field))
+                .is_none_or(|mask| !mask.trim().trim_start_matches('0').is_empty())
+        });
+        !pending && self.0.try_wait().expect("wait").is_none()
     }
 }
 
@@ -391,6 +402,11 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
     // so the daemon leaves vm2 orphaned.
     let mut a = Sleeper::spawn();
     let mut b = Sleeper::spawn();
+    // Positive control of the check below: a kill shows at once, before the death.
+    let mut control = Sleeper::spawn();
+    assert!(control.untouched(), "a process nobody signalled");
+    kill(control.pid());
+    assert!(!control.untouched(), "a kill just sent is seen");
     for (id, s) in [("vm1", &a), ("vm2", &b)] {
         let start = start_time(s.pid()).expect("sleep runs");
         fs::write(
@@ -422,14 +438,16 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
     assert_ne!(vm1_pid, a.pid(), "{vm1}");
     assert!(is_worker(vm1_pid), "{vm1}");
     assert_eq!(d.endpoint("vm2")["worker"]["state"], "orphaned");
-    std::thread::sleep(Duration::from_millis(500));
+    // The daemon decides on every record before its API answers (`start_all`); had it
+    // adopted the forged vm1, the adoption's end (the fake channel closes) would have killed
+    // the process before vm1's own worker started. Nothing to wait for.
     assert!(
-        a.alive(),
-        "the process named by vm1's forged record was killed"
+        a.untouched(),
+        "the process named by vm1's forged record was signalled"
     );
     assert!(
-        b.alive(),
-        "the process named by vm2's forged record was killed"
+        b.untouched(),
+        "the process named by vm2's forged record was signalled"
     );
     assert!(
         asked.try_recv().is_err(),
@@ -462,10 +480,10 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(200));
+    // A delete kills before it answers: both answers are in.
     assert!(
-        a.alive() && b.alive(),
-        "a process named by a forged record was killed"
+        a.untouched() && b.untouched(),
+        "a process named by a forged record was signalled"
     );
 }
 

@@ -80,6 +80,21 @@ fn metric(d: &Daemon, prefix: &str) -> Option<String> {
         .map(|v| v.trim().to_owned())
 }
 
+/// The failover reconciler's completed passes (everything a pass did is committed before
+/// the count moves).
+fn passes(d: &Daemon) -> u64 {
+    metric(d, "switchyard_failover_passes_total ")
+        .and_then(|v| v.parse().ok())
+        .expect("switchyard_failover_passes_total")
+}
+
+/// Waits until the reconciler has made a whole pass that started after this call: two more
+/// passes complete (the first may have been under way already).
+fn a_whole_pass(d: &Daemon) {
+    let seen = passes(d);
+    wait("a whole reconciler pass", || passes(d) >= seen + 2);
+}
+
 #[test]
 fn twenty_engine_failures_across_three_boards_are_stalls_with_every_job_bit_exact() {
     let mut d = daemon(3, "transparent");
@@ -209,8 +224,9 @@ fn with_no_free_device_the_endpoint_waits_degraded_and_fails_over_once_one_is_fr
     );
     let listed = d.ctl_ok(&["endpoint", "vm1"]);
     assert!(listed.contains("degraded"), "{listed}");
-    // Said once, however long it waits.
-    std::thread::sleep(Duration::from_millis(2500));
+    // Said once, however long it waits: the reconciler looks at the waiting endpoint again
+    // at every pass, and a pass that started after the event says nothing more.
+    a_whole_pass(&d);
     assert_eq!(pool_events(&d, "failover_waiting").len(), 1);
     // A device becomes free: the waiting endpoint takes it.
     d.ctl_ok(&["delete", "vm2"]);
@@ -320,6 +336,9 @@ fn a_failure_during_a_worker_restart_still_fails_over() {
     guest.setup_queue(0);
     guest.setup_queue(1);
     common::workload::fill_copy_round(&mut guest, 0, 0);
+    let ready = d.endpoint("vm1")["worker"]["ready"]
+        .as_u64()
+        .expect("ready");
     // A restart (SIGKILL drill) right after the fault. Either the device reported its
     // failure first (the failover's replacement and the restart's race; the endpoint ends on
     // another board), or the restart took the dying engine's process down before it could
@@ -329,11 +348,23 @@ fn a_failure_during_a_worker_restart_still_fails_over() {
     for round in 1..6 {
         common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
     }
-    // A report, if the dying engine got one out, has arrived by now.
-    std::thread::sleep(Duration::from_secs(1));
-    wait("every recorded failure failed over", || {
-        pool_events(&d, "board_failed").len() == pool_events(&d, "failed_over").len()
+    // A worker newer than the faulted one serves: the daemon read everything the faulted one
+    // sent (its notes are read until its channel closes, before a replacement starts), so a
+    // report it got out shows the endpoint's failover pending from then until it is done.
+    wait("a newer worker serves", || {
+        let w = d.endpoint("vm1")["worker"].clone();
+        w["state"] == "running" && w["ready"].as_u64().is_some_and(|r| r > ready)
     });
+    wait("no failover pending", || {
+        d.endpoint("vm1")
+            .get("failover")
+            .is_none_or(|f| f.get("pending").is_none())
+    });
+    assert_eq!(
+        pool_events(&d, "board_failed").len(),
+        pool_events(&d, "failed_over").len(),
+        "every recorded failure failed over"
+    );
     let failed = pool_events(&d, "board_failed").len();
     assert!(failed <= 1, "one fault, at most one failure");
     assert_eq!(board_of(&mut d, "vm1") != "g0", failed == 1);

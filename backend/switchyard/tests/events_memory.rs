@@ -81,8 +81,25 @@ fn stalled_readers_of_a_long_history_cost_bounded_memory() {
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         readers.push(s);
     }
-    // Every stream has filled its socket and stalled.
-    std::thread::sleep(Duration::from_secs(1));
+    // Every stream has read pages of the history from the store and sent them until its
+    // socket is full or nearly: the daemon's send buffer (the kernel's default) takes about
+    // half of it in lines before a writer waits (overhead per message), so a quarter is
+    // well past the first page and short of where the stream stalls. A daemon that held
+    // the whole history per reader would hold it from the first page on.
+    let wmem = std::fs::read_to_string("/proc/sys/net/core/wmem_default")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(212_992);
+    let queued = |s: &UnixStream| rustix::io::ioctl_fionread(s).expect("FIONREAD");
+    let streamed = common::wait_for(Duration::from_secs(30), || {
+        readers.iter().all(|s| queued(s) >= wmem / 4).then_some(())
+    });
+    assert!(
+        streamed.is_some(),
+        "the readers' streams stopped short of {} bytes: {:?}",
+        wmem / 4,
+        readers.iter().map(queued).collect::<Vec<_>>()
+    );
     let stalled = rss_kb(&d);
     eprintln!(
         "daemon VmRSS: {before} kB before, {stalled} kB with {READERS} stalled readers of \
@@ -104,10 +121,12 @@ fn stalled_readers_of_a_long_history_cost_bounded_memory() {
     drop(s);
 
     drop(readers);
-    std::thread::sleep(Duration::from_millis(500));
+    // The streams' slots are free again once the daemon has seen the readers go.
+    let reopened = common::wait_for(Duration::from_secs(10), || {
+        let (s, head) = request_head(&d.socket(), "/events?since=0");
+        head.starts_with("HTTP/1.1 200").then_some(s)
+    });
+    assert!(reopened.is_some(), "a stream slot stays taken");
     eprintln!("daemon VmRSS: {} kB after the readers closed", rss_kb(&d));
-    // The streams' slots are free again.
-    let (_s, head) = request_head(&d.socket(), "/events?since=0");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(read_all(), seqs, "the history changed");
 }

@@ -320,7 +320,12 @@ fn sigterm_stops_a_server_whose_client_stopped_reading() {
     r.s.set_write_timeout(Some(Duration::from_secs(2)))
         .expect("timeout");
     flood_unread_replies(&mut r, 64);
-    std::thread::sleep(Duration::from_millis(300)); // the server is stuck sending
+    // The server is stuck sending once a reply has begun to arrive: 1 MiB does not fit the
+    // socket, and the client reads none of it.
+    let sending = wait_for(Duration::from_secs(10), || {
+        (rustix::io::ioctl_fionread(&r.s).ok()? > 0).then_some(())
+    });
+    assert!(sending.is_some(), "no reply began to arrive");
     let t0 = Instant::now();
     let status = server.terminate();
     let took = t0.elapsed();

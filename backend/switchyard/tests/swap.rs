@@ -6,8 +6,8 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::Duration;
 
@@ -141,6 +141,7 @@ fn queues_keep_completing_across_repeated_swaps() {
                 worst = worst.max(r.held);
                 drop(r.old);
                 swaps += 1;
+                // Pacing: swaps back to back, a breath apart, for the client's jobs.
                 thread::sleep(Duration::from_micros(200));
             }
             (swaps, worst)
@@ -300,15 +301,20 @@ fn refused_swaps_never_restart_a_device_that_migration_stopped() {
     let mut d = Driver::new(Ours(Client::connect(&server.socket).expect("connect")));
     d.setup_queue(0);
     let done = Arc::new(AtomicBool::new(false));
+    // A checkpoint: the test hands the swapper a reply channel; the swapper runs one more
+    // whole round (park, swap, unpark) that starts after it took the ask, then sends a
+    // sender back and waits, holding nothing, until the test drops that sender.
+    let (ask, asked) = mpsc::channel::<mpsc::Sender<mpsc::Sender<()>>>();
     let swapper = {
         let slot = server.slot.clone();
         let done = done.clone();
         thread::spawn(move || {
             let (mut swaps, mut refused) = (0u32, 0u32);
             while !done.load(Ordering::SeqCst) {
+                let checkpoint = asked.try_recv().ok();
                 let (ctl, next) = successor(&slot);
                 let parked = ctl.park();
-                // A migration STOP lands between the park and the swap.
+                // Pacing: a migration STOP lands between the park and the swap.
                 thread::sleep(Duration::from_micros(300));
                 match slot.swap(Box::new(next)) {
                     Ok(r) => {
@@ -319,6 +325,13 @@ fn refused_swaps_never_restart_a_device_that_migration_stopped() {
                     Err(e) => panic!("swap: {e}"),
                 }
                 drop(parked);
+                if let Some(reply) = checkpoint {
+                    let (go, wait) = mpsc::channel::<()>();
+                    if reply.send(go).is_ok() {
+                        // Until the test lets go (drops `go`, or fails).
+                        let _ = wait.recv();
+                    }
+                }
             }
             (swaps, refused)
         })
@@ -332,13 +345,25 @@ fn refused_swaps_never_restart_a_device_that_migration_stopped() {
         }
         d.t.0.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
         let before = d.r64(queue_reg(0, Q_COMPLETED_LO));
-        thread::sleep(Duration::from_millis(10));
+        // A whole round of the swapper meets the STOP (its swap refused); with the swapper
+        // at its checkpoint, holding no park, the STOP alone holds the engines: a refused
+        // swap or a released park that let them go shows as DEV_STATUS without STOPPED.
+        let (reply, checkpoint) = mpsc::channel();
+        ask.send(reply).expect("the swapper runs");
+        let go = checkpoint
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the swapper's round");
+        assert_ne!(
+            d.r32(DEV_STATUS) & DEV_STATUS_STOPPED,
+            0,
+            "iteration {i}: the engines of a device in STOP may run after a refused swap"
+        );
         let after = d.r64(queue_reg(0, Q_COMPLETED_LO));
         assert_eq!(
             before, after,
             "iteration {i}: the engine ran commands while the device was in STOP"
         );
-        assert_ne!(d.r32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+        drop(go);
         d.t.0
             .set_mig_state(VFIO_DEVICE_STATE_RUNNING)
             .expect("RUNNING");
@@ -396,6 +421,7 @@ fn incompatible_successors_are_refused_before_anything_runs_on_them() {
                 drop(parked);
                 assert!(matches!(r, Err(SwapError::Incompatible(_))), "{r:?}");
                 refused += 1;
+                // Pacing: refusals back to back, a breath apart, for the client's jobs.
                 thread::sleep(Duration::from_micros(500));
             }
             refused

@@ -512,6 +512,7 @@ fn a_stop_and_start_of_the_unit_keeps_the_guests_device() {
     let manager = {
         let (rounds, done, failed) = (rounds.clone(), done.clone(), failed.clone());
         std::thread::spawn(move || {
+            // Pacing: the client works a while before the stop.
             std::thread::sleep(Duration::from_millis(100));
             m.stop();
             let stopped_at = rounds.load(Ordering::SeqCst);

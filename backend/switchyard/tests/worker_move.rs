@@ -55,6 +55,7 @@ fn twenty_moves_under_a_workload_change_nothing_the_client_sees() {
             let mut reports = Vec::new();
             let boards = ["gpu1", "gpu2", "gpu0"];
             while running.load(Ordering::SeqCst) && reports.len() < 20 {
+                // Pacing: the client works between the moves.
                 thread::sleep(Duration::from_millis(40));
                 let Some(sup) = sup.upgrade() else { break };
                 let to = boards[reports.len() % 3];

@@ -571,16 +571,13 @@ fn board_failed(
     reason: String,
     state_intact: bool,
 ) {
-    let (this, endpoint, lease) = (this.clone(), endpoint.to_owned(), lease.clone());
-    std::thread::spawn(move || {
-        if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
-            let failure = switchyard_pool::BoardFailure {
-                reason,
-                state_intact,
-            };
-            d.board_failed(&endpoint, lease.as_deref(), failure);
-        }
-    });
+    if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
+        let failure = switchyard_pool::BoardFailure {
+            reason,
+            state_intact,
+        };
+        d.board_failure_reported(endpoint, lease.clone(), failure);
+    }
 }
 
 impl Daemon {

@@ -25,7 +25,7 @@
 //! [`Pool::fail_board`]: switchyard_pool::Pool::fail_board
 
 use std::collections::BTreeMap;
-use std::sync::{Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -55,6 +55,10 @@ pub(crate) struct Failover {
     woken: Condvar,
     /// When each failed board's failure was reported: stalls are measured from there.
     reported: Mutex<BTreeMap<String, Instant>>,
+    /// Per endpoint, the board failures its worker reported that are not recorded yet (each
+    /// is recorded on a thread of its own, off the supervision thread): the endpoint's
+    /// failover is pending from the report on.
+    recording: Mutex<BTreeMap<String, usize>>,
     /// What each endpoint that cannot fail over now was last said to wait for, so that
     /// each `failover_waiting` or `failover_refused` is said once.
     said: Mutex<BTreeMap<String, String>>,
@@ -128,6 +132,9 @@ pub(crate) fn spawn_reconciler(daemon: Weak<Daemon>) -> std::io::Result<()> {
             loop {
                 let Some(d) = daemon.upgrade() else { return };
                 d.reconcile_failed_boards();
+                // After everything the pass did is committed: a reader that sees the count
+                // move past a pass that started after its look sees what that pass did.
+                d.metrics.failover_pass();
                 d.failover.wait(RECONCILE_PERIOD);
             }
         })
@@ -145,6 +152,33 @@ enum Step {
 }
 
 impl Daemon {
+    /// A worker of `endpoint` reported its board failed (read from its custody channel by
+    /// the supervision thread, which must not wait for the pool's owner): recorded by
+    /// [`Daemon::board_failed`] on a thread of its own. From now until it is recorded, the
+    /// endpoint shows its failover pending, so that what the worker reported before its
+    /// replacement served is visible as soon as the replacement is.
+    pub(crate) fn board_failure_reported(
+        self: Arc<Self>,
+        endpoint: &str,
+        lease: Option<String>,
+        failure: BoardFailure,
+    ) {
+        *lock(&self.failover.recording)
+            .entry(endpoint.to_owned())
+            .or_default() += 1;
+        let endpoint = endpoint.to_owned();
+        std::thread::spawn(move || {
+            self.board_failed(&endpoint, lease.as_deref(), failure);
+            let mut recording = lock(&self.failover.recording);
+            if let Some(n) = recording.get_mut(&endpoint) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    recording.remove(&endpoint);
+                }
+            }
+        });
+    }
+
     /// The device of `endpoint` reported its board failed: the pool records it (the board
     /// is quarantined) and the reconciler fails the board's endpoints over. The board is
     /// that of `lease`, the device the reporting worker ran (a report read after a failover
@@ -662,7 +696,10 @@ impl Daemon {
             .failed_leases()
             .into_iter()
             .any(|l| l.endpoint == id);
-        let pending = failed.then(|| pending.unwrap_or_else(|| "failing over".to_owned()));
+        // A failure reported and not recorded yet is pending too.
+        let recording = lock(&self.failover.recording).contains_key(id);
+        let pending =
+            (failed || recording).then(|| pending.unwrap_or_else(|| "failing over".to_owned()));
         let last = lock(&self.failover.last).get(id).cloned();
         (pending.is_some() || last.is_some()).then_some(FailoverView { pending, last })
     }
