@@ -25,6 +25,7 @@ use crate::custody::{
     self, BLACK_BOX_ID, CONNECTION_ID, DeviceSpec, LISTENER_ID, MoveReport, Note, StartMode,
 };
 use crate::keeper::{Keeper, KeeperCustody, adoption_path};
+use crate::lifecycle::{LostDevice, LostState, MigrationChange};
 
 /// Why a worker could not serve.
 #[derive(Debug, thiserror::Error)]
@@ -214,19 +215,19 @@ fn serve(
             .and_then(|h| h.as_str())
             .map_or_else(|| spec.to_string(), str::to_owned);
         Arc::new(move |reason: String| {
-            k.notify(&Note::DeviceLost {
+            k.notify(&Note::DeviceLost(LostDevice {
                 host: what.clone(),
                 reason,
-            });
+            }));
         })
     };
     let failed: FailedHook = {
         let (k, failover) = (keeper.clone(), start.failover);
         Arc::new(move |failure: BoardFailure| {
-            k.notify(&Note::BoardFailed {
+            k.notify(&Note::BoardFailed(crate::lifecycle::BoardFailure {
                 reason: failure.reason,
                 state_intact: failure.state_intact,
-            });
+            }));
             failover
         })
     };
@@ -376,9 +377,9 @@ fn report_lost_state(
         tracing::error!(problem = %p, "could not restore all of the client's state");
     }
     continuity.forget(&lost);
-    keeper.notify(&Note::StateLost {
+    keeper.notify(&Note::StateLost(LostState {
         problems: lost.problems,
-    });
+    }));
 }
 
 /// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time,
@@ -495,17 +496,17 @@ fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
                 change.to,
                 MigState::PreCopy | MigState::StopCopy | MigState::Resuming
             );
+            let cause = match change.cause {
+                switchyard_server::MigCause::Request => "request",
+                switchyard_server::MigCause::Reset => "reset",
+                switchyard_server::MigCause::ClientGone => "client_gone",
+            };
             keeper.notify(&Note::Migration {
                 streaming,
-                state: Some(crate::custody::mig_state_name(change.to).to_owned()),
-                cause: Some(
-                    match change.cause {
-                        switchyard_server::MigCause::Request => "request",
-                        switchyard_server::MigCause::Reset => "reset",
-                        switchyard_server::MigCause::ClientGone => "client_gone",
-                    }
-                    .to_owned(),
-                ),
+                change: Some(MigrationChange {
+                    state: crate::custody::mig_state_name(change.to).to_owned(),
+                    cause: cause.to_owned(),
+                }),
             });
         },
     ));
