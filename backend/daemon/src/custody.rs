@@ -270,7 +270,7 @@ pub enum Note {
         detached: bool,
         /// The target device's spec when it differs from the moving one's (another kind
         /// presenting the same device, another GPU): the successor is made one of it
-        /// ([`DeviceKind::adopt_successor`](switchyard_device::kind::DeviceKind::adopt_successor)).
+        /// ([`KindConfig::adopt_successor`](switchyard_device::kind::KindConfig::adopt_successor)).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         target: Option<DeviceSpec>,
     },

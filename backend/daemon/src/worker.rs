@@ -18,6 +18,7 @@ use switchyard_device::blackbox::BlackBox;
 use switchyard_device::kind::{
     BoardFailure, Build, FailedHook, KindError, LostHook, PENDING_SUFFIX, pending_object,
 };
+use switchyard_kinds::Configured;
 use switchyard_server::continuity::{self, Continuity};
 use switchyard_server::{DeviceSlot, DeviceSocket, MoveGuard, Server, ServerConfig};
 
@@ -59,7 +60,8 @@ struct Start {
     mode: StartMode,
     endpoint: String,
     socket: PathBuf,
-    device: DeviceSpec,
+    /// The device, configured by its kind: the one parse of its options in this worker.
+    device: Configured,
     held: BTreeMap<u64, OwnedFd>,
     objects: BTreeMap<String, OwnedFd>,
     adopt_dir: Option<PathBuf>,
@@ -89,11 +91,9 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 failover,
                 lease,
             } => {
-                // A spec is checked where it is made; a worker checks it again (a note is
-                // only JSON).
-                let (device, _) = device
-                    .check()
-                    .map_err(|e| WorkerError::Device(e.to_string(), Box::new(e)))?;
+                // A spec is checked where it is made; a worker configures it (a note is only
+                // JSON), once: what builds, recovers and moves the device takes the result.
+                let device = configure(&device)?;
                 return Ok(Start {
                     mode,
                     endpoint,
@@ -113,17 +113,23 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
     }
 }
 
+/// Has the spec's kind parse and check its options: the worker's one parse of them.
+fn configure(spec: &DeviceSpec) -> Result<Configured, WorkerError> {
+    spec.configure()
+        .map_err(|e| WorkerError::Device(spec.to_string(), Box::new(e)))
+}
+
 /// Runs a worker on the custody channel `channel` (its standard input).
 ///
 /// One path for every device kind (`switchyard-kinds`): a fresh worker creates the black
-/// box with the kind's records, builds the device ([`DeviceKind::build`]) and puts the
+/// box with the kind's records, builds the device ([`KindConfig::build`]) and puts the
 /// memory objects it names ([`Recoverable`]) into custody; a replacement rebuilds the
 /// client's tables, then the device from the black box and those objects
-/// ([`DeviceKind::recover`]), and continues the connection (see
+/// ([`KindConfig::recover`]), and continues the connection (see
 /// [`Server::resume`]).
 ///
-/// [`DeviceKind::build`]: switchyard_device::kind::DeviceKind::build
-/// [`DeviceKind::recover`]: switchyard_device::kind::DeviceKind::recover
+/// [`KindConfig::build`]: switchyard_device::kind::KindConfig::build
+/// [`KindConfig::recover`]: switchyard_device::kind::KindConfig::recover
 /// [`Recoverable`]: switchyard_device::Recoverable
 pub fn run(
     channel: OwnedFd,
@@ -142,10 +148,7 @@ pub fn run_reexeced(
 ) -> Result<(), WorkerError> {
     let taken = crate::reexec::take_plan(plan)?;
     let p = taken.plan;
-    let (device, _) = p
-        .device
-        .check()
-        .map_err(|e| WorkerError::Device(e.to_string(), Box::new(e)))?;
+    let device = configure(&p.device)?;
     let start = Start {
         mode: StartMode::Resume,
         endpoint: p.endpoint,
@@ -169,7 +172,8 @@ fn serve(
     mut start: Start,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
 ) -> Result<(), WorkerError> {
-    let span = tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.kind);
+    let span =
+        tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.spec.kind);
     let _g = span.enter();
     let keeper = Arc::new(match channel {
         Some(channel) => Keeper::new(&start.endpoint, channel, &start.held, &start.objects)?,
@@ -202,18 +206,18 @@ fn serve(
     let mut config = server_config(start.socket.clone());
     config.fd_budget = start.fd_budget;
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
-    let spec = start.device.clone();
-    let kind = spec
-        .kind()
-        .map_err(|e| WorkerError::Device(spec.to_string(), Box::new(e)))?;
+    let Configured {
+        spec,
+        config: device,
+    } = &start.device;
     let custody = || Box::new(KeeperCustody(keeper.clone()));
     let lost: LostHook = {
         let k = keeper.clone();
-        let what = spec
-            .options
-            .get("host")
-            .and_then(|h| h.as_str())
-            .map_or_else(|| spec.to_string(), str::to_owned);
+        // What is lost: the host resource the device holds (a PCI address), else the spec.
+        let what = device
+            .profile()
+            .exclusive
+            .unwrap_or_else(|| spec.to_string());
         Arc::new(move |reason: String| {
             k.notify(&Note::DeviceLost(LostDevice {
                 host: what.clone(),
@@ -239,7 +243,7 @@ fn serve(
                 keeper.release(&[CONNECTION_ID]);
             }
             let mut records = Continuity::records(&config.limits);
-            records.extend(kind.black_box_records(&spec.options));
+            records.extend(device.black_box_records());
             let bb = BlackBox::create(&records)?;
             keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
             let continuity = Continuity::new(&bb, custody())?;
@@ -252,7 +256,7 @@ fn serve(
                     lost: Some(lost),
                     failed: Some(failed.clone()),
                 };
-                kind.build(&spec.options, build).map_err(device_error)
+                device.build(build).map_err(device_error)
             })?;
             (server, continuity, None, None)
         }
@@ -293,7 +297,7 @@ fn serve(
                         lost: Some(lost),
                         failed: Some(failed),
                     };
-                    kind.recover(&spec.options, build).map_err(device_error)
+                    device.recover(build).map_err(device_error)
                 },
             )?;
             report_lost_state(&keeper, &continuity, lost);
@@ -620,15 +624,21 @@ fn relocate(
     detached: bool,
     target: Option<&DeviceSpec>,
 ) -> Result<MoveReport, MoveError> {
+    // The target's spec, configured before anything moves.
+    let target = target
+        .map(DeviceSpec::configure)
+        .transpose()
+        .map_err(|e| MoveError::Target(Box::new(e)))?;
     let moving = slot.begin_move()?;
     let mut pending = Vec::new();
     let mut targets = Vec::new();
     let adopt = |next: &mut dyn PciDevice| -> Result<(), MoveError> {
-        let Some(spec) = target else {
+        let Some(target) = &target else {
             return Ok(());
         };
-        let kind = spec.kind().map_err(|e| MoveError::Target(Box::new(e)))?;
-        kind.adopt_successor(&spec.options, next)
+        target
+            .config
+            .adopt_successor(next)
             .map_err(|e| MoveError::Target(Box::new(e)))
     };
     let result = move_in_slot(slot, &moving, detached, adopt, |objects| {
