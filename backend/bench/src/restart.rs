@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use switchyard_client::Client;
-use switchyard_daemon::{EndpointSpec, Supervisor, WorkerEvent};
+use switchyard_daemon::{EndpointSpec, Supervisor, WorkerEvent, WorkerLifecycle};
 use switchyard_proto::consts::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
 };
@@ -48,7 +48,7 @@ const VECTORS: u32 = 4;
 /// The target, ms.
 const TARGET_MS: f64 = 50.0;
 
-type Events = Arc<Mutex<Vec<(Instant, WorkerEvent)>>>;
+type Events = Arc<Mutex<Vec<(Instant, WorkerLifecycle)>>>;
 /// What the reader returns: its driver and the arrival time of every reply.
 type ReaderResult = Result<(Gpu, Vec<Instant>)>;
 
@@ -255,13 +255,13 @@ struct Stalls {
 
 fn stalls(
     kills: &[(Instant, u32)],
-    events: &[(Instant, WorkerEvent)],
+    events: &[(Instant, WorkerLifecycle)],
     replies: &[Instant],
 ) -> Result<Stalls> {
     let mut out = Stalls::default();
     for (i, &(t_kill, pid)) in kills.iter().enumerate() {
         let next_kill = kills.get(i + 1).map(|k| k.0);
-        let after = |what: &str, pred: &dyn Fn(&WorkerEvent) -> bool| -> Result<Instant> {
+        let after = |what: &str, pred: &dyn Fn(&WorkerLifecycle) -> bool| -> Result<Instant> {
             let t = events
                 .iter()
                 .find(|(t, e)| *t > t_kill && pred(e))
@@ -275,12 +275,12 @@ fn stalls(
         };
         let t_exit = after(
             "Exited",
-            &|e| matches!(e, WorkerEvent::Exited { pid: p, .. } if *p == pid),
+            &|e| matches!(e, WorkerLifecycle::Exited { pid: p, .. } if *p == pid),
         )?;
         let t_start = after("Started", &|e| {
-            matches!(e, WorkerEvent::Started { resume: true, .. })
+            matches!(e, WorkerLifecycle::Started { resume: true, .. })
         })?;
-        let t_ready = after("Ready", &|e| matches!(e, WorkerEvent::Ready { .. }))?;
+        let t_ready = after("Ready", &|e| matches!(e, WorkerLifecycle::Ready { .. }))?;
         ensure!(
             t_exit <= t_start && t_start <= t_ready,
             "kill {i}: events out of order"
@@ -321,7 +321,11 @@ pub fn restart(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     let mut rig = Rig {
         sup: Some(Supervisor::with_events(
             bin,
-            Arc::new(move |e| lock(&sink).push((Instant::now(), e))),
+            Arc::new(move |e| {
+                if let WorkerEvent::Lifecycle(e) = e {
+                    lock(&sink).push((Instant::now(), e));
+                }
+            }),
         )),
         reader: None,
     };
@@ -407,7 +411,7 @@ pub fn restart(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     let pids: Vec<u32> = events
         .iter()
         .filter_map(|(_, e)| match e {
-            WorkerEvent::Started { pid, .. } => Some(*pid),
+            WorkerLifecycle::Started { pid, .. } => Some(*pid),
             _ => None,
         })
         .collect();

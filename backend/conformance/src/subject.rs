@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
-use switchyard_device::kind::{Build, DeviceKind, KindError, KindOptions, Profile, parse_kv};
+use switchyard_device::kind::{
+    Build, DeviceKind, KindConfig, KindError, KindOptions, Profile, parse_kv,
+};
 
 /// Builds a device from a [`Build`] (the context, and for a recovery the black box and the
 /// held objects).
@@ -54,6 +56,8 @@ impl Groups {
 enum Maker {
     Kind {
         kind: Arc<dyn DeviceKind>,
+        /// The kind's configuration of the options (what builds and rebuilds the devices).
+        config: Box<dyn KindConfig>,
         /// The options as given.
         given: KindOptions,
         /// The kind's canonical form of them, and its profile.
@@ -87,22 +91,24 @@ impl std::fmt::Debug for Subject {
 }
 
 impl Subject {
-    /// Devices of `kind` with `options`, built as a worker builds them: with the options the
-    /// kind's [`check`](DeviceKind::check) completes.
+    /// Devices of `kind` with `options`, built as a worker builds them: by the configuration
+    /// the kind makes of them ([`configure`](DeviceKind::configure)).
     ///
     /// # Panics
     /// If the kind refuses the options (a mistake in the test, not a finding).
     pub fn kind(kind: impl DeviceKind, options: KindOptions) -> Self {
-        let (canonical, profile) = kind.check(&options).unwrap_or_else(|e| {
+        let config = kind.configure(&options).unwrap_or_else(|e| {
             panic!(
                 "conformance subject {}: the kind refuses {options:?}: {e}",
                 kind.name()
             )
         });
+        let (canonical, profile) = (config.options(), config.profile());
         Self {
             name: kind.name().to_owned(),
             maker: Maker::Kind {
                 kind: Arc::new(kind),
+                config,
                 given: options,
                 canonical,
                 profile,
@@ -150,7 +156,7 @@ impl Subject {
         match &mut self.maker {
             Maker::Fn { recover: r, .. } => *r = Some((records, Arc::new(recover))),
             Maker::Kind { .. } => panic!(
-                "conformance subject {}: a kind recovers through DeviceKind::recover",
+                "conformance subject {}: a kind recovers through KindConfig::recover",
                 self.name
             ),
         }
@@ -182,9 +188,7 @@ impl Subject {
     /// Builds a device (a fresh one, or one rebuilt with a black box and held objects).
     pub fn build(&self, build: Build) -> Result<Box<dyn PciDevice>, KindError> {
         match &self.maker {
-            Maker::Kind {
-                kind, canonical, ..
-            } => kind.build(canonical, build),
+            Maker::Kind { config, .. } => config.build(build),
             Maker::Fn { build: f, .. } => f(build),
         }
     }
@@ -192,9 +196,7 @@ impl Subject {
     /// The black-box records a device mirrors into (empty: none, or no way to recover).
     pub fn black_box_records(&self) -> Vec<RecordSpec> {
         match &self.maker {
-            Maker::Kind {
-                kind, canonical, ..
-            } => kind.black_box_records(canonical),
+            Maker::Kind { config, .. } => config.black_box_records(),
             Maker::Fn { recover, .. } => recover
                 .as_ref()
                 .map(|(records, _)| records.clone())
@@ -206,9 +208,7 @@ impl Subject {
     /// way to ([`Subject::recovered_by`]).
     pub fn recover(&self, build: Build) -> Option<Result<Box<dyn PciDevice>, KindError>> {
         match &self.maker {
-            Maker::Kind {
-                kind, canonical, ..
-            } => Some(kind.recover(canonical, build)),
+            Maker::Kind { config, .. } => Some(config.recover(build)),
             Maker::Fn { recover, .. } => recover.as_ref().map(|(_, f)| f(build)),
         }
     }
@@ -231,6 +231,7 @@ impl Subject {
                 given,
                 canonical,
                 profile,
+                ..
             } => Some((&**kind, given, canonical, profile)),
             Maker::Fn { .. } => None,
         }

@@ -13,7 +13,9 @@ use switchyard_conformance::{
 };
 use switchyard_device::blackbox::{Record, RecordSpec};
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, PciIds};
-use switchyard_device::kind::{Build, DeviceKind, DirtyLog, KindError, KindOptions, Profile, opt};
+use switchyard_device::kind::{
+    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt,
+};
 use switchyard_device::{
     CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, MigArc,
     Migratable, MigrationCaps, PciDevice, Quiesce, QuiesceGuard, Recoverable, RegionDesc,
@@ -247,7 +249,8 @@ fn log(log: &Log, event: impl Into<String>) {
         .push(event.into());
 }
 
-#[derive(Clone)]
+/// The mock's kind; with its only option checked, also its configuration.
+#[derive(Debug, Clone)]
 struct RecordingKind {
     log: Log,
     fault: Fault,
@@ -276,39 +279,44 @@ impl DeviceKind for RecordingKind {
         "bar0=SIZE  BAR0's size (4K, the only one)"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
-        let bar0 = Self::bar0(options)?;
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
+        Self::bar0(options)?;
+        Ok(Box::new(self.clone()))
+    }
+}
+
+impl KindConfig for RecordingKind {
+    fn options(&self) -> KindOptions {
         let mut canonical = KindOptions::new();
-        canonical.insert("bar0".into(), bar0.into());
-        Ok((
-            canonical,
-            Profile {
-                vram: 0,
-                queues: 0,
-                partitionable: false,
-                movable: self.fault == Fault::ProfileSaysMovable,
-                msix: false,
-                dirty_log: DirtyLog::AllMapped,
-                exclusive: None,
-                host_settings: Vec::new(),
-                client_maps_memory: false,
-                presents: None,
-            },
-        ))
+        canonical.insert("bar0".into(), BAR0.into());
+        canonical
     }
 
-    fn black_box_records(&self, _options: &KindOptions) -> Vec<RecordSpec> {
+    fn profile(&self) -> Profile {
+        Profile {
+            vram: 0,
+            queues: 0,
+            partitionable: false,
+            movable: self.fault == Fault::ProfileSaysMovable,
+            msix: false,
+            dirty_log: DirtyLog::AllMapped,
+            exclusive: None,
+            host_settings: Vec::new(),
+            client_maps_memory: false,
+            presents: None,
+        }
+    }
+
+    fn black_box_records(&self) -> Vec<RecordSpec> {
         vec![RecordSpec::new(RECORD, 64 << 10)]
     }
 
-    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Self::bar0(options)?;
+    fn build(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
         log(&self.log, "build");
         Ok(Box::new(Recording::new(self, b, None)?))
     }
 
-    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Self::bar0(options)?;
+    fn recover(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
         let bb = b
             .black_box
             .clone()
@@ -997,20 +1005,14 @@ fn a_mock_that_declares_recovery_needs_a_way_to_rebuild() {
         fault: Fault::None,
     };
     let build_kind = kind.clone();
-    let subject = Subject::from_fn("recording-by-closure", move |b| {
-        build_kind.build(&KindOptions::new(), b)
-    })
-    .declares(RECORDING_GROUPS);
+    let subject = Subject::from_fn("recording-by-closure", move |b| build_kind.build(b))
+        .declares(RECORDING_GROUPS);
     let err = run(&subject, checks::recovery).expect_err("no way to rebuild");
     assert!(err.contains("gives no way to rebuild"), "{err}");
     // With one, it passes.
     let rebuild = kind.clone();
-    let subject = Subject::from_fn("recording-by-closure", move |b| {
-        kind.build(&KindOptions::new(), b)
-    })
-    .recovered_by(rebuild.black_box_records(&KindOptions::new()), move |b| {
-        rebuild.recover(&KindOptions::new(), b)
-    })
-    .declares(RECORDING_GROUPS);
+    let subject = Subject::from_fn("recording-by-closure", move |b| kind.build(b))
+        .recovered_by(rebuild.black_box_records(), move |b| rebuild.recover(b))
+        .declares(RECORDING_GROUPS);
     assert_eq!(run(&subject, checks::recovery), Ok(()));
 }

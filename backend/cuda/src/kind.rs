@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, Host, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
 };
 use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
 
@@ -32,9 +32,18 @@ pub struct GpuUnavailable {
     pub source: switchyard_sys::cuda::CudaError,
 }
 
+/// A `cuda` device's configuration: the softgpu's device on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// The device (`vram_mmap` always off).
+    pub soft: SoftGpuConfig,
+    /// The GPU (the `gpu` option: a UUID, a prefix of one, or an ordinal).
+    pub gpu: String,
+}
+
 impl CudaKind {
-    /// The softgpu configuration and the GPU that `options` describe.
-    pub fn config(options: &KindOptions) -> Result<(SoftGpuConfig, String), KindError> {
+    /// The configuration `options` describe: what [`DeviceKind::configure`] makes of them.
+    pub fn config(options: &KindOptions) -> Result<CudaConfig, KindError> {
         let gpu = opt::str(options, GPU)?
             .map(str::trim)
             .filter(|g| !g.is_empty())
@@ -54,8 +63,8 @@ impl CudaKind {
         let mut soft = options.clone();
         soft.remove(GPU);
         soft.insert("vram_mmap".into(), false.into());
-        let c = SoftGpuKind::config(&soft)?;
-        Ok((c, gpu))
+        let soft = SoftGpuKind::config(&soft)?;
+        Ok(CudaConfig { soft, gpu })
     }
 
     /// The canonical options of `config` on `gpu`: the softgpu's (`vram_mmap` always off,
@@ -118,9 +127,25 @@ impl DeviceKind for CudaKind {
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
-        let (c, gpu) = Self::config(options)?;
-        let profile = Profile {
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
+        Ok(Box::new(Self::config(options)?))
+    }
+
+    /// The GPU must be there and healthy (NVML when it is installed, else the driver).
+    fn probe(&self, options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
+        let c = Self::config(options).map_err(|e| e.to_string())?;
+        crate::inventory::probe(&c.gpu).map(Some)
+    }
+}
+
+impl KindConfig for CudaConfig {
+    fn options(&self) -> KindOptions {
+        CudaKind::options(&self.soft, &self.gpu)
+    }
+
+    fn profile(&self) -> Profile {
+        let c = &self.soft;
+        Profile {
             vram: c.vram_size,
             queues: c.queues,
             partitionable: true,
@@ -133,37 +158,22 @@ impl DeviceKind for CudaKind {
             host_settings: vec!["spin".into(), GPU.into()],
             client_maps_memory: false,
             presents: Some("softgpu".into()),
-        };
-        Ok((Self::options(&c, &gpu), profile))
+        }
     }
 
-    /// The GPU must be there and healthy (NVML when it is installed, else the driver).
-    fn probe(&self, options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
-        let (_, gpu) = Self::config(options).map_err(|e| e.to_string())?;
-        crate::inventory::probe(&gpu).map(Some)
+    fn black_box_records(&self) -> Vec<RecordSpec> {
+        SoftGpu::black_box_records(&self.soft)
     }
 
-    fn black_box_records(&self, options: &KindOptions) -> Vec<RecordSpec> {
-        Self::config(options)
-            .map(|(c, _)| SoftGpu::black_box_records(&c))
-            .unwrap_or_default()
-    }
-
-    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        let (c, gpu) = Self::config(options)?;
+    fn build(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
         // The GPU first: a board whose GPU is gone builds nothing.
-        accelerator(&gpu)?;
-        accelerate(SoftGpuKind::build_device(c, b)?, &gpu)
+        accelerator(&self.gpu)?;
+        accelerate(SoftGpuKind::build_device(self.soft, b)?, &self.gpu)
     }
 
     /// The successor a move built (a softgpu on the new VRAM) runs on this board's GPU.
-    fn adopt_successor(
-        &self,
-        options: &KindOptions,
-        device: &mut dyn PciDevice,
-    ) -> Result<(), KindError> {
-        let (_, gpu) = Self::config(options)?;
-        let accel = accelerator(&gpu)?;
+    fn adopt_successor(&self, device: &mut dyn PciDevice) -> Result<(), KindError> {
+        let accel = accelerator(&self.gpu)?;
         let soft = device
             .as_any_mut()
             .downcast_mut::<SoftGpu>()
@@ -175,9 +185,8 @@ impl DeviceKind for CudaKind {
             .map_err(|e| KindError::build("cuda", e))
     }
 
-    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        let (c, gpu) = Self::config(options)?;
-        accelerator(&gpu)?;
-        accelerate(SoftGpuKind::recover_device(c, b)?, &gpu)
+    fn recover(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        accelerator(&self.gpu)?;
+        accelerate(SoftGpuKind::recover_device(self.soft, b)?, &self.gpu)
     }
 }

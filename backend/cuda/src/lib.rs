@@ -27,4 +27,4 @@ pub mod real;
 #[cfg(test)]
 mod tests;
 
-pub use kind::{CudaKind, GpuUnavailable};
+pub use kind::{CudaConfig, CudaKind, GpuUnavailable};

@@ -12,6 +12,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use serde::{Deserialize, Serialize};
 use switchyard_server::continuity::Custody;
 
+use crate::lifecycle::{BoardFailure, LostDevice, LostState, MigrationChange};
+
 /// Largest datagram on the channel.
 pub const MAX_NOTE: usize = 64 << 10;
 /// Most descriptors per datagram (below the kernel's `SCM_MAX_FD`).
@@ -272,7 +274,7 @@ pub enum Note {
         detached: bool,
         /// The target device's spec when it differs from the moving one's (another kind
         /// presenting the same device, another GPU): the successor is made one of it
-        /// ([`DeviceKind::adopt_successor`](switchyard_device::kind::DeviceKind::adopt_successor)).
+        /// ([`KindConfig::adopt_successor`](switchyard_device::kind::KindConfig::adopt_successor)).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         target: Option<DeviceSpec>,
     },
@@ -291,14 +293,10 @@ pub enum Note {
     Migration {
         /// A stream is open.
         streaming: bool,
-        /// The device's migration state now (`running`, `stop`, `pre_copy`, `stop_copy`,
-        /// `resuming`, `error`); absent from workers of earlier releases.
-        #[serde(default)]
-        state: Option<String>,
-        /// What changed it: `request` (the VMM's MIG_DEVICE_STATE), `reset` (DEVICE_RESET),
-        /// `client_gone` (the VMM went away); absent from workers of earlier releases.
-        #[serde(default)]
-        cause: Option<String>,
+        /// The device's migration state now and what changed it (`state`, `cause`, inline:
+        /// the `migration` event's own); absent from workers of earlier releases.
+        #[serde(flatten)]
+        change: Option<MigrationChange>,
     },
     /// What the worker served since its last report (worker → supervisor, every second
     /// while it serves; for the daemon's metrics).
@@ -351,21 +349,15 @@ pub enum Note {
     /// The device's backing is gone for good, e.g. the kernel took a passthrough device
     /// back (worker → supervisor): every access now fails with ENODEV and the client was
     /// told through its REQ eventfd.
-    DeviceLost {
-        /// What is lost: the device's host resource (a PCI address) or its description.
-        host: String,
-        /// What happened.
-        reason: String,
-    },
+    ///
+    /// `{"device_lost":{"host":..,"reason":..}}`, the `device_lost` event's own fields.
+    DeviceLost(LostDevice),
     /// The device found its board failed (worker → supervisor): the pool fails the endpoint
-    /// over when its policy says so.
-    BoardFailed {
-        /// What failed.
-        reason: String,
-        /// Whether the device's state outlived the failure (the black box and the memory
-        /// objects in custody can continue it elsewhere).
-        state_intact: bool,
-    },
+    /// over when its policy says so. Whether the device's state outlived the failure: the
+    /// black box and the memory objects in custody can continue it elsewhere.
+    ///
+    /// `{"board_failed":{"reason":..,"state_intact":..}}`, the pool's failure record.
+    BoardFailed(BoardFailure),
     /// The board failure the device reported will not be failed over (supervisor → worker:
     /// the pool refused it): the device tells its client now, as it would have without a
     /// pool ([`PciDevice::failure_unhandled`]).
@@ -449,10 +441,9 @@ pub enum Note {
     /// A replacement could not restore all of what the client had been told succeeded (a
     /// DMA window, an interrupt eventfd): it serves, but the client's state is not whole
     /// (worker → supervisor; the endpoint is reported degraded).
-    StateLost {
-        /// What was lost, one line each.
-        problems: Vec<String>,
-    },
+    ///
+    /// `{"state_lost":{"problems":[..]}}`, the `state_lost` event's own fields.
+    StateLost(LostState),
 }
 
 /// Errors on the channel.

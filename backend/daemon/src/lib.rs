@@ -8,6 +8,8 @@
 //! - [`worker`]: `switchyard worker`, the process that serves one endpoint (a softgpu, or a
 //!   passthrough device over `switchyard-vfio`).
 //! - [`custody`]: the channel between them.
+//! - [`lifecycle`]: what happens to a worker ([`WorkerLifecycle`]), one type from the
+//!   worker's note through the supervisor and the daemon to the events stream.
 //! - [`keeper`]: the worker's ledger of what it put in custody, offered to a new supervisor so
 //!   that a restarted daemon adopts its running workers.
 //! - [`app`]: `switchyard daemon`, the pool daemon around them: the pool's store, a worker per
@@ -25,10 +27,13 @@ pub mod custody;
 pub mod error_chain;
 pub mod keeper;
 pub mod knobs;
+pub mod lifecycle;
 pub mod reexec;
 pub mod supervisor;
 pub mod worker;
 
+pub use lifecycle::WorkerLifecycle;
 pub use supervisor::{
-    EndpointSpec, EventSink, MoveOutcome, Supervisor, SupervisorError, WorkerEvent, WorkerStatus,
+    EndpointSpec, EventSink, MoveOutcome, Supervisor, SupervisorError, WorkerEvent, WorkerSignal,
+    WorkerStatus,
 };

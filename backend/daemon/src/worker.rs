@@ -18,6 +18,7 @@ use switchyard_device::blackbox::BlackBox;
 use switchyard_device::kind::{
     BoardFailure, Build, FailedHook, KindError, LostHook, PENDING_SUFFIX, pending_object,
 };
+use switchyard_kinds::Configured;
 use switchyard_server::continuity::{self, Continuity};
 use switchyard_server::{DeviceSlot, DeviceSocket, MoveGuard, Server, ServerConfig};
 
@@ -25,6 +26,7 @@ use crate::custody::{
     self, BLACK_BOX_ID, CONNECTION_ID, DeviceSpec, LISTENER_ID, MoveReport, Note, StartMode,
 };
 use crate::keeper::{Keeper, KeeperCustody, adoption_path};
+use crate::lifecycle::{LostDevice, LostState, MigrationChange};
 
 /// Why a worker could not serve.
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +60,8 @@ struct Start {
     mode: StartMode,
     endpoint: String,
     socket: PathBuf,
-    device: DeviceSpec,
+    /// The device, configured by its kind: the one parse of its options in this worker.
+    device: Configured,
     held: BTreeMap<u64, OwnedFd>,
     objects: BTreeMap<String, OwnedFd>,
     adopt_dir: Option<PathBuf>,
@@ -90,11 +93,9 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 lease,
                 nonce,
             } => {
-                // A spec is checked where it is made; a worker checks it again (a note is
-                // only JSON).
-                let (device, _) = device
-                    .check()
-                    .map_err(|e| WorkerError::Device(e.to_string(), Box::new(e)))?;
+                // A spec is checked where it is made; a worker configures it (a note is only
+                // JSON), once: what builds, recovers and moves the device takes the result.
+                let device = configure(&device)?;
                 return Ok(Start {
                     mode,
                     endpoint,
@@ -115,17 +116,23 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
     }
 }
 
+/// Has the spec's kind parse and check its options: the worker's one parse of them.
+fn configure(spec: &DeviceSpec) -> Result<Configured, WorkerError> {
+    spec.configure()
+        .map_err(|e| WorkerError::Device(spec.to_string(), Box::new(e)))
+}
+
 /// Runs a worker on the custody channel `channel` (its standard input).
 ///
 /// One path for every device kind (`switchyard-kinds`): a fresh worker creates the black
-/// box with the kind's records, builds the device ([`DeviceKind::build`]) and puts the
+/// box with the kind's records, builds the device ([`KindConfig::build`]) and puts the
 /// memory objects it names ([`Recoverable`]) into custody; a replacement rebuilds the
 /// client's tables, then the device from the black box and those objects
-/// ([`DeviceKind::recover`]), and continues the connection (see
+/// ([`KindConfig::recover`]), and continues the connection (see
 /// [`Server::resume`]).
 ///
-/// [`DeviceKind::build`]: switchyard_device::kind::DeviceKind::build
-/// [`DeviceKind::recover`]: switchyard_device::kind::DeviceKind::recover
+/// [`KindConfig::build`]: switchyard_device::kind::KindConfig::build
+/// [`KindConfig::recover`]: switchyard_device::kind::KindConfig::recover
 /// [`Recoverable`]: switchyard_device::Recoverable
 pub fn run(
     channel: OwnedFd,
@@ -144,10 +151,7 @@ pub fn run_reexeced(
 ) -> Result<(), WorkerError> {
     let taken = crate::reexec::take_plan(plan)?;
     let p = taken.plan;
-    let (device, _) = p
-        .device
-        .check()
-        .map_err(|e| WorkerError::Device(e.to_string(), Box::new(e)))?;
+    let device = configure(&p.device)?;
     let start = Start {
         mode: StartMode::Resume,
         endpoint: p.endpoint,
@@ -172,7 +176,8 @@ fn serve(
     mut start: Start,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
 ) -> Result<(), WorkerError> {
-    let span = tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.kind);
+    let span =
+        tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.spec.kind);
     let _g = span.enter();
     let keeper = Arc::new(match channel {
         Some(channel) => Keeper::new(&start.endpoint, channel, &start.held, &start.objects)?,
@@ -207,32 +212,32 @@ fn serve(
     let mut config = server_config(start.socket.clone());
     config.fd_budget = start.fd_budget;
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
-    let spec = start.device.clone();
-    let kind = spec
-        .kind()
-        .map_err(|e| WorkerError::Device(spec.to_string(), Box::new(e)))?;
+    let Configured {
+        spec,
+        config: device,
+    } = &start.device;
     let custody = || Box::new(KeeperCustody(keeper.clone()));
     let lost: LostHook = {
         let k = keeper.clone();
-        let what = spec
-            .options
-            .get("host")
-            .and_then(|h| h.as_str())
-            .map_or_else(|| spec.to_string(), str::to_owned);
+        // What is lost: the host resource the device holds (a PCI address), else the spec.
+        let what = device
+            .profile()
+            .exclusive
+            .unwrap_or_else(|| spec.to_string());
         Arc::new(move |reason: String| {
-            k.notify(&Note::DeviceLost {
+            k.notify(&Note::DeviceLost(LostDevice {
                 host: what.clone(),
                 reason,
-            });
+            }));
         })
     };
     let failed: FailedHook = {
         let (k, failover) = (keeper.clone(), start.failover);
         Arc::new(move |failure: BoardFailure| {
-            k.notify(&Note::BoardFailed {
+            k.notify(&Note::BoardFailed(crate::lifecycle::BoardFailure {
                 reason: failure.reason,
                 state_intact: failure.state_intact,
-            });
+            }));
             failover
         })
     };
@@ -244,7 +249,7 @@ fn serve(
                 keeper.release(&[CONNECTION_ID]);
             }
             let mut records = Continuity::records(&config.limits);
-            records.extend(kind.black_box_records(&spec.options));
+            records.extend(device.black_box_records());
             let bb = BlackBox::create(&records)?;
             keeper.hold(&[BLACK_BOX_ID], &[bb.file().as_fd()])?;
             let continuity = Continuity::new(&bb, custody())?;
@@ -257,7 +262,7 @@ fn serve(
                     lost: Some(lost),
                     failed: Some(failed.clone()),
                 };
-                kind.build(&spec.options, build).map_err(device_error)
+                device.build(build).map_err(device_error)
             })?;
             (server, continuity, None, None)
         }
@@ -298,7 +303,7 @@ fn serve(
                         lost: Some(lost),
                         failed: Some(failed),
                     };
-                    kind.recover(&spec.options, build).map_err(device_error)
+                    device.recover(build).map_err(device_error)
                 },
             )?;
             report_lost_state(&keeper, &continuity, lost);
@@ -382,9 +387,9 @@ fn report_lost_state(
         tracing::error!(problem = %p, "could not restore all of the client's state");
     }
     continuity.forget(&lost);
-    keeper.notify(&Note::StateLost {
+    keeper.notify(&Note::StateLost(LostState {
         problems: lost.problems,
-    });
+    }));
 }
 
 /// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time,
@@ -501,17 +506,17 @@ fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
                 change.to,
                 MigState::PreCopy | MigState::StopCopy | MigState::Resuming
             );
+            let cause = match change.cause {
+                switchyard_server::MigCause::Request => "request",
+                switchyard_server::MigCause::Reset => "reset",
+                switchyard_server::MigCause::ClientGone => "client_gone",
+            };
             keeper.notify(&Note::Migration {
                 streaming,
-                state: Some(crate::custody::mig_state_name(change.to).to_owned()),
-                cause: Some(
-                    match change.cause {
-                        switchyard_server::MigCause::Request => "request",
-                        switchyard_server::MigCause::Reset => "reset",
-                        switchyard_server::MigCause::ClientGone => "client_gone",
-                    }
-                    .to_owned(),
-                ),
+                change: Some(MigrationChange {
+                    state: crate::custody::mig_state_name(change.to).to_owned(),
+                    cause: cause.to_owned(),
+                }),
             });
         },
     ));
@@ -625,15 +630,21 @@ fn relocate(
     detached: bool,
     target: Option<&DeviceSpec>,
 ) -> Result<MoveReport, MoveError> {
+    // The target's spec, configured before anything moves.
+    let target = target
+        .map(DeviceSpec::configure)
+        .transpose()
+        .map_err(|e| MoveError::Target(Box::new(e)))?;
     let moving = slot.begin_move()?;
     let mut pending = Vec::new();
     let mut targets = Vec::new();
     let adopt = |next: &mut dyn PciDevice| -> Result<(), MoveError> {
-        let Some(spec) = target else {
+        let Some(target) = &target else {
             return Ok(());
         };
-        let kind = spec.kind().map_err(|e| MoveError::Target(Box::new(e)))?;
-        kind.adopt_successor(&spec.options, next)
+        target
+            .config
+            .adopt_successor(next)
             .map_err(|e| MoveError::Target(Box::new(e)))
     };
     let result = move_in_slot(slot, &moving, detached, adopt, |objects| {

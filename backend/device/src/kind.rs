@@ -9,7 +9,8 @@
 //! Options travel in one canonical form, a JSON object ([`KindOptions`]): parsed from the
 //! command line's `k=v,...` ([`parse_kv`]), read from a pool board's TOML table, checked and
 //! completed by the kind ([`DeviceKind::check`]), and handed to the worker that builds the
-//! device.
+//! device, which has the kind parse them once ([`DeviceKind::configure`]) into the typed
+//! configuration ([`KindConfig`]) it builds, recovers and moves devices with.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -155,7 +156,7 @@ pub type FailedHook = Arc<dyn Fn(BoardFailure) -> bool + Send + Sync>;
 pub struct Build {
     /// The server's context (DMA windows, interrupts, the slot's memory objects).
     pub ctx: DeviceContext,
-    /// The worker's black box, whose records are [`DeviceKind::black_box_records`]: the
+    /// The worker's black box, whose records are [`KindConfig::black_box_records`]: the
     /// device mirrors what a replacement needs into it. `None` outside a worker.
     pub black_box: Option<Arc<BlackBox>>,
     /// Memory objects a supervisor held for the slot, by name (see
@@ -217,6 +218,11 @@ pub const PENDING_SUFFIX: &str = "@next";
 
 /// A kind of device: how to check its options, build one, and rebuild one in a replacement
 /// process.
+///
+/// A kind parses its options once ([`DeviceKind::configure`]): what is done with a device of
+/// them from then on (its black-box records, building it, recovering it, making a move's
+/// successor one of it) takes that typed, checked value ([`KindConfig`]), never the options
+/// again.
 pub trait DeviceKind: Send + Sync + 'static {
     /// The name (`serve --device NAME,...`, `model = "NAME"`): lowercase letters, digits, `-`.
     fn name(&self) -> &'static str;
@@ -227,10 +233,17 @@ pub trait DeviceKind: Send + Sync + 'static {
     /// The options, one per line (`name=VALUE  meaning (default)`), for `--help`.
     fn options_help(&self) -> &'static str;
 
-    /// Checks `options` and completes them with defaults: the canonical options (two equal
-    /// canonical forms build the same device) and the pool's view of such a device. The
-    /// error names the option at fault ([`KindError::field`]).
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError>;
+    /// Parses and checks `options`, completing them with defaults: the configuration of a
+    /// device of them. The error names the option at fault ([`KindError::field`]).
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError>;
+
+    /// Checks `options` and completes them with defaults ([`DeviceKind::configure`]): the
+    /// canonical options (two equal canonical forms build the same device) and the pool's
+    /// view of such a device.
+    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
+        let config = self.configure(options)?;
+        Ok((config.options(), config.profile()))
+    }
 
     /// Options for a partition of a board with `board` options: the partition's own `vram`
     /// and `queues` replace the board's. The default sets those two options.
@@ -249,39 +262,40 @@ pub trait DeviceKind: Send + Sync + 'static {
     fn probe(&self, _options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
         Ok(None)
     }
+}
 
-    /// The black-box records a device of these options mirrors into (empty: none).
-    fn black_box_records(&self, _options: &KindOptions) -> Vec<RecordSpec> {
+/// A device's configuration: its kind's options parsed and checked
+/// ([`DeviceKind::configure`]), and what builds, rebuilds and describes devices of it.
+pub trait KindConfig: Send + Sync + std::fmt::Debug {
+    /// The canonical options: two equal canonical forms build the same device, and
+    /// configuring them again gives this configuration.
+    fn options(&self) -> KindOptions;
+
+    /// What a pool needs to know about a device of this configuration.
+    fn profile(&self) -> Profile;
+
+    /// The black-box records a device of this configuration mirrors into (empty: none).
+    fn black_box_records(&self) -> Vec<RecordSpec> {
         Vec::new()
     }
 
-    /// Builds a fresh device of (checked) `options`.
-    fn build(&self, options: &KindOptions, build: Build) -> Result<Box<dyn PciDevice>, KindError>;
+    /// Builds a fresh device.
+    fn build(&self, build: Build) -> Result<Box<dyn PciDevice>, KindError>;
 
-    /// Makes `device`, the successor a move built on a board of this kind (by the moving
-    /// device's relocation, [`Relocation::successor`](crate::Relocation::successor)), a
-    /// device of these (checked) `options`, before it runs: e.g. attaches the target board's
-    /// GPU. A move between kinds that present the same device ([`Profile::presents`]) relies
-    /// on it. The default: nothing to do.
-    fn adopt_successor(
-        &self,
-        _options: &KindOptions,
-        _device: &mut dyn PciDevice,
-    ) -> Result<(), KindError> {
+    /// Makes `device`, the successor a move built on a board of this configuration (by the
+    /// moving device's relocation, [`Relocation::successor`](crate::Relocation::successor)),
+    /// a device of it, before it runs: e.g. attaches the target board's GPU. A move between
+    /// kinds that present the same device ([`Profile::presents`]) relies on it. The default:
+    /// nothing to do.
+    fn adopt_successor(&self, _device: &mut dyn PciDevice) -> Result<(), KindError> {
         Ok(())
     }
 
     /// Rebuilds, in a replacement process, the device a dead one served: its black box
     /// (`build.black_box`) and the memory objects its supervisor held (`build.objects`),
-    /// with the client's DMA windows and eventfds already in `build.ctx`. The default: no
-    /// recovery ([`KindError::NoRecovery`]; the supervisor starts a fresh device).
-    fn recover(
-        &self,
-        _options: &KindOptions,
-        _build: Build,
-    ) -> Result<Box<dyn PciDevice>, KindError> {
-        Err(KindError::NoRecovery(self.name()))
-    }
+    /// with the client's DMA windows and eventfds already in `build.ctx`. A kind that
+    /// cannot answers [`KindError::NoRecovery`] (the supervisor starts a fresh device).
+    fn recover(&self, build: Build) -> Result<Box<dyn PciDevice>, KindError>;
 }
 
 impl std::fmt::Debug for dyn DeviceKind {

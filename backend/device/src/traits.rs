@@ -18,7 +18,7 @@
 //!
 //! | group | what the worker does with it |
 //! |---|---|
-//! | [`Recoverable`] | names the memory objects a replacement process must be handed (the device mirrors the rest into its black box; [`DeviceKind::recover`](crate::kind::DeviceKind::recover) rebuilds it) |
+//! | [`Recoverable`] | names the memory objects a replacement process must be handed (the device mirrors the rest into its black box; [`KindConfig::recover`](crate::kind::KindConfig::recover) rebuilds it) |
 //! | [`Relocatable`] | moves the device onto new memory under its client (a pool's move to another board): pre-copy rounds, a parked successor, the slot's swap |
 //! | [`Telemetry`] | work counters for the daemon's metrics |
 
@@ -259,7 +259,7 @@ pub trait IrqRouter: Send {
     fn route(&mut self, index: u32, start: u32, fds: &[Option<&File>]) -> Result<()>;
 }
 
-/// A device a replacement process can rebuild ([`DeviceKind::recover`](crate::kind::DeviceKind::recover)):
+/// A device a replacement process can rebuild ([`KindConfig::recover`](crate::kind::KindConfig::recover)):
 /// its state is mirrored into the worker's black box, and the memory objects the client maps
 /// (which a replacement must serve again, the very same files) are named here for custody.
 pub trait Recoverable {

@@ -9,7 +9,9 @@
 #![warn(missing_docs)]
 
 use serde::{Deserialize, Serialize};
-use switchyard_device::kind::{DeviceKind, KindCatalog, KindError, KindOptions, Profile, parse_kv};
+use switchyard_device::kind::{
+    DeviceKind, KindCatalog, KindConfig, KindError, KindOptions, Profile, parse_kv,
+};
 
 /// Every kind, in the order help texts list them.
 pub static KINDS: &[&dyn DeviceKind] = &[
@@ -79,24 +81,23 @@ pub struct DeviceSpec {
     pub options: KindOptions,
 }
 
+/// A spec its kind has parsed and checked, once ([`DeviceSpec::configure`]): the canonical
+/// spec and the typed configuration that builds, recovers and moves its devices, so that
+/// nothing parses the options again.
+#[derive(Debug)]
+pub struct Configured {
+    /// The spec, canonical.
+    pub spec: DeviceSpec,
+    /// The kind's configuration of it.
+    pub config: Box<dyn KindConfig>,
+}
+
 impl DeviceSpec {
     /// Checks `options` for `kind`: the spec (canonical options) and the pool's profile.
     pub fn new(kind: &str, options: &KindOptions) -> Result<(DeviceSpec, Profile), SpecError> {
-        let k = get(kind).ok_or_else(|| SpecError::UnknownKind {
-            kind: kind.to_owned(),
-            known: names(),
-        })?;
-        let (options, profile) = k.check(options).map_err(|source| SpecError::Options {
-            kind: k.name(),
-            source,
-        })?;
-        Ok((
-            DeviceSpec {
-                kind: k.name().to_owned(),
-                options,
-            },
-            profile,
-        ))
+        let c = Self::configure_as(kind, options)?;
+        let profile = c.config.profile();
+        Ok((c.spec, profile))
     }
 
     /// Parses the command line's `KIND[,name=value...]`.
@@ -107,21 +108,29 @@ impl DeviceSpec {
             kind: get(kind).map_or("device", |k| k.name()),
             source,
         })?;
-        Ok(Self::new(kind, &options)?.0)
+        Ok(Self::configure_as(kind, &options)?.spec)
     }
 
-    /// The kind (checked when the spec was made; a spec decoded from elsewhere may name a
-    /// kind this build does not have).
-    pub fn kind(&self) -> Result<&'static dyn DeviceKind, SpecError> {
-        get(&self.kind).ok_or_else(|| SpecError::UnknownKind {
-            kind: self.kind.clone(),
+    /// Has the kind parse and check the options of a spec (one made here, or decoded from
+    /// elsewhere: a custody note, a store): the configuration a device of it is built with.
+    pub fn configure(&self) -> Result<Configured, SpecError> {
+        Self::configure_as(&self.kind, &self.options)
+    }
+
+    fn configure_as(kind: &str, options: &KindOptions) -> Result<Configured, SpecError> {
+        let k = get(kind).ok_or_else(|| SpecError::UnknownKind {
+            kind: kind.to_owned(),
             known: names(),
-        })
-    }
-
-    /// Re-checks a spec decoded from elsewhere (a custody note, a store).
-    pub fn check(&self) -> Result<(DeviceSpec, Profile), SpecError> {
-        Self::new(&self.kind, &self.options)
+        })?;
+        let config = k.configure(options).map_err(|source| SpecError::Options {
+            kind: k.name(),
+            source,
+        })?;
+        let spec = DeviceSpec {
+            kind: k.name().to_owned(),
+            options: config.options(),
+        };
+        Ok(Configured { spec, config })
     }
 }
 
@@ -202,6 +211,6 @@ mod tests {
         assert_eq!(spec.options["host"], "0000:00:04.0");
         let json = serde_json::to_string(&spec).expect("encodes");
         let back: DeviceSpec = serde_json::from_str(&json).expect("decodes");
-        assert_eq!(back.check().expect("checks").0, spec);
+        assert_eq!(back.configure().expect("configures").spec, spec);
     }
 }

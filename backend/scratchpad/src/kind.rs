@@ -4,7 +4,7 @@
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindError, KindOptions, Profile, opt, pending_object,
+    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
 };
 
 use crate::device::check_size;
@@ -50,10 +50,34 @@ impl DeviceKind for ScratchpadKind {
         "size=SIZE  RAM, a power of two from 4K to 64M (1M)"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
-        let size = Self::size(options)?;
-        let profile = Profile {
-            vram: size,
+    /// The options parsed once: what builds, recovers and describes the devices.
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
+        Ok(Box::new(ScratchpadConfig {
+            size: Self::size(options)?,
+        }))
+    }
+
+    /// Not partitionable ([`Profile::partitionable`] is false): a board is one device.
+    fn partition(&self, board: &KindOptions, _vram: u64, _queues: u32) -> KindOptions {
+        board.clone()
+    }
+}
+
+/// A scratchpad's configuration ([`ScratchpadKind`]'s options, checked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScratchpadConfig {
+    /// Its RAM, bytes.
+    pub size: u64,
+}
+
+impl KindConfig for ScratchpadConfig {
+    fn options(&self) -> KindOptions {
+        ScratchpadKind::options(self.size)
+    }
+
+    fn profile(&self) -> Profile {
+        Profile {
+            vram: self.size,
             queues: 0,
             partitionable: false,
             movable: true,
@@ -63,24 +87,17 @@ impl DeviceKind for ScratchpadKind {
             host_settings: Vec::new(),
             client_maps_memory: false,
             presents: None,
-        };
-        Ok((Self::options(size), profile))
+        }
     }
 
-    /// Not partitionable ([`Profile::partitionable`] is false): a board is one device.
-    fn partition(&self, board: &KindOptions, _vram: u64, _queues: u32) -> KindOptions {
-        board.clone()
-    }
-
-    fn black_box_records(&self, _options: &KindOptions) -> Vec<RecordSpec> {
+    fn black_box_records(&self) -> Vec<RecordSpec> {
         Scratchpad::black_box_records()
     }
 
-    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        let size = Self::size(options)?;
+    fn build(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
         let pad = match &b.black_box {
-            Some(bb) => Scratchpad::with_black_box(size, b.ctx, bb),
-            None => Scratchpad::new(size, b.ctx),
+            Some(bb) => Scratchpad::with_black_box(self.size, b.ctx, bb),
+            None => Scratchpad::new(self.size, b.ctx),
         }
         .map_err(build_error)?;
         Ok(Box::new(pad))
@@ -88,12 +105,7 @@ impl DeviceKind for ScratchpadKind {
 
     /// A worker that died during a move leaves two RAMs in custody, the current one and
     /// the move's target (pending): the black box says which one the device ran on.
-    fn recover(
-        &self,
-        options: &KindOptions,
-        mut b: Build,
-    ) -> Result<Box<dyn PciDevice>, KindError> {
-        let size = Self::size(options)?;
+    fn recover(&self, mut b: Build) -> Result<Box<dyn PciDevice>, KindError> {
         let bb = b
             .black_box
             .clone()
@@ -107,7 +119,7 @@ impl DeviceKind for ScratchpadKind {
             .is_some_and(|p| p == saved);
         let ram = if moved { pending } else { current }
             .ok_or_else(|| KindError::MissingObject(RAM_OBJECT.into()))?;
-        let pad = Scratchpad::recover(size, b.ctx, &bb, ram).map_err(build_error)?;
+        let pad = Scratchpad::recover(self.size, b.ctx, &bb, ram).map_err(build_error)?;
         tracing::info!(moved, "scratchpad recovered");
         Ok(Box::new(pad))
     }

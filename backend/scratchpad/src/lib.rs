@@ -41,12 +41,14 @@
 //!
 //! - **The kind** ([`ScratchpadKind`], module `kind`): a
 //!   [`DeviceKind`](switchyard_device::kind::DeviceKind). Its options arrive as one JSON
-//!   object from the command line (`size=64K`) or a pool board's TOML table; `check` reads
-//!   them with the `opt` readers, refuses unknown ones (`opt::only`), returns the canonical
-//!   form (every option spelled out, so two equal forms build the same device) and the
-//!   pool's [`Profile`](switchyard_device::kind::Profile) of such a device (its memory, that
-//!   it can move, where dirty pages come from). `build` makes a fresh device; `recover`
-//!   rebuilds one in a replacement process.
+//!   object from the command line (`size=64K`) or a pool board's TOML table; `configure`
+//!   reads them once with the `opt` readers, refuses unknown ones (`opt::only`) and returns
+//!   the typed configuration ([`ScratchpadConfig`], a
+//!   [`KindConfig`](switchyard_device::kind::KindConfig)) that everything else takes: its
+//!   canonical form (every option spelled out, so two equal forms build the same device),
+//!   the pool's [`Profile`](switchyard_device::kind::Profile) of such a device (its memory,
+//!   that it can move, where dirty pages come from), `build` (a fresh device) and `recover`
+//!   (rebuilds one in a replacement process).
 //! - **The core** ([`Scratchpad`]'s [`PciDevice`](switchyard_device::PciDevice)): the
 //!   [`DeviceDescription`](switchyard_device::DeviceDescription) (regions, interrupt
 //!   indexes), region reads and writes, reset. The config space is a
@@ -58,7 +60,7 @@
 //!   device publishes what a replacement needs into a record of the worker's black box
 //!   ([`STATE_RECORD`]: `ACCUM`, the config space and which RAM it runs on) *before* the
 //!   change is visible, and names the memory the replacement must serve again
-//!   (`held_objects`: the RAM memfd), which the daemon keeps. `DeviceKind::recover` reads
+//!   (`held_objects`: the RAM memfd), which the daemon keeps. `KindConfig::recover` reads
 //!   the record, takes the held RAM and carries on.
 //! - **Relocation** ([`Relocatable`](switchyard_device::Relocatable) and
 //!   [`Swappable`](switchyard_device::Swappable) with
@@ -74,7 +76,8 @@
 //!   errors).
 //!
 //! A kind that cannot do one of these leaves the group out (its `PciDevice` method returns
-//! `None`): a kind without `recover` is started afresh when its worker dies, one without
+//! `None`): a kind whose `recover` answers `NoRecovery` is started afresh when its worker
+//! dies, one without
 //! `Relocatable` says `movable: false` in its profile and the pool never moves it.
 
 #![forbid(unsafe_code)]
@@ -91,7 +94,7 @@ mod relocate;
 mod tests;
 
 pub use device::Scratchpad;
-pub use kind::ScratchpadKind;
+pub use kind::{ScratchpadConfig, ScratchpadKind};
 pub use ram::RamIdentity;
 
 /// The slot's memory object holding the RAM (BAR2's backing, a sealed memfd).

@@ -23,14 +23,17 @@ fn options(s: &str) -> KindOptions {
 }
 
 fn build(s: &str, c: DeviceContext, bb: Option<&Arc<BlackBox>>) -> Box<dyn PciDevice> {
-    let (o, _) = ScratchpadKind.check(&options(s)).expect("valid");
+    let o = ScratchpadKind.configure(&options(s)).expect("valid");
     let mut b = Build::new(c);
     b.black_box = bb.cloned();
-    ScratchpadKind.build(&o, b).expect("builds")
+    o.build(b).expect("builds")
 }
 
 fn black_box() -> Arc<BlackBox> {
-    BlackBox::create(&ScratchpadKind.black_box_records(&KindOptions::new())).expect("black box")
+    let config = ScratchpadKind
+        .configure(&KindOptions::new())
+        .expect("valid");
+    BlackBox::create(&config.black_box_records()).expect("black box")
 }
 
 fn read64(d: &mut dyn PciDevice, region: u32, offset: u64) -> u64 {
@@ -449,8 +452,10 @@ fn a_replacement_recovers_from_the_black_box_and_the_held_ram() {
     let mut b = Build::new(slot.clone());
     b.black_box = Some(bb.clone());
     b.objects = held.into_iter().collect();
-    let (o, _) = ScratchpadKind.check(&options("size=32K")).expect("valid");
-    let mut r = ScratchpadKind.recover(&o, b).expect("recovers");
+    let o = ScratchpadKind
+        .configure(&options("size=32K"))
+        .expect("valid");
+    let mut r = o.recover(b).expect("recovers");
     assert_eq!(read64(&mut *r, BAR_REGS, REG_ACCUM), 77);
     assert_eq!(ram(&mut *r, size), before);
     let mut cfg = [0u8; 4];
@@ -476,20 +481,18 @@ fn a_replacement_recovers_from_the_black_box_and_the_held_ram() {
         .into_iter()
         .collect();
     drop(r);
-    let mut again = ScratchpadKind.recover(&o, b).expect("recovers again");
+    let mut again = o.recover(b).expect("recovers again");
     assert_eq!(read64(&mut *again, BAR_REGS, REG_ACCUM), 78);
 
     // What a recovery refuses: no black box, no RAM, another RAM, another size.
-    let e = ScratchpadKind
-        .recover(&o, Build::new(ctx()))
-        .expect_err("no black box");
+    let e = o.recover(Build::new(ctx())).expect_err("no black box");
     assert!(
         matches!(e, switchyard_device::kind::KindError::NoRecovery(_)),
         "{e}"
     );
     let mut b = Build::new(ctx());
     b.black_box = Some(bb.clone());
-    let e = ScratchpadKind.recover(&o, b).expect_err("no RAM");
+    let e = o.recover(b).expect_err("no RAM");
     assert!(e.to_string().contains(RAM_OBJECT), "{e}");
     let stranger = ram::Ram::create(size).expect("a RAM");
     let mut b = Build::new(ctx());
@@ -498,9 +501,11 @@ fn a_replacement_recovers_from_the_black_box_and_the_held_ram() {
         RAM_OBJECT.to_owned(),
         stranger.file().try_clone().expect("dup"),
     )]);
-    let e = ScratchpadKind.recover(&o, b).expect_err("another RAM");
+    let e = o.recover(b).expect_err("another RAM");
     assert!(format!("{:?}", e).contains("RamMismatch"), "{e:?}");
-    let (big, _) = ScratchpadKind.check(&options("size=64K")).expect("valid");
+    let big = ScratchpadKind
+        .configure(&options("size=64K"))
+        .expect("valid");
     let mut b = Build::new(ctx());
     b.black_box = Some(bb.clone());
     b.objects = again
@@ -510,7 +515,7 @@ fn a_replacement_recovers_from_the_black_box_and_the_held_ram() {
         .expect("held")
         .into_iter()
         .collect();
-    assert!(ScratchpadKind.recover(&big, b).is_err(), "another size");
+    assert!(big.recover(b).is_err(), "another size");
     // A black box nothing was published into.
     let mut b = Build::new(ctx());
     b.black_box = Some(black_box());
@@ -521,7 +526,7 @@ fn a_replacement_recovers_from_the_black_box_and_the_held_ram() {
         .expect("held")
         .into_iter()
         .collect();
-    let e = ScratchpadKind.recover(&o, b).expect_err("no state");
+    let e = o.recover(b).expect_err("no state");
     assert!(format!("{e:?}").contains("NoState"), "{e:?}");
 }
 
@@ -530,7 +535,9 @@ fn a_replacement_recovers_from_the_black_box_and_the_held_ram() {
 #[test]
 fn a_replacement_picks_the_pending_ram_only_when_the_device_ran_on_it() {
     let size = 16u64 << 10;
-    let (o, _) = ScratchpadKind.check(&options("size=16K")).expect("valid");
+    let o = ScratchpadKind
+        .configure(&options("size=16K"))
+        .expect("valid");
     let recover = |bb: &Arc<BlackBox>, current: &std::fs::File, pending: &std::fs::File| {
         let mut b = Build::new(ctx());
         b.black_box = Some(bb.clone());
@@ -541,7 +548,7 @@ fn a_replacement_picks_the_pending_ram_only_when_the_device_ran_on_it() {
                 pending.try_clone().expect("dup"),
             ),
         ]);
-        ScratchpadKind.recover(&o, b).expect("recovers")
+        o.recover(b).expect("recovers")
     };
 
     // Killed during the rounds: the device still ran on the current RAM.

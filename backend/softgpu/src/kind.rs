@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindError, KindOptions, Profile, opt, pending_object,
+    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
 };
 use switchyard_device::{
     DeviceContext, DeviceError, PciDevice, Recoverable, Relocatable, Relocation, RelocationStats,
@@ -22,7 +22,8 @@ pub struct SoftGpuKind;
 const OPTIONS: &[&str] = &["vram", "queues", "irq", "vram_mmap", "vram_reset", "spin"];
 
 impl SoftGpuKind {
-    /// The configuration `options` (as [`DeviceKind::check`] accepts them) describe.
+    /// The configuration `options` (as [`DeviceKind::check`] accepts them) describe: what
+    /// [`DeviceKind::configure`] makes of them.
     pub fn config(options: &KindOptions) -> Result<SoftGpuConfig, KindError> {
         opt::only(options, OPTIONS)?;
         let mut c = SoftGpuConfig::default();
@@ -116,40 +117,47 @@ impl DeviceKind for SoftGpuKind {
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
-        let c = Self::config(options)?;
-        let profile = Profile {
-            vram: c.vram_size,
-            queues: c.queues,
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
+        Ok(Box::new(Self::config(options)?))
+    }
+}
+
+/// A softgpu's configuration is its kind's: what [`SoftGpuKind::config`] parses.
+impl KindConfig for SoftGpuConfig {
+    fn options(&self) -> KindOptions {
+        SoftGpuKind::options(self)
+    }
+
+    fn profile(&self) -> Profile {
+        Profile {
+            vram: self.vram_size,
+            queues: self.queues,
             partitionable: true,
             movable: true,
-            msix: c.irq == IrqMode::Msix,
+            msix: self.irq == IrqMode::Msix,
             dirty_log: DirtyLog::DeviceLog,
             exclusive: None,
             host_settings: vec!["spin".into()],
-            client_maps_memory: c.vram_mmap,
+            client_maps_memory: self.vram_mmap,
             presents: Some("softgpu".into()),
-        };
-        Ok((Self::options(&c), profile))
+        }
     }
 
-    fn black_box_records(&self, options: &KindOptions) -> Vec<RecordSpec> {
-        Self::config(options)
-            .map(|c| SoftGpu::black_box_records(&c))
-            .unwrap_or_default()
+    fn black_box_records(&self) -> Vec<RecordSpec> {
+        SoftGpu::black_box_records(self)
     }
 
-    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Ok(Box::new(Self::build_device(Self::config(options)?, b)?))
+    fn build(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Ok(Box::new(SoftGpuKind::build_device(*self, b)?))
     }
 
-    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Ok(Box::new(Self::recover_device(Self::config(options)?, b)?))
+    fn recover(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Ok(Box::new(SoftGpuKind::recover_device(*self, b)?))
     }
 }
 
 impl SoftGpuKind {
-    /// [`DeviceKind::build`] of a device of `c` (for kinds built on the softgpu's device,
+    /// [`KindConfig::build`] of a device of `c` (for kinds built on the softgpu's device,
     /// such as the `cuda` board's).
     pub fn build_device(c: SoftGpuConfig, b: Build) -> Result<SoftGpu, KindError> {
         let gpu = match &b.black_box {
@@ -160,7 +168,7 @@ impl SoftGpuKind {
         Ok(gpu.with_failure_hook(b.failed))
     }
 
-    /// [`DeviceKind::recover`] of a device of `c`. Two VRAMs are held when the last worker
+    /// [`KindConfig::recover`] of a device of `c`. Two VRAMs are held when the last worker
     /// died during a move (the target as pending): the black box says which one the device
     /// ran on.
     pub fn recover_device(c: SoftGpuConfig, mut b: Build) -> Result<SoftGpu, KindError> {

@@ -325,11 +325,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.dirty_log_budget = args.dirty_log_budget;
     config.dirty_log = args.dirty_log;
     let spec = args.device;
-    let kind = spec.kind()?;
+    let device = spec.configure()?;
     let span = tracing::info_span!("device", model = %spec.kind, socket = %args.socket.display());
     let _g = span.enter();
     tracing::info!(device = %spec, "starting the device");
-    let server = Server::new_boxed(config, |ctx| kind.build(&spec.options, Build::new(ctx)));
+    let server = Server::new_boxed(config, |ctx| device.config.build(Build::new(ctx)));
     let mut server =
         server.with_context(|| format!("cannot serve on {}", args.socket.display()))?;
     let stop = server.stop_handle();

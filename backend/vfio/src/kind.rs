@@ -2,7 +2,7 @@
 //!
 //! Its state is in the hardware, so a replacement process recovers it by *reset + replay*:
 //! the device publishes the client's configuration (config-space bits, the MSI-X table) into
-//! the black box after every change, and [`VfioKind::recover`](DeviceKind::recover) opens
+//! the black box after every change, and its [`KindConfig::recover`] opens
 //! the device again (the kernel reset it when the dead process's descriptors closed) and
 //! replays it. The client's DMA windows and eventfds reach the new IOMMU container and the
 //! kernel through the device's DMA observer and interrupt router, which the server feeds
@@ -12,7 +12,7 @@ use std::fs::File;
 
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, Host, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
 };
 use switchyard_device::{DeviceError, PciDevice, Recoverable};
 
@@ -26,7 +26,7 @@ pub struct VfioKind;
 const RECORD: &str = "vfio.config";
 
 impl VfioKind {
-    /// The configuration `options` describe.
+    /// The configuration `options` describe: what [`DeviceKind::configure`] makes of them.
     pub fn config(options: &KindOptions) -> Result<VfioConfig, KindError> {
         opt::only(options, &["host", "bars", "irq"])?;
         let host = opt::str(options, "host")?
@@ -85,9 +85,8 @@ impl VfioKind {
         o
     }
 
-    fn open(options: &KindOptions, b: &Build, replay: bool) -> Result<VfioPci, KindError> {
-        let c = Self::config(options)?;
-        let mut device = VfioPci::open(&c).map_err(|e| KindError::build("vfio", e))?;
+    fn open(c: &VfioConfig, b: &Build, replay: bool) -> Result<VfioPci, KindError> {
+        let mut device = VfioPci::open(c).map_err(|e| KindError::build("vfio", e))?;
         if let Some(bb) = &b.black_box {
             let mirror = bb.record(RECORD).map_err(|e| KindError::build("vfio", e))?;
             if replay {
@@ -130,24 +129,8 @@ impl DeviceKind for VfioKind {
          irq=direct|relay    interrupts handed to the kernel, or relayed by a thread (direct)"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
-        let c = Self::config(options)?;
-        let profile = Profile {
-            // The hardware's business: requirements on VRAM or queues never pick one.
-            vram: 0,
-            queues: 0,
-            partitionable: false,
-            movable: false,
-            // What the hardware has, when its config space can be read (as root); else
-            // assumed, which only refuses guest-visible unplugs it might not need to.
-            msix: sysfs::has_msix(&Host::default().sysfs, &c.host).unwrap_or(true),
-            dirty_log: DirtyLog::AllMapped,
-            exclusive: Some(c.host.clone()),
-            host_settings: vec!["irq".into()],
-            client_maps_memory: false,
-            presents: None,
-        };
-        Ok((Self::options(&c), profile))
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
+        Ok(Box::new(Self::config(options)?))
     }
 
     fn partition(&self, board: &KindOptions, _vram: u64, _queues: u32) -> KindOptions {
@@ -177,20 +160,45 @@ impl DeviceKind for VfioKind {
         );
         Ok(Some(format!("{:04x}:{:04x}", f.vendor, f.device)))
     }
+}
 
-    fn black_box_records(&self, _options: &KindOptions) -> Vec<RecordSpec> {
+/// A passthrough device's configuration is what opens it.
+impl KindConfig for VfioConfig {
+    fn options(&self) -> KindOptions {
+        VfioKind::options(self)
+    }
+
+    fn profile(&self) -> Profile {
+        Profile {
+            // The hardware's business: requirements on VRAM or queues never pick one.
+            vram: 0,
+            queues: 0,
+            partitionable: false,
+            movable: false,
+            // What the hardware has, when its config space can be read (as root); else
+            // assumed, which only refuses guest-visible unplugs it might not need to.
+            msix: sysfs::has_msix(&Host::default().sysfs, &self.host).unwrap_or(true),
+            dirty_log: DirtyLog::AllMapped,
+            exclusive: Some(self.host.clone()),
+            host_settings: vec!["irq".into()],
+            client_maps_memory: false,
+            presents: None,
+        }
+    }
+
+    fn black_box_records(&self) -> Vec<RecordSpec> {
         vec![RecordSpec::new(RECORD, VfioPci::MIRROR_CAPACITY)]
     }
 
-    fn build(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Ok(Box::new(Self::open(options, &b, false)?))
+    fn build(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Ok(Box::new(VfioKind::open(self, &b, false)?))
     }
 
-    fn recover(&self, options: &KindOptions, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
+    fn recover(&self, b: Build) -> Result<Box<dyn PciDevice>, KindError> {
         if b.black_box.is_none() {
             return Err(KindError::NoRecovery("vfio"));
         }
-        Ok(Box::new(Self::open(options, &b, true)?))
+        Ok(Box::new(VfioKind::open(self, &b, true)?))
     }
 }
 

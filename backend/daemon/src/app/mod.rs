@@ -31,6 +31,7 @@ pub mod events;
 mod owner;
 mod paths;
 mod pending;
+mod reactions;
 pub mod records;
 mod stats;
 mod store;
@@ -51,7 +52,7 @@ pub(crate) use crate::blocking::{Held, lock};
 
 use crate::custody::device_spec;
 use crate::supervisor::{EndpointSpec, Supervisor, SupervisorError};
-use events::{EventStream, WorkerLifecycle};
+use events::EventStream;
 pub use paths::PathProblem;
 use records::WorkerRecords;
 
@@ -403,79 +404,14 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let this: Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>> = Arc::default();
     let migrations =
         api::incoming::follow_migrations(this.clone()).map_err(DaemonError::Runtime)?;
-    let sink = {
-        let (events, metrics, records) = (events.clone(), metrics.clone(), records.clone());
-        let this = this.clone();
-        Arc::new(move |e: crate::WorkerEvent| {
-            match &e {
-                crate::WorkerEvent::Migration {
-                    endpoint,
-                    state,
-                    cause,
-                    ..
-                } => {
-                    let change = (endpoint.clone(), state.clone(), cause.clone());
-                    let _ = lock(&migrations).send(change);
-                }
-                crate::WorkerEvent::Exited { endpoint, .. } => {
-                    let change = (endpoint.clone(), "exited".into(), String::new());
-                    let _ = lock(&migrations).send(change);
-                }
-                crate::WorkerEvent::Stats { endpoint, stats } => {
-                    // From the inventory's snapshot: never waits for the pool's owner.
-                    let board = this.get().and_then(std::sync::Weak::upgrade).and_then(|d| {
-                        let inventory = d.inventory();
-                        let device = inventory.endpoint(endpoint)?.device.clone()?;
-                        Some(inventory.device(&device)?.board)
-                    });
-                    stats::record(&metrics, endpoint, board.as_deref(), stats);
-                }
-                crate::WorkerEvent::Started {
-                    endpoint,
-                    pid,
-                    nonce,
-                    ..
-                } => records.write(endpoint, *pid, nonce),
-                crate::WorkerEvent::DeviceLost {
-                    endpoint,
-                    lease,
-                    host,
-                    reason,
-                } => board_failed(&this, endpoint, lease, format!("{host}: {reason}"), false),
-                crate::WorkerEvent::BoardFailed {
-                    endpoint,
-                    lease,
-                    reason,
-                    state_intact,
-                } => board_failed(&this, endpoint, lease, reason.clone(), *state_intact),
-                crate::WorkerEvent::Ready {
-                    endpoint,
-                    restart: Some(stall),
-                    ..
-                } => {
-                    metrics.endpoint_restarted();
-                    metrics.endpoint(endpoint).restarted(Some(*stall));
-                }
-                crate::WorkerEvent::StateLost { endpoint, .. } => {
-                    metrics.endpoint(endpoint).state_lost();
-                }
-                crate::WorkerEvent::Reset { endpoint, .. } => metrics.endpoint(endpoint).reset(),
-                crate::WorkerEvent::AdoptedMoveEnded { endpoint } => {
-                    // Off the supervision thread, as for a lost device.
-                    let (this, endpoint) = (this.clone(), endpoint.clone());
-                    std::thread::spawn(move || {
-                        if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
-                            d.adopted_move_ended(&endpoint);
-                        }
-                    });
-                }
-                _ => {}
-            }
-            if let Some(e) = WorkerLifecycle::of(e) {
-                events.worker(e);
-            }
-        })
-    };
+    let sink = reactions::Reactions {
+        events: events.clone(),
+        metrics: metrics.clone(),
+        records: records.clone(),
+        daemon: this.clone(),
+        migrations,
+    }
+    .into_sink();
     let control = ControlSocket::bind(&d.control_socket)?;
     access
         .apply(&d.control_socket)
@@ -558,26 +494,6 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         );
     }
     result
-}
-
-/// An endpoint's device reported its board failed (a passthrough device lost, an engine
-/// dead...): the daemon records it and fails the board's endpoints over, off the supervision
-/// thread (which must go on reading the worker's notes). `lease`: the device the reporting
-/// worker ran, whose board failed.
-fn board_failed(
-    this: &Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>>,
-    endpoint: &str,
-    lease: &Option<String>,
-    reason: String,
-    state_intact: bool,
-) {
-    if let Some(d) = this.get().and_then(std::sync::Weak::upgrade) {
-        let failure = switchyard_pool::BoardFailure {
-            reason,
-            state_intact,
-        };
-        d.board_failure_reported(endpoint, lease.clone(), failure);
-    }
 }
 
 impl Daemon {

@@ -5,7 +5,7 @@
 //! move to the planned target is committed, anything else aborted (the device runs where
 //! it was). A worker that was still moving when adopted (past
 //! [`ADOPT_MOVE_WAIT`](crate::keeper::ADOPT_MOVE_WAIT)) leaves the move pending until its
-//! outcome arrives ([`WorkerEvent::AdoptedMoveEnded`](crate::WorkerEvent::AdoptedMoveEnded)).
+//! outcome arrives ([`WorkerSignal::AdoptedMoveEnded`](crate::WorkerSignal::AdoptedMoveEnded)).
 
 use std::time::Duration;
 
@@ -98,7 +98,7 @@ impl Daemon {
     }
 
     /// The move an adopted worker was still running when adopted has ended
-    /// ([`WorkerEvent::AdoptedMoveEnded`](crate::WorkerEvent::AdoptedMoveEnded)): settles the
+    /// ([`WorkerSignal::AdoptedMoveEnded`](crate::WorkerSignal::AdoptedMoveEnded)): settles the
     /// move the store still has in progress for `endpoint` by what the worker said.
     pub(super) fn adopted_move_ended(&self, endpoint: &str) {
         self.settle_pending_move(endpoint, &Served::Adopted);

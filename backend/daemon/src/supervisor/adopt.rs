@@ -1,8 +1,7 @@
 //! Adoption: a later daemon's supervisor takes over a running worker from its adoption
 //! socket, with everything it holds, and supervises it until it dies.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 
 use switchyard_server::DeviceSocket;
 
@@ -95,12 +94,6 @@ impl Supervisor {
             tracing::info!(endpoint = spec.id, pid, last_move = ?m, "the adopted worker's last move");
         }
         let ep = Arc::new(Endpoint {
-            spec: spec.clone(),
-            device: Mutex::new(None),
-            next_lease: Mutex::new(None),
-            fault: Mutex::new(None),
-            fault_answered: Condvar::new(),
-            socket,
             status: Mutex::new(WorkerStatus {
                 pid: Some(pid),
                 // The count goes on from the last daemon's: the worker has been ready.
@@ -117,16 +110,10 @@ impl Supervisor {
             held: Mutex::new(held),
             objects: Mutex::new(objects),
             replacement: Mutex::new(replacement),
-            changed: Condvar::new(),
-            stopping: AtomicBool::new(false),
-            generation: AtomicU64::new(0),
-            reexec_asked: AtomicU64::new(0),
-            reexec_taken: AtomicU64::new(0),
             channel: Mutex::new(channel.try_clone().ok()),
             mv: Mutex::new(mv),
-            mv_changed: Condvar::new(),
             adopted_move: Mutex::new(last_move),
-            thread: Mutex::new(None),
+            ..Endpoint::new(spec.clone(), socket)
         });
         let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
         let adopt_dir = self.adopt_dir.clone();

@@ -14,7 +14,7 @@ const REEXEC_WAIT: Duration = Duration::from_secs(5);
 impl Supervisor {
     /// Asks the endpoint's worker to simulate the board fault `kind` and waits (up to
     /// `timeout`) for its answer. The failure is then detected and reported as a real one
-    /// ([`super::WorkerEvent::BoardFailed`]).
+    /// ([`super::WorkerSignal::BoardFailed`]).
     ///
     /// `lease`: the device the fault is meant for; refused unless the current worker serves
     /// it (a failover or move may have put the endpoint on another board since the caller

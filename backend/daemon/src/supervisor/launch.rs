@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 use switchyard_server::DeviceSocket;
 
 use crate::custody::{self, CONNECTION_ID, LISTENER_ID, Note, StartMode, WorkerNonce};
+use crate::lifecycle::WorkerLifecycle;
 
 pub(super) use super::common::Launch;
 use super::ledger::serve_notes;
-use super::{Endpoint, EventSink, WorkerEvent, kill};
+use super::sink::{EventSink, Report, WorkerSignal};
+use super::{Endpoint, kill};
 
 /// Crash-loop policy: this many workers dying without reporting ready, in a row, and the
 /// supervisor gives up on the endpoint.
@@ -83,9 +85,8 @@ pub(super) fn supervise(
                 st.failed = true;
                 ep.changed.notify_all();
                 drop(st);
-                sink(WorkerEvent::GaveUp {
-                    endpoint: ep.spec.id.clone(),
-                });
+                let endpoint = ep.spec.id.clone();
+                sink.lifecycle(WorkerLifecycle::GaveUp { endpoint });
                 return;
             }
             let fresh = failed_starts >= START_FRESH_AFTER;
@@ -94,10 +95,8 @@ pub(super) fn supervise(
                     attempts = failed_starts,
                     "workers keep dying before they serve: {what}"
                 );
-                sink(WorkerEvent::Reset {
-                    endpoint: ep.spec.id.clone(),
-                    what,
-                });
+                let endpoint = ep.spec.id.clone();
+                sink.lifecycle(WorkerLifecycle::Reset { endpoint, what });
             }
             std::thread::sleep(FAILED_START_PAUSE);
         }
@@ -187,10 +186,15 @@ fn run_worker(
             let _ = child.kill();
         }
     }
-    sink(WorkerEvent::Started {
+    let started = WorkerLifecycle::Started {
         endpoint: ep.spec.id.clone(),
         pid,
         resume: mode == StartMode::Resume,
+    };
+    sink.lifecycle(started);
+    sink.signal(WorkerSignal::Spawned {
+        endpoint: ep.spec.id.clone(),
+        pid,
         nonce: nonce.clone(),
     });
     let started = Instant::now();
@@ -233,11 +237,12 @@ fn run_worker(
         let _ = std::fs::remove_file(crate::keeper::adoption_path(dir, pid));
     }
     tracing::info!(pid, %status, "worker exited");
-    sink(WorkerEvent::Exited {
+    let exited = WorkerLifecycle::Exited {
         endpoint: ep.spec.id.clone(),
         pid,
         status: status.to_string(),
-    });
+    };
+    sink.lifecycle(exited);
     Ok(ready)
 }
 
@@ -393,7 +398,7 @@ fn hand_over(
     )
 }
 
-/// The status of an adopted worker's [`WorkerEvent::Exited`]: the worker is not the daemon's
+/// The status of an adopted worker's [`WorkerLifecycle::Exited`]: the worker is not the daemon's
 /// child, so its exit status is not the daemon's to read.
 const ADOPTED_EXIT_STATUS: &str = "unknown (an adopted worker, not the daemon's child)";
 
@@ -421,10 +426,8 @@ fn supervise_adopted(
              refers to is released"
         );
         tracing::warn!(pid, client, budget, "{what}");
-        sink(WorkerEvent::Reset {
-            endpoint: ep.spec.id.clone(),
-            what,
-        });
+        let endpoint = ep.spec.id.clone();
+        sink.lifecycle(WorkerLifecycle::Reset { endpoint, what });
         kill(Some(pid));
     }
     serve_notes(
@@ -463,11 +466,12 @@ fn supervise_adopted(
     tracing::info!(pid, "adopted worker gone");
     // The same event as for a worker of this supervisor's own (`run_worker`), so that the
     // events count every worker that ended; its exit status went to its parent.
-    sink(WorkerEvent::Exited {
+    let exited = WorkerLifecycle::Exited {
         endpoint: ep.spec.id.clone(),
         pid,
         status: ADOPTED_EXIT_STATUS.to_owned(),
-    });
+    };
+    sink.lifecycle(exited);
     ep.status().pid = None;
     if !ep.stopping.load(Ordering::SeqCst) {
         let mut st = ep.status();

@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use switchyard_server::fd_kind::FdKind;
 
 use crate::custody::{self, CONNECTION_ID, LISTENER_ID, MoveState, Note, legacy_object};
+use crate::lifecycle::WorkerLifecycle;
 
 use super::common::Launch;
-use super::{BUDGET_SLACK, Endpoint, EventSink, WorkerEvent, file_identity};
+use super::sink::{EventSink, Report, WorkerSignal};
+use super::{BUDGET_SLACK, Endpoint, file_identity};
 
 /// Serves worker `pid`'s custody notes on `channel` until the channel closes. Returns
 /// whether it reported ready (an adopted worker did before). `kill` ends a worker that
@@ -94,38 +96,30 @@ pub(super) fn serve_notes(
                     }
                 }
             }
-            Ok((Note::StateLost { problems }, _)) => {
+            Ok((Note::StateLost(lost), _)) => {
+                let problems = &lost.problems;
                 tracing::error!(?problems, "the replacement lost part of the client's state");
-                ep.status().state_lost = problems.clone();
+                ep.status().state_lost = lost.problems.clone();
                 ep.changed.notify_all();
-                sink(WorkerEvent::StateLost {
-                    endpoint: ep.spec.id.clone(),
-                    problems,
-                });
+                let endpoint = ep.spec.id.clone();
+                sink.lifecycle(WorkerLifecycle::StateLost { endpoint, lost });
             }
-            Ok((
-                Note::Migration {
-                    streaming,
-                    state,
-                    cause,
-                },
-                _,
-            )) => {
+            Ok((Note::Migration { streaming, change }, _)) => {
                 ep.status().migrating = streaming;
                 ep.changed.notify_all();
-                if let Some(state) = state {
-                    sink(WorkerEvent::Migration {
-                        endpoint: ep.spec.id.clone(),
-                        state,
-                        cause: cause.unwrap_or_default(),
-                        publish: migration_events.take(),
-                    });
+                if let Some(change) = change {
+                    let endpoint = ep.spec.id.clone();
+                    if migration_events.take() {
+                        sink.lifecycle(WorkerLifecycle::Migration { endpoint, change });
+                    } else {
+                        sink.signal(WorkerSignal::Migration { endpoint, change });
+                    }
                 }
             }
-            Ok((Note::Stats(stats), _)) => sink(WorkerEvent::Stats {
-                endpoint: ep.spec.id.clone(),
-                stats,
-            }),
+            Ok((Note::Stats(stats), _)) => {
+                let endpoint = ep.spec.id.clone();
+                sink.signal(WorkerSignal::Stats { endpoint, stats });
+            }
             Ok((Note::Moved { report }, _)) => {
                 adopted_move_ended(
                     ep,
@@ -219,12 +213,13 @@ pub(super) fn serve_notes(
                 }
                 ep.changed.notify_all();
                 drop(st);
-                sink(WorkerEvent::Ready {
+                let ready = WorkerLifecycle::Ready {
                     endpoint: ep.spec.id.clone(),
                     pid,
                     resumed_connection: resumed,
                     restart,
-                });
+                };
+                sink.lifecycle(ready);
                 tracing::info!(
                     pid,
                     resumed,
@@ -232,31 +227,35 @@ pub(super) fn serve_notes(
                     "worker ready"
                 );
             }
-            Ok((Note::DeviceLost { host, reason }, _)) => {
+            Ok((Note::DeviceLost(lost), _)) => {
+                let (host, reason) = (&lost.host, &lost.reason);
                 tracing::error!(%host, %reason, "the endpoint's passthrough device is lost");
-                ep.status().device_lost = Some(format!("{host}: {reason}"));
+                let lease = {
+                    let mut st = ep.status();
+                    st.device_lost = Some(lost.to_string());
+                    st.lease.clone()
+                };
                 ep.changed.notify_all();
-                sink(WorkerEvent::DeviceLost {
-                    endpoint: ep.spec.id.clone(),
-                    lease: ep.status().lease.clone(),
-                    host,
-                    reason,
-                });
+                // Its board failed, with the device's state.
+                let endpoint = ep.spec.id.clone();
+                let failure = lost.board_failure();
+                let failed = WorkerSignal::BoardFailed {
+                    endpoint: endpoint.clone(),
+                    lease,
+                    failure,
+                };
+                sink.signal(failed);
+                sink.lifecycle(WorkerLifecycle::DeviceLost { endpoint, lost });
             }
-            Ok((
-                Note::BoardFailed {
-                    reason,
-                    state_intact,
-                },
-                _,
-            )) => {
+            Ok((Note::BoardFailed(failure), _)) => {
+                let (reason, state_intact) = (&failure.reason, failure.state_intact);
                 tracing::error!(%reason, state_intact, "the device's board failed");
-                sink(WorkerEvent::BoardFailed {
+                let failed = WorkerSignal::BoardFailed {
                     endpoint: ep.spec.id.clone(),
                     lease: ep.status().lease.clone(),
-                    reason,
-                    state_intact,
-                });
+                    failure,
+                };
+                sink.signal(failed);
             }
             Ok((Note::Synced { token, seq }, _)) => {
                 // Every note the worker made before this one has been applied above.
@@ -297,7 +296,7 @@ pub(super) fn serve_notes(
 
 /// The adopted worker's move that was still running when it was adopted ended (`state`): the
 /// supervisor keeps it ([`Supervisor::adopted_move`](super::Supervisor::adopted_move)) and
-/// says so ([`WorkerEvent::AdoptedMoveEnded`]). Any other move's answer changes nothing here.
+/// says so ([`WorkerSignal::AdoptedMoveEnded`]). Any other move's answer changes nothing here.
 fn adopted_move_ended(ep: &Endpoint, sink: &EventSink, state: MoveState) {
     {
         let mut adopted = ep.adopted_move();
@@ -311,9 +310,8 @@ fn adopted_move_ended(ep: &Endpoint, sink: &EventSink, state: MoveState) {
         );
         m.state = state;
     }
-    sink(WorkerEvent::AdoptedMoveEnded {
-        endpoint: ep.spec.id.clone(),
-    });
+    let endpoint = ep.spec.id.clone();
+    sink.signal(WorkerSignal::AdoptedMoveEnded { endpoint });
 }
 
 /// A replacement reports ready while the move the adopted worker was running never ended

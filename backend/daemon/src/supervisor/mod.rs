@@ -11,6 +11,7 @@ mod handover;
 mod launch;
 mod ledger;
 mod plan;
+mod sink;
 mod sync;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,7 @@ use crate::custody::{
 pub use access::SocketAccess;
 use launch::{Launch, supervise};
 pub use plan::FdPlan;
+pub use sink::{EventSink, WorkerEvent, WorkerSignal};
 
 /// Supervisor errors.
 #[derive(Debug, thiserror::Error)]
@@ -131,7 +133,7 @@ pub struct EndpointSpec {
     /// [`Note::Start`]: crate::custody::Note::Start
     pub failover: bool,
     /// The lease the worker serves (the pool's device id), if the caller has one: named in
-    /// the worker's failure reports ([`WorkerEvent::BoardFailed`]'s `lease`) and checked by
+    /// the worker's failure reports ([`WorkerSignal::BoardFailed`]'s `lease`) and checked by
     /// [`Supervisor::inject_fault`].
     pub lease: Option<String>,
 }
@@ -219,12 +221,39 @@ struct Endpoint {
     mv: Mutex<MoveSlot>,
     mv_changed: Condvar,
     /// What an adopted worker said of its last move ([`Note::Adopted`]), brought up to date
-    /// when a move it was still running ends ([`WorkerEvent::AdoptedMoveEnded`]).
+    /// when a move it was still running ends ([`WorkerSignal::AdoptedMoveEnded`]).
     adopted_move: Mutex<Option<LastMove>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Endpoint {
+    /// A new endpoint serving `spec` on `socket`: nothing held, no worker yet, the first one
+    /// starts a fresh device.
+    fn new(spec: EndpointSpec, socket: DeviceSocket) -> Self {
+        Self {
+            spec,
+            device: Mutex::new(None),
+            next_lease: Mutex::new(None),
+            fault: Mutex::new(None),
+            fault_answered: Condvar::new(),
+            socket,
+            held: Mutex::new(BTreeMap::new()),
+            objects: Mutex::new(BTreeMap::new()),
+            replacement: Mutex::new(Some(StartMode::Fresh)),
+            status: Mutex::new(WorkerStatus::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            reexec_asked: AtomicU64::new(0),
+            reexec_taken: AtomicU64::new(0),
+            channel: Mutex::new(None),
+            mv: Mutex::new(MoveSlot::default()),
+            mv_changed: Condvar::new(),
+            adopted_move: Mutex::new(None),
+            thread: Mutex::new(None),
+        }
+    }
+
     /// The device a worker started now builds.
     fn device(&self) -> crate::custody::DeviceSpec {
         let device = self.device.lock().unwrap_or_else(|p| p.into_inner());
@@ -307,115 +336,6 @@ fn client_fds(held: &BTreeMap<u64, OwnedFd>) -> usize {
 /// Descriptors a worker may put in custody beyond its budget before the supervisor refuses
 /// them: one read's worth, which a worker counts against its budget only once it has them.
 pub const BUDGET_SLACK: usize = switchyard_server::transport::MAX_FDS_PER_READ;
-
-/// Something that happened to an endpoint's worker (for the daemon's events and metrics).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WorkerEvent {
-    /// A worker process started.
-    Started {
-        /// Endpoint.
-        endpoint: String,
-        /// Its pid.
-        pid: u32,
-        /// It resumes a device (a restart) rather than creating one.
-        resume: bool,
-        /// Its nonce, for its record (see [`crate::custody::WorkerNonce`]).
-        nonce: crate::custody::WorkerNonce,
-    },
-    /// The worker serves.
-    Ready {
-        /// Endpoint.
-        endpoint: String,
-        /// Its pid.
-        pid: u32,
-        /// It continued a client connection.
-        resumed_connection: bool,
-        /// From the previous worker's death to this one's readiness, if it replaced one.
-        restart: Option<Duration>,
-    },
-    /// A worker exited.
-    Exited {
-        /// Endpoint.
-        endpoint: String,
-        /// Its pid.
-        pid: u32,
-        /// How it ended (`exit status: 0`, `signal: 9 (SIGKILL)`, ...).
-        status: String,
-    },
-    /// What the worker served since its last report (about every second).
-    Stats {
-        /// Endpoint.
-        endpoint: String,
-        /// The report.
-        stats: crate::custody::WorkerStats,
-    },
-    /// Workers kept dying before serving; the endpoint's client was disconnected.
-    GaveUp {
-        /// Endpoint.
-        endpoint: String,
-    },
-    /// The device's migration state changed (its VMM migrates it, out or in).
-    Migration {
-        /// Endpoint.
-        endpoint: String,
-        /// The new state ([`crate::custody::mig_state_name`]).
-        state: String,
-        /// What changed it (`request`, `reset`, `client_gone`; empty: not said).
-        cause: String,
-        /// Whether it becomes an event (each endpoint's migration events are rate-limited).
-        publish: bool,
-    },
-    /// Workers kept dying before serving: the supervisor let go of what the next one would
-    /// have restored (the client's connection and descriptors; then the device's state).
-    Reset {
-        /// Endpoint.
-        endpoint: String,
-        /// What was let go, and why.
-        what: String,
-    },
-    /// A replacement could not restore all of the client's state (windows or eventfds the
-    /// client had been told succeeded).
-    StateLost {
-        /// Endpoint.
-        endpoint: String,
-        /// What was lost.
-        problems: Vec<String>,
-    },
-    /// The kernel took the endpoint's passthrough device back (unbind, removal): the
-    /// endpoint fails every access with ENODEV; its board should take no new lease.
-    DeviceLost {
-        /// Endpoint.
-        endpoint: String,
-        /// The lease the reporting worker served ([`WorkerStatus::lease`]).
-        lease: Option<String>,
-        /// The device's PCI address.
-        host: String,
-        /// What happened.
-        reason: String,
-    },
-    /// The device found its board failed ([`Note::BoardFailed`]).
-    BoardFailed {
-        /// Endpoint.
-        endpoint: String,
-        /// The lease the reporting worker served ([`WorkerStatus::lease`]): the failed
-        /// board is that device's, whatever the endpoint leases when the report is read.
-        lease: Option<String>,
-        /// What failed.
-        reason: String,
-        /// Whether the device's state outlived the failure.
-        state_intact: bool,
-    },
-    /// A move that an adopted worker was still running when adopted has ended (the worker
-    /// answered, or died and its replacement runs the device on one side):
-    /// [`Supervisor::adopted_move`] says how.
-    AdoptedMoveEnded {
-        /// Endpoint.
-        endpoint: String,
-    },
-}
-
-/// Receives [`WorkerEvent`]s (called from supervision threads; keep it short).
-pub type EventSink = Arc<dyn Fn(WorkerEvent) + Send + Sync>;
 
 /// Supervises endpoint workers. See the [module](self) documentation.
 pub struct Supervisor {
@@ -565,28 +485,7 @@ impl Supervisor {
                 ),
             )
         })?;
-        let ep = Arc::new(Endpoint {
-            spec: spec.clone(),
-            device: Mutex::new(None),
-            next_lease: Mutex::new(None),
-            fault: Mutex::new(None),
-            fault_answered: Condvar::new(),
-            socket,
-            held: Mutex::new(BTreeMap::new()),
-            objects: Mutex::new(BTreeMap::new()),
-            replacement: Mutex::new(Some(StartMode::Fresh)),
-            status: Mutex::new(WorkerStatus::default()),
-            changed: Condvar::new(),
-            stopping: AtomicBool::new(false),
-            generation: AtomicU64::new(0),
-            reexec_asked: AtomicU64::new(0),
-            reexec_taken: AtomicU64::new(0),
-            channel: Mutex::new(None),
-            mv: Mutex::new(MoveSlot::default()),
-            mv_changed: Condvar::new(),
-            adopted_move: Mutex::new(None),
-            thread: Mutex::new(None),
-        });
+        let ep = Arc::new(Endpoint::new(spec.clone(), socket));
         let exe = self.exe.clone();
         let ep2 = ep.clone();
         let sink = self.sink.clone();
@@ -789,7 +688,7 @@ impl Supervisor {
     }
 
     /// What the endpoint's adopted worker said of its last move when adopted ([`Supervisor::adopt`]),
-    /// up to date if it was still running then ([`WorkerEvent::AdoptedMoveEnded`]); `None`
+    /// up to date if it was still running then ([`WorkerSignal::AdoptedMoveEnded`]); `None`
     /// when the worker was not adopted, moved nothing, or is of a release that does not say.
     pub fn adopted_move(&self, id: &str) -> Result<Option<LastMove>, SupervisorError> {
         Ok(self.get(id)?.adopted_move().clone())
@@ -856,6 +755,9 @@ impl Supervisor {
         out
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 impl Drop for Supervisor {
     fn drop(&mut self) {

@@ -9,7 +9,7 @@
 
 use switchyard_device::PciDevice;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindCatalog, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, DirtyLog, KindCatalog, KindConfig, KindError, KindOptions, Profile, opt,
 };
 
 /// A GPU-like kind.
@@ -31,6 +31,32 @@ fn no_device(kind: &'static str) -> KindError {
     KindError::NoRecovery(kind)
 }
 
+/// What the test kinds make of options: the canonical form and the profile; no device.
+#[derive(Debug)]
+struct Checked {
+    kind: &'static str,
+    options: KindOptions,
+    profile: Profile,
+}
+
+impl KindConfig for Checked {
+    fn options(&self) -> KindOptions {
+        self.options.clone()
+    }
+
+    fn profile(&self) -> Profile {
+        self.profile.clone()
+    }
+
+    fn build(&self, _: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Err(no_device(self.kind))
+    }
+
+    fn recover(&self, _: Build) -> Result<Box<dyn PciDevice>, KindError> {
+        Err(no_device(self.kind))
+    }
+}
+
 impl DeviceKind for TestGpu {
     fn name(&self) -> &'static str {
         "softgpu"
@@ -44,7 +70,7 @@ impl DeviceKind for TestGpu {
         "vram=SIZE queues=N irq=msix|msi vram_mmap=on|off vram_reset=zero|keep"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         opt::only(
             options,
             &["vram", "queues", "irq", "vram_mmap", "vram_reset", "spin"],
@@ -107,11 +133,11 @@ impl DeviceKind for TestGpu {
             client_maps_memory: mmap,
             presents: None,
         };
-        Ok((canonical, profile))
-    }
-
-    fn build(&self, _: &KindOptions, _: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Err(no_device("softgpu"))
+        Ok(Box::new(Checked {
+            kind: "softgpu",
+            options: canonical,
+            profile,
+        }))
     }
 }
 
@@ -128,7 +154,7 @@ impl DeviceKind for TestPassthrough {
         "host=DDDD:BB:DD.F bars=trap|mmap"
     }
 
-    fn check(&self, options: &KindOptions) -> Result<(KindOptions, Profile), KindError> {
+    fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         opt::only(options, &["host", "bars"])?;
         let host = opt::str(options, "host")?
             .ok_or_else(|| KindError::option("host", "required: the device's PCI address"))?;
@@ -164,15 +190,15 @@ impl DeviceKind for TestPassthrough {
             client_maps_memory: false,
             presents: None,
         };
-        Ok((canonical, profile))
+        Ok(Box::new(Checked {
+            kind: "vfio",
+            options: canonical,
+            profile,
+        }))
     }
 
     fn partition(&self, board: &KindOptions, _: u64, _: u32) -> KindOptions {
         board.clone()
-    }
-
-    fn build(&self, _: &KindOptions, _: Build) -> Result<Box<dyn PciDevice>, KindError> {
-        Err(no_device("vfio"))
     }
 }
 

@@ -425,8 +425,10 @@ fn the_kind_gives_the_devices_it_builds_their_failure_hook() {
         failed: Some(reports.hook(true)),
         ..Build::new(ctx)
     };
+    // Through the kind, as a worker builds it.
     let options = crate::SoftGpuKind::options(&config);
-    let dev = SoftGpuKind.build(&options, build).expect("build");
+    let kind_config = SoftGpuKind.configure(&options).expect("configures");
+    let dev = kind_config.build(build).expect("build");
     dev.faults()
         .expect("fault injection")
         .inject_fault("engine")

@@ -27,9 +27,9 @@ use switchyard_pool::{BoardState, EndpointSpec as PoolEndpointSpec};
 use utoipa::ToSchema;
 
 use super::super::Daemon;
-use super::super::events::WorkerLifecycle;
 use super::unknown_endpoint;
 use super::views::EndpointStatus;
+use crate::lifecycle::{MigrationChange, WorkerLifecycle};
 
 /// How long a migrated-away source (or an abandoned destination) may stay connected before
 /// its endpoint is deleted anyway.
@@ -89,24 +89,25 @@ fn step(phase: Phase, state: &str, cause: &str) -> Step {
     }
 }
 
-/// A migration state change of an endpoint's device: endpoint, state, cause.
-pub type MigrationChange = (String, String, String);
+/// A migration state change of an endpoint's device, for the migrations follower: the
+/// endpoint and the change (a worker's exit is state `exited`: it ends any migration).
+pub type EndpointMigration = (String, MigrationChange);
 
 /// Starts the thread that follows the endpoints' migration states, in order and off the
 /// supervision threads (a finished migration deletes an endpoint, which takes the pool's
 /// lock); the daemon's event sink sends them into the returned channel.
 pub(crate) fn follow_migrations(
     daemon: std::sync::Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>>,
-) -> std::io::Result<std::sync::Mutex<std::sync::mpsc::Sender<MigrationChange>>> {
-    let (tx, rx) = std::sync::mpsc::channel::<MigrationChange>();
+) -> std::io::Result<std::sync::Mutex<std::sync::mpsc::Sender<EndpointMigration>>> {
+    let (tx, rx) = std::sync::mpsc::channel::<EndpointMigration>();
     std::thread::Builder::new()
         .name("sy-migrations".into())
         .spawn(move || {
-            for (endpoint, state, cause) in rx {
+            for (endpoint, change) in rx {
                 let Some(d) = daemon.get().and_then(std::sync::Weak::upgrade) else {
                     continue;
                 };
-                if let Some(release) = d.migration_state(&endpoint, &state, &cause) {
+                if let Some(release) = d.migration_state(&endpoint, &change.state, &change.cause) {
                     std::thread::spawn(move || d.release_when_let_go(&release));
                 }
             }

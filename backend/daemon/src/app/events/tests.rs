@@ -235,12 +235,16 @@ fn numbered(i: u64) -> WorkerLifecycle {
         // Among the first, at the gap's very end, and among those that wait for a number.
         3 | 1_000_000 => WorkerLifecycle::StateLost {
             endpoint: i.to_string(),
-            problems: vec!["DMA window 0x1000".into()],
+            lost: crate::lifecycle::LostState {
+                problems: vec!["DMA window 0x1000".into()],
+            },
         },
         999_998 | 1_000_001 => WorkerLifecycle::DeviceLost {
             endpoint: i.to_string(),
-            host: "0000:00:04.0".into(),
-            reason: "unbound".into(),
+            lost: crate::lifecycle::LostDevice {
+                host: "0000:00:04.0".into(),
+                reason: "unbound".into(),
+            },
         },
         _ => WorkerLifecycle::Exited {
             endpoint: String::new(),

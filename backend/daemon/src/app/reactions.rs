@@ -1,0 +1,143 @@
+//! What the daemon does with its supervisor's reports (its [`EventSink`]).
+//!
+//! A [`WorkerLifecycle`] is acted on (the worker's pid record, the endpoint's metrics, the
+//! migrations the daemon follows) and then published on the events stream as it is: the value
+//! the supervisor made is the one a client reads (see [`crate::lifecycle`]). A
+//! [`WorkerSignal`] is only acted on: a stats report goes into the metrics, a board failure to
+//! the pool (whose own events say what came of it), the end of an adopted worker's move
+//! settles the move the store has in progress, a migration change past the endpoint's event
+//! budget is followed like any other.
+//!
+//! Every reaction is short or runs off the calling supervision thread, which must go on
+//! reading its worker's notes.
+
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use switchyard_control::Metrics;
+
+use super::api::incoming::EndpointMigration;
+use super::events::EventStream;
+use super::records::WorkerRecords;
+use super::{Daemon, lock, stats};
+use crate::lifecycle::{MigrationChange, WorkerLifecycle};
+use crate::supervisor::{EventSink, WorkerEvent, WorkerSignal};
+
+/// Where the reactions find the daemon, once it exists (the sink is made before it).
+pub(super) type DaemonCell = Arc<OnceLock<Weak<Daemon>>>;
+
+/// What the sink acts on.
+pub(super) struct Reactions {
+    pub(super) events: Arc<EventStream>,
+    pub(super) metrics: Metrics,
+    pub(super) records: WorkerRecords,
+    pub(super) daemon: DaemonCell,
+    /// The migrations follower's queue (`api::incoming::follow_migrations`); the lock
+    /// protects the sender alone and is held only to send.
+    pub(super) migrations: Mutex<Sender<EndpointMigration>>,
+}
+
+impl Reactions {
+    /// The supervisor's sink: every report goes through [`Reactions::take`].
+    pub(super) fn into_sink(self) -> EventSink {
+        Arc::new(move |e| self.take(e))
+    }
+
+    fn take(&self, e: WorkerEvent) {
+        match e {
+            WorkerEvent::Lifecycle(event) => {
+                self.act(&event);
+                self.events.worker(event);
+            }
+            WorkerEvent::Signal(signal) => self.signal(signal),
+        }
+    }
+
+    fn daemon(&self) -> Option<Arc<Daemon>> {
+        self.daemon.get().and_then(Weak::upgrade)
+    }
+
+    /// What the daemon does about a worker's lifecycle event, before it is published.
+    fn act(&self, event: &WorkerLifecycle) {
+        match event {
+            WorkerLifecycle::Ready {
+                endpoint,
+                restart: Some(stall),
+                ..
+            } => {
+                self.metrics.endpoint_restarted();
+                self.metrics.endpoint(endpoint).restarted(Some(*stall));
+            }
+            WorkerLifecycle::Exited { endpoint, .. } => {
+                // A dead worker ends its device's migration.
+                let exited = MigrationChange {
+                    state: "exited".into(),
+                    cause: String::new(),
+                };
+                self.follow(endpoint, exited);
+            }
+            WorkerLifecycle::Migration { endpoint, change } => {
+                self.follow(endpoint, change.clone());
+            }
+            WorkerLifecycle::StateLost { endpoint, .. } => {
+                self.metrics.endpoint(endpoint).state_lost();
+            }
+            WorkerLifecycle::Reset { endpoint, .. } => self.metrics.endpoint(endpoint).reset(),
+            // A lost device's board failure comes as its own signal, and a started worker's
+            // pid record with `WorkerSignal::Spawned` (its nonce is not published).
+            WorkerLifecycle::DeviceLost { .. }
+            | WorkerLifecycle::Started { .. }
+            | WorkerLifecycle::Ready { .. }
+            | WorkerLifecycle::GaveUp { .. }
+            | WorkerLifecycle::Migrated { .. }
+            | WorkerLifecycle::MigrationAborted { .. } => {}
+        }
+    }
+
+    /// What the daemon does about a signal (never published).
+    fn signal(&self, signal: WorkerSignal) {
+        match signal {
+            WorkerSignal::Stats { endpoint, stats } => {
+                // From the inventory's snapshot: never waits for the pool's owner.
+                let board = self.daemon().and_then(|d| {
+                    let inventory = d.inventory();
+                    let device = inventory.endpoint(&endpoint)?.device.clone()?;
+                    Some(inventory.device(&device)?.board)
+                });
+                stats::record(&self.metrics, &endpoint, board.as_deref(), &stats);
+            }
+            WorkerSignal::BoardFailed {
+                endpoint,
+                lease,
+                failure,
+            } => {
+                // The daemon records it and fails the board's endpoints over, off the
+                // supervision thread (the endpoint shows its failover pending from here on).
+                // `lease`: the device the reporting worker ran, whose board failed.
+                if let Some(d) = self.daemon() {
+                    d.board_failure_reported(&endpoint, lease, failure);
+                }
+            }
+            WorkerSignal::Spawned {
+                endpoint,
+                pid,
+                nonce,
+            } => self.records.write(&endpoint, pid, &nonce),
+            WorkerSignal::Migration { endpoint, change } => self.follow(&endpoint, change),
+            WorkerSignal::AdoptedMoveEnded { endpoint } => {
+                // Off the supervision thread, as for a failed board.
+                let daemon = self.daemon.clone();
+                std::thread::spawn(move || {
+                    if let Some(d) = daemon.get().and_then(Weak::upgrade) {
+                        d.adopted_move_ended(&endpoint);
+                    }
+                });
+            }
+        }
+    }
+
+    /// Hands an endpoint's migration state change to the migrations follower.
+    fn follow(&self, endpoint: &str, change: MigrationChange) {
+        let _ = lock(&self.migrations).send((endpoint.to_owned(), change));
+    }
+}
