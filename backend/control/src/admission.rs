@@ -15,7 +15,7 @@
 //!
 //! The decisions are pure functions of the counts ([`admit_connection`], [`admit_stream`]),
 //! tested without sockets or other users; the server keeps the connection counts in its
-//! accept loop (one task: no lock) and the stream counts in a [`StreamTable`].
+//! accept loop (one task: no lock) and the stream counts in a table of their own (a mutex).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -25,7 +25,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 
 use crate::api::ApiError;
-use crate::server::Limits;
+use crate::limits::Limits;
 
 /// The uid of root.
 pub const ROOT_UID: u32 = 0;

@@ -67,6 +67,7 @@ pub mod admission;
 mod api;
 mod client;
 mod events;
+mod limits;
 mod metrics;
 mod openapi;
 mod server;
@@ -84,6 +85,10 @@ pub use events::{
     Events, EventsQuery, NDJSON_CONTENT_TYPE, Received, Sequenced, StreamNotice, Subscription,
     events_handler, ndjson_response,
 };
+pub use limits::{
+    BODY_READ_TIMEOUT, HEADER_READ_TIMEOUT, Limits, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID,
+    MAX_STREAMS, MAX_STREAMS_PER_UID, RESERVED_CONNECTIONS, RESERVED_STREAMS,
+};
 pub use metrics::{
     BoardMetrics, EndpointMetrics, LATENCY_BUCKETS, Metrics, OPENMETRICS_CONTENT_TYPE, command_name,
 };
@@ -91,11 +96,7 @@ pub use openapi::{
     CONTROL_TAG, ControlApi, Health, UPDATE_ENV, check_openapi_file, check_openapi_file_with,
     health, metrics,
 };
-pub use server::{
-    BODY_READ_TIMEOUT, ControlSocket, HEADER_READ_TIMEOUT, Limits, MAX_CONNECTIONS,
-    MAX_CONNECTIONS_PER_UID, MAX_SOCKET_PATH, MAX_STREAMS, MAX_STREAMS_PER_UID,
-    RESERVED_CONNECTIONS, RESERVED_STREAMS, SHUTDOWN_GRACE, serve,
-};
+pub use server::{ControlSocket, MAX_SOCKET_PATH, SHUTDOWN_GRACE, serve};
 
 /// Errors of the control plane (the server, the client, the events hub and the OpenAPI check).
 #[derive(Debug, thiserror::Error)]

@@ -129,9 +129,8 @@ pub(super) fn qmp_of(
     vmm: &RegisteredVmm,
 ) -> Result<switchyard_qemu::Qmp, ApiError> {
     let link = &vmm.link;
-    let unreachable = |e: &dyn std::error::Error| {
-        super::ops::vmm_error(endpoint, link, "cannot reach the VMM", e)
-    };
+    let unreachable =
+        |e: &dyn std::error::Error| vmm_error(endpoint, link, "cannot reach the VMM", e);
     let stream = switchyard_qemu::Qmp::connect_stream(&link.qmp, QMP_TIMEOUT)
         .map_err(|e| unreachable(&e))?;
     if let Some(uid) = vmm.qemu_uid {
@@ -153,4 +152,21 @@ pub(super) fn qmp_of(
         }
     }
     switchyard_qemu::Qmp::over(stream, &link.qmp, QMP_TIMEOUT).map_err(|e| unreachable(&e))
+}
+
+/// A failure of an endpoint's VMM (502).
+pub(super) fn vmm_error(
+    endpoint: &str,
+    link: &VmmLink,
+    what: &str,
+    e: &dyn std::error::Error,
+) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "vmm",
+        format!(
+            "Endpoint \"{endpoint}\": {what} through QMP at {}: {e}",
+            link.qmp.display()
+        ),
+    )
 }

@@ -440,7 +440,7 @@ impl Daemon {
             .ok_or_else(|| super::unknown_endpoint(id))?;
         qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
             .map_err(|e| {
-                super::ops::vmm_error(id, link, "the guest did not release the dead device", &e)
+                super::authz::vmm_error(id, link, "the guest did not release the dead device", &e)
             })?;
         self.wait_disconnected(id);
         let device = self

@@ -9,7 +9,7 @@ use switchyard_pool::{Endpoint, EndpointSpec as PoolEndpointSpec, MovePlan, Plac
 
 use super::super::events::ms;
 use super::super::{Daemon, Unsupervised};
-use super::authz::{RegisteredVmm, qmp_of};
+use super::authz::{RegisteredVmm, qmp_of, vmm_error};
 use super::views::{
     DrainResult, EndpointStatus, FailedMove, MoveResult, VmmLink, WorkerReplaced, WorkerState,
     WorkerView,
@@ -604,23 +604,6 @@ fn not_plugged_back(
             link.qmp.display(),
             link.device_id,
             socket.display()
-        ),
-    )
-}
-
-/// A failure of an endpoint's VMM (502).
-pub(super) fn vmm_error(
-    endpoint: &str,
-    link: &VmmLink,
-    what: &str,
-    e: &dyn std::error::Error,
-) -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "vmm",
-        format!(
-            "Endpoint \"{endpoint}\": {what} through QMP at {}: {e}",
-            link.qmp.display()
         ),
     )
 }
