@@ -6,7 +6,8 @@
 //! - **Serving** ([`ControlSocket`], [`serve`]): the socket (mode 0600; a stale file from a
 //!   crashed daemon is replaced, a live server is refused; removed at shutdown) and an HTTP/1.1
 //!   accept loop (tokio + hyper) that runs an axum router, with a bounded graceful shutdown,
-//!   header and body read timeouts and a cap on connections ([`Limits`]).
+//!   header and body read timeouts, and caps on connections and streams, per user with a
+//!   reserve for root ([`Limits`]); every request knows its [`Caller`] (`SO_PEERCRED`).
 //! - **Errors** ([`ApiError`], [`ErrorBody`], the [`Json`], [`Query`] and [`Path`]
 //!   extractors, [`json_fallbacks`]): every failed request, whether refused by a handler, an
 //!   extractor (malformed JSON, wrong content type, missing field) or the router (404, 405),
@@ -62,9 +63,11 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod admission;
 mod api;
 mod client;
 mod events;
+mod limits;
 mod metrics;
 mod openapi;
 mod server;
@@ -72,6 +75,7 @@ mod server;
 use std::io;
 use std::path::PathBuf;
 
+pub use admission::{Caller, StreamPermit};
 pub use api::{
     ApiError, ErrorBody, ErrorDetail, Json, Path, Query, json_fallbacks, method_not_allowed,
     not_found,
@@ -81,6 +85,10 @@ pub use events::{
     Events, EventsQuery, NDJSON_CONTENT_TYPE, Received, Sequenced, StreamNotice, Subscription,
     events_handler, ndjson_response,
 };
+pub use limits::{
+    BODY_READ_TIMEOUT, HEADER_READ_TIMEOUT, Limits, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID,
+    MAX_STREAMS, MAX_STREAMS_PER_UID, RESERVED_CONNECTIONS, RESERVED_STREAMS,
+};
 pub use metrics::{
     BoardMetrics, EndpointMetrics, LATENCY_BUCKETS, Metrics, OPENMETRICS_CONTENT_TYPE, command_name,
 };
@@ -88,10 +96,7 @@ pub use openapi::{
     CONTROL_TAG, ControlApi, Health, UPDATE_ENV, check_openapi_file, check_openapi_file_with,
     health, metrics,
 };
-pub use server::{
-    BODY_READ_TIMEOUT, ControlSocket, HEADER_READ_TIMEOUT, Limits, MAX_CONNECTIONS,
-    MAX_SOCKET_PATH, SHUTDOWN_GRACE, serve,
-};
+pub use server::{ControlSocket, MAX_SOCKET_PATH, SHUTDOWN_GRACE, serve};
 
 /// Errors of the control plane (the server, the client, the events hub and the OpenAPI check).
 #[derive(Debug, thiserror::Error)]

@@ -2,12 +2,20 @@
 //! HTTP/1.1 accept loop that serves an axum router on it.
 //!
 //! No client can hold the server: a request's headers and its body must each arrive within a
-//! timeout ([`HEADER_READ_TIMEOUT`], [`BODY_READ_TIMEOUT`]), and at most [`MAX_CONNECTIONS`]
+//! timeout ([`HEADER_READ_TIMEOUT`](crate::HEADER_READ_TIMEOUT), [`BODY_READ_TIMEOUT`](crate::BODY_READ_TIMEOUT)), and at most [`MAX_CONNECTIONS`](crate::MAX_CONNECTIONS)
 //! connections are served at once. When they are all open, a new one closes the connection
 //! that has waited longest for a request (one idle between requests, or still sending its
 //! headers); when every one has a request in progress (a handler running, or a reply still
 //! being sent, an events stream say), the new one gets 503 `too_many_connections` at once and
 //! is closed. See [`Limits`].
+//!
+//! Connections are admitted by the uid of the process that connected (`SO_PEERCRED`, read at
+//! accept and handed to every request as a [`crate::Caller`]): a user other than root and the
+//! server's own holds at most [`MAX_CONNECTIONS_PER_UID`](crate::MAX_CONNECTIONS_PER_UID) of them, and such users together
+//! never the last [`RESERVED_CONNECTIONS`](crate::RESERVED_CONNECTIONS), which are root's. Past its own limit a user's new
+//! connection closes that user's longest idle one, or is refused (503, the message names the
+//! limit); it never closes another's connection to get past its own limit. See
+//! [`crate::admission`].
 
 use std::collections::HashMap;
 use std::fs;
@@ -31,7 +39,9 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
 use crate::ControlError;
-use crate::api::JSON;
+use crate::admission::{Admission, Caller, ConnectionCounts, Scope, StreamTable, admit_connection};
+use crate::api::{ApiError, JSON};
+use crate::limits::Limits;
 
 /// The longest path AF_UNIX binds (`sun_path` is 108 bytes with the terminating NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
@@ -39,44 +49,6 @@ pub const MAX_SOCKET_PATH: usize = 107;
 /// How long connections still open at shutdown get to finish their request before they are
 /// cut (an events stream whose hub is not closed never finishes by itself).
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-
-/// How long a client may take to send a request's headers. hyper starts the clock when it
-/// waits for a request, so this is also how long a connection may stay idle between requests.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// How long a client may take to send a request's body, counted from the end of its headers.
-/// A body still arriving then is cut: a handler reading it fails (the JSON extractor answers
-/// 408 `body_timeout`) and the connection is closed.
-pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Connections served at once (see the module documentation for what happens past it).
-pub const MAX_CONNECTIONS: usize = 64;
-
-/// What a client of a [`ControlSocket`] may hold. The default is [`HEADER_READ_TIMEOUT`],
-/// [`BODY_READ_TIMEOUT`] and [`MAX_CONNECTIONS`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// How long a request's headers may take, and a connection may stay idle.
-    pub header_read_timeout: Duration,
-    /// How long a request's body may take after its headers.
-    pub body_read_timeout: Duration,
-    /// Connections served at once (at least 1).
-    pub max_connections: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            header_read_timeout: HEADER_READ_TIMEOUT,
-            body_read_timeout: BODY_READ_TIMEOUT,
-            max_connections: MAX_CONNECTIONS,
-        }
-    }
-}
-
-/// The body of the reply to a connection past [`Limits::max_connections`] when none can be
-/// closed (an `ErrorBody`).
-const TOO_MANY_CONNECTIONS: &str = r#"{"error":{"code":"too_many_connections","message":"Every control connection is busy; try again later"}}"#;
 
 /// A bound control socket, not yet serving. The socket file is removed when this is dropped
 /// (or [`ControlSocket::serve`] returns), if the file at the path is still the one bound here.
@@ -160,6 +132,8 @@ impl ControlSocket {
             })?;
         tracing::info!(socket = %self.path.display(), "control API listening");
         let limits = self.limits;
+        let server_uid = rustix::process::geteuid().as_raw();
+        let streams = Arc::new(StreamTable::new(limits));
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut connections = JoinSet::new();
         let mut slots: HashMap<tokio::task::Id, Arc<Slot>> = HashMap::new();
@@ -177,17 +151,29 @@ impl ControlSocket {
                 }
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => {
-                        let open = slots.values().filter(|s| !s.is_closing()).count();
-                        if open >= limits.max_connections.max(1) && !close_longest_idle(&slots) {
-                            refuse(&stream);
+                        let Ok(cred) = stream.peer_cred() else {
+                            // Nothing to admit it by (the peer is gone already).
+                            tracing::debug!("a control connection without peer credentials; closed");
+                            continue;
+                        };
+                        let caller = Caller::new(
+                            cred.uid(),
+                            cred.gid(),
+                            cred.pid().and_then(|p| u32::try_from(p).ok()),
+                            server_uid,
+                            Arc::clone(&streams),
+                        );
+                        if let Err(refusal) = admit(&limits, &slots, &caller) {
+                            refuse(&stream, &refusal);
                             continue;
                         }
                         accepted_count += 1;
-                        let slot = Arc::new(Slot::new(accepted_count));
+                        let slot = Arc::new(Slot::new(accepted_count, &caller));
                         let task = serve_connection(
                             stream,
                             router.clone(),
                             limits,
+                            caller,
                             Arc::clone(&slot),
                             stop_rx.clone(),
                         );
@@ -249,6 +235,10 @@ where
 struct Slot {
     /// The order it was accepted in.
     number: u64,
+    /// Its peer's uid.
+    uid: u32,
+    /// Whether its peer is root or the server's own user.
+    privileged: bool,
     /// Requests in progress (from their headers to the end of their reply), or [`CLOSING`].
     state: Arc<AtomicUsize>,
     /// Tells the connection to close.
@@ -259,9 +249,11 @@ struct Slot {
 const CLOSING: usize = 1 << (usize::BITS - 1);
 
 impl Slot {
-    fn new(number: u64) -> Self {
+    fn new(number: u64, caller: &Caller) -> Self {
         Self {
             number,
+            uid: caller.uid,
+            privileged: caller.privileged(),
             state: Arc::new(AtomicUsize::new(0)),
             close: Notify::new(),
         }
@@ -270,14 +262,47 @@ impl Slot {
     fn is_closing(&self) -> bool {
         self.state.load(Ordering::Acquire) & CLOSING != 0
     }
+
+    fn in_scope(&self, scope: Scope) -> bool {
+        match scope {
+            Scope::Any => true,
+            Scope::Unprivileged => !self.privileged,
+            Scope::Uid(uid) => self.uid == uid,
+        }
+    }
 }
 
-/// Tells the connection that has waited longest for a request (none in progress) to close.
-/// Whether there was one.
-fn close_longest_idle(slots: &HashMap<tokio::task::Id, Arc<Slot>>) -> bool {
+/// Makes room for a new connection of `caller` ([`admit_connection`]): `Err` with the
+/// refusal's message when there is none.
+fn admit(
+    limits: &Limits,
+    slots: &HashMap<tokio::task::Id, Arc<Slot>>,
+    caller: &Caller,
+) -> Result<(), String> {
+    let mut counts = ConnectionCounts::default();
+    for slot in slots.values().filter(|s| !s.is_closing()) {
+        counts.total += 1;
+        counts.unprivileged += usize::from(!slot.privileged);
+        counts.of_uid += usize::from(slot.uid == caller.uid);
+    }
+    match admit_connection(limits, counts, caller.uid, caller.privileged()) {
+        Admission::Room => Ok(()),
+        Admission::CloseIdle { scope, refusal } => {
+            if close_longest_idle(slots, scope) {
+                Ok(())
+            } else {
+                Err(refusal)
+            }
+        }
+    }
+}
+
+/// Tells the connection of `scope` that has waited longest for a request (none in progress)
+/// to close. Whether there was one.
+fn close_longest_idle(slots: &HashMap<tokio::task::Id, Arc<Slot>>, scope: Scope) -> bool {
     let mut idle: Vec<&Arc<Slot>> = slots
         .values()
-        .filter(|s| s.state.load(Ordering::Acquire) == 0)
+        .filter(|s| s.in_scope(scope) && s.state.load(Ordering::Acquire) == 0)
         .collect();
     idle.sort_by_key(|s| s.number);
     // A request may start in between: the first that is still idle when it is marked.
@@ -295,14 +320,22 @@ fn close_longest_idle(slots: &HashMap<tokio::task::Id, Arc<Slot>>) -> bool {
     false
 }
 
-/// Answers 503 on a connection past the limit, without reading it, and closes it (the
-/// reply fits the empty socket buffer; a client that is gone already is no matter).
-fn refuse(stream: &tokio::net::UnixStream) {
-    tracing::debug!("every control connection is busy; one more refused");
+/// Answers 503 `too_many_connections` with `message` on a connection past a limit, without
+/// reading it, and closes it (the reply fits the empty socket buffer; a client that is gone
+/// already is no matter).
+fn refuse(stream: &tokio::net::UnixStream, message: &str) {
+    tracing::debug!("{message}");
+    let body = ApiError::new(
+        hyper::StatusCode::SERVICE_UNAVAILABLE,
+        "too_many_connections",
+        message,
+    )
+    .body();
+    let body = serde_json::to_string(&body).unwrap_or_default();
     let reply = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {JSON}\r\nconnection: close\r\n\
-         content-length: {}\r\n\r\n{TOO_MANY_CONNECTIONS}",
-        TOO_MANY_CONNECTIONS.len()
+         content-length: {}\r\n\r\n{body}",
+        body.len()
     );
     let _ = stream.try_write(reply.as_bytes());
 }
@@ -402,6 +435,7 @@ async fn serve_connection(
     stream: tokio::net::UnixStream,
     router: axum::Router,
     limits: Limits,
+    caller: Caller,
     slot: Arc<Slot>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -409,7 +443,8 @@ async fn serve_connection(
     let state = Arc::clone(&slot.state);
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let request = InProgress::new(&state);
-        let req = req.map(|body| RequestBody::new(body, limits.body_read_timeout));
+        let mut req = req.map(|body| RequestBody::new(body, limits.body_read_timeout));
+        req.extensions_mut().insert(caller.clone());
         let reply = router.call(req);
         async move {
             let reply = reply.await?;

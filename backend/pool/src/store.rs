@@ -164,6 +164,15 @@ impl Pool {
         self.apply_events(|inv| inv.create_endpoint(spec))
     }
 
+    /// [`Inventory::create_endpoint_by`], committed.
+    pub fn create_endpoint_by(
+        &mut self,
+        spec: &EndpointSpec,
+        owner_uid: u32,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.create_endpoint_by(spec, owner_uid))
+    }
+
     /// [`Inventory::delete_endpoint`], committed.
     pub fn delete_endpoint(&mut self, id: &str) -> Result<Vec<Event>, PoolError> {
         self.apply_events(|inv| inv.delete_endpoint(id))

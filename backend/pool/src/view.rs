@@ -66,6 +66,11 @@ pub struct Endpoint {
     pub moving_to: Option<String>,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
+    /// The user that created it (the control connection's uid; root for an endpoint of
+    /// the configuration file). Users other than root and the daemon's own act only on
+    /// their own endpoints. A store written before owners were recorded has none: root's.
+    #[serde(default)]
+    pub owner_uid: u32,
 }
 
 /// A request to create an endpoint. Give exactly one of `pool` and `device`.

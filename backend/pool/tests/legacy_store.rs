@@ -231,3 +231,29 @@ fn a_store_from_before_device_kinds_opens() {
         state
     );
 }
+
+/// An endpoint stored before owners were recorded is root's (uid 0); one created by another
+/// user keeps that user across a reopen.
+#[test]
+fn an_endpoint_without_a_recorded_owner_is_roots() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pool.redb");
+    write_old_store(&path);
+    let (mut pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("opens");
+    let owner = |pool: &Pool, e: &str| pool.inventory().endpoint(e).map(|e| e.owner_uid);
+    assert_eq!(owner(&pool, "vm1"), Some(0));
+    pool.create_endpoint_by(
+        &switchyard_pool::EndpointSpec {
+            id: "vm4".into(),
+            device: Some("p0.0".into()),
+            ..Default::default()
+        },
+        1000,
+    )
+    .expect("p0.0 is free");
+    assert_eq!(owner(&pool, "vm4"), Some(1000));
+    drop(pool);
+    let (pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("reopens");
+    assert_eq!(owner(&pool, "vm4"), Some(1000));
+    assert_eq!(owner(&pool, "vm2"), Some(0));
+}

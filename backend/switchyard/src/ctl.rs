@@ -672,6 +672,7 @@ fn print_endpoint(e: &EndpointStatus) -> anyhow::Result<()> {
     let lines = [
         ("endpoint", e.endpoint.id.clone()),
         ("socket", e.endpoint.socket.display().to_string()),
+        ("owner", owner_text(e.endpoint.owner_uid)),
         ("pool", dash(e.endpoint.pool.as_deref())),
         ("device", dash(e.endpoint.device.as_deref())),
         ("board", dash(e.lease.as_ref().map(|l| l.board.as_str()))),
@@ -716,6 +717,23 @@ fn print_endpoint(e: &EndpointStatus) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `uid N (NAME)`, the name from `/etc/passwd` when it has one.
+fn owner_text(uid: u32) -> String {
+    let name = std::fs::read_to_string("/etc/passwd")
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|line| {
+                let mut f = line.split(':');
+                let name = f.next()?;
+                (f.nth(1)?.parse::<u32>().ok()? == uid).then(|| name.to_owned())
+            })
+        });
+    match name {
+        Some(name) => format!("uid {uid} ({name})"),
+        None => format!("uid {uid}"),
+    }
 }
 
 /// `SEQ  pool|worker  TYPE  key=value ...`.

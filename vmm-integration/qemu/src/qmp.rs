@@ -254,9 +254,19 @@ impl Qmp {
     pub fn connect(path: impl AsRef<Path>, timeout: Duration) -> Result<Qmp> {
         let path = path.as_ref();
         let deadline = Instant::now() + timeout;
-        let stream = loop {
+        let stream = Self::connect_stream(path, timeout)?;
+        Self::handshake(stream, path, deadline, timeout)
+    }
+
+    /// The connection [`Qmp::connect`] makes (with its retries, for up to `timeout`), before
+    /// anything is read or written on it: for a caller that checks who is at the other end
+    /// (`SO_PEERCRED`) before it speaks, then hands it to [`Qmp::over`].
+    pub fn connect_stream(path: impl AsRef<Path>, timeout: Duration) -> Result<UnixStream> {
+        let path = path.as_ref();
+        let deadline = Instant::now() + timeout;
+        loop {
             match UnixStream::connect(path) {
-                Ok(s) => break s,
+                Ok(s) => return Ok(s),
                 Err(e)
                     if matches!(
                         e.kind(),
@@ -272,7 +282,23 @@ impl Qmp {
                     });
                 }
             }
-        };
+        }
+    }
+
+    /// A QMP client on `stream`, a fresh connection to the QMP socket at `path`
+    /// ([`Qmp::connect_stream`]): reads the greeting and negotiates capabilities within
+    /// `timeout`, also the initial per-command timeout.
+    pub fn over(stream: UnixStream, path: impl AsRef<Path>, timeout: Duration) -> Result<Qmp> {
+        let deadline = Instant::now() + timeout;
+        Self::handshake(stream, path.as_ref(), deadline, timeout)
+    }
+
+    fn handshake(
+        stream: UnixStream,
+        path: &Path,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Qmp> {
         debug!(path = %path.display(), "QMP connected");
         let mut conn = Connection {
             stream,

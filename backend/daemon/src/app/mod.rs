@@ -188,7 +188,7 @@ pub struct Daemon {
     unsupervised: Mutex<BTreeMap<String, Unsupervised>>,
     /// Endpoints' VMMs, as registered (`PUT /v1/endpoints/{id}/vmm`; not stored: a restarted
     /// daemon needs them registered again).
-    vmms: Mutex<BTreeMap<String, api::VmmLink>>,
+    vmms: Mutex<BTreeMap<String, api::authz::RegisteredVmm>>,
     /// Incoming endpoints of live migrations, with their sources (in memory only).
     incoming: Mutex<BTreeMap<String, api::incoming::Incoming>>,
     /// Failover bookkeeping (the failures themselves are in the store).
@@ -507,7 +507,7 @@ impl Daemon {
         self.pool.run(|pool, _| pool.history_reader())
     }
 
-    pub(crate) fn vmms(&self) -> Held<'_, BTreeMap<String, api::VmmLink>> {
+    pub(crate) fn vmms(&self) -> Held<'_, BTreeMap<String, api::authz::RegisteredVmm>> {
         lock(&self.vmms)
     }
 

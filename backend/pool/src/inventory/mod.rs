@@ -194,8 +194,17 @@ impl Inventory {
 
     /// Creates an endpoint leasing the first free device of `spec.pool` (boards in pool
     /// order, partitions in board order) on an available board that meets the requirements,
-    /// or the named `spec.device`.
+    /// or the named `spec.device`. Its owner is root ([`Inventory::create_endpoint_by`]).
     pub fn create_endpoint(&mut self, spec: &EndpointSpec) -> Result<Vec<Event>, PoolError> {
+        self.create_endpoint_by(spec, 0)
+    }
+
+    /// [`Inventory::create_endpoint`] for the user `owner_uid` (its [`Endpoint::owner_uid`]).
+    pub fn create_endpoint_by(
+        &mut self,
+        spec: &EndpointSpec,
+        owner_uid: u32,
+    ) -> Result<Vec<Event>, PoolError> {
         if !valid_id(&spec.id) {
             return Err(PoolError::BadId(spec.id.clone()));
         }
@@ -234,6 +243,7 @@ impl Inventory {
             device: Some(device.clone()),
             moving_to: None,
             created_unix_ms: now_unix_ms(),
+            owner_uid,
         };
         self.endpoints.insert(spec.id.clone(), endpoint);
         Ok(vec![self.emit(EventKind::EndpointCreated {

@@ -458,10 +458,15 @@ impl Daemon {
 
     /// The VMM unplugs the dead device, a fresh one is built on `plan.to` and plugged into
     /// the same slot.
-    fn fail_over_visibly(&self, plan: &MovePlan, link: &super::VmmLink) -> Result<(), ApiError> {
+    fn fail_over_visibly(
+        &self,
+        plan: &MovePlan,
+        vmm: &super::authz::RegisteredVmm,
+    ) -> Result<(), ApiError> {
         use switchyard_qemu::VfioUserDevice;
         let id = &plan.endpoint;
-        let mut qmp = super::ops::qmp_of(id, link)?;
+        let mut qmp = super::authz::qmp_of(id, vmm)?;
+        let link = &vmm.link;
         let socket = self
             .inventory()
             .endpoint(id)
@@ -469,7 +474,7 @@ impl Daemon {
             .ok_or_else(|| super::unknown_endpoint(id))?;
         qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
             .map_err(|e| {
-                super::ops::vmm_error(id, link, "the guest did not release the dead device", &e)
+                super::authz::vmm_error(id, link, "the guest did not release the dead device", &e)
             })?;
         self.wait_disconnected(id);
         let device = self

@@ -122,6 +122,7 @@ impl Daemon {
         &self,
         source: &str,
         spec: IncomingSpec,
+        owner_uid: u32,
     ) -> Result<EndpointStatus, ApiError> {
         if let Some((dst, _)) = self.incoming().iter().find(|(_, i)| i.source == source) {
             return Err(ApiError::conflict(
@@ -187,12 +188,15 @@ impl Daemon {
                 })?
         };
         let id = spec.id.clone();
-        let mut status = self.create(PoolEndpointSpec {
-            id: spec.id,
-            device: Some(device),
-            socket: spec.socket,
-            ..PoolEndpointSpec::default()
-        })?;
+        let mut status = self.create(
+            PoolEndpointSpec {
+                id: spec.id,
+                device: Some(device),
+                socket: spec.socket,
+                ..PoolEndpointSpec::default()
+            },
+            owner_uid,
+        )?;
         self.incoming().insert(
             id.clone(),
             Incoming {

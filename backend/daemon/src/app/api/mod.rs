@@ -36,10 +36,16 @@
 //! starts a worker on fresh VRAM (a new tenant never sees the last one's data) and plugs the
 //! device into the VM if its VMM is registered.
 //!
+//! Who may do what (`authz`): root and the daemon's own user everything; another user that
+//! can connect (a `--socket-group` member) reads everything, creates endpoints, acts only on
+//! the endpoints it created and registers only its own VMM; board operations are root's. A
+//! refusal is 403 `forbidden`.
+//!
 //! Errors are `{"error":{"code","message"}}`: pool errors by kind (`not_found` 404,
 //! `conflict` 409, `invalid` 422, `internal` 500); malformed JSON 400, a bad body 422. A
 //! refused request changes nothing: the pool checks a mutation on a copy before the data path
 //! acts, and the store is changed last (or the data path undone).
+pub(crate) mod authz;
 mod commits;
 pub(crate) mod failover;
 pub(crate) mod incoming;

@@ -9,6 +9,7 @@ use switchyard_pool::{Endpoint, EndpointSpec as PoolEndpointSpec, MovePlan, Plac
 
 use super::super::events::ms;
 use super::super::{Daemon, Unsupervised};
+use super::authz::{RegisteredVmm, qmp_of, vmm_error};
 use super::views::{
     DrainResult, EndpointStatus, FailedMove, MoveResult, VmmLink, WorkerReplaced, WorkerState,
     WorkerView,
@@ -55,7 +56,7 @@ impl Daemon {
         inventory: &switchyard_pool::Inventory,
         endpoint: &Endpoint,
     ) -> EndpointStatus {
-        let vmm = self.vmms().get(&endpoint.id).cloned();
+        let vmm = self.vmms().get(&endpoint.id).map(|v| v.link.clone());
         EndpointStatus {
             lease: endpoint.device.as_deref().and_then(|d| inventory.device(d)),
             worker: self.worker_view(endpoint),
@@ -77,13 +78,19 @@ impl Daemon {
     /// by the pool's owner, if the lease it takes is still the one the worker serves (a
     /// concurrent request may have taken it meanwhile: then the worker is stopped and the
     /// request refused, nothing created).
-    pub(super) fn create(&self, spec: PoolEndpointSpec) -> Result<EndpointStatus, ApiError> {
+    /// The endpoint is `owner_uid`'s.
+    pub(super) fn create(
+        &self,
+        spec: PoolEndpointSpec,
+        owner_uid: u32,
+    ) -> Result<EndpointStatus, ApiError> {
         // Everything the pool refuses is refused before a worker starts.
         let mut dry = (*self.inventory()).clone();
         if let Some(socket) = &spec.socket {
             socket_in_endpoint_dir(dry.endpoint_dir(), socket)?;
         }
-        dry.create_endpoint(&spec).map_err(pool_error)?;
+        dry.create_endpoint_by(&spec, owner_uid)
+            .map_err(pool_error)?;
         let endpoint = dry
             .endpoint(&spec.id)
             .ok_or_else(|| ApiError::internal("The checked endpoint is missing"))?;
@@ -111,12 +118,12 @@ impl Daemon {
             self.pool.run(move |pool, events| {
                 // The lease the worker serves must still be the one the pool gives.
                 let mut dry = pool.inventory().clone();
-                dry.create_endpoint(&spec)?;
+                dry.create_endpoint_by(&spec, owner_uid)?;
                 let now = dry.endpoint(&spec.id).and_then(|e| e.device.clone());
                 if now != planned {
                     return Ok(Some(now));
                 }
-                events.pool(pool.create_endpoint(&spec)?);
+                events.pool(pool.create_endpoint_by(&spec, owner_uid)?);
                 Ok(None)
             })
         };
@@ -204,7 +211,7 @@ impl Daemon {
         self.refuse_while_moving(id)?;
         let connected = self.supervisor.status(id).is_ok_and(|st| st.connected);
         if connected {
-            let link = self.vmms().get(id).cloned().ok_or_else(|| {
+            let vmm = self.vmms().get(id).cloned().ok_or_else(|| {
                 ApiError::conflict(
                     "connected",
                     format!(
@@ -212,9 +219,10 @@ impl Daemon {
                     ),
                 )
             })?;
-            let mut qmp = qmp_of(id, &link)?;
+            let mut qmp = qmp_of(id, &vmm)?;
+            let link = &vmm.link;
             qmp.device_del(&link.device_id, UNPLUG_TIMEOUT)
-                .map_err(|e| vmm_error(id, &link, "the guest did not release the device", &e))?;
+                .map_err(|e| vmm_error(id, link, "the guest did not release the device", &e))?;
             self.wait_disconnected(id);
         }
         match self.supervisor.delete(id) {
@@ -262,14 +270,15 @@ impl Daemon {
         }
         self.unsupervised().remove(id);
         // The registry's lock is not held across `status_of`, which takes it again.
-        let link = self.vmms().get(id).cloned();
-        if let Some(link) = link {
+        let vmm = self.vmms().get(id).cloned();
+        if let Some(vmm) = vmm {
+            let link = &vmm.link;
             let socket = self.status_of(id)?.endpoint.socket;
             let mut device = switchyard_qemu::VfioUserDevice::new(&link.device_id, &socket);
             device.bus = link.bus.clone();
-            qmp_of(id, &link)?
+            qmp_of(id, &vmm)?
                 .device_add(&device)
-                .map_err(|e| vmm_error(id, &link, "the device cannot be plugged in", &e))?;
+                .map_err(|e| vmm_error(id, link, "the device cannot be plugged in", &e))?;
         }
         self.status_of(id)
     }
@@ -391,11 +400,11 @@ impl Daemon {
                 None,
                 None,
             ),
-            Some(link) => match self.move_unplugged(&plan, link) {
+            Some(vmm) => match self.move_unplugged(&plan, vmm) {
                 Ok(u) => (
                     u.outcome,
                     Some(u.downtime),
-                    u.plugged.err().map(|e| (link, u.socket, e)),
+                    u.plugged.err().map(|e| (&vmm.link, u.socket, e)),
                 ),
                 Err(e) => {
                     self.abort_plan(&plan, "move");
@@ -467,11 +476,12 @@ impl Daemon {
     /// move (`Err`: the unplug failed) change nothing; once the worker was asked, what the
     /// data path did and whether the plug-back worked are returned, for the lease to follow
     /// the device either way.
-    fn move_unplugged(&self, plan: &MovePlan, link: &VmmLink) -> Result<Unplugged, ApiError> {
+    fn move_unplugged(&self, plan: &MovePlan, vmm: &RegisteredVmm) -> Result<Unplugged, ApiError> {
         use switchyard_qemu::VfioUserDevice;
+        let link = &vmm.link;
         let vmm_error =
             |what: &str, e: &dyn std::error::Error| vmm_error(&plan.endpoint, link, what, e);
-        let mut qmp = qmp_of(&plan.endpoint, link)?;
+        let mut qmp = qmp_of(&plan.endpoint, vmm)?;
         let socket = self
             .inventory()
             .endpoint(&plan.endpoint)
@@ -597,29 +607,6 @@ fn not_plugged_back(
             link.qmp.display(),
             link.device_id,
             socket.display()
-        ),
-    )
-}
-
-/// A QMP connection to an endpoint's VMM.
-pub(super) fn qmp_of(endpoint: &str, link: &VmmLink) -> Result<switchyard_qemu::Qmp, ApiError> {
-    switchyard_qemu::Qmp::connect(&link.qmp, Duration::from_secs(10))
-        .map_err(|e| vmm_error(endpoint, link, "cannot reach the VMM", &e))
-}
-
-/// A failure of an endpoint's VMM (502).
-pub(super) fn vmm_error(
-    endpoint: &str,
-    link: &VmmLink,
-    what: &str,
-    e: &dyn std::error::Error,
-) -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "vmm",
-        format!(
-            "Endpoint \"{endpoint}\": {what} through QMP at {}: {e}",
-            link.qmp.display()
         ),
     )
 }

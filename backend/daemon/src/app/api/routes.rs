@@ -5,13 +5,16 @@ use super::failover::{FaultInjected, FaultRequest};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use switchyard_control::{ApiError, ControlApi, ErrorBody, Json, NDJSON_CONTENT_TYPE, Path, Query};
+use switchyard_control::{
+    ApiError, Caller, ControlApi, ErrorBody, Json, NDJSON_CONTENT_TYPE, Path, Query,
+};
 use switchyard_pool::{
     BoardView, EndpointSpec as PoolEndpointSpec, Placement, PoolError, PoolView,
 };
 use utoipa_axum::routes;
 
 use super::super::events::{DaemonEvent, EventsPruned, MAX_STREAMS};
+use super::authz::{RegisteredVmm, check_qmp_registration, operator_only};
 use super::incoming::IncomingSpec;
 use super::views::{
     DrainResult, EndpointStatus, EventsQuery, MoveRequest, MoveResult, VmmLink, WorkerReplaced,
@@ -27,7 +30,12 @@ pub(super) fn api() -> ControlApi<AppState> {
              5xx status; a refused request changes nothing. GET /openapi.json serves this \
              document. Moves and drains are transparent to the guest with trapped VRAM \
              (vram_mmap = false) and guest-visible through a registered VMM otherwise; detach \
-             and attach unplug and plug the device through a registered VMM.",
+             and attach unplug and plug the device through a registered VMM. Who may do \
+             what (403 `forbidden` otherwise): root and the daemon's own user everything; \
+             another user (a member of the daemon's --socket-group) reads everything, \
+             creates endpoints and acts on the endpoints it created, and registers only its \
+             own VMM (a QMP socket it owns, served by a process of its own); board \
+             operations (quarantine, drain, fault injection) are root's.",
         )
         .health()
         .metrics()
@@ -78,7 +86,20 @@ async fn get_board(
         .ok_or_else(|| pool_error(PoolError::UnknownBoard(id)))
 }
 
-async fn set_quarantine(s: AppState, id: String, on: bool) -> Result<Json<BoardView>, ApiError> {
+async fn set_quarantine(
+    s: AppState,
+    caller: &Caller,
+    id: String,
+    on: bool,
+) -> Result<Json<BoardView>, ApiError> {
+    operator_only(
+        caller,
+        if on {
+            "quarantine a board"
+        } else {
+            "unquarantine a board"
+        },
+    )?;
     blocking(&s, move |d| d.set_quarantine(&id, on).map(Json)).await
 }
 
@@ -88,12 +109,14 @@ async fn set_quarantine(s: AppState, id: String, on: bool) -> Result<Json<BoardV
     params(("id" = String, Path, description = "The board's id")),
     responses(
         (status = 200, description = "The board, quarantined (already quarantined: unchanged)", body = BoardView),
+        (status = 403, description = "Not root or the daemon's own user", body = ErrorBody),
         (status = 404, description = "No such board", body = ErrorBody)))]
 async fn quarantine(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<BoardView>, ApiError> {
-    set_quarantine(s, id, true).await
+    set_quarantine(s, &caller, id, true).await
 }
 
 /// `POST /v1/boards/{id}/unquarantine`.
@@ -102,12 +125,14 @@ async fn quarantine(
     params(("id" = String, Path, description = "The board's id")),
     responses(
         (status = 200, description = "The board, available (already available: unchanged)", body = BoardView),
+        (status = 403, description = "Not root or the daemon's own user", body = ErrorBody),
         (status = 404, description = "No such board", body = ErrorBody)))]
 async fn unquarantine(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<BoardView>, ApiError> {
-    set_quarantine(s, id, false).await
+    set_quarantine(s, &caller, id, false).await
 }
 
 /// `GET /v1/pools`.
@@ -176,7 +201,7 @@ async fn sync_endpoint(
     summary = "Create an endpoint: lease a device and start the worker serving its socket",
     description = "The lease is checked first; then the worker starts and serves the socket; \
         only then is the endpoint stored. A refused request (or a worker that does not start) \
-        leaves nothing behind.",
+        leaves nothing behind. The endpoint is the caller's (`owner_uid`).",
     request_body = PoolEndpointSpec,
     responses(
         (status = 201, description = "Created; the socket accepts a VMM", body = EndpointStatus),
@@ -188,9 +213,10 @@ async fn sync_endpoint(
         (status = 503, description = "`resources`: the system is out of descriptors, memory or processes right now; nothing was created", body = ErrorBody)))]
 async fn create_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Json(spec): Json<PoolEndpointSpec>,
 ) -> Result<(StatusCode, Json<EndpointStatus>), ApiError> {
-    blocking(&s, move |d| d.create(spec))
+    blocking(&s, move |d| d.create(spec, caller.uid))
         .await
         .map(|st| (StatusCode::CREATED, Json(st)))
 }
@@ -201,15 +227,20 @@ async fn create_endpoint(
     params(("id" = String, Path, description = "The endpoint's id")),
     responses(
         (status = 204, description = "Deleted"),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner", body = ErrorBody),
         (status = 404, description = "No such endpoint", body = ErrorBody),
         (status = 409, description = "A move in progress, or an unknown process serves it", body = ErrorBody)))]
 async fn delete_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    blocking(&s, move |d| d.delete(&id))
-        .await
-        .map(|()| StatusCode::NO_CONTENT)
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.delete(&id)
+    })
+    .await
+    .map(|()| StatusCode::NO_CONTENT)
 }
 
 /// `POST /v1/endpoints/{id}/incoming`.
@@ -228,18 +259,23 @@ async fn delete_endpoint(
     responses(
         (status = 201, description = "Created; the socket accepts the destination VMM", body = EndpointStatus),
         (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 403, description = "Neither root, the daemon's own user nor the source endpoint's owner", body = ErrorBody),
         (status = 404, description = "No such source endpoint", body = ErrorBody),
         (status = 409, description = "The source has no device, already has an incoming endpoint or is one; no free device of its shape; id or socket in use", body = ErrorBody),
         (status = 422, description = "Invalid id or socket path", body = ErrorBody),
         (status = 500, description = "The worker did not start", body = ErrorBody)))]
 async fn create_incoming_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     Json(spec): Json<IncomingSpec>,
 ) -> Result<(StatusCode, Json<EndpointStatus>), ApiError> {
-    blocking(&s, move |d| d.create_incoming(&id, spec))
-        .await
-        .map(|st| (StatusCode::CREATED, Json(st)))
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.create_incoming(&id, spec, caller.uid)
+    })
+    .await
+    .map(|st| (StatusCode::CREATED, Json(st)))
 }
 
 /// `POST /v1/endpoints/{id}/restart`.
@@ -248,13 +284,20 @@ async fn create_incoming_endpoint(
     params(("id" = String, Path, description = "The endpoint's id")),
     responses(
         (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner", body = ErrorBody),
         (status = 404, description = "No such endpoint", body = ErrorBody),
         (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned), or a move or a migration is in progress", body = ErrorBody)))]
 async fn restart_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<WorkerReplaced>, ApiError> {
-    blocking(&s, move |d| d.replace(&id, false)).await.map(Json)
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.replace(&id, false)
+    })
+    .await
+    .map(Json)
 }
 
 /// `POST /v1/endpoints/{id}/upgrade`.
@@ -263,13 +306,20 @@ async fn restart_endpoint(
     params(("id" = String, Path, description = "The endpoint's id")),
     responses(
         (status = 200, description = "Replaced; the replacement serves (or `failed`)", body = WorkerReplaced),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner", body = ErrorBody),
         (status = 404, description = "No such endpoint", body = ErrorBody),
         (status = 409, description = "The worker is not running (starting, restarting, failed, orphaned), or a move or a migration is in progress", body = ErrorBody)))]
 async fn upgrade_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<WorkerReplaced>, ApiError> {
-    blocking(&s, move |d| d.replace(&id, true)).await.map(Json)
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.replace(&id, true)
+    })
+    .await
+    .map(Json)
 }
 
 /// `POST /v1/endpoints/{id}/move`.
@@ -283,35 +333,47 @@ async fn upgrade_endpoint(
     request_body = MoveRequest,
     responses(
         (status = 200, description = "Moved; the lease follows", body = MoveResult),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner", body = ErrorBody),
         (status = 404, description = "No such endpoint or device", body = ErrorBody),
         (status = 409, description = "The target is busy, quarantined or another shape; the guest maps VRAM; a move, restart or migration is in progress; the data path failed (the device stays)", body = ErrorBody),
         (status = 422, description = "A bad body", body = ErrorBody)))]
 async fn move_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     Json(req): Json<MoveRequest>,
 ) -> Result<Json<MoveResult>, ApiError> {
-    blocking(&s, move |d| d.move_endpoint(&id, &req.to))
-        .await
-        .map(Json)
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.move_endpoint(&id, &req.to)
+    })
+    .await
+    .map(Json)
 }
 
 /// `PUT /v1/endpoints/{id}/vmm`.
 #[utoipa::path(put, path = "/v1/endpoints/{id}/vmm", tag = TAG, operation_id = "register_vmm",
     summary = "Register the endpoint's VMM (QEMU's QMP socket and the device's id), for guest-visible moves",
-    description = "Kept in memory: a restarted daemon needs it registered again.",
+    description = "Kept in memory: a restarted daemon needs it registered again. A user other \
+        than root and the daemon's own registers only its own VMM: `qmp` must be a socket \
+        (not a symbolic link) that the user owns, and whenever the daemon connects to it, the \
+        process listening on it must run as that user (SO_PEERCRED), or nothing is sent to it \
+        (403).",
     params(("id" = String, Path, description = "The endpoint's id")),
     request_body = VmmLink,
     responses(
         (status = 200, description = "Registered (replacing an earlier registration)", body = EndpointStatus),
+        (status = 403, description = "Not the endpoint's owner (nor root or the daemon's own user), or the QMP socket is not a socket of the caller's", body = ErrorBody),
         (status = 404, description = "No such endpoint", body = ErrorBody),
         (status = 422, description = "A bad body: an empty device id, a relative QMP path", body = ErrorBody)))]
 async fn register_vmm(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     Json(link): Json<VmmLink>,
 ) -> Result<Json<EndpointStatus>, ApiError> {
     blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
         if link.device_id.is_empty() || !link.qmp.is_absolute() {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -319,8 +381,9 @@ async fn register_vmm(
                 "The VMM needs an absolute QMP socket path and a non-empty device id",
             ));
         }
-        d.status_of(&id)?;
-        d.vmms().insert(id.clone(), link);
+        check_qmp_registration(&caller, &link.qmp)?;
+        d.vmms()
+            .insert(id.clone(), RegisteredVmm::new(link, &caller));
         d.status_of(&id)
     })
     .await
@@ -333,13 +396,15 @@ async fn register_vmm(
     params(("id" = String, Path, description = "The endpoint's id")),
     responses(
         (status = 204, description = "Forgotten"),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner", body = ErrorBody),
         (status = 404, description = "No such endpoint, or no VMM registered", body = ErrorBody)))]
 async fn forget_vmm(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     blocking(&s, move |d| {
-        d.status_of(&id)?;
+        d.owner_or_operator(&caller, &id)?;
         match d.vmms().remove(&id) {
             Some(_) => Ok(StatusCode::NO_CONTENT),
             None => Err(ApiError::not_found(
@@ -357,14 +422,21 @@ async fn forget_vmm(
     params(("id" = String, Path, description = "The endpoint's id")),
     responses(
         (status = 200, description = "Detached: the endpoint holds no device", body = EndpointStatus),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner; or the registered VMM's QMP socket is served by another user than the one that registered it", body = ErrorBody),
         (status = 404, description = "No such endpoint", body = ErrorBody),
         (status = 409, description = "No device to detach; a VM uses it and no VMM is registered; a move in progress", body = ErrorBody),
         (status = 502, description = "The VMM failed (the device stays)", body = ErrorBody)))]
 async fn detach_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<EndpointStatus>, ApiError> {
-    blocking(&s, move |d| d.detach(&id)).await.map(Json)
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.detach(&id)
+    })
+    .await
+    .map(Json)
 }
 
 /// `POST /v1/endpoints/{id}/attach`.
@@ -374,6 +446,7 @@ async fn detach_endpoint(
     request_body = Placement,
     responses(
         (status = 200, description = "Attached and serving", body = EndpointStatus),
+        (status = 403, description = "Neither root, the daemon's own user nor the endpoint's owner; or the registered VMM's QMP socket is served by another user than the one that registered it", body = ErrorBody),
         (status = 404, description = "No such endpoint, device or pool", body = ErrorBody),
         (status = 409, description = "The endpoint holds a device; no free device fits; `no_room`: the daemon's descriptor plan has no room for another endpoint", body = ErrorBody),
         (status = 422, description = "A bad body", body = ErrorBody),
@@ -381,10 +454,16 @@ async fn detach_endpoint(
         (status = 503, description = "`resources`: the system is out of descriptors, memory or processes right now", body = ErrorBody)))]
 async fn attach_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     Json(to): Json<Placement>,
 ) -> Result<Json<EndpointStatus>, ApiError> {
-    blocking(&s, move |d| d.attach(&id, &to)).await.map(Json)
+    blocking(&s, move |d| {
+        d.owner_or_operator(&caller, &id)?;
+        d.attach(&id, &to)
+    })
+    .await
+    .map(Json)
 }
 
 /// `POST /v1/boards/{id}/drain`.
@@ -393,12 +472,15 @@ async fn attach_endpoint(
     params(("id" = String, Path, description = "The board's id")),
     responses(
         (status = 200, description = "The board is quarantined; the moves made and those that failed", body = DrainResult),
+        (status = 403, description = "Not root or the daemon's own user", body = ErrorBody),
         (status = 404, description = "No such board", body = ErrorBody),
         (status = 409, description = "Not every endpoint can move (no free device of its shape, mapped VRAM, a move in progress): nothing was done", body = ErrorBody)))]
 async fn drain_board(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<DrainResult>, ApiError> {
+    operator_only(&caller, "drain a board")?;
     blocking(&s, move |d| d.drain(&id)).await.map(Json)
 }
 
@@ -410,14 +492,16 @@ async fn drain_board(
     request_body = FaultRequest,
     responses(
         (status = 200, description = "Injected; detection and failover follow", body = FaultInjected),
-        (status = 403, description = "The daemon was not started with --faults", body = ErrorBody),
+        (status = 403, description = "The daemon was not started with --faults (`faults_disabled`), or the caller is not root or the daemon's own user (`forbidden`)", body = ErrorBody),
         (status = 404, description = "No such board", body = ErrorBody),
         (status = 409, description = "No device of the board is leased, one of its endpoints is moving, or a device refused the fault (a kind it does not simulate)", body = ErrorBody)))]
 async fn inject_fault(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     Json(req): Json<FaultRequest>,
 ) -> Result<Json<FaultInjected>, ApiError> {
+    operator_only(&caller, "inject a fault into a board")?;
     blocking(&s, move |d| d.inject_fault(&id, &req.kind))
         .await
         .map(Json)
@@ -441,8 +525,12 @@ async fn inject_fault(
         (status = 200, description = "One JSON value per line", body = DaemonEvent, content_type = "application/x-ndjson"),
         (status = 400, description = "A bad query string", body = ErrorBody),
         (status = 410, description = "`since` is older than the store's history keeps (events_pruned): resume from `oldest_since`", body = EventsPruned),
-        (status = 503, description = "The daemon is shutting down (shutting_down), or too many events streams are open (too_many_streams)", body = ErrorBody)))]
-async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Response {
+        (status = 503, description = "The daemon is shutting down (shutting_down), or too many events streams are open (too_many_streams: the caller's user has 8 open, or users other than root hold their 24; the message names the limit)", body = ErrorBody)))]
+async fn events(
+    State(s): State<AppState>,
+    caller: Caller,
+    Query(q): Query<EventsQuery>,
+) -> Response {
     let d = s.0.clone();
     if d.events.is_closed() {
         return ApiError::new(
@@ -452,6 +540,11 @@ async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Resp
         )
         .into_response();
     }
+    // The caller's share of the streams (per user, root's reserve), then the hub's slot.
+    let permit = match caller.open_stream() {
+        Ok(permit) => permit,
+        Err(e) => return e.into_response(),
+    };
     let Some(slot) = d.events.open_stream() else {
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -483,6 +576,6 @@ async fn events(State(s): State<AppState>, Query(q): Query<EventsQuery>) -> Resp
         }
     }
     let cursor = d.events.cursor(q.since, q.follow.unwrap_or(true));
-    let body = d.events.body(cursor, history, slot);
+    let body = permit.hold(d.events.body(cursor, history, slot));
     ([(header::CONTENT_TYPE, NDJSON_CONTENT_TYPE)], body).into_response()
 }
