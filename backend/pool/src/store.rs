@@ -154,6 +154,15 @@ impl Pool {
         self.apply_events(|inv| inv.create_endpoint(spec))
     }
 
+    /// [`Inventory::create_endpoint_as`], committed.
+    pub fn create_endpoint_as(
+        &mut self,
+        spec: &EndpointSpec,
+        token: &str,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.create_endpoint_as(spec, token))
+    }
+
     /// [`Inventory::delete_endpoint`], committed.
     pub fn delete_endpoint(&mut self, id: &str) -> Result<Vec<Event>, PoolError> {
         self.apply_events(|inv| inv.delete_endpoint(id))

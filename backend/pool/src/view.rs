@@ -66,6 +66,14 @@ pub struct Endpoint {
     pub moving_to: Option<String>,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
+    /// The endpoint's migration token: 32 hexadecimal characters, random, made when the
+    /// endpoint is created (for an endpoint of an earlier release's store, when the store is
+    /// opened). Its outgoing migration streams start with it, and the destination of a live
+    /// migration of this endpoint (an incoming endpoint, here or on another host) takes only a
+    /// stream that does. A capability: whoever holds it can pass a stream off as this
+    /// endpoint's. A re-created endpoint with the same id has another.
+    #[serde(default)]
+    pub migration_token: String,
 }
 
 /// A request to create an endpoint. Give exactly one of `pool` and `device`.

@@ -194,8 +194,20 @@ impl Inventory {
 
     /// Creates an endpoint leasing the first free device of `spec.pool` (boards in pool
     /// order, partitions in board order) on an available board that meets the requirements,
-    /// or the named `spec.device`.
+    /// or the named `spec.device`, with a new migration token.
     pub fn create_endpoint(&mut self, spec: &EndpointSpec) -> Result<Vec<Event>, PoolError> {
+        let token = crate::new_migration_token()?;
+        self.create_endpoint_as(spec, &token)
+    }
+
+    /// [`Inventory::create_endpoint`] with the migration token `token` (made beforehand with
+    /// [`new_migration_token`](crate::new_migration_token): a check on a copy and its commit
+    /// then create the same endpoint).
+    pub fn create_endpoint_as(
+        &mut self,
+        spec: &EndpointSpec,
+        token: &str,
+    ) -> Result<Vec<Event>, PoolError> {
         if !valid_id(&spec.id) {
             return Err(PoolError::BadId(spec.id.clone()));
         }
@@ -234,6 +246,7 @@ impl Inventory {
             device: Some(device.clone()),
             moving_to: None,
             created_unix_ms: now_unix_ms(),
+            migration_token: token.to_owned(),
         };
         self.endpoints.insert(spec.id.clone(), endpoint);
         Ok(vec![self.emit(EventKind::EndpointCreated {
