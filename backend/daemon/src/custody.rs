@@ -195,6 +195,34 @@ pub fn device_spec(shape: &switchyard_pool::DeviceShape, _host: Option<&str>) ->
     }
 }
 
+/// What a worker's server is told of migration streams ([`Note::Start`]; see
+/// `switchyard_server::origin`).
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationSettings {
+    /// The endpoint's migration token, stamped at the start of its outgoing streams.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// The token an incoming stream must carry (an incoming endpoint's: its source's); a
+    /// stream of another origin leaves the device in ERROR.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect_origin: Option<String>,
+    /// An open stream with no activity for this long is ended, milliseconds (none: the
+    /// server's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_ms: Option<u64>,
+}
+
+impl std::fmt::Debug for MigrationSettings {
+    /// The tokens are capabilities: not in logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MigrationSettings")
+            .field("origin", &self.origin.as_ref().map(|_| ".."))
+            .field("expect_origin", &self.expect_origin.as_ref().map(|_| ".."))
+            .field("idle_timeout_ms", &self.idle_timeout_ms)
+            .finish()
+    }
+}
+
 /// How a worker starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -292,9 +320,16 @@ pub enum Note {
         #[serde(default)]
         state: Option<String>,
         /// What changed it: `request` (the VMM's MIG_DEVICE_STATE), `reset` (DEVICE_RESET),
-        /// `client_gone` (the VMM went away); absent from workers of earlier releases.
+        /// `client_gone` (the VMM went away), `idle_timeout` (the stream had no activity
+        /// for the idle timeout), `wrong_origin` (an incoming stream of another origin than
+        /// the expected one); absent from workers of earlier releases.
         #[serde(default)]
         cause: Option<String>,
+        /// The device's state was loaded from a stream of the expected origin
+        /// (`switchyard_server::MigChange::origin_verified`); false from workers of earlier
+        /// releases, which do not check.
+        #[serde(default)]
+        origin_verified: bool,
     },
     /// What the worker served since its last report (worker → supervisor, every second
     /// while it serves; for the daemon's metrics).
@@ -415,6 +450,9 @@ pub enum Note {
         /// The lease (the pool's device) the worker serves, if its supervisor has one.
         #[serde(default)]
         lease: Option<String>,
+        /// Its migration streams' origin and idle timeout.
+        #[serde(default)]
+        migration: MigrationSettings,
     },
     /// Replace this worker's process image in place (supervisor → worker): the worker execs
     /// a fresh `switchyard worker` that continues the device from what it holds, as a

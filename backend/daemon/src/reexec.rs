@@ -35,6 +35,7 @@ pub(crate) struct Identity {
     pub adopt_dir: Option<PathBuf>,
     pub fd_budget: Option<u32>,
     pub failover: bool,
+    pub migration: crate::custody::MigrationSettings,
 }
 
 /// What the image before the exec tells the image after it.
@@ -49,6 +50,10 @@ pub(crate) struct Plan {
     pub restarts: u64,
     pub failover: bool,
     pub lease: Option<String>,
+    /// The migration streams' origin and idle timeout (absent from an earlier release's
+    /// image: none, the server's default timeout).
+    #[serde(default)]
+    pub migration: crate::custody::MigrationSettings,
     /// The ledger: custody id → descriptor number.
     pub held: Vec<(u64, i32)>,
     /// The memory objects: name → descriptor number.
@@ -131,6 +136,7 @@ fn prepare(
         restarts: snapshot.restarts + 1,
         failover: id.failover,
         lease,
+        migration: id.migration.clone(),
         held,
         objects,
     };

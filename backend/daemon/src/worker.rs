@@ -50,6 +50,9 @@ pub enum WorkerError {
     /// A re-executed image could not take its plan back.
     #[error("Re-exec failed")]
     Reexec(#[from] crate::reexec::ReexecError),
+    /// A migration origin token handed over is not one.
+    #[error("Invalid migration origin token")]
+    Origin(#[from] switchyard_server::origin::BadToken),
 }
 
 /// What a worker was asked to serve.
@@ -66,6 +69,7 @@ struct Start {
     restarts: u64,
     failover: bool,
     lease: Option<String>,
+    migration: custody::MigrationSettings,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -87,6 +91,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 restarts,
                 failover,
                 lease,
+                migration,
             } => {
                 // A spec is checked where it is made; a worker checks it again (a note is
                 // only JSON).
@@ -105,6 +110,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     restarts,
                     failover,
                     lease,
+                    migration,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -157,6 +163,7 @@ pub fn run_reexeced(
         restarts: p.restarts,
         failover: p.failover,
         lease: p.lease,
+        migration: p.migration,
     };
     serve(None, start, server_config)
 }
@@ -185,6 +192,7 @@ fn serve(
         adopt_dir: start.adopt_dir.clone(),
         fd_budget: start.fd_budget,
         failover: start.failover,
+        migration: start.migration.clone(),
     };
     if let Some(dir) = &start.adopt_dir {
         let path = adoption_path(dir, std::process::id());
@@ -200,6 +208,7 @@ fn serve(
     );
     let mut config = server_config(start.socket.clone());
     config.fd_budget = start.fd_budget;
+    apply_migration(&mut config, &start.migration)?;
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
     let spec = start.device.clone();
     let kind = spec
@@ -485,6 +494,22 @@ fn inject_fault(slot: &DeviceSlot, keeper: &Keeper, kind: &str) {
     }
 }
 
+/// The supervisor's migration settings on the server's configuration: the origin tokens
+/// (checked), the idle timeout (the server's default unless given).
+fn apply_migration(
+    config: &mut ServerConfig,
+    m: &custody::MigrationSettings,
+) -> Result<(), WorkerError> {
+    use switchyard_server::origin::OriginToken;
+    let token = |t: &Option<String>| t.as_deref().map(OriginToken::parse).transpose();
+    config.migration_origin = token(&m.origin)?;
+    config.migration_expect_origin = token(&m.expect_origin)?;
+    if let Some(ms) = m.idle_timeout_ms {
+        config.migration_idle_timeout = Some(std::time::Duration::from_millis(ms));
+    }
+    Ok(())
+}
+
 /// Tells the supervisor when a migration stream opens or closes ([`Note::Migration`]).
 fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
     use switchyard_proto::MigState;
@@ -498,14 +523,8 @@ fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
             keeper.notify(&Note::Migration {
                 streaming,
                 state: Some(crate::custody::mig_state_name(change.to).to_owned()),
-                cause: Some(
-                    match change.cause {
-                        switchyard_server::MigCause::Request => "request",
-                        switchyard_server::MigCause::Reset => "reset",
-                        switchyard_server::MigCause::ClientGone => "client_gone",
-                    }
-                    .to_owned(),
-                ),
+                cause: Some(change.cause.name().to_owned()),
+                origin_verified: change.origin_verified,
             });
         },
     ));

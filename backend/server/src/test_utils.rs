@@ -11,7 +11,6 @@ use switchyard_device::{
     DeviceContext, DeviceDescription, DeviceError, DmaSpace, Interrupts, IrqDesc, PciDevice,
     RegionDesc, WaitControl,
 };
-use switchyard_proto::MigState;
 
 use crate::{DeviceSlot, Slot};
 

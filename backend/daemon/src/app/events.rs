@@ -237,6 +237,17 @@ pub enum WorkerLifecycle {
         /// The destination's last migration state.
         state: String,
     },
+    /// The clean-up after a live migration onto an incoming endpoint: `endpoint`, the one the
+    /// migration left behind (the source after `migrated`, the destination after
+    /// `migration_aborted`), was deleted once its VMM let go of it (`deleted`), or was gone
+    /// already: deleted, or deleted and created again with the same id (another incarnation
+    /// is never touched).
+    MigrationReleased {
+        /// The endpoint.
+        endpoint: String,
+        /// Whether the clean-up deleted it.
+        deleted: bool,
+    },
     /// Workers kept dying before serving, or an adopted worker held more than the budget:
     /// the daemon let go of what the next worker would have restored (the client's
     /// connection and descriptors; then the device's state).
@@ -306,6 +317,7 @@ impl WorkerLifecycle {
                 state,
                 cause,
                 publish: true,
+                ..
             } => Self::Migration {
                 endpoint,
                 state,

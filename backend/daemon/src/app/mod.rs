@@ -460,20 +460,10 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         let (events, metrics, records) = (events.clone(), metrics.clone(), records.clone());
         let this = this.clone();
         Arc::new(move |e: crate::WorkerEvent| {
+            if let Some(change) = api::incoming::MigrationChange::of(&e) {
+                let _ = lock(&migrations).send(change);
+            }
             match &e {
-                crate::WorkerEvent::Migration {
-                    endpoint,
-                    state,
-                    cause,
-                    ..
-                } => {
-                    let change = (endpoint.clone(), state.clone(), cause.clone());
-                    let _ = lock(&migrations).send(change);
-                }
-                crate::WorkerEvent::Exited { endpoint, .. } => {
-                    let change = (endpoint.clone(), "exited".into(), String::new());
-                    let _ = lock(&migrations).send(change);
-                }
                 crate::WorkerEvent::Stats { endpoint, stats } => {
                     // From the inventory's snapshot: never waits for the pool's owner.
                     let board = this.get().and_then(std::sync::Weak::upgrade).and_then(|d| {
@@ -542,7 +532,10 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         supervisor: Supervisor::with_events(exe, sink)
             .with_adoption_dir(&workers_dir)
             .with_fd_plan(fd_plan)
-            .with_socket_access(access),
+            .with_socket_access(access)
+            .with_migration_idle_timeout(std::time::Duration::from_secs(
+                d.migration_idle_timeout.0,
+            )),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         incoming: Mutex::new(BTreeMap::new()),
@@ -663,6 +656,10 @@ impl Daemon {
             failover: inventory.failover_policy(&device.board)
                 != switchyard_pool::FailoverPolicy::Off,
             lease: endpoint.device.clone(),
+            migration: crate::custody::MigrationSettings {
+                origin: Some(endpoint.migration_token.clone()).filter(|t| !t.is_empty()),
+                ..Default::default()
+            },
         })
     }
 

@@ -108,6 +108,7 @@ pub(super) fn serve_notes(
                     streaming,
                     state,
                     cause,
+                    origin_verified,
                 },
                 _,
             )) => {
@@ -118,6 +119,7 @@ pub(super) fn serve_notes(
                         endpoint: ep.spec.id.clone(),
                         state,
                         cause: cause.unwrap_or_default(),
+                        origin_verified,
                         publish: migration_events.take(),
                     });
                 }

@@ -10,6 +10,7 @@ mod failover;
 mod handover;
 mod launch;
 mod ledger;
+mod migration;
 mod plan;
 mod sync;
 
@@ -134,6 +135,12 @@ pub struct EndpointSpec {
     /// the worker's failure reports ([`WorkerEvent::BoardFailed`]'s `lease`) and checked by
     /// [`Supervisor::inject_fault`].
     pub lease: Option<String>,
+    /// Its migration streams' origin tokens ([`Note::Start`]'s `migration`; the idle
+    /// timeout, unless set here, is the supervisor's:
+    /// [`Supervisor::with_migration_idle_timeout`]).
+    ///
+    /// [`Note::Start`]: crate::custody::Note::Start
+    pub migration: crate::custody::MigrationSettings,
 }
 
 /// How an endpoint's worker is doing.
@@ -358,8 +365,12 @@ pub enum WorkerEvent {
         endpoint: String,
         /// The new state ([`crate::custody::mig_state_name`]).
         state: String,
-        /// What changed it (`request`, `reset`, `client_gone`; empty: not said).
+        /// What changed it (`request`, `reset`, `client_gone`, `idle_timeout`,
+        /// `wrong_origin`; empty: not said).
         cause: String,
+        /// The device's state was loaded from a stream of the expected origin (see
+        /// [`crate::custody::Note::Migration`]).
+        origin_verified: bool,
         /// Whether it becomes an event (each endpoint's migration events are rate-limited).
         publish: bool,
     },
@@ -428,6 +439,8 @@ pub struct Supervisor {
     fd_plan: Option<FdPlan>,
     /// Who may connect to the endpoint sockets.
     access: SocketAccess,
+    /// Workers end migration streams idle this long ([`Supervisor::with_migration_idle_timeout`]).
+    migration_idle: Option<Duration>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -462,6 +475,7 @@ impl Supervisor {
             fd_budget: None,
             fd_plan: None,
             access: SocketAccess::default(),
+            migration_idle: None,
         }
     }
 
@@ -589,41 +603,20 @@ impl Supervisor {
         let ep2 = ep.clone();
         let sink = self.sink.clone();
         let adopt_dir = self.adopt_dir.clone();
-        let budget = self.fd_budget;
+        let (budget, migration_idle) = (self.fd_budget, self.migration_idle);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
                 let launch = Launch {
                     adopt_dir: adopt_dir.as_deref(),
                     fd_budget: budget,
+                    migration_idle,
                 };
                 supervise(&ep2, &exe, &sink, launch, None);
             })
             .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
         *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
         endpoints.insert(spec.id, ep);
-        Ok(())
-    }
-
-    /// Stops the endpoint: its worker is killed and every descriptor closed (the client sees
-    /// the connection close), the socket file removed.
-    pub fn delete(&self, id: &str) -> Result<(), SupervisorError> {
-        crate::blocking::may_block("a worker's kill and its supervision thread's join");
-        let ep = self
-            .endpoints()
-            .remove(id)
-            .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))?;
-        {
-            // Under the status lock: a worker started concurrently either is seen here or
-            // sees `stopping` (see `run_worker`).
-            let st = ep.status();
-            ep.stopping.store(true, Ordering::SeqCst);
-            kill(st.pid);
-        }
-        if let Some(t) = ep.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
-        ep.held().clear();
         Ok(())
     }
 

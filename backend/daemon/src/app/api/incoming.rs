@@ -2,21 +2,34 @@
 //!
 //! `POST /v1/endpoints/{source}/incoming` creates an endpoint leasing a free device of the
 //! source's shape (from the source's pool), whose worker serves a fresh device for the
-//! destination VMM to put into RESUMING. The daemon then follows the destination device's
-//! migration states (the worker's [`crate::custody::Note::Migration`]):
+//! destination VMM to put into RESUMING. Its device takes only a stream that came from the
+//! source: every endpoint has a migration token (`Endpoint::migration_token`), its worker
+//! stamps it at the start of every stream it sends (`switchyard_server::origin`), and the
+//! incoming endpoint's worker expects the source's; a stream without it or with another
+//! endpoint's (the destination's own included) leaves the device in ERROR. The daemon then
+//! follows the destination device's migration states (the worker's
+//! [`crate::custody::Note::Migration`]):
 //!
-//! - RESUMING, then STOP (the stream loaded), then RUNNING: the migration completed. The
+//! - RESUMING, then STOP (the stream loaded), then RUNNING, with the worker saying that what
+//!   was loaded came from the source (`origin_verified`): the migration completed. The
 //!   destination keeps its lease; the source endpoint is deleted (its lease released) once its
 //!   VMM let go of the device (the source QEMU quits after a completed migration), or after
 //!   [`SOURCE_GRACE`] at most. Event `migrated`, metric `switchyard_migrations_completed`.
-//! - Anything else after RESUMING (back to RUNNING without loading: the destination VMM gave up;
-//!   ERROR: the stream did not load; the worker died): the migration is over without the
-//!   destination. The destination endpoint is deleted (its lease released) once its VMM is gone;
-//!   the source serves on. Event `migration_aborted`, metric `switchyard_migrations_aborted`.
+//! - Anything else after RESUMING (back to RUNNING without loading: the destination VMM gave up
+//!   or its stream sat idle past the idle timeout; ERROR: the stream did not load or came from
+//!   elsewhere; the worker died): the migration is over without the destination. The
+//!   destination endpoint is deleted (its lease released) once its VMM is gone; the source
+//!   serves on. Event `migration_aborted`, metric `switchyard_migrations_aborted`.
+//!
+//! The clean-up deletes the incarnation of the endpoint the migration had, identified by its
+//! migration token as well as its id: an endpoint deleted meanwhile and created again with the
+//! same id is never touched (event `migration_released` says which happened).
 //!
 //! Moves, restarts, upgrades and drains of either endpoint are refused while its device
-//! streams (see `refuse_while_migrating`). The link between the two endpoints is kept in
-//! memory: a daemon restarted in the middle of a migration leaves both endpoints as they are.
+//! streams (see `refuse_while_migrating`); a stream with no activity for `[daemon]
+//! migration_idle_timeout` is ended by the worker, which lifts that. The link between the two
+//! endpoints is kept in memory: a daemon restarted in the middle of a migration leaves both
+//! endpoints as they are.
 
 use std::time::{Duration, Instant};
 
@@ -59,10 +72,30 @@ enum Phase {
 }
 
 /// An incoming endpoint's link to its source.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Incoming {
     source: String,
+    /// The source's migration token (its incarnation).
+    source_token: String,
+    /// The incoming endpoint's own (its incarnation).
+    token: String,
     phase: Phase,
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("source", &self.source)
+            .field("phase", &self.phase)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One incarnation of an endpoint: its id and its migration token.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Incarnation {
+    id: String,
+    token: String,
 }
 
 /// What a migration state change means for an incoming endpoint.
@@ -73,23 +106,60 @@ enum Step {
     Aborted,
 }
 
-/// The next step of an incoming endpoint in `phase` whose device went to `state` by `cause`.
-fn step(phase: Phase, state: &str, cause: &str) -> Step {
+/// The next step of an incoming endpoint in `phase` whose device went to `state` by `cause`
+/// (`verified`: what it loaded came from the source).
+fn step(phase: Phase, state: &str, cause: &str, verified: bool) -> Step {
     match (phase, state, cause) {
         // Before RESUMING (a STOP on the way there) nothing has started.
         (Phase::Waiting, "resuming", _) => Step::Continue(Phase::Resuming),
         (Phase::Waiting, _, _) => Step::Continue(Phase::Waiting),
         // The stream loaded (the server validates it on the way out of RESUMING; a stream
-        // that does not load leaves ERROR), then the VMM runs the device.
+        // that does not load, or came from elsewhere, leaves ERROR), then the VMM runs the
+        // device: complete only if the worker vouches for the stream's origin.
         (Phase::Resuming, "stop", "request") => Step::Continue(Phase::Loaded),
-        (Phase::Resuming | Phase::Loaded, "running", "request") => Step::Completed,
-        // ERROR, a reset, the VMM gone, the worker dead.
+        (Phase::Resuming | Phase::Loaded, "running", "request") if verified => Step::Completed,
+        // Running on a stream of unproven origin (a worker that does not check), ERROR, a
+        // reset, the VMM gone, an idle stream ended, the worker dead.
         (Phase::Resuming | Phase::Loaded, _, _) => Step::Aborted,
     }
 }
 
-/// A migration state change of an endpoint's device: endpoint, state, cause.
-pub type MigrationChange = (String, String, String);
+/// A migration state change of an endpoint's device, or its worker's death (state
+/// `exited`).
+#[derive(Debug, Clone)]
+pub struct MigrationChange {
+    endpoint: String,
+    state: String,
+    cause: String,
+    origin_verified: bool,
+}
+
+impl MigrationChange {
+    /// The change a worker event is, if it is one.
+    pub(crate) fn of(e: &crate::WorkerEvent) -> Option<Self> {
+        match e {
+            crate::WorkerEvent::Migration {
+                endpoint,
+                state,
+                cause,
+                origin_verified,
+                ..
+            } => Some(Self {
+                endpoint: endpoint.clone(),
+                state: state.clone(),
+                cause: cause.clone(),
+                origin_verified: *origin_verified,
+            }),
+            crate::WorkerEvent::Exited { endpoint, .. } => Some(Self {
+                endpoint: endpoint.clone(),
+                state: "exited".into(),
+                cause: String::new(),
+                origin_verified: false,
+            }),
+            _ => None,
+        }
+    }
+}
 
 /// Starts the thread that follows the endpoints' migration states, in order and off the
 /// supervision threads (a finished migration deletes an endpoint, which takes the pool's
@@ -101,11 +171,11 @@ pub(crate) fn follow_migrations(
     std::thread::Builder::new()
         .name("sy-migrations".into())
         .spawn(move || {
-            for (endpoint, state, cause) in rx {
+            for change in rx {
                 let Some(d) = daemon.get().and_then(std::sync::Weak::upgrade) else {
                     continue;
                 };
-                if let Some(release) = d.migration_state(&endpoint, &state, &cause) {
+                if let Some(release) = d.migration_state(&change) {
                     std::thread::spawn(move || d.release_when_let_go(&release));
                 }
             }
@@ -135,11 +205,12 @@ impl Daemon {
                 ),
             ));
         }
-        let device = {
+        let (device, source_token) = {
             let inv = self.inventory();
             let src = inv
                 .endpoint(source)
                 .ok_or_else(|| unknown_endpoint(source))?;
+            let source_token = src.migration_token.clone();
             let theirs = src
                 .device
                 .as_deref()
@@ -156,7 +227,8 @@ impl Daemon {
                 .as_ref()
                 .and_then(|p| pools.iter().find(|v| &v.name == p))
                 .map(|v| &v.boards);
-            inv.boards()
+            let device = inv
+                .boards()
                 .into_iter()
                 .filter(|b| boards.is_none_or(|ids| ids.contains(&b.id)))
                 .flat_map(|b| b.devices)
@@ -182,19 +254,25 @@ impl Daemon {
                                 .unwrap_or_default()
                         ),
                     )
-                })?
+                })?;
+            (device, source_token)
         };
         let id = spec.id.clone();
-        let mut status = self.create(PoolEndpointSpec {
-            id: spec.id,
-            device: Some(device),
-            socket: spec.socket,
-            ..PoolEndpointSpec::default()
-        })?;
+        let mut status = self.create_expecting(
+            PoolEndpointSpec {
+                id: spec.id,
+                device: Some(device),
+                socket: spec.socket,
+                ..PoolEndpointSpec::default()
+            },
+            Some(source_token.clone()),
+        )?;
         self.incoming().insert(
             id.clone(),
             Incoming {
                 source: source.to_owned(),
+                source_token,
+                token: status.endpoint.migration_token.clone(),
                 phase: Phase::Waiting,
             },
         );
@@ -215,43 +293,50 @@ impl Daemon {
         self.incoming().get(id).map(|i| i.source.clone())
     }
 
-    /// Endpoint `endpoint`'s device went to migration state `state` by `cause` (or its worker
-    /// died: `exited`). Completes or aborts the migration of an incoming endpoint; returns the
-    /// endpoint whose lease then goes ([`Daemon::release_when_let_go`]).
-    pub(crate) fn migration_state(
-        &self,
-        endpoint: &str,
-        state: &str,
-        cause: &str,
-    ) -> Option<String> {
-        let (source, completed) = {
+    /// An endpoint's device changed migration state (or its worker died: `exited`).
+    /// Completes or aborts the migration of an incoming endpoint; returns the incarnation of
+    /// the endpoint whose lease then goes ([`Daemon::release_when_let_go`]).
+    pub(crate) fn migration_state(&self, change: &MigrationChange) -> Option<Incarnation> {
+        let endpoint = change.endpoint.as_str();
+        let (inc, completed) = {
             let mut incoming = self.incoming();
             let inc = incoming.get_mut(endpoint)?;
-            match step(inc.phase, state, cause) {
+            let verified = change.origin_verified;
+            match step(inc.phase, &change.state, &change.cause, verified) {
                 Step::Continue(phase) => {
                     inc.phase = phase;
                     return None;
                 }
-                Step::Completed => (inc.source.clone(), true),
-                Step::Aborted => (inc.source.clone(), false),
+                Step::Completed => (inc.clone(), true),
+                Step::Aborted => (inc.clone(), false),
             }
         };
         self.metrics.migration_ended(completed);
+        let source = inc.source.clone();
         let (released, event) = if completed {
             tracing::info!(%endpoint, %source, "live migration completed; the source's lease goes");
             let event = WorkerLifecycle::Migrated {
                 endpoint: endpoint.to_owned(),
                 source: source.clone(),
             };
-            (source, event)
+            let released = Incarnation {
+                id: source,
+                token: inc.source_token,
+            };
+            (released, event)
         } else {
-            tracing::warn!(%endpoint, %source, state, "live migration aborted; the destination's lease goes");
+            let state = change.state.as_str();
+            tracing::warn!(%endpoint, %source, state, cause = change.cause, "live migration aborted; the destination's lease goes");
             let event = WorkerLifecycle::MigrationAborted {
                 endpoint: endpoint.to_owned(),
                 source,
                 state: state.to_owned(),
             };
-            (endpoint.to_owned(), event)
+            let released = Incarnation {
+                id: endpoint.to_owned(),
+                token: inc.token,
+            };
+            (released, event)
         };
         self.events.worker(event);
         // After the event: a client that sees the link gone finds the event.
@@ -259,18 +344,47 @@ impl Daemon {
         Some(released)
     }
 
-    /// Deletes endpoint `id` once its VMM let go of it (within [`SOURCE_GRACE`]).
-    pub(crate) fn release_when_let_go(&self, id: &str) {
+    /// Deletes incarnation `which` of an endpoint once its VMM let go of it (within
+    /// [`SOURCE_GRACE`]); nothing when it is gone meanwhile (deleted, or deleted and created
+    /// again: another incarnation is never touched). Polls every 50 ms, no lock held.
+    pub(crate) fn release_when_let_go(&self, which: &Incarnation) {
+        let id = which.id.as_str();
+        let this_one = || {
+            self.inventory()
+                .endpoint(id)
+                .is_some_and(|e| e.migration_token == which.token)
+        };
         let deadline = Instant::now() + SOURCE_GRACE;
-        while self.supervisor.status(id).is_ok_and(|st| st.connected) && Instant::now() < deadline {
+        loop {
+            if !this_one() {
+                break;
+            }
+            // An endpoint the supervisor does not know (a delete under way, an orphan) is
+            // waited for: the pool says when it is gone.
+            let let_go = self.supervisor.status(id).is_ok_and(|st| !st.connected);
+            if let_go || Instant::now() >= deadline {
+                break;
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
-        match self.delete(id) {
-            Ok(()) => tracing::info!(endpoint = %id, "endpoint of a finished migration deleted"),
-            Err(e) => {
-                tracing::error!(endpoint = %id, "cannot delete the endpoint of a finished migration: {e:?}")
+        let deleted = match self.delete_incarnation(id, Some(&which.token)) {
+            Ok(true) => {
+                tracing::info!(endpoint = %id, "endpoint of a finished migration deleted");
+                true
             }
-        }
+            Ok(false) => {
+                tracing::info!(endpoint = %id, "endpoint of a finished migration already gone (deleted, or created again: left alone)");
+                false
+            }
+            Err(e) => {
+                tracing::error!(endpoint = %id, "cannot delete the endpoint of a finished migration: {e:?}");
+                false
+            }
+        };
+        self.events.worker(WorkerLifecycle::MigrationReleased {
+            endpoint: id.to_owned(),
+            deleted,
+        });
     }
 
     fn incoming(&self) -> super::super::Held<'_, std::collections::BTreeMap<String, Incoming>> {
@@ -287,7 +401,7 @@ mod tests {
         let walk = |states: &[(&str, &str)]| {
             let mut phase = Phase::Waiting;
             for (s, cause) in states {
-                match step(phase, s, cause) {
+                match step(phase, s, cause, true) {
                     Step::Continue(p) => phase = p,
                     end => return Some(end),
                 }
@@ -333,6 +447,31 @@ mod tests {
         assert_eq!(
             walk(&[("stop", req), ("running", req), ("exited", "")]),
             None
+        );
+        // The stream sat idle: the worker ended it.
+        assert_eq!(
+            walk(&[("resuming", req), ("running", "idle_timeout")]),
+            Some(Step::Aborted)
+        );
+    }
+
+    #[test]
+    fn running_on_a_stream_of_unproven_origin_is_no_completion() {
+        assert_eq!(
+            step(Phase::Loaded, "running", "request", false),
+            Step::Aborted
+        );
+        assert_eq!(
+            step(Phase::Resuming, "running", "request", false),
+            Step::Aborted
+        );
+        assert_eq!(
+            step(Phase::Resuming, "error", "wrong_origin", false),
+            Step::Aborted
+        );
+        assert_eq!(
+            step(Phase::Loaded, "running", "request", true),
+            Step::Completed
         );
     }
 }

@@ -217,10 +217,14 @@ async fn delete_endpoint(
     summary = "Create the destination endpoint of a live migration of this endpoint's VM",
     description = "Leases a free device of the source's shape (from the source's pool) and \
         starts a worker serving a fresh device on the new endpoint's socket, for the destination \
-        VMM (QEMU `-incoming`) to load the source's device state into. When the destination's \
-        device has loaded the stream and runs, the migration is complete: the destination keeps \
-        its lease and the source endpoint is deleted once its VMM let go (event `migrated`). \
-        When the destination gives up or fails to load, the destination endpoint is deleted and \
+        VMM (QEMU `-incoming`) to load the source's device state into; it takes only a stream \
+        that starts with the source's `migration_token` (every stream the source's worker \
+        writes does), another leaves the device in ERROR. When the destination's device has \
+        loaded the source's stream and runs, the migration is complete: the destination keeps \
+        its lease and the source endpoint (that incarnation: not one created again with its \
+        id) is deleted once its VMM let go (events `migrated`, `migration_released`). When the \
+        destination gives up, fails to load, gets a stream from elsewhere or its stream sits \
+        idle past `[daemon] migration_idle_timeout`, the destination endpoint is deleted and \
         the source serves on (event `migration_aborted`). Kept in memory: a daemon restarted \
         during a migration leaves both endpoints as they are.",
     params(("id" = String, Path, description = "The source endpoint's id")),
