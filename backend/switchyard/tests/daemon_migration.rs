@@ -285,6 +285,9 @@ fn the_clean_up_of_a_migration_spares_an_endpoint_created_again_with_the_same_id
             .then(|| "the new vm1 was deleted by the clean-up of the old one".to_owned())
     });
     assert_eq!(released["deleted"], false, "{released}");
+    d.client()
+        .post("/v1/endpoints/vm1/sync", &())
+        .expect("sync");
     let now = d.endpoint("vm1");
     assert_eq!(now["endpoint"]["migration_token"], new_token, "{now}");
     assert_eq!(now["worker"]["connected"], true, "{now}");
@@ -371,6 +374,9 @@ fn a_destination_fed_a_stream_from_elsewhere_never_completes() {
 
     // The source serves on, untouched, and no migration completed.
     assert!(worker_events(&d, "migrated").is_empty(), "{:?}", d.events());
+    d.client()
+        .post("/v1/endpoints/vm1/sync", &())
+        .expect("sync");
     let now = d.endpoint("vm1");
     assert_eq!(
         now["endpoint"]["migration_token"],
@@ -404,6 +410,9 @@ fn an_idle_migration_stream_is_ended_and_releases_what_it_blocked() {
         .set_mig_state(MigState::PreCopy as u32)
         .expect("PRE_COPY");
     let api = d.client();
+    // The daemon has applied the worker's note of the open stream.
+    api.post("/v1/endpoints/vm1/sync", &()).expect("sync");
+    assert_eq!(d.endpoint("vm1")["worker"]["migrating"], true);
     assert_eq!(
         api_status(api.post("/v1/endpoints/vm1/restart", &json!({}))),
         (409, "migrating".into())

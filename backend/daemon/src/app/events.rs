@@ -215,7 +215,10 @@ pub enum WorkerLifecycle {
         /// The new state.
         state: String,
         /// What changed it: `request` (the VMM), `reset` (a device reset abandoned the
-        /// migration), `client_gone` (the VMM went away, which abandons it).
+        /// migration), `client_gone` (the VMM went away, which abandons it), `idle_timeout`
+        /// (the stream had no activity for `[daemon] migration_idle_timeout`: abandoned, the
+        /// device runs), `wrong_origin` (an incoming endpoint's stream did not come from its
+        /// source: ERROR).
         cause: String,
     },
     /// A live migration onto an incoming endpoint (`POST /v1/endpoints/{id}/incoming`)

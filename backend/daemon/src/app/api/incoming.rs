@@ -175,6 +175,12 @@ pub(crate) fn follow_migrations(
                 let Some(d) = daemon.get().and_then(std::sync::Weak::upgrade) else {
                     continue;
                 };
+                // A stream the worker ended for idleness lets a failover it held back go on
+                // now rather than at the next reconciliation (not on every change: a client
+                // can change states at message rate).
+                if change.cause == "idle_timeout" {
+                    d.failover.wake();
+                }
                 if let Some(release) = d.migration_state(&change) {
                     std::thread::spawn(move || d.release_when_let_go(&release));
                 }
