@@ -252,6 +252,10 @@ fn the_clean_up_of_a_migration_spares_an_endpoint_created_again_with_the_same_id
     let e1 = d.endpoint("vm1");
     let old_token = e1["endpoint"]["migration_token"].clone();
     assert_eq!(old_token.as_str().map(str::len), Some(32), "{e1}");
+    // What an operator gives a destination on another host.
+    let shown: Value =
+        serde_json::from_str(&d.ctl_ok(&["endpoint", "vm1", "--json"])).expect("json");
+    assert_eq!(shown["endpoint"]["migration_token"], old_token);
     let mut guest = connect(&socket_of(&e1));
     guest.setup_queue(0);
     guest.vram_write(0x1000, &[0x11; 4096]);
