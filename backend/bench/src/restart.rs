@@ -343,6 +343,7 @@ pub fn restart(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
             device: switchyard_kinds::softgpu(&gpu_config),
             failover: false,
             lease: None,
+            migration: Default::default(),
         })
         .context("create the endpoint")?;
         let st = sup.wait_ready(ENDPOINT, 1, READY_TIMEOUT)?;

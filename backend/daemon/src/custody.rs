@@ -201,6 +201,34 @@ pub fn device_spec(shape: &switchyard_pool::DeviceShape, _host: Option<&str>) ->
     }
 }
 
+/// What a worker's server is told of migration streams ([`Note::Start`]; see
+/// `switchyard_server::origin`).
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationSettings {
+    /// The endpoint's migration token, stamped at the start of its outgoing streams.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// The token an incoming stream must carry (an incoming endpoint's: its source's); a
+    /// stream of another origin leaves the device in ERROR.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect_origin: Option<String>,
+    /// An open stream with no activity for this long is ended, milliseconds (none: the
+    /// server's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_ms: Option<u64>,
+}
+
+impl std::fmt::Debug for MigrationSettings {
+    /// The tokens are capabilities: not in logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MigrationSettings")
+            .field("origin", &self.origin.as_ref().map(|_| ".."))
+            .field("expect_origin", &self.expect_origin.as_ref().map(|_| ".."))
+            .field("idle_timeout_ms", &self.idle_timeout_ms)
+            .finish()
+    }
+}
+
 /// How a worker starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -425,6 +453,9 @@ pub enum Note {
         /// records.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         nonce: Option<WorkerNonce>,
+        /// Its migration streams' origin and idle timeout.
+        #[serde(default)]
+        migration: MigrationSettings,
     },
     /// Replace this worker's process image in place (supervisor → worker): the worker execs
     /// a fresh `switchyard worker` that continues the device from what it holds, as a

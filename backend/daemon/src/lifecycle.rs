@@ -39,11 +39,18 @@ pub struct MigrationChange {
     /// The new state: `pre_copy`, `stop_copy`, `resuming`, `stop`, `running`, `error`.
     pub state: String,
     /// What changed it: `request` (the VMM), `reset` (a device reset abandoned the
-    /// migration), `client_gone` (the VMM went away, which abandons it). Always in an event;
-    /// a worker of an earlier release may not say (empty).
+    /// migration), `client_gone` (the VMM went away, which abandons it), `idle_timeout` (the
+    /// stream had no activity for the idle timeout), `wrong_origin` (an incoming stream of
+    /// another origin than the expected one). Always in an event; a worker of an earlier
+    /// release may not say (empty).
     #[serde(default)]
     #[schema(required = true)]
     pub cause: String,
+    /// The device's state was loaded from a stream of the expected origin
+    /// (`switchyard_server::MigChange::origin_verified`; shown only when true). False from
+    /// workers of earlier releases, which do not check.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub origin_verified: bool,
 }
 
 /// What a replacement could not restore of its client's state: what a worker's `state_lost`
@@ -152,6 +159,17 @@ pub enum WorkerLifecycle {
         /// The destination's last migration state.
         state: String,
     },
+    /// The clean-up after a live migration onto an incoming endpoint: `endpoint`, the one the
+    /// migration left behind (the source after `migrated`, the destination after
+    /// `migration_aborted`), was deleted once its VMM let go of it (`deleted`), or was gone
+    /// already: deleted, or deleted and created again with the same id (another incarnation
+    /// is never touched).
+    MigrationReleased {
+        /// The endpoint.
+        endpoint: String,
+        /// Whether the clean-up deleted it.
+        deleted: bool,
+    },
     /// Workers kept dying before serving, or an adopted worker held more than the budget:
     /// the daemon let go of what the next worker would have restored (the client's
     /// connection and descriptors; then the device's state).
@@ -193,6 +211,7 @@ impl WorkerLifecycle {
             | Self::Migration { endpoint, .. }
             | Self::Migrated { endpoint, .. }
             | Self::MigrationAborted { endpoint, .. }
+            | Self::MigrationReleased { endpoint, .. }
             | Self::Reset { endpoint, .. }
             | Self::StateLost { endpoint, .. }
             | Self::DeviceLost { endpoint, .. } => endpoint,

@@ -37,6 +37,7 @@ pub(crate) struct Identity {
     pub failover: bool,
     /// The worker's nonce: the same process, the same record, the same proof.
     pub nonce: Option<crate::custody::WorkerNonce>,
+    pub migration: crate::custody::MigrationSettings,
 }
 
 /// What the image before the exec tells the image after it.
@@ -54,6 +55,10 @@ pub(crate) struct Plan {
     /// Absent from a plan of an earlier release's image.
     #[serde(default)]
     pub nonce: Option<crate::custody::WorkerNonce>,
+    /// The migration streams' origin and idle timeout (absent from an earlier release's
+    /// image: none, the server's default timeout).
+    #[serde(default)]
+    pub migration: crate::custody::MigrationSettings,
     /// The ledger: custody id → descriptor number.
     pub held: Vec<(u64, i32)>,
     /// The memory objects: name → descriptor number.
@@ -137,6 +142,7 @@ fn prepare(
         failover: id.failover,
         lease,
         nonce: id.nonce.clone(),
+        migration: id.migration.clone(),
         held,
         objects,
     };

@@ -52,6 +52,9 @@ pub enum WorkerError {
     /// A re-executed image could not take its plan back.
     #[error("Re-exec failed")]
     Reexec(#[from] crate::reexec::ReexecError),
+    /// A migration origin token handed over is not one.
+    #[error("Invalid migration origin token")]
+    Origin(#[from] switchyard_server::origin::BadToken),
 }
 
 /// What a worker was asked to serve.
@@ -70,6 +73,7 @@ struct Start {
     failover: bool,
     lease: Option<String>,
     nonce: Option<custody::WorkerNonce>,
+    migration: custody::MigrationSettings,
 }
 
 fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
@@ -92,6 +96,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                 failover,
                 lease,
                 nonce,
+                migration,
             } => {
                 // A spec is checked where it is made; a worker configures it (a note is only
                 // JSON), once: what builds, recovers and moves the device takes the result.
@@ -109,6 +114,7 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
                     failover,
                     lease,
                     nonce,
+                    migration,
                 });
             }
             other => tracing::warn!(?other, "unexpected custody note before start; ignored"),
@@ -165,6 +171,7 @@ pub fn run_reexeced(
         failover: p.failover,
         lease: p.lease,
         nonce: p.nonce,
+        migration: p.migration,
     };
     serve(None, start, server_config)
 }
@@ -196,6 +203,7 @@ fn serve(
         fd_budget: start.fd_budget,
         failover: start.failover,
         nonce: start.nonce.clone(),
+        migration: start.migration.clone(),
     };
     if let Some(dir) = &start.adopt_dir {
         let path = adoption_path(dir, std::process::id());
@@ -211,6 +219,7 @@ fn serve(
     );
     let mut config = server_config(start.socket.clone());
     config.fd_budget = start.fd_budget;
+    apply_migration(&mut config, &start.migration)?;
     let socket = DeviceSocket::adopt(listener, start.socket.clone());
     let Configured {
         spec,
@@ -496,6 +505,22 @@ fn inject_fault(slot: &DeviceSlot, keeper: &Keeper, kind: &str) {
     }
 }
 
+/// The supervisor's migration settings on the server's configuration: the origin tokens
+/// (checked), the idle timeout (the server's default unless given).
+fn apply_migration(
+    config: &mut ServerConfig,
+    m: &custody::MigrationSettings,
+) -> Result<(), WorkerError> {
+    use switchyard_server::origin::OriginToken;
+    let token = |t: &Option<String>| t.as_deref().map(OriginToken::parse).transpose();
+    config.migration_origin = token(&m.origin)?;
+    config.migration_expect_origin = token(&m.expect_origin)?;
+    if let Some(ms) = m.idle_timeout_ms {
+        config.migration_idle_timeout = Some(std::time::Duration::from_millis(ms));
+    }
+    Ok(())
+}
+
 /// Tells the supervisor when a migration stream opens or closes ([`Note::Migration`]).
 fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
     use switchyard_proto::MigState;
@@ -506,16 +531,12 @@ fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
                 change.to,
                 MigState::PreCopy | MigState::StopCopy | MigState::Resuming
             );
-            let cause = match change.cause {
-                switchyard_server::MigCause::Request => "request",
-                switchyard_server::MigCause::Reset => "reset",
-                switchyard_server::MigCause::ClientGone => "client_gone",
-            };
             keeper.notify(&Note::Migration {
                 streaming,
                 change: Some(MigrationChange {
                     state: crate::custody::mig_state_name(change.to).to_owned(),
-                    cause: cause.to_owned(),
+                    cause: change.cause.name().to_owned(),
+                    origin_verified: change.origin_verified,
                 }),
             });
         },

@@ -265,6 +265,9 @@ pub enum PoolError {
         #[source]
         source: serde_json::Error,
     },
+    /// The system's random source failed (an endpoint's migration token is made from it).
+    #[error("Cannot make an endpoint's migration token")]
+    Random(#[source] std::io::Error),
     /// A stored record does not decode (written by an incompatible version, or damaged).
     #[error("Cannot decode the stored {what}")]
     Corrupt {
@@ -313,6 +316,7 @@ impl PoolError {
             | E::StoreFile { .. }
             | E::StoreFormat { .. }
             | E::Encode { .. }
+            | E::Random(_)
             | E::Corrupt { .. } => ErrorKind::Internal,
         }
     }

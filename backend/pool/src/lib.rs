@@ -77,6 +77,7 @@ mod event;
 mod inventory;
 mod shape;
 mod store;
+mod token;
 mod units;
 mod view;
 
@@ -90,6 +91,7 @@ pub use inventory::{FailedLease, Inventory};
 pub use shape::{DeviceShape, DirtyTracking};
 pub use store::{History, PRUNE_BATCH, Pool, STORE_FORMAT, move_aside};
 pub use switchyard_device::kind::{KindCatalog, KindOptions, Profile};
+pub use token::{is_migration_token, new_migration_token};
 pub use view::{
     BoardFailure, BoardState, BoardView, DeviceView, Endpoint, EndpointSpec, FailedEndpoint,
     MAX_ID_LEN, MAX_SOCKET_PATH, MovePlan, OpenReport, Placement, PoolView, Requirements, valid_id,

@@ -173,6 +173,16 @@ impl Pool {
         self.apply_events(|inv| inv.create_endpoint_by(spec, owner_uid))
     }
 
+    /// [`Inventory::create_endpoint_as`], committed.
+    pub fn create_endpoint_as(
+        &mut self,
+        spec: &EndpointSpec,
+        owner_uid: u32,
+        token: &str,
+    ) -> Result<Vec<Event>, PoolError> {
+        self.apply_events(|inv| inv.create_endpoint_as(spec, owner_uid, token))
+    }
+
     /// [`Inventory::delete_endpoint`], committed.
     pub fn delete_endpoint(&mut self, id: &str) -> Result<Vec<Event>, PoolError> {
         self.apply_events(|inv| inv.delete_endpoint(id))

@@ -71,6 +71,15 @@ pub struct Endpoint {
     /// their own endpoints. A store written before owners were recorded has none: root's.
     #[serde(default)]
     pub owner_uid: u32,
+    /// The endpoint's migration token: 32 hexadecimal characters, random, made when the
+    /// endpoint is created (for an endpoint of an earlier release's store, when the store is
+    /// opened). Its outgoing migration streams start with it, and the destination of a live
+    /// migration of this endpoint (an incoming endpoint, here or on another host) takes only a
+    /// stream that does. A capability: whoever holds it can pass a stream off as this
+    /// endpoint's. A re-created endpoint with the same id has another.
+    /// Empty where the reader may not see it (another user's endpoint).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub migration_token: String,
 }
 
 /// A request to create an endpoint. Give exactly one of `pool` and `device`.

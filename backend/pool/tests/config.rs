@@ -913,3 +913,27 @@ fn events_retention_has_defaults_and_ranges() {
         );
     }
 }
+
+#[test]
+fn the_migration_idle_timeout_has_a_default_and_a_range() {
+    let c = PoolConfig::from_toml("", KINDS).expect("empty");
+    assert_eq!(c.daemon.migration_idle_timeout, switchyard_pool::Age(60));
+    let c = PoolConfig::from_toml("[daemon]\nmigration_idle_timeout = \"2s\"\n", KINDS)
+        .expect("in range");
+    assert_eq!(c.daemon.migration_idle_timeout.0, 2);
+    assert_eq!(
+        PoolConfig::from_toml(&c.to_toml(), KINDS).expect("round trip"),
+        c
+    );
+    for (value, needle) in [
+        ("0", "0s is out of range; expected 1s to 1d"),
+        ("\"25h\"", "25h is out of range"),
+    ] {
+        let (p, msg) = refused_at(
+            &daemon(&format!("migration_idle_timeout = {value}")),
+            "daemon.migration_idle_timeout",
+        );
+        assert!(matches!(p, ConfigProblem::Value(_)), "{msg}");
+        assert!(msg.contains(needle), "{msg}");
+    }
+}

@@ -257,3 +257,55 @@ fn an_endpoint_without_a_recorded_owner_is_roots() {
     assert_eq!(owner(&pool, "vm4"), Some(1000));
     assert_eq!(owner(&pool, "vm2"), Some(0));
 }
+
+/// Endpoints stored before migration tokens get one when the store opens, each its own,
+/// stored: the next open reads the same; a new endpoint gets a new one.
+#[test]
+fn endpoints_of_an_earlier_store_get_a_migration_token_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pool.redb");
+    write_old_store(&path);
+    let tokens = |pool: &Pool| -> Vec<String> {
+        ["vm1", "vm2", "vm3"]
+            .iter()
+            .map(|id| {
+                let e = pool.inventory().endpoint(id).expect("endpoint");
+                e.migration_token.clone()
+            })
+            .collect()
+    };
+    let (mut pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("opens");
+    let first = tokens(&pool);
+    for t in &first {
+        assert!(switchyard_pool::is_migration_token(t), "{first:?}");
+    }
+    assert!(first[0] != first[1] && first[1] != first[2], "{first:?}");
+    pool.detach("vm1").expect("detach");
+    pool.create_endpoint(&switchyard_pool::EndpointSpec {
+        id: "vm4".into(),
+        device: Some("p0.0".into()),
+        ..Default::default()
+    })
+    .expect("p0.0 is free");
+    let vm4 = pool
+        .inventory()
+        .endpoint("vm4")
+        .expect("vm4")
+        .migration_token
+        .clone();
+    assert!(switchyard_pool::is_migration_token(&vm4) && !first.contains(&vm4));
+    drop(pool);
+    let (pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("reopens");
+    assert_eq!(
+        tokens(&pool),
+        first,
+        "the tokens made at the first open were stored"
+    );
+    assert_eq!(
+        pool.inventory()
+            .endpoint("vm4")
+            .expect("vm4")
+            .migration_token,
+        vm4
+    );
+}

@@ -29,6 +29,26 @@ impl RequestError {
     }
 }
 
+impl From<crate::origin::WriteError> for RequestError {
+    /// A refused origin is `EPERM`; the device's own refusal keeps its errno.
+    fn from(e: crate::origin::WriteError) -> Self {
+        match e {
+            crate::origin::WriteError::Origin(o) => RequestError::Invalid {
+                what: match o {
+                    crate::origin::OriginError::Missing => {
+                        "migration stream without the expected origin header"
+                    }
+                    crate::origin::OriginError::Other => {
+                        "migration stream from another origin than the expected one"
+                    }
+                },
+                errno: libc::EPERM,
+            },
+            crate::origin::WriteError::Device(d) => RequestError::Device(d),
+        }
+    }
+}
+
 /// A request the server refuses with `EINVAL`.
 pub(crate) fn invalid(what: &'static str) -> RequestError {
     RequestError::Invalid {

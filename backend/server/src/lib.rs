@@ -22,8 +22,10 @@ mod dispatcher;
 mod error;
 pub mod fd_kind;
 mod framer;
+mod idle;
 mod listener;
 mod migration;
+pub mod origin;
 mod resume;
 mod slot;
 pub mod stats;
@@ -35,8 +37,8 @@ pub mod transport;
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
 pub use slot::{
@@ -72,10 +74,17 @@ pub enum ServerError {
     /// Encoding a reply failed (a bug: replies are built from validated values).
     #[error("Cannot encode a reply")]
     Encode(#[source] ProtoError),
+    /// The thread that ends idle migration streams cannot start.
+    #[error("Cannot start the migration watchdog")]
+    Watchdog(#[source] io::Error),
 }
 
 /// Default [`ServerConfig::send_timeout`].
 pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default [`ServerConfig::migration_idle_timeout`]: an open migration stream with no
+/// activity for a minute is ended (a long migration is fine as long as it moves).
+pub const DEFAULT_MIGRATION_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How many DMA windows this process can really hold: each may cost one mapping (bounded by
 /// `vm.max_map_count`) and, unless `files` is false, one open file (bounded by
@@ -133,6 +142,19 @@ pub struct ServerConfig {
     /// replacement holds twice while it restores them). `None`: no budget, `max_dma_maps` is
     /// what this process can hold.
     pub fd_budget: Option<u32>,
+    /// An open migration stream (PRE_COPY, STOP_COPY, RESUMING) with no MIG_DATA_READ, no
+    /// MIG_DATA_WRITE and no MIG_DEVICE_STATE request for this long is ended: the migration
+    /// is abandoned and the device runs, as when its client goes away (a pool worker then
+    /// reports it, and what the stream blocked, restarts, upgrades and moves, goes on).
+    /// `None`: streams stay open as long as the client likes.
+    pub migration_idle_timeout: Option<Duration>,
+    /// Stamped at the start of every outgoing migration stream (see [`origin`]): a pool
+    /// endpoint's own token, so that its destination can tell its streams from others'.
+    pub migration_origin: Option<origin::OriginToken>,
+    /// The origin an incoming migration stream must carry (see [`origin`]); a stream of
+    /// another origin leaves the device in ERROR. `None`: any stream, with or without an
+    /// origin header.
+    pub migration_expect_origin: Option<origin::OriginToken>,
 }
 
 /// What the server offers of DMA dirty logging (DEVICE_FEATURE DMA_LOGGING_START, _STOP,
@@ -179,6 +201,9 @@ impl ServerConfig {
             dirty_log_budget: switchyard_device::dma::DEFAULT_LOG_BUDGET,
             dirty_log: DirtyLog::On,
             fd_budget: None,
+            migration_idle_timeout: Some(DEFAULT_MIGRATION_IDLE_TIMEOUT),
+            migration_origin: None,
+            migration_expect_origin: None,
         }
     }
 }
@@ -205,7 +230,8 @@ impl std::fmt::Debug for Server {
 }
 
 /// The device and its migration state, behind the slot's lock: the connection thread holds
-/// it for one request at a time, a swap holds it while it replaces the device.
+/// it for one request at a time, a swap holds it while it replaces the device, the migration
+/// watchdog (`idle`) while it ends an idle stream.
 pub(crate) struct Slot {
     pub(crate) device: Box<dyn PciDevice>,
     pub(crate) mig: MigState,
@@ -216,20 +242,64 @@ pub(crate) struct Slot {
     pub(crate) connected: bool,
     /// Told every change of `mig` ([`DeviceSlot::set_migration_hook`]).
     pub(crate) mig_hook: Option<slot::MigrationHook>,
+    /// The origin headers of the migration streams ([`origin`]).
+    pub(crate) origin: origin::Origin,
+    /// The last migration activity: MIG_DATA_READ, MIG_DATA_WRITE, a MIG_DEVICE_STATE
+    /// request, a change of `mig`.
+    pub(crate) mig_touched: Instant,
+    /// Wakes the migration watchdog when `mig` changes or the server goes (`idle`); waited
+    /// on with this slot's lock, which the wait releases.
+    pub(crate) watch: Arc<Condvar>,
+    /// The server is gone: the watchdog ends.
+    pub(crate) closed: bool,
 }
 
 impl Slot {
-    /// Tells the hook if `mig` is no longer `before` (changed by `cause`).
-    pub(crate) fn mig_changed(&self, before: MigState, cause: slot::MigCause) {
-        if self.mig != before
-            && let Some(hook) = &self.mig_hook
-        {
+    /// A slot holding `device`, RUNNING, whose streams carry and expect no origin.
+    pub(crate) fn new(device: Box<dyn PciDevice>) -> Self {
+        Self {
+            device,
+            mig: MigState::Running,
+            moving: false,
+            connected: false,
+            mig_hook: None,
+            origin: origin::Origin::new(None, None),
+            mig_touched: Instant::now(),
+            watch: Arc::default(),
+            closed: false,
+        }
+    }
+
+    /// Tells the hook if `mig` is no longer `before` (changed by `cause`), and the watchdog.
+    pub(crate) fn mig_changed(&mut self, before: MigState, cause: slot::MigCause) {
+        if self.mig == before {
+            return;
+        }
+        self.mig_touched = Instant::now();
+        self.watch.notify_all();
+        if let Some(hook) = &self.mig_hook {
             hook(slot::MigChange {
                 from: before,
                 to: self.mig,
                 cause,
+                origin_verified: self.origin.verified(),
             });
         }
+    }
+
+    /// Abandons a migration in progress (any state but RUNNING): the device drops the
+    /// stream and runs ([`Migratable::abort`](switchyard_device::Migratable::abort)).
+    pub(crate) fn abandon_migration(&mut self, cause: slot::MigCause) {
+        if self.mig == MigState::Running {
+            return;
+        }
+        let before = self.mig;
+        if let Some(m) = self.device.migration() {
+            m.abort();
+        }
+        self.origin.abort();
+        self.mig = MigState::Running;
+        self.mig_changed(before, cause);
     }
 }
 
@@ -302,24 +372,24 @@ impl Server {
             None => DeviceSocket::bind(&config.socket, config.socket_mode)?,
         };
         let stop = StopHandle::new().map_err(ServerError::Accept)?;
+        let mut inner = Slot::new(device);
+        inner.origin = origin::Origin::new(
+            config.migration_origin.clone(),
+            config.migration_expect_origin.clone(),
+        );
+        let slot = DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx);
+        if let Some(timeout) = config.migration_idle_timeout {
+            idle::spawn(&slot, timeout).map_err(ServerError::Watchdog)?;
+        }
         tracing::info!(
             socket = %socket.path().display(),
-            device = device.description().name,
+            device = slot.with(|d| d.description().name),
             "listening"
         );
         Ok(Self {
             config,
             socket,
-            slot: DeviceSlot::new(
-                Arc::new(Mutex::new(Slot {
-                    device,
-                    mig: MigState::Running,
-                    moving: false,
-                    connected: false,
-                    mig_hook: None,
-                })),
-                ctx,
-            ),
+            slot,
             stop,
             continuity: None,
             stats: Arc::default(),
@@ -600,13 +670,8 @@ impl Server {
         {
             let mut slot = self.slot.lock();
             if slot.mig != MigState::Running {
-                let before = slot.mig;
                 tracing::info!(state = ?slot.mig, "client gone during migration; abandoned");
-                if let Some(m) = slot.device.migration() {
-                    m.abort();
-                }
-                slot.mig = MigState::Running;
-                slot.mig_changed(before, slot::MigCause::ClientGone);
+                slot.abandon_migration(slot::MigCause::ClientGone);
             }
         }
         ctx.dma.stop_logging();
@@ -622,6 +687,13 @@ impl Server {
         if let Some(c) = &self.continuity {
             c.client_gone();
         }
+    }
+}
+
+impl Drop for Server {
+    /// Ends the migration watchdog, which holds the slot while it waits.
+    fn drop(&mut self) {
+        self.slot.close();
     }
 }
 

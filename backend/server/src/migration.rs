@@ -9,6 +9,7 @@ use switchyard_device::{MigArc, MigrationCaps, PciDevice};
 use switchyard_proto::MigState;
 
 use crate::error::RequestError;
+use crate::origin::Origin;
 
 /// The next direct arc from `cur` towards `target`, and the state it reaches; `None` if
 /// `target` cannot be reached from `cur` (ERROR, P2P states, STOP_COPY → PRE_COPY, PRE_COPY
@@ -38,11 +39,14 @@ pub(crate) fn next_arc(
 }
 
 /// Moves `dev` from `*state` to `target`. On success `*state == target`; on a refused target
-/// the state is unchanged (`EINVAL`); when an arc fails the state becomes ERROR.
+/// the state is unchanged (`EINVAL`); when an arc fails the state becomes ERROR. `origin`
+/// follows the streams the arcs open and close: RESUMING → STOP fails (ERROR, `EPERM`) for a
+/// stream whose origin is not the expected one.
 pub(crate) fn transition(
     dev: &mut dyn PciDevice,
     state: &mut MigState,
     target: MigState,
+    origin: &mut Origin,
 ) -> Result<(), RequestError> {
     let dev = dev.migration().ok_or(RequestError::Invalid {
         what: "the device cannot migrate",
@@ -74,11 +78,17 @@ pub(crate) fn transition(
                 errno: libc::EINVAL,
             });
         };
-        if let Err(e) = dev.step(arc) {
+        let stepped = origin
+            .before_arc(arc, dev)
+            .map_err(RequestError::from)
+            .and_then(|()| dev.step(arc).map_err(RequestError::from));
+        if let Err(e) = stepped {
             tracing::warn!(error = %e, ?arc, from = ?*state, "migration arc failed; device in ERROR");
             *state = MigState::Error;
-            return Err(e.into());
+            origin.abort();
+            return Err(e);
         }
+        origin.after_arc(arc);
         tracing::info!(?arc, from = ?*state, to = ?next, "migration state");
         *state = next;
     }

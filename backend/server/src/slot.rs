@@ -93,6 +93,11 @@ pub struct MigChange {
     pub to: MigState,
     /// What changed it.
     pub cause: MigCause,
+    /// The device's state was loaded (RESUMING → STOP) from a stream that came from the
+    /// expected origin ([`ServerConfig::migration_expect_origin`](crate::ServerConfig::migration_expect_origin)),
+    /// and nothing has abandoned that since: what a pool's destination must see before its
+    /// migration counts as completed.
+    pub origin_verified: bool,
 }
 
 /// What changed a device's migration state.
@@ -104,6 +109,25 @@ pub enum MigCause {
     Reset,
     /// The client went away (a migration in progress is abandoned).
     ClientGone,
+    /// The stream had no activity for the idle timeout (the migration is abandoned; see
+    /// [`ServerConfig::migration_idle_timeout`](crate::ServerConfig::migration_idle_timeout)).
+    IdleTimeout,
+    /// An incoming stream came from another origin than the expected one: ERROR.
+    WrongOrigin,
+}
+
+impl MigCause {
+    /// The cause's name in reports (`request`, `reset`, `client_gone`, `idle_timeout`,
+    /// `wrong_origin`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MigCause::Request => "request",
+            MigCause::Reset => "reset",
+            MigCause::ClientGone => "client_gone",
+            MigCause::IdleTimeout => "idle_timeout",
+            MigCause::WrongOrigin => "wrong_origin",
+        }
+    }
 }
 
 /// A shared handle on the server's device.
@@ -160,6 +184,13 @@ impl DeviceSlot {
     /// supervisor, which refuses restarts and upgrades while a migration stream is open).
     pub fn set_migration_hook(&self, hook: MigrationHook) {
         self.lock().mig_hook = Some(hook);
+    }
+
+    /// The server is gone: its migration watchdog ends.
+    pub(crate) fn close(&self) {
+        let mut slot = self.lock();
+        slot.closed = true;
+        slot.watch.notify_all();
     }
 
     /// Starts a move of the device to another backing (a pool's move to another board: the
@@ -393,13 +424,7 @@ mod tests {
             waits: Arc::new(WaitControl::default()),
             memory: Default::default(),
         };
-        let inner = Slot {
-            device: Box::new(Counted::new(0x1000, true, handed)),
-            mig: MigState::Running,
-            moving: false,
-            connected: false,
-            mig_hook: None,
-        };
+        let inner = Slot::new(Box::new(Counted::new(0x1000, true, handed)));
         DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx)
     }
 

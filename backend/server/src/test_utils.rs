@@ -11,7 +11,6 @@ use switchyard_device::{
     DeviceContext, DeviceDescription, DeviceError, DmaSpace, Interrupts, IrqDesc, PciDevice,
     RegionDesc, WaitControl,
 };
-use switchyard_proto::MigState;
 
 use crate::{DeviceSlot, Slot};
 
@@ -136,14 +135,5 @@ pub(crate) fn slot_with(device: Box<dyn PciDevice>, max_maps: usize) -> DeviceSl
     };
     ctx.dma.set_observer(device.dma_observer());
     ctx.dma.set_dirty_source(device.dirty_source());
-    DeviceSlot::new(
-        Arc::new(Mutex::new(Slot {
-            device,
-            mig: MigState::Running,
-            moving: false,
-            connected: false,
-            mig_hook: None,
-        })),
-        ctx,
-    )
+    DeviceSlot::new(Arc::new(Mutex::new(Slot::new(device))), ctx)
 }

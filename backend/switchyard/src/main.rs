@@ -170,6 +170,19 @@ struct ServeArgs {
     /// nothing is dirty, so a migration loses what the device wrote after the VMM copied it.
     #[arg(long, value_name = "MODE", default_value = "on", value_parser = parse_dirty_log)]
     dirty_log: DirtyLog,
+
+    /// End an open migration stream (PRE_COPY, STOP_COPY, RESUMING) that had no migration
+    /// activity (data read or written, a state requested) for this long: the migration is
+    /// abandoned and the device runs, as when the VMM goes away. Seconds, or with an s, m, h
+    /// or d suffix; 0 never ends one.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_idle_timeout)]
+    migration_idle_timeout: Duration,
+}
+
+fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
+    switchyard_pool::Age::parse(s)
+        .map(|age| Duration::from_secs(age.0))
+        .ok_or_else(|| format!("`{s}`: want seconds, or a number with an s, m, h or d suffix"))
 }
 
 fn parse_dirty_log(s: &str) -> Result<DirtyLog, String> {
@@ -324,6 +337,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
     config.dirty_log_budget = args.dirty_log_budget;
     config.dirty_log = args.dirty_log;
+    config.migration_idle_timeout = Some(args.migration_idle_timeout).filter(|d| !d.is_zero());
     let spec = args.device;
     let device = spec.configure()?;
     let span = tracing::info_span!("device", model = %spec.kind, socket = %args.socket.display());

@@ -245,3 +245,273 @@ fn a_client_flipping_migration_states_cannot_flood_the_event_stream() {
         "the other endpoint's events are there"
     );
 }
+
+/// Three boards of one shape in a pool: a source, a destination, and another endpoint.
+const THREE: &str = "[[boards]]\nid = \"a\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"b\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[boards]]\nid = \"c\"\nvram = \"16M\"\nqueues = 2\nvram_mmap = false\n\
+     [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\", \"c\"]\n";
+
+/// Waits (up to `secs`) for the first worker event of `kind` about `endpoint`, failing as
+/// soon as `bad` finds what must not happen.
+fn wait_event(
+    d: &Daemon,
+    kind: &str,
+    endpoint: &str,
+    secs: u64,
+    mut bad: impl FnMut(&Daemon) -> Option<String>,
+) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(e) = worker_events(d, kind)
+            .into_iter()
+            .find(|e| e["endpoint"] == endpoint)
+        {
+            return e;
+        }
+        if let Some(why) = bad(d) {
+            panic!("{why}; events: {:?}", d.events());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {kind} event for {endpoint}: {:?}",
+            d.events()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The clean-up after a completed migration deletes the source it migrated away from, that
+/// incarnation only: an endpoint deleted and created again with the same id before the
+/// clean-up ran (its new VM connected) survives and serves.
+#[test]
+fn the_clean_up_of_a_migration_spares_an_endpoint_created_again_with_the_same_id() {
+    let mut d = Daemon::start_with_config(BOARDS);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let e1 = d.endpoint("vm1");
+    let old_token = e1["endpoint"]["migration_token"].clone();
+    assert_eq!(old_token.as_str().map(str::len), Some(32), "{e1}");
+    // What an operator gives a destination on another host.
+    let shown: Value =
+        serde_json::from_str(&d.ctl_ok(&["endpoint", "vm1", "--json"])).expect("json");
+    assert_eq!(shown["endpoint"]["migration_token"], old_token);
+    let mut guest = connect(&socket_of(&e1));
+    guest.setup_queue(0);
+    guest.vram_write(0x1000, &[0x11; 4096]);
+    d.ctl_ok(&["create", "vm1-in", "--incoming-for", "vm1"]);
+    let e2 = d.endpoint("vm1-in");
+    let mut dst = switchyard_client::Client::connect(socket_of(&e2)).expect("destination");
+    {
+        let mut mig = Migration::new(&mut guest.t.0, &mut dst);
+        mig.prepare_destination().expect("destination RESUMING");
+        mig.pre_copy(&PreCopyPlan::default()).expect("pre-copy");
+        mig.switchover().expect("switchover");
+    }
+    wait_event(&d, "migrated", "vm1-in", 10, |_| None);
+    // The source's VMM has not let go, so the clean-up waits. Meanwhile the operator deletes
+    // vm1 and creates it again (on the board it freed), and a new VM connects to it.
+    d.ctl_ok(&["delete", "vm1"]);
+    drop(guest);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let again = d.endpoint("vm1");
+    let new_token = again["endpoint"]["migration_token"].clone();
+    assert_ne!(new_token, old_token, "a new incarnation has a new token");
+    let mut vm = connect(&socket_of(&again));
+    vm.setup_queue(0);
+    vm.vram_write(0, &[0x22; 4096]);
+    // The clean-up ends without touching it (before the fix it deleted the new vm1: when the
+    // new VM was not connected at its next look, else when its grace of 60 s ran out).
+    let released = wait_event(&d, "migration_released", "vm1", 75, |d| {
+        d.client()
+            .get("/v1/endpoints/vm1")
+            .is_err()
+            .then(|| "the new vm1 was deleted by the clean-up of the old one".to_owned())
+    });
+    assert_eq!(released["deleted"], false, "{released}");
+    d.client()
+        .post("/v1/endpoints/vm1/sync", &())
+        .expect("sync");
+    let now = d.endpoint("vm1");
+    assert_eq!(now["endpoint"]["migration_token"], new_token, "{now}");
+    assert_eq!(now["worker"]["connected"], true, "{now}");
+    let mut back = [0u8; 4096];
+    vm.vram_read(0, &mut back);
+    assert!(back.iter().all(|&b| b == 0x22), "the new vm1 serves");
+    // The destination keeps its lease; the migration's clean-up is over.
+    assert_eq!(d.endpoint("vm1-in")["lease"]["board"], "b");
+    assert_eq!(worker_events(&d, "migration_released").len(), 1);
+}
+
+/// A destination takes only a stream that came from its source: a stream another endpoint
+/// made, or one the destination made itself, leaves its device in ERROR; the migration is
+/// aborted and the source is left alone.
+#[test]
+fn a_destination_fed_a_stream_from_elsewhere_never_completes() {
+    use switchyard_proto::MigState;
+    let mut d = Daemon::start_with_config(THREE);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    d.ctl_ok(&["create", "vm2", "--pool", "p"]);
+    let e1 = d.endpoint("vm1");
+    let mut guest = connect(&socket_of(&e1));
+    guest.setup_queue(0);
+    guest.vram_write(0, &[0x5a; 4096]);
+    let mut other = connect(&socket_of(&d.endpoint("vm2")));
+    other.vram_write(0, &[0xa5; 4096]);
+    let completed = |d: &Daemon| {
+        (!worker_events(d, "migrated").is_empty())
+            .then(|| "a migration completed with a stream from elsewhere".to_owned())
+    };
+
+    // Another endpoint's stream: the first bytes the destination takes are refused.
+    d.ctl_ok(&["create", "vm1-in", "--incoming-for", "vm1"]);
+    let e2 = d.endpoint("vm1-in");
+    let mut dst = switchyard_client::Client::connect(socket_of(&e2)).expect("destination");
+    let fed = {
+        let mut mig = Migration::new(&mut other.t.0, &mut dst);
+        mig.prepare_destination().expect("destination RESUMING");
+        mig.pre_copy(&PreCopyPlan::default())
+            .and_then(|_| mig.switchover().map(|_| ()))
+    };
+    assert!(fed.is_err(), "the destination took vm2's stream");
+    assert_eq!(dst.mig_state().expect("state"), MigState::Error as u32);
+    let aborted = wait_event(&d, "migration_aborted", "vm1-in", 10, completed);
+    assert_eq!(
+        (aborted["source"].as_str(), aborted["state"].as_str()),
+        (Some("vm1"), Some("error")),
+        "{aborted}"
+    );
+    assert!(
+        worker_events(&d, "migration")
+            .iter()
+            .any(|e| e["endpoint"] == "vm1-in" && e["cause"] == "wrong_origin"),
+        "{:?}",
+        d.events()
+    );
+    drop(dst);
+    let released = wait_event(&d, "migration_released", "vm1-in", 10, completed);
+    assert_eq!(released["deleted"], true, "{released}");
+
+    // A stream the destination made itself (STOP_COPY, read out, then RESUMING and written
+    // back): it carries the destination's own token, not the source's.
+    d.ctl_ok(&["create", "vm1-in2", "--incoming-for", "vm1"]);
+    let mut dst =
+        switchyard_client::Client::connect(socket_of(&d.endpoint("vm1-in2"))).expect("dst");
+    dst.set_mig_state(MigState::StopCopy as u32)
+        .expect("STOP_COPY");
+    let mut own = Vec::new();
+    loop {
+        let chunk = dst.mig_data_read(1 << 16).expect("read");
+        own.extend_from_slice(&chunk);
+        if chunk.len() < 1 << 16 {
+            break;
+        }
+    }
+    dst.set_mig_state(MigState::Resuming as u32)
+        .expect("RESUMING");
+    let written = own.chunks(1 << 16).try_for_each(|c| dst.mig_data_write(c));
+    let resumed = written.and_then(|()| dst.set_mig_state(MigState::Running as u32));
+    assert!(resumed.is_err(), "the destination took its own stream");
+    assert_eq!(dst.mig_state().expect("state"), MigState::Error as u32);
+    let aborted = wait_event(&d, "migration_aborted", "vm1-in2", 10, completed);
+    assert_eq!(aborted["state"], "error", "{aborted}");
+
+    // The source serves on, untouched, and no migration completed.
+    assert!(worker_events(&d, "migrated").is_empty(), "{:?}", d.events());
+    d.client()
+        .post("/v1/endpoints/vm1/sync", &())
+        .expect("sync");
+    let now = d.endpoint("vm1");
+    assert_eq!(
+        now["endpoint"]["migration_token"],
+        e1["endpoint"]["migration_token"]
+    );
+    assert_eq!(now["worker"]["connected"], true, "{now}");
+    let mut back = [0u8; 4096];
+    guest.vram_read(0, &mut back);
+    assert!(back.iter().all(|&b| b == 0x5a), "the source's VRAM changed");
+    assert_eq!(metric(&d, "switchyard_migrations_aborted_total"), "2");
+    assert_eq!(metric(&d, "switchyard_migrations_completed_total"), "0");
+}
+
+/// A migration stream left open with no activity is ended after `[daemon]
+/// migration_idle_timeout`: the device runs again, the daemon says why, and the restart and
+/// the drain it held back go ahead.
+#[test]
+fn an_idle_migration_stream_is_ended_and_releases_what_it_blocked() {
+    use switchyard_proto::MigState;
+    let config = format!("[daemon]\nmigration_idle_timeout = \"2s\"\n{BOARDS}");
+    let mut d = Daemon::start_with_config(&config);
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let e1 = d.endpoint("vm1");
+    let mut guest = connect(&socket_of(&e1));
+    guest.setup_queue(0);
+    guest.vram_write(0, &[0x3c; 4096]);
+    // The VMM opens a stream and goes quiet.
+    guest
+        .t
+        .0
+        .set_mig_state(MigState::PreCopy as u32)
+        .expect("PRE_COPY");
+    let api = d.client();
+    // The daemon has applied the worker's note of the open stream.
+    api.post("/v1/endpoints/vm1/sync", &()).expect("sync");
+    assert_eq!(d.endpoint("vm1")["worker"]["migrating"], true);
+    assert_eq!(
+        api_status(api.post("/v1/endpoints/vm1/restart", &json!({}))),
+        (409, "migrating".into())
+    );
+    assert_eq!(
+        api_status(api.post("/v1/boards/a/drain", &json!({}))),
+        (409, "migrating".into())
+    );
+    // Ended by the timeout, not by the VMM.
+    let ended = wait_event(&d, "migration", "vm1", 20, |_| None);
+    assert_eq!(ended["state"], "pre_copy", "{ended}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ended = loop {
+        if let Some(e) = worker_events(&d, "migration")
+            .into_iter()
+            .find(|e| e["endpoint"] == "vm1" && e["cause"] == "idle_timeout")
+        {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the idle stream was not ended: {:?}",
+            d.events()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(ended["state"], "running", "{ended}");
+    assert_eq!(d.endpoint("vm1")["worker"]["migrating"], false);
+    // The VMM finds its stream gone and its device running.
+    assert!(guest.t.0.mig_data_read(4096).is_err());
+    assert_eq!(
+        guest.t.0.mig_state().expect("state"),
+        MigState::Running as u32
+    );
+    // What it held back goes ahead: a restart (the guest's connection resumed), a drain.
+    let restarted: Value = api
+        .post("/v1/endpoints/vm1/restart", &json!({}))
+        .expect("restart")
+        .json()
+        .expect("json");
+    assert_eq!(restarted["worker"]["state"], "running", "{restarted}");
+    let drained: Value = api
+        .post("/v1/boards/a/drain", &json!({}))
+        .expect("drain")
+        .json()
+        .expect("json");
+    assert_eq!(
+        drained["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{drained}"
+    );
+    assert_eq!(d.endpoint("vm1")["lease"]["board"], "b");
+    let mut back = [0u8; 4096];
+    guest.vram_read(0, &mut back);
+    assert!(
+        back.iter().all(|&b| b == 0x3c),
+        "the guest's VRAM moved with it"
+    );
+}

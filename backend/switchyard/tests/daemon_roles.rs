@@ -161,6 +161,25 @@ fn a_member_acts_on_its_own_endpoints_and_reads_every_one() {
     assert_eq!((status, &theirs["endpoint"]["owner_uid"]), (200, &json!(0)));
     let (status, all) = member(gid, &d, "GET", "/v1/endpoints", None);
     assert_eq!((status, all.as_array().map(Vec::len)), (200, Some(2)));
+    // ... but another's migration token (a capability): only its owner and root read it.
+    assert!(
+        before["endpoint"]["migration_token"].is_string(),
+        "{before}"
+    );
+    assert!(mine["endpoint"]["migration_token"].is_string(), "{mine}");
+    assert!(
+        theirs["endpoint"].get("migration_token").is_none(),
+        "{theirs}"
+    );
+    for e in all.as_array().expect("a list") {
+        let own = e["endpoint"]["owner_uid"] == NOBODY;
+        assert_eq!(e["endpoint"].get("migration_token").is_some(), own, "{e}");
+    }
+    let (_, synced) = member(gid, &d, "POST", "/v1/endpoints/rootvm/sync", None);
+    assert!(
+        synced["endpoint"].get("migration_token").is_none(),
+        "{synced}"
+    );
     assert_eq!(member(gid, &d, "GET", "/v1/boards", None).0, 200);
 
     // Nothing on root's endpoint.

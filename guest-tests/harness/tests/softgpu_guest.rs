@@ -564,6 +564,7 @@ fn in_guest_vfio_driver_survives_its_worker_being_killed() {
             }),
             failover: false,
             lease: None,
+            migration: Default::default(),
         })
         .expect("endpoint");
         let st = sup

@@ -430,7 +430,10 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         supervisor: Supervisor::with_events(exe, sink)
             .with_adoption_dir(&workers_dir)
             .with_fd_plan(fd_plan)
-            .with_socket_access(access),
+            .with_socket_access(access)
+            .with_migration_idle_timeout(std::time::Duration::from_secs(
+                d.migration_idle_timeout.0,
+            )),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         incoming: Mutex::new(BTreeMap::new()),
@@ -528,6 +531,10 @@ impl Daemon {
             failover: inventory.failover_policy(&device.board)
                 != switchyard_pool::FailoverPolicy::Off,
             lease: endpoint.device.clone(),
+            migration: crate::custody::MigrationSettings {
+                origin: Some(endpoint.migration_token.clone()).filter(|t| !t.is_empty()),
+                ..Default::default()
+            },
         })
     }
 

@@ -73,6 +73,7 @@ impl Reactions {
                 let exited = MigrationChange {
                     state: "exited".into(),
                     cause: String::new(),
+                    origin_verified: false,
                 };
                 self.follow(endpoint, exited);
             }
@@ -90,7 +91,8 @@ impl Reactions {
             | WorkerLifecycle::Ready { .. }
             | WorkerLifecycle::GaveUp { .. }
             | WorkerLifecycle::Migrated { .. }
-            | WorkerLifecycle::MigrationAborted { .. } => {}
+            | WorkerLifecycle::MigrationAborted { .. }
+            | WorkerLifecycle::MigrationReleased { .. } => {}
         }
     }
 

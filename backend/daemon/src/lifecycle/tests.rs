@@ -27,6 +27,7 @@ fn migration() -> MigrationChange {
     MigrationChange {
         state: "pre_copy".into(),
         cause: "request".into(),
+        origin_verified: false,
     }
 }
 
@@ -96,6 +97,13 @@ fn every_event() -> Vec<(WorkerLifecycle, &'static str)> {
             r#"{"event":"migration_aborted","endpoint":"dst","source":"src","state":"error"}"#,
         ),
         (
+            WorkerLifecycle::MigrationReleased {
+                endpoint: "src".into(),
+                deleted: true,
+            },
+            r#"{"event":"migration_released","endpoint":"src","deleted":true}"#,
+        ),
+        (
             WorkerLifecycle::Reset {
                 endpoint: ep(),
                 what: "the client's connection was let go".into(),
@@ -119,7 +127,7 @@ fn every_event() -> Vec<(WorkerLifecycle, &'static str)> {
     ]
 }
 
-const VARIANTS: usize = 10;
+const VARIANTS: usize = 11;
 
 /// The variant's number (an exhaustive match: a new variant must be named here).
 fn variant(e: &WorkerLifecycle) -> usize {
@@ -134,6 +142,7 @@ fn variant(e: &WorkerLifecycle) -> usize {
         WorkerLifecycle::Reset { .. } => 7,
         WorkerLifecycle::StateLost { .. } => 8,
         WorkerLifecycle::DeviceLost { .. } => 9,
+        WorkerLifecycle::MigrationReleased { .. } => 10,
     }
 }
 

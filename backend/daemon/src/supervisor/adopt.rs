@@ -117,7 +117,7 @@ impl Supervisor {
         });
         let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
         let adopt_dir = self.adopt_dir.clone();
-        let budget = self.fd_budget;
+        let (budget, migration_idle) = (self.fd_budget, self.migration_idle);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
@@ -128,6 +128,7 @@ impl Supervisor {
                     Launch {
                         adopt_dir: adopt_dir.as_deref(),
                         fd_budget: budget,
+                        migration_idle,
                     },
                     Some((channel, pid, nonce)),
                 );

@@ -8,4 +8,6 @@ use std::path::Path;
 pub(super) struct Launch<'a> {
     pub(super) adopt_dir: Option<&'a Path>,
     pub(super) fd_budget: Option<u32>,
+    /// Migration streams idle this long are ended (unless the endpoint's spec says).
+    pub(super) migration_idle: Option<std::time::Duration>,
 }

@@ -393,6 +393,12 @@ fn hand_over(
             failover: ep.spec.failover,
             lease: ep.lease(),
             nonce: Some(nonce.clone()),
+            migration: crate::custody::MigrationSettings {
+                idle_timeout_ms: ep.spec.migration.idle_timeout_ms.or(launch
+                    .migration_idle
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))),
+                ..ep.spec.migration.clone()
+            },
         },
         &[],
     )

@@ -10,6 +10,7 @@ mod failover;
 mod handover;
 mod launch;
 mod ledger;
+mod migration;
 mod plan;
 mod sink;
 mod sync;
@@ -136,6 +137,12 @@ pub struct EndpointSpec {
     /// the worker's failure reports ([`WorkerSignal::BoardFailed`]'s `lease`) and checked by
     /// [`Supervisor::inject_fault`].
     pub lease: Option<String>,
+    /// Its migration streams' origin tokens ([`Note::Start`]'s `migration`; the idle
+    /// timeout, unless set here, is the supervisor's:
+    /// [`Supervisor::with_migration_idle_timeout`]).
+    ///
+    /// [`Note::Start`]: crate::custody::Note::Start
+    pub migration: crate::custody::MigrationSettings,
 }
 
 /// How an endpoint's worker is doing.
@@ -350,6 +357,8 @@ pub struct Supervisor {
     fd_plan: Option<FdPlan>,
     /// Who may connect to the endpoint sockets.
     access: SocketAccess,
+    /// Workers end migration streams idle this long ([`Supervisor::with_migration_idle_timeout`]).
+    migration_idle: Option<Duration>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -384,6 +393,7 @@ impl Supervisor {
             fd_budget: None,
             fd_plan: None,
             access: SocketAccess::default(),
+            migration_idle: None,
         }
     }
 
@@ -490,41 +500,20 @@ impl Supervisor {
         let ep2 = ep.clone();
         let sink = self.sink.clone();
         let adopt_dir = self.adopt_dir.clone();
-        let budget = self.fd_budget;
+        let (budget, migration_idle) = (self.fd_budget, self.migration_idle);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
                 let launch = Launch {
                     adopt_dir: adopt_dir.as_deref(),
                     fd_budget: budget,
+                    migration_idle,
                 };
                 supervise(&ep2, &exe, &sink, launch, None);
             })
             .map_err(|e| SupervisorError::Spawn(spec.id.clone(), e))?;
         *ep.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
         endpoints.insert(spec.id, ep);
-        Ok(())
-    }
-
-    /// Stops the endpoint: its worker is killed and every descriptor closed (the client sees
-    /// the connection close), the socket file removed.
-    pub fn delete(&self, id: &str) -> Result<(), SupervisorError> {
-        crate::blocking::may_block("a worker's kill and its supervision thread's join");
-        let ep = self
-            .endpoints()
-            .remove(id)
-            .ok_or_else(|| SupervisorError::NotFound(id.to_owned()))?;
-        {
-            // Under the status lock: a worker started concurrently either is seen here or
-            // sees `stopping` (see `run_worker`).
-            let st = ep.status();
-            ep.stopping.store(true, Ordering::SeqCst);
-            kill(st.pid);
-        }
-        if let Some(t) = ep.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
-        ep.held().clear();
         Ok(())
     }
 

@@ -68,6 +68,7 @@ fn endpoint(dir: &std::path::Path) -> Endpoint {
         },
         failover: true,
         lease: Some("gpu0".into()),
+        migration: Default::default(),
     };
     let socket = DeviceSocket::bind(&spec.socket, 0o600).expect("bind");
     let ep = Endpoint::new(spec, socket);
@@ -100,6 +101,7 @@ fn a_workers_notes_reach_the_events_stream_as_the_supervisor_made_them() {
     let launch = Launch {
         adopt_dir: None,
         fd_budget: None,
+        migration_idle: None,
     };
     let now = Instant::now();
     let ready = serve_notes(&ep, &ours, 42, None, now, &sink, launch, &|| {
@@ -163,6 +165,7 @@ fn a_workers_notes_reach_the_events_stream_as_the_supervisor_made_them() {
         change: MigrationChange {
             state: "running".into(),
             cause: "reset".into(),
+            origin_verified: false,
         },
     };
     let signalled = &signals[3..];

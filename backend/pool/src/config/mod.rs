@@ -9,6 +9,8 @@
 //! fd_reserve = 256                           # fds the daemon keeps for itself; 64-65536
 //! events_keep = 100000                       # pool events the store keeps, the newest; >= 1
 //! events_max_age = "30d"                     # and none older (s, m, h or d); 1m-36500d
+//! migration_idle_timeout = "60s"             # an open migration stream idle this long
+//!                                            # is ended (s, m, h or d); 1s-1d
 //!
 //! [[boards]]
 //! id = "gpu0"
@@ -197,6 +199,13 @@ pub struct DaemonConfig {
     /// commits (the newest event is always kept). 1 minute to 36500 days (default `30d`).
     #[serde(default = "default_events_max_age")]
     pub events_max_age: Age,
+    /// An endpoint's open migration stream (its VMM's PRE_COPY, STOP_COPY or RESUMING) with
+    /// no migration activity (data read or written, a state requested) for this long is
+    /// ended: the migration is abandoned, the device runs, and the restarts, upgrades,
+    /// failovers and moves it held back go on. Inactivity, not the migration's whole time: a
+    /// long migration is fine while it moves. 1 second to 1 day (default `60s`).
+    #[serde(default = "default_migration_idle_timeout")]
+    pub migration_idle_timeout: Age,
 }
 
 fn default_control_socket() -> PathBuf {
@@ -220,6 +229,9 @@ fn default_events_keep() -> u64 {
 fn default_events_max_age() -> Age {
     DaemonConfig::DEFAULT_EVENTS_MAX_AGE
 }
+fn default_migration_idle_timeout() -> Age {
+    DaemonConfig::DEFAULT_MIGRATION_IDLE_TIMEOUT
+}
 
 impl Default for DaemonConfig {
     fn default() -> Self {
@@ -231,6 +243,7 @@ impl Default for DaemonConfig {
             fd_reserve: default_fd_reserve(),
             events_keep: default_events_keep(),
             events_max_age: default_events_max_age(),
+            migration_idle_timeout: default_migration_idle_timeout(),
         }
     }
 }
@@ -252,6 +265,10 @@ impl DaemonConfig {
     pub const DEFAULT_EVENTS_MAX_AGE: Age = Age(30 * 86_400);
     /// What `events_max_age` may be, in seconds: 1 minute to 36500 days.
     pub const EVENTS_MAX_AGE_RANGE: RangeInclusive<u64> = 60..=36_500 * 86_400;
+    /// Default of `migration_idle_timeout`: 60 seconds.
+    pub const DEFAULT_MIGRATION_IDLE_TIMEOUT: Age = Age(60);
+    /// What `migration_idle_timeout` may be, in seconds: 1 second to 1 day.
+    pub const MIGRATION_IDLE_TIMEOUT_RANGE: RangeInclusive<u64> = 1..=86_400;
 
     /// `<state_dir>/pool.redb`.
     pub fn store_path(&self) -> PathBuf {
@@ -306,9 +323,14 @@ impl DaemonConfig {
                 self.events_max_age.0,
                 Self::EVENTS_MAX_AGE_RANGE,
             ),
+            (
+                "migration_idle_timeout",
+                self.migration_idle_timeout.0,
+                Self::MIGRATION_IDLE_TIMEOUT_RANGE,
+            ),
         ] {
             if !range.contains(&value) {
-                let problem = if name == "events_max_age" {
+                let problem = if name != "events_keep" {
                     ConfigProblem::Value(format!(
                         "{} is out of range; expected {} to {}",
                         Age(value),

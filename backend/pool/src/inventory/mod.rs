@@ -194,7 +194,8 @@ impl Inventory {
 
     /// Creates an endpoint leasing the first free device of `spec.pool` (boards in pool
     /// order, partitions in board order) on an available board that meets the requirements,
-    /// or the named `spec.device`. Its owner is root ([`Inventory::create_endpoint_by`]).
+    /// or the named `spec.device`. Its owner is root ([`Inventory::create_endpoint_by`]); it
+    /// gets a new migration token.
     pub fn create_endpoint(&mut self, spec: &EndpointSpec) -> Result<Vec<Event>, PoolError> {
         self.create_endpoint_by(spec, 0)
     }
@@ -204,6 +205,19 @@ impl Inventory {
         &mut self,
         spec: &EndpointSpec,
         owner_uid: u32,
+    ) -> Result<Vec<Event>, PoolError> {
+        let token = crate::new_migration_token()?;
+        self.create_endpoint_as(spec, owner_uid, &token)
+    }
+
+    /// [`Inventory::create_endpoint_by`] with the migration token `token` (made beforehand
+    /// with [`new_migration_token`](crate::new_migration_token): a check on a copy and its
+    /// commit then create the same endpoint).
+    pub fn create_endpoint_as(
+        &mut self,
+        spec: &EndpointSpec,
+        owner_uid: u32,
+        token: &str,
     ) -> Result<Vec<Event>, PoolError> {
         if !valid_id(&spec.id) {
             return Err(PoolError::BadId(spec.id.clone()));
@@ -244,6 +258,7 @@ impl Inventory {
             moving_to: None,
             created_unix_ms: now_unix_ms(),
             owner_uid,
+            migration_token: token.to_owned(),
         };
         self.endpoints.insert(spec.id.clone(), endpoint);
         Ok(vec![self.emit(EventKind::EndpointCreated {

@@ -151,6 +151,13 @@ impl Inventory {
             }
         }
         inv.endpoints = stored.endpoints.clone();
+        // Endpoints of an earlier release's store get their migration token now (stored
+        // with the reconciliation).
+        for e in inv.endpoints.values_mut() {
+            if !crate::is_migration_token(&e.migration_token) {
+                e.migration_token = crate::new_migration_token()?;
+            }
+        }
         let mut events: Vec<Event> = kinds.into_iter().map(|k| inv.emit(k)).collect();
         for c in &config.endpoints {
             if inv.endpoints.contains_key(&c.id) {

@@ -7,8 +7,8 @@ use std::os::fd::AsFd;
 use switchyard_device::{DeviceError, PciDevice, RegionDesc};
 use switchyard_proto::consts::*;
 use switchyard_proto::{
-    DeviceInfo, MigState, Records, RegionCapsBuilder, RegionInfo, Reply, SparseMmapArea,
-    WriteMultiEntry, encode_region_write_reply, region_read_reply_buffer,
+    DeviceInfo, Records, RegionCapsBuilder, RegionInfo, Reply, SparseMmapArea, WriteMultiEntry,
+    encode_region_write_reply, region_read_reply_buffer,
 };
 
 use super::{Dispatcher, reply_empty};
@@ -184,14 +184,7 @@ impl Dispatcher {
     /// DEVICE_RESET: ends any migration (the way out of ERROR), then resets the device.
     pub(super) fn device_reset(&mut self, slot: &mut Slot, id: u16) -> Result<(), RequestError> {
         tracing::info!("device reset");
-        if slot.mig != MigState::Running {
-            let before = slot.mig;
-            if let Some(m) = slot.device.migration() {
-                m.abort();
-            }
-            slot.mig = MigState::Running;
-            slot.mig_changed(before, crate::MigCause::Reset);
-        }
+        slot.abandon_migration(crate::MigCause::Reset);
         slot.device.reset()?;
         reply_empty(&mut self.out, id, Reply::DeviceReset)
     }

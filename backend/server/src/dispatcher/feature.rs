@@ -131,7 +131,9 @@ impl Dispatcher {
             });
         }
         let before = slot.mig;
-        let moved = migration::transition(&mut *slot.device, &mut slot.mig, target);
+        slot.mig_touched = std::time::Instant::now();
+        let moved =
+            migration::transition(&mut *slot.device, &mut slot.mig, target, &mut slot.origin);
         slot.mig_changed(before, crate::MigCause::Request);
         moved?;
         feature_reply(
@@ -159,12 +161,13 @@ impl Dispatcher {
             return Err(invalid("MIG_DATA_READ larger than max_data_xfer_size"));
         }
         self.use_bulk_buffer();
+        slot.mig_touched = std::time::Instant::now();
         let buf = mig_data_read_reply_buffer(&mut self.out, id, size)?;
-        let n = slot
+        let mig = slot
             .device
             .migration()
-            .ok_or_else(|| invalid("the device does not migrate"))?
-            .read(buf)?;
+            .ok_or_else(|| invalid("the device does not migrate"))?;
+        let n = slot.origin.read(mig, buf)?;
         let n = u32::try_from(n)
             .ok()
             .filter(|&n| n <= size)
@@ -174,7 +177,8 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// MIG_DATA_WRITE: the next bytes of the incoming stream.
+    /// MIG_DATA_WRITE: the next bytes of the incoming stream. A stream whose origin header
+    /// is not the expected one (`crate::origin`) puts the device in ERROR (`EPERM`).
     pub(super) fn mig_data_write(
         &mut self,
         slot: &mut Slot,
@@ -184,10 +188,20 @@ impl Dispatcher {
         if slot.mig != MigState::Resuming {
             return Err(invalid("MIG_DATA_WRITE outside RESUMING"));
         }
-        slot.device
+        slot.mig_touched = std::time::Instant::now();
+        let mig = slot
+            .device
             .migration()
-            .ok_or_else(|| invalid("the device does not migrate"))?
-            .write(data)?;
+            .ok_or_else(|| invalid("the device does not migrate"))?;
+        if let Err(e) = slot.origin.write(mig, data) {
+            if matches!(e, crate::origin::WriteError::Origin(_)) {
+                tracing::warn!(error = %e, "incoming migration stream refused; device in ERROR");
+                slot.origin.abort();
+                slot.mig = MigState::Error;
+                slot.mig_changed(MigState::Resuming, crate::MigCause::WrongOrigin);
+            }
+            return Err(e.into());
+        }
         tracing::trace!(n = data.len(), "MIG_DATA_WRITE");
         reply_empty(&mut self.out, id, Reply::MigDataWrite(None))
     }

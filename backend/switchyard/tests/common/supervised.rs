@@ -55,6 +55,7 @@ pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> Path
         }),
         failover: false,
         lease: None,
+        migration: Default::default(),
     })
     .expect("create endpoint");
     let st = sup

@@ -61,6 +61,19 @@ impl RegisteredVmm {
     }
 }
 
+/// `status` as `caller` may read it: an endpoint's migration token is a capability (whoever
+/// holds it can pass a migration stream off as the endpoint's), shown only to the endpoint's
+/// owner and the operator; everyone else reads the endpoint without it.
+pub(super) fn for_caller(
+    mut status: super::views::EndpointStatus,
+    caller: &Caller,
+) -> super::views::EndpointStatus {
+    if !caller.privileged() && status.endpoint.owner_uid != caller.uid {
+        status.endpoint.migration_token.clear();
+    }
+    status
+}
+
 /// Refuses a caller other than the operator to `what` (a board operation).
 pub(super) fn operator_only(caller: &Caller, what: &str) -> Result<(), ApiError> {
     if caller.privileged() {

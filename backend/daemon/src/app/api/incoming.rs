@@ -2,22 +2,35 @@
 //!
 //! `POST /v1/endpoints/{source}/incoming` creates an endpoint leasing a free device of the
 //! source's shape from the source's pool (the pool of the source's board when the source was
-//! created on a named device; boards in no pool for a board in none), whose worker serves a fresh device for the
-//! destination VMM to put into RESUMING. The daemon then follows the destination device's
-//! migration states (the worker's [`crate::custody::Note::Migration`]):
+//! created on a named device; boards in no pool for a board in none), whose worker serves a
+//! fresh device for the destination VMM to put into RESUMING. Its device takes only a stream
+//! that came from the source: every endpoint has a migration token
+//! (`Endpoint::migration_token`), its worker stamps it at the start of every stream it sends
+//! (`switchyard_server::origin`), and the incoming endpoint's worker expects the source's; a
+//! stream without it or with another endpoint's (the destination's own included) leaves the
+//! device in ERROR. The daemon then follows the destination device's migration states (the
+//! worker's [`crate::custody::Note::Migration`]):
 //!
-//! - RESUMING, then STOP (the stream loaded), then RUNNING: the migration completed. The
+//! - RESUMING, then STOP (the stream loaded), then RUNNING, with the worker saying that what
+//!   was loaded came from the source (`origin_verified`): the migration completed. The
 //!   destination keeps its lease; the source endpoint is deleted (its lease released) once its
 //!   VMM let go of the device (the source QEMU quits after a completed migration), or after
 //!   [`SOURCE_GRACE`] at most. Event `migrated`, metric `switchyard_migrations_completed`.
-//! - Anything else after RESUMING (back to RUNNING without loading: the destination VMM gave up;
-//!   ERROR: the stream did not load; the worker died): the migration is over without the
-//!   destination. The destination endpoint is deleted (its lease released) once its VMM is gone;
-//!   the source serves on. Event `migration_aborted`, metric `switchyard_migrations_aborted`.
+//! - Anything else after RESUMING (back to RUNNING without loading: the destination VMM gave up
+//!   or its stream sat idle past the idle timeout; ERROR: the stream did not load or came from
+//!   elsewhere; the worker died): the migration is over without the destination. The
+//!   destination endpoint is deleted (its lease released) once its VMM is gone; the source
+//!   serves on. Event `migration_aborted`, metric `switchyard_migrations_aborted`.
+//!
+//! The clean-up deletes the incarnation of the endpoint the migration had, identified by its
+//! migration token as well as its id: an endpoint deleted meanwhile and created again with the
+//! same id is never touched (event `migration_released` says which happened).
 //!
 //! Moves, restarts, upgrades and drains of either endpoint are refused while its device
-//! streams (see `refuse_while_migrating`). The link between the two endpoints is kept in
-//! memory: a daemon restarted in the middle of a migration leaves both endpoints as they are.
+//! streams (see `refuse_while_migrating`); a stream with no activity for `[daemon]
+//! migration_idle_timeout` is ended by the worker, which lifts that. The link between the two
+//! endpoints is kept in memory: a daemon restarted in the middle of a migration leaves both
+//! endpoints as they are.
 
 use std::time::{Duration, Instant};
 
@@ -60,10 +73,30 @@ enum Phase {
 }
 
 /// An incoming endpoint's link to its source.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Incoming {
     source: String,
+    /// The source's migration token (its incarnation).
+    source_token: String,
+    /// The incoming endpoint's own (its incarnation).
+    token: String,
     phase: Phase,
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("source", &self.source)
+            .field("phase", &self.phase)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One incarnation of an endpoint: its id and its migration token.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Incarnation {
+    id: String,
+    token: String,
 }
 
 /// What a migration state change means for an incoming endpoint.
@@ -74,17 +107,20 @@ enum Step {
     Aborted,
 }
 
-/// The next step of an incoming endpoint in `phase` whose device went to `state` by `cause`.
-fn step(phase: Phase, state: &str, cause: &str) -> Step {
+/// The next step of an incoming endpoint in `phase` whose device went to `state` by `cause`
+/// (`verified`: what it loaded came from the source).
+fn step(phase: Phase, state: &str, cause: &str, verified: bool) -> Step {
     match (phase, state, cause) {
         // Before RESUMING (a STOP on the way there) nothing has started.
         (Phase::Waiting, "resuming", _) => Step::Continue(Phase::Resuming),
         (Phase::Waiting, _, _) => Step::Continue(Phase::Waiting),
         // The stream loaded (the server validates it on the way out of RESUMING; a stream
-        // that does not load leaves ERROR), then the VMM runs the device.
+        // that does not load, or came from elsewhere, leaves ERROR), then the VMM runs the
+        // device: complete only if the worker vouches for the stream's origin.
         (Phase::Resuming, "stop", "request") => Step::Continue(Phase::Loaded),
-        (Phase::Resuming | Phase::Loaded, "running", "request") => Step::Completed,
-        // ERROR, a reset, the VMM gone, the worker dead.
+        (Phase::Resuming | Phase::Loaded, "running", "request") if verified => Step::Completed,
+        // Running on a stream of unproven origin (a worker that does not check), ERROR, a
+        // reset, the VMM gone, an idle stream ended, the worker dead.
         (Phase::Resuming | Phase::Loaded, _, _) => Step::Aborted,
     }
 }
@@ -107,7 +143,13 @@ pub(crate) fn follow_migrations(
                 let Some(d) = daemon.get().and_then(std::sync::Weak::upgrade) else {
                     continue;
                 };
-                if let Some(release) = d.migration_state(&endpoint, &change.state, &change.cause) {
+                // A stream the worker ended for idleness lets a failover it held back go on
+                // now rather than at the next reconciliation (not on every change: a client
+                // can change states at message rate).
+                if change.cause == "idle_timeout" {
+                    d.failover.wake();
+                }
+                if let Some(release) = d.migration_state(&endpoint, &change) {
                     std::thread::spawn(move || d.release_when_let_go(&release));
                 }
             }
@@ -138,11 +180,12 @@ impl Daemon {
                 ),
             ));
         }
-        let device = {
+        let (device, source_token) = {
             let inv = self.inventory();
             let src = inv
                 .endpoint(source)
                 .ok_or_else(|| unknown_endpoint(source))?;
+            let source_token = src.migration_token.clone();
             let theirs = src
                 .device
                 .as_deref()
@@ -159,7 +202,8 @@ impl Daemon {
                 .pool
                 .clone()
                 .or_else(|| inv.board(&theirs.board).and_then(|b| b.pool));
-            inv.boards()
+            let device = inv
+                .boards()
                 .into_iter()
                 .filter(|b| b.pool == pool)
                 .flat_map(|b| b.devices)
@@ -185,10 +229,11 @@ impl Daemon {
                             )
                         ),
                     )
-                })?
+                })?;
+            (device, source_token)
         };
         let id = spec.id.clone();
-        let mut status = self.create(
+        let mut status = self.create_expecting(
             PoolEndpointSpec {
                 id: spec.id,
                 device: Some(device),
@@ -196,11 +241,14 @@ impl Daemon {
                 ..PoolEndpointSpec::default()
             },
             owner_uid,
+            Some(source_token.clone()),
         )?;
         self.incoming().insert(
             id.clone(),
             Incoming {
                 source: source.to_owned(),
+                source_token,
+                token: status.endpoint.migration_token.clone(),
                 phase: Phase::Waiting,
             },
         );
@@ -221,43 +269,53 @@ impl Daemon {
         self.incoming().get(id).map(|i| i.source.clone())
     }
 
-    /// Endpoint `endpoint`'s device went to migration state `state` by `cause` (or its worker
-    /// died: `exited`). Completes or aborts the migration of an incoming endpoint; returns the
-    /// endpoint whose lease then goes ([`Daemon::release_when_let_go`]).
+    /// An endpoint's device changed migration state (or its worker died: `exited`).
+    /// Completes or aborts the migration of an incoming endpoint; returns the incarnation of
+    /// the endpoint whose lease then goes ([`Daemon::release_when_let_go`]).
     pub(crate) fn migration_state(
         &self,
         endpoint: &str,
-        state: &str,
-        cause: &str,
-    ) -> Option<String> {
-        let (source, completed) = {
+        change: &MigrationChange,
+    ) -> Option<Incarnation> {
+        let (inc, completed) = {
             let mut incoming = self.incoming();
             let inc = incoming.get_mut(endpoint)?;
-            match step(inc.phase, state, cause) {
+            let verified = change.origin_verified;
+            match step(inc.phase, &change.state, &change.cause, verified) {
                 Step::Continue(phase) => {
                     inc.phase = phase;
                     return None;
                 }
-                Step::Completed => (inc.source.clone(), true),
-                Step::Aborted => (inc.source.clone(), false),
+                Step::Completed => (inc.clone(), true),
+                Step::Aborted => (inc.clone(), false),
             }
         };
         self.metrics.migration_ended(completed);
+        let source = inc.source.clone();
         let (released, event) = if completed {
             tracing::info!(%endpoint, %source, "live migration completed; the source's lease goes");
             let event = WorkerLifecycle::Migrated {
                 endpoint: endpoint.to_owned(),
                 source: source.clone(),
             };
-            (source, event)
+            let released = Incarnation {
+                id: source,
+                token: inc.source_token,
+            };
+            (released, event)
         } else {
-            tracing::warn!(%endpoint, %source, state, "live migration aborted; the destination's lease goes");
+            let state = change.state.as_str();
+            tracing::warn!(%endpoint, %source, state, cause = change.cause, "live migration aborted; the destination's lease goes");
             let event = WorkerLifecycle::MigrationAborted {
                 endpoint: endpoint.to_owned(),
                 source,
                 state: state.to_owned(),
             };
-            (endpoint.to_owned(), event)
+            let released = Incarnation {
+                id: endpoint.to_owned(),
+                token: inc.token,
+            };
+            (released, event)
         };
         self.events.worker(event);
         // After the event: a client that sees the link gone finds the event.
@@ -265,18 +323,47 @@ impl Daemon {
         Some(released)
     }
 
-    /// Deletes endpoint `id` once its VMM let go of it (within [`SOURCE_GRACE`]).
-    pub(crate) fn release_when_let_go(&self, id: &str) {
+    /// Deletes incarnation `which` of an endpoint once its VMM let go of it (within
+    /// [`SOURCE_GRACE`]); nothing when it is gone meanwhile (deleted, or deleted and created
+    /// again: another incarnation is never touched). Polls every 50 ms, no lock held.
+    pub(crate) fn release_when_let_go(&self, which: &Incarnation) {
+        let id = which.id.as_str();
+        let this_one = || {
+            self.inventory()
+                .endpoint(id)
+                .is_some_and(|e| e.migration_token == which.token)
+        };
         let deadline = Instant::now() + SOURCE_GRACE;
-        while self.supervisor.status(id).is_ok_and(|st| st.connected) && Instant::now() < deadline {
+        loop {
+            if !this_one() {
+                break;
+            }
+            // An endpoint the supervisor does not know (a delete under way, an orphan) is
+            // waited for: the pool says when it is gone.
+            let let_go = self.supervisor.status(id).is_ok_and(|st| !st.connected);
+            if let_go || Instant::now() >= deadline {
+                break;
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
-        match self.delete(id) {
-            Ok(()) => tracing::info!(endpoint = %id, "endpoint of a finished migration deleted"),
-            Err(e) => {
-                tracing::error!(endpoint = %id, "cannot delete the endpoint of a finished migration: {e:?}")
+        let deleted = match self.delete_incarnation(id, Some(&which.token)) {
+            Ok(true) => {
+                tracing::info!(endpoint = %id, "endpoint of a finished migration deleted");
+                true
             }
-        }
+            Ok(false) => {
+                tracing::info!(endpoint = %id, "endpoint of a finished migration already gone (deleted, or created again: left alone)");
+                false
+            }
+            Err(e) => {
+                tracing::error!(endpoint = %id, "cannot delete the endpoint of a finished migration: {e:?}");
+                false
+            }
+        };
+        self.events.worker(WorkerLifecycle::MigrationReleased {
+            endpoint: id.to_owned(),
+            deleted,
+        });
     }
 
     fn incoming(&self) -> super::super::Held<'_, std::collections::BTreeMap<String, Incoming>> {
@@ -293,7 +380,7 @@ mod tests {
         let walk = |states: &[(&str, &str)]| {
             let mut phase = Phase::Waiting;
             for (s, cause) in states {
-                match step(phase, s, cause) {
+                match step(phase, s, cause, true) {
                     Step::Continue(p) => phase = p,
                     end => return Some(end),
                 }
@@ -339,6 +426,31 @@ mod tests {
         assert_eq!(
             walk(&[("stop", req), ("running", req), ("exited", "")]),
             None
+        );
+        // The stream sat idle: the worker ended it.
+        assert_eq!(
+            walk(&[("resuming", req), ("running", "idle_timeout")]),
+            Some(Step::Aborted)
+        );
+    }
+
+    #[test]
+    fn running_on_a_stream_of_unproven_origin_is_no_completion() {
+        assert_eq!(
+            step(Phase::Loaded, "running", "request", false),
+            Step::Aborted
+        );
+        assert_eq!(
+            step(Phase::Resuming, "running", "request", false),
+            Step::Aborted
+        );
+        assert_eq!(
+            step(Phase::Resuming, "error", "wrong_origin", false),
+            Step::Aborted
+        );
+        assert_eq!(
+            step(Phase::Loaded, "running", "request", true),
+            Step::Completed
         );
     }
 }

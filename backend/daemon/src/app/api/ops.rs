@@ -84,19 +84,33 @@ impl Daemon {
         spec: PoolEndpointSpec,
         owner_uid: u32,
     ) -> Result<EndpointStatus, ApiError> {
+        self.create_expecting(spec, owner_uid, None)
+    }
+
+    /// [`Daemon::create`] of an endpoint whose device takes only incoming migration streams
+    /// of origin `expect_origin` (an incoming endpoint: its source's migration token).
+    pub(super) fn create_expecting(
+        &self,
+        spec: PoolEndpointSpec,
+        owner_uid: u32,
+        expect_origin: Option<String>,
+    ) -> Result<EndpointStatus, ApiError> {
+        // The check and the commit create the same endpoint, with the same token.
+        let token = switchyard_pool::new_migration_token().map_err(pool_error)?;
         // Everything the pool refuses is refused before a worker starts.
         let mut dry = (*self.inventory()).clone();
         if let Some(socket) = &spec.socket {
             socket_in_endpoint_dir(dry.endpoint_dir(), socket)?;
         }
-        dry.create_endpoint_by(&spec, owner_uid)
+        dry.create_endpoint_as(&spec, owner_uid, &token)
             .map_err(pool_error)?;
         let endpoint = dry
             .endpoint(&spec.id)
             .ok_or_else(|| ApiError::internal("The checked endpoint is missing"))?;
         let planned = endpoint.device.clone();
-        let worker = Daemon::spec(&dry, endpoint)
+        let mut worker = Daemon::spec(&dry, endpoint)
             .ok_or_else(|| ApiError::internal("The checked endpoint has no device"))?;
+        worker.migration.expect_origin = expect_origin;
         self.supervisor.create(worker).map_err(supervisor_error)?;
         let undo = |e: ApiError| {
             let _ = self.supervisor.delete(&spec.id);
@@ -118,12 +132,12 @@ impl Daemon {
             self.pool.run(move |pool, events| {
                 // The lease the worker serves must still be the one the pool gives.
                 let mut dry = pool.inventory().clone();
-                dry.create_endpoint_by(&spec, owner_uid)?;
+                dry.create_endpoint_as(&spec, owner_uid, &token)?;
                 let now = dry.endpoint(&spec.id).and_then(|e| e.device.clone());
                 if now != planned {
                     return Ok(Some(now));
                 }
-                events.pool(pool.create_endpoint_by(&spec, owner_uid)?);
+                events.pool(pool.create_endpoint_as(&spec, owner_uid, &token)?);
                 Ok(None)
             })
         };
@@ -148,7 +162,23 @@ impl Daemon {
     /// Deletes an endpoint: checked on a copy, its worker stopped (a process kill and a
     /// thread join: no lock held, the pool's owner free), then the deletion committed.
     pub(super) fn delete(&self, id: &str) -> Result<(), ApiError> {
+        self.delete_incarnation(id, None).map(|_| ())
+    }
+
+    /// [`Daemon::delete`]; with `token`, only the incarnation of `id` whose migration token
+    /// it is (checked by the supervisor with its removal, and by the pool's owner with the
+    /// commit): `Ok(false)`, nothing done, when `id` is gone or another incarnation (an
+    /// endpoint deleted and created again with the same id is never touched).
+    pub(crate) fn delete_incarnation(
+        &self,
+        id: &str,
+        token: Option<&str>,
+    ) -> Result<bool, ApiError> {
+        let ours = |t: Option<&str>| token.is_none_or(|want| t == Some(want));
         let inventory = self.inventory();
+        if token.is_some() && !ours(inventory.endpoint(id).map(|e| e.migration_token.as_str())) {
+            return Ok(false);
+        }
         let mut dry = (*inventory).clone();
         dry.delete_endpoint(id).map_err(pool_error)?;
         let socket = inventory.endpoint(id).map(|e| e.socket.clone());
@@ -174,22 +204,36 @@ impl Daemon {
                 remove_stale_socket(socket);
             }
         }
-        match self.supervisor.delete(id) {
-            Ok(()) | Err(SupervisorError::NotFound(_)) => {}
+        match self
+            .supervisor
+            .delete_if(id, |s| ours(s.migration.origin.as_deref()))
+        {
+            Ok(true) | Err(SupervisorError::NotFound(_)) => {}
+            Ok(false) => return Ok(false),
             Err(e) => return Err(supervisor_error(e)),
         }
         self.unsupervised().remove(id);
         self.vmms().remove(id);
         self.forget_incoming(id);
         self.records.remove(id);
-        let owned = id.to_owned();
-        self.pool
-            .apply(move |pool| pool.delete_endpoint(&owned))
+        let (owned, token) = (id.to_owned(), token.map(str::to_owned));
+        let deleted = self
+            .pool
+            .commit(move |pool| {
+                let now = pool.inventory().endpoint(&owned);
+                let now = now.map(|e| e.migration_token.as_str());
+                if token.is_some() && now != token.as_deref() {
+                    return Ok((false, Vec::new()));
+                }
+                Ok((true, pool.delete_endpoint(&owned)?))
+            })
             .map_err(pool_error)?;
-        self.metrics.remove_endpoint(id);
-        // Its device is free: an endpoint waiting for one may fail over now.
-        self.failover.wake();
-        Ok(())
+        if deleted {
+            self.metrics.remove_endpoint(id);
+            // Its device is free: an endpoint waiting for one may fail over now.
+            self.failover.wake();
+        }
+        Ok(deleted)
     }
 
     /// Unplugs the endpoint's device from its VM (if one uses it), stops its worker and

@@ -147,13 +147,13 @@ async fn list_pools(State(s): State<AppState>) -> Json<Vec<PoolView>> {
 #[utoipa::path(get, path = "/v1/endpoints", tag = TAG, operation_id = "list_endpoints",
     summary = "Every endpoint with its lease and its worker",
     responses((status = 200, description = "The endpoints, by id", body = Vec<EndpointStatus>)))]
-async fn list_endpoints(State(s): State<AppState>) -> Json<Vec<EndpointStatus>> {
+async fn list_endpoints(State(s): State<AppState>, caller: Caller) -> Json<Vec<EndpointStatus>> {
     let d = &s.0;
     let inventory = d.inventory();
     Json(
         inventory
             .endpoints()
-            .map(|e| d.endpoint_status(&inventory, e))
+            .map(|e| super::authz::for_caller(d.endpoint_status(&inventory, e), &caller))
             .collect(),
     )
 }
@@ -167,9 +167,11 @@ async fn list_endpoints(State(s): State<AppState>) -> Json<Vec<EndpointStatus>> 
         (status = 404, description = "No such endpoint", body = ErrorBody)))]
 async fn get_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<EndpointStatus>, ApiError> {
-    s.0.status_of(&id).map(Json)
+    s.0.status_of(&id)
+        .map(|st| Json(super::authz::for_caller(st, &caller)))
 }
 
 /// `POST /v1/endpoints/{id}/sync` (issue 32): waits until the daemon has applied every
@@ -184,6 +186,7 @@ async fn get_endpoint(
         (status = 500, description = "No worker, or it did not answer within 10 s", body = ErrorBody)))]
 async fn sync_endpoint(
     State(s): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<EndpointStatus>, ApiError> {
     blocking(&s, move |d| {
@@ -193,7 +196,7 @@ async fn sync_endpoint(
         d.status_of(&id)
     })
     .await
-    .map(Json)
+    .map(|st| Json(super::authz::for_caller(st, &caller)))
 }
 
 /// `POST /v1/endpoints`.
@@ -248,10 +251,14 @@ async fn delete_endpoint(
     summary = "Create the destination endpoint of a live migration of this endpoint's VM",
     description = "Leases a free device of the source's shape (from the source's pool) and \
         starts a worker serving a fresh device on the new endpoint's socket, for the destination \
-        VMM (QEMU `-incoming`) to load the source's device state into. When the destination's \
-        device has loaded the stream and runs, the migration is complete: the destination keeps \
-        its lease and the source endpoint is deleted once its VMM let go (event `migrated`). \
-        When the destination gives up or fails to load, the destination endpoint is deleted and \
+        VMM (QEMU `-incoming`) to load the source's device state into; it takes only a stream \
+        that starts with the source's `migration_token` (every stream the source's worker \
+        writes does), another leaves the device in ERROR. When the destination's device has \
+        loaded the source's stream and runs, the migration is complete: the destination keeps \
+        its lease and the source endpoint (that incarnation: not one created again with its \
+        id) is deleted once its VMM let go (events `migrated`, `migration_released`). When the \
+        destination gives up, fails to load, gets a stream from elsewhere or its stream sits \
+        idle past `[daemon] migration_idle_timeout`, the destination endpoint is deleted and \
         the source serves on (event `migration_aborted`). Kept in memory: a daemon restarted \
         during a migration leaves both endpoints as they are.",
     params(("id" = String, Path, description = "The source endpoint's id")),
