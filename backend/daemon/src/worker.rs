@@ -50,6 +50,9 @@ pub enum WorkerError {
     /// A re-executed image could not take its plan back.
     #[error("Re-exec failed")]
     Reexec(#[from] crate::reexec::ReexecError),
+    /// The worker could not jail itself (`worker --no-jail` runs it without).
+    #[error("Cannot jail the worker")]
+    Jail(#[from] crate::jail::JailError),
 }
 
 /// What a worker was asked to serve.
@@ -112,7 +115,8 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
     }
 }
 
-/// Runs a worker on the custody channel `channel` (its standard input).
+/// Runs a worker on the custody channel `channel` (its standard input), jailed once its
+/// device is built unless `jail` is off ([`crate::jail`]).
 ///
 /// One path for every device kind (`switchyard-kinds`): a fresh worker creates the black
 /// box with the kind's records, builds the device ([`DeviceKind::build`]) and puts the
@@ -127,17 +131,26 @@ fn receive_start(channel: &OwnedFd) -> Result<Start, WorkerError> {
 pub fn run(
     channel: OwnedFd,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
+    jail: bool,
 ) -> Result<(), WorkerError> {
     let start = receive_start(&channel)?;
-    serve(Some(channel), start, server_config)
+    // Before the first thread: Landlock restricts only the threads started after it.
+    let places = crate::jail::Places {
+        socket_dirs: start.adopt_dir.iter().cloned().collect(),
+        remove_dirs: Vec::new(),
+    };
+    let jail = crate::jail::begin(jail, &start.device.kind, &places)?;
+    serve(Some(channel), start, server_config, jail)
 }
 
 /// Runs a worker whose earlier image re-executed it ([`crate::reexec`]): `plan` is the
 /// value of [`crate::reexec::REEXEC_FD_ENV`]. It continues the device from what the earlier
-/// image held and waits to be adopted by its supervisor (or a new daemon's).
+/// image held and waits to be adopted by its supervisor (or a new daemon's), in the jail of
+/// the earlier image (unless `jail` is off, as it was for that image).
 pub fn run_reexeced(
     plan: &str,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
+    jail: bool,
 ) -> Result<(), WorkerError> {
     let taken = crate::reexec::take_plan(plan)?;
     let p = taken.plan;
@@ -158,7 +171,8 @@ pub fn run_reexeced(
         failover: p.failover,
         lease: p.lease,
     };
-    serve(None, start, server_config)
+    let jail = crate::jail::inherited(jail, &start.device.kind);
+    serve(None, start, server_config, jail)
 }
 
 /// Serves `start`: on `channel` from its supervisor, or (a re-executed image) without one
@@ -167,6 +181,7 @@ fn serve(
     channel: Option<OwnedFd>,
     mut start: Start,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
+    jail: crate::jail::Stage,
 ) -> Result<(), WorkerError> {
     let span = tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.kind);
     let _g = span.enter();
@@ -304,6 +319,8 @@ fn serve(
     spawn_control(&keeper, server.device_slot(), identity)?;
     spawn_stats(&keeper, &server)?;
     report_migrations(&keeper, &server);
+    // The device is built, every socket bound: the seccomp filter, on every thread.
+    crate::jail::complete(jail)?;
     if let Some(delay) = crate::knobs::ready_delay(&start.endpoint) {
         tracing::warn!(?delay, "test knob: the ready note is delayed");
         std::thread::sleep(delay);

@@ -26,7 +26,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_device::kind::Build;
 use switchyard_kinds::DeviceSpec;
-use switchyard_server::{DeviceSlot, DirtyLog, Server, ServerConfig, StopHandle};
+use switchyard_server::{DeviceSlot, DeviceSocket, DirtyLog, Server, ServerConfig, StopHandle};
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
@@ -87,11 +87,18 @@ enum Command {
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the
     /// daemon with its custody channel as standard input; not for direct use.
     #[command(hide = true)]
-    Worker,
+    Worker(WorkerArgs),
 
     /// Man pages and shell completions, from these definitions (for packaging).
     #[command(hide = true)]
     Generate(generate::GenerateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct WorkerArgs {
+    /// Run without the jail (the daemon's --no-jail).
+    #[arg(long)]
+    no_jail: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -118,6 +125,11 @@ struct DaemonArgs {
     /// drills. Off by default: a fault makes the board's devices fail for real.
     #[arg(long)]
     faults: bool,
+    /// Start the workers without their jail, for debugging: no seccomp filter, no Landlock,
+    /// no no-new-privileges (said in the daemon's and each worker's log). By default every
+    /// worker jails itself once its device is built (docs/security.md).
+    #[arg(long)]
+    no_jail: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -163,6 +175,12 @@ struct ServeArgs {
     /// nothing is dirty, so a migration loses what the device wrote after the VMM copied it.
     #[arg(long, value_name = "MODE", default_value = "on", value_parser = parse_dirty_log)]
     dirty_log: DirtyLog,
+
+    /// Serve without the jail, for debugging: no seccomp filter, no Landlock, no
+    /// no-new-privileges (said in the log). By default the server jails itself once its
+    /// device is built, as a pool's workers do (docs/security.md).
+    #[arg(long)]
+    no_jail: bool,
 }
 
 fn parse_dirty_log(s: &str) -> Result<DirtyLog, String> {
@@ -267,7 +285,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve(args),
-        Command::Worker => worker(),
+        Command::Worker(args) => worker(&args),
         Command::Daemon(args) => return daemon(args),
         Command::Ctl(args) => ctl::run(args),
         Command::Inventory(args) => inventory::run(args),
@@ -322,9 +340,26 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let span = tracing::info_span!("device", model = %spec.kind, socket = %args.socket.display());
     let _g = span.enter();
     tracing::info!(device = %spec, "starting the device");
-    let server = Server::new_boxed(config, |ctx| kind.build(&spec.options, Build::new(ctx)));
-    let mut server =
-        server.with_context(|| format!("cannot serve on {}", args.socket.display()))?;
+    let cannot = || format!("cannot serve on {}", args.socket.display());
+    // Bound first, then jailed (Landlock, before any thread: it restricts only the threads
+    // started after it), then the device built; the seccomp filter comes once every thread
+    // and socket is there.
+    let socket = DeviceSocket::bind(&args.socket, args.socket_mode).with_context(cannot)?;
+    let socket_dir = match args.socket.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    let places = switchyard_daemon::jail::Places {
+        socket_dirs: Vec::new(),
+        // The socket is removed at exit.
+        remove_dirs: vec![socket_dir],
+    };
+    let jail = switchyard_daemon::jail::begin(!args.no_jail, &spec.kind, &places)
+        .context("cannot jail the server (--no-jail serves without)")?;
+    let server = Server::with_device(config, socket, |ctx| {
+        kind.build(&spec.options, Build::new(ctx))
+    });
+    let mut server = server.with_context(cannot)?;
     let stop = server.stop_handle();
     let mut signals =
         Signals::new([SIGTERM, SIGINT, SIGHUP]).context("cannot install signal handlers")?;
@@ -352,6 +387,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .context("cannot start the swap thread")
         })
         .transpose()?;
+    switchyard_daemon::jail::complete(jail)
+        .context("cannot jail the server (--no-jail serves without)")?;
     let result = server.run().context("server failed");
     handle.close();
     let _ = watcher.join();
@@ -371,6 +408,7 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         run_dir: args.run_dir,
         socket_group: args.socket_group,
         faults: args.faults,
+        no_jail: args.no_jail,
     }
     .with_systemd_dirs(|name| std::env::var_os(name));
     match switchyard_daemon::app::run(&options) {
@@ -384,20 +422,21 @@ fn daemon(args: DaemonArgs) -> ExitCode {
 }
 
 /// `switchyard worker`: serves one pool endpoint; the custody channel is standard input.
-fn worker() -> anyhow::Result<()> {
+fn worker(args: &WorkerArgs) -> anyhow::Result<()> {
     use std::os::fd::AsFd;
     raise_nofile_limit();
     if let Some(plan) = std::env::var_os(switchyard_daemon::reexec::REEXEC_FD_ENV) {
         // An earlier image of this worker re-executed it in place.
         let plan = plan.to_string_lossy().into_owned();
-        return switchyard_daemon::worker::run_reexeced(&plan, ServerConfig::new)
+        return switchyard_daemon::worker::run_reexeced(&plan, ServerConfig::new, !args.no_jail)
             .context("re-executed worker failed");
     }
     let channel = std::io::stdin()
         .as_fd()
         .try_clone_to_owned()
         .context("no custody channel on standard input")?;
-    switchyard_daemon::worker::run(channel, ServerConfig::new).context("worker failed")
+    switchyard_daemon::worker::run(channel, ServerConfig::new, !args.no_jail)
+        .context("worker failed")
 }
 
 /// How often `--swap-every-ms` logs a summary at INFO (each swap is logged at DEBUG).

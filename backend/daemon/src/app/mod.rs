@@ -73,6 +73,9 @@ pub struct DaemonOptions {
     pub socket_group: Option<String>,
     /// Allow fault injection (`POST /v1/boards/{id}/fault`), for tests and drills.
     pub faults: bool,
+    /// Start the workers without their jail (`--no-jail`, for debugging; see
+    /// [`crate::jail`]).
+    pub no_jail: bool,
 }
 
 /// Why the daemon could not start or stopped with an error.
@@ -536,13 +539,19 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         endpoints = fd_plan.endpoints(),
         "descriptor plan"
     );
+    if options.no_jail {
+        tracing::warn!(
+            "--no-jail: the workers run without their jail (no seccomp filter, no Landlock, no no-new-privileges)"
+        );
+    }
     let pool = owner::PoolOwner::start(pool, events.clone()).map_err(DaemonError::Runtime)?;
     let daemon = Arc::new(Daemon {
         pool,
         supervisor: Supervisor::with_events(exe, sink)
             .with_adoption_dir(&workers_dir)
             .with_fd_plan(fd_plan)
-            .with_socket_access(access),
+            .with_socket_access(access)
+            .with_jail(!options.no_jail),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         incoming: Mutex::new(BTreeMap::new()),

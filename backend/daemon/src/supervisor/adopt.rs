@@ -121,7 +121,7 @@ impl Supervisor {
         });
         let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
         let adopt_dir = self.adopt_dir.clone();
-        let budget = self.fd_budget;
+        let (budget, jail) = (self.fd_budget, self.jail);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
@@ -132,6 +132,7 @@ impl Supervisor {
                     Launch {
                         adopt_dir: adopt_dir.as_deref(),
                         fd_budget: budget,
+                        jail,
                     },
                     Some((channel, pid)),
                 );

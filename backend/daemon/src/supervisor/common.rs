@@ -8,4 +8,6 @@ use std::path::Path;
 pub(super) struct Launch<'a> {
     pub(super) adopt_dir: Option<&'a Path>,
     pub(super) fd_budget: Option<u32>,
+    /// Whether workers jail themselves ([`crate::jail`]); off: `worker --no-jail`.
+    pub(super) jail: bool,
 }

@@ -428,6 +428,8 @@ pub struct Supervisor {
     fd_plan: Option<FdPlan>,
     /// Who may connect to the endpoint sockets.
     access: SocketAccess,
+    /// Whether workers jail themselves ([`Supervisor::with_jail`]).
+    jail: bool,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -462,7 +464,16 @@ impl Supervisor {
             fd_budget: None,
             fd_plan: None,
             access: SocketAccess::default(),
+            jail: true,
         }
+    }
+
+    /// Whether the workers it starts jail themselves once their device is built
+    /// ([`crate::jail`]; the default). Off (`switchyard daemon --no-jail`, for debugging)
+    /// they are started as `worker --no-jail`, and each says so in its log.
+    pub fn with_jail(mut self, jail: bool) -> Self {
+        self.jail = jail;
+        self
     }
 
     /// Gives every endpoint socket `access` (default: the daemon's user only, 0600): the
@@ -589,13 +600,14 @@ impl Supervisor {
         let ep2 = ep.clone();
         let sink = self.sink.clone();
         let adopt_dir = self.adopt_dir.clone();
-        let budget = self.fd_budget;
+        let (budget, jail) = (self.fd_budget, self.jail);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
                 let launch = Launch {
                     adopt_dir: adopt_dir.as_deref(),
                     fd_budget: budget,
+                    jail,
                 };
                 supervise(&ep2, &exe, &sink, launch, None);
             })
