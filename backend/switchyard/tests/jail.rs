@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::daemon::{Daemon, socket_of};
+use common::daemon::{Daemon, connect, socket_of};
 use serde_json::Value;
 
 /// What `/proc/PID/status` says of the jail: (`NoNewPrivs`, `Seccomp`, `Seccomp_filters`).
@@ -162,6 +162,42 @@ fn without_the_jail_a_pool_worker_can_do_what_the_probe_tries() {
     );
     assert!(log.contains("not jailed (--no-jail)"), "{log}");
     assert_ne!(config_ids(&socket_of(&d.endpoint("vm1"))), u32::MAX);
+}
+
+#[test]
+fn a_failover_re_executes_the_worker_inside_its_jail() {
+    // Two boards of one shape, transparent failover: a fault on the first makes its worker
+    // re-execute itself (same process) to continue the device on the second.
+    let mut toml = String::new();
+    for i in 0..2 {
+        toml += &format!("[[boards]]\nid = \"g{i}\"\nvram = \"64M\"\nvram_mmap = false\n");
+    }
+    toml += "[[pools]]\nname = \"p\"\nboards = [\"g0\", \"g1\"]\nfailover = \"transparent\"\n";
+    let mut d = Daemon::new().with_config(&toml).with_args(&["--faults"]);
+    d.launch();
+    d.ctl_ok(&["create", "vm1", "--pool", "p"]);
+    let pid = worker_pid(&mut d, "vm1");
+    let jailed = kernel_view(pid);
+    assert_eq!((jailed.0.as_str(), jailed.1.as_str()), ("1", "2"));
+    let mut guest = connect(&socket_of(&d.endpoint("vm1")));
+    guest.setup_queue(0);
+    guest.setup_queue(1);
+    common::workload::fill_copy_round(&mut guest, 1, 0);
+    d.ctl_ok(&["fault", "g0", "engine"]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !d
+        .log()
+        .contains("jailed: the jail of the image before the re-exec goes on")
+    {
+        assert!(Instant::now() < deadline, "no re-exec:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The same process, in the same jail, not stacked again; and it serves on the new board.
+    assert_eq!(kernel_view(pid), jailed, "{}", d.log());
+    common::workload::fill_copy_round(&mut guest, 2, 0);
+    common::workload::fill_copy_round(&mut guest, 3, 1);
+    assert_eq!(worker_pid(&mut d, "vm1"), pid, "re-executed in place");
+    assert_eq!(d.endpoint("vm1")["lease"]["board"], "g1");
 }
 
 /// `switchyard serve` with the probe knob, killed on drop.
