@@ -36,14 +36,20 @@ fn copy_plan(s: &Settings, size: u64) -> Plan {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dir {
+pub(crate) enum Dir {
     GuestToVram,
     VramToGuest,
 }
 
 /// One COPY of `size` bytes split over `queues` queues, each followed by a FENCE; returns the
 /// time from the first doorbell to the last fence seen in guest memory.
-fn copy_once(gpu: &mut Gpu, dir: Dir, size: u64, queues: u32, seq: &mut u64) -> Result<Duration> {
+pub(crate) fn copy_once(
+    gpu: &mut Gpu,
+    dir: Dir,
+    size: u64,
+    queues: u32,
+    seq: &mut u64,
+) -> Result<Duration> {
     *seq += 1;
     let v = *seq;
     let chunk = size / u64::from(queues);

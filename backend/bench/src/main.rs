@@ -25,6 +25,7 @@ mod failover;
 mod floors;
 mod gpu;
 mod interrupt;
+mod jail;
 mod journal;
 mod migration;
 mod moves;
@@ -72,7 +73,7 @@ struct Cli {
     spin_us: u64,
     /// Run only these groups (comma-separated): round-trip, decompose, size-sweep, posted,
     /// write-multi, copy, interrupt, doorbell, dirty-report, swap, migration, journal, custody,
-    /// restart, failover, move, api, create-load; and cuda (a real GPU: only when named here).
+    /// restart, failover, move, api, jail, create-load; and cuda (a real GPU: only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The `switchyard` binary whose `switchyard worker` processes the restart case kills, and
@@ -167,7 +168,7 @@ fn main() -> Result<()> {
         machine.cpu, machine.cpus, machine.kernel, machine.loadavg_start
     );
     let dir = tempfile::tempdir().context("tempdir")?;
-    let all: [(&str, Case); 19] = [
+    let all: [(&str, Case); 20] = [
         ("round-trip", round_trip::round_trip),
         ("decompose", decompose::decompose),
         ("size-sweep", size_sweep::size_sweep),
@@ -185,6 +186,7 @@ fn main() -> Result<()> {
         ("failover", failover::failover),
         ("move", moves::moves),
         ("api", api::api),
+        ("jail", jail::jail),
         ("create-load", create_load::create_load),
         ("cuda", cuda::cuda),
     ];

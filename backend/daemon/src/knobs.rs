@@ -7,6 +7,8 @@
 //! |---|---|
 //! | `SWITCHYARD_TEST_READY_DELAY=ENDPOINT:MS` | the worker of `ENDPOINT` waits `MS` ms before it says it is ready |
 //! | `SWITCHYARD_TEST_STATS_MS=MS` | workers report their stats every `MS` ms, even when nothing happened |
+//! | `SWITCHYARD_TEST_JAIL_PROBE=DIR` | a worker (or `serve`), once jailed or not (`--no-jail`), tries what the jail forbids and logs the outcome ([`crate::jail::probe_if_asked`]) |
+//! | `SWITCHYARD_TEST_JAIL_SECCOMP=log` | the seccomp filter logs the system calls it would refuse (the kernel's audit log) and allows them: how the allow-lists are checked against the tests |
 //! | `SWITCHYARD_TEST_PAUSE=POINT` | the daemon thread reaching `POINT` stops there for good (a test then kills the daemon at that point): `failover-planned` (a failover's target reserved, the worker not asked yet), `failover-asked` (the worker asked to continue on the target, the daemon not told it did) |
 
 use std::time::Duration;
@@ -38,6 +40,16 @@ pub fn pause(point: &str) {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
+}
+
+/// The directory of the jail probe (`SWITCHYARD_TEST_JAIL_PROBE`).
+pub fn jail_probe() -> Option<String> {
+    var("SWITCHYARD_TEST_JAIL_PROBE")
+}
+
+/// Whether the seccomp filter only logs (`SWITCHYARD_TEST_JAIL_SECCOMP=log`).
+pub fn jail_seccomp_log() -> bool {
+    var("SWITCHYARD_TEST_JAIL_SECCOMP").as_deref() == Some("log")
 }
 
 /// The stats period, and whether empty reports are sent too (`SWITCHYARD_TEST_STATS_MS`).

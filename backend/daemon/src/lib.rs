@@ -12,6 +12,7 @@
 //!   worker's note through the supervisor and the daemon to the events stream.
 //! - [`keeper`]: the worker's ledger of what it put in custody, offered to a new supervisor so
 //!   that a restarted daemon adopts its running workers.
+//! - [`jail`]: what a worker (and `serve`) may still do once its device is built.
 //! - [`app`]: `switchyard daemon`, the pool daemon around them: the pool's store, a worker per
 //!   leased endpoint, the control API.
 //!
@@ -25,6 +26,7 @@ pub mod app;
 pub mod blocking;
 pub mod custody;
 pub mod error_chain;
+pub mod jail;
 pub mod keeper;
 pub mod knobs;
 pub mod lifecycle;

@@ -98,8 +98,10 @@ pub(crate) fn exec(
     match prepare(keeper, id, device, lease) {
         // Kept open across the exec (and closed again if it fails).
         Ok((memfd, _open)) => {
+            // The same arguments (`worker`, and `--no-jail` if this image has it): a jailed
+            // image's jail goes on in the new one anyway (it survives the exec).
             let err = std::process::Command::new("/proc/self/exe")
-                .arg("worker")
+                .args(std::env::args_os().skip(1))
                 .env(REEXEC_FD_ENV, memfd.as_raw_fd().to_string())
                 .exec();
             ReexecError::Exec(err)

@@ -55,6 +55,9 @@ pub enum WorkerError {
     /// A migration origin token handed over is not one.
     #[error("Invalid migration origin token")]
     Origin(#[from] switchyard_server::origin::BadToken),
+    /// The worker could not jail itself (`worker --no-jail` runs it without).
+    #[error("Cannot jail the worker")]
+    Jail(#[from] crate::jail::JailError),
 }
 
 /// What a worker was asked to serve.
@@ -128,7 +131,8 @@ fn configure(spec: &DeviceSpec) -> Result<Configured, WorkerError> {
         .map_err(|e| WorkerError::Device(spec.to_string(), Box::new(e)))
 }
 
-/// Runs a worker on the custody channel `channel` (its standard input).
+/// Runs a worker on the custody channel `channel` (its standard input), jailed once its
+/// device is built unless `jail` is off ([`crate::jail`]).
 ///
 /// One path for every device kind (`switchyard-kinds`): a fresh worker creates the black
 /// box with the kind's records, builds the device ([`KindConfig::build`]) and puts the
@@ -143,17 +147,26 @@ fn configure(spec: &DeviceSpec) -> Result<Configured, WorkerError> {
 pub fn run(
     channel: OwnedFd,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
+    jail: bool,
 ) -> Result<(), WorkerError> {
     let start = receive_start(&channel)?;
-    serve(Some(channel), start, server_config)
+    // Before the first thread: Landlock restricts only the threads started after it.
+    let places = crate::jail::Places {
+        socket_dirs: start.adopt_dir.iter().cloned().collect(),
+        remove_dirs: Vec::new(),
+    };
+    let jail = crate::jail::begin(jail, &start.device.spec.kind, &places)?;
+    serve(Some(channel), start, server_config, jail)
 }
 
 /// Runs a worker whose earlier image re-executed it ([`crate::reexec`]): `plan` is the
 /// value of [`crate::reexec::REEXEC_FD_ENV`]. It continues the device from what the earlier
-/// image held and waits to be adopted by its supervisor (or a new daemon's).
+/// image held and waits to be adopted by its supervisor (or a new daemon's), in the jail of
+/// the earlier image (unless `jail` is off, as it was for that image).
 pub fn run_reexeced(
     plan: &str,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
+    jail: bool,
 ) -> Result<(), WorkerError> {
     let taken = crate::reexec::take_plan(plan)?;
     let p = taken.plan;
@@ -173,7 +186,8 @@ pub fn run_reexeced(
         nonce: p.nonce,
         migration: p.migration,
     };
-    serve(None, start, server_config)
+    let jail = crate::jail::inherited(jail, &start.device.spec.kind);
+    serve(None, start, server_config, jail)
 }
 
 /// Serves `start`: on `channel` from its supervisor, or (a re-executed image) without one
@@ -182,6 +196,7 @@ fn serve(
     channel: Option<OwnedFd>,
     mut start: Start,
     server_config: impl FnOnce(PathBuf) -> ServerConfig,
+    jail: crate::jail::Stage,
 ) -> Result<(), WorkerError> {
     let span =
         tracing::info_span!("endpoint", id = %start.endpoint, device = %start.device.spec.kind);
@@ -324,6 +339,8 @@ fn serve(
     spawn_control(&keeper, server.device_slot(), identity)?;
     spawn_stats(&keeper, &server)?;
     report_migrations(&keeper, &server);
+    // The device is built, every socket bound: the seccomp filter, on every thread.
+    crate::jail::complete(jail)?;
     if let Some(delay) = crate::knobs::ready_delay(&start.endpoint) {
         tracing::warn!(?delay, "test knob: the ready note is delayed");
         std::thread::sleep(delay);

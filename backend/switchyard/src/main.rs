@@ -26,7 +26,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_device::kind::Build;
 use switchyard_kinds::DeviceSpec;
-use switchyard_server::{DeviceSlot, DirtyLog, Server, ServerConfig, StopHandle};
+use switchyard_server::{DeviceSlot, DeviceSocket, DirtyLog, Server, ServerConfig, StopHandle};
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
@@ -89,11 +89,18 @@ enum Command {
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the
     /// daemon with its custody channel as standard input; not for direct use.
     #[command(hide = true)]
-    Worker,
+    Worker(WorkerArgs),
 
     /// Man pages and shell completions, from these definitions (for packaging).
     #[command(hide = true)]
     Generate(generate::GenerateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct WorkerArgs {
+    /// Run without the jail (the daemon's --no-jail).
+    #[arg(long)]
+    no_jail: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -125,6 +132,11 @@ struct DaemonArgs {
     /// held is lost. Without it such a store is refused (exit 1) and left as it is.
     #[arg(long)]
     reinit: bool,
+    /// Start the workers without their jail, for debugging: no seccomp filter, no Landlock,
+    /// no no-new-privileges (said in the daemon's and each worker's log). By default every
+    /// worker jails itself once its device is built (docs/security.md).
+    #[arg(long)]
+    no_jail: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -177,6 +189,11 @@ struct ServeArgs {
     /// or d suffix; 0 never ends one.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_idle_timeout)]
     migration_idle_timeout: Duration,
+    /// Serve without the jail, for debugging: no seccomp filter, no Landlock, no
+    /// no-new-privileges (said in the log). By default the server jails itself once its
+    /// device is built, as a pool's workers do (docs/security.md).
+    #[arg(long)]
+    no_jail: bool,
 }
 
 fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
@@ -287,7 +304,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve(args),
-        Command::Worker => worker(),
+        Command::Worker(args) => worker(&args),
         Command::Daemon(args) => return daemon(args),
         Command::Ctl(args) => ctl::run(args),
         Command::Inventory(args) => inventory::run(args),
@@ -343,9 +360,24 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let span = tracing::info_span!("device", model = %spec.kind, socket = %args.socket.display());
     let _g = span.enter();
     tracing::info!(device = %spec, "starting the device");
-    let server = Server::new_boxed(config, |ctx| device.config.build(Build::new(ctx)));
-    let mut server =
-        server.with_context(|| format!("cannot serve on {}", args.socket.display()))?;
+    let cannot = || format!("cannot serve on {}", args.socket.display());
+    // Bound first, then jailed (Landlock, before any thread: it restricts only the threads
+    // started after it), then the device built; the seccomp filter comes once every thread
+    // and socket is there.
+    let socket = DeviceSocket::bind(&args.socket, args.socket_mode).with_context(cannot)?;
+    let socket_dir = match args.socket.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    let places = switchyard_daemon::jail::Places {
+        socket_dirs: Vec::new(),
+        // The socket is removed at exit.
+        remove_dirs: vec![socket_dir],
+    };
+    let jail = switchyard_daemon::jail::begin(!args.no_jail, &spec.kind, &places)
+        .context("cannot jail the server (--no-jail serves without)")?;
+    let server = Server::with_device(config, socket, |ctx| device.config.build(Build::new(ctx)));
+    let mut server = server.with_context(cannot)?;
     let stop = server.stop_handle();
     let mut signals =
         Signals::new([SIGTERM, SIGINT, SIGHUP]).context("cannot install signal handlers")?;
@@ -373,6 +405,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .context("cannot start the swap thread")
         })
         .transpose()?;
+    switchyard_daemon::jail::complete(jail)
+        .context("cannot jail the server (--no-jail serves without)")?;
     let result = server.run().context("server failed");
     handle.close();
     let _ = watcher.join();
@@ -394,6 +428,7 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         socket_group: args.socket_group,
         faults: args.faults,
         reinit: args.reinit,
+        no_jail: args.no_jail,
     }
     .with_systemd_dirs(|name| std::env::var_os(name));
     match options.and_then(|options| switchyard_daemon::app::run(&options)) {
@@ -407,20 +442,21 @@ fn daemon(args: DaemonArgs) -> ExitCode {
 }
 
 /// `switchyard worker`: serves one pool endpoint; the custody channel is standard input.
-fn worker() -> anyhow::Result<()> {
+fn worker(args: &WorkerArgs) -> anyhow::Result<()> {
     use std::os::fd::AsFd;
     raise_nofile_limit();
     if let Some(plan) = std::env::var_os(switchyard_daemon::reexec::REEXEC_FD_ENV) {
         // An earlier image of this worker re-executed it in place.
         let plan = plan.to_string_lossy().into_owned();
-        return switchyard_daemon::worker::run_reexeced(&plan, ServerConfig::new)
+        return switchyard_daemon::worker::run_reexeced(&plan, ServerConfig::new, !args.no_jail)
             .context("re-executed worker failed");
     }
     let channel = std::io::stdin()
         .as_fd()
         .try_clone_to_owned()
         .context("no custody channel on standard input")?;
-    switchyard_daemon::worker::run(channel, ServerConfig::new).context("worker failed")
+    switchyard_daemon::worker::run(channel, ServerConfig::new, !args.no_jail)
+        .context("worker failed")
 }
 
 /// How often `--swap-every-ms` logs a summary at INFO (each swap is logged at DEBUG).

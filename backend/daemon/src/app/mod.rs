@@ -82,6 +82,9 @@ pub struct DaemonOptions {
     /// A damaged store (empty, truncated, not a store) is moved aside and a new, empty one
     /// made, instead of refused: every lease it held is lost.
     pub reinit: bool,
+    /// Start the workers without their jail (`--no-jail`, for debugging; see
+    /// [`crate::jail`]).
+    pub no_jail: bool,
 }
 
 /// Why the daemon could not start or stopped with an error.
@@ -424,6 +427,11 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         endpoints = fd_plan.endpoints(),
         "descriptor plan"
     );
+    if options.no_jail {
+        tracing::warn!(
+            "--no-jail: the workers run without their jail (no seccomp filter, no Landlock, no no-new-privileges)"
+        );
+    }
     let pool = owner::PoolOwner::start(pool, events.clone()).map_err(DaemonError::Runtime)?;
     let daemon = Arc::new(Daemon {
         pool,
@@ -431,9 +439,8 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
             .with_adoption_dir(&workers_dir)
             .with_fd_plan(fd_plan)
             .with_socket_access(access)
-            .with_migration_idle_timeout(std::time::Duration::from_secs(
-                d.migration_idle_timeout.0,
-            )),
+            .with_migration_idle_timeout(std::time::Duration::from_secs(d.migration_idle_timeout.0))
+            .with_jail(!options.no_jail),
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         incoming: Mutex::new(BTreeMap::new()),

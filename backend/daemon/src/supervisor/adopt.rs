@@ -117,7 +117,7 @@ impl Supervisor {
         });
         let (exe, ep2, sink) = (self.exe.clone(), ep.clone(), self.sink.clone());
         let adopt_dir = self.adopt_dir.clone();
-        let (budget, migration_idle) = (self.fd_budget, self.migration_idle);
+        let (budget, migration_idle, jail) = (self.fd_budget, self.migration_idle, self.jail);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
@@ -129,6 +129,7 @@ impl Supervisor {
                         adopt_dir: adopt_dir.as_deref(),
                         fd_budget: budget,
                         migration_idle,
+                        jail,
                     },
                     Some((channel, pid, nonce)),
                 );

@@ -10,4 +10,6 @@ pub(super) struct Launch<'a> {
     pub(super) fd_budget: Option<u32>,
     /// Migration streams idle this long are ended (unless the endpoint's spec says).
     pub(super) migration_idle: Option<std::time::Duration>,
+    /// Whether workers jail themselves ([`crate::jail`]); off: `worker --no-jail`.
+    pub(super) jail: bool,
 }

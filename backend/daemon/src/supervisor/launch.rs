@@ -169,6 +169,7 @@ fn run_worker(
     let nonce = WorkerNonce::generate()?;
     let mut child: Child = Command::new(exe)
         .arg("worker")
+        .args((!launch.jail).then_some("--no-jail"))
         .stdin(Stdio::from(theirs))
         // Its own process group: a terminal's Ctrl-C to the daemon does not reach it.
         .process_group(0)

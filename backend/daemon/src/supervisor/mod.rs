@@ -359,6 +359,8 @@ pub struct Supervisor {
     access: SocketAccess,
     /// Workers end migration streams idle this long ([`Supervisor::with_migration_idle_timeout`]).
     migration_idle: Option<Duration>,
+    /// Whether workers jail themselves ([`Supervisor::with_jail`]).
+    jail: bool,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -394,7 +396,16 @@ impl Supervisor {
             fd_plan: None,
             access: SocketAccess::default(),
             migration_idle: None,
+            jail: true,
         }
+    }
+
+    /// Whether the workers it starts jail themselves once their device is built
+    /// ([`crate::jail`]; the default). Off (`switchyard daemon --no-jail`, for debugging)
+    /// they are started as `worker --no-jail`, and each says so in its log.
+    pub fn with_jail(mut self, jail: bool) -> Self {
+        self.jail = jail;
+        self
     }
 
     /// Gives every endpoint socket `access` (default: the daemon's user only, 0600): the
@@ -500,7 +511,7 @@ impl Supervisor {
         let ep2 = ep.clone();
         let sink = self.sink.clone();
         let adopt_dir = self.adopt_dir.clone();
-        let (budget, migration_idle) = (self.fd_budget, self.migration_idle);
+        let (budget, migration_idle, jail) = (self.fd_budget, self.migration_idle, self.jail);
         let thread = std::thread::Builder::new()
             .name(format!("sy-sup-{}", spec.id))
             .spawn(move || {
@@ -508,6 +519,7 @@ impl Supervisor {
                     adopt_dir: adopt_dir.as_deref(),
                     fd_budget: budget,
                     migration_idle,
+                    jail,
                 };
                 supervise(&ep2, &exe, &sink, launch, None);
             })

@@ -85,6 +85,13 @@ const OBJECT_MAP_MAX: u64 = 64 << 30;
 /// address space for its own allocations (which would abort it).
 pub const MAP_BUDGET: u64 = 64 << 40;
 
+/// Opens the fault-safe path to this process's memory now (it is otherwise opened at the
+/// first window that needs it): a process about to be jailed, whose rules may not reach
+/// procfs files opened later, calls it first. Whether it is available.
+pub fn open_proc_mem() -> bool {
+    proc_mem().is_some()
+}
+
 /// The fault-safe path to this process's memory (see the module docs).
 fn proc_mem() -> Option<&'static File> {
     static MEM: OnceLock<Option<File>> = OnceLock::new();

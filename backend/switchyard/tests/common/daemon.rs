@@ -294,7 +294,8 @@ pub fn is_worker(pid: u32) -> bool {
     let zombie = stat
         .rfind(')')
         .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
-    !zombie && cmdline.ends_with(b"\0worker\0")
+    // `switchyard worker`, or `switchyard worker --no-jail`.
+    !zombie && cmdline.split(|&b| b == 0).nth(1) == Some(b"worker".as_slice())
 }
 
 impl Drop for Daemon {
