@@ -102,6 +102,7 @@ fn a_workers_notes_reach_the_events_stream_as_the_supervisor_made_them() {
         adopt_dir: None,
         fd_budget: None,
         migration_idle: None,
+        jail: true,
     };
     let now = Instant::now();
     let ready = serve_notes(&ep, &ours, 42, None, now, &sink, launch, &|| {
