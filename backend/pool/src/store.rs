@@ -164,15 +164,6 @@ impl Pool {
         self.apply_events(|inv| inv.create_endpoint(spec))
     }
 
-    /// [`Inventory::create_endpoint_by`], committed.
-    pub fn create_endpoint_by(
-        &mut self,
-        spec: &EndpointSpec,
-        owner_uid: u32,
-    ) -> Result<Vec<Event>, PoolError> {
-        self.apply_events(|inv| inv.create_endpoint_by(spec, owner_uid))
-    }
-
     /// [`Inventory::create_endpoint_as`], committed.
     pub fn create_endpoint_as(
         &mut self,

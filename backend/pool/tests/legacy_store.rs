@@ -242,13 +242,15 @@ fn an_endpoint_without_a_recorded_owner_is_roots() {
     let (mut pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("opens");
     let owner = |pool: &Pool, e: &str| pool.inventory().endpoint(e).map(|e| e.owner_uid);
     assert_eq!(owner(&pool, "vm1"), Some(0));
-    pool.create_endpoint_by(
+    let token = switchyard_pool::new_migration_token().expect("token");
+    pool.create_endpoint_as(
         &switchyard_pool::EndpointSpec {
             id: "vm4".into(),
             device: Some("p0.0".into()),
             ..Default::default()
         },
         1000,
+        &token,
     )
     .expect("p0.0 is free");
     assert_eq!(owner(&pool, "vm4"), Some(1000));

@@ -194,24 +194,16 @@ impl Inventory {
 
     /// Creates an endpoint leasing the first free device of `spec.pool` (boards in pool
     /// order, partitions in board order) on an available board that meets the requirements,
-    /// or the named `spec.device`. Its owner is root ([`Inventory::create_endpoint_by`]); it
-    /// gets a new migration token.
+    /// or the named `spec.device`. Its owner is root; it gets a new migration token
+    /// ([`Inventory::create_endpoint_as`] for another owner or a given token).
     pub fn create_endpoint(&mut self, spec: &EndpointSpec) -> Result<Vec<Event>, PoolError> {
-        self.create_endpoint_by(spec, 0)
-    }
-
-    /// [`Inventory::create_endpoint`] for the user `owner_uid` (its [`Endpoint::owner_uid`]).
-    pub fn create_endpoint_by(
-        &mut self,
-        spec: &EndpointSpec,
-        owner_uid: u32,
-    ) -> Result<Vec<Event>, PoolError> {
         let token = crate::new_migration_token()?;
-        self.create_endpoint_as(spec, owner_uid, &token)
+        self.create_endpoint_as(spec, 0, &token)
     }
 
-    /// [`Inventory::create_endpoint_by`] with the migration token `token` (made beforehand
-    /// with [`new_migration_token`](crate::new_migration_token): a check on a copy and its
+    /// [`Inventory::create_endpoint`] for the user `owner_uid` (its [`Endpoint::owner_uid`]),
+    /// with the migration token `token` (made beforehand with
+    /// [`new_migration_token`](crate::new_migration_token): a check on a copy and its
     /// commit then create the same endpoint).
     pub fn create_endpoint_as(
         &mut self,
