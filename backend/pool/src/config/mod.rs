@@ -316,35 +316,38 @@ impl DaemonConfig {
                 ));
             }
         }
+        let keep = Self::EVENTS_KEEP_RANGE;
+        if !keep.contains(&self.events_keep) {
+            return Err(PoolError::config(
+                key("events_keep"),
+                ConfigProblem::OutOfRange {
+                    value: self.events_keep,
+                    min: *keep.start(),
+                    max: *keep.end(),
+                },
+            ));
+        }
         for (name, value, range) in [
-            ("events_keep", self.events_keep, Self::EVENTS_KEEP_RANGE),
             (
                 "events_max_age",
-                self.events_max_age.0,
+                self.events_max_age,
                 Self::EVENTS_MAX_AGE_RANGE,
             ),
             (
                 "migration_idle_timeout",
-                self.migration_idle_timeout.0,
+                self.migration_idle_timeout,
                 Self::MIGRATION_IDLE_TIMEOUT_RANGE,
             ),
         ] {
-            if !range.contains(&value) {
-                let problem = if name != "events_keep" {
+            if !range.contains(&value.0) {
+                return Err(PoolError::config(
+                    key(name),
                     ConfigProblem::Value(format!(
-                        "{} is out of range; expected {} to {}",
-                        Age(value),
+                        "{value} is out of range; expected {} to {}",
                         Age(*range.start()),
                         Age(*range.end())
-                    ))
-                } else {
-                    ConfigProblem::OutOfRange {
-                        value,
-                        min: *range.start(),
-                        max: *range.end(),
-                    }
-                };
-                return Err(PoolError::config(key(name), problem));
+                    )),
+                ));
             }
         }
         Ok(())
