@@ -129,24 +129,17 @@ pub fn jail(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     // Per case: [jailed, unjailed] samples.
     let mut pooled: Vec<[Vec<u64>; 2]> = vec![Default::default(); CASES.len()];
     for rep in 0..s.reps() {
+        let jailed = || Serve::start(&s.switchyard_bin, dir, &format!("jailed{rep}"), &[]);
+        let free = || {
+            let name = format!("free{rep}");
+            Serve::start(&s.switchyard_bin, dir, &name, &["--no-jail"])
+        };
         let (jailed, free) = if rep % 2 == 0 {
-            let j = Serve::start(&s.switchyard_bin, dir, &format!("jailed{rep}"), &[])?;
-            let f = Serve::start(
-                &s.switchyard_bin,
-                dir,
-                &format!("free{rep}"),
-                &["--no-jail"],
-            )?;
-            (j, f)
+            let j = jailed()?;
+            (j, free()?)
         } else {
-            let f = Serve::start(
-                &s.switchyard_bin,
-                dir,
-                &format!("free{rep}"),
-                &["--no-jail"],
-            )?;
-            let j = Serve::start(&s.switchyard_bin, dir, &format!("jailed{rep}"), &[])?;
-            (j, f)
+            let f = free()?;
+            (jailed()?, f)
         };
         for (i, r) in one_rep(s, &jailed, &free)?.into_iter().enumerate() {
             let [a, b] = r;
