@@ -155,3 +155,19 @@ fn a_new_store_is_private_whatever_the_umask() {
         .collect();
     assert_eq!(names.len(), 2, "{names:?}");
 }
+
+/// A store in a directory whose name is not UTF-8 is moved aside next to itself, its path's
+/// bytes kept as they are.
+#[test]
+fn a_store_under_a_name_that_is_not_utf8_is_moved_aside_beside_itself() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sub = dir.path().join(std::ffi::OsStr::from_bytes(b"state\xff"));
+    std::fs::create_dir(&sub).expect("mkdir");
+    let path = sub.join("pool.redb");
+    std::fs::write(&path, b"").expect("empty");
+    let aside = switchyard_pool::move_aside(&path).expect("moved aside");
+    assert_eq!(aside.parent(), Some(sub.as_path()));
+    assert_eq!(std::fs::read(&aside).expect("kept"), b"");
+    assert!(!path.exists());
+}

@@ -224,14 +224,16 @@ pub fn move_aside(path: &Path) -> Result<PathBuf, PoolError> {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let base = format!("{}.damaged-{secs}", path.display());
+    // Appended to the path's own bytes: `display()` would mangle a name that is not UTF-8.
+    let mut base = path.as_os_str().to_owned();
+    base.push(format!(".damaged-{secs}"));
     let cwd = rustix::fs::CWD;
     for n in 0..100u32 {
-        let aside = PathBuf::from(if n == 0 {
-            base.clone()
-        } else {
-            format!("{base}.{n}")
-        });
+        let mut aside = base.clone();
+        if n > 0 {
+            aside.push(format!(".{n}"));
+        }
+        let aside = PathBuf::from(aside);
         match rustix::fs::renameat_with(cwd, path, cwd, &aside, rustix::fs::RenameFlags::NOREPLACE)
         {
             Ok(()) => return Ok(aside),
