@@ -25,6 +25,7 @@ pub mod irq;
 pub mod kind;
 pub mod msix;
 pub mod ratelimit;
+pub mod secret;
 mod traits;
 
 use std::fs::File;
