@@ -22,20 +22,17 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 
 /// Why [`bind_in_place`] refused.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum PlaceError {
     /// Something other than a socket is at the path.
+    #[error("Something other than a socket is at the path")]
     Taken,
     /// A live socket is at the path (a connection to it succeeded).
+    #[error("A live socket is at the path")]
     InUse,
     /// A system call failed.
-    Io(io::Error),
-}
-
-impl From<io::Error> for PlaceError {
-    fn from(e: io::Error) -> Self {
-        PlaceError::Io(e)
-    }
+    #[error("Cannot bind the socket in place")]
+    Io(#[from] io::Error),
 }
 
 impl From<rustix::io::Errno> for PlaceError {
