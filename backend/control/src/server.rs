@@ -91,12 +91,11 @@ impl ControlSocket {
         if placed.replaced_stale {
             tracing::info!(socket = %path.display(), "replaced a stale control socket");
         }
-        let (listener, meta) = (placed.listener, placed.ident);
-        listener.set_nonblocking(true).map_err(bind_err)?;
+        placed.listener.set_nonblocking(true).map_err(bind_err)?;
         Ok(Self {
-            listener,
+            listener: placed.listener,
             path: path.to_owned(),
-            ident: meta,
+            ident: placed.ident,
             limits: Limits::default(),
         })
     }

@@ -13,7 +13,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -22,20 +22,17 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 
 /// Why [`bind_in_place`] refused.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum PlaceError {
     /// Something other than a socket is at the path.
+    #[error("Something other than a socket is at the path")]
     Taken,
     /// A live socket is at the path (a connection to it succeeded).
+    #[error("A live socket is at the path")]
     InUse,
     /// A system call failed.
-    Io(io::Error),
-}
-
-impl From<io::Error> for PlaceError {
-    fn from(e: io::Error) -> Self {
-        PlaceError::Io(e)
-    }
+    #[error("Cannot bind the socket in place")]
+    Io(#[from] io::Error),
 }
 
 impl From<rustix::io::Errno> for PlaceError {
@@ -138,14 +135,14 @@ fn proc_path(dir: &OwnedFd, name: impl AsRef<OsStr>) -> OsString {
 
 /// The private directory next to the target where the socket is bound; removed (with the
 /// socket, if it is still there) when dropped.
-struct Staging {
-    parent: OwnedFd,
+struct Staging<'a> {
+    parent: BorrowedFd<'a>,
     name: OsString,
     fd: OwnedFd,
 }
 
-impl Staging {
-    fn create(parent: &OwnedFd, target: &OsStr) -> Result<Self, PlaceError> {
+impl<'a> Staging<'a> {
+    fn create(parent: &'a OwnedFd, target: &OsStr) -> Result<Self, PlaceError> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let pid = std::process::id();
         for _ in 0..100 {
@@ -171,7 +168,7 @@ impl Staging {
                 Mode::empty(),
             )?;
             let staging = Self {
-                parent: parent.try_clone()?,
+                parent: parent.as_fd(),
                 name,
                 fd,
             };
@@ -199,10 +196,10 @@ impl Staging {
     }
 }
 
-impl Drop for Staging {
+impl Drop for Staging<'_> {
     fn drop(&mut self) {
         let _ = rustix::fs::unlinkat(&self.fd, "s", AtFlags::empty());
-        let _ = rustix::fs::unlinkat(&self.parent, &self.name, AtFlags::REMOVEDIR);
+        let _ = rustix::fs::unlinkat(self.parent, &self.name, AtFlags::REMOVEDIR);
     }
 }
 

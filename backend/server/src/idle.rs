@@ -31,18 +31,21 @@ pub(crate) fn streaming(state: MigState) -> bool {
     )
 }
 
-/// Starts the watchdog of `slot`: streams idle for `timeout` are ended.
-pub(crate) fn spawn(slot: &DeviceSlot, timeout: Duration) -> std::io::Result<()> {
+/// Starts the watchdog of `slot`: streams idle for `timeout` are ended. It ends once the slot
+/// is closed (`DeviceSlot::close`).
+pub(crate) fn spawn(
+    slot: &DeviceSlot,
+    timeout: Duration,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     let slot = slot.clone();
     std::thread::Builder::new()
         .name("sy-mig-idle".into())
-        .spawn(move || watch(&slot, timeout))?;
-    Ok(())
+        .spawn(move || watch(&slot, timeout))
 }
 
 fn watch(slot: &DeviceSlot, timeout: Duration) {
-    let watch = slot.lock().watch.clone();
     let mut s = slot.lock();
+    let watch = s.watch.clone();
     while !s.closed {
         let wait = if streaming(s.mig) {
             let due = s.mig_touched + timeout;
@@ -151,7 +154,7 @@ mod tests {
                 .unwrap_or_else(|p| p.into_inner())
                 .send((c, Instant::now()));
         }));
-        spawn(&slot, TIMEOUT).expect("watchdog");
+        let watchdog = spawn(&slot, TIMEOUT).expect("watchdog");
         let next = || rx.recv_timeout(Duration::from_secs(10)).expect("a change");
         // STOP has no stream open: however long it lasts, the timeout counts from PRE_COPY.
         request(&slot, MigState::Stop);
@@ -197,5 +200,8 @@ mod tests {
             (MigState::Resuming, MigCause::IdleTimeout)
         );
         slot.close();
+        watchdog
+            .join()
+            .expect("the watchdog ends once the slot is closed");
     }
 }

@@ -219,6 +219,8 @@ pub struct Server {
     continuity: Option<Arc<continuity::Continuity>>,
     /// Messages by command and their latencies.
     stats: Arc<stats::RequestStats>,
+    /// The migration watchdog (`idle`), joined when the server is dropped.
+    watchdog: Option<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -378,9 +380,11 @@ impl Server {
             config.migration_expect_origin.clone(),
         );
         let slot = DeviceSlot::new(Arc::new(Mutex::new(inner)), ctx);
-        if let Some(timeout) = config.migration_idle_timeout {
-            idle::spawn(&slot, timeout).map_err(ServerError::Watchdog)?;
-        }
+        let watchdog = config
+            .migration_idle_timeout
+            .map(|timeout| idle::spawn(&slot, timeout))
+            .transpose()
+            .map_err(ServerError::Watchdog)?;
         tracing::info!(
             socket = %socket.path().display(),
             device = slot.with(|d| d.description().name),
@@ -393,6 +397,7 @@ impl Server {
             stop,
             continuity: None,
             stats: Arc::default(),
+            watchdog,
         })
     }
 
@@ -691,9 +696,16 @@ impl Server {
 }
 
 impl Drop for Server {
-    /// Ends the migration watchdog, which holds the slot while it waits.
+    /// Ends the migration watchdog and waits for it: it holds a handle on the slot, and the
+    /// device goes with the server (unless another handle holds it), not whenever the
+    /// watchdog's thread happens to run.
     fn drop(&mut self) {
         self.slot.close();
+        if let Some(w) = self.watchdog.take()
+            && w.join().is_err()
+        {
+            tracing::warn!("the migration watchdog panicked");
+        }
     }
 }
 

@@ -427,3 +427,15 @@ fn a_client_that_left_while_no_process_served_it_is_reported_once_after_the_tear
         .expect("run_resumed_without_client");
     assert_eq!(events(&log), departure_events());
 }
+
+/// The device goes with its server: the migration watchdog's handle on the slot is gone when
+/// the drop returns, not whenever its thread next runs.
+#[test]
+fn a_dropped_server_drops_its_device() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = Log::default();
+    let server = server(&dir, &log, |_| {});
+    assert!(Arc::strong_count(&log) > 1, "the device holds the log");
+    drop(server);
+    assert_eq!(Arc::strong_count(&log), 1, "the device outlived its server");
+}

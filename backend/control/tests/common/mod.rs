@@ -4,11 +4,13 @@
 #![allow(dead_code)] // Each test file uses part of it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use switchyard_control::{ControlClient, ControlError, ControlSocket, Limits};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 /// A server running `router` until stopped (or dropped).
 pub struct TestServer {
@@ -84,4 +86,20 @@ pub fn socket_path() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("control.sock");
     (dir, path)
+}
+
+/// `GET /hold`: answers "released" when `release` turns true; counts its calls in `entered`
+/// (a request in progress for as long as the test likes).
+pub fn hold_route(
+    entered: Arc<AtomicUsize>,
+    release: watch::Receiver<bool>,
+) -> axum::routing::MethodRouter {
+    axum::routing::get(move || {
+        let (entered, mut release) = (entered.clone(), release.clone());
+        async move {
+            entered.fetch_add(1, Ordering::SeqCst);
+            let _ = release.wait_for(|r| *r).await;
+            "released"
+        }
+    })
 }
