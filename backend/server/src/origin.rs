@@ -20,7 +20,7 @@
 use switchyard_device::{DeviceError, MigArc, Migratable};
 
 /// Characters of an origin token.
-pub const TOKEN_LEN: usize = 32;
+pub const TOKEN_LEN: usize = switchyard_device::secret::SECRET_LEN;
 /// The header's magic.
 const MAGIC: [u8; 8] = *b"SYORIGN1";
 /// Bytes of the origin header: the magic, then the token.
@@ -39,15 +39,10 @@ pub struct BadToken;
 impl OriginToken {
     /// Checks `s`: exactly [`TOKEN_LEN`] characters of `0-9a-f`.
     pub fn parse(s: &str) -> Result<Self, BadToken> {
-        let bytes: [u8; TOKEN_LEN] = s.as_bytes().try_into().map_err(|_| BadToken)?;
-        if bytes
-            .iter()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
-        {
-            Ok(Self(bytes))
-        } else {
-            Err(BadToken)
+        if !switchyard_device::secret::is_secret(s) {
+            return Err(BadToken);
         }
+        s.as_bytes().try_into().map(Self).map_err(|_| BadToken)
     }
 
     /// The token's text.
