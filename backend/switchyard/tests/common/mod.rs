@@ -5,6 +5,7 @@
 
 pub mod daemon;
 pub mod driver;
+pub mod nobody;
 pub mod ours;
 pub mod raw;
 pub mod supervised;
