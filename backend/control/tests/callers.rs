@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{TestServer, socket_path};
+use common::{TestServer, hold_route, socket_path};
 use serde_json::json;
 use switchyard_control::{Caller, ControlApi, Json, Limits};
 use tokio::sync::watch;
@@ -24,14 +24,6 @@ use tokio::sync::watch;
 /// `GET /whoami` (the caller), `GET /hold` (answers when `release` turns true; counts its
 /// calls in `entered`) and `GET /health`.
 fn router(entered: Arc<AtomicUsize>, release: watch::Receiver<bool>) -> axum::Router {
-    let hold = move || {
-        let (entered, mut release) = (entered.clone(), release.clone());
-        async move {
-            entered.fetch_add(1, Ordering::SeqCst);
-            let _ = release.wait_for(|r| *r).await;
-            "released"
-        }
-    };
     let whoami = |caller: Caller| async move {
         Json(
             json!({"uid": caller.uid, "gid": caller.gid, "pid": caller.pid,
@@ -43,7 +35,7 @@ fn router(entered: Arc<AtomicUsize>, release: watch::Receiver<bool>) -> axum::Ro
         .merge(
             axum::Router::new()
                 .route("/whoami", axum::routing::get(whoami))
-                .route("/hold", axum::routing::get(hold))
+                .route("/hold", hold_route(entered, release))
                 .into(),
         )
         .build(());

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{TestServer, socket_path};
+use common::{TestServer, hold_route, socket_path};
 use serde_json::Value;
 use switchyard_control::{
     BODY_READ_TIMEOUT, ControlApi, ControlClient, ControlError, HEADER_READ_TIMEOUT, Json, Limits,
@@ -26,14 +26,6 @@ use tokio::sync::watch;
 /// `POST /echo` (a JSON body, returned), `GET /hold` (answers when `release` turns true;
 /// counts its calls in `entered`) and `GET /health`.
 fn router(entered: Arc<AtomicUsize>, release: watch::Receiver<bool>) -> axum::Router {
-    let hold = move || {
-        let (entered, mut release) = (entered.clone(), release.clone());
-        async move {
-            entered.fetch_add(1, Ordering::SeqCst);
-            let _ = release.wait_for(|r| *r).await;
-            "released"
-        }
-    };
     let (router, _doc) = ControlApi::new("limits", "0")
         .health()
         .merge(
@@ -42,7 +34,7 @@ fn router(entered: Arc<AtomicUsize>, release: watch::Receiver<bool>) -> axum::Ro
                     "/echo",
                     axum::routing::post(|Json(v): Json<Value>| async move { Json(v) }),
                 )
-                .route("/hold", axum::routing::get(hold))
+                .route("/hold", hold_route(entered, release))
                 .into(),
         )
         .build(());

@@ -85,3 +85,19 @@ pub fn socket_path() -> (tempfile::TempDir, PathBuf) {
     let path = dir.path().join("control.sock");
     (dir, path)
 }
+
+/// `GET /hold`: answers "released" when `release` turns true, counting its calls in `entered`
+/// (a request that stays in progress as long as a test wants).
+pub fn hold_route(
+    entered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: tokio::sync::watch::Receiver<bool>,
+) -> axum::routing::MethodRouter {
+    axum::routing::get(move || {
+        let (entered, mut release) = (entered.clone(), release.clone());
+        async move {
+            entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = release.wait_for(|r| *r).await;
+            "released"
+        }
+    })
+}
