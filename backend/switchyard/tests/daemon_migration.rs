@@ -31,12 +31,8 @@ fn worker_events(d: &Daemon, kind: &str) -> Vec<Value> {
 }
 
 /// Waits until `f` holds (10 s).
-fn wait(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait(what: &str, f: impl FnMut() -> bool) {
+    common::wait_until(what, Duration::from_secs(10), f);
 }
 
 /// The value of metric `name` (without labels).
