@@ -39,6 +39,11 @@ impl ServerProcess {
     /// Like [`ServerProcess::start_with`] with `RUST_LOG=<log>` (tests that count log lines
     /// use the production default, `info`).
     pub fn start_logging(rust_log: &str, extra: &[&str]) -> Self {
+        Self::start_with_env(rust_log, extra, &[])
+    }
+
+    /// Like [`ServerProcess::start_logging`] with the variables `env` set too.
+    pub fn start_with_env(rust_log: &str, extra: &[&str], env: &[(&str, &Path)]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("gpu.sock");
         let log = dir.path().join("server.log");
@@ -48,6 +53,7 @@ impl ServerProcess {
             .arg(&socket)
             .args(extra)
             .env("RUST_LOG", rust_log)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(File::create(&log).expect("log file"))
