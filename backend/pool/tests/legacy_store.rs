@@ -11,8 +11,8 @@ use redb::{Database, ReadableTable, TableDefinition};
 use serde_json::json;
 
 mod common;
-use common::KINDS;
-use switchyard_pool::{BoardState, EventKind, Pool, PoolConfig, PoolError};
+use common::{KINDS, config, on_device};
+use switchyard_pool::{BoardState, EventKind, Pool, PoolError};
 
 const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
@@ -122,10 +122,6 @@ model = "vfio"
 host = "00:04.0"
 "#;
 
-fn config(text: &str) -> PoolConfig {
-    PoolConfig::from_toml(text, KINDS).expect("config")
-}
-
 /// The stored board records, as JSON.
 fn board_records(path: &Path) -> Vec<serde_json::Value> {
     let db = Database::create(path).expect("open");
@@ -206,12 +202,8 @@ fn a_store_from_before_device_kinds_opens() {
     // The pool works on the converted records: a move between the partitions.
     let mut pool = pool;
     pool.detach("vm1").expect("detach");
-    pool.create_endpoint(&switchyard_pool::EndpointSpec {
-        id: "vm4".into(),
-        device: Some("p0.0".into()),
-        ..Default::default()
-    })
-    .expect("p0.0 is free");
+    pool.create_endpoint(&on_device("vm4", "p0.0"))
+        .expect("p0.0 is free");
     let state = serde_json::to_string(&pool.inventory().boards()).expect("json");
     drop(pool);
 
@@ -243,16 +235,8 @@ fn an_endpoint_without_a_recorded_owner_is_roots() {
     let owner = |pool: &Pool, e: &str| pool.inventory().endpoint(e).map(|e| e.owner_uid);
     assert_eq!(owner(&pool, "vm1"), Some(0));
     let token = switchyard_pool::new_migration_token().expect("token");
-    pool.create_endpoint_as(
-        &switchyard_pool::EndpointSpec {
-            id: "vm4".into(),
-            device: Some("p0.0".into()),
-            ..Default::default()
-        },
-        1000,
-        &token,
-    )
-    .expect("p0.0 is free");
+    pool.create_endpoint_as(&on_device("vm4", "p0.0"), 1000, &token)
+        .expect("p0.0 is free");
     assert_eq!(owner(&pool, "vm4"), Some(1000));
     drop(pool);
     let (pool, _) = Pool::open(&config(CONFIG), KINDS, &path).expect("reopens");
@@ -283,12 +267,8 @@ fn endpoints_of_an_earlier_store_get_a_migration_token_once() {
     }
     assert!(first[0] != first[1] && first[1] != first[2], "{first:?}");
     pool.detach("vm1").expect("detach");
-    pool.create_endpoint(&switchyard_pool::EndpointSpec {
-        id: "vm4".into(),
-        device: Some("p0.0".into()),
-        ..Default::default()
-    })
-    .expect("p0.0 is free");
+    pool.create_endpoint(&on_device("vm4", "p0.0"))
+        .expect("p0.0 is free");
     let vm4 = pool
         .inventory()
         .endpoint("vm4")

@@ -9,10 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 mod common;
-use common::{KINDS, in_pool, on_device};
-use switchyard_pool::{
-    BoardState, EndpointSpec, ErrorKind, EventKind, Placement, Pool, PoolConfig, PoolError,
-};
+use common::{KINDS, config, in_pool, on_device};
+use switchyard_pool::{BoardState, EndpointSpec, ErrorKind, EventKind, Placement, Pool, PoolError};
 
 const CONFIG: &str = r#"
 [daemon]
@@ -34,10 +32,6 @@ partitions = [ { id = "big.0", vram = "128M", queues = 2 }, { id = "big.1", vram
 name = "default"
 boards = ["gpu0", "gpu1", "gpu2"]
 "#;
-
-fn config(text: &str) -> PoolConfig {
-    PoolConfig::from_toml(text, KINDS).expect("config")
-}
 
 fn open(text: &str, path: &Path) -> Pool {
     Pool::open(&config(text), KINDS, path).expect("open").0

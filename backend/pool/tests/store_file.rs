@@ -8,8 +8,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 mod common;
-use common::{KINDS, in_pool};
-use switchyard_pool::{Pool, PoolConfig, PoolError, StoreDamage};
+use common::{KINDS, config, in_pool};
+use switchyard_pool::{Pool, PoolError, StoreDamage};
 
 const CONFIG: &str = r#"
 [daemon]
@@ -25,12 +25,8 @@ name = "default"
 boards = ["gpu0", "gpu1"]
 "#;
 
-fn config() -> PoolConfig {
-    PoolConfig::from_toml(CONFIG, KINDS).expect("config")
-}
-
 fn open(path: &Path) -> Result<Pool, PoolError> {
-    Pool::open(&config(), KINDS, path).map(|(pool, _)| pool)
+    Pool::open(&config(CONFIG), KINDS, path).map(|(pool, _)| pool)
 }
 
 /// A store with one endpoint; its bytes.

@@ -422,18 +422,7 @@ fn a_forged_worker_record_never_gets_a_process_killed() {
 
     let mut d = started(&state, &run);
     // At start: neither process adopted nor killed, the records reported.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let vm1 = loop {
-        let vm1 = d.endpoint("vm1");
-        if vm1["worker"]["state"] == "running" || Instant::now() > deadline {
-            break vm1;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert_eq!(
-        vm1["worker"]["state"], "running",
-        "a worker of its own: {vm1}"
-    );
+    let vm1 = wait_state(&mut d, "vm1", "running");
     let vm1_pid = vm1["worker"]["pid"].as_u64().expect("pid") as u32;
     assert_ne!(vm1_pid, a.pid(), "{vm1}");
     assert!(is_worker(vm1_pid), "{vm1}");

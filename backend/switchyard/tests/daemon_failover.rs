@@ -48,12 +48,8 @@ fn pool_events(d: &Daemon, kind: &str) -> Vec<Value> {
 }
 
 /// Waits until `f` holds (20 s).
-fn wait(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait(what: &str, f: impl FnMut() -> bool) {
+    common::wait_until(what, Duration::from_secs(20), f);
 }
 
 fn board_of(d: &mut Daemon, id: &str) -> String {

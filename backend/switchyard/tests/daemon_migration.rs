@@ -31,12 +31,8 @@ fn worker_events(d: &Daemon, kind: &str) -> Vec<Value> {
 }
 
 /// Waits until `f` holds (10 s).
-fn wait(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait(what: &str, f: impl FnMut() -> bool) {
+    common::wait_until(what, Duration::from_secs(10), f);
 }
 
 /// The value of metric `name` (without labels).
@@ -259,14 +255,23 @@ fn wait_event(
     kind: &str,
     endpoint: &str,
     secs: u64,
+    bad: impl FnMut(&Daemon) -> Option<String>,
+) -> Value {
+    wait_event_where(d, kind, secs, |e| e["endpoint"] == endpoint, bad)
+}
+
+/// Waits (up to `secs`) for the first worker event of `kind` that `wanted` accepts, failing
+/// as soon as `bad` finds what must not happen.
+fn wait_event_where(
+    d: &Daemon,
+    kind: &str,
+    secs: u64,
+    wanted: impl Fn(&Value) -> bool,
     mut bad: impl FnMut(&Daemon) -> Option<String>,
 ) -> Value {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
-        if let Some(e) = worker_events(d, kind)
-            .into_iter()
-            .find(|e| e["endpoint"] == endpoint)
-        {
+        if let Some(e) = worker_events(d, kind).into_iter().find(&wanted) {
             return e;
         }
         if let Some(why) = bad(d) {
@@ -274,7 +279,7 @@ fn wait_event(
         }
         assert!(
             Instant::now() < deadline,
-            "no {kind} event for {endpoint}: {:?}",
+            "no such {kind} event: {:?}",
             d.events()
         );
         std::thread::sleep(Duration::from_millis(50));
@@ -467,21 +472,13 @@ fn an_idle_migration_stream_is_ended_and_releases_what_it_blocked() {
     // Ended by the timeout, not by the VMM.
     let ended = wait_event(&d, "migration", "vm1", 20, |_| None);
     assert_eq!(ended["state"], "pre_copy", "{ended}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let ended = loop {
-        if let Some(e) = worker_events(&d, "migration")
-            .into_iter()
-            .find(|e| e["endpoint"] == "vm1" && e["cause"] == "idle_timeout")
-        {
-            break e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the idle stream was not ended: {:?}",
-            d.events()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let ended = wait_event_where(
+        &d,
+        "migration",
+        20,
+        |e| e["endpoint"] == "vm1" && e["cause"] == "idle_timeout",
+        |_| None,
+    );
     assert_eq!(ended["state"], "running", "{ended}");
     assert_eq!(d.endpoint("vm1")["worker"]["migrating"], false);
     // The VMM finds its stream gone and its device running.

@@ -15,27 +15,17 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::daemon::{Daemon, EXE, api_status, connect, socket_of};
+use common::daemon::{Daemon, api_status, connect, socket_of};
+use common::nobody::{NOBODY, NobodysExe, gid_of};
 use serde_json::{Value, json};
 use switchyard_control::{ControlClient, ControlError};
 
-/// The socket group, and the member's uid.
+/// The socket group.
 const GROUP: &str = "daemon";
-const NOBODY: u32 = 65534;
-
-fn gid_of(group: &str) -> Option<u32> {
-    let text = std::fs::read_to_string("/etc/group").ok()?;
-    text.lines().find_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        (f.first() == Some(&group)).then(|| f.get(2)?.parse().ok())?
-    })
-}
 
 /// A daemon whose sockets are group `daemon`'s, reachable by nobody; and the group's gid.
 /// Panics without root or the group (never skips: a skipped test would read as passing).
@@ -101,39 +91,17 @@ fn assert_forbidden(what: &str, (status, body): (u16, Value), says: &str) {
     assert!(message.contains(says), "{what}: {message}");
 }
 
-/// A copy of the binary under test that nobody can run.
-struct NobodysExe {
-    _dir: tempfile::TempDir,
-    path: PathBuf,
-}
-
-impl NobodysExe {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).expect("chmod");
-        let path = dir.path().join("switchyard");
-        std::fs::copy(EXE, &path).expect("copy the binary");
-        std::fs::set_permissions(&path, PermissionsExt::from_mode(0o755)).expect("chmod");
-        Self { _dir: dir, path }
-    }
-
-    /// `switchyard ctl ARGS` as nobody, group `gid`: success, stdout, stderr.
-    fn ctl(&self, d: &Daemon, gid: u32, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(&self.path)
-            .arg("ctl")
-            .arg("--socket")
-            .arg(d.socket())
-            .args(args)
-            .uid(NOBODY)
-            .gid(gid)
-            .output()
-            .expect("run ctl as nobody");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
+/// The member creates endpoint `id` in pool `default` (201): the reply's body.
+fn member_creates(gid: u32, d: &Daemon, id: &str) -> Value {
+    let (status, body) = member(
+        gid,
+        d,
+        "POST",
+        "/v1/endpoints",
+        Some(json!({"id": id, "pool": "default"})),
+    );
+    assert_eq!(status, 201, "{body}");
+    body
 }
 
 /// A member reads every endpoint and board, creates endpoints (its own), acts on its own, and
@@ -146,14 +114,7 @@ fn a_member_acts_on_its_own_endpoints_and_reads_every_one() {
     let before = d.endpoint("rootvm");
     assert_eq!(before["endpoint"]["owner_uid"], 0);
 
-    let (status, mine) = member(
-        gid,
-        &d,
-        "POST",
-        "/v1/endpoints",
-        Some(json!({"id": "mine", "pool": "default"})),
-    );
-    assert_eq!(status, 201, "{mine}");
+    let mine = member_creates(gid, &d, "mine");
     assert_eq!(mine["endpoint"]["owner_uid"], NOBODY);
 
     // Reads of everything.
@@ -259,15 +220,15 @@ fn a_member_acts_on_its_own_endpoints_and_reads_every_one() {
 
     // `ctl` as the member: the owner is shown, a refusal says why.
     let exe = NobodysExe::new();
-    let (ok, out, err) = exe.ctl(&d, gid, &["endpoint", "mine"]);
+    let (ok, out, err) = exe.ctl(&d.socket(), gid, &["endpoint", "mine"]);
     assert!(ok, "{err}");
     assert!(out.contains("owner:        uid 65534 (nobody)"), "{out}");
-    let (ok, _, err) = exe.ctl(&d, gid, &["delete", "rootvm"]);
+    let (ok, _, err) = exe.ctl(&d.socket(), gid, &["delete", "rootvm"]);
     assert!(
         !ok && err.contains("belongs to user 0") && err.contains("forbidden"),
         "{err}"
     );
-    let (ok, _, err) = exe.ctl(&d, gid, &["delete", "mine"]);
+    let (ok, _, err) = exe.ctl(&d.socket(), gid, &["delete", "mine"]);
     assert!(ok, "{err}");
     assert_eq!(
         d.client()
@@ -286,14 +247,7 @@ fn a_member_acts_on_its_own_endpoints_and_reads_every_one() {
 #[ignore = "needs root"]
 fn root_acts_on_every_endpoint_and_board() {
     let (d, gid) = group_daemon();
-    let (status, theirs) = member(
-        gid,
-        &d,
-        "POST",
-        "/v1/endpoints",
-        Some(json!({"id": "theirs", "pool": "default"})),
-    );
-    assert_eq!(status, 201, "{theirs}");
+    let theirs = member_creates(gid, &d, "theirs");
     let out = d.ctl_ok(&["endpoint", "theirs"]);
     assert!(out.contains("owner:        uid 65534 (nobody)"), "{out}");
 
@@ -377,14 +331,7 @@ fn once_closed(got: &Arc<Mutex<Vec<String>>>) -> Vec<String> {
 #[ignore = "needs root"]
 fn a_member_registers_only_its_own_vmm() {
     let (d, gid) = group_daemon();
-    let (status, mine) = member(
-        gid,
-        &d,
-        "POST",
-        "/v1/endpoints",
-        Some(json!({"id": "mine", "pool": "default"})),
-    );
-    assert_eq!(status, 201, "{mine}");
+    let mine = member_creates(gid, &d, "mine");
     let dir = d.dir().join("vmms");
     std::fs::create_dir(&dir).expect("mkdir");
     rustix::fs::chown(

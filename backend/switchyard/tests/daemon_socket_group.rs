@@ -12,25 +12,16 @@
 mod common;
 
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
 
 use common::daemon::{Daemon, EXE, socket_of};
+use common::nobody::{NobodysExe, gid_of};
 
 /// The group the tests share the sockets with, and its gid.
 const GROUP: &str = "daemon";
-/// A user outside the group, and a group of its own.
-const NOBODY: u32 = 65534;
+/// A group of nobody's own, outside `GROUP`.
 const NOGROUP: u32 = 65534;
-
-fn gid_of(group: &str) -> Option<u32> {
-    let text = std::fs::read_to_string("/etc/group").ok()?;
-    text.lines().find_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        (f.first() == Some(&group)).then(|| f.get(2)?.parse().ok())?
-    })
-}
 
 /// The group's gid; panics without root or the group (never skips: a skipped test would read
 /// as passing).
@@ -42,25 +33,6 @@ fn setup() -> u32 {
     gid_of(GROUP).unwrap_or_else(|| panic!("no group `{GROUP}` in /etc/group"))
 }
 
-/// A copy of the binary under test that uid nobody can run (the checkout may sit in a
-/// directory only root can enter), in a directory that lives as long as the value.
-struct NobodysExe {
-    _dir: tempfile::TempDir,
-    path: std::path::PathBuf,
-}
-
-impl NobodysExe {
-    fn new() -> Self {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).expect("chmod");
-        let path = dir.path().join("switchyard");
-        std::fs::copy(EXE, &path).expect("copy the binary");
-        std::fs::set_permissions(&path, PermissionsExt::from_mode(0o755)).expect("chmod");
-        Self { _dir: dir, path }
-    }
-}
-
 /// (mode bits, gid) of `path`, not followed.
 fn access(path: &Path) -> (u32, u32) {
     let m = std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -70,19 +42,8 @@ fn access(path: &Path) -> (u32, u32) {
 /// `switchyard ctl --socket SOCKET boards` as uid nobody with primary group `gid` (and no
 /// other): its exit status and stderr.
 fn ctl_as_nobody(exe: &NobodysExe, socket: &Path, gid: u32) -> (bool, String) {
-    let out = Command::new(&exe.path)
-        .arg("ctl")
-        .arg("--socket")
-        .arg(socket)
-        .arg("boards")
-        .uid(NOBODY)
-        .gid(gid)
-        .output()
-        .expect("run ctl as nobody");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (ok, _, err) = exe.ctl(socket, gid, &["boards"]);
+    (ok, err)
 }
 
 #[test]

@@ -9,12 +9,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::os::unix::fs::FileTypeExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::ServerProcess;
 use common::daemon::{Daemon, connect, socket_of};
 use serde_json::Value;
 
@@ -200,57 +198,10 @@ fn a_failover_re_executes_the_worker_inside_its_jail() {
     assert_eq!(d.endpoint("vm1")["lease"]["board"], "g1");
 }
 
-/// `switchyard serve` with the probe knob, killed on drop.
-struct Serve {
-    child: Child,
-    socket: PathBuf,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Serve {
-    fn start(device: &str, extra: &[&str], probe_dir: &Path) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (socket, log) = (dir.path().join("dev.sock"), dir.path().join("serve.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-            .args(["serve", "--device", device, "--socket"])
-            .arg(&socket)
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .env("SWITCHYARD_TEST_JAIL_PROBE", probe_dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).expect("log"))
-            .spawn()
-            .expect("spawn serve");
-        let serve = Self {
-            child,
-            socket,
-            log,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !std::fs::symlink_metadata(&serve.socket).is_ok_and(|m| m.file_type().is_socket()) {
-            assert!(Instant::now() < deadline, "no socket:\n{}", serve.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        serve
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `switchyard serve --device DEVICE EXTRA` with the probe knob, killed on drop.
+fn serve(device: &str, extra: &[&str], probe_dir: &Path) -> ServerProcess {
+    let args: Vec<&str> = ["--device", device].iter().chain(extra).copied().collect();
+    ServerProcess::start_with_env("info", &args, &[("SWITCHYARD_TEST_JAIL_PROBE", probe_dir)])
 }
 
 #[test]
@@ -258,17 +209,17 @@ fn serve_is_jailed_with_the_policy_of_its_kind() {
     let dir = probe_dir();
     let own = kernel_view(std::process::id());
     for device in ["softgpu", "scratchpad"] {
-        let s = Serve::start(device, &[], dir.path());
+        let s = serve(device, &[], dir.path());
         // The probe runs once the jail is complete, before the server serves.
-        let results = probe(|| s.log(), s.pid());
-        let (nnp, seccomp, filters) = kernel_view(s.pid());
+        let results = probe(|| s.log_text(), s.pid() as u32);
+        let (nnp, seccomp, filters) = kernel_view(s.pid() as u32);
         assert_eq!((nnp.as_str(), seccomp.as_str()), ("1", "2"), "{device}");
         assert_eq!(filters, own.2 + 2, "{device}");
-        assert_eq!(results, refused(), "{device}: {}", s.log());
+        assert_eq!(results, refused(), "{device}: {}", s.log_text());
         assert!(
-            s.log().contains(&format!("policy=\"{device}\"")),
+            s.log_text().contains(&format!("policy=\"{device}\"")),
             "{device}: {}",
-            s.log()
+            s.log_text()
         );
         assert_ne!(config_ids(&s.socket), u32::MAX, "{device} serves");
     }
@@ -277,10 +228,14 @@ fn serve_is_jailed_with_the_policy_of_its_kind() {
 #[test]
 fn serve_without_the_jail_can_do_what_the_probe_tries() {
     let dir = probe_dir();
-    let s = Serve::start("softgpu", &["--no-jail"], dir.path());
-    let results = probe(|| s.log(), s.pid());
-    assert_eq!(kernel_view(s.pid()), kernel_view(std::process::id()));
-    assert_eq!(results, allowed(), "{}", s.log());
-    assert!(s.log().contains("not jailed (--no-jail)"), "{}", s.log());
+    let s = serve("softgpu", &["--no-jail"], dir.path());
+    let results = probe(|| s.log_text(), s.pid() as u32);
+    assert_eq!(kernel_view(s.pid() as u32), kernel_view(std::process::id()));
+    assert_eq!(results, allowed(), "{}", s.log_text());
+    assert!(
+        s.log_text().contains("not jailed (--no-jail)"),
+        "{}",
+        s.log_text()
+    );
     assert_ne!(config_ids(&s.socket), u32::MAX);
 }

@@ -4,7 +4,12 @@
 pub mod kinds;
 
 pub use kinds::KINDS;
-use switchyard_pool::EndpointSpec;
+use switchyard_pool::{EndpointSpec, PoolConfig};
+
+/// The configuration `text` with the test kinds.
+pub fn config(text: &str) -> PoolConfig {
+    PoolConfig::from_toml(text, KINDS).expect("config")
+}
 
 /// An endpoint leasing from `pool`.
 pub fn in_pool(id: &str, pool: &str) -> EndpointSpec {

@@ -5,6 +5,7 @@
 
 pub mod daemon;
 pub mod driver;
+pub mod nobody;
 pub mod ours;
 pub mod raw;
 pub mod supervised;
@@ -38,6 +39,11 @@ impl ServerProcess {
     /// Like [`ServerProcess::start_with`] with `RUST_LOG=<log>` (tests that count log lines
     /// use the production default, `info`).
     pub fn start_logging(rust_log: &str, extra: &[&str]) -> Self {
+        Self::start_with_env(rust_log, extra, &[])
+    }
+
+    /// Like [`ServerProcess::start_logging`] with the variables `env` set too.
+    pub fn start_with_env(rust_log: &str, extra: &[&str], env: &[(&str, &Path)]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("gpu.sock");
         let log = dir.path().join("server.log");
@@ -47,6 +53,7 @@ impl ServerProcess {
             .arg(&socket)
             .args(extra)
             .env("RUST_LOG", rust_log)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(File::create(&log).expect("log file"))
@@ -194,6 +201,15 @@ pub fn signal_and_wait(
             panic!("server did not exit on {sig:?}:\n{}", log());
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Polls `f` (every 20 ms) until it holds; panics with `what` once `timeout` passes.
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
