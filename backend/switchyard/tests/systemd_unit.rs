@@ -29,6 +29,8 @@
 
 mod common;
 
+use common::nobody::gid_of;
+
 use std::fs::File;
 use std::mem::MaybeUninit;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -121,14 +123,6 @@ impl Unit {
         self.get(key)
             .map_or(default, |m| u32::from_str_radix(m, 8).expect("octal mode"))
     }
-}
-
-fn gid_of(group: &str) -> Option<u32> {
-    let text = std::fs::read_to_string("/etc/group").ok()?;
-    text.lines().find_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        (f.first() == Some(&group)).then(|| f.get(2)?.parse().ok())?
-    })
 }
 
 /// A notification from `$NOTIFY_SOCKET`: the text and the sender's pid.
