@@ -134,7 +134,7 @@ pub type EndpointMigration = (String, MigrationChange);
 /// lock); the daemon's event sink sends them into the returned channel.
 pub(crate) fn follow_migrations(
     daemon: std::sync::Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>>,
-) -> std::io::Result<std::sync::Mutex<std::sync::mpsc::Sender<EndpointMigration>>> {
+) -> std::io::Result<std::sync::mpsc::Sender<EndpointMigration>> {
     let (tx, rx) = std::sync::mpsc::channel::<EndpointMigration>();
     std::thread::Builder::new()
         .name("sy-migrations".into())
@@ -154,7 +154,7 @@ pub(crate) fn follow_migrations(
                 }
             }
         })?;
-    Ok(std::sync::Mutex::new(tx))
+    Ok(tx)
 }
 
 impl Daemon {
