@@ -128,12 +128,17 @@ impl Reactions {
             WorkerSignal::Migration { endpoint, change } => self.follow(&endpoint, change),
             WorkerSignal::AdoptedMoveEnded { endpoint } => {
                 // Off the supervision thread, as for a failed board.
-                let daemon = self.daemon.clone();
-                std::thread::spawn(move || {
-                    if let Some(d) = daemon.get().and_then(Weak::upgrade) {
-                        d.adopted_move_ended(&endpoint);
-                    }
-                });
+                let (daemon, owned) = (self.daemon.clone(), endpoint.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("sy-move-settle".into())
+                    .spawn(move || {
+                        if let Some(d) = daemon.get().and_then(Weak::upgrade) {
+                            d.adopted_move_ended(&owned);
+                        }
+                    });
+                if let Err(e) = spawned {
+                    tracing::error!(%endpoint, "cannot start settling the move an adopted worker ended (it stays in progress in the store): {e}");
+                }
             }
         }
     }

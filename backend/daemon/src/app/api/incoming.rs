@@ -150,7 +150,13 @@ pub(crate) fn follow_migrations(
                     d.failover.wake();
                 }
                 if let Some(release) = d.migration_state(&endpoint, &change) {
-                    std::thread::spawn(move || d.release_when_let_go(&release));
+                    // One per finished migration; a failed start must not end this thread.
+                    let spawned = std::thread::Builder::new()
+                        .name("sy-migration-release".into())
+                        .spawn(move || d.release_when_let_go(&release));
+                    if let Err(e) = spawned {
+                        tracing::error!(%endpoint, "cannot start the clean-up of a finished migration (its endpoint stays until deleted): {e}");
+                    }
                 }
             }
         })?;
