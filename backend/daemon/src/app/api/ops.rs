@@ -20,6 +20,12 @@ use super::{
 };
 use crate::supervisor::{MoveOutcome, SupervisorError, WorkerStatus};
 
+/// Whether an endpoint whose migration token is `now` is the incarnation of its id that
+/// `want` names (none: any).
+fn is_incarnation(want: Option<&str>, now: Option<&str>) -> bool {
+    want.is_none_or(|want| now == Some(want))
+}
+
 impl Daemon {
     fn worker_view(&self, endpoint: &Endpoint) -> WorkerView {
         if let Some(u) = self.unsupervised().get(&endpoint.id) {
@@ -174,9 +180,11 @@ impl Daemon {
         id: &str,
         token: Option<&str>,
     ) -> Result<bool, ApiError> {
-        let ours = |t: Option<&str>| token.is_none_or(|want| t == Some(want));
         let inventory = self.inventory();
-        if token.is_some() && !ours(inventory.endpoint(id).map(|e| e.migration_token.as_str())) {
+        if !is_incarnation(
+            token,
+            inventory.endpoint(id).map(|e| e.migration_token.as_str()),
+        ) {
             return Ok(false);
         }
         let mut dry = (*inventory).clone();
@@ -206,7 +214,7 @@ impl Daemon {
         }
         match self
             .supervisor
-            .delete_if(id, |s| ours(s.migration.origin.as_deref()))
+            .delete_if(id, |s| is_incarnation(token, s.migration.origin.as_deref()))
         {
             Ok(true) | Err(SupervisorError::NotFound(_)) => {}
             Ok(false) => return Ok(false),
@@ -221,8 +229,7 @@ impl Daemon {
             .pool
             .commit(move |pool| {
                 let now = pool.inventory().endpoint(&owned);
-                let now = now.map(|e| e.migration_token.as_str());
-                if token.is_some() && now != token.as_deref() {
+                if !is_incarnation(token.as_deref(), now.map(|e| e.migration_token.as_str())) {
                     return Ok((false, Vec::new()));
                 }
                 Ok((true, pool.delete_endpoint(&owned)?))
