@@ -90,25 +90,27 @@ impl Daemon {
         spec: PoolEndpointSpec,
         owner_uid: u32,
     ) -> Result<EndpointStatus, ApiError> {
-        self.create_expecting(spec, owner_uid, None)
+        let token = switchyard_pool::new_migration_token().map_err(pool_error)?;
+        self.create_expecting(spec, owner_uid, None, &token)
     }
 
-    /// [`Daemon::create`] of an endpoint whose device takes only incoming migration streams
-    /// of origin `expect_origin` (an incoming endpoint: its source's migration token).
+    /// [`Daemon::create`] of an endpoint with migration token `token` (from
+    /// [`switchyard_pool::new_migration_token`]) whose device takes only incoming migration
+    /// streams of origin `expect_origin` (an incoming endpoint: its source's migration token).
     pub(super) fn create_expecting(
         &self,
         spec: PoolEndpointSpec,
         owner_uid: u32,
         expect_origin: Option<String>,
+        token: &str,
     ) -> Result<EndpointStatus, ApiError> {
         // The check and the commit create the same endpoint, with the same token.
-        let token = switchyard_pool::new_migration_token().map_err(pool_error)?;
         // Everything the pool refuses is refused before a worker starts.
         let mut dry = (*self.inventory()).clone();
         if let Some(socket) = &spec.socket {
             socket_in_endpoint_dir(dry.endpoint_dir(), socket)?;
         }
-        dry.create_endpoint_as(&spec, owner_uid, &token)
+        dry.create_endpoint_as(&spec, owner_uid, token)
             .map_err(pool_error)?;
         let endpoint = dry
             .endpoint(&spec.id)
@@ -134,7 +136,7 @@ impl Daemon {
             ))));
         }
         let committed = {
-            let spec = spec.clone();
+            let (spec, token) = (spec.clone(), token.to_owned());
             self.pool.run(move |pool, events| {
                 // The lease the worker serves must still be the one the pool gives.
                 let mut dry = pool.inventory().clone();
