@@ -12,14 +12,14 @@
 //! reading its worker's notes.
 
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use switchyard_control::Metrics;
 
 use super::api::incoming::EndpointMigration;
 use super::events::EventStream;
 use super::records::WorkerRecords;
-use super::{Daemon, lock, stats};
+use super::{Daemon, stats};
 use crate::lifecycle::{MigrationChange, WorkerLifecycle};
 use crate::supervisor::{EventSink, WorkerEvent, WorkerSignal};
 
@@ -32,9 +32,9 @@ pub(super) struct Reactions {
     pub(super) metrics: Metrics,
     pub(super) records: WorkerRecords,
     pub(super) daemon: DaemonCell,
-    /// The migrations follower's queue (`api::incoming::follow_migrations`); the lock
-    /// protects the sender alone and is held only to send.
-    pub(super) migrations: Mutex<Sender<EndpointMigration>>,
+    /// The migrations follower's queue (`api::incoming::follow_migrations`); a `Sender` is
+    /// `Sync`, so every supervision thread sends on it without a lock.
+    pub(super) migrations: Sender<EndpointMigration>,
 }
 
 impl Reactions {
@@ -128,18 +128,23 @@ impl Reactions {
             WorkerSignal::Migration { endpoint, change } => self.follow(&endpoint, change),
             WorkerSignal::AdoptedMoveEnded { endpoint } => {
                 // Off the supervision thread, as for a failed board.
-                let daemon = self.daemon.clone();
-                std::thread::spawn(move || {
-                    if let Some(d) = daemon.get().and_then(Weak::upgrade) {
-                        d.adopted_move_ended(&endpoint);
-                    }
-                });
+                let (daemon, owned) = (self.daemon.clone(), endpoint.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("sy-move-settle".into())
+                    .spawn(move || {
+                        if let Some(d) = daemon.get().and_then(Weak::upgrade) {
+                            d.adopted_move_ended(&owned);
+                        }
+                    });
+                if let Err(e) = spawned {
+                    tracing::error!(%endpoint, "cannot start settling the move an adopted worker ended (it stays in progress in the store): {e}");
+                }
             }
         }
     }
 
     /// Hands an endpoint's migration state change to the migrations follower.
     fn follow(&self, endpoint: &str, change: MigrationChange) {
-        let _ = lock(&self.migrations).send((endpoint.to_owned(), change));
+        let _ = self.migrations.send((endpoint.to_owned(), change));
     }
 }

@@ -6,12 +6,10 @@
 //! `app::records`).
 
 use std::fmt;
-use std::io::{self, Read};
+use std::io;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-/// Random bytes in a nonce.
-const BYTES: usize = 16;
+use switchyard_pool::PoolError;
 
 /// A secret the daemon makes for each worker process it starts: written in the worker's pid
 /// record and given to the worker ([`Note::Start`](super::Note::Start)), which keeps it
@@ -21,21 +19,20 @@ const BYTES: usize = 16;
 pub struct WorkerNonce(String);
 
 impl WorkerNonce {
-    /// A new nonce from the kernel's random source.
+    /// A new nonce from the kernel's random source: 128 bits written as 32 lowercase hex
+    /// digits, made as the pool makes an endpoint's migration token (the same kind of secret).
     pub fn generate() -> io::Result<Self> {
-        let mut bytes = [0u8; BYTES];
-        std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-        Ok(Self(bytes.iter().map(|b| format!("{b:02x}")).collect()))
+        match switchyard_pool::new_migration_token() {
+            Ok(text) => Ok(Self(text)),
+            Err(PoolError::Random(e)) => Err(e),
+            Err(e) => Err(io::Error::other(e)),
+        }
     }
 
     /// The nonce written as [`WorkerNonce::as_str`] gives it: `2 × 16` lowercase hex digits;
     /// anything else is none.
     pub fn parse(text: &str) -> Option<Self> {
-        let ok = text.len() == 2 * BYTES
-            && text
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        ok.then(|| Self(text.to_owned()))
+        switchyard_pool::is_migration_token(text).then(|| Self(text.to_owned()))
     }
 
     /// As written in a record and a note.

@@ -24,7 +24,7 @@
 //! [`Note::BoardFailed`]: crate::custody::Note::BoardFailed
 //! [`Pool::fail_board`]: switchyard_pool::Pool::fail_board
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,12 @@ use crate::error_chain::error_chain;
 const RECONCILE_PERIOD: Duration = Duration::from_secs(1);
 /// How long a worker has to answer a fault injection.
 const FAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most board failure reports of one endpoint waiting to be recorded; more are dropped (the
+/// board is being failed already).
+const MAX_WAITING_REPORTS: usize = 16;
+
+/// A worker's board failure report: the lease it served, and the failure.
+type Report = (Option<String>, BoardFailure);
 
 /// The daemon's failover bookkeeping (in memory; the failures themselves are in the store).
 #[derive(Debug, Default)]
@@ -55,10 +61,10 @@ pub(crate) struct Failover {
     woken: Condvar,
     /// When each failed board's failure was reported: stalls are measured from there.
     reported: Mutex<BTreeMap<String, Instant>>,
-    /// Per endpoint, the board failures its worker reported that are not recorded yet (each
-    /// is recorded on a thread of its own, off the supervision thread): the endpoint's
-    /// failover is pending from the report on.
-    recording: Mutex<BTreeMap<String, usize>>,
+    /// Per endpoint, the board failures its worker reported that are not recorded yet, in
+    /// order (the first is being recorded, by the endpoint's one recording thread, off the
+    /// supervision thread): the endpoint's failover is pending from the report on.
+    recording: Mutex<BTreeMap<String, VecDeque<Report>>>,
     /// What each endpoint that cannot fail over now was last said to wait for, so that
     /// each `failover_waiting` or `failover_refused` is said once.
     said: Mutex<BTreeMap<String, String>>,
@@ -154,29 +160,74 @@ enum Step {
 impl Daemon {
     /// A worker of `endpoint` reported its board failed (read from its custody channel by
     /// the supervision thread, which must not wait for the pool's owner): recorded by
-    /// [`Daemon::board_failed`] on a thread of its own. From now until it is recorded, the
-    /// endpoint shows its failover pending, so that what the worker reported before its
-    /// replacement served is visible as soon as the replacement is.
+    /// [`Daemon::board_failed`] on a thread of the endpoint's own, one report after the other
+    /// (a worker that keeps reporting gets no more threads, and a report that one waiting
+    /// already makes adds nothing). From now until it is recorded, the endpoint shows its
+    /// failover pending, so that what the worker reported before its replacement served is
+    /// visible as soon as the replacement is.
     pub(crate) fn board_failure_reported(
         self: Arc<Self>,
         endpoint: &str,
         lease: Option<String>,
         failure: BoardFailure,
     ) {
-        *lock(&self.failover.recording)
-            .entry(endpoint.to_owned())
-            .or_default() += 1;
-        let endpoint = endpoint.to_owned();
-        std::thread::spawn(move || {
-            self.board_failed(&endpoint, lease.as_deref(), failure);
+        let report = (lease, failure);
+        {
             let mut recording = lock(&self.failover.recording);
-            if let Some(n) = recording.get_mut(&endpoint) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    recording.remove(&endpoint);
+            if let Some(queue) = recording.get_mut(endpoint) {
+                // Its recording thread takes it after those before it.
+                if queue.len() >= MAX_WAITING_REPORTS {
+                    tracing::warn!(
+                        endpoint,
+                        lease = report.0,
+                        reason = report.1.reason,
+                        "a board failure report dropped: {MAX_WAITING_REPORTS} of the endpoint's are waiting to be recorded"
+                    );
+                } else if !queue.iter().skip(1).any(|r| *r == report) {
+                    queue.push_back(report);
                 }
+                return;
             }
-        });
+            recording.insert(endpoint.to_owned(), VecDeque::from([report]));
+        }
+        let (this, owned) = (self.clone(), endpoint.to_owned());
+        let spawned = std::thread::Builder::new()
+            .name("sy-board-failed".into())
+            .spawn(move || this.record_reports(&owned));
+        if let Err(e) = spawned {
+            let lost = lock(&self.failover.recording).remove(endpoint);
+            tracing::error!(
+                endpoint,
+                lease = lost
+                    .as_ref()
+                    .and_then(|q| q.front())
+                    .and_then(|r| r.0.as_deref()),
+                "cannot start a thread to record the board failure the endpoint's worker reported: {e}"
+            );
+        }
+    }
+
+    /// Records `endpoint`'s reported board failures ([`Daemon::board_failure_reported`]) in
+    /// order, until none is left.
+    fn record_reports(&self, endpoint: &str) {
+        loop {
+            let Some((lease, failure)) = lock(&self.failover.recording)
+                .get(endpoint)
+                .and_then(|queue| queue.front().cloned())
+            else {
+                return;
+            };
+            self.board_failed(endpoint, lease.as_deref(), failure);
+            let mut recording = lock(&self.failover.recording);
+            let Some(queue) = recording.get_mut(endpoint) else {
+                return;
+            };
+            queue.pop_front();
+            if queue.is_empty() {
+                recording.remove(endpoint);
+                return;
+            }
+        }
     }
 
     /// The device of `endpoint` reported its board failed: the pool records it (the board

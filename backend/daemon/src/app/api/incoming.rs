@@ -125,6 +125,28 @@ fn step(phase: Phase, state: &str, cause: &str, verified: bool) -> Step {
     }
 }
 
+/// Refuses a second incoming endpoint for `source`, and one for an incoming endpoint.
+fn refuse_second_incoming(
+    incoming: &std::collections::BTreeMap<String, Incoming>,
+    source: &str,
+) -> Result<(), ApiError> {
+    if let Some((dst, _)) = incoming.iter().find(|(_, i)| i.source == source) {
+        return Err(ApiError::conflict(
+            "incoming",
+            format!("Endpoint \"{source}\" already has an incoming endpoint, \"{dst}\""),
+        ));
+    }
+    if incoming.contains_key(source) {
+        return Err(ApiError::conflict(
+            "incoming",
+            format!(
+                "Endpoint \"{source}\" is itself waiting for a migration; migrate it once it runs"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A migration state change of an endpoint's device, for the migrations follower: the
 /// endpoint and the change (a worker's exit is state `exited`: it ends any migration).
 pub type EndpointMigration = (String, MigrationChange);
@@ -134,7 +156,7 @@ pub type EndpointMigration = (String, MigrationChange);
 /// lock); the daemon's event sink sends them into the returned channel.
 pub(crate) fn follow_migrations(
     daemon: std::sync::Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>>,
-) -> std::io::Result<std::sync::Mutex<std::sync::mpsc::Sender<EndpointMigration>>> {
+) -> std::io::Result<std::sync::mpsc::Sender<EndpointMigration>> {
     let (tx, rx) = std::sync::mpsc::channel::<EndpointMigration>();
     std::thread::Builder::new()
         .name("sy-migrations".into())
@@ -150,11 +172,17 @@ pub(crate) fn follow_migrations(
                     d.failover.wake();
                 }
                 if let Some(release) = d.migration_state(&endpoint, &change) {
-                    std::thread::spawn(move || d.release_when_let_go(&release));
+                    // One per finished migration; a failed start must not end this thread.
+                    let spawned = std::thread::Builder::new()
+                        .name("sy-migration-release".into())
+                        .spawn(move || d.release_when_let_go(&release));
+                    if let Err(e) = spawned {
+                        tracing::error!(%endpoint, "cannot start the clean-up of a finished migration (its endpoint stays until deleted): {e}");
+                    }
                 }
             }
         })?;
-    Ok(std::sync::Mutex::new(tx))
+    Ok(tx)
 }
 
 impl Daemon {
@@ -166,20 +194,7 @@ impl Daemon {
         spec: IncomingSpec,
         owner_uid: u32,
     ) -> Result<EndpointStatus, ApiError> {
-        if let Some((dst, _)) = self.incoming().iter().find(|(_, i)| i.source == source) {
-            return Err(ApiError::conflict(
-                "incoming",
-                format!("Endpoint \"{source}\" already has an incoming endpoint, \"{dst}\""),
-            ));
-        }
-        if self.incoming().contains_key(source) {
-            return Err(ApiError::conflict(
-                "incoming",
-                format!(
-                    "Endpoint \"{source}\" is itself waiting for a migration; migrate it once it runs"
-                ),
-            ));
-        }
+        refuse_second_incoming(&self.incoming(), source)?;
         let (device, source_token) = {
             let inv = self.inventory();
             let src = inv
@@ -233,7 +248,30 @@ impl Daemon {
             (device, source_token)
         };
         let id = spec.id.clone();
-        let mut status = self.create_expecting(
+        let token = switchyard_pool::new_migration_token().map_err(super::pool_error)?;
+        // An endpoint's id in use is refused by the creation below; no link is taken for it
+        // (its holder's migration changes are not to be followed as this one's).
+        if self.inventory().endpoint(&id).is_none() {
+            // Checked again and taken under one lock, before the worker serves: of two
+            // requests for one source, one gets it; a destination VMM that starts at once
+            // finds its migration followed.
+            let mut incoming = self.incoming();
+            refuse_second_incoming(&incoming, source)?;
+            if incoming.contains_key(&id) {
+                return Err(ApiError::conflict(
+                    "incoming",
+                    format!("Endpoint \"{id}\" is being created as another incoming endpoint"),
+                ));
+            }
+            let link = Incoming {
+                source: source.to_owned(),
+                source_token: source_token.clone(),
+                token: token.clone(),
+                phase: Phase::Waiting,
+            };
+            incoming.insert(id.clone(), link);
+        }
+        let created = self.create_expecting(
             PoolEndpointSpec {
                 id: spec.id,
                 device: Some(device),
@@ -241,17 +279,20 @@ impl Daemon {
                 ..PoolEndpointSpec::default()
             },
             owner_uid,
-            Some(source_token.clone()),
-        )?;
-        self.incoming().insert(
-            id.clone(),
-            Incoming {
-                source: source.to_owned(),
-                source_token,
-                token: status.endpoint.migration_token.clone(),
-                phase: Phase::Waiting,
-            },
+            Some(source_token),
+            &token,
         );
+        let mut status = match created {
+            Ok(status) => status,
+            Err(e) => {
+                // Only the link taken above (a request that lost no other).
+                let mut incoming = self.incoming();
+                if incoming.get(&id).is_some_and(|i| i.token == token) {
+                    incoming.remove(&id);
+                }
+                return Err(e);
+            }
+        };
         tracing::info!(endpoint = %id, %source, "incoming endpoint for a live migration");
         status.incoming_for = Some(source.to_owned());
         Ok(status)

@@ -20,6 +20,12 @@ use super::{
 };
 use crate::supervisor::{MoveOutcome, SupervisorError, WorkerStatus};
 
+/// Whether an endpoint whose migration token is `now` is the incarnation of its id that
+/// `want` names (none: any).
+fn is_incarnation(want: Option<&str>, now: Option<&str>) -> bool {
+    want.is_none_or(|want| now == Some(want))
+}
+
 impl Daemon {
     fn worker_view(&self, endpoint: &Endpoint) -> WorkerView {
         if let Some(u) = self.unsupervised().get(&endpoint.id) {
@@ -84,25 +90,27 @@ impl Daemon {
         spec: PoolEndpointSpec,
         owner_uid: u32,
     ) -> Result<EndpointStatus, ApiError> {
-        self.create_expecting(spec, owner_uid, None)
+        let token = switchyard_pool::new_migration_token().map_err(pool_error)?;
+        self.create_expecting(spec, owner_uid, None, &token)
     }
 
-    /// [`Daemon::create`] of an endpoint whose device takes only incoming migration streams
-    /// of origin `expect_origin` (an incoming endpoint: its source's migration token).
+    /// [`Daemon::create`] of an endpoint with migration token `token` (from
+    /// [`switchyard_pool::new_migration_token`]) whose device takes only incoming migration
+    /// streams of origin `expect_origin` (an incoming endpoint: its source's migration token).
     pub(super) fn create_expecting(
         &self,
         spec: PoolEndpointSpec,
         owner_uid: u32,
         expect_origin: Option<String>,
+        token: &str,
     ) -> Result<EndpointStatus, ApiError> {
         // The check and the commit create the same endpoint, with the same token.
-        let token = switchyard_pool::new_migration_token().map_err(pool_error)?;
         // Everything the pool refuses is refused before a worker starts.
         let mut dry = (*self.inventory()).clone();
         if let Some(socket) = &spec.socket {
             socket_in_endpoint_dir(dry.endpoint_dir(), socket)?;
         }
-        dry.create_endpoint_as(&spec, owner_uid, &token)
+        dry.create_endpoint_as(&spec, owner_uid, token)
             .map_err(pool_error)?;
         let endpoint = dry
             .endpoint(&spec.id)
@@ -128,7 +136,7 @@ impl Daemon {
             ))));
         }
         let committed = {
-            let spec = spec.clone();
+            let (spec, token) = (spec.clone(), token.to_owned());
             self.pool.run(move |pool, events| {
                 // The lease the worker serves must still be the one the pool gives.
                 let mut dry = pool.inventory().clone();
@@ -174,9 +182,11 @@ impl Daemon {
         id: &str,
         token: Option<&str>,
     ) -> Result<bool, ApiError> {
-        let ours = |t: Option<&str>| token.is_none_or(|want| t == Some(want));
         let inventory = self.inventory();
-        if token.is_some() && !ours(inventory.endpoint(id).map(|e| e.migration_token.as_str())) {
+        if !is_incarnation(
+            token,
+            inventory.endpoint(id).map(|e| e.migration_token.as_str()),
+        ) {
             return Ok(false);
         }
         let mut dry = (*inventory).clone();
@@ -206,7 +216,7 @@ impl Daemon {
         }
         match self
             .supervisor
-            .delete_if(id, |s| ours(s.migration.origin.as_deref()))
+            .delete_if(id, |s| is_incarnation(token, s.migration.origin.as_deref()))
         {
             Ok(true) | Err(SupervisorError::NotFound(_)) => {}
             Ok(false) => return Ok(false),
@@ -221,8 +231,7 @@ impl Daemon {
             .pool
             .commit(move |pool| {
                 let now = pool.inventory().endpoint(&owned);
-                let now = now.map(|e| e.migration_token.as_str());
-                if token.is_some() && now != token.as_deref() {
+                if !is_incarnation(token.as_deref(), now.map(|e| e.migration_token.as_str())) {
                     return Ok((false, Vec::new()));
                 }
                 Ok((true, pool.delete_endpoint(&owned)?))
