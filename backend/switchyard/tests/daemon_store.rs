@@ -57,7 +57,10 @@ fn run_until_refused_or_started(mut cmd: Command, control: &Path) -> Ended {
             let _ = child.kill();
             let out = child.wait_with_output().expect("output");
             let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-            assert!(listening, "the daemon neither exited nor listened in 20 s:\n{stderr}");
+            assert!(
+                listening,
+                "the daemon neither exited nor listened in 20 s:\n{stderr}"
+            );
             return Ended::Started(stderr);
         }
         std::thread::sleep(Duration::from_millis(10));

@@ -9,7 +9,7 @@ use std::fmt;
 use std::io;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use switchyard_pool::PoolError;
+use switchyard_device::secret;
 
 /// A secret the daemon makes for each worker process it starts: written in the worker's pid
 /// record and given to the worker ([`Note::Start`](super::Note::Start)), which keeps it
@@ -19,20 +19,16 @@ use switchyard_pool::PoolError;
 pub struct WorkerNonce(String);
 
 impl WorkerNonce {
-    /// A new nonce from the kernel's random source: 128 bits written as 32 lowercase hex
-    /// digits, made as the pool makes an endpoint's migration token (the same kind of secret).
+    /// A new nonce from the kernel's random source ([`switchyard_device::secret`], the format
+    /// of every secret: 128 bits as 32 lowercase hex digits).
     pub fn generate() -> io::Result<Self> {
-        match switchyard_pool::new_migration_token() {
-            Ok(text) => Ok(Self(text)),
-            Err(PoolError::Random(e)) => Err(e),
-            Err(e) => Err(io::Error::other(e)),
-        }
+        secret::new_secret().map(Self)
     }
 
     /// The nonce written as [`WorkerNonce::as_str`] gives it: `2 × 16` lowercase hex digits;
     /// anything else is none.
     pub fn parse(text: &str) -> Option<Self> {
-        switchyard_pool::is_migration_token(text).then(|| Self(text.to_owned()))
+        secret::is_secret(text).then(|| Self(text.to_owned()))
     }
 
     /// As written in a record and a note.
