@@ -143,7 +143,8 @@ impl Origin {
         self.sent
     }
 
-    /// A MIG_DATA_READ in STOP_COPY answered no bytes: the outgoing stream is read out.
+    /// A MIG_DATA_READ in STOP_COPY answered fewer bytes than asked: the outgoing stream is
+    /// read out.
     pub(crate) fn stream_read_out(&mut self) {
         self.drained = true;
     }

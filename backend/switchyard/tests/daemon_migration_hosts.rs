@@ -74,13 +74,9 @@ fn holder(d: &Daemon, board: &str) -> Value {
 }
 
 /// What QEMU's source does after the last pre-copy round: STOP_COPY, the stream read until a
-/// read answers nothing, then (the migration completed) STOP.
+/// reply is shorter than asked (the stream's end), then (the migration completed) STOP.
 fn read_out_and_stop(src: &mut switchyard_client::Client) {
-    loop {
-        if src.mig_data_read(1 << 16).expect("read").is_empty() {
-            break;
-        }
-    }
+    while src.mig_data_read(1 << 16).expect("read").len() == 1 << 16 {}
     src.set_mig_state(MigState::Stop as u32).expect("STOP");
 }
 
@@ -231,7 +227,7 @@ fn a_source_whose_migration_did_not_complete_keeps_its_lease() {
         .0
         .set_mig_state(MigState::StopCopy as u32)
         .expect("STOP_COPY");
-    while !guest.t.0.mig_data_read(1 << 16).expect("read").is_empty() {}
+    while guest.t.0.mig_data_read(1 << 16).expect("read").len() == 1 << 16 {}
     drop(guest);
     let gone = wait_event(&d, "migration", |e| {
         e["endpoint"] == "vm1" && e["cause"] == "client_gone"
