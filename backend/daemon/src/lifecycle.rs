@@ -147,7 +147,8 @@ pub enum WorkerLifecycle {
     },
     /// A live migration onto an incoming endpoint (`POST /v1/endpoints/{id}/incoming`)
     /// completed: the destination's device loaded the state and runs; its lease is kept and
-    /// the source endpoint is deleted (its lease released) once its VMM let go of it.
+    /// the source endpoint is deleted (its lease released) once its VMM let go of it (a
+    /// source on another host, `POST /v1/incoming`, by its own daemon: `migrated_away`).
     Migrated {
         /// The destination endpoint.
         endpoint: String,

@@ -1,5 +1,7 @@
 //! Incoming endpoints: the destination of a live migration of an endpoint's VM.
 //!
+//! (A source on another host, and the source's own clean-up: `remote`.)
+//!
 //! `POST /v1/endpoints/{source}/incoming` creates an endpoint leasing a free device of the
 //! source's shape from the source's pool (the pool of the source's board when the source was
 //! created on a named device; boards in no pool for a board in none), whose worker serves a
