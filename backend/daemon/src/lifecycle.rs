@@ -53,7 +53,8 @@ pub struct MigrationChange {
     pub origin_verified: bool,
     /// The device's outgoing stream had been read to its end in STOP_COPY and the device
     /// stopped, with nothing since (`switchyard_server::MigChange::sent`; shown only when
-    /// true). With cause `client_gone`: the VMM left after a completed outgoing migration.
+    /// true). With the VMM gone (`client_gone`, `client_left`): it left after a completed
+    /// outgoing migration.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub sent: bool,
 }

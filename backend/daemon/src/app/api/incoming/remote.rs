@@ -9,7 +9,7 @@
 //! except that a commit releases nothing here: the source is on another host.
 //!
 //! The source: its daemon has no link to the destination, so it decides from its own
-//! device. A VMM that leaves (cause `client_gone`) a device whose outgoing stream it read to
+//! device. A VMM that leaves (cause `client_gone` or `client_left`) a device whose outgoing stream it read to
 //! its end in STOP_COPY and then stopped, without running it again
 //! ([`switchyard_server::MigChange::sent`]), completed the migration as far as this side can
 //! know (QEMU stops the device after a completed migration and sets RUNNING again after one
@@ -212,7 +212,7 @@ impl Daemon {
     }
 
     /// The source's rule: `endpoint`'s VMM left after a completed outgoing migration
-    /// (`change`: cause `client_gone`, stream sent). Returns the incarnation to delete, with
+    /// (`change`: cause `client_gone` or `client_left`, stream sent). Returns the incarnation to delete, with
     /// event `migrated_away`; nothing where a local incoming endpoint is linked to it (the
     /// link decides) or its clean-up is under way already.
     pub(super) fn migrated_away(
@@ -220,7 +220,10 @@ impl Daemon {
         endpoint: &str,
         change: &MigrationChange,
     ) -> Option<Incarnation> {
-        if change.cause != "client_gone" || !change.sent {
+        // The VMM left: `client_gone`, or `client_left` where the server tells a client that
+        // left its device stopped (nothing abandoned) apart.
+        let left = matches!(change.cause.as_str(), "client_gone" | "client_left");
+        if !left || !change.sent {
             return None;
         }
         let token = self.inventory().endpoint(endpoint)?.migration_token.clone();
