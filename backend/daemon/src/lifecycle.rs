@@ -51,6 +51,12 @@ pub struct MigrationChange {
     /// workers of earlier releases, which do not check.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub origin_verified: bool,
+    /// The device's outgoing stream had been read to its end in STOP_COPY and the device
+    /// stopped, with nothing since (`switchyard_server::MigChange::sent`; shown only when
+    /// true). With the VMM gone (`client_gone`, `client_left`): it left after a completed
+    /// outgoing migration.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sent: bool,
 }
 
 /// What a replacement could not restore of its client's state: what a worker's `state_lost`
@@ -142,7 +148,8 @@ pub enum WorkerLifecycle {
     },
     /// A live migration onto an incoming endpoint (`POST /v1/endpoints/{id}/incoming`)
     /// completed: the destination's device loaded the state and runs; its lease is kept and
-    /// the source endpoint is deleted (its lease released) once its VMM let go of it.
+    /// the source endpoint is deleted (its lease released) once its VMM let go of it (a
+    /// source on another host, `POST /v1/incoming`, by its own daemon: `migrated_away`).
     Migrated {
         /// The destination endpoint.
         endpoint: String,
@@ -169,6 +176,14 @@ pub enum WorkerLifecycle {
         endpoint: String,
         /// Whether the clean-up deleted it.
         deleted: bool,
+    },
+    /// The endpoint's VMM left after a completed outgoing live migration (the device's
+    /// stream read to its end, the device stopped, never run again): the endpoint is deleted
+    /// (its lease released) by this daemon, which may have no link to the destination (on
+    /// another host). Not emitted where a local incoming endpoint decides (`migrated`).
+    MigratedAway {
+        /// The endpoint (the migration's source).
+        endpoint: String,
     },
     /// Workers kept dying before serving, or an adopted worker held more than the budget:
     /// the daemon let go of what the next worker would have restored (the client's
@@ -212,6 +227,7 @@ impl WorkerLifecycle {
             | Self::Migrated { endpoint, .. }
             | Self::MigrationAborted { endpoint, .. }
             | Self::MigrationReleased { endpoint, .. }
+            | Self::MigratedAway { endpoint }
             | Self::Reset { endpoint, .. }
             | Self::StateLost { endpoint, .. }
             | Self::DeviceLost { endpoint, .. } => endpoint,

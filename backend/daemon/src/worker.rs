@@ -554,6 +554,7 @@ fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
                     state: crate::custody::mig_state_name(change.to).to_owned(),
                     cause: change.cause.name().to_owned(),
                     origin_verified: change.origin_verified,
+                    sent: change.sent,
                 }),
             });
         },

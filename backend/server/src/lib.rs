@@ -274,6 +274,12 @@ impl Slot {
 
     /// Tells the hook if `mig` is no longer `before` (changed by `cause`), and the watchdog.
     pub(crate) fn mig_changed(&mut self, before: MigState, cause: slot::MigCause) {
+        let sent = self.origin.sent();
+        self.mig_changed_sent(before, cause, sent);
+    }
+
+    /// [`Slot::mig_changed`], saying whether the stream had been sent ([`MigChange::sent`]).
+    fn mig_changed_sent(&mut self, before: MigState, cause: slot::MigCause, sent: bool) {
         if self.mig == before {
             return;
         }
@@ -285,6 +291,7 @@ impl Slot {
                 to: self.mig,
                 cause,
                 origin_verified: self.origin.verified(),
+                sent,
             });
         }
     }
@@ -299,9 +306,11 @@ impl Slot {
         if let Some(m) = self.device.migration() {
             m.abort();
         }
+        // Whether a completed outgoing migration is what was abandoned (its VMM left).
+        let sent = self.origin.sent();
         self.origin.abort();
         self.mig = MigState::Running;
-        self.mig_changed(before, cause);
+        self.mig_changed_sent(before, cause, sent);
     }
 }
 

@@ -116,6 +116,11 @@ pub(crate) struct Origin {
     matched: bool,
     /// What the device loaded last (RESUMING → STOP) came from the expected origin.
     verified: bool,
+    /// The outgoing stream was read to its end in the current STOP_COPY.
+    drained: bool,
+    /// STOP was reached from a drained STOP_COPY, and no arc was taken since
+    /// ([`crate::MigChange::sent`]).
+    sent: bool,
 }
 
 impl Origin {
@@ -127,7 +132,21 @@ impl Origin {
             incoming: Incoming::Idle,
             matched: false,
             verified: false,
+            drained: false,
+            sent: false,
         }
+    }
+
+    /// Whether STOP was reached from a STOP_COPY whose stream was read to its end, with
+    /// no arc since ([`crate::MigChange::sent`]).
+    pub(crate) fn sent(&self) -> bool {
+        self.sent
+    }
+
+    /// A MIG_DATA_READ in STOP_COPY answered fewer bytes than asked: the outgoing stream is
+    /// read out.
+    pub(crate) fn stream_read_out(&mut self) {
+        self.drained = true;
     }
 
     /// Whether the device's state was loaded from a stream of the expected origin.
@@ -169,6 +188,10 @@ impl Origin {
 
     /// Arc `arc` was taken.
     pub(crate) fn after_arc(&mut self, arc: MigArc) {
+        // Only STOP_COPY → STOP keeps what the stream's end said; any other arc runs the
+        // device, opens a stream or starts another STOP_COPY.
+        self.sent = arc == MigArc::EndStopCopy && self.drained;
+        self.drained = false;
         match arc {
             MigArc::StartPreCopy | MigArc::StartStopCopy => {
                 self.out = self.token.as_ref().map(|_| 0);
@@ -194,6 +217,8 @@ impl Origin {
     /// is open and nothing loaded is vouched for.
     pub(crate) fn abort(&mut self) {
         self.out = None;
+        self.drained = false;
+        self.sent = false;
         self.incoming = Incoming::Idle;
         self.matched = false;
         self.verified = false;
@@ -441,5 +466,37 @@ mod tests {
         o.after_arc(MigArc::StartResuming);
         o.write(&mut dev, &stream).expect("write");
         assert!(!o.verified(), "not before the stream is complete");
+    }
+
+    #[test]
+    fn only_stop_after_a_stream_read_out_counts_as_sent() {
+        let mut o = Origin::new(token(A), None);
+        // QEMU's completed migration: STOP_COPY, read to the end, STOP.
+        o.after_arc(MigArc::StartStopCopy);
+        o.stream_read_out();
+        assert!(!o.sent(), "not before STOP");
+        o.after_arc(MigArc::EndStopCopy);
+        assert!(o.sent());
+        // The migration failed after all: the device runs again.
+        o.after_arc(MigArc::Run);
+        assert!(!o.sent());
+        // STOP_COPY left before the stream's end (a cancelled migration).
+        o.after_arc(MigArc::Stop);
+        o.after_arc(MigArc::StartStopCopy);
+        o.after_arc(MigArc::EndStopCopy);
+        assert!(!o.sent());
+        // A stream read out and then abandoned (the client went away in STOP_COPY).
+        o.after_arc(MigArc::StartStopCopy);
+        o.stream_read_out();
+        o.abort();
+        o.after_arc(MigArc::EndStopCopy);
+        assert!(!o.sent());
+        // Sent, then abandoned: the abort forgets it (the change reports it before).
+        o.after_arc(MigArc::StartStopCopy);
+        o.stream_read_out();
+        o.after_arc(MigArc::EndStopCopy);
+        assert!(o.sent());
+        o.abort();
+        assert!(!o.sent());
     }
 }

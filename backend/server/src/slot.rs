@@ -98,6 +98,13 @@ pub struct MigChange {
     /// and nothing has abandoned that since: what a pool's destination must see before its
     /// migration counts as completed.
     pub origin_verified: bool,
+    /// The device's outgoing stream was read to its end in STOP_COPY (a MIG_DATA_READ
+    /// answered fewer bytes than asked), then the client put it in STOP, and nothing has run, reset or
+    /// opened another stream since: what a completed outgoing migration leaves (QEMU reads
+    /// the stream out, then stops the device once the migration completed; a migration that
+    /// fails after that sets RUNNING again). With cause [`MigCause::ClientGone`]: the VMM
+    /// left after a migration that, as far as this side can know, completed.
+    pub sent: bool,
 }
 
 /// What changed a device's migration state.

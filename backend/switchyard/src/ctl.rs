@@ -69,6 +69,14 @@ enum CtlCommand {
         /// lease released); when it is aborted this endpoint is.
         #[arg(long, value_name = "SRC", conflicts_with_all = ["pool", "device", "min_vram", "min_queues"])]
         incoming_for: Option<String>,
+        /// The destination endpoint of a live migration from another host: FILE is the
+        /// source endpoint as `ctl endpoint SRC --json` prints it there (to its owner or
+        /// root: it holds the migration token). Leases a free device of its kind and options
+        /// from its pool's namesake here (or `--pool`). The source's daemon deletes the
+        /// source once its VMM quits after the migration; when it is aborted this endpoint
+        /// is deleted.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["incoming_for", "device", "min_vram", "min_queues"])]
+        incoming_spec: Option<PathBuf>,
     },
     /// Stop an endpoint's worker (the VM's connection closes) and delete it.
     Delete {
@@ -359,6 +367,28 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
         }
         CtlCommand::Create {
             id,
+            pool,
+            endpoint_socket,
+            incoming_spec: Some(file),
+            ..
+        } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("cannot read {}", file.display()))?;
+            let source: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", file.display()))?;
+            let reply = client.post(
+                "/v1/incoming",
+                &serde_json::json!({
+                    "id": id, "socket": endpoint_socket, "pool": pool, "source": source,
+                }),
+            )?;
+            if json {
+                return show(&reply.body);
+            }
+            print_endpoint(&reply.json()?)?;
+        }
+        CtlCommand::Create {
+            id,
             endpoint_socket,
             incoming_for: Some(source),
             ..
@@ -380,6 +410,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
             min_queues,
             endpoint_socket,
             incoming_for: None,
+            incoming_spec: None,
         } => {
             let spec = EndpointSpec {
                 id,

@@ -527,3 +527,43 @@ fn root_is_served_while_a_member_holds_every_connection_it_may() {
     );
     assert_eq!(held.len(), 16, "8 streams and 8 slow bodies");
 }
+
+/// An incoming endpoint from a source's description (`POST /v1/incoming`) is admitted as a
+/// creation is: a member may make one, its own; a description as the member sees another's
+/// endpoint (no token) is refused and leases nothing; with the token its owner gave, it is
+/// made.
+#[test]
+#[ignore = "needs root"]
+fn a_member_makes_an_incoming_endpoint_from_a_description_as_it_creates_one() {
+    let (mut d, gid) = group_daemon();
+    d.ctl_ok(&["create", "rootvm", "--pool", "default"]);
+    let (status, seen) = member(gid, &d, "GET", "/v1/endpoints/rootvm", None);
+    assert_eq!(status, 200);
+    assert!(seen["endpoint"].get("migration_token").is_none(), "{seen}");
+    let (status, body) = member(
+        gid,
+        &d,
+        "POST",
+        "/v1/incoming",
+        Some(json!({"id": "in", "source": seen})),
+    );
+    assert_eq!((status, &body["code"]), (422, &json!("invalid")), "{body}");
+    let (_, all) = member(gid, &d, "GET", "/v1/endpoints", None);
+    assert_eq!(
+        all.as_array().map(Vec::len),
+        Some(1),
+        "nothing leased: {all}"
+    );
+    // The owner's description, token included.
+    let described = d.endpoint("rootvm");
+    let (status, made) = member(
+        gid,
+        &d,
+        "POST",
+        "/v1/incoming",
+        Some(json!({"id": "in", "source": described})),
+    );
+    assert_eq!(status, 201, "{made}");
+    assert_eq!(made["endpoint"]["owner_uid"], NOBODY, "{made}");
+    assert_eq!(made["incoming_for"], "rootvm", "{made}");
+}

@@ -53,6 +53,12 @@ pub struct GuestSpec {
     /// Wait for an incoming live migration on this unix socket (`-incoming unix:PATH`)
     /// instead of booting.
     pub incoming: Option<PathBuf>,
+    /// Wait for an incoming live migration at this URI (`-incoming URI`, e.g.
+    /// `tcp:10.0.0.2:4444`) instead of booting.
+    pub incoming_uri: Option<String>,
+    /// Run QEMU in this network namespace (`ip netns exec NS`; root only), e.g. one of
+    /// [`crate::TwoHosts`]'. Its UNIX sockets (QMP, vfio-user) work as anywhere.
+    pub netns: Option<String>,
     /// Names this guest's files (`serial-NAME.log`, `qemu-NAME.log`, `qmp-NAME.sock`), for
     /// tests with several QEMU processes; `None`: `serial.log`, `qemu.log`, `qmp.sock`.
     pub name: Option<String>,
@@ -79,6 +85,8 @@ impl GuestSpec {
             timeout: Duration::from_secs(240),
             qemu: None,
             incoming: None,
+            incoming_uri: None,
+            netns: None,
             name: None,
         }
     }
@@ -212,7 +220,7 @@ impl Guest {
             qmp: files.qmp,
             started: Instant::now(),
             timeout: spec.timeout,
-            booting: spec.incoming.is_none().then(|| Booting {
+            booting: (spec.incoming.is_none() && spec.incoming_uri.is_none()).then(|| Booting {
                 env: env.clone(),
                 spec: spec.clone(),
                 boot: 1,
@@ -397,9 +405,18 @@ impl GuestFiles {
 /// Starts QEMU for `spec`, writing `files` (its stderr truncated).
 fn spawn_qemu(env: &GuestEnv, spec: &GuestSpec, files: &GuestFiles) -> Result<Child> {
     let binary = spec.qemu.as_ref().unwrap_or(&env.qemu);
-    let mut cmd = qemu_command(env, spec, files)?
-        .command()
-        .map_err(HarnessError::Qemu)?;
+    let q = qemu_command(env, spec, files)?;
+    let mut cmd = match &spec.netns {
+        // `ip netns exec` enters the namespace and execs QEMU: the child is QEMU.
+        Some(ns) => {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", ns])
+                .arg(binary)
+                .args(q.args().map_err(HarnessError::Qemu)?);
+            c
+        }
+        None => q.command().map_err(HarnessError::Qemu)?,
+    };
     let err =
         File::create(&files.qemu_log).map_err(|e| HarnessError::Io("create qemu log".into(), e))?;
     cmd.stdin(Stdio::null())
@@ -466,6 +483,9 @@ fn qemu_command(env: &GuestEnv, spec: &GuestSpec, files: &GuestFiles) -> Result<
     if let Some(path) = &spec.incoming {
         let mut uri = std::ffi::OsString::from("unix:");
         uri.push(path);
+        q = q.extra_arg("-incoming").extra_arg(uri);
+    }
+    if let Some(uri) = &spec.incoming_uri {
         q = q.extra_arg("-incoming").extra_arg(uri);
     }
     for d in &spec.emulated {

@@ -29,20 +29,35 @@ impl PoolDaemon {
 
     /// [`PoolDaemon::start`] with more arguments of `switchyard daemon` (`--faults`).
     pub fn start_with(env: &GuestEnv, dir: &Path, config: &str, args: &[&str]) -> Self {
-        let file = dir.join("pool.toml");
+        Self::launch(env, dir, None, config, args)
+    }
+
+    /// [`PoolDaemon::start`] for one of several daemons of a test (e.g. one per "host"):
+    /// its files are `pool-NAME.toml`, `daemon-NAME.log`, `state-NAME` and `run-NAME`.
+    pub fn start_named(env: &GuestEnv, dir: &Path, name: &str, config: &str) -> Self {
+        Self::launch(env, dir, Some(name), config, &[])
+    }
+
+    fn launch(env: &GuestEnv, dir: &Path, name: Option<&str>, config: &str, args: &[&str]) -> Self {
+        let named = |base: &str, ext: &str| match name {
+            Some(n) => dir.join(format!("{base}-{n}{ext}")),
+            None => dir.join(format!("{base}{ext}")),
+        };
+        let file = named("pool", ".toml");
         std::fs::write(&file, config).expect("write the pool configuration");
-        let log = std::fs::File::create(dir.join("daemon.log")).expect("daemon log");
+        let log = std::fs::File::create(named("daemon", ".log")).expect("daemon log");
         let mut cmd = Command::new(&env.switchyard);
         cmd.arg("daemon");
         if !config.is_empty() {
             cmd.arg("--config").arg(&file);
         }
+        let run = named("run", "");
         let child = cmd
             .args(args)
             .arg("--state-dir")
-            .arg(dir.join("state"))
+            .arg(named("state", ""))
             .arg("--run-dir")
-            .arg(dir.join("run"))
+            .arg(&run)
             .env("RUST_LOG", "info")
             .env("SWITCHYARD_WORKER_EXE", &env.switchyard)
             .stdin(Stdio::null())
@@ -52,7 +67,7 @@ impl PoolDaemon {
             .expect("start the daemon");
         let mut d = Self {
             child,
-            socket: dir.join("run/control.sock"),
+            socket: run.join("control.sock"),
             endpoints: Vec::new(),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -64,6 +79,11 @@ impl PoolDaemon {
             std::thread::sleep(Duration::from_millis(50));
         }
         d
+    }
+
+    /// Its control socket (`ctl --socket`).
+    pub fn socket(&self) -> &Path {
+        &self.socket
     }
 
     /// A client of its control API, if it answers.

@@ -194,6 +194,10 @@ pub struct Daemon {
     vmms: Mutex<BTreeMap<String, api::authz::RegisteredVmm>>,
     /// Incoming endpoints of live migrations, with their sources (in memory only).
     incoming: Mutex<BTreeMap<String, api::incoming::Incoming>>,
+    /// The migration tokens of the endpoint incarnations a finished migration's clean-up
+    /// is deleting: one clean-up each (a local migration's commit and its source's VMM
+    /// leaving both name the source). Held only to look up, insert or remove.
+    releasing: Mutex<std::collections::BTreeSet<String>>,
     /// Failover bookkeeping (the failures themselves are in the store).
     failover: api::failover::Failover,
     events: Arc<EventStream>,
@@ -444,6 +448,7 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
         unsupervised: Mutex::new(BTreeMap::new()),
         vmms: Mutex::new(BTreeMap::new()),
         incoming: Mutex::new(BTreeMap::new()),
+        releasing: Mutex::new(std::collections::BTreeSet::new()),
         failover: api::failover::Failover::new(options.faults),
         events,
         metrics,

@@ -74,6 +74,7 @@ impl Reactions {
                     state: "exited".into(),
                     cause: String::new(),
                     origin_verified: false,
+                    sent: false,
                 };
                 self.follow(endpoint, exited);
             }
@@ -92,7 +93,8 @@ impl Reactions {
             | WorkerLifecycle::GaveUp { .. }
             | WorkerLifecycle::Migrated { .. }
             | WorkerLifecycle::MigrationAborted { .. }
-            | WorkerLifecycle::MigrationReleased { .. } => {}
+            | WorkerLifecycle::MigrationReleased { .. }
+            | WorkerLifecycle::MigratedAway { .. } => {}
         }
     }
 

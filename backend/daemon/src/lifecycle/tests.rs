@@ -28,6 +28,7 @@ fn migration() -> MigrationChange {
         state: "pre_copy".into(),
         cause: "request".into(),
         origin_verified: false,
+        sent: false,
     }
 }
 
@@ -104,6 +105,12 @@ fn every_event() -> Vec<(WorkerLifecycle, &'static str)> {
             r#"{"event":"migration_released","endpoint":"src","deleted":true}"#,
         ),
         (
+            WorkerLifecycle::MigratedAway {
+                endpoint: "src".into(),
+            },
+            r#"{"event":"migrated_away","endpoint":"src"}"#,
+        ),
+        (
             WorkerLifecycle::Reset {
                 endpoint: ep(),
                 what: "the client's connection was let go".into(),
@@ -127,7 +134,7 @@ fn every_event() -> Vec<(WorkerLifecycle, &'static str)> {
     ]
 }
 
-const VARIANTS: usize = 11;
+const VARIANTS: usize = 12;
 
 /// The variant's number (an exhaustive match: a new variant must be named here).
 fn variant(e: &WorkerLifecycle) -> usize {
@@ -143,6 +150,7 @@ fn variant(e: &WorkerLifecycle) -> usize {
         WorkerLifecycle::StateLost { .. } => 8,
         WorkerLifecycle::DeviceLost { .. } => 9,
         WorkerLifecycle::MigrationReleased { .. } => 10,
+        WorkerLifecycle::MigratedAway { .. } => 11,
     }
 }
 

@@ -167,6 +167,7 @@ fn a_workers_notes_reach_the_events_stream_as_the_supervisor_made_them() {
             state: "running".into(),
             cause: "reset".into(),
             origin_verified: false,
+            sent: false,
         },
     };
     let signalled = &signals[3..];

@@ -173,6 +173,11 @@ impl Dispatcher {
             .filter(|&n| n <= size)
             .ok_or_else(|| invalid("device produced more migration data than asked"))?;
         truncate_mig_data_read_reply(&mut self.out, n)?;
+        // A reply shorter than asked for ends the STOP_COPY stream (the protocol's end of
+        // stream; QEMU reads no further).
+        if n < size && slot.mig == MigState::StopCopy {
+            slot.origin.stream_read_out();
+        }
         tracing::trace!(size, n, "MIG_DATA_READ");
         Ok(())
     }

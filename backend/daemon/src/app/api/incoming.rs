@@ -1,5 +1,7 @@
 //! Incoming endpoints: the destination of a live migration of an endpoint's VM.
 //!
+//! (A source on another host, and the source's own clean-up: `remote`.)
+//!
 //! `POST /v1/endpoints/{source}/incoming` creates an endpoint leasing a free device of the
 //! source's shape from the source's pool (the pool of the source's board when the source was
 //! created on a named device; boards in no pool for a board in none), whose worker serves a
@@ -38,6 +40,10 @@ use serde::Deserialize;
 use switchyard_control::ApiError;
 use switchyard_pool::{BoardState, EndpointSpec as PoolEndpointSpec};
 use utoipa::ToSchema;
+
+mod remote;
+
+pub use remote::IncomingFromSpec;
 
 use super::super::Daemon;
 use super::unknown_endpoint;
@@ -81,6 +87,9 @@ pub struct Incoming {
     /// The incoming endpoint's own (its incarnation).
     token: String,
     phase: Phase,
+    /// The source is on another host (`POST /v1/incoming`): a completion releases nothing
+    /// here; the source's daemon frees it ([`WorkerLifecycle::MigratedAway`]).
+    remote: bool,
 }
 
 impl std::fmt::Debug for Incoming {
@@ -147,6 +156,22 @@ fn refuse_second_incoming(
     Ok(())
 }
 
+/// Refuses a second incoming endpoint for the source of migration token `token` (here or on
+/// another host).
+fn refuse_second_for_token(
+    incoming: &std::collections::BTreeMap<String, Incoming>,
+    source: &str,
+    token: &str,
+) -> Result<(), ApiError> {
+    match incoming.iter().find(|(_, i)| i.source_token == token) {
+        Some((dst, _)) => Err(ApiError::conflict(
+            "incoming",
+            format!("Endpoint \"{source}\" already has an incoming endpoint, \"{dst}\""),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A migration state change of an endpoint's device, for the migrations follower: the
 /// endpoint and the change (a worker's exit is state `exited`: it ends any migration).
 pub type EndpointMigration = (String, MigrationChange);
@@ -171,12 +196,17 @@ pub(crate) fn follow_migrations(
                 if change.cause == "idle_timeout" {
                     d.failover.wake();
                 }
-                if let Some(release) = d.migration_state(&endpoint, &change) {
+                let release = d
+                    .migration_state(&endpoint, &change)
+                    .filter(|r| d.claim_release(r));
+                if let Some(release) = release {
                     // One per finished migration; a failed start must not end this thread.
+                    let (claimed, owned) = (release.clone(), d.clone());
                     let spawned = std::thread::Builder::new()
                         .name("sy-migration-release".into())
-                        .spawn(move || d.release_when_let_go(&release));
+                        .spawn(move || owned.release_when_let_go(&release));
                     if let Err(e) = spawned {
+                        d.unclaim_release(&claimed);
                         tracing::error!(%endpoint, "cannot start the clean-up of a finished migration (its endpoint stays until deleted): {e}");
                     }
                 }
@@ -247,6 +277,24 @@ impl Daemon {
                 })?;
             (device, source_token)
         };
+        let mut status =
+            self.create_linked(spec, owner_uid, device, source, &source_token, false)?;
+        status.incoming_for = Some(source.to_owned());
+        Ok(status)
+    }
+
+    /// Creates incoming endpoint `spec` on `device`, linked to source `source` (an endpoint
+    /// here, or on another host: `remote`) of migration token `source_token`, whose streams
+    /// only its device takes.
+    fn create_linked(
+        &self,
+        spec: IncomingSpec,
+        owner_uid: u32,
+        device: String,
+        source: &str,
+        source_token: &str,
+        remote: bool,
+    ) -> Result<EndpointStatus, ApiError> {
         let id = spec.id.clone();
         let token = switchyard_pool::new_migration_token().map_err(super::pool_error)?;
         // An endpoint's id in use is refused by the creation below; no link is taken for it
@@ -256,7 +304,10 @@ impl Daemon {
             // requests for one source, one gets it; a destination VMM that starts at once
             // finds its migration followed.
             let mut incoming = self.incoming();
-            refuse_second_incoming(&incoming, source)?;
+            if !remote {
+                refuse_second_incoming(&incoming, source)?;
+            }
+            refuse_second_for_token(&incoming, source, source_token)?;
             if incoming.contains_key(&id) {
                 return Err(ApiError::conflict(
                     "incoming",
@@ -265,9 +316,10 @@ impl Daemon {
             }
             let link = Incoming {
                 source: source.to_owned(),
-                source_token: source_token.clone(),
+                source_token: source_token.to_owned(),
                 token: token.clone(),
                 phase: Phase::Waiting,
+                remote,
             };
             incoming.insert(id.clone(), link);
         }
@@ -279,23 +331,23 @@ impl Daemon {
                 ..PoolEndpointSpec::default()
             },
             owner_uid,
-            Some(source_token),
+            Some(source_token.to_owned()),
             &token,
         );
-        let mut status = match created {
-            Ok(status) => status,
+        match created {
+            Ok(status) => {
+                tracing::info!(endpoint = %id, %source, remote, "incoming endpoint for a live migration");
+                Ok(status)
+            }
             Err(e) => {
                 // Only the link taken above (a request that lost no other).
                 let mut incoming = self.incoming();
                 if incoming.get(&id).is_some_and(|i| i.token == token) {
                     incoming.remove(&id);
                 }
-                return Err(e);
+                Err(e)
             }
-        };
-        tracing::info!(endpoint = %id, %source, "incoming endpoint for a live migration");
-        status.incoming_for = Some(source.to_owned());
-        Ok(status)
+        }
     }
 
     /// Endpoint `id` is deleted: a migration it was the destination or the source of is
@@ -318,6 +370,9 @@ impl Daemon {
         endpoint: &str,
         change: &MigrationChange,
     ) -> Option<Incarnation> {
+        if let Some(away) = self.migrated_away(endpoint, change) {
+            return Some(away);
+        }
         let (inc, completed) = {
             let mut incoming = self.incoming();
             let inc = incoming.get_mut(endpoint)?;
@@ -361,7 +416,8 @@ impl Daemon {
         self.events.worker(event);
         // After the event: a client that sees the link gone finds the event.
         self.incoming().remove(endpoint);
-        Some(released)
+        // A source on another host is its own daemon's to free.
+        (!(completed && inc.remote)).then_some(released)
     }
 
     /// Deletes incarnation `which` of an endpoint once its VMM let go of it (within
@@ -405,6 +461,7 @@ impl Daemon {
             endpoint: id.to_owned(),
             deleted,
         });
+        self.unclaim_release(which);
     }
 
     fn incoming(&self) -> super::super::Held<'_, std::collections::BTreeMap<String, Incoming>> {

@@ -15,7 +15,7 @@ use utoipa_axum::routes;
 
 use super::super::events::{DaemonEvent, EventsPruned, MAX_STREAMS};
 use super::authz::{RegisteredVmm, check_qmp_registration, operator_only};
-use super::incoming::IncomingSpec;
+use super::incoming::{IncomingFromSpec, IncomingSpec};
 use super::views::{
     DrainResult, EndpointStatus, EventsQuery, MoveRequest, MoveResult, VmmLink, WorkerReplaced,
 };
@@ -48,6 +48,7 @@ pub(super) fn api() -> ControlApi<AppState> {
         .routes(routes!(list_endpoints, create_endpoint))
         .routes(routes!(get_endpoint, delete_endpoint))
         .routes(routes!(create_incoming_endpoint))
+        .routes(routes!(create_incoming_from_spec))
         .routes(routes!(restart_endpoint))
         .routes(routes!(upgrade_endpoint))
         .routes(routes!(move_endpoint))
@@ -283,6 +284,36 @@ async fn create_incoming_endpoint(
     })
     .await
     .map(|st| (StatusCode::CREATED, Json(st)))
+}
+
+/// `POST /v1/incoming`.
+#[utoipa::path(post, path = "/v1/incoming", tag = TAG, operation_id = "create_incoming_from_spec",
+    summary = "Create the destination endpoint of a live migration from another host",
+    description = "As `POST /v1/endpoints/{id}/incoming`, for a source on another host: \
+        `source` is the source endpoint as `GET /v1/endpoints/{id}` (`ctl endpoint SRC --json`) \
+        shows it to its owner there. Leases a free device of the source's kind and (canonical) \
+        options from the source's pool's namesake here, or from `pool`; the device takes only a \
+        stream that starts with the source's `migration_token`. It commits (event `migrated`; \
+        nothing is released here) and aborts (the destination is deleted) as with a local \
+        source. The source's daemon deletes the source once its VMM left after sending the \
+        whole stream and stopping the device (event `migrated_away`). Admitted as creating \
+        an endpoint is; the endpoint is the caller's.",
+    request_body = IncomingFromSpec,
+    responses(
+        (status = 201, description = "Created; the socket accepts the destination VMM", body = EndpointStatus),
+        (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 404, description = "No such pool here", body = ErrorBody),
+        (status = 409, description = "No free device of the source's shape; an incoming endpoint for that source exists; id or socket in use", body = ErrorBody),
+        (status = 422, description = "No migration token, or not one; no lease; a kind this host does not have or options it refuses; invalid id or socket path", body = ErrorBody),
+        (status = 500, description = "The worker did not start", body = ErrorBody)))]
+async fn create_incoming_from_spec(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(req): Json<IncomingFromSpec>,
+) -> Result<(StatusCode, Json<EndpointStatus>), ApiError> {
+    blocking(&s, move |d| d.create_incoming_from_spec(req, caller.uid))
+        .await
+        .map(|st| (StatusCode::CREATED, Json(st)))
 }
 
 /// `POST /v1/endpoints/{id}/restart`.
