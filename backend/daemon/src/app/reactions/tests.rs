@@ -8,8 +8,11 @@ use super::*;
 use crate::app::events::Step;
 use crate::app::records::WorkerIdentity;
 
-/// The worker events published so far, as `(seq, event name)`.
-fn published(events: &EventStream) -> Vec<(u64, String)> {
+/// Worker events as `(seq, event name)`.
+type Published = Vec<(u64, String)>;
+
+/// The worker events published so far.
+fn published(events: &EventStream) -> Published {
     let mut cursor = events.cursor(Some(0), false);
     let mut out = Vec::new();
     loop {
@@ -37,7 +40,7 @@ fn published(events: &EventStream) -> Vec<(u64, String)> {
 fn a_migration_change_is_published_before_the_follower_is_handed_it() {
     let events = Arc::new(EventStream::new(0));
     // What the stream held each time the follower was handed a change.
-    let seen: Arc<Mutex<Vec<(String, Vec<(u64, String)>)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<(String, Published)>>> = Arc::default();
     let reactions = Reactions {
         events: events.clone(),
         metrics: Metrics::new(),
