@@ -10,7 +10,8 @@
 //! Malformed requests get an error reply with a real errno and the connection keeps going;
 //! only a header that makes the stream impossible to frame ends the connection. When the client
 //! goes away, every DMA window and eventfd is dropped and the device keeps its state, ready for
-//! the next client (spec rule).
+//! the next client (spec rule), which finds the PCI function as after a reset
+//! ([`PciDevice::fresh_open`]) unless it is a resumed one.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
