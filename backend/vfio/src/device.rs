@@ -761,9 +761,10 @@ impl PciDevice for VfioPci {
         }
         self.apply_msix_masks();
         self.publish();
-        if self.desc.resettable {
-            // Writes the (fresh) COMMAND bits once the device is reset.
-            return self.reset();
+        if self.desc.resettable
+            && let Err(e) = self.reset()
+        {
+            tracing::warn!(error = %e, "cannot reset the device for a new client");
         }
         let (fd, cfg_offset) = self.live_fd()?;
         let raw = DeviceConfig {
