@@ -27,6 +27,7 @@
 //! | [`region_bounds`](checks::region_bounds) | every region: accesses at the end served, past the end / straddling / overflowing refused, odd widths and zero lengths answered, unknown indexes refused; never a panic |
 //! | [`reset`](checks::reset) | a resettable device resets and its read-only header is its post-build one; another refuses |
 //! | [`client_gone`](checks::client_gone) | after `client_disconnected` the device answers and touches no DMA memory |
+//! | [`fresh_open`](checks::fresh_open) | what a client wrote into config space (COMMAND, a BAR, Device Control, MSI/MSI-X enable) is gone for a new client after `fresh_open` |
 //! | [`migration`](checks::migration) | RUNNING→STOP→RUNNING; a STOP_COPY (and PRE_COPY) stream loads into a fresh device with the same config space; a truncated one is refused |
 //! | [`swap`](checks::swap) | a successor from the device's own factory takes over with the same config space; a device of another kind is refused |
 //! | [`recovery`](checks::recovery) | a device rebuilt from its black box and held objects has the same config space; without a black box it is refused |
@@ -53,6 +54,7 @@ pub const CHECKS: &[(&str, Check)] = &[
     ("region_bounds", checks::region_bounds),
     ("reset", checks::reset),
     ("client_gone", checks::client_gone),
+    ("fresh_open", checks::fresh_open),
     ("migration", checks::migration),
     ("swap", checks::swap),
     ("recovery", checks::recovery),
@@ -110,6 +112,11 @@ macro_rules! conformance_tests {
             #[test]
             fn client_gone() {
                 $crate::checks::client_gone(&subject());
+            }
+
+            #[test]
+            fn fresh_open() {
+                $crate::checks::fresh_open(&subject());
             }
 
             #[test]

@@ -107,6 +107,8 @@ enum PlainFault {
     ResetsWithoutSayingSo,
     /// Reads guest memory on every access after the client left.
     DmaAfterTheClientLeft,
+    /// Keeps what a client wrote into config space for the next one.
+    KeepsConfigForTheNextClient,
 }
 
 struct Plain {
@@ -200,6 +202,13 @@ impl PciDevice for Plain {
             config_definition(0x0100)
         };
         self.bar0.fill(0);
+        Ok(())
+    }
+
+    fn fresh_open(&mut self) -> switchyard_device::Result<()> {
+        if self.fault != PlainFault::KeepsConfigForTheNextClient {
+            self.config.reset();
+        }
         Ok(())
     }
 
@@ -555,6 +564,13 @@ impl PciDevice for Recording {
         Ok(())
     }
 
+    fn fresh_open(&mut self) -> switchyard_device::Result<()> {
+        self.log("fresh_open");
+        self.config = self.definition.clone();
+        self.publish();
+        Ok(())
+    }
+
     fn client_disconnected(&mut self) {
         let parked = self.parks.0.load(Ordering::SeqCst);
         self.log(format!(
@@ -881,6 +897,15 @@ fn a_device_that_reads_guest_memory_after_the_client_left_fails_client_gone() {
         &plain(PlainFault::DmaAfterTheClientLeft),
         "client_gone",
         "DMA reads and 0 DMA writes",
+    );
+}
+
+#[test]
+fn a_device_that_keeps_the_config_of_the_last_client_fails_fresh_open() {
+    fails_only(
+        &plain(PlainFault::KeepsConfigForTheNextClient),
+        "fresh_open",
+        "for a new client (after fresh_open): the config space differs",
     );
 }
 

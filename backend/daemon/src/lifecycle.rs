@@ -39,7 +39,10 @@ pub struct MigrationChange {
     /// The new state: `pre_copy`, `stop_copy`, `resuming`, `stop`, `running`, `error`.
     pub state: String,
     /// What changed it: `request` (the VMM), `reset` (a device reset abandoned the
-    /// migration), `client_gone` (the VMM went away, which abandons it), `idle_timeout` (the
+    /// migration), `client_gone` (the VMM went away, which abandons it), `client_left` (the
+    /// VMM went away leaving its device stopped with no stream open, as a guest's poweroff
+    /// and a migrated source's VMM do: nothing is abandoned, the device runs again for the
+    /// next client), `idle_timeout` (the
     /// stream had no activity for the idle timeout), `wrong_origin` (an incoming stream of
     /// another origin than the expected one). Always in an event; a worker of an earlier
     /// release may not say (empty).

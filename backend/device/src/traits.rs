@@ -67,11 +67,29 @@ pub trait PciDevice: Send + AsAny {
     /// Returns the device to its power-on state (`DEVICE_RESET`, also used for FLR).
     fn reset(&mut self) -> Result<()>;
 
+    /// A new client opened the device (every VMM connection that is not a resumed one: a
+    /// guest-visible move's re-plug too), before its first message is served: the PCI
+    /// function must look as after a reset, the way kernel vfio-pci resets a device when a
+    /// user opens it. Config space back to its power-on values (COMMAND, Device Control,
+    /// MSI and MSI-X control, BAR addresses: everything a previous guest wrote), MSI-X vectors
+    /// masked, nothing pending. Device memory keeps the kind's rules (a softgpu's VRAM is
+    /// kept; `vram_reset=` applies to resets, which this is not). A resumed client (a
+    /// replaced worker continuing its connection) is never told: it finds the device as it
+    /// left it.
+    ///
+    /// The default does nothing: for devices with no guest-writable state of their own.
+    /// An error is logged and the client served anyway.
+    fn fresh_open(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Called after `SET_IRQS` changed the routing of `index`.
     fn irqs_changed(&mut self, _index: u32) {}
 
     /// Called when the client is gone: its DMA windows and eventfds have been dropped by the
-    /// server. The device keeps its state (spec rule) but must stop touching DMA memory.
+    /// server. The device keeps its state (spec rule) but must stop touching DMA memory; the
+    /// next client that is not a resumed one finds its PCI function fresh
+    /// ([`PciDevice::fresh_open`]).
     fn client_disconnected(&mut self) {}
 
     /// VFIO migration v2, if the device can migrate (`None`: the migration features answer

@@ -458,6 +458,13 @@ impl PciDevice for Scratchpad {
         self.power_on()
     }
 
+    /// Config space back to power-on (published first); RAM and `ACCUM` stay.
+    fn fresh_open(&mut self) -> Result<(), DeviceError> {
+        let mut config = self.config.clone();
+        config.reset();
+        Ok(self.set_config(config)?)
+    }
+
     fn swappable(&mut self) -> Option<&mut dyn switchyard_device::Swappable> {
         Some(self)
     }

@@ -10,7 +10,8 @@
 //! Malformed requests get an error reply with a real errno and the connection keeps going;
 //! only a header that makes the stream impossible to frame ends the connection. When the client
 //! goes away, every DMA window and eventfd is dropped and the device keeps its state, ready for
-//! the next client (spec rule).
+//! the next client (spec rule), which finds the PCI function as after a reset
+//! ([`PciDevice::fresh_open`]) unless it is a resumed one.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -642,6 +643,7 @@ impl Server {
             if let Some(c) = &self.continuity {
                 c.connection(&stream);
             }
+            self.fresh_open();
             let ended = dispatch::serve_connection(self, stream, None);
             self.stop.set_active(None);
             self.client_gone(ended.client_dma);
@@ -659,8 +661,21 @@ impl Server {
         Ok(())
     }
 
+    /// A new client (not a resumed one) finds the device's PCI function as after a reset
+    /// ([`PciDevice::fresh_open`]), as a new user of kernel vfio-pci does: what the previous
+    /// guest wrote into config space stays out of the new VMM's copy (which it reads before
+    /// anything else, and a migration's load compares against).
+    fn fresh_open(&mut self) {
+        let mut slot = self.slot.lock();
+        if let Err(e) = slot.device.fresh_open() {
+            tracing::warn!(error = %e, "cannot give the new client a fresh device; served as it is");
+        }
+    }
+
     /// Spec rule on client loss: drop DMA windows, eventfds and the dirty-logging session,
-    /// keep device state. A migration in progress is abandoned (the device runs again).
+    /// keep device state. A migration in progress is abandoned (the device runs again); a
+    /// device left in STOP with no stream open runs again too, with no migration abandoned
+    /// ([`MigCause::ClientLeft`](crate::MigCause::ClientLeft)).
     /// `client_dma` is the client's server→client DMA, if it negotiated.
     ///
     /// The device is told once ([`PciDevice::client_disconnected`]), when its windows and
@@ -683,9 +698,18 @@ impl Server {
         ctx.waits.set(None);
         {
             let mut slot = self.slot.lock();
-            if slot.mig != MigState::Running {
-                tracing::info!(state = ?slot.mig, "client gone during migration; abandoned");
-                slot.abandon_migration(slot::MigCause::ClientGone);
+            match slot.mig {
+                MigState::Running => {}
+                // No stream is open: nothing is abandoned, but the next client must find the
+                // device running (a guest's poweroff and a migrated source's VMM leave it so).
+                MigState::Stop => {
+                    tracing::info!("client gone leaving its device stopped; it runs again");
+                    slot.abandon_migration(slot::MigCause::ClientLeft);
+                }
+                state => {
+                    tracing::info!(?state, "client gone during migration; abandoned");
+                    slot.abandon_migration(slot::MigCause::ClientGone);
+                }
             }
         }
         ctx.dma.stop_logging();

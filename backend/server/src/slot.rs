@@ -116,6 +116,10 @@ pub enum MigCause {
     Reset,
     /// The client went away (a migration in progress is abandoned).
     ClientGone,
+    /// The client went away leaving its device in STOP with no stream open (a guest powered
+    /// off, a source's VMM quitting after a completed migration): no migration is abandoned,
+    /// the device runs again, as the next client must find it.
+    ClientLeft,
     /// The stream had no activity for the idle timeout (the migration is abandoned; see
     /// [`ServerConfig::migration_idle_timeout`](crate::ServerConfig::migration_idle_timeout)).
     IdleTimeout,
@@ -124,13 +128,14 @@ pub enum MigCause {
 }
 
 impl MigCause {
-    /// The cause's name in reports (`request`, `reset`, `client_gone`, `idle_timeout`,
-    /// `wrong_origin`).
+    /// The cause's name in reports (`request`, `reset`, `client_gone`, `client_left`,
+    /// `idle_timeout`, `wrong_origin`).
     pub fn name(self) -> &'static str {
         match self {
             MigCause::Request => "request",
             MigCause::Reset => "reset",
             MigCause::ClientGone => "client_gone",
+            MigCause::ClientLeft => "client_left",
             MigCause::IdleTimeout => "idle_timeout",
             MigCause::WrongOrigin => "wrong_origin",
         }

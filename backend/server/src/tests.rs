@@ -45,6 +45,8 @@ enum Event {
     Parked,
     /// That park ended.
     Unparked,
+    /// `fresh_open`: a new client (not a resumed one) is about to be served.
+    FreshOpen,
     /// `client_disconnected`, with what the device still found then: DMA windows, and
     /// vectors with an eventfd.
     Disconnected { windows: usize, eventfds: usize },
@@ -104,6 +106,10 @@ impl PciDevice for Recorder {
         Ok(())
     }
     fn reset(&mut self) -> switchyard_device::Result<()> {
+        Ok(())
+    }
+    fn fresh_open(&mut self) -> switchyard_device::Result<()> {
+        record(&self.log, Event::FreshOpen);
         Ok(())
     }
     fn irqs_changed(&mut self, index: u32) {
@@ -270,9 +276,11 @@ fn version_request() -> Vec<u8> {
     buf
 }
 
-/// What the device is told while a client sets up: its window is mapped, its vector changed.
+/// What the device is told while a new client sets up: it is fresh for it (before anything
+/// is served), its window is mapped, its vector changed.
 fn set_up_events() -> Vec<Event> {
     vec![
+        Event::FreshOpen,
         Event::Mapping(IOVA, SIZE),
         Event::IrqsChanged(VFIO_PCI_MSIX_IRQ_INDEX),
     ]
@@ -409,7 +417,8 @@ fn a_resumed_connection_that_ends_is_reported_once_after_its_windows_and_eventfd
     wait_for_departures(&log, 1);
     stop.stop();
     t.join().expect("server thread").expect("run_resumed");
-    // Restored before the device was built on them, the tables were never announced to it.
+    // Restored before the device was built on them, the tables were never announced to it;
+    // a resumed client is not a new one (`fresh_open` never came).
     assert_eq!(events(&log), departure_events());
 }
 

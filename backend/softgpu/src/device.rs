@@ -413,6 +413,16 @@ impl Shared {
         g
     }
 
+    /// A new client opened the device: its PCI function as after a reset (config space and
+    /// MSI-X table and PBA at power-on: COMMAND, Device Control, MSI/MSI-X control, BAR
+    /// addresses, every vector masked). The device's own state stays: registers, queues,
+    /// VRAM (the engines are parked anyway: bus mastering is off until the new driver sets it).
+    pub(crate) fn fresh_pci(&self, g: &mut Regs) {
+        g.st.config_space = self.config_def.clone();
+        g.st.msix = switchyard_device::msix::MsixState::new(self.config.irq.msix_vectors() as u16);
+        g.cold_changed();
+    }
+
     /// Whether the engines are parked because the client is gone.
     pub(crate) fn halted(&self) -> bool {
         self.lock().halted

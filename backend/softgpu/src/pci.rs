@@ -125,6 +125,12 @@ impl PciDevice for SoftGpu {
         Ok(())
     }
 
+    fn fresh_open(&mut self) -> Result<(), DeviceError> {
+        let mut g = self.shared.lock();
+        self.shared.fresh_pci(&mut g);
+        Ok(())
+    }
+
     fn client_disconnected(&mut self) {
         self.shared.halt();
     }

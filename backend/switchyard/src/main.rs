@@ -56,7 +56,8 @@ enum Command {
     /// The socket file appears only once the server accepts connections, so a VMM can be started as soon
     /// as the socket file exists. One client at a time: a second concurrent client is closed
     /// right away. When a client disconnects its DMA mappings and interrupt eventfds are
-    /// dropped, the device keeps its state and the next client is served.
+    /// dropped, the device keeps its state and the next client is served, with the device's
+    /// config space as after a reset.
     #[command(after_help = AFTER_HELP)]
     Serve(ServeArgs),
 

@@ -93,11 +93,45 @@ fn a_completed_migration_onto_an_incoming_endpoint_hands_the_lease_over() {
     });
     assert_eq!(worker_events(&d, "migrated").len(), 1, "{:?}", d.events());
     assert_eq!(metric(&d, "switchyard_migrations_completed_total"), "1");
-    // The source's VMM lets go (QEMU quits after a migration): the source's lease goes.
+    // `migrated` comes after the destination's RUNNING that completed the migration.
+    let seq_of = |kind: &str, wanted: &dyn Fn(&Value) -> bool| {
+        d.events()
+            .into_iter()
+            .find(|e| e["worker"]["event"] == kind && wanted(&e["worker"]))
+            .and_then(|e| e["seq"].as_u64())
+            .unwrap_or_else(|| panic!("no such {kind} event: {:?}", d.events()))
+    };
+    let running = seq_of("migration", &|w| {
+        w["endpoint"] == "vm1-in" && w["state"] == "running"
+    });
+    let migrated = seq_of("migrated", &|_| true);
+    assert!(running < migrated, "{:?}", d.events());
+    // The source's VMM stops its device and lets go (QEMU quits after a migration): the
+    // source's lease goes. It abandoned no migration: its device runs again (`client_left`),
+    // reported before the daemon learns that the VMM let go.
+    guest
+        .t
+        .0
+        .set_mig_state(switchyard_proto::consts::VFIO_DEVICE_STATE_STOP)
+        .expect("source STOP");
     drop(guest);
     wait("the source endpoint is still there", || {
         d.client().get("/v1/endpoints/vm1").is_err()
     });
+    let source_changes: Vec<Value> = worker_events(&d, "migration")
+        .into_iter()
+        .filter(|w| w["endpoint"] == "vm1")
+        .collect();
+    assert!(
+        source_changes
+            .iter()
+            .any(|w| w["state"] == "running" && w["cause"] == "client_left"),
+        "{source_changes:?}"
+    );
+    assert!(
+        source_changes.iter().all(|w| w["cause"] != "client_gone"),
+        "{source_changes:?}"
+    );
     let boards: Vec<Value> = d
         .client()
         .get("/v1/boards")

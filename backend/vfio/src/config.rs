@@ -154,6 +154,9 @@ pub struct ConfigEffects {
 #[derive(Debug, Clone)]
 pub struct VirtConfig {
     shadow: Vec<u8>,
+    /// The shadow as built (the device opened): what a new client finds
+    /// ([`VirtConfig::fresh`]).
+    opened: Vec<u8>,
     /// Bits the client may write into the shadow.
     wmask: Vec<u8>,
     /// Bits whose writes also go to the device.
@@ -419,6 +422,7 @@ impl VirtConfig {
         // Extended space (PCIe, 4 KiB): a zero header at 0x100 ends the (empty) list.
 
         Ok(VirtConfig {
+            opened: shadow.clone(),
             shadow,
             wmask,
             forward,
@@ -585,6 +589,14 @@ impl VirtConfig {
         for ((s, &v), &m) in self.shadow.iter_mut().zip(saved).zip(&self.wmask) {
             *s = (*s & !m) | (v & m);
         }
+    }
+
+    /// Back to the shadow as it was when the device was opened, for a new client (kernel
+    /// vfio-pci resets a device a user opens): COMMAND, BAR addresses, MSI and MSI-X
+    /// control and message, PCI Express control, everything a previous client wrote. Nothing
+    /// goes to the device (see [`VirtConfig::reapply`]).
+    pub fn fresh(&mut self) {
+        self.shadow.clone_from(&self.opened);
     }
 
     /// Writes the forwarded state of the shadow (COMMAND's I/O, memory, bus-master bits) to the

@@ -750,6 +750,30 @@ impl PciDevice for VfioPci {
         Ok(())
     }
 
+    /// What kernel vfio-pci does for a user that opens the device: the device reset (when it
+    /// can be), and what the client sees of it as when this process opened it: the shadow
+    /// config space ([`VirtConfig::fresh`]), its COMMAND bits on the device, the MSI-X table
+    /// masked.
+    fn fresh_open(&mut self) -> switchyard_device::Result<()> {
+        self.config.fresh();
+        if let Some((m, t)) = &mut self.msix {
+            *t = MsixTable::new(m.vectors);
+        }
+        self.apply_msix_masks();
+        self.publish();
+        if self.desc.resettable
+            && let Err(e) = self.reset()
+        {
+            tracing::warn!(error = %e, "cannot reset the device for a new client");
+        }
+        let (fd, cfg_offset) = self.live_fd()?;
+        let raw = DeviceConfig {
+            fd: &fd,
+            offset: cfg_offset,
+        };
+        self.config.reapply(&raw).map_err(DeviceError::Io)
+    }
+
     fn client_disconnected(&mut self) {
         // The server has dropped its eventfds; the kernel must not keep signalling ours.
         if let Some(h) = lock(&self.hw).as_mut() {

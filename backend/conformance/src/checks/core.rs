@@ -1,12 +1,12 @@
 //! The checks of the core every device has: capability groups as declared, the config space,
-//! region bounds, reset, the client leaving.
+//! region bounds, reset, the client leaving, a new client.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use switchyard_device::blackbox::BlackBox;
-use switchyard_device::config::regs;
+use switchyard_device::config::{cap_id, exp, regs};
 use switchyard_device::{CONFIG_REGION_INDEX, DmaProt, IrqIndex, NUM_PCI_REGIONS};
 
 use crate::probe::{Sensor, Slot, chain};
@@ -384,4 +384,58 @@ pub fn client_gone(subject: &Subject) {
             "after the client left the device made {reads} DMA reads and {writes} DMA writes"
         ));
     }
+}
+
+/// A new client finds the PCI function fresh
+/// ([`PciDevice::fresh_open`](switchyard_device::PciDevice::fresh_open)): a client programs
+/// the device as a guest's driver does (memory decoding and bus mastering, a BAR's address,
+/// the interrupt line, PCI Express Device Control, MSI and MSI-X enable where the device has
+/// them) and leaves; after `fresh_open` the config space reads as it did after the build, and
+/// the device answers.
+pub fn fresh_open(subject: &Subject) {
+    let mut s = subject.slot("fresh_open");
+    let fresh = s.config();
+    s.program();
+    // What a guest's driver writes besides (a write the device refuses changes nothing).
+    let _ = s.write(CONFIG_REGION_INDEX, regs::INT_LINE as u64, &[11]);
+    let caps = capabilities_of(&fresh);
+    let find = |id: u8| caps.iter().find(|(c, _)| *c == id).map(|(_, at)| *at);
+    if let Some(at) = find(cap_id::EXP) {
+        // Extended tags on (a Linux guest's 0x2810 -> 0x2830), never the FLR bit.
+        let ctl = (s.cfg16(at + exp::DEVCTL) | 0x0020) & !exp::DEVCTL_BCR_FLR;
+        let _ = s.write(
+            CONFIG_REGION_INDEX,
+            (at + exp::DEVCTL) as u64,
+            &ctl.to_le_bytes(),
+        );
+    }
+    if let Some(at) = find(cap_id::MSI) {
+        let ctl = s.cfg16(at + 2) | 0x0001;
+        let _ = s.write(CONFIG_REGION_INDEX, (at + 2) as u64, &ctl.to_le_bytes());
+    }
+    if let Some(at) = find(cap_id::MSIX) {
+        let ctl = s.cfg16(at + 2) | 0xc000;
+        let _ = s.write(CONFIG_REGION_INDEX, (at + 2) as u64, &ctl.to_le_bytes());
+    }
+    s.disconnect();
+    if let Err(e) = s.guarded(|| "fresh_open()".into(), |d| d.fresh_open()) {
+        s.fail(format_args!("fresh_open() failed: {}", chain(&e)));
+    }
+    s.assert_config(&fresh, "for a new client (after fresh_open)");
+    s.answers("after fresh_open");
+}
+
+/// The (ID, offset) of each capability of the standard chain of `config`.
+fn capabilities_of(config: &[u8]) -> Vec<(u8, usize)> {
+    let mut out = Vec::new();
+    let status = u16::from_le_bytes([config[regs::STATUS], config[regs::STATUS + 1]]);
+    if status & regs::STATUS_CAP_LIST == 0 {
+        return out;
+    }
+    let mut at = usize::from(config[regs::CAP_PTR] & 0xfc);
+    while at >= 0x40 && at + 4 <= config.len().min(0x100) && out.len() < 48 {
+        out.push((config[at], at));
+        at = usize::from(config[at + 1] & 0xfc);
+    }
+    out
 }

@@ -9,5 +9,5 @@
 mod core;
 mod groups;
 
-pub use self::core::{capabilities, client_gone, config_space, region_bounds, reset};
+pub use self::core::{capabilities, client_gone, config_space, fresh_open, region_bounds, reset};
 pub use self::groups::{migration, recovery, relocation, swap};

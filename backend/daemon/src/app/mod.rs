@@ -409,8 +409,10 @@ pub fn run(options: &DaemonOptions) -> Result<(), DaemonError> {
     let records = WorkerRecords::new(workers_dir.clone(), records::WorkerIdentity::of(&exe));
     // Where the sink finds the daemon (for a worker's board), once it exists.
     let this: Arc<std::sync::OnceLock<std::sync::Weak<Daemon>>> = Arc::default();
-    let migrations =
-        api::incoming::follow_migrations(this.clone()).map_err(DaemonError::Runtime)?;
+    let follower = api::incoming::follow_migrations(this.clone()).map_err(DaemonError::Runtime)?;
+    let migrations = Box::new(move |m| {
+        let _ = follower.send(m);
+    });
     let sink = reactions::Reactions {
         events: events.clone(),
         metrics: metrics.clone(),

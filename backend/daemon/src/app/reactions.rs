@@ -11,7 +11,6 @@
 //! Every reaction is short or runs off the calling supervision thread, which must go on
 //! reading its worker's notes.
 
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, OnceLock, Weak};
 
 use switchyard_control::Metrics;
@@ -32,9 +31,9 @@ pub(super) struct Reactions {
     pub(super) metrics: Metrics,
     pub(super) records: WorkerRecords,
     pub(super) daemon: DaemonCell,
-    /// The migrations follower's queue (`api::incoming::follow_migrations`); a `Sender` is
-    /// `Sync`, so every supervision thread sends on it without a lock.
-    pub(super) migrations: Sender<EndpointMigration>,
+    /// Hands a change to the migrations follower (`api::incoming::follow_migrations`: its
+    /// queue, a `Sender`, which is `Sync`: every supervision thread sends without a lock).
+    pub(super) migrations: Box<dyn Fn(EndpointMigration) + Send + Sync>,
 }
 
 impl Reactions {
@@ -47,7 +46,13 @@ impl Reactions {
         match e {
             WorkerEvent::Lifecycle(event) => {
                 self.act(&event);
+                // Followed once published: what the follower publishes because of it
+                // (`migrated`, `migration_aborted`) comes after it in the stream.
+                let followed = Self::followed(&event);
                 self.events.worker(event);
+                if let Some((endpoint, change)) = followed {
+                    self.follow(&endpoint, change);
+                }
             }
             WorkerEvent::Signal(signal) => self.signal(signal),
         }
@@ -68,26 +73,17 @@ impl Reactions {
                 self.metrics.endpoint_restarted();
                 self.metrics.endpoint(endpoint).restarted(Some(*stall));
             }
-            WorkerLifecycle::Exited { endpoint, .. } => {
-                // A dead worker ends its device's migration.
-                let exited = MigrationChange {
-                    state: "exited".into(),
-                    cause: String::new(),
-                    origin_verified: false,
-                    sent: false,
-                };
-                self.follow(endpoint, exited);
-            }
-            WorkerLifecycle::Migration { endpoint, change } => {
-                self.follow(endpoint, change.clone());
-            }
             WorkerLifecycle::StateLost { endpoint, .. } => {
                 self.metrics.endpoint(endpoint).state_lost();
             }
             WorkerLifecycle::Reset { endpoint, .. } => self.metrics.endpoint(endpoint).reset(),
             // A lost device's board failure comes as its own signal, and a started worker's
             // pid record with `WorkerSignal::Spawned` (its nonce is not published).
-            WorkerLifecycle::DeviceLost { .. }
+            // Migration changes (and a dead worker, which ends its device's migration) are
+            // followed once published (`followed`).
+            WorkerLifecycle::Exited { .. }
+            | WorkerLifecycle::Migration { .. }
+            | WorkerLifecycle::DeviceLost { .. }
             | WorkerLifecycle::Started { .. }
             | WorkerLifecycle::Ready { .. }
             | WorkerLifecycle::GaveUp { .. }
@@ -95,6 +91,26 @@ impl Reactions {
             | WorkerLifecycle::MigrationAborted { .. }
             | WorkerLifecycle::MigrationReleased { .. }
             | WorkerLifecycle::MigratedAway { .. } => {}
+        }
+    }
+
+    /// The migration change a lifecycle event means for the follower, if any: its device's
+    /// new state, or `exited` for a dead worker (which ends its device's migration).
+    fn followed(event: &WorkerLifecycle) -> Option<EndpointMigration> {
+        match event {
+            WorkerLifecycle::Exited { endpoint, .. } => {
+                let exited = MigrationChange {
+                    state: "exited".into(),
+                    cause: String::new(),
+                    origin_verified: false,
+                    sent: false,
+                };
+                Some((endpoint.clone(), exited))
+            }
+            WorkerLifecycle::Migration { endpoint, change } => {
+                Some((endpoint.clone(), change.clone()))
+            }
+            _ => None,
         }
     }
 
@@ -147,6 +163,9 @@ impl Reactions {
 
     /// Hands an endpoint's migration state change to the migrations follower.
     fn follow(&self, endpoint: &str, change: MigrationChange) {
-        let _ = self.migrations.send((endpoint.to_owned(), change));
+        (self.migrations)((endpoint.to_owned(), change));
     }
 }
+
+#[cfg(test)]
+mod tests;

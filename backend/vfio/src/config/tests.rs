@@ -386,6 +386,29 @@ fn reapply_puts_the_clients_command_back_on_the_device() {
 }
 
 #[test]
+fn a_fresh_shadow_drops_everything_the_last_client_wrote() {
+    let raw = fake();
+    let mut c = shadow(&raw);
+    let opened = c.shadow().to_vec();
+    wr16(&mut c, &raw, COMMAND, 0x0406);
+    wr32(&mut c, &raw, BAR0, 0xfe00_0000);
+    wr16(&mut c, &raw, MSI + 2, 0x0001);
+    wr16(&mut c, &raw, MSIX + 2, 0xc000);
+    wr16(&mut c, &raw, EXP + 8, 0x2830);
+    c.write(&raw, 0x3c, &[5]).expect("interrupt line");
+    assert_ne!(c.shadow(), &opened[..]);
+    c.fresh();
+    assert_eq!(c.shadow(), &opened[..]);
+    assert!(!c.msix_enabled() && !c.msix_function_masked() && !c.msi_enabled());
+    // Then `reapply` hands the device the COMMAND bits of the opened device again.
+    c.reapply(&raw).expect("reapply");
+    assert_eq!(
+        get16(&raw.bytes.borrow(), COMMAND) & COMMAND_FORWARDED,
+        get16(&opened, COMMAND) & COMMAND_FORWARDED
+    );
+}
+
+#[test]
 fn extended_space_offers_no_capability() {
     let raw = FakeConfig {
         bytes: RefCell::new({

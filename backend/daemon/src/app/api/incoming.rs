@@ -510,6 +510,12 @@ mod tests {
             walk(&[("resuming", req), ("stop", req), ("running", "reset")]),
             Some(Step::Aborted)
         );
+        // Loaded, and the VMM left before it ran the device (which then runs for the next
+        // client, with no stream abandoned): not completed either.
+        assert_eq!(
+            walk(&[("resuming", req), ("stop", req), ("running", "client_left")]),
+            Some(Step::Aborted)
+        );
         // The stream did not load.
         assert_eq!(
             walk(&[("resuming", req), ("error", req)]),
