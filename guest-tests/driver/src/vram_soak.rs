@@ -32,7 +32,7 @@ const PAGE: u64 = 4096;
 
 /// The pattern of the FILL command at VRAM offset `offset` (never 0).
 pub fn fill_pattern(offset: u64) -> u32 {
-    ((offset >> 20) as u32).wrapping_mul(0x9e37_79b9) ^ 0x5a5a_0001 | 1
+    (((offset >> 20) as u32).wrapping_mul(0x9e37_79b9) ^ 0x5a5a_0001) | 1
 }
 
 /// Every word of CPU-region page `p` after iteration `n`'s write.
@@ -144,13 +144,15 @@ impl VramSoak {
         Ok(())
     }
 
-    /// After the soak (`n` iterations): the CPU region and the filled pages.
-    pub fn finish(&mut self, g: &Gpu, n: u64) -> Result<(), String> {
+    /// After the soak (`n` iterations): the CPU region and the filled pages. A FILL command
+    /// whose pages all hold its pattern counts as a verified job.
+    pub fn finish(&mut self, g: &mut Gpu, n: u64) -> Result<(), String> {
         self.check_cpu(g, n)?;
         let step = if g.vram.is_file_io() { 64 * PAGE } else { PAGE };
         let fills = std::mem::take(&mut self.fills);
         let mut word = [0u8; 8];
         for &(at, len) in &fills {
+            let stale_before = self.stale_pages;
             let p = fill_pattern(at);
             let want = u64::from(p) | u64::from(p) << 32;
             let mut off = at;
@@ -171,6 +173,9 @@ impl VramSoak {
                     ));
                 }
                 off += step;
+            }
+            if self.stale_pages == stale_before {
+                g.stats.jobs_verified += 1;
             }
         }
         self.fills = fills;
