@@ -203,7 +203,7 @@ fn a_4g_device_with_mapped_vram_migrates_bit_exact_without_a_pass_over_vram() {
     assert_eq!(soak["vram_stale_pages"], 0, "{s}");
     assert_eq!(soak["region_stale_pages"], 0, "{s}");
     let filled = soak["vram_filled_bytes"].as_u64().expect("filled");
-    assert_eq!(filled, (4u64 << 30) / 100 * 75 & !4095, "{s}");
+    assert_eq!(filled, ((4u64 << 30) / 100 * 75) & !4095, "{s}");
     assert!(soak["vram_cpu_writes"].as_u64().unwrap_or(0) > 1, "{s}");
     let (stop_copy_us, pages_sent, client_mapped) = stream_figures(&r.source_log);
     assert!(client_mapped, "QEMU did not take the mapped VRAM over");
