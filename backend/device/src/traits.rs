@@ -179,6 +179,20 @@ pub trait Migratable: Send {
     /// Abandons any migration in progress and lets the device run (device reset, client
     /// loss, recovery from ERROR).
     fn abort(&mut self);
+
+    /// The regions (bit N: region N) whose sparse mmap areas a client may migrate itself,
+    /// as its own RAM: the client logs the guest's writes through its mapping and sends the
+    /// dirty pages, and the device's stream carries only what the device itself wrote
+    /// there. 0 (the default): none; the device's stream carries all of its memory.
+    fn client_migratable_regions(&self) -> u64 {
+        0
+    }
+
+    /// Whether the client migrates the mapped memory of
+    /// [`client_migratable_regions`](Migratable::client_migratable_regions) itself (set
+    /// when the client asked and the server agreed; cleared when the client leaves). Takes
+    /// effect at the next outgoing stream.
+    fn set_client_migrates_mapped(&mut self, _on: bool) {}
 }
 
 /// Stops a device's own activity (engines, a physical device's DMA) at a safe boundary, from

@@ -283,6 +283,12 @@ pub const VFIO_DEVICE_FEATURE_MIG_DATA_SIZE: u16 = 9;
 pub const VFIO_DEVICE_FEATURE_BUS_MASTER: u16 = 10;
 /// `VFIO_DEVICE_FEATURE_DMA_BUF` (kernel only).
 pub const VFIO_DEVICE_FEATURE_DMA_BUF: u16 = 11;
+/// `VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS`, a vfio-user extension of Switchyard and
+/// its QEMU patch (`vmm-integration/qemu/patches/0009`): SET with a 64-bit little-endian
+/// mask of region indexes whose sparse mmap areas the client migrates itself, as RAM. The
+/// kernel allocates feature indexes upward from 0 (11 is its highest); this one is from the
+/// top of the 16-bit space so that no kernel feature can take it.
+pub const VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS: u16 = 0xff00;
 
 // ---- Migration ----
 /// `VFIO_MIGRATION_STOP_COPY`.

@@ -112,6 +112,7 @@ pub(crate) fn serve_connection(
     );
     d.set_continuity(server.continuity.clone());
     d.set_dirty_log(server.config.dirty_log);
+    d.set_mapped_migration(server.config.mapped_migration);
     server.slot.lock().connected = true;
     let mut conn = match resume {
         None => Connection::new(stream, d.limits().max_msg_size, server.config.poll_spin),

@@ -115,6 +115,8 @@ pub(crate) struct Dispatcher {
     replaying: bool,
     /// What DMA dirty logging offers ([`crate::DirtyLog`]).
     dirty_log: crate::DirtyLog,
+    /// Whether the client may migrate mapped memory itself ([`crate::MappedMigration`]).
+    mapped_migration: crate::MappedMigration,
 }
 
 impl Dispatcher {
@@ -144,12 +146,18 @@ impl Dispatcher {
             continuity: None,
             replaying: false,
             dirty_log: crate::DirtyLog::On,
+            mapped_migration: crate::MappedMigration::On,
         }
     }
 
     /// Offers DMA dirty logging as `mode` says.
     pub(crate) fn set_dirty_log(&mut self, mode: crate::DirtyLog) {
         self.dirty_log = mode;
+    }
+
+    /// Lets the client migrate mapped memory itself as `mode` says.
+    pub(crate) fn set_mapped_migration(&mut self, mode: crate::MappedMigration) {
+        self.mapped_migration = mode;
     }
 
     /// Publishes tables and session into `continuity` from now on.

@@ -136,6 +136,9 @@ pub struct ServerConfig {
     pub dirty_log_budget: u64,
     /// Whether DMA dirty logging is offered, and whether its reports tell the truth.
     pub dirty_log: DirtyLog,
+    /// Whether a client may migrate the device's mapped memory itself
+    /// (`VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS`; see [`MappedMigration`]).
+    pub mapped_migration: MappedMigration,
     /// With crash continuity, the client's descriptors a supervisor keeps for it (its DMA
     /// memory files, each once however many windows it has, interrupt eventfds, those of
     /// messages in flight): a message whose new descriptors would pass it is refused with
@@ -175,6 +178,25 @@ pub enum DirtyLog {
     Blind,
 }
 
+/// Whether a client may migrate the memory of the device's sparse mmap areas itself, as its
+/// own RAM (DEVICE_FEATURE SET `VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS`, a vfio-user
+/// extension that the patched QEMU asks for): then the device's migration stream carries
+/// only what the device wrote there, and no pass over all of that memory is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MappedMigration {
+    /// Accepted when the device supports it for the regions asked.
+    #[default]
+    On,
+    /// Refused (`ENOTTY`): the device's stream carries all of its memory.
+    Off,
+    /// Fault injection, for tests: the device acts as if the client migrated its mapped
+    /// memory from the first outgoing stream on, whether the client asked or not. With a
+    /// client that does not (QEMU's `x-migrate-mapped-regions=off`), what the guest wrote
+    /// through its mapping is lost, which is how a test proves that the mapped path
+    /// depends on the client's copy.
+    Assume,
+}
+
 /// What a replacement could not restore of the client's tables ([`Server::restore_tables`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Unrestored {
@@ -201,6 +223,7 @@ impl ServerConfig {
             send_timeout: DEFAULT_SEND_TIMEOUT,
             dirty_log_budget: switchyard_device::dma::DEFAULT_LOG_BUDGET,
             dirty_log: DirtyLog::On,
+            mapped_migration: MappedMigration::On,
             fd_budget: None,
             migration_idle_timeout: Some(DEFAULT_MIGRATION_IDLE_TIMEOUT),
             migration_origin: None,

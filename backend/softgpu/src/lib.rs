@@ -426,6 +426,10 @@ pub struct SoftGpu {
     shared: Arc<Shared>,
     engines: Vec<JoinHandle<()>>,
     migration: Migration,
+    /// The client migrates the mapped VRAM (and doorbell page) itself, as its RAM
+    /// ([`Migratable::set_client_migrates_mapped`]); the next outgoing stream sends only
+    /// what the device wrote.
+    client_mapped: bool,
     /// A relocation this parked successor finishes when it is handed the state.
     incoming: Option<relocate::Incoming>,
     /// What the relocation that brought the device onto its VRAM copied.
@@ -655,6 +659,7 @@ impl SoftGpu {
             shared,
             engines: Vec::new(),
             migration: Migration::Idle,
+            client_mapped: false,
             incoming: None,
             relocated: None,
         };

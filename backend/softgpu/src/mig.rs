@@ -40,6 +40,15 @@
 //! which logs it ([`Vram::mark`]). Then only the first round reads all of VRAM; later rounds,
 //! the final one included, visit just the pages logged since they were last taken, so the
 //! downtime after pre-copy depends on what was written, not on the VRAM size.
+//!
+//! When the client migrates the mapped VRAM itself, as its RAM (it asked with
+//! `VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS` and the server agreed; ARCHITECTURE.md,
+//! "Mapped VRAM without a pass over it"), the guest's writes through the mapping are the
+//! client's to send, and the device's writes are in the log all the same: a stream started
+//! in PRE_COPY clears the log and no round reads all of VRAM; every round, the final one
+//! included, sends each logged page (without the hash comparison: the destination's copy of
+//! a page may have come from the client's stream). A STOP_COPY without pre-copy keeps the
+//! full round.
 
 use std::fs::File;
 
@@ -157,6 +166,10 @@ pub(crate) struct MigSource {
     tracked: bool,
     /// This round reads every data page; otherwise only pages of the write log.
     full_round: bool,
+    /// The client migrates the mapped VRAM itself (see the module documentation): every
+    /// logged page is sent, whatever the destination was last sent of it by this stream,
+    /// because the client's own stream writes those pages too.
+    client_mapped: bool,
     /// Write-log bits taken from word `word - 1` and not visited yet.
     bits: u64,
     word: usize,
@@ -165,16 +178,21 @@ pub(crate) struct MigSource {
     /// Pages visited by the current read.
     visited: u64,
     stats: SourceStats,
+    /// When the device stopped (the stream entered STOP_COPY).
+    stopped_at: Option<std::time::Instant>,
 }
 
 impl MigSource {
     /// A stream for `vram_size` bytes of VRAM; `stopped`: the device is already stopped
-    /// (STOP_COPY), so the first round is the last.
-    pub(crate) fn new(vram: &Vram, stopped: bool) -> Self {
+    /// (STOP_COPY), so the first round is the last. `client_mapped`: the client migrates
+    /// the mapped VRAM itself from now on (PRE_COPY only; a STOP_COPY without pre-copy
+    /// cannot know what the device wrote before it, so it reads all of VRAM as usual).
+    pub(crate) fn new(vram: &Vram, stopped: bool, client_mapped: bool) -> Self {
         let vram_size = vram.size();
         let pages = vram_size / PAGE;
         let zero = zero_hash();
-        let tracked = vram.tracked();
+        let client_mapped = client_mapped && !stopped && !vram.tracked();
+        let tracked = vram.tracked() || client_mapped;
         if tracked {
             // The first round reads everything; the log then holds what changed since.
             for w in 0..vram.written_words() {
@@ -194,12 +212,16 @@ impl MigSource {
             step: Step::Begin,
             last_round: stopped,
             tracked,
-            full_round: true,
+            // With the client sending the mapped VRAM, the log holds all this stream owes
+            // (what the device writes from now on): no round reads all of VRAM.
+            full_round: !client_mapped,
+            client_mapped,
             bits: 0,
             word: 0,
             run_end: 0,
             visited: 0,
             stats: SourceStats::default(),
+            stopped_at: stopped.then(std::time::Instant::now),
         }
     }
 
@@ -209,6 +231,7 @@ impl MigSource {
     /// otherwise it is every data page.
     pub(crate) fn device_stopped(&mut self, vram: &Vram) {
         self.last_round = true;
+        self.stopped_at = Some(std::time::Instant::now());
         if self.tracked && !self.full_round {
             if self.bits != 0 {
                 vram.restore_written(self.word - 1, self.bits);
@@ -234,6 +257,17 @@ impl MigSource {
 
     pub(crate) fn stats(&self) -> SourceStats {
         self.stats
+    }
+
+    /// Time since the device stopped (the device's share of the downtime, once the stream
+    /// is complete); `None` before.
+    pub(crate) fn stop_copy_time(&self) -> Option<std::time::Duration> {
+        self.stopped_at.map(|t| t.elapsed())
+    }
+
+    /// Whether the client sends the mapped VRAM (this stream sends only logged pages).
+    pub(crate) fn client_mapped(&self) -> bool {
+        self.client_mapped
     }
 
     /// Fills `out` with the next stream bytes; fewer than `out.len()` means the current
@@ -460,7 +494,7 @@ impl MigSource {
             }
             let h = xxh3_64(dst);
             let slot = &mut self.sent[p as usize];
-            if h == *slot {
+            if h == *slot && !self.client_mapped {
                 if count > 0 {
                     break;
                 }
@@ -492,7 +526,7 @@ impl MigSource {
                 s.copy_to(&mut page);
             }
             let h = xxh3_64(&page);
-            if h != self.sent[p as usize] {
+            if h != self.sent[p as usize] || self.client_mapped {
                 self.sent[p as usize] = h;
                 self.stats.pages_sent += 1;
                 return self.put(out, n, header(TAG_PAGES, 1, p * PAGE), &page);

@@ -132,6 +132,7 @@ impl PciDevice for SoftGpu {
     }
 
     fn client_disconnected(&mut self) {
+        self.client_mapped = false;
         self.shared.halt();
     }
 
@@ -233,12 +234,21 @@ impl Migratable for SoftGpu {
             MigArc::Stop => self.shared.set_running(false),
             MigArc::Run => self.shared.set_running(true),
             MigArc::StartPreCopy => {
-                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, false)));
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(
+                    vram,
+                    false,
+                    self.client_mapped,
+                )));
             }
             MigArc::AbortPreCopy | MigArc::EndStopCopy => {
                 if let Migration::Save(src) = &self.migration {
                     let st = src.stats();
+                    let stop_copy_us = src
+                        .stop_copy_time()
+                        .map_or(0, |t| u64::try_from(t.as_micros()).unwrap_or(u64::MAX));
                     tracing::info!(
+                        stop_copy_us,
+                        client_mapped = src.client_mapped(),
                         rounds = st.rounds,
                         pages_sent = st.pages_sent,
                         pages_zeroed = st.pages_zeroed,
@@ -254,12 +264,13 @@ impl Migratable for SoftGpu {
                 match &mut self.migration {
                     Migration::Save(src) => src.device_stopped(vram),
                     _ => {
-                        self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
+                        self.migration =
+                            Migration::Save(Box::new(mig::MigSource::new(vram, true, false)));
                     }
                 }
             }
             MigArc::StartStopCopy => {
-                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true)));
+                self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, true, false)));
             }
             MigArc::StartResuming => {
                 // The stream's pages apply on zeroed VRAM; the state comes last.
@@ -306,5 +317,17 @@ impl Migratable for SoftGpu {
     fn abort(&mut self) {
         self.migration = Migration::Idle;
         self.shared.set_running(true);
+    }
+
+    /// BAR0 (its mapped doorbell page: the device state carries the tails, and the
+    /// destination writes them into its page after the client's copy) and, when the client
+    /// may map it, BAR2 (VRAM: the device logs every write it makes there, `Vram::mark`).
+    fn client_migratable_regions(&self) -> u64 {
+        let vram = if self.config.vram_mmap { 1 << 2 } else { 0 };
+        1 | vram
+    }
+
+    fn set_client_migrates_mapped(&mut self, on: bool) {
+        self.client_mapped = on;
     }
 }

@@ -26,7 +26,9 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use switchyard_device::kind::Build;
 use switchyard_kinds::DeviceSpec;
-use switchyard_server::{DeviceSlot, DeviceSocket, DirtyLog, Server, ServerConfig, StopHandle};
+use switchyard_server::{
+    DeviceSlot, DeviceSocket, DirtyLog, MappedMigration, Server, ServerConfig, StopHandle,
+};
 
 /// Logging and exit codes, shown at the end of `--help` (and of `serve --help`).
 const AFTER_HELP: &str = "\
@@ -184,6 +186,14 @@ struct ServeArgs {
     #[arg(long, value_name = "MODE", default_value = "on", value_parser = parse_dirty_log)]
     dirty_log: DirtyLog,
 
+    /// Whether a VMM may migrate the device's mapped memory itself, as its own RAM (the
+    /// patched QEMU asks; then the device's stream carries only what the device wrote
+    /// there): `on`; `off`, refused (the device's stream carries all of it); `assume`, fault
+    /// injection for tests: the device acts as if the VMM did, even when it does not, so a
+    /// migration loses what the guest wrote through its mapping.
+    #[arg(long, value_name = "MODE", default_value = "on", value_parser = parse_mapped_migration)]
+    mapped_migration: MappedMigration,
+
     /// End an open migration stream (PRE_COPY, STOP_COPY, RESUMING) that had no migration
     /// activity (data read or written, a state requested) for this long: the migration is
     /// abandoned and the device runs, as when the VMM goes away. Seconds, or with an s, m, h
@@ -201,6 +211,15 @@ fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
     switchyard_pool::Age::parse(s)
         .map(|age| Duration::from_secs(age.0))
         .ok_or_else(|| format!("`{s}`: want seconds, or a number with an s, m, h or d suffix"))
+}
+
+fn parse_mapped_migration(s: &str) -> Result<MappedMigration, String> {
+    match s {
+        "on" => Ok(MappedMigration::On),
+        "off" => Ok(MappedMigration::Off),
+        "assume" => Ok(MappedMigration::Assume),
+        _ => Err(format!("`{s}`: want on, off or assume")),
+    }
 }
 
 fn parse_dirty_log(s: &str) -> Result<DirtyLog, String> {
@@ -355,6 +374,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.poll_spin = Duration::from_micros(args.poll_spin_us);
     config.dirty_log_budget = args.dirty_log_budget;
     config.dirty_log = args.dirty_log;
+    config.mapped_migration = args.mapped_migration;
     config.migration_idle_timeout = Some(args.migration_idle_timeout).filter(|d| !d.is_zero());
     let spec = args.device;
     let device = spec.configure()?;

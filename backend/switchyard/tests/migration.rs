@@ -472,3 +472,64 @@ fn a_mapped_doorbell_tail_migrates_into_the_destination_page() {
     assert_eq!(d2.mem.read_u64(0x20_0000), 2);
     assert_eq!(d2.r32(queue_reg(0, Q_HEAD)), tail);
 }
+
+/// DEVICE_FEATURE SET `VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS` (issue 35): a client that
+/// migrates the mapped VRAM itself, as its RAM, is answered yes for the regions the softgpu
+/// allows (BAR0's doorbell page, BAR2) and no otherwise or with `--mapped-migration off`;
+/// then the device's stream carries what the device wrote and not what the client wrote
+/// through its mapping, which is the client's to send.
+#[test]
+fn a_client_that_migrates_mapped_vram_gets_only_the_devices_writes() {
+    let set = |c: &mut Client, mask: u64| {
+        c.device_feature(
+            16,
+            VFIO_DEVICE_FEATURE_SET | u32::from(VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS),
+            &mask.to_le_bytes(),
+        )
+    };
+    let refused = |r: Result<_, ClientError>| match r {
+        Err(ClientError::Remote { errno, .. }) => errno == libc::ENOTTY,
+        _ => false,
+    };
+    let off = ServerProcess::start_with(&["--device", DEVICE, "--mapped-migration", "off"]);
+    assert!(refused(set(&mut connect(&off), 0b101)), "off refuses");
+
+    let src_server = ServerProcess::start(DEVICE);
+    let dst_server = ServerProcess::start(DEVICE);
+    let mut src = connect(&src_server);
+    assert!(refused(set(&mut src, 0b10)), "BAR1 has no mapped memory");
+    assert!(refused(set(&mut src, 0)), "an empty mask");
+    set(&mut src, 0b101).expect("BAR0 and BAR2 accepted");
+    let vram = vram_fd(&mut src);
+    // The client's write through its mapping: not the device's to send.
+    vram.write_all_at(&pattern(8, 8192), 1 << 20)
+        .expect("VRAM write");
+    let dst = connect(&dst_server);
+    let mut mig = Migration::new(src, dst).with_chunk(CHUNK);
+    mig.prepare_destination().expect("RESUMING");
+    mig.start_pre_copy().expect("PRE_COPY");
+    let first = round(&mut mig);
+    assert!(first < 4096, "no pass over VRAM ({first} bytes)");
+    // The device's write (trapped): the device's to send, at the switchover.
+    mig.source()
+        .region_write(2, 3 << 20, &pattern(9, 4096))
+        .expect("VRAM write");
+    mig.switchover().expect("STOP_COPY, stream, RUNNING");
+    let (mut src, mut dst) = mig.into_parts();
+    src.set_mig_state(VFIO_DEVICE_STATE_STOP).expect("STOP");
+    let dst_vram = vram_fd(&mut dst);
+    let mut page = vec![0u8; 4096];
+    dst_vram.read_exact_at(&mut page, 3 << 20).expect("read");
+    assert_eq!(page, pattern(9, 4096), "the device's write arrived");
+    dst_vram.read_exact_at(&mut page, 1 << 20).expect("read");
+    assert_eq!(
+        page,
+        vec![0u8; 4096],
+        "the client's write is the client's to send"
+    );
+    let log = src_server.log_text();
+    assert!(
+        log.contains("client_mapped=true"),
+        "the source's stream knew:\n{log}"
+    );
+}

@@ -55,6 +55,11 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               the last pattern; the summary's soak object counts the jobs and the stale
               4 KiB pages. Every wait stays bounded by --timeout; the watchdog allows S
               seconds more
+  --soak-vram P
+              with --soak: before it, the engine fills P % of VRAM (FILL, a pattern per
+              64 MiB); every iteration the CPU checks and rewrites 64 pages of VRAM through
+              BAR2; after it, the CPU checks one word per filled page. Stale pages are the
+              summary's soak vram_stale_pages
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -105,6 +110,8 @@ pub struct Options {
     pub latency: Option<usize>,
     /// Seconds of device work after the workload (`--soak S`, [`crate::soak`]).
     pub soak: Option<u64>,
+    /// `--soak-vram PERCENT`: VRAM filled and checked across the soak ([`crate::vram_soak`]).
+    pub soak_vram: Option<u64>,
 }
 
 /// Parses the arguments (without the program name).
@@ -119,6 +126,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         doorbell: Doorbell::Trapped,
         latency: None,
         soak: None,
+        soak_vram: None,
     };
     let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
@@ -185,6 +193,16 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                     .ok_or_else(|| format!("--soak '{v}': want 1..{MAX_SECONDS} seconds"))?;
                 o.soak = Some(s);
                 workload_options.push("--soak");
+            }
+            "--soak-vram" => {
+                let v = value("--soak-vram")?;
+                let p: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|&p| p <= 100)
+                    .ok_or_else(|| format!("--soak-vram '{v}': want 0..100 (percent)"))?;
+                o.soak_vram = Some(p);
+                workload_options.push("--soak-vram");
             }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {

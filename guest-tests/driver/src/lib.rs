@@ -72,6 +72,7 @@ pub mod soak;
 pub mod summary;
 pub mod sysfs;
 pub mod vfio;
+pub mod vram_soak;
 pub mod workload;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -386,19 +387,20 @@ fn run_soak(
         return (None, None);
     };
     let t = Instant::now();
-    let (soak, failure) = match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds))) {
-        Ok(r) => r,
-        Err(p) => {
-            let s = summary::Soak {
-                seconds,
-                ..summary::Soak::default()
-            };
-            (
-                s,
-                Some(format!("soak: panic: {}", panic_message(p.as_ref()))),
-            )
-        }
-    };
+    let (soak, failure) =
+        match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds, opts.soak_vram))) {
+            Ok(r) => r,
+            Err(p) => {
+                let s = summary::Soak {
+                    seconds,
+                    ..summary::Soak::default()
+                };
+                (
+                    s,
+                    Some(format!("soak: panic: {}", panic_message(p.as_ref()))),
+                )
+            }
+        };
     let ms = t.elapsed().as_millis() as u64;
     steps.push(summary::Step {
         name: "soak".into(),

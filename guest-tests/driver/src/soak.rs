@@ -36,6 +36,7 @@ use crate::reference as r;
 use crate::regs::*;
 use crate::say;
 use crate::summary::Soak;
+use crate::vram_soak::VramSoak;
 use crate::workload::{check_bytes, check_f32, mib};
 
 /// Most seconds `--soak` accepts.
@@ -417,6 +418,7 @@ struct Tally {
     job_mismatch: Option<String>,
     readback_stale: Option<String>,
     region_stale: Option<String>,
+    vram_stale: Option<String>,
 }
 
 /// Checks chunk `c` (at `iova`) against the pattern of write `n`; returns its stale pages and
@@ -539,8 +541,27 @@ fn wait_idle(g: &Gpu) -> Result<(), String> {
 }
 
 /// The loop and the final check.
-fn soak(g: &mut Gpu, seconds: u64, t: &mut Tally) -> Result<(), String> {
+fn soak(g: &mut Gpu, seconds: u64, vram: Option<u64>, t: &mut Tally) -> Result<(), String> {
     let b = Buffers::allocate(g)?;
+    let mut vs = vram.map(|pc| VramSoak::fill(g, pc)).transpose()?;
+    let r = soak_loop(g, seconds, &b, vs.as_mut(), t);
+    if let Some(vs) = vs {
+        t.soak.vram_filled_bytes = vs.filled;
+        t.soak.vram_cpu_writes = vs.cpu_writes;
+        t.soak.vram_stale_pages = vs.stale_pages;
+        t.vram_stale = vs.first_stale;
+    }
+    r
+}
+
+/// The loop and the final check.
+fn soak_loop(
+    g: &mut Gpu,
+    seconds: u64,
+    b: &Buffers,
+    mut vs: Option<&mut VramSoak>,
+    t: &mut Tally,
+) -> Result<(), String> {
     say!(
         "soak setup: region of {} in {CHUNKS} chunks of {} (chunk c on queue c mod {}) at {}; read-back buffer from {:#x}; per queue {} job buffers, VRAM from {:#x}",
         mib(REGION_BYTES),
@@ -564,7 +585,11 @@ fn soak(g: &mut Gpu, seconds: u64, t: &mut Tally) -> Result<(), String> {
     let mut n = 0;
     while n == 0 || start.elapsed() < length {
         n += 1;
-        iteration(g, n, &b, t).map_err(|e| format!("iteration {n}: {e}"))?;
+        iteration(g, n, b, t).map_err(|e| format!("iteration {n}: {e}"))?;
+        if let Some(vs) = vs.as_deref_mut() {
+            vs.iteration(g, n)
+                .map_err(|e| format!("iteration {n}: {e}"))?;
+        }
         if last_progress.elapsed() >= PROGRESS_EVERY {
             last_progress = Instant::now();
             say!(
@@ -576,6 +601,9 @@ fn soak(g: &mut Gpu, seconds: u64, t: &mut Tally) -> Result<(), String> {
         }
     }
     wait_idle(g).map_err(|e| format!("after {n} iterations: {e}"))?;
+    if let Some(vs) = vs {
+        vs.finish(g, n)?;
+    }
     for c in 0..CHUNKS {
         let (pages, first) = check_chunk(g, b.region[c], c, n)?;
         if pages == 0 {
@@ -590,7 +618,7 @@ fn soak(g: &mut Gpu, seconds: u64, t: &mut Tally) -> Result<(), String> {
 
 /// Runs the soak for `seconds` on a device that passed the workload; returns its summary and,
 /// if it failed, why (`"soak: …"`). Its DMA memory is released afterwards.
-pub fn run(g: &mut Gpu, seconds: u64) -> (Soak, Option<String>) {
+pub fn run(g: &mut Gpu, seconds: u64, vram: Option<u64>) -> (Soak, Option<String>) {
     let t0 = Instant::now();
     let mark = g.dma_mark();
     let mut t = Tally {
@@ -601,7 +629,7 @@ pub fn run(g: &mut Gpu, seconds: u64) -> (Soak, Option<String>) {
         },
         ..Tally::default()
     };
-    let res = soak(g, seconds, &mut t);
+    let res = soak(g, seconds, vram, &mut t);
     g.dma_release(mark);
     let s = &mut t.soak;
     s.ms = t0.elapsed().as_millis() as u64;
@@ -630,6 +658,13 @@ pub fn run(g: &mut Gpu, seconds: u64) -> (Soak, Option<String>) {
             "{final_stale} of {} 4 KiB pages of the region do not hold the last write's pattern at the end (first: {})",
             REGION_BYTES / PAGE as u64,
             t.region_stale.as_deref().unwrap_or_default()
+        ));
+    }
+    if s.vram_stale_pages > 0 {
+        problems.push(format!(
+            "{} stale 4 KiB pages of VRAM (first: {})",
+            s.vram_stale_pages,
+            t.vram_stale.as_deref().unwrap_or_default()
         ));
     }
     s.ok = problems.is_empty() && s.region_writes > 0 && s.jobs_verified == s.jobs;

@@ -260,6 +260,13 @@ pub struct Soak {
     pub region_readbacks: u64,
     /// Of `region_stale_pages`, those found in the read-backs.
     pub readback_stale_pages: u64,
+    /// `--soak-vram`: bytes of VRAM the engine filled before the loop ([`crate::vram_soak`]).
+    pub vram_filled_bytes: u64,
+    /// `--soak-vram`: CPU writes of the VRAM CPU region (one per iteration).
+    pub vram_cpu_writes: u64,
+    /// `--soak-vram`: VRAM pages found stale (CPU region during and after the loop, filled
+    /// pages after it).
+    pub vram_stale_pages: u64,
     /// Wall time of the loop and the final check.
     pub ms: u64,
     /// Every job verified, at least one region write, no stale page, nothing failed.
@@ -618,6 +625,9 @@ mod tests {
             region_stale_pages: 0,
             region_readbacks: 179,
             readback_stale_pages: 0,
+            vram_filled_bytes: 0,
+            vram_cpu_writes: 0,
+            vram_stale_pages: 0,
             ms: 30_012,
             ok: true,
         };
@@ -629,7 +639,8 @@ mod tests {
             s.line().contains(
                 "\"soak\":{\"seconds\":30,\"jobs\":400,\"jobs_verified\":400,\"region_bytes\":4194304,\
                  \"region_writes\":180,\"region_stale_pages\":0,\"region_readbacks\":179,\
-                 \"readback_stale_pages\":0,\"ms\":30012,\"ok\":true},\"duration_ms\":42}"
+                 \"readback_stale_pages\":0,\"vram_filled_bytes\":0,\"vram_cpu_writes\":0,\
+                 \"vram_stale_pages\":0,\"ms\":30012,\"ok\":true},\"duration_ms\":42}"
             ),
             "{}",
             s.line()

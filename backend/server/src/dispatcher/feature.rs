@@ -51,6 +51,13 @@ impl Dispatcher {
             FeatureRequest::GetMigration => self.get_migration(slot, id),
             FeatureRequest::GetMigDeviceState => self.get_mig_device_state(slot, id),
             FeatureRequest::SetMigDeviceState(st) => self.set_mig_device_state(slot, id, st),
+            FeatureRequest::Other { flags, data }
+                if flags & VFIO_DEVICE_FEATURE_MASK
+                    == u32::from(VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS)
+                    && flags & VFIO_DEVICE_FEATURE_SET != 0 =>
+            {
+                self.set_mig_mapped_regions(slot, id, data)
+            }
             FeatureRequest::Other { .. } => Err(not_supported()),
         }
     }
@@ -75,12 +82,69 @@ impl Dispatcher {
             VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT if logs => (true, false),
             VFIO_DEVICE_FEATURE_MIGRATION if migrates => (true, false),
             VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if migrates => (true, true),
+            VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS if self.mapped_regions(slot) != 0 => {
+                (false, true)
+            }
             _ => return Err(not_supported()),
         };
         if (get && !can_get) || (set && !can_set) {
             return Err(invalid("device feature does not support that operation"));
         }
         feature_reply(&mut self.out, id, FeatureReply::Probe { feature, get, set })
+    }
+
+    /// The regions whose mapped memory the client may migrate itself (0: none, or the
+    /// server refuses it).
+    fn mapped_regions(&self, slot: &mut Slot) -> u64 {
+        if self.mapped_migration == crate::MappedMigration::Off {
+            return 0;
+        }
+        slot.device
+            .migration()
+            .map_or(0, |m| m.client_migratable_regions())
+    }
+
+    /// DEVICE_FEATURE SET MIG_MAPPED_REGIONS (a vfio-user extension, see
+    /// [`VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS`]): the client migrates the mapped
+    /// memory of the regions in its 64-bit mask itself. Accepted when every region named is
+    /// one the device allows (and the mask names one); else `ENOTTY`, and the device's
+    /// stream goes on carrying all of its memory.
+    fn set_mig_mapped_regions(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        data: &[u8],
+    ) -> Result<(), RequestError> {
+        let mask = data
+            .get(..8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| invalid("MIG_MAPPED_REGIONS needs a 64-bit region mask"))?;
+        let allowed = self.mapped_regions(slot);
+        if mask == 0 || mask & !allowed != 0 {
+            tracing::info!(
+                mask = format_args!("{mask:#x}"),
+                allowed = format_args!("{allowed:#x}"),
+                "client's offer to migrate mapped memory refused"
+            );
+            return Err(not_supported());
+        }
+        if let Some(m) = slot.device.migration() {
+            m.set_client_migrates_mapped(true);
+        }
+        tracing::info!(
+            mask = format_args!("{mask:#x}"),
+            "the client migrates the mapped memory of these regions itself"
+        );
+        feature_reply(
+            &mut self.out,
+            id,
+            FeatureReply::Other {
+                flags: VFIO_DEVICE_FEATURE_SET
+                    | u32::from(VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS),
+                data: &[],
+            },
+        )
     }
 
     /// DEVICE_FEATURE GET MIGRATION: the flows the device supports.
@@ -129,6 +193,13 @@ impl Dispatcher {
                 what: "the device is being moved to another backing",
                 errno: libc::EBUSY,
             });
+        }
+        if self.mapped_migration == crate::MappedMigration::Assume
+            && matches!(slot.mig, MigState::Running | MigState::Stop)
+            && let Some(m) = slot.device.migration()
+        {
+            // Fault injection: the device relies on a copy the client may not make.
+            m.set_client_migrates_mapped(true);
         }
         let before = slot.mig;
         slot.mig_touched = std::time::Instant::now();

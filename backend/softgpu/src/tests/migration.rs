@@ -387,6 +387,65 @@ fn without_mmap_rounds_after_the_first_visit_only_logged_pages() {
     assert_eq!(differing, vec![500], "only the unlogged page is missing");
 }
 
+/// With the client migrating the mapped VRAM (`set_client_migrates_mapped`), the stream
+/// never reads all of VRAM: a pre-copy stream sends only what the device logged after it
+/// began (every such page, even one whose content the destination was last sent by this
+/// stream, here a zero FILL), at the stop too; what the client wrote through the mapping
+/// is the client's to send and does not appear.
+#[test]
+fn with_the_client_migrating_mapped_vram_only_the_devices_writes_are_sent() {
+    let mut rng = Rng(35);
+    let mut a = Harness::with_config(small());
+    a.init();
+    assert_eq!(a.gpu.client_migratable_regions(), 0b101, "BAR0 and BAR2");
+    // Before the stream: data the client's RAM pass reads, not this stream.
+    scribble(&mut a, &mut rng, 50);
+    a.run(0, &[Command::fill(Operand::Vram(10 * PAGE), 4 * PAGE, 7)]);
+    a.gpu.set_client_migrates_mapped(true);
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let st = a.gpu.migration_stats().expect("stats");
+    assert_eq!((st.pages_sent, st.pages_zeroed), (0, 0), "{st:?}");
+
+    // The device's writes: an engine FILL of zeros over a page the destination holds as
+    // zero as far as this stream knows, and a trapped write. The mapping's write is not.
+    a.run(0, &[Command::fill(Operand::Vram(300 * PAGE), PAGE, 0)]);
+    trapped_write(&mut a, 301 * PAGE, &page_of(301));
+    a.vram_file_write(302 * PAGE, &page_of(302));
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    assert_eq!(a.gpu.migration_stats().expect("stats").pages_sent, 2);
+
+    a.run(0, &[Command::fill(Operand::Vram(400 * PAGE), 2 * PAGE, 9)]);
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    assert_eq!(
+        a.gpu.migration_stats().expect("stats").pages_sent,
+        4,
+        "the final round visits the log, not VRAM"
+    );
+    a.gpu.step(MigArc::EndStopCopy).expect("end");
+
+    // The destination holds the device's pages; the client's copy brings the rest.
+    let mut b = Harness::with_config(small());
+    resume_into(&mut b, &mut rng, &stream);
+    for p in [301u64, 400, 401] {
+        let r = a.vram_file_read(p * PAGE, PAGE as usize);
+        assert_eq!(b.vram_file_read(p * PAGE, PAGE as usize), r, "page {p}");
+    }
+    assert_eq!(
+        b.vram_file_read(302 * PAGE, PAGE as usize),
+        vec![0u8; PAGE as usize],
+        "the mapping's write is not this stream's"
+    );
+
+    // A new client has not asked: the next stream reads VRAM again.
+    a.gpu.client_disconnected();
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    read_round(&mut a.gpu, &mut rng, &mut Vec::new());
+    assert!(a.gpu.migration_stats().expect("stats").pages_sent > 40);
+}
+
 #[test]
 fn precopy_reads_are_bounded_and_padded() {
     const BIG: u64 = 64 << 20;
