@@ -371,6 +371,16 @@ pub struct MigrationCaps {
     pub precopy: bool,
 }
 
+/// What an outgoing PRE_COPY stream still holds (`struct vfio_precopy_info`): bytes a
+/// MIG_DATA_READ would return now, split as the kernel splits them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrecopyInfo {
+    /// Bytes of the first pass over the device's data not read yet.
+    pub initial_bytes: u64,
+    /// Bytes changed since they were read (known exactly, or the device's estimate).
+    pub dirty_bytes: u64,
+}
+
 /// A direct arc of the VFIO migration v2 state machine (`linux/vfio.h`), as the device sees
 /// it. P2P states are not offered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,7 +27,8 @@ use std::fs::File;
 use std::sync::Arc;
 
 use crate::{
-    DeviceContext, DeviceDescription, DeviceError, DmaProt, MigArc, MigrationCaps, Result,
+    DeviceContext, DeviceDescription, DeviceError, DmaProt, MigArc, MigrationCaps, PrecopyInfo,
+    Result,
 };
 
 /// Downcasting, for a device that needs to know whether another one is of its own kind
@@ -161,6 +162,19 @@ pub trait Migratable: Send {
     /// Abandons any migration in progress and lets the device run (device reset, client
     /// loss, recovery from ERROR).
     fn abort(&mut self);
+
+    /// In PRE_COPY: what the outgoing stream still holds (`GET_PRECOPY_INFO`). `None`: the
+    /// device does not know (the server answers "not supported" and the VMM estimates).
+    fn precopy_info(&mut self) -> Option<PrecopyInfo> {
+        None
+    }
+
+    /// The bytes a STOP_COPY phase entered now would send, from here to the end of the
+    /// stream (`DEVICE_FEATURE` MIG_DATA_SIZE), in any state. `None`: the device does not
+    /// know (the server answers "not supported").
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        None
+    }
 }
 
 /// Stops a device's own activity (engines, a physical device's DMA) at a safe boundary, from

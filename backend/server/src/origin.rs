@@ -200,6 +200,14 @@ impl Origin {
     }
 
     /// MIG_DATA_READ: the header's next bytes, then the device's stream.
+    /// Bytes of the origin header the outgoing stream has still to send.
+    pub(crate) fn unsent_header(&self) -> usize {
+        match (self.out, &self.token) {
+            (Some(pos), Some(_)) => HEADER_LEN - pos,
+            _ => 0,
+        }
+    }
+
     pub(crate) fn read(
         &mut self,
         mig: &mut dyn Migratable,

@@ -236,7 +236,7 @@ impl Migratable for SoftGpu {
                         rounds = st.rounds,
                         pages_sent = st.pages_sent,
                         pages_zeroed = st.pages_zeroed,
-                        padding = st.padding,
+                        budget_stops = st.budget_stops,
                         completed = arc == MigArc::EndStopCopy,
                         "outgoing migration stream closed"
                     );
@@ -300,5 +300,30 @@ impl Migratable for SoftGpu {
     fn abort(&mut self) {
         self.migration = Migration::Idle;
         self.shared.set_running(true);
+    }
+
+    fn precopy_info(&mut self) -> Option<PrecopyInfo> {
+        let Migration::Save(src) = &self.migration else {
+            return None;
+        };
+        let (initial_bytes, dirty_bytes) = src.pending(&self.shared.vram);
+        Some(PrecopyInfo {
+            initial_bytes,
+            dirty_bytes,
+        })
+    }
+
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        // The state record's real size: the state is small and encoded in microseconds.
+        let state_len = self
+            .shared
+            .snapshot()
+            .to_bytes()
+            .map_or(u64::from(mig::MAX_STATE), |b| b.len() as u64);
+        let vram = &self.shared.vram;
+        Some(match &self.migration {
+            Migration::Save(src) => src.stop_copy_size(vram, state_len),
+            _ => mig::MigSource::full_stream_size(vram, state_len),
+        })
     }
 }

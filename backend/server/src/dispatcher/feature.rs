@@ -4,17 +4,27 @@
 //!
 //! For a device that cannot migrate, the migration features answer `ENOTTY` ("not
 //! supported", as the kernel does).
+//!
+//! The sizes, as the kernel serves them: GET_PRECOPY_INFO (the vfio-user form of
+//! `VFIO_MIG_GET_PRECOPY_INFO`) in PRE_COPY only (`EINVAL` elsewhere), and MIG_DATA_SIZE in
+//! any state; both `ENOTSUP`/`ENOTTY` for a device that does not know them, so the VMM
+//! estimates. The origin header not sent yet counts as the device's initial bytes.
 
 use switchyard_device::DmaSpace;
 use switchyard_proto::consts::*;
 use switchyard_proto::{
-    FeatureReply, FeatureRequest, MigDeviceState, MigState, MigrationFeature, Reply,
-    mig_data_read_reply_buffer, truncate_mig_data_read_reply,
+    DeviceFeatureHeader, FeatureFlags, FeatureReply, FeatureRequest, MigDeviceState, MigState,
+    MigrationFeature, PrecopyInfo, Reply, mig_data_read_reply_buffer, truncate_mig_data_read_reply,
 };
 
 use super::{Dispatcher, feature_reply, reply_empty};
 use crate::Slot;
 use crate::error::{RequestError, invalid};
+
+/// A refusal with its own errno.
+fn invalid_errno(what: &'static str, errno: i32) -> RequestError {
+    RequestError::Invalid { what, errno }
+}
 use crate::migration;
 
 /// A feature the device does not have.
@@ -32,6 +42,7 @@ impl Dispatcher {
         slot: &mut Slot,
         dma: &DmaSpace,
         id: u16,
+        argsz: u32,
         op: FeatureRequest<'_>,
     ) -> Result<(), RequestError> {
         match op {
@@ -51,8 +62,76 @@ impl Dispatcher {
             FeatureRequest::GetMigration => self.get_migration(slot, id),
             FeatureRequest::GetMigDeviceState => self.get_mig_device_state(slot, id),
             FeatureRequest::SetMigDeviceState(st) => self.set_mig_device_state(slot, id, st),
-            FeatureRequest::Other { .. } => Err(not_supported()),
+            FeatureRequest::Other { flags, .. } => {
+                let f = FeatureFlags(flags);
+                if f.feature() == VFIO_DEVICE_FEATURE_MIG_DATA_SIZE && f.get() && !f.set() {
+                    self.get_mig_data_size(slot, id, argsz, flags)
+                } else {
+                    Err(not_supported())
+                }
+            }
         }
+    }
+
+    /// DEVICE_FEATURE GET MIG_DATA_SIZE: `stop_copy_length`, what STOP_COPY would send now.
+    fn get_mig_data_size(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        argsz: u32,
+        flags: u32,
+    ) -> Result<(), RequestError> {
+        if (argsz as usize) < DeviceFeatureHeader::SIZE + 8 {
+            return Err(invalid("MIG_DATA_SIZE argsz too small"));
+        }
+        let header = slot.origin.unsent_header() as u64;
+        let size = slot
+            .device
+            .migration()
+            .and_then(|m| m.stop_copy_size())
+            .ok_or_else(not_supported)?;
+        let length = size.saturating_add(header).to_le_bytes();
+        feature_reply(
+            &mut self.out,
+            id,
+            FeatureReply::Other {
+                flags,
+                data: &length,
+            },
+        )
+    }
+
+    /// GET_PRECOPY_INFO: what the PRE_COPY stream still holds (`EINVAL` outside PRE_COPY, as
+    /// the kernel's ioctl; `ENOTSUP` for a device that does not know).
+    pub(super) fn get_precopy_info(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+    ) -> Result<(), RequestError> {
+        let mig = slot
+            .device
+            .migration()
+            .ok_or_else(|| invalid_errno("the device does not migrate", libc::ENOTSUP))?;
+        if !matches!(slot.mig, MigState::PreCopy | MigState::PreCopyP2p) {
+            return Err(invalid("GET_PRECOPY_INFO outside PRE_COPY"));
+        }
+        let info = mig.precopy_info().ok_or_else(|| {
+            invalid_errno(
+                "the device does not report its pre-copy sizes",
+                libc::ENOTSUP,
+            )
+        })?;
+        let header = slot.origin.unsent_header() as u64;
+        reply_empty(
+            &mut self.out,
+            id,
+            Reply::GetPrecopyInfo(PrecopyInfo {
+                argsz: PrecopyInfo::SIZE as u32,
+                flags: 0,
+                initial_bytes: info.initial_bytes.saturating_add(header),
+                dirty_bytes: info.dirty_bytes,
+            }),
+        )
     }
 
     /// DEVICE_FEATURE PROBE: which operations a feature supports.
@@ -75,6 +154,14 @@ impl Dispatcher {
             VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT if logs => (true, false),
             VFIO_DEVICE_FEATURE_MIGRATION if migrates => (true, false),
             VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if migrates => (true, true),
+            VFIO_DEVICE_FEATURE_MIG_DATA_SIZE
+                if slot
+                    .device
+                    .migration()
+                    .is_some_and(|m| m.stop_copy_size().is_some()) =>
+            {
+                (true, false)
+            }
             _ => return Err(not_supported()),
         };
         if (get && !can_get) || (set && !can_set) {

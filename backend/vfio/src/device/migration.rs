@@ -202,4 +202,13 @@ impl Migratable for VfioPci {
             tracing::warn!(error = %e, "cannot let the device run again after a migration");
         }
     }
+
+    /// The rest of the stream being read, or the whole stream the device would send now
+    /// (a few KiB: config space and the MSI-X table).
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        Some(match &self.mig.out {
+            Some((s, pos)) => (s.len() - pos) as u64,
+            None => self.save_stream().len() as u64,
+        })
+    }
 }
