@@ -140,6 +140,8 @@ pub struct SourceStats {
     pub budget_stops: u64,
     /// Pages sent as zero records.
     pub pages_zeroed: u64,
+    /// Pages read and hashed (sent or not).
+    pub pages_visited: u64,
 }
 
 /// The outgoing stream (PRE_COPY, STOP_COPY).
@@ -299,10 +301,16 @@ impl MigSource {
     /// The device has stopped (PRE_COPY → STOP_COPY): finish with a round that covers
     /// everything not yet sent as it is now. With a complete write log and the first round
     /// done, that is the logged pages (those taken but not visited go back into the log);
-    /// otherwise it is every data page.
+    /// with the log's first round in progress (the VMM switched over with little of it left),
+    /// the rest of that round, then the logged pages (the log holds every write since the
+    /// stream began); otherwise it is every data page.
     pub(crate) fn device_stopped(&mut self, vram: &Vram) {
         self.last_round = true;
         self.stopped_at = Some(std::time::Instant::now());
+        if self.tracked && self.full_round {
+            // Not from page 0 again: what was visited is in the log if it changed since.
+            return;
+        }
         if self.tracked && !self.full_round {
             if self.bits != 0 {
                 vram.restore_written(self.word - 1, self.bits);
@@ -361,7 +369,13 @@ impl MigSource {
                 Step::Scan => {
                     if self.cursor >= self.pages {
                         self.stats.rounds += 1;
+                        // A write log's first round is followed by a round over the log,
+                        // also when it was the device's last.
+                        let log_round_follows = self.tracked && self.full_round;
                         self.new_round(vram);
+                        if self.last_round && log_round_follows {
+                            continue;
+                        }
                         if self.last_round {
                             self.step = Step::State;
                             continue;
@@ -409,6 +423,7 @@ impl MigSource {
     /// A page of the current round was read.
     fn visit(&mut self) {
         self.visited += 1;
+        self.stats.pages_visited += 1;
         if self.full_round {
             self.round_data_left = self.round_data_left.saturating_sub(1);
         }

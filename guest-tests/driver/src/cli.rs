@@ -12,9 +12,11 @@ use crate::sysfs::is_bdf;
 /// Usage text.
 pub const USAGE: &str = "\
 usage: sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N]
-                    [--soak SECONDS] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+                    [--fill-vram] [--idle SECONDS] [--soak SECONDS]
+                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N]
-                    [--soak SECONDS] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+                    [--fill-vram] [--idle SECONDS] [--soak SECONDS]
+                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
        sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
 
@@ -55,6 +57,13 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               the last pattern; the summary's soak object counts the jobs and the stale
               4 KiB pages. Every wait stays bounded by --timeout; the watchdog allows S
               seconds more
+  --fill-vram before the soak, fill 3/4 of VRAM with the engine (FILL, 64 MiB per command,
+              a pattern per 64 MiB; the soak's VRAM is left out) and print
+                SYGPU: fill done bytes=N ms=M
+              after the soak, check the first and last page of every 64 MiB filled
+              (engine COPY into guest memory): the step fill-check
+  --idle S    before the soak (after --fill-vram), leave the device idle S seconds
+              (1..600), printing SYGPU: idle start seconds=S, e.g. for an idle migration
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -105,6 +114,10 @@ pub struct Options {
     pub latency: Option<usize>,
     /// Seconds of device work after the workload (`--soak S`, [`crate::soak`]).
     pub soak: Option<u64>,
+    /// `--fill-vram`: 3/4 of VRAM filled by the engine before the soak, checked after it.
+    pub fill_vram: bool,
+    /// `--idle S`: seconds the device is left idle before the soak.
+    pub idle: u64,
 }
 
 /// Parses the arguments (without the program name).
@@ -119,6 +132,8 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         doorbell: Doorbell::Trapped,
         latency: None,
         soak: None,
+        fill_vram: false,
+        idle: 0,
     };
     let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
@@ -185,6 +200,19 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                     .ok_or_else(|| format!("--soak '{v}': want 1..{MAX_SECONDS} seconds"))?;
                 o.soak = Some(s);
                 workload_options.push("--soak");
+            }
+            "--fill-vram" => {
+                o.fill_vram = true;
+                workload_options.push("--fill-vram");
+            }
+            "--idle" => {
+                let v = value("--idle")?;
+                o.idle = v
+                    .parse()
+                    .ok()
+                    .filter(|&s| (1..=MAX_SECONDS).contains(&s))
+                    .ok_or_else(|| format!("--idle '{v}': want 1..{MAX_SECONDS} seconds"))?;
+                workload_options.push("--idle");
             }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {

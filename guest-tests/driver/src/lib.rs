@@ -58,6 +58,7 @@
 pub mod cli;
 pub mod cmd;
 pub mod dma;
+pub mod fill;
 pub mod gpu;
 pub mod hugepage;
 pub mod irq;
@@ -86,7 +87,7 @@ pub const WATCHDOG_TIMEOUTS: u32 = 10;
 
 /// The bound of a workload run: [`WATCHDOG_TIMEOUTS`] `--timeout`s plus the `--soak` time.
 pub fn watchdog_limit(opts: &cli::Options) -> Duration {
-    opts.timeout * WATCHDOG_TIMEOUTS + Duration::from_secs(opts.soak.unwrap_or(0))
+    opts.timeout * WATCHDOG_TIMEOUTS + Duration::from_secs(opts.soak.unwrap_or(0) + opts.idle)
 }
 
 /// Prints one progress line `SYGPU: ...` (newlines folded). `println!`, not a write to a
@@ -385,6 +386,49 @@ fn run_soak(
     let Some(seconds) = opts.soak.filter(|_| ready) else {
         return (None, None);
     };
+    let filled = if opts.fill_vram {
+        match fill::fill(gpu) {
+            Ok(f) => Some(f),
+            Err(e) => return (None, Some(format!("fill: {e}"))),
+        }
+    } else {
+        None
+    };
+    if opts.idle > 0 {
+        say!("idle start seconds={}", opts.idle);
+        std::thread::sleep(Duration::from_secs(opts.idle));
+        say!("idle end");
+    }
+    let (soak, failure) = soak_steps(gpu, seconds, steps);
+    let Some(filled) = filled.filter(|_| failure.is_none()) else {
+        return (soak, failure);
+    };
+    let t = Instant::now();
+    let checked = fill::check(gpu, &filled);
+    let ms = t.elapsed().as_millis() as u64;
+    steps.push(summary::Step {
+        name: "fill-check".into(),
+        ok: checked.is_ok(),
+        ms,
+    });
+    match checked {
+        Ok(n) => {
+            say!("step fill-check: ok ({ms} ms, {n} pages)");
+            (soak, None)
+        }
+        Err(e) => {
+            say!("step fill-check: FAIL ({ms} ms): {e}");
+            (soak, Some(format!("fill-check: {e}")))
+        }
+    }
+}
+
+/// The soak itself, recorded as step `soak`.
+fn soak_steps(
+    gpu: &mut gpu::Gpu,
+    seconds: u64,
+    steps: &mut Vec<summary::Step>,
+) -> (Option<summary::Soak>, Option<String>) {
     let t = Instant::now();
     let (soak, failure) = match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds))) {
         Ok(r) => r,

@@ -544,6 +544,46 @@ fn with_a_write_log_the_sizes_are_exact() {
     assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
 }
 
+/// With a write log, a switchover in the middle of the first round goes on from where that
+/// round is (what it visited and was written since is in the log), instead of reading all of
+/// VRAM again while the guest waits.
+#[test]
+fn a_stop_during_the_first_round_of_a_write_log_does_not_start_over() {
+    const BIG: u64 = 32 << 20;
+    let mut rng = Rng(59);
+    let mut a = filled(tracked(), BIG);
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let mut stream = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for _ in 0..3 {
+        let n = a.gpu.read(&mut buf).expect("read");
+        assert_eq!(n, buf.len(), "the first round is far from done");
+        stream.extend_from_slice(&buf);
+    }
+    let visited = a.gpu.migration_stats().expect("stats").pages_visited;
+    trapped_write(&mut a, PAGE, &page_of(1)); // visited already
+    trapped_write(&mut a, BIG - PAGE, &page_of(2)); // not yet
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let st = a.gpu.migration_stats().expect("stats");
+    assert_eq!(
+        st.pages_sent,
+        BIG / PAGE + 1,
+        "every page once, page 1 twice"
+    );
+    assert!(
+        st.pages_visited <= BIG / PAGE + 2,
+        "the rest of the round and the two logged pages, not all of VRAM again: {} after {visited}",
+        st.pages_visited
+    );
+    let mut b = Harness::with_config(SoftGpuConfig {
+        vram_size: BIG,
+        ..tracked()
+    });
+    resume_into(&mut b, &mut rng, &stream);
+    assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
+}
+
 /// A stream of an older source, with padding records, still loads.
 #[test]
 fn padding_records_of_an_older_source_are_skipped() {
