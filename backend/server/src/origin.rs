@@ -170,10 +170,10 @@ impl Origin {
     /// Arc `arc` was taken.
     pub(crate) fn after_arc(&mut self, arc: MigArc) {
         match arc {
-            MigArc::StartPreCopy | MigArc::StartStopCopy => {
+            MigArc::StartPreCopy | MigArc::StartPreCopyP2p | MigArc::StartStopCopy => {
                 self.out = self.token.as_ref().map(|_| 0);
             }
-            MigArc::AbortPreCopy | MigArc::EndStopCopy => self.out = None,
+            MigArc::AbortPreCopy | MigArc::AbortPreCopyP2p | MigArc::EndStopCopy => self.out = None,
             MigArc::StartResuming => {
                 self.incoming = Incoming::Sniffing {
                     buf: [0; HEADER_LEN],
@@ -186,7 +186,14 @@ impl Origin {
                 self.incoming = Incoming::Idle;
                 self.verified = self.expect.is_some() && self.matched;
             }
-            MigArc::PreCopyToStopCopy | MigArc::Stop | MigArc::Run => {}
+            MigArc::PreCopyToStopCopy
+            | MigArc::PreCopyP2pToStopCopy
+            | MigArc::Stop
+            | MigArc::Run
+            | MigArc::EnterP2p
+            | MigArc::LeaveP2p
+            | MigArc::StopFromP2p
+            | MigArc::P2pFromStop => {}
         }
     }
 
@@ -289,7 +296,10 @@ mod tests {
 
     impl Migratable for Recorder {
         fn caps(&self) -> MigrationCaps {
-            MigrationCaps { precopy: true }
+            MigrationCaps {
+                precopy: true,
+                p2p: false,
+            }
         }
         fn step(&mut self, _: MigArc) -> switchyard_device::Result<()> {
             Ok(())

@@ -217,19 +217,27 @@ impl SoftGpu {
 
 impl Migratable for SoftGpu {
     fn caps(&self) -> MigrationCaps {
-        MigrationCaps { precopy: true }
+        // P2P: quiescing is holding the engines (no command starts, so no DMA and no
+        // interrupt from them; the one running finishes first), registers still served.
+        MigrationCaps {
+            precopy: true,
+            p2p: true,
+        }
     }
 
     fn step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
         let vram = &self.shared.vram;
         let size = vram.size();
         match arc {
-            MigArc::Stop => self.shared.set_running(false),
-            MigArc::Run => self.shared.set_running(true),
-            MigArc::StartPreCopy => {
+            MigArc::Stop | MigArc::EnterP2p => self.shared.set_running(false),
+            MigArc::Run | MigArc::LeaveP2p => self.shared.set_running(true),
+            // Quiesced and stopped are one for the engines: the registers take no guest
+            // accesses in STOP (its vCPUs are stopped).
+            MigArc::StopFromP2p | MigArc::P2pFromStop => {}
+            MigArc::StartPreCopy | MigArc::StartPreCopyP2p => {
                 self.migration = Migration::Save(Box::new(mig::MigSource::new(vram, false)));
             }
-            MigArc::AbortPreCopy | MigArc::EndStopCopy => {
+            MigArc::AbortPreCopy | MigArc::AbortPreCopyP2p | MigArc::EndStopCopy => {
                 if let Migration::Save(src) = &self.migration {
                     let st = src.stats();
                     tracing::info!(
@@ -243,7 +251,7 @@ impl Migratable for SoftGpu {
                 }
                 self.migration = Migration::Idle;
             }
-            MigArc::PreCopyToStopCopy => {
+            MigArc::PreCopyToStopCopy | MigArc::PreCopyP2pToStopCopy => {
                 self.shared.set_running(false);
                 match &mut self.migration {
                     Migration::Save(src) => src.device_stopped(vram),

@@ -181,6 +181,9 @@ impl Dispatcher {
         if caps.precopy {
             flags |= VFIO_MIGRATION_PRE_COPY;
         }
+        if caps.p2p {
+            flags |= VFIO_MIGRATION_P2P;
+        }
         feature_reply(
             &mut self.out,
             id,
@@ -210,7 +213,12 @@ impl Dispatcher {
     ) -> Result<(), RequestError> {
         slot.device.migration().ok_or_else(not_supported)?;
         let target = MigState::try_from(st.device_state)?;
-        if slot.moving && !matches!(target, MigState::Running | MigState::Stop) {
+        if slot.moving
+            && !matches!(
+                target,
+                MigState::Running | MigState::RunningP2p | MigState::Stop
+            )
+        {
             // A move reads the same device state and write log.
             return Err(RequestError::Invalid {
                 what: "the device is being moved to another backing",
@@ -241,7 +249,10 @@ impl Dispatcher {
         id: u16,
         size: u32,
     ) -> Result<(), RequestError> {
-        if !matches!(slot.mig, MigState::PreCopy | MigState::StopCopy) {
+        if !matches!(
+            slot.mig,
+            MigState::PreCopy | MigState::PreCopyP2p | MigState::StopCopy
+        ) {
             return Err(invalid("MIG_DATA_READ outside PRE_COPY and STOP_COPY"));
         }
         if size > self.server_limits.max_data_xfer_size {

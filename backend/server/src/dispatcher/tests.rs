@@ -457,7 +457,10 @@ impl switchyard_device::PciDevice for Sizing {
 
 impl switchyard_device::Migratable for Sizing {
     fn caps(&self) -> switchyard_device::MigrationCaps {
-        switchyard_device::MigrationCaps { precopy: true }
+        switchyard_device::MigrationCaps {
+            precopy: true,
+            p2p: false,
+        }
     }
     fn step(&mut self, _: switchyard_device::MigArc) -> switchyard_device::Result<()> {
         Ok(())

@@ -680,3 +680,58 @@ mod arbitrary_streams {
         }
     }
 }
+
+/// The P2P states hold the engines as STOP does (a command submitted meanwhile waits; the
+/// hold is the one every STOP test exercises) while the registers are served, and RUNNING
+/// lets the command run; a P2P pre-copy streams like PRE_COPY.
+#[test]
+fn p2p_states_quiesce_the_engines_and_serve_the_registers() {
+    let mut rng = Rng(67);
+    let mut a = Harness::with_config(small());
+    a.init();
+    assert!(a.gpu.caps().p2p);
+    a.gpu
+        .step(MigArc::EnterP2p)
+        .expect("RUNNING -> RUNNING_P2P");
+    assert_ne!(a.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0, "engines held");
+    a.submit(1, &[Command::fence(Operand::Guest(DATA), 9, None)]);
+    a.wr32(SCRATCH, 0x1234_5678);
+    assert_eq!(a.rd32(SCRATCH), 0x1234_5678, "registers served");
+    assert_eq!(a.qr(1, Q_STATUS), Q_STATUS_PAUSED, "the command waits");
+    a.gpu
+        .step(MigArc::StopFromP2p)
+        .expect("RUNNING_P2P -> STOP");
+    a.gpu
+        .step(MigArc::P2pFromStop)
+        .expect("STOP -> RUNNING_P2P");
+    assert_eq!(a.qr(1, Q_STATUS), Q_STATUS_PAUSED, "still held");
+    a.gpu
+        .step(MigArc::LeaveP2p)
+        .expect("RUNNING_P2P -> RUNNING");
+    a.wait_idle(1);
+    assert_eq!(a.guest_read(DATA, 8), 9u64.to_le_bytes());
+    assert_eq!(a.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+
+    // The source of a VM with two devices: PRE_COPY, PRE_COPY_P2P, STOP_COPY.
+    let pages = scribble(&mut a, &mut rng, 5);
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    a.gpu
+        .step(MigArc::EnterP2p)
+        .expect("PRE_COPY -> PRE_COPY_P2P");
+    assert_ne!(a.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+    assert!(a.gpu.precopy_info().is_some(), "the stream goes on");
+    a.gpu
+        .step(MigArc::PreCopyP2pToStopCopy)
+        .expect("PRE_COPY_P2P -> STOP_COPY");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let mut b = Harness::with_config(small());
+    resume_into(&mut b, &mut rng, &stream);
+    for p in pages {
+        assert_eq!(
+            a.vram_file_read(p * PAGE, PAGE as usize),
+            b.vram_file_read(p * PAGE, PAGE as usize)
+        );
+    }
+}

@@ -147,7 +147,10 @@ impl<'a> Reader<'a> {
 
 impl Migratable for VfioPci {
     fn caps(&self) -> MigrationCaps {
-        MigrationCaps { precopy: false }
+        MigrationCaps {
+            precopy: false,
+            p2p: false,
+        }
     }
 
     fn step(&mut self, arc: MigArc) -> Result<()> {
@@ -171,9 +174,17 @@ impl Migratable for VfioPci {
                 let s = self.mig.incoming.take().unwrap_or_default();
                 self.load_stream(&s)
             }
-            MigArc::StartPreCopy | MigArc::AbortPreCopy | MigArc::PreCopyToStopCopy => {
-                Err(DeviceError::Unsupported)
-            }
+            // Not offered: no PRE_COPY, no P2P states.
+            MigArc::StartPreCopy
+            | MigArc::AbortPreCopy
+            | MigArc::PreCopyToStopCopy
+            | MigArc::EnterP2p
+            | MigArc::LeaveP2p
+            | MigArc::StopFromP2p
+            | MigArc::P2pFromStop
+            | MigArc::StartPreCopyP2p
+            | MigArc::AbortPreCopyP2p
+            | MigArc::PreCopyP2pToStopCopy => Err(DeviceError::Unsupported),
         }
     }
 
