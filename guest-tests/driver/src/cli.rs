@@ -64,6 +64,10 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               (engine COPY into guest memory): the step fill-check
   --idle S    before the soak (after --fill-vram), leave the device idle S seconds
               (1..600), printing SYGPU: idle start seconds=S, e.g. for an idle migration
+  --second-device
+              with --noiommu and before the soak: open the other softgpu too, fill 3/4 of
+              its VRAM as --fill-vram does; after the soak, check that fill (steps
+              second-fill and second-check), e.g. a VM with two devices live-migrated
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -118,6 +122,9 @@ pub struct Options {
     pub fill_vram: bool,
     /// `--idle S`: seconds the device is left idle before the soak.
     pub idle: u64,
+    /// `--second-device` (with `--noiommu`): a second softgpu filled before the soak and
+    /// checked after it.
+    pub second_device: bool,
 }
 
 /// Parses the arguments (without the program name).
@@ -134,6 +141,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         soak: None,
         fill_vram: false,
         idle: 0,
+        second_device: false,
     };
     let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
@@ -214,6 +222,10 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                     .ok_or_else(|| format!("--idle '{v}': want 1..{MAX_SECONDS} seconds"))?;
                 workload_options.push("--idle");
             }
+            "--second-device" => {
+                o.second_device = true;
+                workload_options.push("--second-device");
+            }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
                 let b = value("--bdf")?;
@@ -235,6 +247,9 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
             }
             _ => return Err(format!("unknown argument '{a}'")),
         }
+    }
+    if o.second_device && o.mode != Mode::NoIommu {
+        return Err("--second-device applies to --noiommu".into());
     }
     if modes.contains(&"--noiommu") && modes.len() > 1 {
         return Err(format!("{} cannot be combined", modes.join(" and ")));

@@ -69,6 +69,7 @@ pub mod pci;
 pub mod probe;
 pub mod reference;
 pub mod regs;
+pub mod second;
 pub mod soak;
 pub mod summary;
 pub mod sysfs;
@@ -295,9 +296,24 @@ fn drive_noiommu(
     say_doorbells(opts, &gpu);
     sum.steps = out.summary_steps();
     let measured = measure_latency(opts, &mut gpu, &out, &mut sum.steps);
-    let ready = out.failure.is_none() && measured.is_ok();
+    let mut ready = out.failure.is_none() && measured.is_ok();
+    let mut second_failure = None;
+    let second = if opts.second_device && ready {
+        let first = b.bdf.clone();
+        second::open_and_fill(opts, &first, &mut sum.steps)
+            .map_err(|e| second_failure = Some(e))
+            .ok()
+    } else {
+        None
+    };
+    ready &= second_failure.is_none();
     let (soaked, soak_failure) = run_soak(opts, &mut gpu, ready, &mut sum.steps);
     sum.soak = soaked;
+    if let Some(s) = second
+        && let Err(e) = second::check(s, &mut sum.steps)
+    {
+        second_failure.get_or_insert(e);
+    }
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
     sum.bytes_moved = gpu.stats.bytes_moved;
@@ -312,7 +328,7 @@ fn drive_noiommu(
         return Err(e);
     }
     sum.latency = measured?;
-    if let Some(e) = soak_failure {
+    if let Some(e) = soak_failure.or(second_failure) {
         return Err(e);
     }
     if !problems.is_empty() {

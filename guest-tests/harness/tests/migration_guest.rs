@@ -40,7 +40,7 @@ const DEVICE: &str = "softgpu,vram=64M,queues=2";
 fn migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
     assert_guest_tests_ignored(
         "migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
-        8,
+        9,
     );
 }
 
@@ -626,6 +626,103 @@ fn an_idle_4_gib_device_3_4_filled_converges_at_qemus_defaults() {
             !out.serial.contains("SYGPU: fill done"),
             "the destination booted the guest instead of receiving it:\n{}",
             out.serial
+        );
+    });
+}
+
+/// A VM with two Switchyard devices (two softgpus, two servers each side) migrates: QEMU
+/// requires `VFIO_MIGRATION_P2P` of every device of such a VM, and quiesces both
+/// (PRE_COPY_P2P) before either stops. The driver keeps the first device busy (the soak)
+/// and fills the second's VRAM before the migration; on the destination it checks both (the
+/// soak bit-exact, the second device's fill through its engine). Each source device went
+/// through PRE_COPY_P2P and each destination device through RUNNING_P2P (their servers'
+/// logs). The downtime is measured against a one-device VM migrated in the same run.
+#[test]
+#[ignore = "boots QEMU: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn a_vm_with_two_devices_migrates_both_quiesced_first() {
+    let (one, one_out, one_before) = soak_across_migration("migrate-one-device", DEVICE, &[], &[]);
+    assert_migrated(&one, &one_out, &one_before);
+    soak_summary(&one_out);
+    let driver = [
+        "--noiommu",
+        "--quick",
+        "--second-device",
+        "--soak",
+        &SOAK_SECONDS.to_string(),
+    ];
+    with_logs("migrate-two-devices", |env, dir| {
+        let start = |side: &str| -> [Server; 2] {
+            [0, 1].map(|i| {
+                Server::start_named(env, dir, &format!("{side}{i}"), DEVICE, &[]).expect("a server")
+            })
+        };
+        let two_spec = |side: &str, servers: &[Server; 2]| {
+            let mut spec = spec(env, side, &servers[0].socket);
+            spec.kernel_args = vec![format!("hugepages={}", 2 * HUGEPAGES)];
+            spec.devices = vec![
+                VfioUserDevice::new("gpu0", &servers[0].socket),
+                VfioUserDevice::new("gpu1", &servers[1].socket),
+            ];
+            spec.args = driver.iter().map(|s| s.to_string()).collect();
+            spec
+        };
+        let src = start("src");
+        let mut guest = Guest::boot(env, dir, &two_spec("src", &src)).expect("boot the source");
+        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
+            .expect("the source's QMP");
+        guest
+            .wait_for_line("SYGPU: step second-fill: ok")
+            .expect("the second device is filled");
+        guest
+            .wait_for_line("SYGPU: soak start")
+            .expect("the soak starts");
+        let dst = start("dst");
+        let incoming = dir.join("migration.sock");
+        let mut spec = two_spec("dst", &dst);
+        spec.incoming = Some(incoming.clone());
+        let dst_guest = Guest::boot(env, dir, &spec).expect("start the destination");
+        wait_until(
+            Duration::from_secs(30),
+            "the incoming migration socket",
+            || incoming.exists().then_some(()),
+        )
+        .expect("the destination listens");
+        std::thread::sleep(Duration::from_secs(2));
+        let st = migrate(&mut qmp, &format!("unix:{}", incoming.display()));
+        let before = guest.serial_text();
+        let _ = qmp.quit();
+        drop(guest);
+        let out = dst_guest.wait().expect("the destination guest finished");
+        assert_migrated(&st, &out, &before);
+        let s = soak_summary(&out);
+        assert!(
+            out.serial.contains("SYGPU: step second-check: ok"),
+            "the second device's fill is checked on the destination:\n{}",
+            out.serial
+        );
+        assert!(
+            !out.serial.contains("SYGPU: step second-fill"),
+            "the destination booted the guest instead of receiving it:\n{}",
+            out.serial
+        );
+        for server in &src {
+            let log = server.log_text();
+            assert!(
+                log.contains("arc=EnterP2p from=PreCopy to=PreCopyP2p")
+                    && log.contains("arc=PreCopyP2pToStopCopy"),
+                "each source device is quiesced before it stops:\n{log}"
+            );
+        }
+        for server in &dst {
+            let log = server.log_text();
+            assert!(
+                log.contains("to=RunningP2p") && log.contains("arc=LeaveP2p"),
+                "each destination device runs quiesced first:\n{log}"
+            );
+        }
+        eprintln!(
+            "two-device VM: downtime {} ms (one-device VM in this run: {} ms), total {} ms, soak {}",
+            st["downtime"], one["downtime"], st["total-time"], s["soak"]
         );
     });
 }

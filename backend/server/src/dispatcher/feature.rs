@@ -90,6 +90,7 @@ impl Dispatcher {
             .migration()
             .and_then(|m| m.stop_copy_size())
             .ok_or_else(not_supported)?;
+        tracing::debug!(size, state = ?slot.mig, "MIG_DATA_SIZE");
         let length = size.saturating_add(header).to_le_bytes();
         feature_reply(
             &mut self.out,
@@ -122,6 +123,11 @@ impl Dispatcher {
             )
         })?;
         let header = slot.origin.unsent_header() as u64;
+        tracing::debug!(
+            initial = info.initial_bytes,
+            dirty = info.dirty_bytes,
+            "GET_PRECOPY_INFO"
+        );
         reply_empty(
             &mut self.out,
             id,
