@@ -598,7 +598,10 @@ impl PciDevice for Recording {
 
 impl Migratable for Recording {
     fn caps(&self) -> MigrationCaps {
-        MigrationCaps { precopy: true }
+        MigrationCaps {
+            precopy: true,
+            p2p: false,
+        }
     }
 
     fn step(&mut self, arc: MigArc) -> switchyard_device::Result<()> {
@@ -616,6 +619,16 @@ impl Migratable for Recording {
             MigArc::EndStopCopy => self.mig = Mig::default(),
             MigArc::StartResuming => self.mig.incoming.clear(),
             MigArc::EndResuming => self.load()?,
+            // Not offered (caps: no P2P).
+            MigArc::EnterP2p
+            | MigArc::LeaveP2p
+            | MigArc::StopFromP2p
+            | MigArc::P2pFromStop
+            | MigArc::StartPreCopyP2p
+            | MigArc::AbortPreCopyP2p
+            | MigArc::PreCopyP2pToStopCopy => {
+                return Err(switchyard_device::DeviceError::Unsupported);
+            }
         }
         Ok(())
     }

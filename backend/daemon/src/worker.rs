@@ -546,7 +546,7 @@ fn report_migrations(keeper: &Arc<Keeper>, server: &Server) {
         move |change: switchyard_server::MigChange| {
             let streaming = matches!(
                 change.to,
-                MigState::PreCopy | MigState::StopCopy | MigState::Resuming
+                MigState::PreCopy | MigState::PreCopyP2p | MigState::StopCopy | MigState::Resuming
             );
             keeper.notify(&Note::Migration {
                 streaming,

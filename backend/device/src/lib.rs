@@ -369,10 +369,25 @@ impl Drop for WaitHold {
 pub struct MigrationCaps {
     /// The device offers PRE_COPY (an iterative phase while it keeps running).
     pub precopy: bool,
+    /// The device offers the P2P quiescent states (RUNNING_P2P, and PRE_COPY_P2P with
+    /// `precopy`): it can stop starting work that writes memory or interrupts while it
+    /// still serves its registers (`VFIO_MIGRATION_P2P`, which QEMU requires of every
+    /// device of a VM with more than one).
+    pub p2p: bool,
+}
+
+/// What an outgoing PRE_COPY stream still holds (`struct vfio_precopy_info`): bytes a
+/// MIG_DATA_READ would return now, split as the kernel splits them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrecopyInfo {
+    /// Bytes of the first pass over the device's data not read yet.
+    pub initial_bytes: u64,
+    /// Bytes changed since they were read (known exactly, or the device's estimate).
+    pub dirty_bytes: u64,
 }
 
 /// A direct arc of the VFIO migration v2 state machine (`linux/vfio.h`), as the device sees
-/// it. P2P states are not offered.
+/// it. The P2P arcs are taken only by a device whose caps say `p2p`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MigArc {
     /// RUNNING → STOP: stop changing device state and touching guest memory.
@@ -393,6 +408,22 @@ pub enum MigArc {
     StartResuming,
     /// RESUMING → STOP: the stream is complete; validate and load it.
     EndResuming,
+    /// RUNNING → RUNNING_P2P, PRE_COPY → PRE_COPY_P2P: quiesce: no new work that writes
+    /// memory or signals interrupts starts, work in flight is finished; registers are still
+    /// served (an outgoing stream goes on).
+    EnterP2p,
+    /// RUNNING_P2P → RUNNING, PRE_COPY_P2P → PRE_COPY: the quiesced work runs again.
+    LeaveP2p,
+    /// RUNNING_P2P → STOP: from quiesced to stopped.
+    StopFromP2p,
+    /// STOP → RUNNING_P2P: registers served again, work still quiesced.
+    P2pFromStop,
+    /// RUNNING_P2P → PRE_COPY_P2P: start the outgoing stream of a quiesced device.
+    StartPreCopyP2p,
+    /// PRE_COPY_P2P → RUNNING_P2P: abandon the outgoing stream, still quiesced.
+    AbortPreCopyP2p,
+    /// PRE_COPY_P2P → STOP_COPY: stop, then complete the stream begun in PRE_COPY.
+    PreCopyP2pToStopCopy,
 }
 
 #[cfg(test)]

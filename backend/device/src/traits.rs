@@ -27,7 +27,8 @@ use std::fs::File;
 use std::sync::Arc;
 
 use crate::{
-    DeviceContext, DeviceDescription, DeviceError, DmaProt, MigArc, MigrationCaps, Result,
+    DeviceContext, DeviceDescription, DeviceError, DmaProt, MigArc, MigrationCaps, PrecopyInfo,
+    Result,
 };
 
 /// Downcasting, for a device that needs to know whether another one is of its own kind
@@ -193,6 +194,18 @@ pub trait Migratable: Send {
     /// when the client asked and the server agreed; cleared when the client leaves). Takes
     /// effect at the next outgoing stream.
     fn set_client_migrates_mapped(&mut self, _on: bool) {}
+    /// In PRE_COPY: what the outgoing stream still holds (`GET_PRECOPY_INFO`). `None`: the
+    /// device does not know (the server answers "not supported" and the VMM estimates).
+    fn precopy_info(&mut self) -> Option<PrecopyInfo> {
+        None
+    }
+
+    /// The bytes a STOP_COPY phase entered now would send, from here to the end of the
+    /// stream (`DEVICE_FEATURE` MIG_DATA_SIZE), in any state. `None`: the device does not
+    /// know (the server answers "not supported").
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        None
+    }
 }
 
 /// Stops a device's own activity (engines, a physical device's DMA) at a safe boundary, from

@@ -8,8 +8,9 @@ use crate::consts::*;
 
 /// vfio-user command numbers (spec §1.2).
 ///
-/// `DirtyPages` (14, legacy migration v1) and `GetPrecopyInfo` (19, in-flight
-/// QEMU work) are known but not supported: decoding them fails with `ENOTSUP`.
+/// `DirtyPages` (14, legacy migration v1) is known but not supported: decoding it fails
+/// with `ENOTSUP`. `GetPrecopyInfo` (19) is the in-flight QEMU work's, as the project's
+/// QEMU patches send it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum Command {
@@ -49,7 +50,7 @@ pub enum Command {
     MigDataRead = VFIO_USER_MIG_DATA_READ,
     /// `VFIO_USER_MIG_DATA_WRITE` (18).
     MigDataWrite = VFIO_USER_MIG_DATA_WRITE,
-    /// `VFIO_USER_GET_PRECOPY_INFO` (19, in-flight; unsupported).
+    /// `VFIO_USER_GET_PRECOPY_INFO` (19, in-flight QEMU work; `struct vfio_precopy_info`).
     GetPrecopyInfo = VFIO_USER_GET_PRECOPY_INFO,
 }
 
@@ -99,9 +100,9 @@ impl Command {
         }
     }
 
-    /// Whether this codec decodes the command (all but 14 and 19).
+    /// Whether this codec decodes the command (all but 14).
     pub const fn is_supported(self) -> bool {
-        !matches!(self, Command::DirtyPages | Command::GetPrecopyInfo)
+        !matches!(self, Command::DirtyPages)
     }
 }
 

@@ -53,7 +53,8 @@ pub use request::{
 pub use wire::{
     BitmapHeader, CapHeader, DeviceFeatureHeader, DeviceInfo, DmaAccess, DmaLoggingControlHeader,
     DmaLoggingRange, DmaLoggingReport, DmaMap, DmaUnmap, IoFdEntry, IoFdShadowEntry, IrqInfo,
-    IrqSet, MigData, MigDeviceState, MigrationFeature, Records, RegionAccess, RegionInfo,
-    RegionIoFds, RegionTypeCap, SparseMmapArea, SparseMmapHeader, VersionHeader, WriteMultiEntry,
+    IrqSet, MigData, MigDeviceState, MigrationFeature, PrecopyInfo, Records, RegionAccess,
+    RegionInfo, RegionIoFds, RegionTypeCap, SparseMmapArea, SparseMmapHeader, VersionHeader,
+    WriteMultiEntry,
 };
 pub use writer::{MessageWriter, encode_error_reply};

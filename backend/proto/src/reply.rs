@@ -103,6 +103,8 @@ pub enum Reply<'a> {
         /// Data.
         data: &'a [u8],
     },
+    /// GET_PRECOPY_INFO: what the PRE_COPY stream still holds.
+    GetPrecopyInfo(PrecopyInfo),
     /// MIG_DATA_WRITE done: no payload (v0.9.2) or `{argsz, size}` (newer text; §1.20 #5).
     MigDataWrite(Option<MigData>),
 }
@@ -366,7 +368,13 @@ pub fn decode_reply_body(cmd: Command, body: &[u8], nfds: usize) -> Result<Reply
                 )?)))
             }
         }
-        Command::DirtyPages | Command::GetPrecopyInfo => Err(ProtoError::UnsupportedCommand(cmd)),
+        Command::GetPrecopyInfo => {
+            no_fds("GET_PRECOPY_INFO reply", nfds)?;
+            let p = read_exact::<PrecopyInfo>(body, "GET_PRECOPY_INFO reply")?;
+            check_argsz("GET_PRECOPY_INFO reply", p.argsz, PrecopyInfo::SIZE as u64)?;
+            Ok(Reply::GetPrecopyInfo(p))
+        }
+        Command::DirtyPages => Err(ProtoError::UnsupportedCommand(cmd)),
     }
 }
 
@@ -434,6 +442,7 @@ impl Reply<'_> {
             Reply::DeviceFeature(_) => Command::DeviceFeature,
             Reply::MigDataRead { .. } => Command::MigDataRead,
             Reply::MigDataWrite(_) => Command::MigDataWrite,
+            Reply::GetPrecopyInfo(_) => Command::GetPrecopyInfo,
         }
     }
 
@@ -548,6 +557,7 @@ impl Reply<'_> {
                     w.put(m);
                 }
             }
+            Reply::GetPrecopyInfo(p) => w.put(p),
         }
         w.finish().map(|_| ())
     }

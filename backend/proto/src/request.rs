@@ -154,6 +154,11 @@ pub enum Request<'a> {
         /// Bytes wanted.
         size: u32,
     },
+    /// GET_PRECOPY_INFO (the request's byte counts are ignored).
+    GetPrecopyInfo {
+        /// Reply buffer size (≥ 24).
+        argsz: u32,
+    },
     /// MIG_DATA_WRITE.
     MigDataWrite {
         /// argsz as sent (≥ 8 + data length).
@@ -188,7 +193,7 @@ pub fn decode_request<'a>(
 /// bytes); `nfds` is the number of fds received with the message. Checks:
 /// header flags (command type, no `Error`, no unknown bits),
 /// `msg_size == 16 + body.len()` and `≤ limits.max_msg_size`, the command
-/// number (unknown: `EINVAL`; 14 and 19: `ENOTSUP`), direction, payload
+/// number (unknown: `EINVAL`; 14: `ENOTSUP`), direction, payload
 /// sizes, argsz minimums, flag bits, fd counts, transfer limits (`E2BIG`),
 /// and offset/size overflow. Range checks that need device knowledge
 /// (region/IRQ index, region size, DMA window) are the server's.
@@ -218,7 +223,7 @@ pub fn decode_request_with<'a>(
         });
     }
     let cmd = hdr.command_kind()?;
-    // Unsupported commands (14, 19) answer ENOTSUP (last match arm) in
+    // Unsupported commands (14) answer ENOTSUP (last match arm) in
     // either direction, so the direction check leaves them alone.
     if let Some(d) = limits.direction
         && d != cmd.direction()
@@ -487,7 +492,19 @@ pub fn decode_request_with<'a>(
                 data,
             })
         }
-        Command::DirtyPages | Command::GetPrecopyInfo => Err(ProtoError::UnsupportedCommand(cmd)),
+        Command::GetPrecopyInfo => {
+            check_fds("GET_PRECOPY_INFO", nfds, 0)?;
+            let (p, _) = read_prefix::<PrecopyInfo>(body, "GET_PRECOPY_INFO")?;
+            check_argsz("GET_PRECOPY_INFO", p.argsz, PrecopyInfo::SIZE as u64)?;
+            if p.flags != 0 {
+                return Err(ProtoError::BadFlags {
+                    what: "GET_PRECOPY_INFO",
+                    flags: u64::from(p.flags),
+                });
+            }
+            Ok(Request::GetPrecopyInfo { argsz: p.argsz })
+        }
+        Command::DirtyPages => Err(ProtoError::UnsupportedCommand(cmd)),
     }
 }
 
@@ -654,6 +671,7 @@ impl Request<'_> {
             Request::DeviceFeature(_) => Command::DeviceFeature,
             Request::MigDataRead { .. } => Command::MigDataRead,
             Request::MigDataWrite { .. } => Command::MigDataWrite,
+            Request::GetPrecopyInfo { .. } => Command::GetPrecopyInfo,
         }
     }
 
@@ -779,6 +797,10 @@ impl Request<'_> {
             Request::MigDataRead { argsz, size } => w.put(&MigData {
                 argsz: *argsz,
                 size: *size,
+            }),
+            Request::GetPrecopyInfo { argsz } => w.put(&PrecopyInfo {
+                argsz: *argsz,
+                ..PrecopyInfo::default()
             }),
             Request::MigDataWrite { argsz, data } => {
                 let size = u32::try_from(data.len())

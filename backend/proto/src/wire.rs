@@ -537,6 +537,30 @@ impl MigData {
 }
 const _: () = assert!(core::mem::size_of::<MigData>() == MigData::SIZE);
 
+/// GET_PRECOPY_INFO request and reply (`struct vfio_precopy_info`, as the patched QEMU's
+/// `VFIOUserGetPrecopyInfo` carries it after the header). The request's byte counts are
+/// ignored; the reply's say what the PRE_COPY stream still holds.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, FromBytes, IntoBytes, KnownLayout, Immutable,
+)]
+#[repr(C)]
+pub struct PrecopyInfo {
+    /// Argument size (≥ 24).
+    pub argsz: u32,
+    /// Flags (none defined over vfio-user; 0).
+    pub flags: u32,
+    /// Bytes of the initial pass still to read.
+    pub initial_bytes: u64,
+    /// Bytes known dirty, still to read.
+    pub dirty_bytes: u64,
+}
+
+impl PrecopyInfo {
+    /// Size on the wire.
+    pub const SIZE: usize = 24;
+}
+const _: () = assert!(core::mem::size_of::<PrecopyInfo>() == PrecopyInfo::SIZE);
+
 /// Reads a `T` from the start of `bytes`, returning it and the rest.
 pub(crate) fn read_prefix<'a, T: FromBytes>(
     bytes: &'a [u8],

@@ -361,7 +361,8 @@ impl Dispatcher {
             Request::RegionWriteMulti(entries) => {
                 self.region_write_multi(&mut *slot.device, id, entries)
             }
-            Request::DeviceFeature(f) => self.device_feature(slot, &ctx.dma, id, f.op),
+            Request::DeviceFeature(f) => self.device_feature(slot, &ctx.dma, id, f.argsz, f.op),
+            Request::GetPrecopyInfo { .. } => self.get_precopy_info(slot, id),
             Request::MigDataRead { size, .. } => self.mig_data_read(slot, id, size),
             Request::MigDataWrite { data, .. } => self.mig_data_write(slot, id, data),
             Request::DmaRead { .. } | Request::DmaWrite { .. } => {

@@ -27,7 +27,7 @@ const IDLE_NAP: Duration = Duration::from_secs(3600);
 pub(crate) fn streaming(state: MigState) -> bool {
     matches!(
         state,
-        MigState::PreCopy | MigState::StopCopy | MigState::Resuming
+        MigState::PreCopy | MigState::PreCopyP2p | MigState::StopCopy | MigState::Resuming
     )
 }
 
@@ -108,7 +108,10 @@ mod tests {
 
     impl Migratable for Migrating {
         fn caps(&self) -> MigrationCaps {
-            MigrationCaps { precopy: true }
+            MigrationCaps {
+                precopy: true,
+                p2p: false,
+            }
         }
         fn step(&mut self, _: MigArc) -> switchyard_device::Result<()> {
             Ok(())

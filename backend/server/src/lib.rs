@@ -724,8 +724,9 @@ impl Server {
             match slot.mig {
                 MigState::Running => {}
                 // No stream is open: nothing is abandoned, but the next client must find the
-                // device running (a guest's poweroff and a migrated source's VMM leave it so).
-                MigState::Stop => {
+                // device running (a guest's poweroff and a migrated source's VMM leave it so;
+                // a VMM with several devices may leave it quiesced in RUNNING_P2P).
+                MigState::Stop | MigState::RunningP2p => {
                     tracing::info!("client gone leaving its device stopped; it runs again");
                     slot.abandon_migration(slot::MigCause::ClientLeft);
                 }

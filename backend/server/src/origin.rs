@@ -193,10 +193,10 @@ impl Origin {
         self.sent = arc == MigArc::EndStopCopy && self.drained;
         self.drained = false;
         match arc {
-            MigArc::StartPreCopy | MigArc::StartStopCopy => {
+            MigArc::StartPreCopy | MigArc::StartPreCopyP2p | MigArc::StartStopCopy => {
                 self.out = self.token.as_ref().map(|_| 0);
             }
-            MigArc::AbortPreCopy | MigArc::EndStopCopy => self.out = None,
+            MigArc::AbortPreCopy | MigArc::AbortPreCopyP2p | MigArc::EndStopCopy => self.out = None,
             MigArc::StartResuming => {
                 self.incoming = Incoming::Sniffing {
                     buf: [0; HEADER_LEN],
@@ -209,7 +209,14 @@ impl Origin {
                 self.incoming = Incoming::Idle;
                 self.verified = self.expect.is_some() && self.matched;
             }
-            MigArc::PreCopyToStopCopy | MigArc::Stop | MigArc::Run => {}
+            MigArc::PreCopyToStopCopy
+            | MigArc::PreCopyP2pToStopCopy
+            | MigArc::Stop
+            | MigArc::Run
+            | MigArc::EnterP2p
+            | MigArc::LeaveP2p
+            | MigArc::StopFromP2p
+            | MigArc::P2pFromStop => {}
         }
     }
 
@@ -225,6 +232,14 @@ impl Origin {
     }
 
     /// MIG_DATA_READ: the header's next bytes, then the device's stream.
+    /// Bytes of the origin header the outgoing stream has still to send.
+    pub(crate) fn unsent_header(&self) -> usize {
+        match (self.out, &self.token) {
+            (Some(pos), Some(_)) => HEADER_LEN - pos,
+            _ => 0,
+        }
+    }
+
     pub(crate) fn read(
         &mut self,
         mig: &mut dyn Migratable,
@@ -306,7 +321,10 @@ mod tests {
 
     impl Migratable for Recorder {
         fn caps(&self) -> MigrationCaps {
-            MigrationCaps { precopy: true }
+            MigrationCaps {
+                precopy: true,
+                p2p: false,
+            }
         }
         fn step(&mut self, _: MigArc) -> switchyard_device::Result<()> {
             Ok(())

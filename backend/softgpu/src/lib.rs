@@ -365,8 +365,8 @@ use switchyard_device::blackbox::BlackBox;
 use switchyard_device::config::{Bar, BarKind, ConfigSpace, MsixLayout, PciIds};
 use switchyard_device::{
     CONFIG_REGION_INDEX, DeviceContext, DeviceDescription, DeviceError, IrqDesc, IrqIndex, MigArc,
-    Migratable, MigrationCaps, NUM_PCI_REGIONS, PciDevice, Quiesce, QuiesceGuard, RegionDesc,
-    RegionMmap, SparseArea, SuccessorFactory, Swappable,
+    Migratable, MigrationCaps, NUM_PCI_REGIONS, PciDevice, PrecopyInfo, Quiesce, QuiesceGuard,
+    RegionDesc, RegionMmap, SparseArea, SuccessorFactory, Swappable,
 };
 
 pub use config::{ConfigError, IrqMode, SoftGpuConfig};

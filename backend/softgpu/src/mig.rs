@@ -12,16 +12,20 @@
 //! | 3 | zero pages | pages (≥ 1) | VRAM byte offset, page aligned | — |
 //! | 4 | device state | bytes (≤ 1 MiB) | 0 | [`SoftGpuState`](crate::SoftGpuState) JSON |
 //! | 5 | end (last, once) | 0 | 0 | — |
-//! | 6 | padding | bytes | 0 | `count` bytes to skip |
+//! | 6 | padding (accepted, no longer sent) | bytes | 0 | `count` bytes to skip |
 //!
 //! The destination starts from zeroed VRAM and applies records in order; a page may come
 //! several times (the last copy wins). The device state comes after the last VRAM record.
 //!
-//! A MIG_DATA_READ that returns fewer bytes than asked ends a PRE_COPY round, and every read
-//! holds the connection (a guest's register accesses wait behind it). So a PRE_COPY read
-//! visits at most [`SCAN_BUDGET`] pages; if that leaves its buffer short of full, the rest is
-//! a padding record, and the round goes on in the next read. STOP_COPY reads have no budget
-//! (the guest is stopped).
+//! Every read holds the connection (a guest's register accesses wait behind it), so a
+//! PRE_COPY read visits at most [`SCAN_BUDGET`] pages and returns what it found, possibly
+//! nothing: a short read says "nothing more for now", and the next read goes on where this
+//! one stopped (the pass is not restarted). No padding: what the stream still holds is
+//! served as numbers instead ([`MigSource::pending`]: GET_PRECOPY_INFO and MIG_DATA_SIZE),
+//! so the VMM knows when an idle device is done. STOP_COPY reads have no budget (the guest
+//! is stopped). Tag 6 (padding, sent by sources before the sizes were served) is still
+//! accepted by the sink, so the format stays version 1: a new source's stream is one an
+//! older destination reads, and an older source's stream loads here.
 //!
 //! # Which pages are sent
 //!
@@ -69,10 +73,12 @@ const TAG_ZERO: u32 = 3;
 const TAG_STATE: u32 = 4;
 const TAG_END: u32 = 5;
 const TAG_PAD: u32 = 6;
+/// Bytes a page costs in the stream at most (its data and, at worst, a record of its own).
+const PAGE_COST: u64 = PAGE + REC as u64;
 /// Pages a PRE_COPY read may visit (16 MiB: about a millisecond of copying and hashing).
 pub(crate) const SCAN_BUDGET: u64 = 4096;
 /// Largest device-state record.
-const MAX_STATE: u32 = 1 << 20;
+pub(crate) const MAX_STATE: u32 = 1 << 20;
 
 /// Why an incoming stream was refused.
 #[derive(Debug, thiserror::Error)]
@@ -138,10 +144,13 @@ pub struct SourceStats {
     pub rounds: u64,
     /// Page records' pages sent.
     pub pages_sent: u64,
-    /// Padding bytes sent (PRE_COPY reads that ran out of scan budget).
-    pub padding: u64,
+    /// PRE_COPY reads that ran out of scan budget before their buffer was full (they
+    /// returned what they had found; the next read went on from there).
+    pub budget_stops: u64,
     /// Pages sent as zero records.
     pub pages_zeroed: u64,
+    /// Pages read and hashed (sent or not).
+    pub pages_visited: u64,
 }
 
 /// The outgoing stream (PRE_COPY, STOP_COPY).
@@ -177,9 +186,29 @@ pub(crate) struct MigSource {
     run_end: u64,
     /// Pages visited by the current read.
     visited: u64,
-    stats: SourceStats,
-    /// When the device stopped (the stream entered STOP_COPY).
+    /// A whole round is complete (for a write log: every page was read once).
+    first_pass_done: bool,
+    /// Data pages of the current full round not visited yet (from the backing's allocated
+    /// size at the round's start: an upper bound on what the round may still send).
+    round_data_left: u64,
+    /// Pages sent (as data or zero records) by the current round.
+    round_sent: u64,
+    /// Without a write log: pages the last complete round after the first found changed,
+    /// the estimate of what the next round sends.
+    hash_dirty: u64,
+    /// When the device stopped (PRE_COPY → STOP_COPY, or a stream begun stopped).
     stopped_at: Option<std::time::Instant>,
+    stats: SourceStats,
+}
+
+/// Pages of data (allocated blocks) of the VRAM backing: holes cost nothing to send.
+fn data_pages(vram: &Vram) -> u64 {
+    match rustix::fs::fstat(vram.file()) {
+        Ok(st) => (u64::try_from(st.st_blocks).unwrap_or(0) * 512)
+            .div_ceil(PAGE)
+            .min(vram.size() / PAGE),
+        Err(_) => vram.size() / PAGE,
+    }
 }
 
 impl MigSource {
@@ -220,18 +249,89 @@ impl MigSource {
             word: 0,
             run_end: 0,
             visited: 0,
-            stats: SourceStats::default(),
+            // With the client sending the mapped VRAM there is no first pass: nothing is
+            // initial, the log is all that is pending.
+            first_pass_done: client_mapped,
+            round_data_left: data_pages(vram),
+            round_sent: 0,
+            hash_dirty: 0,
             stopped_at: stopped.then(std::time::Instant::now),
+            stats: SourceStats::default(),
         }
+    }
+
+    /// What the stream holds beyond the pages of the current pass: `(initial, dirty)`
+    /// pages. Initial: data pages the first pass has not visited. Dirty: with a write log,
+    /// the pages logged and not sent since (exact); without one, what the last complete
+    /// round after the first found changed (an estimate: the guest's writes are invisible).
+    fn pending_pages(&self, vram: &Vram) -> (u64, u64) {
+        let initial = if self.first_pass_done {
+            0
+        } else {
+            self.round_data_left
+        };
+        let dirty = if self.tracked {
+            let mut logged: u64 = (0..vram.written_words())
+                .map(|w| u64::from(vram.peek_written(w).count_ones()))
+                .sum();
+            if !self.full_round {
+                logged += u64::from(self.bits.count_ones());
+                logged += self.run_end.saturating_sub(self.cursor);
+            }
+            logged
+        } else if self.first_pass_done {
+            self.hash_dirty
+        } else {
+            0
+        };
+        (initial, dirty)
+    }
+
+    /// `(initial, dirty)` bytes still to send while the device runs
+    /// (`vfio_precopy_info`), records included (an upper bound on their overhead).
+    pub(crate) fn pending(&self, vram: &Vram) -> (u64, u64) {
+        let (initial, dirty) = self.pending_pages(vram);
+        let begin = if self.step == Step::Begin {
+            REC as u64
+        } else {
+            0
+        };
+        let carried = (self.carry.len() - self.carry_pos) as u64;
+        (initial * PAGE_COST + begin + carried, dirty * PAGE_COST)
+    }
+
+    /// Bytes from here to the end of the stream if the device stopped now: what is pending,
+    /// the device state (`state_len` bytes) and the end record.
+    pub(crate) fn stop_copy_size(&self, vram: &Vram, state_len: u64) -> u64 {
+        let (initial, dirty) = self.pending(vram);
+        let tail = match self.step {
+            Step::Begin | Step::Scan => 2 * REC as u64 + state_len,
+            Step::State => 2 * REC as u64 + state_len,
+            Step::End => REC as u64,
+            Step::Done => 0,
+        };
+        initial + dirty + tail
+    }
+
+    /// The whole stream of a device that stopped now, without a stream begun: every data
+    /// page, the device state, the begin and end records.
+    pub(crate) fn full_stream_size(vram: &Vram, state_len: u64) -> u64 {
+        data_pages(vram) * PAGE_COST + 3 * REC as u64 + state_len
     }
 
     /// The device has stopped (PRE_COPY → STOP_COPY): finish with a round that covers
     /// everything not yet sent as it is now. With a complete write log and the first round
     /// done, that is the logged pages (those taken but not visited go back into the log);
-    /// otherwise it is every data page.
+    /// with the log's first round in progress (the VMM switched over with little of it left),
+    /// the rest of that round, then the logged pages (the log holds every write since the
+    /// stream began); otherwise it is every data page.
     pub(crate) fn device_stopped(&mut self, vram: &Vram) {
         self.last_round = true;
         self.stopped_at = Some(std::time::Instant::now());
+        if self.tracked && self.full_round {
+            // Not from page 0 again: what was visited is in the log if it changed since.
+            return;
+        }
         if self.tracked && !self.full_round {
             if self.bits != 0 {
                 vram.restore_written(self.word - 1, self.bits);
@@ -240,13 +340,24 @@ impl MigSource {
                 vram.mark(self.cursor * PAGE, (self.run_end - self.cursor) * PAGE);
             }
         }
-        self.new_round();
+        self.new_round(vram);
     }
 
     /// Starts the next round from page 0 (the first one after a full round reads the log).
-    fn new_round(&mut self) {
-        if self.tracked && self.cursor >= self.pages {
-            self.full_round = false;
+    /// A round that got to the end is complete: its findings become the estimate.
+    fn new_round(&mut self, vram: &Vram) {
+        if self.cursor >= self.pages {
+            if self.first_pass_done && !self.tracked {
+                self.hash_dirty = self.round_sent;
+            }
+            self.first_pass_done = true;
+            if self.tracked {
+                self.full_round = false;
+            }
+        }
+        self.round_sent = 0;
+        if self.full_round {
+            self.round_data_left = data_pages(vram);
         }
         self.cursor = 0;
         self.extent_end = 0;
@@ -290,7 +401,13 @@ impl MigSource {
                 Step::Scan => {
                     if self.cursor >= self.pages {
                         self.stats.rounds += 1;
-                        self.new_round();
+                        // A write log's first round is followed by a round over the log,
+                        // also when it was the device's last.
+                        let log_round_follows = self.tracked && self.full_round;
+                        self.new_round(vram);
+                        if self.last_round && log_round_follows {
+                            continue;
+                        }
                         if self.last_round {
                             self.step = Step::State;
                             continue;
@@ -304,7 +421,9 @@ impl MigSource {
                         && self.carry.is_empty()
                         && self.cursor < self.pages
                     {
-                        return Ok(self.pad(out, n));
+                        // What this read found, possibly nothing; the next goes on from here.
+                        self.stats.budget_stops += 1;
+                        return Ok(n);
                     }
                 }
                 Step::State => {
@@ -319,6 +438,13 @@ impl MigSource {
                 Step::End => {
                     n = self.put(out, n, header(TAG_END, 0, 0), &[]);
                     self.step = Step::Done;
+                    if let Some(t) = self.stopped_at {
+                        tracing::info!(
+                            stop_copy_ms = t.elapsed().as_secs_f64() * 1e3,
+                            pages_sent = self.stats.pages_sent,
+                            "outgoing migration stream complete"
+                        );
+                    }
                 }
                 Step::Done => break,
             }
@@ -326,22 +452,18 @@ impl MigSource {
         Ok(n)
     }
 
+    /// A page of the current round was read.
+    fn visit(&mut self) {
+        self.visited += 1;
+        self.stats.pages_visited += 1;
+        if self.full_round {
+            self.round_data_left = self.round_data_left.saturating_sub(1);
+        }
+    }
+
     /// A PRE_COPY read has visited its share of pages.
     fn over_budget(&self) -> bool {
         !self.last_round && self.visited >= SCAN_BUDGET
-    }
-
-    /// Fills `out[n..]` with a padding record (its header may spill into the next read).
-    fn pad(&mut self, out: &mut [u8], n: usize) -> usize {
-        let room = out.len() - n;
-        if room < REC {
-            return self.put(out, n, header(TAG_PAD, 0, 0), &[]);
-        }
-        let len = room - REC;
-        out[n..n + REC].copy_from_slice(&header(TAG_PAD, len as u32, 0));
-        out[n + REC..].fill(0);
-        self.stats.padding += room as u64;
-        out.len()
     }
 
     fn drain_carry(&mut self, out: &mut [u8], n: usize) -> usize {
@@ -473,6 +595,7 @@ impl MigSource {
             }
             let count = (self.cursor - start) as u32;
             self.stats.pages_zeroed += u64::from(count);
+            self.round_sent += u64::from(count);
             n = self.put(out, n, header(TAG_ZERO, count, start * PAGE), &[]);
         }
         n
@@ -487,7 +610,7 @@ impl MigSource {
         while self.cursor < end && d + PAGE_BYTES <= out.len() && !self.over_budget() {
             let p = self.cursor;
             self.cursor += 1;
-            self.visited += 1;
+            self.visit();
             let dst = &mut out[d..d + PAGE_BYTES];
             if let Some(s) = vram.slice(p * PAGE, PAGE) {
                 s.copy_to(dst);
@@ -512,6 +635,7 @@ impl MigSource {
         }
         out[n..n + REC].copy_from_slice(&header(TAG_PAGES, count, first * PAGE));
         self.stats.pages_sent += u64::from(count);
+        self.round_sent += u64::from(count);
         d
     }
 
@@ -521,7 +645,7 @@ impl MigSource {
         while self.cursor < end && !self.over_budget() {
             let p = self.cursor;
             self.cursor += 1;
-            self.visited += 1;
+            self.visit();
             if let Some(s) = vram.slice(p * PAGE, PAGE) {
                 s.copy_to(&mut page);
             }
@@ -529,6 +653,7 @@ impl MigSource {
             if h != self.sent[p as usize] || self.client_mapped {
                 self.sent[p as usize] = h;
                 self.stats.pages_sent += 1;
+                self.round_sent += 1;
                 return self.put(out, n, header(TAG_PAGES, 1, p * PAGE), &page);
             }
         }

@@ -224,23 +224,31 @@ impl SoftGpu {
 
 impl Migratable for SoftGpu {
     fn caps(&self) -> MigrationCaps {
-        MigrationCaps { precopy: true }
+        // P2P: quiescing is holding the engines (no command starts, so no DMA and no
+        // interrupt from them; the one running finishes first), registers still served.
+        MigrationCaps {
+            precopy: true,
+            p2p: true,
+        }
     }
 
     fn step(&mut self, arc: MigArc) -> Result<(), DeviceError> {
         let vram = &self.shared.vram;
         let size = vram.size();
         match arc {
-            MigArc::Stop => self.shared.set_running(false),
-            MigArc::Run => self.shared.set_running(true),
-            MigArc::StartPreCopy => {
+            MigArc::Stop | MigArc::EnterP2p => self.shared.set_running(false),
+            MigArc::Run | MigArc::LeaveP2p => self.shared.set_running(true),
+            // Quiesced and stopped are one for the engines: the registers take no guest
+            // accesses in STOP (its vCPUs are stopped).
+            MigArc::StopFromP2p | MigArc::P2pFromStop => {}
+            MigArc::StartPreCopy | MigArc::StartPreCopyP2p => {
                 self.migration = Migration::Save(Box::new(mig::MigSource::new(
                     vram,
                     false,
                     self.client_mapped,
                 )));
             }
-            MigArc::AbortPreCopy | MigArc::EndStopCopy => {
+            MigArc::AbortPreCopy | MigArc::AbortPreCopyP2p | MigArc::EndStopCopy => {
                 if let Migration::Save(src) = &self.migration {
                     let st = src.stats();
                     let stop_copy_us = src
@@ -252,14 +260,14 @@ impl Migratable for SoftGpu {
                         rounds = st.rounds,
                         pages_sent = st.pages_sent,
                         pages_zeroed = st.pages_zeroed,
-                        padding = st.padding,
+                        budget_stops = st.budget_stops,
                         completed = arc == MigArc::EndStopCopy,
                         "outgoing migration stream closed"
                     );
                 }
                 self.migration = Migration::Idle;
             }
-            MigArc::PreCopyToStopCopy => {
+            MigArc::PreCopyToStopCopy | MigArc::PreCopyP2pToStopCopy => {
                 self.shared.set_running(false);
                 match &mut self.migration {
                     Migration::Save(src) => src.device_stopped(vram),
@@ -329,5 +337,30 @@ impl Migratable for SoftGpu {
 
     fn set_client_migrates_mapped(&mut self, on: bool) {
         self.client_mapped = on;
+    }
+
+    fn precopy_info(&mut self) -> Option<PrecopyInfo> {
+        let Migration::Save(src) = &self.migration else {
+            return None;
+        };
+        let (initial_bytes, dirty_bytes) = src.pending(&self.shared.vram);
+        Some(PrecopyInfo {
+            initial_bytes,
+            dirty_bytes,
+        })
+    }
+
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        // The state record's real size: the state is small and encoded in microseconds.
+        let state_len = self
+            .shared
+            .snapshot()
+            .to_bytes()
+            .map_or(u64::from(mig::MAX_STATE), |b| b.len() as u64);
+        let vram = &self.shared.vram;
+        Some(match &self.migration {
+            Migration::Save(src) => src.stop_copy_size(vram, state_len),
+            _ => mig::MigSource::full_stream_size(vram, state_len),
+        })
     }
 }

@@ -170,6 +170,13 @@ impl Vram {
             .map_or(0, |w| w.swap(0, Ordering::AcqRel))
     }
 
+    /// Reads word `index` of the write log without clearing it.
+    pub(crate) fn peek_written(&self, index: usize) -> u64 {
+        self.written
+            .get(index)
+            .map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
     /// Puts bits taken with [`Vram::take_written`] back.
     pub(crate) fn restore_written(&self, index: usize, bits: u64) {
         if let Some(w) = self.written.get(index) {

@@ -100,7 +100,7 @@ fn live_migration_with_precopy_between_two_server_processes() {
     let dst = connect(&dst_server);
     assert_eq!(
         d.t.0.migration_flags().expect("flags"),
-        VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY
+        VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY | VFIO_MIGRATION_P2P
     );
     let mut mig = Migration::new(d, dst).with_chunk(CHUNK);
     mig.prepare_destination().expect("RUNNING -> RESUMING");
@@ -220,9 +220,15 @@ fn refused_transitions_bad_streams_and_recovery() {
         errno(c.set_mig_state(VFIO_DEVICE_STATE_ERROR)),
         Some(libc::EINVAL)
     );
+    // The softgpu offers the P2P states: quiesced, and back.
     assert_eq!(
-        errno(c.set_mig_state(VFIO_DEVICE_STATE_RUNNING_P2P)),
-        Some(libc::EINVAL)
+        c.set_mig_state(VFIO_DEVICE_STATE_RUNNING_P2P)
+            .expect("RUNNING_P2P"),
+        VFIO_DEVICE_STATE_RUNNING_P2P
+    );
+    assert_eq!(
+        c.set_mig_state(VFIO_DEVICE_STATE_RUNNING).expect("RUNNING"),
+        VFIO_DEVICE_STATE_RUNNING
     );
     assert_eq!(
         c.mig_data_read(64).expect_err("not saving").remote_errno(),

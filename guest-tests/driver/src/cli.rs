@@ -12,9 +12,11 @@ use crate::sysfs::is_bdf;
 /// Usage text.
 pub const USAGE: &str = "\
 usage: sygpu-driver [--quick] [--doorbell trapped|mapped] [--latency N]
-                    [--soak SECONDS] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+                    [--fill-vram] [--idle SECONDS] [--soak SECONDS]
+                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --noiommu [--quick] [--doorbell trapped|mapped] [--latency N]
-                    [--soak SECONDS] [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
+                    [--fill-vram] [--idle SECONDS] [--soak SECONDS]
+                    [--bdf DDDD:BB:DD.F] [--timeout SECONDS]
        sygpu-driver --probe [--bdf DDDD:BB:DD.F]
        sygpu-driver --stamp SEED | --check-stamp SEED [--bdf DDDD:BB:DD.F]
 
@@ -60,6 +62,17 @@ Drives the Switchyard softgpu (PCI 1234:5347) from inside a Linux guest.
               64 MiB); every iteration the CPU checks and rewrites 64 pages of VRAM through
               BAR2; after it, the CPU checks one word per filled page. Stale pages are the
               summary's soak vram_stale_pages
+  --fill-vram before the soak, fill 3/4 of VRAM with the engine (FILL, 64 MiB per command,
+              a pattern per 64 MiB; the soak's VRAM is left out) and print
+                SYGPU: fill done bytes=N ms=M
+              after the soak, check the first and last page of every 64 MiB filled
+              (engine COPY into guest memory): the step fill-check
+  --idle S    before the soak (after --fill-vram), leave the device idle S seconds
+              (1..600), printing SYGPU: idle start seconds=S, e.g. for an idle migration
+  --second-device
+              with --noiommu and before the soak: open the other softgpu too, fill 3/4 of
+              its VRAM as --fill-vram does; after the soak, check that fill (steps
+              second-fill and second-check), e.g. a VM with two devices live-migrated
   --probe     no VFIO: check the device through sysfs (config space, capabilities,
               resource0 mmap: MAGIC, SCRATCH, NUM_QUEUES)
   --stamp S   through VFIO: write 1 MiB of data made from seed S into the upper half of
@@ -112,6 +125,13 @@ pub struct Options {
     pub soak: Option<u64>,
     /// `--soak-vram PERCENT`: VRAM filled and checked across the soak ([`crate::vram_soak`]).
     pub soak_vram: Option<u64>,
+    /// `--fill-vram`: 3/4 of VRAM filled by the engine before the soak, checked after it.
+    pub fill_vram: bool,
+    /// `--idle S`: seconds the device is left idle before the soak.
+    pub idle: u64,
+    /// `--second-device` (with `--noiommu`): a second softgpu filled before the soak and
+    /// checked after it.
+    pub second_device: bool,
 }
 
 /// Parses the arguments (without the program name).
@@ -127,6 +147,9 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
         latency: None,
         soak: None,
         soak_vram: None,
+        fill_vram: false,
+        idle: 0,
+        second_device: false,
     };
     let mut workload_options: Vec<&str> = Vec::new();
     let mut modes: Vec<&str> = Vec::new();
@@ -204,6 +227,23 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
                 o.soak_vram = Some(p);
                 workload_options.push("--soak-vram");
             }
+            "--fill-vram" => {
+                o.fill_vram = true;
+                workload_options.push("--fill-vram");
+            }
+            "--idle" => {
+                let v = value("--idle")?;
+                o.idle = v
+                    .parse()
+                    .ok()
+                    .filter(|&s| (1..=MAX_SECONDS).contains(&s))
+                    .ok_or_else(|| format!("--idle '{v}': want 1..{MAX_SECONDS} seconds"))?;
+                workload_options.push("--idle");
+            }
+            "--second-device" => {
+                o.second_device = true;
+                workload_options.push("--second-device");
+            }
             "--help" | "-h" => o.mode = Mode::Help,
             "--bdf" => {
                 let b = value("--bdf")?;
@@ -225,6 +265,9 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Options, String> {
             }
             _ => return Err(format!("unknown argument '{a}'")),
         }
+    }
+    if o.second_device && o.mode != Mode::NoIommu {
+        return Err("--second-device applies to --noiommu".into());
     }
     if modes.contains(&"--noiommu") && modes.len() > 1 {
         return Err(format!("{} cannot be combined", modes.join(" and ")));

@@ -58,6 +58,7 @@
 pub mod cli;
 pub mod cmd;
 pub mod dma;
+pub mod fill;
 pub mod gpu;
 pub mod hugepage;
 pub mod irq;
@@ -68,6 +69,7 @@ pub mod pci;
 pub mod probe;
 pub mod reference;
 pub mod regs;
+pub mod second;
 pub mod soak;
 pub mod summary;
 pub mod sysfs;
@@ -87,7 +89,7 @@ pub const WATCHDOG_TIMEOUTS: u32 = 10;
 
 /// The bound of a workload run: [`WATCHDOG_TIMEOUTS`] `--timeout`s plus the `--soak` time.
 pub fn watchdog_limit(opts: &cli::Options) -> Duration {
-    opts.timeout * WATCHDOG_TIMEOUTS + Duration::from_secs(opts.soak.unwrap_or(0))
+    opts.timeout * WATCHDOG_TIMEOUTS + Duration::from_secs(opts.soak.unwrap_or(0) + opts.idle)
 }
 
 /// Prints one progress line `SYGPU: ...` (newlines folded). `println!`, not a write to a
@@ -295,9 +297,24 @@ fn drive_noiommu(
     say_doorbells(opts, &gpu);
     sum.steps = out.summary_steps();
     let measured = measure_latency(opts, &mut gpu, &out, &mut sum.steps);
-    let ready = out.failure.is_none() && measured.is_ok();
+    let mut ready = out.failure.is_none() && measured.is_ok();
+    let mut second_failure = None;
+    let second = if opts.second_device && ready {
+        let first = b.bdf.clone();
+        second::open_and_fill(opts, &first, &mut sum.steps)
+            .map_err(|e| second_failure = Some(e))
+            .ok()
+    } else {
+        None
+    };
+    ready &= second_failure.is_none();
     let (soaked, soak_failure) = run_soak(opts, &mut gpu, ready, &mut sum.steps);
     sum.soak = soaked;
+    if let Some(s) = second
+        && let Err(e) = second::check(s, &mut sum.steps)
+    {
+        second_failure.get_or_insert(e);
+    }
     sum.jobs_run = gpu.stats.jobs_run;
     sum.jobs_verified = gpu.stats.jobs_verified;
     sum.bytes_moved = gpu.stats.bytes_moved;
@@ -312,7 +329,7 @@ fn drive_noiommu(
         return Err(e);
     }
     sum.latency = measured?;
-    if let Some(e) = soak_failure {
+    if let Some(e) = soak_failure.or(second_failure) {
         return Err(e);
     }
     if !problems.is_empty() {
@@ -386,6 +403,49 @@ fn run_soak(
     let Some(seconds) = opts.soak.filter(|_| ready) else {
         return (None, None);
     };
+    let filled = if opts.fill_vram {
+        match fill::fill(gpu) {
+            Ok(f) => Some(f),
+            Err(e) => return (None, Some(format!("fill: {e}"))),
+        }
+    } else {
+        None
+    };
+    if opts.idle > 0 {
+        say!("idle start seconds={}", opts.idle);
+        std::thread::sleep(Duration::from_secs(opts.idle));
+        say!("idle end");
+    }
+    let (soak, failure) = soak_steps(gpu, seconds, steps);
+    let Some(filled) = filled.filter(|_| failure.is_none()) else {
+        return (soak, failure);
+    };
+    let t = Instant::now();
+    let checked = fill::check(gpu, &filled);
+    let ms = t.elapsed().as_millis() as u64;
+    steps.push(summary::Step {
+        name: "fill-check".into(),
+        ok: checked.is_ok(),
+        ms,
+    });
+    match checked {
+        Ok(n) => {
+            say!("step fill-check: ok ({ms} ms, {n} pages)");
+            (soak, None)
+        }
+        Err(e) => {
+            say!("step fill-check: FAIL ({ms} ms): {e}");
+            (soak, Some(format!("fill-check: {e}")))
+        }
+    }
+}
+
+/// The soak itself, recorded as step `soak`.
+fn soak_steps(
+    gpu: &mut gpu::Gpu,
+    seconds: u64,
+    steps: &mut Vec<summary::Step>,
+) -> (Option<summary::Soak>, Option<String>) {
     let t = Instant::now();
     let (soak, failure) =
         match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds, opts.soak_vram))) {

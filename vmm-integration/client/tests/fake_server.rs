@@ -361,6 +361,7 @@ impl Fake {
                 )
             }
             Request::DmaRead { .. } | Request::DmaWrite { .. } => Err(EINVAL),
+            Request::GetPrecopyInfo { .. } => Err(ENOTSUP),
         }
     }
 }

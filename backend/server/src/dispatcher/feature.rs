@@ -4,17 +4,27 @@
 //!
 //! For a device that cannot migrate, the migration features answer `ENOTTY` ("not
 //! supported", as the kernel does).
+//!
+//! The sizes, as the kernel serves them: GET_PRECOPY_INFO (the vfio-user form of
+//! `VFIO_MIG_GET_PRECOPY_INFO`) in PRE_COPY only (`EINVAL` elsewhere), and MIG_DATA_SIZE in
+//! any state; both `ENOTSUP`/`ENOTTY` for a device that does not know them, so the VMM
+//! estimates. The origin header not sent yet counts as the device's initial bytes.
 
 use switchyard_device::DmaSpace;
 use switchyard_proto::consts::*;
 use switchyard_proto::{
-    FeatureReply, FeatureRequest, MigDeviceState, MigState, MigrationFeature, Reply,
-    mig_data_read_reply_buffer, truncate_mig_data_read_reply,
+    DeviceFeatureHeader, FeatureFlags, FeatureReply, FeatureRequest, MigDeviceState, MigState,
+    MigrationFeature, PrecopyInfo, Reply, mig_data_read_reply_buffer, truncate_mig_data_read_reply,
 };
 
 use super::{Dispatcher, feature_reply, reply_empty};
 use crate::Slot;
 use crate::error::{RequestError, invalid};
+
+/// A refusal with its own errno.
+fn invalid_errno(what: &'static str, errno: i32) -> RequestError {
+    RequestError::Invalid { what, errno }
+}
 use crate::migration;
 
 /// A feature the device does not have.
@@ -32,6 +42,7 @@ impl Dispatcher {
         slot: &mut Slot,
         dma: &DmaSpace,
         id: u16,
+        argsz: u32,
         op: FeatureRequest<'_>,
     ) -> Result<(), RequestError> {
         match op {
@@ -58,8 +69,82 @@ impl Dispatcher {
             {
                 self.set_mig_mapped_regions(slot, id, data)
             }
-            FeatureRequest::Other { .. } => Err(not_supported()),
+            FeatureRequest::Other { flags, .. } => {
+                let f = FeatureFlags(flags);
+                if f.feature() == VFIO_DEVICE_FEATURE_MIG_DATA_SIZE && f.get() && !f.set() {
+                    self.get_mig_data_size(slot, id, argsz, flags)
+                } else {
+                    Err(not_supported())
+                }
+            }
         }
+    }
+
+    /// DEVICE_FEATURE GET MIG_DATA_SIZE: `stop_copy_length`, what STOP_COPY would send now.
+    fn get_mig_data_size(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+        argsz: u32,
+        flags: u32,
+    ) -> Result<(), RequestError> {
+        if (argsz as usize) < DeviceFeatureHeader::SIZE + 8 {
+            return Err(invalid("MIG_DATA_SIZE argsz too small"));
+        }
+        let header = slot.origin.unsent_header() as u64;
+        let size = slot
+            .device
+            .migration()
+            .and_then(|m| m.stop_copy_size())
+            .ok_or_else(not_supported)?;
+        tracing::debug!(size, state = ?slot.mig, "MIG_DATA_SIZE");
+        let length = size.saturating_add(header).to_le_bytes();
+        feature_reply(
+            &mut self.out,
+            id,
+            FeatureReply::Other {
+                flags,
+                data: &length,
+            },
+        )
+    }
+
+    /// GET_PRECOPY_INFO: what the PRE_COPY stream still holds (`EINVAL` outside PRE_COPY, as
+    /// the kernel's ioctl; `ENOTSUP` for a device that does not know).
+    pub(super) fn get_precopy_info(
+        &mut self,
+        slot: &mut Slot,
+        id: u16,
+    ) -> Result<(), RequestError> {
+        let mig = slot
+            .device
+            .migration()
+            .ok_or_else(|| invalid_errno("the device does not migrate", libc::ENOTSUP))?;
+        if !matches!(slot.mig, MigState::PreCopy | MigState::PreCopyP2p) {
+            return Err(invalid("GET_PRECOPY_INFO outside PRE_COPY"));
+        }
+        let info = mig.precopy_info().ok_or_else(|| {
+            invalid_errno(
+                "the device does not report its pre-copy sizes",
+                libc::ENOTSUP,
+            )
+        })?;
+        let header = slot.origin.unsent_header() as u64;
+        tracing::debug!(
+            initial = info.initial_bytes,
+            dirty = info.dirty_bytes,
+            "GET_PRECOPY_INFO"
+        );
+        reply_empty(
+            &mut self.out,
+            id,
+            Reply::GetPrecopyInfo(PrecopyInfo {
+                argsz: PrecopyInfo::SIZE as u32,
+                flags: 0,
+                initial_bytes: info.initial_bytes.saturating_add(header),
+                dirty_bytes: info.dirty_bytes,
+            }),
+        )
     }
 
     /// DEVICE_FEATURE PROBE: which operations a feature supports.
@@ -84,6 +169,14 @@ impl Dispatcher {
             VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE if migrates => (true, true),
             VFIO_USER_DEVICE_FEATURE_MIG_MAPPED_REGIONS if self.mapped_regions(slot) != 0 => {
                 (false, true)
+            }
+            VFIO_DEVICE_FEATURE_MIG_DATA_SIZE
+                if slot
+                    .device
+                    .migration()
+                    .is_some_and(|m| m.stop_copy_size().is_some()) =>
+            {
+                (true, false)
             }
             _ => return Err(not_supported()),
         };
@@ -158,6 +251,9 @@ impl Dispatcher {
         if caps.precopy {
             flags |= VFIO_MIGRATION_PRE_COPY;
         }
+        if caps.p2p {
+            flags |= VFIO_MIGRATION_P2P;
+        }
         feature_reply(
             &mut self.out,
             id,
@@ -187,7 +283,12 @@ impl Dispatcher {
     ) -> Result<(), RequestError> {
         slot.device.migration().ok_or_else(not_supported)?;
         let target = MigState::try_from(st.device_state)?;
-        if slot.moving && !matches!(target, MigState::Running | MigState::Stop) {
+        if slot.moving
+            && !matches!(
+                target,
+                MigState::Running | MigState::RunningP2p | MigState::Stop
+            )
+        {
             // A move reads the same device state and write log.
             return Err(RequestError::Invalid {
                 what: "the device is being moved to another backing",
@@ -225,7 +326,10 @@ impl Dispatcher {
         id: u16,
         size: u32,
     ) -> Result<(), RequestError> {
-        if !matches!(slot.mig, MigState::PreCopy | MigState::StopCopy) {
+        if !matches!(
+            slot.mig,
+            MigState::PreCopy | MigState::PreCopyP2p | MigState::StopCopy
+        ) {
             return Err(invalid("MIG_DATA_READ outside PRE_COPY and STOP_COPY"));
         }
         if size > self.server_limits.max_data_xfer_size {

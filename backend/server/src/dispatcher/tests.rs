@@ -431,3 +431,139 @@ fn a_reply_from_the_client_is_routed_not_answered() {
         Reply::RegionRead { .. }
     ));
 }
+
+/// A mock device that migrates and knows its sizes.
+struct Sizing {
+    inner: MockDevice,
+}
+
+impl switchyard_device::PciDevice for Sizing {
+    fn description(&self) -> &switchyard_device::DeviceDescription {
+        self.inner.description()
+    }
+    fn region_read(&mut self, r: u32, o: u64, d: &mut [u8]) -> switchyard_device::Result<()> {
+        self.inner.region_read(r, o, d)
+    }
+    fn region_write(&mut self, r: u32, o: u64, d: &[u8]) -> switchyard_device::Result<()> {
+        self.inner.region_write(r, o, d)
+    }
+    fn reset(&mut self) -> switchyard_device::Result<()> {
+        self.inner.reset()
+    }
+    fn migration(&mut self) -> Option<&mut dyn switchyard_device::Migratable> {
+        Some(self)
+    }
+}
+
+impl switchyard_device::Migratable for Sizing {
+    fn caps(&self) -> switchyard_device::MigrationCaps {
+        switchyard_device::MigrationCaps {
+            precopy: true,
+            p2p: false,
+        }
+    }
+    fn step(&mut self, _: switchyard_device::MigArc) -> switchyard_device::Result<()> {
+        Ok(())
+    }
+    fn read(&mut self, _: &mut [u8]) -> switchyard_device::Result<usize> {
+        Ok(0)
+    }
+    fn write(&mut self, _: &[u8]) -> switchyard_device::Result<()> {
+        Ok(())
+    }
+    fn abort(&mut self) {}
+    fn precopy_info(&mut self) -> Option<switchyard_device::PrecopyInfo> {
+        Some(switchyard_device::PrecopyInfo {
+            initial_bytes: 1000,
+            dirty_bytes: 24,
+        })
+    }
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        Some(5000)
+    }
+}
+
+fn mig_data_size() -> Request<'static> {
+    Request::DeviceFeature(DeviceFeatureRequest {
+        argsz: DeviceFeatureHeader::SIZE as u32 + 8,
+        op: FeatureRequest::Other {
+            flags: switchyard_proto::FeatureFlags::new(
+                VFIO_DEVICE_FEATURE_MIG_DATA_SIZE,
+                true,
+                false,
+                false,
+            )
+            .0,
+            data: &[],
+        },
+    })
+}
+
+/// GET_PRECOPY_INFO in PRE_COPY only (EINVAL elsewhere, like the kernel's ioctl), and
+/// MIG_DATA_SIZE in any state; a device that cannot tell answers "not supported".
+#[test]
+fn precopy_info_and_stop_copy_size_are_served_as_the_kernel_serves_them() {
+    let mut l = Loopback::new();
+    l.slot = slot_with(
+        Box::new(Sizing {
+            inner: MockDevice::new(),
+        }),
+        16,
+    );
+    l.negotiate();
+    let info = Request::GetPrecopyInfo { argsz: 24 };
+    assert_eq!(l.request(info, Vec::new()).errno(), libc::EINVAL as u32);
+    let a = l.request(mig_data_size(), Vec::new());
+    let Reply::DeviceFeature(f) = a.reply() else {
+        panic!("not a DEVICE_FEATURE reply");
+    };
+    let FeatureReply::Other { data, .. } = f.op else {
+        panic!("not MIG_DATA_SIZE: {:?}", f.op);
+    };
+    assert_eq!(
+        data,
+        5000u64.to_le_bytes(),
+        "stop_copy_length, in RUNNING too"
+    );
+    let probe = Request::DeviceFeature(DeviceFeatureRequest {
+        argsz: DeviceFeatureHeader::SIZE as u32,
+        op: FeatureRequest::Probe {
+            feature: VFIO_DEVICE_FEATURE_MIG_DATA_SIZE,
+            get: true,
+            set: false,
+        },
+    });
+    assert!(matches!(
+        l.request(probe, Vec::new()).reply(),
+        Reply::DeviceFeature(_)
+    ));
+
+    let pre_copy = Request::DeviceFeature(DeviceFeatureRequest {
+        argsz: DeviceFeatureHeader::SIZE as u32 + 8,
+        op: FeatureRequest::SetMigDeviceState(switchyard_proto::MigDeviceState {
+            device_state: switchyard_proto::MigState::PreCopy as u32,
+            data_fd: u32::MAX,
+        }),
+    });
+    assert!(matches!(
+        l.request(pre_copy, Vec::new()).reply(),
+        Reply::DeviceFeature(_)
+    ));
+    let a = l.request(info, Vec::new());
+    let Reply::GetPrecopyInfo(p) = a.reply() else {
+        panic!("not a GET_PRECOPY_INFO reply");
+    };
+    assert_eq!(
+        (p.argsz, p.flags, p.initial_bytes, p.dirty_bytes),
+        (24, 0, 1000, 24)
+    );
+
+    // The mock that does not migrate: neither is served.
+    let mut l = Loopback::new();
+    l.negotiate();
+    assert_eq!(l.request(info, Vec::new()).errno(), libc::ENOTSUP as u32);
+    assert_eq!(
+        l.request(mig_data_size(), Vec::new()).errno(),
+        libc::ENOTTY as u32
+    );
+}

@@ -446,59 +446,229 @@ fn with_the_client_migrating_mapped_vram_only_the_devices_writes_are_sent() {
     assert!(a.gpu.migration_stats().expect("stats").pages_sent > 40);
 }
 
-#[test]
-fn precopy_reads_are_bounded_and_padded() {
-    const BIG: u64 = 64 << 20;
-    let mut rng = Rng(31);
-    let config = SoftGpuConfig {
-        vram_size: BIG,
-        ..small()
-    };
-    let mut a = Harness::with_config(config);
+/// A VRAM of `size` bytes, every page of it data (no two pages alike).
+fn filled(config: SoftGpuConfig, size: u64) -> Harness {
+    let mut a = Harness::with_config(SoftGpuConfig {
+        vram_size: size,
+        ..config
+    });
     a.init();
     let mut fill = vec![0u8; 1 << 20];
     for (i, chunk) in fill.chunks_mut(8).enumerate() {
         chunk.copy_from_slice(&(i as u64 | 1).to_le_bytes());
     }
-    for mib in 0..BIG >> 20 {
+    for mib in 0..size >> 20 {
         fill[..8].copy_from_slice(&mib.to_le_bytes());
         a.vram_file_write(mib << 20, &fill);
     }
+    a
+}
+
+/// Reads until a read returns nothing; the bytes read.
+fn read_until_empty(gpu: &mut SoftGpu, out: &mut Vec<u8>) -> u64 {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0;
+    loop {
+        let n = gpu.read(&mut buf).expect("read");
+        if n == 0 {
+            return total;
+        }
+        out.extend_from_slice(&buf[..n]);
+        total += n as u64;
+    }
+}
+
+fn info(gpu: &mut SoftGpu) -> (u64, u64) {
+    let i = gpu.precopy_info().expect("a stream reports its sizes");
+    (i.initial_bytes, i.dirty_bytes)
+}
+
+/// Bytes a page costs at most in the stream (its data and a record header).
+const PAGE_COST: u64 = PAGE + 16;
+
+#[test]
+fn precopy_reads_are_bounded_and_send_nothing_when_nothing_changed() {
+    const BIG: u64 = 64 << 20;
+    let mut rng = Rng(31);
+    let mut a = filled(small(), BIG);
+    let full = a.gpu.stop_copy_size().expect("stop-copy size");
+    assert!(
+        (BIG..BIG + BIG / 100 + (1 << 20)).contains(&full),
+        "before any stream, STOP_COPY would send all the data: {full}"
+    );
     a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let (initial, dirty) = info(&mut a.gpu);
+    assert_eq!(dirty, 0);
+    assert!(
+        (BIG..=BIG / PAGE * PAGE_COST + 16).contains(&initial),
+        "{initial}"
+    );
     let mut stream = Vec::new();
-    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let first = read_until_empty(&mut a.gpu, &mut stream);
+    assert!(
+        first > BIG && first <= initial,
+        "{first} of {initial} announced"
+    );
     let sent = a.gpu.migration_stats().expect("stats").pages_sent;
     assert_eq!(sent, BIG / PAGE, "every page is data");
+    // Without a write log the device cannot know what the guest changed until it looked:
+    // after the first pass it reports no initial bytes, and as dirty what the last complete
+    // later round found (none yet).
+    assert_eq!(info(&mut a.gpu), (0, 0));
 
-    // Nothing changed: a read visits at most SCAN_BUDGET pages, then pads to keep the round
-    // going instead of holding the connection for a pass over all 64 MiB.
+    // Nothing changed: a read visits at most SCAN_BUDGET pages and returns what it found,
+    // nothing, instead of padding; the next read goes on where it stopped.
     const { assert!(BIG / PAGE > crate::mig::SCAN_BUDGET) };
     let mut buf = vec![0u8; 1 << 20];
-    let mut padded_reads = 0;
-    loop {
-        let n = a.gpu.read(&mut buf).expect("read");
-        stream.extend_from_slice(&buf[..n]);
-        if n < buf.len() {
-            break;
-        }
-        padded_reads += 1;
+    for _ in 0..BIG / PAGE / crate::mig::SCAN_BUDGET * 2 {
+        assert_eq!(a.gpu.read(&mut buf).expect("read"), 0, "nothing to send");
     }
     let st = a.gpu.migration_stats().expect("stats");
     assert_eq!(st.pages_sent, sent, "nothing changed");
-    assert_eq!(
-        padded_reads,
-        BIG / PAGE / crate::mig::SCAN_BUDGET - 1,
-        "each read but the last ran out of budget and was padded"
+    assert!(
+        st.rounds >= 2,
+        "the reads went on through whole rounds: {st:?}"
     );
-    assert!(st.padding > 0);
+    assert!(st.budget_stops > 0);
+    assert_eq!(info(&mut a.gpu), (0, 0), "an idle device: nothing pending");
 
-    // A change after the padding still arrives; STOP_COPY has no budget.
-    a.vram_file_write(3 * PAGE, b"late change");
+    // A change is found by the round going on, then estimated for the next one.
+    a.vram_file_write(3 * PAGE, b"a change");
+    let mut found = 0;
+    for _ in 0..BIG / PAGE / crate::mig::SCAN_BUDGET * 2 + 2 {
+        let n = a.gpu.read(&mut buf).expect("read");
+        stream.extend_from_slice(&buf[..n]);
+        found += n;
+    }
+    assert_eq!(found as u64, PAGE_COST, "exactly the changed page");
+    assert_eq!(info(&mut a.gpu), (0, PAGE_COST), "the last round's finding");
+
+    // STOP_COPY has no budget; the stream loads bit-exact.
+    a.vram_file_write(5 * PAGE, b"late change");
     a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
     read_round(&mut a.gpu, &mut rng, &mut stream);
-    let mut b = Harness::with_config(config);
+    let mut b = Harness::with_config(SoftGpuConfig {
+        vram_size: BIG,
+        ..small()
+    });
     resume_into(&mut b, &mut rng, &stream);
     assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
+}
+
+/// With a write log the sizes are exact: an idle device is done after its first pass, and a
+/// write makes exactly its pages pending.
+#[test]
+fn with_a_write_log_the_sizes_are_exact() {
+    const BIG: u64 = 32 << 20;
+    let mut rng = Rng(57);
+    let mut a = filled(tracked(), BIG);
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let (initial, dirty) = info(&mut a.gpu);
+    assert!(
+        (BIG..=BIG / PAGE * PAGE_COST + 16).contains(&initial),
+        "{initial}"
+    );
+    assert_eq!(dirty, 0);
+    let mut stream = Vec::new();
+    read_until_empty(&mut a.gpu, &mut stream);
+    assert_eq!(info(&mut a.gpu), (0, 0), "idle after the first pass");
+    let mut buf = vec![0u8; 1 << 20];
+    for _ in 0..4 {
+        assert_eq!(a.gpu.read(&mut buf).expect("read"), 0, "nothing pending");
+    }
+    let sc = a.gpu.stop_copy_size().expect("stop-copy size");
+    assert!(sc < 1 << 20, "stop-copy is the state and two records: {sc}");
+
+    // Writes during pre-copy: exactly their pages are pending, then sent.
+    trapped_write(&mut a, 7 * PAGE + 100, b"x");
+    trapped_write(&mut a, 9 * PAGE, &page_of(9));
+    trapped_write(&mut a, 10 * PAGE, &page_of(10));
+    a.run(
+        0,
+        &[Command::fill(Operand::Vram(4000 * PAGE), PAGE, 0x0202_0202)],
+    );
+    assert_eq!(info(&mut a.gpu), (0, 4 * PAGE_COST));
+    assert!(a.gpu.stop_copy_size().expect("size") >= sc + 4 * PAGE);
+    let n = read_until_empty(&mut a.gpu, &mut stream);
+    assert!(n > 4 * PAGE && n <= 4 * PAGE_COST, "{n}");
+    assert_eq!(info(&mut a.gpu), (0, 0));
+
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let mut b = Harness::with_config(SoftGpuConfig {
+        vram_size: BIG,
+        ..tracked()
+    });
+    resume_into(&mut b, &mut rng, &stream);
+    assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
+}
+
+/// With a write log, a switchover in the middle of the first round goes on from where that
+/// round is (what it visited and was written since is in the log), instead of reading all of
+/// VRAM again while the guest waits.
+#[test]
+fn a_stop_during_the_first_round_of_a_write_log_does_not_start_over() {
+    const BIG: u64 = 32 << 20;
+    let mut rng = Rng(59);
+    let mut a = filled(tracked(), BIG);
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let mut stream = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for _ in 0..3 {
+        let n = a.gpu.read(&mut buf).expect("read");
+        assert_eq!(n, buf.len(), "the first round is far from done");
+        stream.extend_from_slice(&buf);
+    }
+    let visited = a.gpu.migration_stats().expect("stats").pages_visited;
+    trapped_write(&mut a, PAGE, &page_of(1)); // visited already
+    trapped_write(&mut a, BIG - PAGE, &page_of(2)); // not yet
+    a.gpu.step(MigArc::PreCopyToStopCopy).expect("stop copy");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let st = a.gpu.migration_stats().expect("stats");
+    assert_eq!(
+        st.pages_sent,
+        BIG / PAGE + 1,
+        "every page once, page 1 twice"
+    );
+    assert!(
+        st.pages_visited <= BIG / PAGE + 2,
+        "the rest of the round and the two logged pages, not all of VRAM again: {} after {visited}",
+        st.pages_visited
+    );
+    let mut b = Harness::with_config(SoftGpuConfig {
+        vram_size: BIG,
+        ..tracked()
+    });
+    resume_into(&mut b, &mut rng, &stream);
+    assert!(a.vram_file_read(0, BIG as usize) == b.vram_file_read(0, BIG as usize));
+}
+
+/// A stream of an older source, with padding records, still loads.
+#[test]
+fn padding_records_of_an_older_source_are_skipped() {
+    let mut rng = Rng(61);
+    let mut a = Harness::with_config(small());
+    a.init();
+    let pages = scribble(&mut a, &mut rng, 3);
+    a.gpu.step(MigArc::Stop).expect("stop");
+    a.gpu.step(MigArc::StartStopCopy).expect("stop copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    // After the begin record: a padding record of 100 bytes, as an older source sent them.
+    let mut old = stream[..16].to_vec();
+    old.extend_from_slice(&6u32.to_le_bytes());
+    old.extend_from_slice(&100u32.to_le_bytes());
+    old.extend_from_slice(&0u64.to_le_bytes());
+    old.extend_from_slice(&[0xee; 100]);
+    old.extend_from_slice(&stream[16..]);
+    let mut b = Harness::with_config(small());
+    resume_into(&mut b, &mut rng, &old);
+    for p in pages {
+        assert_eq!(
+            a.vram_file_read(p * PAGE, PAGE as usize),
+            b.vram_file_read(p * PAGE, PAGE as usize)
+        );
+    }
 }
 
 mod arbitrary_streams {
@@ -567,5 +737,60 @@ mod arbitrary_streams {
             b.gpu.abort();
             prop_assert_eq!(b.rd32(MAGIC), 0x5047_5953, "the device still serves");
         }
+    }
+}
+
+/// The P2P states hold the engines as STOP does (a command submitted meanwhile waits; the
+/// hold is the one every STOP test exercises) while the registers are served, and RUNNING
+/// lets the command run; a P2P pre-copy streams like PRE_COPY.
+#[test]
+fn p2p_states_quiesce_the_engines_and_serve_the_registers() {
+    let mut rng = Rng(67);
+    let mut a = Harness::with_config(small());
+    a.init();
+    assert!(a.gpu.caps().p2p);
+    a.gpu
+        .step(MigArc::EnterP2p)
+        .expect("RUNNING -> RUNNING_P2P");
+    assert_ne!(a.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0, "engines held");
+    a.submit(1, &[Command::fence(Operand::Guest(DATA), 9, None)]);
+    a.wr32(SCRATCH, 0x1234_5678);
+    assert_eq!(a.rd32(SCRATCH), 0x1234_5678, "registers served");
+    assert_eq!(a.qr(1, Q_STATUS), Q_STATUS_PAUSED, "the command waits");
+    a.gpu
+        .step(MigArc::StopFromP2p)
+        .expect("RUNNING_P2P -> STOP");
+    a.gpu
+        .step(MigArc::P2pFromStop)
+        .expect("STOP -> RUNNING_P2P");
+    assert_eq!(a.qr(1, Q_STATUS), Q_STATUS_PAUSED, "still held");
+    a.gpu
+        .step(MigArc::LeaveP2p)
+        .expect("RUNNING_P2P -> RUNNING");
+    a.wait_idle(1);
+    assert_eq!(a.guest_read(DATA, 8), 9u64.to_le_bytes());
+    assert_eq!(a.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+
+    // The source of a VM with two devices: PRE_COPY, PRE_COPY_P2P, STOP_COPY.
+    let pages = scribble(&mut a, &mut rng, 5);
+    a.gpu.step(MigArc::StartPreCopy).expect("pre-copy");
+    let mut stream = Vec::new();
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    a.gpu
+        .step(MigArc::EnterP2p)
+        .expect("PRE_COPY -> PRE_COPY_P2P");
+    assert_ne!(a.rd32(DEV_STATUS) & DEV_STATUS_STOPPED, 0);
+    assert!(a.gpu.precopy_info().is_some(), "the stream goes on");
+    a.gpu
+        .step(MigArc::PreCopyP2pToStopCopy)
+        .expect("PRE_COPY_P2P -> STOP_COPY");
+    read_round(&mut a.gpu, &mut rng, &mut stream);
+    let mut b = Harness::with_config(small());
+    resume_into(&mut b, &mut rng, &stream);
+    for p in pages {
+        assert_eq!(
+            a.vram_file_read(p * PAGE, PAGE as usize),
+            b.vram_file_read(p * PAGE, PAGE as usize)
+        );
     }
 }

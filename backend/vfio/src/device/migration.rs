@@ -147,7 +147,10 @@ impl<'a> Reader<'a> {
 
 impl Migratable for VfioPci {
     fn caps(&self) -> MigrationCaps {
-        MigrationCaps { precopy: false }
+        MigrationCaps {
+            precopy: false,
+            p2p: false,
+        }
     }
 
     fn step(&mut self, arc: MigArc) -> Result<()> {
@@ -171,9 +174,17 @@ impl Migratable for VfioPci {
                 let s = self.mig.incoming.take().unwrap_or_default();
                 self.load_stream(&s)
             }
-            MigArc::StartPreCopy | MigArc::AbortPreCopy | MigArc::PreCopyToStopCopy => {
-                Err(DeviceError::Unsupported)
-            }
+            // Not offered: no PRE_COPY, no P2P states.
+            MigArc::StartPreCopy
+            | MigArc::AbortPreCopy
+            | MigArc::PreCopyToStopCopy
+            | MigArc::EnterP2p
+            | MigArc::LeaveP2p
+            | MigArc::StopFromP2p
+            | MigArc::P2pFromStop
+            | MigArc::StartPreCopyP2p
+            | MigArc::AbortPreCopyP2p
+            | MigArc::PreCopyP2pToStopCopy => Err(DeviceError::Unsupported),
         }
     }
 
@@ -201,5 +212,14 @@ impl Migratable for VfioPci {
         if let Err(e) = self.set_bus_master(true) {
             tracing::warn!(error = %e, "cannot let the device run again after a migration");
         }
+    }
+
+    /// The rest of the stream being read, or the whole stream the device would send now
+    /// (a few KiB: config space and the MSI-X table).
+    fn stop_copy_size(&mut self) -> Option<u64> {
+        Some(match &self.mig.out {
+            Some((s, pos)) => (s.len() - pos) as u64,
+            None => self.save_stream().len() as u64,
+        })
     }
 }

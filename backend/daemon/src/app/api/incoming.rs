@@ -127,6 +127,11 @@ fn step(phase: Phase, state: &str, cause: &str, verified: bool) -> Step {
         // that does not load, or came from elsewhere, leaves ERROR), then the VMM runs the
         // device: complete only if the worker vouches for the stream's origin.
         (Phase::Resuming, "stop", "request") => Step::Continue(Phase::Loaded),
+        // A VM with several devices runs them quiesced first (RESUMING → STOP → RUNNING_P2P,
+        // or from STOP), then RUNNING.
+        (Phase::Resuming | Phase::Loaded, "running_p2p", "request") if verified => {
+            Step::Continue(Phase::Loaded)
+        }
         (Phase::Resuming | Phase::Loaded, "running", "request") if verified => Step::Completed,
         // Running on a stream of unproven origin (a worker that does not check), ERROR, a
         // reset, the VMM gone, an idle stream ended, the worker dead.
@@ -501,6 +506,24 @@ mod tests {
             ]),
             Some(Step::Completed)
         );
+        // A VM with several devices: quiesced (RUNNING_P2P) first, then RUNNING.
+        assert_eq!(
+            walk(&[("resuming", req), ("running_p2p", req), ("running", req)]),
+            Some(Step::Completed)
+        );
+        assert_eq!(
+            walk(&[
+                ("resuming", req),
+                ("stop", req),
+                ("running_p2p", req),
+                ("running", req)
+            ]),
+            Some(Step::Completed)
+        );
+        assert_eq!(
+            walk(&[("resuming", req), ("running_p2p", "client_gone")]),
+            Some(Step::Aborted)
+        );
         // Abandoned while the stream came in: the VMM went away, or reset the device.
         assert_eq!(
             walk(&[("resuming", req), ("running", "client_gone")]),
@@ -555,6 +578,10 @@ mod tests {
         assert_eq!(
             step(Phase::Loaded, "running", "request", true),
             Step::Completed
+        );
+        assert_eq!(
+            step(Phase::Resuming, "running_p2p", "request", false),
+            Step::Aborted
         );
     }
 }
