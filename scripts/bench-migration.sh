@@ -5,12 +5,14 @@
 # no device (the floor): QEMU's total time, downtime and stream bytes (the device's share
 # apart), and the device's STOP_COPY time and stream from the source server's log.
 #
-#   scripts/bench-migration.sh            # no device, 256 MiB and 1 GiB VRAM idle and writing, 3 runs each
+#   scripts/bench-migration.sh            # no device; 256 MiB, 1 GiB, 4 GiB (mapped and trapped) VRAM
+#                                         # idle and writing; two 1 GiB devices idle; 3 runs each
 #   scripts/bench-migration.sh --quick    # CI: no device, 256 MiB idle and writing, once each (~2 min)
 #   scripts/bench-migration.sh --json target/bench/migration.json   # also the table as JSON
 #   scripts/bench-migration.sh --only 1g-idle --set max-bandwidth=1073741824   # one case, QEMU parameters set
 #
-# Timings are never asserted: it exits non-zero only when a migration fails (or does not
+# The 4 GiB cases need about 10 GiB of memory (two servers with 3 GiB of VRAM data each, two
+# guests). Timings are never asserted: it exits non-zero only when a migration fails (or does not
 # converge within the bench's limit) or a guest check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
