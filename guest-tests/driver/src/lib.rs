@@ -416,7 +416,7 @@ fn run_soak(
         std::thread::sleep(Duration::from_secs(opts.idle));
         say!("idle end");
     }
-    let (soak, failure) = soak_steps(gpu, seconds, steps);
+    let (soak, failure) = soak_steps(gpu, seconds, opts.soak_vram, steps);
     let Some(filled) = filled.filter(|_| failure.is_none()) else {
         return (soak, failure);
     };
@@ -444,11 +444,12 @@ fn run_soak(
 fn soak_steps(
     gpu: &mut gpu::Gpu,
     seconds: u64,
+    soak_vram: Option<u64>,
     steps: &mut Vec<summary::Step>,
 ) -> (Option<summary::Soak>, Option<String>) {
     let t = Instant::now();
     let (soak, failure) =
-        match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds, opts.soak_vram))) {
+        match catch_unwind(AssertUnwindSafe(|| soak::run(gpu, seconds, soak_vram))) {
             Ok(r) => r,
             Err(p) => {
                 let s = summary::Soak {

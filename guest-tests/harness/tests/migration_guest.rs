@@ -46,7 +46,7 @@ const DEVICE: &str = "softgpu,vram=64M,queues=2";
 fn migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
     assert_guest_tests_ignored(
         "migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
-        9,
+        11,
     );
 }
 
@@ -613,6 +613,9 @@ fn a_vm_restarted_on_its_pool_endpoint_migrates() {
         let out = dst.wait().expect("the destination guest finished");
         let s = soak_summary(&out);
         eprintln!("restarted VM's pool migration: soak {}", s["soak"]);
+    });
+}
+
 /// QEMU's default `max-bandwidth` (128 MiB/s), which the sized test leaves as it is.
 const DEFAULT_BANDWIDTH: f64 = (128u64 << 20) as f64;
 
