@@ -110,7 +110,7 @@ pub(crate) fn vram_file(server: &Server) -> Result<(File, u64)> {
     Ok((file, len))
 }
 
-/// Writes the fill into the first [`FILL_QUARTERS`] quarters of the server's VRAM.
+/// Writes the fill into the first [`FILL_QUARTERS`](crate::FILL_QUARTERS) quarters of the server's VRAM.
 pub(crate) fn fill_vram(server: &Server, case: &Case) -> Result<()> {
     let (vram, len) = vram_file(server)?;
     let want = case.vram_mib.unwrap_or(0) << 20;

@@ -49,6 +49,8 @@
 //!   --runs N          runs per case (default 3, 1 with --quick)
 //!   --json PATH       also write the table, every run's figures and QEMU's status there
 //!   --set P=V         migrate-set-parameters on the source first, e.g. max-bandwidth=1073741824
+//!   --cap NAME        migrate-set-capabilities NAME on both QEMUs first, e.g. switchover-ack
+//!                     (which QEMU accepts only with return-path: give both)
 //! ```
 
 #![forbid(unsafe_code)]
@@ -84,7 +86,8 @@ const BUSY_LIMIT: Duration = Duration::from_secs(300);
 const MIB: f64 = (1u64 << 20) as f64;
 const CHUNK: u64 = 1 << 20;
 const USAGE: &str =
-    "migration-bench [--quick] [--only CASE,...] [--runs N] [--json PATH] [--set PARAM=VALUE]...";
+    "migration-bench [--quick] [--only CASE,...] [--runs N] [--json PATH] [--set PARAM=VALUE]... \
+     [--cap CAPABILITY]...";
 
 /// The guest side of the idle cases (`/usr/bin/sy-migbench` in the bench's image).
 const GUEST_SCRIPT: &str = r#"#!/bin/sh
@@ -256,6 +259,8 @@ struct Args {
     json: Option<PathBuf>,
     /// `migrate-set-parameters` arguments.
     set: serde_json::Map<String, Value>,
+    /// `migrate-set-capabilities` on both sides (`--cap NAME`), e.g. `switchover-ack`.
+    caps: Vec<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -265,6 +270,7 @@ fn parse_args() -> Result<Args> {
         runs: 0,
         json: None,
         set: serde_json::Map::new(),
+        caps: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -283,6 +289,7 @@ fn parse_args() -> Result<Args> {
                 let v = serde_json::from_str(v).unwrap_or_else(|_| Value::from(v));
                 a.set.insert(k.to_owned(), v);
             }
+            "--cap" => a.caps.push(value("--cap")?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -370,6 +377,9 @@ fn bench() -> Result<usize> {
         results.push((case, samples, failures));
     }
     let table = print_table(&results, &params, args.runs);
+    if !args.caps.is_empty() {
+        println!("migration capabilities on both sides: {}", args.caps.join(", "));
+    }
     eprintln!(
         "migration-bench: {:.0} s in all",
         started.elapsed().as_secs_f64()
@@ -383,6 +393,7 @@ fn bench() -> Result<usize> {
             "runs_per_case": args.runs,
             "qemu": qemu.display().to_string(),
             "migrate_parameters": params,
+            "migrate_capabilities": args.caps,
             "guest": { "memory_mib": 512, "vcpus": 1, "accel": "tcg", "hugepages": HUGEPAGES },
             "vram_filled_fraction": FILL_QUARTERS as f64 / 4.0,
             "converge_limit_s": CONVERGE_LIMIT.as_secs(),

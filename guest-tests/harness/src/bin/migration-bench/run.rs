@@ -103,13 +103,25 @@ pub(crate) fn run_case(
         .wait_for_line(ready)
         .with_context(|| format!("the source guest prints `{ready}`"))?;
     let incoming = dir.join("migration.sock");
-    let dst = start_side(env, qemu, initrd, dir, case, "dst", Some(&incoming))?;
+    let mut dst = start_side(env, qemu, initrd, dir, case, "dst", Some(&incoming))?;
     wait_until(Duration::from_secs(30), "the incoming socket", || {
         incoming.exists().then_some(())
     })?;
     if !args.set.is_empty() {
         let set = Value::Object(args.set.clone());
         src.qmp.execute("migrate-set-parameters", Some(set))?;
+    }
+    if !args.caps.is_empty() {
+        let caps: Vec<Value> = args
+            .caps
+            .iter()
+            .map(|c| json!({ "capability": c, "state": true }))
+            .collect();
+        let caps = json!({ "capabilities": caps });
+        for (side, qmp) in [("source", &mut src.qmp), ("destination", &mut dst.qmp)] {
+            qmp.execute("migrate-set-capabilities", Some(caps.clone()))
+                .with_context(|| format!("the {side}'s capabilities"))?;
+        }
     }
     if params.is_null() {
         *params = src.qmp.execute("query-migrate-parameters", None)?;
