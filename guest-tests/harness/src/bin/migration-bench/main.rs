@@ -85,8 +85,7 @@ const CONVERGE_LIMIT: Duration = Duration::from_secs(40);
 const BUSY_LIMIT: Duration = Duration::from_secs(300);
 const MIB: f64 = (1u64 << 20) as f64;
 const CHUNK: u64 = 1 << 20;
-const USAGE: &str =
-    "migration-bench [--quick] [--only CASE,...] [--runs N] [--json PATH] [--set PARAM=VALUE]... \
+const USAGE: &str = "migration-bench [--quick] [--only CASE,...] [--runs N] [--json PATH] [--set PARAM=VALUE]... \
      [--cap CAPABILITY]...";
 
 /// The guest side of the idle cases (`/usr/bin/sy-migbench` in the bench's image).
@@ -378,7 +377,10 @@ fn bench() -> Result<usize> {
     }
     let table = print_table(&results, &params, args.runs);
     if !args.caps.is_empty() {
-        println!("migration capabilities on both sides: {}", args.caps.join(", "));
+        println!(
+            "migration capabilities on both sides: {}",
+            args.caps.join(", ")
+        );
     }
     eprintln!(
         "migration-bench: {:.0} s in all",
