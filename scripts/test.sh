@@ -77,11 +77,13 @@ fi
 
 step "unsafe code lives only in backend/sys (every other crate root, test and example forbids it)"
 # Integration tests and examples are crate roots of their own: tests/NAME.rs, tests/NAME/main.rs,
-# examples/NAME.rs and examples/NAME/main.rs of every crate (backend/CRATE, ...).
+# examples/NAME.rs and examples/NAME/main.rs of every crate (backend/CRATE, ...); so are binaries,
+# src/bin/NAME.rs and src/bin/NAME/main.rs (the other files of such a directory are its modules).
 missing=$(
   {
     find backend vmm-integration guest-tests -path '*/target' -prune -o \
-      \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*.rs' \) -print
+      \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*/main.rs' \
+         -o \( -path '*/src/bin/*.rs' -not -path '*/src/bin/*/*' \) \) -print
     find backend vmm-integration guest-tests -mindepth 3 -maxdepth 3 \
       \( -path '*/tests/*.rs' -o -path '*/examples/*.rs' \) -print
     find backend vmm-integration guest-tests -mindepth 4 -maxdepth 4 \
