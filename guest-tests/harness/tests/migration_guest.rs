@@ -677,9 +677,12 @@ fn compare_vram(
 
 /// The sizes of issue 35: a 4 GiB softgpu with 3/4 of its VRAM filled (by the engine, through
 /// the driver) and trapped (`vram_mmap=off`: every write logged), idle, migrates at QEMU's
-/// default bandwidth and downtime limit, and converges within the time its data needs at
-/// 128 MiB/s plus 50 %: the device serves GET_PRECOPY_INFO and MIG_DATA_SIZE, and its idle
-/// pre-copy rounds send nothing (before, padding kept QEMU iterating forever). The
+/// default bandwidth and downtime limit and converges while the device idles (75 s): the
+/// device serves GET_PRECOPY_INFO and MIG_DATA_SIZE, and its idle pre-copy rounds send
+/// nothing (before, padding kept QEMU iterating forever), so its stream carries its data once
+/// (at most 1 % more). How long it takes against the goal (its data's time at 128 MiB/s plus
+/// 50 %) is printed, and measured by `scripts/bench-migration.sh` (`4g-idle-trapped`, column
+/// `x goal`): a timing is not asserted here (the machine may be loaded). The
 /// destination's VRAM equals the source's over the filled 3 GiB; the soak then runs
 /// bit-exact on the destination, and the driver finds its fill there.
 #[test]
@@ -731,17 +734,19 @@ fn an_idle_4_gib_device_3_4_filled_converges_at_qemus_defaults() {
             .to_owned();
         eprintln!(
             "sized migration: {fill}; total {total_ms} ms (the data needs {need_ms:.0} ms at \
-             128 MiB/s), downtime {} ms, stream {stream} bytes, device {device_bytes} bytes, \
-             source STOP_COPY {stop_copy} ms",
+             128 MiB/s: {:.2}x of the goal's 1.5x), downtime {} ms, stream {stream} bytes, device \
+             {device_bytes} bytes, source STOP_COPY {stop_copy} ms",
+            total_ms / (need_ms * 1.5),
             st["downtime"]
         );
         assert!(
             device_bytes >= (VRAM / 4 * 3) as f64,
             "the device's 3 GiB went over the stream: {st}"
         );
+        let data = (VRAM / 4 * 3) as f64;
         assert!(
-            total_ms <= need_ms * 1.5,
-            "{total_ms} ms is more than the {need_ms:.0} ms its data needs at 128 MiB/s plus 50 %: {st}"
+            device_bytes <= data * 1.01,
+            "the device sent {device_bytes} bytes for {data} bytes of data: {st}"
         );
 
         let (bad, first, filled) = compare_vram(
