@@ -20,12 +20,12 @@ use switchyard_proto::{
 use super::{Dispatcher, feature_reply, reply_empty};
 use crate::Slot;
 use crate::error::{RequestError, invalid};
+use crate::migration;
 
 /// A refusal with its own errno.
 fn invalid_errno(what: &'static str, errno: i32) -> RequestError {
     RequestError::Invalid { what, errno }
 }
-use crate::migration;
 
 /// A feature the device does not have.
 fn not_supported() -> RequestError {
@@ -215,7 +215,7 @@ impl Dispatcher {
             .ok_or_else(|| invalid("MIG_MAPPED_REGIONS needs a 64-bit region mask"))?;
         let allowed = self.mapped_regions(slot);
         if mask == 0 || mask & !allowed != 0 {
-            tracing::info!(
+            tracing::debug!(
                 mask = format_args!("{mask:#x}"),
                 allowed = format_args!("{allowed:#x}"),
                 "client's offer to migrate mapped memory refused"

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use switchyard_control::ApiError;
-use switchyard_pool::{BoardState, EndpointSpec as PoolEndpointSpec};
+use switchyard_pool::{BoardState, DeviceShape, EndpointSpec as PoolEndpointSpec, Inventory};
 use utoipa::ToSchema;
 
 mod remote;
@@ -252,19 +252,8 @@ impl Daemon {
                 .pool
                 .clone()
                 .or_else(|| inv.board(&theirs.board).and_then(|b| b.pool));
-            let device = inv
-                .boards()
-                .into_iter()
-                .filter(|b| b.pool == pool)
-                .flat_map(|b| b.devices)
-                .find(|d| {
-                    d.shape == theirs.shape
-                        && d.state == BoardState::Available
-                        && d.endpoint.is_none()
-                        && d.reserved_for.is_none()
-                })
-                .map(|d| d.id)
-                .ok_or_else(|| {
+            let device =
+                free_device(&inv, &pool, |shape| *shape == theirs.shape).ok_or_else(|| {
                     ApiError::conflict(
                         "no_capacity",
                         format!(
@@ -472,6 +461,27 @@ impl Daemon {
     fn incoming(&self) -> super::super::Held<'_, std::collections::BTreeMap<String, Incoming>> {
         super::super::lock(&self.incoming)
     }
+}
+
+/// The first free device (available, no endpoint, not reserved) on the boards of `pool` (or
+/// of no pool) whose shape `fits`: where an incoming endpoint, from a local source or from a
+/// description, is leased.
+fn free_device(
+    inv: &Inventory,
+    pool: &Option<String>,
+    fits: impl Fn(&DeviceShape) -> bool,
+) -> Option<String> {
+    inv.boards()
+        .into_iter()
+        .filter(|b| &b.pool == pool)
+        .flat_map(|b| b.devices)
+        .find(|d| {
+            fits(&d.shape)
+                && d.state == BoardState::Available
+                && d.endpoint.is_none()
+                && d.reserved_for.is_none()
+        })
+        .map(|d| d.id)
 }
 
 #[cfg(test)]

@@ -20,12 +20,11 @@
 
 use serde::Deserialize;
 use switchyard_control::ApiError;
-use switchyard_pool::BoardState;
 use utoipa::ToSchema;
 
 use super::super::super::Daemon;
 use super::super::views::EndpointStatus;
-use super::{Incarnation, IncomingSpec};
+use super::{Incarnation, IncomingSpec, free_device};
 use crate::lifecycle::{MigrationChange, WorkerLifecycle};
 
 /// The body of `POST /v1/incoming`.
@@ -175,32 +174,23 @@ impl Daemon {
                     format!("No pool \"{p}\" here (name another with `pool`)"),
                 ));
             }
-            inv.boards()
-                .into_iter()
-                .filter(|b| b.pool == want.pool)
-                .flat_map(|b| b.devices)
-                .find(|d| {
-                    d.shape.model == want.model
-                        && d.shape.options == want.options
-                        && d.state == BoardState::Available
-                        && d.endpoint.is_none()
-                        && d.reserved_for.is_none()
-                })
-                .map(|d| d.id)
-                .ok_or_else(|| {
-                    ApiError::conflict(
-                        "no_capacity",
-                        format!(
-                            "No free device of source \"{source}\"'s shape ({} {}){}",
-                            want.model,
-                            serde_json::Value::Object(want.options.clone()),
-                            want.pool.as_ref().map_or_else(
-                                || " on a board in no pool".to_owned(),
-                                |p| format!(" in pool \"{p}\"")
-                            )
-                        ),
-                    )
-                })?
+            free_device(&inv, &want.pool, |shape| {
+                shape.model == want.model && shape.options == want.options
+            })
+            .ok_or_else(|| {
+                ApiError::conflict(
+                    "no_capacity",
+                    format!(
+                        "No free device of source \"{source}\"'s shape ({} {}){}",
+                        want.model,
+                        serde_json::Value::Object(want.options.clone()),
+                        want.pool.as_ref().map_or_else(
+                            || " on a board in no pool".to_owned(),
+                            |p| format!(" in pool \"{p}\"")
+                        )
+                    ),
+                )
+            })?
         };
         let spec = IncomingSpec {
             id: req.id,
