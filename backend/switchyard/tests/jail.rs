@@ -182,14 +182,19 @@ fn a_failover_re_executes_the_worker_inside_its_jail() {
     guest.setup_queue(1);
     common::workload::fill_copy_round(&mut guest, 1, 0);
     d.ctl_ok(&["fault", "g0", "engine"]);
+    // The signal is the pool's `failed_over` event: the lease is committed to g1 by then
+    // (the worker's re-exec log comes earlier, before the daemon adopts it).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !d
-        .log()
-        .contains("jailed: the jail of the image before the re-exec goes on")
-    {
-        assert!(Instant::now() < deadline, "no re-exec:\n{}", d.log());
+    while !d.events().iter().any(|e| e["pool"]["kind"]["type"] == "failed_over") {
+        assert!(Instant::now() < deadline, "no failover:\n{}", d.log());
         std::thread::sleep(Duration::from_millis(20));
     }
+    assert!(
+        d.log()
+            .contains("jailed: the jail of the image before the re-exec goes on"),
+        "{}",
+        d.log()
+    );
     // The same process, in the same jail, not stacked again; and it serves on the new board.
     assert_eq!(kernel_view(pid), jailed, "{}", d.log());
     common::workload::fill_copy_round(&mut guest, 2, 0);
