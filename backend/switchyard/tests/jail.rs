@@ -185,7 +185,11 @@ fn a_failover_re_executes_the_worker_inside_its_jail() {
     // The signal is the pool's `failed_over` event: the lease is committed to g1 by then
     // (the worker's re-exec log comes earlier, before the daemon adopts it).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !d.events().iter().any(|e| e["pool"]["kind"]["type"] == "failed_over") {
+    while !d
+        .events()
+        .iter()
+        .any(|e| e["pool"]["kind"]["type"] == "failed_over")
+    {
         assert!(Instant::now() < deadline, "no failover:\n{}", d.log());
         std::thread::sleep(Duration::from_millis(20));
     }
