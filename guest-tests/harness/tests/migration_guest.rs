@@ -194,8 +194,10 @@ fn soak_across_migration(
         let mut src = boot_source(env, dir, device, source_serve_args, driver_args);
         let incoming = dir.join("migration.sock");
         let dst = start_destination(env, dir, device, driver_args, &incoming);
-        // Some jobs before the switchover.
-        std::thread::sleep(Duration::from_secs(2));
+        // Some jobs before the switchover: the soak reports progress after its first second.
+        src.guest
+            .wait_for_line("SYGPU: soak progress")
+            .expect("the soak runs");
         let st = migrate(&mut src.qmp, &format!("unix:{}", incoming.display()));
         assert_eq!(st["status"], "completed", "{st}");
         // The source stops (postmigrate); the guest runs on in the destination.
@@ -425,7 +427,7 @@ fn a_migration_between_two_pool_endpoints_hands_the_lease_over() {
              [[pools]]\nname = \"p\"\nboards = [\"gpu0\", \"gpu1\"]\n",
         );
         let socket = daemon.create("vm1", "p");
-        let (guest, mut qmp) = boot_soaking(env, dir, &socket, &[]);
+        let (mut guest, mut qmp) = boot_soaking(env, dir, &socket, &[]);
         let api = daemon.api();
         let incoming = api
             .post("/v1/endpoints/vm1/incoming", &json!({ "id": "vm1-in" }))
@@ -446,7 +448,10 @@ fn a_migration_between_two_pool_endpoints_hands_the_lease_over() {
             || migration.exists().then_some(()),
         )
         .expect("the destination listens");
-        std::thread::sleep(Duration::from_secs(2));
+        // Some jobs before the switchover: the soak reports progress after its first second.
+        guest
+            .wait_for_line("SYGPU: soak progress")
+            .expect("the soak runs");
         let st = migrate(&mut qmp, &format!("unix:{}", migration.display()));
         assert_eq!(st["status"], "completed", "{st}");
         wait_until(
@@ -549,7 +554,10 @@ fn a_guest_booted_where_another_ran_migrates_away_and_back() {
         let b = Server::start_named(env, dir, "b", DEVICE, &[]).expect("server b");
         let to_b = dir.join("to-b.sock");
         let (on_b, mut qmp_b) = boot_incoming(env, dir, "dst", &b.socket, args.clone(), &to_b);
-        std::thread::sleep(Duration::from_secs(2));
+        // Some jobs before the switchover: the soak reports progress after its first second.
+        guest
+            .wait_for_line("SYGPU: soak progress")
+            .expect("the soak runs");
         let st = migrate(&mut qmp, &format!("unix:{}", to_b.display()));
         assert_eq!(st["status"], "completed", "A to B: {st}");
         let _ = qmp.quit();
@@ -585,7 +593,7 @@ fn a_vm_restarted_on_its_pool_endpoint_migrates() {
         );
         let socket = daemon.create("vm1", "p");
         run_and_power_off(env, dir, &socket);
-        let (guest, mut qmp) = boot_soaking(env, dir, &socket, &[]);
+        let (mut guest, mut qmp) = boot_soaking(env, dir, &socket, &[]);
         let api = daemon.api();
         let incoming = api
             .post("/v1/endpoints/vm1/incoming", &json!({ "id": "vm1-in" }))
@@ -596,7 +604,10 @@ fn a_vm_restarted_on_its_pool_endpoint_migrates() {
         let migration = dir.join("migration.sock");
         let (dst, _dst_qmp) =
             boot_incoming(env, dir, "dst", &dst_socket, soak_args(&[]), &migration);
-        std::thread::sleep(Duration::from_secs(2));
+        // Some jobs before the switchover: the soak reports progress after its first second.
+        guest
+            .wait_for_line("SYGPU: soak progress")
+            .expect("the soak runs");
         let st = migrate(&mut qmp, &format!("unix:{}", migration.display()));
         assert_eq!(st["status"], "completed", "{st}");
         wait_until(
@@ -834,7 +845,10 @@ fn a_vm_with_two_devices_migrates_both_quiesced_first() {
             || incoming.exists().then_some(()),
         )
         .expect("the destination listens");
-        std::thread::sleep(Duration::from_secs(2));
+        // Some jobs before the switchover: the soak reports progress after its first second.
+        guest
+            .wait_for_line("SYGPU: soak progress")
+            .expect("the soak runs");
         let st = migrate(&mut qmp, &format!("unix:{}", incoming.display()));
         let before = guest.serial_text();
         let _ = qmp.quit();
