@@ -6,7 +6,10 @@
 # apart), and the device's STOP_COPY time and stream from the source server's log.
 #
 #   scripts/bench-migration.sh            # no device; 256 MiB, 1 GiB, 4 GiB (mapped and trapped) VRAM
-#                                         # idle and writing; two 1 GiB devices idle; 3 runs each
+#                                         # idle and writing; two 1 GiB devices idle (mapped and
+#                                         # trapped); 3 runs each
+#   scripts/bench-migration.sh --cap return-path --cap switchover-ack   # the same, QEMU waiting
+#                                         # for the destination's ack before the switchover
 #   scripts/bench-migration.sh --quick    # CI: no device, 256 MiB idle and writing, once each (~2 min)
 #   scripts/bench-migration.sh --json target/bench/migration.json   # also the table as JSON
 #   scripts/bench-migration.sh --only 1g-idle --set max-bandwidth=1073741824   # one case, QEMU parameters set

@@ -11,7 +11,8 @@ use switchyard_guest_tests::{Server, wait_until};
 use crate::{CHUNK, Case};
 
 /// What the source servers logged about the devices' side of the migration: the times
-/// (`stop_copy_ms`, `precopy_ms`) of the slowest device, the stream counts of all.
+/// (`stop_copy_ms`, `stream_read_ms`, `precopy_ms`) of the slowest device, the stream counts
+/// of all.
 pub(crate) fn device_figures(logs: &[String]) -> BTreeMap<&'static str, f64> {
     let mut all: BTreeMap<&'static str, f64> = BTreeMap::new();
     for log in logs {
@@ -41,6 +42,16 @@ fn one_device(log: &str) -> BTreeMap<&'static str, f64> {
     let stop = stamp("to=StopCopy");
     if let (Some(a), Some(b)) = (stop, stamp("from=StopCopy")) {
         fig.insert("stop_copy_ms", ms(a, b));
+    }
+    // The stream's last byte read (its end record): the device's share of the downtime.
+    // QEMU leaves STOP_COPY only in its clean-up after the migration completed, so the time
+    // in STOP_COPY above also holds the rest of QEMU's switchover.
+    let read = log
+        .lines()
+        .find(|l| l.contains("outgoing migration stream complete"))
+        .and_then(seconds_of_day);
+    if let (Some(a), Some(b)) = (stop, read) {
+        fig.insert("stream_read_ms", ms(a, b));
     }
     if let (Some(a), Some(b)) = (precopy, stop) {
         fig.insert("precopy_ms", ms(a, b));

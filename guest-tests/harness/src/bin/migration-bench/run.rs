@@ -19,17 +19,18 @@ struct Side {
     qmp: Qmp,
 }
 
-/// Starts one side: its server (the source's VRAM filled), then its QEMU (the destination's
-/// waiting on `incoming`).
+/// Starts one side, the destination when `incoming` is given: its server (the source's VRAM
+/// filled), then its QEMU (the destination's waiting on `incoming`).
 fn start_side(
     env: &GuestEnv,
     qemu: &Path,
     initrd: &Path,
     dir: &Path,
     case: &Case,
-    name: &str,
     incoming: Option<&Path>,
+    bandwidth: f64,
 ) -> Result<Side> {
+    let name = if incoming.is_some() { "dst" } else { "src" };
     let mut servers = Vec::new();
     if let Some(device) = case.device() {
         for i in 0..case.devices {
@@ -51,7 +52,7 @@ fn start_side(
         spec.args = vec![
             "--noiommu".into(),
             "--soak".into(),
-            case.soak_seconds().to_string(),
+            case.soak_seconds(bandwidth).to_string(),
         ];
         spec
     } else {
@@ -71,7 +72,7 @@ fn start_side(
     spec.qmp = true;
     spec.qemu = Some(qemu.to_owned());
     spec.name = Some(name.to_owned());
-    spec.timeout = Duration::from_secs(300) + 2 * case.busy_limit();
+    spec.timeout = Duration::from_secs(300) + 2 * case.busy_limit(bandwidth);
     spec.incoming = incoming.map(Path::to_owned);
     let guest = Guest::boot(env, dir, &spec).with_context(|| format!("boot the {name} QEMU"))?;
     let qmp = Qmp::connect(guest.qmp.clone().context("QMP")?, Duration::from_secs(30))
@@ -93,7 +94,7 @@ pub(crate) fn run_case(
     args: &Args,
     params: &mut Value,
 ) -> Result<Sample> {
-    let mut src = start_side(env, qemu, initrd, dir, case, "src", None)?;
+    let mut src = start_side(env, qemu, initrd, dir, case, None, args.bandwidth())?;
     let ready = if case.writing {
         "SYGPU: soak start"
     } else {
@@ -103,7 +104,15 @@ pub(crate) fn run_case(
         .wait_for_line(ready)
         .with_context(|| format!("the source guest prints `{ready}`"))?;
     let incoming = dir.join("migration.sock");
-    let mut dst = start_side(env, qemu, initrd, dir, case, "dst", Some(&incoming))?;
+    let mut dst = start_side(
+        env,
+        qemu,
+        initrd,
+        dir,
+        case,
+        Some(&incoming),
+        args.bandwidth(),
+    )?;
     wait_until(Duration::from_secs(30), "the incoming socket", || {
         incoming.exists().then_some(())
     })?;
@@ -127,8 +136,11 @@ pub(crate) fn run_case(
         *params = src.qmp.execute("query-migrate-parameters", None)?;
     }
     if case.writing {
-        // Some verified jobs before the migration starts.
-        std::thread::sleep(Duration::from_secs(2));
+        // Some verified jobs before the migration starts: the soak reports progress after
+        // its first second of them.
+        src.guest
+            .wait_for_line("SYGPU: soak progress")
+            .context("the source's soak runs")?;
     }
     let limit = case.limit(params["max-bandwidth"].as_f64().unwrap_or(0.0));
     let src_logs = |servers: &[Server]| servers.iter().map(Server::log_text).collect::<Vec<_>>();

@@ -95,7 +95,9 @@ pub(crate) fn print_table(
             "vram_filled_bytes": case.fill_bytes(),
             "devices": case.devices,
             "vram_trapped": case.trapped,
-            "soak_seconds": case.writing.then(|| case.soak_seconds()),
+            "soak_seconds": case
+                .writing
+                .then(|| case.soak_seconds(bandwidth.unwrap_or(crate::DEFAULT_BANDWIDTH))),
             "goal_ms": goal_ms,
             "total_vs_goal": goal,
             "runs_ok": samples.len(),
@@ -149,14 +151,15 @@ pub(crate) fn print_table(
          stream) needs at max-bandwidth; <= 1 meets the goal. x floor: downtime / the no-device \
          downtime. stream MiB: QEMU's ram.transferred (the whole stream, the device's share \
          included); device MiB: its vfio.transferred; padding MiB, STOP_COPY ms (the device's \
-         share of the downtime; the slowest device), pages sent (all rounds): the source \
-         servers' logs. VRAM cases: {}% of each device's VRAM filled with data before the \
+         stop to QEMU's STOP after completion), read ms (its stop to its stream's last byte \
+         read: its share of the downtime; the slowest device), pages sent (all rounds): the \
+         source servers' logs. VRAM cases: {}% of each device's VRAM filled with data before the \
          migration.",
         FILL_QUARTERS * 25
     );
     // Two devices against one of the same size: the goal is at most 1.2x the downtime.
     for (case, samples, _) in results.iter().filter(|r| r.0.devices > 1) {
-        let one = results.iter().find(|r| {
+        let one_case = results.iter().find(|r| {
             r.0.devices == 1
                 && r.0.vram_mib == case.vram_mib
                 && r.0.writing == case.writing
@@ -164,12 +167,25 @@ pub(crate) fn print_table(
         });
         let (Some(two), Some(one)) = (
             stat(samples, "downtime_ms"),
-            one.and_then(|r| stat(&r.1, "downtime_ms")),
+            one_case.and_then(|r| stat(&r.1, "downtime_ms")),
         ) else {
             continue;
         };
+        // QEMU's downtime is in whole ms; the devices' share (from the servers' logs, the
+        // later of the two devices') is finer.
+        let stop_copy = stat(samples, "stream_read_ms")
+            .zip(one_case.and_then(|r| stat(&r.1, "stream_read_ms")))
+            .filter(|(_, o)| o.0 > 0.0)
+            .map_or(String::new(), |(t, o)| {
+                format!(
+                    "; device share (read ms) {:.1} ms = {:.2}x its {:.1} ms",
+                    t.0,
+                    t.0 / o.0,
+                    o.0
+                )
+            });
         println!(
-            "  {}: downtime {:.0} ms = {:.2}x the one-device VM's {:.0} ms",
+            "  {}: downtime {:.0} ms = {:.2}x the one-device VM's {:.0} ms{stop_copy}",
             case.id,
             two.0,
             two.0 / one.0.max(1.0),
