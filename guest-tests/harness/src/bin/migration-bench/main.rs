@@ -57,6 +57,10 @@
 //!   --cap NAME        migrate-set-capabilities NAME on both QEMUs first, e.g. switchover-ack
 //!                     (which QEMU accepts only with return-path: give both)
 //! ```
+//!
+//! `MIGBENCH_SERVER_LOG` sets the servers' `RUST_LOG` (default `info`, which carries the
+//! figures); `info,switchyard_server=trace` logs every reply, to see where a switchover's
+//! time goes.
 
 #![forbid(unsafe_code)]
 

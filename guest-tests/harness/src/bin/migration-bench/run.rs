@@ -39,7 +39,11 @@ fn start_side(
                 if i == 0 { String::new() } else { i.to_string() }
             ));
             std::fs::create_dir_all(&sdir)?;
-            let s = Server::start_logging(env, &sdir, &device, &[], "info")
+            // `info` carries the figures; MIGBENCH_SERVER_LOG (e.g. `info,switchyard_server=trace`)
+            // adds every request's reply, to see where a switchover's time goes.
+            let level =
+                std::env::var("MIGBENCH_SERVER_LOG").unwrap_or_else(|_| "info".to_owned());
+            let s = Server::start_logging(env, &sdir, &device, &[], &level)
                 .with_context(|| format!("the {name} server {i}"))?;
             if incoming.is_none() {
                 fill_vram(&s, case)?;
