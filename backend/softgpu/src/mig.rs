@@ -326,6 +326,14 @@ impl MigSource {
     /// the rest of that round, then the logged pages (the log holds every write since the
     /// stream began); otherwise it is every data page.
     pub(crate) fn device_stopped(&mut self, vram: &Vram) {
+        // What the switchover leaves to the device's stop-and-copy: with QEMU's
+        // `switchover-ack` no initial bytes (the destination acked their load first).
+        let (initial, dirty) = self.pending(vram);
+        tracing::info!(
+            initial_bytes = initial,
+            dirty_bytes = dirty,
+            "the device stopped for the switchover"
+        );
         self.last_round = true;
         self.stopped_at = Some(std::time::Instant::now());
         if self.tracked && self.full_round {

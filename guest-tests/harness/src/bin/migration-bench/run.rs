@@ -41,8 +41,7 @@ fn start_side(
             std::fs::create_dir_all(&sdir)?;
             // `info` carries the figures; MIGBENCH_SERVER_LOG (e.g. `info,switchyard_server=trace`)
             // adds every request's reply, to see where a switchover's time goes.
-            let level =
-                std::env::var("MIGBENCH_SERVER_LOG").unwrap_or_else(|_| "info".to_owned());
+            let level = std::env::var("MIGBENCH_SERVER_LOG").unwrap_or_else(|_| "info".to_owned());
             let s = Server::start_logging(env, &sdir, &device, &[], &level)
                 .with_context(|| format!("the {name} server {i}"))?;
             if incoming.is_none() {
