@@ -46,7 +46,7 @@ const DEVICE: &str = "softgpu,vram=64M,queues=2";
 fn migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test() {
     assert_guest_tests_ignored(
         "migration_guest_tests_are_ignored_not_passed_under_plain_cargo_test",
-        11,
+        12,
     );
 }
 
