@@ -630,6 +630,60 @@ fn a_vm_restarted_on_its_pool_endpoint_migrates() {
 /// QEMU's default `max-bandwidth` (128 MiB/s), which the sized test leaves as it is.
 const DEFAULT_BANDWIDTH: f64 = (128u64 << 20) as f64;
 
+/// Boots a source guest against a fresh server serving `device` whose driver (`--noiommu`
+/// and `driver`: `--fill-vram --idle S ...`) fills 3/4 of VRAM through the engine and then
+/// idles; returns the source and the driver's fill line once it idles.
+fn boot_filled_idle(env: &GuestEnv, dir: &Path, device: &str, driver: &[&str]) -> (Side, String) {
+    let server = Server::start_named(env, dir, "src", device, &[]).expect("source server");
+    let mut spec = spec(env, "src", &server.socket);
+    spec.args = ["--noiommu"]
+        .iter()
+        .chain(driver)
+        .map(|s| s.to_string())
+        .collect();
+    let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
+    let qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
+        .expect("the source's QMP");
+    let fill = guest
+        .wait_for_line("SYGPU: fill done")
+        .expect("the driver fills VRAM");
+    guest
+        .wait_for_line("SYGPU: idle start")
+        .expect("the driver idles");
+    (Side { server, guest, qmp }, fill)
+}
+
+/// After a filled idle source (`boot_filled_idle`) migrated to `dst`: the destination's VRAM
+/// equals the source's over the filled ranges of `vram` bytes; then the source quits and the
+/// driver runs on on the destination (received, not booted), its soak bit-exact and its fill
+/// found there.
+fn check_fill_moved(mut src: Side, dst: Side, vram: u64) {
+    let (bad, first, filled) = compare_vram(
+        &vram_of(&src.server),
+        &vram_of(&dst.server),
+        &filled_ranges(vram),
+    );
+    assert!(filled, "the source's VRAM holds the fill");
+    assert_eq!(
+        bad, 0,
+        "destination VRAM differs from the source's in {bad} pages (first at {first:#x?})"
+    );
+    let _ = src.qmp.quit();
+    drop(src.guest);
+    let out = dst.guest.wait().expect("the destination guest finished");
+    soak_summary(&out);
+    assert!(
+        out.serial.contains("SYGPU: step fill-check: ok"),
+        "the driver checks its fill on the destination:\n{}",
+        out.serial
+    );
+    assert!(
+        !out.serial.contains("SYGPU: fill done"),
+        "the destination booted the guest instead of receiving it:\n{}",
+        out.serial
+    );
+}
+
 /// The ranges `sygpu-driver --fill-vram` fills in a VRAM of `vram` bytes (see its `fill.rs`):
 /// `[0, V/2)` and `[V/2 + 16 MiB, V/2 + 16 MiB + V/4)`, 3/4 of VRAM.
 fn filled_ranges(vram: u64) -> [(u64, u64); 2] {
@@ -703,26 +757,11 @@ fn an_idle_4_gib_device_3_4_filled_converges_at_qemus_defaults() {
     let device = "softgpu,vram=4G,queues=2,vram_mmap=off";
     let driver = ["--fill-vram", "--idle", "75", "--soak", "3"];
     with_logs("migrate-sized", |env, dir| {
-        let server = Server::start_named(env, dir, "src", device, &[]).expect("source server");
-        let mut spec = spec(env, "src", &server.socket);
-        spec.args = ["--noiommu"]
-            .into_iter()
-            .chain(driver)
-            .map(str::to_owned)
-            .collect();
-        let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
-        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
-            .expect("the source's QMP");
-        let fill = guest
-            .wait_for_line("SYGPU: fill done")
-            .expect("the driver fills VRAM");
-        guest
-            .wait_for_line("SYGPU: idle start")
-            .expect("the driver idles");
+        let (mut src, fill) = boot_filled_idle(env, dir, device, &driver);
         let incoming = dir.join("migration.sock");
         let dst = start_destination(env, dir, device, &driver, &incoming);
-        let st = migrate(&mut qmp, &format!("unix:{}", incoming.display()));
-        let before = guest.serial_text();
+        let st = migrate(&mut src.qmp, &format!("unix:{}", incoming.display()));
+        let before = src.guest.serial_text();
         assert_eq!(st["status"], "completed", "{st}");
         assert!(
             !before.contains("SYGPU: soak start"),
@@ -735,7 +774,7 @@ fn an_idle_4_gib_device_3_4_filled_converges_at_qemus_defaults() {
             .expect("bytes transferred");
         let device_bytes = st["vfio"]["transferred"].as_f64().unwrap_or(0.0);
         let need_ms = stream / DEFAULT_BANDWIDTH * 1000.0;
-        let log = server.log_text();
+        let log = src.server.log_text();
         let stop_copy = log
             .lines()
             .find(|l| l.contains("outgoing migration stream complete"))
@@ -759,32 +798,7 @@ fn an_idle_4_gib_device_3_4_filled_converges_at_qemus_defaults() {
             device_bytes <= data * 1.01,
             "the device sent {device_bytes} bytes for {data} bytes of data: {st}"
         );
-
-        let (bad, first, filled) = compare_vram(
-            &vram_of(&server),
-            &vram_of(&dst.server),
-            &filled_ranges(VRAM),
-        );
-        assert!(filled, "the source's VRAM holds the fill");
-        assert_eq!(
-            bad, 0,
-            "destination VRAM differs from the source's in {bad} pages (first at {first:#x?})"
-        );
-
-        let _ = qmp.quit();
-        drop(guest);
-        let out = dst.guest.wait().expect("the destination guest finished");
-        soak_summary(&out);
-        assert!(
-            out.serial.contains("SYGPU: step fill-check: ok"),
-            "the driver checks its fill on the destination:\n{}",
-            out.serial
-        );
-        assert!(
-            !out.serial.contains("SYGPU: fill done"),
-            "the destination booted the guest instead of receiving it:\n{}",
-            out.serial
-        );
+        check_fill_moved(src, dst, VRAM);
     });
 }
 
@@ -802,37 +816,25 @@ fn with_switchover_ack_a_trapped_device_stops_with_its_first_pass_sent() {
     let device = "softgpu,vram=1G,queues=2,vram_mmap=off";
     let driver = ["--fill-vram", "--idle", "40", "--soak", "3"];
     with_logs("migrate-switchover-ack", |env, dir| {
-        let server = Server::start_named(env, dir, "src", device, &[]).expect("source server");
-        let mut spec = spec(env, "src", &server.socket);
-        spec.args = ["--noiommu"]
-            .into_iter()
-            .chain(driver)
-            .map(str::to_owned)
-            .collect();
-        let mut guest = Guest::boot(env, dir, &spec).expect("boot the source");
-        let mut qmp = Qmp::connect(guest.qmp.clone().expect("QMP"), Duration::from_secs(30))
-            .expect("the source's QMP");
-        guest
-            .wait_for_line("SYGPU: idle start")
-            .expect("the driver fills VRAM and idles");
+        let (mut src, _) = boot_filled_idle(env, dir, device, &driver);
         let incoming = dir.join("migration.sock");
         let mut dst = start_destination(env, dir, device, &driver, &incoming);
         let caps = json!({ "capabilities": [
             { "capability": "return-path", "state": true },
             { "capability": "switchover-ack", "state": true },
         ] });
-        for q in [&mut qmp, &mut dst.qmp] {
+        for q in [&mut src.qmp, &mut dst.qmp] {
             q.execute("migrate-set-capabilities", Some(caps.clone()))
                 .expect("return-path and switchover-ack");
         }
-        let st = migrate(&mut qmp, &format!("unix:{}", incoming.display()));
-        let before = guest.serial_text();
+        let st = migrate(&mut src.qmp, &format!("unix:{}", incoming.display()));
+        let before = src.guest.serial_text();
         assert_eq!(st["status"], "completed", "{st}");
         assert!(
             !before.contains("SYGPU: soak start"),
             "the device was not idle during the whole migration:\n{before}"
         );
-        let log = server.log_text();
+        let log = src.server.log_text();
         let stopped = log
             .lines()
             .find(|l| l.contains("the device stopped for the switchover"))
@@ -841,29 +843,11 @@ fn with_switchover_ack_a_trapped_device_stops_with_its_first_pass_sent() {
             stopped.contains("initial_bytes=0 "),
             "the device stopped with initial data left: {stopped}"
         );
-        let (bad, first, filled) = compare_vram(
-            &vram_of(&server),
-            &vram_of(&dst.server),
-            &filled_ranges(VRAM),
-        );
-        assert!(filled, "the source's VRAM holds the fill");
-        assert_eq!(
-            bad, 0,
-            "destination VRAM differs from the source's in {bad} pages (first at {first:#x?})"
-        );
         eprintln!(
             "switchover-ack: downtime {} ms, total {} ms; {stopped}",
             st["downtime"], st["total-time"]
         );
-        let _ = qmp.quit();
-        drop(guest);
-        let out = dst.guest.wait().expect("the destination guest finished");
-        soak_summary(&out);
-        assert!(
-            out.serial.contains("SYGPU: step fill-check: ok"),
-            "the driver checks its fill on the destination:\n{}",
-            out.serial
-        );
+        check_fill_moved(src, dst, VRAM);
     });
 }
 
