@@ -785,7 +785,7 @@ fn an_idle_4_gib_device_3_4_filled_converges_at_qemus_defaults() {
         eprintln!(
             "sized migration: {fill}; total {total_ms} ms (the data needs {need_ms:.0} ms at \
              128 MiB/s: {:.2}x of the goal's 1.5x), downtime {} ms, stream {stream} bytes, device \
-             {device_bytes} bytes, source STOP_COPY {stop_copy} ms",
+             {device_bytes} bytes, device share (stop to last byte read) {stop_copy} ms",
             total_ms / (need_ms * 1.5),
             st["downtime"]
         );
