@@ -363,14 +363,15 @@ impl Guest {
             .any(|l| l.trim() == "GUEST: poweroff");
         if !status.success() || !powered_off {
             return Err(HarnessError::Unclean(format!(
-                "QEMU exited with {status}, {} (see {} and {})",
+                "QEMU exited with {status}, {} (see {} and {}); the console's last lines:\n{}",
                 if powered_off {
                     "after `GUEST: poweroff`"
                 } else {
                     "but the guest never printed `GUEST: poweroff`"
                 },
                 self.serial.display(),
-                self.qemu_log.display()
+                self.qemu_log.display(),
+                last_lines(&serial, UNCLEAN_CONSOLE_LINES)
             )));
         }
         Ok(GuestOutput {
@@ -379,6 +380,17 @@ impl Guest {
             elapsed: self.started.elapsed(),
         })
     }
+}
+
+/// How many of the console's last lines an unclean end quotes: CI keeps only the test's
+/// output, not the log files, and a kernel's crash report fits in this many.
+const UNCLEAN_CONSOLE_LINES: usize = 80;
+
+/// The last `n` lines of `text`, each indented for a report.
+fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().map(str::trim_end).collect();
+    let from = lines.len().saturating_sub(n);
+    lines[from..].iter().map(|l| format!("  | {l}\n")).collect()
 }
 
 /// The files a guest's QEMU writes (see [`GuestSpec::name`]).
@@ -673,6 +685,11 @@ GUEST: test sygpu-driver start args=
             .wait()
             .expect_err("panicked");
         assert!(matches!(err, HarnessError::Unclean(_)), "{err}");
+        assert!(
+            err.to_string()
+                .contains("  | [    5.123456] Kernel panic - not syncing: Attempted to kill init!"),
+            "the report quotes the console: {err}"
+        );
         assert_eq!(g.boots(), 1, "never booted again");
     }
 
