@@ -26,7 +26,7 @@ use vm_memory::MmapRegion;
 
 mod stream;
 
-pub use stream::{Mem, Op, Stream};
+pub use stream::{BatchError, Mem, Op, Stream};
 
 /// The kernels, compiled by NVRTC for the GPU at hand.
 const KERNELS: &str = r#"
@@ -93,26 +93,38 @@ impl CudaError {
     }
 
     fn driver(op: &'static str, e: cu::DriverError) -> Self {
-        use sys::cudaError_enum as E;
-        let sticky = matches!(
-            e.0,
-            E::CUDA_ERROR_ILLEGAL_ADDRESS
-                | E::CUDA_ERROR_LAUNCH_FAILED
-                | E::CUDA_ERROR_ECC_UNCORRECTABLE
-                | E::CUDA_ERROR_HARDWARE_STACK_ERROR
-                | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
-                | E::CUDA_ERROR_MISALIGNED_ADDRESS
-                | E::CUDA_ERROR_INVALID_ADDRESS_SPACE
-                | E::CUDA_ERROR_INVALID_PC
-                | E::CUDA_ERROR_ASSERT
-                | E::CUDA_ERROR_LAUNCH_TIMEOUT
-                | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
-                | E::CUDA_ERROR_DEVICE_UNAVAILABLE
-                | E::CUDA_ERROR_NVLINK_UNCORRECTABLE
-                | E::CUDA_ERROR_UNKNOWN
-        );
-        Self::new(op, format!("{:?}", e.0), sticky)
+        Self::new(op, format!("{:?}", e.0), is_sticky(e.0))
     }
+}
+
+/// Whether a driver error leaves the context unusable (every later call fails with it): the
+/// GPU faulted, fell off the bus, contained a memory error (Hopper's `CONTAINED`), or the
+/// context must be torn down (`TENSOR_MEMORY_LEAK`, `EXTERNAL_DEVICE`, `KEY_ROTATION` of
+/// confidential computing). Everything else (out of memory, a bad argument, a launch short of
+/// resources) leaves the GPU usable.
+pub fn is_sticky(code: sys::cudaError_enum) -> bool {
+    use sys::cudaError_enum as E;
+    matches!(
+        code,
+        E::CUDA_ERROR_ILLEGAL_ADDRESS
+            | E::CUDA_ERROR_LAUNCH_FAILED
+            | E::CUDA_ERROR_ECC_UNCORRECTABLE
+            | E::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | E::CUDA_ERROR_MISALIGNED_ADDRESS
+            | E::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | E::CUDA_ERROR_INVALID_PC
+            | E::CUDA_ERROR_ASSERT
+            | E::CUDA_ERROR_LAUNCH_TIMEOUT
+            | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | E::CUDA_ERROR_DEVICE_UNAVAILABLE
+            | E::CUDA_ERROR_NVLINK_UNCORRECTABLE
+            | E::CUDA_ERROR_CONTAINED
+            | E::CUDA_ERROR_TENSOR_MEMORY_LEAK
+            | E::CUDA_ERROR_EXTERNAL_DEVICE
+            | E::CUDA_ERROR_KEY_ROTATION
+            | E::CUDA_ERROR_UNKNOWN
+    )
 }
 
 /// The kernels as PTX, compiled by NVRTC (no context needed), NUL-terminated.
@@ -508,6 +520,34 @@ impl Drop for DeviceMemory {
         if self.gpu.bind().is_ok() {
             // SAFETY: allocated by `Gpu::alloc`; no stream work uses it any more.
             let _ = unsafe { cu::free_sync(self.ptr) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sys::cudaError_enum as E;
+
+    #[test]
+    fn errors_that_end_the_context_are_sticky_and_the_rest_are_not() {
+        for sticky in [
+            E::CUDA_ERROR_ILLEGAL_ADDRESS,
+            E::CUDA_ERROR_ECC_UNCORRECTABLE,
+            E::CUDA_ERROR_CONTAINED,
+            E::CUDA_ERROR_TENSOR_MEMORY_LEAK,
+            E::CUDA_ERROR_EXTERNAL_DEVICE,
+            E::CUDA_ERROR_KEY_ROTATION,
+        ] {
+            assert!(is_sticky(sticky), "{sticky:?}");
+        }
+        for transient in [
+            E::CUDA_ERROR_OUT_OF_MEMORY,
+            E::CUDA_ERROR_INVALID_VALUE,
+            E::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
+            E::CUDA_ERROR_NOT_READY,
+        ] {
+            assert!(!is_sticky(transient), "{transient:?}");
         }
     }
 }

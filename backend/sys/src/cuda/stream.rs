@@ -178,24 +178,46 @@ fn c_int(v: usize) -> Result<i32, CudaError> {
     })
 }
 
+/// A cuBLAS failure: never sticky by itself (an internal error or a failed launch may be
+/// cuBLAS's own). Whether the GPU is gone is the context's to say: [`Stream::run`]
+/// synchronizes both streams after any failure, and a context with a sticky error fails that
+/// with it, which then stands for the batch.
 fn blas_error(op: &'static str, s: blas::cublasStatus_t) -> CudaError {
-    let sticky = matches!(
-        s,
-        blas::cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED
-            | blas::cublasStatus_t::CUBLAS_STATUS_INTERNAL_ERROR
-    );
-    CudaError::new(op, format!("{s:?}"), sticky)
+    CudaError::new(op, format!("{s:?}"), false)
+}
+
+/// A batch that failed ([`Stream::run`]): the error, and how far the batch got.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error}")]
+pub struct BatchError {
+    /// What failed.
+    #[source]
+    pub error: CudaError,
+    /// `Some(k)`: the first `k` operations ran to completion and none after them ran (the
+    /// `k`-th could not be enqueued). `None`: unknown (the streams failed while they ran:
+    /// any of the batch's operations may have run, in part or whole).
+    pub ran: Option<usize>,
+}
+
+impl From<CudaError> for BatchError {
+    /// A failure before the batch's first operation.
+    fn from(error: CudaError) -> Self {
+        Self {
+            error,
+            ran: Some(0),
+        }
+    }
 }
 
 impl Stream {
     /// Enqueues `ops` in order and waits for them all: when this returns, every operation
-    /// finished (or the batch failed; what it wrote is then undefined).
-    pub fn run(&self, ops: &[Op<'_>]) -> Result<(), CudaError> {
+    /// finished, or the batch failed and [`BatchError::ran`] says how far it got.
+    pub fn run(&self, ops: &[Op<'_>]) -> Result<(), BatchError> {
         self.gpu.bind()?;
         let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
         let mut used = 0;
         let mut result = Ok(());
-        for op in ops {
+        for (i, op) in ops.iter().enumerate() {
             let r = match *op {
                 Op::WriteBack { dst, src, len } => {
                     self.write_back(dst, src, len, &mut events, &mut used)
@@ -203,7 +225,10 @@ impl Stream {
                 _ => self.enqueue(op),
             };
             if let Err(e) = r {
-                result = Err(self.gpu.check(e));
+                result = Err(BatchError {
+                    error: self.gpu.check(e),
+                    ran: Some(i),
+                });
                 break;
             }
         }
@@ -214,8 +239,25 @@ impl Stream {
         ] {
             // SAFETY: the streams are ours and live.
             let synced = unsafe { cu::stream::synchronize(s) };
-            if let (Ok(()), Err(e)) = (&result, synced) {
-                result = Err(self.gpu.check(CudaError::driver(what, e)));
+            if let Err(e) = synced {
+                // Work already enqueued failed as it ran: how far it got is unknown.
+                let e = self.gpu.check(CudaError::driver(what, e));
+                match &mut result {
+                    Ok(()) => {
+                        result = Err(BatchError {
+                            error: e,
+                            ran: None,
+                        })
+                    }
+                    Err(b) => {
+                        b.ran = None;
+                        // The context's own failure outranks the call's (a cuBLAS error
+                        // caused by a GPU fault is the fault's).
+                        if e.sticky && !b.error.sticky {
+                            b.error = e;
+                        }
+                    }
+                }
             }
         }
         result
