@@ -19,6 +19,19 @@
 //! command uploads the stale chunks it touches first. A new device (a replacement process, a
 //! failover, a move's successor) starts with every chunk stale. So a worker killed at any
 //! point, a move, a migration or a failover read VRAM from the memfd as on any softgpu.
+//! Stale chunks are uploaded in a batch of their own before the command's; while that runs
+//! they are in flight, and a command on another queue that touches one waits for the upload
+//! (the GPU copy is not written yet) rather than read it.
+//!
+//! **Guest memory the GPU writes** (a COPY into it, a kernel's output staged out) is written
+//! by the GPU's DMA, past the DMA space's accessors: the command marks it dirty itself
+//! ([`switchyard_device::DmaSpace::mark_dirty`]), so a live migration copies it again.
+//!
+//! **A batch stopped partway** by a transient error (an operation the GPU could not take)
+//! before any of its output was written is declined: the CPU path runs the command on what is
+//! still untouched. Once a piece was written back, the command's output is partly done (an
+//! in-place SAXPY run again would be applied twice there): the batch is resumed where it
+//! stopped ([`RESUME_TRIES`]), and the board is lost if it cannot be finished.
 //!
 //! **Commands.** COPY and FILL are copies (DMA engines) and a memset; SAXPY and REDUCE are
 //! kernels, GEMM is cuBLAS; guest operands of kernels are staged through per-queue GPU
@@ -159,6 +172,8 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
                     })
                 })
                 .collect(),
+            in_flight: Mutex::new(vec![0; chunks.div_ceil(64) as usize].into_boxed_slice()),
+            in_flight_cv: Condvar::new(),
             windows: RwLock::new(BTreeMap::new()),
             queues,
             lost: OnceLock::new(),
@@ -234,7 +249,17 @@ pub struct Stats {
     pub uploads: AtomicU64,
     /// Unmaps answered while a command still used the window ([`UNMAP_WAIT`]).
     pub late_unmaps: AtomicU64,
+    /// Commands that waited for another queue's upload of a chunk they touch.
+    pub upload_waits: AtomicU64,
+    /// Batches resumed after a transient error had stopped them with their output partly
+    /// written ([`RESUME_TRIES`]).
+    pub resumed: AtomicU64,
 }
+
+/// How often a batch stopped by a transient error after its output was partly written is
+/// resumed where it stopped; after that the board is lost (the command cannot be handed to
+/// the CPU path: an in-place SAXPY would be applied twice to what was written).
+pub const RESUME_TRIES: u32 = 2;
 
 /// One device's use of a GPU.
 pub struct CudaDevice<G: Gpu> {
@@ -257,6 +282,12 @@ pub struct CudaDevice<G: Gpu> {
     vram_dev: G::Buf,
     /// One bit per [`CHUNK`] of VRAM: the GPU copy is stale.
     stale: Box<[AtomicU64]>,
+    /// One bit per [`CHUNK`] of VRAM: a command is uploading it (its stale bit taken, the
+    /// copy not finished). Protects only these bits: taken and given back around an upload's
+    /// own batch, never held while it runs. A command touching a chunk in flight waits on
+    /// `in_flight_cv` until the upload is done (it would read GPU memory not yet written).
+    in_flight: Mutex<Box<[u64]>>,
+    in_flight_cv: Condvar,
     /// Registered windows by IOVA. Read-locked only to look operands up (a command clones the
     /// registrations it needs and drops the lock before it runs), write-locked to add or remove
     /// a window: never held across GPU work or a registration.
@@ -505,21 +536,158 @@ impl<G: Gpu> CudaDevice<G> {
         }
     }
 
-    /// Takes the stale chunks of `[off, off+len)` (clearing their bits): the caller uploads
-    /// them, or marks them stale again if it cannot.
-    fn take_stale(&self, off: u64, len: u64, out: &mut Vec<u64>) {
+    /// The chunks of `[off, off+len)`.
+    fn chunks(&self, off: u64, len: u64) -> std::ops::Range<u64> {
         let end = off.saturating_add(len).min(self.vram_size);
         if len == 0 || off >= end {
-            return;
+            return 0..0;
         }
-        for c in off / CHUNK..=(end - 1) / CHUNK {
-            let bit = 1u64 << (c % 64);
-            if let Some(w) = self.stale.get((c / 64) as usize)
-                && w.load(Ordering::Acquire) & bit != 0
-                && w.fetch_and(!bit, Ordering::AcqRel) & bit != 0
-            {
-                out.push(c);
+        off / CHUNK..(end - 1) / CHUNK + 1
+    }
+
+    /// Takes the stale chunks of the command's VRAM operands (`(offset, length, read)`),
+    /// clearing their stale bits: those to upload are marked in flight and returned; those an
+    /// output covers whole need none (the command writes them, and through to the memfd).
+    /// Waits first while another command uploads any of them.
+    fn take_uploads(&self, ranges: &[(u64, u64, bool)]) -> Vec<u64> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut waited = false;
+        while ranges.iter().any(|&(off, len, _)| {
+            self.chunks(off, len)
+                .any(|c| in_flight[(c / 64) as usize] & (1 << (c % 64)) != 0)
+        }) {
+            if !waited {
+                waited = true;
+                self.stats.upload_waits.fetch_add(1, Ordering::Relaxed);
             }
+            in_flight = self
+                .in_flight_cv
+                .wait(in_flight)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        let mut uploads = Vec::new();
+        for &(off, len, read) in ranges {
+            let end = off.saturating_add(len);
+            for c in self.chunks(off, len) {
+                let (word, bit) = ((c / 64) as usize, 1u64 << (c % 64));
+                if self.stale[word].fetch_and(!bit, Ordering::AcqRel) & bit == 0 {
+                    continue;
+                }
+                let whole = c * CHUNK >= off && (c + 1) * CHUNK <= end;
+                if read || !whole {
+                    in_flight[word] |= bit;
+                    uploads.push(c);
+                }
+            }
+        }
+        uploads.sort_unstable();
+        uploads.dedup();
+        uploads
+    }
+
+    /// Uploads the stale chunks the command's VRAM operands touch, in a batch of their own,
+    /// before the command's: a chunk is in flight only while its copy runs.
+    fn upload(&self, plan: &Plan, places: &[Place], queue: &Queue<G>) -> Result<(), Skip> {
+        let ranges: Vec<(u64, u64, bool)> = plan
+            .operands
+            .iter()
+            .zip(places)
+            .filter_map(|(&(_, len, read), place)| match *place {
+                Place::Vram(off) => Some((off, len, read)),
+                Place::Guest { .. } => None,
+            })
+            .collect();
+        let uploads = self.take_uploads(&ranges);
+        if uploads.is_empty() {
+            return Ok(());
+        }
+        let result = self.upload_batch(&uploads, queue);
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        for &c in &uploads {
+            in_flight[(c / 64) as usize] &= !(1 << (c % 64));
+        }
+        if result.is_err() {
+            for &c in &uploads {
+                self.invalidate(c * CHUNK, CHUNK);
+            }
+        } else {
+            self.stats
+                .uploads
+                .fetch_add(uploads.len() as u64, Ordering::Relaxed);
+        }
+        drop(in_flight);
+        self.in_flight_cv.notify_all();
+        result.map_err(Skip::from)
+    }
+
+    /// Copies the chunks `uploads` (sorted) from the memfd to the GPU copy, adjacent ones in
+    /// one copy.
+    fn upload_batch(&self, uploads: &[u64], queue: &Queue<G>) -> Result<(), GpuError> {
+        let too_big = |_| GpuError::transient("an offset beyond the address space");
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for &c in uploads {
+            match runs.last_mut() {
+                Some((_, end)) if *end == c => *end += 1,
+                _ => runs.push((c, c + 1)),
+            }
+        }
+        let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(runs.len());
+        for (first, end) in runs {
+            let off = usize::try_from(first * CHUNK).map_err(too_big)?;
+            let len = usize::try_from((end * CHUNK).min(self.vram_size) - first * CHUNK)
+                .map_err(too_big)?;
+            ops.push(Op::Copy {
+                dst: Mem::Dev(&self.vram_dev, off),
+                src: Mem::Host(&self.vram_host, off),
+                len,
+            });
+        }
+        self.gpu.run(&queue.stream, &ops)
+    }
+
+    /// Runs `ops` on `stream`. A transient error that stopped the batch after a write-back
+    /// ran (its output partly written: the CPU path must not run the command again) resumes
+    /// it where it stopped, at most [`RESUME_TRIES`] times; then, or when how far it got is
+    /// unknown, the board is lost. A transient error before any write-back is returned: the
+    /// CPU path runs the command on what is still untouched.
+    fn run_batch(&self, stream: &G::Stream, ops: &[Op<'_, G>]) -> Result<(), GpuError> {
+        let written = |upto: usize| {
+            ops.iter()
+                .take(upto)
+                .any(|op| matches!(op, Op::WriteBack { .. }))
+        };
+        let mut from = 0;
+        let mut tries = 0;
+        loop {
+            let e = match self.gpu.run(stream, &ops[from..]) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.sticky => return Err(e),
+                Err(e) => e,
+            };
+            let Some(k) = e.ran else {
+                if !written(ops.len()) {
+                    return Err(e);
+                }
+                return Err(GpuError::sticky(format!(
+                    "{}; the batch stopped with its output partly written, and how far it got \
+                     is unknown",
+                    e.message
+                )));
+            };
+            let upto = from.saturating_add(k).min(ops.len());
+            if !written(upto) {
+                return Err(e.after(Some(upto)));
+            }
+            tries += 1;
+            if tries > RESUME_TRIES {
+                return Err(GpuError::sticky(format!(
+                    "{}; the batch stopped {tries} times with its output partly written",
+                    e.message
+                )));
+            }
+            tracing::debug!(error = %e.message, at = upto, "resuming a batch stopped by a transient error");
+            self.stats.resumed.fetch_add(1, Ordering::Relaxed);
+            from = upto;
         }
     }
 
@@ -551,45 +719,24 @@ impl<G: Gpu> CudaDevice<G> {
                 }
             }
         }
-        let mut uploads = Vec::new();
-        for (&(op, len, input), place) in plan.operands.iter().zip(&places) {
-            if let Place::Vram(off) = *place {
-                debug_assert!(op.is_vram());
-                let first = uploads.len();
-                self.take_stale(off, len, &mut uploads);
-                if !input {
-                    // Chunks the command overwrites whole need no upload: it writes them
-                    // on the GPU and through to the memfd.
-                    let end = off.saturating_add(len);
-                    let mut kept = first;
-                    for i in first..uploads.len() {
-                        let c = uploads[i];
-                        if c * CHUNK < off || (c + 1) * CHUNK > end {
-                            uploads[kept] = c;
-                            kept += 1;
-                        }
-                    }
-                    uploads.truncate(kept);
-                }
-            }
+        self.upload(&plan, &places, &queue)?;
+        let result = self.execute(&plan, &places, &held, &queue);
+        // The GPU wrote guest memory past the DMA space's accessors: the dirty log is told
+        // (a migration copies those pages again), whether or not the batch finished.
+        let (out_index, out_len) = plan.output;
+        if let Operand::Guest(iova) = plan.operands[out_index].0
+            && result.as_ref().err().is_none_or(|e| e.ran != Some(0))
+            && let Err(e) = self.dma.mark_dirty(iova, out_len)
+        {
+            tracing::debug!(iova, len = out_len, error = %e, "a GPU write not marked dirty");
         }
-        uploads.sort_unstable();
-        uploads.dedup();
-        let result = self.execute(&plan, &places, &held, &queue, &uploads);
         if result.is_err() {
             // What the GPU copy holds is unknown now: stale, all that the command touched.
-            for &c in &uploads {
-                self.invalidate(c * CHUNK, CHUNK);
-            }
             for (&(_, len, _), place) in plan.operands.iter().zip(&places) {
                 if let Place::Vram(off) = place {
                     self.invalidate(*off, len);
                 }
             }
-        } else {
-            self.stats
-                .uploads
-                .fetch_add(uploads.len() as u64, Ordering::Relaxed);
         }
         result.map_err(Skip::from)
     }
@@ -601,7 +748,6 @@ impl<G: Gpu> CudaDevice<G> {
         places: &[Place],
         held: &Held<'_, G>,
         queue: &Queue<G>,
-        uploads: &[u64],
     ) -> Result<(), GpuError> {
         let too_big = |_| GpuError::transient("an offset beyond the address space");
         let at = |place: Place| -> Result<Mem<'_, G>, GpuError> {
@@ -623,24 +769,7 @@ impl<G: Gpu> CudaDevice<G> {
                 usize::try_from(off).map_err(too_big)?,
             ))
         };
-        let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(uploads.len() + 32);
-        // Stale chunks uploaded, adjacent ones in one copy.
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for &c in uploads {
-            match runs.last_mut() {
-                Some((_, end)) if *end == c => *end += 1,
-                _ => runs.push((c, c + 1)),
-            }
-        }
-        for (first, end) in runs {
-            let off = first * CHUNK;
-            let len = usize::try_from((end * CHUNK).min(self.vram_size) - off).map_err(too_big)?;
-            ops.push(Op::Copy {
-                dst: at(Place::Vram(off))?,
-                src: vram_host(off)?,
-                len,
-            });
-        }
+        let mut ops: Vec<Op<'_, G>> = Vec::with_capacity(32);
         // Kernel operands: VRAM in place, guest memory staged in.
         let mut dev: Vec<Mem<'_, G>> = Vec::with_capacity(places.len());
         for (i, (&(_, len, input), &place)) in plan.operands.iter().zip(places).enumerate() {
@@ -675,9 +804,7 @@ impl<G: Gpu> CudaDevice<G> {
         // the next piece.
         let sink = match out_place {
             Place::Vram(off) => Some(vram_host(off)?),
-            Place::Guest { .. } if plan.kernel && c.opcode != cmd::OP_REDUCE => {
-                Some(at(out_place)?)
-            }
+            Place::Guest { .. } if plan.kernel => Some(at(out_place)?),
             Place::Guest { .. } => None,
         };
         let size = |v: u64| usize::try_from(v).map_err(too_big);
@@ -757,7 +884,7 @@ impl<G: Gpu> CudaDevice<G> {
             }
             _ => return Err(GpuError::transient("not a GPU command")),
         }
-        self.gpu.run(&queue.stream, &ops)
+        self.run_batch(&queue.stream, &ops)
     }
 }
 

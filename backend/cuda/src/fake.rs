@@ -45,27 +45,45 @@ pub struct FakeState {
     pub delay_us: AtomicU64,
     /// Batches wait here while it is closed: a GPU stuck on a command.
     pub gate: Gate,
+    /// The next batch that gets as far as its operation `k` fails there (`(k, sticky)`):
+    /// the operations before it ran, in order, each write-back where it is (as soon as a GPU
+    /// may run it); none after it ran. Reset once used.
+    pub fail_at: Mutex<Option<(usize, bool)>>,
+    /// Streams made so far (a stream's id is its rank).
+    streams: AtomicU64,
     lost: AtomicBool,
 }
 
+impl FakeState {
+    /// The next batch fails at its operation `k` (see [`FakeState::fail_at`]).
+    pub fn fail_at(&self, k: usize, sticky: bool) {
+        *self.fail_at.lock().unwrap_or_else(|p| p.into_inner()) = Some((k, sticky));
+    }
+}
+
 /// Holds batches back while closed (a GPU stuck on a command, a stream synchronization that
-/// does not return), until a test opens it.
+/// does not return), until a test opens it: every stream's, or one stream's.
 #[derive(Debug, Default)]
 pub struct Gate {
-    /// (closed, batches waiting).
-    state: Mutex<(bool, u64)>,
+    /// (closed: `Some(None)` for every stream, `Some(Some(id))` for one; batches waiting).
+    state: Mutex<(Option<Option<u64>>, u64)>,
     cv: Condvar,
 }
 
 impl Gate {
     /// Batches from now on wait.
     pub fn close(&self) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = true;
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = Some(None);
+    }
+
+    /// Batches of stream `id` (the `id`-th stream made, from 0) from now on wait.
+    pub fn close_stream(&self, id: u64) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = Some(Some(id));
     }
 
     /// Lets every waiting batch run, and those after.
     pub fn open(&self) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = false;
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 = None;
         self.cv.notify_all();
     }
 
@@ -84,14 +102,16 @@ impl Gate {
         g.1 >= n
     }
 
-    fn pass(&self) {
+    fn pass(&self, stream: u64) {
+        let holds =
+            |closed: Option<Option<u64>>| closed.is_some_and(|s| s.is_none_or(|s| s == stream));
         let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if !g.0 {
+        if !holds(g.0) {
             return;
         }
         g.1 += 1;
         self.cv.notify_all();
-        while g.0 {
+        while holds(g.0) {
             g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
         }
         g.1 -= 1;
@@ -277,7 +297,8 @@ impl FakeGpu {
 impl Gpu for FakeGpu {
     type Host = FakeHost;
     type Buf = FakeBuf;
-    type Stream = ();
+    /// Its rank among the streams made.
+    type Stream = u64;
 
     fn describe(&self) -> String {
         "fake GPU".into()
@@ -303,11 +324,11 @@ impl Gpu for FakeGpu {
         })
     }
 
-    fn stream(&self) -> Result<(), GpuError> {
-        Ok(())
+    fn stream(&self) -> Result<u64, GpuError> {
+        Ok(self.state.streams.fetch_add(1, Ordering::SeqCst))
     }
 
-    fn run(&self, _stream: &(), ops: &[Op<'_, Self>]) -> Result<(), GpuError> {
+    fn run(&self, stream: &u64, ops: &[Op<'_, Self>]) -> Result<(), GpuError> {
         let s = &self.state;
         if s.lose.load(Ordering::SeqCst) {
             s.lost.store(true, Ordering::SeqCst);
@@ -322,12 +343,35 @@ impl Gpu for FakeGpu {
                 "CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (fake)",
             ));
         }
-        s.gate.pass();
+        s.gate.pass(*stream);
         let delay = s.delay_us.load(Ordering::Relaxed);
         if delay > 0 {
             std::thread::sleep(std::time::Duration::from_micros(delay));
         }
         s.batches.fetch_add(1, Ordering::Relaxed);
+        let fail = {
+            let mut f = s.fail_at.lock().unwrap_or_else(|p| p.into_inner());
+            f.take_if(|(k, _)| *k < ops.len())
+        };
+        if let Some((k, sticky)) = fail {
+            // What a GPU did before the operation it could not take: everything before it,
+            // a write-back as soon as what precedes it finished.
+            for op in ops.iter().take(k) {
+                self.op(op).map_err(|e| e.after(None))?;
+            }
+            let e = if sticky {
+                s.lost.store(true, Ordering::SeqCst);
+                GpuError::sticky(format!(
+                    "CUDA cuMemcpyAsync failed: CUDA_ERROR_CONTAINED (fake, at operation {k})"
+                ))
+            } else {
+                GpuError::transient(format!(
+                    "CUDA launching SAXPY failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (fake, at \
+                     operation {k})"
+                ))
+            };
+            return Err(e.after(Some(k)));
+        }
         // Write-backs run last, the latest a GPU may run them (after everything before them,
         // overlapping what follows): a batch that writes a write-back's source or touches its
         // destination after it gets another result here than in order, and a test sees it.
@@ -335,11 +379,11 @@ impl Gpu for FakeGpu {
         for op in ops {
             match op {
                 Op::WriteBack { .. } => deferred.push(op),
-                _ => self.op(op)?,
+                _ => self.op(op).map_err(|e| e.after(None))?,
             }
         }
         for op in deferred {
-            self.op(op)?;
+            self.op(op).map_err(|e| e.after(None))?;
         }
         Ok(())
     }

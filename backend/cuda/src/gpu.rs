@@ -14,6 +14,10 @@ pub struct GpuError {
     pub message: String,
     /// The GPU is unusable from now on (a sticky error: it faulted or fell off the bus).
     pub sticky: bool,
+    /// Of a failed [`Gpu::run`]: `Some(k)` when its first `k` operations ran to completion
+    /// and none after them ran; `None` when how far it got is unknown (any operation may have
+    /// run, in part or whole). `Some(0)` for every other failure.
+    pub ran: Option<usize>,
 }
 
 impl GpuError {
@@ -22,6 +26,7 @@ impl GpuError {
         Self {
             message: message.into(),
             sticky: false,
+            ran: Some(0),
         }
     }
 
@@ -30,7 +35,14 @@ impl GpuError {
         Self {
             message: message.into(),
             sticky: true,
+            ran: Some(0),
         }
+    }
+
+    /// This failure, of a batch that got as far as `ran` (see [`GpuError::ran`]).
+    pub fn after(mut self, ran: Option<usize>) -> Self {
+        self.ran = ran;
+        self
     }
 }
 
@@ -55,7 +67,9 @@ pub trait Gpu: Send + Sync + 'static {
     /// A new stream.
     fn stream(&self) -> Result<Self::Stream, GpuError>;
 
-    /// Runs `ops` in order on `stream` and waits for them.
+    /// Runs `ops` in order on `stream` and waits for them. A failure says how far the batch
+    /// got ([`GpuError::ran`]): an operation that cannot be enqueued stops the batch there,
+    /// once everything before it finished.
     fn run(&self, stream: &Self::Stream, ops: &[Op<'_, Self>]) -> Result<(), GpuError>;
 }
 

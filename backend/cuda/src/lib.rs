@@ -26,5 +26,7 @@ pub mod real;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_gpu;
 
 pub use kind::{CudaConfig, CudaKind, GpuUnavailable};

@@ -31,6 +31,7 @@ fn gpu_error(e: CudaError) -> GpuError {
     GpuError {
         message: e.to_string(),
         sticky: e.sticky,
+        ran: Some(0),
     }
 }
 
@@ -104,6 +105,8 @@ impl Gpu for CudaGpu {
                 },
             })
             .collect();
-        stream.run(&ops).map_err(gpu_error)
+        stream
+            .run(&ops)
+            .map_err(|e| gpu_error(e.error).after(e.ran))
     }
 }

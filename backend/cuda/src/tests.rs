@@ -15,7 +15,7 @@ use crate::fake::FakeGpu;
 
 const VRAM: u64 = 4 << 20;
 
-fn memfd(len: u64) -> File {
+pub(crate) fn memfd(len: u64) -> File {
     let f = memfd::MemfdOptions::default()
         .create("cuda-test")
         .expect("memfd")
@@ -51,7 +51,7 @@ fn stats(dev: &Arc<dyn AccelDevice>) -> (u64, u64, u64) {
     )
 }
 
-fn read_at(f: &File, off: u64, len: usize) -> Vec<u8> {
+pub(crate) fn read_at(f: &File, off: u64, len: usize) -> Vec<u8> {
     let mut f = f;
     let mut v = vec![0u8; len];
     f.seek(SeekFrom::Start(off)).expect("seek");
@@ -59,7 +59,7 @@ fn read_at(f: &File, off: u64, len: usize) -> Vec<u8> {
     v
 }
 
-fn write_at(f: &File, off: u64, data: &[u8]) {
+pub(crate) fn write_at(f: &File, off: u64, data: &[u8]) {
     let mut f = f;
     f.seek(SeekFrom::Start(off)).expect("seek");
     f.write_all(data).expect("write");
