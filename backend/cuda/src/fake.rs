@@ -6,6 +6,13 @@
 //! A write-back ([`Op::WriteBack`]) runs at the end of its batch, the latest a GPU may run it,
 //! so a batch that breaks its contract gets a wrong result here.
 //!
+//! A registration pins pages, as `cuMemHostRegister` does: it allocates the file's pages of
+//! its range, and the GPU keeps using *those* pages. Once the file's pages change under it (a
+//! hole punched: the file gets new zero pages, the pinned ones are orphaned), the fake's reads
+//! through the registration return [`ORPHANED`] bytes (the old pages, which the process no
+//! longer sees) and its writes reach nobody, so a backend that punches holes into pinned
+//! memory gets wrong results here as on a GPU.
+//!
 //! Its REDUCE sums in the real kernel's order (fixed blocks, then their partial sums), not
 //! the CPU path's, so tests meet the documented tolerance rather than bit equality.
 
@@ -118,6 +125,43 @@ impl Gate {
     }
 }
 
+/// Faults every page of `region` in for writing, as pinning does: a page of the file that
+/// is a hole gets one (an atomic add of 0 to its first word: a write that changes nothing,
+/// whatever writes it races with).
+fn pin(region: &MmapRegion<()>) -> Result<(), GpuError> {
+    use rustix::fs::{SeekFrom, seek};
+    const PAGE: usize = 4096;
+    let Some(f) = region.file_offset() else {
+        return Ok(());
+    };
+    let (start, size) = (f.start(), region.size());
+    let mut off = 0usize;
+    while off < size {
+        let at = start + off as u64;
+        let hole = match seek(f.file(), SeekFrom::Hole(at)) {
+            Ok(h) => usize::try_from(h - start).unwrap_or(size),
+            Err(_) => size,
+        };
+        if hole >= size {
+            break;
+        }
+        let data = match seek(f.file(), SeekFrom::Data(start + hole as u64)) {
+            Ok(d) => usize::try_from(d - start).unwrap_or(size).min(size),
+            Err(_) => size,
+        };
+        let mut page = hole / PAGE * PAGE;
+        while page < data {
+            region
+                .get_atomic_ref::<std::sync::atomic::AtomicU32>(page)
+                .map_err(|e| GpuError::transient(format!("cannot pin a page: {e}")))?
+                .fetch_add(0, Ordering::SeqCst);
+            page += PAGE;
+        }
+        off = data.max(hole + 1);
+    }
+    Ok(())
+}
+
 /// A fake GPU.
 #[derive(Debug, Clone, Default)]
 pub struct FakeGpu {
@@ -125,11 +169,37 @@ pub struct FakeGpu {
     pub state: Arc<FakeState>,
 }
 
+/// What the fake GPU reads through a registration whose pages were orphaned (see the
+/// module docs).
+pub const ORPHANED: u8 = 0xdb;
+
 /// A fake registration.
 #[derive(Debug)]
 pub struct FakeHost {
     region: Arc<MmapRegion<()>>,
     state: Arc<FakeState>,
+    /// The file's pages changed under the registration: the GPU's are not the file's.
+    orphaned: AtomicBool,
+}
+
+impl FakeHost {
+    /// Whether the pinned pages are orphaned: a hole in the registered range of the file
+    /// (checked at each use: pinning allocated all of it).
+    fn orphaned(&self) -> bool {
+        if self.orphaned.load(Ordering::Relaxed) {
+            return true;
+        }
+        let Some(f) = self.region.file_offset() else {
+            return false;
+        };
+        let end = f.start().saturating_add(self.region.size() as u64);
+        let hole = rustix::fs::seek(f.file(), rustix::fs::SeekFrom::Hole(f.start()));
+        let orphaned = hole.is_ok_and(|h| h < end);
+        if orphaned {
+            self.orphaned.store(true, Ordering::Relaxed);
+        }
+        orphaned
+    }
 }
 
 impl Drop for FakeHost {
@@ -164,7 +234,11 @@ fn read(m: Mem<'_, FakeGpu>, len: usize) -> Result<Vec<u8>, GpuError> {
                 .region
                 .get_slice(off, len)
                 .map_err(|_| range_error(len, off, h.region.size()))?;
-            s.copy_to(&mut out);
+            if h.orphaned() {
+                out.fill(ORPHANED);
+            } else {
+                s.copy_to(&mut out);
+            }
         }
         Mem::Dev(d, off) => {
             let b = d.bytes.lock().unwrap_or_else(|p| p.into_inner());
@@ -185,7 +259,9 @@ fn write(m: Mem<'_, FakeGpu>, data: &[u8]) -> Result<(), GpuError> {
                 .region
                 .get_slice(off, data.len())
                 .map_err(|_| range_error(data.len(), off, h.region.size()))?;
-            s.copy_from(data);
+            if !h.orphaned() {
+                s.copy_from(data);
+            }
         }
         Mem::Dev(d, off) => {
             let mut b = d.bytes.lock().unwrap_or_else(|p| p.into_inner());
@@ -308,11 +384,13 @@ impl Gpu for FakeGpu {
         if self.state.lost.load(Ordering::SeqCst) {
             return Err(GpuError::sticky("the fake GPU is lost"));
         }
+        pin(&region)?;
         self.state.registered.fetch_add(1, Ordering::SeqCst);
         self.state.registrations.fetch_add(1, Ordering::SeqCst);
         Ok(FakeHost {
             region,
             state: self.state.clone(),
+            orphaned: AtomicBool::new(false),
         })
     }
 

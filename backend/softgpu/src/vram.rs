@@ -218,26 +218,40 @@ impl Vram {
     }
 
     /// Zeroes all of VRAM: punches a hole (releasing the memory), or writes zeros if the
-    /// backing file does not support that.
+    /// backing file does not support that or an accelerator has its pages pinned.
     pub(crate) fn zero(&self) {
         self.zero_range(0, self.size);
     }
 
-    /// Zeroes `[offset, offset+len)` (clamped to VRAM) like [`Vram::zero`].
+    /// Zeroes `[offset, offset+len)` (clamped to VRAM) like [`Vram::zero`]. While an
+    /// accelerator watches VRAM it holds the file's pages pinned (a GPU registration: no MMU
+    /// notifier); a hole would give the file new pages and leave the GPU's write-through on
+    /// the old ones, so the pages are kept and written with zeros.
     pub(crate) fn zero_range(&self, offset: u64, len: u64) {
         let end = offset.saturating_add(len).min(self.size);
         if offset >= end {
             return;
         }
-        let punched = vmm_sys_util::fallocate::fallocate(
-            &*self.file,
-            vmm_sys_util::fallocate::FallocateMode::PunchHole,
-            true,
-            offset,
-            end - offset,
-        );
+        let pinned = self
+            .watcher
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|w| w.strong_count() > 0);
+        let punched = if pinned {
+            Err(std::io::Error::other("an accelerator has the pages pinned"))
+        } else {
+            vmm_sys_util::fallocate::fallocate(
+                &*self.file,
+                vmm_sys_util::fallocate::FallocateMode::PunchHole,
+                true,
+                offset,
+                end - offset,
+            )
+            .map_err(std::io::Error::from)
+        };
         if let Err(e) = punched {
-            tracing::debug!(error = %e, "cannot punch a hole into VRAM; writing zeros");
+            tracing::debug!(error = %e, "not punching a hole into VRAM; writing zeros");
             const CHUNK: u64 = 1 << 20;
             let zeros = vec![0u8; CHUNK as usize];
             let mut off = offset;

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod cuda;
 pub mod daemon;
 pub mod driver;
 pub mod nobody;
