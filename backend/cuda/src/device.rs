@@ -59,7 +59,7 @@ use switchyard_sys::cuda::REDUCE_PARTS;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, MmapRegion};
 
-use crate::gpu::{Gpu, GpuError, Mem, Op};
+use crate::gpu::{Gpu, GpuError, Mem, Offload, Op};
 
 mod plan;
 mod registrar;
@@ -113,7 +113,12 @@ fn map_file(file: &File, offset: u64, size: u64, writable: bool) -> Result<MmapR
 
 impl<G: Gpu> Accelerator for CudaAccel<G> {
     fn describe(&self) -> String {
-        self.gpu.describe()
+        let offload = self.gpu.offload();
+        if offload.all() {
+            self.gpu.describe()
+        } else {
+            format!("{}: {}", self.gpu.describe(), offload.describe())
+        }
     }
 
     fn open(&self, t: AccelTarget) -> Result<Arc<dyn AccelDevice>, AccelError> {
@@ -172,6 +177,7 @@ impl<G: Gpu> Accelerator for CudaAccel<G> {
                     })
                 })
                 .collect(),
+            offload: self.gpu.offload(),
             in_flight: Mutex::new(vec![0; chunks.div_ceil(64) as usize].into_boxed_slice()),
             in_flight_cv: Condvar::new(),
             windows: RwLock::new(BTreeMap::new()),
@@ -280,6 +286,8 @@ pub struct CudaDevice<G: Gpu> {
     vram_size: u64,
     vram_host: G::Host,
     vram_dev: G::Buf,
+    /// Which commands the GPU can run; the others are declined before anything is staged.
+    offload: Offload,
     /// One bit per [`CHUNK`] of VRAM: the GPU copy is stale.
     stale: Box<[AtomicU64]>,
     /// One bit per [`CHUNK`] of VRAM: a command is uploading it (its stale bit taken, the
@@ -696,6 +704,14 @@ impl<G: Gpu> CudaDevice<G> {
             return Err(Skip::Lost(reason.clone()));
         }
         let plan = Plan::of(c)?;
+        let runs_here = match c.opcode {
+            cmd::OP_SAXPY | cmd::OP_REDUCE => self.offload.no_kernels.is_none(),
+            cmd::OP_GEMM => self.offload.no_gemm.is_none(),
+            _ => true,
+        };
+        if !runs_here {
+            return Err(Skip::Decline);
+        }
         let (places, held) = self.places(&plan)?;
         let queue = self.queues.get(q).ok_or(Skip::Decline)?;
         let mut queue = queue.lock().unwrap_or_else(|p| p.into_inner());

@@ -23,7 +23,7 @@ use std::time::Duration;
 use switchyard_sys::cuda::REDUCE_PARTS;
 use vm_memory::{MmapRegion, VolatileMemory};
 
-use crate::gpu::{Gpu, GpuError, Mem, Op};
+use crate::gpu::{Gpu, GpuError, Mem, Offload, Op};
 
 /// Counters and switches shared by a fake GPU and its test.
 #[derive(Debug, Default)]
@@ -56,6 +56,10 @@ pub struct FakeState {
     /// the operations before it ran, in order, each write-back where it is (as soon as a GPU
     /// may run it); none after it ran. Reset once used.
     pub fail_at: Mutex<Option<(usize, bool)>>,
+    /// The fake has no kernels (a host without NVRTC): SAXPY and REDUCE fail.
+    pub no_kernels: AtomicBool,
+    /// The fake has no cuBLAS: GEMM fails.
+    pub no_blas: AtomicBool,
     /// Streams made so far (a stream's id is its rank).
     streams: AtomicU64,
     lost: AtomicBool,
@@ -316,6 +320,14 @@ impl FakeGpu {
                     .collect();
                 write(dst, &data)
             }
+            Op::Saxpy { .. } | Op::Reduce { .. } if s.no_kernels.load(Ordering::SeqCst) => {
+                Err(GpuError::transient(
+                    "CUDA launching a kernel failed: the GPU has no kernels (fake)",
+                ))
+            }
+            Op::Gemm { .. } if s.no_blas.load(Ordering::SeqCst) => Err(GpuError::transient(
+                "CUDA cublasCreate failed: libcublas.so was not found (fake)",
+            )),
             Op::Saxpy { a, x, y, n } => {
                 s.kernels.fetch_add(1, Ordering::Relaxed);
                 Self::device(x)?;
@@ -378,6 +390,20 @@ impl Gpu for FakeGpu {
 
     fn describe(&self) -> String {
         "fake GPU".into()
+    }
+
+    fn offload(&self) -> Offload {
+        let s = &self.state;
+        Offload {
+            no_kernels: s
+                .no_kernels
+                .load(Ordering::SeqCst)
+                .then(|| "libnvrtc.so was not found (fake)".to_owned()),
+            no_gemm: s
+                .no_blas
+                .load(Ordering::SeqCst)
+                .then(|| "libcublas.so was not found (fake)".to_owned()),
+        }
     }
 
     fn register(&self, region: Arc<MmapRegion<()>>) -> Result<FakeHost, GpuError> {

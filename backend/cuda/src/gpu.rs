@@ -46,6 +46,39 @@ impl GpuError {
     }
 }
 
+/// Which commands a GPU can run (COPY and FILL always: the driver's copies and memsets).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Offload {
+    /// Why SAXPY and REDUCE cannot (no kernels: NVRTC missing, or they did not compile or
+    /// load), or `None`.
+    pub no_kernels: Option<String>,
+    /// Why GEMM cannot (no cuBLAS), or `None`.
+    pub no_gemm: Option<String>,
+}
+
+impl Offload {
+    /// Everything runs on the GPU.
+    pub fn all(&self) -> bool {
+        self.no_kernels.is_none() && self.no_gemm.is_none()
+    }
+
+    /// What runs where, in words: "every command", or which run on the CPU and why.
+    pub fn describe(&self) -> String {
+        let mut cpu = Vec::new();
+        if let Some(why) = &self.no_kernels {
+            cpu.push(format!("SAXPY and REDUCE ({why})"));
+        }
+        if let Some(why) = &self.no_gemm {
+            cpu.push(format!("GEMM ({why})"));
+        }
+        if cpu.is_empty() {
+            "every command on the GPU".to_owned()
+        } else {
+            format!("COPY and FILL on the GPU; on the CPU: {}", cpu.join(", "))
+        }
+    }
+}
+
 /// A GPU the backend runs commands on.
 pub trait Gpu: Send + Sync + 'static {
     /// Host memory registered for the GPU's DMA (unregistered when dropped).
@@ -57,6 +90,11 @@ pub trait Gpu: Send + Sync + 'static {
 
     /// What it is ("cuda GPU-…, NVIDIA H200").
     fn describe(&self) -> String;
+
+    /// Which commands it can run.
+    fn offload(&self) -> Offload {
+        Offload::default()
+    }
 
     /// Registers all of `region` for DMA; the registration keeps it mapped.
     fn register(&self, region: Arc<MmapRegion<()>>) -> Result<Self::Host, GpuError>;

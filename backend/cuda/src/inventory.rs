@@ -52,6 +52,16 @@ fn nvml_gpus() -> Result<Vec<GpuRecord>, String> {
     Ok(out)
 }
 
+/// Which commands a GPU of this host can run, by the libraries found: the kernels need
+/// NVRTC, GEMM cuBLAS (a host with only the driver copies and fills on its GPUs).
+pub fn offload_here() -> crate::gpu::Offload {
+    use switchyard_sys::cuda;
+    crate::gpu::Offload {
+        no_kernels: (!cuda::nvrtc_present()).then(|| "libnvrtc.so was not found".to_owned()),
+        no_gemm: (!cuda::blas_present()).then(|| "libcublas.so was not found".to_owned()),
+    }
+}
+
 /// The GPUs of this host, or why none can be listed.
 pub fn gpus() -> Result<Vec<GpuRecord>, String> {
     match nvml_gpus() {

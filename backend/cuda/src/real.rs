@@ -5,7 +5,7 @@ use std::sync::Arc;
 use switchyard_sys::cuda::{self, CudaError};
 use vm_memory::MmapRegion;
 
-use crate::gpu::{Gpu, GpuError, Mem, Op};
+use crate::gpu::{Gpu, GpuError, Mem, Offload, Op};
 
 /// An NVIDIA GPU opened through the CUDA driver.
 #[derive(Debug, Clone)]
@@ -49,7 +49,19 @@ impl Gpu for CudaGpu {
 
     fn describe(&self) -> String {
         let i = self.gpu.info();
-        format!("cuda {} ({})", i.uuid, i.name)
+        format!(
+            "cuda {} ({}, kernels: {})",
+            i.uuid,
+            i.name,
+            self.gpu.kernel_image()
+        )
+    }
+
+    fn offload(&self) -> Offload {
+        Offload {
+            no_kernels: self.gpu.kernels_missing().map(ToString::to_string),
+            no_gemm: (!cuda::blas_present()).then(|| "libcublas.so was not found".to_owned()),
+        }
     }
 
     fn register(&self, region: Arc<MmapRegion<()>>) -> Result<Self::Host, GpuError> {

@@ -273,3 +273,54 @@ fn a_chunk_another_queue_is_uploading_is_waited_for() {
     );
     assert_eq!(rig.cuda().stats().upload_waits.load(Ordering::SeqCst), 1);
 }
+
+#[test]
+fn without_nvrtc_or_cublas_the_gpu_copies_and_fills_and_the_cpu_runs_the_rest() {
+    let fake = FakeGpu::new();
+    fake.state.no_kernels.store(true, Ordering::SeqCst);
+    fake.state.no_blas.store(true, Ordering::SeqCst);
+    let accel = CudaAccel::new(Arc::new(fake.clone()));
+    let said = accel.describe();
+    assert!(
+        said.contains("COPY and FILL on the GPU")
+            && said.contains("SAXPY and REDUCE (libnvrtc.so was not found")
+            && said.contains("GEMM (libcublas.so was not found"),
+        "{said}"
+    );
+    let rig = Rig::new(&fake);
+    let copy = Command::copy(Operand::Vram(0), Operand::Guest(GUEST), 4096);
+    let fill = Command::fill(Operand::Vram(0), 4096, 7);
+    assert_eq!(rig.dev.run(0, &fill), AccelOutcome::Done);
+    assert_eq!(rig.dev.run(0, &copy), AccelOutcome::Done);
+    let batches = fake.state.batches.load(Ordering::SeqCst);
+    let allocated = fake.state.allocated.load(Ordering::SeqCst);
+    for c in [
+        Command::saxpy(
+            1024,
+            2.0,
+            Operand::Guest(GUEST),
+            Operand::Guest(GUEST + 0x1_0000),
+        ),
+        Command::reduce(1024, Operand::Vram(0), Operand::Vram(0x1_0000)),
+        Command::gemm(
+            8,
+            8,
+            8,
+            Operand::Vram(0),
+            Operand::Vram(4096),
+            Operand::Vram(8192),
+        ),
+    ] {
+        assert_eq!(rig.dev.run(1, &c), AccelOutcome::Declined, "{c:?}");
+    }
+    assert_eq!(
+        fake.state.batches.load(Ordering::SeqCst),
+        batches,
+        "declined before anything ran on the GPU"
+    );
+    assert_eq!(
+        fake.state.allocated.load(Ordering::SeqCst),
+        allocated,
+        "and before anything was staged"
+    );
+}

@@ -86,6 +86,7 @@ pub fn run(args: InventoryArgs) -> Result<()> {
         Some(Action::Gpus) => {
             let gpus = switchyard_cuda::inventory::gpus()
                 .map_err(|e| anyhow::anyhow!("No NVIDIA GPU can be listed on this host: {e}"))?;
+            let offload = switchyard_cuda::inventory::offload_here();
             if !args.json {
                 println!(
                     "{:<41} {:<24} {:>9} {:<13} {:<6} health",
@@ -102,9 +103,14 @@ pub fn run(args: InventoryArgs) -> Result<()> {
                         g.problem.as_deref().unwrap_or("ok")
                     );
                 }
+                println!("commands: {}", offload.describe());
                 return Ok(());
             }
-            json!({ "gpus": gpus.iter().map(|g| json!({
+            json!({ "offload": {
+                "kernels": offload.no_kernels.is_none(),
+                "gemm": offload.no_gemm.is_none(),
+                "describe": offload.describe(),
+            }, "gpus": gpus.iter().map(|g| json!({
                 "uuid": g.uuid,
                 "name": g.name,
                 "memory": g.memory,

@@ -127,25 +127,145 @@ pub fn is_sticky(code: sys::cudaError_enum) -> bool {
     )
 }
 
-/// The kernels as PTX, compiled by NVRTC (no context needed), NUL-terminated.
-fn compile_kernels() -> Result<CString, CudaError> {
-    // SAFETY: only checks whether the library can be dlopen()ed.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+/// NVRTC's name of the architecture of a device of compute capability `major.minor`
+/// (`sm_90` for 9.0): kernels compiled for it are a CUBIN, loaded without a JIT.
+pub fn nvrtc_arch(major: u32, minor: u32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+/// The options the kernels are compiled with: no fused multiply-add (the CPU backend's
+/// rounding), and the device's architecture for a CUBIN (`None`: PTX for NVRTC's default
+/// virtual architecture, JIT-compiled by the driver at load).
+pub fn nvrtc_options(arch: Option<&str>) -> Vec<String> {
+    let mut options = vec!["--fmad=false".to_owned()];
+    if let Some(arch) = arch {
+        options.push(format!("--gpu-architecture={arch}"));
+    }
+    options
+}
+
+/// The kernels compiled by NVRTC (no context needed), as the driver loads them: a CUBIN for
+/// `arch`, or, if this NVRTC cannot make one (it predates the GPU), PTX (NUL-terminated). The
+/// second value says which.
+fn compile_kernels(arch: &str) -> Result<(Vec<u8>, String), CudaError> {
+    if !nvrtc_present() {
         return Err(CudaError::new(
             "compiling the kernels",
             "libnvrtc.so was not found (the CUDA toolkit's NVRTC: add its lib64 to LD_LIBRARY_PATH)",
             false,
         ));
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        fmad: Some(false),
-        ..Default::default()
+    // cudarc panics when a symbol cannot be loaded (an NVRTC too old for it).
+    let run = |arch: Option<&str>| {
+        std::panic::catch_unwind(|| nvrtc_compile(arch)).unwrap_or_else(|_| {
+            Err(CudaError::new(
+                "compiling the kernels",
+                "NVRTC could not be loaded",
+                false,
+            ))
+        })
     };
-    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
-        .map_err(|_| CudaError::new("compiling the kernels", "NVRTC could not be loaded", false))?
-        .map_err(|e| CudaError::new("compiling the kernels", format!("{e:?}"), false))?;
-    CString::new(ptx.to_src())
-        .map_err(|_| CudaError::new("loading the kernels", "PTX with a NUL byte", false))
+    match run(Some(arch)) {
+        Ok(cubin) => Ok((cubin, format!("CUBIN for {arch}"))),
+        Err(e) => {
+            let ptx = run(None)?;
+            Ok((
+                ptx,
+                format!("PTX, JIT-compiled by the driver ({arch}: {})", e.code),
+            ))
+        }
+    }
+}
+
+/// One NVRTC compilation of the kernels: a CUBIN for `arch`, or PTX without one.
+fn nvrtc_compile(arch: Option<&str>) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result as rtc, sys as rtc_sys};
+    let fail = |what: &'static str| {
+        move |e: rtc::NvrtcError| {
+            CudaError::new("compiling the kernels", format!("{what}: {e:?}"), false)
+        }
+    };
+    let src = CString::new(KERNELS)
+        .map_err(|_| CudaError::new("compiling the kernels", "source with a NUL byte", false))?;
+    let prog = rtc::create_program(&src, None).map_err(fail("nvrtcCreateProgram"))?;
+    let options = nvrtc_options(arch);
+    // SAFETY: `prog` was created above and is destroyed below, after its last use; `src`
+    // outlives it.
+    unsafe {
+        let compiled = rtc::compile_program(prog, &options).map_err(|e| {
+            let log = rtc::get_program_log(prog)
+                .map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>())
+                .unwrap_or_default();
+            CudaError::new(
+                "compiling the kernels",
+                format!("{e:?}: {}", log.trim_end_matches('\0').trim()),
+                false,
+            )
+        });
+        let image = compiled.and_then(|()| {
+            if arch.is_some() {
+                let mut size = 0usize;
+                rtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(fail("nvrtcGetCUBINSize"))?;
+                let mut cubin = vec![0u8; size];
+                rtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                    .result()
+                    .map_err(fail("nvrtcGetCUBIN"))?;
+                Ok(cubin)
+            } else {
+                let ptx = rtc::get_ptx(prog).map_err(fail("nvrtcGetPTX"))?;
+                let mut ptx: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+                if ptx.last() != Some(&0) {
+                    ptx.push(0);
+                }
+                Ok(ptx)
+            }
+        });
+        let _ = rtc::destroy_program(prog);
+        image
+    }
+}
+
+/// Loads the kernels' image (a CUBIN or NUL-terminated PTX) into the current context.
+fn load_kernels(image: &[u8]) -> Result<Kernels, CudaError> {
+    // SAFETY: `image` is a complete CUBIN or NUL-terminated PTX that outlives the call; the
+    // module is unloaded in Gpu's Drop, after every user of its functions is gone, or below.
+    let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
+        .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
+    let function = |name: &str| {
+        let name = CString::new(name).unwrap_or_default();
+        // SAFETY: `module` was loaded above and `name` is NUL-terminated.
+        unsafe { cu::module::get_function(module, name) }
+            .map_err(|e| CudaError::driver("cuModuleGetFunction", e))
+    };
+    let functions = (|| {
+        Ok::<_, CudaError>(Kernels {
+            module,
+            saxpy: function("sy_saxpy")?,
+            reduce_partial: function("sy_reduce_partial")?,
+            reduce_final: function("sy_reduce_final")?,
+        })
+    })();
+    if functions.is_err() {
+        // SAFETY: loaded above, used by nothing.
+        let _ = unsafe { cu::module::unload(module) };
+    }
+    functions
+}
+
+/// Whether NVRTC (`libnvrtc.so`, the toolkit's run-time compiler the kernels need) can be
+/// loaded on this host.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: dlopen()s candidate names of the library and closes it again; no symbol is
+    // called.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Whether cuBLAS (`libcublas.so`, GEMM's library) can be loaded on this host.
+pub fn blas_present() -> bool {
+    // SAFETY: as for `nvrtc_present`.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
 }
 
 /// Whether the CUDA driver library (`libcuda.so`) can be loaded on this host.
@@ -181,6 +301,8 @@ pub struct GpuInfo {
     pub name: String,
     /// Memory, bytes.
     pub memory: u64,
+    /// Compute capability (major, minor).
+    pub compute: (u32, u32),
 }
 
 fn uuid_string(u: &sys::CUuuid) -> String {
@@ -216,11 +338,23 @@ pub fn devices() -> Result<Vec<GpuInfo>, CudaError> {
         // SAFETY: `dev` was returned by cuDeviceGet.
         let memory = unsafe { cu::device::total_mem(dev) }
             .map_err(|e| CudaError::driver("cuDeviceTotalMem", e))?;
+        let attr = |a| {
+            // SAFETY: `dev` was returned by cuDeviceGet.
+            unsafe { cu::device::get_attribute(dev, a) }
+                .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))
+                .map(|v| u32::try_from(v).unwrap_or_default())
+        };
+        use sys::CUdevice_attribute as A;
+        let compute = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
         out.push(GpuInfo {
             ordinal: usize::try_from(ordinal).unwrap_or_default(),
             uuid: uuid_string(&uuid),
             name,
             memory: memory as u64,
+            compute,
         });
     }
     Ok(out)
@@ -232,12 +366,21 @@ pub struct Gpu {
     info: GpuInfo,
     dev: sys::CUdevice,
     ctx: sys::CUcontext,
+    /// The kernels, or why there are none (no NVRTC on the host, a compilation or load that
+    /// failed): the GPU then copies and fills, and SAXPY and REDUCE fail as transient errors.
+    kernels: Result<Kernels, CudaError>,
+    /// What the kernels were loaded as ("CUBIN for sm_90", or PTX and why).
+    kernel_image: String,
+    /// The first sticky error: every later call fails with it.
+    lost: OnceLock<CudaError>,
+}
+
+/// The loaded module and its functions.
+struct Kernels {
     module: sys::CUmodule,
     saxpy: sys::CUfunction,
     reduce_partial: sys::CUfunction,
     reduce_final: sys::CUfunction,
-    /// The first sticky error: every later call fails with it.
-    lost: OnceLock<CudaError>,
 }
 
 // SAFETY: the driver API's handles (device, context, module, functions) may be used from any
@@ -298,59 +441,49 @@ impl Gpu {
                 sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32,
             );
         }
-        let image = compile_kernels()?;
         // SAFETY: `dev` comes from cuDeviceGet; the reference is released in Drop, or below
-        // if the kernels do not load.
+        // if the context cannot be made current.
         let ctx = unsafe { cu::primary_ctx::retain(dev) }
             .map_err(|e| CudaError::driver("cuDevicePrimaryCtxRetain", e))?;
-        let loaded = (|| {
-            // SAFETY: `ctx` is the live primary context retained above.
-            unsafe { cu::ctx::set_current(ctx) }
-                .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
-            // SAFETY: `image` is a NUL-terminated PTX text that outlives the call; the module
-            // is unloaded in Drop, after every user of its functions is gone.
-            let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
-                .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
-            let function = |name: &str| {
-                let name = CString::new(name).unwrap_or_default();
-                // SAFETY: `module` was loaded above and `name` is NUL-terminated.
-                unsafe { cu::module::get_function(module, name) }
-                    .map_err(|e| CudaError::driver("cuModuleGetFunction", e))
-            };
-            let functions = (|| {
-                Ok::<_, CudaError>((
-                    function("sy_saxpy")?,
-                    function("sy_reduce_partial")?,
-                    function("sy_reduce_final")?,
-                ))
-            })();
-            match functions {
-                Ok(f) => Ok((module, f)),
-                Err(e) => {
-                    // SAFETY: loaded above, used by nothing.
-                    let _ = unsafe { cu::module::unload(module) };
-                    Err(e)
-                }
-            }
-        })();
-        let (module, (saxpy, reduce_partial, reduce_final)) = match loaded {
-            Ok(l) => l,
-            Err(e) => {
-                // SAFETY: the reference retained above, used by nothing.
-                let _ = unsafe { cu::primary_ctx::release(dev) };
-                return Err(e);
-            }
+        // SAFETY: `ctx` is the live primary context retained above.
+        if let Err(e) = unsafe { cu::ctx::set_current(ctx) } {
+            // SAFETY: the reference retained above, used by nothing.
+            let _ = unsafe { cu::primary_ctx::release(dev) };
+            return Err(CudaError::driver("cuCtxSetCurrent", e));
+        }
+        let arch = nvrtc_arch(info.compute.0, info.compute.1);
+        let (kernels, kernel_image) = match compile_kernels(&arch) {
+            Ok((image, what)) => (load_kernels(&image), what),
+            Err(e) => (Err(e), "none".to_owned()),
         };
         Ok(Arc::new(Gpu {
-            saxpy,
-            reduce_partial,
-            reduce_final,
             info,
             dev,
             ctx,
-            module,
+            kernels,
+            kernel_image,
             lost: OnceLock::new(),
         }))
+    }
+
+    /// Why the GPU has no kernels (SAXPY and REDUCE then run on the CPU), if it has none.
+    pub fn kernels_missing(&self) -> Option<&CudaError> {
+        self.kernels.as_ref().err()
+    }
+
+    /// What the kernels were loaded as: "CUBIN for sm_90", or PTX and why.
+    pub fn kernel_image(&self) -> &str {
+        &self.kernel_image
+    }
+
+    fn kernels(&self) -> Result<&Kernels, CudaError> {
+        self.kernels.as_ref().map_err(|e| {
+            CudaError::new(
+                "launching a kernel",
+                format!("the GPU has no kernels ({e})"),
+                false,
+            )
+        })
     }
 
     /// What the GPU is.
@@ -429,7 +562,9 @@ impl Drop for Gpu {
         // is left; the module and the context reference are ours.
         unsafe {
             let _ = cu::ctx::set_current(self.ctx);
-            let _ = cu::module::unload(self.module);
+            if let Ok(k) = &self.kernels {
+                let _ = cu::module::unload(k.module);
+            }
             let _ = cu::primary_ctx::release(self.dev);
         }
     }
@@ -528,6 +663,22 @@ impl Drop for DeviceMemory {
 mod tests {
     use super::*;
     use sys::cudaError_enum as E;
+
+    #[test]
+    fn kernels_are_compiled_for_the_devices_own_architecture_without_fma() {
+        assert_eq!(nvrtc_arch(9, 0), "sm_90", "H100, H200");
+        assert_eq!(nvrtc_arch(8, 6), "sm_86");
+        assert_eq!(nvrtc_arch(12, 0), "sm_120");
+        assert_eq!(
+            nvrtc_options(Some("sm_90")),
+            ["--fmad=false", "--gpu-architecture=sm_90"]
+        );
+        assert_eq!(
+            nvrtc_options(None),
+            ["--fmad=false"],
+            "PTX for NVRTC's default"
+        );
+    }
 
     #[test]
     fn errors_that_end_the_context_are_sticky_and_the_rest_are_not() {

@@ -344,7 +344,7 @@ impl Stream {
                 // pointers to `n` floats checked above, u64); the values are read at launch.
                 unsafe {
                     cu::launch_kernel(
-                        self.gpu.saxpy,
+                        self.gpu.kernels()?.saxpy,
                         (grid, 1, 1),
                         (BLOCK, 1, 1),
                         0,
@@ -365,7 +365,7 @@ impl Stream {
                 // SAFETY: as for SAXPY: `x` holds `n` floats, `partial` REDUCE_PARTS.
                 unsafe {
                     cu::launch_kernel(
-                        self.gpu.reduce_partial,
+                        self.gpu.kernels()?.reduce_partial,
                         (REDUCE_PARTS as u32, 1, 1),
                         (BLOCK, 1, 1),
                         0,
@@ -383,7 +383,7 @@ impl Stream {
                 // SAFETY: as above; `out` holds one float.
                 unsafe {
                     cu::launch_kernel(
-                        self.gpu.reduce_final,
+                        self.gpu.kernels()?.reduce_final,
                         (1, 1, 1),
                         (32, 1, 1),
                         0,
