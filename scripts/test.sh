@@ -141,10 +141,13 @@ deb=$(scripts/package.sh --binary "$SWITCHYARD_STATIC_BIN" | tail -n 1)
 scripts/check-package.sh "$deb"
 
 step "unit, property and integration tests"
-cargo build --locked -p switchyard
+# `fake-gpu`: `--device cuda,gpu=fake` (cuda boards on the fake GPU) for the pool's cuda tests;
+# the package above is built without it.
+cargo build --locked -p switchyard --features fake-gpu
 export SWITCHYARD_BIN=$PWD/target/debug/switchyard
 bounded 30 "the unit, property and integration tests" \
-  cargo test --no-fail-fast --workspace --locked --exclude switchyard-guest-tests
+  cargo test --no-fail-fast --workspace --locked --exclude switchyard-guest-tests \
+  --features switchyard/fake-gpu
 
 step "tests that need root (#[ignore = \"needs root\"], run by name: scripts/run-root-tests.sh)"
 # A plain `cargo test` lists them as ignored; here each runs by name, and the suite fails unless

@@ -60,12 +60,20 @@ pub struct FakeState {
     pub no_kernels: AtomicBool,
     /// The fake has no cuBLAS: GEMM fails.
     pub no_blas: AtomicBool,
+    /// A file whose existence makes the next batch lose the GPU (a test in another process
+    /// injecting a sticky error).
+    lose_when: Mutex<Option<std::path::PathBuf>>,
     /// Streams made so far (a stream's id is its rank).
     streams: AtomicU64,
     lost: AtomicBool,
 }
 
 impl FakeState {
+    /// The GPU is lost at the first batch after `path` exists.
+    pub fn lose_when(&self, path: std::path::PathBuf) {
+        *self.lose_when.lock().unwrap_or_else(|p| p.into_inner()) = Some(path);
+    }
+
     /// The next batch fails at its operation `k` (see [`FakeState::fail_at`]).
     pub fn fail_at(&self, k: usize, sticky: bool) {
         *self.fail_at.lock().unwrap_or_else(|p| p.into_inner()) = Some((k, sticky));
@@ -434,7 +442,12 @@ impl Gpu for FakeGpu {
 
     fn run(&self, stream: &u64, ops: &[Op<'_, Self>]) -> Result<(), GpuError> {
         let s = &self.state;
-        if s.lose.load(Ordering::SeqCst) {
+        let trigger = s
+            .lose_when
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if s.lose.load(Ordering::SeqCst) || trigger.is_some_and(|t| t.exists()) {
             s.lost.store(true, Ordering::SeqCst);
         }
         if s.lost.load(Ordering::SeqCst) {

@@ -9,6 +9,7 @@ use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
     Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
 };
+use switchyard_softgpu::accel::Accelerator;
 use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
 
 use crate::device::CudaAccel;
@@ -77,25 +78,56 @@ impl CudaKind {
 }
 
 /// The GPUs this process opened, by `gpu` option: the partitions of one GPU share it.
-fn accelerator(gpu: &str) -> Result<Arc<CudaAccel<CudaGpu>>, KindError> {
-    static OPEN: Mutex<Option<HashMap<String, Weak<CudaAccel<CudaGpu>>>>> = Mutex::new(None);
+/// Protects only the map: a GPU is opened with it held (once per process and GPU, before any
+/// device of it exists: nothing else waits on it then).
+fn accelerator(gpu: &str) -> Result<Arc<dyn Accelerator>, KindError> {
+    static OPEN: Mutex<Option<HashMap<String, Weak<dyn Accelerator>>>> = Mutex::new(None);
     let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
     let map = open.get_or_insert_with(HashMap::new);
     if let Some(a) = map.get(gpu).and_then(Weak::upgrade) {
         return Ok(a);
     }
-    let real = CudaGpu::open(gpu).map_err(|source| {
-        KindError::build(
-            "cuda",
-            GpuUnavailable {
-                gpu: gpu.to_owned(),
-                source,
-            },
-        )
-    })?;
-    let accel = Arc::new(CudaAccel::new(Arc::new(real)));
+    let accel: Arc<dyn Accelerator> = match fake_gpu(gpu) {
+        Some(fake) => Arc::new(CudaAccel::new(Arc::new(fake))),
+        None => {
+            let real = CudaGpu::open(gpu).map_err(|source| {
+                KindError::build(
+                    "cuda",
+                    GpuUnavailable {
+                        gpu: gpu.to_owned(),
+                        source,
+                    },
+                )
+            })?;
+            Arc::new(CudaAccel::new(Arc::new(real)))
+        }
+    };
     map.insert(gpu.to_owned(), Arc::downgrade(&accel));
     Ok(accel)
+}
+
+/// Where a `gpu=fake…` board's fake GPU looks for injected faults: `DIR/NAME.lose` (a file
+/// there makes it lose the GPU with a sticky error at its next batch).
+pub const FAKE_FAULTS_ENV: &str = "SWITCHYARD_FAKE_GPU_FAULTS";
+
+/// The fake GPU a `gpu` option names (`fake`, `fake-NAME`), in a build with the `fake-gpu`
+/// feature (the test suite's).
+#[cfg(any(test, feature = "fake-gpu"))]
+fn fake_gpu(gpu: &str) -> Option<crate::fake::FakeGpu> {
+    if gpu != "fake" && !gpu.starts_with("fake-") {
+        return None;
+    }
+    let fake = crate::fake::FakeGpu::new();
+    if let Some(dir) = std::env::var_os(FAKE_FAULTS_ENV) {
+        fake.state
+            .lose_when(std::path::Path::new(&dir).join(format!("{gpu}.lose")));
+    }
+    Some(fake)
+}
+
+#[cfg(not(any(test, feature = "fake-gpu")))]
+fn fake_gpu(_gpu: &str) -> Option<crate::fake::FakeGpu> {
+    None
 }
 
 /// Runs `gpu`'s commands on its board's GPU.
@@ -120,6 +152,7 @@ impl DeviceKind for CudaKind {
 
     fn options_help(&self) -> &'static str {
         "gpu=UUID|N        the GPU (`GPU-…` as `nvidia-smi -L` prints it, a unique prefix, or an ordinal); required\n\
+         gpu=fake[-NAME]   the fake GPU instead (a build with the `fake-gpu` feature: the test suite's)\n\
          vram=SIZE         VRAM, a power of two from 1M to 64G (64M): the GPU memory it takes\n\
          queues=N          command queues, 1 to 8 (2): one CUDA stream each\n\
          irq=msix|msi      interrupt mode (msix)\n\
@@ -134,6 +167,9 @@ impl DeviceKind for CudaKind {
     /// The GPU must be there and healthy (NVML when it is installed, else the driver).
     fn probe(&self, options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
         let c = Self::config(options).map_err(|e| e.to_string())?;
+        if fake_gpu(&c.gpu).is_some() {
+            return Ok(Some("fake GPU".into()));
+        }
         crate::inventory::probe(&c.gpu).map(Some)
     }
 }

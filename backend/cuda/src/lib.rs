@@ -8,7 +8,8 @@
 //!   written through to the authoritative memfd, one stream per queue, a lost board latched.
 //! - [`gpu::Gpu`]: what the backend needs of a GPU: [`real::CudaGpu`] (the CUDA driver,
 //!   NVRTC and cuBLAS, loaded at run time through `switchyard-sys`) or, in CI and tests,
-//!   [`fake::FakeGpu`].
+//!   [`fake::FakeGpu`] (a board's `gpu=fake` in a build with the `fake-gpu` feature: the
+//!   test suite's worker processes run boards on it).
 //! - [`inventory`]: the host's GPUs through NVML (loaded at run time), else the driver.
 //!
 //! Nothing here needs CUDA to build; a host without a driver or GPU reports the board
@@ -28,5 +29,7 @@ pub mod real;
 mod tests;
 #[cfg(test)]
 mod tests_gpu;
+#[cfg(test)]
+mod tests_kind;
 
-pub use kind::{CudaConfig, CudaKind, GpuUnavailable};
+pub use kind::{CudaConfig, CudaKind, FAKE_FAULTS_ENV, GpuUnavailable};
