@@ -42,6 +42,13 @@
 //!   L2 started, or later than the window after the last one did, is not this signature and
 //!   fails the test.
 //!
+//! * L1 triple-faults after an L2 started: its QEMU logs `Triple fault` (`-d cpu_reset`) and,
+//!   with `-no-reboot`, exits without a word from L1's kernel. Nothing in L1's user space can
+//!   make its kernel lose its CPU state without a crash report; the emulated world switch can.
+//!   (Suspected, not yet seen in a log: CI once had an L1 end in the physical-devices scenario
+//!   with exit status 0, no panic, no `GUEST: poweroff`; the reset log says from now on
+//!   whether it was this.)
+//!
 //! [`boot_nested`] boots L1 again after any of these signatures (at most [`NESTED_ATTEMPTS`] boots in
 //! all), says so on stderr (`NESTED-FAULT:`, shown even when the test passes) and keeps each
 //! failed boot's console as `serial.attempt-N.log`. Anything else fails at once: wrong
@@ -89,7 +96,13 @@ pub fn boot_nested(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest
             None => {
                 let out = guest.wait();
                 let serial = fs::read_to_string(dir.join("serial.log")).unwrap_or_default();
-                match nested_fault(&serial) {
+                let qemu = fs::read_to_string(dir.join("qemu.log")).unwrap_or_default();
+                let fault = nested_fault(&serial).or_else(|| {
+                    out.is_err()
+                        .then(|| l1_triple_fault(&serial, &qemu))
+                        .flatten()
+                });
+                match fault {
                     Some(fault) => fault,
                     None => return out,
                 }
@@ -113,6 +126,27 @@ pub fn boot_nested(env: &GuestEnv, dir: &Path, spec: &GuestSpec) -> Result<Guest
         );
         attempt += 1;
     }
+}
+
+/// What L0's QEMU logs (`-d cpu_reset`, which [`GuestSpec::nested`](crate::GuestSpec::nested)
+/// turns on) when L1 itself triple-faults. An L2's triple fault is not this: L0 turns it into
+/// a shutdown exit to L1's KVM.
+pub const L1_TRIPLE_FAULT: &str = "Triple fault";
+
+/// L1 triple-faulting (its QEMU reset it and, with `-no-reboot`, exited: no kernel message
+/// and no `GUEST: poweroff`) after an L2 started: L1's kernel did not crash by itself (it
+/// would have said so), its CPU state was lost in the emulated world switch (see the module
+/// docs). Before any L2 started it is not this signature.
+fn l1_triple_fault(serial: &str, qemu_log: &str) -> Option<String> {
+    if !qemu_log.lines().any(|l| l.trim() == L1_TRIPLE_FAULT) {
+        return None;
+    }
+    let lines: Vec<&str> = serial.lines().map(str::trim).collect();
+    let (name, at) = lines.iter().rev().find_map(|l| l2_started(l))?;
+    Some(format!(
+        "L1 triple-faulted (its QEMU logged `{L1_TRIPLE_FAULT}`) after L2[{name}] started at L1 \
+         uptime {at} s"
+    ))
 }
 
 /// What a kernel oops shows when the page fault handler itself faulted (Debian's 6.12 build,
@@ -321,7 +355,29 @@ fn l2_spinning(header: &str, block: &[&str]) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{STACK_PROTECTOR_WINDOW, TRIPLE_FAULT, nested_fault};
+    use super::{
+        L1_TRIPLE_FAULT, STACK_PROTECTOR_WINDOW, TRIPLE_FAULT, l1_triple_fault, nested_fault,
+    };
+
+    #[test]
+    fn l1_triple_faulting_after_an_l2_started_is_a_nested_fault_but_not_before() {
+        let serial = "NESTED: start L2[vm2-edu0] at L1 uptime 120.5 s: /usr/bin/qemu -accel kvm\n\
+                      L2[vm2-edu0]: [    1.0] Linux version 6.12\n";
+        let qemu =
+            format!("CPU Reset (CPU 0)\nEAX=00000000\n{L1_TRIPLE_FAULT}\nCPU Reset (CPU 0)\n");
+        let f = l1_triple_fault(serial, &qemu).expect("a nested fault");
+        assert!(f.contains("L2[vm2-edu0]") && f.contains("120.5"), "{f}");
+        assert_eq!(
+            l1_triple_fault(serial, "CPU Reset (CPU 0)\n"),
+            None,
+            "no triple fault"
+        );
+        assert_eq!(
+            l1_triple_fault("GUEST: test nested start args=pool-edu\n", &qemu),
+            None,
+            "before any L2 started"
+        );
+    }
 
     /// L1 beside two busy loops (issue 33's panic line): an L2's QEMU started in the
     /// physical-devices scenario, then L1's stack protector fires.
