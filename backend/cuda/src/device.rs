@@ -36,7 +36,8 @@
 //! **Commands.** COPY and FILL are copies (DMA engines) and a memset; SAXPY and REDUCE are
 //! kernels, GEMM is cuBLAS; guest operands of kernels are staged through per-queue GPU
 //! buffers. One stream per queue; the engine thread of the queue waits for its stream to
-//! complete (blocking synchronization: it sleeps, no core polls), then the softgpu publishes
+//! complete (it polls for at most `switchyard_sys::cuda::SPIN`, then sleeps in a blocking
+//! synchronization), then the softgpu publishes
 //! the completion and raises the interrupt. A command the GPU cannot take (a window without
 //! a file or registration, read-only memory, overlapping operands whose result depends on the
 //! CPU path's order, a FILL of a partial word, a GPU short of memory) is declined and the CPU
@@ -64,7 +65,7 @@ use crate::gpu::{Gpu, GpuError, Mem, Offload, Op};
 mod plan;
 mod registrar;
 
-use plan::{Plan, pieces};
+use plan::{Plan, piece_count, pieces};
 use registrar::Registrar;
 
 /// Granule of the GPU copy's staleness (uploads are whole chunks).
@@ -881,7 +882,7 @@ impl<G: Gpu> CudaDevice<G> {
             cmd::OP_GEMM => {
                 let (m, n, k) = (size(c.arg[0])?, size(c.arg[1])?, size(c.arg[2])?);
                 // Row blocks, each written back while the next is computed.
-                let blocks = pieces(size(out_len)?, 1).count().clamp(1, m);
+                let blocks = piece_count(size(out_len)?).clamp(1, m);
                 let rows = m.div_ceil(blocks);
                 let mut i0 = 0;
                 while i0 < m {

@@ -245,14 +245,15 @@ fn large_outputs_are_computed_and_written_back_in_pieces() {
         })
         .expect("open");
     // 16 MiB VRAM → VRAM: one upload of the stale source (adjacent chunks in one copy),
-    // then 8 pieces of 2 MiB, each copied and written back.
+    // then 7 pieces of 2 MiB and the last 2 MiB as two of 1 MiB, each copied and written
+    // back.
     let src: Vec<u8> = (0..16u32 << 20).map(|i| (i % 251) as u8).collect();
     write_at(&vram, 0, &src);
     let before = fake.state.copies.load(Ordering::SeqCst);
     let c = Command::copy(Operand::Vram(0), Operand::Vram(32 << 20), 16 << 20);
     assert_eq!(dev.run(0, &c), AccelOutcome::Done);
     // Uploaded: the source; not the destination, which the copy overwrites whole.
-    assert_eq!(fake.state.copies.load(Ordering::SeqCst) - before, 1 + 8 + 8);
+    assert_eq!(fake.state.copies.load(Ordering::SeqCst) - before, 1 + 9 + 9);
     assert!(
         read_at(&vram, 32 << 20, 16 << 20) == src,
         "written through, all pieces"

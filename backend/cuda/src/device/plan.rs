@@ -15,16 +15,78 @@ const PIECE_MIN: usize = 1 << 20;
 /// Largest piece.
 const PIECE_MAX: usize = 16 << 20;
 
-/// `len` bytes in pieces of about an eighth (1 to 16 MiB, multiples of `align` and of 4 KiB):
-/// `(offset, length)` of each. The copy out of one piece overlaps the next piece's work, so
-/// what a write-through adds is one piece's copy.
+/// How many pieces of about an eighth of `len` (1 to 16 MiB each) an output of `len` bytes
+/// is computed in: GEMM's row blocks.
+pub(super) fn piece_count(len: usize) -> usize {
+    len.div_ceil(piece_size(len, 1)).max(1)
+}
+
+fn piece_size(len: usize, align: usize) -> usize {
+    let unit = 4096usize.max(align);
+    (len / 8).clamp(PIECE_MIN, PIECE_MAX).next_multiple_of(unit)
+}
+
+/// `len` bytes in pieces of about an eighth (1 to 16 MiB, multiples of `align` and of 4 KiB),
+/// the last one tapered (halves down to 1 MiB): `(offset, length)` of each. The copy out of
+/// one piece overlaps the next piece's work, so what a write-through adds is the last piece's
+/// copy, 1 MiB at most once the output is over 2 MiB.
 pub(super) fn pieces(len: usize, align: usize) -> impl Iterator<Item = (usize, usize)> {
     let unit = 4096usize.max(align);
-    let piece = (len / 8).clamp(PIECE_MIN, PIECE_MAX).next_multiple_of(unit);
-    (0..len.div_ceil(piece).max(1)).map(move |i| {
-        let o = i * piece;
-        (o, piece.min(len - o))
-    })
+    let piece = piece_size(len, align);
+    let regular = len.div_ceil(piece).max(1);
+    let mut out = Vec::with_capacity(regular + 8);
+    for i in 0..regular - 1 {
+        out.push((i * piece, piece));
+    }
+    let (mut at, mut left) = ((regular - 1) * piece, len - (regular - 1) * piece);
+    while left > PIECE_MIN {
+        let half = (left / 2).next_multiple_of(unit);
+        if half >= left {
+            break;
+        }
+        out.push((at, half));
+        at += half;
+        left -= half;
+    }
+    out.push((at, left));
+    out.into_iter()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PIECE_MIN, pieces};
+
+    #[test]
+    fn pieces_cover_the_output_in_order_and_the_last_is_at_most_a_mebibyte() {
+        for (len, align) in [
+            (4096, 4),
+            (PIECE_MIN, 1),
+            (2 << 20, 1),
+            (16 << 20, 1),
+            (64 << 20, 4),
+            ((64 << 20) + 12, 4),
+            (1 << 30, 1),
+            (3 * (16 << 20) + 4096, 4),
+        ] {
+            let p: Vec<(usize, usize)> = pieces(len, align).collect();
+            let mut at = 0;
+            for &(o, n) in &p {
+                assert_eq!(o, at, "{len}: contiguous");
+                assert!(n > 0, "{len}: {p:?}");
+                assert!(o % 4096 == 0 && o % align == 0, "{len}: aligned {p:?}");
+                at += n;
+            }
+            assert_eq!(at, len, "{len}: covered");
+            let last = p.last().expect("a piece").1;
+            assert!(last <= PIECE_MIN, "{len}: the exposed tail is {last} bytes");
+        }
+        let p: Vec<usize> = pieces(64 << 20, 4).map(|(_, n)| n >> 20).collect();
+        assert_eq!(
+            p,
+            [8, 8, 8, 8, 8, 8, 8, 4, 2, 1, 1],
+            "halves after the eighths"
+        );
+    }
 }
 
 /// A command's operands, as the GPU path sees them.

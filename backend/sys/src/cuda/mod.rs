@@ -26,7 +26,7 @@ use vm_memory::MmapRegion;
 
 mod stream;
 
-pub use stream::{BatchError, Mem, Op, Stream};
+pub use stream::{BatchError, Mem, Op, SMALL_WRITE_BACK, SPIN, Stream};
 
 /// The kernels, compiled by NVRTC for the GPU at hand.
 const KERNELS: &str = r#"

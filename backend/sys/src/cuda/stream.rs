@@ -1,7 +1,9 @@
 //! Streams and the batches of operations they run ([`Stream::run`]).
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::cublas::sys as blas;
 use cudarc::driver::result as cu;
@@ -29,6 +31,8 @@ impl Gpu {
             aux,
             events: Mutex::new(Vec::new()),
             blas: Mutex::new(None),
+            misses: AtomicU32::new(0),
+            skip: AtomicU32::new(0),
         })
     }
 }
@@ -152,7 +156,21 @@ pub struct Stream {
     /// Events that order write-backs after their batch's earlier operations, reused.
     events: Mutex<Vec<sys::CUevent>>,
     blas: Mutex<Option<blas::cublasHandle_t>>,
+    /// Spins in a row that ended before the batch did, and batches left to wait without
+    /// spinning (see [`SPIN`]).
+    misses: AtomicU32,
+    skip: AtomicU32,
 }
+
+/// Longest a batch's wait polls its streams before it sleeps in a blocking synchronization
+/// (an interrupt and a wake-up): a small job is done within it. A stream whose batches keep
+/// outlasting it spins less often (after `k` misses in a row, one batch in `2^k`, at most one
+/// in 64), and again on every batch once one finished within it.
+pub const SPIN: Duration = Duration::from_micros(50);
+
+/// Write-backs up to this size run on the batch's own stream, in order (a copy of a few
+/// pages costs less than the event and the second stream's wait that would overlap it).
+pub const SMALL_WRITE_BACK: usize = 64 << 10;
 
 // SAFETY: a stream handle may be used from any thread (the context is bound per call); the
 // cuBLAS handle is used under its mutex only.
@@ -219,7 +237,7 @@ impl Stream {
         let mut result = Ok(());
         for (i, op) in ops.iter().enumerate() {
             let r = match *op {
-                Op::WriteBack { dst, src, len } => {
+                Op::WriteBack { dst, src, len } if len > SMALL_WRITE_BACK => {
                     self.write_back(dst, src, len, &mut events, &mut used)
                 }
                 _ => self.enqueue(op),
@@ -231,6 +249,9 @@ impl Stream {
                 });
                 break;
             }
+        }
+        if result.is_ok() {
+            self.spin();
         }
         // Both streams drained, whatever happened: nothing may run once the borrows end.
         for (s, what) in [
@@ -261,6 +282,47 @@ impl Stream {
             }
         }
         result
+    }
+
+    /// Polls both streams for at most [`SPIN`] (when this stream spins now), so that a small
+    /// batch is seen done without the blocking synchronization's sleep.
+    fn spin(&self) {
+        if self
+            .skip
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return;
+        }
+        let start = Instant::now();
+        let done = loop {
+            // SAFETY: the streams are ours and live; a query only reads their state.
+            let (raw, aux) =
+                unsafe { (sys::cuStreamQuery(self.raw), sys::cuStreamQuery(self.aux)) };
+            let ready = sys::CUresult::CUDA_SUCCESS;
+            let busy = sys::CUresult::CUDA_ERROR_NOT_READY;
+            if raw == ready && aux == ready {
+                break true;
+            }
+            // A failure: the synchronization reports it.
+            if (raw != ready && raw != busy) || (aux != ready && aux != busy) {
+                break true;
+            }
+            if start.elapsed() >= SPIN {
+                break false;
+            }
+            std::hint::spin_loop();
+        };
+        if done {
+            self.misses.store(0, Ordering::Relaxed);
+        } else {
+            let k = self
+                .misses
+                .fetch_add(1, Ordering::Relaxed)
+                .saturating_add(1)
+                .min(6);
+            self.skip.store((1 << k) - 1, Ordering::Relaxed);
+        }
     }
 
     /// Enqueues a [`Op::WriteBack`]: an event after what is enqueued so far, the second
