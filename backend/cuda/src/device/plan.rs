@@ -52,43 +52,6 @@ pub(super) fn pieces(len: usize, align: usize) -> impl Iterator<Item = (usize, u
     out.into_iter()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{PIECE_MIN, pieces};
-
-    #[test]
-    fn pieces_cover_the_output_in_order_and_the_last_is_at_most_a_mebibyte() {
-        for (len, align) in [
-            (4096, 4),
-            (PIECE_MIN, 1),
-            (2 << 20, 1),
-            (16 << 20, 1),
-            (64 << 20, 4),
-            ((64 << 20) + 12, 4),
-            (1 << 30, 1),
-            (3 * (16 << 20) + 4096, 4),
-        ] {
-            let p: Vec<(usize, usize)> = pieces(len, align).collect();
-            let mut at = 0;
-            for &(o, n) in &p {
-                assert_eq!(o, at, "{len}: contiguous");
-                assert!(n > 0, "{len}: {p:?}");
-                assert!(o % 4096 == 0 && o % align == 0, "{len}: aligned {p:?}");
-                at += n;
-            }
-            assert_eq!(at, len, "{len}: covered");
-            let last = p.last().expect("a piece").1;
-            assert!(last <= PIECE_MIN, "{len}: the exposed tail is {last} bytes");
-        }
-        let p: Vec<usize> = pieces(64 << 20, 4).map(|(_, n)| n >> 20).collect();
-        assert_eq!(
-            p,
-            [8, 8, 8, 8, 8, 8, 8, 4, 2, 1, 1],
-            "halves after the eighths"
-        );
-    }
-}
-
 /// A command's operands, as the GPU path sees them.
 pub(super) struct Plan {
     pub(super) command: Command,
@@ -169,5 +132,42 @@ impl Plan {
             output,
             kernel,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PIECE_MIN, pieces};
+
+    #[test]
+    fn pieces_cover_the_output_in_order_and_the_last_is_at_most_a_mebibyte() {
+        for (len, align) in [
+            (4096, 4),
+            (PIECE_MIN, 1),
+            (2 << 20, 1),
+            (16 << 20, 1),
+            (64 << 20, 4),
+            ((64 << 20) + 12, 4),
+            (1 << 30, 1),
+            (3 * (16 << 20) + 4096, 4),
+        ] {
+            let p: Vec<(usize, usize)> = pieces(len, align).collect();
+            let mut at = 0;
+            for &(o, n) in &p {
+                assert_eq!(o, at, "{len}: contiguous");
+                assert!(n > 0, "{len}: {p:?}");
+                assert!(o % 4096 == 0 && o % align == 0, "{len}: aligned {p:?}");
+                at += n;
+            }
+            assert_eq!(at, len, "{len}: covered");
+            let last = p.last().expect("a piece").1;
+            assert!(last <= PIECE_MIN, "{len}: the exposed tail is {last} bytes");
+        }
+        let p: Vec<usize> = pieces(64 << 20, 4).map(|(_, n)| n >> 20).collect();
+        assert_eq!(
+            p,
+            [8, 8, 8, 8, 8, 8, 8, 4, 2, 1, 1],
+            "halves after the eighths"
+        );
     }
 }
