@@ -4,7 +4,9 @@
 //! the backend's bookkeeping and its handling of a lost board are tested without a GPU.
 //!
 //! A write-back ([`Op::WriteBack`]) runs at the end of its batch, the latest a GPU may run it,
-//! so a batch that breaks its contract gets a wrong result here.
+//! or, with a seed ([`FakeState::seed`]), at a point among the operations after it that the
+//! seed picks: a batch that breaks its contract gets a wrong result here. Batches of different
+//! streams run at once on their callers' threads (really concurrent, not seeded).
 //!
 //! A registration pins pages, as `cuMemHostRegister` does: it allocates the file's pages of
 //! its range, and the GPU keeps using *those* pages. Once the file's pages change under it (a
@@ -48,6 +50,9 @@ pub struct FakeState {
     pub lose: AtomicBool,
     /// The next batch fails with a transient error (then the switch resets).
     pub hiccup: AtomicBool,
+    /// Where write-backs run among the operations after them: 0, last; else a point this
+    /// seed picks per batch (see `run`).
+    pub seed: AtomicU64,
     /// Batches wait this long (µs) before they run: a slow GPU.
     pub delay_us: AtomicU64,
     /// Batches wait here while it is closed: a GPU stuck on a command.
@@ -489,17 +494,32 @@ impl Gpu for FakeGpu {
             };
             return Err(e.after(Some(k)));
         }
-        // Write-backs run last, the latest a GPU may run them (after everything before them,
-        // overlapping what follows): a batch that writes a write-back's source or touches its
-        // destination after it gets another result here than in order, and a test sees it.
-        let mut deferred = Vec::new();
+        // A write-back runs on a second stream once everything before it finished, anywhere
+        // among what follows: with no seed, last (the latest a GPU may run it); with one, at
+        // a point the seed picks for each batch. A batch that writes a write-back's source
+        // or touches its destination after it gets another result here than in order.
+        let seed = s.seed.load(Ordering::Relaxed);
+        let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ s.batches.load(Ordering::Relaxed);
+        let mut coin = || {
+            // xorshift64*: any fixed sequence will do.
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            seed != 0 && rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 63 == 1
+        };
+        let mut pending = std::collections::VecDeque::new();
         for op in ops {
+            while !pending.is_empty() && coin() {
+                if let Some(wb) = pending.pop_front() {
+                    self.op(wb).map_err(|e| e.after(None))?;
+                }
+            }
             match op {
-                Op::WriteBack { .. } => deferred.push(op),
+                Op::WriteBack { .. } => pending.push_back(op),
                 _ => self.op(op).map_err(|e| e.after(None))?,
             }
         }
-        for op in deferred {
+        for op in pending {
             self.op(op).map_err(|e| e.after(None))?;
         }
         Ok(())

@@ -324,3 +324,33 @@ fn without_nvrtc_or_cublas_the_gpu_copies_and_fills_and_the_cpu_runs_the_rest() 
         "and before anything was staged"
     );
 }
+
+#[test]
+fn wherever_the_gpu_runs_a_write_back_the_results_are_the_same() {
+    for seed in 0..12u64 {
+        let fake = FakeGpu::new();
+        fake.state.seed.store(seed, Ordering::SeqCst);
+        let rig = Rig::new(&fake);
+        let n = 1 << 20;
+        let (x, y) = (ints(n, 9), ints(n, 11));
+        write_at(&rig.vram, 0, &floats_bytes(&x));
+        write_at(&rig.vram, 8 << 20, &floats_bytes(&y));
+        // In place in VRAM (4 MiB: eleven pieces, each written through), then a copy of the
+        // result into guest memory (staged pieces written back).
+        let saxpy = Command::saxpy(n as u64, 2.0, Operand::Vram(0), Operand::Vram(8 << 20));
+        assert_eq!(rig.dev.run(0, &saxpy), AccelOutcome::Done, "seed {seed}");
+        let out = Command::copy(Operand::Vram(8 << 20), Operand::Guest(GUEST), 4 << 20);
+        assert_eq!(rig.dev.run(1, &out), AccelOutcome::Done, "seed {seed}");
+        let want = floats_bytes(
+            &x.iter()
+                .zip(&y)
+                .map(|(x, y)| 2.0 * x + y)
+                .collect::<Vec<_>>(),
+        );
+        assert!(
+            read_at(&rig.vram, 8 << 20, n * 4) == want,
+            "seed {seed}: VRAM"
+        );
+        assert!(read_at(&rig.guest, 0, n * 4) == want, "seed {seed}: guest");
+    }
+}
