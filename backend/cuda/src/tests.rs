@@ -25,14 +25,23 @@ pub(crate) fn memfd(len: u64) -> File {
 }
 
 fn open(fake: &FakeGpu) -> (Arc<dyn AccelDevice>, Arc<File>) {
-    let vram = Arc::new(memfd(VRAM));
-    let accel = CudaAccel::new(Arc::new(fake.clone()));
-    let dev = accel
+    open_with(fake, VRAM, 2, &Arc::new(DmaSpace::default()))
+}
+
+/// A device of `vram_size` bytes of VRAM and `queues` queues on `fake`, for a client's `dma`.
+pub(crate) fn open_with(
+    fake: &FakeGpu,
+    vram_size: u64,
+    queues: usize,
+    dma: &Arc<DmaSpace>,
+) -> (Arc<dyn AccelDevice>, Arc<File>) {
+    let vram = Arc::new(memfd(vram_size));
+    let dev = CudaAccel::new(Arc::new(fake.clone()))
         .open(AccelTarget {
             vram: vram.clone(),
-            vram_size: VRAM,
-            queues: 2,
-            dma: Arc::new(DmaSpace::default()),
+            vram_size,
+            queues,
+            dma: dma.clone(),
         })
         .expect("open");
     (dev, vram)
@@ -380,17 +389,8 @@ fn staging_stays_within_the_devices_budget() {
 fn an_unmap_is_not_held_up_by_a_command_stuck_on_the_gpu() {
     use std::time::Duration;
     let fake = FakeGpu::new();
-    let vram = Arc::new(memfd(VRAM));
     let dma = Arc::new(DmaSpace::default());
-    let accel = CudaAccel::new(Arc::new(fake.clone()));
-    let dev = accel
-        .open(AccelTarget {
-            vram: vram.clone(),
-            vram_size: VRAM,
-            queues: 2,
-            dma: dma.clone(),
-        })
-        .expect("open");
+    let (dev, _vram) = open_with(&fake, VRAM, 2, &dma);
     dma.set_observer(dev.dma_observer());
     let cuda = dev
         .as_any()

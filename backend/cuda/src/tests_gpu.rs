@@ -8,12 +8,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use switchyard_device::{DmaProt, DmaSpace};
-use switchyard_softgpu::accel::{AccelDevice, AccelOutcome, AccelTarget, Accelerator};
+use switchyard_softgpu::accel::{AccelDevice, AccelOutcome, Accelerator};
 use switchyard_softgpu::cmd::{Command, Operand};
 
 use crate::device::{CHUNK, CudaAccel, CudaDevice};
 use crate::fake::FakeGpu;
-use crate::tests::{memfd, read_at, write_at};
+use crate::tests::{memfd, open_with, read_at, write_at};
 
 const VRAM: u64 = 16 << 20;
 const GUEST: u64 = 0x10_0000;
@@ -31,16 +31,8 @@ struct Rig {
 
 impl Rig {
     fn new(fake: &FakeGpu) -> Rig {
-        let vram = Arc::new(memfd(VRAM));
         let dma = Arc::new(DmaSpace::default());
-        let dev = CudaAccel::new(Arc::new(fake.clone()))
-            .open(AccelTarget {
-                vram: vram.clone(),
-                vram_size: VRAM,
-                queues: 2,
-                dma: dma.clone(),
-            })
-            .expect("open");
+        let (dev, vram) = open_with(fake, VRAM, 2, &dma);
         dma.set_observer(dev.dma_observer());
         let guest = memfd(GUEST_SIZE);
         let rw = DmaProt {
