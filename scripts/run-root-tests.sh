@@ -44,7 +44,10 @@ for t in "${tests[@]}"; do
   read -r pkg file name <<<"$t"
   echo "run-root-tests.sh: $pkg --test $file $name"
   rc=0
-  cargo test --locked -q -p "$pkg" --test "$file" -- --ignored --exact "$name" 2>&1 |
+  # The features scripts/test.sh builds the binary with, so that it is not rebuilt without.
+  features=()
+  [ "$pkg" = switchyard ] && features=(--features fake-gpu)
+  cargo test --locked -q -p "$pkg" "${features[@]}" --test "$file" -- --ignored --exact "$name" 2>&1 |
     tee "$out" || rc=$?
   # Exactly this one test ran and passed (a renamed test would run none and say "0 passed").
   if [ "$rc" != 0 ] || ! grep -q '^test result: ok\. 1 passed' "$out"; then
