@@ -5,8 +5,9 @@
 //!
 //! A write-back ([`Op::WriteBack`]) runs at the end of its batch, the latest a GPU may run it,
 //! or, with a seed ([`FakeState::seed`]), at a point among the operations after it that the
-//! seed picks: a batch that breaks its contract gets a wrong result here. Batches of different
-//! streams run at once on their callers' threads (really concurrent, not seeded).
+//! seed picks: a batch that breaks its contract gets a wrong result here. With a seed, batches
+//! in flight on several streams interleave one operation at a time in an order the seed picks
+//! (without one, they run at once on their callers' threads).
 //!
 //! A registration pins pages, as `cuMemHostRegister` does: it allocates the file's pages of
 //! its range, and the GPU keeps using *those* pages. Once the file's pages change under it (a
@@ -51,7 +52,8 @@ pub struct FakeState {
     /// The next batch fails with a transient error (then the switch resets).
     pub hiccup: AtomicBool,
     /// Where write-backs run among the operations after them: 0, last; else a point this
-    /// seed picks per batch (see `run`).
+    /// seed picks per batch (see `run`). With a seed, batches in flight on several streams
+    /// also run one operation at a time, in an order it picks.
     pub seed: AtomicU64,
     /// Batches wait this long (µs) before they run: a slow GPU.
     pub delay_us: AtomicU64,
@@ -68,6 +70,9 @@ pub struct FakeState {
     /// A file whose existence makes the next batch lose the GPU (a test in another process
     /// injecting a sticky error).
     lose_when: Mutex<Option<std::path::PathBuf>>,
+    /// With a [`FakeState::seed`]: the batches of several streams in flight at once run one
+    /// operation at a time, in an order the seed picks.
+    turns: Turnstile,
     /// Streams made so far (a stream's id is its rank).
     streams: AtomicU64,
     lost: AtomicBool,
@@ -177,6 +182,76 @@ fn pin(region: &MmapRegion<()>) -> Result<(), GpuError> {
         off = data.max(hole + 1);
     }
     Ok(())
+}
+
+/// Interleaves the operations of the batches in flight on different streams: one runs at a
+/// time, and after each the next is the seed's pick among the streams with a batch in flight
+/// (a GPU's streams progress in an order nobody chooses; a seed makes one order repeatable).
+#[derive(Debug, Default)]
+struct Turnstile {
+    /// Streams with a batch in flight, whose turn it is, the picker's state.
+    state: Mutex<(Vec<u64>, Option<u64>, u64)>,
+    cv: Condvar,
+}
+
+/// A stream's batch in the turnstile; leaves it when dropped.
+struct Turn<'a> {
+    turns: &'a Turnstile,
+    stream: u64,
+}
+
+impl Turnstile {
+    fn enter(&self, stream: u64, seed: u64) -> Turn<'_> {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if g.2 == 0 {
+            g.2 = seed | 1;
+        }
+        g.0.push(stream);
+        g.1.get_or_insert(stream);
+        Turn {
+            turns: self,
+            stream,
+        }
+    }
+
+    /// The next turn: a stream in flight, by xorshift64.
+    fn pick(g: &mut (Vec<u64>, Option<u64>, u64)) {
+        g.2 ^= g.2 << 13;
+        g.2 ^= g.2 >> 7;
+        g.2 ^= g.2 << 17;
+        g.1 = (!g.0.is_empty()).then(|| g.0[(g.2 % g.0.len() as u64) as usize]);
+    }
+}
+
+impl Turn<'_> {
+    /// Runs `f` in this stream's turn, then lets the seed pick the next.
+    fn run<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = self.turns;
+        let mut g = t.state.lock().unwrap_or_else(|p| p.into_inner());
+        while g.1 != Some(self.stream) {
+            g = t.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(g);
+        let out = f();
+        let mut g = t.state.lock().unwrap_or_else(|p| p.into_inner());
+        Turnstile::pick(&mut g);
+        drop(g);
+        t.cv.notify_all();
+        out
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let t = self.turns;
+        let mut g = t.state.lock().unwrap_or_else(|p| p.into_inner());
+        g.0.retain(|&s| s != self.stream);
+        if g.1 == Some(self.stream) || g.1.is_none() {
+            Turnstile::pick(&mut g);
+        }
+        drop(g);
+        t.cv.notify_all();
+    }
 }
 
 /// A fake GPU.
@@ -471,6 +546,12 @@ impl Gpu for FakeGpu {
             std::thread::sleep(std::time::Duration::from_micros(delay));
         }
         s.batches.fetch_add(1, Ordering::Relaxed);
+        let seed = s.seed.load(Ordering::Relaxed);
+        let turn = (seed != 0).then(|| s.turns.enter(*stream, seed));
+        let exec = |op: &Op<'_, Self>| match &turn {
+            Some(turn) => turn.run(|| self.op(op)),
+            None => self.op(op),
+        };
         let fail = {
             let mut f = s.fail_at.lock().unwrap_or_else(|p| p.into_inner());
             f.take_if(|(k, _)| *k < ops.len())
@@ -479,7 +560,7 @@ impl Gpu for FakeGpu {
             // What a GPU did before the operation it could not take: everything before it,
             // a write-back as soon as what precedes it finished.
             for op in ops.iter().take(k) {
-                self.op(op).map_err(|e| e.after(None))?;
+                exec(op).map_err(|e| e.after(None))?;
             }
             let e = if sticky {
                 s.lost.store(true, Ordering::SeqCst);
@@ -498,7 +579,6 @@ impl Gpu for FakeGpu {
         // among what follows: with no seed, last (the latest a GPU may run it); with one, at
         // a point the seed picks for each batch. A batch that writes a write-back's source
         // or touches its destination after it gets another result here than in order.
-        let seed = s.seed.load(Ordering::Relaxed);
         let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ s.batches.load(Ordering::Relaxed);
         let mut coin = || {
             // xorshift64*: any fixed sequence will do.
@@ -511,16 +591,16 @@ impl Gpu for FakeGpu {
         for op in ops {
             while !pending.is_empty() && coin() {
                 if let Some(wb) = pending.pop_front() {
-                    self.op(wb).map_err(|e| e.after(None))?;
+                    exec(wb).map_err(|e| e.after(None))?;
                 }
             }
             match op {
                 Op::WriteBack { .. } => pending.push_back(op),
-                _ => self.op(op).map_err(|e| e.after(None))?,
+                _ => exec(op).map_err(|e| e.after(None))?,
             }
         }
         for op in pending {
-            self.op(op).map_err(|e| e.after(None))?;
+            exec(op).map_err(|e| e.after(None))?;
         }
         Ok(())
     }

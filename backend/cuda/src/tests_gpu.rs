@@ -346,3 +346,52 @@ fn wherever_the_gpu_runs_a_write_back_the_results_are_the_same() {
         assert!(read_at(&rig.guest, 0, n * 4) == want, "seed {seed}: guest");
     }
 }
+
+#[test]
+fn queues_interleaved_operation_by_operation_in_a_seeds_order_get_exact_results() {
+    for seed in 1..6u64 {
+        let fake = FakeGpu::new();
+        fake.state.seed.store(seed, Ordering::SeqCst);
+        let rig = Rig::new(&fake);
+        let n = 1 << 18;
+        let x = ints(n, 7);
+        write_at(&rig.vram, 0, &floats_bytes(&x));
+        // Queue 0 copies x along VRAM while queue 1 sums it and copies it into guest memory:
+        // both read chunks neither has uploaded yet.
+        std::thread::scope(|s| {
+            let q0 = s.spawn(|| {
+                rig.dev.run(
+                    0,
+                    &Command::copy(Operand::Vram(0), Operand::Vram(4 << 20), n as u64 * 4),
+                )
+            });
+            let q1 = s.spawn(|| {
+                let sum = Command::reduce(n as u64, Operand::Vram(0), Operand::Guest(GUEST));
+                let copy = Command::copy(
+                    Operand::Vram(0),
+                    Operand::Guest(GUEST + 0x1000),
+                    n as u64 * 4,
+                );
+                (rig.dev.run(1, &sum), rig.dev.run(1, &copy))
+            });
+            assert_eq!(q0.join().expect("q0"), AccelOutcome::Done, "seed {seed}");
+            let (a, b) = q1.join().expect("q1");
+            assert_eq!(
+                (a, b),
+                (AccelOutcome::Done, AccelOutcome::Done),
+                "seed {seed}"
+            );
+        });
+        let want = floats_bytes(&x);
+        assert!(
+            read_at(&rig.vram, 4 << 20, n * 4) == want,
+            "seed {seed}: VRAM copy"
+        );
+        assert!(
+            read_at(&rig.guest, 0x1000, n * 4) == want,
+            "seed {seed}: guest copy"
+        );
+        let sum = bytes_floats(&read_at(&rig.guest, 0, 4))[0];
+        assert_eq!(sum, x.iter().sum::<f32>(), "seed {seed}: REDUCE");
+    }
+}
