@@ -106,6 +106,9 @@ if [ -n "$long" ]; then
   exit 1
 fi
 
+step "scripts/gpu-check.sh's step budgets fit the GPU host's 300 s (--budget)"
+scripts/gpu-check.sh --budget
+
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
@@ -216,6 +219,11 @@ if [ -z "$SY_CH_NOT_RUN" ]; then
 else
   echo "test.sh: scripts/bench-nested.sh NOT RUN (it needs cloud-hypervisor; see above)"
 fi
+
+step "scripts/gpu-check.sh without a GPU: seconds, each GPU step failing with its reason (scripts/check-gpu-check.sh)"
+# With the binaries built above (the debug cuda_backend test binary, switchyard and
+# switchyard-bench); on a host with an NVIDIA driver it checks only the budget and --only.
+bounded 3 "scripts/check-gpu-check.sh" scripts/check-gpu-check.sh
 
 step "fuzz: protocol decoder (${FUZZ_SECONDS:-60}s, bounded)"
 cargo run --release --locked -p switchyard-proto --example fuzz_decode -- \

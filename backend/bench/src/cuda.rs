@@ -13,17 +13,26 @@
 //!   ≤ 1.5×);
 //! - the CPU backend's GEMM 4096 (one engine thread, one run), against the GPU board's, for
 //!   scale.
+//!
+//! Sized for `scripts/gpu-check.sh`'s budget: the softgpu's VRAM ([`VRAM`]) is large enough
+//! that the `cuda` board's staging budget (`staging_budget`) holds every row's guest operands
+//! (GEMM 4096 in guest memory: 3 × 64 MiB), so every row runs on the GPU (a unit test below
+//! checks it from these constants); before a row is measured, one run of ours must have run
+//! on the GPU (none declined to the CPU path, where a GEMM 4096 takes 10–25 s and the row's
+//! runs would take minutes), else the case fails at once and says which row. Each row's
+//! figures go to stderr as soon as it is measured, so a run stopped early still shows them.
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use switchyard_cuda::device::CudaAccel;
+use switchyard_cuda::device::{CudaAccel, CudaDevice, staging_budget};
 use switchyard_cuda::gpu::{Gpu as _, Mem, Op};
 use switchyard_cuda::real::CudaGpu;
-use switchyard_server::{Server, ServerConfig, StopHandle};
+use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::cmd::{Command, Operand};
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 use vm_memory::MmapRegion;
@@ -39,24 +48,64 @@ const N: u64 = 4096;
 const MATRIX: u64 = N * N * 4;
 /// The COPY rows' size.
 const COPY: u64 = 64 << 20;
+/// The softgpu's VRAM: its staging budget (a quarter of it, `staging_budget`) must hold the
+/// guest operands of every row's kernel, 3 × [`MATRIX`] (GEMM 4096 in guest memory); with
+/// 512 MiB (a 128 MiB budget) the third operand was refused and the row ran on the CPU.
+const VRAM: u64 = 1 << 30;
+/// Guest memory past the driver's control area: three matrices and two COPY buffers.
+const GUEST_DATA: u64 = 3 * MATRIX + 2 * COPY;
 
-/// A row: case, op, unit, work per sample (bytes, for GB/s), our command, the native
-/// batch, the target, a note.
+/// A row: case, unit, work per sample (bytes, for GB/s), the native batch, the target, a
+/// note; its op and our command are [`commands`]' of the same index.
 struct CaseSpec<'a>(
-    &'static str,
     &'static str,
     Unit,
     f64,
-    Command,
     &'a [Op<'a, CudaGpu>],
     Option<Target>,
     &'static str,
 );
 
+/// Operand `i` of the rows in VRAM: matrix-sized slots.
+fn vram(i: u64) -> Operand {
+    Operand::Vram(i * MATRIX)
+}
+
+/// Operand `i` of the rows in guest memory: matrix-sized slots.
+fn in_guest(i: u64) -> Operand {
+    guest(DATA_OFFSET + i * MATRIX)
+}
+
+/// Each row's op and our command, in the order of the rows.
+fn commands() -> [(&'static str, Command); 6] {
+    [
+        ("gemm-vram", gemm(vram(0), vram(1), vram(2))),
+        ("gemm-guest", gemm(in_guest(0), in_guest(1), in_guest(2))),
+        ("g2v", Command::copy(in_guest(3), vram(3), COPY)),
+        ("v2g", Command::copy(vram(3), in_guest(3), COPY)),
+        ("small", Command::copy(in_guest(3), vram(3), 4096)),
+        ("gemm-vram-2", gemm(vram(0), vram(1), vram(2))),
+    ]
+}
+
 /// A softgpu served in this process.
 struct InProcess {
     stop: StopHandle,
+    slot: DeviceSlot,
     thread: Option<thread::JoinHandle<()>>,
+}
+
+impl InProcess {
+    /// Commands the `cuda` board declined (ran on the CPU path) so far; 0 without one.
+    fn declined(&self) -> u64 {
+        self.slot
+            .with_as(|d: &mut SoftGpu| {
+                d.accelerator()
+                    .and_then(|a| a.as_any().downcast_ref::<CudaDevice<CudaGpu>>())
+                    .map_or(0, |dev| dev.stats().declined.load(Ordering::SeqCst))
+            })
+            .unwrap_or(0)
+    }
 }
 
 impl Drop for InProcess {
@@ -68,10 +117,10 @@ impl Drop for InProcess {
     }
 }
 
-/// Serves a softgpu of 512 MiB VRAM at `socket`, on `gpu` (or on the CPU).
+/// Serves a softgpu of [`VRAM`] at `socket`, on `gpu` (or on the CPU).
 fn serve(socket: &Path, gpu: Option<&CudaGpu>) -> Result<InProcess> {
     let config = SoftGpuConfig {
-        vram_size: 512 << 20,
+        vram_size: VRAM,
         vram_mmap: false,
         ..SoftGpuConfig::default()
     };
@@ -87,6 +136,7 @@ fn serve(socket: &Path, gpu: Option<&CudaGpu>) -> Result<InProcess> {
     })
     .context("server")?;
     let stop = server.stop_handle();
+    let slot = server.device_slot();
     let thread = thread::spawn(move || {
         if let Err(e) = server.run() {
             eprintln!("cuda bench server: {e:#}");
@@ -94,6 +144,7 @@ fn serve(socket: &Path, gpu: Option<&CudaGpu>) -> Result<InProcess> {
     });
     Ok(InProcess {
         stop,
+        slot,
         thread: Some(thread),
     })
 }
@@ -139,10 +190,9 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
     let what = format!("{} {}", real.info().name, real.info().uuid);
     eprint!("[{what}] ");
     let socket = dir.join("cuda.sock");
-    let _server = serve(&socket, Some(&real))?;
+    let server = serve(&socket, Some(&real))?;
     let client = switchyard_client::Client::connect(&socket).context("connect")?;
-    let data = 3 * MATRIX + 2 * COPY;
-    let mut gpu = Gpu::setup(client, data)?;
+    let mut gpu = Gpu::setup(client, GUEST_DATA)?;
     // Operands: A and B in guest memory and in VRAM.
     let pattern: Vec<u8> = (0..1u32 << 20)
         .flat_map(|i| (((i % 1000) as f32) * 0.001 - 0.5).to_le_bytes())
@@ -154,14 +204,10 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         off += pattern.len() as u64;
     }
     let mut seq = 0;
-    for (i, vram) in [0, MATRIX].into_iter().enumerate() {
+    for i in 0..2 {
         fenced(
             &mut gpu,
-            Command::copy(
-                guest(DATA_OFFSET + i as u64 * MATRIX),
-                Operand::Vram(vram),
-                MATRIX,
-            ),
+            Command::copy(in_guest(i), vram(i), MATRIX),
             &mut seq,
         )?;
     }
@@ -239,15 +285,11 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         let (g, q) = (&gpu, &seq);
         move || fenced(&mut g.borrow_mut(), cmd, &mut q.borrow_mut())
     };
-    let vram = |i: u64| Operand::Vram(i * MATRIX);
-    let g = |i: u64| guest(DATA_OFFSET + i * MATRIX);
     let cases: [CaseSpec<'_>; 6] = [
         CaseSpec(
             "GEMM 4096, operands in VRAM",
-            "gemm-vram",
             Unit::Millis,
             0.0,
-            gemm(vram(0), vram(1), vram(2)),
             &native_gemm,
             Some(Target {
                 floor_ratio: 1.0 / 0.9,
@@ -258,20 +300,16 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         ),
         CaseSpec(
             "GEMM 4096, operands in guest memory",
-            "gemm-guest",
             Unit::Millis,
             0.0,
-            gemm(g(0), g(1), g(2)),
             &native_staged,
             None,
             "floor: A, B copied in from registered host memory, SGEMM, C copied out",
         ),
         CaseSpec(
             "COPY guest → VRAM 64 MiB",
-            "g2v",
             Unit::GBps,
             COPY as f64,
-            Command::copy(g(3), vram(3), COPY),
             &h2d,
             Some(Target {
                 floor_ratio: 0.9,
@@ -282,10 +320,8 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         ),
         CaseSpec(
             "COPY VRAM → guest 64 MiB",
-            "v2g",
             Unit::GBps,
             COPY as f64,
-            Command::copy(vram(3), g(3), COPY),
             &d2h,
             Some(Target {
                 floor_ratio: 0.9,
@@ -296,10 +332,8 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         ),
         CaseSpec(
             "COPY guest → VRAM 4 KiB, submit → FENCE",
-            "small",
             Unit::Micros,
             0.0,
-            Command::copy(g(3), vram(3), 4096),
             &small,
             Some(Target {
                 floor_ratio: 1.5,
@@ -310,16 +344,26 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         ),
         CaseSpec(
             "GEMM 4096 (VRAM), same again",
-            "gemm-vram-2",
             Unit::Millis,
             0.0,
-            gemm(vram(0), vram(1), vram(2)),
             &native_gemm,
             None,
             "a second run of the first row, to show its spread",
         ),
     ];
-    for CaseSpec(case, op, unit, work, cmd, native, target, note) in cases {
+    for (CaseSpec(case, unit, work, native, target, note), (op, cmd)) in
+        cases.into_iter().zip(commands())
+    {
+        // One run first: it must run on the GPU, not on the CPU path (see the module docs).
+        let declined = server.declined();
+        ours(cmd)()?;
+        if server.declined() != declined {
+            bail!(
+                "`{case}`: the cuda board ran it on the CPU path (declined: staging beyond its \
+                 budget of {} MiB, or GPU memory short); its runs would take minutes",
+                staging_budget(VRAM) >> 20
+            );
+        }
         let mut cs = vec![
             Contender::new("native", || run(native)),
             Contender::new("ours", ours(cmd)),
@@ -327,6 +371,12 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         let mut r = interleaved(&mut cs, plan)?;
         let floor = fig("native CUDA", &mut r[0], unit, work)?;
         let mine = fig("cuda board", &mut r[1], unit, work)?;
+        eprint!(
+            "\n    {op}: cuda board p50 {:.3} {u}, native CUDA p50 {:.3} {u} ",
+            mine.p50,
+            floor.p50,
+            u = unit.label()
+        );
         rows.push(Row::new(
             "cuda",
             case.into(),
@@ -375,4 +425,81 @@ pub fn cuda(dir: &Path, s: &Settings, rows: &mut Vec<Row>) -> Result<()> {
         bail!("the CPU GEMM took no time");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_softgpu::cmd::{OP_COPY, OP_GEMM};
+
+    /// A command's operands `(operand, bytes)` and whether it is a kernel (whose guest
+    /// operands the `cuda` board stages in GPU memory), as the board's plan has them
+    /// (`backend/cuda/src/device/plan.rs`) for the commands the rows use.
+    fn operands(c: &Command) -> (bool, Vec<(Operand, u64)>) {
+        match c.opcode {
+            OP_COPY => (
+                false,
+                vec![(c.operand(0), c.arg[0]), (c.operand(1), c.arg[0])],
+            ),
+            OP_GEMM => {
+                let [m, n, k] = c.arg;
+                (
+                    true,
+                    vec![
+                        (c.operand(0), m * k * 4),
+                        (c.operand(1), k * n * 4),
+                        (c.operand(2), m * n * 4),
+                    ],
+                )
+            }
+            op => panic!("the rows use no command {op:#x}: add it here"),
+        }
+    }
+
+    /// Every row's operands fit the bench's VRAM and guest memory, and the staging buffers of
+    /// its kernels' guest operands fit the `cuda` board's staging budget of that VRAM: a row
+    /// beyond it runs on the CPU path (a GEMM 4096: 10–25 s a run) and `scripts/gpu-check.sh`'s
+    /// bench step runs out of its time. The board keeps each staging buffer of a queue (one per
+    /// operand, a power of two) at the largest size it needed, and the rows share queue 0: what
+    /// they take together is each operand's largest, summed.
+    #[test]
+    fn every_rows_guest_operands_fit_the_staging_budget() {
+        let budget = staging_budget(VRAM);
+        let mut kept = [0u64; 3];
+        for (op, c) in commands() {
+            let (kernel, ops) = operands(&c);
+            let mut need = 0;
+            for (i, &(o, len)) in ops.iter().enumerate() {
+                match o {
+                    Operand::Vram(at) => assert!(at + len <= VRAM, "{op}: VRAM operand {i}"),
+                    Operand::Guest(iova) => {
+                        let at = iova - guest(DATA_OFFSET).addr();
+                        assert!(at + len <= GUEST_DATA, "{op}: guest operand {i}");
+                        if kernel {
+                            let staged = len.max(4).next_power_of_two();
+                            need += staged;
+                            kept[i] = kept[i].max(staged);
+                        }
+                    }
+                }
+            }
+            assert!(
+                need <= budget,
+                "{op}: {} MiB of guest operands to stage, the budget of {} MiB VRAM is {} MiB",
+                need >> 20,
+                VRAM >> 20,
+                budget >> 20
+            );
+        }
+        let all: u64 = kept.iter().sum();
+        assert_eq!(
+            all,
+            3 * MATRIX,
+            "GEMM 4096 in guest memory: three operands staged"
+        );
+        assert!(
+            all <= budget,
+            "the rows' staging together: {all} > {budget}"
+        );
+    }
 }
