@@ -76,6 +76,8 @@ mod log;
 mod remote;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_observer;
 
 pub use crate::DmaProt;
 pub use crate::dirty::DIRTY_PAGE_SIZE;
