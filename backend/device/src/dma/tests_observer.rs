@@ -242,3 +242,66 @@ fn an_unmap_waits_for_a_map_in_flight_in_its_range() {
         vec![("mapping", 0x100_0000), ("unmapped", 0x100_0000)]
     );
 }
+
+/// A replacement's device takes tables restored before it was built, and may run on them
+/// before its observer has been told of every window (a GPU registering them): its engines
+/// replay the commands its predecessor was running. Accesses keep reaching the windows while
+/// the observer is told again (before, they were hidden: a replayed command read its ring
+/// or wrote its result into "unmapped" memory and failed), and an unmap waits for it.
+#[test]
+fn windows_stay_reachable_while_a_replay_tells_the_observer() {
+    let dma = Arc::new(DmaSpace::new(8));
+    for iova in [0x1_0000, 0x100_0000] {
+        dma.map(
+            iova,
+            0x10000,
+            DmaProt::READ_WRITE,
+            Some((memfd(0x10000), 0)),
+        )
+        .expect("restored");
+    }
+    dma.start_logging(4096).expect("logging");
+    let (observer, entered, release) = SlowObserver::new(0x100_0000);
+    dma.set_observer(Some(observer.clone()));
+    let replay = {
+        let dma = Arc::clone(&dma);
+        std::thread::spawn(move || dma.replay_to_observer())
+    };
+    assert_eq!(
+        entered.recv_timeout(std::time::Duration::from_secs(30)),
+        Ok("mapping")
+    );
+    // The window being replayed: reachable, listed, found by a device that registers
+    // windows late, and logged.
+    dma_keeps_flowing(&dma, 0x100_0000, 1000);
+    assert!(dma.validate(0x100_0000, 8, true).is_ok());
+    assert_eq!(dma.mappings().len(), 2);
+    let backing = dma.window_backing(0x100_0000).expect("backing");
+    assert!(dma.window_is_current(0x100_0000, backing.generation));
+    let mut bitmap = [0u8; 8];
+    dma.report_dirty(0x100_0000, 0x10000, 4096, &mut bitmap)
+        .expect("report");
+    assert_eq!(set_bits(&bitmap), vec![0], "the engine's writes are logged");
+    // An unmap of it meanwhile waits for the replay: the observer hears of it after.
+    let unmapper = {
+        let dma = Arc::clone(&dma);
+        std::thread::spawn(move || dma.unmap(0x100_0000, 0x10000))
+    };
+    release.send(()).expect("release the replay");
+    let refused = replay.join().expect("replay");
+    assert!(refused.is_empty(), "{refused:?}");
+    assert_eq!(
+        entered.recv_timeout(std::time::Duration::from_secs(30)),
+        Ok("unmapped")
+    );
+    release.send(()).expect("release the unmap");
+    assert_eq!(unmapper.join().expect("unmapper").expect("unmap"), 1);
+    assert_eq!(
+        observer.calls.lock().expect("calls").as_slice(),
+        [
+            ("mapping", 0x1_0000),
+            ("mapping", 0x100_0000),
+            ("unmapped", 0x100_0000)
+        ]
+    );
+}
