@@ -1,15 +1,16 @@
 //! The `cuda` board on the fake GPU (`switchyard_cuda::fake`): its VRAM across a device reset
 //! (the fake pins pages as `cuMemHostRegister` does: the GPU's registration of the VRAM memfd
 //! and what BAR2 and a migration read must stay the same pages), and its device replaced by
-//! a successor (a worker's move between boards of one spec) still running its commands on the
-//! GPU. The last runs `switchyard` processes on `gpu=fake`, which only a build with the
-//! `fake-gpu` feature has (`scripts/test.sh` builds it).
+//! a successor (a worker's move between boards of one spec, `serve`'s swap soak) still running
+//! its commands on the GPU. The last two run `switchyard` processes on `gpu=fake`, which only a
+//! build with the `fake-gpu` feature has (`scripts/test.sh` builds it).
 #![forbid(unsafe_code)]
 
 mod common;
 
 use std::time::Duration;
 
+use common::ServerProcess;
 use common::cuda::{Board, Ran, reduce_ran};
 use common::driver::{Driver, guest};
 use common::ours::Ours;
@@ -88,5 +89,30 @@ fn a_cuda_device_moved_between_boards_of_one_spec_runs_on_its_gpu() {
             other => panic!("move {i} to {to}: {other:?}"),
         }
         assert_eq!(reduce_ran(&mut d, i as u64 + 1), Ran::Gpu, "after move {i}");
+    }
+}
+
+/// `serve --swap-every-ms` on a `cuda` device: each successor is made a device of the served
+/// spec, so the commands keep running on the GPU across the swaps (before, on the CPU from the
+/// first swap on).
+#[test]
+fn a_cuda_device_swapped_by_the_swap_soak_runs_on_its_gpu() {
+    let server =
+        ServerProcess::start_with(&["--device", "cuda,gpu=fake,vram=16M", "--swap-every-ms", "5"]);
+    let client = switchyard_client::Client::connect(&server.socket).expect("connect");
+    let mut d = Driver::new(Ours(client));
+    d.setup_queue(0);
+    let swaps = |s: &ServerProcess| s.log_text().matches("device swapped").count();
+    for seed in 0..3 {
+        let before = swaps(&server);
+        common::wait_until("two more swaps", Duration::from_secs(20), || {
+            swaps(&server) >= before + 2
+        });
+        assert_eq!(
+            reduce_ran(&mut d, seed),
+            Ran::Gpu,
+            "after {} swaps",
+            swaps(&server)
+        );
     }
 }
