@@ -382,6 +382,17 @@ fn to_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// REDUCE of `xs` as the fake GPU runs it, in the real kernel's order: [`REDUCE_PARTS`]
+/// blocks of consecutive elements each summed, then the blocks' sums in order. Returns the
+/// blocks' sums and the total. The CPU path sums in another order, so a test that gets this
+/// total bit for bit (where the two differ) knows that the command ran on the fake GPU.
+pub fn reduce_in_kernel_order(xs: &[f32]) -> (Vec<f32>, f32) {
+    let per = xs.len().div_ceil(REDUCE_PARTS).max(1);
+    let parts: Vec<f32> = xs.chunks(per).map(|c| c.iter().sum()).collect();
+    let total = parts.iter().sum();
+    (parts, total)
+}
+
 impl FakeGpu {
     /// A fake GPU with fresh counters.
     pub fn new() -> Self {
@@ -435,12 +446,8 @@ impl FakeGpu {
                 Self::device(x)?;
                 Self::device(out)?;
                 Self::device(partial)?;
-                let xs = floats(&read(x, n * 4)?);
-                // The kernel's order: REDUCE_PARTS blocks of `per` elements each.
-                let per = n.div_ceil(REDUCE_PARTS).max(1);
-                let parts: Vec<f32> = xs.chunks(per).map(|c| c.iter().sum()).collect();
+                let (parts, total) = reduce_in_kernel_order(&floats(&read(x, n * 4)?));
                 write(partial, &to_bytes(&parts))?;
-                let total: f32 = parts.iter().sum();
                 write(out, &total.to_le_bytes())
             }
             Op::Gemm { m, n, k, a, b, c } => {

@@ -336,7 +336,7 @@ fn serve(
     };
     server.set_continuity(Arc::new(continuity));
     let replacement = hold_objects(&keeper, &server)?;
-    spawn_control(&keeper, server.device_slot(), identity)?;
+    spawn_control(&keeper, server.device_slot(), identity, spec.clone())?;
     spawn_stats(&keeper, &server)?;
     report_migrations(&keeper, &server);
     // The device is built, every socket bound: the seccomp filter, on every thread.
@@ -419,11 +419,13 @@ fn report_lost_state(
 }
 
 /// Serves the supervisor's requests ([`Note::Move`]) on a thread of its own, one at a time,
-/// from whichever supervisor is attached (a new one after an adoption).
+/// from whichever supervisor is attached (a new one after an adoption). `device` is the
+/// spec of the device it serves; a move's `target` replaces it.
 fn spawn_control(
     keeper: &Arc<Keeper>,
     slot: DeviceSlot,
     identity: crate::reexec::Identity,
+    mut device: DeviceSpec,
 ) -> Result<(), WorkerError> {
     let keeper = keeper.clone();
     std::thread::Builder::new()
@@ -458,9 +460,14 @@ fn spawn_control(
                             );
                             continue;
                         }
-                        let answer = match relocate(&slot, &keeper, detached, target.as_ref()) {
+                        // The successor is made a device of the board it lands on: the
+                        // target's spec, or (a move between boards of one spec, e.g. two
+                        // partitions of a GPU) this one's, whose kind attaches it there.
+                        let target = target.unwrap_or_else(|| device.clone());
+                        let answer = match relocate(&slot, &keeper, detached, &target) {
                             Ok(report) => {
                                 tracing::info!(?report, "device moved");
+                                device = target;
                                 Note::Moved { report }
                             }
                             Err(e) => {
@@ -667,20 +674,16 @@ fn relocate(
     slot: &DeviceSlot,
     keeper: &Keeper,
     detached: bool,
-    target: Option<&DeviceSpec>,
+    target: &DeviceSpec,
 ) -> Result<MoveReport, MoveError> {
     // The target's spec, configured before anything moves.
     let target = target
-        .map(DeviceSpec::configure)
-        .transpose()
+        .configure()
         .map_err(|e| MoveError::Target(Box::new(e)))?;
     let moving = slot.begin_move()?;
     let mut pending = Vec::new();
     let mut targets = Vec::new();
     let adopt = |next: &mut dyn PciDevice| -> Result<(), MoveError> {
-        let Some(target) = &target else {
-            return Ok(());
-        };
         target
             .config
             .adopt_successor(next)

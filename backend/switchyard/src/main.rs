@@ -24,7 +24,7 @@ use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use switchyard_device::kind::Build;
+use switchyard_device::kind::{Build, KindConfig};
 use switchyard_kinds::DeviceSpec;
 use switchyard_server::{
     DeviceSlot, DeviceSocket, DirtyLog, MappedMigration, Server, ServerConfig, StopHandle,
@@ -417,11 +417,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let every = Duration::from_millis(args.swap_every_ms);
             let (slot, stop) = (server.device_slot(), server.stop_handle());
             let span = span.clone();
+            // Each successor is made a device of this spec, as the device was built (a `cuda`
+            // device's successor is attached to its GPU).
+            let kind = device.config;
             std::thread::Builder::new()
                 .name("sy-swapper".into())
                 .spawn(move || {
                     let _g = span.enter();
-                    swap_loop(&slot, &stop, every);
+                    swap_loop(&slot, &stop, every, kind.as_ref());
                 })
                 .context("cannot start the swap thread")
         })
@@ -501,8 +504,10 @@ impl SwapStats {
 
 /// `--swap-every-ms`: swaps the device for its successor until the server stops, the way a pool
 /// daemon does, through the device's swap capability (parked successor built and old device
-/// parked outside the slot; inside, the checks, then the hand-over). Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
-fn swap_loop(slot: &DeviceSlot, stop: &StopHandle, every: Duration) {
+/// parked outside the slot; inside, the checks, then the hand-over), each successor made a
+/// device of the served spec first (`kind`'s `adopt_successor`: a `cuda` device's runs on its
+/// GPU). Logs a summary every [`SWAP_SUMMARY_EVERY`] and when it ends.
+fn swap_loop(slot: &DeviceSlot, stop: &StopHandle, every: Duration, kind: &dyn KindConfig) {
     let mut total = SwapStats::default();
     let mut period = SwapStats::default();
     let mut period_start = Instant::now();
@@ -530,13 +535,17 @@ fn swap_loop(slot: &DeviceSlot, stop: &StopHandle, every: Duration) {
                 break;
             }
         };
-        let next = match (plan.successor)(slot.context().clone()) {
+        let mut next = match (plan.successor)(slot.context().clone()) {
             Ok(next) => next,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot build a successor; no swap");
                 continue;
             }
         };
+        if let Err(e) = kind.adopt_successor(next.as_mut()) {
+            tracing::warn!(error = %e, "the successor cannot be made a device of the spec; no swap");
+            continue;
+        }
         // Released when this iteration ends: a refused swap lets the old engines run again
         // unless something else (a migration STOP) holds them.
         let _parked = plan.quiesce.park();

@@ -38,25 +38,9 @@ fn daemon(n: usize, policy: &str) -> Daemon {
     d
 }
 
-/// The pool events of `kind`.
-fn pool_events(d: &Daemon, kind: &str) -> Vec<Value> {
-    d.events()
-        .into_iter()
-        .filter_map(|e| e.get("pool").cloned())
-        .filter(|p| p["kind"]["type"] == kind)
-        .collect()
-}
-
 /// Waits until `f` holds (20 s).
 fn wait(what: &str, f: impl FnMut() -> bool) {
     common::wait_until(what, Duration::from_secs(20), f);
-}
-
-fn board_of(d: &mut Daemon, id: &str) -> String {
-    d.endpoint(id)["lease"]["board"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned()
 }
 
 fn fault(d: &Daemon, board: &str, kind: &str) {
@@ -108,7 +92,7 @@ fn twenty_engine_failures_across_three_boards_are_stalls_with_every_job_bit_exac
     // goes round all three boards.
     let mut in_repair: Option<String> = None;
     for n in 0..20 {
-        let failed = board_of(&mut d, "vm1");
+        let failed = d.board_of("vm1");
         for q in 0..2 {
             common::workload::fill_copy_round(&mut guest, round, q);
         }
@@ -122,7 +106,7 @@ fn twenty_engine_failures_across_three_boards_are_stalls_with_every_job_bit_exac
                 common::workload::fill_copy_round(&mut guest, round, q);
             }
             round += 1;
-            let now = board_of(&mut d, "vm1");
+            let now = d.board_of("vm1");
             if now != failed && !now.is_empty() {
                 break;
             }
@@ -151,7 +135,7 @@ fn twenty_engine_failures_across_three_boards_are_stalls_with_every_job_bit_exac
     let mut back = vec![0u8; keep.len()];
     guest.vram_read(0x300_0000, &mut back);
     assert!(back == keep, "VRAM survives twenty failovers");
-    let failed_over = pool_events(&d, "failed_over");
+    let failed_over = d.pool_events("failed_over");
     assert_eq!(failed_over.len(), 20, "{failed_over:?}");
     assert!(
         failed_over
@@ -163,7 +147,7 @@ fn twenty_engine_failures_across_three_boards_are_stalls_with_every_job_bit_exac
         .filter_map(|e| e["kind"]["to"].as_str())
         .collect();
     assert_eq!(used.len(), 3, "every board served: {used:?}");
-    assert_eq!(pool_events(&d, "board_failed").len(), 20);
+    assert_eq!(d.pool_events("board_failed").len(), 20);
     assert_eq!(
         metric(
             &d,
@@ -197,14 +181,14 @@ fn with_no_free_device_the_endpoint_waits_degraded_and_fails_over_once_one_is_fr
     let mut d = daemon(2, "transparent");
     d.ctl_ok(&["create", "vm1", "--pool", "p"]);
     d.ctl_ok(&["create", "vm2", "--pool", "p"]);
-    assert_eq!(board_of(&mut d, "vm1"), "g0");
+    assert_eq!(d.board_of("vm1"), "g0");
     let mut guest = connect(&socket_of(&d.endpoint("vm1")));
     guest.setup_queue(0);
     guest.setup_queue(1);
     common::workload::fill_copy_round(&mut guest, 1, 0);
     fault(&d, "g0", "engine");
     wait("failover_waiting", || {
-        !pool_events(&d, "failover_waiting").is_empty()
+        !d.pool_events("failover_waiting").is_empty()
     });
     let e = d.endpoint("vm1");
     assert!(
@@ -223,10 +207,10 @@ fn with_no_free_device_the_endpoint_waits_degraded_and_fails_over_once_one_is_fr
     // Said once, however long it waits: the reconciler looks at the waiting endpoint again
     // at every pass, and a pass that started after the event says nothing more.
     a_whole_pass(&d);
-    assert_eq!(pool_events(&d, "failover_waiting").len(), 1);
+    assert_eq!(d.pool_events("failover_waiting").len(), 1);
     // A device becomes free: the waiting endpoint takes it.
     d.ctl_ok(&["delete", "vm2"]);
-    wait("failed over to g1", || board_of(&mut d, "vm1") == "g1");
+    wait("failed over to g1", || d.board_of("vm1") == "g1");
     common::workload::fill_copy_round(&mut guest, 2, 0);
     common::workload::fill_copy_round(&mut guest, 3, 1);
     assert_eq!(
@@ -243,21 +227,21 @@ fn with_failover_off_the_board_is_quarantined_and_the_endpoint_keeps_its_device(
     guest.setup_queue(1);
     fault(&d, "g0", "engine");
     wait("failover_refused", || {
-        !pool_events(&d, "failover_refused").is_empty()
+        !d.pool_events("failover_refused").is_empty()
     });
-    let refused = pool_events(&d, "failover_refused");
+    let refused = d.pool_events("failover_refused");
     assert!(
         refused[0]["kind"]["reason"]
             .as_str()
             .is_some_and(|r| r.contains("off")),
         "{refused:?}"
     );
-    assert_eq!(board_of(&mut d, "vm1"), "g0");
+    assert_eq!(d.board_of("vm1"), "g0");
     let board = d.client().get("/v1/boards/g0").expect("board").body;
     assert_eq!(board["state"], "quarantined");
     // The device's other queue still runs: only the failed engine's is dead.
     common::workload::fill_copy_round(&mut guest, 1, 1);
-    assert!(pool_events(&d, "failed_over").is_empty());
+    assert!(d.pool_events("failed_over").is_empty());
 }
 
 #[test]
@@ -267,11 +251,11 @@ fn lost_vram_without_a_registered_vmm_cannot_fail_over_and_says_why() {
     let mut guest = connect(&socket_of(&d.endpoint("vm1")));
     fault(&d, "g0", "vram");
     wait("failover_refused", || {
-        !pool_events(&d, "failover_refused").is_empty()
+        !d.pool_events("failover_refused").is_empty()
     });
-    let failed = pool_events(&d, "board_failed");
+    let failed = d.pool_events("board_failed");
     assert_eq!(failed[0]["kind"]["state_intact"], false, "{failed:?}");
-    let refused = pool_events(&d, "failover_refused");
+    let refused = d.pool_events("failover_refused");
     assert!(
         refused[0]["kind"]["reason"]
             .as_str()
@@ -285,7 +269,7 @@ fn lost_vram_without_a_registered_vmm_cannot_fail_over_and_says_why() {
         .0
         .region_read(switchyard_softgpu::BAR_VRAM, 0, &mut buf);
     assert!(r.is_err(), "a read of lost VRAM fails: {r:?}");
-    assert_eq!(board_of(&mut d, "vm1"), "g0");
+    assert_eq!(d.board_of("vm1"), "g0");
 }
 
 #[test]
@@ -321,7 +305,7 @@ fn fault_injection_is_refused_unless_enabled_and_where_nothing_runs() {
         "names the faults it simulates: {err}"
     );
     // Nothing failed.
-    assert!(pool_events(&d, "board_failed").is_empty());
+    assert!(d.pool_events("board_failed").is_empty());
 }
 
 #[test]
@@ -357,13 +341,13 @@ fn a_failure_during_a_worker_restart_still_fails_over() {
             .is_none_or(|f| f.get("pending").is_none())
     });
     assert_eq!(
-        pool_events(&d, "board_failed").len(),
-        pool_events(&d, "failed_over").len(),
+        d.pool_events("board_failed").len(),
+        d.pool_events("failed_over").len(),
         "every recorded failure failed over"
     );
-    let failed = pool_events(&d, "board_failed").len();
+    let failed = d.pool_events("board_failed").len();
     assert!(failed <= 1, "one fault, at most one failure");
-    assert_eq!(board_of(&mut d, "vm1") != "g0", failed == 1);
+    assert_eq!(d.board_of("vm1") != "g0", failed == 1);
     for round in 6..10 {
         common::workload::fill_copy_round(&mut guest, round, round as u32 % 2);
     }
@@ -382,12 +366,12 @@ fn a_board_failure_recorded_by_one_daemon_is_failed_over_by_the_next() {
     common::workload::fill_copy_round(&mut guest, 0, 1);
     fault(&d, "g0", "engine");
     wait("failover_refused", || {
-        !pool_events(&d, "failover_refused").is_empty()
+        !d.pool_events("failover_refused").is_empty()
     });
     d.kill9();
     d.set_config(&boards(2, "transparent"));
     d.launch();
-    wait("failed over to g1", || board_of(&mut d, "vm1") == "g1");
+    wait("failed over to g1", || d.board_of("vm1") == "g1");
     // Queue 0's engine was the dead one: on the new board it runs again.
     guest.setup_queue(0);
     for round in 1..6 {
@@ -412,11 +396,11 @@ fn an_in_place_command_cut_by_a_failover_runs_once_or_reports_interrupted() {
     let mut counters = common::workload::SaxpyCounters::new(&mut guest, N, X, Y);
     let mut in_repair: Option<String> = None;
     for round in 0..4 {
-        let board = board_of(&mut d, "vm1");
+        let board = d.board_of("vm1");
         counters.submit(&mut guest, 8);
         // The engine dies while it runs one of them (the fault picks a busy engine).
         fault(&d, &board, "engine");
-        wait("failed over", || board_of(&mut d, "vm1") != board);
+        wait("failed over", || d.board_of("vm1") != board);
         if let Some(repaired) = in_repair.replace(board) {
             d.ctl_ok(&["unquarantine", &repaired]);
         }
@@ -481,13 +465,13 @@ fn a_failure_around_a_move_ends_on_a_healthy_board() {
                 other => panic!("a fault during a move: {other:?}"),
             },
         }
-        if board_of(&mut d, "vm1") == "g1" {
+        if d.board_of("vm1") == "g1" {
             break; // moved before any fault got in
         }
     }
     let moved = mover.join().expect("mover");
     // A failure, then a move at once.
-    let board = board_of(&mut d, "vm1");
+    let board = d.board_of("vm1");
     let _ = d.client().post(
         &format!("/v1/boards/{board}/fault"),
         &json!({ "kind": "engine" }),
@@ -521,7 +505,7 @@ fn a_failure_around_a_move_ends_on_a_healthy_board() {
             |e| e.to_string(),
             |r| r.body["plan"]["to_board"].to_string()
         ),
-        pool_events(&d, "failed_over").len()
+        d.pool_events("failed_over").len()
     );
 }
 
@@ -538,7 +522,7 @@ fn a_second_fault_for_a_board_never_lands_on_the_board_its_endpoint_failed_over_
     guest.setup_queue(1);
     let mut failed_boards = Vec::new();
     for n in 0..8u64 {
-        let x = board_of(&mut d, "vm1");
+        let x = d.board_of("vm1");
         common::workload::fill_copy_round(&mut guest, n, 0);
         fault(&d, &x, "engine");
         // At once again: the endpoint may be on X still (the fault lands there: X is failed
@@ -555,13 +539,13 @@ fn a_second_fault_for_a_board_never_lands_on_the_board_its_endpoint_failed_over_
             "round {n}: {status} {body}"
         );
         wait("failed over", || {
-            let now = board_of(&mut d, "vm1");
+            let now = d.board_of("vm1");
             now != x && !now.is_empty()
         });
         failed_boards.push(x.clone());
         common::workload::fill_copy_round(&mut guest, n, 1);
         // The new board is healthy and the endpoint stays there.
-        let y = board_of(&mut d, "vm1");
+        let y = d.board_of("vm1");
         let board: Value = d
             .client()
             .get(&format!("/v1/boards/{y}"))
@@ -570,12 +554,13 @@ fn a_second_fault_for_a_board_never_lands_on_the_board_its_endpoint_failed_over_
         assert_eq!(board["state"], "available", "round {n}: {board}");
         d.ctl_ok(&["unquarantine", &x]);
     }
-    let recorded: Vec<String> = pool_events(&d, "board_failed")
+    let recorded: Vec<String> = d
+        .pool_events("board_failed")
         .iter()
         .filter_map(|e| e["kind"]["board"].as_str().map(str::to_owned))
         .collect();
     assert_eq!(recorded, failed_boards, "only the boards faulted failed");
-    assert_eq!(pool_events(&d, "failed_over").len(), failed_boards.len());
+    assert_eq!(d.pool_events("failed_over").len(), failed_boards.len());
 }
 
 /// Unquarantining a failed board while its endpoint waits on it, degraded, declares it
@@ -594,7 +579,7 @@ fn unquarantining_a_failed_board_repairs_the_endpoint_waiting_on_it() {
         .expect("ready");
     fault(&d, "g0", "engine");
     wait("failover_waiting", || {
-        !pool_events(&d, "failover_waiting").is_empty()
+        !d.pool_events("failover_waiting").is_empty()
     });
     d.ctl_ok(&["unquarantine", "g0"]);
     wait("the worker replaced", || {
@@ -644,7 +629,7 @@ fn a_daemon_killed_inside_a_failover_leaves_the_guest_its_device_and_fails_over_
         d.clear_env();
         d.launch();
         wait(&format!("{point}: failed over to g1"), || {
-            board_of(&mut d, "vm1") == "g1"
+            d.board_of("vm1") == "g1"
         });
         // The connection never reset: the same client goes on, state intact.
         assert_eq!(guest.r32(SCRATCH), 0x0dd_ba11, "{point}: registers");
@@ -654,11 +639,11 @@ fn a_daemon_killed_inside_a_failover_leaves_the_guest_its_device_and_fails_over_
         common::workload::fill_copy_round(&mut guest, 1, 0);
         common::workload::fill_copy_round(&mut guest, 2, 1);
         assert_eq!(
-            pool_events(&d, "failed_over").len(),
+            d.pool_events("failed_over").len(),
             1,
             "{point}: one failover"
         );
-        assert_eq!(pool_events(&d, "board_failed").len(), 1, "{point}");
+        assert_eq!(d.pool_events("board_failed").len(), 1, "{point}");
         let e = d.endpoint("vm1");
         assert_eq!(e["worker"]["state"], "running", "{point}: {e}");
         if point == "failover-asked" {

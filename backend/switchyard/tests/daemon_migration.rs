@@ -21,15 +21,6 @@ const BOARDS: &str = "[[boards]]\nid = \"a\"\nvram = \"16M\"\nqueues = 2\nvram_m
      [[boards]]\nid = \"big\"\nvram = \"32M\"\nqueues = 2\nvram_mmap = false\n\
      [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n";
 
-/// The daemon's worker events of `kind` (`migrated`, `migration_aborted`, `migration`).
-fn worker_events(d: &Daemon, kind: &str) -> Vec<Value> {
-    d.events()
-        .into_iter()
-        .filter_map(|e| e.get("worker").cloned())
-        .filter(|w| w["event"] == kind)
-        .collect()
-}
-
 /// Waits until `f` holds (10 s).
 fn wait(what: &str, f: impl FnMut() -> bool) {
     common::wait_until(what, Duration::from_secs(10), f);
@@ -91,7 +82,7 @@ fn a_completed_migration_onto_an_incoming_endpoint_hands_the_lease_over() {
     wait("the migration is not committed", || {
         d.endpoint("vm1-in").get("incoming_for").is_none()
     });
-    assert_eq!(worker_events(&d, "migrated").len(), 1, "{:?}", d.events());
+    assert_eq!(d.worker_events("migrated").len(), 1, "{:?}", d.events());
     assert_eq!(metric(&d, "switchyard_migrations_completed_total"), "1");
     // `migrated` comes after the destination's RUNNING that completed the migration.
     let seq_of = |kind: &str, wanted: &dyn Fn(&Value) -> bool| {
@@ -118,7 +109,8 @@ fn a_completed_migration_onto_an_incoming_endpoint_hands_the_lease_over() {
     wait("the source endpoint is still there", || {
         d.client().get("/v1/endpoints/vm1").is_err()
     });
-    let source_changes: Vec<Value> = worker_events(&d, "migration")
+    let source_changes: Vec<Value> = d
+        .worker_events("migration")
         .into_iter()
         .filter(|w| w["endpoint"] == "vm1")
         .collect();
@@ -143,7 +135,7 @@ fn a_completed_migration_onto_an_incoming_endpoint_hands_the_lease_over() {
         a["devices"][0]["endpoint"].is_null(),
         "board a is free: {a}"
     );
-    let migrated = &worker_events(&d, "migrated")[0];
+    let migrated = &d.worker_events("migrated")[0];
     assert_eq!(
         (migrated["endpoint"].as_str(), migrated["source"].as_str()),
         (Some("vm1-in"), Some("vm1"))
@@ -171,7 +163,7 @@ fn an_aborted_migration_frees_the_incoming_endpoint_and_the_source_serves_on() {
     wait("the incoming endpoint is still there", || {
         d.client().get("/v1/endpoints/vm1-in").is_err()
     });
-    let aborted = worker_events(&d, "migration_aborted");
+    let aborted = d.worker_events("migration_aborted");
     assert_eq!(aborted.len(), 1, "{aborted:?}");
     assert_eq!(aborted[0]["source"], "vm1");
     assert_eq!(metric(&d, "switchyard_migrations_aborted_total"), "1");
@@ -260,7 +252,8 @@ fn a_client_flipping_migration_states_cannot_flood_the_event_stream() {
         c.set_mig_state(MigState::Running as u32).expect("RUNNING");
     }
     d.ctl_ok(&["create", "vm2", "--pool", "p"]);
-    let flood = worker_events(&d, "migration")
+    let flood = d
+        .worker_events("migration")
         .iter()
         .filter(|e| e["endpoint"] == "vm1")
         .count();
@@ -305,7 +298,7 @@ fn wait_event_where(
 ) -> Value {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
-        if let Some(e) = worker_events(d, kind).into_iter().find(&wanted) {
+        if let Some(e) = d.worker_events(kind).into_iter().find(&wanted) {
             return e;
         }
         if let Some(why) = bad(d) {
@@ -378,7 +371,7 @@ fn the_clean_up_of_a_migration_spares_an_endpoint_created_again_with_the_same_id
     assert!(back.iter().all(|&b| b == 0x22), "the new vm1 serves");
     // The destination keeps its lease; the migration's clean-up is over.
     assert_eq!(d.endpoint("vm1-in")["lease"]["board"], "b");
-    assert_eq!(worker_events(&d, "migration_released").len(), 1);
+    assert_eq!(d.worker_events("migration_released").len(), 1);
 }
 
 /// A destination takes only a stream that came from its source: a stream another endpoint
@@ -397,7 +390,7 @@ fn a_destination_fed_a_stream_from_elsewhere_never_completes() {
     let mut other = connect(&socket_of(&d.endpoint("vm2")));
     other.vram_write(0, &[0xa5; 4096]);
     let completed = |d: &Daemon| {
-        (!worker_events(d, "migrated").is_empty())
+        (!d.worker_events("migrated").is_empty())
             .then(|| "a migration completed with a stream from elsewhere".to_owned())
     };
 
@@ -420,7 +413,7 @@ fn a_destination_fed_a_stream_from_elsewhere_never_completes() {
         "{aborted}"
     );
     assert!(
-        worker_events(&d, "migration")
+        d.worker_events("migration")
             .iter()
             .any(|e| e["endpoint"] == "vm1-in" && e["cause"] == "wrong_origin"),
         "{:?}",
@@ -455,7 +448,7 @@ fn a_destination_fed_a_stream_from_elsewhere_never_completes() {
     assert_eq!(aborted["state"], "error", "{aborted}");
 
     // The source serves on, untouched, and no migration completed.
-    assert!(worker_events(&d, "migrated").is_empty(), "{:?}", d.events());
+    assert!(d.worker_events("migrated").is_empty(), "{:?}", d.events());
     d.client()
         .post("/v1/endpoints/vm1/sync", &())
         .expect("sync");

@@ -24,20 +24,11 @@ const BOARDS: &str = "[[boards]]\nid = \"a\"\nvram = \"16M\"\nqueues = 2\nvram_m
      [[boards]]\nid = \"big\"\nvram = \"32M\"\nqueues = 2\nvram_mmap = false\n\
      [[pools]]\nname = \"p\"\nboards = [\"a\", \"b\"]\n";
 
-/// The daemon's worker events of `kind`.
-fn worker_events(d: &Daemon, kind: &str) -> Vec<Value> {
-    d.events()
-        .into_iter()
-        .filter_map(|e| e.get("worker").cloned())
-        .filter(|w| w["event"] == kind)
-        .collect()
-}
-
 /// Waits (10 s) for a worker event of `kind` that `wanted` accepts.
 fn wait_event(d: &Daemon, kind: &str, wanted: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let Some(e) = worker_events(d, kind).into_iter().find(&wanted) {
+        if let Some(e) = d.worker_events(kind).into_iter().find(&wanted) {
             return e;
         }
         assert!(
@@ -137,7 +128,7 @@ fn a_migration_between_two_daemons_commits_on_the_destination_and_frees_the_sour
         .expect("sync");
     let still = src.endpoint("vm1");
     assert_eq!(still["worker"]["connected"], true, "{still}");
-    assert!(worker_events(&src, "migrated_away").is_empty());
+    assert!(src.worker_events("migrated_away").is_empty());
 
     // Its VMM quits: the source's daemon deletes vm1 and board a is free.
     drop(guest);
@@ -154,7 +145,7 @@ fn a_migration_between_two_daemons_commits_on_the_destination_and_frees_the_sour
     assert!(holder(&src, "a").is_null(), "board a is free on the source");
     // The destination keeps its lease, and released nothing of its own.
     assert_eq!(holder(&dst, "b"), "vm1-in");
-    assert!(worker_events(&dst, "migration_released").is_empty());
+    assert!(dst.worker_events("migration_released").is_empty());
     let mut again = [0u8; 64];
     to.vram_read(0x2000, &mut again);
     assert_eq!(&again[..], &secret[..64]);
@@ -215,7 +206,7 @@ fn a_source_whose_migration_did_not_complete_keeps_its_lease() {
     drop(guest);
     barrier(&mut d);
     assert!(
-        worker_events(&d, "migrated_away").is_empty(),
+        d.worker_events("migrated_away").is_empty(),
         "{:?}",
         d.events()
     );
@@ -239,7 +230,7 @@ fn a_source_whose_migration_did_not_complete_keeps_its_lease() {
     assert!(gone.get("sent").is_none(), "{gone}");
     barrier(&mut d);
     assert!(
-        worker_events(&d, "migrated_away").is_empty(),
+        d.worker_events("migrated_away").is_empty(),
         "{:?}",
         d.events()
     );
@@ -295,13 +286,14 @@ fn a_local_migration_is_cleaned_up_once() {
         .expect("RESUMING");
     drop(c);
     wait_event(&d, "migration_aborted", |e| e["endpoint"] == "vm2-in");
-    let vm1_released = worker_events(&d, "migration_released")
+    let vm1_released = d
+        .worker_events("migration_released")
         .into_iter()
         .filter(|e| e["endpoint"] == "vm1")
         .count();
     assert_eq!(vm1_released, 1, "{:?}", d.events());
     assert!(
-        worker_events(&d, "migrated_away").is_empty(),
+        d.worker_events("migrated_away").is_empty(),
         "{:?}",
         d.events()
     );
@@ -408,7 +400,7 @@ fn a_destination_made_from_a_description_takes_no_stream_from_elsewhere() {
     let released = wait_event(&dst, "migration_released", |e| e["endpoint"] == "vm1-in");
     assert_eq!(released["deleted"], true, "{released}");
     assert!(
-        worker_events(&dst, "migrated").is_empty(),
+        dst.worker_events("migrated").is_empty(),
         "{:?}",
         dst.events()
     );

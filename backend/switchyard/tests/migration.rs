@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::borrow::{Borrow, BorrowMut};
+use std::borrow::BorrowMut;
 use std::fs::File;
 use std::num::NonZeroU32;
 use std::os::unix::fs::FileExt;
@@ -27,19 +27,6 @@ use switchyard_softgpu::regs::*;
 const DEVICE: &str = "softgpu,vram=16M,queues=2";
 const VRAM: u64 = 16 << 20;
 const CHUNK: NonZeroU32 = NonZeroU32::new(1 << 20).expect("nonzero");
-
-/// The source VMM's driver lends its client to a [`Migration`] and stays usable between steps.
-impl Borrow<Client> for Driver<Ours> {
-    fn borrow(&self) -> &Client {
-        &self.t.0
-    }
-}
-
-impl BorrowMut<Client> for Driver<Ours> {
-    fn borrow_mut(&mut self) -> &mut Client {
-        &mut self.t.0
-    }
-}
 
 fn connect(server: &ServerProcess) -> Client {
     Client::connect(&server.socket).expect("connect")

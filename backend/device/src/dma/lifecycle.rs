@@ -155,7 +155,7 @@ impl DmaSpace {
     }
 
     /// Marks the windows `first..stop` retiring (accesses no longer see them); call with the
-    /// table write-locked. If one of them is pending or retiring already, nothing changes and
+    /// table write-locked. If one of them is pending, replaying or retiring, nothing changes and
     /// the settle count to wait past ([`DmaSpace::wait_settled`]) is returned instead.
     pub(super) fn retire(
         &self,
@@ -199,7 +199,8 @@ impl DmaSpace {
         n
     }
 
-    /// A pending or retiring window left that state: wakes the unmaps waiting for it.
+    /// A pending, replaying or retiring window left that state: wakes the unmaps waiting for
+    /// it.
     fn settle(&self) {
         let mut settled = self.settled.lock().unwrap_or_else(|p| p.into_inner());
         *settled = settled.wrapping_add(1);
@@ -220,9 +221,11 @@ impl DmaSpace {
 
     /// Tells the installed observer about every window already in the table, as if each
     /// were mapped now (a device that takes a slot whose tables were restored before it was
-    /// built: its IOMMU must see them all before it serves). The windows are pending meanwhile
-    /// (accesses do not see them; the observer runs with no lock held). A window the observer
-    /// refuses is removed from the table (the others stay); returned with the refusal.
+    /// built: its IOMMU must see them all before it serves). Accesses keep reaching the
+    /// windows meanwhile (the device was built on them and may run already: a replacement's
+    /// engines replaying the commands its predecessor was running), an unmap waits for them
+    /// (the observer runs with no lock held). A window the observer refuses is removed from
+    /// the table (the others stay); returned with the refusal.
     pub fn replay_to_observer(&self) -> Vec<(u64, u64, DmaError)> {
         let Some(o) = self.observer() else {
             return Vec::new();
@@ -234,7 +237,7 @@ impl DmaSpace {
                 .iter_mut()
                 .filter(|m| m.state == State::Live)
                 .map(|m| {
-                    m.state = State::Pending;
+                    m.state = State::Replaying;
                     Told::of(m)
                 })
                 .collect()
@@ -251,7 +254,7 @@ impl DmaSpace {
             let mut table = self.write_table();
             let ours: HashSet<u64> = told.iter().map(|t| t.generation).collect();
             for m in &mut table.maps {
-                if m.state == State::Pending
+                if m.state == State::Replaying
                     && ours.contains(&m.generation)
                     && !dropped.contains(&m.generation)
                 {

@@ -242,7 +242,7 @@ impl DmaSpace {
             let table = self.write_table();
             let first = table.maps.partition_point(|m| m.end() <= iova);
             for m in table.maps.iter().skip(first).take_while(|m| m.iova <= last) {
-                if let (State::Live, Backing::Fd(w)) = (m.state, &m.backing) {
+                if let (true, Backing::Fd(w)) = (m.state.reachable(), &m.backing) {
                     w.log.flip();
                     windows.push((m.iova, Arc::clone(w)));
                 }

@@ -76,6 +76,8 @@ mod log;
 mod remote;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_observer;
 
 pub use crate::DmaProt;
 pub use crate::dirty::DIRTY_PAGE_SIZE;
@@ -164,12 +166,24 @@ enum Backing {
 /// Where a window is in its life (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
-    /// Reserved: its observer is being told (a map, or a replay); accesses do not see it.
+    /// Reserved: its observer is being told of a map; accesses do not see it.
     Pending,
     /// Mapped: accesses reach it.
     Live,
+    /// Mapped, and its observer is being told of it again ([`DmaSpace::replay_to_observer`]:
+    /// a replacement's device taking restored tables): accesses reach it, as they did before
+    /// (the device built on these tables may be running already), and an unmap waits for it
+    /// as for a pending one.
+    Replaying,
     /// Being unmapped: its observer is being told; accesses do not see it.
     Retiring,
+}
+
+impl State {
+    /// Whether accesses reach a window in this state.
+    fn reachable(self) -> bool {
+        matches!(self, State::Live | State::Replaying)
+    }
 }
 
 /// One DMA window.
@@ -237,7 +251,7 @@ impl Table {
     fn find(&self, iova: u64) -> Option<&Mapping> {
         let idx = self.maps.partition_point(|m| m.iova <= iova);
         let m = self.maps.get(idx.checked_sub(1)?)?;
-        (iova < m.end() && m.state == State::Live).then_some(m)
+        (iova < m.end() && m.state.reachable()).then_some(m)
     }
 
     /// Index of the window of `generation` starting at `iova`.
@@ -398,7 +412,7 @@ impl DmaSpace {
         self.read_table()
             .maps
             .iter()
-            .filter(|m| m.state == State::Live)
+            .filter(|m| m.state.reachable())
             .map(|m| MappingInfo {
                 iova: m.iova,
                 size: m.size,

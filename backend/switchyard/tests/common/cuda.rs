@@ -15,7 +15,7 @@ use switchyard_server::{DeviceSlot, Server, ServerConfig, StopHandle};
 use switchyard_softgpu::accel::Accelerator;
 use switchyard_softgpu::{SoftGpu, SoftGpuConfig};
 
-use super::driver::Driver;
+use super::driver::{Driver, data, guest, reduce_ref};
 use super::ours::Ours;
 
 pub struct Board {
@@ -118,5 +118,56 @@ impl Drop for Board {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// What ran a command: the (fake) GPU, or the CPU path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ran {
+    Gpu,
+    Cpu,
+}
+
+/// Where [`reduce_ran`] puts REDUCE's input and output in guest memory (away from what
+/// `workload::fill_copy_round` uses), and how many floats it sums.
+pub const REDUCE_X: u64 = 0x60_0000;
+pub const REDUCE_OUT: u64 = 0x61_0000;
+pub const REDUCE_N: usize = 10_000;
+
+/// REDUCE input for `seed` whose sums in the fake GPU's order
+/// ([`switchyard_cuda::fake::reduce_in_kernel_order`]) and in the CPU path's differ: the data,
+/// and the bits of the CPU's sum and of the GPU's.
+pub fn reduce_input(seed: u64) -> (Vec<f32>, u32, u32) {
+    (0..)
+        .map(|k| data((seed as u32).wrapping_mul(977).wrapping_add(k), REDUCE_N))
+        .map(|x| {
+            let cpu = reduce_ref(&x);
+            let gpu = switchyard_cuda::fake::reduce_in_kernel_order(&x).1;
+            (x, cpu.to_bits(), gpu.to_bits())
+        })
+        .find(|(_, cpu, gpu)| cpu != gpu)
+        .expect("some data tells the orders apart")
+}
+
+/// Runs a REDUCE on queue 0 (set up) and says what ran it: its result must be, bit for bit,
+/// the fake GPU's sum or the CPU path's.
+pub fn reduce_ran(d: &mut Driver<Ours>, seed: u64) -> Ran {
+    let (x, cpu, gpu) = reduce_input(seed);
+    d.write_f32s(REDUCE_X, &x);
+    d.run(
+        0,
+        &[switchyard_softgpu::cmd::Command::reduce(
+            REDUCE_N as u64,
+            guest(REDUCE_X),
+            guest(REDUCE_OUT),
+        )],
+    );
+    let got = d.read_f32s(REDUCE_OUT, 1)[0].to_bits();
+    match got {
+        g if g == gpu => Ran::Gpu,
+        g if g == cpu => Ran::Cpu,
+        _ => panic!(
+            "REDUCE {seed} gave {got:#x}, neither the GPU's sum {gpu:#x} nor the CPU's {cpu:#x}"
+        ),
     }
 }

@@ -265,6 +265,34 @@ impl Daemon {
             .collect()
     }
 
+    /// The pool events of `kind` (`board_failed`, `failed_over`, ...), oldest first: the
+    /// `pool` member of each.
+    pub fn pool_events(&self, kind: &str) -> Vec<Value> {
+        self.events()
+            .into_iter()
+            .filter_map(|e| e.get("pool").cloned())
+            .filter(|p| p["kind"]["type"] == kind)
+            .collect()
+    }
+
+    /// The worker events of `kind` (`migrated`, `migration_aborted`, `migration`, ...),
+    /// oldest first: the `worker` member of each.
+    pub fn worker_events(&self, kind: &str) -> Vec<Value> {
+        self.events()
+            .into_iter()
+            .filter_map(|e| e.get("worker").cloned())
+            .filter(|w| w["event"] == kind)
+            .collect()
+    }
+
+    /// The board of endpoint `id`'s lease (empty when it has none).
+    pub fn board_of(&mut self, id: &str) -> String {
+        self.endpoint(id)["lease"]["board"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     pub fn worker_pids(&self) -> Vec<u32> {
         let mut pids = self.seen.clone();
         if let Ok(dir) = std::fs::read_dir(self.state().join("workers")) {

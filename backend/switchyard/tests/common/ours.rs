@@ -1,12 +1,13 @@
 //! Our VMM-side client as the [`Transport`] of the test driver.
 
+use std::borrow::{Borrow, BorrowMut};
 use std::fs::File;
 use std::os::fd::AsFd;
 
 use switchyard_client::Client;
 use switchyard_proto::consts::*;
 
-use super::driver::Transport;
+use super::driver::{Driver, Transport};
 
 /// The driver's transport over [`Client`].
 pub struct Ours(pub Client);
@@ -39,5 +40,19 @@ impl Transport for Ours {
                 &b,
             )
             .expect("set_irqs");
+    }
+}
+
+/// The source VMM's driver lends its client to a [`switchyard_client::migrate::Migration`]
+/// and stays usable between its steps (the guest's jobs run during pre-copy).
+impl Borrow<Client> for Driver<Ours> {
+    fn borrow(&self) -> &Client {
+        &self.t.0
+    }
+}
+
+impl BorrowMut<Client> for Driver<Ours> {
+    fn borrow_mut(&mut self) -> &mut Client {
+        &mut self.t.0
     }
 }

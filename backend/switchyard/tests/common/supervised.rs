@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use switchyard_client::{Client, ClientConfig};
 use switchyard_daemon::{EndpointSpec, Supervisor};
+use switchyard_kinds::DeviceSpec;
 use switchyard_softgpu::SoftGpuConfig;
 
 /// A supervisor that starts this build's `switchyard worker`, its logs kept out of the test's
@@ -43,16 +44,23 @@ pub fn quiet_worker() -> PathBuf {
 /// Endpoint `id` (socket `<dir>/<id>.sock`) serving a 16 MiB, 2-queue softgpu with VRAM
 /// mappable or not; returns once its first worker serves.
 pub fn endpoint(sup: &Supervisor, dir: &Path, id: &str, vram_mmap: bool) -> PathBuf {
+    let device = switchyard_kinds::softgpu(&SoftGpuConfig {
+        vram_size: 16 << 20,
+        queues: 2,
+        vram_mmap,
+        ..SoftGpuConfig::default()
+    });
+    endpoint_of(sup, dir, id, device)
+}
+
+/// Endpoint `id` (socket `<dir>/<id>.sock`) serving `device`; returns once its first worker
+/// serves.
+pub fn endpoint_of(sup: &Supervisor, dir: &Path, id: &str, device: DeviceSpec) -> PathBuf {
     let socket = dir.join(format!("{id}.sock"));
     sup.create(EndpointSpec {
         id: id.into(),
         socket: socket.clone(),
-        device: switchyard_kinds::softgpu(&SoftGpuConfig {
-            vram_size: 16 << 20,
-            queues: 2,
-            vram_mmap,
-            ..SoftGpuConfig::default()
-        }),
+        device,
         failover: false,
         lease: None,
         migration: Default::default(),
