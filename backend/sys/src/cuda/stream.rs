@@ -548,3 +548,23 @@ impl Drop for Stream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cublas_failure_is_never_sticky_by_itself() {
+        // An internal error or a failed launch may be cuBLAS's own; a GPU fault behind it
+        // surfaces as the context's sticky error at the synchronization after it.
+        for s in [
+            blas::cublasStatus_t::CUBLAS_STATUS_INTERNAL_ERROR,
+            blas::cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED,
+            blas::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED,
+        ] {
+            let e = blas_error("cublasSgemm", s);
+            assert!(!e.sticky, "{e}");
+            assert!(e.to_string().contains(&format!("{s:?}")), "{e}");
+        }
+    }
+}
