@@ -145,9 +145,8 @@ fn a_slow_map_observer_does_not_stall_dma_through_other_windows() {
     assert_eq!(set_bits(&bitmap), vec![2]);
 }
 
-#[test]
-fn an_unmaps_observer_runs_outside_the_locks() {
-    let dma = Arc::new(DmaSpace::new(8));
+/// Two 64 KiB windows of their own memfds, at 0x1_0000 and 0x100_0000.
+fn map_two_windows(dma: &DmaSpace) {
     for iova in [0x1_0000, 0x100_0000] {
         dma.map(
             iova,
@@ -157,6 +156,12 @@ fn an_unmaps_observer_runs_outside_the_locks() {
         )
         .expect("map");
     }
+}
+
+#[test]
+fn an_unmaps_observer_runs_outside_the_locks() {
+    let dma = Arc::new(DmaSpace::new(8));
+    map_two_windows(&dma);
     let old = dma.window_backing(0x100_0000).expect("backing").generation;
     assert!(dma.window_is_current(0x100_4000, old));
     let (observer, entered, release) = SlowObserver::new(0x100_0000);
@@ -251,15 +256,7 @@ fn an_unmap_waits_for_a_map_in_flight_in_its_range() {
 #[test]
 fn windows_stay_reachable_while_a_replay_tells_the_observer() {
     let dma = Arc::new(DmaSpace::new(8));
-    for iova in [0x1_0000, 0x100_0000] {
-        dma.map(
-            iova,
-            0x10000,
-            DmaProt::READ_WRITE,
-            Some((memfd(0x10000), 0)),
-        )
-        .expect("restored");
-    }
+    map_two_windows(&dma);
     dma.start_logging(4096).expect("logging");
     let (observer, entered, release) = SlowObserver::new(0x100_0000);
     dma.set_observer(Some(observer.clone()));
