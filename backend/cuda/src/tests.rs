@@ -240,6 +240,22 @@ fn a_transient_error_marks_what_the_command_touched_stale() {
 }
 
 #[test]
+fn a_failed_upload_leaves_the_chunks_an_output_would_have_covered_stale() {
+    let fake = FakeGpu::new();
+    let (dev, vram) = open(&fake);
+    write_at(&vram, CHUNK, &vec![5u8; CHUNK as usize]);
+    // Source chunk 0 is uploaded; chunk 1, overwritten whole, is taken without one. The
+    // upload fails: the command does not run (the CPU path does).
+    fake.state.hiccup.store(true, Ordering::SeqCst);
+    let c = Command::copy(Operand::Vram(0), Operand::Vram(CHUNK), CHUNK);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Declined);
+    // Chunk 1 is read next: uploaded, not taken as the GPU copy's zeros.
+    let c = Command::copy(Operand::Vram(CHUNK), Operand::Vram(3 * CHUNK), 4096);
+    assert_eq!(dev.run(0, &c), AccelOutcome::Done);
+    assert_eq!(read_at(&vram, 3 * CHUNK, 4096), vec![5u8; 4096]);
+}
+
+#[test]
 fn large_outputs_are_computed_and_written_back_in_pieces() {
     let fake = FakeGpu::new();
     let vram_size = 64u64 << 20;

@@ -96,8 +96,10 @@ impl<G: Gpu> CudaDevice<G> {
             in_flight[(c / 64) as usize] &= !(1 << (c % 64));
         }
         if result.is_err() {
-            for &c in &uploads {
-                self.invalidate(c * CHUNK, CHUNK);
+            // The command does not run: stale again, the chunks it would have written whole
+            // (taken without an upload) as well as those it uploaded.
+            for &(off, len, _) in &ranges {
+                self.invalidate(off, len);
             }
         } else {
             self.stats
