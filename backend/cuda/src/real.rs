@@ -58,9 +58,10 @@ impl Gpu for CudaGpu {
     }
 
     fn offload(&self) -> Offload {
+        // The host's libraries, and whether this GPU's kernels did load.
         Offload {
             no_kernels: self.gpu.kernels_missing().map(ToString::to_string),
-            no_gemm: (!cuda::blas_present()).then(|| "libcublas.so was not found".to_owned()),
+            ..crate::inventory::offload_here()
         }
     }
 
