@@ -4,6 +4,7 @@
 //! switchyard serve --socket PATH [--device KIND[,name=value...]] [--swap-every-ms N]
 //! switchyard daemon [--config FILE] [--state-dir DIR] [--run-dir DIR] [--socket-group GROUP]
 //! switchyard ctl [--socket PATH] [--json] COMMAND
+//! switchyard cluster [--socket PATH] hook|capacity|release-stale ...
 //! ```
 //!
 //! Logs go to stderr (`RUST_LOG` honoured, default `info`). SIGTERM / SIGINT / SIGHUP finish the
@@ -12,6 +13,7 @@
 
 #![forbid(unsafe_code)]
 
+mod cluster;
 mod ctl;
 mod generate;
 mod inventory;
@@ -82,6 +84,12 @@ enum Command {
     /// Tables by default, --json for the API's JSON. An error from the daemon prints
     /// `error: MESSAGE` and exits 1; bad arguments exit 2.
     Ctl(ctl::CtlArgs),
+
+    /// A Pacemaker + libvirt cluster node's side: libvirt's qemu hook (`hook`: endpoints
+    /// for the GPUs a domain's metadata asks for), the node's capacity per pool
+    /// (`capacity`, published by the resource agent ocf:switchyard:pool) and the release of
+    /// endpoints of domains no longer running (`release-stale`).
+    Cluster(cluster::ClusterArgs),
 
     /// The host's PCI functions (sysfs: ids, class, driver, IOMMU group, SR-IOV, NUMA node,
     /// reset methods), and the changes a pool makes to them: `create-vfs PF N` (SR-IOV VFs,
@@ -327,6 +335,7 @@ fn main() -> ExitCode {
         Command::Worker(args) => worker(&args),
         Command::Daemon(args) => return daemon(args),
         Command::Ctl(args) => ctl::run(args),
+        Command::Cluster(args) => cluster::run(args),
         Command::Inventory(args) => inventory::run(args),
         Command::Generate(args) => generate::run(args, Cli::command()),
     };

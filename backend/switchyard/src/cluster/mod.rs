@@ -1,0 +1,265 @@
+//! `switchyard cluster`: the node's side of a Pacemaker + libvirt cluster.
+//!
+//! Every node runs its own daemon; a pool with the same name on several nodes is one
+//! cluster pool. A VM's libvirt domain declares its GPUs in its `<metadata>`:
+//!
+//! ```xml
+//! <metadata>
+//!   <sy:gpus xmlns:sy="https://switchyard.dev/xmlns/libvirt/1" pool="gpu" count="2"/>
+//! </metadata>
+//! ```
+//!
+//! (any prefix; `count` 1 to 16), and its `<qemu:commandline>` plugs `vfio-user-pci` devices
+//! on the sockets `<endpoint_dir>/libvirt.<DOMAIN>.<i>.sock`, i from 0.
+//!
+//! - `cluster hook DOMAIN OPERATION SUBOP EXTRA` is libvirt's qemu hook
+//!   (`/etc/libvirt/hooks/qemu.d/switchyard`, the domain XML on standard input). At
+//!   `prepare` it deletes the domain's stale endpoints and creates `libvirt.<DOMAIN>.<i>`
+//!   from the pool, all or none (a failure fails the VM's start with the daemon's error); at
+//!   `release` it deletes every `libvirt.<DOMAIN>.<digits>` endpoint there is, whatever the
+//!   metadata says now (an unreachable daemon is a warning: the resource agent reconciles).
+//!   Every other operation does nothing and prints nothing (libvirt takes a `migrate` or
+//!   `restore` hook's standard output as a new XML). It never calls libvirt (a hook that does
+//!   deadlocks libvirtd).
+//! - `cluster capacity` prints each pool's capacity for the cluster (see
+//!   [`capacity::capacity`]: healthy devices less what endpoints outside the cluster take;
+//!   Pacemaker subtracts its own VMs' GPUs), `--attributes` as the node utilization
+//!   attributes `swy_<pool>_gpus` the resource agent publishes.
+//! - `cluster release-stale --running DOMAIN...` deletes the endpoints of domains that are
+//!   not running (the resource agent passes `virsh list --name`, at its start).
+//!
+//! The OCF resource agent `ocf:switchyard:pool` (`debian/ocf/pool`) runs the last two.
+
+mod capacity;
+mod meta;
+
+use std::io::{IsTerminal, Read};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use switchyard_control::{ControlClient, ControlError};
+use switchyard_daemon::app::api::EndpointStatus;
+use switchyard_pool::{BoardView, EndpointSpec, PoolView};
+
+#[derive(Debug, clap::Args)]
+pub struct ClusterArgs {
+    /// The daemon's control socket.
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = "SWITCHYARD_CONTROL_SOCKET",
+        default_value = "/run/switchyard/control.sock"
+    )]
+    socket: PathBuf,
+
+    #[command(subcommand)]
+    command: ClusterCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum ClusterCommand {
+    /// libvirt's qemu hook (/etc/libvirt/hooks/qemu.d/switchyard), the domain XML on
+    /// standard input: `prepare` creates the endpoints libvirt.DOMAIN.I that the domain's
+    /// metadata asks for (<gpus xmlns="https://switchyard.dev/xmlns/libvirt/1" pool="POOL"
+    /// count="N"/>), all or none; `release` deletes them; other operations do nothing.
+    Hook {
+        /// The domain's name.
+        domain: String,
+        /// libvirt's operation (prepare, start, started, stopped, release, migrate, ...).
+        operation: String,
+        /// libvirt's sub-operation (begin, end, -).
+        #[arg(allow_hyphen_values = true)]
+        subop: String,
+        /// libvirt's extra argument (-).
+        #[arg(allow_hyphen_values = true)]
+        extra: String,
+    },
+    /// Each pool's capacity for the cluster: devices on healthy boards, less those leased
+    /// by endpoints the cluster did not place (ids not starting with `libvirt.`).
+    Capacity {
+        /// `{"POOL": N, ...}` instead of lines `POOL N`.
+        #[arg(long)]
+        json: bool,
+        /// Lines `swy_<pool>_gpus N`, the Pacemaker node utilization attributes.
+        #[arg(long, conflicts_with = "json")]
+        attributes: bool,
+    },
+    /// Delete the endpoints libvirt.DOMAIN.I of every domain not among the running ones.
+    ReleaseStale {
+        /// A running domain (repeat; `virsh list --name`).
+        #[arg(long, value_name = "DOMAIN")]
+        running: Vec<String>,
+    },
+}
+
+/// How long a request may wait for the daemon: creating an endpoint starts its worker.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Runs the command.
+pub fn run(args: ClusterArgs) -> anyhow::Result<()> {
+    let socket = args.socket.as_path();
+    match args.command {
+        ClusterCommand::Hook {
+            domain, operation, ..
+        } => hook(socket, &domain, &operation),
+        ClusterCommand::Capacity { json, attributes } => {
+            let client = connect(socket)?;
+            let pools: Vec<PoolView> = client.get("/v1/pools")?.json()?;
+            let boards: Vec<BoardView> = client.get("/v1/boards")?.json()?;
+            let names: Vec<String> = pools.into_iter().map(|p| p.name).collect();
+            let cap = capacity::capacity(&names, &boards);
+            if json {
+                println!("{}", serde_json::to_string(&cap)?);
+            } else if attributes {
+                for (name, n) in capacity::attributes(&cap)? {
+                    println!("{name} {n}");
+                }
+            } else {
+                for (pool, n) in &cap {
+                    println!("{pool} {n}");
+                }
+            }
+            Ok(())
+        }
+        ClusterCommand::ReleaseStale { running } => {
+            let client = connect(socket)?;
+            let ids = endpoint_ids(&client)?;
+            let stale = meta::stale(ids.iter().map(String::as_str), &running);
+            let mut failed = 0;
+            for id in stale {
+                match delete(&client, id) {
+                    Ok(true) => println!("endpoint {id} deleted"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        eprintln!("error: cannot delete endpoint {id}: {e}");
+                        failed += 1;
+                    }
+                }
+            }
+            anyhow::ensure!(
+                failed == 0,
+                "{failed} stale endpoint(s) could not be deleted"
+            );
+            Ok(())
+        }
+    }
+}
+
+fn connect(socket: &Path) -> anyhow::Result<ControlClient> {
+    Ok(ControlClient::connect(socket)
+        .with_context(|| {
+            format!(
+                "the switchyard daemon is unreachable at {} (is it running?)",
+                socket.display()
+            )
+        })?
+        .with_timeout(Some(ANSWER_TIMEOUT)))
+}
+
+/// Whether the daemon could not be reached (as opposed to answering with an error).
+fn unreachable(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<ControlError>(),
+            Some(ControlError::Connect { .. } | ControlError::Io { .. })
+        )
+    })
+}
+
+/// Every endpoint's id.
+fn endpoint_ids(client: &ControlClient) -> anyhow::Result<Vec<String>> {
+    let endpoints: Vec<EndpointStatus> = client.get("/v1/endpoints")?.json()?;
+    Ok(endpoints.into_iter().map(|e| e.endpoint.id).collect())
+}
+
+/// Deletes endpoint `id`: `Ok(false)` when it was already gone.
+fn delete(client: &ControlClient, id: &str) -> Result<bool, ControlError> {
+    // Ids come from the daemon's list or were checked (`meta::endpoint_ids`): valid path
+    // segments.
+    match client.delete(&format!("/v1/endpoints/{id}")) {
+        Ok(_) => Ok(true),
+        Err(ControlError::Api { status: 404, .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// libvirt's hook for `domain`'s `operation`. Prints nothing on standard output.
+fn hook(socket: &Path, domain: &str, operation: &str) -> anyhow::Result<()> {
+    match operation {
+        "prepare" => {
+            let mut xml = String::new();
+            let stdin = std::io::stdin();
+            if !stdin.is_terminal() {
+                stdin
+                    .lock()
+                    .read_to_string(&mut xml)
+                    .with_context(|| format!("domain {domain}: cannot read its XML"))?;
+            }
+            prepare(socket, domain, &xml).with_context(|| format!("domain {domain}"))
+        }
+        "release" => match release(socket, domain) {
+            Err(e) if unreachable(&e) => {
+                eprintln!(
+                    "warning: domain {domain}: {e:#}; its endpoints stay until the resource \
+                     agent releases them"
+                );
+                Ok(())
+            }
+            r => r.with_context(|| format!("domain {domain}")),
+        },
+        _ => Ok(()),
+    }
+}
+
+/// Creates the domain's endpoints, all or none, after deleting any left from before.
+fn prepare(socket: &Path, domain: &str, xml: &str) -> anyhow::Result<()> {
+    let Some(needs) = meta::gpu_needs(xml)? else {
+        return Ok(());
+    };
+    let ids = meta::endpoint_ids(domain, needs.count)?;
+    let client = connect(socket)?;
+    // A VM that is starting has no endpoints: these are stale (a release that never ran).
+    let existing = endpoint_ids(&client)?;
+    for id in meta::endpoints_of(existing.iter().map(String::as_str), domain) {
+        delete(&client, id).with_context(|| format!("cannot delete stale endpoint {id}"))?;
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let spec = EndpointSpec {
+            id: id.clone(),
+            pool: Some(needs.pool.clone()),
+            ..EndpointSpec::default()
+        };
+        if let Err(e) = client.post("/v1/endpoints", &spec) {
+            for made in &ids[..i] {
+                if let Err(undo) = delete(&client, made) {
+                    eprintln!("warning: domain {domain}: cannot delete endpoint {made}: {undo}");
+                }
+            }
+            return Err(anyhow::Error::new(e).context(format!(
+                "cannot create endpoint {id} from pool {} ({} GPU(s) asked)",
+                needs.pool, needs.count
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Deletes every endpoint of the domain, whatever its metadata says now.
+fn release(socket: &Path, domain: &str) -> anyhow::Result<()> {
+    let client = connect(socket)?;
+    let ids = endpoint_ids(&client)?;
+    let mut failed = Vec::new();
+    for id in meta::endpoints_of(ids.iter().map(String::as_str), domain) {
+        if let Err(e) = delete(&client, id) {
+            failed.push(format!("{id}: {e}"));
+        }
+    }
+    anyhow::ensure!(
+        failed.is_empty(),
+        "cannot delete endpoint(s) {}",
+        failed.join("; ")
+    );
+    Ok(())
+}
