@@ -217,7 +217,7 @@ mod tests {
                 ("swy_h_100_gpus".to_owned(), 0)
             ]
         );
-        let clash = attributes(&caps(&[("a-b", 1), ("a.b", 1)])).unwrap_err();
+        let clash = attributes(&caps(&[("a-b", 1), ("a.b", 1)])).expect_err("a clash");
         assert!(clash.to_string().contains("swy_a_b_gpus"), "{clash}");
     }
 }

@@ -60,10 +60,14 @@ pub struct ClusterArgs {
 
 #[derive(Debug, clap::Subcommand)]
 enum ClusterCommand {
-    /// libvirt's qemu hook (/etc/libvirt/hooks/qemu.d/switchyard), the domain XML on
-    /// standard input: `prepare` creates the endpoints libvirt.DOMAIN.I that the domain's
+    /// libvirt's qemu hook: a domain's endpoints at prepare and release.
+    ///
+    /// Installed as /etc/libvirt/hooks/qemu.d/switchyard; the domain XML on standard input.
+    /// `prepare` creates the endpoints libvirt.DOMAIN.I (I from 0) that the domain's
     /// metadata asks for (<gpus xmlns="https://switchyard.dev/xmlns/libvirt/1" pool="POOL"
-    /// count="N"/>), all or none; `release` deletes them; other operations do nothing.
+    /// count="N"/>, N from 1 to 16), all or none, after deleting any left from before; no
+    /// such element: nothing. `release` deletes them (an unreachable daemon is a warning).
+    /// Other operations do nothing. Nothing is printed on standard output.
     Hook {
         /// The domain's name.
         domain: String,
@@ -76,8 +80,11 @@ enum ClusterCommand {
         #[arg(allow_hyphen_values = true)]
         extra: String,
     },
-    /// Each pool's capacity for the cluster: devices on healthy boards, less those leased
-    /// by endpoints the cluster did not place (ids not starting with `libvirt.`).
+    /// Each pool's capacity for the cluster.
+    ///
+    /// Devices on healthy boards (available, not failed), less those leased by endpoints the
+    /// cluster did not place (ids not starting with `libvirt.`) and those reserved for a
+    /// move; never negative. Pacemaker subtracts its own VMs' GPUs.
     Capacity {
         /// `{"POOL": N, ...}` instead of lines `POOL N`.
         #[arg(long)]
@@ -87,6 +94,9 @@ enum ClusterCommand {
         attributes: bool,
     },
     /// Delete the endpoints libvirt.DOMAIN.I of every domain not among the running ones.
+    ///
+    /// Prints `endpoint ID deleted` for each; one already gone is no error. Ids that start
+    /// with `libvirt.` but are not `libvirt.DOMAIN.DIGITS` are left alone.
     ReleaseStale {
         /// A running domain (repeat; `virsh list --name`).
         #[arg(long, value_name = "DOMAIN")]

@@ -1,0 +1,268 @@
+//! `switchyard cluster` against a real daemon (issue 37): libvirt's hook creates and deletes a
+//! domain's endpoints (all or none), `capacity` counts what the cluster may place, and
+//! `release-stale` deletes the endpoints of domains no longer running.
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::daemon::{Daemon, exe};
+use serde_json::Value;
+
+/// Pool `gpu` of three boards, pool `spare-1` of two.
+const CONFIG: &str = "[[boards]]\nid = \"g0\"\nvram = \"8M\"\n\
+     [[boards]]\nid = \"g1\"\nvram = \"8M\"\n\
+     [[boards]]\nid = \"g2\"\nvram = \"8M\"\n\
+     [[boards]]\nid = \"s0\"\nvram = \"8M\"\n\
+     [[boards]]\nid = \"s1\"\nvram = \"8M\"\n\
+     [[pools]]\nname = \"gpu\"\nboards = [\"g0\", \"g1\", \"g2\"]\n\
+     [[pools]]\nname = \"spare-1\"\nboards = [\"s0\", \"s1\"]\n";
+
+fn domain_xml(name: &str, pool: &str, count: &str) -> String {
+    format!(
+        "<domain type='kvm'><name>{name}</name><metadata>\
+         <sy:gpus xmlns:sy=\"https://switchyard.dev/xmlns/libvirt/1\" pool=\"{pool}\" \
+         count=\"{count}\"/></metadata></domain>"
+    )
+}
+
+/// `switchyard cluster --socket SOCKET ARGS`, `stdin` on its standard input.
+fn cluster(socket: &Path, args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(exe())
+        .arg("cluster")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env_remove("SWITCHYARD_CONTROL_SOCKET")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run switchyard cluster");
+    // A hook that does not read its input (every operation but prepare) may have exited.
+    let _ = child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes());
+    child
+        .wait_with_output()
+        .expect("wait for switchyard cluster")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `cluster ARGS` that must succeed; its standard output.
+fn cluster_ok(socket: &Path, args: &[&str], stdin: &str) -> String {
+    let out = cluster(socket, args, stdin);
+    assert!(
+        out.status.success(),
+        "cluster {args:?}: {}\n{}",
+        out.status,
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// The hook for `domain`'s `operation`, as libvirt runs it.
+fn hook(socket: &Path, domain: &str, operation: &str, xml: &str) -> Output {
+    cluster(socket, &["hook", domain, operation, "begin", "-"], xml)
+}
+
+/// The endpoints' ids, sorted.
+fn endpoints(d: &Daemon) -> Vec<String> {
+    let list = d.client().get("/v1/endpoints").expect("endpoints").body;
+    let mut ids: Vec<String> = list
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|e| e["endpoint"]["id"].as_str().expect("an id").to_owned())
+        .collect();
+    ids.sort();
+    ids
+}
+
+fn capacity_json(d: &Daemon) -> Value {
+    let out = cluster_ok(&d.socket(), &["capacity", "--json"], "");
+    serde_json::from_str(&out).expect("capacity --json is JSON")
+}
+
+#[test]
+fn the_hook_places_a_domains_gpus_and_capacity_counts_what_the_cluster_may_place() {
+    let d = Daemon::start_with_config(CONFIG);
+    let socket = d.socket();
+    assert_eq!(cluster_ok(&socket, &["capacity"], ""), "gpu 3\nspare-1 2\n");
+
+    // prepare: two endpoints of pool gpu, with their sockets where the domain's XML names them.
+    let out = hook(&socket, "vm1", "prepare", &domain_xml("vm1", "gpu", "2"));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "", "a hook prints nothing on stdout");
+    assert_eq!(endpoints(&d), ["libvirt.vm1.0", "libvirt.vm1.1"]);
+    for i in 0..2 {
+        let e = d
+            .client()
+            .get(&format!("/v1/endpoints/libvirt.vm1.{i}"))
+            .expect("endpoint")
+            .body;
+        assert_eq!(e["endpoint"]["pool"], "gpu");
+        assert_eq!(
+            e["endpoint"]["socket"],
+            d.run_dir()
+                .join(format!("endpoints/libvirt.vm1.{i}.sock"))
+                .to_str()
+                .expect("utf-8")
+        );
+    }
+    // The cluster's own leases are Pacemaker's to count: the capacity stays.
+    assert_eq!(
+        capacity_json(&d),
+        serde_json::json!({ "gpu": 3, "spare-1": 2 })
+    );
+
+    // A second domain asking for two gets one: none of its endpoints stays, and the error
+    // names the domain, the pool, the endpoint and the daemon's reason.
+    let out = hook(&socket, "vm2", "prepare", &domain_xml("vm2", "gpu", "2"));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    for part in ["vm2", "pool gpu", "libvirt.vm2.1", "HTTP"] {
+        assert!(err.contains(part), "{part:?} not in {err}");
+    }
+    assert_eq!(endpoints(&d), ["libvirt.vm1.0", "libvirt.vm1.1"]);
+
+    // An endpoint made by hand takes capacity.
+    d.ctl_ok(&["create", "x", "--pool", "gpu"]);
+    assert_eq!(
+        capacity_json(&d),
+        serde_json::json!({ "gpu": 2, "spare-1": 2 })
+    );
+    assert_eq!(
+        cluster_ok(&socket, &["capacity", "--attributes"], ""),
+        "swy_gpu_gpus 2\nswy_spare_1_gpus 2\n"
+    );
+    // A quarantined board takes no leases: one device less.
+    d.ctl_ok(&["quarantine", "s0"]);
+    assert_eq!(
+        capacity_json(&d),
+        serde_json::json!({ "gpu": 2, "spare-1": 1 })
+    );
+
+    // release deletes the domain's endpoints; a second release finds none, and is fine.
+    for _ in 0..2 {
+        let out = hook(&socket, "vm1", "release", &domain_xml("vm1", "gpu", "2"));
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), "");
+        assert_eq!(endpoints(&d), ["x"]);
+    }
+    // A domain's stale endpoints are replaced at prepare.
+    d.ctl_ok(&["create", "libvirt.vm3.5", "--pool", "gpu"]);
+    let out = hook(&socket, "vm3", "prepare", &domain_xml("vm3", "gpu", "1"));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(endpoints(&d), ["libvirt.vm3.0", "x"]);
+}
+
+#[test]
+fn release_stale_deletes_the_endpoints_of_domains_not_running() {
+    let d = Daemon::start_with_config(CONFIG);
+    let socket = d.socket();
+    for (domain, pool) in [("up", "gpu"), ("down", "gpu"), ("down.b", "spare-1")] {
+        let out = hook(&socket, domain, "prepare", &domain_xml(domain, pool, "1"));
+        assert!(out.status.success(), "{domain}: {}", text(&out.stderr));
+    }
+    d.ctl_ok(&["create", "libvirt.odd", "--pool", "gpu"]);
+    d.ctl_ok(&["create", "mine", "--pool", "spare-1"]);
+    let out = cluster_ok(&socket, &["release-stale", "--running", "up"], "");
+    let mut deleted: Vec<&str> = out.lines().collect();
+    deleted.sort_unstable();
+    assert_eq!(
+        deleted,
+        [
+            "endpoint libvirt.down.0 deleted",
+            "endpoint libvirt.down.b.0 deleted"
+        ]
+    );
+    assert_eq!(endpoints(&d), ["libvirt.odd", "libvirt.up.0", "mine"]);
+    // Nothing left to delete: nothing printed.
+    assert_eq!(
+        cluster_ok(&socket, &["release-stale", "--running", "up"], ""),
+        ""
+    );
+    // No domain running: the cluster's endpoints go, the others stay.
+    assert_eq!(
+        cluster_ok(&socket, &["release-stale"], ""),
+        "endpoint libvirt.up.0 deleted\n"
+    );
+    assert_eq!(endpoints(&d), ["libvirt.odd", "mine"]);
+}
+
+#[test]
+fn the_hook_without_a_daemon_or_with_bad_metadata() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gone = dir.path().join("control.sock");
+    // No metadata: nothing to do, the daemon is not asked (there is none).
+    let plain = "<domain type='kvm'><name>web</name><metadata/></domain>";
+    let out = hook(&gone, "web", "prepare", plain);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        (text(&out.stdout), text(&out.stderr)),
+        (String::new(), String::new())
+    );
+    // Every other operation: nothing, and nothing on stdout (libvirt takes migrate's and
+    // restore's as a new XML).
+    for op in [
+        "start",
+        "started",
+        "stopped",
+        "migrate",
+        "restore",
+        "reconnect",
+        "attach",
+    ] {
+        let out = hook(&gone, "vm1", op, &domain_xml("vm1", "gpu", "2"));
+        assert!(out.status.success(), "{op}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), "", "{op}");
+    }
+    // prepare needs the daemon: the start fails, saying so.
+    let out = hook(&gone, "vm1", "prepare", &domain_xml("vm1", "gpu", "2"));
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("vm1") && err.contains("unreachable") && err.lines().count() == 1,
+        "{err}"
+    );
+    // release only warns: libvirt ignores it, the resource agent reconciles.
+    let out = hook(&gone, "vm1", "release", "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.starts_with("warning: domain vm1:") && err.contains("unreachable"),
+        "{err}"
+    );
+    assert_eq!(text(&out.stdout), "");
+
+    // Malformed metadata or XML, or a name that makes no id: exit 1, one line naming the
+    // domain (before the daemon is asked: there is none).
+    for (domain, xml, what) in [
+        ("vm1", domain_xml("vm1", "gpu", "0"), "count"),
+        ("vm1", domain_xml("vm1", "gpu", "17"), "count"),
+        ("vm1", "<domain><metadata><sy:gpus xmlns:sy=\"https://switchyard.dev/xmlns/libvirt/1\" count=\"1\"/></metadata></domain>".to_owned(), "pool"),
+        ("vm1", "<domain><metadata>".to_owned(), "does not parse"),
+        ("my vm", domain_xml("my vm", "gpu", "1"), "libvirt.my vm.0"),
+    ] {
+        let out = hook(&gone, domain, "prepare", &xml);
+        assert_eq!(out.status.code(), Some(1), "{xml}");
+        let err = text(&out.stderr);
+        assert!(
+            err.starts_with(&format!("error: domain {domain}:"))
+                && err.contains(what)
+                && err.lines().count() == 1,
+            "{xml}: {err}"
+        );
+        assert_eq!(text(&out.stdout), "");
+    }
+}
