@@ -50,7 +50,8 @@ esac
 control=$(mktemp -d)
 trap 'rm -rf "$root" "$control"' EXIT
 dpkg-deb -e "$deb" "$control"
-[ "$(cat "$control/conffiles")" = /etc/switchyard/pool.toml ] || fail "conffiles: $(cat "$control/conffiles")"
+[ "$(cat "$control/conffiles")" = "$(printf '%s\n' /etc/switchyard/pool.toml /etc/libvirt/hooks/qemu.d/switchyard)" ] ||
+  fail "conffiles: $(cat "$control/conffiles")"
 for script in postinst prerm postrm; do
   [ -x "$control/$script" ] || fail "no executable $script"
   sh -n "$control/$script" || fail "$script does not parse"
@@ -60,6 +61,20 @@ for script in postinst prerm postrm; do
 done
 (cd "$root" && md5sum --quiet -c "$control/md5sums") || fail "md5sums do not match"
 ok "switchyard $version: control fields, conffiles, maintainer scripts, md5sums"
+
+# The cluster's files: the OCF resource agent and libvirt's qemu hook, executable POSIX sh.
+for f in usr/lib/ocf/resource.d/switchyard/pool etc/libvirt/hooks/qemu.d/switchyard; do
+  [ -x "$root/$f" ] || fail "no executable /$f"
+  sh -n "$root/$f" || fail "/$f does not parse"
+  if command -v shellcheck >/dev/null; then
+    shellcheck -s sh "$root/$f" || fail "shellcheck /$f"
+  fi
+done
+grep -q 'exec /usr/bin/switchyard cluster hook "\$@"' "$root/etc/libvirt/hooks/qemu.d/switchyard" ||
+  fail "the libvirt hook does not run switchyard cluster hook"
+OCF_ROOT=/usr/lib/ocf "$root/usr/lib/ocf/resource.d/switchyard/pool" meta-data 2>/dev/null |
+  grep -q '<resource-agent name="pool"' || fail "the resource agent's meta-data"
+ok "/usr/lib/ocf/resource.d/switchyard/pool, /etc/libvirt/hooks/qemu.d/switchyard"
 
 # What the unit names.
 unit=$root/lib/systemd/system/switchyard.service
@@ -123,7 +138,7 @@ ok "the daemon reported ready on the packaged configuration"
 
 # Man pages and completions.
 for page in switchyard switchyard-serve switchyard-daemon switchyard-ctl switchyard-ctl-create \
-    switchyard-inventory; do
+    switchyard-inventory switchyard-cluster switchyard-cluster-hook; do
   [ -f "$root/usr/share/man/man1/$page.1.gz" ] || fail "no man page $page.1"
 done
 for f in usr/share/bash-completion/completions/switchyard usr/share/zsh/vendor-completions/_switchyard \
