@@ -74,19 +74,6 @@ fn hook(socket: &Path, domain: &str, operation: &str, xml: &str) -> Output {
     cluster(socket, &["hook", domain, operation, "begin", "-"], xml)
 }
 
-/// The endpoints' ids, sorted.
-fn endpoints(d: &Daemon) -> Vec<String> {
-    let list = d.client().get("/v1/endpoints").expect("endpoints").body;
-    let mut ids: Vec<String> = list
-        .as_array()
-        .expect("a list")
-        .iter()
-        .map(|e| e["endpoint"]["id"].as_str().expect("an id").to_owned())
-        .collect();
-    ids.sort();
-    ids
-}
-
 fn capacity_json(d: &Daemon) -> Value {
     let out = cluster_ok(&d.socket(), &["capacity", "--json"], "");
     serde_json::from_str(&out).expect("capacity --json is JSON")
@@ -102,7 +89,7 @@ fn the_hook_places_a_domains_gpus_and_capacity_counts_what_the_cluster_may_place
     let out = hook(&socket, "vm1", "prepare", &domain_xml("vm1", "gpu", "2"));
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "", "a hook prints nothing on stdout");
-    assert_eq!(endpoints(&d), ["libvirt.vm1.0", "libvirt.vm1.1"]);
+    assert_eq!(d.endpoint_ids(), ["libvirt.vm1.0", "libvirt.vm1.1"]);
     for i in 0..2 {
         let e = d
             .client()
@@ -133,7 +120,7 @@ fn the_hook_places_a_domains_gpus_and_capacity_counts_what_the_cluster_may_place
     for part in ["vm2", "pool gpu", "libvirt.vm2.1", "HTTP"] {
         assert!(err.contains(part), "{part:?} not in {err}");
     }
-    assert_eq!(endpoints(&d), ["libvirt.vm1.0", "libvirt.vm1.1"]);
+    assert_eq!(d.endpoint_ids(), ["libvirt.vm1.0", "libvirt.vm1.1"]);
 
     // An endpoint made by hand takes capacity.
     d.ctl_ok(&["create", "x", "--pool", "gpu"]);
@@ -157,13 +144,13 @@ fn the_hook_places_a_domains_gpus_and_capacity_counts_what_the_cluster_may_place
         let out = hook(&socket, "vm1", "release", &domain_xml("vm1", "gpu", "2"));
         assert!(out.status.success(), "{}", text(&out.stderr));
         assert_eq!(text(&out.stdout), "");
-        assert_eq!(endpoints(&d), ["x"]);
+        assert_eq!(d.endpoint_ids(), ["x"]);
     }
     // A domain's stale endpoints are replaced at prepare.
     d.ctl_ok(&["create", "libvirt.vm3.5", "--pool", "gpu"]);
     let out = hook(&socket, "vm3", "prepare", &domain_xml("vm3", "gpu", "1"));
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(endpoints(&d), ["libvirt.vm3.0", "x"]);
+    assert_eq!(d.endpoint_ids(), ["libvirt.vm3.0", "x"]);
 }
 
 #[test]
@@ -186,7 +173,7 @@ fn release_stale_deletes_the_endpoints_of_domains_not_running() {
             "endpoint libvirt.down.b.0 deleted"
         ]
     );
-    assert_eq!(endpoints(&d), ["libvirt.odd", "libvirt.up.0", "mine"]);
+    assert_eq!(d.endpoint_ids(), ["libvirt.odd", "libvirt.up.0", "mine"]);
     // Nothing left to delete: nothing printed.
     assert_eq!(
         cluster_ok(&socket, &["release-stale", "--running", "up"], ""),
@@ -197,7 +184,7 @@ fn release_stale_deletes_the_endpoints_of_domains_not_running() {
         cluster_ok(&socket, &["release-stale"], ""),
         "endpoint libvirt.up.0 deleted\n"
     );
-    assert_eq!(endpoints(&d), ["libvirt.odd", "mine"]);
+    assert_eq!(d.endpoint_ids(), ["libvirt.odd", "mine"]);
 }
 
 #[test]

@@ -171,18 +171,6 @@ fn prepare(socket: &Path, domain: &str) {
     );
 }
 
-fn endpoints(d: &Daemon) -> Vec<String> {
-    let list = d.client().get("/v1/endpoints").expect("endpoints").body;
-    let mut ids: Vec<String> = list
-        .as_array()
-        .expect("a list")
-        .iter()
-        .map(|e| e["endpoint"]["id"].as_str().expect("an id").to_owned())
-        .collect();
-    ids.sort();
-    ids
-}
-
 #[test]
 fn the_agent_publishes_capacity_without_churn_and_removes_it_at_stop() {
     let d = Daemon::start_with_config(CONFIG);
@@ -202,7 +190,7 @@ fn the_agent_publishes_capacity_without_churn_and_removes_it_at_stop() {
         "{}",
         node.log()
     );
-    assert_eq!(endpoints(&d), ["libvirt.alive.0"]);
+    assert_eq!(d.endpoint_ids(), ["libvirt.alive.0"]);
     assert_eq!(node.attributes(), ["swy_gpu_gpus=2", "swy_spare_1_gpus=1"]);
     let calls = node.take_calls();
     assert!(
@@ -262,5 +250,5 @@ fn the_agent_publishes_capacity_without_churn_and_removes_it_at_stop() {
     assert!(!node.state_file().exists());
     assert_eq!(node.rc("stop", &socket, ""), 0);
     assert_eq!(node.rc("monitor", &socket, ""), 7);
-    assert_eq!(endpoints(&d), ["hand", "libvirt.alive.0"]);
+    assert_eq!(d.endpoint_ids(), ["hand", "libvirt.alive.0"]);
 }

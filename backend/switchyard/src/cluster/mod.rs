@@ -64,9 +64,9 @@ enum ClusterCommand {
     ///
     /// Installed as /etc/libvirt/hooks/qemu.d/switchyard; the domain XML on standard input.
     /// `prepare` creates the endpoints libvirt.DOMAIN.I (I from 0) that the domain's
-    /// metadata asks for (<gpus xmlns="https://switchyard.dev/xmlns/libvirt/1" pool="POOL"
-    /// count="N"/>, N from 1 to 16), all or none, after deleting any left from before; no
-    /// such element: nothing. `release` deletes them (an unreachable daemon is a warning).
+    /// metadata asks for (`<gpus xmlns="https://switchyard.dev/xmlns/libvirt/1"
+    /// pool="POOL" count="N"/>`, N from 1 to 16), all or none, after deleting any left from
+    /// before; no such element: nothing. `release` deletes them (an unreachable daemon is a warning).
     /// Other operations do nothing. Nothing is printed on standard output.
     Hook {
         /// The domain's name.

@@ -245,6 +245,19 @@ impl Daemon {
         String::from_utf8(out.stdout).expect("utf-8")
     }
 
+    /// Every endpoint's id, sorted.
+    pub fn endpoint_ids(&self) -> Vec<String> {
+        let list = self.client().get("/v1/endpoints").expect("endpoints").body;
+        let mut ids: Vec<String> = list
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|e| e["endpoint"]["id"].as_str().expect("an id").to_owned())
+            .collect();
+        ids.sort();
+        ids
+    }
+
     pub fn endpoint(&mut self, id: &str) -> Value {
         let v = self
             .client()
