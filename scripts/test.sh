@@ -112,19 +112,21 @@ scripts/gpu-check.sh --budget
 step "guest prerequisites (scripts/setup.sh)"
 scripts/setup.sh
 
-step "libvirt for the libvirt guest test (scripts/install-libvirt.sh; apt, about 4 MB, as root)"
-# Without root and without libvirt, that one test is left out (said here and in the last line);
-# under CI it must run.
-LIBVIRT_TEST=libvirt_runs_the_driver_workload_across_a_worker_restart
+step "libvirt and the cluster packages for the libvirt and cluster guest tests (scripts/install-libvirt.sh --cluster; apt, about 20 MB, as root)"
+# Without root and without them, those tests are left out (said here and in the last line);
+# under CI they must run.
+LIBVIRT_TESTS=(libvirt_runs_the_driver_workload_across_a_worker_restart
+               cluster_places_vms_by_their_gpu_needs
+               cluster_restarts_the_vm_of_a_failed_node_on_a_survivor)
 LIBVIRT_NOT_RUN=""
 if [ "$(id -u)" = 0 ]; then
-  scripts/install-libvirt.sh
-elif ! scripts/install-libvirt.sh --check; then
+  scripts/install-libvirt.sh --cluster
+elif ! scripts/install-libvirt.sh --cluster --check; then
   case ${CI:-} in
     true|1) echo "test.sh: error: libvirt is not installed and this is not root (CI=$CI)" >&2; exit 1 ;;
   esac
-  LIBVIRT_NOT_RUN=$LIBVIRT_TEST
-  echo "test.sh: NOT RUN (libvirt not installed, not root to install it): $LIBVIRT_TEST; run scripts/install-libvirt.sh as root"
+  LIBVIRT_NOT_RUN="${LIBVIRT_TESTS[*]}"
+  echo "test.sh: NOT RUN (libvirt or the cluster packages not installed, not root to install them): $LIBVIRT_NOT_RUN; run scripts/install-libvirt.sh --cluster as root"
 fi
 
 step "patched QEMU for the live-migration guest tests (scripts/build-qemu.sh: Debian's source + vmm-integration/qemu/patches; about 5 minutes on 2 cores the first time, then cached outside the clone)"
@@ -179,7 +181,7 @@ fi
 SKIP=("${SY_CH_SKIP[@]}")
 if [ -n "$LIBVIRT_NOT_RUN" ]; then
   [ ${#SKIP[@]} -gt 0 ] || SKIP=(--exact)
-  SKIP+=(--skip "$LIBVIRT_TEST")
+  for t in "${LIBVIRT_TESTS[@]}"; do SKIP+=(--skip "$t"); done
 fi
 # The two-host migration makes network namespaces: root only (CI is root: see above).
 HOSTS_NOT_RUN=
@@ -190,7 +192,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "test.sh: NOT RUN (not root): $HOSTS_NOT_RUN"
 fi
 NOT_RUN=$SY_CH_NOT_RUN${SY_CH_NOT_RUN:+ (cloud-hypervisor not installed; docs/cloud-hypervisor.md)}
-NOT_RUN+=${LIBVIRT_NOT_RUN:+${NOT_RUN:+, }$LIBVIRT_NOT_RUN (libvirt not installed; scripts/install-libvirt.sh)}
+NOT_RUN+=${LIBVIRT_NOT_RUN:+${NOT_RUN:+, }$LIBVIRT_NOT_RUN (libvirt not installed; scripts/install-libvirt.sh --cluster)}
 NOT_RUN+=${ROOT_NOT_RUN:+${NOT_RUN:+, }$ROOT_NOT_RUN (not root; scripts/run-root-tests.sh)}
 NOT_RUN+=${HOSTS_NOT_RUN:+${NOT_RUN:+, }$HOSTS_NOT_RUN (not root)}
 guest_out=$(mktemp)

@@ -23,6 +23,7 @@
 #![warn(missing_docs)]
 
 mod boot;
+pub mod cluster;
 mod env;
 mod error;
 mod guest;
