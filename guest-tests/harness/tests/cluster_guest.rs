@@ -194,6 +194,7 @@ fn cluster_places_vms_by_their_gpu_needs() {
                 "{node}'s endpoints"
             );
         }
+        let booted = t.elapsed();
 
         // Two GPUs: no node has them.
         let vm3 = idle_vm("vm3", 2);
@@ -243,10 +244,12 @@ fn cluster_places_vms_by_their_gpu_needs() {
 
         eprintln!(
             "cluster placement: rig up {:.1} s, ocf-tester {:.1} s, vm1+vm2 placed and \
-             started {:.1} s ({at1}, {at2}), vm3 placed after its node's second board {:.1} s",
+             started {:.1} s ({at1}, {at2}), their guests booted {:.1} s, vm3 placed after its \
+             node's second board and its guest booted {:.1} s",
             rig.up_time.as_secs_f64(),
             ocf_time.as_secs_f64(),
             cold_start.as_secs_f64(),
+            booted.as_secs_f64(),
             third.as_secs_f64()
         );
     });
