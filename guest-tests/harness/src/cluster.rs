@@ -19,7 +19,7 @@ const VM_XML: &str = include_str!("../../../vmm-integration/libvirt/cluster-vm.x
 /// The placeholders of the three templates above, each written `@NAME@` in them.
 pub const TEMPLATE_PLACEHOLDERS: [(&str, &[&str]); 3] = [
     ("cluster.crm", &["NODES"]),
-    ("vm.crm", &["CONFIG", "COUNT", "NAME", "POOL"]),
+    ("vm.crm", &["CONFIG", "COUNT", "MIGRATE", "NAME", "POOL"]),
     (
         "cluster-vm.xml",
         &[
@@ -28,6 +28,7 @@ pub const TEMPLATE_PLACEHOLDERS: [(&str, &[&str]); 3] = [
             "DEVICES",
             "EMULATOR",
             "INITRD",
+            "IOMMU",
             "KERNEL",
             "MEMORY_MIB",
             "NAME",
@@ -94,7 +95,14 @@ pub struct Vm {
     pub gpus: u32,
     /// The guest's kernel command line.
     pub cmdline: String,
+    /// With the emulated VT-d (for an in-guest VFIO driver); without, the VM can live-migrate.
+    pub iommu: bool,
+    /// Its QEMU: `None` for the guest tests' QEMU 11.1, else the patched one (live migration).
+    pub emulator: Option<PathBuf>,
 }
+
+/// The emulated VT-d of a VM with an in-guest VFIO driver.
+const IOMMU: &str = "    <iommu model='intel'>\n      <driver caching_mode='on'/>\n    </iommu>";
 
 impl Vm {
     /// Its serial console's file on the node that runs it (in the node's private /var/log).
@@ -126,7 +134,11 @@ impl Vm {
             &[
                 ("NAME", xml_escape(&self.name)),
                 ("MEMORY_MIB", "512".into()),
-                ("EMULATOR", path(&env.qemu)),
+                (
+                    "EMULATOR",
+                    path(self.emulator.as_deref().unwrap_or(&env.qemu)),
+                ),
+                ("IOMMU", if self.iommu { IOMMU } else { "" }.to_owned()),
                 ("KERNEL", path(&env.vmlinux)),
                 ("INITRD", path(initrd)),
                 ("CMDLINE", xml_escape(&self.cmdline)),
@@ -256,6 +268,8 @@ impl Rig {
                 ("CONFIG", xml.to_str().expect("UTF-8").to_owned()),
                 ("POOL", "gpu".into()),
                 ("COUNT", vm.gpus.to_string()),
+                // Migratable: no emulated IOMMU, the patched QEMU.
+                ("MIGRATE", (!vm.iommu && vm.emulator.is_some()).to_string()),
             ],
         );
         self.configure(node, &text, &vm.name);
@@ -307,6 +321,29 @@ impl Rig {
     /// `cluster.sh status`, for failure messages.
     pub fn status(&self) -> String {
         let out = self.run(&["status"]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `switchyard ctl endpoint ID --json` on `node`, parsed (`None` when there is none).
+    pub fn endpoint(&self, node: &str, id: &str) -> Option<serde_json::Value> {
+        let out = self.exec(node, &["switchyard", "ctl", "--json", "endpoint", id]);
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).expect("endpoint JSON"))
+    }
+
+    /// The domain's switchyard metadata on `node` (`virsh metadata`; empty when none).
+    pub fn metadata(&self, node: &str, domain: &str) -> String {
+        let out = self.exec(
+            node,
+            &[
+                "virsh",
+                "metadata",
+                domain,
+                "--uri",
+                "https://switchyard.dev/xmlns/libvirt/1",
+            ],
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 

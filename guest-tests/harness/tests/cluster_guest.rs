@@ -27,6 +27,8 @@ fn idle_vm(name: &str, gpus: u32) -> Vm {
         name: name.into(),
         gpus,
         cmdline: format!("console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS} sy.stay"),
+        iommu: false,
+        emulator: None,
     }
 }
 
@@ -39,7 +41,104 @@ fn workload_vm(name: &str) -> Vm {
             "console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS} intel_iommu=on sy.test=sygpu-driver \
              sy.stay"
         ),
+        iommu: true,
+        emulator: None,
     }
+}
+
+/// How long the migrating VMs' driver soaks its device: long enough for the test's moves.
+const SOAK_SECONDS: u32 = 60;
+
+/// A VM that can live-migrate (the patched QEMU, no emulated IOMMU) whose driver soaks its
+/// device (`--noiommu`: hugepages for DMA), then keeps running.
+fn soaking_vm(env: &GuestEnv, name: &str) -> Vm {
+    Vm {
+        name: name.into(),
+        gpus: 1,
+        cmdline: format!(
+            "console=ttyS0 panic=-1 quiet {GUEST_BOOT_ARGS} hugepages=16 sy.test=sygpu-driver \
+             sy.arg=--noiommu sy.arg=--soak sy.arg={SOAK_SECONDS} sy.stay"
+        ),
+        iommu: false,
+        emulator: Some(
+            env.migration_qemu()
+                .expect("the patched QEMU (scripts/build-qemu.sh)"),
+        ),
+    }
+}
+
+/// Checks a soak's summary in `console`: the driver passed, every job verified, no stale page.
+fn assert_soak(console: &str) -> serde_json::Value {
+    assert_eq!(
+        find_line(console, "GUEST: test sygpu-driver rc="),
+        Some("GUEST: test sygpu-driver rc=0"),
+        "{console}"
+    );
+    let s: serde_json::Value = find_line(console, "SYGPU-SUMMARY")
+        .and_then(|l| serde_json::from_str(l["SYGPU-SUMMARY".len()..].trim()).ok())
+        .unwrap_or_else(|| panic!("no summary:\n{console}"));
+    assert_eq!(s["result"], "pass", "{s}");
+    let soak = &s["soak"];
+    assert_eq!(soak["ok"], true, "{s}");
+    let jobs = soak["jobs"].as_u64().expect("soak jobs");
+    assert!(jobs > 0, "{s}");
+    assert_eq!(soak["jobs_verified"].as_u64(), Some(jobs), "{s}");
+    assert_eq!(soak["region_stale_pages"], 0, "{s}");
+    s
+}
+
+/// Waits until `node`'s pool agent published the migration description of `vm`'s endpoint
+/// there into the domain's metadata (its migration token is in it).
+fn wait_published(rig: &Rig, node: &str, vm: &Vm) {
+    let id = format!("libvirt.{}.0", vm.name);
+    wait_until(
+        Duration::from_secs(60),
+        &format!("{id}'s description in the metadata"),
+        || {
+            let e = rig.endpoint(node, &id)?;
+            let token = e["endpoint"]["migration_token"].as_str()?.to_owned();
+            (!token.is_empty() && rig.metadata(node, &vm.name).contains(&token)).then_some(())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}\n{}", rig.metadata(node, &vm.name), rig.status()));
+}
+
+/// Live-migrates `vm` from `from` to `to` with `crm resource move`, waits until it runs
+/// there, the destination's daemon committed the migration and the source's endpoint is gone,
+/// then clears the move's constraint (stickiness keeps it there). How long it took, and the
+/// migration's downtime as libvirt reports it on the destination (`domjobinfo --completed`).
+fn live_migrate(rig: &Rig, vm: &Vm, from: &str, to: &str) -> (Duration, String) {
+    wait_published(rig, from, vm);
+    let id = format!("libvirt.{}.0", vm.name);
+    let t = Instant::now();
+    rig.exec_ok(from, &["crm", "resource", "move", &vm.name, to]);
+    wait_until(
+        Duration::from_secs(120),
+        &format!("{} to run on {to}", vm.name),
+        || (rig.location(to, &vm.name).as_deref() == Some(to)).then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", rig.status()));
+    wait_until(Duration::from_secs(60), "the destination to commit", || {
+        let e = rig.endpoint(to, &id)?;
+        e.get("incoming_for").is_none().then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}", rig.endpoint(to, &id)));
+    wait_until(
+        Duration::from_secs(60),
+        "the source's endpoint to go",
+        || rig.endpoints(from).is_empty().then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {:?}", rig.endpoints(from)));
+    let took = t.elapsed();
+    rig.exec_ok(to, &["crm", "resource", "clear", &vm.name]);
+    let info = rig.exec(to, &["virsh", "domjobinfo", &vm.name, "--completed"]);
+    let info = String::from_utf8_lossy(&info.stdout);
+    let downtime = info
+        .lines()
+        .find(|l| l.starts_with("Total downtime:"))
+        .map(|l| l["Total downtime:".len()..].trim().to_owned())
+        .unwrap_or_else(|| format!("unknown ({})", info.trim()));
+    (took, downtime)
 }
 
 /// The complete lines of `vm`'s serial console on `node` (empty before it exists).
@@ -127,11 +226,13 @@ fn only_the_guest_tests_are_ignored() {
     assert_eq!(
         list_tests(true),
         [
+            "cluster_live_migrates_a_soaking_vm_there_and_back",
             "cluster_places_vms_by_their_gpu_needs",
             "cluster_restarts_the_vm_of_a_failed_node_on_a_survivor",
+            "cluster_standby_live_migrates_the_nodes_vm_away",
         ]
     );
-    assert_eq!(list_tests(false).len(), 5);
+    assert_eq!(list_tests(false).len(), 7);
 }
 
 /// Issue 37's placement test: two 1-GPU VMs on a 3-node cluster with one GPU per node land on
@@ -366,6 +467,141 @@ fn cluster_restarts_the_vm_of_a_failed_node_on_a_survivor() {
             restarted.as_secs_f64(),
             passed.as_secs_f64(),
             rejoin.as_secs_f64()
+        );
+    });
+}
+
+/// Issue 38: a VM whose driver soaks its device is live-migrated with its device's state by
+/// `crm resource move` from its node to another and back; the soak is bit-exact, each
+/// destination's daemon committed and each source's released its lease, and no endpoint is
+/// left anywhere but where the VM runs.
+#[test]
+#[ignore = "boots a Pacemaker cluster and QEMU guests: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn cluster_live_migrates_a_soaking_vm_there_and_back() {
+    with_logs_within("cluster-migrate", Duration::from_secs(600), |env, dir| {
+        let initrd = env.initramfs().expect("initramfs");
+        let rig = Rig::up(env, dir, &[1, 1, 1]);
+        let n1 = rig.nodes()[0].clone();
+        rig.configure_switchyard();
+        for node in rig.nodes() {
+            wait_capacity(&rig, node, "1");
+        }
+        let vm = soaking_vm(env, "vm1");
+        rig.add_vm(env, &initrd, &n1, &vm);
+        let first = rig.wait_running(&n1, "vm1", Duration::from_secs(120));
+        wait_console(
+            &rig,
+            &first,
+            &vm,
+            "SYGPU: soak start",
+            Duration::from_secs(240),
+        );
+        let other = rig
+            .nodes()
+            .iter()
+            .find(|n| **n != first)
+            .expect("another node")
+            .clone();
+
+        let (there, there_down) = live_migrate(&rig, &vm, &first, &other);
+        let (back, back_down) = live_migrate(&rig, &vm, &other, &first);
+        assert!(
+            find_line(&console(&rig, &first, &vm), "SYGPU-SUMMARY").is_none(),
+            "the soak ended before the second migration: make SOAK_SECONDS longer"
+        );
+        let text = wait_console(
+            &rig,
+            &first,
+            &vm,
+            "GUEST: test sygpu-driver rc=",
+            Duration::from_secs(240),
+        );
+        let s = assert_soak(&text);
+
+        // Leases: the VM's node has its one endpoint; no other node has any.
+        for node in rig.nodes() {
+            let want: Vec<String> = if *node == first {
+                vec!["libvirt.vm1.0".into()]
+            } else {
+                Vec::new()
+            };
+            assert_eq!(rig.endpoints(node), want, "{node}'s endpoints");
+        }
+        eprintln!(
+            "cluster live migration: {first} -> {other} {:.1} s (downtime {there_down}), \
+             back {:.1} s (downtime {back_down}); soak {}",
+            there.as_secs_f64(),
+            back.as_secs_f64(),
+            s["soak"]
+        );
+    });
+}
+
+/// Issue 38: the node of a soaking VM goes standby; the VM live-migrates off it and the soak
+/// is bit-exact; the node's lease is released.
+#[test]
+#[ignore = "boots a Pacemaker cluster and QEMU guests: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
+fn cluster_standby_live_migrates_the_nodes_vm_away() {
+    with_logs_within("cluster-standby", Duration::from_secs(600), |env, dir| {
+        let initrd = env.initramfs().expect("initramfs");
+        let rig = Rig::up(env, dir, &[1, 1, 1]);
+        let n1 = rig.nodes()[0].clone();
+        rig.configure_switchyard();
+        for node in rig.nodes() {
+            wait_capacity(&rig, node, "1");
+        }
+        let vm = soaking_vm(env, "vm1");
+        rig.add_vm(env, &initrd, &n1, &vm);
+        let first = rig.wait_running(&n1, "vm1", Duration::from_secs(120));
+        wait_console(
+            &rig,
+            &first,
+            &vm,
+            "SYGPU: soak start",
+            Duration::from_secs(240),
+        );
+        wait_published(&rig, &first, &vm);
+        let via = rig
+            .nodes()
+            .iter()
+            .find(|n| **n != first)
+            .expect("another node")
+            .clone();
+
+        let t = Instant::now();
+        rig.exec_ok(&via, &["crm", "node", "standby", &first]);
+        let second = wait_until(
+            Duration::from_secs(120),
+            "vm1 to leave the standby node",
+            || rig.location(&via, "vm1").filter(|n| *n != first),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", rig.status()));
+        wait_until(
+            Duration::from_secs(60),
+            "the source's endpoint to go",
+            || rig.endpoints(&first).is_empty().then_some(()),
+        )
+        .unwrap_or_else(|e| panic!("{e}: {:?}", rig.endpoints(&first)));
+        let took = t.elapsed();
+        // Migrated, not restarted: the guest never booted again there.
+        let text = wait_console(
+            &rig,
+            &second,
+            &vm,
+            "GUEST: test sygpu-driver rc=",
+            Duration::from_secs(240),
+        );
+        assert!(
+            find_line(&text, "GUEST: boot").is_none(),
+            "the guest booted again:\n{text}"
+        );
+        let s = assert_soak(&text);
+        assert_eq!(rig.endpoints(&second), ["libvirt.vm1.0"]);
+        rig.exec_ok(&via, &["crm", "node", "online", &first]);
+        eprintln!(
+            "cluster standby: {first} standby -> vm1 live on {second} in {:.1} s; soak {}",
+            took.as_secs_f64(),
+            s["soak"]
         );
     });
 }
