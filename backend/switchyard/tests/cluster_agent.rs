@@ -4,7 +4,9 @@
 //! recorded) and `virsh` (the running domains from the environment). What it checks: start
 //! releases the endpoints of domains not running and publishes every pool's attribute;
 //! monitor updates only what changed and deletes the attributes of pools gone; stop deletes
-//! them all; an unreachable daemon fails start and monitor, saying so.
+//! them all; an unreachable daemon fails start and monitor, saying so; start and monitor
+//! publish each running domain's migration descriptions in its metadata when they change
+//! (issue 38), and a failure there is only a warning.
 #![forbid(unsafe_code)]
 
 mod common;
@@ -56,8 +58,33 @@ delete) rm -f "$STUB_DIR/attrs/$name" ;;
 esac
 "#;
 
-const VIRSH: &str = "#!/bin/sh\n[ \"$*\" = \"-c qemu:///system list --name\" ] || exit 1\n\
-                     printf '%s\\n' $STUB_RUNNING ''\n";
+/// `list --name` (the domains of `$STUB_RUNNING`) and `metadata` of our namespace: a get
+/// prints `meta/DOMAIN` (none: an error, as libvirt's), a `--key sy --set XML --live` writes
+/// it (fails where `meta/DOMAIN.locked` exists). Every call recorded in `virsh-calls`.
+const VIRSH: &str = r#"#!/bin/sh
+echo "$*" >>"$STUB_DIR/virsh-calls"
+[ "$1 $2" = "-c qemu:///system" ] || exit 1
+shift 2
+case "$1" in
+list)
+	[ "$*" = "list --name" ] || exit 1
+	printf '%s\n' $STUB_RUNNING ''
+	;;
+metadata)
+	domain=$2
+	[ "$3 $4" = "--uri https://switchyard.dev/xmlns/libvirt/1" ] || exit 1
+	if [ $# -eq 4 ]; then
+		[ -f "$STUB_DIR/meta/$domain" ] || { echo "error: metadata not found" >&2; exit 1; }
+		cat "$STUB_DIR/meta/$domain"
+	else
+		[ $# -eq 9 ] && [ "$5 $6 $7 $9" = "--key sy --set --live" ] || exit 1
+		[ -f "$STUB_DIR/meta/$domain.locked" ] && { echo "error: operation failed" >&2; exit 1; }
+		printf '%s\n' "$8" >"$STUB_DIR/meta/$domain"
+	fi
+	;;
+*) exit 1 ;;
+esac
+"#;
 
 /// The stand-ins, in a directory of their own.
 struct Node {
@@ -70,6 +97,7 @@ impl Node {
         let bin = dir.path().join("bin");
         std::fs::create_dir_all(&bin).expect("bin");
         std::fs::create_dir_all(dir.path().join("attrs")).expect("attrs");
+        std::fs::create_dir_all(dir.path().join("meta")).expect("meta");
         std::fs::write(dir.path().join("ocf-shellfuncs"), SHELLFUNCS).expect("shellfuncs");
         for (name, text) in [
             ("crm_node", CRM_NODE),
@@ -134,6 +162,22 @@ impl Node {
     fn take_calls(&self) -> Vec<String> {
         let text = std::fs::read_to_string(self.path("calls")).unwrap_or_default();
         let _ = std::fs::remove_file(self.path("calls"));
+        text.lines().map(str::to_owned).collect()
+    }
+
+    /// Domain `name`'s `<gpus>` metadata, as virsh prints it (`None`: it has none).
+    fn meta(&self, name: &str) -> Option<String> {
+        std::fs::read_to_string(self.path("meta").join(name)).ok()
+    }
+
+    fn set_meta(&self, name: &str, text: &str) {
+        std::fs::write(self.path("meta").join(name), text).expect("metadata");
+    }
+
+    /// The `virsh` calls since the last take.
+    fn take_virsh_calls(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(self.path("virsh-calls")).unwrap_or_default();
+        let _ = std::fs::remove_file(self.path("virsh-calls"));
         text.lines().map(str::to_owned).collect()
     }
 
@@ -251,4 +295,85 @@ fn the_agent_publishes_capacity_without_churn_and_removes_it_at_stop() {
     assert_eq!(node.rc("stop", &socket, ""), 0);
     assert_eq!(node.rc("monitor", &socket, ""), 7);
     assert_eq!(d.endpoint_ids(), ["hand", "libvirt.alive.0"]);
+}
+
+/// Endpoint `id`'s migration token.
+fn token(d: &Daemon, id: &str) -> String {
+    d.client()
+        .get(&format!("/v1/endpoints/{id}"))
+        .expect("endpoint")
+        .body["endpoint"]["migration_token"]
+        .as_str()
+        .expect("a token")
+        .to_owned()
+}
+
+#[test]
+fn the_monitor_publishes_the_running_domains_descriptions_when_they_change() {
+    let d = Daemon::start_with_config(CONFIG);
+    let socket = d.socket();
+    let node = Node::new();
+    prepare(&socket, "vm");
+    let bare = "<gpus pool=\"gpu\" count=\"1\"/>\n";
+    node.set_meta("vm", bare);
+    // `plain` has no <gpus>; `elsewhere` has, without endpoints here.
+    node.set_meta("elsewhere", bare);
+    let running = "vm plain elsewhere";
+    let published =
+        "info domain vm: its switchyard migration descriptions published in its metadata";
+
+    assert_eq!(node.rc("start", &socket, running), 0, "{}", node.log());
+    let meta = node.meta("vm").expect("published");
+    assert!(
+        meta.starts_with("<gpus pool=\"gpu\" count=\"1\"><source index=\"0\">"),
+        "{meta}"
+    );
+    let first = token(&d, "libvirt.vm.0");
+    assert!(meta.contains(&first), "{meta}");
+    assert_eq!(node.meta("elsewhere").as_deref(), Some(bare));
+    assert_eq!(node.meta("plain"), None);
+    assert_eq!(node.log().matches(published).count(), 1, "{}", node.log());
+    let sets = |calls: &[String]| calls.iter().filter(|c| c.contains(" --set ")).count();
+    let calls = node.take_virsh_calls();
+    assert_eq!(sets(&calls), 1, "{calls:?}");
+
+    // Nothing changed: one list and one get per running domain, no set, no log line.
+    assert_eq!(node.rc("monitor", &socket, running), 0, "{}", node.log());
+    let calls = node.take_virsh_calls();
+    assert_eq!(
+        calls,
+        [
+            "-c qemu:///system list --name",
+            "-c qemu:///system metadata vm --uri https://switchyard.dev/xmlns/libvirt/1",
+            "-c qemu:///system metadata plain --uri https://switchyard.dev/xmlns/libvirt/1",
+            "-c qemu:///system metadata elsewhere --uri https://switchyard.dev/xmlns/libvirt/1",
+        ]
+    );
+    assert_eq!(node.meta("vm").as_deref(), Some(meta.as_str()));
+    assert_eq!(node.log().matches(published).count(), 1);
+
+    // The endpoint made again (a new token): the next monitor publishes it.
+    prepare(&socket, "vm");
+    let second = token(&d, "libvirt.vm.0");
+    assert_ne!(first, second);
+    assert_eq!(node.rc("monitor", &socket, running), 0, "{}", node.log());
+    let meta = node.meta("vm").expect("published");
+    assert!(meta.contains(&second) && !meta.contains(&first), "{meta}");
+    assert_eq!(node.log().matches(published).count(), 2);
+
+    // A set that fails, or metadata switchyard cannot read: warnings, the monitor passes.
+    prepare(&socket, "vm");
+    std::fs::write(node.path("meta").join("vm.locked"), "").expect("lock");
+    node.set_meta("elsewhere", "<gpus pool=\"gpu\" count=\"0\"/>");
+    assert_eq!(node.rc("monitor", &socket, running), 0, "{}", node.log());
+    let log = node.log();
+    assert!(
+        log.contains("warn domain vm: cannot set its switchyard metadata: error: operation failed"),
+        "{log}"
+    );
+    assert!(
+        log.contains("warn switchyard cluster metadata elsewhere failed: error: domain elsewhere:"),
+        "{log}"
+    );
+    assert_eq!(node.meta("vm").as_deref(), Some(meta.as_str()));
 }

@@ -1,6 +1,8 @@
-//! A libvirt domain's GPU needs, from its XML's `<metadata>`, and the endpoint ids they
-//! become.
+//! A libvirt domain's GPU needs, from its XML's `<metadata>`, the descriptions of its
+//! endpoints that a live migration's destination needs (`<source>` children), and the
+//! endpoint ids they become.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// The namespace of Switchyard's libvirt metadata.
@@ -19,6 +21,23 @@ pub struct GpuNeeds {
     pub pool: String,
     /// How many devices, 1 to [`MAX_COUNT`].
     pub count: u32,
+}
+
+/// The whole `<gpus>` element: the needs and the sources' descriptions it carries.
+///
+/// ```xml
+/// <sy:gpus xmlns:sy="https://switchyard.dev/xmlns/libvirt/1" pool="gpu" count="2">
+///   <sy:source index="0">{"endpoint":{"id":"libvirt.vm.0",...},"lease":{...}}</sy:source>
+///   <sy:source index="1">...</sy:source>
+/// </sy:gpus>
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gpus {
+    /// What the domain needs.
+    pub needs: GpuNeeds,
+    /// Device index (below `count`) to the description of the endpoint it had on the node
+    /// that published it (`GET /v1/endpoints/libvirt.<DOMAIN>.<I>`, a JSON object).
+    pub sources: BTreeMap<u32, serde_json::Value>,
 }
 
 /// Why a domain's XML or name cannot be used.
@@ -44,6 +63,18 @@ pub enum MetaError {
     BadCount(String),
     /// The domain's name makes an invalid endpoint id.
     BadDomainName(String),
+    /// Text directly in `<gpus>` (only `<source>` elements go there).
+    Text,
+    /// An attribute `source` does not have.
+    UnknownSourceAttribute(String),
+    /// A `<source>` whose `index` is missing, not a number or not below `count`.
+    BadSourceIndex(String),
+    /// Two `<source>` elements of one index.
+    DuplicateSource(u32),
+    /// A `<source>` whose text is not a JSON object.
+    BadSource(u32, String),
+    /// A standalone element that is not `<gpus>` (of [`NAMESPACE`] or of none).
+    NotGpus(String),
 }
 
 impl fmt::Display for MetaError {
@@ -59,7 +90,8 @@ impl fmt::Display for MetaError {
             ),
             MetaError::UnknownElement(name) => write!(
                 f,
-                "The metadata has an unknown element <{name}> of {NAMESPACE} (only <gpus>)"
+                "The metadata has an unknown element <{name}> of {NAMESPACE} (only <gpus> \
+                 and its <source> children)"
             ),
             MetaError::UnknownAttribute(name) => write!(
                 f,
@@ -80,6 +112,27 @@ impl fmt::Display for MetaError {
                 "The domain's name makes the endpoint id {id:?}, which is not an id \
                  (1-64 characters of A-Za-z0-9_.-)"
             ),
+            MetaError::Text => write!(f, "<gpus> holds text (only <source> elements)"),
+            MetaError::UnknownSourceAttribute(name) => write!(
+                f,
+                "<source> has an unknown attribute `{name}` (only `index`)"
+            ),
+            MetaError::BadSourceIndex(i) => write!(
+                f,
+                "<source> has index {i:?}; it must be a device's number, from 0 to count - 1"
+            ),
+            MetaError::DuplicateSource(i) => {
+                write!(f, "<gpus> has more than one <source> of index {i}")
+            }
+            MetaError::BadSource(i, e) => write!(
+                f,
+                "<source index=\"{i}\"> does not hold an endpoint's description (a JSON \
+                 object): {e}"
+            ),
+            MetaError::NotGpus(name) => write!(
+                f,
+                "The element is <{name}>, not <gpus> of {NAMESPACE} (or of no namespace)"
+            ),
         }
     }
 }
@@ -89,7 +142,13 @@ impl std::error::Error for MetaError {}
 /// The GPU needs of the domain whose XML is `xml`: `None` when its `<metadata>` has no
 /// `gpus` element of [`NAMESPACE`] (whatever its prefix).
 pub fn gpu_needs(xml: &str) -> Result<Option<GpuNeeds>, MetaError> {
-    let doc = roxmltree::Document::parse(xml).map_err(|e| MetaError::Xml(e.to_string()))?;
+    Ok(gpus(xml)?.map(|g| g.needs))
+}
+
+/// The `<gpus>` element of the domain whose XML is `xml`, with its `<source>` children:
+/// `None` when its `<metadata>` has none (of [`NAMESPACE`], whatever its prefix).
+pub fn gpus(xml: &str) -> Result<Option<Gpus>, MetaError> {
+    let doc = parse(xml)?;
     let root = doc.root_element();
     if root.tag_name().namespace().is_some() || root.tag_name().name() != "domain" {
         return Err(MetaError::NotDomain(root.tag_name().name().to_owned()));
@@ -111,9 +170,32 @@ pub fn gpu_needs(xml: &str) -> Result<Option<GpuNeeds>, MetaError> {
         }
         found = Some(element);
     }
-    let Some(gpus) = found else {
+    found.map(element_gpus).transpose()
+}
+
+/// The standalone `<gpus>` element `text`, as `virsh metadata DOMAIN --uri NAMESPACE`
+/// prints it (libvirt strips the namespace: of none, or of [`NAMESPACE`] with any prefix);
+/// `None` for empty text (the domain has none).
+pub fn gpus_element(text: &str) -> Result<Option<Gpus>, MetaError> {
+    if text.trim().is_empty() {
         return Ok(None);
-    };
+    }
+    let doc = parse(text)?;
+    let root = doc.root_element();
+    if !matches!(root.tag_name().namespace(), None | Some(NAMESPACE))
+        || root.tag_name().name() != "gpus"
+    {
+        return Err(MetaError::NotGpus(root.tag_name().name().to_owned()));
+    }
+    element_gpus(root).map(Some)
+}
+
+fn parse(xml: &str) -> Result<roxmltree::Document<'_>, MetaError> {
+    roxmltree::Document::parse(xml).map_err(|e| MetaError::Xml(e.to_string()))
+}
+
+/// A `<gpus>` element's attributes and `<source>` children (of its own namespace).
+fn element_gpus(gpus: roxmltree::Node<'_, '_>) -> Result<Gpus, MetaError> {
     for a in gpus.attributes() {
         if a.namespace().is_some() || !matches!(a.name(), "pool" | "count") {
             return Err(MetaError::UnknownAttribute(a.name().to_owned()));
@@ -124,15 +206,63 @@ pub fn gpu_needs(xml: &str) -> Result<Option<GpuNeeds>, MetaError> {
         return Err(MetaError::BadPool(pool.to_owned()));
     }
     let count = gpus.attribute("count").ok_or(MetaError::MissingCount)?;
-    let n = (!count.is_empty() && count.bytes().all(|b| b.is_ascii_digit()))
-        .then(|| count.parse::<u32>().ok())
-        .flatten()
+    let n = number(count)
         .filter(|n| (1..=MAX_COUNT).contains(n))
         .ok_or_else(|| MetaError::BadCount(count.to_owned()))?;
-    Ok(Some(GpuNeeds {
-        pool: pool.to_owned(),
-        count: n,
-    }))
+    let mut sources = BTreeMap::new();
+    for child in gpus.children() {
+        if child.is_text() {
+            if child.text().is_some_and(|t| !t.trim().is_empty()) {
+                return Err(MetaError::Text);
+            }
+            continue;
+        }
+        if !child.is_element() {
+            continue;
+        }
+        if child.tag_name().namespace() != gpus.tag_name().namespace()
+            || child.tag_name().name() != "source"
+        {
+            return Err(MetaError::UnknownElement(
+                child.tag_name().name().to_owned(),
+            ));
+        }
+        for a in child.attributes() {
+            if a.namespace().is_some() || a.name() != "index" {
+                return Err(MetaError::UnknownSourceAttribute(a.name().to_owned()));
+            }
+        }
+        let index = child.attribute("index").unwrap_or_default();
+        let i = number(index)
+            .filter(|i| *i < n)
+            .ok_or_else(|| MetaError::BadSourceIndex(index.to_owned()))?;
+        if child.children().any(|c| c.is_element()) {
+            return Err(MetaError::BadSource(i, "it holds elements".into()));
+        }
+        let text: String = child.children().filter_map(|c| c.text()).collect();
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| MetaError::BadSource(i, e.to_string()))?;
+        if !json.is_object() {
+            return Err(MetaError::BadSource(i, "not an object".into()));
+        }
+        if sources.insert(i, json).is_some() {
+            return Err(MetaError::DuplicateSource(i));
+        }
+    }
+    Ok(Gpus {
+        needs: GpuNeeds {
+            pool: pool.to_owned(),
+            count: n,
+        },
+        sources,
+    })
+}
+
+/// A decimal number of ASCII digits only (no sign, no spaces).
+fn number(text: &str) -> Option<u32> {
+    (!text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| text.parse::<u32>().ok())
+        .flatten()
 }
 
 /// The id of the domain's `index`th endpoint: `libvirt.<DOMAIN>.<index>`.
@@ -387,5 +517,98 @@ mod tests {
         );
         let all = vec!["up".to_owned(), "down".to_owned(), "up.b".to_owned()];
         assert_eq!(stale(ids, &all), Vec::<&str>::new());
+    }
+
+    const SY: &str = r#"xmlns:sy="https://switchyard.dev/xmlns/libvirt/1""#;
+
+    #[test]
+    fn sources_are_read_by_index_in_the_elements_namespace() {
+        let xml = domain(&format!(
+            r#"<sy:gpus {SY} pool="gpu" count="3">
+                 <sy:source index="2">{{"endpoint":{{"id":"libvirt.vm1.2"}}}}</sy:source>
+                 <sy:source index="0"> {{"endpoint":{{"id":"a&amp;b"}},"lease":null}} </sy:source>
+               </sy:gpus>"#
+        ));
+        let g = gpus(&xml).expect("parses").expect("an element");
+        assert_eq!(g.needs, needs("gpu", 3).expect("needs"));
+        assert_eq!(g.sources.keys().copied().collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(g.sources[&0]["endpoint"]["id"], "a&b");
+        assert_eq!(g.sources[&2]["endpoint"]["id"], "libvirt.vm1.2");
+        // The needs alone, as before.
+        assert_eq!(gpu_needs(&xml), Ok(needs("gpu", 3)));
+        // Standalone, as `virsh metadata --uri` prints it: no namespace, or ours.
+        let bare = r#"<gpus pool="gpu" count="1"><source index="0">{}</source></gpus>"#;
+        let g = gpus_element(bare).expect("parses").expect("an element");
+        assert_eq!((g.needs.count, g.sources.len()), (1, 1));
+        assert_eq!(gpus_element(" \n"), Ok(None));
+        assert_eq!(
+            gpus_element(&format!(r#"<sy:gpus {SY} pool="p" count="2"/>"#))
+                .map(|g| g.map(|g| g.sources.len())),
+            Ok(Some(0))
+        );
+    }
+
+    #[test]
+    fn anything_else_in_gpus_is_refused() {
+        let el = |children: &str| {
+            domain(&format!(
+                r#"<sy:gpus {SY} pool="gpu" count="2">{children}</sy:gpus>"#
+            ))
+        };
+        let src = |attrs: &str, text: &str| format!("<sy:source {attrs}>{text}</sy:source>");
+        for (children, want) in [
+            (
+                src(r#"index="2""#, "{}"),
+                MetaError::BadSourceIndex("2".into()),
+            ),
+            (
+                src(r#"index="-1""#, "{}"),
+                MetaError::BadSourceIndex("-1".into()),
+            ),
+            (
+                src(r#"index=" 1""#, "{}"),
+                MetaError::BadSourceIndex(" 1".into()),
+            ),
+            (src("", "{}"), MetaError::BadSourceIndex(String::new())),
+            (
+                src(r#"index="0" token="x""#, "{}"),
+                MetaError::UnknownSourceAttribute("token".into()),
+            ),
+            (
+                src(r#"index="0""#, "{}") + &src(r#"index="0""#, "{}"),
+                MetaError::DuplicateSource(0),
+            ),
+            (
+                src(r#"index="1""#, "[1]"),
+                MetaError::BadSource(1, "not an object".into()),
+            ),
+            (
+                src(r#"index="1""#, "<sy:x/>"),
+                MetaError::BadSource(1, "it holds elements".into()),
+            ),
+            (
+                r#"<sy:sources index="0">{}</sy:sources>"#.to_owned(),
+                MetaError::UnknownElement("sources".into()),
+            ),
+            // A `source` of no namespace inside ours is not ours: refused, not skipped.
+            (
+                r#"<source index="0">{}</source>"#.to_owned(),
+                MetaError::UnknownElement("source".into()),
+            ),
+            ("text".to_owned(), MetaError::Text),
+        ] {
+            assert_eq!(gpus(&el(&children)), Err(want), "{children}");
+        }
+        let bad_json = gpus(&el(&src(r#"index="0""#, "{not json"))).expect_err("not JSON");
+        assert!(matches!(bad_json, MetaError::BadSource(0, _)), "{bad_json}");
+        assert_eq!(
+            gpus_element(r#"<source index="0">{}</source>"#),
+            Err(MetaError::NotGpus("source".into()))
+        );
+        assert_eq!(
+            gpus_element(r#"<x:gpus xmlns:x="urn:other" pool="p" count="1"/>"#),
+            Err(MetaError::NotGpus("gpus".into()))
+        );
+        assert!(matches!(gpus_element("<gpus"), Err(MetaError::Xml(_))));
     }
 }

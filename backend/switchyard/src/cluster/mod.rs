@@ -18,9 +18,17 @@
 //!   from the pool, all or none (a failure fails the VM's start with the daemon's error); at
 //!   `release` it deletes every `libvirt.<DOMAIN>.<digits>` endpoint there is, whatever the
 //!   metadata says now (an unreachable daemon is a warning: the resource agent reconciles).
-//!   Every other operation does nothing and prints nothing (libvirt takes a `migrate` or
-//!   `restore` hook's standard output as a new XML). It never calls libvirt (a hook that does
+//!   At `migrate` (a live migration's destination, before its `prepare`) it makes them as
+//!   incoming endpoints from the sources' descriptions in the metadata, all or none, and
+//!   prints the XML with this node's socket paths if they differ (libvirt takes a `migrate`
+//!   hook's standard output as the new XML); `prepare` then keeps them. Every other
+//!   operation does nothing and prints nothing. It never calls libvirt (a hook that does
 //!   deadlocks libvirtd).
+//! - `cluster metadata DOMAIN` prints the domain's `<gpus>` element with a `<source
+//!   index="I">` per device (the JSON description of `libvirt.<DOMAIN>.<I>` here, with its
+//!   migration token) when what is published differs; the resource agent's monitor sets it
+//!   on each running domain (`virsh metadata --set --live`), so the XML a migration sends
+//!   carries what the destination needs.
 //! - `cluster capacity` prints each pool's capacity for the cluster (see
 //!   [`capacity::capacity`]: healthy devices less what endpoints outside the cluster take;
 //!   Pacemaker subtracts its own VMs' GPUs), `--attributes` as the node utilization
@@ -28,10 +36,12 @@
 //! - `cluster release-stale --running DOMAIN...` deletes the endpoints of domains that are
 //!   not running (the resource agent passes `virsh list --name`, at its start).
 //!
-//! The OCF resource agent `ocf:switchyard:pool` (`debian/ocf/pool`) runs the last two.
+//! The OCF resource agent `ocf:switchyard:pool` (`debian/ocf/pool`) runs the last three.
 
 mod capacity;
 mod meta;
+mod migrate;
+mod publish;
 
 use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
@@ -66,8 +76,13 @@ enum ClusterCommand {
     /// `prepare` creates the endpoints libvirt.DOMAIN.I (I from 0) that the domain's
     /// metadata asks for (`<gpus xmlns="https://switchyard.dev/xmlns/libvirt/1"
     /// pool="POOL" count="N"/>`, N from 1 to 16), all or none, after deleting any left from
-    /// before; no such element: nothing. `release` deletes them (an unreachable daemon is a warning).
-    /// Other operations do nothing. Nothing is printed on standard output.
+    /// before; no such element: nothing; all of them there already as incoming endpoints
+    /// (a migration's destination): they stay. `migrate` (on a live migration's
+    /// destination, before `prepare`) makes them as incoming endpoints from the sources'
+    /// descriptions in the metadata (`<source index="I">`, see `cluster metadata`), all or
+    /// none, and prints the XML with this node's socket paths when they differ from the
+    /// XML's (nothing otherwise). `release` deletes them (an unreachable daemon is a
+    /// warning). Other operations do nothing. Nothing else is printed on standard output.
     Hook {
         /// The domain's name.
         domain: String,
@@ -93,6 +108,20 @@ enum ClusterCommand {
         #[arg(long, conflicts_with = "json")]
         attributes: bool,
     },
+    /// The domain's `<gpus>` metadata with this node's endpoints' descriptions, when it changed.
+    ///
+    /// Reads the domain's current element on standard input (what `virsh metadata DOMAIN
+    /// --uri https://switchyard.dev/xmlns/libvirt/1` prints; empty when it has none) and
+    /// prints the element to set (`virsh metadata DOMAIN --uri ... --key sy --set "$OUT"
+    /// --live`): its pool and count, and per device I a `<source index="I">` holding the
+    /// JSON description of endpoint libvirt.DOMAIN.I here, with its migration token; a live
+    /// migration's destination makes its incoming endpoints from them. Prints nothing when
+    /// the ids and tokens published are those of now, when the domain has no `<gpus>`, or
+    /// when not all of its endpoints are here and serving (an incoming migration).
+    Metadata {
+        /// The domain's name.
+        domain: String,
+    },
     /// Delete the endpoints libvirt.DOMAIN.I of every domain not among the running ones.
     ///
     /// Prints `endpoint ID deleted` for each; one already gone is no error. Ids that start
@@ -114,6 +143,15 @@ pub fn run(args: ClusterArgs) -> anyhow::Result<()> {
         ClusterCommand::Hook {
             domain, operation, ..
         } => hook(socket, &domain, &operation),
+        ClusterCommand::Metadata { domain } => {
+            let current = read_stdin().with_context(|| format!("domain {domain}"))?;
+            if let Some(element) = migrate::metadata(socket, &domain, &current)
+                .with_context(|| format!("domain {domain}"))?
+            {
+                println!("{element}");
+            }
+            Ok(())
+        }
         ClusterCommand::Capacity { json, attributes } => {
             let client = connect(socket)?;
             let pools: Vec<PoolView> = client.get("/v1/pools")?.json()?;
@@ -195,19 +233,36 @@ fn delete(client: &ControlClient, id: &str) -> Result<bool, ControlError> {
     }
 }
 
-/// libvirt's hook for `domain`'s `operation`. Prints nothing on standard output.
+/// Standard input, unless it is a terminal (then nothing).
+fn read_stdin() -> anyhow::Result<String> {
+    let mut text = String::new();
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        stdin
+            .lock()
+            .read_to_string(&mut text)
+            .context("cannot read standard input")?;
+    }
+    Ok(text)
+}
+
+/// libvirt's hook for `domain`'s `operation`. Prints nothing on standard output, but at
+/// `migrate` the domain XML with this node's socket paths, when they are not those of the
+/// XML libvirt gave.
 fn hook(socket: &Path, domain: &str, operation: &str) -> anyhow::Result<()> {
     match operation {
         "prepare" => {
-            let mut xml = String::new();
-            let stdin = std::io::stdin();
-            if !stdin.is_terminal() {
-                stdin
-                    .lock()
-                    .read_to_string(&mut xml)
-                    .with_context(|| format!("domain {domain}: cannot read its XML"))?;
-            }
+            let xml = read_stdin().with_context(|| format!("domain {domain}: its XML"))?;
             prepare(socket, domain, &xml).with_context(|| format!("domain {domain}"))
+        }
+        "migrate" => {
+            let xml = read_stdin().with_context(|| format!("domain {domain}: its XML"))?;
+            if let Some(xml) = migrate::migrate(socket, domain, &xml)
+                .with_context(|| format!("domain {domain}"))?
+            {
+                print!("{xml}");
+            }
+            Ok(())
         }
         "release" => match release(socket, domain) {
             Err(e) if unreachable(&e) => {
@@ -230,10 +285,20 @@ fn prepare(socket: &Path, domain: &str, xml: &str) -> anyhow::Result<()> {
     };
     let ids = meta::endpoint_ids(domain, needs.count)?;
     let client = connect(socket)?;
+    let existing: Vec<EndpointStatus> = client.get("/v1/endpoints")?.json()?;
+    let incoming = migrate::all_incoming(&existing, &ids);
     // A VM that is starting has no endpoints: these are stale (a release that never ran).
-    let existing = endpoint_ids(&client)?;
-    for id in meta::endpoints_of(existing.iter().map(String::as_str), domain) {
+    // A VM migrating here has its incoming endpoints (the migrate hook made them): they
+    // stay, the others go.
+    let existing: Vec<&str> = existing.iter().map(|e| e.endpoint.id.as_str()).collect();
+    for id in meta::endpoints_of(existing, domain) {
+        if incoming && ids.iter().any(|i| i == id) {
+            continue;
+        }
         delete(&client, id).with_context(|| format!("cannot delete stale endpoint {id}"))?;
+    }
+    if incoming {
+        return Ok(());
     }
     for (i, id) in ids.iter().enumerate() {
         let spec = EndpointSpec {
