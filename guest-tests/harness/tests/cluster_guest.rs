@@ -136,7 +136,12 @@ fn live_migrate(rig: &Rig, vm: &Vm, from: &str, to: &str) -> (Duration, String) 
     let downtime = info
         .lines()
         .find(|l| l.starts_with("Total downtime:"))
-        .map(|l| l["Total downtime:".len()..].trim().to_owned())
+        .map(|l| {
+            l["Total downtime:".len()..]
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
         .unwrap_or_else(|| format!("unknown ({})", info.trim()));
     (took, downtime)
 }
