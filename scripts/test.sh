@@ -117,7 +117,9 @@ step "libvirt and the cluster packages for the libvirt and cluster guest tests (
 # under CI they must run.
 LIBVIRT_TESTS=(libvirt_runs_the_driver_workload_across_a_worker_restart
                cluster_places_vms_by_their_gpu_needs
-               cluster_restarts_the_vm_of_a_failed_node_on_a_survivor)
+               cluster_restarts_the_vm_of_a_failed_node_on_a_survivor
+               cluster_live_migrates_a_soaking_vm_there_and_back
+               cluster_standby_live_migrates_the_nodes_vm_away)
 LIBVIRT_NOT_RUN=""
 if [ "$(id -u)" = 0 ]; then
   scripts/install-libvirt.sh --cluster
