@@ -2,11 +2,14 @@
 //! descriptor making up the guest's view of its device.
 //!
 //! - [`supervisor`]: per endpoint, the listening socket, the worker process, and the held
-//!   descriptors (client connection, DMA memory fds, interrupt eventfds, the VRAM and doorbell
-//!   page memfds, the black box the worker created); a dead worker is replaced and resumes the
+//!   descriptors (client connection, DMA memory fds, interrupt eventfds, the memory objects
+//!   the device's kind names, such as a softgpu's or a `cuda` board's VRAM and doorbell page
+//!   memfds, the black box the worker created); a dead worker is replaced and resumes the
 //!   connection.
-//! - [`worker`]: `switchyard worker`, the process that serves one endpoint (a softgpu, or a
-//!   passthrough device over `switchyard-vfio`).
+//! - [`worker`]: `switchyard worker`, the process that serves one endpoint: a device of any
+//!   kind the binary registers (`switchyard_kinds::KINDS`: the softgpu, the `cuda` board, the
+//!   scratchpad, a passthrough device over `switchyard-vfio`), known to the worker only
+//!   through its `DeviceKind`.
 //! - [`custody`]: the channel between them.
 //! - [`lifecycle`]: what happens to a worker ([`WorkerLifecycle`]), one type from the
 //!   worker's note through the supervisor and the daemon to the events stream.

@@ -3,8 +3,9 @@
 //! Every device implements the core, [`PciDevice`] (regions, configuration, interrupt layout,
 //! reset). Everything else is an optional group the device hands out when it has it (the way
 //! vhost-user backends and libvfio-user's per-feature callbacks are built), so the server can
-//! hold any device as a `Box<dyn PciDevice>` — a softgpu now, a passthrough device later — and
-//! a swap can even cross kinds when the shapes match:
+//! hold any device as a `Box<dyn PciDevice>` (a softgpu, a `cuda` board, the scratchpad, a
+//! passthrough device: every kind of `switchyard_kinds::KINDS`), and a swap can even cross
+//! kinds when the shapes match (a softgpu and a `cuda` board present the same device):
 //!
 //! | group | what the server does with it |
 //! |---|---|

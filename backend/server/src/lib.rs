@@ -5,7 +5,12 @@
 //! ([`Interrupts`]). It serves one client at a time on a dedicated thread that blocks on the
 //! socket (optionally spinning for a bounded time first), decodes each message with the sans-IO
 //! codec in `switchyard-proto`, dispatches it, and writes the reply from a reused buffer: no
-//! async runtime and no allocation per message on the data path.
+//! async runtime. Region accesses (REGION_READ/REGION_WRITE, a running guest's messages) and
+//! their replies allocate nothing; what does allocate per message: the descriptors a message
+//! carries (a `Vec` of them and of their custody ids: DMA_MAP, DEVICE_SET_IRQS), the sparse
+//! areas of DEVICE_GET_REGION_INFO, and each reply of the client to a DMA_READ/DMA_WRITE the
+//! server sent (its body copied out of the receive buffer: the slow path of guest RAM the
+//! server cannot map).
 //!
 //! Malformed requests get an error reply with a real errno and the connection keeps going;
 //! only a header that makes the stream impossible to frame ends the connection. When the client

@@ -4,7 +4,7 @@
 //! the source QEMU in host A's namespace migrating over TCP to the destination QEMU in host
 //! B's (`-incoming tcp:ADDR:PORT`), the guest's driver soaking the device throughout.
 //!
-//! The destination's endpoint is made the two-host way of the README: `ctl endpoint vm1
+//! The destination's endpoint is made the two-host way of docs/migration.md: `ctl endpoint vm1
 //! --json` on host A, the file copied, `ctl create vm1-in --incoming-spec FILE` on host B.
 //! What is checked: the migration completes, the soak is bit-exact on the destination, host
 //! B's daemon commits (its endpoint keeps its lease), and host A's daemon, which has no link

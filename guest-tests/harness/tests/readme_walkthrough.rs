@@ -1,9 +1,9 @@
-//! The README's pool walkthrough ("Pool daemon", "A walkthrough"), run as written: the
-//! blocks marked `<!-- walkthrough -->` are taken from README.md, so the README cannot drift
-//! from what works, and run with `bash -euo pipefail` against a real `switchyard daemon` and a
-//! real QEMU guest (`scripts/boot-guest.sh`). Nothing in their text is replaced: the test sets
-//! only what the README names (`SY_DIR`, `switchyard` on `PATH`) and what boot-guest.sh
-//! documents (`SYGPU_DRIVER`).
+//! The pool walkthrough (docs/pool.md, "A walkthrough"; README.md links to it), run as
+//! written: the blocks marked `<!-- walkthrough -->` are taken from docs/pool.md, so the
+//! document cannot drift from what works, and run with `bash -euo pipefail` against a real
+//! `switchyard daemon` and a real QEMU guest (`scripts/boot-guest.sh`). Nothing in their text
+//! is replaced: the test sets only what the document names (`SY_DIR`, `switchyard` on `PATH`)
+//! and what boot-guest.sh documents (`SYGPU_DRIVER`).
 //!
 //! The run is `#[ignore]`d (a plain `cargo test` lists it as ignored, never as passed);
 //! `scripts/test.sh` runs it: `cargo test -p switchyard-guest-tests -- --include-ignored`.
@@ -20,7 +20,7 @@ use switchyard_guest_tests::{assert_full_workload, assert_guest_tests_ignored, w
 /// The line that marks a walkthrough block (a ```` ```sh ```` fence on the next line).
 const MARKER: &str = "<!-- walkthrough -->";
 
-/// The README's walkthrough: the `sh` blocks right after a [`MARKER`] line, in order.
+/// The walkthrough: the `sh` blocks right after a [`MARKER`] line, in order.
 fn walkthrough_blocks(readme: &str) -> Vec<String> {
     let mut blocks = Vec::new();
     let mut lines = readme.lines();
@@ -47,24 +47,25 @@ fn walkthrough_blocks(readme: &str) -> Vec<String> {
     blocks
 }
 
+/// docs/pool.md, where the walkthrough lives.
 fn readme() -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/pool.md");
     fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The walkthrough's blocks are in the README's "Pool daemon" section, cover what the pool
+/// The walkthrough's blocks are in docs/pool.md's "A walkthrough" section, cover what the pool
 /// daemon offers, keep to `$SY_DIR`, end (no endless `--follow`), and are valid bash.
 fn check_walkthrough(readme: &str) -> String {
     let section = readme
         .split("\n## ")
-        .find(|s| s.starts_with("Pool daemon\n"))
-        .expect("the README has a \"Pool daemon\" section");
+        .find(|s| s.starts_with("A walkthrough\n"))
+        .expect("docs/pool.md has an \"A walkthrough\" section");
     let blocks = walkthrough_blocks(readme);
-    assert!(!blocks.is_empty(), "no {MARKER} block in the README");
+    assert!(!blocks.is_empty(), "no {MARKER} block in docs/pool.md");
     assert_eq!(
         walkthrough_blocks(section).len(),
         blocks.len(),
-        "every walkthrough block is in the \"Pool daemon\" section"
+        "every walkthrough block is in the \"A walkthrough\" section"
     );
     let script = blocks.concat();
     // The commands, without comments (a `#` after whitespace; `$#` and `"#"` do not occur).
@@ -136,7 +137,7 @@ fn check_walkthrough(readme: &str) -> String {
     script
 }
 
-/// Checks the README's walkthrough (no guest is booted for that) and that its run, the one
+/// Checks the walkthrough in docs/pool.md (no guest is booted for that) and that its run, the one
 /// other test here, is `#[ignore]`d so that a plain `cargo test` lists it as ignored.
 #[test]
 fn the_walkthrough_is_in_the_readme_and_its_run_is_ignored() {
@@ -227,7 +228,7 @@ fn line_starting<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
         .find(|l| l.starts_with(prefix))
 }
 
-/// The README's walkthrough runs as written: the pool daemon with trapped-VRAM and
+/// The walkthrough of docs/pool.md runs as written: the pool daemon with trapped-VRAM and
 /// mapped-VRAM boards, an endpoint, a QEMU guest on it (boot-guest.sh, root port, QMP) whose
 /// in-guest driver runs its full workload three times. Round 1 runs while the device moves
 /// between boards (a move, a drain) and its worker is killed (restart) and replaced by the
@@ -241,7 +242,7 @@ fn line_starting<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
 fn the_readme_pool_walkthrough_runs_as_written() {
     let script = check_walkthrough(&readme());
     with_logs("readme-walkthrough", |env, dir| {
-        // `switchyard` on PATH, as the README asks (here: the binary under test).
+        // `switchyard` on PATH, as docs/pool.md asks (here: the binary under test).
         let bin = dir.join("bin");
         fs::create_dir_all(&bin).expect("mkdir bin");
         std::os::unix::fs::symlink(&env.switchyard, bin.join("switchyard")).expect("symlink");
@@ -254,7 +255,7 @@ fn the_readme_pool_walkthrough_runs_as_written() {
         fs::write(
             &file,
             format!(
-                "# The README's walkthrough blocks (guest-tests/harness/tests/readme_walkthrough.rs)\n\
+                "# The walkthrough of docs/pool.md (guest-tests/harness/tests/readme_walkthrough.rs)\n\
                  trap 'echo \"walkthrough.sh: exit $?: $BASH_COMMAND (line $LINENO${{FUNCNAME:+ of \
                  ${{FUNCNAME[0]}}, called at line ${{BASH_LINENO[0]}}}})\" >&2' ERR\n\
                  {script}"

@@ -484,7 +484,7 @@ fn in_guest_vfio_driver_does_not_notice_the_device_being_swapped() {
 fn pcie_hotplug_add_run_remove_add_run() {
     with_logs("hotplug", |env, dir| {
         // MSI, not MSI-X: QEMU 11.1's vfio-user-pci aborts on device_del of a device with MSI-X
-        // (it tears down the PBA region after QOM already has; see README).
+        // (it tears down the PBA region after QOM already has; see docs/serve.md).
         let server = Server::start(env, dir, "softgpu,irq=msi").expect("server");
         let (mut guest, qmp_path) = boot_for_hotplug(env, dir, "hotplug", &["1234:5347", "2"]);
         let mut qmp = qmp_client(&qmp_path);

@@ -7,7 +7,7 @@
 //!   `--api-socket` unix socket (hand-written HTTP/1.1 over std I/O), with
 //!   vfio-user hot-plug (`vm.add-user-device`) and removal (`vm.remove-device`).
 //!
-//! What cloud-hypervisor's vfio-user client does (see also the README, "Pointing
+//! What cloud-hypervisor's vfio-user client does (see also docs/serve.md, "Pointing
 //! a VMM at the socket"): it needs `--memory …,shared=on` to DMA-map guest RAM
 //! into the server, never services `DMA_READ`/`DMA_WRITE`, does not detect a
 //! server disconnect, and refuses a socket that another device already uses.

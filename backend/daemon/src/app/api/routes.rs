@@ -525,7 +525,7 @@ async fn drain_board(
 /// `POST /v1/boards/{id}/fault`.
 #[utoipa::path(post, path = "/v1/boards/{id}/fault", tag = TAG, operation_id = "inject_fault",
     summary = "Simulate a failure of the board under its running devices (tests and drills; the daemon needs --faults)",
-    description = "The board's leased devices simulate the fault `kind`, which they then detect and         report as a real one: the board fails (`board_failed`) and its endpoints fail over as their         pools' `failover` policies say.",
+    description = "The board's leased devices simulate the fault `kind`, which they then detect and report as a real one: the board fails (`board_failed`) and its endpoints fail over as their pools' `failover` policies say.",
     params(("id" = String, Path, description = "The board's id")),
     request_body = FaultRequest,
     responses(
