@@ -202,7 +202,7 @@ trap 'rm -f "$guest_out"' EXIT
 # Every guest test binary runs even after one fails (--no-fail-fast); the failures are listed
 # at the end.
 guest_rc=0
-bounded 50 "the guest tests" \
+bounded 65 "the guest tests" \
   cargo test --no-fail-fast --locked -p switchyard-guest-tests -- --test-threads=1 \
   --include-ignored "${SKIP[@]}" 2>&1 | tee "$guest_out" || guest_rc=$?
 if [ "$guest_rc" != 0 ]; then
