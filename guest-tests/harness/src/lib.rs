@@ -34,6 +34,8 @@ mod server;
 mod watchdog;
 
 pub use boot::{BOOT_ATTEMPTS, BootState, boot_state};
+// Template helpers of the libvirt and cluster domain XMLs.
+pub use cluster::{placeholders_in, xml_escape};
 pub use env::{GuestEnv, NestedBinaries, needs_cloud_hypervisor};
 pub use error::{HarnessError, Result};
 pub use guest::{Guest, GuestOutput, GuestSpec};

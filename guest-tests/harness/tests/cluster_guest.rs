@@ -87,6 +87,45 @@ fn assert_soak(console: &str) -> serde_json::Value {
     s
 }
 
+/// A 3-node rig with one board per node, configured (fencing, placement by utilization, the
+/// pool agent on every node), each node's capacity published.
+fn configured_rig(env: &GuestEnv, dir: &Path) -> Rig {
+    let rig = Rig::up(env, dir, &[1, 1, 1]);
+    rig.configure_switchyard();
+    for node in rig.nodes() {
+        wait_capacity(&rig, node, "1");
+    }
+    rig
+}
+
+/// A node of the rig other than `node`.
+fn another(rig: &Rig, node: &str) -> String {
+    rig.nodes()
+        .iter()
+        .find(|n| *n != node)
+        .expect("another node")
+        .clone()
+}
+
+/// [`configured_rig`] with the soaking VM `vm1` running and its soak started: the rig, the
+/// VM and its node.
+fn start_soaking(env: &GuestEnv, dir: &Path) -> (Rig, Vm, String) {
+    let initrd = env.initramfs().expect("initramfs");
+    let rig = configured_rig(env, dir);
+    let n1 = rig.nodes()[0].clone();
+    let vm = soaking_vm(env, "vm1");
+    rig.add_vm(env, &initrd, &n1, &vm);
+    let first = rig.wait_running(&n1, "vm1", Duration::from_secs(120));
+    wait_console(
+        &rig,
+        &first,
+        &vm,
+        "SYGPU: soak start",
+        Duration::from_secs(240),
+    );
+    (rig, vm, first)
+}
+
 /// Waits until `node`'s pool agent published the migration description of `vm`'s endpoint
 /// there into the domain's metadata (its migration token is in it).
 fn wait_published(rig: &Rig, node: &str, vm: &Vm) {
@@ -370,12 +409,8 @@ fn cluster_places_vms_by_their_gpu_needs() {
 fn cluster_restarts_the_vm_of_a_failed_node_on_a_survivor() {
     with_logs_within("cluster-failure", Duration::from_secs(600), |env, dir| {
         let initrd = env.initramfs().expect("initramfs");
-        let rig = Rig::up(env, dir, &[1, 1, 1]);
+        let rig = configured_rig(env, dir);
         let n1 = rig.nodes()[0].clone();
-        rig.configure_switchyard();
-        for node in rig.nodes() {
-            wait_capacity(&rig, node, "1");
-        }
         let vm = workload_vm("vm1");
         let t = Instant::now();
         rig.add_vm(env, &initrd, &n1, &vm);
@@ -391,12 +426,7 @@ fn cluster_restarts_the_vm_of_a_failed_node_on_a_survivor() {
         assert_eq!(rig.endpoints(&first), ["libvirt.vm1.0"]);
 
         // Crash the VM's node mid-workload.
-        let via = rig
-            .nodes()
-            .iter()
-            .find(|n| **n != first)
-            .expect("a survivor")
-            .clone();
+        let via = another(&rig, &first);
         let killed = Instant::now();
         rig.ok(&["kill", &first]);
         let second = wait_until(Duration::from_secs(120), "vm1 to run on a survivor", || {
@@ -484,29 +514,8 @@ fn cluster_restarts_the_vm_of_a_failed_node_on_a_survivor() {
 #[ignore = "boots a Pacemaker cluster and QEMU guests: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn cluster_live_migrates_a_soaking_vm_there_and_back() {
     with_logs_within("cluster-migrate", Duration::from_secs(600), |env, dir| {
-        let initrd = env.initramfs().expect("initramfs");
-        let rig = Rig::up(env, dir, &[1, 1, 1]);
-        let n1 = rig.nodes()[0].clone();
-        rig.configure_switchyard();
-        for node in rig.nodes() {
-            wait_capacity(&rig, node, "1");
-        }
-        let vm = soaking_vm(env, "vm1");
-        rig.add_vm(env, &initrd, &n1, &vm);
-        let first = rig.wait_running(&n1, "vm1", Duration::from_secs(120));
-        wait_console(
-            &rig,
-            &first,
-            &vm,
-            "SYGPU: soak start",
-            Duration::from_secs(240),
-        );
-        let other = rig
-            .nodes()
-            .iter()
-            .find(|n| **n != first)
-            .expect("another node")
-            .clone();
+        let (rig, vm, first) = start_soaking(env, dir);
+        let other = another(&rig, &first);
 
         let (there, there_down) = live_migrate(&rig, &vm, &first, &other);
         let (back, back_down) = live_migrate(&rig, &vm, &other, &first);
@@ -548,30 +557,9 @@ fn cluster_live_migrates_a_soaking_vm_there_and_back() {
 #[ignore = "boots a Pacemaker cluster and QEMU guests: run by scripts/test.sh (cargo test -p switchyard-guest-tests -- --include-ignored)"]
 fn cluster_standby_live_migrates_the_nodes_vm_away() {
     with_logs_within("cluster-standby", Duration::from_secs(600), |env, dir| {
-        let initrd = env.initramfs().expect("initramfs");
-        let rig = Rig::up(env, dir, &[1, 1, 1]);
-        let n1 = rig.nodes()[0].clone();
-        rig.configure_switchyard();
-        for node in rig.nodes() {
-            wait_capacity(&rig, node, "1");
-        }
-        let vm = soaking_vm(env, "vm1");
-        rig.add_vm(env, &initrd, &n1, &vm);
-        let first = rig.wait_running(&n1, "vm1", Duration::from_secs(120));
-        wait_console(
-            &rig,
-            &first,
-            &vm,
-            "SYGPU: soak start",
-            Duration::from_secs(240),
-        );
+        let (rig, vm, first) = start_soaking(env, dir);
         wait_published(&rig, &first, &vm);
-        let via = rig
-            .nodes()
-            .iter()
-            .find(|n| **n != first)
-            .expect("another node")
-            .clone();
+        let via = another(&rig, &first);
 
         let t = Instant::now();
         rig.exec_ok(&via, &["crm", "node", "standby", &first]);

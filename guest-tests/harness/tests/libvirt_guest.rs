@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_guest_tests::{
     BOOT_ATTEMPTS, BootState, GuestEnv, assert_full_workload, boot_state, complete_lines,
-    find_line, list_tests, stop_child, wait_until, with_logs,
+    find_line, list_tests, placeholders_in, stop_child, wait_until, with_logs, xml_escape,
 };
 use switchyard_qemu::GUEST_BOOT_ARGS;
 
@@ -45,15 +45,6 @@ const INSTALL_HINT: &str = "run scripts/install-libvirt.sh as root (scripts/test
 /// The domain's name (in a libvirtd of the test's own).
 const DOMAIN: &str = "switchyard-guest";
 
-/// `s` escaped for XML text and attribute values.
-fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('\'', "&apos;")
-        .replace('"', "&quot;")
-}
-
 /// [`xml_escape`] undone.
 fn xml_unescape(s: &str) -> String {
     s.replace("&lt;", "<")
@@ -61,24 +52,6 @@ fn xml_unescape(s: &str) -> String {
         .replace("&apos;", "'")
         .replace("&quot;", "\"")
         .replace("&amp;", "&")
-}
-
-/// The words `@WORD@` of `text` (upper case, digits and `_`).
-fn placeholders_in(text: &str) -> Vec<String> {
-    let mut found: Vec<String> = text
-        .split('@')
-        .skip(1)
-        .step_by(2)
-        .filter(|w| {
-            !w.is_empty()
-                && w.chars()
-                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
-        })
-        .map(str::to_owned)
-        .collect();
-    found.sort();
-    found.dedup();
-    found
 }
 
 /// The values of the domain XML's placeholders.
