@@ -22,7 +22,7 @@ pub enum ConfigError {
     DuplicateOption(String),
     /// A VRAM size that is not a number with an optional suffix.
     #[error(
-        "Invalid VRAM size `{0}`; expected a number of bytes with an optional K, M or G suffix"
+        "Invalid VRAM size `{0}`; expected a number of bytes with an optional K, M, G or T suffix"
     )]
     BadSize(String),
     /// A queue count that is not a number.
@@ -266,7 +266,10 @@ impl SoftGpuConfig {
                 return Err(ConfigError::DuplicateOption(key.to_owned()));
             }
             match key {
-                "vram" => cfg.vram_size = parse_size(value)?,
+                "vram" => {
+                    cfg.vram_size = switchyard_device::parse_size(value)
+                        .map_err(|_| ConfigError::BadSize(value.to_owned()))?;
+                }
                 "irq" => cfg.irq = value.parse()?,
                 "spin" => {
                     cfg.spin_us = value
@@ -297,27 +300,6 @@ impl SoftGpuConfig {
         cfg.validate()?;
         Ok(cfg)
     }
-}
-
-fn parse_size(value: &str) -> Result<u64, ConfigError> {
-    let bad = || ConfigError::BadSize(value.to_owned());
-    let (digits, shift) = match value.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                _ => return Err(bad()),
-            };
-            (value.get(..i).ok_or_else(bad)?, shift)
-        }
-        _ => (value, 0),
-    };
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad());
-    }
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
 }
 
 impl FromStr for SoftGpuConfig {
