@@ -30,11 +30,10 @@
 #   SWITCHYARD_KERNEL_VERSION  exact linux-image-$KFLAVOR (meta package) version (default: trixie candidate)
 #   SWITCHYARD_BUSYBOX_VERSION exact busybox-static version (default: trixie candidate)
 #   DEBIAN_MIRROR              Debian mirror URI (default: the first Debian URI in /etc/apt sources)
-#   SWITCHYARD_CH_DIR          directory with static cloud-hypervisor v54 + ch-remote (default: the
-#                              first of <repo>/../shared/tools/cloud-hypervisor and
-#                              /work/shared/tools/cloud-hypervisor that has them, else the copy an
-#                              earlier run installed in the cache; none: go without);
-#                              `off`: go without it. No registry ships them: docs/cloud-hypervisor.md
+#   SWITCHYARD_CH_DIR          directory with static cloud-hypervisor v54 + ch-remote (unset: the
+#                              copy an earlier run installed in the cache; none: go without; no
+#                              other place is searched); `off`: go without it. No registry ships
+#                              them: docs/cloud-hypervisor.md
 #   CI                         true or 1: a missing cloud-hypervisor is an error (CI runs every test)
 set -euo pipefail
 
@@ -133,27 +132,21 @@ ch_absent() {  # ch_absent WHY: go without it (an error under CI); say loudly wh
   echo "setup.sh: WARNING: cloud-hypervisor NOT installed ($1); these will NOT RUN: $(sy_ch_not_run); to run them set SWITCHYARD_CH_DIR to a directory with static cloud-hypervisor v54 + ch-remote (docs/cloud-hypervisor.md)" >&2
 }
 install_ch() {
-  local src=${SWITCHYARD_CH_DIR:-} d looked=""
+  local src=${SWITCHYARD_CH_DIR:-}
   if [ "$src" = off ]; then
     ch_absent "disabled by SWITCHYARD_CH_DIR=off"
     return 0
   fi
   if [ -z "$src" ]; then
-    for d in "$REPO/../shared/tools/cloud-hypervisor" /work/shared/tools/cloud-hypervisor; do
-      d=$(realpath -m "$d")
-      looked+="${looked:+, }$d"
-      [ -e "$d/cloud-hypervisor" ] && { src=$d; break; }
-    done
-    if [ -z "$src" ] && [ -x "$CACHE/ch/cloud-hypervisor" ] && [ -x "$CACHE/ch/ch-remote" ]; then
-      # Installed by an earlier run from SWITCHYARD_CH_DIR: kept (set SWITCHYARD_CH_DIR=off to
-      # drop it), so that variable is needed once, not on every run.
-      src=$CACHE/ch
-      log "cloud-hypervisor: none in $looked; keeping the copy installed earlier in $CACHE/ch"
-    fi
-    if [ -z "$src" ]; then
-      ch_absent "not found: SWITCHYARD_CH_DIR is unset and none in $looked"
+    # Only SWITCHYARD_CH_DIR names a source: no path outside the clone is searched. A copy an
+    # earlier run installed from it is kept (set SWITCHYARD_CH_DIR=off to drop it), so that
+    # variable is needed once, not on every run.
+    if ! sy_ch_installed "$CACHE"; then
+      ch_absent "not found: SWITCHYARD_CH_DIR is unset and $CACHE/ch has none from an earlier run"
       return 0
     fi
+    src=$CACHE/ch
+    log "cloud-hypervisor: SWITCHYARD_CH_DIR is unset; keeping the copy installed earlier in $CACHE/ch"
   fi
   if ! [ -x "$src/cloud-hypervisor" ] || ! [ -x "$src/ch-remote" ]; then
     die "$src has no executable cloud-hypervisor and ch-remote (set SWITCHYARD_CH_DIR to a directory with both, or to off to go without; docs/cloud-hypervisor.md)"

@@ -2,7 +2,6 @@
 //! device's panic into a finding naming the access, and config-space helpers.
 
 use std::any::Any;
-use std::os::unix::fs::MetadataExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -344,38 +343,6 @@ fn le32(b: &[u8]) -> u32 {
     let mut w = [0u8; 4];
     w[..b.len().min(4)].copy_from_slice(&b[..b.len().min(4)]);
     u32::from_le_bytes(w)
-}
-
-/// Checks that `b` presents itself to the client exactly as `a` does, the server's rule for a
-/// swap (`DeviceSlot::swap`; `detached`: mmappable regions may be backed by other objects).
-pub(crate) fn same_shape(
-    a: &DeviceDescription,
-    b: &DeviceDescription,
-    detached: bool,
-) -> Result<(), String> {
-    if a.regions.len() != b.regions.len() || a.irqs != b.irqs || a.resettable != b.resettable {
-        return Err("the region count, the interrupts or reset support differ".into());
-    }
-    for (i, (ra, rb)) in a.regions.iter().zip(&b.regions).enumerate() {
-        if (ra.size, ra.read, ra.write) != (rb.size, rb.read, rb.write) {
-            return Err(format!("region {i}'s size or access differs"));
-        }
-        match (&ra.mmap, &rb.mmap) {
-            (None, None) => {}
-            (Some(ma), Some(mb)) => {
-                let ident = |f: &std::fs::File| f.metadata().map(|m| (m.dev(), m.ino())).ok();
-                if ma.file_offset != mb.file_offset
-                    || ma.areas != mb.areas
-                    || (!detached
-                        && (ident(&ma.file).is_none() || ident(&ma.file) != ident(&mb.file)))
-                {
-                    return Err(format!("region {i} is backed by another memory object"));
-                }
-            }
-            _ => return Err(format!("region {i}'s mmap support differs")),
-        }
-    }
-    Ok(())
 }
 
 /// A client's message-only DMA window that counts every access reaching it (and fails it).

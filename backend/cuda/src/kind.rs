@@ -87,8 +87,8 @@ fn accelerator(gpu: &str) -> Result<Arc<dyn Accelerator>, KindError> {
     if let Some(a) = map.get(gpu).and_then(Weak::upgrade) {
         return Ok(a);
     }
-    let accel: Arc<dyn Accelerator> = match fake_gpu(gpu) {
-        Some(fake) => Arc::new(CudaAccel::new(Arc::new(fake))),
+    let accel: Arc<dyn Accelerator> = match fake_accelerator(gpu) {
+        Some(fake) => fake,
         None => {
             let real = CudaGpu::open(gpu).map_err(|source| {
                 KindError::build(
@@ -110,11 +110,17 @@ fn accelerator(gpu: &str) -> Result<Arc<dyn Accelerator>, KindError> {
 /// there makes it lose the GPU with a sticky error at its next batch).
 pub const FAKE_FAULTS_ENV: &str = "SWITCHYARD_FAKE_GPU_FAULTS";
 
-/// The fake GPU a `gpu` option names (`fake`, `fake-NAME`), in a build with the `fake-gpu`
-/// feature (the test suite's).
+/// Whether a `gpu` option names a fake GPU (`fake`, `fake-NAME`) this build has: one with the
+/// `fake-gpu` feature (the test suite's); without it the name is a real GPU's, which no GPU has.
+fn is_fake(gpu: &str) -> bool {
+    cfg!(any(test, feature = "fake-gpu")) && (gpu == "fake" || gpu.starts_with("fake-"))
+}
+
+/// The fake GPU a `gpu` option names ([`is_fake`]), with its faults injected from
+/// [`FAKE_FAULTS_ENV`].
 #[cfg(any(test, feature = "fake-gpu"))]
-fn fake_gpu(gpu: &str) -> Option<crate::fake::FakeGpu> {
-    if gpu != "fake" && !gpu.starts_with("fake-") {
+fn fake_accelerator(gpu: &str) -> Option<Arc<dyn Accelerator>> {
+    if !is_fake(gpu) {
         return None;
     }
     let fake = crate::fake::FakeGpu::new();
@@ -122,11 +128,12 @@ fn fake_gpu(gpu: &str) -> Option<crate::fake::FakeGpu> {
         fake.state
             .lose_when(std::path::Path::new(&dir).join(format!("{gpu}.lose")));
     }
-    Some(fake)
+    Some(Arc::new(CudaAccel::new(Arc::new(fake))))
 }
 
+/// A build without the `fake-gpu` feature has no fake GPU.
 #[cfg(not(any(test, feature = "fake-gpu")))]
-fn fake_gpu(_gpu: &str) -> Option<crate::fake::FakeGpu> {
+fn fake_accelerator(_gpu: &str) -> Option<Arc<dyn Accelerator>> {
     None
 }
 
@@ -167,7 +174,7 @@ impl DeviceKind for CudaKind {
     /// The GPU must be there and healthy (NVML when it is installed, else the driver).
     fn probe(&self, options: &KindOptions, _host: &Host) -> Result<Option<String>, String> {
         let c = Self::config(options).map_err(|e| e.to_string())?;
-        if fake_gpu(&c.gpu).is_some() {
+        if is_fake(&c.gpu) {
             return Ok(Some("fake GPU".into()));
         }
         crate::inventory::probe(&c.gpu).map(Some)

@@ -8,8 +8,8 @@
 //!   written through to the authoritative memfd, one stream per queue, a lost board latched.
 //! - [`gpu::Gpu`]: what the backend needs of a GPU: [`real::CudaGpu`] (the CUDA driver,
 //!   NVRTC and cuBLAS, loaded at run time through `switchyard-sys`) or, in CI and tests,
-//!   [`fake::FakeGpu`] (a board's `gpu=fake` in a build with the `fake-gpu` feature: the
-//!   test suite's worker processes run boards on it).
+//!   `fake::FakeGpu` (only in tests and in a build with the `fake-gpu` feature: a board's
+//!   `gpu=fake`, the test suite's worker processes run boards on it).
 //! - [`inventory`]: the host's GPUs through NVML (loaded at run time), else the driver.
 //!
 //! Nothing here needs CUDA to build; a host without a driver or GPU reports the board
@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod device;
+#[cfg(any(test, feature = "fake-gpu"))]
 pub mod fake;
 pub mod gpu;
 pub mod inventory;

@@ -367,34 +367,15 @@ pub mod opt {
         }
     }
 
-    /// A size in bytes: a number, or a string with an optional `K`/`M`/`G` suffix (binary
-    /// multiples, `KiB`/`MiB`/`GiB` accepted).
+    /// A size in bytes: a number, or a string by [`parse_size`](crate::parse_size)'s rule
+    /// (`64M`, `1GiB`: binary suffixes K, M, G, T).
     pub fn size(options: &KindOptions, name: &str) -> Result<Option<u64>, KindError> {
-        let s = match options.get(name) {
-            None => return Ok(None),
-            Some(Value::String(s)) => s.trim(),
-            Some(_) => return u64(options, name),
-        };
-        let bad = || {
-            KindError::option(
-                name,
-                format!("`{s}` is not a size (bytes, or a number with K, M or G)"),
-            )
-        };
-        let upper = s.to_ascii_uppercase();
-        let digits = upper.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-        let shift = match upper[digits.len()..]
-            .trim_end_matches("IB")
-            .trim_end_matches('B')
-        {
-            "" => 0,
-            "K" => 10,
-            "M" => 20,
-            "G" => 30,
-            _ => return Err(bad()),
-        };
-        let n: u64 = digits.trim().parse().map_err(|_| bad())?;
-        n.checked_mul(1 << shift).map(Some).ok_or_else(bad)
+        match options.get(name) {
+            Some(Value::String(s)) => crate::parse_size(s)
+                .map(Some)
+                .map_err(|e| KindError::option(name, e.to_string())),
+            _ => u64(options, name),
+        }
     }
 
     /// A boolean: `true`/`false`, or `on`/`off`, `yes`/`no`, `1`/`0` as strings.
@@ -452,8 +433,11 @@ mod tests {
         assert_eq!(one("128MiB".into()).expect("MiB"), Some(128 << 20));
         assert_eq!(one("4k".into()).expect("k"), Some(4096));
         assert_eq!(one(4096.into()).expect("number"), Some(4096));
+        assert_eq!(one("2T".into()).expect("T"), Some(2 << 40));
         assert!(one("99999999999999G".into()).is_err());
-        assert!(one("12X".into()).is_err());
+        let bad = one("12X".into()).expect_err("12X");
+        assert_eq!(bad.field(), Some("v"));
+        assert!(bad.to_string().contains("`12X`"), "{bad}");
         assert!(one((-1).into()).is_err());
         assert!(one(true.into()).is_err());
     }

@@ -26,6 +26,7 @@ pub mod kind;
 pub mod msix;
 pub mod ratelimit;
 pub mod secret;
+pub mod size;
 mod traits;
 
 use std::fs::File;
@@ -33,6 +34,7 @@ use std::sync::Arc;
 
 pub use dma::{DmaError, DmaSpace, RemoteDma, WindowBacking};
 pub use irq::{Interrupts, IrqError, IrqIndex};
+pub use size::{SizeError, parse_size};
 pub use traits::{
     AsAny, DirtySource, DmaObserver, FaultInjection, IrqRouter, Migratable, PciDevice, Quiesce,
     QuiesceGuard, Recoverable, Relocatable, Relocation, RelocationStats, SuccessorFactory,

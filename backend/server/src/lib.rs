@@ -49,6 +49,7 @@ use std::time::{Duration, Instant};
 pub use listener::{DeviceSocket, MAX_SOCKET_PATH, StopHandle};
 pub use slot::{
     DeviceSlot, MigCause, MigChange, MigrationHook, MoveGuard, SwapError, SwapPlan, SwapReport,
+    same_shape,
 };
 use switchyard_device::{DeviceContext, DmaSpace, Interrupts, PciDevice};
 use switchyard_proto::{MigState, ProtoError, ServerLimits};

@@ -297,9 +297,13 @@ impl Drop for MoveGuard {
     }
 }
 
-/// Checks that `b` presents itself to the client exactly as `a` does (`detached`: no client
-/// maps anything, so mmappable regions may be backed by other memory objects).
-fn same_shape(
+/// The server's rule for a successor's shape, the first check of [`DeviceSlot::swap`] and
+/// [`DeviceSlot::swap_detached`]: `b` presents itself to the client exactly as `a` does (the
+/// same regions with the same sizes, access and mmap areas, the same interrupts and reset
+/// support; an mmappable region backed by the same memory object unless `detached`: no
+/// client maps anything then, so it may be another). Public so that the conformance suite
+/// (`switchyard-conformance`) checks devices against this rule, not a copy of it.
+pub fn same_shape(
     a: &DeviceDescription,
     b: &DeviceDescription,
     detached: bool,

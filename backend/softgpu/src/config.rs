@@ -1,5 +1,6 @@
-//! Device configuration and its option-string parser
-//! (`vram=64M,queues=2,irq=msix,vram_mmap=on`).
+//! Device configuration. Its options (`vram=64M,queues=2,irq=msix,vram_mmap=on`) are parsed
+//! by the kind ([`SoftGpuKind::config`](crate::SoftGpuKind::config)), from the kind
+//! registry's canonical options.
 
 use std::fmt;
 use std::str::FromStr;
@@ -9,34 +10,9 @@ use serde::{Deserialize, Serialize};
 /// Errors of the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    /// An option name the device does not know.
-    #[error(
-        "Unknown softgpu option `{0}`; the options are `vram`, `queues`, `irq`, `vram_mmap`, `vram_reset` and `spin`"
-    )]
-    UnknownOption(String),
-    /// An option without `=value`.
-    #[error("Option `{0}` needs a value, e.g. `{0}=...`")]
-    MissingValue(String),
-    /// An option given twice.
-    #[error("Option `{0}` is given more than once")]
-    DuplicateOption(String),
-    /// A VRAM size that is not a number with an optional suffix.
-    #[error(
-        "Invalid VRAM size `{0}`; expected a number of bytes with an optional K, M or G suffix"
-    )]
-    BadSize(String),
-    /// A queue count that is not a number.
-    #[error("Invalid queue count `{0}`; expected a number")]
-    BadNumber(String),
     /// An interrupt mode other than `msix` or `msi`.
     #[error("Invalid interrupt mode `{0}`; expected `msix` or `msi`")]
     BadIrqMode(String),
-    /// An on/off option with another value.
-    #[error("Invalid value `{1}` for `{0}`; expected `on` or `off`")]
-    BadSwitch(String, String),
-    /// A `vram_reset` other than `zero` or `keep`.
-    #[error("Invalid value `{0}` for `vram_reset`; expected `zero` or `keep`")]
-    BadVramReset(String),
     /// VRAM size not a power of two.
     #[error("VRAM size {0} is not a power of two")]
     VramNotPowerOfTwo(u64),
@@ -49,9 +25,6 @@ pub enum ConfigError {
     /// Queue count out of range.
     #[error("Queue count {0} is outside the supported range 1 to 8")]
     QueuesOutOfRange(u32),
-    /// A polling budget that is not a number.
-    #[error("Invalid polling budget `{0}`; expected a number of microseconds")]
-    BadSpin(String),
     /// Polling budget out of range.
     #[error("Polling budget {0} µs exceeds the maximum of 10000 µs")]
     SpinTooLarge(u32),
@@ -230,102 +203,6 @@ impl SoftGpuConfig {
     pub fn irq_counts(&self) -> [u32; 5] {
         [0, self.irq.msi_vectors(), self.irq.msix_vectors(), 1, 1]
     }
-
-    /// Parses a comma-separated option list: `vram=<n>[K|M|G]` (binary multiples, suffix case
-    /// insensitive), `queues=<n>`, `irq=msix|msi`, `vram_mmap=on|off`,
-    /// `vram_reset=zero|keep` (case insensitive) and `spin=<µs>`.
-    /// Omitted options keep
-    /// their defaults; an empty string is the default configuration; a leading `softgpu`
-    /// device name is accepted and skipped.
-    pub fn parse_options(s: &str) -> Result<Self, ConfigError> {
-        let mut cfg = Self::default();
-        let (mut seen_vram, mut seen_queues, mut seen_irq, mut seen_mmap, mut seen_reset) =
-            (false, false, false, false, false);
-        let mut seen_spin = false;
-        for (i, item) in s.split(',').map(str::trim).enumerate() {
-            if item.is_empty() || (i == 0 && item == "softgpu") {
-                continue;
-            }
-            let (key, value) = match item.split_once('=') {
-                Some((k, v)) => (k.trim(), v.trim()),
-                None => (item, ""),
-            };
-            let seen = match key {
-                "vram" => &mut seen_vram,
-                "queues" => &mut seen_queues,
-                "irq" => &mut seen_irq,
-                "vram_mmap" => &mut seen_mmap,
-                "vram_reset" => &mut seen_reset,
-                "spin" => &mut seen_spin,
-                _ => return Err(ConfigError::UnknownOption(key.to_owned())),
-            };
-            if value.is_empty() {
-                return Err(ConfigError::MissingValue(key.to_owned()));
-            }
-            if std::mem::replace(seen, true) {
-                return Err(ConfigError::DuplicateOption(key.to_owned()));
-            }
-            match key {
-                "vram" => cfg.vram_size = parse_size(value)?,
-                "irq" => cfg.irq = value.parse()?,
-                "spin" => {
-                    cfg.spin_us = value
-                        .parse()
-                        .map_err(|_| ConfigError::BadSpin(value.to_owned()))?;
-                }
-                "vram_mmap" => {
-                    cfg.vram_mmap = match value.to_ascii_lowercase().as_str() {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(ConfigError::BadSwitch(key.into(), value.into())),
-                    }
-                }
-                "vram_reset" => {
-                    cfg.keep_vram_on_reset = match value.to_ascii_lowercase().as_str() {
-                        "keep" => true,
-                        "zero" => false,
-                        _ => return Err(ConfigError::BadVramReset(value.into())),
-                    }
-                }
-                _ => {
-                    cfg.queues = value
-                        .parse()
-                        .map_err(|_| ConfigError::BadNumber(value.to_owned()))?;
-                }
-            }
-        }
-        cfg.validate()?;
-        Ok(cfg)
-    }
-}
-
-fn parse_size(value: &str) -> Result<u64, ConfigError> {
-    let bad = || ConfigError::BadSize(value.to_owned());
-    let (digits, shift) = match value.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                _ => return Err(bad()),
-            };
-            (value.get(..i).ok_or_else(bad)?, shift)
-        }
-        _ => (value, 0),
-    };
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad());
-    }
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
-}
-
-impl FromStr for SoftGpuConfig {
-    type Err = ConfigError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::parse_options(s)
-    }
 }
 
 #[cfg(test)]
@@ -333,124 +210,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_options_and_defaults() {
-        assert_eq!(
-            SoftGpuConfig::parse_options("").expect("empty"),
-            SoftGpuConfig::default()
-        );
-        let c: SoftGpuConfig = "softgpu,vram=64M,queues=2".parse().expect("full");
-        assert_eq!(c.vram_size, 64 << 20);
-        assert_eq!(c.queues, 2);
-        let c = SoftGpuConfig::parse_options("spin=0").expect("spin");
-        assert_eq!(c.spin_us, 0);
-        let c = SoftGpuConfig::parse_options("spin=10000").expect("largest spin");
-        assert_eq!(c.spin_us, SoftGpuConfig::MAX_SPIN_US);
-        assert!(c.same_device(&SoftGpuConfig::default()));
-        let c = SoftGpuConfig::parse_options("queues=8, vram=1g").expect("spaces");
-        assert_eq!((c.vram_size, c.queues), (1 << 30, 8));
-        let c = SoftGpuConfig::parse_options("vram=2048K").expect("kib");
-        assert_eq!(c.vram_size, 2 << 20);
-        let c = SoftGpuConfig::parse_options("vram=1048576,").expect("bytes");
-        assert_eq!(c.vram_size, 1 << 20);
-        assert_eq!(c.irq, IrqMode::Msix, "MSI-X by default");
-        assert!(c.vram_mmap, "VRAM mappable by default");
-        let c = SoftGpuConfig::parse_options("vram_mmap=OFF,vram=4M").expect("mmap off");
-        assert!(!c.vram_mmap && c.vram_size == 4 << 20);
-        // A configuration serialized before the option existed maps VRAM.
+    fn configurations_serialized_before_an_option_existed_get_its_old_behaviour() {
         let old: SoftGpuConfig =
             serde_json::from_str(r#"{"vram_size":1048576,"queues":1,"irq":"msi"}"#)
                 .expect("decode");
-        assert!(old.vram_mmap);
-    }
-
-    #[test]
-    fn parses_the_interrupt_mode() {
-        let c = SoftGpuConfig::parse_options("softgpu,irq=msi").expect("msi");
-        assert_eq!(
-            c,
-            SoftGpuConfig {
-                irq: IrqMode::Msi,
-                ..SoftGpuConfig::default()
-            }
-        );
-        assert_eq!(c.irq_counts(), [0, 1, 0, 1, 1]);
-        let c = SoftGpuConfig::parse_options("irq=msix,vram=8M").expect("msix");
-        assert_eq!((c.irq, c.vram_size), (IrqMode::Msix, 8 << 20));
-        assert_eq!(c.irq_counts(), [0, 0, 16, 1, 1]);
-        let c = SoftGpuConfig::parse_options("queues=1, irq = MSI ").expect("case, spaces");
-        assert_eq!((c.irq, c.queues), (IrqMode::Msi, 1));
-        for mode in [IrqMode::Msix, IrqMode::Msi] {
-            assert_eq!(mode.to_string().parse::<IrqMode>(), Ok(mode));
-            let json = serde_json::to_string(&mode).expect("encode");
-            assert_eq!(json, format!("\"{mode}\""));
-        }
-        // A configuration serialized before the option existed is MSI-X.
+        assert!(old.vram_mmap, "VRAM mappable");
         let old: SoftGpuConfig =
             serde_json::from_str(r#"{"vram_size":1048576,"queues":1}"#).expect("decode");
         assert_eq!(old.irq, IrqMode::Msix);
     }
 
     #[test]
-    fn reports_clear_errors() {
-        let cases: &[(&str, ConfigError)] = &[
-            ("colour=red", ConfigError::UnknownOption("colour".into())),
-            ("vram", ConfigError::MissingValue("vram".into())),
-            ("queues=", ConfigError::MissingValue("queues".into())),
-            (
-                "queues=1,queues=2",
-                ConfigError::DuplicateOption("queues".into()),
-            ),
-            ("vram=12X", ConfigError::BadSize("12X".into())),
-            ("vram=M", ConfigError::BadSize("M".into())),
-            ("vram=-1M", ConfigError::BadSize("-1M".into())),
-            (
-                "vram=99999999999G",
-                ConfigError::BadSize("99999999999G".into()),
-            ),
-            ("queues=two", ConfigError::BadNumber("two".into())),
-            ("irq", ConfigError::MissingValue("irq".into())),
-            ("irq=", ConfigError::MissingValue("irq".into())),
-            ("irq=intx", ConfigError::BadIrqMode("intx".into())),
-            ("irq=msi-x", ConfigError::BadIrqMode("msi-x".into())),
-            (
-                "irq=msi,irq=msix",
-                ConfigError::DuplicateOption("irq".into()),
-            ),
-            ("vram=3M", ConfigError::VramNotPowerOfTwo(3 << 20)),
-            ("vram=512K", ConfigError::VramTooSmall(512 << 10)),
-            ("vram=128G", ConfigError::VramTooLarge(128 << 30)),
-            ("queues=0", ConfigError::QueuesOutOfRange(0)),
-            ("queues=9", ConfigError::QueuesOutOfRange(9)),
-            ("spin=fast", ConfigError::BadSpin("fast".into())),
-            ("spin=-1", ConfigError::BadSpin("-1".into())),
-            ("spin=10001", ConfigError::SpinTooLarge(10_001)),
-            ("spin=5,spin=6", ConfigError::DuplicateOption("spin".into())),
-            (
-                "vram_mmap=maybe",
-                ConfigError::BadSwitch("vram_mmap".into(), "maybe".into()),
-            ),
-            ("vram_mmap", ConfigError::MissingValue("vram_mmap".into())),
-            (
-                "vram=64M,softgpu",
-                ConfigError::UnknownOption("softgpu".into()),
-            ),
-        ];
-        for (input, want) in cases {
-            let got = SoftGpuConfig::parse_options(input).expect_err(input);
-            assert_eq!(&got, want, "{input}");
-            let msg = got.to_string();
-            assert!(
-                msg.starts_with(|c: char| c.is_ascii_uppercase()),
-                "sentence case: {msg}"
-            );
+    fn interrupt_modes_round_trip_and_size_the_irq_table() {
+        for mode in [IrqMode::Msix, IrqMode::Msi] {
+            assert_eq!(mode.to_string().parse::<IrqMode>(), Ok(mode));
+            assert_eq!(mode.to_string().to_uppercase().parse::<IrqMode>(), Ok(mode));
+            let json = serde_json::to_string(&mode).expect("encode");
+            assert_eq!(json, format!("\"{mode}\""));
         }
+        let msi = SoftGpuConfig {
+            irq: IrqMode::Msi,
+            ..SoftGpuConfig::default()
+        };
+        assert_eq!(msi.irq_counts(), [0, 1, 0, 1, 1]);
+        assert_eq!(SoftGpuConfig::default().irq_counts(), [0, 0, 16, 1, 1]);
+        let e = "msi-x".parse::<IrqMode>().expect_err("msi-x");
         assert_eq!(
-            ConfigError::UnknownOption("x".into()).to_string(),
-            "Unknown softgpu option `x`; the options are `vram`, `queues`, `irq`, `vram_mmap`, `vram_reset` and `spin`"
-        );
-        assert_eq!(
-            ConfigError::BadIrqMode("intx".into()).to_string(),
-            "Invalid interrupt mode `intx`; expected `msix` or `msi`"
+            e.to_string(),
+            "Invalid interrupt mode `msi-x`; expected `msix` or `msi`"
         );
     }
 }

@@ -282,3 +282,103 @@ impl Relocation for Move {
         Ok(Box::new(next))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use switchyard_device::kind::parse_kv;
+
+    use super::*;
+
+    /// The configuration of a command line's `k=v,...`, as `--device softgpu,...` and a pool's
+    /// board get it.
+    fn config(s: &str) -> Result<SoftGpuConfig, KindError> {
+        SoftGpuKind::config(&parse_kv(s)?)
+    }
+
+    #[test]
+    fn options_parse_into_the_configuration_and_omitted_ones_keep_defaults() {
+        assert_eq!(config("").expect("empty"), SoftGpuConfig::default());
+        let c = config("vram=64M,queues=2").expect("full");
+        assert_eq!((c.vram_size, c.queues), (64 << 20, 2));
+        assert_eq!(config("spin=0").expect("spin").spin_us, 0);
+        let c = config("spin=10000").expect("largest spin");
+        assert_eq!(c.spin_us, SoftGpuConfig::MAX_SPIN_US);
+        assert!(c.same_device(&SoftGpuConfig::default()));
+        let c = config("queues=8, vram=1g").expect("spaces");
+        assert_eq!((c.vram_size, c.queues), (1 << 30, 8));
+        assert_eq!(config("vram=2048K").expect("K").vram_size, 2 << 20);
+        assert_eq!(config("vram=2MiB").expect("MiB").vram_size, 2 << 20);
+        let c = config("vram=1048576,").expect("bytes");
+        assert_eq!(c.vram_size, 1 << 20);
+        assert_eq!(c.irq, IrqMode::Msix, "MSI-X by default");
+        assert!(c.vram_mmap, "VRAM mappable by default");
+        assert!(!c.keep_vram_on_reset, "VRAM zeroed on reset by default");
+        let c = config("vram_mmap=off,vram=4M").expect("mmap off");
+        assert!(!c.vram_mmap && c.vram_size == 4 << 20);
+        let c = config("irq=msi").expect("msi");
+        assert_eq!(c.irq_counts(), [0, 1, 0, 1, 1]);
+        let c = config("queues=1, irq = MSI ").expect("case, spaces");
+        assert_eq!((c.irq, c.queues), (IrqMode::Msi, 1));
+        assert!(config("vram_reset=KEEP").expect("keep").keep_vram_on_reset);
+        assert!(!config("vram_reset=zero").expect("zero").keep_vram_on_reset);
+    }
+
+    #[test]
+    fn canonical_options_give_back_the_same_configuration() {
+        let c = config("vram=8M,queues=3,irq=msi,vram_mmap=off,vram_reset=keep,spin=7")
+            .expect("parses");
+        assert_eq!(
+            SoftGpuKind::config(&SoftGpuKind::options(&c)).expect("canonical"),
+            c
+        );
+    }
+
+    #[test]
+    fn refused_options_name_the_option_in_a_sentence() {
+        let cases: &[(&str, Option<&str>, &str)] = &[
+            ("colour=red", Some("colour"), "unknown option; known: vram"),
+            ("vram", None, "`vram` is not `name=value`"),
+            ("queues=1,queues=2", Some("queues"), "given twice"),
+            ("vram=12X", Some("vram"), "Invalid size `12X`"),
+            ("vram=-1M", Some("vram"), "Invalid size `-1M`"),
+            ("vram=99999999999G", Some("vram"), "too large"),
+            ("queues=two", Some("queues"), "`two` is not a whole number"),
+            ("queues=", Some("queues"), "`` is not a whole number"),
+            ("irq=intx", Some("irq"), "Invalid interrupt mode `intx`"),
+            ("irq=msi-x", Some("irq"), "Invalid interrupt mode `msi-x`"),
+            ("vram=3M", Some("vram"), "is not a power of two"),
+            ("vram=512K", Some("vram"), "below the minimum of 1 MiB"),
+            ("vram=128G", Some("vram"), "exceeds the maximum of 64 GiB"),
+            (
+                "queues=0",
+                Some("queues"),
+                "outside the supported range 1 to 8",
+            ),
+            (
+                "queues=9",
+                Some("queues"),
+                "outside the supported range 1 to 8",
+            ),
+            ("spin=fast", Some("spin"), "`fast` is not a whole number"),
+            ("spin=-1", Some("spin"), "`-1` is not a whole number"),
+            ("spin=10001", Some("spin"), "exceeds the maximum of 10000"),
+            (
+                "vram_mmap=maybe",
+                Some("vram_mmap"),
+                "`maybe` is not on/off",
+            ),
+            (
+                "vram_reset=maybe",
+                Some("vram_reset"),
+                "`maybe` is not `zero` or `keep`",
+            ),
+        ];
+        for &(input, field, want) in cases {
+            let e = config(input).expect_err(input);
+            assert_eq!(e.field(), field, "{input}: {e}");
+            let msg = e.to_string();
+            assert!(msg.contains(want), "{input}: {msg}");
+            assert!(msg.starts_with("Invalid "), "sentence case: {msg}");
+        }
+    }
+}

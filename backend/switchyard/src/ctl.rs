@@ -54,8 +54,8 @@ enum CtlCommand {
         /// Lease this device (a board, or a partition).
         #[arg(long, value_name = "DEVICE")]
         device: Option<String>,
-        /// Least VRAM (K/M/G suffix).
-        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+        /// Least VRAM (K/M/G/T suffix, binary).
+        #[arg(long, value_name = "SIZE", value_parser = switchyard_device::parse_size)]
         min_vram: Option<u64>,
         /// Least command queues.
         #[arg(long, value_name = "N")]
@@ -176,12 +176,6 @@ enum CtlCommand {
     },
     /// Prometheus metrics (OpenMetrics text).
     Metrics,
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    ByteSize::parse(s)
-        .map(|b| b.0)
-        .ok_or_else(|| format!("`{s}` is not a size (a number with an optional K/M/G suffix)"))
 }
 
 /// How long `ctl` waits for the daemon's answer: longer than what the daemon itself waits

@@ -183,8 +183,8 @@ struct ServeArgs {
 
     /// Memory the DMA dirty logs may take in all (2 bits per 4 KiB page of logged guest
     /// memory; the default 256M logs 4 TiB). Beyond it DMA_LOGGING_START, or a DMA_MAP during
-    /// logging, is refused with ENOMEM. SIZE takes a K/M/G suffix.
-    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_bytes)]
+    /// logging, is refused with ENOMEM. SIZE takes a K/M/G/T suffix (binary).
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = switchyard_device::parse_size)]
     dirty_log_budget: u64,
 
     /// DMA dirty logging (what a VMM's live migration learns the device's writes to guest
@@ -237,32 +237,6 @@ fn parse_dirty_log(s: &str) -> Result<DirtyLog, String> {
         "blind" => Ok(DirtyLog::Blind),
         _ => Err(format!("`{s}`: want on, off or blind")),
     }
-}
-
-/// `SIZE` with an optional K/M/G/T suffix (powers of 1024).
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let (digits, shift) = match s.trim().char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => {
-                    return Err(format!(
-                        "`{s}`: unknown size suffix `{c}` (use K, M, G or T)"
-                    ));
-                }
-            };
-            (&s.trim()[..i], shift)
-        }
-        _ => (s.trim(), 0),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (a number with an optional K/M/G/T suffix)"))?;
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, String> {

@@ -393,7 +393,10 @@ fn the_dirty_log_budget_is_an_operator_setting() {
         .expect("run");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("unknown size suffix `Q`"), "{err}");
+    assert!(
+        err.contains("Invalid size `12Q`: unknown suffix `Q`"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -208,3 +208,60 @@ impl Recoverable for VfioPci {
         Ok(Vec::new())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use switchyard_device::kind::parse_kv;
+
+    use super::*;
+
+    /// The configuration of a command line's `k=v,...`, as `--device vfio,...` and a pool's
+    /// board get it.
+    fn config(s: &str) -> Result<VfioConfig, KindError> {
+        VfioKind::config(&parse_kv(s)?)
+    }
+
+    #[test]
+    fn options_parse_and_name_their_problem() {
+        let c = config("host=0000:00:03.0").expect("parse");
+        assert_eq!((c.host.as_str(), c.bars), ("0000:00:03.0", BarMode::Trap));
+        let c = config("host=00:03.0,bars=mmap").expect("parse");
+        assert_eq!((c.host.as_str(), c.bars), ("0000:00:03.0", BarMode::Mmap));
+        assert_eq!(c.irq, IrqDelivery::Direct);
+        let c = config("host=00:03.0,irq=relay").expect("parse");
+        assert_eq!(c.irq, IrqDelivery::Relay);
+        assert_eq!(
+            VfioKind::config(&VfioKind::options(&c)).expect("canonical"),
+            c
+        );
+        for (bad, field, needle) in [
+            (
+                "host=0000:00:03.0,irq=msi",
+                Some("irq"),
+                "`msi` is not `direct` or `relay`",
+            ),
+            ("", Some("host"), "required"),
+            ("bars=mmap", Some("host"), "required"),
+            (
+                "host=0000:00:03.0,bars=fast",
+                Some("bars"),
+                "`fast` is not `trap` or `mmap`",
+            ),
+            (
+                "host=0000:00:03.0,colour=red",
+                Some("colour"),
+                "unknown option",
+            ),
+            ("host", None, "`host` is not `name=value`"),
+            (
+                "host=zz:03.0",
+                Some("host"),
+                "`zz:03.0` is not a PCI address",
+            ),
+        ] {
+            let e = config(bad).expect_err(bad);
+            assert_eq!(e.field(), field, "{bad}: {e}");
+            assert!(e.to_string().contains(needle), "{bad}: {e}");
+        }
+    }
+}

@@ -75,7 +75,8 @@ pub enum IrqDelivery {
     Relay,
 }
 
-/// What to open: `host=0000:00:03.0[,bars=trap|mmap][,irq=direct|relay]`.
+/// What to open: `host=0000:00:03.0[,bars=trap|mmap][,irq=direct|relay]` (options parsed by
+/// [`VfioKind::config`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VfioConfig {
     /// The PCI address (`DDDD:BB:DD.F`; `BB:DD.F` means domain 0).
@@ -98,75 +99,11 @@ impl VfioConfig {
             sysfs: PathBuf::from("/sys"),
         }
     }
-
-    /// Parses `host=BDF[,bars=trap|mmap][,irq=direct|relay]` (the part of `--device vfio,...` after the model).
-    pub fn parse_options(options: &str) -> Result<VfioConfig, Error> {
-        let mut host = None;
-        let mut bars = BarMode::Trap;
-        let mut irq = IrqDelivery::Direct;
-        for opt in options.split(',').map(str::trim).filter(|o| !o.is_empty()) {
-            let (key, value) = opt.split_once('=').ok_or_else(|| Error::Option {
-                option: opt.to_owned(),
-                problem: "expected key=value",
-            })?;
-            match key {
-                "host" => host = Some(sysfs::normalize_bdf(value)?),
-                "bars" => {
-                    bars = match value {
-                        "trap" => BarMode::Trap,
-                        "mmap" => BarMode::Mmap,
-                        _ => {
-                            return Err(Error::Option {
-                                option: opt.to_owned(),
-                                problem: "bars is trap or mmap",
-                            });
-                        }
-                    }
-                }
-                "irq" => {
-                    irq = match value {
-                        "direct" => IrqDelivery::Direct,
-                        "relay" => IrqDelivery::Relay,
-                        _ => {
-                            return Err(Error::Option {
-                                option: opt.to_owned(),
-                                problem: "irq is direct or relay",
-                            });
-                        }
-                    }
-                }
-                _ => {
-                    return Err(Error::Option {
-                        option: opt.to_owned(),
-                        problem: "unknown option (known: host, bars, irq)",
-                    });
-                }
-            }
-        }
-        let host = host.ok_or(Error::Option {
-            option: options.to_owned(),
-            problem: "host=DDDD:BB:DD.F is required",
-        })?;
-        Ok(VfioConfig {
-            host,
-            bars,
-            irq,
-            sysfs: PathBuf::from("/sys"),
-        })
-    }
 }
 
 /// Errors of the passthrough backend.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A `--device vfio,...` option is wrong.
-    #[error("Bad vfio device option `{option}`: {problem}")]
-    Option {
-        /// The option.
-        option: String,
-        /// What is wrong.
-        problem: &'static str,
-    },
     /// Not a PCI address.
     #[error("Not a PCI address: `{0}` (expected DDDD:BB:DD.F)")]
     BadAddress(String),
@@ -285,32 +222,4 @@ pub enum Error {
         /// What was asked.
         asked: u32,
     },
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn options_parse_and_name_their_problem() {
-        let c = VfioConfig::parse_options("host=0000:00:03.0").expect("parse");
-        assert_eq!((c.host.as_str(), c.bars), ("0000:00:03.0", BarMode::Trap));
-        let c = VfioConfig::parse_options("host=00:03.0,bars=mmap").expect("parse");
-        assert_eq!((c.host.as_str(), c.bars), ("0000:00:03.0", BarMode::Mmap));
-        assert_eq!(c.irq, IrqDelivery::Direct);
-        let c = VfioConfig::parse_options("host=00:03.0,irq=relay").expect("parse");
-        assert_eq!(c.irq, IrqDelivery::Relay);
-        for (bad, needle) in [
-            ("host=0000:00:03.0,irq=msi", "irq is direct or relay"),
-            ("", "host=DDDD:BB:DD.F is required"),
-            ("bars=mmap", "host=DDDD:BB:DD.F is required"),
-            ("host=0000:00:03.0,bars=fast", "bars is trap or mmap"),
-            ("host=0000:00:03.0,colour=red", "unknown option"),
-            ("host", "expected key=value"),
-            ("host=zz:03.0", "Not a PCI address"),
-        ] {
-            let e = VfioConfig::parse_options(bad).expect_err(bad).to_string();
-            assert!(e.contains(needle), "{bad}: {e}");
-        }
-    }
 }

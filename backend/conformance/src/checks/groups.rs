@@ -6,7 +6,7 @@ use switchyard_device::blackbox::BlackBox;
 use switchyard_device::kind::Build;
 use switchyard_device::{DeviceDescription, DeviceError, MigArc, PciDevice, Result};
 
-use crate::probe::{Slot, chain, same_shape};
+use crate::probe::{Slot, chain};
 use crate::{Moves, Subject};
 
 /// Longest migration stream the check reads before it calls the stream endless.
@@ -228,15 +228,15 @@ impl PciDevice for Foreign {
 }
 
 /// Hands `a`'s slot over to `next` the way the server's swap does (`DeviceSlot::swap`, the
-/// old device parked through its quiesce handle beforehand): the server's shape rule, the
-/// old device's `check_successor`, `hand_over`; then `next` takes the slot and `a` is
-/// dropped. Returns the new slot.
+/// old device parked through its quiesce handle beforehand): the server's own shape rule
+/// ([`switchyard_server::same_shape`]), the old device's `check_successor`, `hand_over`;
+/// then `next` takes the slot and `a` is dropped. Returns the new slot.
 fn hand_over(mut a: Slot, next: Box<dyn PciDevice>, detached: bool) -> Slot {
     let Some(quiesce) = a.device.swappable().map(|w| w.quiesce()) else {
         a.fail("the hand-over needs swappable(), which is None");
     };
     let parked = quiesce.park();
-    if let Err(e) = same_shape(a.desc(), next.description(), detached) {
+    if let Err(e) = switchyard_server::same_shape(a.desc(), next.description(), detached) {
         a.fail(format_args!("the server would refuse the successor: {e}"));
     }
     let mut next = next;

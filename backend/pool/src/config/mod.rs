@@ -16,7 +16,7 @@
 //! id = "gpu0"
 //! model = "softgpu"      # the device kind; optional, softgpu by default
 //! vram = "256M"          # every other key is the kind's own option, checked by the kind:
-//! queues = 4             #   the softgpu's VRAM (bytes, or K/M/G suffixed; default 64M),
+//! queues = 4             #   the softgpu's VRAM (bytes, or K/M/G/T suffixed; default 64M),
 //! irq = "msix"           #   queues (default 2), interrupt mode ("msix" or "msi"),
 //! vram_mmap = true       #   whether guests may map VRAM, and what resets do to it
 //! vram_reset = "zero"    #   ("zero", or "keep": for guest-visible moves)
@@ -73,32 +73,16 @@ mod suffixed;
 
 pub use age::Age;
 
-/// A byte count written as an integer or a string with an optional `K`, `M` or `G` suffix
-/// (binary multiples, case insensitive): `67108864`, `"64M"`, `"1G"`.
+/// A byte count written as an integer or a string by
+/// [`parse_size`](switchyard_device::parse_size)'s rule (binary suffixes K, M, G, T, or KiB,
+/// MiB, GiB, TiB, case insensitive): `67108864`, `"64M"`, `"1G"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct ByteSize(pub u64);
 
 impl ByteSize {
-    /// Parses `"64M"`, `"2048K"`, `"1g"` or `"1048576"`.
-    pub fn parse(s: &str) -> Option<Self> {
-        let s = s.trim();
-        let (digits, shift) = match s.char_indices().last() {
-            Some((i, c)) if c.is_ascii_alphabetic() => {
-                let shift = match c.to_ascii_uppercase() {
-                    'K' => 10,
-                    'M' => 20,
-                    'G' => 30,
-                    _ => return None,
-                };
-                (s.get(..i)?, shift)
-            }
-            _ => (s, 0),
-        };
-        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        let n: u64 = digits.parse().ok()?;
-        n.checked_mul(1u64 << shift).map(ByteSize)
+    /// Parses `"64M"`, `"2048K"`, `"1g"` or `"1048576"` ([`switchyard_device::parse_size`]).
+    pub fn parse(s: &str) -> Result<Self, switchyard_device::SizeError> {
+        switchyard_device::parse_size(s).map(ByteSize)
     }
 }
 
@@ -122,14 +106,15 @@ impl suffixed::Suffixed for ByteSize {
     const WHAT: &'static str = "size";
     const BASE: &'static str = "bytes";
     const EXAMPLE: &'static str = "64M";
-    const UNITS: &'static str = "K, M or G";
-    const PATTERN: &'static str = "^[0-9]+[KkMmGg]?$";
-    const DESCRIPTION: &'static str = "Bytes, or a string with a K, M or G suffix (binary)";
+    const UNITS: &'static str = "K, M, G or T (KiB, MiB, GiB, TiB)";
+    const PATTERN: &'static str = "^\\s*[0-9]+([KkMmGgTt]([Ii][Bb])?)?\\s*$";
+    const DESCRIPTION: &'static str =
+        "Bytes, or a string with a K, M, G or T suffix (binary; KiB, MiB, GiB, TiB too)";
     fn from_base(n: u64) -> Self {
         ByteSize(n)
     }
     fn parse_suffixed(s: &str) -> Option<Self> {
-        ByteSize::parse(s)
+        ByteSize::parse(s).ok()
     }
 }
 

@@ -14,7 +14,7 @@ pub(super) trait Suffixed: Sized {
     const BASE: &'static str;
     /// An example, for errors: `64M`.
     const EXAMPLE: &'static str;
-    /// The suffixes, for errors: `K, M or G`.
+    /// The suffixes, for errors: `K, M, G or T`.
     const UNITS: &'static str;
     /// The schema's pattern of the string form.
     const PATTERN: &'static str;

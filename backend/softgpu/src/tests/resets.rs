@@ -4,7 +4,9 @@ use std::os::unix::fs::MetadataExt;
 
 use switchyard_device::PciDevice;
 use switchyard_device::config::regs as pci;
+use switchyard_device::kind::parse_kv;
 
+use crate::SoftGpuKind;
 use crate::cmd::{Command, Operand};
 
 use super::*;
@@ -289,10 +291,9 @@ fn with_vram_reset_keep_no_reset_touches_vram() {
     // The registers did go back to power-on.
     assert_eq!(h.rd32(SCRATCH), 0);
     // The option parses, and other values are refused naming it.
-    let cfg: SoftGpuConfig = "softgpu,vram_reset=keep".parse().expect("parse");
+    let options = |s: &str| parse_kv(s).expect("name=value");
+    let cfg = SoftGpuKind::config(&options("vram_reset=keep")).expect("parse");
     assert!(cfg.keep_vram_on_reset);
-    let err = "vram_reset=maybe"
-        .parse::<SoftGpuConfig>()
-        .expect_err("an unknown vram_reset");
-    assert!(err.to_string().contains("vram_reset"), "{err}");
+    let err = SoftGpuKind::config(&options("vram_reset=maybe")).expect_err("an unknown vram_reset");
+    assert_eq!(err.field(), Some("vram_reset"), "{err}");
 }
