@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, Host, KindConfig, KindError, KindOptions, Profile, opt,
 };
 use switchyard_softgpu::accel::Accelerator;
 use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
@@ -189,11 +189,9 @@ impl KindConfig for CudaConfig {
             // successor is given the target's GPU (`adopt_successor`), or none.
             movable: true,
             msix: c.irq == IrqMode::Msix,
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
             host_settings: vec!["spin".into(), GPU.into()],
-            client_maps_memory: false,
             presents: Some("softgpu".into()),
+            ..Profile::default()
         }
     }
 

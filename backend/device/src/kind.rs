@@ -94,7 +94,11 @@ pub enum DirtyLog {
 }
 
 /// What a pool needs to know about a device of a kind with given options.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+///
+/// [`Default`] is a device the pool accounts nothing of: no memory or queues, not
+/// partitionable or movable, no MSI-X, a device dirty log, nothing exclusive or
+/// host-specific. A kind sets what it has and takes the rest with `..Profile::default()`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Profile {
     /// Device memory bytes (0: none the pool accounts): what requirements ask for and
     /// partitions split.
@@ -427,6 +431,16 @@ pub mod opt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_profile_accounts_nothing_and_logs_its_own_writes() {
+        let p = Profile::default();
+        assert_eq!((p.vram, p.queues), (0, 0));
+        assert!(!p.partitionable && !p.movable && !p.msix && !p.client_maps_memory);
+        assert_eq!(p.dirty_log, DirtyLog::DeviceLog);
+        assert_eq!((p.exclusive, p.presents), (None, None));
+        assert!(p.host_settings.is_empty());
+    }
 
     #[test]
     fn kv_options_parse_and_refuse_what_is_not_name_value() {

@@ -232,16 +232,9 @@ impl From<LegacyShape> for DeviceShape {
                 model: l.model,
                 options,
                 profile: Profile {
-                    vram: 0,
-                    queues: 0,
-                    partitionable: false,
-                    movable: false,
                     msix: true,
                     dirty_log: DirtyLog::AllMapped,
-                    exclusive: None,
-                    host_settings: Vec::new(),
-                    client_maps_memory: false,
-                    presents: None,
+                    ..Profile::default()
                 },
             };
         }
@@ -261,11 +254,7 @@ impl From<LegacyShape> for DeviceShape {
                 partitionable: true,
                 movable: true,
                 msix,
-                dirty_log: DirtyLog::DeviceLog,
-                exclusive: None,
-                host_settings: Vec::new(),
-                client_maps_memory: false,
-                presents: None,
+                ..Profile::default()
             },
         }
     }
@@ -302,11 +291,9 @@ mod tests {
                 partitionable: true,
                 movable: true,
                 msix: true,
-                dirty_log: DirtyLog::DeviceLog,
-                exclusive: None,
                 host_settings: vec!["spin".into(), "gpu".into()],
-                client_maps_memory: false,
                 presents: presents.map(str::to_owned),
+                ..Profile::default()
             },
         }
     }

@@ -4,7 +4,7 @@
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
+    Build, DeviceKind, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
 };
 
 use crate::device::check_size;
@@ -78,15 +78,8 @@ impl KindConfig for ScratchpadConfig {
     fn profile(&self) -> Profile {
         Profile {
             vram: self.size,
-            queues: 0,
-            partitionable: false,
             movable: true,
-            msix: false,
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
-            host_settings: Vec::new(),
-            client_maps_memory: false,
-            presents: None,
+            ..Profile::default()
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
+    Build, DeviceKind, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
 };
 use switchyard_device::{
     DeviceContext, DeviceError, PciDevice, Recoverable, Relocatable, Relocation, RelocationStats,
@@ -135,11 +135,10 @@ impl KindConfig for SoftGpuConfig {
             partitionable: true,
             movable: true,
             msix: self.irq == IrqMode::Msix,
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
             host_settings: vec!["spin".into()],
             client_maps_memory: self.vram_mmap,
             presents: Some("softgpu".into()),
+            ..Profile::default()
         }
     }
 

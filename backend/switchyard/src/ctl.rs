@@ -822,12 +822,7 @@ mod tests {
                 queues: 2,
                 partitionable: true,
                 movable: true,
-                msix: false,
-                dirty_log: Default::default(),
-                exclusive: None,
-                host_settings: Vec::new(),
-                client_maps_memory: false,
-                presents: None,
+                ..Profile::default()
             },
         };
         assert_eq!(

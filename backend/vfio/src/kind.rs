@@ -170,19 +170,14 @@ impl KindConfig for VfioConfig {
 
     fn profile(&self) -> Profile {
         Profile {
-            // The hardware's business: requirements on VRAM or queues never pick one.
-            vram: 0,
-            queues: 0,
-            partitionable: false,
-            movable: false,
             // What the hardware has, when its config space can be read (as root); else
             // assumed, which only refuses guest-visible unplugs it might not need to.
             msix: sysfs::has_msix(&Host::default().sysfs, &self.host).unwrap_or(true),
             dirty_log: DirtyLog::AllMapped,
             exclusive: Some(self.host.clone()),
             host_settings: vec!["irq".into()],
-            client_maps_memory: false,
-            presents: None,
+            // No memory or queues: the hardware's business, which requirements never pick.
+            ..Profile::default()
         }
     }
 
