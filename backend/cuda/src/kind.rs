@@ -160,6 +160,10 @@ impl DeviceKind for CudaKind {
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
     }
 
+    fn memory_name(&self) -> &'static str {
+        "vram"
+    }
+
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(Self::config(options)?))
     }
@@ -182,7 +186,7 @@ impl KindConfig for CudaConfig {
     fn profile(&self) -> Profile {
         let c = &self.soft;
         Profile {
-            vram: c.vram_size,
+            memory: c.vram_size,
             queues: c.queues,
             partitionable: true,
             // Between `cuda` boards and to or from softgpu boards of the same options: the

@@ -21,6 +21,8 @@ use serde_json::Value;
 use crate::blackbox::{BlackBox, RecordSpec};
 use crate::{DeviceContext, PciDevice};
 
+mod record;
+
 /// A kind's options: a JSON object of option name to value.
 pub type KindOptions = serde_json::Map<String, Value>;
 
@@ -98,11 +100,15 @@ pub enum DirtyLog {
 /// [`Default`] is a device the pool accounts nothing of: no memory or queues, not
 /// partitionable or movable, no MSI-X, a device dirty log, nothing exclusive or
 /// host-specific. A kind sets what it has and takes the rest with `..Profile::default()`.
+///
+/// Stored and sent as JSON: `memory` was `vram` in earlier releases, which is
+/// still read and is still written alongside, for their readers.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "record::ProfileRecord", into = "record::ProfileRecord")]
 pub struct Profile {
     /// Device memory bytes (0: none the pool accounts): what requirements ask for and
-    /// partitions split.
-    pub vram: u64,
+    /// partitions split. What a kind calls it: [`DeviceKind::memory_name`].
+    pub memory: u64,
     /// Command queues (0: none the pool accounts).
     pub queues: u32,
     /// Whether a board can be split into partitions (devices of its own each).
@@ -120,18 +126,15 @@ pub struct Profile {
     /// Options that are this host's settings rather than what the guest sees (a polling
     /// budget, how interrupts are delivered): two devices that differ only in them are
     /// interchangeable (one pool; a move between them).
-    #[serde(default)]
     pub host_settings: Vec<String>,
     /// The client may map memory a relocation replaces (VRAM the guest maps): no protocol
     /// message re-points a mapping, so such a device moves guest-visibly, the VMM unplugging
     /// and re-plugging it.
-    #[serde(default)]
     pub client_maps_memory: bool,
     /// The device the guest sees, when kinds share one (the softgpu's and the `cuda`
     /// board's: `softgpu`): devices of such kinds whose options differ only in host
     /// settings are interchangeable (one pool, a move or a failover between them). `None`:
     /// the kind's own.
-    #[serde(default)]
     pub presents: Option<String>,
 }
 
@@ -236,6 +239,13 @@ pub trait DeviceKind: Send + Sync + 'static {
 
     /// The options, one per line (`name=VALUE  meaning (default)`), for `--help`.
     fn options_help(&self) -> &'static str;
+
+    /// What people call the device memory the pool accounts of such a device
+    /// ([`Profile::memory`]), in listings and messages: `vram` for a GPU, `ram` for a
+    /// scratchpad. The default: `memory`.
+    fn memory_name(&self) -> &'static str {
+        "memory"
+    }
 
     /// Parses and checks `options`, completing them with defaults: the configuration of a
     /// device of them. The error names the option at fault ([`KindError::field`]).
@@ -435,7 +445,7 @@ mod tests {
     #[test]
     fn a_default_profile_accounts_nothing_and_logs_its_own_writes() {
         let p = Profile::default();
-        assert_eq!((p.vram, p.queues), (0, 0));
+        assert_eq!((p.memory, p.queues), (0, 0));
         assert!(!p.partitionable && !p.movable && !p.msix && !p.client_maps_memory);
         assert_eq!(p.dirty_log, DirtyLog::DeviceLog);
         assert_eq!((p.exclusive, p.presents), (None, None));

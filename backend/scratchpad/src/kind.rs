@@ -50,6 +50,10 @@ impl DeviceKind for ScratchpadKind {
         "size=SIZE  RAM, a power of two from 4K to 64M (1M)"
     }
 
+    fn memory_name(&self) -> &'static str {
+        "ram"
+    }
+
     /// The options parsed once: what builds, recovers and describes the devices.
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(ScratchpadConfig {
@@ -77,7 +81,7 @@ impl KindConfig for ScratchpadConfig {
 
     fn profile(&self) -> Profile {
         Profile {
-            vram: self.size,
+            memory: self.size,
             movable: true,
             ..Profile::default()
         }

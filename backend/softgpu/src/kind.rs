@@ -117,6 +117,10 @@ impl DeviceKind for SoftGpuKind {
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
     }
 
+    fn memory_name(&self) -> &'static str {
+        "vram"
+    }
+
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(Self::config(options)?))
     }
@@ -130,7 +134,7 @@ impl KindConfig for SoftGpuConfig {
 
     fn profile(&self) -> Profile {
         Profile {
-            vram: self.vram_size,
+            memory: self.vram_size,
             queues: self.queues,
             partitionable: true,
             movable: true,

@@ -122,7 +122,7 @@ impl DeviceKind for TestGpu {
         canonical.insert("vram_mmap".into(), mmap.into());
         canonical.insert("vram_reset".into(), reset.into());
         let profile = Profile {
-            vram,
+            memory: vram,
             queues: u32::try_from(queues).unwrap_or(u32::MAX),
             partitionable: true,
             movable: true,
