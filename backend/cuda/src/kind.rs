@@ -156,12 +156,20 @@ impl DeviceKind for CudaKind {
          vram=SIZE         VRAM, a power of two from 1M to 64G (64M): the GPU memory it takes\n\
          queues=N          command queues, 1 to 8 (2): one CUDA stream each\n\
          irq=msix|msi      interrupt mode (msix)\n\
+         vram_mmap=off     always off: VRAM's working copy is in GPU memory, which the guest cannot map\n\
          vram_reset=zero|keep  what resets do to VRAM (zero)\n\
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
     }
 
     fn memory_name(&self) -> &'static str {
         "vram"
+    }
+
+    fn notes(&self) -> &'static str {
+        "`switchyard inventory gpus` lists the GPUs gpu= can name. The guest sees a softgpu: \
+         a cuda device moves to and from softgpu boards of the same options.\n\
+         irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, whose \
+         vfio-user-pci aborts when removing a device with MSI-X."
     }
 
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {

@@ -240,6 +240,12 @@ pub trait DeviceKind: Send + Sync + 'static {
     /// The options, one per line (`name=VALUE  meaning (default)`), for `--help`.
     fn options_help(&self) -> &'static str;
 
+    /// What `--help` says of the kind after its options: caveats, what the host must provide
+    /// (one paragraph per line; empty: nothing). The default: nothing.
+    fn notes(&self) -> &'static str {
+        ""
+    }
+
     /// What people call the device memory the pool accounts of such a device
     /// ([`Profile::memory`]), in listings and messages: `vram` for a GPU, `ram` for a
     /// scratchpad. The default: `memory`.

@@ -121,6 +121,13 @@ impl DeviceKind for SoftGpuKind {
         "vram"
     }
 
+    fn notes(&self) -> &'static str {
+        "irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, whose \
+         vfio-user-pci aborts when removing a device with MSI-X.\n\
+         vram_mmap=off traps VRAM so the device sees every write: a move is transparent to the \
+         guest (a mapped VRAM moves guest-visibly, through the VMM)."
+    }
+
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(Self::config(options)?))
     }

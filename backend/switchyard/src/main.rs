@@ -270,16 +270,11 @@ fn parse_device(s: &str) -> Result<DeviceSpec, String> {
 }
 
 /// `--device`'s long help: the first paragraph of its doc comment, then every kind of the
-/// registry with its options.
+/// registry with the text it owns (summary, options, notes).
 fn device_help() -> String {
     format!(
-        "Device to serve: `KIND[,name=value...]`, a kind and its options.\n\n{}\n\
-         softgpu irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, \
-         whose vfio-user-pci aborts when removing a device with MSI-X; vram_mmap=off traps \
-         VRAM so the device sees every write. vfio needs a PCI device bound to vfio-pci whose \
-         IOMMU group is viable; its DMA windows are pinned (RLIMIT_MEMLOCK unless \
-         CAP_IPC_LOCK); when the kernel wants the device back, every access fails with ENODEV.",
-        switchyard_kinds::help()
+        "Device to serve: `KIND[,name=value...]`, a kind and its options.\n\n{}",
+        switchyard_kinds::help().trim_end()
     )
 }
 

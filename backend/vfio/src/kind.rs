@@ -129,6 +129,13 @@ impl DeviceKind for VfioKind {
          irq=direct|relay    interrupts handed to the kernel, or relayed by a thread (direct)"
     }
 
+    fn notes(&self) -> &'static str {
+        "The device must be bound to vfio-pci (`switchyard inventory` lists the host's PCI \
+         functions, `switchyard inventory bind BDF` binds one) and its IOMMU group viable. Its \
+         DMA windows are pinned (RLIMIT_MEMLOCK unless CAP_IPC_LOCK); when the kernel wants \
+         the device back, every access fails with ENODEV."
+    }
+
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(Self::config(options)?))
     }
