@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, Host, KindConfig, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, Host, HostInventory, KindConfig, KindError, KindOptions, Profile, opt,
 };
 use switchyard_softgpu::accel::Accelerator;
 use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
@@ -170,6 +170,10 @@ impl DeviceKind for CudaKind {
          a cuda device moves to and from softgpu boards of the same options.\n\
          irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, whose \
          vfio-user-pci aborts when removing a device with MSI-X."
+    }
+
+    fn host_inventory(&self, _host: &Host) -> Option<Result<HostInventory, String>> {
+        Some(crate::inventory::host_inventory())
     }
 
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {

@@ -214,6 +214,20 @@ impl Default for Host {
     }
 }
 
+/// What a host has for devices of a kind ([`DeviceKind::host_inventory`], `switchyard
+/// inventory --kind KIND`): a table for people, and the same as JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostInventory {
+    /// The table's column headings.
+    pub columns: Vec<&'static str>,
+    /// Its rows, a cell per column (`-`: nothing).
+    pub rows: Vec<Vec<String>>,
+    /// A line after the table, if any (what the rows have in common).
+    pub footer: Option<String>,
+    /// The same for programs.
+    pub json: Value,
+}
+
 /// The custody name of a memory object a relocation copies to, until the device runs on it
 /// (then it is held under `name` itself).
 pub fn pending_object(name: &str) -> String {
@@ -244,6 +258,14 @@ pub trait DeviceKind: Send + Sync + 'static {
     /// (one paragraph per line; empty: nothing). The default: nothing.
     fn notes(&self) -> &'static str {
         ""
+    }
+
+    /// What this host has for devices of the kind (`switchyard inventory --kind KIND`): the
+    /// PCI functions a passthrough device can open, the GPUs a board can name. `None`: the
+    /// kind needs nothing of the host (a software device); `Err`: why it cannot be listed.
+    /// The default: `None`.
+    fn host_inventory(&self, _host: &Host) -> Option<Result<HostInventory, String>> {
+        None
     }
 
     /// What people call the device memory the pool accounts of such a device

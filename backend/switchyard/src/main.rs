@@ -91,10 +91,11 @@ enum Command {
     /// endpoints of domains no longer running (`release-stale`).
     Cluster(cluster::ClusterArgs),
 
-    /// The host's PCI functions (sysfs: ids, class, driver, IOMMU group, SR-IOV, NUMA node,
-    /// reset methods), and the changes a pool makes to them: `create-vfs PF N` (SR-IOV VFs,
-    /// left unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`);
-    /// `gpus`: the NVIDIA GPUs a `cuda` board can name.
+    /// What the host has for a device kind, as the kind lists it (`--kind KIND`; by default
+    /// the PCI functions: ids, class, driver, IOMMU group, SR-IOV, NUMA node, reset methods),
+    /// and the changes a pool makes to PCI functions: `create-vfs PF N` (SR-IOV VFs, left
+    /// unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`); `gpus`
+    /// (`--kind cuda`): the NVIDIA GPUs a `cuda` board can name.
     Inventory(inventory::InventoryArgs),
 
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the

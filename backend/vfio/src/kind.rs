@@ -12,7 +12,8 @@ use std::fs::File;
 
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, DirtyLog, Host, HostInventory, KindConfig, KindError, KindOptions, Profile,
+    opt,
 };
 use switchyard_device::{DeviceError, PciDevice, Recoverable};
 
@@ -134,6 +135,10 @@ impl DeviceKind for VfioKind {
          functions, `switchyard inventory bind BDF` binds one) and its IOMMU group viable. Its \
          DMA windows are pinned (RLIMIT_MEMLOCK unless CAP_IPC_LOCK); when the kernel wants \
          the device back, every access fails with ENODEV."
+    }
+
+    fn host_inventory(&self, host: &Host) -> Option<Result<HostInventory, String>> {
+        Some(crate::inventory::functions(host))
     }
 
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
