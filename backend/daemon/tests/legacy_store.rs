@@ -6,8 +6,10 @@
 //! memory `vram` (a scratchpad's RAM too) has it read as `memory`.
 #![forbid(unsafe_code)]
 
+use std::path::Path;
+
 use redb::{Database, TableDefinition};
-use serde_json::json;
+use serde_json::{Value, json};
 use switchyard_control::Received;
 use switchyard_daemon::app::events::{EventStream, EventsPruned, SEQ_STRIDE, Step};
 use switchyard_pool::{DeviceShape, EventKind, Pool, PoolConfig};
@@ -16,6 +18,31 @@ const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+
+/// A store of format 1 with these board and endpoint records (keyed by their ids), as an
+/// earlier release wrote it.
+fn write_store(path: &Path, boards: &[Value], endpoints: &[Value]) {
+    let db = Database::create(path).expect("create");
+    let txn = db.begin_write().expect("write");
+    {
+        let mut t = txn.open_table(BOARDS).expect("boards");
+        for b in boards {
+            let id = b["def"]["id"].as_str().expect("id");
+            t.insert(id, serde_json::to_vec(b).expect("json").as_slice())
+                .expect("insert");
+        }
+        let mut t = txn.open_table(ENDPOINTS).expect("endpoints");
+        for e in endpoints {
+            let id = e["id"].as_str().expect("id");
+            t.insert(id, serde_json::to_vec(e).expect("json").as_slice())
+                .expect("insert");
+        }
+        let mut t = txn.open_table(META).expect("meta");
+        t.insert("format", 1).expect("format");
+        t.insert("next_seq", 1).expect("next_seq");
+    }
+    txn.commit().expect("commit");
+}
 
 #[test]
 fn a_store_from_before_device_kinds_opens_with_the_registry() {
@@ -34,28 +61,7 @@ fn a_store_from_before_device_kinds_opens_with_the_registry() {
             "requirements": {"min_vram": 0, "min_queues": 0}, "pool": null,
             "device": device, "moving_to": null, "created_unix_ms": 1})
     });
-    {
-        let db = Database::create(&path).expect("create");
-        let txn = db.begin_write().expect("write");
-        {
-            let mut t = txn.open_table(BOARDS).expect("boards");
-            for b in &boards {
-                let id = b["def"]["id"].as_str().expect("id");
-                t.insert(id, serde_json::to_vec(b).expect("json").as_slice())
-                    .expect("insert");
-            }
-            let mut t = txn.open_table(ENDPOINTS).expect("endpoints");
-            for e in &endpoints {
-                let id = e["id"].as_str().expect("id");
-                t.insert(id, serde_json::to_vec(e).expect("json").as_slice())
-                    .expect("insert");
-            }
-            let mut t = txn.open_table(META).expect("meta");
-            t.insert("format", 1).expect("format");
-            t.insert("next_seq", 1).expect("next_seq");
-        }
-        txn.commit().expect("commit");
-    }
+    write_store(&path, &boards, &endpoints);
     let config = PoolConfig::from_toml(
         r#"
 [daemon]
@@ -111,25 +117,7 @@ fn a_store_that_called_device_memory_vram_reads_it_as_memory() {
     let endpoint = json!({"id": "vm1", "socket": "/run/sy/vm1.sock",
         "requirements": {"min_vram": 0, "min_queues": 0}, "pool": null,
         "device": "sp0", "moving_to": null, "created_unix_ms": 1});
-    {
-        let db = Database::create(&path).expect("create");
-        let txn = db.begin_write().expect("write");
-        {
-            let mut t = txn.open_table(BOARDS).expect("boards");
-            t.insert("sp0", serde_json::to_vec(&board).expect("json").as_slice())
-                .expect("insert");
-            let mut t = txn.open_table(ENDPOINTS).expect("endpoints");
-            t.insert(
-                "vm1",
-                serde_json::to_vec(&endpoint).expect("json").as_slice(),
-            )
-            .expect("insert");
-            let mut t = txn.open_table(META).expect("meta");
-            t.insert("format", 1).expect("format");
-            t.insert("next_seq", 1).expect("next_seq");
-        }
-        txn.commit().expect("commit");
-    }
+    write_store(&path, &[board], &[endpoint]);
     let config = PoolConfig::from_toml(
         "[daemon]\nendpoint_dir = \"/run/sy\"\n\
          [[boards]]\nid = \"sp0\"\nmodel = \"scratchpad\"\nsize = \"64K\"\n",
