@@ -303,16 +303,9 @@ impl KindConfig for RecordingKind {
 
     fn profile(&self) -> Profile {
         Profile {
-            vram: 0,
-            queues: 0,
-            partitionable: false,
             movable: self.fault == Fault::ProfileSaysMovable,
-            msix: false,
             dirty_log: DirtyLog::AllMapped,
-            exclusive: None,
-            host_settings: Vec::new(),
-            client_maps_memory: false,
-            presents: None,
+            ..Profile::default()
         }
     }
 

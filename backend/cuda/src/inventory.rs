@@ -4,6 +4,8 @@
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
+use serde_json::json;
+use switchyard_device::kind::HostInventory;
 
 /// A GPU of this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,4 +117,42 @@ pub fn probe(which: &str) -> Result<String, String> {
         )),
         _ => Err(format!("`{which}` names more than one GPU")),
     }
+}
+
+/// The GPUs a board can name and which commands run on them (`switchyard inventory --kind
+/// cuda`), or why no GPU can be listed.
+pub fn host_inventory() -> Result<HostInventory, String> {
+    let gpus = gpus().map_err(|e| format!("No NVIDIA GPU can be listed on this host: {e}"))?;
+    let offload = offload_here();
+    let rows = gpus
+        .iter()
+        .map(|g| {
+            vec![
+                g.uuid.clone(),
+                g.name.clone(),
+                format!("{} GiB", g.memory >> 30),
+                g.pci.clone().unwrap_or_else(|| "-".into()),
+                g.source.to_owned(),
+                g.problem.clone().unwrap_or_else(|| "ok".into()),
+            ]
+        })
+        .collect();
+    let json = json!({ "offload": {
+        "kernels": offload.no_kernels.is_none(),
+        "gemm": offload.no_gemm.is_none(),
+        "describe": offload.describe(),
+    }, "gpus": gpus.iter().map(|g| json!({
+        "uuid": g.uuid,
+        "name": g.name,
+        "memory": g.memory,
+        "pci": g.pci,
+        "problem": g.problem,
+        "source": g.source,
+    })).collect::<Vec<_>>() });
+    Ok(HostInventory {
+        columns: vec!["uuid", "name", "memory", "pci", "source", "health"],
+        rows,
+        footer: Some(format!("commands: {}", offload.describe())),
+        json,
+    })
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, Host, HostInventory, KindConfig, KindError, KindOptions, Profile, opt,
 };
 use switchyard_softgpu::accel::Accelerator;
 use switchyard_softgpu::{IrqMode, SoftGpu, SoftGpuConfig, SoftGpuKind};
@@ -163,8 +163,24 @@ impl DeviceKind for CudaKind {
          vram=SIZE         VRAM, a power of two from 1M to 64G (64M): the GPU memory it takes\n\
          queues=N          command queues, 1 to 8 (2): one CUDA stream each\n\
          irq=msix|msi      interrupt mode (msix)\n\
+         vram_mmap=off     always off: VRAM's working copy is in GPU memory, which the guest cannot map\n\
          vram_reset=zero|keep  what resets do to VRAM (zero)\n\
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
+    }
+
+    fn memory_name(&self) -> &'static str {
+        "vram"
+    }
+
+    fn notes(&self) -> &'static str {
+        "`switchyard inventory gpus` lists the GPUs gpu= can name. The guest sees a softgpu: \
+         a cuda device moves to and from softgpu boards of the same options.\n\
+         irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, whose \
+         vfio-user-pci aborts when removing a device with MSI-X."
+    }
+
+    fn host_inventory(&self, _host: &Host) -> Option<Result<HostInventory, String>> {
+        Some(crate::inventory::host_inventory())
     }
 
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
@@ -189,18 +205,16 @@ impl KindConfig for CudaConfig {
     fn profile(&self) -> Profile {
         let c = &self.soft;
         Profile {
-            vram: c.vram_size,
+            memory: c.vram_size,
             queues: c.queues,
             partitionable: true,
             // Between `cuda` boards and to or from softgpu boards of the same options: the
             // successor is given the target's GPU (`adopt_successor`), or none.
             movable: true,
             msix: c.irq == IrqMode::Msix,
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
             host_settings: vec!["spin".into(), GPU.into()],
-            client_maps_memory: false,
             presents: Some("softgpu".into()),
+            ..Profile::default()
         }
     }
 

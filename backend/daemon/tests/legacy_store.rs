@@ -2,19 +2,47 @@
 //! the softgpu and passthrough boards it recorded get the canonical options of their kind,
 //! the same the configuration's boards get, so their leases are kept. A store of the release
 //! before events retention keeps its numbering: a `since` a client had is still good, or
-//! refused with 410 once retention pruned past it.
+//! refused with 410 once retention pruned past it. A store of the release that called device
+//! memory `vram` (a scratchpad's RAM too) has it read as `memory`.
 #![forbid(unsafe_code)]
 
+use std::path::Path;
+
 use redb::{Database, TableDefinition};
-use serde_json::json;
+use serde_json::{Value, json};
 use switchyard_control::Received;
 use switchyard_daemon::app::events::{EventStream, EventsPruned, SEQ_STRIDE, Step};
-use switchyard_pool::{EventKind, Pool, PoolConfig};
+use switchyard_pool::{DeviceShape, EventKind, Pool, PoolConfig};
 
 const BOARDS: TableDefinition<&str, &[u8]> = TableDefinition::new("boards");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+
+/// A store of format 1 with these board and endpoint records (keyed by their ids), as an
+/// earlier release wrote it.
+fn write_store(path: &Path, boards: &[Value], endpoints: &[Value]) {
+    let db = Database::create(path).expect("create");
+    let txn = db.begin_write().expect("write");
+    {
+        let mut t = txn.open_table(BOARDS).expect("boards");
+        for b in boards {
+            let id = b["def"]["id"].as_str().expect("id");
+            t.insert(id, serde_json::to_vec(b).expect("json").as_slice())
+                .expect("insert");
+        }
+        let mut t = txn.open_table(ENDPOINTS).expect("endpoints");
+        for e in endpoints {
+            let id = e["id"].as_str().expect("id");
+            t.insert(id, serde_json::to_vec(e).expect("json").as_slice())
+                .expect("insert");
+        }
+        let mut t = txn.open_table(META).expect("meta");
+        t.insert("format", 1).expect("format");
+        t.insert("next_seq", 1).expect("next_seq");
+    }
+    txn.commit().expect("commit");
+}
 
 #[test]
 fn a_store_from_before_device_kinds_opens_with_the_registry() {
@@ -33,28 +61,7 @@ fn a_store_from_before_device_kinds_opens_with_the_registry() {
             "requirements": {"min_vram": 0, "min_queues": 0}, "pool": null,
             "device": device, "moving_to": null, "created_unix_ms": 1})
     });
-    {
-        let db = Database::create(&path).expect("create");
-        let txn = db.begin_write().expect("write");
-        {
-            let mut t = txn.open_table(BOARDS).expect("boards");
-            for b in &boards {
-                let id = b["def"]["id"].as_str().expect("id");
-                t.insert(id, serde_json::to_vec(b).expect("json").as_slice())
-                    .expect("insert");
-            }
-            let mut t = txn.open_table(ENDPOINTS).expect("endpoints");
-            for e in &endpoints {
-                let id = e["id"].as_str().expect("id");
-                t.insert(id, serde_json::to_vec(e).expect("json").as_slice())
-                    .expect("insert");
-            }
-            let mut t = txn.open_table(META).expect("meta");
-            t.insert("format", 1).expect("format");
-            t.insert("next_seq", 1).expect("next_seq");
-        }
-        txn.commit().expect("commit");
-    }
+    write_store(&path, &boards, &endpoints);
     let config = PoolConfig::from_toml(
         r#"
 [daemon]
@@ -92,6 +99,45 @@ bars = "mmap"
     assert_eq!(edu0.option_text("host").as_deref(), Some("0000:00:04.0"));
     assert_eq!(edu0.option_text("bars").as_deref(), Some("mmap"));
     assert!(!edu0.profile.movable);
+}
+
+#[test]
+fn a_store_that_called_device_memory_vram_reads_it_as_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pool.redb");
+    // The last release's record of a scratchpad board: its 64 KiB of RAM as `vram`.
+    let shape = json!({"model": "scratchpad", "options": {"size": 64 << 10},
+        "profile": {"vram": 64 << 10, "queues": 0, "partitionable": false, "movable": true,
+            "msix": false, "dirty_log": "device_log", "exclusive": null, "host_settings": [],
+            "client_maps_memory": false, "presents": null}});
+    let decoded: DeviceShape = serde_json::from_value(shape.clone()).expect("decodes");
+    assert_eq!(decoded.memory(), 64 << 10);
+    let board = json!({"def": {"id": "sp0", "shape": shape, "partitions": []},
+        "quarantined": false, "missing": false});
+    let endpoint = json!({"id": "vm1", "socket": "/run/sy/vm1.sock",
+        "requirements": {"min_vram": 0, "min_queues": 0}, "pool": null,
+        "device": "sp0", "moving_to": null, "created_unix_ms": 1});
+    write_store(&path, &[board], &[endpoint]);
+    let config = PoolConfig::from_toml(
+        "[daemon]\nendpoint_dir = \"/run/sy\"\n\
+         [[boards]]\nid = \"sp0\"\nmodel = \"scratchpad\"\nsize = \"64K\"\n",
+        &switchyard_kinds::Registry,
+    )
+    .expect("config");
+    let (pool, _) = Pool::open(&config, &switchyard_kinds::Registry, &path).expect("opens");
+    let inv = pool.inventory();
+    // The same shape as the configuration's board: the lease is kept.
+    assert_eq!(
+        inv.endpoint("vm1").and_then(|e| e.device.as_deref()),
+        Some("sp0")
+    );
+    let sp0 = inv.board("sp0").expect("sp0").shape;
+    assert_eq!(sp0, decoded);
+    assert_eq!(sp0.profile.memory, 64 << 10);
+    // Written back under both names: the last release reads this store too.
+    let json = serde_json::to_value(&sp0).expect("json");
+    assert_eq!(json["profile"]["memory"], 64 << 10);
+    assert_eq!(json["profile"]["vram"], 64 << 10);
 }
 
 /// Every `seq` the daemon's stream gives a reader after `since`, reading `pool`'s history, and

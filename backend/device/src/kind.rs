@@ -21,6 +21,8 @@ use serde_json::Value;
 use crate::blackbox::{BlackBox, RecordSpec};
 use crate::{DeviceContext, PciDevice};
 
+mod record;
+
 /// A kind's options: a JSON object of option name to value.
 pub type KindOptions = serde_json::Map<String, Value>;
 
@@ -94,11 +96,19 @@ pub enum DirtyLog {
 }
 
 /// What a pool needs to know about a device of a kind with given options.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+///
+/// [`Default`] is a device the pool accounts nothing of: no memory or queues, not
+/// partitionable or movable, no MSI-X, a device dirty log, nothing exclusive or
+/// host-specific. A kind sets what it has and takes the rest with `..Profile::default()`.
+///
+/// Stored and sent as JSON: `memory` was `vram` in earlier releases, which is
+/// still read and is still written alongside, for their readers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "record::ProfileRecord", into = "record::ProfileRecord")]
 pub struct Profile {
     /// Device memory bytes (0: none the pool accounts): what requirements ask for and
-    /// partitions split.
-    pub vram: u64,
+    /// partitions split. What a kind calls it: [`DeviceKind::memory_name`].
+    pub memory: u64,
     /// Command queues (0: none the pool accounts).
     pub queues: u32,
     /// Whether a board can be split into partitions (devices of its own each).
@@ -116,18 +126,15 @@ pub struct Profile {
     /// Options that are this host's settings rather than what the guest sees (a polling
     /// budget, how interrupts are delivered): two devices that differ only in them are
     /// interchangeable (one pool; a move between them).
-    #[serde(default)]
     pub host_settings: Vec<String>,
     /// The client may map memory a relocation replaces (VRAM the guest maps): no protocol
     /// message re-points a mapping, so such a device moves guest-visibly, the VMM unplugging
     /// and re-plugging it.
-    #[serde(default)]
     pub client_maps_memory: bool,
     /// The device the guest sees, when kinds share one (the softgpu's and the `cuda`
     /// board's: `softgpu`): devices of such kinds whose options differ only in host
     /// settings are interchangeable (one pool, a move or a failover between them). `None`:
     /// the kind's own.
-    #[serde(default)]
     pub presents: Option<String>,
 }
 
@@ -207,6 +214,20 @@ impl Default for Host {
     }
 }
 
+/// What a host has for devices of a kind ([`DeviceKind::host_inventory`], `switchyard
+/// inventory --kind KIND`): a table for people, and the same as JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostInventory {
+    /// The table's column headings.
+    pub columns: Vec<&'static str>,
+    /// Its rows, a cell per column (`-`: nothing).
+    pub rows: Vec<Vec<String>>,
+    /// A line after the table, if any (what the rows have in common).
+    pub footer: Option<String>,
+    /// The same for programs.
+    pub json: Value,
+}
+
 /// The custody name of a memory object a relocation copies to, until the device runs on it
 /// (then it is held under `name` itself).
 pub fn pending_object(name: &str) -> String {
@@ -232,6 +253,27 @@ pub trait DeviceKind: Send + Sync + 'static {
 
     /// The options, one per line (`name=VALUE  meaning (default)`), for `--help`.
     fn options_help(&self) -> &'static str;
+
+    /// What `--help` says of the kind after its options: caveats, what the host must provide
+    /// (one paragraph per line; empty: nothing). The default: nothing.
+    fn notes(&self) -> &'static str {
+        ""
+    }
+
+    /// What this host has for devices of the kind (`switchyard inventory --kind KIND`): the
+    /// PCI functions a passthrough device can open, the GPUs a board can name. `None`: the
+    /// kind needs nothing of the host (a software device); `Err`: why it cannot be listed.
+    /// The default: `None`.
+    fn host_inventory(&self, _host: &Host) -> Option<Result<HostInventory, String>> {
+        None
+    }
+
+    /// What people call the device memory the pool accounts of such a device
+    /// ([`Profile::memory`]), in listings and messages: `vram` for a GPU, `ram` for a
+    /// scratchpad. The default: `memory`.
+    fn memory_name(&self) -> &'static str {
+        "memory"
+    }
 
     /// Parses and checks `options`, completing them with defaults: the configuration of a
     /// device of them. The error names the option at fault ([`KindError::field`]).
@@ -408,6 +450,16 @@ pub mod opt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_profile_accounts_nothing_and_logs_its_own_writes() {
+        let p = Profile::default();
+        assert_eq!((p.memory, p.queues), (0, 0));
+        assert!(!p.partitionable && !p.movable && !p.msix && !p.client_maps_memory);
+        assert_eq!(p.dirty_log, DirtyLog::DeviceLog);
+        assert_eq!((p.exclusive, p.presents), (None, None));
+        assert!(p.host_settings.is_empty());
+    }
 
     #[test]
     fn kv_options_parse_and_refuse_what_is_not_name_value() {

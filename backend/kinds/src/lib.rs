@@ -157,13 +157,19 @@ pub fn softgpu(config: &switchyard_softgpu::SoftGpuConfig) -> DeviceSpec {
     }
 }
 
-/// Help text listing every kind and its options.
+/// Help text listing every kind: its summary, its options, then its notes
+/// ([`DeviceKind::notes`]), each kind's own text.
 pub fn help() -> String {
     let mut s = String::new();
     for k in KINDS {
         s.push_str(&format!("{}: {}\n", k.name(), k.summary()));
         for line in k.options_help().lines() {
             s.push_str("    ");
+            s.push_str(line.trim_start());
+            s.push('\n');
+        }
+        for line in k.notes().lines().filter(|l| !l.trim().is_empty()) {
+            s.push_str("  ");
             s.push_str(line.trim_start());
             s.push('\n');
         }
@@ -203,6 +209,33 @@ mod tests {
         assert!(e.to_string().contains("softgpu, vfio"), "{e}");
         let e = DeviceSpec::parse("vfio,bars=mmap").expect_err("no host");
         assert!(e.to_string().contains("`host`"), "{e}");
+    }
+
+    #[test]
+    fn help_gives_every_kind_its_own_options_and_notes() {
+        let help = help();
+        for k in KINDS {
+            let at = help
+                .find(&format!("{}: {}", k.name(), k.summary()))
+                .unwrap_or_else(|| panic!("{} is not listed:\n{help}", k.name()));
+            // Its options and notes come next, before the next kind.
+            let own = &help[at..];
+            let own = KINDS
+                .iter()
+                .filter_map(|other| own.find(&format!("\n{}: ", other.name())))
+                .min()
+                .map_or(own, |end| &own[..end]);
+            for line in k.options_help().lines().chain(k.notes().lines()) {
+                assert!(own.contains(line.trim()), "{}: `{line}`:\n{own}", k.name());
+            }
+        }
+        // The cuda kind's options are its own: the GPU, and no mappable VRAM.
+        let cuda = get("cuda").expect("cuda").options_help();
+        assert!(
+            cuda.contains("gpu=") && cuda.contains("vram_mmap=off"),
+            "{cuda}"
+        );
+        assert_ne!(cuda, get("softgpu").expect("softgpu").options_help());
     }
 
     #[test]

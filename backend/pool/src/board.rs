@@ -139,7 +139,7 @@ impl From<BoardDefRecord> for BoardDef {
                     let mut part = shape.clone();
                     part.options.insert("vram".into(), vram_size.into());
                     part.options.insert("queues".into(), queues.into());
-                    part.profile.vram = vram_size;
+                    part.profile.memory = vram_size;
                     part.profile.queues = queues;
                     PartitionDef { id, shape: part }
                 }

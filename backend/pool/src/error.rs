@@ -136,7 +136,7 @@ pub enum PoolError {
         from: String,
         /// The refused target.
         to: String,
-        /// The first difference, e.g. `vram (128 MiB vs 64 MiB)`.
+        /// The first difference, e.g. `memory (128 MiB vs 64 MiB)`.
         difference: String,
     },
     /// A move to the device the endpoint already holds.
@@ -478,7 +478,7 @@ pub enum ConfigProblem {
         board: String,
         /// The pool's first board.
         reference: String,
-        /// The first difference, e.g. `vram (128 MiB vs 64 MiB)`.
+        /// The first difference, e.g. `memory (128 MiB vs 64 MiB)`.
         difference: String,
     },
     /// An endpoint with both or neither of `pool` and `device`.

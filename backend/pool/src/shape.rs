@@ -27,8 +27,8 @@ pub struct DeviceShape {
     /// The kind's canonical options, e.g. `{"vram": 67108864, "queues": 2, "irq": "msix", ...}`.
     #[schema(value_type = Object)]
     pub options: KindOptions,
-    /// What the pool knows of such a device: `vram` and `queues` (0: none the pool
-    /// accounts), `partitionable`, `movable`, `msix`, `dirty_log` and `exclusive` (the host
+    /// What the pool knows of such a device: `memory` (also written as `vram`, its name in
+    /// earlier releases) and `queues` (0: none the pool accounts), `partitionable`, `movable`, `msix`, `dirty_log` and `exclusive` (the host
     /// resource it holds, e.g. a PCI address).
     #[schema(value_type = Object)]
     pub profile: Profile,
@@ -57,9 +57,10 @@ impl DeviceShape {
         Self::of(kind, &kind.partition(&self.options, vram, queues))
     }
 
-    /// Device memory bytes the pool accounts (0: none).
-    pub fn vram(&self) -> u64 {
-        self.profile.vram
+    /// Device memory bytes the pool accounts (0: none): VRAM for a GPU
+    /// ([`DeviceKind::memory_name`] says what a kind calls it).
+    pub fn memory(&self) -> u64 {
+        self.profile.memory
     }
 
     /// Command queues the pool accounts (0: none).
@@ -73,7 +74,8 @@ impl DeviceShape {
     }
 
     /// The first field in which `self` differs from `other`, as `field (self vs other)`: the
-    /// model (unless both kinds present the same device, [`Profile::presents`]), then VRAM (`vram (128 MiB vs 64 MiB)`), queues, then the other options by name
+    /// model (unless both kinds present the same device, [`Profile::presents`]), then device
+    /// memory (`memory (128 MiB vs 64 MiB)`), queues, then the other options by name
     /// (`irq (msi vs msix)`, `vram_reset (keep vs zero)`); `None` when they are the same.
     ///
     /// The option naming the host resource a device holds ([`Profile::exclusive`], a
@@ -85,11 +87,11 @@ impl DeviceShape {
         if self.model != other.model && !same_device {
             return Some(format!("model ({} vs {})", self.model, other.model));
         }
-        if self.vram() != other.vram() {
+        if self.memory() != other.memory() {
             return Some(format!(
-                "vram ({} vs {})",
-                Size(self.vram()),
-                Size(other.vram())
+                "memory ({} vs {})",
+                Size(self.memory()),
+                Size(other.memory())
             ));
         }
         if self.queues() != other.queues() {
@@ -124,10 +126,10 @@ impl DeviceShape {
 
     /// Whether a device of this shape meets `req`; the reason when not.
     pub(crate) fn meets(&self, req: &Requirements) -> Result<(), String> {
-        if self.vram() < req.min_vram {
+        if self.memory() < req.min_vram {
             return Err(format!(
-                "{} of VRAM, at least {} required",
-                Size(self.vram()),
+                "{} of device memory, at least {} required",
+                Size(self.memory()),
                 Size(req.min_vram)
             ));
         }
@@ -232,16 +234,9 @@ impl From<LegacyShape> for DeviceShape {
                 model: l.model,
                 options,
                 profile: Profile {
-                    vram: 0,
-                    queues: 0,
-                    partitionable: false,
-                    movable: false,
                     msix: true,
                     dirty_log: DirtyLog::AllMapped,
-                    exclusive: None,
-                    host_settings: Vec::new(),
-                    client_maps_memory: false,
-                    presents: None,
+                    ..Profile::default()
                 },
             };
         }
@@ -256,16 +251,12 @@ impl From<LegacyShape> for DeviceShape {
             model: l.model,
             options,
             profile: Profile {
-                vram: l.vram_size,
+                memory: l.vram_size,
                 queues: l.queues,
                 partitionable: true,
                 movable: true,
                 msix,
-                dirty_log: DirtyLog::DeviceLog,
-                exclusive: None,
-                host_settings: Vec::new(),
-                client_maps_memory: false,
-                presents: None,
+                ..Profile::default()
             },
         }
     }
@@ -274,7 +265,8 @@ impl From<LegacyShape> for DeviceShape {
 /// What an endpoint's device must have.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Requirements {
-    /// Least VRAM, bytes (0: any).
+    /// Least device memory (the profile's `memory`: VRAM for a GPU), bytes (0: any). The
+    /// name dates from when every device was a GPU.
     #[serde(default)]
     pub min_vram: u64,
     /// Least queues (0: any).
@@ -297,16 +289,14 @@ mod tests {
             model: model.into(),
             options,
             profile: Profile {
-                vram: 64 << 20,
+                memory: 64 << 20,
                 queues: 2,
                 partitionable: true,
                 movable: true,
                 msix: true,
-                dirty_log: DirtyLog::DeviceLog,
-                exclusive: None,
                 host_settings: vec!["spin".into(), "gpu".into()],
-                client_maps_memory: false,
                 presents: presents.map(str::to_owned),
+                ..Profile::default()
             },
         }
     }

@@ -113,7 +113,7 @@ socket = "/tmp/vm2.sock"
     assert_eq!(c.boards[0].options.len(), 4, "{:?}", c.boards[0].options);
     // The kind's check makes them canonical.
     let shape = shape_of(&c, "gpu1");
-    assert_eq!((shape.vram(), shape.queues()), (256 << 20, 4));
+    assert_eq!((shape.memory(), shape.queues()), (256 << 20, 4));
     assert_eq!(shape.options["vram"], 256u64 << 20);
     assert_eq!(shape.option_text("irq").as_deref(), Some("msi"));
     assert_eq!(shape, shape_of(&c, "gpu0"), "256m and 256M are one size");
@@ -136,7 +136,7 @@ fn defaults_fill_the_optional_keys() {
     assert!(b.options.is_empty() && b.partitions.is_empty());
     // The kind fills in its defaults.
     let shape = shape_of(&c, "g");
-    assert_eq!((shape.vram(), shape.queues()), (64 << 20, 2));
+    assert_eq!((shape.memory(), shape.queues()), (64 << 20, 2));
     assert_eq!(
         serde_json::Value::Object(shape.options),
         json!({"vram": 64 << 20, "queues": 2, "irq": "msix", "vram_mmap": true, "vram_reset": "zero"})
@@ -168,7 +168,7 @@ fn the_embedded_default_is_two_softgpus_in_one_pool() {
     for b in &c.boards {
         let shape = shape_of(&c, &b.id);
         assert_eq!(shape.model, "softgpu");
-        assert_eq!((shape.vram(), shape.queues()), (64 << 20, 2));
+        assert_eq!((shape.memory(), shape.queues()), (64 << 20, 2));
     }
     assert_eq!(c.pools.len(), 1);
     assert_eq!(c.pools[0].name, "default");
@@ -356,7 +356,7 @@ fn partitions_are_checked_against_their_board() {
     .expect("a partition");
     let (inv, _, _) = Inventory::from_config(&c, KINDS).expect("inventory");
     let a = inv.device("a").expect("partition").shape;
-    assert_eq!((a.vram(), a.queues()), (64 << 20, 2));
+    assert_eq!((a.memory(), a.queues()), (64 << 20, 2));
     assert_eq!(a.option_text("irq").as_deref(), Some("msi"));
     // Sums fit in the board.
     let (p, msg) = refused_at(
@@ -537,7 +537,7 @@ fn pools_must_be_homogeneous() {
     );
     assert_eq!(
         msg,
-        "Invalid configuration at `pools[0]`: board \"gpu1\" differs from \"gpu0\" in vram (128 MiB vs 64 MiB); a pool's boards must be identical"
+        "Invalid configuration at `pools[0]`: board \"gpu1\" differs from \"gpu0\" in memory (128 MiB vs 64 MiB); a pool's boards must be identical"
     );
     let (_, msg) = refused_at(
         &TWO_BOARDS.replacen("queues = 2\n\n[[pools]]", "queues = 4\n\n[[pools]]", 1),
@@ -572,7 +572,7 @@ fn pools_must_be_homogeneous() {
         "pools[0]",
     );
     assert!(
-        msg.contains("in partitions[1].vram (64 MiB vs 128 MiB)"),
+        msg.contains("in partitions[1].memory (64 MiB vs 128 MiB)"),
         "{msg}"
     );
     let (_, msg) = refused_at(
@@ -655,7 +655,7 @@ fn passthrough_boards_are_checked_by_their_kind() {
     assert_eq!(shape.model, "vfio");
     assert_eq!(shape.option_text("host").as_deref(), Some("0000:01:10.2"));
     assert_eq!(shape.option_text("bars").as_deref(), Some("mmap"));
-    assert_eq!((shape.vram(), shape.queues()), (0, 0));
+    assert_eq!((shape.memory(), shape.queues()), (0, 0));
     assert!(!shape.profile.movable && !shape.profile.partitionable);
     // The TOML round trip keeps host and bars.
     let again = PoolConfig::from_toml(&c.to_toml(), KINDS).expect("round trip");

@@ -193,7 +193,7 @@ fn named_devices_are_checked() {
     let e = refused(&mut inv, ErrorKind::Invalid, |i| i.create_endpoint(&spec));
     assert_eq!(
         e.to_string(),
-        "Device \"s0\" does not meet the requirements: 64 MiB of VRAM, at least 128 MiB required"
+        "Device \"s0\" does not meet the requirements: 64 MiB of device memory, at least 128 MiB required"
     );
     inv.quarantine("s0").expect("quarantine");
     let e = refused(&mut inv, ErrorKind::Conflict, |i| {
@@ -337,13 +337,13 @@ fn moves_keep_the_shape_and_reserve_the_target() {
     let e = refused(&mut inv, ErrorKind::Invalid, |i| i.plan_move("vm1", "s0"));
     assert_eq!(
         e.to_string(),
-        "Device \"s0\" differs from \"a0\" in vram (64 MiB vs 256 MiB); a move must not change what the guest sees"
+        "Device \"s0\" differs from \"a0\" in memory (64 MiB vs 256 MiB); a move must not change what the guest sees"
     );
     let e = refused(&mut inv, ErrorKind::Invalid, |i| i.plan_move("vm1", "msi0"));
     assert!(e.to_string().contains("in irq (msi vs msix)"), "{e}");
     let e = refused(&mut inv, ErrorKind::Invalid, |i| i.plan_move("vm1", "p1.0"));
     assert!(
-        e.to_string().contains("in vram (128 MiB vs 256 MiB)"),
+        e.to_string().contains("in memory (128 MiB vs 256 MiB)"),
         "{e}"
     );
     let e = refused(&mut inv, ErrorKind::Conflict, |i| {
@@ -369,7 +369,7 @@ fn moves_keep_the_shape_and_reserve_the_target() {
         (plan.from_board.as_str(), plan.to_board.as_str()),
         ("a0", "a1")
     );
-    assert_eq!(plan.shape.vram(), 256 << 20);
+    assert_eq!(plan.shape.memory(), 256 << 20);
     assert_eq!(
         ev[0].kind,
         EventKind::MoveStarted {
@@ -671,14 +671,14 @@ fn views_list_boards_devices_and_holders() {
     assert_eq!(ids, ["a0", "a1", "p0", "p1", "s0", "s1", "loose", "msi0"]);
     let p1 = &boards[3];
     assert_eq!(p1.pool.as_deref(), Some("parts"));
-    assert_eq!(p1.shape.vram(), 256 << 20);
+    assert_eq!(p1.shape.memory(), 256 << 20);
     let devs: Vec<(&str, Option<&str>)> = p1
         .devices
         .iter()
         .map(|d| (d.id.as_str(), d.endpoint.as_deref()))
         .collect();
     assert_eq!(devs, [("p1.0", None), ("p1.1", Some("vm1"))]);
-    assert_eq!(p1.devices[1].shape.vram(), 128 << 20);
+    assert_eq!(p1.devices[1].shape.memory(), 128 << 20);
     assert_eq!(p1.devices[1].shape.queues(), 2);
     // A partition's options are the board's with its own VRAM and queues.
     assert_eq!(p1.devices[1].shape.options["vram"], 128u64 << 20);
@@ -688,6 +688,8 @@ fn views_list_boards_devices_and_holders() {
     let json = serde_json::to_value(&boards[7]).expect("json");
     assert_eq!(json["shape"]["model"], "softgpu");
     assert_eq!(json["shape"]["options"]["irq"], "msi");
+    assert_eq!(json["shape"]["profile"]["memory"], 256u64 << 20);
+    // Also under the name earlier releases gave it, for their readers.
     assert_eq!(json["shape"]["profile"]["vram"], 256u64 << 20);
     assert_eq!(json["shape"]["profile"]["msix"], false);
     assert_eq!(json["state"], "available");

@@ -178,7 +178,7 @@ fn a_store_from_before_device_kinds_opens() {
         serde_json::Value::Object(gone.shape.options.clone()),
         json!({"vram": 32 << 20, "queues": 1, "irq": "msix", "vram_mmap": true, "vram_reset": "zero"})
     );
-    assert_eq!((gone.shape.vram(), gone.shape.queues()), (32 << 20, 1));
+    assert_eq!((gone.shape.memory(), gone.shape.queues()), (32 << 20, 1));
     let edu0 = inv.board("edu0").expect("edu0");
     assert_eq!(edu0.host.as_deref(), Some("0000:00:04.0"));
     assert!(!edu0.shape.profile.movable);
@@ -190,7 +190,7 @@ fn a_store_from_before_device_kinds_opens() {
         panic!("{:?}", history[1]);
     };
     assert_eq!(moves[0].shape.model, "softgpu");
-    assert_eq!(moves[0].shape.vram(), 128 << 20);
+    assert_eq!(moves[0].shape.memory(), 128 << 20);
     assert_eq!(moves[0].shape.option_text("irq").as_deref(), Some("msi"));
     assert!(matches!(
         history.last().map(|e| &e.kind),

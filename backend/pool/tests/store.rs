@@ -322,7 +322,7 @@ fn reconcile_refuses_a_leased_device_that_changed_or_vanished() {
     assert_eq!(e.kind(), ErrorKind::Conflict);
     assert!(
         e.to_string().contains(
-            "endpoint \"vm1\" holds device \"gpu1\", whose configuration changed in vram (128 MiB vs 64 MiB)"
+            "endpoint \"vm1\" holds device \"gpu1\", whose configuration changed in memory (128 MiB vs 64 MiB)"
         ),
         "{e}"
     );
@@ -400,7 +400,7 @@ fn step(pool: &mut Pool, i: u64) {
                     d.state == BoardState::Available
                         && d.endpoint.is_none()
                         && d.reserved_for.is_none()
-                        && d.shape.vram() == 64 << 20
+                        && d.shape.memory() == 64 << 20
                 })
                 .map(|d| d.id);
             match free {

@@ -4,7 +4,7 @@
 use switchyard_device::PciDevice;
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
+    Build, DeviceKind, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
 };
 
 use crate::device::check_size;
@@ -50,6 +50,10 @@ impl DeviceKind for ScratchpadKind {
         "size=SIZE  RAM, a power of two from 4K to 64M (1M)"
     }
 
+    fn memory_name(&self) -> &'static str {
+        "ram"
+    }
+
     /// The options parsed once: what builds, recovers and describes the devices.
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(ScratchpadConfig {
@@ -77,16 +81,9 @@ impl KindConfig for ScratchpadConfig {
 
     fn profile(&self) -> Profile {
         Profile {
-            vram: self.size,
-            queues: 0,
-            partitionable: false,
+            memory: self.size,
             movable: true,
-            msix: false,
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
-            host_settings: Vec::new(),
-            client_maps_memory: false,
-            presents: None,
+            ..Profile::default()
         }
     }
 

@@ -47,7 +47,8 @@
 //!   [`KindConfig`](switchyard_device::kind::KindConfig)) that everything else takes: its
 //!   canonical form (every option spelled out, so two equal forms build the same device),
 //!   the pool's [`Profile`](switchyard_device::kind::Profile) of such a device (its memory,
-//!   that it can move, where dirty pages come from), `build` (a fresh device) and `recover`
+//!   which the kind calls `ram` for people, that it can move; the rest
+//!   `..Profile::default()`), `build` (a fresh device) and `recover`
 //!   (rebuilds one in a replacement process).
 //! - **The core** ([`Scratchpad`]'s [`PciDevice`](switchyard_device::PciDevice)): the
 //!   [`DeviceDescription`](switchyard_device::DeviceDescription) (regions, interrupt

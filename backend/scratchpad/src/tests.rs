@@ -63,7 +63,12 @@ fn pad(d: &dyn PciDevice) -> &Scratchpad {
 fn options_default_complete_and_refuse_naming_the_field() {
     let (o, p) = ScratchpadKind.check(&KindOptions::new()).expect("defaults");
     assert_eq!(o["size"], 1u64 << 20);
-    assert_eq!(p.vram, 1 << 20);
+    assert_eq!(p.memory, 1 << 20);
+    assert_eq!(
+        ScratchpadKind.memory_name(),
+        "ram",
+        "its memory is no GPU's VRAM"
+    );
     assert_eq!(p.queues, 0);
     assert!(!p.partitionable && p.movable && !p.msix);
     assert_eq!(p.dirty_log, switchyard_device::kind::DirtyLog::DeviceLog);
@@ -71,13 +76,13 @@ fn options_default_complete_and_refuse_naming_the_field() {
     let (o2, _) = ScratchpadKind.check(&o).expect("its canonical form checks");
     assert_eq!(o2, o);
     let (o, p) = ScratchpadKind.check(&options("size=64K")).expect("64K");
-    assert_eq!((o["size"].as_u64(), p.vram), (Some(64 << 10), 64 << 10));
+    assert_eq!((o["size"].as_u64(), p.memory), (Some(64 << 10), 64 << 10));
     assert_eq!(
         ScratchpadKind
             .check(&options("size=64M"))
             .expect("max")
             .1
-            .vram,
+            .memory,
         64 << 20
     );
     assert_eq!(
@@ -85,7 +90,7 @@ fn options_default_complete_and_refuse_naming_the_field() {
             .check(&options("size=4K"))
             .expect("min")
             .1
-            .vram,
+            .memory,
         4 << 10
     );
     for bad in [

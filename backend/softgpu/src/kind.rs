@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
+    Build, DeviceKind, KindConfig, KindError, KindOptions, Profile, opt, pending_object,
 };
 use switchyard_device::{
     DeviceContext, DeviceError, PciDevice, Recoverable, Relocatable, Relocation, RelocationStats,
@@ -117,6 +117,17 @@ impl DeviceKind for SoftGpuKind {
          spin=US           longest an engine polls for work before sleeping, 0 to 10000 (200)"
     }
 
+    fn memory_name(&self) -> &'static str {
+        "vram"
+    }
+
+    fn notes(&self) -> &'static str {
+        "irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, whose \
+         vfio-user-pci aborts when removing a device with MSI-X.\n\
+         vram_mmap=off traps VRAM so the device sees every write: a move is transparent to the \
+         guest (a mapped VRAM moves guest-visibly, through the VMM)."
+    }
+
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(Self::config(options)?))
     }
@@ -130,16 +141,15 @@ impl KindConfig for SoftGpuConfig {
 
     fn profile(&self) -> Profile {
         Profile {
-            vram: self.vram_size,
+            memory: self.vram_size,
             queues: self.queues,
             partitionable: true,
             movable: true,
             msix: self.irq == IrqMode::Msix,
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
             host_settings: vec!["spin".into()],
             client_maps_memory: self.vram_mmap,
             presents: Some("softgpu".into()),
+            ..Profile::default()
         }
     }
 

@@ -54,8 +54,13 @@ enum CtlCommand {
         /// Lease this device (a board, or a partition).
         #[arg(long, value_name = "DEVICE")]
         device: Option<String>,
-        /// Least VRAM (K/M/G/T suffix, binary).
-        #[arg(long, value_name = "SIZE", value_parser = switchyard_device::parse_size)]
+        /// Least device memory, VRAM for a GPU (K/M/G/T suffix, binary).
+        #[arg(
+            long,
+            visible_alias = "min-memory",
+            value_name = "SIZE",
+            value_parser = switchyard_device::parse_size
+        )]
         min_vram: Option<u64>,
         /// Least command queues.
         #[arg(long, value_name = "N")]
@@ -262,21 +267,22 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
             }
             let boards: Vec<BoardView> = reply.json()?;
             let mut rows = vec![row([
-                "BOARD", "DEVICE", "MODEL", "STATE", "POOL", "VRAM", "QUEUES", "IRQ", "ENDPOINT",
+                "BOARD", "DEVICE", "MODEL", "STATE", "POOL", "MEMORY", "QUEUES", "IRQ", "ENDPOINT",
             ])];
             for b in &boards {
                 for d in &b.devices {
-                    // A passthrough device: its PCI address; VRAM and queues are the hardware's
-                    // (0: none the pool accounts). The interrupt mode where the kind has one.
+                    // A passthrough device: its PCI address; memory and queues are the
+                    // hardware's (0: none the pool accounts). Memory as the kind calls it
+                    // (`64 MiB vram`, `1 MiB ram`). The interrupt mode where the kind has one.
                     let model = match &d.host {
                         Some(host) => format!("{} {host}", d.shape.model),
                         None => d.shape.model.clone(),
                     };
-                    let (vram, queues) = (d.shape.vram(), d.shape.queues());
-                    let vram = if vram == 0 {
+                    let (memory, queues) = (d.shape.memory(), d.shape.queues());
+                    let memory = if memory == 0 {
                         "-".into()
                     } else {
-                        ByteSize(vram).to_string()
+                        format!("{} {}", ByteSize(memory), memory_name(&d.shape.model))
                     };
                     let queues = if queues == 0 {
                         "-".into()
@@ -296,7 +302,7 @@ fn command(args: CtlArgs, client: &ControlClient) -> anyhow::Result<()> {
                             (state, ..) => state.to_string(),
                         },
                         dash(b.pool.as_deref()),
-                        vram,
+                        memory,
                         queues,
                         irq,
                         match (&d.endpoint, &d.reserved_for) {
@@ -666,6 +672,12 @@ fn table(rows: &[Vec<String>]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What kind `model` calls its device memory (`vram`, `ram`); `memory` for a kind this
+/// build does not know (a newer daemon's).
+fn memory_name(model: &str) -> &'static str {
+    switchyard_kinds::get(model).map_or("memory", |k| k.memory_name())
+}
+
 /// A shape on one line: the model, then VRAM and queues, then the kind's other options,
 /// e.g. `softgpu vram=64M queues=2 irq=msix spin=200 vram_mmap=true vram_reset=zero`.
 fn shape_text(shape: &DeviceShape) -> String {
@@ -812,21 +824,44 @@ mod tests {
             model: "softgpu".into(),
             options,
             profile: Profile {
-                vram: 64 << 20,
+                memory: 64 << 20,
                 queues: 2,
                 partitionable: true,
                 movable: true,
-                msix: false,
-                dirty_log: Default::default(),
-                exclusive: None,
-                host_settings: Vec::new(),
-                client_maps_memory: false,
-                presents: None,
+                ..Profile::default()
             },
         };
         assert_eq!(
             shape_text(&shape),
             "softgpu vram=64M queues=2 irq=msi spin=200 vram_mmap=false"
         );
+    }
+
+    #[test]
+    fn min_memory_is_min_vram_by_another_name() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            ctl: CtlArgs,
+        }
+        for flag in ["--min-vram", "--min-memory"] {
+            let cli = <Cli as clap::Parser>::try_parse_from([
+                "ctl", "create", "vm1", "--pool", "p", flag, "1G",
+            ])
+            .expect(flag);
+            let CtlCommand::Create { min_vram, .. } = cli.ctl.command else {
+                panic!("{flag}: not a create");
+            };
+            assert_eq!(min_vram, Some(1 << 30), "{flag}");
+        }
+    }
+
+    #[test]
+    fn device_memory_is_named_as_its_kind_calls_it() {
+        assert_eq!(memory_name("softgpu"), "vram");
+        assert_eq!(memory_name("cuda"), "vram");
+        assert_eq!(memory_name("scratchpad"), "ram");
+        assert_eq!(memory_name("vfio"), "memory");
+        assert_eq!(memory_name("a-newer-kind"), "memory");
     }
 }

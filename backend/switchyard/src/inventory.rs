@@ -1,12 +1,15 @@
-//! `switchyard inventory`: the host's PCI functions as a pool sees them (sysfs), and the two
-//! changes it makes to them: create SR-IOV VFs, bind a function to vfio-pci.
+//! `switchyard inventory`: what the host has for a device kind, as the kind lists it
+//! ([`DeviceKind::host_inventory`](switchyard_device::kind::DeviceKind::host_inventory):
+//! `--kind vfio`, the default, the PCI functions; `--kind cuda`, the GPUs), and the two changes
+//! it makes to PCI functions: create SR-IOV VFs, bind a function to vfio-pci.
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Subcommand;
-use serde_json::{Value, json};
-use switchyard_vfio::sysfs::{self, PciFunction};
+use serde_json::json;
+use switchyard_device::kind::{Host, HostInventory};
+use switchyard_vfio::sysfs;
 
 #[derive(Debug, clap::Args)]
 pub struct InventoryArgs {
@@ -16,6 +19,10 @@ pub struct InventoryArgs {
     /// The sysfs root (tests use a fake tree).
     #[arg(long, global = true, default_value = "/sys", value_name = "DIR")]
     sysfs: PathBuf,
+    /// The device kind whose view of the host to list (without a command): `vfio`, the PCI
+    /// functions; `cuda`, the GPUs.
+    #[arg(long, default_value = "vfio", value_name = "KIND")]
+    kind: String,
     #[command(subcommand)]
     action: Option<Action>,
 }
@@ -34,90 +41,72 @@ enum Action {
         /// The function, `DDDD:BB:DD.F`.
         bdf: String,
     },
-    /// The NVIDIA GPUs a `cuda` board can name (`gpu = "GPU-…"`): NVML when it is installed
-    /// (UUID, name, memory, PCI address, health), else the CUDA driver. Exits 1 when neither
-    /// can list them, saying why.
+    /// The NVIDIA GPUs a `cuda` board can name (`gpu = "GPU-…"`): `--kind cuda`, kept by
+    /// this name. NVML when it is installed (UUID, name, memory, PCI address, health), else
+    /// the CUDA driver. Exits 1 when neither can list them, saying why.
     Gpus,
 }
 
-fn view(f: &PciFunction) -> Value {
-    json!({
-        "bdf": f.bdf,
-        "vendor": format!("{:04x}", f.vendor),
-        "device": format!("{:04x}", f.device),
-        "class": format!("{:06x}", f.class),
-        "driver": f.driver,
-        "iommu_group": f.iommu_group,
-        "sriov_totalvfs": f.sriov.map(|s| s.0),
-        "sriov_numvfs": f.sriov.map(|s| s.1),
-        "numa_node": f.numa_node,
-        "reset_methods": f.reset_methods,
-    })
+/// What kind `name` lists of the host.
+fn kind_inventory(name: &str, host: &Host) -> Result<HostInventory> {
+    let kind = switchyard_kinds::get(name).ok_or_else(|| {
+        anyhow::anyhow!(
+            "Unknown device kind `{name}`; the kinds are {}",
+            switchyard_kinds::names()
+        )
+    })?;
+    match kind.host_inventory(host) {
+        Some(inventory) => inventory.map_err(anyhow::Error::msg),
+        None => bail!("The {name} kind needs nothing of the host: it has no inventory"),
+    }
+}
+
+/// An inventory as a table: columns as wide as their widest cell, the last unpadded.
+fn print_table(inv: &HostInventory) {
+    let mut widths: Vec<usize> = inv.columns.iter().map(|c| c.chars().count()).collect();
+    for row in &inv.rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut line = String::new();
+        for (c, cell) in cells.enumerate() {
+            line.push_str(&format!(
+                "{cell:<w$}  ",
+                w = widths.get(c).copied().unwrap_or(0)
+            ));
+        }
+        println!("{}", line.trim_end());
+    };
+    line(&mut inv.columns.iter().copied());
+    for row in &inv.rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    if let Some(footer) = &inv.footer {
+        println!("{footer}");
+    }
 }
 
 pub fn run(args: InventoryArgs) -> Result<()> {
     let root = &args.sysfs;
     let out = match args.action {
-        None => {
-            let all = sysfs::scan(root).context("scan PCI devices")?;
+        None | Some(Action::Gpus) => {
+            let kind = match args.action {
+                Some(Action::Gpus) => "cuda",
+                _ => &args.kind,
+            };
+            let inv = kind_inventory(
+                kind,
+                &Host {
+                    sysfs: root.clone(),
+                },
+            )?;
             if !args.json {
-                println!(
-                    "{:<13} {:<9} {:<6} {:<12} {:>5} {:>7} {:>4}  reset",
-                    "address", "id", "class", "driver", "group", "vfs", "numa"
-                );
-                for f in &all {
-                    println!(
-                        "{:<13} {:04x}:{:04x} {:06x} {:<12} {:>5} {:>7} {:>4}  {}",
-                        f.bdf,
-                        f.vendor,
-                        f.device,
-                        f.class,
-                        f.driver.as_deref().unwrap_or("-"),
-                        f.iommu_group.map_or("-".into(), |g| g.to_string()),
-                        f.sriov.map_or("-".into(), |(t, n)| format!("{n}/{t}")),
-                        f.numa_node.map_or("-".into(), |n| n.to_string()),
-                        f.reset_methods.join(",")
-                    );
-                }
+                print_table(&inv);
                 return Ok(());
             }
-            json!({ "devices": all.iter().map(view).collect::<Vec<_>>() })
-        }
-        Some(Action::Gpus) => {
-            let gpus = switchyard_cuda::inventory::gpus()
-                .map_err(|e| anyhow::anyhow!("No NVIDIA GPU can be listed on this host: {e}"))?;
-            let offload = switchyard_cuda::inventory::offload_here();
-            if !args.json {
-                println!(
-                    "{:<41} {:<24} {:>9} {:<13} {:<6} health",
-                    "uuid", "name", "memory", "pci", "source"
-                );
-                for g in &gpus {
-                    println!(
-                        "{:<41} {:<24} {:>6} GiB {:<13} {:<6} {}",
-                        g.uuid,
-                        g.name,
-                        g.memory >> 30,
-                        g.pci.as_deref().unwrap_or("-"),
-                        g.source,
-                        g.problem.as_deref().unwrap_or("ok")
-                    );
-                }
-                println!("commands: {}", offload.describe());
-                return Ok(());
-            }
-            json!({ "offload": {
-                "kernels": offload.no_kernels.is_none(),
-                "gemm": offload.no_gemm.is_none(),
-                "describe": offload.describe(),
-            }, "gpus": gpus.iter().map(|g| json!({
-                "uuid": g.uuid,
-                "name": g.name,
-                "memory": g.memory,
-                "pci": g.pci,
-                "problem": g.problem,
-                "source": g.source,
-            })).collect::<Vec<_>>() })
+            inv.json
         }
         Some(Action::CreateVfs { pf, n }) => {
             let pf = sysfs::normalize_bdf(&pf)?;
@@ -148,7 +137,7 @@ pub fn run(args: InventoryArgs) -> Result<()> {
                 );
                 return Ok(());
             }
-            view(&f)
+            switchyard_vfio::inventory::view(&f)
         }
     };
     println!("{}", serde_json::to_string_pretty(&out)?);

@@ -91,10 +91,11 @@ enum Command {
     /// endpoints of domains no longer running (`release-stale`).
     Cluster(cluster::ClusterArgs),
 
-    /// The host's PCI functions (sysfs: ids, class, driver, IOMMU group, SR-IOV, NUMA node,
-    /// reset methods), and the changes a pool makes to them: `create-vfs PF N` (SR-IOV VFs,
-    /// left unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`);
-    /// `gpus`: the NVIDIA GPUs a `cuda` board can name.
+    /// What the host has for a device kind, as the kind lists it (`--kind KIND`; by default
+    /// the PCI functions: ids, class, driver, IOMMU group, SR-IOV, NUMA node, reset methods),
+    /// and the changes a pool makes to PCI functions: `create-vfs PF N` (SR-IOV VFs, left
+    /// unbound) and `bind BDF` (to vfio-pci, for `serve --device vfio,host=BDF`); `gpus`
+    /// (`--kind cuda`): the NVIDIA GPUs a `cuda` board can name.
     Inventory(inventory::InventoryArgs),
 
     /// Internal: the process that serves one endpoint of the pool daemon. Started by the
@@ -244,16 +245,11 @@ fn parse_device(s: &str) -> Result<DeviceSpec, String> {
 }
 
 /// `--device`'s long help: the first paragraph of its doc comment, then every kind of the
-/// registry with its options.
+/// registry with the text it owns (summary, options, notes).
 fn device_help() -> String {
     format!(
-        "Device to serve: `KIND[,name=value...]`, a kind and its options.\n\n{}\n\
-         softgpu irq=msi (one MSI vector, no MSI-X) is for PCIe hot-unplug under QEMU 11.1, \
-         whose vfio-user-pci aborts when removing a device with MSI-X; vram_mmap=off traps \
-         VRAM so the device sees every write. vfio needs a PCI device bound to vfio-pci whose \
-         IOMMU group is viable; its DMA windows are pinned (RLIMIT_MEMLOCK unless \
-         CAP_IPC_LOCK); when the kernel wants the device back, every access fails with ENODEV.",
-        switchyard_kinds::help()
+        "Device to serve: `KIND[,name=value...]`, a kind and its options.\n\n{}",
+        switchyard_kinds::help().trim_end()
     )
 }
 

@@ -174,6 +174,31 @@ fn help_documents_logging_and_exit_codes() {
 }
 
 #[test]
+fn serve_help_lists_every_kind_with_its_own_options_and_notes() {
+    let out = run(&["serve", "--help"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let help = text(&out.stdout);
+    for needle in [
+        "softgpu: ",
+        "vram_mmap=on|off",
+        "irq=msi (one MSI vector, no MSI-X)",
+        "vfio: ",
+        "host=DDDD:BB:DD.F",
+        "bound to vfio-pci",
+        "scratchpad: ",
+        "size=SIZE",
+        "cuda: ",
+        "gpu=UUID|N",
+        "switchyard inventory gpus",
+    ] {
+        assert!(
+            help.contains(needle),
+            "serve --help lacks `{needle}`:\n{help}"
+        );
+    }
+}
+
+#[test]
 fn exit_codes_bad_arguments_2_runtime_error_1() {
     let out = run(&["serve", "--socket", "/tmp/x.sock", "--device", "nonsense"]);
     assert_eq!(out.status.code(), Some(2), "{out:?}");

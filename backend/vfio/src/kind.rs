@@ -12,7 +12,8 @@ use std::fs::File;
 
 use switchyard_device::blackbox::RecordSpec;
 use switchyard_device::kind::{
-    Build, DeviceKind, DirtyLog, Host, KindConfig, KindError, KindOptions, Profile, opt,
+    Build, DeviceKind, DirtyLog, Host, HostInventory, KindConfig, KindError, KindOptions, Profile,
+    opt,
 };
 use switchyard_device::{DeviceError, PciDevice, Recoverable};
 
@@ -129,6 +130,17 @@ impl DeviceKind for VfioKind {
          irq=direct|relay    interrupts handed to the kernel, or relayed by a thread (direct)"
     }
 
+    fn notes(&self) -> &'static str {
+        "The device must be bound to vfio-pci (`switchyard inventory` lists the host's PCI \
+         functions, `switchyard inventory bind BDF` binds one) and its IOMMU group viable. Its \
+         DMA windows are pinned (RLIMIT_MEMLOCK unless CAP_IPC_LOCK); when the kernel wants \
+         the device back, every access fails with ENODEV."
+    }
+
+    fn host_inventory(&self, host: &Host) -> Option<Result<HostInventory, String>> {
+        Some(crate::inventory::functions(host))
+    }
+
     fn configure(&self, options: &KindOptions) -> Result<Box<dyn KindConfig>, KindError> {
         Ok(Box::new(Self::config(options)?))
     }
@@ -170,19 +182,14 @@ impl KindConfig for VfioConfig {
 
     fn profile(&self) -> Profile {
         Profile {
-            // The hardware's business: requirements on VRAM or queues never pick one.
-            vram: 0,
-            queues: 0,
-            partitionable: false,
-            movable: false,
             // What the hardware has, when its config space can be read (as root); else
             // assumed, which only refuses guest-visible unplugs it might not need to.
             msix: sysfs::has_msix(&Host::default().sysfs, &self.host).unwrap_or(true),
             dirty_log: DirtyLog::AllMapped,
             exclusive: Some(self.host.clone()),
             host_settings: vec!["irq".into()],
-            client_maps_memory: false,
-            presents: None,
+            // No memory or queues: the hardware's business, which requirements never pick.
+            ..Profile::default()
         }
     }
 

@@ -41,6 +41,7 @@
 pub mod config;
 mod device;
 mod dma;
+pub mod inventory;
 mod irq;
 mod kind;
 pub mod sysfs;

@@ -225,20 +225,20 @@ fn board_def(key: &str, b: &BoardConfig, kinds: &dyn KindCatalog) -> Result<Boar
                 Some(_) => kind_error(key, kind, e),
             }
         })?;
-        vram = vram.saturating_add(part.vram());
+        vram = vram.saturating_add(part.memory());
         queues += u64::from(part.queues());
         parts.push(PartitionDef {
             id: p.id.clone(),
             shape: part,
         });
     }
-    if vram > shape.vram() {
+    if vram > shape.memory() {
         return Err(PoolError::config(
             format!("{key}.partitions"),
             ConfigProblem::PartitionsExceedBoard {
                 what: "VRAM",
                 used: Size(vram).to_string(),
-                board: Size(shape.vram()).to_string(),
+                board: Size(shape.memory()).to_string(),
             },
         ));
     }
@@ -279,7 +279,7 @@ fn kind_error(key: &str, kind: &dyn DeviceKind, e: KindError) -> PoolError {
 }
 
 /// The first difference between two boards that a pool cannot have, e.g.
-/// `vram (128 MiB vs 64 MiB)`.
+/// `memory (128 MiB vs 64 MiB)`.
 fn board_difference(a: &BoardDef, b: &BoardDef) -> Option<String> {
     if let Some(d) = a.shape.difference(&b.shape) {
         return Some(d);

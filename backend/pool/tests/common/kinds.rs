@@ -122,16 +122,14 @@ impl DeviceKind for TestGpu {
         canonical.insert("vram_mmap".into(), mmap.into());
         canonical.insert("vram_reset".into(), reset.into());
         let profile = Profile {
-            vram,
+            memory: vram,
             queues: u32::try_from(queues).unwrap_or(u32::MAX),
             partitionable: true,
             movable: true,
             msix: irq == "msix",
-            dirty_log: DirtyLog::DeviceLog,
-            exclusive: None,
             host_settings: vec!["spin".into()],
             client_maps_memory: mmap,
-            presents: None,
+            ..Profile::default()
         };
         Ok(Box::new(Checked {
             kind: "softgpu",
@@ -179,16 +177,10 @@ impl DeviceKind for TestPassthrough {
         canonical.insert("host".into(), host.clone().into());
         canonical.insert("bars".into(), bars.into());
         let profile = Profile {
-            vram: 0,
-            queues: 0,
-            partitionable: false,
-            movable: false,
             msix: true,
             dirty_log: DirtyLog::AllMapped,
             exclusive: Some(host),
-            host_settings: Vec::new(),
-            client_maps_memory: false,
-            presents: None,
+            ..Profile::default()
         };
         Ok(Box::new(Checked {
             kind: "vfio",

@@ -276,3 +276,48 @@ fn msix_is_read_from_the_capability_list_when_the_whole_config_space_is_readable
     assert_eq!(has_msix(sys.root(), "0000:00:04.0"), None);
     assert_eq!(has_msix(sys.root(), "0000:00:09.0"), None, "no such device");
 }
+
+#[test]
+fn the_kinds_inventory_lists_the_functions_for_people_and_programs() {
+    use switchyard_device::kind::{DeviceKind, Host};
+    let sys = FakeSys::new();
+    sys.add(
+        "0000:00:04.0",
+        ("0x1234", "0x11e8"),
+        Some("vfio-pci"),
+        Some(7),
+    );
+    sys.add("0000:00:05.0", ("0x8086", "0x10c9"), None, None);
+    let host = Host {
+        sysfs: sys.root().to_owned(),
+    };
+    let inv = crate::VfioKind
+        .host_inventory(&host)
+        .expect("the passthrough kind lists the host")
+        .expect("scans");
+    assert_eq!(inv.columns.len(), inv.rows[0].len());
+    assert_eq!(
+        inv.rows
+            .iter()
+            .map(|r| (r[0].as_str(), r[1].as_str(), r[3].as_str(), r[4].as_str()))
+            .collect::<Vec<_>>(),
+        [
+            ("0000:00:04.0", "1234:11e8", "vfio-pci", "7"),
+            ("0000:00:05.0", "8086:10c9", "-", "-")
+        ]
+    );
+    let devices = inv.json["devices"].as_array().expect("devices");
+    assert_eq!(devices[0]["bdf"], "0000:00:04.0");
+    assert_eq!(devices[0]["driver"], "vfio-pci");
+    assert_eq!(devices[0]["iommu_group"], 7);
+    assert_eq!(devices[1]["driver"], serde_json::Value::Null);
+
+    let gone = Host {
+        sysfs: sys.root().join("nowhere"),
+    };
+    let e = crate::VfioKind
+        .host_inventory(&gone)
+        .expect("listed")
+        .expect_err("no sysfs");
+    assert!(e.starts_with("Cannot scan PCI devices"), "{e}");
+}
