@@ -110,7 +110,7 @@ impl Vm {
         format!("/var/log/libvirt/qemu/{}.serial", self.name)
     }
 
-    /// The domain XML: [`VM_XML`] rendered with the guest-test QEMU, kernel and `initrd`.
+    /// The domain XML: `vmm-integration/libvirt/cluster-vm.xml` rendered with the guest-test QEMU, kernel and `initrd`.
     pub fn domain_xml(&self, env: &GuestEnv, initrd: &Path) -> String {
         let path = |p: &Path| xml_escape(p.to_str().expect("UTF-8 path"));
         let devices: Vec<String> = (0..self.gpus)
@@ -251,13 +251,13 @@ impl Rig {
         self.exec_ok(node, &["crm", "configure", "load", "update", f]);
     }
 
-    /// Loads [`CLUSTER_CRM`]: fencing, placement by utilization, the pool agent on every node.
+    /// Loads `vmm-integration/pacemaker/cluster.crm`: fencing, placement by utilization, the pool agent on every node.
     pub fn configure_switchyard(&self) {
         let text = render(CLUSTER_CRM, &[("NODES", self.nodes.join(" "))]);
         self.configure(&self.nodes[0], &text, "cluster");
     }
 
-    /// Writes `vm`'s domain XML and loads its resource ([`VM_CRM`]) through `node`.
+    /// Writes `vm`'s domain XML and loads its resource (`vmm-integration/pacemaker/vm.crm`) through `node`.
     pub fn add_vm(&self, env: &GuestEnv, initrd: &Path, node: &str, vm: &Vm) {
         let xml = self.dir.join(format!("{}.xml", vm.name));
         std::fs::write(&xml, vm.domain_xml(env, initrd)).expect("write the domain XML");
