@@ -11,8 +11,9 @@ use switchyard_daemon::app::api::{
 };
 use switchyard_pool::{BoardState, BoardView, ByteSize, DeviceShape, EndpointSpec, PoolView};
 
+/// The daemon's control socket, as `ctl` and `cluster` take it.
 #[derive(Debug, clap::Args)]
-pub struct CtlArgs {
+pub struct ControlSocket {
     /// The daemon's control socket.
     #[arg(
         long,
@@ -21,7 +22,13 @@ pub struct CtlArgs {
         env = "SWITCHYARD_CONTROL_SOCKET",
         default_value = "/run/switchyard/control.sock"
     )]
-    socket: PathBuf,
+    pub socket: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CtlArgs {
+    #[command(flatten)]
+    control: ControlSocket,
 
     /// Print the API's JSON instead of a table.
     #[arg(long, global = true)]
@@ -189,11 +196,11 @@ const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Runs the command; API errors come back as [`ControlError::Api`].
 pub fn run(args: CtlArgs) -> anyhow::Result<()> {
-    let client = ControlClient::connect(&args.socket)
+    let client = ControlClient::connect(&args.control.socket)
         .with_context(|| {
             format!(
                 "is the daemon running? (`switchyard daemon`; --socket {})",
-                args.socket.display()
+                args.control.socket.display()
             )
         })?
         .with_timeout(Some(ANSWER_TIMEOUT));

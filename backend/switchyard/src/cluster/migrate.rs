@@ -10,7 +10,7 @@ use switchyard_daemon::app::api::EndpointStatus;
 
 use super::meta;
 use super::publish;
-use super::{connect, delete};
+use super::{connect, delete, undo};
 
 /// `cluster metadata DOMAIN`: the `<gpus>` element to set on `domain`, whose element now
 /// is `current` (`virsh metadata DOMAIN --uri NAMESPACE`; empty when it has none). `None`
@@ -88,15 +88,6 @@ pub fn migrate(socket: &Path, domain: &str, xml: &str) -> anyhow::Result<Option<
     publish::with_sockets(xml, domain, &sockets)
         .inspect_err(|_| undo(&client, domain, &ids))
         .map_err(Into::into)
-}
-
-/// Deletes the endpoints `made` (all or none: one could not be made).
-fn undo(client: &switchyard_control::ControlClient, domain: &str, made: &[String]) {
-    for id in made {
-        if let Err(e) = delete(client, id) {
-            eprintln!("warning: domain {domain}: cannot delete endpoint {id}: {e}");
-        }
-    }
 }
 
 /// Whether every one of `ids` is an incoming endpoint here (`incoming_for` set): the

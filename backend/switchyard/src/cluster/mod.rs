@@ -44,7 +44,7 @@ mod migrate;
 mod publish;
 
 use std::io::{IsTerminal, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -54,15 +54,8 @@ use switchyard_pool::{BoardView, EndpointSpec, PoolView};
 
 #[derive(Debug, clap::Args)]
 pub struct ClusterArgs {
-    /// The daemon's control socket.
-    #[arg(
-        long,
-        global = true,
-        value_name = "PATH",
-        env = "SWITCHYARD_CONTROL_SOCKET",
-        default_value = "/run/switchyard/control.sock"
-    )]
-    socket: PathBuf,
+    #[command(flatten)]
+    control: crate::ctl::ControlSocket,
 
     #[command(subcommand)]
     command: ClusterCommand,
@@ -138,7 +131,7 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Runs the command.
 pub fn run(args: ClusterArgs) -> anyhow::Result<()> {
-    let socket = args.socket.as_path();
+    let socket = args.control.socket.as_path();
     match args.command {
         ClusterCommand::Hook {
             domain, operation, ..
@@ -233,6 +226,16 @@ fn delete(client: &ControlClient, id: &str) -> Result<bool, ControlError> {
     }
 }
 
+/// Deletes the endpoints `made` (all or none: one could not be made), warning about those
+/// that cannot be.
+fn undo(client: &ControlClient, domain: &str, made: &[String]) {
+    for id in made {
+        if let Err(e) = delete(client, id) {
+            eprintln!("warning: domain {domain}: cannot delete endpoint {id}: {e}");
+        }
+    }
+}
+
 /// Standard input, unless it is a terminal (then nothing).
 fn read_stdin() -> anyhow::Result<String> {
     let mut text = String::new();
@@ -307,11 +310,7 @@ fn prepare(socket: &Path, domain: &str, xml: &str) -> anyhow::Result<()> {
             ..EndpointSpec::default()
         };
         if let Err(e) = client.post("/v1/endpoints", &spec) {
-            for made in &ids[..i] {
-                if let Err(undo) = delete(&client, made) {
-                    eprintln!("warning: domain {domain}: cannot delete endpoint {made}: {undo}");
-                }
-            }
+            undo(&client, domain, &ids[..i]);
             return Err(anyhow::Error::new(e).context(format!(
                 "cannot create endpoint {id} from pool {} ({} GPU(s) asked)",
                 needs.pool, needs.count
