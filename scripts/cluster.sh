@@ -192,8 +192,12 @@ XML
     [ -p "@FIFO@" ] || { echo "fence_switchyard_rig: the rig's fencer is not running" >&2; exit 1; }
     reply=$(mktemp -u "@DIR@/reply.XXXXXX")
     mkfifo "$reply"
-    echo "$action $port $reply" >"@FIFO@"
-    read -r -t 60 answer <"$reply"; rm -f "$reply"
+    # Read-write: opening never blocks, so a fencer that never answers costs 60 s, not forever;
+    # the request's open blocks only without a fencer (then timeout ends it).
+    exec 4<>"$reply"
+    timeout 10 sh -c 'echo "$1" >"$2"' - "$action $port $reply" "@FIFO@" || answer="no fencer"
+    [ -n "${answer:-}" ] || read -r -t 60 answer <&4
+    exec 4<&-; rm -f "$reply"
     case $answer in
       ok) exit 0 ;;
       down) [ "$action" = status ] && exit 2; exit 0 ;;
@@ -314,9 +318,11 @@ fencer() {
           init="" ;;
         on) ;;   # the rig's nodes are powered on by `cluster.sh start`
       esac
-      [ -p "$reply" ] && { [ -n "$init" ] && echo ok || echo down; } >"$reply" &
+      # (timeout: an agent that gave up holds the FIFO open no more.)
+      [ -p "$reply" ] && timeout 10 sh -c 'echo "$1" >"$2"' - \
+        "$([ -n "$init" ] && echo ok || echo down)" "$reply" &
     else
-      [ -p "$reply" ] && echo "unknown node $node" >"$reply" &
+      [ -p "$reply" ] && timeout 10 sh -c 'echo "$1" >"$2"' - "unknown node $node" "$reply" &
     fi
   done
 }

@@ -162,12 +162,7 @@ fn live_migrate(rig: &Rig, vm: &Vm, from: &str, to: &str) -> (Duration, String) 
         e.get("incoming_for").is_none().then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}: {:?}", rig.endpoint(to, &id)));
-    wait_until(
-        Duration::from_secs(60),
-        "the source's endpoint to go",
-        || rig.endpoints(from).is_empty().then_some(()),
-    )
-    .unwrap_or_else(|e| panic!("{e}: {:?}", rig.endpoints(from)));
+    wait_no_endpoints(rig, from);
     let took = t.elapsed();
     rig.exec_ok(to, &["crm", "resource", "clear", &vm.name]);
     let info = rig.exec(to, &["virsh", "domjobinfo", &vm.name, "--completed"]);
@@ -183,6 +178,17 @@ fn live_migrate(rig: &Rig, vm: &Vm, from: &str, to: &str) -> (Duration, String) 
         })
         .unwrap_or_else(|| format!("unknown ({})", info.trim()));
     (took, downtime)
+}
+
+/// Waits until `node`'s daemon has no endpoint left (a source after its VM went, a fenced
+/// node's stale lease).
+fn wait_no_endpoints(rig: &Rig, node: &str) {
+    wait_until(
+        Duration::from_secs(60),
+        &format!("{node}'s endpoints to go"),
+        || rig.endpoints(node).is_empty().then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", rig.endpoints(node), rig.status()));
 }
 
 /// The complete lines of `vm`'s serial console on `node` (empty before it exists).
@@ -472,10 +478,7 @@ fn cluster_restarts_the_vm_of_a_failed_node_on_a_survivor() {
         let t = Instant::now();
         rig.ok(&["start", &first]);
         rig.ok(&["wait-online", "60"]);
-        wait_until(Duration::from_secs(60), "the stale lease to go", || {
-            rig.endpoints(&first).is_empty().then_some(())
-        })
-        .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", rig.endpoints(&first), rig.status()));
+        wait_no_endpoints(&rig, &first);
         wait_capacity(&rig, &first, "1");
         let rejoin = t.elapsed();
         // Released by the agent, not lost: the pool's events (kept in its store across the
@@ -569,12 +572,7 @@ fn cluster_standby_live_migrates_the_nodes_vm_away() {
             || rig.location(&via, "vm1").filter(|n| *n != first),
         )
         .unwrap_or_else(|e| panic!("{e}\n{}", rig.status()));
-        wait_until(
-            Duration::from_secs(60),
-            "the source's endpoint to go",
-            || rig.endpoints(&first).is_empty().then_some(()),
-        )
-        .unwrap_or_else(|e| panic!("{e}: {:?}", rig.endpoints(&first)));
+        wait_no_endpoints(&rig, &first);
         let took = t.elapsed();
         // Migrated, not restarted: the guest never booted again there.
         let text = wait_console(
